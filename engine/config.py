@@ -1,0 +1,82 @@
+"""Engine settings, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    """Settings of the continuous-batching engine.
+
+    Attributes:
+        page_size: tokens per KV-cache block (page).
+        num_blocks: blocks in the KV-cache pool; None sizes the pool from free memory (``max_memory_percent``).
+        max_batch_tokens: token budget of one forward pass (decode tokens plus prefill chunk tokens).
+        max_requests_per_batch: most requests in one forward pass.
+        scheduler_type: "fifo" or "prefill_first".
+        safety_margin: fraction of the block pool kept free before new prefills are admitted; None takes the
+            scheduler's default (FIFO 0.15, PrefillFirst 0.0); 0 disables it.
+        max_memory_percent: fraction of free memory the cache sizing may use when ``num_blocks`` is None.
+        allow_block_sharing: reuse KV blocks of identical prompt prefixes (prefix caching).
+        cpu_offload_space: GiB of CPU swap space for offloaded requests; 0 falls back to soft reset.
+        dtype: model and KV-cache dtype; "auto" keeps the checkpoint's dtype.
+        device: torch device string, e.g. "cpu" or "cuda".
+        attention_backend: "torch" (PyTorch reference), "triton" (kernels), or "auto" (triton on CUDA).
+        seed: seed of the engine's generator for requests without a seed of their own.
+
+    Raises:
+        ValueError: naming the setting and the reason, for any out-of-range value.
+    """
+
+    page_size: int = 16
+    num_blocks: int | None = None
+    max_batch_tokens: int = 256
+    max_requests_per_batch: int = 64
+    scheduler_type: str = "fifo"
+    safety_margin: float | None = None
+    max_memory_percent: float = 0.5
+    allow_block_sharing: bool = True
+    cpu_offload_space: float = 0.0
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._check_positive_int("page_size")
+        self._check_positive_int("max_batch_tokens")
+        self._check_positive_int("max_requests_per_batch")
+        if self.num_blocks is not None:
+            self._check_positive_int("num_blocks")
+        if self.scheduler_type not in SCHEDULER_TYPES:
+            raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
+        if self.safety_margin is None:
+            self.safety_margin = 0.15 if self.scheduler_type == "fifo" else 0.0
+        if not 0.0 <= self.safety_margin < 1.0:
+            raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
+        if not 0.0 < self.max_memory_percent <= 1.0:
+            raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}")
+        if self.cpu_offload_space < 0:
+            raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+    def _check_positive_int(self, name: str) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+#: The name transformers' continuous batching uses for the same settings.
+ContinuousBatchingConfig = EngineConfig

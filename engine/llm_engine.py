@@ -1,0 +1,214 @@
+"""The engine's front: requests in, finished outputs out, one scheduled forward pass per ``step``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Iterable, Iterator
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from engine.attention import ATTN_IMPLEMENTATION
+from engine.block_manager import BlockManager
+from engine.cache_sizing import resolve_num_blocks
+from engine.config import EngineConfig
+from engine.model_runner import KVCache, ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import make_scheduler
+from engine.stats import EngineStats
+
+logger = logging.getLogger("cbrun.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    """Continuous batching over one causal LM: iteration-level scheduling, paged KV cache, chunked prefill.
+
+    Each ``step`` asks the scheduler for a plan, has the model runner execute it, samples, and returns the
+    requests that finished. A finished request frees its blocks at once and a waiting one takes them at the next
+    step (Orca, Yu et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
+
+    Build it with ``from_pretrained``.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, eos_token_ids: Iterable[int],
+                 max_model_len: int) -> None:
+        self.config = config
+        self.model = model
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_model_len = max_model_len
+        model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        num_kv_heads, head_dim = _kv_shape(model_config)
+        dtype = next(model.parameters()).dtype
+        num_layers = model_config.num_hidden_layers
+        self.num_blocks = resolve_num_blocks(config, max_model_len,
+                                             KVCache.bytes_per_block(num_layers, config.page_size, num_kv_heads,
+                                                                     head_dim, dtype))
+        self.block_manager = BlockManager(self.num_blocks, config.page_size, config.allow_block_sharing)
+        self.scheduler = make_scheduler(config, self.block_manager)
+        kv_cache = KVCache(num_layers, self.num_blocks, config.page_size, num_kv_heads, head_dim, dtype,
+                           next(model.parameters()).device)
+        self.model_runner = ModelRunner(model, kv_cache, config.page_size, use_triton=_use_triton(config))
+        self.stats = EngineStats()
+        self._seed_generator = torch.Generator().manual_seed(config.seed)
+        self._rejected: list[Request] = []
+
+    # ---- construction -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_path: str, config: EngineConfig | None = None) -> "LLMEngine":
+        """Load a transformers causal LM from a local directory and build an engine around it.
+
+        Args:
+            model_path: a directory with config.json and weights (nothing is downloaded).
+            config: engine settings; defaults to ``EngineConfig()``.
+
+        Raises:
+            OSError: when the directory is missing or unreadable.
+            ValueError: when the model type is not a decoder-only causal LM transformers can load.
+        """
+        config = config or EngineConfig()
+        dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                     local_files_only=True)
+        model.to(config.device).eval()
+        return cls(model, config, _eos_token_ids(model_path, model.config), _max_model_len(model.config))
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def add_request(self, request_id, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
+                    ) -> None:
+        """Queue a request. A request that cannot run comes back failed from the next ``step``; nothing raises."""
+        params = sampling_params or SamplingParams()
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_generator))
+        request = Request(request_id, list(prompt_token_ids), params, generator=torch.Generator().manual_seed(seed))
+        error = self._validate(request)
+        if error:
+            request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", error
+            request.finish_time = time.perf_counter()
+            self._rejected.append(request)
+        else:
+            self.scheduler.add_request(request)
+
+    def _validate(self, request: Request) -> str | None:
+        try:
+            request.sampling_params.validate()
+        except ValueError as e:
+            return f"invalid sampling setting: {e}"
+        vocab = self.model.config.get_text_config().vocab_size
+        if not request.prompt_token_ids:
+            return "empty prompt: nothing to condition on"
+        if request.num_prompt_tokens >= self.max_model_len:
+            return (f"prompt has {request.num_prompt_tokens} tokens; the model's maximum length is "
+                    f"{self.max_model_len}, so no token can be generated")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+
+    # ---- stepping -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Plan and run one forward pass; return the requests that finished in it (failed ones included)."""
+        finished, self._rejected = self._rejected, []
+        plan = self.scheduler.schedule()
+        finished.extend(plan.failed)
+        if plan.scheduled:
+            logits = self.model_runner.execute(plan.scheduled)
+            samplers = [s.request for s in plan.scheduled if s.samples]
+            sampled = dict(zip(map(id, samplers), sample(logits, samplers)))
+            finished.extend(self.scheduler.update(plan, sampled, self._stop_reason))
+            self._count_step(plan, len(samplers))
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        self.stats.num_evicted_blocks = self.block_manager.num_evicted_blocks
+        return [self._finish(r) for r in finished]
+
+    def _count_step(self, plan, num_sampled: int) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_computed_tokens += plan.num_batch_tokens
+        self.stats.num_generated_tokens += num_sampled
+
+    def _stop_reason(self, request: Request) -> str | None:
+        params, token = request.sampling_params, request.output_token_ids[-1]
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request) -> RequestOutput:
+        self.stats.num_requests += 1
+        if request.status is RequestStatus.FAILED:
+            self.stats.num_failed_requests += 1
+        else:
+            self.stats.num_prompt_tokens += request.num_prompt_tokens
+            self.stats.num_cached_prompt_tokens += request.num_cached_tokens
+        ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
+        return RequestOutput(request.request_id, request.prompt_token_ids, request.output_token_ids,
+                             request.finish_reason, request.error, ttft, request.arrival_time,
+                             request.finish_time or time.perf_counter())
+
+    def generate(self, requests: Iterable[tuple[object, list[int], SamplingParams]],
+                 max_in_flight: int = 1024) -> Iterator[RequestOutput]:
+        """Run requests to completion, pulling them lazily, and yield outputs as they finish.
+
+        Args:
+            requests: ``(request_id, prompt_token_ids, sampling_params)`` triples; consumed at most
+                ``max_in_flight`` ahead of the finished ones, so an endless iterable is fine.
+            max_in_flight: bound on queued plus running requests.
+
+        Yields:
+            ``RequestOutput`` in finish order.
+        """
+        source = iter(requests)
+        in_flight = 0
+        while True:
+            for request_id, prompt, params in itertools.islice(source, max(0, max_in_flight - in_flight)):
+                self.add_request(request_id, prompt, params)
+                in_flight += 1
+            if not self.has_unfinished_requests():
+                return
+            for output in self.step():
+                in_flight -= 1
+                yield output
+
+
+def _kv_shape(model_config) -> tuple[int, int]:
+    num_heads = model_config.num_attention_heads
+    num_kv_heads = getattr(model_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads
+    return num_kv_heads, head_dim
+
+
+def _max_model_len(model_config) -> int:
+    text_config = model_config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text_config, name, None)
+        if value:
+            return int(value)
+    raise ValueError("the model config states no maximum length (max_position_embeddings / n_positions)")
+
+
+def _eos_token_ids(model_path: str, model_config) -> set[int]:
+    try:
+        eos = GenerationConfig.from_pretrained(model_path, local_files_only=True).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = model_config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}
+
+
+def _use_triton(config: EngineConfig) -> bool:
+    if config.attention_backend == "auto":
+        return torch.device(config.device).type == "cuda"
+    return config.attention_backend == "triton"

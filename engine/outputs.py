@@ -1,0 +1,39 @@
+"""What the engine hands back for a finished request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """The result of one finished request.
+
+    Attributes:
+        request_id: the id given to ``LLMEngine.add_request``.
+        prompt_token_ids: the prompt as the engine ran it.
+        output_token_ids: generated ids, including a final stop token when one ended the request.
+        finish_reason: "stop" (EOS or a stop token), "length" (max_new_tokens or the model's maximum length)
+            or "error" (the request could not run; see ``error``).
+        error: why the request failed, None on success.
+        ttft_s: seconds from arrival to the first generated token (None when none was generated).
+        arrival_time: ``time.perf_counter()`` when the request was added.
+        finish_time: ``time.perf_counter()`` when it finished.
+    """
+
+    request_id: object
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str
+    error: str | None = None
+    ttft_s: float | None = None
+    arrival_time: float = 0.0
+    finish_time: float = 0.0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)

@@ -1,0 +1,85 @@
+"""A request and its life cycle: PENDING -> PREFILLING -> DECODING -> FINISHED (or FAILED)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life cycle. Only the scheduler changes it."""
+
+    PENDING = "pending"  # waiting for admission (new, or requeued after a soft reset)
+    PREFILLING = "prefilling"  # admitted; some tokens still to compute before the next sample
+    DECODING = "decoding"  # one new token per step
+    FINISHED = "finished"
+    FAILED = "failed"  # cannot run (bad input, or larger than the whole cache)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate.
+
+    A request's tokens are ``prompt_token_ids + output_token_ids``. ``num_computed_tokens`` of them have their KV
+    in the cache; every step lets it catch up with ``num_tokens`` (vLLM's scheduling rule), so a prefill chunk, a
+    decode and a recompute after a soft reset are the same operation: schedule ``num_tokens - num_computed_tokens``
+    tokens, or fewer (chunked prefill). A token is sampled when a step reaches ``num_tokens``.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt_token_ids: prompt ids as run.
+        sampling_params: how to sample and when to stop.
+        generator: the request's own ``torch.Generator`` (CPU), so its samples never depend on its batch.
+        output_token_ids: generated ids so far.
+        num_computed_tokens: tokens whose KV is in the cache.
+        num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        block_table: block ids of the request's pages in position order. Only the block manager changes it.
+        status: see ``RequestStatus``; only the scheduler changes it.
+    """
+
+    request_id: object
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens not yet in the cache; 1 for a request in steady decode."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids of positions ``start:end`` over prompt and output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)

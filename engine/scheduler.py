@@ -1,0 +1,238 @@
+"""Iteration-level scheduling: which requests run in the next forward pass, and how many tokens each."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, cdiv
+from engine.config import EngineConfig
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute ``num_tokens`` tokens from ``request.num_computed_tokens`` on."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step, in the order the model runner lays out the batch."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # requests that can never run, failed this step
+    num_preempted: int = 0
+
+    @property
+    def num_batch_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class FIFOScheduler:
+    """Decodes first, then running prefills, then new requests in arrival order (transformers' FIFO scheduler).
+
+    Each step is planned under ``max_batch_tokens`` and ``max_requests_per_batch``. A prompt that does not fit the
+    remaining budget is split (chunked prefill) and continued in later steps. New requests are admitted only while
+    the free fraction of the block pool is at least ``safety_margin`` (or nothing is running). When a running
+    request cannot get the block it needs next, the newest running request not yet in this step's plan is
+    preempted (soft reset: blocks freed, requeued at the front, recomputed later from its tokens).
+
+    The scheduler alone changes request status and moves requests between ``waiting`` and ``running``.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning -------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step. Never raises for a shortage: it preempts, stalls or fails requests instead."""
+        plan = _PlanBuilder(self.config)
+        out = SchedulerOutput()
+        self._schedule_phases(plan, out)
+        out.scheduled = plan.scheduled
+        return out
+
+    def _schedule_phases(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
+        self._schedule_running(plan, out, decodes=True)
+        self._schedule_running(plan, out, decodes=False)
+        self._schedule_waiting(plan, out)
+
+    def _schedule_running(self, plan: "_PlanBuilder", out: SchedulerOutput, decodes: bool) -> None:
+        for request in list(self.running):
+            if request.status is RequestStatus.PENDING or plan.contains(request):
+                continue  # preempted earlier in this step, or already planned
+            if (request.status is RequestStatus.DECODING) != decodes:
+                continue
+            num_tokens = plan.fit(request.num_tokens_to_compute)
+            if num_tokens == 0:
+                return
+            if self._allocate_or_preempt(request, num_tokens, plan, out):
+                plan.add(request, num_tokens)
+            elif not plan.scheduled and not self._others_running(request):
+                self._fail(request, out, self._cache_too_small_message(request))
+
+    def _schedule_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
+        while self.waiting:
+            if self.running and self._below_safety_margin():
+                return
+            request = self.waiting[0]
+            if cdiv(request.num_tokens, self.block_manager.page_size) > self.block_manager.num_blocks:
+                self.waiting.popleft()
+                self._fail(request, out, self._cache_too_small_message(request))
+                continue
+            cached_blocks = self.block_manager.find_cached_prefix(request)
+            num_cached_tokens = len(cached_blocks) * self.block_manager.page_size
+            num_tokens = plan.fit(request.num_tokens - num_cached_tokens)
+            if num_tokens == 0:
+                return
+            if not self.block_manager.allocate_slots(request, num_tokens, cached_blocks):
+                return  # FIFO: the head waits for blocks; later arrivals do not overtake it
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached_tokens
+            if not request.output_token_ids:
+                request.num_cached_tokens = num_cached_tokens
+            request.status = RequestStatus.PREFILLING
+            self.running.append(request)
+            plan.add(request, num_tokens)
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: "_PlanBuilder",
+                             out: SchedulerOutput) -> bool:
+        while not self.block_manager.allocate_slots(request, num_tokens):
+            victim = self._pick_victim(request, plan)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            out.num_preempted += 1
+        return True
+
+    def _pick_victim(self, request: Request, plan: "_PlanBuilder") -> Request | None:
+        for candidate in reversed(self.running):
+            if candidate is not request and not plan.contains(candidate):
+                return candidate
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        """Soft reset: free the blocks and requeue at the front; its tokens are recomputed on readmission."""
+        self.block_manager.free(request)
+        self.running.remove(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PENDING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _others_running(self, request: Request) -> bool:
+        return any(r is not request for r in self.running)
+
+    def _below_safety_margin(self) -> bool:
+        bm = self.block_manager
+        return bm.num_free_blocks < self.config.safety_margin * bm.num_blocks
+
+    def _cache_too_small_message(self, request: Request) -> str:
+        bm = self.block_manager
+        needed = cdiv(request.num_tokens + 1, bm.page_size)
+        return (f"request needs {needed} KV-cache blocks of {bm.page_size} tokens for {request.num_tokens} tokens, "
+                f"but the whole cache has {bm.num_blocks}; raise engine.num_blocks or max_memory_percent, "
+                f"or shorten the prompt / max_new_tokens")
+
+    def _fail(self, request: Request, out: SchedulerOutput, message: str) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FAILED
+        request.finish_reason = "error"
+        request.error = message
+        request.finish_time = time.perf_counter()
+        out.failed.append(request)
+
+    # ---- after the forward pass -------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[int, int], stop_check) -> list[Request]:
+        """Advance the planned requests by their computed tokens and append sampled tokens.
+
+        Args:
+            out: this step's plan.
+            sampled: ``id(request) -> token id`` for each planned request that sampled.
+            stop_check: ``fn(request) -> finish_reason | None`` applied after a token is appended.
+
+        Returns:
+            The requests that finished this step (their blocks are already free).
+        """
+        finished = []
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            if id(request) not in sampled:
+                continue
+            request.output_token_ids.append(sampled[id(request)])
+            if request.first_token_time is None:
+                request.first_token_time = time.perf_counter()
+            reason = stop_check(request)
+            if reason is None:
+                request.status = RequestStatus.DECODING
+                continue
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            request.finish_time = time.perf_counter()
+            self.running.remove(request)
+            self.block_manager.free(request)
+            finished.append(request)
+        return finished
+
+
+class PrefillFirstScheduler(FIFOScheduler):
+    """Finishes chunked prefills (running, then new) before resuming decodes; safety margin 0 by default."""
+
+    def _schedule_phases(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
+        self._schedule_running(plan, out, decodes=False)
+        self._schedule_waiting(plan, out)
+        self._schedule_running(plan, out, decodes=True)
+
+
+class _PlanBuilder:
+    """Tracks one step's token and request budgets while the scheduler fills it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.token_budget = config.max_batch_tokens
+        self.request_budget = config.max_requests_per_batch
+        self.scheduled: list[ScheduledRequest] = []
+        self._ids: set[int] = set()
+
+    def fit(self, num_tokens: int) -> int:
+        """How many of ``num_tokens`` fit the remaining budgets (0 when none or no request slot)."""
+        if self.request_budget == 0:
+            return 0
+        return min(num_tokens, self.token_budget)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.scheduled.append(ScheduledRequest(request, num_tokens))
+        self._ids.add(id(request))
+        self.token_budget -= num_tokens
+        self.request_budget -= 1
+
+    def contains(self, request: Request) -> bool:
+        return id(request) in self._ids
+
+
+def make_scheduler(config: EngineConfig, block_manager: BlockManager) -> FIFOScheduler:
+    """The scheduler named by ``config.scheduler_type``."""
+    if config.scheduler_type == "prefill_first":
+        return PrefillFirstScheduler(config, block_manager)
+    return FIFOScheduler(config, block_manager)

@@ -1,0 +1,46 @@
+"""Counters an engine keeps across its lifetime."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide counters.
+
+    Attributes:
+        num_prompt_tokens: prompt tokens of finished requests.
+        num_cached_prompt_tokens: of those, tokens served from the prefix cache.
+        num_computed_tokens: tokens run through the model (prefill chunks, decodes, recomputation).
+        num_generated_tokens: tokens sampled.
+        num_steps: forward passes.
+        num_requests: requests finished (failed included).
+        num_failed_requests: requests that finished with an error.
+        num_preemptions: soft resets (requests whose blocks were freed and tokens later recomputed).
+        num_offloads: requests swapped to CPU memory.
+        num_evicted_blocks: prefix-cache blocks reused for other content.
+    """
+
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    num_requests: int = 0
+    num_failed_requests: int = 0
+    num_preemptions: int = 0
+    num_offloads: int = 0
+    num_evicted_blocks: int = 0
+
+    @property
+    def num_soft_resets(self) -> int:
+        return self.num_preemptions
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of prompt tokens served from the prefix cache."""
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate}

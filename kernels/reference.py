@@ -1,0 +1,166 @@
+"""Plain PyTorch paged attention and KV-cache write: the CPU path and the oracle of the Triton kernels.
+
+Cache layout, shared by every implementation (per layer)::
+
+    k_cache, v_cache: (num_blocks, page_size, num_kv_heads, head_dim)
+    slot = block_id * page_size + offset_in_block      (flat index into the first two dims)
+
+A flattened batch holds B requests back to back: request b owns query rows
+``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` and has ``seqlens_k[b]`` tokens of context in the cache, this step's
+tokens included. Its query row j sits at position ``seqlens_k[b] - q_len_b + j`` and attends causally to cache
+positions ``<= `` its own (and ``> position - sliding_window`` when a window is set).
+
+The reference avoids a block-diagonal mask over the whole batch: requests are split into a decode group (one query
+row each) and a prefill group, and each group is padded only to its own longest query and context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _Group:
+    """One padded group of requests. B requests, Q padded query rows, K padded context positions."""
+
+    q_index: torch.Tensor  # (B, Q) int64 flat query row, 0 where padded
+    kv_slots: torch.Tensor  # (B, K) int64 flat cache slot, 0 where padded
+    mask: torch.Tensor  # (B, 1, Q, K) bool, True = attend
+    out_rows: torch.Tensor  # (n,) int64 flat query rows this group writes
+    out_select: torch.Tensor  # (n,) int64 positions of those rows in the (B * Q) padded layout
+
+
+@dataclass
+class GatherPlan:
+    """Index tensors for ``paged_attention_ref``, built once per step and reused by every layer.
+
+    Build it with ``build_gather_plan``; it depends on the batch layout and the sliding window only.
+    """
+
+    groups: list[_Group]
+    num_tokens: int
+
+
+def build_gather_plan(
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    page_size: int,
+    sliding_window: int | None = None,
+) -> GatherPlan:
+    """Precompute the gather indices and masks of one batch.
+
+    Args:
+        block_tables: (B, max_blocks) int32/int64, block ids of each request's pages in position order.
+        cu_seqlens_q: (B + 1,) int32/int64 cumulative query lengths.
+        seqlens_k: (B,) int32/int64 context length of each request, this step's tokens included.
+        page_size: tokens per block.
+        sliding_window: attend only to the last ``sliding_window`` positions (self included); None for full.
+
+    Returns:
+        A ``GatherPlan``; all its tensors live on ``block_tables.device``.
+    """
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    is_decode = q_lens == 1
+    groups = []
+    for selector in (is_decode, ~is_decode):
+        idx = selector.nonzero().flatten()
+        if idx.numel():
+            groups.append(_build_group(block_tables[idx].long(), cu[:-1][idx], q_lens[idx],
+                                       seqlens_k[idx].long(), page_size, sliding_window))
+    return GatherPlan(groups=groups, num_tokens=int(cu[-1]))
+
+
+def _build_group(block_tables, q_starts, q_lens, seqlens_k, page_size, sliding_window) -> _Group:
+    device = block_tables.device
+    max_q, max_k = int(q_lens.max()), int(seqlens_k.max())
+    q_offsets = torch.arange(max_q, device=device)
+    q_valid = q_offsets[None, :] < q_lens[:, None]  # (B, Q)
+    q_index = torch.where(q_valid, q_starts[:, None] + q_offsets[None, :], 0)
+    q_pos = (seqlens_k - q_lens)[:, None] + q_offsets[None, :]  # (B, Q) absolute positions
+
+    kv_pos = torch.arange(max_k, device=device)
+    kv_valid = kv_pos[None, :] < seqlens_k[:, None]  # (B, K)
+    blocks = block_tables.gather(1, (kv_pos // page_size)[None, :].expand(len(seqlens_k), -1)
+                                 .clamp(max=block_tables.shape[1] - 1))
+    kv_slots = torch.where(kv_valid, blocks * page_size + kv_pos % page_size, 0)
+
+    mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])
+    if sliding_window is not None:
+        mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    # Padded query rows attend to slot 0 so their softmax stays finite; their outputs are dropped.
+    mask[..., 0] |= ~q_valid
+    flat_valid = q_valid.flatten()
+    return _Group(q_index=q_index, kv_slots=kv_slots, mask=mask[:, None],
+                  out_rows=q_index.flatten()[flat_valid], out_select=flat_valid.nonzero().flatten())
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: GatherPlan,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of a flattened varlen batch over a paged KV cache.
+
+    Args:
+        query: (T, num_heads, head_dim), rows ordered as in the plan's ``cu_seqlens_q``.
+        k_cache, v_cache: (num_blocks, page_size, num_kv_heads, head_dim); num_heads % num_kv_heads == 0 (GQA).
+        plan: from ``build_gather_plan`` for this batch.
+        scale: multiplier of q.k (usually head_dim ** -0.5).
+        softcap: if set, scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
+
+    Returns:
+        (T, num_heads, head_dim) in ``query.dtype``. Softmax runs in float32.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    out = query.new_zeros(num_tokens, num_heads, head_dim)
+    for g in plan.groups:
+        batch, max_q = g.q_index.shape
+        # (B, Q, H, D) -> (B, Hkv, G * Q, D): each KV head serves its group of query heads.
+        q = query[g.q_index].view(batch, max_q, num_kv_heads, group_size, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group_size * max_q, head_dim)
+        k = k_flat[g.kv_slots].transpose(1, 2)  # (B, Hkv, K, D)
+        v = v_flat[g.kv_slots].transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (B, Hkv, G * Q, K)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.view(batch, num_kv_heads, group_size, max_q, -1)
+        scores = scores.masked_fill(~g.mask[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, num_kv_heads, group_size * max_q, -1)
+        o = torch.matmul(probs, v).view(batch, num_kv_heads, group_size, max_q, head_dim)
+        o = o.permute(0, 3, 1, 2, 4).reshape(batch * max_q, num_heads, head_dim)
+        out[g.out_rows] = o[g.out_select]
+    return out
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's keys and values in the paged cache, in place.
+
+    Args:
+        key, value: (T, num_kv_heads, head_dim).
+        k_cache, v_cache: (num_blocks, page_size, num_kv_heads, head_dim), same dtype as key/value.
+        slot_mapping: (T,) int64 flat slot of each token; a negative slot (padding) is skipped.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        key, value, slots = key[keep], value[keep], slots[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
