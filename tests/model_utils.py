@@ -1,0 +1,69 @@
+"""Small random-weight models and transformers' own greedy outputs, shared by engine tests."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+#: Random weights are scaled up so logits are well separated: a mismatch means a bug, not a rounding tie.
+WEIGHT_SCALE = 3.0
+
+
+@functools.lru_cache(maxsize=None)
+def random_llama_dir(vocab_size: int = 128, num_kv_heads: int = 2, max_len: int = 256, seed: int = 0) -> Path:
+    """A random Llama with grouped-query attention (4 query heads), saved once per session to a temp dir."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(WEIGHT_SCALE)
+    path = Path(tempfile.mkdtemp(prefix="cbrun-llama-"))
+    model.save_pretrained(path)
+    return path
+
+
+def random_prompts(n: int, vocab_size: int, min_len: int = 1, max_len: int = 40, seed: int = 1) -> list[list[int]]:
+    """``n`` prompts of random ids with lengths in [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab_size, (length,), generator=g).tolist() for length in lengths]
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers ``generate`` on one prompt, greedy, exactly ``max_new_tokens`` new tokens."""
+    model = _hf_model(model_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run_engine(model_dir: Path, prompts, config, params) -> dict:
+    """Run every prompt through one engine; return ``{index: RequestOutput}`` and check block accounting."""
+    from engine import LLMEngine
+
+    engine = LLMEngine.from_pretrained(str(model_dir), config)
+    outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}
+    assert_pool_balanced(engine)
+    return outputs
+
+
+def assert_pool_balanced(engine) -> None:
+    """After all requests finished: no block is referenced and the pool's states add up."""
+    bm = engine.block_manager
+    bm.check_consistency()
+    assert all(r == 0 for r in bm.ref_counts)
+    assert bm.num_free_blocks == bm.num_blocks

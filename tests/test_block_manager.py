@@ -1,0 +1,102 @@
+"""Block manager: exact block ids, reference counts, prefix-cache hits and eviction order."""
+
+from engine.block_manager import BlockManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def make_request(tokens, computed: int = 0) -> Request:
+    request = Request("r", list(tokens), SamplingParams())
+    request.num_computed_tokens = computed
+    return request
+
+
+def admit(bm: BlockManager, request: Request) -> list[int]:
+    """Admit like the scheduler does: take the cached prefix, allocate the rest of the prompt."""
+    cached = bm.find_cached_prefix(request)
+    assert bm.allocate_slots(request, request.num_tokens - len(cached) * bm.page_size, cached)
+    request.num_computed_tokens = request.num_tokens
+    return cached
+
+
+def test_allocation_is_all_or_nothing():
+    bm = BlockManager(num_blocks=4, page_size=4, enable_prefix_caching=False)
+    a = make_request(range(10))
+    assert bm.allocate_slots(a, 10)
+    assert a.block_table == [0, 1, 2]
+    b = make_request(range(100, 108))
+    assert not bm.allocate_slots(b, 8)  # needs 2, only 1 free
+    assert b.block_table == [] and bm.num_free_blocks == 1
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and bm.ref_counts == [0, 0, 0, 0]
+    bm.check_consistency()
+
+
+def test_growth_allocates_only_at_block_boundaries():
+    bm = BlockManager(num_blocks=8, page_size=4, enable_prefix_caching=False)
+    r = make_request(range(4))
+    assert bm.allocate_slots(r, 4)
+    r.num_computed_tokens = 4
+    assert bm.num_blocks_needed(r, 1) == 1
+    assert bm.allocate_slots(r, 1)
+    assert r.block_table == [0, 1]
+    r.num_computed_tokens = 5
+    assert bm.num_blocks_needed(r, 1) == 0
+
+
+def test_prefix_hit_shares_blocks_and_counts_references():
+    bm = BlockManager(num_blocks=10, page_size=4)
+    a = make_request(list(range(9)))  # two full blocks + 1 token
+    assert admit(bm, a) == []
+    b = make_request(list(range(8)) + [99, 98])
+    cached = admit(bm, b)
+    assert cached == a.block_table[:2]
+    assert [bm.ref_counts[x] for x in cached] == [2, 2]
+    bm.free(a)
+    assert [bm.ref_counts[x] for x in cached] == [1, 1]
+    bm.free(b)
+    assert bm.num_free_blocks == 10
+    bm.check_consistency()
+
+
+def test_last_prompt_token_is_never_served_from_cache():
+    bm = BlockManager(num_blocks=10, page_size=4)
+    a = make_request(list(range(8)))  # exactly two blocks
+    admit(bm, a)
+    same = make_request(list(range(8)))
+    assert len(bm.find_cached_prefix(same)) == 1  # the second block holds the last token: computed again
+
+
+def test_freed_blocks_stay_cached_until_evicted_oldest_first():
+    bm = BlockManager(num_blocks=4, page_size=2)
+    a = make_request([1, 2, 3, 4, 5])  # blocks 0, 1 full; 2 partial
+    admit(bm, a)
+    bm.free(a)  # tail first: 2 (no hash) back to never-used; 1 then 0 cached
+    assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 2
+    assert len(bm.find_cached_prefix(make_request([1, 2, 3, 4, 9]))) == 2
+    big = make_request(range(100, 106))  # needs 3 blocks: 3, 2 never used, then evict the deepest cached (1)
+    assert bm.allocate_slots(big, 6)
+    assert big.block_table == [3, 2, 1]
+    assert bm.num_evicted_blocks == 1
+    assert len(bm.find_cached_prefix(make_request([1, 2, 3, 4, 9]))) == 1  # block 0 still hits
+    bm.free(big)
+    bm.check_consistency()
+
+
+def test_cache_hit_never_makes_allocation_fail():
+    bm = BlockManager(num_blocks=3, page_size=2)
+    a = make_request([1, 2, 3, 4, 5])
+    admit(bm, a)
+    bm.free(a)
+    b = make_request([1, 2, 7, 8, 9])  # hits block of [1, 2]; needs 2 more: exactly what is left
+    cached = bm.find_cached_prefix(b)
+    assert bm.allocate_slots(b, 3, cached)
+    bm.check_consistency()
+
+
+def test_hash_collision_never_serves_other_tokens():
+    bm = BlockManager(num_blocks=8, page_size=2, hash_fn=lambda parent, tokens: b"same")
+    a = make_request([1, 2, 3])
+    admit(bm, a)
+    b = make_request([7, 8, 9])
+    assert bm.find_cached_prefix(b) == []  # same hash, other tokens: a miss
