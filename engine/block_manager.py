@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine.offload import CpuSwapPool
 from engine.request import Request
 
 #: hash(parent_hash, token ids of the block) -> bytes. Tests may inject a weak one to force collisions.
@@ -44,10 +45,11 @@ class BlockManager:
         page_size: tokens per block.
         enable_prefix_caching: share full blocks between requests with equal prefixes.
         hash_fn: block hash function (``sha256_block_hash`` unless a test injects another).
+        num_cpu_blocks: CPU swap slots for offloaded requests (0: no swap, preemption is a soft reset).
     """
 
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: BlockHashFn = sha256_block_hash) -> None:
+                 hash_fn: BlockHashFn = sha256_block_hash, num_cpu_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -60,6 +62,7 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._request_hashes: dict[int, list[bytes]] = {}  # id(request) -> hashes of its registered full blocks
         self.num_evicted_blocks = 0
+        self.swap_pool = CpuSwapPool(num_cpu_blocks)
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
@@ -178,6 +181,37 @@ class BlockManager:
                     self._never_used.append(block)
         request.block_table.clear()
         self._request_hashes.pop(id(request), None)
+
+    # ---- offloading to CPU swap ------------------------------------------------------------------------------
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to CPU slots and free them on the device.
+
+        Returns:
+            ``(device_block, cpu_slot)`` copies the model runner must make before this step's forward pass
+            writes anything, or None (nothing changed) when the swap pool lacks room.
+        """
+        slots = self.swap_pool.allocate(len(request.block_table))
+        if slots is None:
+            return None
+        copies = list(zip(request.block_table, slots))
+        self.free(request)
+        request.cpu_blocks = slots
+        return copies
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Give a swapped-out request device blocks again, for its cached tokens plus ``num_new_tokens``.
+
+        Returns:
+            ``(cpu_slot, device_block)`` copies to make before the forward pass, or None when blocks lack.
+            The CPU slots stay taken until ``release_swap_slots`` runs after the copy.
+        """
+        if not self.allocate_slots(request, num_new_tokens):
+            return None
+        return list(zip(request.cpu_blocks, request.block_table))
+
+    def release_swap_slots(self, request: Request) -> None:
+        self.swap_pool.free(request.cpu_blocks)
+        request.cpu_blocks = []
 
     def check_consistency(self) -> None:
         """Assert the pool's invariants (for tests): every block is in exactly one state."""

@@ -47,13 +47,14 @@ class LLMEngine:
         num_kv_heads, head_dim = _kv_shape(model_config)
         dtype = next(model.parameters()).dtype
         num_layers = model_config.num_hidden_layers
-        self.num_blocks = resolve_num_blocks(config, max_model_len,
-                                             KVCache.bytes_per_block(num_layers, config.page_size, num_kv_heads,
-                                                                     head_dim, dtype))
-        self.block_manager = BlockManager(self.num_blocks, config.page_size, config.allow_block_sharing)
+        bytes_per_block = KVCache.bytes_per_block(num_layers, config.page_size, num_kv_heads, head_dim, dtype)
+        self.num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block, model_config)
+        num_cpu_blocks = int(config.cpu_offload_space * 2**30) // bytes_per_block
+        self.block_manager = BlockManager(self.num_blocks, config.page_size, config.allow_block_sharing,
+                                          num_cpu_blocks=num_cpu_blocks)
         self.scheduler = make_scheduler(config, self.block_manager)
         kv_cache = KVCache(num_layers, self.num_blocks, config.page_size, num_kv_heads, head_dim, dtype,
-                           next(model.parameters()).device)
+                           next(model.parameters()).device, num_cpu_blocks)
         self.model_runner = ModelRunner(model, kv_cache, config.page_size, use_triton=_use_triton(config))
         self.stats = EngineStats()
         self._seed_generator = torch.Generator().manual_seed(config.seed)
@@ -120,13 +121,14 @@ class LLMEngine:
         finished, self._rejected = self._rejected, []
         plan = self.scheduler.schedule()
         finished.extend(plan.failed)
+        logits = self.model_runner.execute(plan)
         if plan.scheduled:
-            logits = self.model_runner.execute(plan.scheduled)
             samplers = [s.request for s in plan.scheduled if s.samples]
             sampled = dict(zip(map(id, samplers), sample(logits, samplers)))
             finished.extend(self.scheduler.update(plan, sampled, self._stop_reason))
             self._count_step(plan, len(samplers))
-        self.stats.num_preemptions = self.scheduler.num_preemptions
+        self.stats.num_soft_resets = self.scheduler.num_soft_resets
+        self.stats.num_offloads = self.scheduler.num_offloads
         self.stats.num_evicted_blocks = self.block_manager.num_evicted_blocks
         return [self._finish(r) for r in finished]
 

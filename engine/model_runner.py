@@ -5,23 +5,41 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.scheduler import ScheduledRequest
+from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class KVCache:
-    """The paged KV-cache tensors: per layer, K and V of shape (num_blocks, page_size, num_kv_heads, head_dim)."""
+    """The paged KV cache and its CPU swap buffer.
+
+    ``kv`` has shape (2, num_layers, num_blocks, page_size, num_kv_heads, head_dim): K then V; ``k[layer]`` and
+    ``v[layer]`` are views of shape (num_blocks, page_size, num_kv_heads, head_dim). ``cpu_kv`` is the same with
+    ``num_cpu_blocks`` (pinned on CUDA), so an offload or restore is one gather and one copy for all layers.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_blocks, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0) -> None:
+        shape = (2, num_layers, num_blocks, page_size, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(self.kv[0].unbind(0))
+        self.v = list(self.kv[1].unbind(0))
+        pin = torch.device(device).type == "cuda"
+        cpu_shape = (2, num_layers, num_cpu_blocks, page_size, num_kv_heads, head_dim)
+        self.cpu_kv = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
 
     @staticmethod
     def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         """K and V bytes of one block across all layers."""
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy ``(device block, CPU slot)`` pairs out, then ``(CPU slot, device block)`` pairs in."""
+        if swap_out:
+            src, dst = zip(*swap_out)
+            self.cpu_kv[:, :, list(dst)] = self.kv[:, :, list(src)].to("cpu", non_blocking=True)
+        if swap_in:
+            src, dst = zip(*swap_in)
+            self.kv[:, :, list(dst)] = self.cpu_kv[:, :, list(src)].to(self.kv.device, non_blocking=True)
 
 
 class ModelRunner:
@@ -46,15 +64,22 @@ class ModelRunner:
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Run one forward pass.
+    def execute(self, plan: SchedulerOutput) -> torch.Tensor | None:
+        """Make the plan's offload copies, then run one forward pass.
 
         Args:
-            scheduled: the plan; each entry computes ``num_tokens`` tokens from its ``num_computed_tokens``.
+            plan: the step's plan; each scheduled entry computes ``num_tokens`` tokens from its
+                ``num_computed_tokens``.
 
         Returns:
-            (N, vocab_size) float logits, one row per entry whose ``samples`` is True, in plan order.
+            (N, vocab_size) float logits, one row per entry whose ``samples`` is True, in plan order; None
+            when nothing is scheduled.
         """
+        if plan.swap_out or plan.swap_in:
+            self.kv_cache.swap(plan.swap_out, plan.swap_in)
+        scheduled = plan.scheduled
+        if not scheduled:
+            return None
         input_ids, positions, md, logits_indices = self._prepare(scheduled)
         output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                             logits_to_keep=logits_indices, cbrun_metadata=md)

@@ -39,6 +39,7 @@ class Request:
         num_computed_tokens: tokens whose KV is in the cache.
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         block_table: block ids of the request's pages in position order. Only the block manager changes it.
+        cpu_blocks: CPU swap slots holding its pages while it is offloaded (block manager's too).
         status: see ``RequestStatus``; only the scheduler changes it.
     """
 
@@ -51,6 +52,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    cpu_blocks: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
     error: str | None = None

@@ -30,6 +30,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # requests that can never run, failed this step
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU slot) copies, made first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU slot, device block) copies, made next
+    swapped_in: list[Request] = field(default_factory=list)  # whose CPU slots free once the copies ran
     num_preempted: int = 0
 
     @property
@@ -42,9 +45,14 @@ class FIFOScheduler:
 
     Each step is planned under ``max_batch_tokens`` and ``max_requests_per_batch``. A prompt that does not fit the
     remaining budget is split (chunked prefill) and continued in later steps. New requests are admitted only while
-    the free fraction of the block pool is at least ``safety_margin`` (or nothing is running). When a running
-    request cannot get the block it needs next, the newest running request not yet in this step's plan is
-    preempted (soft reset: blocks freed, requeued at the front, recomputed later from its tokens).
+    the free fraction of the block pool is at least ``safety_margin`` (or nothing is running).
+
+    Offloading is demand-driven: when a running request cannot get the block it needs next, the newest running
+    requests not yet in this step's plan are offloaded, one at a time, until it can; the request asking is never
+    offloaded, so the last active request always keeps its cache. An offloaded request is swapped to CPU memory
+    when the swap pool has room (resumed later without recomputing) and soft reset otherwise (blocks freed, its
+    prompt and generated tokens recomputed on readmission; its generator and token counts are kept). Either way
+    it is requeued at the front of ``waiting``.
 
     The scheduler alone changes request status and moves requests between ``waiting`` and ``running``.
     """
@@ -54,7 +62,8 @@ class FIFOScheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.num_soft_resets = 0
+        self.num_offloads = 0  # swaps to CPU
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -95,6 +104,10 @@ class FIFOScheduler:
             if self.running and self._below_safety_margin():
                 return
             request = self.waiting[0]
+            if request.cpu_blocks:
+                if not self._swap_in(request, plan, out):
+                    return
+                continue
             if cdiv(request.num_tokens, self.block_manager.page_size) > self.block_manager.num_blocks:
                 self.waiting.popleft()
                 self._fail(request, out, self._cache_too_small_message(request))
@@ -114,13 +127,26 @@ class FIFOScheduler:
             self.running.append(request)
             plan.add(request, num_tokens)
 
+    def _swap_in(self, request: Request, plan: "_PlanBuilder", out: SchedulerOutput) -> bool:
+        num_tokens = plan.fit(request.num_tokens_to_compute)
+        copies = self.block_manager.swap_in(request, num_tokens) if num_tokens else None
+        if copies is None:
+            return False
+        self.waiting.popleft()
+        out.swap_in.extend(copies)
+        out.swapped_in.append(request)
+        request.status = RequestStatus.PREFILLING
+        self.running.append(request)
+        plan.add(request, num_tokens)
+        return True
+
     def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: "_PlanBuilder",
                              out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_tokens):
             victim = self._pick_victim(request, plan)
             if victim is None:
                 return False
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.num_preempted += 1
         return True
 
@@ -130,14 +156,19 @@ class FIFOScheduler:
                 return candidate
         return None
 
-    def _preempt(self, request: Request) -> None:
-        """Soft reset: free the blocks and requeue at the front; its tokens are recomputed on readmission."""
-        self.block_manager.free(request)
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Offload to CPU swap when it has room, else soft reset; requeue at the front either way."""
         self.running.remove(request)
-        request.num_computed_tokens = 0
+        copies = self.block_manager.swap_out(request) if self.block_manager.swap_pool.enabled else None
+        if copies is not None:
+            out.swap_out.extend(copies)
+            self.num_offloads += 1
+        else:
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
+            self.num_soft_resets += 1
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
-        self.num_preemptions += 1
 
     def _others_running(self, request: Request) -> bool:
         return any(r is not request for r in self.running)
@@ -175,6 +206,8 @@ class FIFOScheduler:
         Returns:
             The requests that finished this step (their blocks are already free).
         """
+        for request in out.swapped_in:
+            self.block_manager.release_swap_slots(request)
         finished = []
         for item in out.scheduled:
             request = item.request

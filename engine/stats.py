@@ -17,7 +17,7 @@ class EngineStats:
         num_steps: forward passes.
         num_requests: requests finished (failed included).
         num_failed_requests: requests that finished with an error.
-        num_preemptions: soft resets (requests whose blocks were freed and tokens later recomputed).
+        num_soft_resets: requests whose blocks were freed and their tokens later recomputed.
         num_offloads: requests swapped to CPU memory.
         num_evicted_blocks: prefix-cache blocks reused for other content.
     """
@@ -29,13 +29,9 @@ class EngineStats:
     num_steps: int = 0
     num_requests: int = 0
     num_failed_requests: int = 0
-    num_preemptions: int = 0
+    num_soft_resets: int = 0
     num_offloads: int = 0
     num_evicted_blocks: int = 0
-
-    @property
-    def num_soft_resets(self) -> int:
-        return self.num_preemptions
 
     @property
     def prefix_hit_rate(self) -> float:
