@@ -91,6 +91,8 @@ class BlockManager:
         if not self.enable_prefix_caching or request.num_computed_tokens:
             return []
         max_blocks = (request.num_tokens - 1) // self.page_size
+        if request.sampling_params.prompt_logprobs_from is not None:  # its logits must be computed
+            max_blocks = min(max_blocks, (request.sampling_params.prompt_logprobs_from - 1) // self.page_size)
         parent, blocks = ROOT_HASH, []
         for i in range(max_blocks):
             tokens = tuple(request.token_ids(i * self.page_size, (i + 1) * self.page_size))

@@ -8,7 +8,7 @@ import time
 from typing import Iterable, Iterator
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from engine.attention import ATTN_IMPLEMENTATION
 from engine.block_manager import BlockManager
@@ -21,6 +21,7 @@ from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import make_scheduler
 from engine.stats import EngineStats
+from engine.stop_strings import StopStringMatcher
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -38,8 +39,10 @@ class LLMEngine:
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, eos_token_ids: Iterable[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, tokenizer=None) -> None:
         self.config = config
+        self.tokenizer = tokenizer
+        self._stop_matcher = StopStringMatcher(tokenizer) if tokenizer is not None else None
         self.model = model
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_model_len = max_model_len
@@ -78,7 +81,8 @@ class LLMEngine:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
                                                      local_files_only=True)
         model.to(config.device).eval()
-        return cls(model, config, _eos_token_ids(model_path, model.config), _max_model_len(model.config))
+        return cls(model, config, _eos_token_ids(model_path, model.config), _max_model_len(model.config),
+                   _load_tokenizer(model_path))
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
@@ -91,10 +95,13 @@ class LLMEngine:
         error = self._validate(request)
         if error:
             request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", error
-            request.finish_time = time.perf_counter()
-            self._rejected.append(request)
+        elif params.max_new_tokens == 0:  # nothing to generate: an empty completion, no forward pass
+            request.status, request.finish_reason = RequestStatus.FINISHED, "length"
         else:
             self.scheduler.add_request(request)
+            return
+        request.finish_time = time.perf_counter()
+        self._rejected.append(request)
 
     def _validate(self, request: Request) -> str | None:
         try:
@@ -110,6 +117,8 @@ class LLMEngine:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        if request.sampling_params.stop and self._stop_matcher is None:
+            return "stop strings need a tokenizer, and the model directory has none"
         return None
 
     def has_unfinished_requests(self) -> bool:
@@ -123,14 +132,34 @@ class LLMEngine:
         finished.extend(plan.failed)
         logits = self.model_runner.execute(plan)
         if plan.scheduled:
-            samplers = [s.request for s in plan.scheduled if s.samples]
-            sampled = dict(zip(map(id, samplers), sample(logits, samplers)))
+            samplers, sample_logits = self._split_logits(plan, logits)
+            token_ids, logprobs = sample(sample_logits, samplers, self.eos_token_ids)
+            for request, lp in zip(samplers, logprobs):
+                if lp is not None:
+                    request.logprobs.append(lp)
+            sampled = dict(zip(map(id, samplers), token_ids))
             finished.extend(self.scheduler.update(plan, sampled, self._stop_reason))
             self._count_step(plan, len(samplers))
         self.stats.num_soft_resets = self.scheduler.num_soft_resets
         self.stats.num_offloads = self.scheduler.num_offloads
         self.stats.num_evicted_blocks = self.block_manager.num_evicted_blocks
         return [self._finish(r) for r in finished]
+
+    def _split_logits(self, plan, logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
+        """Record prompt log-probabilities from their rows; return the sampling requests and their rows."""
+        samplers, sample_rows, row = [], [], 0
+        for item in plan.scheduled:
+            positions = item.prompt_logprob_positions()
+            if positions:
+                _record_prompt_logprobs(item.request, logits[row:row + len(positions)], positions)
+                row += len(positions)
+            if item.samples:
+                samplers.append(item.request)
+                sample_rows.append(row)
+                row += 1
+        if row == len(sample_rows):  # no prompt log-probability rows: the logits are the sample rows
+            return samplers, logits
+        return samplers, logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
 
     def _count_step(self, plan, num_sampled: int) -> None:
         self.stats.num_steps += 1
@@ -140,6 +169,11 @@ class LLMEngine:
     def _stop_reason(self, request: Request) -> str | None:
         params, token = request.sampling_params, request.output_token_ids[-1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            request.stop_reason = token
+            return "stop"
+        if params.stop and self._stop_matcher.find(request.output_token_ids, params.stop):
+            text, kept_ids, stop = self._stop_matcher.cut(request.output_token_ids, params.stop)
+            request.output_text, request.output_token_ids[:], request.stop_reason = text, kept_ids, stop
             return "stop"
         if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return "length"
@@ -153,9 +187,13 @@ class LLMEngine:
             self.stats.num_prompt_tokens += request.num_prompt_tokens
             self.stats.num_cached_prompt_tokens += request.num_cached_tokens
         ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
-        return RequestOutput(request.request_id, request.prompt_token_ids, request.output_token_ids,
-                             request.finish_reason, request.error, ttft, request.arrival_time,
-                             request.finish_time or time.perf_counter())
+        return RequestOutput(
+            request.request_id, request.prompt_token_ids, request.output_token_ids, request.finish_reason,
+            request.error, ttft, request.arrival_time, request.finish_time or time.perf_counter(),
+            stop_reason=request.stop_reason, text=request.output_text,
+            logprobs=request.logprobs if request.sampling_params.logprobs is not None else None,
+            prompt_logprobs=(request.prompt_logprobs if request.sampling_params.prompt_logprobs_from else None),
+            prompt_greedy=(request.prompt_greedy if request.sampling_params.prompt_logprobs_from else None))
 
     def generate(self, requests: Iterable[tuple[object, list[int], SamplingParams]],
                  max_in_flight: int = 1024) -> Iterator[RequestOutput]:
@@ -180,6 +218,23 @@ class LLMEngine:
             for output in self.step():
                 in_flight -= 1
                 yield output
+
+
+def _record_prompt_logprobs(request: Request, logits: torch.Tensor, positions: range) -> None:
+    """Log-probability of each next prompt token, and whether it was the argmax. logits: (len(positions), V)."""
+    targets = torch.tensor(request.prompt_token_ids[positions.start + 1:positions.stop + 1], device=logits.device)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    request.prompt_logprobs.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
+    request.prompt_greedy.extend((logits.argmax(dim=-1) == targets).tolist())
+
+
+def _load_tokenizer(model_path: str):
+    """The model directory's tokenizer, or None when it has none (stop strings are then unavailable)."""
+    try:
+        return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        logger.info("no tokenizer in %s: stop strings are unavailable", model_path)
+        return None
 
 
 def _kv_shape(model_config) -> tuple[int, int]:

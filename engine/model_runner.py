@@ -72,8 +72,8 @@ class ModelRunner:
                 ``num_computed_tokens``.
 
         Returns:
-            (N, vocab_size) float logits, one row per entry whose ``samples`` is True, in plan order; None
-            when nothing is scheduled.
+            (N, vocab_size) logits in plan order: for each entry, one row per ``prompt_logprob_positions()``
+            position, then one row if it ``samples``. None when nothing is scheduled.
         """
         if plan.swap_out or plan.swap_in:
             self.kv_cache.swap(plan.swap_out, plan.swap_in)
@@ -96,6 +96,7 @@ class ModelRunner:
             q_lens.append(item.num_tokens)
             seqlens_k.append(end)
             tables.append(request.block_table)
+            logits_indices.extend(offset + p - start for p in item.prompt_logprob_positions())
             offset += item.num_tokens
             if item.samples:
                 logits_indices.append(offset - 1)

@@ -19,6 +19,11 @@ class RequestOutput:
         ttft_s: seconds from arrival to the first generated token (None when none was generated).
         arrival_time: ``time.perf_counter()`` when the request was added.
         finish_time: ``time.perf_counter()`` when it finished.
+        stop_reason: the stop token id or stop string that ended it (None otherwise).
+        text: the output text cut before a stop string, when one ended it (None otherwise: decode the ids).
+        logprobs: per generated token, ``{token id: log-probability}`` (top ``logprobs`` and the chosen one).
+        prompt_logprobs: log-probability of each prompt token from ``prompt_logprobs_from`` on.
+        prompt_greedy: whether each of those prompt tokens was the model's argmax.
     """
 
     request_id: object
@@ -29,6 +34,11 @@ class RequestOutput:
     ttft_s: float | None = None
     arrival_time: float = 0.0
     finish_time: float = 0.0
+    stop_reason: int | str | None = None
+    text: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_greedy: list[bool] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -58,6 +58,11 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    output_text: str | None = None  # set when a stop string cut the output
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token, when asked for
+    prompt_logprobs: list[float] = field(default_factory=list)  # prompt positions from prompt_logprobs_from on
+    prompt_greedy: list[bool] = field(default_factory=list)  # whether each such prompt token was the argmax
 
     @property
     def num_prompt_tokens(self) -> int:

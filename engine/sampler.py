@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, each request with its own generator."""
+"""Token sampling: logits processing, greedy or seeded sampling, and log-probabilities, one request per row."""
 
 from __future__ import annotations
 
@@ -8,51 +8,98 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: frozenset[int]
+           ) -> tuple[list[int], list[dict[int, float] | None]]:
     """Pick the next token of each request.
 
-    Greedy rows take the argmax in one batched op. Sampled rows draw with the request's own ``torch.Generator``,
-    so a row's sample depends only on its logits and its seed, never on the rest of the batch.
+    Rows that need nothing but an argmax are decided in one batched op. Every other row is processed alone with
+    the request's own tokens and ``torch.Generator``, so a row's result depends only on its logits, its history
+    and its seed, never on the rest of the batch.
 
     Args:
         logits: (N, vocab_size) next-token logits, row i for ``requests[i]``.
         requests: the N requests that sample this step.
+        eos_token_ids: the model's EOS ids (masked under ``min_new_tokens`` unless ``ignore_eos``).
 
     Returns:
-        N token ids.
+        N token ids, and per row ``{token id: log-probability}`` (top ``logprobs`` plus the chosen token) or None.
     """
     token_ids = logits.argmax(dim=-1).tolist()
+    logprobs: list[dict[int, float] | None] = [None] * len(requests)
     for i, request in enumerate(requests):
-        params = request.sampling_params
-        if not params.greedy:
-            token_ids[i] = sample_one(logits[i], params, request.generator)
-    return token_ids
+        if request.sampling_params.needs_processing:
+            token_ids[i], logprobs[i] = sample_one(logits[i], request, eos_token_ids)
+    return token_ids, logprobs
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Sample one token id.
+def sample_one(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[int]
+               ) -> tuple[int, dict[int, float] | None]:
+    """Process one row's logits and choose its token.
 
     Args:
-        logits: (vocab_size,) logits of any float dtype; processed in float32 on the generator's device (CPU).
-        params: temperature > 0, optional top_k / top_p.
-        generator: the request's generator (advanced by exactly one draw).
+        logits: (vocab_size,) logits of any float dtype; processed in float32 on the CPU (the generator's device).
+        request: supplies the sampling params, its prompt and output tokens, and its generator.
+        eos_token_ids: the model's EOS ids.
+
+    Returns:
+        The token id, and the log-probabilities asked for by ``logprobs`` (None when off). Log-probabilities are
+        those of the penalised distribution before temperature, top-k, top-p and min-p.
     """
-    scores = logits.float().cpu() / params.temperature
+    params = request.sampling_params
+    scores = _apply_penalties(logits.to("cpu", torch.float32, copy=True), request, eos_token_ids)
+    if params.greedy:
+        token = int(scores.argmax())
+    else:
+        token = _draw(scores, params, request.generator)
+    return token, _logprobs(scores, token, params.logprobs)
+
+
+def _apply_penalties(scores: torch.Tensor, request: Request, eos_token_ids: frozenset[int]) -> torch.Tensor:
+    params = request.sampling_params
+    if len(request.output_token_ids) < params.min_new_tokens:
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        if stops:
+            scores[list(stops)] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.prompt_token_ids) | set(request.output_token_ids)))
+        values = scores[seen]
+        scores[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
+        counts = torch.bincount(torch.tensor(request.output_token_ids), minlength=scores.numel())[:scores.numel()]
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return scores
+
+
+def _draw(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    scores = scores / params.temperature
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
         scores = _top_p_filter(scores, params.top_p)
     probs = torch.softmax(scores, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p`` (Holtzman et al. 2019)."""
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
     sorted_scores, order = torch.sort(scores, descending=True)
-    cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+    probs = torch.softmax(sorted_scores, dim=-1)
     # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
-    drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= top_p
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
     drop_sorted[0] = False
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return scores.masked_fill(drop, float("-inf"))
+
+
+def _logprobs(scores: torch.Tensor, token: int, num_top: int | None) -> dict[int, float] | None:
+    if num_top is None:
+        return None
+    logprobs = torch.log_softmax(scores, dim=-1)
+    result = {token: float(logprobs[token])}
+    if num_top:
+        top = torch.topk(logprobs, min(num_top, logprobs.numel()))
+        result.update(zip(top.indices.tolist(), top.values.tolist()))
+    return result

@@ -6,54 +6,96 @@ import math
 from dataclasses import dataclass, field, fields
 
 #: Names a job may override per row through an input column of the same name.
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stop_token_ids")
+SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                   "ignore_eos", "stop_token_ids", "stop", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "logprobs", "prompt_logprobs_from")
 
 
 @dataclass
 class SamplingParams:
     """How one request samples its tokens and when it stops.
 
+    Logits are processed in this order (as in transformers' logits processors and vLLM's sampler): min_new_tokens
+    (stop tokens masked), repetition penalty (prompt and output tokens), presence and frequency penalties (output
+    tokens); ``logprobs`` are read here; then temperature, top-k, top-p, min-p and a draw from the request's own
+    generator. Every step touches only the request's own row, so its output never depends on its batch.
+
     Attributes:
-        max_new_tokens: most tokens to generate (>= 1).
+        max_new_tokens: most tokens to generate (>= 0; 0 returns an empty completion without running the model).
+        min_new_tokens: EOS and stop tokens are masked until this many tokens exist.
         temperature: softmax temperature; 0 means greedy (argmax).
-        top_k: keep the k most likely tokens before sampling; 0 disables it.
-        top_p: nucleus sampling, keep the smallest set of tokens whose probability mass reaches top_p (0 < p <= 1).
-        seed: seed of the request's own ``torch.Generator``; None draws from the engine's generator.
+        top_k: keep the k most likely tokens; 0 disables it (1 is greedy).
+        top_p: nucleus sampling (Holtzman et al. 2019), keep the smallest set reaching this mass; (0, 1].
+        min_p: drop tokens whose probability is under ``min_p`` times the top token's; [0, 1].
+        seed: seed of the request's own ``torch.Generator``; None draws one from the engine's generator.
         stop_token_ids: extra token ids that end the request (the emitted stop token is kept in the output).
+        stop: strings that end the request; the output is cut before the first one (needs a tokenizer).
         ignore_eos: do not stop on the model's EOS token ids.
+        repetition_penalty: > 0; 1 disables it. Divides positive, multiplies negative logits of seen tokens
+            (Keskar et al. 2019, CTRL).
+        presence_penalty, frequency_penalty: subtracted once per generated token id / per occurrence (OpenAI).
+        logprobs: return this many top log-probabilities per generated token (and the chosen token's); None: off.
+        prompt_logprobs_from: return log-probabilities of prompt tokens at positions >= this (>= 1); None: off.
 
     Raises:
         ValueError: from ``validate`` when a value is out of range; the message names the setting.
     """
 
     max_new_tokens: int = 128
+    min_new_tokens: int = 0
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs_from: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop or ())
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that is out of range."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "an integer >= 0",
+               self.max_new_tokens)
+        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens", "an integer >= 0",
+               self.min_new_tokens)
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a finite number >= 0",
+               self.temperature)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)", self.top_k)
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               "a number > 0", self.repetition_penalty)
+        _check(_is_number(self.presence_penalty), "presence_penalty", "a finite number", self.presence_penalty)
+        _check(_is_number(self.frequency_penalty), "frequency_penalty", "a finite number", self.frequency_penalty)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
+               "an integer >= 0 or None", self.logprobs)
+        _check(self.prompt_logprobs_from is None or (_is_int(self.prompt_logprobs_from)
+                                                     and self.prompt_logprobs_from >= 1),
+               "prompt_logprobs_from", "an integer >= 1 or None", self.prompt_logprobs_from)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_processing(self) -> bool:
+        """True when the logits row needs more than a batched argmax."""
+        return (not self.greedy or self.min_new_tokens > 0 or self.repetition_penalty != 1.0
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.logprobs is not None)
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with ``changes`` applied; unknown names raise ``ValueError``."""
@@ -64,3 +106,16 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, name: str, expected: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")

@@ -23,6 +23,16 @@ class ScheduledRequest:
         """True when this step reaches the request's last token, so a new token is sampled."""
         return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this step whose logits score the next prompt token, not yet recorded."""
+        request = self.request
+        first = request.sampling_params.prompt_logprobs_from
+        if first is None:
+            return range(0)
+        start = max(request.num_computed_tokens, first - 1 + len(request.prompt_logprobs))
+        end = min(request.num_computed_tokens + self.num_tokens, request.num_prompt_tokens - 1)
+        return range(start, max(start, end))
+
 
 @dataclass
 class SchedulerOutput:

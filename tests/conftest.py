@@ -7,10 +7,15 @@ Tests that need them are skipped when that folder is absent.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run in its CPU interpreter when no GPU is present; it must be set before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The test models are tiny: one intra-op thread avoids OpenMP overhead and oversubscription on 2-core machines.
 torch.set_num_threads(1)
