@@ -80,6 +80,7 @@ class LLMEngine:
         dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
                                                      local_files_only=True)
+        _check_causal_decoder(model)
         model.to(config.device).eval()
         return cls(model, config, _eos_token_ids(model_path, model.config), _max_model_len(model.config),
                    _load_tokenizer(model_path))
@@ -218,6 +219,16 @@ class LLMEngine:
             for output in self.step():
                 in_flight -= 1
                 yield output
+
+
+def _check_causal_decoder(model: torch.nn.Module) -> None:
+    """Refuse models whose attention is not causal: the paged cache serves decoder-only generation only."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; cbrun runs decoder-only causal LMs")
+    for name, module in model.named_modules():
+        if getattr(module, "is_causal", True) is False:
+            raise ValueError(f"{type(model).__name__} has bidirectional (non-causal) attention in {name!r}; "
+                             "cbrun runs decoder-only causal LMs")
 
 
 def _record_prompt_logprobs(request: Request, logits: torch.Tensor, positions: range) -> None:

@@ -1,0 +1,150 @@
+"""Model coverage: for each supported architecture, greedy outputs equal transformers' own generate.
+
+Each model is a small random-weight config (no download) saved once per module. The engine runs all prompts
+together with chunked prefill forced (16-token batches, 4-token pages); transformers runs them one at a time.
+Sliding windows are 6 tokens, so prompts longer than the window, and generations that cross it, are covered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from model_utils import WEIGHT_SCALE, random_prompts, run_engine
+
+VOCAB = 128
+NEW_TOKENS = 12
+WINDOW = 6
+#: Lengths around the window (6), the page size (4) and the batch budget (16), up to 40.
+PROMPT_LENGTHS = (1, 2, 4, 5, 6, 7, 9, 12, 15, 16, 17, 23, 28, 33, 37, 40)
+PROMPTS = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in PROMPT_LENGTHS]
+ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)
+
+_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+_DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, **_NO_SPECIAL_TOKENS)
+_HYBRID = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+@dataclass
+class ModelSpec:
+    """One architecture under test.
+
+    Attributes:
+        config_class, model_class: the transformers classes the random model is built with.
+        config_kwargs: the small config.
+        hf_attn: attention implementation of the transformers oracle.
+        feature_off: config overrides, each switching off one thing this spec exists to cover (a window,
+            soft-capping); the oracle's outputs must change under each, or the comparison would prove nothing.
+    """
+
+    config_class: type
+    model_class: type
+    config_kwargs: dict
+    hf_attn: str = "sdpa"
+    feature_off: list[dict] = field(default_factory=list)
+
+
+SPECS = {
+    "llama": ModelSpec(transformers.LlamaConfig, transformers.LlamaForCausalLM, _DECODER),
+    "qwen2": ModelSpec(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, _DECODER),
+    "qwen3": ModelSpec(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(_DECODER, head_dim=16)),
+    "mistral": ModelSpec(transformers.MistralConfig, transformers.MistralForCausalLM,
+                         dict(_DECODER, sliding_window=WINDOW), feature_off=[dict(sliding_window=1024)]),
+    # NOTE: final_logit_softcapping is monotonic, so it cannot change a greedy token; attn softcapping can.
+    "gemma2": ModelSpec(transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+                        dict(_DECODER, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=1,
+                             sliding_window=WINDOW, layer_types=_HYBRID, attn_logit_softcapping=3.0,
+                             final_logit_softcapping=10.0),
+                        hf_attn="eager",  # Gemma2PreTrainedModel._supports_sdpa is False (no softcap in SDPA)
+                        feature_off=[dict(sliding_window=1024), dict(attn_logit_softcapping=None)]),
+    "gemma3": ModelSpec(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                        dict(_DECODER, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16,
+                             sliding_window=WINDOW, layer_types=_HYBRID),
+                        feature_off=[dict(sliding_window=1024)]),
+    "phi3": ModelSpec(transformers.Phi3Config, transformers.Phi3ForCausalLM, _DECODER),
+    "gpt2": ModelSpec(transformers.GPT2Config, transformers.GPT2LMHeadModel,
+                      dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                           **_NO_SPECIAL_TOKENS)),
+}
+
+
+def _save_random_model(spec: ModelSpec, path) -> str:
+    torch.manual_seed(0)
+    model = spec.model_class(spec.config_class(**spec.config_kwargs))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(WEIGHT_SCALE)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _hf_greedy_all(model_dir: str, attn: str, **config_overrides) -> list[list[int]]:
+    """transformers ``generate``, greedy, one prompt at a time, exactly NEW_TOKENS new tokens each."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, **config_overrides).eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """``oracle(name) -> (model_dir, expected outputs)``, each model built and generated once per module."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            spec = SPECS[name]
+            model_dir = _save_random_model(spec, tmp_path_factory.mktemp(name))
+            cache[name] = model_dir, _hf_greedy_all(model_dir, spec.hf_attn)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_matches_transformers(oracle, name):
+    model_dir, expected = oracle(name)
+    outputs = run_engine(model_dir, PROMPTS, EngineConfig(**ENGINE_CONFIG),
+                         SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    for i, want in enumerate(expected):
+        assert outputs[i].error is None, outputs[i].error
+        assert outputs[i].output_token_ids == want, f"{name}: prompt {i} (len {len(PROMPTS[i])})"
+
+
+@pytest.mark.parametrize("name,feature_off", [
+    pytest.param(name, off, id=f"{name}-{'-'.join(off)}") for name, spec in SPECS.items() for off in spec.feature_off])
+def test_oracle_applies_the_feature(oracle, name, feature_off):
+    """transformers' generate really applies the window / soft-capping: switching it off changes its outputs."""
+    model_dir, expected = oracle(name)
+    assert _hf_greedy_all(model_dir, SPECS[name].hf_attn, **feature_off) != expected
+
+
+_SMALL_ENCODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2)
+
+
+@pytest.mark.parametrize("config_class,model_class,config_kwargs", [
+    pytest.param(transformers.T5Config, transformers.T5ForConditionalGeneration,
+                 dict(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=16, num_layers=1, num_heads=2),
+                 id="t5-encoder-decoder"),
+    # bert loads as BertLMHeadModel, whose layers are not causal unless config.is_decoder is set.
+    pytest.param(transformers.BertConfig, transformers.BertForMaskedLM, _SMALL_ENCODER, id="bert-encoder"),
+    pytest.param(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                 dict(_SMALL_ENCODER, head_dim=16, use_bidirectional_attention=True, **_NO_SPECIAL_TOKENS),
+                 id="gemma3-bidirectional"),
+])
+def test_non_causal_model_is_rejected_at_load(tmp_path, config_class, model_class, config_kwargs):
+    model_class(config_class(**config_kwargs)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="(?i)causal|decoder"):
+        LLMEngine.from_pretrained(str(tmp_path), EngineConfig(page_size=4, num_blocks=16))
