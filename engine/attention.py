@@ -20,38 +20,67 @@ ATTN_IMPLEMENTATION = "cbrun_paged"
 
 
 @dataclass
-class AttentionMetadata:
-    """Everything a layer needs to find this step's tokens in the paged cache. Built once per step.
+class GroupMetadata:
+    """Where one allocator's layers (full or sliding) find this step's tokens.
+
+    Block ``b`` of a group with ``layers_per_block`` layers owns pages ``b * layers_per_block + i``, one per layer
+    ``i`` of the group, so both tensors below point at the group's first layer and shift by ``i`` per layer.
 
     Attributes:
-        slot_mapping: (T,) int64 flat cache slot of each new token.
-        block_tables: (B, max_blocks) int32 block ids per request, padded with 0.
-        cu_seqlens_q: (B + 1,) int32 cumulative query lengths.
-        seqlens_k: (B,) int32 context length per request, this step's tokens included.
-        max_seqlen_q: longest query of the step.
-        page_size: tokens per block.
-        k_caches, v_caches: per layer, (num_blocks, page_size, num_kv_heads, head_dim).
-        use_triton: run the Triton kernels instead of the PyTorch reference.
+        slot_mapping: (T,) int64 cache slot (page * page_size + offset) of each new token, for layer 0.
+        block_tables: (B, max_blocks) int32 page of each logical block, for layer 0, padded with page 0 (a
+            reserved padding chunk). For a sliding group, logical block j maps to ring block j % ring size.
+        layers_per_block: pages per block.
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
+    layers_per_block: int
+    _per_layer: dict = field(default_factory=dict)
+
+    def for_layer(self, index: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_mapping, block_tables) of the group's layer ``index``."""
+        cached = self._per_layer.get(index)
+        if cached is None:
+            cached = (self.slot_mapping + index * page_size, self.block_tables + index)
+            self._per_layer[index] = cached
+        return cached
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a layer needs to find this step's tokens in the paged cache. Built once per step.
+
+    Attributes:
+        groups: ``{"full": ..., "sliding": ...}`` per allocator the model uses.
+        layer_groups: per layer, (group name, index of the layer within its group).
+        cu_seqlens_q: (B + 1,) int32 cumulative query lengths.
+        seqlens_k: (B,) int32 context length per request, this step's tokens included.
+        max_seqlen_q: longest query of the step.
+        page_size: tokens per page.
+        k_pages, v_pages: the cache, (num_pages, page_size, num_kv_heads, head_dim), shared by all layers.
+        use_triton: run the Triton kernels instead of the PyTorch reference.
+    """
+
+    groups: dict[str, GroupMetadata]
+    layer_groups: list[tuple[str, int]]
     cu_seqlens_q: torch.Tensor
     seqlens_k: torch.Tensor
     max_seqlen_q: int
     page_size: int
-    k_caches: list[torch.Tensor]
-    v_caches: list[torch.Tensor]
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
     use_triton: bool = False
     _plans: dict = field(default_factory=dict)
 
-    def gather_plan(self, sliding_window: int | None) -> GatherPlan:
-        """The reference path's gather plan for one window size, built on first use and shared by layers."""
-        plan = self._plans.get(sliding_window)
+    def gather_plan(self, group: str, sliding_window: int | None) -> GatherPlan:
+        """The reference path's gather plan of one group, built on first use and shared by its layers."""
+        key = (group, sliding_window)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = build_gather_plan(self.block_tables, self.cu_seqlens_q, self.seqlens_k, self.page_size,
-                                     sliding_window)
-            self._plans[sliding_window] = plan
+            plan = build_gather_plan(self.groups[group].block_tables, self.cu_seqlens_q, self.seqlens_k,
+                                     self.page_size, sliding_window)
+            self._plans[key] = plan
         return plan
 
 
@@ -89,22 +118,23 @@ def paged_attention_forward(
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's cbrun_metadata; "
                            "run the model through cbrun's LLMEngine")
     md = cbrun_metadata
-    layer = module.layer_idx
+    group, index = md.layer_groups[module.layer_idx]
+    slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
     q = query[0].transpose(0, 1)  # (T, H, D)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    k_cache, v_cache = md.k_caches[layer], md.v_caches[layer]
     if md.use_triton:
         from kernels.kv_cache_write import write_kv_cache_triton
         from kernels.paged_attention import paged_attention_triton
-        write_kv_cache_triton(k.contiguous(), v.contiguous(), k_cache, v_cache, md.slot_mapping)
-        out = paged_attention_triton(q.contiguous(), k_cache, v_cache, md.block_tables, md.cu_seqlens_q,
-                                     md.seqlens_k, scale, sliding_window=sliding_window, softcap=softcap,
+        write_kv_cache_triton(k, v, md.k_pages, md.v_pages, slot_mapping)
+        out = paged_attention_triton(q, md.k_pages, md.v_pages, block_tables, md.cu_seqlens_q, md.seqlens_k,
+                                     scale, sliding_window=sliding_window, softcap=softcap,
                                      max_seqlen_q=md.max_seqlen_q)
     else:
-        write_kv_cache_ref(k, v, k_cache, v_cache, md.slot_mapping)
-        out = paged_attention_ref(q, k_cache, v_cache, md.gather_plan(sliding_window), scale, softcap)
+        write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
+        out = paged_attention_ref(q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale,
+                                  softcap, page_offset=index)
     return out.unsqueeze(0), None
 
 

@@ -1,15 +1,20 @@
-"""The paged KV cache's block manager: free blocks, reference counts, block tables and the prefix cache."""
+"""The KV-cache manager: block tables, reference counts, the prefix cache and offloading, over a shared pool."""
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+import logging
+from collections import OrderedDict
 from typing import Callable
 
 import numpy as np
 
+from engine.cache_pool import NUM_RESERVED_CHUNKS, CachePool, ChunkAllocator
+from engine.kv_layout import FULL, SLIDING, KVLayout
 from engine.offload import CpuSwapPool
 from engine.request import Request
+
+logger = logging.getLogger("cbrun.engine")
 
 #: hash(parent_hash, token ids of the block) -> bytes. Tests may inject a weak one to force collisions.
 BlockHashFn = Callable[[bytes, tuple[int, ...]], bytes]
@@ -27,57 +32,115 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    """Owns the block pool: which blocks are free, who references each, and which hold a known prefix.
+    """Owns the KV cache's bookkeeping: free blocks, block tables, reference counts, the prefix cache, swap slots.
 
-    Every request's ``block_table`` is appended to and cleared here only. A block is in exactly one state::
+    One ``CachePool`` of chunks serves a full-attention allocator (``request.block_table``: one block per
+    ``page_size`` tokens, grows with the sequence) and a sliding-window allocator (``request.sliding_block_table``:
+    a ring of ``ring_blocks`` blocks recycled as the window moves), whichever the model's layers need. A request is
+    admitted only when every allocator has room; otherwise nothing is reserved.
 
-        never used   --allocate-->  in use (ref_count >= 1)  --last free-->  cached (ref 0, hash kept)
-             ^                        ^                                          |
-             |                        +------ prefix cache hit (ref + 1) --------+
-             +--------------- (hash-less blocks go back here) ----- evicted: oldest cached block reused
+    Full blocks move through these states (prefix caching, vLLM-style)::
 
-    Prefix caching (vLLM automatic prefix caching): each full block gets ``hash(parent hash, token ids)``; a new
-    request takes its longest run of cached full blocks instead of computing them. The cache is best effort: a
-    cached block counts as free, so caching never makes an allocation fail.
+        free   --allocate-->  in use (ref_count >= 1)  --last release-->  cached (ref 0, hash kept)
+          ^                     ^                                            |
+          |                     +------- prefix cache hit (ref + 1) ---------+
+          +------ hash-less blocks go back to their chunk; the oldest cached block is evicted when none is free
+
+    Each full block's content is ``hash(parent hash, token ids)``; a new request takes its longest run of cached
+    blocks instead of computing them. A cached block counts as free, so caching never makes an allocation fail.
+    Sharing is on only when every layer attends fully (a sliding ring cannot be shared).
 
     Args:
-        num_blocks: blocks in the pool.
+        num_blocks: capacity in blocks of ``page_size`` tokens of every layer (the pool also holds 2 reserved
+            padding chunks beyond this).
         page_size: tokens per block.
         enable_prefix_caching: share full blocks between requests with equal prefixes.
         hash_fn: block hash function (``sha256_block_hash`` unless a test injects another).
-        num_cpu_blocks: CPU swap slots for offloaded requests (0: no swap, preemption is a soft reset).
+        num_cpu_blocks: CPU swap capacity in blocks of every layer (0: no swap, preemption is a soft reset).
+        layout: which layers are full and sliding; default one full layer.
+        max_chunk_tokens: most tokens a request computes in one step (sizes the sliding ring).
+        max_model_len: the model's maximum length (caps the sliding ring).
     """
 
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: BlockHashFn = sha256_block_hash, num_cpu_blocks: int = 0) -> None:
-        self.num_blocks = num_blocks
+                 hash_fn: BlockHashFn = sha256_block_hash, num_cpu_blocks: int = 0, layout: KVLayout | None = None,
+                 max_chunk_tokens: int = 1, max_model_len: int | None = None) -> None:
+        self.layout = layout or KVLayout.full(1)
         self.page_size = page_size
-        self.enable_prefix_caching = enable_prefix_caching
+        num_layers = len(self.layout.layer_types)
+        self.chunk_pages = self.layout.chunk_pages
+        usable_chunks = max(1, num_blocks * num_layers // self.chunk_pages)
+        self.pool = CachePool(usable_chunks + NUM_RESERVED_CHUNKS)
+        self.num_pages = self.pool.num_chunks * self.chunk_pages
+        self.num_full_layers = self.layout.num_layers_of(FULL)
+        self.num_sliding_layers = self.layout.num_layers_of(SLIDING)
+        self.full = ChunkAllocator(self.pool, self.chunk_pages, self.num_full_layers) if self.num_full_layers else None
+        self.sliding = (ChunkAllocator(self.pool, self.chunk_pages, self.num_sliding_layers)
+                        if self.num_sliding_layers else None)
+        self.ring_blocks = self._ring_size(max_chunk_tokens, max_model_len)
+        main = self.full or self.sliding
+        self.num_blocks = usable_chunks * main.blocks_per_chunk
+        self.enable_prefix_caching = enable_prefix_caching and self.sliding is None
+        if enable_prefix_caching and self.sliding is not None:
+            logger.info("prefix sharing is off: the model has sliding-window layers, whose blocks cannot be shared")
         self.hash_fn = hash_fn
-        self.ref_counts = [0] * num_blocks
-        self._never_used: deque[int] = deque(range(num_blocks))
+        num_block_ids = self.pool.num_chunks * main.blocks_per_chunk
+        self.ref_counts = [0] * num_block_ids
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, least recently freed first
-        self._block_hash: list[bytes | None] = [None] * num_blocks
-        self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_block_ids
+        self._block_tokens: list[tuple[int, ...] | None] = [None] * num_block_ids
         self._hash_to_block: dict[bytes, int] = {}
         self._request_hashes: dict[int, list[bytes]] = {}  # id(request) -> hashes of its registered full blocks
         self.num_evicted_blocks = 0
-        self.swap_pool = CpuSwapPool(num_cpu_blocks)
+        self.swap_pool = CpuSwapPool(num_cpu_blocks * num_layers)  # in pages
+
+    def _ring_size(self, max_chunk_tokens: int, max_model_len: int | None) -> int:
+        """Sliding blocks per request: every position a step's queries may see, [start - window + 1, start +
+        chunk), must live in a distinct ring slot."""
+        if self.sliding is None:
+            return 0
+        ring = cdiv(self.layout.sliding_window - 1 + max_chunk_tokens, self.page_size) + 1
+        return min(ring, cdiv(max_model_len, self.page_size)) if max_model_len else ring
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation may take: never used plus cached-but-unreferenced."""
-        return len(self._never_used) + len(self._cached_free)
+        """Blocks an allocation of the main allocator may take now (cached-but-unreferenced ones included)."""
+        main = self.full or self.sliding
+        return main.num_free_blocks + len(self._cached_free)
 
     @property
     def num_cached_free_blocks(self) -> int:
         return len(self._cached_free)
 
+    @property
+    def free_fraction(self) -> float:
+        """Fraction of the usable pool that is free (cached blocks count as free)."""
+        cached_chunks = len(self._cached_free) / (self.full.blocks_per_chunk if self.full else 1)
+        return (self.pool.num_free_chunks + cached_chunks) / self.pool.num_usable_chunks
+
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_cached_blocks: int = 0) -> int:
-        """Blocks to add so positions up to ``num_computed_tokens + num_new_tokens`` have a slot."""
+        """Full blocks to add so positions up to ``num_computed_tokens + num_new_tokens`` have a slot."""
+        if self.full is None:
+            return 0
         num_slots = request.num_computed_tokens + num_new_tokens
         return max(0, cdiv(num_slots, self.page_size) - len(request.block_table) - num_cached_blocks)
+
+    def _sliding_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        if self.sliding is None:
+            return 0
+        wanted = min(self.ring_blocks, cdiv(request.num_computed_tokens + num_new_tokens, self.page_size))
+        return max(0, wanted - len(request.sliding_block_table))
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` tokens fits the whole pool when nothing else runs."""
+        blocks = cdiv(num_tokens, self.page_size)
+        chunks = 0
+        if self.full is not None:
+            chunks += cdiv(blocks, self.full.blocks_per_chunk)
+        if self.sliding is not None:
+            chunks += cdiv(min(blocks, self.ring_blocks), self.sliding.blocks_per_chunk)
+        return chunks <= self.pool.num_usable_chunks
 
     # ---- prefix cache lookup ----------------------------------------------------------------------------
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -106,7 +169,7 @@ class BlockManager:
 
     # ---- allocation -----------------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Give the request slots for ``num_new_tokens`` more tokens, taking ``cached_blocks`` first.
+        """Give the request slots for ``num_new_tokens`` more tokens in every allocator, cached blocks first.
 
         All or nothing: on a shortage nothing changes and False is returned; the scheduler decides what to do.
         Full blocks that this step fills are registered in the prefix cache at once, so a request scheduled later
@@ -114,17 +177,41 @@ class BlockManager:
 
         Args:
             request: the request; ``cached_blocks`` may be given only before its first allocation.
-            num_new_tokens: tokens scheduled this step, beyond ``num_cached_blocks * page_size`` cached ones.
+            num_new_tokens: tokens scheduled this step, beyond ``len(cached_blocks) * page_size`` cached ones.
             cached_blocks: from ``find_cached_prefix``.
 
         Returns:
             True when the slots are reserved.
         """
-        needed = self.num_blocks_needed(request, num_new_tokens + len(cached_blocks) * self.page_size,
-                                        len(cached_blocks))
-        reviving = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
-        if needed > self.num_free_blocks - reviving:
+        num_cached_tokens = len(cached_blocks) * self.page_size
+        full_needed = self.num_blocks_needed(request, num_new_tokens + num_cached_tokens, len(cached_blocks))
+        sliding_needed = self._sliding_blocks_needed(request, num_new_tokens + num_cached_tokens)
+        if not self._has_room(full_needed, sliding_needed, cached_blocks):
             return False
+        self._take_cached(request, cached_blocks)
+        for _ in range(full_needed):
+            request.block_table.append(self._take_full_block())
+        for _ in range(sliding_needed):
+            request.sliding_block_table.append(self.sliding.take())
+        if self.enable_prefix_caching:
+            num_tokens_after = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+            self._register_full_blocks(request, num_tokens_after)
+        return True
+
+    def _has_room(self, full_needed: int, sliding_needed: int, cached_blocks) -> bool:
+        free_chunks = self.pool.num_free_chunks
+        if self.sliding is not None:
+            free_chunks -= self.sliding.blocks_from_chunks(sliding_needed)
+            if free_chunks < 0:
+                return False
+        if self.full is None:
+            return True
+        reviving = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        evictable = len(self._cached_free) - reviving
+        missing = max(0, full_needed - self.full.num_held_free_blocks - evictable)
+        return missing <= free_chunks * self.full.blocks_per_chunk
+
+    def _take_cached(self, request: Request, cached_blocks) -> None:
         for block in cached_blocks:
             if self.ref_counts[block] == 0:
                 del self._cached_free[block]
@@ -132,17 +219,10 @@ class BlockManager:
             request.block_table.append(block)
         if cached_blocks:
             self._request_hashes[id(request)] = [self._block_hash[b] for b in cached_blocks]
-        for _ in range(needed):
-            request.block_table.append(self._take_free_block())
-        if self.enable_prefix_caching:
-            num_tokens_after = request.num_computed_tokens + len(cached_blocks) * self.page_size + num_new_tokens
-            self._register_full_blocks(request, num_tokens_after)
-        return True
 
-    def _take_free_block(self) -> int:
-        if self._never_used:
-            block = self._never_used.popleft()
-        else:
+    def _take_full_block(self) -> int:
+        block = self.full.take()
+        if block is None:
             block, _ = self._cached_free.popitem(last=False)
             self._drop_hash(block)
             self.num_evicted_blocks += 1
@@ -180,45 +260,63 @@ class BlockManager:
                 if self._block_hash[block] is not None:
                     self._cached_free[block] = None
                 else:
-                    self._never_used.append(block)
+                    self.full.release(block)
+        for block in request.sliding_block_table:
+            self.sliding.release(block)
         request.block_table.clear()
+        request.sliding_block_table.clear()
         self._request_hashes.pop(id(request), None)
 
-    # ---- offloading to CPU swap ------------------------------------------------------------------------------
+    # ---- pages, for the model runner and offloading -----------------------------------------------------------
+    def request_pages(self, request: Request) -> list[int]:
+        """Every page the request holds: its full blocks' pages, then its sliding ring's."""
+        pages = [b * self.num_full_layers + i for b in request.block_table for i in range(self.num_full_layers)]
+        pages += [b * self.num_sliding_layers + i for b in request.sliding_block_table
+                  for i in range(self.num_sliding_layers)]
+        return pages
+
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        """Move the request's blocks to CPU slots and free them on the device.
+        """Move the request's pages to CPU slots and free its blocks on the device.
 
         Returns:
-            ``(device_block, cpu_slot)`` copies the model runner must make before this step's forward pass
+            ``(device page, CPU slot)`` copies the model runner must make before this step's forward pass
             writes anything, or None (nothing changed) when the swap pool lacks room.
         """
-        slots = self.swap_pool.allocate(len(request.block_table))
+        pages = self.request_pages(request)
+        slots = self.swap_pool.allocate(len(pages))
         if slots is None:
             return None
-        copies = list(zip(request.block_table, slots))
         self.free(request)
         request.cpu_blocks = slots
-        return copies
+        return list(zip(pages, slots))
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Give a swapped-out request device blocks again, for its cached tokens plus ``num_new_tokens``.
 
         Returns:
-            ``(cpu_slot, device_block)`` copies to make before the forward pass, or None when blocks lack.
+            ``(CPU slot, device page)`` copies to make before the forward pass, or None when blocks lack.
             The CPU slots stay taken until ``release_swap_slots`` runs after the copy.
         """
+        num_full = cdiv(request.num_computed_tokens, self.page_size) if self.full else 0
+        num_ring = min(self.ring_blocks, cdiv(request.num_computed_tokens, self.page_size)) if self.sliding else 0
         if not self.allocate_slots(request, num_new_tokens):
             return None
-        return list(zip(request.cpu_blocks, request.block_table))
+        pages = [b * self.num_full_layers + i for b in request.block_table[:num_full]
+                 for i in range(self.num_full_layers)]
+        pages += [b * self.num_sliding_layers + i for b in request.sliding_block_table[:num_ring]
+                  for i in range(self.num_sliding_layers)]
+        assert len(pages) == len(request.cpu_blocks)
+        return list(zip(request.cpu_blocks, pages))
 
     def release_swap_slots(self, request: Request) -> None:
         self.swap_pool.free(request.cpu_blocks)
         request.cpu_blocks = []
 
     def check_consistency(self) -> None:
-        """Assert the pool's invariants (for tests): every block is in exactly one state."""
-        in_use = sum(1 for r in self.ref_counts if r > 0)
-        assert in_use + len(self._never_used) + len(self._cached_free) == self.num_blocks
-        assert all(self.ref_counts[b] == 0 for b in self._never_used)
+        """Assert the pool's invariants (for tests): chunks, blocks and references add up."""
+        held = sum(a.num_held_chunks for a in (self.full, self.sliding) if a is not None)
+        assert held + self.pool.num_free_chunks == self.pool.num_usable_chunks, "chunks leaked"
         assert all(self.ref_counts[b] == 0 and self._block_hash[b] is not None for b in self._cached_free)
-        assert len(set(self._never_used)) == len(self._never_used)
+        assert all(r >= 0 for r in self.ref_counts)
+        reserved = NUM_RESERVED_CHUNKS * (self.full or self.sliding).blocks_per_chunk
+        assert all(r == 0 for r in self.ref_counts[:reserved]), "a padding chunk was handed out"

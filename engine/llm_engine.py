@@ -14,6 +14,7 @@ from engine.attention import ATTN_IMPLEMENTATION
 from engine.block_manager import BlockManager
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
+from engine.kv_layout import KVLayout
 from engine.model_runner import KVCache, ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -49,16 +50,19 @@ class LLMEngine:
         model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         num_kv_heads, head_dim = _kv_shape(model_config)
         dtype = next(model.parameters()).dtype
-        num_layers = model_config.num_hidden_layers
-        bytes_per_block = KVCache.bytes_per_block(num_layers, config.page_size, num_kv_heads, head_dim, dtype)
+        layout = KVLayout.from_model_config(model_config)
+        bytes_per_block = KVCache.bytes_per_block(len(layout.layer_types), config.page_size, num_kv_heads,
+                                                  head_dim, dtype)
         self.num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block, model_config)
         num_cpu_blocks = int(config.cpu_offload_space * 2**30) // bytes_per_block
         self.block_manager = BlockManager(self.num_blocks, config.page_size, config.allow_block_sharing,
-                                          num_cpu_blocks=num_cpu_blocks)
+                                          num_cpu_blocks=num_cpu_blocks, layout=layout,
+                                          max_chunk_tokens=config.max_batch_tokens, max_model_len=max_model_len)
         self.scheduler = make_scheduler(config, self.block_manager)
-        kv_cache = KVCache(num_layers, self.num_blocks, config.page_size, num_kv_heads, head_dim, dtype,
-                           next(model.parameters()).device, num_cpu_blocks)
-        self.model_runner = ModelRunner(model, kv_cache, config.page_size, use_triton=_use_triton(config))
+        kv_cache = KVCache(self.block_manager.num_pages, config.page_size, num_kv_heads, head_dim, dtype,
+                           next(model.parameters()).device, self.block_manager.swap_pool.num_slots)
+        self.model_runner = ModelRunner(model, kv_cache, layout, config.page_size, self.block_manager.ring_blocks,
+                                        use_triton=_use_triton(config))
         self.stats = EngineStats()
         self._seed_generator = torch.Generator().manual_seed(config.seed)
         self._rejected: list[Request] = []

@@ -1,67 +1,80 @@
-"""The model runner: turns a step's plan into flattened tensors, runs the model, returns next-token logits."""
+"""The model runner: turns a step's plan into flattened tensors, runs the model, returns logits."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, GroupMetadata
+from engine.kv_layout import FULL, SLIDING, KVLayout
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class KVCache:
-    """The paged KV cache and its CPU swap buffer.
+    """The paged KV cache and its CPU swap buffer, in pages of one layer's ``page_size`` tokens.
 
-    ``kv`` has shape (2, num_layers, num_blocks, page_size, num_kv_heads, head_dim): K then V; ``k[layer]`` and
-    ``v[layer]`` are views of shape (num_blocks, page_size, num_kv_heads, head_dim). ``cpu_kv`` is the same with
-    ``num_cpu_blocks`` (pinned on CUDA), so an offload or restore is one gather and one copy for all layers.
+    ``kv`` has shape (2, num_pages, page_size, num_kv_heads, head_dim): K then V, every layer's pages in one
+    pool (which page serves which layer is the block manager's business). ``cpu_kv`` is the same with
+    ``num_cpu_pages`` (pinned on CUDA), so an offload or restore is one gather and one copy.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0) -> None:
-        shape = (2, num_layers, num_blocks, page_size, num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = list(self.kv[0].unbind(0))
-        self.v = list(self.kv[1].unbind(0))
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, num_cpu_pages: int = 0) -> None:
+        self.kv = torch.zeros((2, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
         pin = torch.device(device).type == "cuda"
-        cpu_shape = (2, num_layers, num_cpu_blocks, page_size, num_kv_heads, head_dim)
-        self.cpu_kv = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_blocks else None
+        cpu_shape = (2, num_cpu_pages, page_size, num_kv_heads, head_dim)
+        self.cpu_kv = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_pages else None
+
+    @property
+    def k_pages(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @property
+    def v_pages(self) -> torch.Tensor:
+        return self.kv[1]
 
     @staticmethod
     def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        """K and V bytes of one block across all layers."""
+        """K and V bytes of ``page_size`` tokens across all layers."""
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy ``(device block, CPU slot)`` pairs out, then ``(CPU slot, device block)`` pairs in."""
+        """Copy ``(device page, CPU slot)`` pairs out, then ``(CPU slot, device page)`` pairs in."""
         if swap_out:
             src, dst = zip(*swap_out)
-            self.cpu_kv[:, :, list(dst)] = self.kv[:, :, list(src)].to("cpu", non_blocking=True)
+            self.cpu_kv[:, list(dst)] = self.kv[:, list(src)].to("cpu", non_blocking=True)
         if swap_in:
             src, dst = zip(*swap_in)
-            self.kv[:, :, list(dst)] = self.cpu_kv[:, :, list(src)].to(self.kv.device, non_blocking=True)
+            self.kv[:, list(dst)] = self.cpu_kv[:, list(src)].to(self.kv.device, non_blocking=True)
 
 
 class ModelRunner:
     """Executes a plan. Owns the model, the KV-cache tensors and the per-step input tensors; decides nothing.
 
     The batch is flattened: the scheduled requests' new tokens are laid end to end as one sequence of T tokens
-    (no padding), with positions, a slot mapping and block tables telling attention where each request's
-    context lives.
+    (no padding), with positions, per-allocator slot mappings and block tables telling attention where each
+    request's context lives.
 
     Args:
         model: a transformers causal LM loaded with ``attn_implementation="cbrun_paged"``.
         kv_cache: the cache tensors.
-        page_size: tokens per block.
+        layout: the model's full / sliding layers.
+        page_size: tokens per page.
+        ring_blocks: sliding blocks per request (0 without sliding layers).
         use_triton: attention through the Triton kernels.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, page_size: int, use_triton: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, layout: KVLayout, page_size: int,
+                 ring_blocks: int = 0, use_triton: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.layout = layout
         self.page_size = page_size
+        self.ring_blocks = ring_blocks
         self.use_triton = use_triton
         self.device = next(model.parameters()).device
+        self.layer_groups = [(kind, layout.index_in_group(i)) for i, kind in enumerate(layout.layer_types)]
+        self.layers_per_block = {kind: layout.num_layers_of(kind) for kind in (FULL, SLIDING)}
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor | None:
@@ -77,16 +90,15 @@ class ModelRunner:
         """
         if plan.swap_out or plan.swap_in:
             self.kv_cache.swap(plan.swap_out, plan.swap_in)
-        scheduled = plan.scheduled
-        if not scheduled:
+        if not plan.scheduled:
             return None
-        input_ids, positions, md, logits_indices = self._prepare(scheduled)
+        input_ids, positions, md, logits_indices = self._prepare(plan.scheduled)
         output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                             logits_to_keep=logits_indices, cbrun_metadata=md)
         return output.logits[0]
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
-        token_ids, positions, q_lens, seqlens_k, logits_indices, tables = [], [], [], [], [], []
+        token_ids, positions, q_lens, seqlens_k, logits_indices = [], [], [], [], []
         offset = 0
         for item in scheduled:
             request, start = item.request, item.request.num_computed_tokens
@@ -95,26 +107,42 @@ class ModelRunner:
             positions.extend(range(start, end))
             q_lens.append(item.num_tokens)
             seqlens_k.append(end)
-            tables.append(request.block_table)
             logits_indices.extend(offset + p - start for p in item.prompt_logprob_positions())
             offset += item.num_tokens
             if item.samples:
                 logits_indices.append(offset - 1)
-        device = self.device
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
         cu_seqlens_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
         positions_t = torch.tensor(positions, dtype=torch.int64)
         request_index = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t.long())
-        blocks = block_tables[request_index, positions_t // self.page_size].long()
-        slot_mapping = blocks * self.page_size + positions_t % self.page_size
+        groups = {kind: self._group_metadata(kind, scheduled, positions_t, request_index, max(seqlens_k))
+                  for kind, n in self.layers_per_block.items() if n}
+        device = self.device
         md = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device), block_tables=block_tables.to(device),
-            cu_seqlens_q=cu_seqlens_q.to(device), seqlens_k=torch.tensor(seqlens_k, dtype=torch.int32).to(device),
-            max_seqlen_q=max(q_lens), page_size=self.page_size, k_caches=self.kv_cache.k, v_caches=self.kv_cache.v,
+            groups=groups, layer_groups=self.layer_groups, cu_seqlens_q=cu_seqlens_q.to(device),
+            seqlens_k=torch.tensor(seqlens_k, dtype=torch.int32).to(device), max_seqlen_q=max(q_lens),
+            page_size=self.page_size, k_pages=self.kv_cache.k_pages, v_pages=self.kv_cache.v_pages,
             use_triton=self.use_triton)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         logits_idx = torch.tensor(logits_indices, dtype=torch.int64, device=device)
         return input_ids, positions_t.to(device), md, logits_idx
+
+    def _group_metadata(self, kind: str, scheduled, positions: torch.Tensor, request_index: torch.Tensor,
+                        max_seqlen_k: int) -> GroupMetadata:
+        """Block tables (in pages of the group's first layer) and slot mapping of one allocator's layers."""
+        page = self.page_size
+        if kind == FULL:
+            tables = [s.request.block_table for s in scheduled]
+        else:
+            tables = [s.request.sliding_block_table for s in scheduled]
+        width = max(len(t) for t in tables)
+        blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        if kind == SLIDING:  # logical block j lives in ring block j % ring size
+            logical = torch.arange(-(-max_seqlen_k // page)) % self.ring_blocks
+            blocks = blocks[:, logical.clamp(max=width - 1)]
+        pages = blocks * self.layers_per_block[kind]
+        slot_mapping = pages[request_index, positions // page] * page + positions % page
+        return GroupMetadata(slot_mapping=slot_mapping.to(self.device),
+                             block_tables=pages.to(torch.int32).to(self.device),
+                             layers_per_block=self.layers_per_block[kind])

@@ -39,6 +39,8 @@ class Request:
         num_computed_tokens: tokens whose KV is in the cache.
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         block_table: block ids of the request's pages in position order. Only the block manager changes it.
+        sliding_block_table: the ring of sliding-window blocks; position p lives in block
+            ``sliding_block_table[(p // page_size) % ring_blocks]`` (block manager's too).
         cpu_blocks: CPU swap slots holding its pages while it is offloaded (block manager's too).
         status: see ``RequestStatus``; only the scheduler changes it.
     """
@@ -52,6 +54,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    sliding_block_table: list[int] = field(default_factory=list)
     cpu_blocks: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None

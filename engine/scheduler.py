@@ -118,7 +118,7 @@ class FIFOScheduler:
                 if not self._swap_in(request, plan, out):
                     return
                 continue
-            if cdiv(request.num_tokens, self.block_manager.page_size) > self.block_manager.num_blocks:
+            if not self.block_manager.can_ever_fit(request.num_tokens):
                 self.waiting.popleft()
                 self._fail(request, out, self._cache_too_small_message(request))
                 continue
@@ -184,8 +184,7 @@ class FIFOScheduler:
         return any(r is not request for r in self.running)
 
     def _below_safety_margin(self) -> bool:
-        bm = self.block_manager
-        return bm.num_free_blocks < self.config.safety_margin * bm.num_blocks
+        return self.block_manager.free_fraction < self.config.safety_margin
 
     def _cache_too_small_message(self, request: Request) -> str:
         bm = self.block_manager

@@ -108,6 +108,7 @@ def paged_attention_ref(
     plan: GatherPlan,
     scale: float,
     softcap: float | None = None,
+    page_offset: int = 0,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch over a paged KV cache.
 
@@ -117,6 +118,7 @@ def paged_attention_ref(
         plan: from ``build_gather_plan`` for this batch.
         scale: multiplier of q.k (usually head_dim ** -0.5).
         softcap: if set, scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
+        page_offset: added to every block id of the plan (a layer's page within a multi-layer block).
 
     Returns:
         (T, num_heads, head_dim) in ``query.dtype``. Softmax runs in float32.
@@ -129,8 +131,9 @@ def paged_attention_ref(
         batch, max_q = g.q_index.shape
         q = query[g.q_index].transpose(1, 2)  # (B, H, Q, D)
         # (B, NB, page, Hkv, D) -> (B, Hkv, K, D)
-        k = k_cache[g.blocks].flatten(1, 2).transpose(1, 2)
-        v = v_cache[g.blocks].flatten(1, 2).transpose(1, 2)
+        pages = g.blocks + page_offset if page_offset else g.blocks
+        k = k_cache[pages].flatten(1, 2).transpose(1, 2)
+        v = v_cache[pages].flatten(1, 2).transpose(1, 2)
         if softcap is None:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
                                                                  enable_gqa=group_size > 1)

@@ -1,6 +1,7 @@
 """Block manager: exact block ids, reference counts, prefix-cache hits and eviction order."""
 
 from engine.block_manager import BlockManager
+from engine.kv_layout import KVLayout
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -23,12 +24,12 @@ def test_allocation_is_all_or_nothing():
     bm = BlockManager(num_blocks=4, page_size=4, enable_prefix_caching=False)
     a = make_request(range(10))
     assert bm.allocate_slots(a, 10)
-    assert a.block_table == [0, 1, 2]
+    assert a.block_table == [2, 3, 4]  # chunks 0 and 1 are reserved for padding
     b = make_request(range(100, 108))
     assert not bm.allocate_slots(b, 8)  # needs 2, only 1 free
     assert b.block_table == [] and bm.num_free_blocks == 1
     bm.free(a)
-    assert bm.num_free_blocks == 4 and bm.ref_counts == [0, 0, 0, 0]
+    assert bm.num_free_blocks == 4 and not any(bm.ref_counts)
     bm.check_consistency()
 
 
@@ -39,7 +40,7 @@ def test_growth_allocates_only_at_block_boundaries():
     r.num_computed_tokens = 4
     assert bm.num_blocks_needed(r, 1) == 1
     assert bm.allocate_slots(r, 1)
-    assert r.block_table == [0, 1]
+    assert r.block_table == [2, 3]
     r.num_computed_tokens = 5
     assert bm.num_blocks_needed(r, 1) == 0
 
@@ -69,16 +70,16 @@ def test_last_prompt_token_is_never_served_from_cache():
 
 def test_freed_blocks_stay_cached_until_evicted_oldest_first():
     bm = BlockManager(num_blocks=4, page_size=2)
-    a = make_request([1, 2, 3, 4, 5])  # blocks 0, 1 full; 2 partial
+    a = make_request([1, 2, 3, 4, 5])  # blocks 2, 3 full; 4 partial
     admit(bm, a)
-    bm.free(a)  # tail first: 2 (no hash) back to never-used; 1 then 0 cached
+    bm.free(a)  # tail first: 4 (no hash) back to the pool; 3 then 2 cached
     assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 2
     assert len(bm.find_cached_prefix(make_request([1, 2, 3, 4, 9]))) == 2
-    big = make_request(range(100, 106))  # needs 3 blocks: 3, 2 never used, then evict the deepest cached (1)
+    big = make_request(range(100, 106))  # needs 3 blocks: 5, 4 from the pool, then evict the deepest cached (3)
     assert bm.allocate_slots(big, 6)
-    assert big.block_table == [3, 2, 1]
+    assert big.block_table == [5, 4, 3]
     assert bm.num_evicted_blocks == 1
-    assert len(bm.find_cached_prefix(make_request([1, 2, 3, 4, 9]))) == 1  # block 0 still hits
+    assert len(bm.find_cached_prefix(make_request([1, 2, 3, 4, 9]))) == 1  # block 2 still hits
     bm.free(big)
     bm.check_consistency()
 
@@ -100,3 +101,32 @@ def test_hash_collision_never_serves_other_tokens():
     admit(bm, a)
     b = make_request([7, 8, 9])
     assert bm.find_cached_prefix(b) == []  # same hash, other tokens: a miss
+
+
+def test_hybrid_pool_tiles_full_and_sliding_blocks_and_admits_only_when_both_fit():
+    # 2 full + 1 sliding layers: a chunk is lcm(2, 1) = 2 pages = 1 full block or 2 sliding blocks.
+    layout = KVLayout(("full", "sliding", "full"), sliding_window=4)
+    bm = BlockManager(num_blocks=4, page_size=2, layout=layout, max_chunk_tokens=2, max_model_len=64)
+    assert bm.chunk_pages == 2 and bm.pool.num_usable_chunks == 6  # 4 blocks x 3 layers / 2 pages
+    assert bm.ring_blocks == 4  # ceil((4 - 1 + 2) / 2) + 1
+    r = make_request(range(20))
+    assert not bm.allocate_slots(r, 20)  # 10 full blocks: more than the pool; nothing reserved
+    assert r.block_table == [] and r.sliding_block_table == [] and bm.pool.num_free_chunks == 6
+    assert bm.allocate_slots(r, 8)  # 4 full blocks (4 chunks) + 4 ring blocks (2 chunks)
+    assert len(r.block_table) == 4 and len(r.sliding_block_table) == 4 and bm.pool.num_free_chunks == 0
+    r.num_computed_tokens = 8
+    assert bm.allocate_slots(r, 0) and len(r.sliding_block_table) == bm.ring_blocks  # never beyond the ring
+    assert all(c >= 2 for c in (b // bm.full.blocks_per_chunk for b in r.block_table))  # padding chunks unused
+    assert not bm.allocate_slots(r, 2)  # a 5th full block: no chunk left
+    bm.free(r)
+    assert bm.pool.num_free_chunks == 6
+    bm.check_consistency()
+
+
+def test_prefix_sharing_is_off_with_sliding_layers():
+    layout = KVLayout(("sliding", "sliding"), sliding_window=8)
+    bm = BlockManager(num_blocks=16, page_size=4, layout=layout, max_chunk_tokens=4, max_model_len=64)
+    assert not bm.enable_prefix_caching
+    a = make_request(range(12))
+    admit(bm, a)
+    assert bm.find_cached_prefix(make_request(range(12))) == []

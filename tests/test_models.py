@@ -15,7 +15,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from model_utils import WEIGHT_SCALE, random_prompts, run_engine
+from model_utils import WEIGHT_SCALE, assert_pool_balanced, random_prompts, run_engine
 
 VOCAB = 128
 NEW_TOKENS = 12
@@ -148,3 +148,24 @@ def test_non_causal_model_is_rejected_at_load(tmp_path, config_class, model_clas
     model_class(config_class(**config_kwargs)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="(?i)causal|decoder"):
         LLMEngine.from_pretrained(str(tmp_path), EngineConfig(page_size=4, num_blocks=16))
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_sliding_ring_stays_within_its_window_and_pool_balances(oracle, name):
+    """Sliding requests recycle a fixed ring of blocks; full and sliding blocks share one pool of chunks."""
+    model_dir, expected = oracle(name)
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE_CONFIG))
+    bm = engine.block_manager
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(i, prompt, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    outputs, longest = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.output_token_ids
+        for request in engine.scheduler.running:
+            assert len(request.sliding_block_table) <= bm.ring_blocks
+            longest = max(longest, request.num_tokens)
+        bm.check_consistency()
+    assert longest > bm.ring_blocks * bm.page_size  # the ring was recycled
+    assert [outputs[i] for i in range(len(PROMPTS))] == expected
+    assert_pool_balanced(engine)
