@@ -120,6 +120,9 @@ def paged_attention_ref(
         softcap: if set, scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
         page_offset: added to every block id of the plan (a layer's page within a multi-layer block).
 
+    NOTE: whole pages are gathered and unused positions masked, so unused slots must hold finite values (a NaN
+    there would survive a zero attention weight). The engine's cache is zero-initialised and only ever holds K/V.
+
     Returns:
         (T, num_heads, head_dim) in ``query.dtype``. Softmax runs in float32.
     """
