@@ -42,7 +42,10 @@ class GroupMetadata:
         """(slot_mapping, block_tables) of the group's layer ``index``."""
         cached = self._per_layer.get(index)
         if cached is None:
-            cached = (self.slot_mapping + index * page_size, self.block_tables + index)
+            slots = self.slot_mapping
+            if index:  # padded tokens keep their negative slot: they write nowhere in any layer
+                slots = torch.where(slots >= 0, slots + index * page_size, slots)
+            cached = (slots, self.block_tables + index)
             self._per_layer[index] = cached
         return cached
 

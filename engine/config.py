@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SWITCHES = ("auto", "on", "off")
 
 
 @dataclass
@@ -28,6 +29,10 @@ class EngineConfig:
         device: torch device string, e.g. "cpu" or "cuda".
         attention_backend: "torch" (PyTorch reference), "triton" (kernels), or "auto" (triton on CUDA).
         seed: seed of the engine's generator for requests without a seed of their own.
+        cuda_graphs: "auto" (on for CUDA with the Triton backend), "on" or "off".
+        q_padding_interval_size: with CUDA graphs, query tokens are padded to a multiple of this.
+        kv_padding_interval_size: with CUDA graphs, block tables address a multiple of this many tokens.
+        max_cached_graphs: CUDA graphs kept at once (one per padded shape).
 
     Raises:
         ValueError: naming the setting and the reason, for any out-of-range value.
@@ -46,6 +51,10 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0
+    cuda_graphs: str = "auto"
+    q_padding_interval_size: int = 64
+    kv_padding_interval_size: int = 256
+    max_cached_graphs: int = 32
 
     def __post_init__(self) -> None:
         self._check_positive_int("page_size")
@@ -65,6 +74,10 @@ class EngineConfig:
             raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.cuda_graphs not in SWITCHES:
+            raise ValueError(f"cuda_graphs must be one of {SWITCHES}, got {self.cuda_graphs!r}")
+        for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs"):
+            self._check_positive_int(name)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

@@ -16,6 +16,7 @@ from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
 from engine.model_runner import KVCache, ModelRunner
+from engine.padding import PaddingPolicy
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import sample
@@ -61,8 +62,14 @@ class LLMEngine:
         self.scheduler = make_scheduler(config, self.block_manager)
         kv_cache = KVCache(self.block_manager.num_pages, config.page_size, num_kv_heads, head_dim, dtype,
                            next(model.parameters()).device, self.block_manager.swap_pool.num_slots)
+        use_triton = _use_triton(config)
+        use_graphs = _use_cuda_graphs(config, use_triton)
+        padding = PaddingPolicy(config.q_padding_interval_size, config.kv_padding_interval_size,
+                                config.max_batch_tokens, config.max_requests_per_batch, config.page_size)
         self.model_runner = ModelRunner(model, kv_cache, layout, config.page_size, self.block_manager.ring_blocks,
-                                        use_triton=_use_triton(config))
+                                        use_triton=use_triton, padding=padding if use_graphs else None,
+                                        use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
+                                        max_model_len=max_model_len)
         self.stats = EngineStats()
         self._seed_generator = torch.Generator().manual_seed(config.seed)
         self._rejected: list[Request] = []
@@ -278,6 +285,24 @@ def _eos_token_ids(model_path: str, model_config) -> set[int]:
     if eos is None:
         return set()
     return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}
+
+
+def _use_cuda_graphs(config: EngineConfig, use_triton: bool) -> bool:
+    """Whether to replay the forward pass from CUDA graphs; says why not, once, when it cannot."""
+    on_cuda = torch.device(config.device).type == "cuda"
+    if config.cuda_graphs == "off":
+        return False
+    reason = None
+    if not on_cuda:
+        reason = f"the device is {config.device}, not CUDA"
+    elif not use_triton:
+        reason = "attention_backend = torch synchronises with the host, which a graph cannot hold"
+    if reason is None:
+        return True
+    if config.cuda_graphs == "on":
+        raise ValueError(f"cuda_graphs = on, but {reason}")
+    logger.info("CUDA graphs off: %s", reason)
+    return False
 
 
 def _use_triton(config: EngineConfig) -> bool:

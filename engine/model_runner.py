@@ -6,6 +6,8 @@ import torch
 
 from engine.attention import AttentionMetadata, GroupMetadata
 from engine.kv_layout import FULL, SLIDING, KVLayout
+from engine.cuda_graphs import CudaGraphRunner
+from engine.padding import PaddingPolicy
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -62,16 +64,27 @@ class ModelRunner:
         page_size: tokens per page.
         ring_blocks: sliding blocks per request (0 without sliding layers).
         use_triton: attention through the Triton kernels.
+        padding: pad every step to a ``PaddedShape`` (what CUDA graphs need); None runs exact shapes.
+        use_cuda_graphs: replay the forward pass from CUDA graphs (needs ``padding`` and ``use_triton``).
+        max_cached_graphs: graphs kept at once.
+        max_model_len: the model's maximum length (sizes the static block tables).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, layout: KVLayout, page_size: int,
-                 ring_blocks: int = 0, use_triton: bool = False) -> None:
+                 ring_blocks: int = 0, use_triton: bool = False, padding: PaddingPolicy | None = None,
+                 use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0) -> None:
+        assert not use_cuda_graphs or (padding is not None and use_triton), "CUDA graphs need padding and Triton"
         self.model = model
         self.kv_cache = kv_cache
         self.layout = layout
         self.page_size = page_size
         self.ring_blocks = ring_blocks
         self.use_triton = use_triton
+        self.padding = padding
+        self.use_cuda_graphs = use_cuda_graphs
+        self.max_cached_graphs = max_cached_graphs
+        self.max_model_len = max_model_len
+        self._graph_runner: CudaGraphRunner | None = None
         self.device = next(model.parameters()).device
         self.layer_groups = [(kind, layout.index_in_group(i)) for i, kind in enumerate(layout.layer_types)]
         self.layers_per_block = {kind: layout.num_layers_of(kind) for kind in (FULL, SLIDING)}
@@ -92,10 +105,27 @@ class ModelRunner:
             self.kv_cache.swap(plan.swap_out, plan.swap_in)
         if not plan.scheduled:
             return None
-        input_ids, positions, md, logits_indices = self._prepare(plan.scheduled)
+        input_ids, positions, md, logits_indices, shape = self._prepare(plan.scheduled)
+        num_rows = self._num_real_logit_rows(plan.scheduled)
+        if self.use_cuda_graphs:
+            if self._graph_runner is None:
+                self._graph_runner = self._make_graph_runner(md)
+            return self._graph_runner.run(input_ids, positions, md, logits_indices, shape)[:num_rows]
         output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                             logits_to_keep=logits_indices, cbrun_metadata=md)
-        return output.logits[0]
+        return output.logits[0, :num_rows]
+
+    def _make_graph_runner(self, template: AttentionMetadata) -> CudaGraphRunner:
+        policy = self.padding
+        max_shape = policy.shape(policy.max_batch_tokens, policy.max_requests, self.max_model_len,
+                                 policy.max_batch_tokens)
+        return CudaGraphRunner(self.model, max_shape.num_tokens, max_shape.num_requests, max_shape.num_kv_blocks,
+                               max_shape.num_logit_rows, {k: n for k, n in self.layers_per_block.items() if n},
+                               template, self.max_cached_graphs)
+
+    @staticmethod
+    def _num_real_logit_rows(scheduled: list[ScheduledRequest]) -> int:
+        return sum(len(s.prompt_logprob_positions()) + s.samples for s in scheduled)
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         token_ids, positions, q_lens, seqlens_k, logits_indices = [], [], [], [], []
@@ -111,12 +141,24 @@ class ModelRunner:
             offset += item.num_tokens
             if item.samples:
                 logits_indices.append(offset - 1)
+        num_tokens, num_requests = len(token_ids), len(q_lens)
+        shape = (self.padding.shape(num_tokens, num_requests, max(seqlens_k), len(logits_indices))
+                 if self.padding else None)
+        if shape is not None:
+            # Padded tokens and requests: token 0 at position 0, no query rows, no context, no cache write.
+            token_ids += [0] * (shape.num_tokens - num_tokens)
+            positions += [0] * (shape.num_tokens - num_tokens)
+            q_lens += [0] * (shape.num_requests - num_requests)
+            seqlens_k += [0] * (shape.num_requests - num_requests)
+            logits_indices += [0] * (shape.num_logit_rows - len(logits_indices))
         q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
         cu_seqlens_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
         positions_t = torch.tensor(positions, dtype=torch.int64)
         request_index = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t.long())
-        groups = {kind: self._group_metadata(kind, scheduled, positions_t, request_index, max(seqlens_k))
+        max_blocks = shape.num_kv_blocks if shape else -(-max(seqlens_k) // self.page_size)
+        groups = {kind: self._group_metadata(kind, scheduled, positions_t[:num_tokens], request_index, max_blocks,
+                                             len(q_lens), len(token_ids))
                   for kind, n in self.layers_per_block.items() if n}
         device = self.device
         md = AttentionMetadata(
@@ -126,23 +168,32 @@ class ModelRunner:
             use_triton=self.use_triton)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         logits_idx = torch.tensor(logits_indices, dtype=torch.int64, device=device)
-        return input_ids, positions_t.to(device), md, logits_idx
+        return input_ids, positions_t.to(device), md, logits_idx, shape
 
     def _group_metadata(self, kind: str, scheduled, positions: torch.Tensor, request_index: torch.Tensor,
-                        max_seqlen_k: int) -> GroupMetadata:
-        """Block tables (in pages of the group's first layer) and slot mapping of one allocator's layers."""
+                        num_logical_blocks: int, num_rows: int, num_slots: int) -> GroupMetadata:
+        """Block tables (in pages of the group's first layer) and slot mapping of one allocator's layers.
+
+        Args:
+            positions: (T,) positions of the real tokens; request_index: (T,) their row.
+            num_logical_blocks: block-table width (covers the longest context, or the padded shape's).
+            num_rows: block-table rows (requests, padding included).
+            num_slots: slot-mapping length (tokens, padding included); padded tokens get slot -1.
+        """
         page = self.page_size
-        if kind == FULL:
-            tables = [s.request.block_table for s in scheduled]
-        else:
-            tables = [s.request.sliding_block_table for s in scheduled]
+        tables = [s.request.block_table if kind == FULL else s.request.sliding_block_table for s in scheduled]
         width = max(len(t) for t in tables)
-        blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        blocks = torch.zeros((num_rows, width), dtype=torch.int64)  # padding rows read reserved chunk 0
+        blocks[:len(tables)] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         if kind == SLIDING:  # logical block j lives in ring block j % ring size
-            logical = torch.arange(-(-max_seqlen_k // page)) % self.ring_blocks
-            blocks = blocks[:, logical.clamp(max=width - 1)]
+            logical = torch.arange(num_logical_blocks) % self.ring_blocks
+        else:
+            logical = torch.arange(num_logical_blocks)
+        blocks = blocks[:, logical.clamp(max=width - 1)]
+        blocks[:, width if kind == FULL else num_logical_blocks:] = 0  # beyond a table's end: padding chunk
         pages = blocks * self.layers_per_block[kind]
-        slot_mapping = pages[request_index, positions // page] * page + positions % page
+        slot_mapping = torch.full((num_slots,), -1, dtype=torch.int64)
+        slot_mapping[:len(positions)] = pages[request_index[:len(positions)], positions // page] * page + positions % page
         return GroupMetadata(slot_mapping=slot_mapping.to(self.device),
                              block_tables=pages.to(torch.int32).to(self.device),
                              layers_per_block=self.layers_per_block[kind])

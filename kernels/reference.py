@@ -62,13 +62,15 @@ def build_gather_plan(
         sliding_window: attend only to the last ``sliding_window`` positions (self included); None for full.
 
     Returns:
-        A ``GatherPlan``; all its tensors live on ``block_tables.device``.
+        A ``GatherPlan``; all its tensors live on ``block_tables.device``. Rows past ``cu_seqlens_q[-1]`` and
+        requests with no query rows (padding) are left out: their outputs stay zero.
     """
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
     is_decode = q_lens == 1
     groups = []
-    for selector in (is_decode, ~is_decode):
+    # Requests with no query rows (padding for CUDA graphs) belong to no group.
+    for selector in (is_decode, q_lens > 1):
         idx = selector.nonzero().flatten()
         if idx.numel():
             groups.append(_build_group(block_tables[idx].long(), cu[:-1][idx], q_lens[idx],
