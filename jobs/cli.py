@@ -1,0 +1,128 @@
+"""The ``cbrun`` command: ``run``, ``convert-llama2c`` and ``demo``. Thin: the work is in jobs.job and jobs.demo.
+
+Exit codes: 0 done (or nothing to do), 1 an unexpected failure, 2 a setup problem reported before any work (missing
+input, column or model, unreadable model, bad manifest, output holding another job), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+#: CLI flag -> (manifest section, key).
+RUN_FLAGS = {
+    "model": ("model", "path"),
+    "input": ("input", "path"),
+    "output": ("output", "path"),
+    "prompt_column": ("input", "prompt_column"),
+    "prompt_ids_column": ("input", "prompt_ids_column"),
+    "id_column": ("input", "id_column"),
+    "template": ("input", "template"),
+    "limit": ("input", "limit"),
+    "max_new_tokens": ("sampling", "max_new_tokens"),
+    "temperature": ("sampling", "temperature"),
+    "top_p": ("sampling", "top_p"),
+    "top_k": ("sampling", "top_k"),
+    "seed": ("sampling", "seed"),
+    "overwrite": ("output", "overwrite"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cbrun", description="Offline batch LLM inference over Parquet prompts.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run (or resume) a job", description=(
+        "Run a job described by a TOML manifest and/or flags; flags override the manifest. Relative paths resolve "
+        "against the current directory. Rerunning the same job resumes it."))
+    run.add_argument("manifest", nargs="?", help="TOML manifest ([model] [input] [sampling] [engine] [output])")
+    run.add_argument("--model", help="Hugging Face model directory")
+    run.add_argument("--input", help="Parquet file, directory of Parquet files, or saved datasets directory")
+    run.add_argument("--output", help="output directory (part files, job.json, stats.json, _SUCCESS)")
+    run.add_argument("--prompt-column", help="text column holding the prompt")
+    run.add_argument("--prompt-ids-column", help="list<int> column of prompt token ids (used as given)")
+    run.add_argument("--id-column", help="column of row ids (default: the row index)")
+    run.add_argument("--template", help="prompt template with {column} fields, e.g. 'Q: {question}\\nA:'")
+    run.add_argument("--limit", type=int, help="only the first N rows")
+    run.add_argument("--max-new-tokens", type=int)
+    run.add_argument("--temperature", type=float, help="0 is greedy")
+    run.add_argument("--top-p", type=float)
+    run.add_argument("--top-k", type=int)
+    run.add_argument("--seed", type=int, help="job seed; each row's seed derives from it and the row id")
+    run.add_argument("--overwrite", action="store_true", default=None,
+                     help="discard the output directory's results when it holds a different job")
+    run.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="set any manifest key, e.g. --set engine.max_batch_tokens=1024 (repeatable)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    convert = commands.add_parser("convert-llama2c", help="convert a llama2.c checkpoint to a Hugging Face directory")
+    convert.add_argument("checkpoint", help="llama2.c model .bin")
+    convert.add_argument("tokenizer", help="llama2.c tokenizer .bin")
+    convert.add_argument("out_dir", help="directory to write")
+
+    demo = commands.add_parser("demo", help="run a small job on a tiny random-weight model (no download)")
+    demo.add_argument("--output", default="cbrun-demo",
+                      help="work directory for the demo model, prompts and output (default: ./cbrun-demo)")
+    demo.add_argument("--num-rows", type=int, default=64, help="prompts in the demo input (default: 64)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "convert-llama2c":
+            return _convert(args)
+        return _demo(args)
+    except KeyboardInterrupt:
+        print("cbrun: interrupted; finished rows are committed, rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jobs.job import JobError, run_job
+    from jobs.manifest import load_manifest
+
+    overrides: dict[str, dict] = {}
+    for flag, (section, key) in RUN_FLAGS.items():
+        overrides.setdefault(section, {})[key] = getattr(args, flag)
+    try:
+        manifest = load_manifest(args.manifest, args.sets, overrides)
+        summary = run_job(manifest, progress=not args.no_progress)
+    except (JobError, ValueError, FileNotFoundError) as exc:
+        print(f"cbrun: error: {exc}", file=sys.stderr)
+        return 2
+    print(summary.line())
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jobs.convert_llama2c import convert_llama2c
+
+    try:
+        convert_llama2c(args.checkpoint, args.tokenizer, args.out_dir)
+    except (ValueError, OSError) as exc:
+        print(f"cbrun: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"cbrun: wrote a Hugging Face model directory to {args.out_dir}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from jobs.demo import run_demo
+
+    print("cbrun demo: building a tiny model with RANDOM weights; its completions are noise text, the point is "
+          "the pipeline (reader -> engine -> writer).")
+    summary = run_demo(args.output, num_rows=args.num_rows, progress=not args.no_progress)
+    print(summary.line())
+    print(f"cbrun demo: output in {Path(summary.output_dir).resolve()} (part-*.parquet, stats.json); "
+          f"read it with jobs.writer.read_output(DIR)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

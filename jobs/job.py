@@ -1,0 +1,291 @@
+"""One batch inference job: reader -> engine.generate -> writer, with resume, progress and a summary.
+
+The job owns rows and files; the engine only sees (request_id, prompt_token_ids, SamplingParams). A row's request
+id is its ``row_index``. Rows the job can tell are bad (null or empty prompt, prompt too long, bad per-row sampling
+value) never reach the engine: they go straight to the writer as error rows, and the job goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobs.checkpoint import Checkpoint, FingerprintMismatch, job_fingerprint
+from jobs.manifest import JobManifest
+from jobs.reader import InputError, InputRow, PromptReader
+from jobs.writer import OutputRow, PartWriter, committed_parts
+
+
+class JobError(Exception):
+    """The job cannot start as configured; the message says what to fix. Raised before any row is generated."""
+
+
+def derive_seed(job_seed: int, row_id: str) -> int:
+    """A row's sampling seed: the first 63 bits of sha256(job seed, row id), independent of batching and order."""
+    digest = hashlib.sha256(f"{job_seed}\0{row_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@dataclass
+class JobSummary:
+    """What one ``run_job`` call did.
+
+    Attributes:
+        num_rows: rows finished (written) by this run, errors included.
+        num_errors: of those, rows with ``finish_reason == "error"``.
+        num_skipped: rows already in the output before this run (resume).
+        num_prompt_tokens / num_generated_tokens: summed over this run's rows.
+        elapsed_s: wall seconds of the whole run, model loading included.
+        peak_memory_mib: peak resident memory of the process.
+        peak_gpu_memory_mib: peak CUDA memory allocated by torch, None off CUDA.
+        already_finished: the output already held the finished job; nothing was done.
+        engine_stats: ``LLMEngine.stats.as_dict()`` at the end.
+    """
+
+    output_dir: str
+    num_rows: int = 0
+    num_errors: int = 0
+    num_skipped: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    elapsed_s: float = 0.0
+    peak_memory_mib: float = 0.0
+    peak_gpu_memory_mib: float | None = None
+    already_finished: bool = False
+    engine_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def line(self) -> str:
+        """The one summary line the CLI prints."""
+        if self.already_finished:
+            return (f"cbrun: job already finished: {self.num_skipped} rows in {self.output_dir} (see stats.json); "
+                    f"nothing to do (use --overwrite to recompute)")
+        gpu = "" if self.peak_gpu_memory_mib is None else f" | peak GPU memory {self.peak_gpu_memory_mib:.0f} MiB"
+        return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped) | "
+                f"{self.num_prompt_tokens} prompt tokens | {self.num_generated_tokens} generated tokens | "
+                f"{self.elapsed_s:.1f} s | {self.generated_tokens_per_s:.0f} tokens/s generated | "
+                f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "generated_tokens_per_s": self.generated_tokens_per_s}
+
+
+def open_reader(manifest: JobManifest) -> PromptReader:
+    inp = manifest.input
+    return PromptReader(inp.path, prompt_column=inp.prompt_column, prompt_ids_column=inp.prompt_ids_column,
+                        id_column=inp.id_column, template=inp.template, limit=inp.limit, batch_size=inp.batch_size)
+
+
+def check_model_dir(model_path: str) -> None:
+    """Raise ``JobError`` unless ``model_path`` looks like a Hugging Face model directory."""
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        what = "not found" if not path.exists() else "has no config.json"
+        raise JobError(f"model directory {model_path!r} {what}: give a Hugging Face model directory, e.g. one "
+                       f"made by `cbrun convert-llama2c CHECKPOINT TOKENIZER OUT_DIR`")
+
+
+def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> JobSummary:
+    """Run (or resume, or recognise as finished) the job a manifest describes.
+
+    Args:
+        manifest: the job.
+        progress: show a tqdm progress bar on stderr.
+        engine: an ``LLMEngine`` already loaded from ``manifest.model.path`` (tests reuse one); None loads it.
+
+    Returns:
+        The run's ``JobSummary``; also written to the output's stats.json when the job is finished.
+
+    Raises:
+        JobError: before any generation, for a missing input/column/model, an unreadable model, or an output
+            directory that holds another job.
+    """
+    start = time.perf_counter()
+    try:
+        manifest.check_required()
+        reader = open_reader(manifest)
+    except (InputError, ValueError) as exc:
+        raise JobError(str(exc)) from None
+    check_model_dir(manifest.model.path)
+    checkpoint = Checkpoint(manifest.output.path)
+    fingerprint = job_fingerprint(manifest, reader.num_input_rows)
+    overwrite = manifest.output.overwrite
+    try:
+        checkpoint.check(fingerprint, overwrite=overwrite)
+    except (FingerprintMismatch, ValueError) as exc:
+        raise JobError(str(exc)) from None
+    if not overwrite and not checkpoint.job_file.is_file() and committed_parts(checkpoint.output_dir):
+        raise JobError(f"output directory {manifest.output.path!r} holds part files but no job.json; rerun with "
+                       f"--overwrite to discard them, or choose another --output")
+    done = np.zeros(reader.num_rows, dtype=bool) if overwrite else checkpoint.done_rows(reader.num_rows)
+    summary = JobSummary(output_dir=str(manifest.output.path), num_skipped=int(done.sum()))
+    if done.all() and not overwrite:
+        # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
+        # finished here without loading the model.
+        if not checkpoint.is_finished():
+            checkpoint.prepare(fingerprint)
+            checkpoint.mark_finished({**summary.as_dict(), "num_rows_in_output": summary.num_skipped})
+        summary.already_finished = True
+        summary.elapsed_s = time.perf_counter() - start
+        return summary
+
+    engine = engine if engine is not None else load_engine(manifest)
+    tokenizer = load_tokenizer(manifest.model.path)
+    checkpoint.prepare(fingerprint, overwrite=overwrite)
+    checkpoint.clear_finished()
+    writer = PartWriter(checkpoint.output_dir, manifest.output.commit_every_rows, manifest.output.commit_every_seconds)
+    _JobRun(manifest, engine, tokenizer, writer, summary).run(reader, done, progress)
+    summary.elapsed_s = time.perf_counter() - start
+    summary.peak_memory_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary.peak_gpu_memory_mib = _peak_gpu_memory_mib(manifest.engine.device)
+    summary.engine_stats = engine.stats.as_dict()
+    checkpoint.mark_finished({**summary.as_dict(), "num_rows_in_output": summary.num_skipped + summary.num_rows})
+    return summary
+
+
+def load_engine(manifest: JobManifest):
+    """``LLMEngine.from_pretrained`` with load failures turned into ``JobError``."""
+    from engine import LLMEngine
+
+    try:
+        return LLMEngine.from_pretrained(manifest.model.path, config=manifest.engine)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"cannot load the model from {manifest.model.path!r}: {exc}") from None
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"cannot load the tokenizer from {model_path!r}: {exc}") from None
+
+
+def _peak_gpu_memory_mib(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+def _model_vocab_size(model_path: str) -> int | None:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return config.get("vocab_size")
+
+
+class _JobRun:
+    """The row loop of one run: turns rows into requests, engine outputs into output rows, and counts."""
+
+    def __init__(self, manifest: JobManifest, engine, tokenizer, writer: PartWriter, summary: JobSummary):
+        self.manifest = manifest
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.writer = writer
+        self.summary = summary
+        self.vocab_size = _model_vocab_size(manifest.model.path)
+        self.in_flight: dict[int, str] = {}
+        self.progress_bar = None
+
+    def run(self, reader: PromptReader, done: np.ndarray, progress: bool) -> None:
+        from tqdm import tqdm
+
+        max_in_flight = 4 * self.manifest.engine.max_requests_per_batch
+        self.generated_at_start = self.engine.stats.num_generated_tokens
+        self.started = time.perf_counter()
+        self.last_postfix = 0.0
+        with tqdm(total=int((~done).sum()), unit="row", disable=not progress, desc="cbrun",
+                  dynamic_ncols=True) as self.progress_bar:
+            try:
+                for output in self.engine.generate(self._requests(reader, done), max_in_flight=max_in_flight):
+                    row_id = self.in_flight.pop(output.request_id)
+                    self._finish(self._output_row(row_id, output))
+                assert not self.in_flight, f"{len(self.in_flight)} requests never finished"
+            finally:
+                # NOTE: rows already finished are committed even when the run is interrupted (Ctrl-C).
+                self.writer.commit()
+
+    def _requests(self, reader: PromptReader, done: np.ndarray):
+        for row in reader.iter_rows(done):
+            request = self._prepare(row)
+            if isinstance(request, OutputRow):
+                self._finish(request)
+                continue
+            self.in_flight[row.row_index] = row.id
+            yield request
+
+    def _prepare(self, row: InputRow):
+        """(request_id, prompt_token_ids, SamplingParams) for a good row, an error ``OutputRow`` for a bad one."""
+        if row.error is not None:
+            return _error_row(row.id, row.row_index, row.error)
+        prompt_token_ids = row.prompt_token_ids
+        if prompt_token_ids is None:
+            prompt_token_ids = self.tokenizer.encode(row.prompt)
+        where = f"row {row.row_index} (id {row.id!r})"
+        if not prompt_token_ids:
+            return _error_row(row.id, row.row_index, f"{where}: the prompt encodes to no tokens")
+        max_model_len = self.engine.max_model_len
+        if len(prompt_token_ids) >= max_model_len:
+            return _error_row(row.id, row.row_index, f"{where}: the prompt has {len(prompt_token_ids)} tokens, but "
+                              f"the model's maximum length is {max_model_len} tokens (prompt + completion)",
+                              len(prompt_token_ids))
+        if self.vocab_size is not None and max(prompt_token_ids) >= self.vocab_size:
+            return _error_row(row.id, row.row_index, f"{where}: token id {max(prompt_token_ids)} is out of the "
+                              f"model's vocabulary of {self.vocab_size}", len(prompt_token_ids))
+        try:
+            overrides = {"seed": derive_seed(self.manifest.seed, row.id), **row.sampling_overrides}
+            sampling_params = self.manifest.sampling.replace(**overrides)
+            sampling_params.validate()
+        except ValueError as exc:
+            return _error_row(row.id, row.row_index, f"{where}: {exc}", len(prompt_token_ids))
+        return row.row_index, prompt_token_ids, sampling_params
+
+    def _output_row(self, row_id: str, output) -> OutputRow:
+        if output.finish_reason == "error":
+            message = f"row {output.request_id} (id {row_id!r}): {output.error}"
+            return _error_row(row_id, output.request_id, message, output.num_prompt_tokens)
+        ids = list(output.output_token_ids)
+        # NOTE: when a stop string ended the request the engine hands back the text cut before it.
+        text = output.text if output.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
+        return OutputRow(
+            id=row_id, row_index=output.request_id, completion=text, completion_token_ids=ids,
+            num_prompt_tokens=output.num_prompt_tokens, num_completion_tokens=len(ids),
+            finish_reason=output.finish_reason, logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
+            prompt_greedy=output.prompt_greedy,
+        )
+
+    def _finish(self, row: OutputRow) -> None:
+        self.writer.add(row)
+        summary = self.summary
+        summary.num_rows += 1
+        if row.finish_reason == "error":
+            summary.num_errors += 1
+        else:
+            summary.num_prompt_tokens += row.num_prompt_tokens
+            summary.num_generated_tokens += row.num_completion_tokens
+        self.progress_bar.update(1)
+        now = time.perf_counter()
+        if now - self.last_postfix >= 0.5:
+            self.last_postfix = now
+            generated = self.engine.stats.num_generated_tokens - self.generated_at_start
+            self.progress_bar.set_postfix_str(
+                f"{generated / max(now - self.started, 1e-9):.0f} gen tok/s, {summary.num_errors} errors",
+                refresh=False,
+            )
+
+
+def _error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int = 0) -> OutputRow:
+    return OutputRow(id=row_id, row_index=row_index, completion=None, completion_token_ids=[],
+                     num_prompt_tokens=num_prompt_tokens, num_completion_tokens=0, finish_reason="error",
+                     error=message)

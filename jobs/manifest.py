@@ -1,0 +1,226 @@
+"""Job manifests: a TOML file, ``--set SECTION.KEY=VALUE`` overrides and CLI flags, loaded into dataclasses.
+
+A manifest has five sections, all optional in the file (a key may come from ``--set`` or a flag instead)::
+
+    [model]     path
+    [input]     path, prompt_column, prompt_ids_column, id_column, template, limit, batch_size
+    [sampling]  SamplingParams fields (max_new_tokens, temperature, top_k, top_p, stop_token_ids, ignore_eos)
+                and the job ``seed`` from which every row's own seed is derived
+    [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
+    [output]    path, commit_every_rows, commit_every_seconds, overwrite
+
+NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
+process, not against the manifest's directory, so the same manifest behaves the same as flags given on the command
+line. Run ``cbrun`` from the directory the manifest's paths are written for (the repository root for ours).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+
+SECTIONS = ("model", "input", "sampling", "engine", "output")
+
+
+@dataclass
+class ModelSettings:
+    """Where the model is: a Hugging Face model directory (config.json, weights, tokenizer files)."""
+
+    path: str = ""
+
+
+@dataclass
+class InputSettings:
+    """Which rows to read and how to make each row's prompt.
+
+    Attributes:
+        path: a Parquet file, a directory of Parquet files, or a ``datasets`` data set saved with ``save_to_disk``.
+        prompt_column: a text column holding the prompt.
+        prompt_ids_column: a list<int> column of prompt token ids, used as given (no BOS added).
+        id_column: the column of row ids; None uses the row index.
+        template: a ``str.format`` string with ``{column}`` fields; when set, the prompt is the template filled in
+            from the row (``prompt_column`` need not be given then).
+        limit: read only the first ``limit`` rows; None reads all.
+        batch_size: rows per Parquet record batch read.
+
+    Raises:
+        ValueError: when no prompt source or two prompt sources are given, or a number is out of range.
+    """
+
+    path: str = ""
+    prompt_column: str | None = None
+    prompt_ids_column: str | None = None
+    id_column: str | None = None
+    template: str | None = None
+    limit: int | None = None
+    batch_size: int = 1024
+
+    def __post_init__(self) -> None:
+        has_text = self.prompt_column is not None or self.template is not None
+        if has_text == (self.prompt_ids_column is not None):
+            raise ValueError(
+                "give the prompt as exactly one of: input.prompt_column (optionally with input.template), "
+                "input.template, or input.prompt_ids_column"
+            )
+        if self.limit is not None and (not _is_int(self.limit) or self.limit < 0):
+            raise ValueError(f"input.limit must be an integer >= 0, got {self.limit!r}")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise ValueError(f"input.batch_size must be a positive integer, got {self.batch_size!r}")
+
+
+@dataclass
+class OutputSettings:
+    """Where and how often results are committed.
+
+    Attributes:
+        path: the output directory (part files, job.json, stats.json, _SUCCESS).
+        commit_every_rows: commit a part file once this many finished rows are buffered.
+        commit_every_seconds: commit a part file once the oldest buffered row is this many seconds old (checked
+            whenever a row finishes).
+        overwrite: clear the directory's cbrun files when it holds a different job, instead of stopping.
+    """
+
+    path: str = ""
+    commit_every_rows: int = 1000
+    commit_every_seconds: float = 30.0
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.commit_every_rows) or self.commit_every_rows < 1:
+            raise ValueError(f"output.commit_every_rows must be a positive integer, got {self.commit_every_rows!r}")
+        if isinstance(self.commit_every_seconds, bool) or not isinstance(self.commit_every_seconds, int | float) \
+                or self.commit_every_seconds <= 0:
+            raise ValueError(f"output.commit_every_seconds must be > 0, got {self.commit_every_seconds!r}")
+        if not isinstance(self.overwrite, bool):
+            raise ValueError(f"output.overwrite must be true or false, got {self.overwrite!r}")
+
+
+@dataclass
+class JobManifest:
+    """Everything one job needs: model, input, sampling defaults, engine settings, output.
+
+    Attributes:
+        seed: the job seed; each row's sampling seed is derived from (seed, row id) unless a ``seed`` column
+            gives it.
+    """
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    input: InputSettings = field(default_factory=lambda: InputSettings(prompt_column="prompt"))
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    output: OutputSettings = field(default_factory=OutputSettings)
+
+    def check_required(self) -> None:
+        """Raise ``ValueError`` when a path the job needs is missing."""
+        for section, flag in (("model", "--model"), ("input", "--input"), ("output", "--output")):
+            if not getattr(self, section).path:
+                raise ValueError(f"{section}.path is required: set it in the manifest's [{section}] or give {flag}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_set(assignment: str) -> tuple[str, str, Any]:
+    """Parse one ``SECTION.KEY=VALUE``; VALUE is read as a TOML value, else taken as a plain string.
+
+    Returns:
+        (section, key, value).
+
+    Raises:
+        ValueError: when the assignment is not of the form SECTION.KEY=VALUE.
+    """
+    name, sep, raw = assignment.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ValueError(f"--set expects SECTION.KEY=VALUE (e.g. sampling.temperature=0.7), got {assignment!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def load_manifest(
+    path: str | Path | None = None, sets: list[str] = (), overrides: dict[str, dict[str, Any]] | None = None
+) -> JobManifest:
+    """Read a manifest, apply ``--set`` assignments, then ``overrides`` (the CLI flags), in that order.
+
+    Args:
+        path: the TOML file; None starts from an empty manifest.
+        sets: ``SECTION.KEY=VALUE`` strings.
+        overrides: {section: {key: value}} applied last; None values are ignored.
+
+    Returns:
+        The validated ``JobManifest``.
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        ValueError: for a TOML syntax error, an unknown section or key (named), or an invalid value.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"manifest {str(path)!r} not found")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"manifest {str(path)!r} is not valid TOML: {exc}") from None
+    for assignment in sets:
+        section, key, value = parse_set(assignment)
+        section_values = raw.setdefault(section, {})
+        if not isinstance(section_values, dict):
+            raise ValueError(f"[{section}] must be a table")
+        section_values[key] = value
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    return manifest_from_dict(raw)
+
+
+def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
+    """Build a ``JobManifest`` from {section: {key: value}}, rejecting unknown sections and keys by name.
+
+    Raises:
+        ValueError: for an unknown section or key, a missing model/input/output path, or an invalid value.
+    """
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ValueError(f"unknown manifest section [{section}]; known sections: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"[{section}] must be a table of settings, got {values!r}")
+    for section, flag in (("model", "--model"), ("input", "--input"), ("output", "--output")):
+        if not raw.get(section, {}).get("path"):
+            raise ValueError(f"{section}.path is required: set it in the manifest's [{section}] or give {flag}")
+    sampling = dict(raw.get("sampling", {}))
+    seed = sampling.pop("seed", 0)
+    if not _is_int(seed):
+        raise ValueError(f"sampling.seed (the job seed) must be an integer, got {seed!r}")
+    sampling_params = _build(SamplingParams, "sampling", sampling, exclude={"seed"}, extra={"seed"})
+    sampling_params.validate()
+    return JobManifest(
+        model=_build(ModelSettings, "model", raw.get("model", {})),
+        input=_build(InputSettings, "input", raw.get("input", {})),
+        sampling=sampling_params,
+        seed=seed,
+        engine=_build(EngineConfig, "engine", raw.get("engine", {})),
+        output=_build(OutputSettings, "output", raw.get("output", {})),
+    )
+
+
+def _build(cls, section: str, values: dict[str, Any], exclude: set[str] = frozenset(), extra: set[str] = frozenset()):
+    known = {f.name for f in fields(cls)} - exclude
+    for key in values:
+        if key not in known:
+            names = ", ".join(sorted(known | extra))
+            raise ValueError(f"unknown key {section}.{key} in the manifest; [{section}] accepts: {names}")
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ValueError(f"[{section}]: {exc}") from None

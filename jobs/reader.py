@@ -1,0 +1,374 @@
+"""Stream prompt rows out of Parquet files (or a saved ``datasets`` data set) in record batches.
+
+The input is never loaded whole: Parquet is read with ``ParquetFile.iter_batches(batch_size, columns=...)`` over
+only the columns the job needs, and row groups whose rows are all done already (resume) are not read at all. Each
+row keeps its ``row_index``, its position in the whole input (files in sorted order), which is stable across runs
+and is the key the output and the resume bitmap use.
+
+Setup problems (a missing file, a missing column, a column of the wrong type) raise before any row is read; problems
+of one row (a null or empty prompt, a null template field, bytes that are not UTF-8, a bad per-row sampling value)
+become that row's ``error`` and the job goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from engine.sampling_params import SAMPLING_FIELDS, SamplingParams
+
+#: SamplingParams field name -> its annotation, e.g. "int", "float | None", "tuple[int, ...]".
+SAMPLING_FIELD_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}
+
+
+class InputError(ValueError):
+    """The input cannot be read as asked (missing file or column, wrong column type); raised before any work."""
+
+
+@dataclass
+class InputRow:
+    """One input row, ready to become a request (or an error row).
+
+    Attributes:
+        row_index: position of the row in the whole input, counting from 0.
+        id: the row's id as a string (the id column's value, else the row index).
+        prompt: the prompt text (from the prompt column or the filled-in template); None with a token-id prompt.
+        prompt_token_ids: the prompt as token ids, when read from ``prompt_ids_column``.
+        sampling_overrides: per-row sampling settings from columns named like SamplingParams fields (nulls left out).
+        error: why the row cannot run, naming the row and the cause; None for a good row.
+    """
+
+    row_index: int
+    id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+class _Undecodable:
+    """Stands in for a value pyarrow could not turn into a Python object."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
+    """Find the files of an input: one Parquet file, a directory of Parquet files, or a ``save_to_disk`` data set.
+
+    Returns:
+        ("parquet" or "arrow", files in reading order).
+
+    Raises:
+        InputError: when the path does not exist or holds nothing readable.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"input {str(path)!r} not found: give a Parquet file or a directory of Parquet files")
+    if path.is_file():
+        return "parquet", [path]
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise InputError(f"input {str(path)!r} is a DatasetDict; point the input at one split, e.g. "
+                         f"{str(path / (splits[0] if splits else 'train'))!r}")
+    if (path / "state.json").is_file():
+        data_files = json.loads((path / "state.json").read_text()).get("_data_files", [])
+        files = [path / f["filename"] for f in data_files]
+        if files:
+            return "arrow", files
+    files = sorted(p for p in path.rglob("*.parquet") if not any(part.startswith((".", "_")) for part in
+                                                                  p.relative_to(path).parts))
+    if not files:
+        raise InputError(f"input directory {str(path)!r} holds no .parquet files and no saved data set")
+    return "parquet", files
+
+
+class _ParquetSource:
+    """One Parquet file: its schema, row count and row-group offsets come from the footer alone."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.file = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"input file {str(path)!r} is not a readable Parquet file: {exc}") from None
+        self.schema = self.file.schema_arrow
+        metadata = self.file.metadata
+        self.row_group_sizes = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+        self.num_rows = metadata.num_rows
+
+    def iter_batches(self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
+                     ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """Yield (row index of the batch's first row, batch), not reading row groups whose rows are all in ``skip``.
+
+        Args:
+            first_row: the global row index of this file's first row.
+            skip: bool array over this file's rows, True where the row needs no reading; None reads all.
+        """
+        offsets = np.cumsum([0] + self.row_group_sizes)
+        wanted = [g for g in range(len(self.row_group_sizes))
+                  if skip is None or not skip[offsets[g]:offsets[g + 1]].all()]
+        # NOTE: consecutive wanted row groups are read as one run so batches keep their full size; the run's first
+        # row fixes the row index of every batch in it.
+        for run in _consecutive_runs(wanted):
+            row = first_row + int(offsets[run[0]])
+            for batch in self.file.iter_batches(batch_size=batch_size, row_groups=run, columns=columns):
+                yield row, batch
+                row += batch.num_rows
+
+
+class _ArrowStreamSource:
+    """One Arrow IPC stream file of a ``datasets`` data set saved with ``save_to_disk``, memory-mapped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with pa.ipc.open_stream(pa.memory_map(str(path))) as reader:
+                self.schema = reader.schema
+                self.num_rows = sum(batch.num_rows for batch in reader)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"input file {str(path)!r} is not a readable Arrow stream: {exc}") from None
+
+    def iter_batches(self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
+                     ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        row = first_row
+        with pa.ipc.open_stream(pa.memory_map(str(self.path))) as reader:
+            for stored in reader:
+                for start in range(0, stored.num_rows, batch_size):
+                    batch = stored.slice(start, batch_size)
+                    local = row - first_row
+                    if skip is None or not skip[local:local + batch.num_rows].all():
+                        yield row, batch.select(columns)
+                    row += batch.num_rows
+
+
+def _consecutive_runs(indices: list[int]) -> Iterator[list[int]]:
+    run: list[int] = []
+    for i in indices:
+        if run and i != run[-1] + 1:
+            yield run
+            run = []
+        run.append(i)
+    if run:
+        yield run
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a template's ``{field}`` placeholders refer to (``{a.b}`` and ``{a[0]}`` refer to ``a``).
+
+    Raises:
+        InputError: for a malformed template or a positional field like ``{}`` or ``{0}``.
+    """
+    names = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise InputError(f"input.template is not a valid format string: {exc}") from None
+    for _, field_name, _, _ in parsed:
+        if field_name is None:
+            continue
+        root = field_name.split(".")[0].split("[")[0]
+        if not root or root.isdigit():
+            raise InputError(f"input.template fields must be column names like {{question}}, got {{{field_name}}}")
+        if root not in names:
+            names.append(root)
+    return names
+
+
+class PromptReader:
+    """Reads the rows of one input, as configured, in record batches.
+
+    Attributes:
+        num_rows: rows the job covers (the input's rows, cut to ``limit``).
+        num_input_rows: rows in the whole input.
+        sampling_columns: input columns that override a sampling setting per row.
+
+    Raises:
+        InputError: from the constructor, for a missing input, a missing column or a column of the wrong type.
+    """
+
+    def __init__(self, path: str | Path, *, prompt_column: str | None = None, prompt_ids_column: str | None = None,
+                 id_column: str | None = None, template: str | None = None, limit: int | None = None,
+                 batch_size: int = 1024):
+        self.prompt_column = prompt_column
+        self.prompt_ids_column = prompt_ids_column
+        self.id_column = id_column
+        self.template = template
+        self.batch_size = batch_size
+        kind, files = list_input_files(path)
+        source_cls = _ParquetSource if kind == "parquet" else _ArrowStreamSource
+        self.sources = [source_cls(f) for f in files]
+        self.num_input_rows = sum(s.num_rows for s in self.sources)
+        self.num_rows = self.num_input_rows if limit is None else min(limit, self.num_input_rows)
+        self.template_columns = template_fields(template) if template is not None else []
+        self.sampling_columns = [name for name in SAMPLING_FIELDS if name in self.sources[0].schema.names]
+        self.columns = list(dict.fromkeys(
+            c for c in [id_column, prompt_column, prompt_ids_column, *self.template_columns, *self.sampling_columns]
+            if c is not None
+        ))
+        for source in self.sources:
+            self._check_schema(source)
+
+    def _check_schema(self, source) -> None:
+        schema = source.schema
+        for role, column in (("id_column", self.id_column), ("prompt_column", self.prompt_column),
+                             ("prompt_ids_column", self.prompt_ids_column)):
+            if column is not None and column not in schema.names:
+                raise InputError(f"input.{role} {column!r} is not a column of {str(source.path)!r}; "
+                                 f"its columns are: {', '.join(schema.names)}")
+        for column in self.template_columns:
+            if column not in schema.names:
+                raise InputError(f"input.template field {{{column}}} is not a column of {str(source.path)!r}; "
+                                 f"its columns are: {', '.join(schema.names)}")
+        if self.prompt_column is not None and self.template is None:
+            kind = schema.field(self.prompt_column).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+                    or pa.types.is_large_binary(kind)):
+                raise InputError(f"input.prompt_column {self.prompt_column!r} must hold text, but its type is {kind}")
+        if self.prompt_ids_column is not None:
+            kind = schema.field(self.prompt_ids_column).type
+            if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+                raise InputError(f"input.prompt_ids_column {self.prompt_ids_column!r} must be a list of integers, "
+                                 f"but its type is {kind}")
+
+    def iter_rows(self, done: np.ndarray | None = None) -> Iterator[InputRow]:
+        """Yield the rows not marked done, in input order.
+
+        Args:
+            done: bool array of length ``num_rows``, True for rows already in the output; None reads every row.
+        """
+        assert done is None or len(done) == self.num_rows
+        first_row = 0
+        for source in self.sources:
+            if first_row >= self.num_rows:
+                return
+            end = min(first_row + source.num_rows, self.num_rows)
+            skip = np.ones(source.num_rows, dtype=bool)
+            skip[:end - first_row] = False if done is None else done[first_row:end]
+            if not skip.all():
+                for row, batch in source.iter_batches(self.columns, self.batch_size, first_row, skip):
+                    yield from self._batch_rows(row, batch, skip[row - first_row:row - first_row + batch.num_rows])
+            first_row += source.num_rows
+
+    def _batch_rows(self, first_row: int, batch: pa.RecordBatch, skip: np.ndarray) -> Iterator[InputRow]:
+        values = {name: _column_values(batch.column(name)) for name in self.columns}
+        for i in np.flatnonzero(~skip):
+            yield self._make_row(first_row + int(i), {name: column[i] for name, column in values.items()})
+
+    def _make_row(self, row_index: int, values: dict[str, Any]) -> InputRow:
+        row = InputRow(row_index=row_index, id=str(row_index))
+        try:
+            if self.id_column is not None:
+                row.id = self._text(values[self.id_column], f"id column {self.id_column!r}", allow_empty=True)
+            if self.prompt_ids_column is not None:
+                row.prompt_token_ids = self._token_ids(values[self.prompt_ids_column])
+            elif self.template is not None:
+                row.prompt = self._fill_template(values)
+            else:
+                row.prompt = self._text(values[self.prompt_column], f"prompt column {self.prompt_column!r}")
+            for name in self.sampling_columns:
+                if values[name] is not None:
+                    row.sampling_overrides[name] = coerce_sampling_value(name, values[name])
+        except ValueError as exc:
+            row.error = f"row {row_index} (id {row.id!r}): {exc}"
+        return row
+
+    @staticmethod
+    def _text(value: Any, what: str, allow_empty: bool = False) -> str:
+        if value is None:
+            raise ValueError(f"{what} is null")
+        if isinstance(value, _Undecodable):
+            raise ValueError(f"{what} cannot be read: {value.reason}")
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{what} is not valid UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        text = str(value)
+        if not text and not allow_empty:
+            raise ValueError(f"{what} is empty")
+        return text
+
+    def _fill_template(self, values: dict[str, Any]) -> str:
+        fields_ = {}
+        for name in self.template_columns:
+            value = values[name]
+            if value is None:
+                raise ValueError(f"template field {{{name}}} is null")
+            if isinstance(value, _Undecodable | bytes):
+                value = self._text(value, f"template field {{{name}}}", allow_empty=True)
+            fields_[name] = value
+        try:
+            prompt = self.template.format_map(fields_)
+        except (KeyError, IndexError, AttributeError, ValueError, TypeError) as exc:
+            raise ValueError(f"template cannot be filled in: {type(exc).__name__}: {exc}") from None
+        if not prompt:
+            raise ValueError("the filled-in template is empty")
+        return prompt
+
+    def _token_ids(self, value: Any) -> list[int]:
+        what = f"prompt_ids column {self.prompt_ids_column!r}"
+        if value is None:
+            raise ValueError(f"{what} is null")
+        if not value:
+            raise ValueError(f"{what} is empty")
+        if any(t is None for t in value):
+            raise ValueError(f"{what} holds a null token id")
+        if any(t < 0 for t in value):
+            raise ValueError(f"{what} holds a negative token id")
+        return [int(t) for t in value]
+
+
+def _column_values(array: pa.Array) -> list[Any]:
+    """``array.to_pylist()``, but a value that cannot be converted becomes ``_Undecodable`` instead of failing all."""
+    try:
+        return array.to_pylist()
+    except (UnicodeDecodeError, pa.ArrowException, ValueError, OverflowError):
+        values = []
+        for i in range(len(array)):
+            try:
+                values.append(array[i].as_py())
+            except (UnicodeDecodeError, pa.ArrowException, ValueError, OverflowError) as exc:
+                values.append(_Undecodable(f"{type(exc).__name__}: {exc}"))
+        return values
+
+
+def coerce_sampling_value(name: str, value: Any) -> Any:
+    """Turn one per-row sampling value into the type the ``SamplingParams`` field declares.
+
+    Raises:
+        ValueError: naming the setting, when the value has the wrong type (range checks are ``validate``'s).
+    """
+    if isinstance(value, _Undecodable):
+        raise ValueError(f"{name} cannot be read: {value.reason}")
+    kind = SAMPLING_FIELD_TYPES[name].replace(" | None", "")
+    if kind == "int":
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        value = float(value)
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+    elif kind == "tuple[int, ...]":
+        if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+            raise ValueError(f"{name} must be a list of token ids >= 0, got {value!r}")
+        value = tuple(value)
+    elif kind == "tuple[str, ...]":
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
+        value = tuple(value)
+    return value

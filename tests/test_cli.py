@@ -1,0 +1,115 @@
+"""CLI: exit code 2 with a message for setup problems, a run with manifest + flags + --set, rerun, demo."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.cli import main
+from jobs.writer import committed_parts
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SUMMARY_RE = re.compile(r"^cbrun: (\d+) rows \((\d+) errors, (\d+) skipped\) \| \d+ prompt tokens \| \d+ generated "
+                        r"tokens \| [\d.]+ s \| \d+ tokens/s generated \| peak memory \d+ MiB$", re.M)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"key": [f"k{i}" for i in range(5)], "text": [f"story {i}" for i in range(5)]}), path)
+    return path
+
+
+def output_rows(output_dir) -> list[dict]:
+    return sorted((r for p in committed_parts(output_dir) for r in pq.read_table(p).to_pylist()),
+                  key=lambda r: r["row_index"])
+
+
+def test_setup_problems_exit_2_with_a_message(tmp_path, prompts, tiny_model_dir, capsys):
+    base = ["run", "--no-progress", "--output", str(tmp_path / "out")]
+    cases = [
+        (["--model", str(tiny_model_dir), "--input", str(tmp_path / "none.parquet"), "--prompt-column", "text"],
+         "input .*none.parquet' not found"),
+        (["--model", str(tiny_model_dir), "--input", str(prompts), "--prompt-column", "question"],
+         "input.prompt_column 'question' is not a column .*key, text"),
+        (["--model", str(tmp_path), "--input", str(prompts), "--prompt-column", "text"], "has no config.json"),
+        (["--model", str(tiny_model_dir), "--input", str(prompts)], "exactly one of"),
+        ([str(tmp_path / "missing.toml")], "manifest .* not found"),
+        (["--input", str(prompts), "--prompt-column", "text"], "model.path is required"),
+        (["--model", str(tiny_model_dir), "--input", str(prompts), "--prompt-column", "text",
+          "--set", "engine.pagesize=4"], "unknown key engine.pagesize"),
+    ]
+    for args, message in cases:
+        assert main(base + args) == 2, args
+        err = capsys.readouterr().err
+        assert re.search("cbrun: error: .*" + message, err), (args, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_with_manifest_flags_and_set_then_rerun(tmp_path, prompts, tiny_model_dir, capsys):
+    manifest = tmp_path / "job.toml"
+    manifest.write_text(f"""
+[model]
+path = "{tiny_model_dir}"
+[input]
+path = "{prompts}"
+prompt_column = "text"
+[sampling]
+max_new_tokens = 50
+[engine]
+max_requests_per_batch = 4
+[output]
+path = "{tmp_path / 'out'}"
+""")
+    args = ["run", str(manifest), "--id-column", "key", "--max-new-tokens", "4", "--limit", "4",
+            "--set", "output.commit_every_rows=2", "--set", "engine.max_batch_tokens=64", "--no-progress"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert SUMMARY_RE.search(out).groups() == ("4", "0", "0"), out
+    rows = output_rows(tmp_path / "out")
+    assert [r["id"] for r in rows] == ["k0", "k1", "k2", "k3"]
+    assert all(r["num_completion_tokens"] <= 4 for r in rows)
+    assert len(committed_parts(tmp_path / "out")) == 2
+
+    assert main(args) == 0
+    assert "already finished: 4 rows" in capsys.readouterr().out
+    assert main(args[:-1] + ["--max-new-tokens", "3", "--no-progress"]) == 2
+    assert "sampling.max_new_tokens" in capsys.readouterr().err
+    assert main(args[:-1] + ["--max-new-tokens", "3", "--overwrite", "--no-progress"]) == 0
+    assert SUMMARY_RE.search(capsys.readouterr().out).groups() == ("4", "0", "0")
+
+
+def test_demo(tmp_path, capsys):
+    assert main(["demo", "--output", str(tmp_path / "demo"), "--num-rows", "16", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "RANDOM weights" in out and "noise" in out and str(tmp_path / "demo" / "output") in out
+    assert SUMMARY_RE.search(out).groups() == ("16", "0", "0")
+    assert len(output_rows(tmp_path / "demo" / "output")) == 16
+
+
+def test_gsm8k_manifest_on_stories260k(stories260k_dir, tmp_path, monkeypatch, capsys):
+    if not (REPO_ROOT / "../shared/data/gsm8k_test.parquet").is_file():
+        pytest.skip("gsm8k_test.parquet not present")
+    monkeypatch.chdir(REPO_ROOT)  # the manifest's relative paths are written for the repository root
+    args = ["run", "manifests/gsm8k-stories260k.toml", "--set", f"model.path={stories260k_dir}", "--output",
+            str(tmp_path / "out"), "--limit", "6", "--max-new-tokens", "12", "--no-progress"]
+    assert main(args) == 0
+    assert SUMMARY_RE.search(capsys.readouterr().out).groups() == ("6", "0", "0")
+    rows = output_rows(tmp_path / "out")
+    source = pq.read_table(REPO_ROOT / "../shared/data/gsm8k_test.parquet", columns=["id"]).column("id")
+    assert [r["id"] for r in rows] == source.to_pylist()[:6]
+    assert all(r["finish_reason"] in ("stop", "length") and r["completion"] for r in rows)
+
+
+def test_convert_llama2c_command(shared_dir, tmp_path, capsys):
+    src = shared_dir / "models" / "stories260K"
+    if not (src / "stories260K.bin").is_file():
+        pytest.skip("stories260K files not present")
+    assert main(["convert-llama2c", str(src / "stories260K.bin"), str(src / "tok512.bin"), str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "config.json").is_file()
+    assert main(["convert-llama2c", str(tmp_path / "none.bin"), str(src / "tok512.bin"), str(tmp_path / "n")]) == 2
+    assert "cbrun: error:" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""Manifest: TOML into dataclasses, unknown keys named, --set and flag overrides, the shipped manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs.manifest import load_manifest, manifest_from_dict, parse_set
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+MANIFEST = """
+[model]
+path = "models/m"
+
+[input]
+path = "data/in.parquet"
+prompt_column = "question"
+id_column = "id"
+limit = 10
+
+[sampling]
+max_new_tokens = 64
+temperature = 0.0
+stop_token_ids = [5, 6]
+seed = 7
+
+[engine]
+page_size = 8
+max_batch_tokens = 128
+
+[output]
+path = "out/x"
+commit_every_rows = 50
+"""
+
+
+@pytest.fixture
+def manifest_file(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(MANIFEST)
+    return path
+
+
+def test_loads_sections_into_dataclasses(manifest_file):
+    m = load_manifest(manifest_file)
+    assert m.model.path == "models/m"  # kept as written; resolved against the working directory when used
+    assert (m.input.prompt_column, m.input.id_column, m.input.limit) == ("question", "id", 10)
+    assert m.sampling.max_new_tokens == 64 and m.sampling.stop_token_ids == (5, 6) and m.sampling.seed is None
+    assert m.seed == 7
+    assert (m.engine.page_size, m.engine.max_batch_tokens, m.engine.max_requests_per_batch) == (8, 128, 64)
+    assert (m.output.commit_every_rows, m.output.commit_every_seconds, m.output.overwrite) == (50, 30.0, False)
+
+
+@pytest.mark.parametrize("section, key, message", [
+    ("modle", "path", r"unknown manifest section \[modle\]"),
+    ("input", "prompt_colum", r"unknown key input.prompt_colum"),
+    ("engine", "pagesize", r"unknown key engine.pagesize.*page_size"),
+    ("sampling", "temprature", r"unknown key sampling.temprature"),
+    ("output", "every", r"unknown key output.every"),
+])
+def test_unknown_sections_and_keys_are_named(manifest_file, section, key, message):
+    with pytest.raises(ValueError, match=message):
+        load_manifest(manifest_file, [f"{section}.{key}=1"])
+
+
+def test_unknown_key_in_the_file_is_named(manifest_file):
+    manifest_file.write_text(MANIFEST.replace("limit = 10", "limit = 10\nlimt = 3"))
+    with pytest.raises(ValueError, match="unknown key input.limt"):
+        load_manifest(manifest_file)
+
+
+def test_invalid_values_raise(manifest_file):
+    with pytest.raises(ValueError, match="page_size must be a positive integer"):
+        load_manifest(manifest_file, ["engine.page_size=0"])
+    with pytest.raises(ValueError, match="temperature must be"):
+        load_manifest(manifest_file, ["sampling.temperature=-1"])
+    with pytest.raises(ValueError, match="exactly one of"):
+        load_manifest(manifest_file, ["input.prompt_ids_column=ids"])
+    with pytest.raises(ValueError, match="commit_every_rows"):
+        load_manifest(manifest_file, ["output.commit_every_rows=0"])
+    with pytest.raises(ValueError, match="not valid TOML"):
+        manifest_file.write_text("[model\n")
+        load_manifest(manifest_file)
+    with pytest.raises(FileNotFoundError, match="manifest"):
+        load_manifest(manifest_file.with_name("nope.toml"))
+
+
+def test_parse_set_reads_toml_values_with_string_fallback():
+    assert parse_set("sampling.temperature=0.7") == ("sampling", "temperature", 0.7)
+    assert parse_set("engine.max_batch_tokens = 1024") == ("engine", "max_batch_tokens", 1024)
+    assert parse_set("output.overwrite=true") == ("output", "overwrite", True)
+    assert parse_set("sampling.stop_token_ids=[1, 2]") == ("sampling", "stop_token_ids", [1, 2])
+    assert parse_set("input.template=Q: {question} A:") == ("input", "template", "Q: {question} A:")
+    assert parse_set('input.id_column="42"') == ("input", "id_column", "42")
+    with pytest.raises(ValueError, match="SECTION.KEY=VALUE"):
+        parse_set("temperature=0.7")
+
+
+def test_set_and_flags_override_in_order(manifest_file):
+    m = load_manifest(manifest_file, ["sampling.max_new_tokens=5", "engine.device=cpu", "input.limit=3"],
+                      {"sampling": {"max_new_tokens": 9, "temperature": None}, "input": {"path": "other.parquet"}})
+    assert m.sampling.max_new_tokens == 9 and m.sampling.temperature == 0.0  # None flags do not override
+    assert m.input.path == "other.parquet" and m.input.limit == 3 and m.engine.device == "cpu"
+    with pytest.raises(ValueError, match="unknown key engine.bogus"):
+        load_manifest(manifest_file, ["engine.bogus=1"])
+
+
+def test_flags_alone_make_a_manifest_and_paths_are_required():
+    m = load_manifest(None, [], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
+                                 "output": {"path": "o"}})
+    assert m.engine.page_size == 16 and m.sampling.max_new_tokens == 128
+    with pytest.raises(ValueError, match=r"model.path is required.*--model"):
+        manifest_from_dict({"input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}})
+
+
+def test_shipped_gsm8k_manifest_is_valid():
+    m = load_manifest(REPO_ROOT / "manifests" / "gsm8k-stories260k.toml")
+    assert m.model.path == "models/stories260K" and m.input.prompt_column == "question"
+    assert m.input.id_column == "id" and m.sampling.temperature == 0.0 and m.engine.page_size == 16
+    data = REPO_ROOT / m.input.path  # relative to the repository root, where cbrun is meant to run
+    if not data.is_file():
+        pytest.skip(f"{data} not present")
+    from jobs.reader import PromptReader
+
+    assert PromptReader(data, prompt_column=m.input.prompt_column, id_column=m.input.id_column).num_rows == 1319
