@@ -1,11 +1,28 @@
-"""cbrun's continuous-batching inference engine."""
+"""cbrun's continuous-batching inference engine.
 
-from engine.config import ContinuousBatchingConfig, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+Names are imported on first use, so ``import engine.config`` (the CLI's argument parsing, manifests) does not pay
+for importing torch and transformers.
+"""
 
-__all__ = ["ContinuousBatchingConfig", "EngineConfig", "EngineStats", "LLMEngine", "Request", "RequestOutput",
-           "RequestStatus", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ContinuousBatchingConfig": "engine.config",
+    "EngineConfig": "engine.config",
+    "EngineStats": "engine.stats",
+    "LLMEngine": "engine.llm_engine",
+    "Request": "engine.request",
+    "RequestOutput": "engine.outputs",
+    "RequestStatus": "engine.request",
+    "SamplingParams": "engine.sampling_params",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -33,6 +33,8 @@ class EngineConfig:
         q_padding_interval_size: with CUDA graphs, query tokens are padded to a multiple of this.
         kv_padding_interval_size: with CUDA graphs, block tables address a multiple of this many tokens.
         max_cached_graphs: CUDA graphs kept at once (one per padded shape).
+        num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide); None keeps torch's
+            default. Tiny models run fastest on 1.
 
     Raises:
         ValueError: naming the setting and the reason, for any out-of-range value.
@@ -55,6 +57,7 @@ class EngineConfig:
     q_padding_interval_size: int = 64
     kv_padding_interval_size: int = 256
     max_cached_graphs: int = 32
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         self._check_positive_int("page_size")
@@ -76,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.cuda_graphs not in SWITCHES:
             raise ValueError(f"cuda_graphs must be one of {SWITCHES}, got {self.cuda_graphs!r}")
+        if self.num_threads is not None:
+            self._check_positive_int("num_threads")
         for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs"):
             self._check_positive_int(name)
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -88,6 +88,8 @@ class LLMEngine:
             ValueError: when the model type is not a decoder-only causal LM transformers can load.
         """
         config = config or EngineConfig()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
                                                      local_files_only=True)

@@ -99,7 +99,8 @@ def demo_manifest(work_dir: str | Path, *, output_dir: str | Path | None = None)
         model=ModelSettings(path=str(work_dir / "model")),
         input=InputSettings(path=str(work_dir / "prompts.parquet"), prompt_column="prompt", id_column="id"),
         sampling=SamplingParams(max_new_tokens=32, temperature=0.0),
-        engine=EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=32, device="cpu"),
+        engine=EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=32, device="cpu",
+                            num_threads=1),
         output=OutputSettings(path=str(output_dir or work_dir / "output"), commit_every_rows=16, overwrite=True),
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -205,8 +206,10 @@ class _JobRun:
         self.generated_at_start = self.engine.stats.num_generated_tokens
         self.started = time.perf_counter()
         self.last_postfix = 0.0
+        # A log file (no terminal) gets a line every 30 s rather than a redraw per row.
+        interval = 0.5 if sys.stderr.isatty() else 30.0
         with tqdm(total=int((~done).sum()), unit="row", disable=not progress, desc="cbrun",
-                  dynamic_ncols=True) as self.progress_bar:
+                  dynamic_ncols=True, mininterval=interval) as self.progress_bar:
             try:
                 for output in self.engine.generate(self._requests(reader, done), max_in_flight=max_in_flight):
                     row_id = self.in_flight.pop(output.request_id)
