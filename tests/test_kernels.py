@@ -249,3 +249,14 @@ def test_kv_cache_write_rejects_bad_input(overrides, message):
     args = {k: v.to(DEVICE) for k, v in {**args, **overrides}.items()}
     with pytest.raises(ValueError, match=re.escape(message)):
         kv_cache_write.write_kv_cache_triton(**args)
+
+
+def test_gpu_check_engine_benchmark_runs_on_a_tiny_cpu_model(capsys):
+    """The GPU check's engine part, shrunk to a tiny model on the CPU, so its first GPU run is not its first run."""
+    from kernels.gpu_check import engine_benchmark
+
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+    result = engine_benchmark(None, device="cpu", model=tiny, num_requests=4, max_prompt=32, max_new_tokens=4)
+    assert set(result) == {"off"} and result["off"] > 0
+    assert "cuda graphs" in capsys.readouterr().out
