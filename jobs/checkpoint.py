@@ -3,7 +3,10 @@
 An output directory belongs to one job, identified by ``job.json``: the settings that change what a row's output is
 (model files, input and prompt settings, sampling defaults, cbrun version). Engine settings that only change speed
 (page_size, max_batch_tokens, ...) are left out, so a job may resume with another batch size. ``limit`` is left out
-too: raising it extends a job.
+too: raising it extends a job. So is ``input.order_window``: it changes the order of work, never a row's output.
+
+With ``n`` samples per row, a row is done when its ``row_index`` is in a committed part: the job commits all the
+samples of a row in the same part (``PartWriter.add_group``), so a done row always has every sample.
 
 Which rows are done is read back from the committed parts themselves (their ``row_index`` column only) into a
 bitmap of one byte per input row, 100 MB for a 100M-row input; nothing else is kept, so there is no second record
@@ -30,7 +33,8 @@ SUCCESS_FILE = "_SUCCESS"
 STATS_FILE = "stats.json"
 #: Files of the model directory whose bytes define the model's outputs besides the weights.
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+               "chat_template.jinja", "chat_template.json")
 
 
 def cbrun_version() -> str:
@@ -68,8 +72,10 @@ def job_fingerprint(manifest, num_input_rows: int) -> dict[str, Any]:
                   "dtype": manifest.engine.dtype},
         "input": {"path": str(Path(inp.path).resolve()), "num_rows": num_input_rows,
                   "prompt_column": inp.prompt_column, "prompt_ids_column": inp.prompt_ids_column,
-                  "id_column": inp.id_column, "template": inp.template},
-        "sampling": {**sampling, "job_seed": manifest.seed},
+                  "id_column": inp.id_column, "template": inp.template, "mode": inp.mode,
+                  "candidates_column": inp.candidates_column, "corruptions": inp.corruptions, "chat": inp.chat,
+                  "messages_column": inp.messages_column, "system_prompt": inp.system_prompt},
+        "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n},
     }
     # NOTE: a JSON round trip (tuples become lists) so it compares equal to the job.json it is written to.
     return json.loads(json.dumps(fingerprint))

@@ -1,7 +1,8 @@
 """One batch inference job: reader -> engine.generate -> writer, with resume, progress and a summary.
 
 The job owns rows and files; the engine only sees (request_id, prompt_token_ids, SamplingParams). A row's request
-id is its ``row_index``. Rows the job can tell are bad (null or empty prompt, prompt too long, bad per-row sampling
+id is its ``row_index`` (score mode: ``(row_index, candidate index)``, one request per candidate; see
+``jobs.scoring``). Rows the job can tell are bad (null or empty prompt, prompt too long, bad per-row sampling
 value) never reach the engine: they go straight to the writer as error rows, and the job goes on.
 """
 
@@ -18,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from jobs.chat import check_chat_template, check_messages_column, conversation, encode_chat
 from jobs.checkpoint import Checkpoint, FingerprintMismatch, job_fingerprint
 from jobs.manifest import JobManifest
 from jobs.reader import InputError, InputRow, PromptReader
+from jobs.scoring import Scorer, check_candidates_column
 from jobs.writer import OutputRow, PartWriter, committed_parts
 
 
@@ -83,8 +86,17 @@ class JobSummary:
 
 def open_reader(manifest: JobManifest) -> PromptReader:
     inp = manifest.input
-    return PromptReader(inp.path, prompt_column=inp.prompt_column, prompt_ids_column=inp.prompt_ids_column,
-                        id_column=inp.id_column, template=inp.template, limit=inp.limit, batch_size=inp.batch_size)
+    extra_columns = {role: getattr(inp, role) for role in ("candidates_column", "messages_column")
+                     if getattr(inp, role) is not None}
+    reader = PromptReader(inp.path, prompt_column=inp.prompt_column, prompt_ids_column=inp.prompt_ids_column,
+                          id_column=inp.id_column, template=inp.template, limit=inp.limit, batch_size=inp.batch_size,
+                          extra_columns=extra_columns)
+    for source in reader.sources:
+        if inp.candidates_column is not None:
+            check_candidates_column(source.schema, inp.candidates_column, str(source.path))
+        if inp.messages_column is not None:
+            check_messages_column(source.schema, inp.messages_column, str(source.path))
+    return reader
 
 
 def check_model_dir(model_path: str) -> None:
@@ -118,6 +130,13 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
     except (InputError, ValueError) as exc:
         raise JobError(str(exc)) from None
     check_model_dir(manifest.model.path)
+    tokenizer = None
+    if manifest.input.chat:  # NOTE: checked before any work, loading the model included
+        tokenizer = load_tokenizer(manifest.model.path)
+        try:
+            check_chat_template(tokenizer, manifest.model.path)
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
     checkpoint = Checkpoint(manifest.output.path)
     fingerprint = job_fingerprint(manifest, reader.num_input_rows)
     overwrite = manifest.output.overwrite
@@ -141,7 +160,8 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
         return summary
 
     engine = engine if engine is not None else load_engine(manifest)
-    tokenizer = load_tokenizer(manifest.model.path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(manifest.model.path)
     checkpoint.prepare(fingerprint, overwrite=overwrite)
     checkpoint.clear_finished()
     writer = PartWriter(checkpoint.output_dir, manifest.output.commit_every_rows, manifest.output.commit_every_seconds)
@@ -197,6 +217,9 @@ class _JobRun:
         self.summary = summary
         self.vocab_size = _model_vocab_size(manifest.model.path)
         self.in_flight: dict[int, str] = {}
+        self.scorer = None
+        if manifest.input.mode == "score":
+            self.scorer = Scorer(tokenizer, engine.max_model_len, self.vocab_size, manifest.input.corruptions)
         self.progress_bar = None
 
     def run(self, reader: PromptReader, done: np.ndarray, progress: bool) -> None:
@@ -212,15 +235,24 @@ class _JobRun:
                   dynamic_ncols=True, mininterval=interval) as self.progress_bar:
             try:
                 for output in self.engine.generate(self._requests(reader, done), max_in_flight=max_in_flight):
-                    row_id = self.in_flight.pop(output.request_id)
-                    self._finish(self._output_row(row_id, output))
+                    row = self._collect(output)
+                    if row is not None:
+                        self._finish(row)
                 assert not self.in_flight, f"{len(self.in_flight)} requests never finished"
+                assert self.scorer is None or not self.scorer.pending, "scored rows never finished"
             finally:
                 # NOTE: rows already finished are committed even when the run is interrupted (Ctrl-C).
                 self.writer.commit()
 
     def _requests(self, reader: PromptReader, done: np.ndarray):
         for row in reader.iter_rows(done):
+            if self.scorer is not None:  # score mode: one request per candidate
+                requests = self.scorer.requests(row, row.extra.get("candidates_column"))
+                if isinstance(requests, OutputRow):
+                    self._finish(requests)
+                    continue
+                yield from requests
+                continue
             request = self._prepare(row)
             if isinstance(request, OutputRow):
                 self._finish(request)
@@ -228,14 +260,32 @@ class _JobRun:
             self.in_flight[row.row_index] = row.id
             yield request
 
+    def _collect(self, output) -> OutputRow | None:
+        """The output row a finished request completes (score mode: None until the row's last candidate)."""
+        if self.scorer is not None:
+            return self.scorer.collect(output)
+        return self._output_row(self.in_flight.pop(output.request_id), output)
+
+    def _encode(self, row: InputRow) -> list[int]:
+        """The prompt ids of a text row: the chat template over its conversation, or the plain encoding."""
+        inp = self.manifest.input
+        if not inp.chat:
+            return self.tokenizer.encode(row.prompt)
+        messages = conversation(row.prompt, row.extra.get("messages_column"), inp.messages_column is not None,
+                                inp.system_prompt)
+        return encode_chat(self.tokenizer, messages)
+
     def _prepare(self, row: InputRow):
         """(request_id, prompt_token_ids, SamplingParams) for a good row, an error ``OutputRow`` for a bad one."""
         if row.error is not None:
             return _error_row(row.id, row.row_index, row.error)
+        where = f"row {row.row_index} (id {row.id!r})"
         prompt_token_ids = row.prompt_token_ids
         if prompt_token_ids is None:
-            prompt_token_ids = self.tokenizer.encode(row.prompt)
-        where = f"row {row.row_index} (id {row.id!r})"
+            try:
+                prompt_token_ids = self._encode(row)
+            except ValueError as exc:
+                return _error_row(row.id, row.row_index, f"{where}: {exc}")
         if not prompt_token_ids:
             return _error_row(row.id, row.row_index, f"{where}: the prompt encodes to no tokens")
         max_model_len = self.engine.max_model_len
@@ -266,6 +316,7 @@ class _JobRun:
             num_prompt_tokens=output.num_prompt_tokens, num_completion_tokens=len(ids),
             finish_reason=output.finish_reason, logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
             prompt_greedy=output.prompt_greedy,
+            stop_reason=None if output.stop_reason is None else str(output.stop_reason),
         )
 
     def _finish(self, row: OutputRow) -> None:

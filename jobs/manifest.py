@@ -3,9 +3,11 @@
 A manifest has five sections, all optional in the file (a key may come from ``--set`` or a flag instead)::
 
     [model]     path
-    [input]     path, prompt_column, prompt_ids_column, id_column, template, limit, batch_size
-    [sampling]  SamplingParams fields (max_new_tokens, temperature, top_k, top_p, stop_token_ids, ignore_eos)
-                and the job ``seed`` from which every row's own seed is derived
+    [input]     path, prompt_column, prompt_ids_column, id_column, template, limit, batch_size, order_window,
+                mode ("generate" or "score"), candidates_column, corruptions, chat, messages_column, system_prompt
+    [sampling]  SamplingParams fields (max_new_tokens, temperature, top_k, top_p, stop, stop_token_ids, ...),
+                the job ``seed`` from which every row's own seed is derived, ``n`` (samples per row), and
+                ``prompt_logprobs`` (shorthand for ``prompt_logprobs_from = 1``)
     [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
     [output]    path, commit_every_rows, commit_every_seconds, overwrite
 
@@ -47,9 +49,22 @@ class InputSettings:
             from the row (``prompt_column`` need not be given then).
         limit: read only the first ``limit`` rows; None reads all.
         batch_size: rows per Parquet record batch read.
+        order_window: prefix-aware ordering: rows are read this many ahead and each such window is submitted
+            sorted by prompt token ids, so rows sharing a prompt prefix run together and hit the prefix cache
+            (``jobs.ordering``). It changes the order of work, never a row's output; 0 keeps input order.
+        mode: "generate" (a completion per row) or "score" (the log-probability of each candidate continuation
+            of the row's prompt; see ``jobs.scoring``).
+        candidates_column: score mode: a list<string> (or string) column of candidate continuations.
+        corruptions: score mode: names from ``jobs.scoring.CORRUPTIONS``; each derives one more candidate from
+            the first, e.g. "last_number_plus_one" (a wrong final answer to score against the reference).
+        chat: apply the tokenizer's chat template (see ``jobs.chat``) to the row's conversation.
+        messages_column: chat: a list<struct<role, content>> column holding the conversation; without it the
+            prompt text is one user turn.
+        system_prompt: chat: a system turn put first (unless the conversation starts with one).
 
     Raises:
-        ValueError: when no prompt source or two prompt sources are given, or a number is out of range.
+        ValueError: when no prompt source or two prompt sources are given, a number is out of range, or the
+            mode, chat and candidate settings do not fit together.
     """
 
     path: str = ""
@@ -59,18 +74,56 @@ class InputSettings:
     template: str | None = None
     limit: int | None = None
     batch_size: int = 1024
+    order_window: int = 4096
+    mode: str = "generate"
+    candidates_column: str | None = None
+    corruptions: list[str] = field(default_factory=list)
+    chat: bool = False
+    messages_column: str | None = None
+    system_prompt: str | None = None
 
     def __post_init__(self) -> None:
         has_text = self.prompt_column is not None or self.template is not None
-        if has_text == (self.prompt_ids_column is not None):
+        sources = [has_text, self.prompt_ids_column is not None, self.messages_column is not None]
+        if sum(sources) != 1:
             raise ValueError(
                 "give the prompt as exactly one of: input.prompt_column (optionally with input.template), "
-                "input.template, or input.prompt_ids_column"
+                "input.template, input.prompt_ids_column, or input.messages_column (with input.chat = true)"
             )
+        _check_modes(self)
         if self.limit is not None and (not _is_int(self.limit) or self.limit < 0):
             raise ValueError(f"input.limit must be an integer >= 0, got {self.limit!r}")
         if not _is_int(self.batch_size) or self.batch_size < 1:
             raise ValueError(f"input.batch_size must be a positive integer, got {self.batch_size!r}")
+        if not _is_int(self.order_window) or self.order_window < 0:
+            raise ValueError(f"input.order_window must be an integer >= 0 (0 keeps input order), "
+                             f"got {self.order_window!r}")
+
+
+def _check_modes(inp: InputSettings) -> None:
+    """Raise ``ValueError`` when the mode, candidate and chat settings do not fit together."""
+    from jobs.scoring import CORRUPTIONS
+
+    if inp.mode not in ("generate", "score"):
+        raise ValueError(f"input.mode must be \"generate\" or \"score\", got {inp.mode!r}")
+    if not isinstance(inp.chat, bool):
+        raise ValueError(f"input.chat must be true or false, got {inp.chat!r}")
+    if not isinstance(inp.corruptions, list) or not all(c in CORRUPTIONS for c in inp.corruptions):
+        raise ValueError(f"input.corruptions must be a list of names from: {', '.join(CORRUPTIONS)}; "
+                         f"got {inp.corruptions!r}")
+    if inp.mode == "score":
+        if inp.candidates_column is None:
+            raise ValueError("input.mode = \"score\" needs input.candidates_column (the candidate continuations)")
+        if inp.chat or inp.prompt_ids_column is not None:
+            raise ValueError("input.mode = \"score\" needs a text context (input.prompt_column or input.template); "
+                             "input.chat and input.prompt_ids_column are for generate mode")
+    elif inp.candidates_column is not None or inp.corruptions:
+        raise ValueError("input.candidates_column and input.corruptions need input.mode = \"score\"")
+    if not inp.chat and (inp.messages_column is not None or inp.system_prompt is not None):
+        raise ValueError("input.messages_column and input.system_prompt need input.chat = true")
+    if inp.chat and inp.prompt_ids_column is not None:
+        raise ValueError("input.chat = true needs a text prompt or input.messages_column, not input.prompt_ids_column "
+                         "(token ids are used as given)")
 
 
 @dataclass
@@ -107,14 +160,21 @@ class JobManifest:
     Attributes:
         seed: the job seed; each row's sampling seed is derived from (seed, row id) unless a ``seed`` column
             gives it.
+        n: samples per row (``[sampling] n``), each written as its own output row with a ``sample_index``; a row's
+            ``n`` column overrides it. Sample i's seed derives from (seed, row id, i).
     """
 
     model: ModelSettings = field(default_factory=ModelSettings)
     input: InputSettings = field(default_factory=lambda: InputSettings(prompt_column="prompt"))
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
+    n: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputSettings = field(default_factory=OutputSettings)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"sampling.n (samples per row) must be a positive integer, got {self.n!r}")
 
     def check_required(self) -> None:
         """Raise ``ValueError`` when a path the job needs is missing."""
@@ -202,16 +262,34 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
     seed = sampling.pop("seed", 0)
     if not _is_int(seed):
         raise ValueError(f"sampling.seed (the job seed) must be an integer, got {seed!r}")
-    sampling_params = _build(SamplingParams, "sampling", sampling, exclude={"seed"}, extra={"seed"})
+    n = sampling.pop("n", 1)
+    _expand_prompt_logprobs(sampling)
+    sampling_params = _build(SamplingParams, "sampling", sampling, exclude={"seed"}, extra={"seed", "n",
+                                                                                            "prompt_logprobs"})
     sampling_params.validate()
     return JobManifest(
         model=_build(ModelSettings, "model", raw.get("model", {})),
         input=_build(InputSettings, "input", raw.get("input", {})),
         sampling=sampling_params,
         seed=seed,
+        n=n,
         engine=_build(EngineConfig, "engine", raw.get("engine", {})),
         output=_build(OutputSettings, "output", raw.get("output", {})),
     )
+
+
+def _expand_prompt_logprobs(sampling: dict[str, Any]) -> None:
+    """Turn ``sampling.prompt_logprobs = true`` into ``prompt_logprobs_from = 1`` (every prompt token but the first,
+    which nothing predicts), in place."""
+    if "prompt_logprobs" not in sampling:
+        return
+    wanted = sampling.pop("prompt_logprobs")
+    if not isinstance(wanted, bool):
+        raise ValueError(f"sampling.prompt_logprobs must be true or false, got {wanted!r}")
+    if wanted:
+        if sampling.get("prompt_logprobs_from") is not None:
+            raise ValueError("give sampling.prompt_logprobs = true or sampling.prompt_logprobs_from, not both")
+        sampling["prompt_logprobs_from"] = 1
 
 
 def _build(cls, section: str, values: dict[str, Any], exclude: set[str] = frozenset(), extra: set[str] = frozenset()):

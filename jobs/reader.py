@@ -27,6 +27,8 @@ from engine.sampling_params import SAMPLING_FIELDS, SamplingParams
 
 #: SamplingParams field name -> its annotation, e.g. "int", "float | None", "tuple[int, ...]".
 SAMPLING_FIELD_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}
+#: The optional input column that gives a row its own number of samples (overrides the job's ``sampling.n``).
+NUM_SAMPLES_COLUMN = "n"
 
 
 class InputError(ValueError):
@@ -43,6 +45,9 @@ class InputRow:
         prompt: the prompt text (from the prompt column or the filled-in template); None with a token-id prompt.
         prompt_token_ids: the prompt as token ids, when read from ``prompt_ids_column``.
         sampling_overrides: per-row sampling settings from columns named like SamplingParams fields (nulls left out).
+        extra: {role: value} of the reader's ``extra_columns`` (e.g. candidates, messages), as read; the job
+            checks them.
+        num_samples: the row's ``n`` column (samples to generate, >= 1); None: the job's ``sampling.n``.
         error: why the row cannot run, naming the row and the cause; None for a good row.
     """
 
@@ -51,6 +56,8 @@ class InputRow:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    num_samples: int | None = None
     error: str | None = None
 
 
@@ -190,6 +197,7 @@ class PromptReader:
         num_rows: rows the job covers (the input's rows, cut to ``limit``).
         num_input_rows: rows in the whole input.
         sampling_columns: input columns that override a sampling setting per row.
+        samples_column: ``NUM_SAMPLES_COLUMN`` when the input has it (samples per row), else None.
 
     Raises:
         InputError: from the constructor, for a missing input, a missing column or a column of the wrong type.
@@ -197,12 +205,14 @@ class PromptReader:
 
     def __init__(self, path: str | Path, *, prompt_column: str | None = None, prompt_ids_column: str | None = None,
                  id_column: str | None = None, template: str | None = None, limit: int | None = None,
-                 batch_size: int = 1024):
+                 batch_size: int = 1024, extra_columns: dict[str, str] | None = None):
         self.prompt_column = prompt_column
         self.prompt_ids_column = prompt_ids_column
         self.id_column = id_column
         self.template = template
         self.batch_size = batch_size
+        # {role: column}, e.g. {"candidates_column": "answers"}: read into InputRow.extra, checked by the job.
+        self.extra_columns = dict(extra_columns or {})
         kind, files = list_input_files(path)
         source_cls = _ParquetSource if kind == "parquet" else _ArrowStreamSource
         self.sources = [source_cls(f) for f in files]
@@ -210,8 +220,10 @@ class PromptReader:
         self.num_rows = self.num_input_rows if limit is None else min(limit, self.num_input_rows)
         self.template_columns = template_fields(template) if template is not None else []
         self.sampling_columns = [name for name in SAMPLING_FIELDS if name in self.sources[0].schema.names]
+        self.samples_column = NUM_SAMPLES_COLUMN if NUM_SAMPLES_COLUMN in self.sources[0].schema.names else None
         self.columns = list(dict.fromkeys(
-            c for c in [id_column, prompt_column, prompt_ids_column, *self.template_columns, *self.sampling_columns]
+            c for c in [id_column, prompt_column, prompt_ids_column, *self.template_columns, *self.sampling_columns,
+                        self.samples_column, *self.extra_columns.values()]
             if c is not None
         ))
         for source in self.sources:
@@ -220,7 +232,7 @@ class PromptReader:
     def _check_schema(self, source) -> None:
         schema = source.schema
         for role, column in (("id_column", self.id_column), ("prompt_column", self.prompt_column),
-                             ("prompt_ids_column", self.prompt_ids_column)):
+                             ("prompt_ids_column", self.prompt_ids_column), *self.extra_columns.items()):
             if column is not None and column not in schema.names:
                 raise InputError(f"input.{role} {column!r} is not a column of {str(source.path)!r}; "
                                  f"its columns are: {', '.join(schema.names)}")
@@ -272,11 +284,17 @@ class PromptReader:
                 row.prompt_token_ids = self._token_ids(values[self.prompt_ids_column])
             elif self.template is not None:
                 row.prompt = self._fill_template(values)
-            else:
+            elif self.prompt_column is not None:
                 row.prompt = self._text(values[self.prompt_column], f"prompt column {self.prompt_column!r}")
+            for role, column in self.extra_columns.items():
+                if isinstance(values[column], _Undecodable):
+                    raise ValueError(f"{role} {column!r} cannot be read: {values[column].reason}")
+                row.extra[role] = values[column]
             for name in self.sampling_columns:
                 if values[name] is not None:
                     row.sampling_overrides[name] = coerce_sampling_value(name, values[name])
+            if self.samples_column is not None and values[self.samples_column] is not None:
+                row.num_samples = coerce_num_samples(values[self.samples_column])
         except ValueError as exc:
             row.error = f"row {row_index} (id {row.id!r}): {exc}"
         return row
@@ -339,6 +357,21 @@ def _column_values(array: pa.Array) -> list[Any]:
             except (UnicodeDecodeError, pa.ArrowException, ValueError, OverflowError) as exc:
                 values.append(_Undecodable(f"{type(exc).__name__}: {exc}"))
         return values
+
+
+def coerce_num_samples(value: Any) -> int:
+    """One row's ``n`` (samples to generate) as an int >= 1.
+
+    Raises:
+        ValueError: naming the column, for a value that is not a whole number >= 1.
+    """
+    if isinstance(value, _Undecodable):
+        raise ValueError(f"{NUM_SAMPLES_COLUMN} (samples per row) cannot be read: {value.reason}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{NUM_SAMPLES_COLUMN} (samples per row) must be an integer >= 1, got {value!r}")
+    return value
 
 
 def coerce_sampling_value(name: str, value: Any) -> Any:

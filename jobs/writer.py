@@ -38,6 +38,14 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))),
     pa.field("prompt_logprobs", pa.list_(pa.float32())),
     pa.field("prompt_greedy", pa.list_(pa.bool_())),
+    # What ended a "stop" row: the stop string, or the stop (or EOS) token id as text; null otherwise.
+    pa.field("stop_reason", pa.string()),
+    # Score mode (input.mode = "score") only, one entry per candidate; null in generate mode (see jobs.scoring):
+    pa.field("candidate_logprobs", pa.list_(pa.float64())),
+    pa.field("candidate_num_tokens", pa.list_(pa.int32())),
+    pa.field("candidate_is_greedy", pa.list_(pa.bool_())),
+    # Which of the row's samples this is (sampling.n or the row's n column): 0 .. n-1; 0 for one sample per row.
+    pa.field("sample_index", pa.int32(), nullable=False),
 ])
 
 FINISH_REASONS = ("stop", "length", "error")
@@ -48,7 +56,10 @@ class OutputRow:
     """One finished row as stored: a completion, or an error (``finish_reason == "error"``, ``completion`` null).
 
     ``logprobs`` (per generated token, {token id: log-probability}), ``prompt_logprobs`` and ``prompt_greedy`` are
-    None unless the job's sampling settings ask for them.
+    None unless the job's sampling settings ask for them. ``stop_reason`` says which stop string or token id ended
+    a "stop" row. The ``candidate_*`` lists are score mode's (one entry per candidate), None in generate mode.
+    A row with ``n`` samples is stored as ``n`` output rows of the same ``id`` and ``row_index``, ``sample_index``
+    0 .. n-1.
     """
 
     id: str
@@ -62,6 +73,11 @@ class OutputRow:
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float] | None = None
     prompt_greedy: list[bool] | None = None
+    stop_reason: str | None = None
+    candidate_logprobs: list[float] | None = None
+    candidate_num_tokens: list[int] | None = None
+    candidate_is_greedy: list[bool] | None = None
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
         assert self.finish_reason in FINISH_REASONS, self.finish_reason
@@ -135,6 +151,17 @@ class PartWriter:
         if not self.buffer:
             self.oldest_buffered = time.monotonic()
         self.buffer.append(row)
+        self.maybe_commit()
+
+    def add_group(self, rows: list[OutputRow]) -> None:
+        """Buffer rows that must land in the same part (the samples of one input row), then maybe commit.
+
+        NOTE: resume counts a row done when its ``row_index`` is in a committed part, so a row's samples are never
+        split across parts; a part may hold up to n - 1 rows beyond ``commit_every_rows``.
+        """
+        if not self.buffer:
+            self.oldest_buffered = time.monotonic()
+        self.buffer.extend(rows)
         self.maybe_commit()
 
     def maybe_commit(self) -> bool:
