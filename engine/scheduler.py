@@ -55,7 +55,8 @@ class FIFOScheduler:
 
     Each step is planned under ``max_batch_tokens`` and ``max_requests_per_batch``. A prompt that does not fit the
     remaining budget is split (chunked prefill) and continued in later steps. New requests are admitted only while
-    the free fraction of the block pool is at least ``safety_margin`` (or nothing is running).
+    fewer than ``max_requests_per_batch`` run and the free fraction of the block pool is at least
+    ``safety_margin`` (or nothing is running).
 
     Offloading is demand-driven: when a running request cannot get the block it needs next, the newest running
     requests not yet in this step's plan are offloaded, one at a time, until it can; the request asking is never
@@ -112,6 +113,9 @@ class FIFOScheduler:
     def _schedule_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
         while self.waiting:
             if self.running and self._below_safety_margin():
+                return
+            # A request beyond what one batch can serve would hold blocks without decoding every step.
+            if len(self.running) >= self.config.max_requests_per_batch:
                 return
             request = self.waiting[0]
             if request.cpu_blocks:

@@ -92,3 +92,15 @@ def test_request_larger_than_cache_fails_alone():
     assert [r.request_id for r in out.failed] == ["huge"]
     assert "blocks" in out.failed[0].error and out.failed[0].finish_reason == "error"
     assert plan == [("ok", 3)]
+
+
+def test_running_requests_never_exceed_the_request_limit():
+    """Admitting more than one batch can serve would hold blocks without decoding (and force preemptions)."""
+    config = EngineConfig(page_size=4, num_blocks=512, max_batch_tokens=64, max_requests_per_batch=3,
+                          scheduler_type="prefill_first")
+    s, _ = make(config, PrefillFirstScheduler)
+    for i in range(8):
+        s.add_request(req(f"r{i}", 5))
+    for _ in range(6):
+        plan, out = run_step(s)
+        assert len(s.running) <= 3 and out.num_preempted == 0
