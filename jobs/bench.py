@@ -1,4 +1,4 @@
-"""`cbrun bench`: one workload through several backends in one process, side by side with transformers.
+"""`cbrun bench`: one workload through several backends in one command, side by side with transformers.
 
 Backends (all greedy, all on the same rows):
 
@@ -22,9 +22,12 @@ Measurement (the same for every backend):
   (``record_timestamps``); hf-generate: a stopping criterion timestamps every decoding step of the batch.
 - ITL: per request, (finish time - first token time) / (tokens - 1), requests with >= 2 tokens; the table gives
   the median and p99 over requests.
-- Peak memory: resident set size sampled from ``/proc/self/statm`` every 20 ms during the run; reported as the peak
-  minus the RSS at the start of the run. Freed memory of earlier backends may be reused, so later backends can read
-  low; ``ru_maxrss`` of the whole process is in the JSON.
+- CPU time: ``time.process_time`` over the run (all threads). On a shared machine it is steadier than wall time;
+  wall time is what the throughput columns use.
+- Peak memory: each backend run (settings of a sweep included) happens in a fresh process (multiprocessing,
+  spawn), so its ``ru_maxrss`` is that backend's own peak resident set: imports, model, KV cache and activations.
+  The table gives the peak minus the RSS of the same process right after imports (its "+MiB"); both are in the
+  JSON. ``--no-isolate`` runs everything in this process instead (faster; memory then reads "n/a").
 - Useful FLOP/s: 2 x (non-embedding decoder parameters) per prompt-or-generated token fed to the model, plus
   2 x (LM head) per sampled token, plus causal attention (4 x heads x head_dim per attended position per layer),
   divided by wall time. Padding and recomputation are not counted: it is the work the rows need. The ceiling is
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -45,9 +49,9 @@ import random
 import resource
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -216,10 +220,12 @@ class RunResult:
         setting: e.g. "batch 32" for static backends, "" otherwise.
         outputs: per row, generated ids cut as cbrun cuts them.
         wall_s: seconds from the first request to the last output.
+        cpu_s: process CPU seconds (all threads) over the same span.
         first_token_s: per row, seconds from the run start to its first token (None without one).
         finish_s: per row, seconds from the run start to its last token.
         computed_tokens: tokens run through the model, padding and recomputation included (None when unknown).
-        rss_start_mib, rss_peak_mib: resident set size at the start and its sampled peak during the run.
+        rss_base_mib: resident set size of the backend's process after imports (None in-process).
+        rss_peak_mib: peak resident set size of the backend's process (``ru_maxrss``; None in-process).
         load_avg: 1-minute load average before and after the run.
         info: backend facts for the JSON (cbrun: engine stats and KV blocks).
     """
@@ -228,37 +234,14 @@ class RunResult:
     setting: str
     outputs: list[list[int]]
     wall_s: float
+    cpu_s: float
     first_token_s: list[float | None]
     finish_s: list[float | None]
     computed_tokens: int | None = None
-    rss_start_mib: float = 0.0
-    rss_peak_mib: float = 0.0
+    rss_base_mib: float | None = None
+    rss_peak_mib: float | None = None
     load_avg: tuple[float, float] = (0.0, 0.0)
     info: dict = field(default_factory=dict)
-
-
-class RssSampler:
-    """Samples this process's resident set size every ``interval_s`` in a thread; use as a context manager."""
-
-    def __init__(self, interval_s: float = 0.02) -> None:
-        self.interval_s = interval_s
-        self.start_mib = self.peak_mib = current_rss_mib()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "RssSampler":
-        self.start_mib = self.peak_mib = current_rss_mib()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_mib = max(self.peak_mib, current_rss_mib())
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak_mib = max(self.peak_mib, current_rss_mib())
 
 
 def current_rss_mib() -> float:
@@ -270,7 +253,7 @@ def current_rss_mib() -> float:
         return 0.0
 
 
-def measure_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+def measure_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
     """Best fp32 ``torch.matmul`` throughput of two n x n matrices over ``repeats`` runs, in GFLOP/s."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.matmul(a, b)
@@ -291,7 +274,7 @@ def run_cbrun(workload: Workload, engine_config) -> RunResult:
     n = len(workload.prompts)
     requests = [(i, p, SamplingParams(max_new_tokens=m, stop_token_ids=workload.stop_token_ids))
                 for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
-    result = _timed("cbrun", "", workload, lambda: _collect_cbrun(engine.generate(requests, max_in_flight=n), n),
+    result = _timed("cbrun", "", lambda: _collect_cbrun(engine.generate(requests, max_in_flight=n), n),
                     lambda: engine.stats.num_computed_tokens)
     result.info = {"num_blocks": engine.num_blocks, **engine.stats.as_dict()}
     return result
@@ -315,7 +298,7 @@ def run_cbrun_static(workload: Workload, engine_config, batch_size: int) -> RunR
                 results.extend(engine.step())
         return _collect_cbrun(results, len(workload.prompts))
 
-    return _timed("cbrun-static", f"batch {batch_size}", workload, run, lambda: engine.stats.num_computed_tokens)
+    return _timed("cbrun-static", f"batch {batch_size}", run, lambda: engine.stats.num_computed_tokens)
 
 
 def _collect_cbrun(outputs, n: int):
@@ -349,7 +332,7 @@ def run_hf_generate(workload: Workload, batch_size: int) -> RunResult:
                 finish.append(step_times[len(kept) - 1] if kept else None)
         return ids, first, finish
 
-    return _timed("hf-generate", f"batch {batch_size}", workload, run, lambda: computed[0])
+    return _timed("hf-generate", f"batch {batch_size}", run, lambda: computed[0])
 
 
 class _StepClock:
@@ -401,7 +384,7 @@ def run_hf_cb(workload: Workload, engine_config, num_blocks: int) -> RunResult:
         allow_block_sharing=engine_config.allow_block_sharing, scheduler_type=engine_config.scheduler_type)
     with model.continuous_batching_context_manager(generation_config=generation_config,
                                                    continuous_batching_config=cb_config, block=True) as manager:
-        return _timed("hf-cb", "", workload, lambda: _hf_cb_run(manager, workload), lambda: None)
+        return _timed("hf-cb", "", lambda: _hf_cb_run(manager, workload), lambda: None)
 
 
 def _hf_cb_run(manager, workload: Workload):
@@ -434,16 +417,15 @@ def _load_hf_model(model_dir: Path):
                                                 local_files_only=True).eval()
 
 
-def _timed(backend: str, setting: str, workload: Workload, run, computed_tokens) -> RunResult:
-    """Run ``run() -> (ids, absolute first times, absolute finish times)`` under the clock and the RSS sampler."""
+def _timed(backend: str, setting: str, run, computed_tokens) -> RunResult:
+    """Run ``run() -> (ids, absolute first times, absolute finish times)`` under the wall and CPU clocks."""
     load_before = os.getloadavg()[0]
-    with RssSampler() as rss:
-        start = time.perf_counter()
-        ids, first, finish = run()
-        wall = time.perf_counter() - start
+    cpu_start, start = time.process_time(), time.perf_counter()
+    ids, first, finish = run()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     rel = lambda times: [t - start if t is not None else None for t in times]  # noqa: E731
-    return RunResult(backend, setting, ids, wall, rel(first), rel(finish), computed_tokens(), rss.start_mib,
-                     rss.peak_mib, (load_before, os.getloadavg()[0]))
+    return RunResult(backend, setting, ids, wall, cpu, rel(first), rel(finish), computed_tokens(),
+                     load_avg=(load_before, os.getloadavg()[0]))
 
 
 # ---- reporting ------------------------------------------------------------------------------------------------------
@@ -489,10 +471,11 @@ def summarize(result: RunResult, workload: Workload, reference: RunResult | None
     flops = cost.useful_flops(workload.prompts, result.outputs) / result.wall_s
     row = dict(backend=result.backend, setting=result.setting, rows=len(result.outputs),
                prompt_tokens=workload.num_prompt_tokens, generated_tokens=generated, wall_s=result.wall_s,
-               generated_tok_s=generated / result.wall_s, total_tok_s=total / result.wall_s,
+               cpu_s=result.cpu_s, generated_tok_s=generated / result.wall_s, total_tok_s=total / result.wall_s,
+               generated_tok_per_cpu_s=generated / result.cpu_s,
                computed_tokens=result.computed_tokens,
                ttft_s=_percentiles(ttft), itl_s=_percentiles(itl),
-               rss_peak_delta_mib=result.rss_peak_mib - result.rss_start_mib, rss_peak_mib=result.rss_peak_mib,
+               rss_peak_mib=result.rss_peak_mib, rss_base_mib=result.rss_base_mib,
                useful_gflop_s=flops / 1e9, fraction_of_matmul_ceiling=flops / 1e9 / matmul_gflops,
                load_avg_before=result.load_avg[0], load_avg_after=result.load_avg[1], info=result.info)
     row.update(compare_outputs(result.outputs, reference.outputs if reference else None))
@@ -523,8 +506,8 @@ def add_ratios(rows: list[dict]) -> None:
         row["vs_cbrun"] = row["generated_tok_s"] / base if base else None
 
 
-TABLE_COLUMNS = ("backend", "rows", "prompt tok", "gen tok", "wall s", "gen tok/s", "total tok/s", "vs cbrun",
-                 "TTFT p50/p99 s", "ITL p50/p99 ms", "peak RSS +MiB", "useful GFLOP/s (% ceiling)", "outputs == cbrun")
+TABLE_COLUMNS = ("backend", "rows", "prompt tok", "gen tok", "wall s", "CPU s", "gen tok/s", "total tok/s", "vs cbrun",
+                 "TTFT p50/p99 s", "ITL p50/p99 ms", "peak RSS MiB (+ over imports)", "useful GFLOP/s (% ceiling)", "outputs == cbrun")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -540,12 +523,18 @@ def format_table(rows: list[dict]) -> str:
             same = f"yes ({r['rows_equal']}/{r['rows']})"
         else:
             same = f"NO: {r['rows_differing']}/{r['rows']} rows differ"
-        cells = (name, r["rows"], r["prompt_tokens"], r["generated_tokens"], f"{r['wall_s']:.1f}",
+        cells = (name, r["rows"], r["prompt_tokens"], r["generated_tokens"], f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}",
                  f"{r['generated_tok_s']:.0f}", f"{r['total_tok_s']:.0f}",
-                 f"{r['vs_cbrun']:.2f}x" if r["vs_cbrun"] else "n/a", ttft, itl, f"{r['rss_peak_delta_mib']:.0f}",
+                 f"{r['vs_cbrun']:.2f}x" if r["vs_cbrun"] else "n/a", ttft, itl, _memory_cell(r),
                  f"{r['useful_gflop_s']:.2f} ({100 * r['fraction_of_matmul_ceiling']:.1f}%)", same)
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _memory_cell(row: dict) -> str:
+    if row["rss_peak_mib"] is None:
+        return "n/a"
+    return f"{row['rss_peak_mib']:.0f} (+{row['rss_peak_mib'] - row['rss_base_mib']:.0f})"
 
 
 def machine_info(threads: int) -> dict:
@@ -558,8 +547,21 @@ def machine_info(threads: int) -> dict:
     import transformers
 
     return dict(cpu=model, cores=os.cpu_count(), torch_threads=threads, torch=torch.__version__,
-                transformers=transformers.__version__, python=platform.python_version(),
+                transformers=transformers.__version__, python=platform.python_version(), commit=_git_commit(),
                 date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+
+
+def _git_commit() -> str | None:
+    """The repo's HEAD commit, with "+dirty" when tracked files changed (None outside a git checkout)."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 # ---- command --------------------------------------------------------------------------------------------------------
@@ -582,6 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the per-row lengths and of random prompts")
     p.add_argument("--model-dir", type=Path, help="model directory to reuse (built there when empty)")
     p.add_argument("--json", type=Path, help="also write the results as JSON to this path")
+    p.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="run all backends in this process (faster start; no per-backend peak memory)")
     return p
 
 
@@ -605,26 +609,77 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@dataclass
+class BackendSpec:
+    """One backend run: which backend, its static batch size (or None), and the settings it needs."""
+
+    backend: str
+    batch_size: int | None
+    engine_config: object
+    threads: int
+    num_blocks: int | None = None  # hf-cb: cbrun's block count
+
+
+def run_backend(spec: BackendSpec, workload: Workload) -> RunResult:
+    """Run one backend on the workload in this process (after ``warm_up``)."""
+    if spec.backend == "cbrun":
+        return run_cbrun(workload, spec.engine_config)
+    if spec.backend == "cbrun-static":
+        return run_cbrun_static(workload, spec.engine_config, spec.batch_size)
+    if spec.backend == "hf-generate":
+        return run_hf_generate(workload, spec.batch_size)
+    return run_hf_cb(workload, spec.engine_config, spec.num_blocks)
+
+
+def run_isolated(spec: BackendSpec, workload: Workload) -> RunResult:
+    """Run one backend in a fresh spawned process; its peak RSS is then the backend's own."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_child, (spec, workload))
+
+
+def _child(spec: BackendSpec, workload: Workload) -> RunResult:
+    torch.set_num_threads(spec.threads)
+    _quiet_transformers()
+    base = current_rss_mib()
+    warm_up(workload)
+    result = run_backend(spec, workload)
+    result.rss_base_mib = base
+    result.rss_peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
+
+
 def run_backends(args, workload: Workload) -> list[RunResult]:
-    """Run cbrun first (the reference), then the other chosen backends; log each as it ends."""
+    """Run cbrun first (the reference), then the other chosen backends, each sweep setting on its own; log each."""
     from engine import EngineConfig
 
     config = EngineConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                           max_requests_per_batch=args.max_requests)
-    results = [run_cbrun(workload, config)]
-    _log(results[-1])
+    specs = [BackendSpec("cbrun", None, config, args.threads)]
     for backend in args.backends[1:]:
-        if backend == "hf-cb":
-            results.append(run_hf_cb(workload, config, results[0].info["num_blocks"]))
-            _log(results[-1])
-            continue
-        for batch_size in args.batch_sizes:
-            if backend == "cbrun-static":
-                results.append(run_cbrun_static(workload, config, batch_size))
-            else:
-                results.append(run_hf_generate(workload, batch_size))
-            _log(results[-1])
+        sizes = [None] if backend == "hf-cb" else args.batch_sizes
+        specs.extend(BackendSpec(backend, size, config, args.threads) for size in sizes)
+    if not args.isolate:
+        warm_up(workload)
+    results: list[RunResult] = []
+    for spec in specs:
+        if spec.backend == "hf-cb":
+            spec.num_blocks = results[0].info["num_blocks"]
+        results.append(run_isolated(spec, workload) if args.isolate else run_backend(spec, workload))
+        _log(results[-1])
+        gc.collect()
     return results
+
+
+def warm_up(workload: Workload) -> None:
+    """Import every backend's modules and run one short ``generate``, so no backend pays one-time costs (imports,
+    first-call kernel set-up) in its time."""
+    import engine.llm_engine  # noqa: F401
+    import transformers.generation.continuous_batching  # noqa: F401
+
+    _hf_generate_batch(_load_hf_model(workload.model_dir), workload.prompts[:2], [2, 2], workload.stop_token_ids)
+    gc.collect()
 
 
 def _log(result: RunResult) -> None:
@@ -638,9 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; write JSON when asked. Returns 0, or 2 for a bad workload."""
     args = _parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    _quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="cbrun-bench-") as scratch:
         try:
             workload = build_workload(args.workload, args.rows, args.new_tokens, args.seed, args.model_dir,
@@ -657,12 +710,18 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(workload=args.workload, description=workload.description, command=_command(argv),
                   machine=machine_info(args.threads), settings=_settings(args), model_params=cost.total_params,
                   matmul_ceiling_gflop_s=matmul_gflops, load_avg_start=load_start, load_avg_end=os.getloadavg(),
-                  ru_maxrss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, results=rows)
+                  results=rows)
     print(format_report(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def format_report(report: dict) -> str:
@@ -672,7 +731,8 @@ def format_report(report: dict) -> str:
         f"workload: {report['workload']}: {report['description']}",
         f"model parameters: {report['model_params'] / 1e6:.2f}M; fp32 matmul ceiling "
         f"{report['matmul_ceiling_gflop_s']:.1f} GFLOP/s at {m['torch_threads']} thread(s)",
-        f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}; "
+        f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
+        f"commit {m['commit']}, {m['date']}; "
         f"load average (1/5/15 min) at start {_load(report['load_avg_start'])}, end {_load(report['load_avg_end'])}",
         "", format_table(report["results"])])
 
@@ -690,4 +750,6 @@ def _settings(args) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jobs.bench import main as _main  # so spawned backend processes find their functions in jobs.bench
+
+    sys.exit(_main())

@@ -1,9 +1,12 @@
 """One batch inference job: reader -> engine.generate -> writer, with resume, progress and a summary.
 
 The job owns rows and files; the engine only sees (request_id, prompt_token_ids, SamplingParams). A row's request
-id is its ``row_index`` (score mode: ``(row_index, candidate index)``, one request per candidate; see
-``jobs.scoring``). Rows the job can tell are bad (null or empty prompt, prompt too long, bad per-row sampling
-value) never reach the engine: they go straight to the writer as error rows, and the job goes on.
+id is ``(row_index, sample_index)``, one request per sample (``sampling.n`` or the row's ``n`` column; score
+mode: ``(row_index, candidate index)``, one request per candidate; see ``jobs.scoring``). Rows are submitted in
+prefix-aware order over a window of ``input.order_window`` rows, a row's requests back to back (``jobs.ordering``);
+a row's samples are written together, in one part, once all are back. Rows the job can tell are bad (null or
+empty prompt, prompt too long, bad per-row sampling value) never reach the engine: they go straight to the writer
+as error rows, and the job goes on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from jobs.chat import check_chat_template, check_messages_column, conversation, encode_chat
 from jobs.checkpoint import Checkpoint, FingerprintMismatch, job_fingerprint
 from jobs.manifest import JobManifest
+from jobs.ordering import RowWork, SampleGroups, order_by_prefix
 from jobs.reader import InputError, InputRow, PromptReader
 from jobs.scoring import Scorer, check_candidates_column
 from jobs.writer import OutputRow, PartWriter, committed_parts
@@ -31,10 +35,24 @@ class JobError(Exception):
     """The job cannot start as configured; the message says what to fix. Raised before any row is generated."""
 
 
-def derive_seed(job_seed: int, row_id: str) -> int:
-    """A row's sampling seed: the first 63 bits of sha256(job seed, row id), independent of batching and order."""
-    digest = hashlib.sha256(f"{job_seed}\0{row_id}".encode()).digest()
+def derive_seed(job_seed: int, row_id: str, sample_index: int = 0) -> int:
+    """A sample's seed: the first 63 bits of sha256(job seed, row id, sample index), independent of batching and
+    order. Sample 0 hashes (job seed, row id) alone, so one-sample jobs keep the seeds they always had."""
+    key = f"{job_seed}\0{row_id}" if sample_index == 0 else f"{job_seed}\0{row_id}\0{sample_index}"
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
+
+
+def sample_seeds(job_seed: int, row_id: str, num_samples: int, row_seed: int | None = None) -> list[int]:
+    """The seeds of a row's samples 0 .. num_samples-1.
+
+    Args:
+        row_seed: the row's ``seed`` column, if any: sample 0 takes it as is, and it stands in for the job seed in
+            the other samples' derivation (so they differ from sample 0 and from each other).
+    """
+    if row_seed is None:
+        return [derive_seed(job_seed, row_id, i) for i in range(num_samples)]
+    return [row_seed] + [derive_seed(row_seed, row_id, i) for i in range(1, num_samples)]
 
 
 @dataclass
@@ -42,8 +60,9 @@ class JobSummary:
     """What one ``run_job`` call did.
 
     Attributes:
-        num_rows: rows finished (written) by this run, errors included.
-        num_errors: of those, rows with ``finish_reason == "error"``.
+        num_rows: input rows finished (written) by this run, errors included.
+        num_output_rows: output rows written by this run: a row with n samples writes n (an error row one).
+        num_errors: of the output rows, those with ``finish_reason == "error"``.
         num_skipped: rows already in the output before this run (resume).
         num_prompt_tokens / num_generated_tokens: summed over this run's rows.
         elapsed_s: wall seconds of the whole run, model loading included.
@@ -55,6 +74,7 @@ class JobSummary:
 
     output_dir: str
     num_rows: int = 0
+    num_output_rows: int = 0
     num_errors: int = 0
     num_skipped: int = 0
     num_prompt_tokens: int = 0
@@ -75,7 +95,8 @@ class JobSummary:
             return (f"cbrun: job already finished: {self.num_skipped} rows in {self.output_dir} (see stats.json); "
                     f"nothing to do (use --overwrite to recompute)")
         gpu = "" if self.peak_gpu_memory_mib is None else f" | peak GPU memory {self.peak_gpu_memory_mib:.0f} MiB"
-        return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped) | "
+        samples = f" | {self.num_output_rows} samples" if self.num_output_rows != self.num_rows else ""
+        return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped){samples} | "
                 f"{self.num_prompt_tokens} prompt tokens | {self.num_generated_tokens} generated tokens | "
                 f"{self.elapsed_s:.1f} s | {self.generated_tokens_per_s:.0f} tokens/s generated | "
                 f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}")
@@ -216,7 +237,7 @@ class _JobRun:
         self.writer = writer
         self.summary = summary
         self.vocab_size = _model_vocab_size(manifest.model.path)
-        self.in_flight: dict[int, str] = {}
+        self.in_flight = SampleGroups()  # generate mode: rows submitted, and their samples until all are back
         self.scorer = None
         if manifest.input.mode == "score":
             self.scorer = Scorer(tokenizer, engine.max_model_len, self.vocab_size, manifest.input.corruptions)
@@ -245,26 +266,41 @@ class _JobRun:
                 self.writer.commit()
 
     def _requests(self, reader: PromptReader, done: np.ndarray):
+        """The requests of the rows not done, in prefix-aware order (``input.order_window``), a row's together."""
+        work = order_by_prefix(self._row_work(reader, done), key=lambda w: w.prompt_token_ids,
+                               window=self.manifest.input.order_window)
+        for item in work:
+            if self.scorer is None:
+                self.in_flight.start(item.row_index, item.id, len(item.requests))
+            yield from item.requests
+
+    def _row_work(self, reader: PromptReader, done: np.ndarray):
+        """Each good row's requests as a ``RowWork``; bad rows go to the writer as error rows on the spot."""
         for row in reader.iter_rows(done):
             if self.scorer is not None:  # score mode: one request per candidate
                 requests = self.scorer.requests(row, row.extra.get("candidates_column"))
                 if isinstance(requests, OutputRow):
                     self._finish(requests)
                     continue
-                yield from requests
+                yield RowWork(row.row_index, row.id, requests[0][1], list(requests))
                 continue
             request = self._prepare(row)
             if isinstance(request, OutputRow):
                 self._finish(request)
                 continue
-            self.in_flight[row.row_index] = row.id
-            yield request
+            row_index, prompt_token_ids, params = request
+            num_samples = row.num_samples or self.manifest.n
+            seeds = sample_seeds(self.manifest.seed, row.id, num_samples, row.sampling_overrides.get("seed"))
+            requests = [((row_index, i), prompt_token_ids, params.replace(seed=seed)) for i, seed in enumerate(seeds)]
+            yield RowWork(row_index, row.id, prompt_token_ids, requests)
 
-    def _collect(self, output) -> OutputRow | None:
-        """The output row a finished request completes (score mode: None until the row's last candidate)."""
+    def _collect(self, output) -> OutputRow | list[OutputRow] | None:
+        """The output row(s) a finished request completes: None until the row's last candidate (score mode) or
+        sample (generate mode: all the row's samples, by sample index)."""
         if self.scorer is not None:
             return self.scorer.collect(output)
-        return self._output_row(self.in_flight.pop(output.request_id), output)
+        row_index, _ = output.request_id
+        return self.in_flight.add(row_index, self._output_row(self.in_flight.row_id(row_index), output))
 
     def _encode(self, row: InputRow) -> list[int]:
         """The prompt ids of a text row: the chat template over its conversation, or the plain encoding."""
@@ -305,29 +341,34 @@ class _JobRun:
         return row.row_index, prompt_token_ids, sampling_params
 
     def _output_row(self, row_id: str, output) -> OutputRow:
+        row_index, sample_index = output.request_id
         if output.finish_reason == "error":
-            message = f"row {output.request_id} (id {row_id!r}): {output.error}"
-            return _error_row(row_id, output.request_id, message, output.num_prompt_tokens)
+            message = f"row {row_index} (id {row_id!r}): {output.error}"
+            return _error_row(row_id, row_index, message, output.num_prompt_tokens, sample_index)
         ids = list(output.output_token_ids)
         # NOTE: when a stop string ended the request the engine hands back the text cut before it.
         text = output.text if output.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
         return OutputRow(
-            id=row_id, row_index=output.request_id, completion=text, completion_token_ids=ids,
+            id=row_id, row_index=row_index, sample_index=sample_index, completion=text, completion_token_ids=ids,
             num_prompt_tokens=output.num_prompt_tokens, num_completion_tokens=len(ids),
             finish_reason=output.finish_reason, logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
             prompt_greedy=output.prompt_greedy,
             stop_reason=None if output.stop_reason is None else str(output.stop_reason),
         )
 
-    def _finish(self, row: OutputRow) -> None:
-        self.writer.add(row)
+    def _finish(self, rows: OutputRow | list[OutputRow]) -> None:
+        """Hand one input row's output rows (its samples) to the writer as one group, and count them."""
+        rows = [rows] if isinstance(rows, OutputRow) else rows
+        self.writer.add_group(rows)
         summary = self.summary
         summary.num_rows += 1
-        if row.finish_reason == "error":
-            summary.num_errors += 1
-        else:
-            summary.num_prompt_tokens += row.num_prompt_tokens
-            summary.num_generated_tokens += row.num_completion_tokens
+        summary.num_output_rows += len(rows)
+        for row in rows:
+            if row.finish_reason == "error":
+                summary.num_errors += 1
+            else:
+                summary.num_prompt_tokens += row.num_prompt_tokens
+                summary.num_generated_tokens += row.num_completion_tokens
         self.progress_bar.update(1)
         now = time.perf_counter()
         if now - self.last_postfix >= 0.5:
@@ -339,7 +380,9 @@ class _JobRun:
             )
 
 
-def _error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int = 0) -> OutputRow:
+def _error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int = 0,
+               sample_index: int = 0) -> OutputRow:
+    """A row that cannot run, or a sample the engine failed; a row that fails before the engine writes one, sample 0."""
     return OutputRow(id=row_id, row_index=row_index, completion=None, completion_token_ids=[],
                      num_prompt_tokens=num_prompt_tokens, num_completion_tokens=0, finish_reason="error",
-                     error=message)
+                     error=message, sample_index=sample_index)

@@ -175,6 +175,9 @@ class JobManifest:
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"sampling.n (samples per row) must be a positive integer, got {self.n!r}")
+        if self.n > 1 and self.input.mode == "score":
+            raise ValueError("sampling.n > 1 needs input.mode = \"generate\": score mode computes one score per "
+                             "candidate, and ignores the n column")
 
     def check_required(self) -> None:
         """Raise ``ValueError`` when a path the job needs is missing."""

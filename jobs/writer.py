@@ -34,7 +34,8 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("num_completion_tokens", pa.int64(), nullable=False),
     pa.field("finish_reason", pa.string(), nullable=False),
     pa.field("error", pa.string()),
-    # Null unless the job asks for them (sampling.logprobs, sampling.prompt_logprobs_from):
+    # Null unless the job asks for them (sampling.logprobs; sampling.prompt_logprobs = true or prompt_logprobs_from):
+    # prompt_logprobs[i] is the log-probability of prompt token prompt_logprobs_from + i (from 1: all but the first).
     pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))),
     pa.field("prompt_logprobs", pa.list_(pa.float32())),
     pa.field("prompt_greedy", pa.list_(pa.bool_())),

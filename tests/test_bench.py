@@ -9,7 +9,7 @@ def test_bench_tiny_workload_writes_table_and_json(stories260k_dir, tmp_path, ca
     out = tmp_path / "bench.json"
     code = bench.main(["--workload", "gsm8k-stories260k", "--rows", "8", "--max-new-tokens", "4:12",
                        "--backends", "cbrun,cbrun-static,hf-generate", "--batch-sizes", "4",
-                       "--model-dir", str(stories260k_dir), "--json", str(out)])
+                       "--model-dir", str(stories260k_dir), "--json", str(out), "--no-isolate"])
     assert code == 0
     table = capsys.readouterr().out
     assert "| backend |" in table and "outputs == cbrun" in table
@@ -22,6 +22,7 @@ def test_bench_tiny_workload_writes_table_and_json(stories260k_dir, tmp_path, ca
     for row in rows:
         assert row["rows"] == 8 and row["generated_tokens"] > 0 and row["wall_s"] > 0
         assert row["ttft_s"] is not None and row["vs_cbrun"] > 0
+        assert row["rss_peak_mib"] is None  # in-process: no per-backend peak memory
     assert rows[0]["rows_equal"] is None  # cbrun is the reference
     assert all(r["rows_equal"] == 8 and r["rows_differing"] == 0 for r in rows[1:])
     assert rows[1]["generated_tokens"] == rows[0]["generated_tokens"] == rows[2]["generated_tokens"]

@@ -1,0 +1,95 @@
+"""Profile cbrun's step loop on a bench workload with cProfile; print the top costs.
+
+Usage (from the repo root):
+    python benchmarks/profile_cbrun.py [--workload gsm8k-stories260k] [--rows 128] [--model-dir DIR] [--top 30]
+
+Builds the workload exactly as ``cbrun bench`` does, runs ``LLMEngine.generate`` over it once unprofiled (warm-up,
+also the timing without profiler overhead) and once under cProfile, and prints the functions by own time and by
+cumulative time, plus a coarse split of the step: scheduling, input preparation, forward pass, sampling, update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jobs.bench import build_workload  # noqa: E402
+
+#: Functions whose cumulative time splits a step into phases.
+PHASES = {
+    "schedule": ("scheduler.py", "schedule"),
+    "prepare inputs": ("model_runner.py", "_prepare"),
+    "model forward": ("module.py", "_call_impl"),
+    "sample": ("sampler.py", "sample"),
+    "scheduler update": ("scheduler.py", "update"),
+}
+
+
+def run(workload, config: EngineConfig) -> tuple[float, int, int]:
+    engine = LLMEngine.from_pretrained(str(workload.model_dir), config)
+    requests = [(i, p, SamplingParams(max_new_tokens=m, stop_token_ids=workload.stop_token_ids))
+                for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
+    start = time.perf_counter()
+    tokens = sum(len(o.output_token_ids) for o in engine.generate(requests, max_in_flight=len(requests)))
+    return time.perf_counter() - start, engine.stats.num_steps, tokens
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="gsm8k-stories260k")
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--model-dir", type=Path)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--max-requests", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_requests)
+    with tempfile.TemporaryDirectory() as scratch:
+        workload = build_workload(args.workload, args.rows, (16, 256), 0, args.model_dir, Path(scratch))
+        wall, steps, tokens = run(workload, config)
+        print(f"unprofiled: {tokens} tokens, {steps} steps in {wall:.2f} s = {tokens / wall:.0f} tok/s, "
+              f"{1e3 * wall / steps:.1f} ms/step")
+        profiler = cProfile.Profile(time.process_time)  # CPU time: robust to other processes on the machine
+        profiler.enable()
+        wall, steps, tokens = run(workload, config)
+        profiler.disable()
+    print(f"profiled:   {tokens} tokens, {steps} steps in {wall:.2f} s (profiler overhead included)\n")
+    stats = pstats.Stats(profiler)
+    print_phases(stats, wall)
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(args.top)
+        print(f"---- top {args.top} by {key} ----")
+        print(out.getvalue().split("\n", 6)[-1])
+    return 0
+
+
+def print_phases(stats: pstats.Stats, wall: float) -> None:
+    """Cumulative time of the step's phases (the forward pass counted at its outermost module call)."""
+    print("phase               cumulative s   % of wall")
+    for phase, (file_part, name) in PHASES.items():
+        total = 0.0
+        for (filename, _, func), (_, _, _, cumulative, callers) in stats.stats.items():
+            if func == name and filename.endswith(file_part):
+                if phase == "model forward":  # only calls from the model runner, not nested modules
+                    cumulative = sum(v[3] for (f, _, fn), v in callers.items() if f.endswith("model_runner.py"))
+                total += cumulative
+        print(f"{phase:<20}{total:>12.2f}   {100 * total / wall:>8.1f}%")
+    print()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
