@@ -65,11 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="work directory for the demo model, prompts and output (default: ./cbrun-demo)")
     demo.add_argument("--num-rows", type=int, default=64, help="prompts in the demo input (default: 64)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    commands.add_parser("bench", add_help=False, help="throughput benchmark against transformers "
+                        "(cbrun bench --help for its options)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark parses its own options
+        from jobs.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    _quiet_transformers()
     try:
         if args.command == "run":
             return _run(args)
@@ -79,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cbrun: interrupted; finished rows are committed, rerun the same command to resume", file=sys.stderr)
         return 130
+
+
+def _quiet_transformers() -> None:
+    """Keep transformers' per-load progress bars and advisory warnings out of a job's output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -66,6 +66,7 @@ class JobSummary:
         num_skipped: rows already in the output before this run (resume).
         num_prompt_tokens / num_generated_tokens: summed over this run's rows.
         elapsed_s: wall seconds of the whole run, model loading included.
+        generation_s: wall seconds of generation alone (what tokens/s is measured over).
         peak_memory_mib: peak resident memory of the process.
         peak_gpu_memory_mib: peak CUDA memory allocated by torch, None off CUDA.
         already_finished: the output already held the finished job; nothing was done.
@@ -80,6 +81,7 @@ class JobSummary:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     elapsed_s: float = 0.0
+    generation_s: float = 0.0
     peak_memory_mib: float = 0.0
     peak_gpu_memory_mib: float | None = None
     already_finished: bool = False
@@ -87,7 +89,8 @@ class JobSummary:
 
     @property
     def generated_tokens_per_s(self) -> float:
-        return self.num_generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        seconds = self.generation_s or self.elapsed_s
+        return self.num_generated_tokens / seconds if seconds > 0 else 0.0
 
     def line(self) -> str:
         """The one summary line the CLI prints."""
@@ -99,7 +102,14 @@ class JobSummary:
         return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped){samples} | "
                 f"{self.num_prompt_tokens} prompt tokens | {self.num_generated_tokens} generated tokens | "
                 f"{self.elapsed_s:.1f} s | {self.generated_tokens_per_s:.0f} tokens/s generated | "
-                f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}")
+                f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}")
+
+    def _engine_counters(self) -> str:
+        stats = self.engine_stats
+        if not stats:
+            return ""
+        return (f" | prefix cache hit rate {100 * stats['prefix_hit_rate']:.1f}% | {stats['num_offloads']} offloads, "
+                f"{stats['num_soft_resets']} soft resets")
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "generated_tokens_per_s": self.generated_tokens_per_s}
@@ -186,7 +196,9 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
     checkpoint.prepare(fingerprint, overwrite=overwrite)
     checkpoint.clear_finished()
     writer = PartWriter(checkpoint.output_dir, manifest.output.commit_every_rows, manifest.output.commit_every_seconds)
+    generation_start = time.perf_counter()
     _JobRun(manifest, engine, tokenizer, writer, summary).run(reader, done, progress)
+    summary.generation_s = time.perf_counter() - generation_start
     summary.elapsed_s = time.perf_counter() - start
     summary.peak_memory_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary.peak_gpu_memory_mib = _peak_gpu_memory_mib(manifest.engine.device)
