@@ -219,19 +219,29 @@ class LLMEngine:
             max_in_flight: bound on queued plus running requests.
 
         Yields:
-            ``RequestOutput`` in finish order.
+            ``RequestOutput`` in finish order. When the caller stops early (or an error escapes), the requests
+            still in the engine are aborted, so a reused engine starts clean.
         """
         source = iter(requests)
         in_flight = 0
-        while True:
-            for request_id, prompt, params in itertools.islice(source, max(0, max_in_flight - in_flight)):
-                self.add_request(request_id, prompt, params)
-                in_flight += 1
-            if not self.has_unfinished_requests():
-                return
-            for output in self.step():
-                in_flight -= 1
-                yield output
+        try:
+            while True:
+                for request_id, prompt, params in itertools.islice(source, max(0, max_in_flight - in_flight)):
+                    self.add_request(request_id, prompt, params)
+                    in_flight += 1
+                if not self.has_unfinished_requests():
+                    return
+                for output in self.step():
+                    in_flight -= 1
+                    yield output
+        finally:
+            if self.has_unfinished_requests():
+                self.abort_all_requests()
+
+    def abort_all_requests(self) -> int:
+        """Drop every queued and running request, freeing its cache; returns how many were dropped."""
+        self._rejected.clear()
+        return len(self.scheduler.abort_all())
 
 
 def _check_causal_decoder(model: torch.nn.Module) -> None:

@@ -82,6 +82,18 @@ class FIFOScheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort_all(self) -> list[Request]:
+        """Drop every unfinished request, freeing its blocks and swap slots; returns them (status FAILED)."""
+        aborted = list(self.running) + list(self.waiting)
+        for request in aborted:
+            self.block_manager.free(request)
+            if request.cpu_blocks:
+                self.block_manager.release_swap_slots(request)
+            request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", "aborted"
+        self.running.clear()
+        self.waiting.clear()
+        return aborted
+
     # ---- planning -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Never raises for a shortage: it preempts, stalls or fails requests instead."""

@@ -79,3 +79,17 @@ def test_request_larger_than_cache_fails_alone(prompts, unconstrained):
     assert outputs[0].finish_reason == "error" and "blocks" in outputs[0].error
     assert [o.output_token_ids for o in outputs[1:]] == [o.output_token_ids for o in unconstrained["greedy"]]
     assert stats.num_failed_requests == 1
+
+
+def test_stopping_generate_early_aborts_and_frees_everything(prompts):
+    config = EngineConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=32, cpu_offload_space=0.001,
+                          allow_block_sharing=False)
+    engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config)
+    stream = engine.generate((i, p, greedy(i)) for i, p in enumerate(prompts))
+    next(stream)
+    stream.close()  # the caller stops: the rest is aborted
+    assert not engine.has_unfinished_requests()
+    assert_pool_balanced(engine)
+    assert engine.block_manager.swap_pool.num_free_slots == engine.block_manager.swap_pool.num_slots
+    again = list(engine.generate([("x", prompts[0], greedy(0))]))  # a reused engine starts clean
+    assert [o.request_id for o in again] == ["x"]
