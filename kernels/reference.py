@@ -18,7 +18,7 @@ far cheaper on the CPU than gathering single slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,15 @@ class _Group:
     mask: torch.Tensor  # (B, 1, Q, K) bool, True = attend; K = NB * page_size
     out_rows: torch.Tensor  # (n,) int64 flat query rows this group writes
     out_select: torch.Tensor  # (n,) int64 positions of those rows in the (B * Q) padded layout
+    _head_masks: dict = field(default_factory=dict)
+
+    def head_mask(self, group_size: int) -> torch.Tensor:
+        """(B, 1, G * Q, K) mask for query rows laid out as (query head in its KV group, query position)."""
+        mask = self._head_masks.get(group_size)
+        if mask is None:
+            mask = self.mask.repeat(1, 1, group_size, 1) if group_size > 1 else self.mask
+            self._head_masks[group_size] = mask
+        return mask
 
 
 @dataclass
@@ -126,7 +135,7 @@ def paged_attention_ref(
     there would survive a zero attention weight). The engine's cache is zero-initialised and only ever holds K/V.
 
     Returns:
-        (T, num_heads, head_dim) in ``query.dtype``. Softmax runs in float32.
+        (T, num_heads, head_dim) in ``query.dtype``.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -134,32 +143,31 @@ def paged_attention_ref(
     out = query.new_zeros(num_tokens, num_heads, head_dim)
     for g in plan.groups:
         batch, max_q = g.q_index.shape
-        q = query[g.q_index].transpose(1, 2)  # (B, H, Q, D)
-        # (B, NB, page, Hkv, D) -> (B, Hkv, K, D)
-        pages = g.blocks + page_offset if page_offset else g.blocks
-        k = k_cache[pages].flatten(1, 2).transpose(1, 2)
-        v = v_cache[pages].flatten(1, 2).transpose(1, 2)
+        # (B, Q, H, D) -> (B, Hkv, G * Q, D): each KV head serves its group of query heads as extra query rows,
+        # so K and V are never repeated per query head.
+        q = query[g.q_index].view(batch, max_q, num_kv_heads, group_size, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group_size * max_q, head_dim)
+        pages = (g.blocks + page_offset if page_offset else g.blocks).flatten()
+        # (B * NB, page, Hkv, D) -> (B, Hkv, K, D)
+        k = k_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        mask = g.head_mask(group_size)
         if softcap is None:
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
-                                                                 enable_gqa=group_size > 1)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         else:
-            o = _softcapped_attention(q, k, v, g.mask, scale, softcap, group_size)
-        o = o.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)
-        out[g.out_rows] = o[g.out_select]
+            o = _softcapped_attention(q, k, v, mask, scale, softcap)
+        o = o.view(batch, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out[g.out_rows] = o.reshape(batch * max_q, num_heads, head_dim)[g.out_select]
     return out
 
 
-def _softcapped_attention(q, k, v, mask, scale: float, softcap: float, group_size: int) -> torch.Tensor:
-    """Explicit attention with ``softcap * tanh(scores / softcap)``; q (B, H, Q, D), k/v (B, Hkv, K, D)."""
-    batch, num_heads, max_q, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    # Each KV head serves its group of query heads: (B, Hkv, G * Q, D).
-    q = q.reshape(batch, num_kv_heads, group_size * max_q, head_dim)
+def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Explicit attention with ``softcap * tanh(scores / softcap)``; q (B, Hkv, R, D), k/v (B, Hkv, K, D), mask
+    (B, 1, R, K). Softmax in float32."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.view(batch, num_kv_heads, group_size, max_q, -1).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, num_kv_heads, group_size * max_q, -1)
-    return torch.matmul(probs, v).view(batch, num_heads, max_q, head_dim)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def write_kv_cache_ref(
