@@ -30,7 +30,8 @@ from jobs.bench import build_workload  # noqa: E402
 PHASES = {
     "schedule": ("scheduler.py", "schedule"),
     "prepare inputs": ("model_runner.py", "_prepare"),
-    "model forward": ("module.py", "_call_impl"),
+    "model forward": ("module.py", "_wrapped_call_impl"),
+    "  of which paged attention": ("attention.py", "paged_attention_forward"),
     "sample": ("sampler.py", "sample"),
     "scheduler update": ("scheduler.py", "update"),
 }
@@ -78,16 +79,17 @@ def main() -> int:
 
 
 def print_phases(stats: pstats.Stats, wall: float) -> None:
-    """Cumulative time of the step's phases (the forward pass counted at its outermost module call)."""
-    print("phase               cumulative s   % of wall")
+    """Cumulative CPU time of the step's phases (the forward pass counted at its outermost module call), and its
+    share of the profiled run's wall time (the same as CPU time on an idle machine, single-threaded)."""
+    print(f"{'phase':<28}{'CPU s':>8}   % of run")
     for phase, (file_part, name) in PHASES.items():
         total = 0.0
         for (filename, _, func), (_, _, _, cumulative, callers) in stats.stats.items():
             if func == name and filename.endswith(file_part):
-                if phase == "model forward":  # only calls from the model runner, not nested modules
+                if phase == "model forward":  # only the model runner's call, not nested modules
                     cumulative = sum(v[3] for (f, _, fn), v in callers.items() if f.endswith("model_runner.py"))
                 total += cumulative
-        print(f"{phase:<20}{total:>12.2f}   {100 * total / wall:>8.1f}%")
+        print(f"{phase:<28}{total:>8.2f}   {100 * total / wall:>7.1f}%")
     print()
 
 

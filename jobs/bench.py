@@ -24,10 +24,12 @@ Measurement (the same for every backend):
   the median and p99 over requests.
 - CPU time: ``time.process_time`` over the run (all threads). On a shared machine it is steadier than wall time;
   wall time is what the throughput columns use.
-- Peak memory: each backend run (settings of a sweep included) happens in a fresh process (multiprocessing,
-  spawn), so its ``ru_maxrss`` is that backend's own peak resident set: imports, model, KV cache and activations.
-  The table gives the peak minus the RSS of the same process right after imports (its "+MiB"); both are in the
-  JSON. ``--no-isolate`` runs everything in this process instead (faster; memory then reads "n/a").
+- Peak memory: each backend run (each setting of a sweep too) happens in a fresh process (multiprocessing, spawn).
+  After imports and a warm-up on a tiny model, the process's peak-RSS mark is reset (``/proc/self/clear_refs``,
+  Linux) and its RSS read as the base; at the end the peak (``VmHWM``) is read. The table gives the peak and, in
+  "+", peak minus base: what the workload's model, KV cache and activations add. Where the mark cannot be reset,
+  the peak is ``ru_maxrss`` (which then includes the warm-up). ``--no-isolate`` runs everything in this process
+  instead (faster; memory then reads "n/a").
 - Useful FLOP/s: 2 x (non-embedding decoder parameters) per prompt-or-generated token fed to the model, plus
   2 x (LM head) per sampled token, plus causal attention (4 x heads x head_dim per attended position per layer),
   divided by wall time. Padding and recomputation are not counted: it is the work the rows need. The ceiling is
@@ -224,7 +226,7 @@ class RunResult:
         first_token_s: per row, seconds from the run start to its first token (None without one).
         finish_s: per row, seconds from the run start to its last token.
         computed_tokens: tokens run through the model, padding and recomputation included (None when unknown).
-        rss_base_mib: resident set size of the backend's process after imports (None in-process).
+        rss_base_mib: RSS of the backend's process after imports and warm-up, before its model (None in-process).
         rss_peak_mib: peak resident set size of the backend's process (``ru_maxrss``; None in-process).
         load_avg: 1-minute load average before and after the run.
         info: backend facts for the JSON (cbrun: engine stats and KV blocks).
@@ -251,6 +253,23 @@ def current_rss_mib() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS mark (``VmHWM``) to its current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size (``VmHWM``) since the last reset, in MiB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
 
 
 def measure_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
@@ -506,8 +525,9 @@ def add_ratios(rows: list[dict]) -> None:
         row["vs_cbrun"] = row["generated_tok_s"] / base if base else None
 
 
-TABLE_COLUMNS = ("backend", "rows", "prompt tok", "gen tok", "wall s", "CPU s", "gen tok/s", "total tok/s", "vs cbrun",
-                 "TTFT p50/p99 s", "ITL p50/p99 ms", "peak RSS MiB (+ over imports)", "useful GFLOP/s (% ceiling)", "outputs == cbrun")
+TABLE_COLUMNS = ("backend", "rows", "prompt tok", "gen tok", "wall s", "CPU s", "gen tok/s", "total tok/s",
+                 "vs cbrun", "TTFT p50/p99 s", "ITL p50/p99 ms", "peak RSS MiB (+ over base)",
+                 "useful GFLOP/s (% ceiling)", "outputs == cbrun")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -567,9 +587,9 @@ def _git_commit() -> str | None:
 # ---- command --------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cbrun bench", description=(
-        "Run one workload through several backends (cbrun, cbrun-static, hf-generate, hf-cb) in one process and "
-        "print a side-by-side table: throughput, TTFT/ITL, peak memory, and whether each backend's greedy outputs "
-        "equal cbrun's."))
+        "Run one workload through several backends (cbrun, cbrun-static, hf-generate, hf-cb), each in its own "
+        "process, and print a side-by-side table: throughput, TTFT/ITL, peak memory, and whether each backend's "
+        "greedy outputs equal cbrun's."))
     p.add_argument("--workload", choices=WORKLOADS, default="gsm8k-stories260k")
     p.add_argument("--rows", type=int, help=f"rows to run (default {DEFAULT_ROWS})")
     p.add_argument("--backends", default=",".join(BACKENDS),
@@ -642,11 +662,14 @@ def run_isolated(spec: BackendSpec, workload: Workload) -> RunResult:
 def _child(spec: BackendSpec, workload: Workload) -> RunResult:
     torch.set_num_threads(spec.threads)
     _quiet_transformers()
+    warm_up()
+    reset = reset_peak_rss()
     base = current_rss_mib()
-    warm_up(workload)
     result = run_backend(spec, workload)
     result.rss_base_mib = base
-    result.rss_peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result.rss_peak_mib = peak_rss_mib() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result.info["peak_rss_method"] = "VmHWM after clear_refs" if reset else "ru_maxrss (includes warm-up)"
+    result.info["commit"] = _git_commit()  # the engine may change under a long run; this is the code this run used
     return result
 
 
@@ -661,7 +684,7 @@ def run_backends(args, workload: Workload) -> list[RunResult]:
         sizes = [None] if backend == "hf-cb" else args.batch_sizes
         specs.extend(BackendSpec(backend, size, config, args.threads) for size in sizes)
     if not args.isolate:
-        warm_up(workload)
+        warm_up()
     results: list[RunResult] = []
     for spec in specs:
         if spec.backend == "hf-cb":
@@ -672,13 +695,22 @@ def run_backends(args, workload: Workload) -> list[RunResult]:
     return results
 
 
-def warm_up(workload: Workload) -> None:
-    """Import every backend's modules and run one short ``generate``, so no backend pays one-time costs (imports,
-    first-call kernel set-up) in its time."""
-    import engine.llm_engine  # noqa: F401
+def warm_up() -> None:
+    """Load a tiny Llama through both loading paths and generate with it (transformers ``generate`` and cbrun's
+    engine), so no backend pays one-time costs (imports, lazy initialisation, first kernel calls) in its time or
+    memory."""
     import transformers.generation.continuous_batching  # noqa: F401
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    _hf_generate_batch(_load_hf_model(workload.model_dir), workload.prompts[:2], [2, 2], workload.stop_token_ids)
+    with tempfile.TemporaryDirectory(prefix="cbrun-bench-warmup-") as tmp:
+        LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                     eos_token_id=0)).save_pretrained(tmp)
+        _hf_generate_batch(_load_hf_model(Path(tmp)), [[1, 2, 3], [4, 5]], [2, 2], (0,))
+        engine = LLMEngine.from_pretrained(tmp, EngineConfig(max_requests_per_batch=2))
+        list(engine.generate([(0, [1, 2, 3], SamplingParams(max_new_tokens=2))]))
+    del engine
     gc.collect()
 
 
@@ -701,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"cbrun bench: {e}", file=sys.stderr)
             return 2
+        machine = machine_info(args.threads)
         matmul_gflops = measure_matmul_gflops()
         cost = ModelCost.of(workload.model_dir)
         load_start = os.getloadavg()
@@ -708,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarize(r, workload, results[0] if i else None, cost, matmul_gflops) for i, r in enumerate(results)]
     add_ratios(rows)
     report = dict(workload=args.workload, description=workload.description, command=_command(argv),
-                  machine=machine_info(args.threads), settings=_settings(args), model_params=cost.total_params,
+                  machine=machine, settings=_settings(args), model_params=cost.total_params,
                   matmul_ceiling_gflop_s=matmul_gflops, load_avg_start=load_start, load_avg_end=os.getloadavg(),
                   results=rows)
     print(format_report(report))
