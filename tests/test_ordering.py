@@ -3,11 +3,7 @@ SIGKILLed ordered job with several samples per row resumes exactly."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,7 +19,7 @@ from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSetti
 from jobs.ordering import order_by_prefix, prompt_sort_key
 from jobs.reader import template_fields
 from jobs.writer import committed_parts
-from test_resume import cbrun_command
+from test_resume import kill_after_first_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINE_CONFIG = EngineConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=128)
@@ -189,15 +185,7 @@ def test_killed_ordered_run_with_samples_resumes_exactly(tiny_model_dir, tmp_pat
             "--prompt-column", "prompt", "--id-column", "id", "--max-new-tokens", "6", "--no-progress",
             *[arg for s in sets for arg in ("--set", s)]]
 
-    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not committed_parts(out):
-        assert process.poll() is None, process.stdout.read().decode()
-        assert time.monotonic() < deadline, "no part was committed in time"
-        time.sleep(0.01)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    assert not (out / "_SUCCESS").exists(), "the job finished before it could be killed"
+    kill_after_first_commit(args, out)
     killed = output_rows(out)
     killed_rows = {r for r, _ in killed}
     assert 0 < len(killed_rows) < num_rows

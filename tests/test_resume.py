@@ -43,13 +43,8 @@ def rows_by_index(output_dir) -> dict[int, list[int]]:
     return by_index
 
 
-def test_killed_run_resumes_without_duplicates_or_losses(tiny_model_dir, tmp_path, capsys):
-    input_path = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(NUM_ROWS)],
-                             "prompt": [f"a prompt for row {i}" for i in range(NUM_ROWS)]}), input_path)
-    out = tmp_path / "out"
-    args = run_args(tiny_model_dir, input_path, out)
-
+def kill_after_first_commit(args: list[str], out: Path) -> None:
+    """Start ``cbrun`` with ``args`` in a real subprocess and SIGKILL it as soon as a part file is committed."""
     process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not committed_parts(out):
@@ -60,6 +55,16 @@ def test_killed_run_resumes_without_duplicates_or_losses(tiny_model_dir, tmp_pat
     process.wait()
     assert process.returncode == -signal.SIGKILL
     assert not (out / "_SUCCESS").exists(), "the job finished before it could be killed"
+
+
+def test_killed_run_resumes_without_duplicates_or_losses(tiny_model_dir, tmp_path, capsys):
+    input_path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(NUM_ROWS)],
+                             "prompt": [f"a prompt for row {i}" for i in range(NUM_ROWS)]}), input_path)
+    out = tmp_path / "out"
+    args = run_args(tiny_model_dir, input_path, out)
+
+    kill_after_first_commit(args, out)
     killed_rows = rows_by_index(out)
     assert 0 < len(killed_rows) < NUM_ROWS
 
