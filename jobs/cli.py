@@ -91,8 +91,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_transformers() -> None:
-    """Keep transformers' per-load progress bars and advisory warnings out of a job's output."""
+    """Keep transformers' per-load progress bars and advisory warnings out of a job's output; show cbrun's own
+    log lines (cache size, why CUDA graphs are off, sharing off for sliding-window models)."""
+    import logging
+
     from transformers.utils import logging as hf_logging
+
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("cbrun").setLevel(logging.INFO)
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
