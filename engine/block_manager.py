@@ -186,7 +186,9 @@ class BlockManager:
         num_cached_tokens = len(cached_blocks) * self.page_size
         full_needed = self.num_blocks_needed(request, num_new_tokens + num_cached_tokens, len(cached_blocks))
         sliding_needed = self._sliding_blocks_needed(request, num_new_tokens + num_cached_tokens)
-        if not self._has_room(full_needed, sliding_needed, cached_blocks):
+        needs_blocks = full_needed or sliding_needed or cached_blocks
+        # Most decode steps need no new block: skip the room check (this runs for every request every step).
+        if needs_blocks and not self._has_room(full_needed, sliding_needed, cached_blocks):
             return False
         self._take_cached(request, cached_blocks)
         for _ in range(full_needed):
