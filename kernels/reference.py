@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+#: Decodes per padded group: fewer wastes less padding on mixed context lengths, more launches fewer ops.
+DECODE_BUCKET_SIZE = 32
+
+
 @dataclass
 class _Group:
     """One padded group of requests. B requests, Q padded query rows, K padded context positions."""
@@ -78,9 +82,12 @@ def build_gather_plan(
     q_lens = cu[1:] - cu[:-1]
     is_decode = q_lens == 1
     groups = []
-    # Requests with no query rows (padding for CUDA graphs) belong to no group.
-    for selector in (is_decode, q_lens > 1):
-        idx = selector.nonzero().flatten()
+    # Decodes are bucketed by context length so short contexts are not padded to the longest one; requests with
+    # no query rows (padding for CUDA graphs) belong to no group.
+    decodes = is_decode.nonzero().flatten()
+    decodes = decodes[torch.argsort(seqlens_k[decodes], stable=True)]
+    buckets = list(decodes.split(DECODE_BUCKET_SIZE)) + [(q_lens > 1).nonzero().flatten()]
+    for idx in buckets:
         if idx.numel():
             groups.append(_build_group(block_tables[idx].long(), cu[:-1][idx], q_lens[idx],
                                        seqlens_k[idx].long(), page_size, sliding_window))
