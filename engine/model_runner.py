@@ -185,12 +185,12 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         blocks = torch.zeros((num_rows, width), dtype=torch.int64)  # padding rows read reserved chunk 0
         blocks[:len(tables)] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        logical = torch.arange(num_logical_blocks)
         if kind == SLIDING:  # logical block j lives in ring block j % ring size
-            logical = torch.arange(num_logical_blocks) % self.ring_blocks
-        else:
-            logical = torch.arange(num_logical_blocks)
+            logical = logical % self.ring_blocks
         blocks = blocks[:, logical.clamp(max=width - 1)]
-        blocks[:, width if kind == FULL else num_logical_blocks:] = 0  # beyond a table's end: padding chunk
+        if kind == FULL:
+            blocks[:, width:] = 0  # columns past every table (padded shapes) read the padding chunk
         pages = blocks * self.layers_per_block[kind]
         slot_mapping = torch.full((num_slots,), -1, dtype=torch.int64)
         slot_mapping[:len(positions)] = pages[request_index[:len(positions)], positions // page] * page + positions % page

@@ -1,7 +1,6 @@
 """Padded shapes for CUDA graphs, tested on the CPU: arithmetic, the graph cache, and that padding changes nothing."""
 
 import pytest
-import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cuda_graphs import GraphCache

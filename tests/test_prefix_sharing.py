@@ -3,7 +3,6 @@
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.block_manager import BlockManager
 from model_utils import assert_pool_balanced, random_llama_dir, random_prompts
 
 VOCAB = 128
