@@ -234,6 +234,8 @@ class BlockManager:
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         hashes = self._request_hashes.setdefault(id(request), [])
         parent = hashes[-1] if hashes else ROOT_HASH
+        # A block holding a token still on the device (async batching) is hashed by a later step.
+        num_tokens = min(num_tokens, request.num_known_tokens)
         for i in range(len(hashes), num_tokens // self.page_size):
             tokens = tuple(request.token_ids(i * self.page_size, (i + 1) * self.page_size))
             parent = self.hash_fn(parent, tokens)

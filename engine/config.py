@@ -33,6 +33,8 @@ class EngineConfig:
         q_padding_interval_size: with CUDA graphs, query tokens are padded to a multiple of this.
         kv_padding_interval_size: with CUDA graphs, block tables address a multiple of this many tokens.
         max_cached_graphs: CUDA graphs kept at once (one per padded shape).
+        async_batching: "auto" (on with CUDA graphs on a CUDA device), "on" or "off": plan and upload step N+1
+            while the device computes step N (see ``engine.async_batching``).
         num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide); None keeps torch's
             default. Tiny models run fastest on 1.
 
@@ -57,6 +59,7 @@ class EngineConfig:
     q_padding_interval_size: int = 64
     kv_padding_interval_size: int = 256
     max_cached_graphs: int = 32
+    async_batching: str = "auto"
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -77,8 +80,9 @@ class EngineConfig:
             raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.cuda_graphs not in SWITCHES:
-            raise ValueError(f"cuda_graphs must be one of {SWITCHES}, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "async_batching"):
+            if getattr(self, name) not in SWITCHES:
+                raise ValueError(f"{name} must be one of {SWITCHES}, got {getattr(self, name)!r}")
         if self.num_threads is not None:
             self._check_positive_int("num_threads")
         for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs"):

@@ -92,14 +92,21 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs = GraphCache(max_graphs, self._capture)
 
-    def run(self, input_ids, positions, md: AttentionMetadata, logits_indices, shape: PaddedShape) -> torch.Tensor:
+    def run(self, input_ids, positions, md: AttentionMetadata, logits_indices, shape: PaddedShape,
+            carry: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Copy the step's padded inputs into the static buffers and replay the shape's graph.
+
+        Args:
+            carry: (input rows, token ids) on the device, written over ``input_ids`` after the copy: tokens the
+                step in flight sampled (async batching), which the host does not know yet.
 
         Returns:
             (num logit rows, vocab) logits; a view into the graph's static output, valid until the next replay.
         """
         n, b, w = shape.num_tokens, shape.num_requests, shape.num_kv_blocks
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        if carry is not None:
+            self.input_ids.index_copy_(0, carry[0], carry[1])
         self.positions[:n].copy_(positions, non_blocking=True)
         self.cu_seqlens_q[:b + 1].copy_(md.cu_seqlens_q, non_blocking=True)
         self.seqlens_k[:b].copy_(md.seqlens_k, non_blocking=True)

@@ -10,6 +10,7 @@ from typing import Iterable, Iterator
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from engine.async_batching import StepHandle, use_async_batching
 from engine.attention import ATTN_IMPLEMENTATION
 from engine.block_manager import BlockManager
 from engine.cache_sizing import resolve_num_blocks
@@ -19,9 +20,9 @@ from engine.model_runner import KVCache, ModelRunner
 from engine.padding import PaddingPolicy
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import sample
+from engine.sampler import sample_one
 from engine.sampling_params import SamplingParams
-from engine.scheduler import make_scheduler
+from engine.scheduler import SchedulerOutput, make_scheduler
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
 
@@ -59,18 +60,22 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.page_size, config.allow_block_sharing,
                                           num_cpu_blocks=num_cpu_blocks, layout=layout,
                                           max_chunk_tokens=config.max_batch_tokens, max_model_len=max_model_len)
-        self.scheduler = make_scheduler(config, self.block_manager)
+        self.scheduler = make_scheduler(config, self.block_manager, max_model_len)
         kv_cache = KVCache(self.block_manager.num_pages, config.page_size, num_kv_heads, head_dim, dtype,
                            next(model.parameters()).device, self.block_manager.swap_pool.num_slots)
         use_triton = _use_triton(config)
         use_graphs = _use_cuda_graphs(config, use_triton)
+        #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
+        #: same bookkeeping runs when this is set by hand, which is how the tests check it.
+        self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)
         padding = PaddingPolicy(config.q_padding_interval_size, config.kv_padding_interval_size,
                                 config.max_batch_tokens, config.max_requests_per_batch, config.page_size)
         self.model_runner = ModelRunner(model, kv_cache, layout, config.page_size, self.block_manager.ring_blocks,
                                         use_triton=use_triton, padding=padding if use_graphs else None,
                                         use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
-                                        max_model_len=max_model_len)
+                                        max_model_len=max_model_len, async_batching=self.overlap_steps)
         self.stats = EngineStats()
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
         self._rejected: list[Request] = []
 
@@ -136,44 +141,57 @@ class LLMEngine:
         return None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+        return bool(self._rejected) or self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- stepping -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Plan and run one forward pass; return the requests that finished in it (failed ones included)."""
+        """Plan and launch one forward pass; return the requests that finished (failed ones included).
+
+        Synchronous by default: the step's tokens are read before it returns. With ``overlap_steps`` the step is
+        left in flight and the previous one is read instead, after this one was launched (async batching).
+        """
         finished, self._rejected = self._rejected, []
         plan = self.scheduler.schedule()
         finished.extend(plan.failed)
-        logits = self.model_runner.execute(plan)
-        if plan.scheduled:
-            samplers, sample_logits = self._split_logits(plan, logits)
-            token_ids, logprobs = sample(sample_logits, samplers, self.eos_token_ids)
-            for request, lp in zip(samplers, logprobs):
-                if lp is not None:
-                    request.logprobs.append(lp)
-            sampled = dict(zip(map(id, samplers), token_ids))
-            finished.extend(self.scheduler.update(plan, sampled, self._stop_reason))
-            self._count_step(plan, len(samplers))
+        previous = self._in_flight
+        handle = self.model_runner.launch(plan, previous[1] if previous else None)
+        if handle is not None:
+            self.scheduler.advance(plan)
+        launched = (plan, handle) if handle is not None else None
+        if self.overlap_steps:
+            self._in_flight = launched
+        else:
+            previous, self._in_flight = launched, None
+        if previous is not None:
+            finished.extend(self._resolve(*previous))
         self.stats.num_soft_resets = self.scheduler.num_soft_resets
         self.stats.num_offloads = self.scheduler.num_offloads
         self.stats.num_evicted_blocks = self.block_manager.num_evicted_blocks
         return [self._finish(r) for r in finished]
 
-    def _split_logits(self, plan, logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
-        """Record prompt log-probabilities from their rows; return the sampling requests and their rows."""
-        samplers, sample_rows, row = [], [], 0
+    def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
+        """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
+        token_ids = handle.token_ids()
+        samplers, row = [], 0
         for item in plan.scheduled:
-            positions = item.prompt_logprob_positions()
+            request, positions = item.request, item.prompt_logprob_positions()
             if positions:
-                _record_prompt_logprobs(item.request, logits[row:row + len(positions)], positions)
+                _record_prompt_logprobs(request, handle.logits[row:row + len(positions)], positions)
                 row += len(positions)
-            if item.samples:
-                samplers.append(item.request)
-                sample_rows.append(row)
-                row += 1
-        if row == len(sample_rows):  # no prompt log-probability rows: the logits are the sample rows
-            return samplers, logits
-        return samplers, logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+            if not item.samples:
+                continue
+            if request.sampling_params.needs_processing and not request.is_finished:
+                index = handle.sample_row_of[id(request)]
+                token_ids[index], logprobs = sample_one(handle.logits[row], request, self.eos_token_ids)
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
+            samplers.append(request)
+            row += 1
+        sampled = dict(zip(map(id, samplers), token_ids))
+        num_kept = sum(1 for r in samplers if not r.is_finished)  # a finished request's extra token is dropped
+        finished = self.scheduler.resolve(plan, sampled, self._stop_reason)
+        self._count_step(plan, num_kept)
+        return finished
 
     def _count_step(self, plan, num_sampled: int) -> None:
         self.stats.num_steps += 1
@@ -189,7 +207,7 @@ class LLMEngine:
             text, kept_ids, stop = self._stop_matcher.cut(request.output_token_ids, params.stop)
             request.output_text, request.output_token_ids[:], request.stop_reason = text, kept_ids, stop
             return "stop"
-        if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
+        if len(request.output_token_ids) >= params.max_new_tokens or request.num_known_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -241,6 +259,7 @@ class LLMEngine:
     def abort_all_requests(self) -> int:
         """Drop every queued and running request, freeing its cache; returns how many were dropped."""
         self._rejected.clear()
+        self._in_flight = None  # its results are not needed; its blocks are freed below
         return len(self.scheduler.abort_all())
 
 

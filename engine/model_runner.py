@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
+from engine.async_batching import InputStager, StepHandle
 from engine.attention import AttentionMetadata, GroupMetadata
 from engine.kv_layout import FULL, SLIDING, KVLayout
 from engine.cuda_graphs import CudaGraphRunner
-from engine.padding import PaddingPolicy
+from engine.padding import PaddedShape, PaddingPolicy
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -50,6 +53,25 @@ class KVCache:
             self.kv[:, list(dst)] = self.cpu_kv[:, list(src)].to(self.kv.device, non_blocking=True)
 
 
+@dataclass
+class _StepInputs:
+    """One step's inputs on the host, before upload. Token tensors are (T,), request tensors (B,) / (B + 1,)."""
+
+    input_ids: torch.Tensor  # int64
+    positions: torch.Tensor  # int64
+    cu_seqlens_q: torch.Tensor  # int32
+    seqlens_k: torch.Tensor  # int32
+    max_seqlen_q: int
+    logits_indices: torch.Tensor  # int64 rows of the flattened batch whose logits are computed
+    groups: dict[str, GroupMetadata]
+    shape: PaddedShape | None
+    num_rows: int  # real logit rows
+    sample_row_of: dict[int, int]  # id(request) -> index among the sampling entries
+    sample_rows: torch.Tensor | None  # logit row of each sampling entry; None when every row samples
+    carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (input rows, sampled rows, device tokens)
+    needs_host_logits: bool  # prompt log-probabilities or host-side sampling read the logits after the step
+
+
 class ModelRunner:
     """Executes a plan. Owns the model, the KV-cache tensors and the per-step input tensors; decides nothing.
 
@@ -68,12 +90,16 @@ class ModelRunner:
         use_cuda_graphs: replay the forward pass from CUDA graphs (needs ``padding`` and ``use_triton``).
         max_cached_graphs: graphs kept at once.
         max_model_len: the model's maximum length (sizes the static block tables).
+        async_batching: steps overlap (the next is launched before this one's results are read): inputs go
+            through ``InputStager`` on CUDA, and logits the host still needs are copied out of the graph's output.
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, layout: KVLayout, page_size: int,
                  ring_blocks: int = 0, use_triton: bool = False, padding: PaddingPolicy | None = None,
-                 use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0) -> None:
+                 use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0,
+                 async_batching: bool = False) -> None:
         assert not use_cuda_graphs or (padding is not None and use_triton), "CUDA graphs need padding and Triton"
+        assert not async_batching or use_cuda_graphs, "async batching needs CUDA graphs"
         self.model = model
         self.kv_cache = kv_cache
         self.layout = layout
@@ -88,32 +114,66 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.layer_groups = [(kind, layout.index_in_group(i)) for i, kind in enumerate(layout.layer_types)]
         self.layers_per_block = {kind: layout.num_layers_of(kind) for kind in (FULL, SLIDING)}
+        self.async_batching = async_batching
+        self.stager = InputStager(self._max_input_elements(), self.device) if async_batching else None
+
+    def _max_input_elements(self) -> int:
+        """int64 elements of the largest padded step's inputs (what ``_upload`` stages)."""
+        policy = self.padding
+        shape = policy.shape(policy.max_batch_tokens, policy.max_requests, self.max_model_len, policy.max_batch_tokens)
+        tokens, requests = shape.num_tokens, shape.num_requests
+        num_groups = sum(1 for n in self.layers_per_block.values() if n)
+        per_group = tokens + requests * shape.num_kv_blocks
+        return 2 * tokens + 2 * requests + 1 + 2 * shape.num_logit_rows + num_groups * per_group + 2 * requests
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor | None:
-        """Make the plan's offload copies, then run one forward pass.
-
-        Args:
-            plan: the step's plan; each scheduled entry computes ``num_tokens`` tokens from its
-                ``num_computed_tokens``.
+        """Run a plan synchronously and return its logits (``launch`` without a step in flight).
 
         Returns:
             (N, vocab_size) logits in plan order: for each entry, one row per ``prompt_logprob_positions()``
             position, then one row if it ``samples``. None when nothing is scheduled.
         """
+        handle = self.launch(plan)
+        return handle.logits if handle is not None else None
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle | None:
+        """Make the plan's offload copies, then enqueue one forward pass and the argmax of its sample rows.
+
+        Args:
+            plan: the step's plan; each entry computes ``num_tokens`` tokens from its ``start``.
+            previous: the step still in flight (async batching). An input token that is pending on the host
+                (``PENDING_TOKEN``) is taken from ``previous.sampled`` on the device.
+
+        Returns:
+            The step's handle (nothing waited for on CUDA), or None when nothing is scheduled.
+
+        Raises:
+            RuntimeError: when a pending input token was not sampled by ``previous`` (a scheduler bug).
+        """
         if plan.swap_out or plan.swap_in:
             self.kv_cache.swap(plan.swap_out, plan.swap_in)
         if not plan.scheduled:
             return None
-        input_ids, positions, md, logits_indices, shape = self._prepare(plan.scheduled)
-        num_rows = self._num_real_logit_rows(plan.scheduled)
+        inputs = self._prepare(plan.scheduled, previous)
+        input_ids, positions, md, logits_indices, sample_rows, carry = self._upload(inputs)
         if self.use_cuda_graphs:
             if self._graph_runner is None:
                 self._graph_runner = self._make_graph_runner(md)
-            return self._graph_runner.run(input_ids, positions, md, logits_indices, shape)[:num_rows]
-        output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                            logits_to_keep=logits_indices, cbrun_metadata=md)
-        return output.logits[0, :num_rows]
+            logits = self._graph_runner.run(input_ids, positions, md, logits_indices, inputs.shape, carry)
+            logits = logits[:inputs.num_rows]
+            if self.async_batching and inputs.needs_host_logits:  # the next replay overwrites the static output
+                logits = logits.clone()
+        else:
+            if carry is not None:
+                input_ids[carry[0]] = carry[1]
+            output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                logits_to_keep=logits_indices, cbrun_metadata=md)
+            logits = output.logits[0, :inputs.num_rows]
+        sample_logits = logits if sample_rows is None else logits[sample_rows]
+        sampled = sample_logits.argmax(dim=-1)
+        return StepHandle.launch_readback(logits, sampled, inputs.sample_row_of)
 
     def _make_graph_runner(self, template: AttentionMetadata) -> CudaGraphRunner:
         policy = self.padding
@@ -123,26 +183,32 @@ class ModelRunner:
                                max_shape.num_logit_rows, {k: n for k, n in self.layers_per_block.items() if n},
                                template, self.max_cached_graphs)
 
-    @staticmethod
-    def _num_real_logit_rows(scheduled: list[ScheduledRequest]) -> int:
-        return sum(len(s.prompt_logprob_positions()) + s.samples for s in scheduled)
-
-    def _prepare(self, scheduled: list[ScheduledRequest]):
+    def _prepare(self, scheduled: list[ScheduledRequest], previous: StepHandle | None) -> _StepInputs:
+        """The step's inputs as host tensors (padded to the step's shape when padding is on)."""
         token_ids, positions, q_lens, seqlens_k, logits_indices = [], [], [], [], []
+        carry_dst, carry_src, sample_row_of, sample_rows = [], [], {}, []
+        needs_host_logits = False
         offset = 0
         for item in scheduled:
-            request, start = item.request, item.request.num_computed_tokens
+            request, start = item.request, item.start
             end = start + item.num_tokens
             token_ids.extend(request.token_ids(start, end))
+            if request.num_pending_tokens and end > request.num_known_tokens:
+                self._carry_pending(request, start, end, offset, previous, carry_dst, carry_src)
             positions.extend(range(start, end))
             q_lens.append(item.num_tokens)
             seqlens_k.append(end)
             logits_indices.extend(offset + p - start for p in item.prompt_logprob_positions())
             offset += item.num_tokens
             if item.samples:
+                needs_host_logits |= request.sampling_params.needs_processing
+                sample_row_of[id(request)] = len(sample_rows)
+                sample_rows.append(len(logits_indices))
                 logits_indices.append(offset - 1)
-        num_tokens, num_requests = len(token_ids), len(q_lens)
-        shape = (self.padding.shape(num_tokens, num_requests, max(seqlens_k), len(logits_indices))
+        for dst in carry_dst:
+            token_ids[dst] = 0  # a real id for the host copy; the device value replaces it
+        num_tokens, num_requests, num_rows = len(token_ids), len(q_lens), len(logits_indices)
+        shape = (self.padding.shape(num_tokens, num_requests, max(seqlens_k), num_rows)
                  if self.padding else None)
         if shape is not None:
             # Padded tokens and requests: token 0 at position 0, no query rows, no context, no cache write.
@@ -150,7 +216,7 @@ class ModelRunner:
             positions += [0] * (shape.num_tokens - num_tokens)
             q_lens += [0] * (shape.num_requests - num_requests)
             seqlens_k += [0] * (shape.num_requests - num_requests)
-            logits_indices += [0] * (shape.num_logit_rows - len(logits_indices))
+            logits_indices += [0] * (shape.num_logit_rows - num_rows)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
         cu_seqlens_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
@@ -160,15 +226,60 @@ class ModelRunner:
         groups = {kind: self._group_metadata(kind, scheduled, positions_t[:num_tokens], request_index, max_blocks,
                                              len(q_lens), len(token_ids))
                   for kind, n in self.layers_per_block.items() if n}
-        device = self.device
+        carry = (torch.tensor(carry_dst, dtype=torch.int64), torch.tensor(carry_src, dtype=torch.int64),
+                 previous.sampled) if carry_dst else None
+        return _StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions_t, cu_seqlens_q=cu_seqlens_q,
+            seqlens_k=torch.tensor(seqlens_k, dtype=torch.int32), max_seqlen_q=max(q_lens),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64), groups=groups, shape=shape,
+            num_rows=num_rows, sample_row_of=sample_row_of,
+            sample_rows=None if len(sample_rows) == num_rows else torch.tensor(sample_rows, dtype=torch.int64),
+            carry=carry, needs_host_logits=needs_host_logits or num_rows > len(sample_rows))
+
+    @staticmethod
+    def _carry_pending(request, start: int, end: int, offset: int, previous: StepHandle | None,
+                       carry_dst: list[int], carry_src: list[int]) -> None:
+        """Record that input ``offset + (p - start)`` of the request's pending position p comes from the device."""
+        row = previous.sample_row_of.get(id(request)) if previous is not None else None
+        if row is None or request.num_pending_tokens != 1:
+            raise RuntimeError(f"request {request.request_id!r} is scheduled with an input token that the step in "
+                               "flight did not sample")
+        carry_dst.append(offset + request.num_known_tokens - start)
+        carry_src.append(row)
+
+    def _upload(self, inputs: _StepInputs):
+        """Move the host inputs to the device: through the staging pairs when async, else plain copies.
+
+        Returns:
+            (input_ids, positions, AttentionMetadata, logits_indices, sample_rows, carry) on the device;
+            ``sample_rows`` is None when every logit row samples, ``carry`` is (input rows, token ids) or None.
+        """
+        names = list(inputs.groups)
+        tensors = [inputs.input_ids, inputs.positions, inputs.cu_seqlens_q, inputs.seqlens_k, inputs.logits_indices]
+        for name in names:
+            tensors += [inputs.groups[name].slot_mapping, inputs.groups[name].block_tables]
+        if inputs.sample_rows is not None:
+            tensors.append(inputs.sample_rows)
+        if inputs.carry is not None:
+            tensors += [inputs.carry[0], inputs.carry[1]]
+        if self.stager is not None:
+            tensors = self.stager.stage(tensors)
+        elif self.device.type != "cpu":
+            tensors = [t.to(self.device, non_blocking=True) for t in tensors]
+        input_ids, positions, cu_seqlens_q, seqlens_k, logits_indices = tensors[:5]
+        groups = {}
+        for i, name in enumerate(names):
+            slots, tables = tensors[5 + 2 * i:7 + 2 * i]
+            groups[name] = GroupMetadata(slot_mapping=slots, block_tables=tables,
+                                         layers_per_block=self.layers_per_block[name])
+        rest = tensors[5 + 2 * len(names):]
+        sample_rows = rest.pop(0) if inputs.sample_rows is not None else None
+        carry = (rest[0], inputs.carry[2][rest[1]]) if inputs.carry is not None else None
         md = AttentionMetadata(
-            groups=groups, layer_groups=self.layer_groups, cu_seqlens_q=cu_seqlens_q.to(device),
-            seqlens_k=torch.tensor(seqlens_k, dtype=torch.int32).to(device), max_seqlen_q=max(q_lens),
-            page_size=self.page_size, k_pages=self.kv_cache.k_pages, v_pages=self.kv_cache.v_pages,
-            use_triton=self.use_triton)
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-        logits_idx = torch.tensor(logits_indices, dtype=torch.int64, device=device)
-        return input_ids, positions_t.to(device), md, logits_idx, shape
+            groups=groups, layer_groups=self.layer_groups, cu_seqlens_q=cu_seqlens_q, seqlens_k=seqlens_k,
+            max_seqlen_q=inputs.max_seqlen_q, page_size=self.page_size, k_pages=self.kv_cache.k_pages,
+            v_pages=self.kv_cache.v_pages, use_triton=self.use_triton)
+        return input_ids, positions, md, logits_indices, sample_rows, carry
 
     def _group_metadata(self, kind: str, scheduled, positions: torch.Tensor, request_index: torch.Tensor,
                         num_logical_blocks: int, num_rows: int, num_slots: int) -> GroupMetadata:
@@ -194,6 +305,5 @@ class ModelRunner:
         pages = blocks * self.layers_per_block[kind]
         slot_mapping = torch.full((num_slots,), -1, dtype=torch.int64)
         slot_mapping[:len(positions)] = pages[request_index[:len(positions)], positions // page] * page + positions % page
-        return GroupMetadata(slot_mapping=slot_mapping.to(self.device),
-                             block_tables=pages.to(torch.int32).to(self.device),
+        return GroupMetadata(slot_mapping=slot_mapping, block_tables=pages.to(torch.int32),
                              layers_per_block=self.layers_per_block[kind])

@@ -10,6 +10,10 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+#: Host-side id of a token sampled on the device but not yet read back (async batching). It never reaches the
+#: model: the model runner fills its input slot from the previous step's device tensor.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life cycle. Only the scheduler changes it."""
@@ -35,7 +39,9 @@ class Request:
         prompt_token_ids: prompt ids as run.
         sampling_params: how to sample and when to stop.
         generator: the request's own ``torch.Generator`` (CPU), so its samples never depend on its batch.
-        output_token_ids: generated ids so far.
+        output_token_ids: generated ids so far, as known on the host.
+        num_pending_tokens: tokens sampled on the device whose ids the host has not read yet (async batching:
+            0 or 1). They count in ``num_tokens`` so the scheduler can plan the next step around them.
         num_computed_tokens: tokens whose KV is in the cache.
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         block_table: block ids of the request's pages in position order. Only the block manager changes it.
@@ -51,6 +57,7 @@ class Request:
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
+    num_pending_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -73,7 +80,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
+        """Prompt plus generated tokens, pending ones included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus generated tokens whose ids the host knows."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -82,7 +94,15 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Token ids of positions ``start:end`` over prompt and output."""
+        """Token ids of positions ``start:end`` over prompt and output; ``PENDING_TOKEN`` for pending ones."""
+        known = self.num_known_tokens
+        if end > known:
+            return self._known_token_ids(start, min(end, known)) + [PENDING_TOKEN] * (end - max(start, known))
+        return self._known_token_ids(start, end)
+
+    def _known_token_ids(self, start: int, end: int) -> list[int]:
+        if start >= end:
+            return []
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]

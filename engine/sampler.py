@@ -1,4 +1,7 @@
-"""Token sampling: logits processing, greedy or seeded sampling, and log-probabilities, one request per row."""
+"""Token sampling on the host: logits processing, seeded sampling and log-probabilities, one request per row.
+
+Plain greedy rows never come here: the model runner takes their argmax on the device (see ``ModelRunner.launch``).
+"""
 
 from __future__ import annotations
 
@@ -6,30 +9,6 @@ import torch
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-
-
-def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: frozenset[int]
-           ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """Pick the next token of each request.
-
-    Rows that need nothing but an argmax are decided in one batched op. Every other row is processed alone with
-    the request's own tokens and ``torch.Generator``, so a row's result depends only on its logits, its history
-    and its seed, never on the rest of the batch.
-
-    Args:
-        logits: (N, vocab_size) next-token logits, row i for ``requests[i]``.
-        requests: the N requests that sample this step.
-        eos_token_ids: the model's EOS ids (masked under ``min_new_tokens`` unless ``ignore_eos``).
-
-    Returns:
-        N token ids, and per row ``{token id: log-probability}`` (top ``logprobs`` plus the chosen token) or None.
-    """
-    token_ids = logits.argmax(dim=-1).tolist()
-    logprobs: list[dict[int, float] | None] = [None] * len(requests)
-    for i, request in enumerate(requests):
-        if request.sampling_params.needs_processing:
-            token_ids[i], logprobs[i] = sample_one(logits[i], request, eos_token_ids)
-    return token_ids, logprobs
 
 
 def sample_one(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[int]

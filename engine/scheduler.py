@@ -13,24 +13,35 @@ from engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute ``num_tokens`` tokens from ``request.num_computed_tokens`` on."""
+    """One request's share of a step: compute ``num_tokens`` tokens from ``start`` on.
+
+    ``start``, ``samples`` and the prompt log-probability positions are fixed when the step is planned: with async
+    batching the request moves on (``Scheduler.advance``) before this step's results are read.
+    """
 
     request: Request
     num_tokens: int
+    start: int = field(init=False)
+    samples: bool = field(init=False)  # this step reaches the request's last token, so a token is sampled
+    _logprob_positions: range = field(init=False, repr=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        request = self.request
+        self.start = request.num_computed_tokens
+        self.samples = self.start + self.num_tokens == request.num_tokens
+        self._logprob_positions = self._find_logprob_positions()
 
     def prompt_logprob_positions(self) -> range:
         """Positions of this step whose logits score the next prompt token, not yet recorded."""
+        return self._logprob_positions
+
+    def _find_logprob_positions(self) -> range:
         request = self.request
         first = request.sampling_params.prompt_logprobs_from
         if first is None:
             return range(0)
-        start = max(request.num_computed_tokens, first - 1 + len(request.prompt_logprobs))
-        end = min(request.num_computed_tokens + self.num_tokens, request.num_prompt_tokens - 1)
+        start = max(self.start, first - 1 + len(request.prompt_logprobs))
+        end = min(self.start + self.num_tokens, request.num_prompt_tokens - 1)
         return range(start, max(start, end))
 
 
@@ -68,9 +79,10 @@ class FIFOScheduler:
     The scheduler alone changes request status and moves requests between ``waiting`` and ``running``.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_soft_resets = 0
@@ -112,6 +124,8 @@ class FIFOScheduler:
         for request in list(self.running):
             if request.status is RequestStatus.PENDING or plan.contains(request):
                 continue  # preempted earlier in this step, or already planned
+            if not self._next_input_ready(request):
+                continue
             if (request.status is RequestStatus.DECODING) != decodes:
                 continue
             num_tokens = plan.fit(request.num_tokens_to_compute)
@@ -130,6 +144,8 @@ class FIFOScheduler:
             if len(self.running) >= self.config.max_requests_per_batch:
                 return
             request = self.waiting[0]
+            if not self._next_input_ready(request):
+                return  # FIFO: its token comes back with the step in flight
             if request.cpu_blocks:
                 if not self._swap_in(request, plan, out):
                     return
@@ -196,6 +212,19 @@ class FIFOScheduler:
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
 
+    def _next_input_ready(self, request: Request) -> bool:
+        """Whether the request may run now. With async batching its last token may still be on the device: it
+        runs again only if the model runner can feed that token from the device (a plain argmax, no host-side
+        sampling) and that token is not its last one (``max_new_tokens`` or the model's length reached)."""
+        if not request.num_pending_tokens:
+            return True
+        params = request.sampling_params
+        if params.needs_processing:
+            return False
+        if len(request.output_token_ids) + request.num_pending_tokens >= params.max_new_tokens:
+            return False
+        return self.max_model_len is None or request.num_tokens < self.max_model_len
+
     def _others_running(self, request: Request) -> bool:
         return any(r is not request for r in self.running)
 
@@ -221,38 +250,65 @@ class FIFOScheduler:
 
     # ---- after the forward pass -------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[int, int], stop_check) -> list[Request]:
-        """Advance the planned requests by their computed tokens and append sampled tokens.
+        """``advance`` then ``resolve``: the synchronous step, results read before the next plan."""
+        self.advance(out)
+        return self.resolve(out, sampled, stop_check)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Move the planned requests past this step once it is launched, before its tokens are read.
+
+        Each request counts its computed tokens; a request that samples gets one pending token, so the next
+        plan can schedule its decode while this step's token is still on the device (async batching).
+        """
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            if item.samples:
+                request.num_pending_tokens += 1
+                request.status = RequestStatus.DECODING
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[int, int], stop_check) -> list[Request]:
+        """Turn a launched step's pending tokens into known ones and finish the requests that stop.
 
         Args:
-            out: this step's plan.
+            out: the step's plan (already ``advance``d).
             sampled: ``id(request) -> token id`` for each planned request that sampled.
             stop_check: ``fn(request) -> finish_reason | None`` applied after a token is appended.
 
         Returns:
-            The requests that finished this step (their blocks are already free).
+            The requests that finished (their blocks are already free). A request that finished in an earlier
+            step but was planned again before that was known is skipped: its extra token is dropped.
         """
         for request in out.swapped_in:
             self.block_manager.release_swap_slots(request)
         finished = []
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_tokens
-            if id(request) not in sampled:
+            if not item.samples or request.is_finished:
                 continue
+            request.num_pending_tokens -= 1
             request.output_token_ids.append(sampled[id(request)])
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
             reason = stop_check(request)
-            if reason is None:
-                request.status = RequestStatus.DECODING
-                continue
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = reason
-            request.finish_time = time.perf_counter()
-            self.running.remove(request)
-            self.block_manager.free(request)
-            finished.append(request)
+            if reason is not None:
+                self._finish(request, reason)
+                finished.append(request)
         return finished
+
+    def _finish(self, request: Request, reason: str) -> None:
+        # A request preempted while its last token was in flight may sit in ``waiting`` (even swapped out).
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+            if request.cpu_blocks:
+                self.block_manager.release_swap_slots(request)
+        self.block_manager.free(request)
+        request.num_pending_tokens = 0  # a token planned after this one is never read
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.perf_counter()
 
 
 class PrefillFirstScheduler(FIFOScheduler):
@@ -289,8 +345,8 @@ class _PlanBuilder:
         return id(request) in self._ids
 
 
-def make_scheduler(config: EngineConfig, block_manager: BlockManager) -> FIFOScheduler:
+def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None
+                   ) -> FIFOScheduler:
     """The scheduler named by ``config.scheduler_type``."""
-    if config.scheduler_type == "prefill_first":
-        return PrefillFirstScheduler(config, block_manager)
-    return FIFOScheduler(config, block_manager)
+    cls = PrefillFirstScheduler if config.scheduler_type == "prefill_first" else FIFOScheduler
+    return cls(config, block_manager, max_model_len)

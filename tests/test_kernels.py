@@ -258,5 +258,6 @@ def test_gpu_check_engine_benchmark_runs_on_a_tiny_cpu_model(capsys):
     tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128)
     result = engine_benchmark(None, device="cpu", model=tiny, num_requests=4, max_prompt=32, max_new_tokens=4)
-    assert set(result) == {"off"} and result["off"] > 0
-    assert "cuda graphs" in capsys.readouterr().out
+    assert set(result) == {("off", "off")} and result[("off", "off")] > 0
+    out = capsys.readouterr().out
+    assert "cuda graphs | async" in out and "4/4" in out

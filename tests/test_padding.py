@@ -62,7 +62,8 @@ def test_padded_slots_never_write_into_a_request_cache():
     for i, p in enumerate(prompts):
         engine.add_request(i, p, SamplingParams(max_new_tokens=2))
     plan = engine.scheduler.schedule()
-    _, _, md, logits_indices, shape = engine.model_runner._prepare(plan.scheduled)
+    inputs = engine.model_runner._prepare(plan.scheduled, None)
+    md, logits_indices, shape = inputs, inputs.logits_indices, inputs.shape
     num_tokens = plan.num_batch_tokens
     slots = md.groups["full"].slot_mapping
     assert shape.num_tokens == 32 and slots.shape[0] == 32
