@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from jobs.bench import fewshot_template  # noqa: E402
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,18 +61,6 @@ K = 1  # exemplars per template; see --measure-k
 
 
 # ---- the few-shot template ------------------------------------------------------------------------------------
-def fewshot_template(exemplars: list[dict]) -> str:
-    """A ``str.format`` template: each exemplar's question and answer, then ``{question}``.
-
-    Braces in the exemplar text are doubled so that only ``{question}`` is a field.
-    """
-    def escape(text: str) -> str:
-        return text.replace("{", "{{").replace("}", "}}")
-
-    shots = "".join(f"Question: {escape(e['question'])}\nAnswer: {escape(e['answer'])}\n\n" for e in exemplars)
-    return shots + "Question: {question}\nAnswer:"
-
-
 def exemplars(first: int, k: int) -> list[dict]:
     return pq.read_table(TRAIN, columns=["question", "answer"]).slice(first, k).to_pylist()
 

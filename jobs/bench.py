@@ -1,9 +1,22 @@
 """`cbrun bench`: one workload through several backends in one command, side by side with transformers.
 
+Workloads (rows are the first ``--rows`` GSM8K test questions; per-row ``max_new_tokens`` drawn uniformly from
+``--max-new-tokens`` with ``--seed``, capped so prompt plus completion fit the model's context):
+
+- ``gsm8k-stories260k``: each question as the prompt of stories260K (512-token context).
+- ``random-llama-30m``: a random-init Llama of about 40M parameters on random ids, one prompt per question with the
+  length stories260K's tokenizer gives it.
+- ``gsm8k-fewshot``: stories260K, each question after the same 1-shot exemplar (GSM8K train row 0, question and
+  answer), the prompt of manifests/gsm8k-fewshot.toml: every row shares a prefix of about 217 tokens, which
+  cbrun's prefix cache serves. Questions whose prompt leaves no room to generate (>= 512 tokens) are left out; the
+  workload description says how many.
+
 Backends (all greedy, all on the same rows):
 
 - ``cbrun``: ``LLMEngine.generate``, continuous batching. The reference: every other backend's outputs are compared
   with its outputs, token for token, per row.
+- ``cbrun-nosharing``: the same with ``allow_block_sharing=False``: every prompt token is computed. Beside cbrun it
+  shows what prefix sharing buys (the report adds a line on it).
 - ``cbrun-static``: the same engine fed static batches: N requests are added together and stepped until all
   finish, then the next N. Isolates what continuous admission buys.
 - ``hf-generate``: transformers ``generate`` on static left-padded batches of N rows. A per-row length criterion
@@ -11,7 +24,7 @@ Backends (all greedy, all on the same rows):
   when its slowest row does.
 - ``hf-cb``: transformers' continuous batching (``continuous_batching_context_manager`` + ``add_request``, the loop
   inside ``generate_batch``, which cannot take a per-row ``max_new_tokens``), with cbrun's page size, token and
-  request budgets and block count.
+  request budgets, block count and block sharing (on).
 
 Measurement (the same for every backend):
 
@@ -32,11 +45,24 @@ Measurement (the same for every backend):
   instead (faster; memory then reads "n/a").
 - Useful FLOP/s: 2 x (non-embedding decoder parameters) per prompt-or-generated token fed to the model, plus
   2 x (LM head) per sampled token, plus causal attention (4 x heads x head_dim per attended position per layer),
-  divided by wall time. Padding and recomputation are not counted: it is the work the rows need. The ceiling is
-  the best of a few fp32 ``torch.matmul`` of 2048 x 2048 at the same thread count.
+  divided by wall time. Padding and recomputation are not counted: it is the work the rows need. Prompt tokens
+  served from a prefix cache are counted (the same numerator for every backend), so on ``gsm8k-fewshot`` sharing
+  shows as more useful FLOP/s than the model ran. The ceiling is the best of a few fp32 ``torch.matmul`` of
+  2048 x 2048 at the same thread count.
+- Cached prompt tokens (hit rate): the cbrun backends' ``engine.stats.num_cached_prompt_tokens`` and its share of
+  ``num_prompt_tokens``; "n/a" for transformers.
+
+Repeats: the machine's speed drifts over minutes and backends run one after another, so ``--repeats N`` runs the
+whole list of backend runs N times round-robin (b1, b2, ..., b1, b2, ...), each run in a process of its own (unless
+``--no-isolate``). A table row is the backend's (and setting's) median run by wall time, with all its numbers from
+that one run; of an even N, the faster of the two middle runs. "vs cbrun" divides those median runs' generated
+tok/s; with N > 1 a column gives the min-max of generated tok/s over the repeats. The JSON keeps every run
+(``runs``) beside the table's rows (``results``). hf-cb takes its block count from the first cbrun run.
 
 Outputs are compared after cutting each row as cbrun does: at the first stop token (kept), and at the row's
-``max_new_tokens`` (which the workload already caps at the model's maximum length).
+``max_new_tokens`` (which the workload already caps at the model's maximum length). Every run, every repeat of
+cbrun included, is compared with cbrun's first run (greedy decoding is deterministic); a row of the table names
+each repeat that differs and in how many rows.
 """
 
 from __future__ import annotations
@@ -63,10 +89,16 @@ import torch
 #: Paths of the shared data, beside the repo root.
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 GSM8K_TEST = SHARED / "data" / "gsm8k_test.parquet"
+GSM8K_TRAIN = SHARED / "data" / "gsm8k_train.parquet"
 STORIES260K = SHARED / "models" / "stories260K"
+#: stories260K's context: prompt plus completion tokens.
+STORIES_CONTEXT = 512
+#: Train exemplars before each test question in ``gsm8k-fewshot``, as in manifests/gsm8k-fewshot.toml (k = 2 would
+#: push most prompts past stories260K's context).
+FEWSHOT_EXEMPLARS = 1
 
 WORKLOADS = ("gsm8k-stories260k", "random-llama-30m", "gsm8k-fewshot")
-BACKENDS = ("cbrun", "cbrun-static", "hf-generate", "hf-cb")
+BACKENDS = ("cbrun", "cbrun-nosharing", "cbrun-static", "hf-generate", "hf-cb")
 #: Rows per workload when --rows is not given, chosen so every backend ends in a few minutes on 2 CPU cores.
 DEFAULT_ROWS = {"gsm8k-stories260k": 512, "random-llama-30m": 64, "gsm8k-fewshot": 512}
 
@@ -110,22 +142,21 @@ def build_workload(name: str, rows: int, new_tokens: tuple[int, int], seed: int,
 
     Args:
         name: one of ``WORKLOADS``.
-        rows: number of rows (the first GSM8K test questions).
+        rows: number of GSM8K test questions, from the first (``gsm8k-fewshot`` leaves out those too long).
         new_tokens: (low, high) bounds of the uniform per-row ``max_new_tokens`` draw.
         seed: seed of that draw and of random prompt ids.
         model_dir: a model directory to reuse (built there when it has no config.json); None builds in ``scratch``.
         scratch: a temporary directory for models built on the fly.
 
     Raises:
-        ValueError: for an unknown or not yet implemented workload.
+        ValueError: for an unknown workload, more rows than GSM8K's test split holds, or no row that fits.
     """
     if name == "gsm8k-stories260k":
         return _stories_workload(rows, new_tokens, seed, model_dir or scratch / "stories260k")
     if name == "random-llama-30m":
         return _random_llama_workload(rows, new_tokens, seed, model_dir or scratch / "random-llama-30m")
     if name == "gsm8k-fewshot":
-        # NOTE: hook for a prefix-sharing workload: the same k GSM8K train exemplars before each test question.
-        raise ValueError("workload gsm8k-fewshot is not implemented yet (planned: shared few-shot prefix)")
+        return _fewshot_workload(rows, new_tokens, seed, model_dir or scratch / "stories260k")
     raise ValueError(f"unknown workload {name!r}; choose one of {WORKLOADS}")
 
 
@@ -147,19 +178,66 @@ def draw_max_new_tokens(prompts: list[list[int]], new_tokens: tuple[int, int], m
     return [min(rng.randint(low, high), max_model_len - len(p)) for p in prompts]
 
 
+def gsm8k_exemplars(k: int) -> list[dict]:
+    """The first ``k`` rows of the GSM8K train split as ``{"question", "answer"}`` dicts (few-shot exemplars)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(GSM8K_TRAIN, columns=["question", "answer"]).slice(0, k).to_pylist()
+
+
+def fewshot_template(exemplars: list[dict]) -> str:
+    """A ``str.format`` template: each exemplar's question and answer, then ``{question}``.
+
+    Braces in the exemplar text are doubled so that only ``{question}`` is a field. With GSM8K train row 0 it is
+    manifests/gsm8k-fewshot.toml's ``input.template``.
+    """
+    def escape(text: str) -> str:
+        return text.replace("{", "{{").replace("}", "}}")
+
+    shots = "".join(f"Question: {escape(e['question'])}\nAnswer: {escape(e['answer'])}\n\n" for e in exemplars)
+    return shots + "Question: {question}\nAnswer:"
+
+
 def _stories_workload(rows: int, new_tokens: tuple[int, int], seed: int, model_dir: Path) -> Workload:
+    tokenizer = _stories_model(model_dir)
+    prompts = tokenizer(gsm8k_questions(rows))["input_ids"]
+    return Workload("gsm8k-stories260k", model_dir, prompts,
+                    draw_max_new_tokens(prompts, new_tokens, STORIES_CONTEXT, seed), (1,), STORIES_CONTEXT,
+                    f"stories260K on the first {rows} GSM8K test questions, {_stories_limits(new_tokens, seed)}")
+
+
+def _fewshot_workload(rows: int, new_tokens: tuple[int, int], seed: int, model_dir: Path) -> Workload:
+    tokenizer = _stories_model(model_dir)
+    template = fewshot_template(gsm8k_exemplars(FEWSHOT_EXEMPLARS))
+    # verbose=False: prompts longer than the context are expected here and dropped just below.
+    encoded = tokenizer([template.format(question=q) for q in gsm8k_questions(rows)], verbose=False)["input_ids"]
+    prompts = [p for p in encoded if len(p) < STORIES_CONTEXT]  # a full-context prompt leaves no room to generate
+    if not prompts:
+        raise ValueError(f"no gsm8k-fewshot prompt of the first {rows} questions fits the {STORIES_CONTEXT}-token "
+                         f"context; raise --rows")
+    shared = len(os.path.commonprefix(prompts))
+    return Workload("gsm8k-fewshot", model_dir, prompts,
+                    draw_max_new_tokens(prompts, new_tokens, STORIES_CONTEXT, seed), (1,), STORIES_CONTEXT,
+                    f"stories260K on the first {rows} GSM8K test questions, each after the same 1-shot exemplar "
+                    f"(GSM8K train row 0, as manifests/gsm8k-fewshot.toml): {shared} shared prompt tokens; "
+                    f"{rows - len(prompts)} rows left out (prompt of >= {STORIES_CONTEXT} tokens, no room to "
+                    f"generate), {len(prompts)} run; {_stories_limits(new_tokens, seed)}")
+
+
+def _stories_model(model_dir: Path):
+    """stories260K's tokenizer, after converting the llama2.c checkpoint to ``model_dir`` unless already there."""
     from transformers import AutoTokenizer
 
     if not (model_dir / "config.json").is_file():
         from jobs.convert_llama2c import convert_llama2c
 
         convert_llama2c(STORIES260K / "stories260K.bin", STORIES260K / "tok512.bin", model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    prompts = [tokenizer(q)["input_ids"] for q in gsm8k_questions(rows)]
-    max_len = 512
-    return Workload("gsm8k-stories260k", model_dir, prompts, draw_max_new_tokens(prompts, new_tokens, max_len, seed),
-                    (1,), max_len, f"stories260K on the first {rows} GSM8K test questions, stop token 1, "
-                    f"max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]} (seed {seed}), capped by 512 context")
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def _stories_limits(new_tokens: tuple[int, int], seed: int) -> str:
+    return (f"stop token 1, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]} (seed {seed}), capped by the "
+            f"{STORIES_CONTEXT}-token context")
 
 
 def _random_llama_workload(rows: int, new_tokens: tuple[int, int], seed: int, model_dir: Path) -> Workload:
@@ -229,7 +307,8 @@ class RunResult:
         rss_base_mib: RSS of the backend's process after imports and warm-up, before its model (None in-process).
         rss_peak_mib: peak resident set size of the backend's process (``ru_maxrss``; None in-process).
         load_avg: 1-minute load average before and after the run.
-        info: backend facts for the JSON (cbrun: engine stats and KV blocks).
+        info: backend facts for the JSON (cbrun backends: engine stats and KV blocks).
+        repeat: which round of ``--repeats`` this run belongs to, from 1.
     """
 
     backend: str
@@ -244,6 +323,7 @@ class RunResult:
     rss_peak_mib: float | None = None
     load_avg: tuple[float, float] = (0.0, 0.0)
     info: dict = field(default_factory=dict)
+    repeat: int = 1
 
 
 def current_rss_mib() -> float:
@@ -285,17 +365,23 @@ def measure_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
 
 
 # ---- backends -------------------------------------------------------------------------------------------------------
-def run_cbrun(workload: Workload, engine_config) -> RunResult:
-    """Continuous batching: every row handed to ``LLMEngine.generate`` at once."""
+def run_cbrun(workload: Workload, engine_config, backend: str = "cbrun") -> RunResult:
+    """Continuous batching: every row handed to ``LLMEngine.generate`` at once.
+
+    Args:
+        workload: the rows.
+        engine_config: the ``EngineConfig`` (``cbrun-nosharing`` passes one with ``allow_block_sharing=False``).
+        backend: the name the result carries.
+    """
     from engine import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(str(workload.model_dir), engine_config)
     n = len(workload.prompts)
     requests = [(i, p, SamplingParams(max_new_tokens=m, stop_token_ids=workload.stop_token_ids))
                 for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
-    result = _timed("cbrun", "", lambda: _collect_cbrun(engine.generate(requests, max_in_flight=n), n),
+    result = _timed(backend, "", lambda: _collect_cbrun(engine.generate(requests, max_in_flight=n), n),
                     lambda: engine.stats.num_computed_tokens)
-    result.info = {"num_blocks": engine.num_blocks, **engine.stats.as_dict()}
+    result.info = _engine_info(engine)
     return result
 
 
@@ -317,7 +403,14 @@ def run_cbrun_static(workload: Workload, engine_config, batch_size: int) -> RunR
                 results.extend(engine.step())
         return _collect_cbrun(results, len(workload.prompts))
 
-    return _timed("cbrun-static", f"batch {batch_size}", run, lambda: engine.stats.num_computed_tokens)
+    result = _timed("cbrun-static", f"batch {batch_size}", run, lambda: engine.stats.num_computed_tokens)
+    result.info = _engine_info(engine)
+    return result
+
+
+def _engine_info(engine) -> dict:
+    """Block count and the engine's counters (prefix-cache hits among them) after a run, for the JSON."""
+    return {"num_blocks": engine.num_blocks, **engine.stats.as_dict()}
 
 
 def _collect_cbrun(outputs, n: int):
@@ -481,18 +574,20 @@ class ModelCost:
 
 def summarize(result: RunResult, workload: Workload, reference: RunResult | None, cost: ModelCost,
               matmul_gflops: float) -> dict:
-    """The table row (and JSON record) of one run."""
+    """The JSON record of one run (a table row when it is its backend's median run)."""
     generated = sum(len(o) for o in result.outputs)
     total = generated + workload.num_prompt_tokens
     ttft = [t for t in result.first_token_s if t is not None]
     itl = [(f - s) / (len(o) - 1) for s, f, o in zip(result.first_token_s, result.finish_s, result.outputs)
            if s is not None and f is not None and len(o) >= 2]
     flops = cost.useful_flops(workload.prompts, result.outputs) / result.wall_s
-    row = dict(backend=result.backend, setting=result.setting, rows=len(result.outputs),
+    row = dict(backend=result.backend, setting=result.setting, repeat=result.repeat, rows=len(result.outputs),
                prompt_tokens=workload.num_prompt_tokens, generated_tokens=generated, wall_s=result.wall_s,
                cpu_s=result.cpu_s, generated_tok_s=generated / result.wall_s, total_tok_s=total / result.wall_s,
                generated_tok_per_cpu_s=generated / result.cpu_s,
                computed_tokens=result.computed_tokens,
+               cached_prompt_tokens=result.info.get("num_cached_prompt_tokens"),
+               prefix_hit_rate=result.info.get("prefix_hit_rate"),
                ttft_s=_percentiles(ttft), itl_s=_percentiles(itl),
                rss_peak_mib=result.rss_peak_mib, rss_base_mib=result.rss_base_mib,
                useful_gflop_s=flops / 1e9, fraction_of_matmul_ceiling=flops / 1e9 / matmul_gflops,
@@ -518,6 +613,27 @@ def compare_outputs(outputs: list[list[int]], reference: list[list[int]] | None)
     return {"rows_equal": len(outputs) - len(differing), "rows_differing": len(differing), "first_differences": first}
 
 
+def median_runs(runs: list[dict]) -> list[dict]:
+    """Per backend and setting (in first-run order), its median run by wall time: the table's rows.
+
+    With an even number of repeats the faster of the two middle runs is taken, so every number of a row comes from
+    one real run. Each row also gets ``repeats`` (its number of runs), ``generated_tok_s_range`` ([min, max] over
+    them) and ``repeats_differing`` (per run whose outputs differ from the reference: its repeat and rows differing).
+    """
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["backend"], run["setting"]), []).append(run)
+    rows = []
+    for group in groups.values():
+        by_wall = sorted(group, key=lambda run: run["wall_s"])
+        speeds = [run["generated_tok_s"] for run in group]
+        rows.append({**by_wall[(len(group) - 1) // 2], "repeats": len(group),
+                     "generated_tok_s_range": [min(speeds), max(speeds)],
+                     "repeats_differing": [{"repeat": run["repeat"], "rows_differing": run["rows_differing"]}
+                                           for run in group if run["rows_differing"]]})
+    return rows
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Set each row's generated tokens/s relative to cbrun's (``vs_cbrun``)."""
     base = next((r["generated_tok_s"] for r in rows if r["backend"] == "cbrun"), None)
@@ -525,30 +641,69 @@ def add_ratios(rows: list[dict]) -> None:
         row["vs_cbrun"] = row["generated_tok_s"] / base if base else None
 
 
-TABLE_COLUMNS = ("backend", "rows", "prompt tok", "gen tok", "wall s", "CPU s", "gen tok/s", "total tok/s",
-                 "vs cbrun", "TTFT p50/p99 s", "ITL p50/p99 ms", "peak RSS MiB (+ over base)",
-                 "useful GFLOP/s (% ceiling)", "outputs == cbrun")
+TABLE_COLUMNS = ("backend", "rows", "prompt tok", "cached prompt tok (hit rate)", "gen tok", "wall s", "CPU s",
+                 "gen tok/s", "total tok/s", "vs cbrun", "TTFT p50/p99 s", "ITL p50/p99 ms",
+                 "peak RSS MiB (+ over base)", "useful GFLOP/s (% ceiling)", "outputs == cbrun")
+#: The extra column when backends ran more than once, after "gen tok/s".
+SPREAD_COLUMN = "gen tok/s min-max"
 
 
 def format_table(rows: list[dict]) -> str:
-    """A Markdown table of the runs."""
-    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    """A Markdown table with one row per backend and setting (its median run; see ``median_runs``)."""
+    repeated = any(r["repeats"] > 1 for r in rows)
+    columns = list(TABLE_COLUMNS)
+    if repeated:
+        columns.insert(columns.index("gen tok/s") + 1, SPREAD_COLUMN)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         name = f"{r['backend']} ({r['setting']})" if r["setting"] else r["backend"]
         ttft = f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f}" if r["ttft_s"] else "n/a"
         itl = f"{r['itl_s']['p50'] * 1e3:.1f} / {r['itl_s']['p99'] * 1e3:.1f}" if r["itl_s"] else "n/a"
-        if r["rows_equal"] is None:
-            same = "reference"
-        elif r["rows_differing"] == 0:
-            same = f"yes ({r['rows_equal']}/{r['rows']})"
-        else:
-            same = f"NO: {r['rows_differing']}/{r['rows']} rows differ"
-        cells = (name, r["rows"], r["prompt_tokens"], r["generated_tokens"], f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}",
-                 f"{r['generated_tok_s']:.0f}", f"{r['total_tok_s']:.0f}",
+        cells = [name, r["rows"], r["prompt_tokens"], _cached_cell(r), r["generated_tokens"], f"{r['wall_s']:.1f}",
+                 f"{r['cpu_s']:.1f}", f"{r['generated_tok_s']:.0f}", f"{r['total_tok_s']:.0f}",
                  f"{r['vs_cbrun']:.2f}x" if r["vs_cbrun"] else "n/a", ttft, itl, _memory_cell(r),
-                 f"{r['useful_gflop_s']:.2f} ({100 * r['fraction_of_matmul_ceiling']:.1f}%)", same)
+                 f"{r['useful_gflop_s']:.2f} ({100 * r['fraction_of_matmul_ceiling']:.1f}%)", _outputs_cell(r)]
+        if repeated:
+            low, high = r["generated_tok_s_range"]
+            cells.insert(columns.index(SPREAD_COLUMN), f"{low:.0f}-{high:.0f}")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _cached_cell(row: dict) -> str:
+    if row["cached_prompt_tokens"] is None:
+        return "n/a"
+    return f"{row['cached_prompt_tokens']} ({100 * row['prefix_hit_rate']:.1f}%)"
+
+
+def _outputs_cell(row: dict) -> str:
+    """The "outputs == cbrun" cell: "reference", "yes (rows/rows)", or each repeat that differs and in how many rows."""
+    if row["repeats_differing"]:
+        differences = []
+        for d in row["repeats_differing"]:
+            where = f" in repeat {d['repeat']}" if row["repeats"] > 1 else ""
+            differences.append(f"{d['rows_differing']}/{row['rows']} rows differ{where}")
+        return "NO: " + "; ".join(differences)
+    if row["backend"] == "cbrun":
+        return f"reference (all {row['repeats']} repeats agree)" if row["repeats"] > 1 else "reference"
+    every = f", all {row['repeats']} repeats" if row["repeats"] > 1 else ""
+    return f"yes ({row['rows']}/{row['rows']}{every})"
+
+
+def sharing_summary(rows: list[dict]) -> str | None:
+    """One line on what prefix sharing buys: cbrun's cache hits and its speed against ``cbrun-nosharing``.
+
+    Returns None unless both ran.
+    """
+    by_backend = {r["backend"]: r for r in rows if not r["setting"]}
+    shared, unshared = by_backend.get("cbrun"), by_backend.get("cbrun-nosharing")
+    if shared is None or unshared is None:
+        return None
+    return (f"prefix sharing: cbrun served {shared['cached_prompt_tokens']} of {shared['prompt_tokens']} prompt "
+            f"tokens from its prefix cache ({100 * shared['prefix_hit_rate']:.1f}%) and ran "
+            f"{shared['computed_tokens']} tokens through the model against {unshared['computed_tokens']} without "
+            f"sharing; generated tok/s {shared['generated_tok_s'] / unshared['generated_tok_s']:.2f}x of "
+            f"cbrun-nosharing's")
 
 
 def _memory_cell(row: dict) -> str:
@@ -587,14 +742,23 @@ def _git_commit() -> str | None:
 # ---- command --------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cbrun bench", description=(
-        "Run one workload through several backends (cbrun, cbrun-static, hf-generate, hf-cb), each in its own "
-        "process, and print a side-by-side table: throughput, TTFT/ITL, peak memory, and whether each backend's "
-        "greedy outputs equal cbrun's."))
-    p.add_argument("--workload", choices=WORKLOADS, default="gsm8k-stories260k")
-    p.add_argument("--rows", type=int, help=f"rows to run (default {DEFAULT_ROWS})")
+        "Run one workload through several backends (" + ", ".join(BACKENDS) + "), each run in its own process, "
+        "and print a side-by-side table: throughput, prefix-cache hits, TTFT/ITL, peak memory, and whether each "
+        "backend's greedy outputs equal cbrun's. With --repeats N each row is the backend's median run by wall "
+        "time."))
+    p.add_argument("--workload", choices=WORKLOADS, default="gsm8k-stories260k",
+                   help="gsm8k-stories260k: GSM8K test questions on stories260K; random-llama-30m: random ids of "
+                   "the same lengths on a random 40M Llama; gsm8k-fewshot: the questions after a shared 1-shot "
+                   "GSM8K exemplar on stories260K (prefix sharing)")
+    p.add_argument("--rows", type=int, help=f"GSM8K test questions to take, from the first (gsm8k-fewshot leaves "
+                   f"out those too long for the context) (default {DEFAULT_ROWS})")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help="comma-separated, from " + ", ".join(BACKENDS) + "; cbrun always runs (the reference)")
     p.add_argument("--batch-sizes", default="8,32,64", help="static batch sizes of hf-generate and cbrun-static")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run the whole backend list N times round-robin (b1, b2, ..., b1, b2, ...), each run in its "
+                   "own process; the table shows each backend's median run by wall time (of an even N, the faster "
+                   "middle one) and the min-max of its generated tok/s; the JSON keeps every run")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, the same for every backend")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="cbrun and hf-cb token budget per step")
     p.add_argument("--max-requests", type=int, default=128, help="cbrun and hf-cb requests per step")
@@ -622,8 +786,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         low, high = (int(x) for x in args.max_new_tokens.split(":"))
     except ValueError:
         parser.error("--batch-sizes takes integers like 8,32,64 and --max-new-tokens LOW:HIGH like 16:256")
-    if min(args.batch_sizes) < 1 or not 1 <= low <= high or args.threads < 1:
-        parser.error("batch sizes, threads and max-new-tokens bounds must be positive, with LOW <= HIGH")
+    if min(args.batch_sizes) < 1 or not 1 <= low <= high or args.threads < 1 or args.repeats < 1:
+        parser.error("batch sizes, threads, repeats and max-new-tokens bounds must be positive, with LOW <= HIGH")
     args.new_tokens = (low, high)
     args.rows = args.rows or DEFAULT_ROWS[args.workload]
     return args
@@ -642,8 +806,8 @@ class BackendSpec:
 
 def run_backend(spec: BackendSpec, workload: Workload) -> RunResult:
     """Run one backend on the workload in this process (after ``warm_up``)."""
-    if spec.backend == "cbrun":
-        return run_cbrun(workload, spec.engine_config)
+    if spec.backend in ("cbrun", "cbrun-nosharing"):
+        return run_cbrun(workload, spec.engine_config, spec.backend)
     if spec.backend == "cbrun-static":
         return run_cbrun_static(workload, spec.engine_config, spec.batch_size)
     if spec.backend == "hf-generate":
@@ -673,25 +837,45 @@ def _child(spec: BackendSpec, workload: Workload) -> RunResult:
     return result
 
 
-def run_backends(args, workload: Workload) -> list[RunResult]:
-    """Run cbrun first (the reference), then the other chosen backends, each sweep setting on its own; log each."""
+def backend_specs(args) -> list[BackendSpec]:
+    """The backend runs of one round: cbrun first (the reference), then the others, each sweep setting its own."""
     from engine import EngineConfig
 
     config = EngineConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                           max_requests_per_batch=args.max_requests)
     specs = [BackendSpec("cbrun", None, config, args.threads)]
     for backend in args.backends[1:]:
-        sizes = [None] if backend == "hf-cb" else args.batch_sizes
-        specs.extend(BackendSpec(backend, size, config, args.threads) for size in sizes)
+        if backend == "cbrun-nosharing":
+            specs.append(BackendSpec(backend, None, replace(config, allow_block_sharing=False), args.threads))
+        elif backend == "hf-cb":
+            specs.append(BackendSpec(backend, None, config, args.threads))
+        else:
+            specs.extend(BackendSpec(backend, size, config, args.threads) for size in args.batch_sizes)
+    return specs
+
+
+def run_backends(args, workload: Workload) -> list[RunResult]:
+    """Run the round of ``backend_specs`` ``args.repeats`` times, round-robin; log each run.
+
+    NOTE: round-robin rather than each backend's repeats back to back, so a slow spell of the machine falls on
+    every backend alike instead of on one.
+
+    Returns:
+        Every run in the order run; the first is round 1's cbrun, the outputs' reference.
+    """
+    specs = backend_specs(args)
     if not args.isolate:
         warm_up()
     results: list[RunResult] = []
-    for spec in specs:
-        if spec.backend == "hf-cb":
-            spec.num_blocks = results[0].info["num_blocks"]
-        results.append(run_isolated(spec, workload) if args.isolate else run_backend(spec, workload))
-        _log(results[-1])
-        gc.collect()
+    for repeat in range(1, args.repeats + 1):
+        for spec in specs:
+            if spec.backend == "hf-cb":
+                spec.num_blocks = results[0].info["num_blocks"]
+            result = run_isolated(spec, workload) if args.isolate else run_backend(spec, workload)
+            result.repeat = repeat
+            results.append(result)
+            _log(result, args.repeats)
+            gc.collect()
     return results
 
 
@@ -714,9 +898,11 @@ def warm_up() -> None:
     gc.collect()
 
 
-def _log(result: RunResult) -> None:
+def _log(result: RunResult, repeats: int) -> None:
     generated = sum(len(o) for o in result.outputs)
-    print(f"[bench] {result.backend} {result.setting}: {generated} tokens in {result.wall_s:.1f} s "
+    label = f"{result.backend} {result.setting}".strip()
+    which = f" (repeat {result.repeat}/{repeats})" if repeats > 1 else ""
+    print(f"[bench] {label}{which}: {generated} tokens in {result.wall_s:.1f} s "
           f"({generated / result.wall_s:.0f} tok/s), load {result.load_avg[0]:.2f} -> {result.load_avg[1]:.2f}",
           file=sys.stderr, flush=True)
 
@@ -738,12 +924,13 @@ def main(argv: list[str] | None = None) -> int:
         cost = ModelCost.of(workload.model_dir)
         load_start = os.getloadavg()
         results = run_backends(args, workload)
-    rows = [summarize(r, workload, results[0] if i else None, cost, matmul_gflops) for i, r in enumerate(results)]
+    runs = [summarize(r, workload, results[0] if i else None, cost, matmul_gflops) for i, r in enumerate(results)]
+    rows = median_runs(runs)
     add_ratios(rows)
     report = dict(workload=args.workload, description=workload.description, command=_command(argv),
                   machine=machine, settings=_settings(args), model_params=cost.total_params,
                   matmul_ceiling_gflop_s=matmul_gflops, load_avg_start=load_start, load_avg_end=os.getloadavg(),
-                  results=rows)
+                  repeats=args.repeats, results=rows, runs=runs)
     print(format_report(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -758,16 +945,28 @@ def _quiet_transformers() -> None:
 
 
 def format_report(report: dict) -> str:
-    """The header lines and the table."""
+    """The header lines, the table, and what prefix sharing bought when cbrun-nosharing ran."""
     m = report["machine"]
-    return "\n".join([
+    lines = [
         f"workload: {report['workload']}: {report['description']}",
         f"model parameters: {report['model_params'] / 1e6:.2f}M; fp32 matmul ceiling "
         f"{report['matmul_ceiling_gflop_s']:.1f} GFLOP/s at {m['torch_threads']} thread(s)",
         f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
         f"commit {m['commit']}, {m['date']}; "
         f"load average (1/5/15 min) at start {_load(report['load_avg_start'])}, end {_load(report['load_avg_end'])}",
-        "", format_table(report["results"])])
+        *_repeats_note(report["repeats"]), "", format_table(report["results"])]
+    sharing = sharing_summary(report["results"])
+    if sharing:
+        lines += ["", sharing]
+    return "\n".join(lines)
+
+
+def _repeats_note(repeats: int) -> list[str]:
+    if repeats == 1:
+        return []
+    even = " (of an even count, the faster middle run)" if repeats % 2 == 0 else ""
+    return [f"each row: the backend's median run by wall time of {repeats} round-robin repeats{even}; ratios use "
+            f"those runs; min-max: generated tok/s over the repeats; outputs compared with cbrun's first run"]
 
 
 def _load(values) -> str:

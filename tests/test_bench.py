@@ -1,21 +1,29 @@
-"""`cbrun bench` end to end on a tiny workload: the table and JSON come out and every backend equals cbrun."""
+"""`cbrun bench` end to end on tiny workloads: the table and JSON come out and every backend equals cbrun; the
+few-shot workload, prefix sharing and repeats."""
 
 import json
+import tomllib
+from pathlib import Path
 
 from jobs import bench
 
+FEWSHOT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "gsm8k-fewshot.toml"
+
+
+def run_bench(args: list[str], model_dir: Path, tmp_path: Path, capsys) -> tuple[str, dict]:
+    """``cbrun bench ARGS`` in this process on ``model_dir``; returns the printed table and the JSON report."""
+    out = tmp_path / "bench.json"
+    assert bench.main([*args, "--model-dir", str(model_dir), "--json", str(out), "--no-isolate"]) == 0
+    return capsys.readouterr().out, json.loads(out.read_text())
+
 
 def test_bench_tiny_workload_writes_table_and_json(stories260k_dir, tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    code = bench.main(["--workload", "gsm8k-stories260k", "--rows", "8", "--max-new-tokens", "4:12",
-                       "--backends", "cbrun,cbrun-static,hf-generate", "--batch-sizes", "4",
-                       "--model-dir", str(stories260k_dir), "--json", str(out), "--no-isolate"])
-    assert code == 0
-    table = capsys.readouterr().out
+    table, report = run_bench(["--workload", "gsm8k-stories260k", "--rows", "8", "--max-new-tokens", "4:12",
+                               "--backends", "cbrun,cbrun-static,hf-generate", "--batch-sizes", "4"],
+                              stories260k_dir, tmp_path, capsys)
     assert "| backend |" in table and "outputs == cbrun" in table
     assert "yes (8/8)" in table and "NO:" not in table
 
-    report = json.loads(out.read_text())
     rows = report["results"]
     assert [(r["backend"], r["setting"]) for r in rows] == [
         ("cbrun", ""), ("cbrun-static", "batch 4"), ("hf-generate", "batch 4")]
@@ -34,5 +42,57 @@ def test_cut_output_keeps_stop_token_and_limit():
     assert bench.cut_output([5, 6, 0, 0], 4, (1,)) == [5, 6, 0, 0]
 
 
-def test_unimplemented_workload_is_a_setup_error(tmp_path):
-    assert bench.main(["--workload", "gsm8k-fewshot", "--rows", "2"]) == 2
+def test_too_many_rows_is_a_setup_error(stories260k_dir):
+    assert bench.main(["--workload", "gsm8k-fewshot", "--rows", "5000", "--model-dir", str(stories260k_dir)]) == 2
+
+
+def test_fewshot_workload_shares_the_exemplar_prefix_and_fits_the_context(stories260k_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    template = bench.fewshot_template(bench.gsm8k_exemplars(1))
+    assert template == tomllib.loads(FEWSHOT_MANIFEST.read_text())["input"]["template"]
+    workload = bench.build_workload("gsm8k-fewshot", 1319, (16, 256), 0, stories260k_dir, tmp_path)
+
+    # 27 of the 1,319 test prompts are too long for the 512-token context, as the manifest's comment counts.
+    assert len(workload.prompts) == len(workload.max_new_tokens) == 1319 - 27
+    assert "27 rows left out" in workload.description
+    exemplar = template[:template.index("Question: {question}")]
+    exemplar_ids = AutoTokenizer.from_pretrained(stories260k_dir)(exemplar)["input_ids"]
+    assert len(exemplar_ids) > 200
+    assert all(p[:len(exemplar_ids)] == exemplar_ids for p in workload.prompts)
+    assert all(len(p) < 512 and 1 <= m <= 512 - len(p) for p, m in zip(workload.prompts, workload.max_new_tokens))
+
+
+def test_median_run_is_chosen_by_wall_time_and_spread_kept():
+    def run(backend, repeat, wall_s, rows_differing=0):
+        return dict(backend=backend, setting="", repeat=repeat, wall_s=wall_s, generated_tok_s=100 / wall_s,
+                    rows_differing=rows_differing)
+
+    runs = [run("cbrun", 1, 3.0, None), run("hf-cb", 1, 4.0), run("cbrun", 2, 1.0), run("hf-cb", 2, 2.0, 5),
+            run("cbrun", 3, 2.0), run("hf-cb", 3, 1.0), run("hf-cb", 4, 3.0)]
+    cbrun, hf_cb = bench.median_runs(runs)
+    assert (cbrun["repeat"], cbrun["repeats"], cbrun["generated_tok_s_range"]) == (3, 3, [100 / 3, 100.0])
+    assert cbrun["repeats_differing"] == []
+    assert (hf_cb["repeat"], hf_cb["repeats"]) == (2, 4)  # even count: the faster of the two middle runs
+    assert hf_cb["repeats_differing"] == [{"repeat": 2, "rows_differing": 5}]
+    assert bench._outputs_cell({**hf_cb, "rows": 8}) == "NO: 5/8 rows differ in repeat 2"
+
+
+def test_repeats_with_and_without_sharing_on_the_fewshot_workload(stories260k_dir, tmp_path, capsys):
+    table, report = run_bench(["--workload", "gsm8k-fewshot", "--rows", "6", "--max-new-tokens", "4:8",
+                               "--backends", "cbrun,cbrun-nosharing", "--repeats", "3"], stories260k_dir, tmp_path,
+                              capsys)
+    assert "gen tok/s min-max" in table and "yes (6/6, all 3 repeats)" in table and "NO:" not in table
+    assert "prefix sharing: cbrun served" in table
+
+    runs, rows = report["runs"], report["results"]
+    assert [(r["backend"], r["repeat"]) for r in runs] == [
+        (b, k) for k in (1, 2, 3) for b in ("cbrun", "cbrun-nosharing")]
+    assert all(r["rows_differing"] == 0 for r in runs[1:])  # every run equals cbrun's first, token for token
+    for row in rows:
+        walls = sorted(r["wall_s"] for r in runs if r["backend"] == row["backend"])
+        assert row["repeats"] == 3 and row["wall_s"] == walls[1]
+    shared, unshared = rows
+    assert unshared["vs_cbrun"] == unshared["generated_tok_s"] / shared["generated_tok_s"]
+    assert shared["cached_prompt_tokens"] > 0 and unshared["cached_prompt_tokens"] == 0
+    assert shared["computed_tokens"] < unshared["computed_tokens"]
