@@ -30,10 +30,11 @@ from jobs.bench import build_workload  # noqa: E402
 PHASES = {
     "schedule": ("scheduler.py", "schedule"),
     "prepare inputs": ("model_runner.py", "_prepare"),
+    "upload inputs": ("model_runner.py", "_upload"),
     "model forward": ("module.py", "_wrapped_call_impl"),
     "  of which paged attention": ("attention.py", "paged_attention_forward"),
-    "sample": ("sampler.py", "sample"),
-    "scheduler update": ("scheduler.py", "update"),
+    "read results": ("llm_engine.py", "_resolve"),
+    "scheduler resolve": ("scheduler.py", "resolve"),
 }
 
 

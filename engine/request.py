@@ -95,6 +95,8 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids of positions ``start:end`` over prompt and output; ``PENDING_TOKEN`` for pending ones."""
+        if end <= len(self.prompt_token_ids):  # the common case: a prefill chunk
+            return self.prompt_token_ids[start:end]
         known = self.num_known_tokens
         if end > known:
             return self._known_token_ids(start, min(end, known)) + [PENDING_TOKEN] * (end - max(start, known))
