@@ -68,12 +68,16 @@ class ModelRunner:
         use_cuda_graphs: replay the forward pass from CUDA graphs (needs ``padding`` and ``use_triton``).
         max_cached_graphs: graphs kept at once.
         max_model_len: the model's maximum length (sizes the static block tables).
+        lean_model: a ``LeanLlama`` over ``model`` to run instead of its transformers forward (not with graphs).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, layout: KVLayout, page_size: int,
                  ring_blocks: int = 0, use_triton: bool = False, padding: PaddingPolicy | None = None,
-                 use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0) -> None:
+                 use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0,
+                 lean_model=None) -> None:
         assert not use_cuda_graphs or (padding is not None and use_triton), "CUDA graphs need padding and Triton"
+        assert not (use_cuda_graphs and lean_model is not None), "CUDA graphs capture the transformers forward"
+        self.lean_model = lean_model
         self.model = model
         self.kv_cache = kv_cache
         self.layout = layout
@@ -111,6 +115,8 @@ class ModelRunner:
             if self._graph_runner is None:
                 self._graph_runner = self._make_graph_runner(md)
             return self._graph_runner.run(input_ids, positions, md, logits_indices, shape)[:num_rows]
+        if self.lean_model is not None:
+            return self.lean_model(input_ids, positions, md, logits_indices)[:num_rows]
         output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                             logits_to_keep=logits_indices, cbrun_metadata=md)
         return output.logits[0, :num_rows]
