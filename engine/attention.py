@@ -120,25 +120,41 @@ def paged_attention_forward(
     if cbrun_metadata is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's cbrun_metadata; "
                            "run the model through cbrun's LLMEngine")
-    md = cbrun_metadata
-    group, index = md.layer_groups[module.layer_idx]
-    slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
     q = query[0].transpose(0, 1)  # (T, H, D)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention(q, k, v, cbrun_metadata, module.layer_idx, scale, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer_idx: int,
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Write one layer's new K/V into the paged cache, then attend over it (reference or Triton, per ``md``).
+
+    Args:
+        q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim), RoPE already applied; the cache's dtype.
+        md: this step's metadata.
+        layer_idx: the decoder layer, which selects its pages.
+        scale: softmax scale.
+        sliding_window: the layer's window in tokens, or None.
+        softcap: attention logit soft-capping, or None.
+
+    Returns:
+        (T, num_heads, head_dim) attention output in ``q.dtype``.
+    """
+    group, index = md.layer_groups[layer_idx]
+    slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
     if md.use_triton:
         from kernels.kv_cache_write import write_kv_cache_triton
         from kernels.paged_attention import paged_attention_triton
         write_kv_cache_triton(k, v, md.k_pages, md.v_pages, slot_mapping)
-        out = paged_attention_triton(q, md.k_pages, md.v_pages, block_tables, md.cu_seqlens_q, md.seqlens_k,
-                                     scale, sliding_window=sliding_window, softcap=softcap,
-                                     max_seqlen_q=md.max_seqlen_q)
-    else:
-        write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
-        out = paged_attention_ref(q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale,
-                                  softcap, page_offset=index)
-    return out.unsqueeze(0), None
+        return paged_attention_triton(q, md.k_pages, md.v_pages, block_tables, md.cu_seqlens_q, md.seqlens_k,
+                                      scale, sliding_window=sliding_window, softcap=softcap,
+                                      max_seqlen_q=md.max_seqlen_q)
+    write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
+    return paged_attention_ref(q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap,
+                               page_offset=index)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

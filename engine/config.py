@@ -8,6 +8,7 @@ SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SWITCHES = ("auto", "on", "off")
+MODEL_IMPLS = ("auto", "transformers", "lean")
 
 
 @dataclass
@@ -37,6 +38,10 @@ class EngineConfig:
             while the device computes step N (see ``engine.async_batching``).
         num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide); None keeps torch's
             default. Tiny models run fastest on 1.
+        model_impl: the forward pass. "lean" runs Llama-family models (Llama, Mistral and Qwen2 without sliding
+            windows, default RoPE) through ``engine.lean_llama``: the same math and attention without transformers'
+            per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
+            "transformers" always runs the transformers modules; "auto" takes lean where it applies.
 
     Raises:
         ValueError: naming the setting and the reason, for any out-of-range value.
@@ -61,6 +66,7 @@ class EngineConfig:
     max_cached_graphs: int = 32
     async_batching: str = "auto"
     num_threads: int | None = None
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_positive_int("page_size")
@@ -89,6 +95,8 @@ class EngineConfig:
             self._check_positive_int(name)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
 
     def _check_positive_int(self, name: str) -> None:
         value = getattr(self, name)

@@ -16,6 +16,7 @@ from engine.block_manager import BlockManager
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
+from engine.lean_llama import select_lean_model
 from engine.model_runner import KVCache, ModelRunner
 from engine.padding import PaddingPolicy
 from engine.outputs import RequestOutput
@@ -73,7 +74,9 @@ class LLMEngine:
         self.model_runner = ModelRunner(model, kv_cache, layout, config.page_size, self.block_manager.ring_blocks,
                                         use_triton=use_triton, padding=padding if use_graphs else None,
                                         use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
-                                        max_model_len=max_model_len, async_batching=self.overlap_steps)
+                                        max_model_len=max_model_len, async_batching=self.overlap_steps,
+                                        lean_model=select_lean_model(config.model_impl, model, use_graphs,
+                                                                     max_model_len))
         self.stats = EngineStats()
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)

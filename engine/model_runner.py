@@ -92,14 +92,17 @@ class ModelRunner:
         max_model_len: the model's maximum length (sizes the static block tables).
         async_batching: steps overlap (the next is launched before this one's results are read): inputs go
             through ``InputStager`` on CUDA, and logits the host still needs are copied out of the graph's output.
+        lean_model: a ``LeanLlama`` over ``model`` to run instead of its transformers forward (not with graphs).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, layout: KVLayout, page_size: int,
                  ring_blocks: int = 0, use_triton: bool = False, padding: PaddingPolicy | None = None,
                  use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0,
-                 async_batching: bool = False) -> None:
+                 async_batching: bool = False, lean_model=None) -> None:
         assert not use_cuda_graphs or (padding is not None and use_triton), "CUDA graphs need padding and Triton"
         assert not async_batching or use_cuda_graphs, "async batching needs CUDA graphs"
+        assert not (use_cuda_graphs and lean_model is not None), "CUDA graphs capture the transformers forward"
+        self.lean_model = lean_model
         self.model = model
         self.kv_cache = kv_cache
         self.layout = layout
@@ -168,12 +171,18 @@ class ModelRunner:
         else:
             if carry is not None:
                 input_ids[carry[0]] = carry[1]
-            output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                                logits_to_keep=logits_indices, cbrun_metadata=md)
-            logits = output.logits[0, :inputs.num_rows]
+            logits = self._forward(input_ids, positions, md, logits_indices)[:inputs.num_rows]
         sample_logits = logits if sample_rows is None else logits[sample_rows]
         sampled = sample_logits.argmax(dim=-1)
         return StepHandle.launch_readback(logits, sampled, inputs.sample_row_of)
+
+    def _forward(self, input_ids, positions, md: AttentionMetadata, logits_indices) -> torch.Tensor:
+        """(rows of ``logits_indices``, vocab) logits of one eager forward pass: the lean path or transformers'."""
+        if self.lean_model is not None:
+            return self.lean_model(input_ids, positions, md, logits_indices)
+        output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                            logits_to_keep=logits_indices, cbrun_metadata=md)
+        return output.logits[0]
 
     def _make_graph_runner(self, template: AttentionMetadata) -> CudaGraphRunner:
         policy = self.padding

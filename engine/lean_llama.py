@@ -1,0 +1,226 @@
+"""A lean forward pass for Llama-family causal LMs: the same math as transformers, as plain tensor calls.
+
+transformers runs every step through about 14 ``nn.Module`` calls per decoder layer plus decorators, output
+capturing and keyword plumbing. On the CPU, with the small models and batches of an offline job, that costs a
+visible share of each step. ``LeanLlama`` runs the loaded model's own weight tensors (nothing is copied) through
+the same operations in the same order, and the same paged attention (``engine.attention.paged_attention``), so
+its logits equal transformers' bit for bit.
+
+Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
+
+    x = rms_norm(h);  h = h + o_proj(paged_attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))
+    x = rms_norm(h);  h = h + down_proj(silu(gate_proj(x)) * up_proj(x))
+
+Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` without a sliding window, ``Qwen2ForCausalLM`` without
+sliding layers; default RoPE only; linear biases as the checkpoint has them; tied or untied embeddings.
+``unsupported_reason`` says why anything else is refused. Fusing q/k/v or gate/up into one matmul was measured
+and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden 896 with 128 KV features).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention
+
+logger = logging.getLogger("cbrun.engine")
+
+_SUPPORTED_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``LeanLlama`` cannot run ``model`` exactly as transformers does, or None when it can."""
+    name = type(model).__name__
+    # The exact class, not a subclass: a subclass may change the forward pass.
+    if name not in _SUPPORTED_CLASSES or type(model).__module__.split(".")[0] != "transformers":
+        return f"{name} is not one of transformers' {', '.join(_SUPPORTED_CLASSES)}"
+    config, decoder = model.config, model.model
+    rope_type = getattr(decoder.rotary_emb, "rope_type", None)
+    if rope_type != "default":
+        return f"rope_type {rope_type!r} (only the default RoPE is implemented)"
+    if getattr(config, "sliding_window", None) and (name == "MistralForCausalLM" or any(
+            getattr(layer.self_attn, "sliding_window", None) for layer in decoder.layers)):
+        return f"sliding_window = {config.sliding_window} (sliding-window attention is not implemented)"
+    if len(decoder.layers) != config.num_hidden_layers:
+        return f"{len(decoder.layers)} decoder layers but num_hidden_layers = {config.num_hidden_layers}"
+    if type(model.lm_head) is not torch.nn.Linear:
+        return f"lm_head is a {type(model.lm_head).__name__}, not a plain Linear"
+    for i, layer in enumerate(decoder.layers):
+        reason = _unsupported_layer(layer)
+        if reason:
+            return f"layer {i}: {reason}"
+    return None
+
+
+def _unsupported_layer(layer: torch.nn.Module) -> str | None:
+    from transformers.activations import SiLUActivation
+
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj,
+               "gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj, "down_proj": mlp.down_proj}
+    for name, linear in linears.items():
+        if type(linear) is not torch.nn.Linear:  # quantised or otherwise replaced projections
+            return f"{name} is a {type(linear).__name__}, not a plain Linear"
+    if type(mlp.act_fn) not in (SiLUActivation, torch.nn.SiLU):
+        return f"activation {type(mlp.act_fn).__name__} (only SiLU is implemented)"
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+            return f"norm {type(norm).__name__} is not the family's RMSNorm"
+    return None
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's tensors: (weight, bias or None) per projection, RMSNorm weights and epsilons."""
+
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    q: tuple
+    k: tuple
+    v: tuple
+    o: tuple
+    gate: tuple
+    up: tuple
+    down: tuple
+    scale: float
+
+
+class LeanLlama:
+    """The forward pass of a supported Llama-family model over the engine's paged cache.
+
+    Owns references to the model's weights and a RoPE table; holds no state between steps.
+
+    Args:
+        model: a transformers model for which ``unsupported_reason`` is None, in eval mode.
+        max_positions: positions the RoPE table covers; defaults to the config's ``max_position_embeddings``.
+
+    Raises:
+        ValueError: naming the reason when the model is not supported.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_positions: int | None = None) -> None:
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"the lean model path cannot run this model: {reason}")
+        decoder = model.model
+        first_attn = decoder.layers[0].self_attn
+        self.head_dim = first_attn.head_dim
+        self.embed = decoder.embed_tokens.weight
+        self.final_norm, self.final_eps = decoder.norm.weight, decoder.norm.variance_epsilon
+        self.lm_head = (model.lm_head.weight, model.lm_head.bias)
+        self.layers = [_layer_tensors(layer) for layer in decoder.layers]
+        self.cos, self.sin_signed = _rope_tables(decoder.rotary_emb,
+                                                 max_positions or model.config.max_position_embeddings,
+                                                 self.embed.dtype)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        """One step of the flattened batch.
+
+        Args:
+            input_ids: (T,) int64 token ids; positions: (T,) int64 their positions (< ``max_positions``).
+            md: this step's attention metadata (the layers write their K/V through it).
+            logits_indices: (N,) int64 rows of the batch whose logits are wanted.
+
+        Returns:
+            (N, vocab_size) logits in the model's dtype.
+        """
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (T, 1, head_dim)
+        for index, layer in enumerate(self.layers):
+            h = h + self._attention(index, layer, _rms_norm(h, layer.input_norm, layer.input_eps), cos, sin, md)
+            h = h + _mlp(layer, _rms_norm(h, layer.post_norm, layer.post_eps))
+        # NOTE: norm all rows, then keep some, as transformers does: norming only the kept rows is the same math,
+        # but a GPU reduction may order its sums by the number of rows.
+        return F.linear(_rms_norm(h, self.final_norm, self.final_eps)[logits_indices], *self.lm_head)
+
+    def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   md: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = _rope(F.linear(x, *layer.q).view(num_tokens, -1, self.head_dim), cos, sin)
+        k = _rope(F.linear(x, *layer.k).view(num_tokens, -1, self.head_dim), cos, sin)
+        v = F.linear(x, *layer.v).view(num_tokens, -1, self.head_dim)
+        out = paged_attention(q, k, v, md, index, layer.scale)
+        return F.linear(out.reshape(num_tokens, -1), *layer.o)
+
+
+def _layer_tensors(layer: torch.nn.Module) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def linear(module):
+        return module.weight, module.bias
+
+    input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+    return _Layer(input_norm=input_norm.weight, input_eps=input_norm.variance_epsilon, post_norm=post_norm.weight,
+                  post_eps=post_norm.variance_epsilon, q=linear(attn.q_proj), k=linear(attn.k_proj),
+                  v=linear(attn.v_proj), o=linear(attn.o_proj), gate=linear(mlp.gate_proj),
+                  up=linear(mlp.up_proj), down=linear(mlp.down_proj), scale=attn.scaling)
+
+
+def _rope_tables(rotary_emb: torch.nn.Module, max_positions: int, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_positions, head_dim) cos and sign-folded sin tables, from the model's own ``inv_freq``.
+
+    Computed with transformers' default-RoPE operations (float32 angles ``position * inv_freq``, duplicated over
+    both halves, cos/sin, times ``attention_scaling``, cast to the model dtype), so a row equals what transformers
+    computes for that position. The sin table's first half is negated: ``rotate_half(x) * sin`` then becomes
+    ``roll(x, head_dim / 2) * sin_signed``, the same products up to an exact sign flip.
+    """
+    inv_freq = rotary_emb.inv_freq.float()
+    positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.int64)
+    freqs = positions[:, None].float() * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos = (angles.cos() * rotary_emb.attention_scaling).to(dtype)
+    sin = (angles.sin() * rotary_emb.attention_scaling).to(dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE on (T, heads, head_dim), rotating the two halves of each head (transformers' ``rotate_half``)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, cast back, then scaled: the family's order of operations."""
+    if x.dtype == torch.float32:  # the casts would be no-ops; skipping them saves two calls per norm
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
+
+
+def select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: bool, max_model_len: int
+                      ) -> LeanLlama | None:
+    """The lean forward pass when ``model_impl`` asks for it and it applies; None runs transformers' modules.
+
+    Logs once (logger "cbrun.engine", INFO) which implementation runs and, under "auto", why not the lean one.
+
+    Raises:
+        ValueError: ``model_impl == "lean"`` with an unsupported model or with CUDA graphs on (graphs capture
+            transformers' forward pass).
+    """
+    if model_impl == "transformers":
+        logger.info("model implementation: transformers (model_impl = transformers)")
+        return None
+    reason = unsupported_reason(model)
+    if reason is None and use_cuda_graphs:
+        reason = "CUDA graphs capture transformers' forward pass (set cuda_graphs = off to use the lean path)"
+    if reason is None:
+        logger.info("model implementation: lean (engine.lean_llama)")
+        return LeanLlama(model, max_model_len)
+    if model_impl == "lean":
+        raise ValueError(f"model_impl = lean, but {reason}; use model_impl = auto or transformers")
+    logger.info("model implementation: transformers (lean path not used: %s)", reason)
+    return None

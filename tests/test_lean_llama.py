@@ -1,0 +1,125 @@
+"""The lean Llama-family forward pass: the same logits as transformers' modules, bit for bit, step by step.
+
+Each step of a real engine run (chunked prefill forced, so prefill chunks and decodes share batches) goes through
+transformers' forward and then through ``LeanLlama`` on the same inputs; the logits must be ``torch.equal``. Both
+write the same K/V, so the run itself proceeds as on transformers alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.attention import ATTN_IMPLEMENTATION
+from engine.lean_llama import LeanLlama, unsupported_reason
+from model_utils import WEIGHT_SCALE, hf_greedy, random_llama_dir, random_prompts, run_engine
+
+VOCAB = 128
+NEW_TOKENS = 8
+ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)
+_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
+             pad_token_id=None)
+
+
+def _random_model(config_class=transformers.LlamaConfig, model_class=transformers.LlamaForCausalLM,
+                  dtype=torch.float32, **overrides) -> torch.nn.Module:
+    """A small random model on the engine's attention; every weight, bias and norm scale perturbed."""
+    torch.manual_seed(0)
+    config = config_class(**dict(_BASE, **overrides))
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # biases start at zero and norms at one: make them matter
+            param.mul_(WEIGHT_SCALE).add_(0.05 * torch.randn_like(param))
+    return model.to(dtype)
+
+
+class _BothForwards:
+    """Stands in for the runner's model: runs transformers, then the lean pass, and compares their logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.lean = model, LeanLlama(model)
+        self.num_steps = self.num_mixed_steps = 0
+
+    def __call__(self, input_ids, position_ids, logits_to_keep, cbrun_metadata, **kwargs):
+        expected = self.model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep,
+                              cbrun_metadata=cbrun_metadata, **kwargs)
+        got = self.lean(input_ids[0], position_ids[0], cbrun_metadata, logits_to_keep)
+        assert torch.equal(got, expected.logits[0]), f"step {self.num_steps}: logits differ"
+        q_lens = cbrun_metadata.cu_seqlens_q.diff()
+        self.num_steps += 1
+        self.num_mixed_steps += bool((q_lens == 1).any() and (q_lens > 1).any())
+        return expected
+
+
+def _check_every_step(model: torch.nn.Module) -> _BothForwards:
+    config = EngineConfig(**ENGINE_CONFIG, model_impl="transformers")
+    engine = LLMEngine(model, config, eos_token_ids=(), max_model_len=model.config.max_position_embeddings)
+    both = _BothForwards(model)
+    engine.model_runner.model = both
+    prompts = random_prompts(12, VOCAB, 1, 30)
+    outputs = list(engine.generate((i, p, SamplingParams(max_new_tokens=NEW_TOKENS)) for i, p in enumerate(prompts)))
+    assert len(outputs) == len(prompts)
+    return both
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),  # GQA, untied embeddings
+    dict(num_key_value_heads=4, tie_word_embeddings=True),  # MHA, tied
+    dict(num_key_value_heads=1, head_dim=32, attention_bias=True, mlp_bias=True),  # MQA, wide heads, biases
+    dict(dtype=torch.bfloat16),
+    dict(config_class=transformers.Qwen2Config, model_class=transformers.Qwen2ForCausalLM),  # q/k/v biases
+    dict(config_class=transformers.MistralConfig, model_class=transformers.MistralForCausalLM, sliding_window=None),
+], ids=["llama-gqa-untied", "llama-mha-tied", "llama-mqa-bias", "llama-bf16", "qwen2", "mistral-no-window"])
+def test_lean_logits_equal_transformers_every_step(kwargs):
+    model = _random_model(**kwargs)
+    assert unsupported_reason(model) is None
+    both = _check_every_step(model)
+    assert both.num_mixed_steps > 0, "no step mixed prefill and decode"
+
+
+def test_engine_lean_greedy_equals_generate_and_transformers_impl(caplog):
+    model_dir = random_llama_dir(VOCAB)
+    prompts = random_prompts(8, VOCAB, 1, 40)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    with caplog.at_level(logging.INFO, logger="cbrun.engine"):
+        lean = run_engine(model_dir, prompts, EngineConfig(**ENGINE_CONFIG, model_impl="lean"), params)
+    assert "model implementation: lean" in caplog.text
+    modules = run_engine(model_dir, prompts, EngineConfig(**ENGINE_CONFIG, model_impl="transformers"), params)
+    for i, prompt in enumerate(prompts):
+        want = hf_greedy(model_dir, prompt, NEW_TOKENS)
+        assert lean[i].output_token_ids == want == modules[i].output_token_ids, f"prompt {i}"
+
+
+class _SubclassedLlama(transformers.LlamaForCausalLM):
+    pass
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0)), "rope_type 'linear'"),
+    (dict(hidden_act="gelu"), "activation"),
+    (dict(config_class=transformers.MistralConfig, model_class=transformers.MistralForCausalLM, sliding_window=8),
+     "sliding_window = 8"),
+    (dict(model_class=_SubclassedLlama), "_SubclassedLlama is not one of"),
+    (dict(config_class=transformers.Qwen3Config, model_class=transformers.Qwen3ForCausalLM), "Qwen3ForCausalLM"),
+], ids=["rope-linear", "gelu", "mistral-window", "subclass", "qwen3"])
+def test_unsupported_model_refused_with_reason(kwargs, reason, caplog):
+    model = _random_model(**kwargs)
+    assert reason in unsupported_reason(model)
+    max_len = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"model_impl = lean, but .*{reason}"):
+        LLMEngine(model, EngineConfig(**ENGINE_CONFIG, model_impl="lean"), (), max_len)
+    with caplog.at_level(logging.INFO, logger="cbrun.engine"):
+        engine = LLMEngine(model, EngineConfig(**ENGINE_CONFIG, model_impl="auto"), (), max_len)
+    assert engine.model_runner.lean_model is None
+    assert "model implementation: transformers (lean path not used" in caplog.text
+
+
+def test_model_impl_is_validated():
+    with pytest.raises(ValueError, match="model_impl must be one of"):
+        EngineConfig(model_impl="fast")
