@@ -19,7 +19,8 @@ class CachePool:
         if num_chunks <= NUM_RESERVED_CHUNKS:
             raise ValueError(f"the KV-cache pool needs more than {NUM_RESERVED_CHUNKS} chunks, got {num_chunks}")
         self.num_chunks = num_chunks
-        self._free: deque[int] = deque(range(NUM_RESERVED_CHUNKS, num_chunks))
+        # A stack: the lowest chunks are handed out first, then the most recently freed ones (see ``take``).
+        self._free: deque[int] = deque(range(num_chunks - 1, NUM_RESERVED_CHUNKS - 1, -1))
 
     @property
     def num_usable_chunks(self) -> int:
@@ -30,7 +31,8 @@ class CachePool:
         return len(self._free)
 
     def take(self) -> int | None:
-        return self._free.popleft() if self._free else None
+        # Most recently freed first: a compact working set stays in the CPU caches.
+        return self._free.pop() if self._free else None
 
     def give_back(self, chunk: int) -> None:
         assert chunk >= NUM_RESERVED_CHUNKS, "a reserved padding chunk was freed"

@@ -207,7 +207,10 @@ class ModelRunner:
             positions.extend(range(start, end))
             q_lens.append(item.num_tokens)
             seqlens_k.append(end)
-            logits_indices.extend(offset + p - start for p in item.prompt_logprob_positions())
+            logprob_positions = item.prompt_logprob_positions()
+            if logprob_positions:
+                logits_indices.extend(range(offset + logprob_positions.start - start,
+                                            offset + logprob_positions.stop - start))
             offset += item.num_tokens
             if item.samples:
                 needs_host_logits |= request.sampling_params.needs_processing
@@ -305,12 +308,12 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         blocks = torch.zeros((num_rows, width), dtype=torch.int64)  # padding rows read reserved chunk 0
         blocks[:len(tables)] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        logical = torch.arange(num_logical_blocks)
         if kind == SLIDING:  # logical block j lives in ring block j % ring size
-            logical = logical % self.ring_blocks
-        blocks = blocks[:, logical.clamp(max=width - 1)]
-        if kind == FULL:
-            blocks[:, width:] = 0  # columns past every table (padded shapes) read the padding chunk
+            blocks = blocks[:, (torch.arange(num_logical_blocks) % self.ring_blocks).clamp(max=width - 1)]
+        elif num_logical_blocks > width:  # columns past every table (padded shapes) read the padding chunk
+            blocks = torch.nn.functional.pad(blocks, (0, num_logical_blocks - width))
+        else:
+            blocks = blocks[:, :num_logical_blocks]
         pages = blocks * self.layers_per_block[kind]
         slot_mapping = torch.full((num_slots,), -1, dtype=torch.int64)
         slot_mapping[:len(positions)] = pages[request_index[:len(positions)], positions // page] * page + positions % page

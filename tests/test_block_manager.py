@@ -75,9 +75,10 @@ def test_freed_blocks_stay_cached_until_evicted_oldest_first():
     bm.free(a)  # tail first: 4 (no hash) back to the pool; 3 then 2 cached
     assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 2
     assert len(bm.find_cached_prefix(make_request([1, 2, 3, 4, 9]))) == 2
-    big = make_request(range(100, 106))  # needs 3 blocks: 5, 4 from the pool, then evict the deepest cached (3)
+    # Needs 3 blocks: 4 (the most recently freed) and 5 from the pool, then evict the deepest cached (3).
+    big = make_request(range(100, 106))
     assert bm.allocate_slots(big, 6)
-    assert big.block_table == [5, 4, 3]
+    assert big.block_table == [4, 5, 3]
     assert bm.num_evicted_blocks == 1
     assert len(bm.find_cached_prefix(make_request([1, 2, 3, 4, 9]))) == 1  # block 2 still hits
     bm.free(big)
