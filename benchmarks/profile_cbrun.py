@@ -31,8 +31,8 @@ PHASES = {
     "schedule": ("scheduler.py", "schedule"),
     "prepare inputs": ("model_runner.py", "_prepare"),
     "upload inputs": ("model_runner.py", "_upload"),
-    "model forward": ("module.py", "_wrapped_call_impl"),
-    "  of which paged attention": ("attention.py", "paged_attention_forward"),
+    "model forward": ("model_runner.py", "_forward"),
+    "  of which paged attention": ("attention.py", "paged_attention"),
     "read results": ("llm_engine.py", "_resolve"),
     "scheduler resolve": ("scheduler.py", "resolve"),
 }
@@ -80,15 +80,13 @@ def main() -> int:
 
 
 def print_phases(stats: pstats.Stats, wall: float) -> None:
-    """Cumulative CPU time of the step's phases (the forward pass counted at its outermost module call), and its
+    """Cumulative CPU time of the step's phases (the forward pass counted at the model runner's ``_forward``), and its
     share of the profiled run's wall time (the same as CPU time on an idle machine, single-threaded)."""
     print(f"{'phase':<28}{'CPU s':>8}   % of run")
     for phase, (file_part, name) in PHASES.items():
         total = 0.0
         for (filename, _, func), (_, _, _, cumulative, callers) in stats.stats.items():
             if func == name and filename.endswith(file_part):
-                if phase == "model forward":  # only the model runner's call, not nested modules
-                    cumulative = sum(v[3] for (f, _, fn), v in callers.items() if f.endswith("model_runner.py"))
                 total += cumulative
         print(f"{phase:<28}{total:>8.2f}   {100 * total / wall:>7.1f}%")
     print()

@@ -316,6 +316,7 @@ class ModelRunner:
             blocks = blocks[:, :num_logical_blocks]
         pages = blocks * self.layers_per_block[kind]
         slot_mapping = torch.full((num_slots,), -1, dtype=torch.int64)
-        slot_mapping[:len(positions)] = pages[request_index[:len(positions)], positions // page] * page + positions % page
+        rows = request_index[:len(positions)]
+        slot_mapping[:len(positions)] = pages[rows, positions // page] * page + positions % page
         return GroupMetadata(slot_mapping=slot_mapping, block_tables=pages.to(torch.int32),
                              layers_per_block=self.layers_per_block[kind])
