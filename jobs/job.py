@@ -95,8 +95,8 @@ class JobSummary:
     def line(self) -> str:
         """The one summary line the CLI prints."""
         if self.already_finished:
-            return (f"cbrun: job already finished: {self.num_skipped} rows in {self.output_dir} (see stats.json); "
-                    f"nothing to do (use --overwrite to recompute)")
+            return (f"cbrun: job already finished: all {self.num_skipped} rows of this input are in {self.output_dir} "
+                    f"(see stats.json); nothing to do (use --overwrite to recompute)")
         gpu = "" if self.peak_gpu_memory_mib is None else f" | peak GPU memory {self.peak_gpu_memory_mib:.0f} MiB"
         samples = f" | {self.num_output_rows} samples" if self.num_output_rows != self.num_rows else ""
         return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped){samples} | "

@@ -300,7 +300,7 @@ def _build(cls, section: str, values: dict[str, Any], exclude: set[str] = frozen
     for key in values:
         if key not in known:
             names = ", ".join(sorted(known | extra))
-            raise ValueError(f"unknown key {section}.{key} in the manifest; [{section}] accepts: {names}")
+            raise ValueError(f"unknown setting {section}.{key} (manifest or --set); [{section}] accepts: {names}")
     try:
         return cls(**values)
     except TypeError as exc:

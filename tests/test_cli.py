@@ -42,7 +42,7 @@ def test_setup_problems_exit_2_with_a_message(tmp_path, prompts, tiny_model_dir,
         ([str(tmp_path / "missing.toml")], "manifest .* not found"),
         (["--input", str(prompts), "--prompt-column", "text"], "model.path is required"),
         (["--model", str(tiny_model_dir), "--input", str(prompts), "--prompt-column", "text",
-          "--set", "engine.pagesize=4"], "unknown key engine.pagesize"),
+          "--set", "engine.pagesize=4"], "unknown setting engine.pagesize"),
     ]
     for args, message in cases:
         assert main(base + args) == 2, args
@@ -77,7 +77,7 @@ path = "{tmp_path / 'out'}"
     assert len(committed_parts(tmp_path / "out")) == 2
 
     assert main(args) == 0
-    assert "already finished: 4 rows" in capsys.readouterr().out
+    assert "already finished: all 4 rows of this input" in capsys.readouterr().out
     assert main(args[:-1] + ["--max-new-tokens", "3", "--no-progress"]) == 2
     assert "sampling.max_new_tokens" in capsys.readouterr().err
     assert main(args[:-1] + ["--max-new-tokens", "3", "--overwrite", "--no-progress"]) == 0

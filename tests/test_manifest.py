@@ -55,10 +55,10 @@ def test_loads_sections_into_dataclasses(manifest_file):
 
 @pytest.mark.parametrize("section, key, message", [
     ("modle", "path", r"unknown manifest section \[modle\]"),
-    ("input", "prompt_colum", r"unknown key input.prompt_colum"),
-    ("engine", "pagesize", r"unknown key engine.pagesize.*page_size"),
-    ("sampling", "temprature", r"unknown key sampling.temprature"),
-    ("output", "every", r"unknown key output.every"),
+    ("input", "prompt_colum", r"unknown setting input.prompt_colum"),
+    ("engine", "pagesize", r"unknown setting engine.pagesize.*page_size"),
+    ("sampling", "temprature", r"unknown setting sampling.temprature"),
+    ("output", "every", r"unknown setting output.every"),
 ])
 def test_unknown_sections_and_keys_are_named(manifest_file, section, key, message):
     with pytest.raises(ValueError, match=message):
@@ -67,7 +67,7 @@ def test_unknown_sections_and_keys_are_named(manifest_file, section, key, messag
 
 def test_unknown_key_in_the_file_is_named(manifest_file):
     manifest_file.write_text(MANIFEST.replace("limit = 10", "limit = 10\nlimt = 3"))
-    with pytest.raises(ValueError, match="unknown key input.limt"):
+    with pytest.raises(ValueError, match="unknown setting input.limt"):
         load_manifest(manifest_file)
 
 
@@ -103,7 +103,7 @@ def test_set_and_flags_override_in_order(manifest_file):
                       {"sampling": {"max_new_tokens": 9, "temperature": None}, "input": {"path": "other.parquet"}})
     assert m.sampling.max_new_tokens == 9 and m.sampling.temperature == 0.0  # None flags do not override
     assert m.input.path == "other.parquet" and m.input.limit == 3 and m.engine.device == "cpu"
-    with pytest.raises(ValueError, match="unknown key engine.bogus"):
+    with pytest.raises(ValueError, match="unknown setting engine.bogus"):
         load_manifest(manifest_file, ["engine.bogus=1"])
 
 
