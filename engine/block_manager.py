@@ -197,10 +197,7 @@ class BlockManager:
             request.sliding_block_table.append(self.sliding.take())
         if self.enable_prefix_caching:
             num_tokens_after = request.num_computed_tokens + num_cached_tokens + num_new_tokens
-            # Registration only ever has work at a block boundary (or after a deferred pending token).
-            hashed = self._request_hashes.get(id(request))
-            if hashed is None or len(hashed) < min(num_tokens_after, request.num_known_tokens) // self.page_size:
-                self._register_full_blocks(request, num_tokens_after)
+            self._register_full_blocks(request, num_tokens_after)
         return True
 
     def _has_room(self, full_needed: int, sliding_needed: int, cached_blocks) -> bool:

@@ -156,17 +156,16 @@ class LLMEngine:
         finished, self._rejected = self._rejected, []
         plan = self.scheduler.schedule()
         finished.extend(plan.failed)
-        previous = self._in_flight
-        handle = self.model_runner.launch(plan, previous[1] if previous else None)
+        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
         if handle is not None:
             self.scheduler.advance(plan)
         launched = (plan, handle) if handle is not None else None
-        if self.overlap_steps:
-            self._in_flight = launched
+        if self.overlap_steps:  # read the step launched before this one; this one stays in flight
+            to_read, self._in_flight = self._in_flight, launched
         else:
-            previous, self._in_flight = launched, None
-        if previous is not None:
-            finished.extend(self._resolve(*previous))
+            to_read = launched
+        if to_read is not None:
+            finished.extend(self._resolve(*to_read))
         self.stats.num_soft_resets = self.scheduler.num_soft_resets
         self.stats.num_offloads = self.scheduler.num_offloads
         self.stats.num_evicted_blocks = self.block_manager.num_evicted_blocks

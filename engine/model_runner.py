@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from engine.async_batching import InputStager, StepHandle
 from engine.attention import AttentionMetadata, GroupMetadata
@@ -203,7 +203,7 @@ class ModelRunner:
             end = start + item.num_tokens
             token_ids.extend(request.token_ids(start, end))
             if request.num_pending_tokens and end > request.num_known_tokens:
-                self._carry_pending(request, start, end, offset, previous, carry_dst, carry_src)
+                self._carry_pending(request, start, offset, previous, carry_dst, carry_src)
             positions.extend(range(start, end))
             q_lens.append(item.num_tokens)
             seqlens_k.append(end)
@@ -249,8 +249,8 @@ class ModelRunner:
             carry=carry, needs_host_logits=needs_host_logits or num_rows > len(sample_rows))
 
     @staticmethod
-    def _carry_pending(request, start: int, end: int, offset: int, previous: StepHandle | None,
-                       carry_dst: list[int], carry_src: list[int]) -> None:
+    def _carry_pending(request, start: int, offset: int, previous: StepHandle | None, carry_dst: list[int],
+                       carry_src: list[int]) -> None:
         """Record that input ``offset + (p - start)`` of the request's pending position p comes from the device."""
         row = previous.sample_row_of.get(id(request)) if previous is not None else None
         if row is None or request.num_pending_tokens != 1:

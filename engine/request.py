@@ -95,22 +95,17 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids of positions ``start:end`` over prompt and output; ``PENDING_TOKEN`` for pending ones."""
-        if end <= len(self.prompt_token_ids):  # the common case: a prefill chunk
-            return self.prompt_token_ids[start:end]
-        known = self.num_known_tokens
-        if end > known:
-            return self._known_token_ids(start, min(end, known)) + [PENDING_TOKEN] * (end - max(start, known))
-        return self._known_token_ids(start, end)
-
-    def _known_token_ids(self, start: int, end: int) -> list[int]:
-        if start >= end:
-            return []
         num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
+        if end <= num_prompt:  # the common case: a prefill chunk
             return self.prompt_token_ids[start:end]
+        known = num_prompt + len(self.output_token_ids)
+        pending = [PENDING_TOKEN] * (end - max(start, known)) if end > known else []
+        end = min(end, known)
+        if start >= end:
+            return pending
         if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+            return self.output_token_ids[start - num_prompt:end - num_prompt] + pending
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt] + pending
 
     @property
     def is_finished(self) -> bool:
