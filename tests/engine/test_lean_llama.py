@@ -16,7 +16,7 @@ import transformers
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import ATTN_IMPLEMENTATION
 from engine.lean_llama import LeanLlama, unsupported_reason
-from model_utils import WEIGHT_SCALE, hf_greedy, random_llama_dir, random_prompts, run_engine
+from tests.model_utils import WEIGHT_SCALE, hf_greedy, random_llama_dir, random_prompts, run_engine
 
 VOCAB = 128
 NEW_TOKENS = 8

@@ -14,7 +14,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import PENDING_TOKEN, Request, RequestStatus
 from engine.scheduler import FIFOScheduler, SchedulerOutput
-from model_utils import assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
+from tests.model_utils import assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128
 

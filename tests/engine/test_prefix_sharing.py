@@ -3,7 +3,7 @@
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from model_utils import assert_pool_balanced, random_llama_dir, random_prompts
+from tests.model_utils import assert_pool_balanced, random_llama_dir, random_prompts
 
 VOCAB = 128
 PAGE = 4

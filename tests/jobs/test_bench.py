@@ -7,7 +7,7 @@ from pathlib import Path
 
 from jobs import bench
 
-FEWSHOT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "gsm8k-fewshot.toml"
+FEWSHOT_MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "gsm8k-fewshot.toml"
 
 
 def run_bench(args: list[str], model_dir: Path, tmp_path: Path, capsys) -> tuple[str, dict]:

@@ -15,7 +15,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from model_utils import WEIGHT_SCALE, assert_pool_balanced, random_prompts, run_engine
+from tests.model_utils import WEIGHT_SCALE, assert_pool_balanced, random_prompts, run_engine
 
 VOCAB = 128
 NEW_TOKENS = 12

@@ -5,7 +5,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cuda_graphs import GraphCache
 from engine.padding import PaddedShape, PaddingPolicy, round_up
-from model_utils import assert_pool_balanced, random_llama_dir, random_prompts
+from tests.model_utils import assert_pool_balanced, random_llama_dir, random_prompts
 
 VOCAB = 128
 

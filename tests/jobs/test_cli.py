@@ -12,7 +12,7 @@ import pytest
 from jobs.cli import main
 from jobs.writer import committed_parts
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_RE = re.compile(r"^cbrun: (\d+) rows \((\d+) errors, (\d+) skipped\) \| \d+ prompt tokens \| \d+ generated "
                         r"tokens \| [\d.]+ s \| \d+ tokens/s generated \| peak memory \d+ MiB \| prefix cache "
                         r"hit rate [\d.]+% \| \d+ offloads, \d+ soft resets$", re.M)

@@ -3,7 +3,7 @@
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from model_utils import assert_pool_balanced
+from tests.model_utils import assert_pool_balanced
 
 
 @pytest.mark.parametrize("page_size", [4, 16, 64])

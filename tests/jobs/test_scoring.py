@@ -17,7 +17,7 @@ from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSetti
 from jobs.scoring import encode_pair, last_number_plus_one, read_candidates
 from jobs.writer import read_output
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=128, max_requests_per_batch=8, num_blocks=128)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from jobs.manifest import load_manifest, manifest_from_dict, parse_set
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 MANIFEST = """
 [model]

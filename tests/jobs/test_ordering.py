@@ -19,9 +19,9 @@ from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSetti
 from jobs.ordering import order_by_prefix, prompt_sort_key
 from jobs.reader import template_fields
 from jobs.writer import committed_parts
-from test_resume import kill_after_first_commit
+from tests.jobs.test_resume import kill_after_first_commit
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=128)
 PREFIXES = ["The quick brown fox jumps over the dog. ", "Once upon a time there was a cat. ", "Q: 2 + 2 = ? A: "]
 

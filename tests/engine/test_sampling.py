@@ -7,7 +7,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.stop_strings import StopStringMatcher
-from model_utils import _hf_model, assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
+from tests.model_utils import _hf_model, assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128
 

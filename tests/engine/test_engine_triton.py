@@ -3,7 +3,7 @@
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from model_utils import random_llama_dir, random_prompts, run_engine
+from tests.model_utils import random_llama_dir, random_prompts, run_engine
 
 pytest.importorskip("triton")
 

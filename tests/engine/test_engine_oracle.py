@@ -3,7 +3,7 @@
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from model_utils import hf_greedy, random_llama_dir, random_prompts, run_engine
+from tests.model_utils import hf_greedy, random_llama_dir, random_prompts, run_engine
 
 VOCAB = 128
 NEW_TOKENS = 12

@@ -51,7 +51,7 @@ def test_kernels_in_fresh_process():
     assert not os.environ.get(_SUBPROCESS_FLAG), "TRITON_INTERPRET=1 did not take effect in a fresh process"
     env = {**os.environ, "TRITON_INTERPRET": "1", _SUBPROCESS_FLAG: "1"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
 
 
