@@ -46,7 +46,7 @@ def _cpu_name() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/stories260K")
     parser.add_argument("--data", default="../shared/data/gsm8k_test.parquet")
     parser.add_argument("--rows", type=int, default=256)

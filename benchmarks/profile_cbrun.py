@@ -48,7 +48,7 @@ def run(workload, config: EngineConfig) -> tuple[float, int, int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="gsm8k-stories260k")
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--model-dir", type=Path)

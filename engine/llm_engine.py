@@ -117,7 +117,9 @@ class LLMEngine:
         error = self._validate(request)
         if error:
             request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", error
-        elif params.max_new_tokens == 0:  # nothing to generate: an empty completion, no forward pass
+        elif params.max_new_tokens == 0 and not params.prompt_logprobs_from:
+            # nothing to generate and nothing to score: an empty completion, no forward pass. (With prompt
+            # log-probabilities the prompt runs; the token its last position samples is dropped in _finish.)
             request.status, request.finish_reason = RequestStatus.FINISHED, "length"
         else:
             self.scheduler.add_request(request)
@@ -206,7 +208,8 @@ class LLMEngine:
             request.stop_reason = token
             return "stop"
         if params.stop and self._stop_matcher.find(request.output_token_ids, params.stop):
-            text, kept_ids, stop = self._stop_matcher.cut(request.output_token_ids, params.stop)
+            text, kept_ids, stop = self._stop_matcher.cut(request.output_token_ids, params.stop,
+                                                          params.include_stop_str_in_output)
             request.output_text, request.output_token_ids[:], request.stop_reason = text, kept_ids, stop
             return "stop"
         if len(request.output_token_ids) >= params.max_new_tokens or request.num_known_tokens >= self.max_model_len:
@@ -221,13 +224,28 @@ class LLMEngine:
             self.stats.num_prompt_tokens += request.num_prompt_tokens
             self.stats.num_cached_prompt_tokens += request.num_cached_tokens
         ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
+        params = request.sampling_params
+        if params.max_new_tokens == 0 and request.status is not RequestStatus.FAILED:
+            # prompt log-probabilities only (echo): the token sampled after the prompt is not an output
+            request.output_token_ids, request.logprobs, request.finish_reason = [], [], "length"
+            request.stop_reason, request.output_text, ttft = None, None, None
         return RequestOutput(
             request.request_id, request.prompt_token_ids, request.output_token_ids, request.finish_reason,
             request.error, ttft, request.arrival_time, request.finish_time or time.perf_counter(),
-            stop_reason=request.stop_reason, text=request.output_text,
+            stop_reason=request.stop_reason, text=self._output_text(request),
             logprobs=request.logprobs if request.sampling_params.logprobs is not None else None,
             prompt_logprobs=(request.prompt_logprobs if request.sampling_params.prompt_logprobs_from else None),
             prompt_greedy=(request.prompt_greedy if request.sampling_params.prompt_logprobs_from else None))
+
+    def _output_text(self, request: Request) -> str | None:
+        """The output text when it is not simply the decoded ids: cut before a stop string, or without the text of
+        the stop token (EOS or ``stop_token_ids``) that ended the request, as vLLM's detokenizer does, unless
+        ``include_stop_str_in_output``. None: decode ``output_token_ids``."""
+        if request.output_text is not None or not isinstance(request.stop_reason, int):
+            return request.output_text
+        if request.sampling_params.include_stop_str_in_output or self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(request.output_token_ids[:-1], skip_special_tokens=True)
 
     def generate(self, requests: Iterable[tuple[object, list[int], SamplingParams]],
                  max_in_flight: int = 1024) -> Iterator[RequestOutput]:

@@ -21,16 +21,21 @@ def sample_one(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[
         eos_token_ids: the model's EOS ids.
 
     Returns:
-        The token id, and the log-probabilities asked for by ``logprobs`` (None when off). Log-probabilities are
-        those of the penalised distribution before temperature, top-k, top-p and min-p.
+        The token id, and the log-probabilities asked for by ``logprobs`` (None when off): by default
+        (``logprobs_mode = "raw_logprobs"``, vLLM's default) the log-softmax of the model's logits before any
+        processing; with "processed_logprobs", of the distribution the token was drawn from (after penalties,
+        temperature, top-k and top-p; filtered tokens are -inf; greedy rows: after penalties).
     """
     params = request.sampling_params
-    scores = _apply_penalties(logits.to("cpu", torch.float32, copy=True), request, eos_token_ids)
+    raw = logits.to("cpu", torch.float32, copy=True)
+    keep_raw = params.logprobs is not None and params.logprobs_mode == "raw_logprobs"
+    scores = _apply_penalties(raw.clone() if keep_raw else raw, request, eos_token_ids)
     if params.greedy:
         token = int(scores.argmax())
     else:
+        scores = _filter(scores, params)
         token = _draw(scores, params, request.generator)
-    return token, _logprobs(scores, token, params.logprobs)
+    return token, _logprobs(raw if keep_raw else scores, token, params.logprobs)
 
 
 def _apply_penalties(scores: torch.Tensor, request: Request, eos_token_ids: frozenset[int]) -> torch.Tensor:
@@ -49,13 +54,19 @@ def _apply_penalties(scores: torch.Tensor, request: Request, eos_token_ids: froz
     return scores
 
 
-def _draw(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def _filter(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k and top-p (filtered tokens become -inf)."""
     scores = scores / params.temperature
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
         scores = _top_p_filter(scores, params.top_p)
+    return scores
+
+
+def _draw(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Min-p over the filtered distribution, then one draw from the request's generator."""
     probs = torch.softmax(scores, dim=-1)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)

@@ -1,4 +1,4 @@
-"""Per-request sampling settings."""
+"""Per-request sampling settings, and the vLLM names they may also be given by."""
 
 from __future__ import annotations
 
@@ -8,7 +8,24 @@ from dataclasses import dataclass, field, fields
 #: Names a job may override per row through an input column of the same name.
 SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                    "ignore_eos", "stop_token_ids", "stop", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "logprobs", "prompt_logprobs_from")
+                   "frequency_penalty", "logprobs", "prompt_logprobs_from", "include_stop_str_in_output",
+                   "logprobs_mode")
+
+#: vLLM ``SamplingParams`` names that differ from ours -> our (canonical) name. Every other vLLM name we support
+#: (temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, the penalties, logprobs, n,
+#: include_stop_str_in_output) is already spelled the same. A manifest, ``--set`` or a per-row column may use
+#: either spelling; the job records the canonical one, so both spellings are one job.
+VLLM_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+
+#: What ``logprobs`` returns (vLLM's ``logprobs_mode`` names): the model's log-softmax before any processing, or
+#: after penalties, temperature, top-k and top-p (filtered tokens are -inf).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+def canonical_name(name: str) -> str:
+    """Our name for a sampling setting given by its vLLM name (``max_tokens`` -> ``max_new_tokens``); other names
+    unchanged."""
+    return VLLM_ALIASES.get(name, name)
 
 
 @dataclass
@@ -28,13 +45,18 @@ class SamplingParams:
         top_p: nucleus sampling (Holtzman et al. 2019), keep the smallest set reaching this mass; (0, 1].
         min_p: drop tokens whose probability is under ``min_p`` times the top token's; [0, 1].
         seed: seed of the request's own ``torch.Generator``; None draws one from the engine's generator.
-        stop_token_ids: extra token ids that end the request (the emitted stop token is kept in the output).
+        stop_token_ids: extra token ids that end the request (the emitted stop token is kept in the output ids;
+            its text is not in the output text unless ``include_stop_str_in_output``).
         stop: strings that end the request; the output is cut before the first one (needs a tokenizer).
+        include_stop_str_in_output: keep the stop string (or the stop token's text) in the output text (vLLM).
         ignore_eos: do not stop on the model's EOS token ids.
         repetition_penalty: > 0; 1 disables it. Divides positive, multiplies negative logits of seen tokens
             (Keskar et al. 2019, CTRL).
         presence_penalty, frequency_penalty: subtracted once per generated token id / per occurrence (OpenAI).
         logprobs: return this many top log-probabilities per generated token (and the chosen token's); None: off.
+        logprobs_mode: "raw_logprobs" (default, vLLM's): the model's log-softmax before penalties and
+            temperature; "processed_logprobs": of the distribution actually sampled from (after penalties,
+            temperature, top-k and top-p). Prompt log-probabilities are always raw.
         prompt_logprobs_from: return log-probabilities of prompt tokens at positions >= this (>= 1); None: off.
 
     Raises:
@@ -50,18 +72,22 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs_from: int | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop or ())
+        if self.top_k == -1:  # vLLM's spelling of "off"; stored as ours so both spellings are one job
+            self.top_k = 0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that is out of range."""
@@ -71,7 +97,7 @@ class SamplingParams:
                self.min_new_tokens)
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a finite number >= 0",
                self.temperature)
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)", self.top_k)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1 disables it)", self.top_k)
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
         _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
@@ -85,6 +111,10 @@ class SamplingParams:
                                                      and self.prompt_logprobs_from >= 1),
                "prompt_logprobs_from", "an integer >= 1 or None", self.prompt_logprobs_from)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
+        _check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "true or false",
+               self.include_stop_str_in_output)
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", " or ".join(map(repr, LOGPROBS_MODES)),
+               self.logprobs_mode)
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +130,7 @@ class SamplingParams:
     def replace(self, **changes) -> "SamplingParams":
         """A copy with ``changes`` applied; unknown names raise ``ValueError``."""
         known = {f.name for f in fields(self)}
+        changes = {canonical_name(k): v for k, v in changes.items()}
         unknown = set(changes) - known
         if unknown:
             raise ValueError(f"unknown sampling setting(s): {sorted(unknown)}")

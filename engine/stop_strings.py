@@ -26,16 +26,24 @@ class StopStringMatcher:
         tail = self._decode(output_token_ids[-tail_tokens:])
         return next((s for s in stops if s in tail), None)
 
-    def cut(self, output_token_ids: list[int], stops: tuple[str, ...]) -> tuple[str, list[int], str]:
-        """Cut the output exactly before the earliest stop string.
+    def cut(self, output_token_ids: list[int], stops: tuple[str, ...], include: bool = False
+            ) -> tuple[str, list[int], str]:
+        """Cut the output exactly before the earliest stop string (after it, with ``include``).
 
         Returns:
             (text before the stop string, the longest prefix of the token ids whose text is a prefix of it, the
             stop string). When a stop string begins inside a token, the text keeps that token's leading part and
-            the ids end before that token.
+            the ids end before that token. With ``include`` (vLLM's ``include_stop_str_in_output``) the text ends
+            with the stop string and the ids with the token that completes it.
         """
         text = self._decode(output_token_ids)
         index, stop = min((text.find(s), s) for s in stops if s in text)
+        if include:
+            kept_text = text[:index + len(stop)]
+            for n in range(1, len(output_token_ids) + 1):
+                if self._decode(output_token_ids[:n]).startswith(kept_text):
+                    return kept_text, output_token_ids[:n], stop
+            return kept_text, list(output_token_ids), stop
         kept_text = text[:index]
         for n in range(len(output_token_ids), -1, -1):
             if kept_text.startswith(self._decode(output_token_ids[:n])):

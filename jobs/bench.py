@@ -741,7 +741,7 @@ def _git_commit() -> str | None:
 
 # ---- command --------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cbrun bench", description=(
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="cbrun bench", description=(
         "Run one workload through several backends (" + ", ".join(BACKENDS) + "), each run in its own process, "
         "and print a side-by-side table: throughput, prefix-cache hits, TTFT/ITL, peak memory, and whether each "
         "backend's greedy outputs equal cbrun's. With --repeats N each row is the backend's median run by wall "

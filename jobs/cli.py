@@ -1,5 +1,8 @@
 """The ``cbrun`` command: ``run``, ``convert-llama2c`` and ``demo``. Thin: the work is in jobs.job and jobs.demo.
 
+Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
+Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``jobs.manifest.cli_text``).
+
 Exit codes: 0 done (or nothing to do), 1 an unexpected failure, 2 a setup problem reported before any work (missing
 input, column or model, unreadable model, bad manifest, output holding another job), 130 interrupted.
 """
@@ -20,6 +23,9 @@ RUN_FLAGS = {
     "template": ("input", "template"),
     "limit": ("input", "limit"),
     "max_new_tokens": ("sampling", "max_new_tokens"),
+    "n": ("sampling", "n"),
+    "stop": ("sampling", "stop"),
+    "num_threads": ("engine", "num_threads"),
     "temperature": ("sampling", "temperature"),
     "top_p": ("sampling", "top_p"),
     "top_k": ("sampling", "top_k"),
@@ -29,10 +35,11 @@ RUN_FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cbrun", description="Offline batch LLM inference over Parquet prompts.")
+    parser = argparse.ArgumentParser(prog="cbrun", description="Offline batch LLM inference over Parquet prompts.",
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run (or resume) a job", description=(
+    run = commands.add_parser("run", allow_abbrev=False, help="run (or resume) a job", description=(
         "Run a job described by a TOML manifest and/or flags; flags override the manifest. Relative paths resolve "
         "against the current directory. Rerunning the same job resumes it."))
     run.add_argument("manifest", nargs="?", help="TOML manifest ([model] [input] [sampling] [engine] [output])")
@@ -42,9 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt-column", help="text column holding the prompt")
     run.add_argument("--prompt-ids-column", help="list<int> column of prompt token ids (used as given)")
     run.add_argument("--id-column", help="column of row ids (default: the row index)")
-    run.add_argument("--template", help="prompt template with {column} fields, e.g. 'Q: {question}\\nA:'")
+    run.add_argument("--template", help="prompt template with {column} fields, e.g. 'Q: {question}\\nA:' "
+                     "(\\n is a newline, as in a manifest; \\\\ for a backslash)")
     run.add_argument("--limit", type=int, help="only the first N rows")
-    run.add_argument("--max-new-tokens", type=int)
+    run.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int,
+                     help="most tokens to generate per sample (--max-tokens: vLLM's name)")
+    run.add_argument("--n", type=int, help="samples per row")
+    run.add_argument("--stop", action="append", help="stop string (repeatable; \\n is a newline)")
+    run.add_argument("--num-threads", type=int, help="CPU threads (tiny models run fastest on 1)")
     run.add_argument("--temperature", type=float, help="0 is greedy")
     run.add_argument("--top-p", type=float)
     run.add_argument("--top-k", type=int)
@@ -55,12 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="set any manifest key, e.g. --set engine.max_batch_tokens=1024 (repeatable)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    convert = commands.add_parser("convert-llama2c", help="convert a llama2.c checkpoint to a Hugging Face directory")
+    convert = commands.add_parser("convert-llama2c", allow_abbrev=False, help="convert a llama2.c checkpoint to a Hugging Face directory")
     convert.add_argument("checkpoint", help="llama2.c model .bin")
     convert.add_argument("tokenizer", help="llama2.c tokenizer .bin")
     convert.add_argument("out_dir", help="directory to write")
 
-    demo = commands.add_parser("demo", help="run a small job on a tiny random-weight model (no download)")
+    demo = commands.add_parser("demo", allow_abbrev=False, help="run a small job on a tiny random-weight model (no download)")
     demo.add_argument("--output", default="cbrun-demo",
                       help="work directory for the demo model, prompts and output (default: ./cbrun-demo)")
     demo.add_argument("--num-rows", type=int, default=64, help="prompts in the demo input (default: 64)")
@@ -106,12 +118,12 @@ def _quiet_transformers() -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from jobs.job import JobError, run_job
-    from jobs.manifest import load_manifest
+    from jobs.manifest import cli_text, load_manifest
 
     overrides: dict[str, dict] = {}
-    for flag, (section, key) in RUN_FLAGS.items():
-        overrides.setdefault(section, {})[key] = getattr(args, flag)
     try:
+        for flag, (section, key) in RUN_FLAGS.items():
+            overrides.setdefault(section, {})[key] = _flag_value(flag, getattr(args, flag), cli_text)
         manifest = load_manifest(args.manifest, args.sets, overrides)
         summary = run_job(manifest, progress=not args.no_progress)
     except (JobError, ValueError, FileNotFoundError) as exc:
@@ -119,6 +131,13 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     print(summary.line())
     return 0
+
+
+def _flag_value(flag: str, value, cli_text):
+    """A flag's value for the manifest: text flags read with TOML's escapes (``cli_text``)."""
+    if value is None or flag not in ("template", "stop"):
+        return value
+    return [cli_text(v) for v in value] if isinstance(value, list) else cli_text(value)
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import resource
 import sys
 import time
@@ -24,11 +25,15 @@ import numpy as np
 
 from jobs.chat import check_chat_template, check_messages_column, conversation, encode_chat
 from jobs.checkpoint import Checkpoint, FingerprintMismatch, job_fingerprint
-from jobs.manifest import JobManifest
+from jobs.manifest import JobManifest, apply_model_defaults
 from jobs.ordering import RowWork, SampleGroups, order_by_prefix
+from jobs.prompts import encode_prompt
 from jobs.reader import InputError, InputRow, PromptReader
 from jobs.scoring import Scorer, check_candidates_column
 from jobs.writer import OutputRow, PartWriter, committed_parts
+
+
+logger = logging.getLogger("cbrun.job")
 
 
 class JobError(Exception):
@@ -121,12 +126,12 @@ def open_reader(manifest: JobManifest) -> PromptReader:
                      if getattr(inp, role) is not None}
     reader = PromptReader(inp.path, prompt_column=inp.prompt_column, prompt_ids_column=inp.prompt_ids_column,
                           id_column=inp.id_column, template=inp.template, limit=inp.limit, batch_size=inp.batch_size,
-                          extra_columns=extra_columns)
-    for source in reader.sources:
-        if inp.candidates_column is not None:
-            check_candidates_column(source.schema, inp.candidates_column, str(source.path))
-        if inp.messages_column is not None:
-            check_messages_column(source.schema, inp.messages_column, str(source.path))
+                          extra_columns=extra_columns,
+                          per_row_settings=inp.per_row_settings and inp.mode == "generate")
+    if inp.candidates_column is not None:
+        check_candidates_column(reader.schema, inp.candidates_column, inp.path)
+    if inp.messages_column is not None:
+        check_messages_column(reader.schema, inp.messages_column, inp.path)
     return reader
 
 
@@ -161,6 +166,10 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
     except (InputError, ValueError) as exc:
         raise JobError(str(exc)) from None
     check_model_dir(manifest.model.path)
+    try:
+        apply_model_defaults(manifest)  # NOTE: before the fingerprint, which records the settings used
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
     tokenizer = None
     if manifest.input.chat:  # NOTE: checked before any work, loading the model included
         tokenizer = load_tokenizer(manifest.model.path)
@@ -254,6 +263,7 @@ class _JobRun:
         if manifest.input.mode == "score":
             self.scorer = Scorer(tokenizer, engine.max_model_len, self.vocab_size, manifest.input.corruptions)
         self.progress_bar = None
+        self.warned_identical_samples = False
 
     def run(self, reader: PromptReader, done: np.ndarray, progress: bool) -> None:
         from tqdm import tqdm
@@ -302,6 +312,11 @@ class _JobRun:
                 continue
             row_index, prompt_token_ids, params = request
             num_samples = row.num_samples or self.manifest.n
+            if num_samples > 1 and params.greedy and not self.warned_identical_samples:
+                self.warned_identical_samples = True
+                logger.warning("row %d (id %r) asks for %d samples with greedy decoding (temperature 0 or top_k 1): "
+                               "its samples are identical; set sampling.temperature > 0 for different ones "
+                               "(warned once)", row.row_index, row.id, num_samples)
             seeds = sample_seeds(self.manifest.seed, row.id, num_samples, row.sampling_overrides.get("seed"))
             requests = [((row_index, i), prompt_token_ids, params.replace(seed=seed)) for i, seed in enumerate(seeds)]
             yield RowWork(row_index, row.id, prompt_token_ids, requests)
@@ -318,7 +333,7 @@ class _JobRun:
         """The prompt ids of a text row: the chat template over its conversation, or the plain encoding."""
         inp = self.manifest.input
         if not inp.chat:
-            return self.tokenizer.encode(row.prompt)
+            return encode_prompt(self.tokenizer, row.prompt)
         messages = conversation(row.prompt, row.extra.get("messages_column"), inp.messages_column is not None,
                                 inp.system_prompt)
         return encode_chat(self.tokenizer, messages)

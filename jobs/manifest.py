@@ -6,27 +6,45 @@ A manifest has five sections, all optional in the file (a key may come from ``--
     [input]     path, prompt_column, prompt_ids_column, id_column, template, limit, batch_size, order_window,
                 mode ("generate" or "score"), candidates_column, corruptions, chat, messages_column, system_prompt
     [sampling]  SamplingParams fields (max_new_tokens, temperature, top_k, top_p, stop, stop_token_ids, ...),
-                the job ``seed`` from which every row's own seed is derived, ``n`` (samples per row), and
-                ``prompt_logprobs`` (shorthand for ``prompt_logprobs_from = 1``)
+                or their vLLM names (``max_tokens``, ``min_tokens``: ``engine.sampling_params.VLLM_ALIASES``),
+                the job ``seed`` from which every row's own seed is derived, ``n`` (samples per row),
+                ``prompt_logprobs`` (shorthand for ``prompt_logprobs_from = 1``) and ``model_defaults``
+                (take unset settings from the model's generation_config.json; default true)
     [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
     [output]    path, commit_every_rows, commit_every_seconds, overwrite
 
 NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
 process, not against the manifest's directory, so the same manifest behaves the same as flags given on the command
 line. Run ``cbrun`` from the directory the manifest's paths are written for (the repository root for ours).
+
+Text given on the command line (``--template``, ``--stop``, and a ``--set`` value that is not a TOML value) is read
+like the inside of a manifest's double-quoted TOML string: ``\\n`` is a newline, ``\\t`` a tab, ``\\\\`` a
+backslash, ``\\"`` a quote, ``\\uXXXX`` a character (``cli_text``). So ``--template 'Q: {q}\\nA:'`` and
+``template = "Q: {q}\\nA:"`` give the same prompt.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
+import logging
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import VLLM_ALIASES, SamplingParams, canonical_name
+
+logger = logging.getLogger("cbrun.job")
 
 SECTIONS = ("model", "input", "sampling", "engine", "output")
+#: generation_config.json keys taken as sampling defaults when the job does not set them (vLLM's
+#: ``get_diff_sampling_param`` list). The last four are not taken when the file says ``do_sample = false``.
+MODEL_DEFAULT_KEYS = ("max_new_tokens", "repetition_penalty", "temperature", "top_p", "top_k", "min_p")
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+#: Boundary rules of score mode (``jobs.scoring``).
+BOUNDARY_RULES = ("exact",)
 
 
 @dataclass
@@ -61,6 +79,10 @@ class InputSettings:
         messages_column: chat: a list<struct<role, content>> column holding the conversation; without it the
             prompt text is one user turn.
         system_prompt: chat: a system turn put first (unless the conversation starts with one).
+        per_row_settings: columns named like a sampling setting (or ``n``) override it per row; false reads no
+            such column (a metadata column that happens to be called ``seed`` stays metadata).
+        boundary: score mode: how the context / candidate boundary is tokenized; "exact" (the only rule here;
+            see ``jobs.scoring``): the scored tokens decode to exactly context + candidate.
 
     Raises:
         ValueError: when no prompt source or two prompt sources are given, a number is out of range, or the
@@ -81,6 +103,8 @@ class InputSettings:
     chat: bool = False
     messages_column: str | None = None
     system_prompt: str | None = None
+    per_row_settings: bool = True
+    boundary: str = "exact"
 
     def __post_init__(self) -> None:
         has_text = self.prompt_column is not None or self.template is not None
@@ -106,6 +130,11 @@ def _check_modes(inp: InputSettings) -> None:
 
     if inp.mode not in ("generate", "score"):
         raise ValueError(f"input.mode must be \"generate\" or \"score\", got {inp.mode!r}")
+    if not isinstance(inp.per_row_settings, bool):
+        raise ValueError(f"input.per_row_settings must be true or false, got {inp.per_row_settings!r}")
+    if inp.boundary not in BOUNDARY_RULES:
+        raise ValueError(f"input.boundary must be one of {', '.join(map(repr, BOUNDARY_RULES))}, "
+                         f"got {inp.boundary!r}")
     if not isinstance(inp.chat, bool):
         raise ValueError(f"input.chat must be true or false, got {inp.chat!r}")
     if not isinstance(inp.corruptions, list) or not all(c in CORRUPTIONS for c in inp.corruptions):
@@ -162,6 +191,9 @@ class JobManifest:
             gives it.
         n: samples per row (``[sampling] n``), each written as its own output row with a ``sample_index``; a row's
             ``n`` column overrides it. Sample i's seed derives from (seed, row id, i).
+        sampling_set: the ``[sampling]`` keys the user gave (manifest, ``--set`` or flags), by their canonical
+            names; the others hold defaults, which ``apply_model_defaults`` may replace.
+        model_defaults: take settings the user did not give from the model's generation_config.json.
     """
 
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -171,8 +203,12 @@ class JobManifest:
     n: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputSettings = field(default_factory=OutputSettings)
+    sampling_set: frozenset[str] = frozenset()
+    model_defaults: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model_defaults, bool):
+            raise ValueError(f"sampling.model_defaults must be true or false, got {self.model_defaults!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"sampling.n (samples per row) must be a positive integer, got {self.n!r}")
         if self.n > 1 and self.input.mode == "score":
@@ -191,13 +227,14 @@ def _is_int(value: Any) -> bool:
 
 
 def parse_set(assignment: str) -> tuple[str, str, Any]:
-    """Parse one ``SECTION.KEY=VALUE``; VALUE is read as a TOML value, else taken as a plain string.
+    """Parse one ``SECTION.KEY=VALUE``; VALUE is read as a TOML value, else taken as text with TOML's escapes
+    (``cli_text``).
 
     Returns:
         (section, key, value).
 
     Raises:
-        ValueError: when the assignment is not of the form SECTION.KEY=VALUE.
+        ValueError: when the assignment is not of the form SECTION.KEY=VALUE, or has a bad escape.
     """
     name, sep, raw = assignment.partition("=")
     section, dot, key = name.strip().partition(".")
@@ -206,8 +243,44 @@ def parse_set(assignment: str) -> tuple[str, str, Any]:
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw
+        value = cli_text(raw)
     return section, key, value
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "\\": "\\", '"': '"', "e": "\x1b"}
+
+
+def cli_text(text: str) -> str:
+    """Text from the command line read with TOML's basic-string escapes, as a manifest's "..." string is.
+
+    ``\\n`` \\t \\r \\b \\f \\e \\\\ \\" \\uXXXX \\UXXXXXXXX are replaced; any other backslash is an error (as in TOML),
+    so a mistyped escape is not silently kept.
+
+    Raises:
+        ValueError: for an unknown or incomplete escape, naming it.
+    """
+    out, i = [], 0
+    while i < len(text):
+        char = text[i]
+        if char != "\\":
+            out.append(char)
+            i += 1
+            continue
+        code = text[i + 1:i + 2]
+        if code in _ESCAPES:
+            out.append(_ESCAPES[code])
+            i += 2
+        elif code in ("u", "U"):
+            width = 4 if code == "u" else 8
+            digits = text[i + 2:i + 2 + width]
+            if len(digits) != width or any(c not in "0123456789abcdefABCDEF" for c in digits):
+                raise ValueError(f"bad escape \\{code}{digits} in {text!r}: \\{code} takes {width} hex digits")
+            out.append(chr(int(digits, 16)))
+            i += 2 + width
+        else:
+            raise ValueError(f"unknown escape \\{code} in {text!r}: command-line text takes TOML's escapes "
+                             f"(\\n, \\t, \\\\, \\\", \\uXXXX); write \\\\ for a backslash")
+    return "".join(out)
 
 
 def load_manifest(
@@ -236,12 +309,14 @@ def load_manifest(
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"manifest {str(path)!r} is not valid TOML: {exc}") from None
+    if isinstance(raw.get("sampling"), dict):  # NOTE: vLLM names first, so --set and flags override either
+        raw["sampling"] = _canonical_sampling(raw["sampling"])
     for assignment in sets:
         section, key, value = parse_set(assignment)
         section_values = raw.setdefault(section, {})
         if not isinstance(section_values, dict):
             raise ValueError(f"[{section}] must be a table")
-        section_values[key] = value
+        section_values[canonical_name(key) if section == "sampling" else key] = value
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     return manifest_from_dict(raw)
@@ -261,14 +336,16 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
     for section, flag in (("model", "--model"), ("input", "--input"), ("output", "--output")):
         if not raw.get(section, {}).get("path"):
             raise ValueError(f"{section}.path is required: set it in the manifest's [{section}] or give {flag}")
-    sampling = dict(raw.get("sampling", {}))
+    sampling = _canonical_sampling(raw.get("sampling", {}))
+    sampling_set = frozenset(sampling) - {"model_defaults"}
+    model_defaults = sampling.pop("model_defaults", True)
     seed = sampling.pop("seed", 0)
     if not _is_int(seed):
         raise ValueError(f"sampling.seed (the job seed) must be an integer, got {seed!r}")
     n = sampling.pop("n", 1)
     _expand_prompt_logprobs(sampling)
-    sampling_params = _build(SamplingParams, "sampling", sampling, exclude={"seed"}, extra={"seed", "n",
-                                                                                            "prompt_logprobs"})
+    sampling_params = _build(SamplingParams, "sampling", sampling, exclude={"seed"},
+                             extra={"seed", "n", "prompt_logprobs", "model_defaults", *VLLM_ALIASES})
     sampling_params.validate()
     return JobManifest(
         model=_build(ModelSettings, "model", raw.get("model", {})),
@@ -278,8 +355,21 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         n=n,
         engine=_build(EngineConfig, "engine", raw.get("engine", {})),
         output=_build(OutputSettings, "output", raw.get("output", {})),
+        sampling_set=sampling_set,
+        model_defaults=model_defaults,
     )
 
+
+def _canonical_sampling(values: dict[str, Any]) -> dict[str, Any]:
+    """``[sampling]`` with vLLM names turned into ours; the same setting given by both names is an error."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = canonical_name(key)
+        if name in out:
+            raise ValueError(f"sampling.{name} is given twice (as {name} and as its vLLM name "
+                             f"{next(k for k, v in VLLM_ALIASES.items() if v == name)}); keep one")
+        out[name] = value
+    return out
 
 def _expand_prompt_logprobs(sampling: dict[str, Any]) -> None:
     """Turn ``sampling.prompt_logprobs = true`` into ``prompt_logprobs_from = 1`` (every prompt token but the first,
@@ -287,8 +377,11 @@ def _expand_prompt_logprobs(sampling: dict[str, Any]) -> None:
     if "prompt_logprobs" not in sampling:
         return
     wanted = sampling.pop("prompt_logprobs")
+    if _is_int(wanted) and wanted == 0:  # vLLM's spelling: 0 extra top log-probabilities, the token's own only
+        wanted = True
     if not isinstance(wanted, bool):
-        raise ValueError(f"sampling.prompt_logprobs must be true or false, got {wanted!r}")
+        raise ValueError(f"sampling.prompt_logprobs must be true or false (or vLLM's 0), got {wanted!r}: only each "
+                         f"prompt token's own log-probability is returned, not the top ones")
     if wanted:
         if sampling.get("prompt_logprobs_from") is not None:
             raise ValueError("give sampling.prompt_logprobs = true or sampling.prompt_logprobs_from, not both")
@@ -299,9 +392,54 @@ def _build(cls, section: str, values: dict[str, Any], exclude: set[str] = frozen
     known = {f.name for f in fields(cls)} - exclude
     for key in values:
         if key not in known:
-            names = ", ".join(sorted(known | extra))
-            raise ValueError(f"unknown setting {section}.{key} (manifest or --set); [{section}] accepts: {names}")
+            raise ValueError(unknown_setting_message(section, key, known | extra))
     try:
         return cls(**values)
     except TypeError as exc:
         raise ValueError(f"[{section}]: {exc}") from None
+
+
+def unknown_setting_message(section: str, key: str, known: set[str]) -> str:
+    """"unknown setting SECTION.KEY ...; did you mean ...?" with the closest known names (``difflib``), then all."""
+    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(f'{section}.{c}' for c in close)}?" if close else ""
+    return (f"unknown setting {section}.{key} (manifest or --set){hint} [{section}] accepts: "
+            f"{', '.join(sorted(known))}")
+
+
+def apply_model_defaults(manifest: JobManifest) -> dict[str, Any]:
+    """Take the sampling settings the job did not set from the model's generation_config.json, as transformers'
+    ``generate`` and vLLM (``generation_config = "auto"``) do.
+
+    Only keys written in the file count (``MODEL_DEFAULT_KEYS``; transformers' own defaults are not read). When
+    the file says ``do_sample = false``, the sampling keys (temperature, top_p, top_k, min_p) are not taken: the
+    model is meant to be decoded greedily, as ``generate`` would. Nothing is taken with ``model_defaults = false``.
+
+    Returns:
+        {setting: value} of what was taken (``manifest.sampling`` is replaced in place); logged once.
+
+    Raises:
+        ValueError: when a taken value is out of range, naming the file.
+    """
+    path = Path(manifest.model.path) / "generation_config.json"
+    if not manifest.model_defaults or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {str(path)!r}: {exc}") from None
+    skip = set(manifest.sampling_set)
+    if config.get("do_sample") is False:
+        skip.update(_SAMPLING_KEYS)
+    taken = {key: config[key] for key in MODEL_DEFAULT_KEYS if key not in skip and config.get(key) is not None}
+    if not taken:
+        return {}
+    sampling = manifest.sampling.replace(**taken)
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise ValueError(f"{str(path)!r}: {exc} (set it in [sampling], or sampling.model_defaults = false)") from None
+    manifest.sampling = sampling
+    logger.info("sampling defaults from %s: %s (set them in [sampling] to change; sampling.model_defaults = false "
+                "ignores the file)", path, ", ".join(f"{k} = {v!r}" for k, v in taken.items()))
+    return taken

@@ -5,14 +5,24 @@ only the columns the job needs, and row groups whose rows are all done already (
 row keeps its ``row_index``, its position in the whole input (files in sorted order), which is stable across runs
 and is the key the output and the resume bitmap use.
 
-Setup problems (a missing file, a missing column, a column of the wrong type) raise before any row is read; problems
-of one row (a null or empty prompt, a null template field, bytes that are not UTF-8, a bad per-row sampling value)
-become that row's ``error`` and the job goes on.
+The files of one input are read as one table whose schema is the union of theirs (``unify_schemas``): a column
+missing from a file is null in its rows, a column whose types differ is read in the type both widen to (int32 and
+int64 as int64, a column of Arrow type ``null`` as the other files' type), and a dictionary-encoded column (pandas
+categoricals) as its values' type. Every source kind goes through the same step (``conform_batch``), so a new input
+format only has to give its files' schemas and record batches.
+
+Setup problems (a missing file, a column in no file, a column of the wrong type, columns whose types cannot be
+unified) raise before any row is read; problems of one row (a null or empty prompt, a null template field, bytes
+that are not UTF-8, a bad per-row sampling value) become that row's ``error`` and the job goes on.
+
+Per-row settings: a column named like a sampling setting (or its vLLM name, e.g. ``max_tokens``), or ``n``, sets
+it for its row; the reader names these columns once at start, and ``per_row_settings=False`` reads none.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import string
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
@@ -23,7 +33,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.sampling_params import SAMPLING_FIELDS, SamplingParams
+from engine.sampling_params import SAMPLING_FIELDS, SamplingParams, canonical_name
+
+logger = logging.getLogger("cbrun.reader")
 
 #: SamplingParams field name -> its annotation, e.g. "int", "float | None", "tuple[int, ...]".
 SAMPLING_FIELD_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}
@@ -168,6 +180,56 @@ def _consecutive_runs(indices: list[int]) -> Iterator[list[int]]:
         yield run
 
 
+def _plain_type(kind: pa.DataType) -> pa.DataType:
+    """A dictionary-encoded type read as its values' type (a categorical of strings is text)."""
+    return kind.value_type if pa.types.is_dictionary(kind) else kind
+
+
+def unify_schemas(sources: list) -> pa.Schema:
+    """The union of the sources' columns, in first-seen order, each in the type every file's type widens to.
+
+    Args:
+        sources: objects with ``schema`` (``pa.Schema``) and ``path``.
+
+    Raises:
+        InputError: when a column's types cannot be unified, naming the column, the files and their types.
+    """
+    schemas = [pa.schema([pa.field(f.name, _plain_type(f.type)) for f in source.schema]) for source in sources]
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    types: dict[str, dict[pa.DataType, list[str]]] = {}
+    for source, schema in zip(sources, schemas):
+        for f in schema:
+            types.setdefault(f.name, {}).setdefault(f.type, []).append(str(source.path))
+    for name, by_type in types.items():
+        try:
+            pa.unify_schemas([pa.schema([pa.field(name, kind)]) for kind in by_type], promote_options="permissive")
+        except (pa.ArrowTypeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            listed = "; ".join(f"{kind} in {', '.join(repr(p) for p in paths[:3])}{' ...' if len(paths) > 3 else ''}"
+                               for kind, paths in by_type.items())
+            raise InputError(f"column {name!r} has types that cannot be read as one across the input's files: "
+                             f"{listed}") from None
+    raise InputError("the input files' schemas cannot be unified")
+
+
+def conform_batch(batch: pa.RecordBatch, schema: pa.Schema, columns: list[str]) -> pa.RecordBatch:
+    """``batch`` as ``columns`` of the unified ``schema``: dictionary columns decoded, types widened, a column the
+    file lacks filled with nulls."""
+    arrays = []
+    for name in columns:
+        kind = schema.field(name).type
+        if name not in batch.schema.names:
+            arrays.append(pa.nulls(batch.num_rows, kind))
+            continue
+        array = batch.column(name)
+        if pa.types.is_dictionary(array.type):
+            array = array.dictionary_decode()
+        arrays.append(array if array.type == kind else array.cast(kind))
+    return pa.RecordBatch.from_arrays(arrays, names=columns)
+
+
 def template_fields(template: str) -> list[str]:
     """The column names a template's ``{field}`` placeholders refer to (``{a.b}`` and ``{a[0]}`` refer to ``a``).
 
@@ -196,16 +258,21 @@ class PromptReader:
     Attributes:
         num_rows: rows the job covers (the input's rows, cut to ``limit``).
         num_input_rows: rows in the whole input.
+        schema: the union of the files' schemas (``unify_schemas``); every batch is read in it.
         sampling_columns: input columns that override a sampling setting per row.
+        setting_of_column: {column: the SamplingParams field it sets} (a vLLM-named column maps to our name).
         samples_column: ``NUM_SAMPLES_COLUMN`` when the input has it (samples per row), else None.
 
     Raises:
-        InputError: from the constructor, for a missing input, a missing column or a column of the wrong type.
+        InputError: from the constructor, for a missing input, a column in no file, a column of the wrong type or
+            columns whose types cannot be unified across files.
     """
 
     def __init__(self, path: str | Path, *, prompt_column: str | None = None, prompt_ids_column: str | None = None,
                  id_column: str | None = None, template: str | None = None, limit: int | None = None,
-                 batch_size: int = 1024, extra_columns: dict[str, str] | None = None):
+                 batch_size: int = 1024, extra_columns: dict[str, str] | None = None,
+                 per_row_settings: bool = True):
+        self.path = str(path)
         self.prompt_column = prompt_column
         self.prompt_ids_column = prompt_ids_column
         self.id_column = id_column
@@ -216,38 +283,49 @@ class PromptReader:
         kind, files = list_input_files(path)
         source_cls = _ParquetSource if kind == "parquet" else _ArrowStreamSource
         self.sources = [source_cls(f) for f in files]
+        self.schema = unify_schemas(self.sources)
         self.num_input_rows = sum(s.num_rows for s in self.sources)
         self.num_rows = self.num_input_rows if limit is None else min(limit, self.num_input_rows)
         self.template_columns = template_fields(template) if template is not None else []
-        self.sampling_columns = [name for name in SAMPLING_FIELDS if name in self.sources[0].schema.names]
-        self.samples_column = NUM_SAMPLES_COLUMN if NUM_SAMPLES_COLUMN in self.sources[0].schema.names else None
+        self.setting_of_column = _setting_columns(self.schema.names) if per_row_settings else {}
+        self.sampling_columns = list(self.setting_of_column)
+        self.samples_column = (NUM_SAMPLES_COLUMN if per_row_settings and NUM_SAMPLES_COLUMN in self.schema.names
+                               else None)
         self.columns = list(dict.fromkeys(
             c for c in [id_column, prompt_column, prompt_ids_column, *self.template_columns, *self.sampling_columns,
                         self.samples_column, *self.extra_columns.values()]
             if c is not None
         ))
-        for source in self.sources:
-            self._check_schema(source)
+        self._check_schema()
+        named = [*self.sampling_columns, *([self.samples_column] if self.samples_column else [])]
+        if named:
+            logger.info("per-row settings from columns: %s (input.per_row_settings = false reads them as data)",
+                        ", ".join(named))
 
-    def _check_schema(self, source) -> None:
-        schema = source.schema
+    def _where(self) -> str:
+        files = [str(s.path) for s in self.sources]
+        return repr(files[0]) if len(files) == 1 else f"any file of {self.path!r}"
+
+    def _check_schema(self) -> None:
+        schema = self.schema
         for role, column in (("id_column", self.id_column), ("prompt_column", self.prompt_column),
                              ("prompt_ids_column", self.prompt_ids_column), *self.extra_columns.items()):
             if column is not None and column not in schema.names:
-                raise InputError(f"input.{role} {column!r} is not a column of {str(source.path)!r}; "
+                raise InputError(f"input.{role} {column!r} is not a column of {self._where()}; "
                                  f"its columns are: {', '.join(schema.names)}")
         for column in self.template_columns:
             if column not in schema.names:
-                raise InputError(f"input.template field {{{column}}} is not a column of {str(source.path)!r}; "
+                raise InputError(f"input.template field {{{column}}} is not a column of {self._where()}; "
                                  f"its columns are: {', '.join(schema.names)}")
         if self.prompt_column is not None and self.template is None:
             kind = schema.field(self.prompt_column).type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
-                    or pa.types.is_large_binary(kind)):
+                    or pa.types.is_large_binary(kind) or pa.types.is_null(kind)):
                 raise InputError(f"input.prompt_column {self.prompt_column!r} must hold text, but its type is {kind}")
         if self.prompt_ids_column is not None:
             kind = schema.field(self.prompt_ids_column).type
-            if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+            if not pa.types.is_null(kind) and (not (pa.types.is_list(kind) or pa.types.is_large_list(kind))
+                                               or not pa.types.is_integer(kind.value_type)):
                 raise InputError(f"input.prompt_ids_column {self.prompt_ids_column!r} must be a list of integers, "
                                  f"but its type is {kind}")
 
@@ -266,7 +344,9 @@ class PromptReader:
             skip = np.ones(source.num_rows, dtype=bool)
             skip[:end - first_row] = False if done is None else done[first_row:end]
             if not skip.all():
-                for row, batch in source.iter_batches(self.columns, self.batch_size, first_row, skip):
+                present = [c for c in self.columns if c in source.schema.names]
+                for row, batch in source.iter_batches(present, self.batch_size, first_row, skip):
+                    batch = conform_batch(batch, self.schema, self.columns)
                     yield from self._batch_rows(row, batch, skip[row - first_row:row - first_row + batch.num_rows])
             first_row += source.num_rows
 
@@ -290,9 +370,9 @@ class PromptReader:
                 if isinstance(values[column], _Undecodable):
                     raise ValueError(f"{role} {column!r} cannot be read: {values[column].reason}")
                 row.extra[role] = values[column]
-            for name in self.sampling_columns:
-                if values[name] is not None:
-                    row.sampling_overrides[name] = coerce_sampling_value(name, values[name])
+            for column, name in self.setting_of_column.items():
+                if values[column] is not None:
+                    row.sampling_overrides[name] = coerce_sampling_value(name, values[column], column)
             if self.samples_column is not None and values[self.samples_column] is not None:
                 row.num_samples = coerce_num_samples(values[self.samples_column])
         except ValueError as exc:
@@ -374,12 +454,41 @@ def coerce_num_samples(value: Any) -> int:
     return value
 
 
-def coerce_sampling_value(name: str, value: Any) -> Any:
+def _setting_columns(names: list[str]) -> dict[str, str]:
+    """{column: sampling setting} of the columns named like a per-row setting, by our name or vLLM's.
+
+    Raises:
+        InputError: when two columns set the same setting (e.g. ``max_tokens`` and ``max_new_tokens``).
+    """
+    found: dict[str, str] = {}
+    for name in names:
+        setting = canonical_name(name)
+        if setting not in SAMPLING_FIELDS:
+            continue
+        other = next((c for c, s in found.items() if s == setting), None)
+        if other is not None:
+            raise InputError(f"columns {other!r} and {name!r} both set {setting} per row; keep one, or set "
+                             f"input.per_row_settings = false")
+        found[name] = setting
+    return found
+
+
+def coerce_sampling_value(name: str, value: Any, column: str | None = None) -> Any:
     """Turn one per-row sampling value into the type the ``SamplingParams`` field declares.
+
+    Args:
+        name: the setting (our name).
+        value: the column's value.
+        column: the column it came from, when its name differs (a vLLM name); errors then name both.
 
     Raises:
         ValueError: naming the setting, when the value has the wrong type (range checks are ``validate``'s).
     """
+    if column is not None and column != name:
+        try:
+            return coerce_sampling_value(name, value)
+        except ValueError as exc:
+            raise ValueError(f"column {column!r}: {exc}") from None
     if isinstance(value, _Undecodable):
         raise ValueError(f"{name} cannot be read: {value.reason}")
     kind = SAMPLING_FIELD_TYPES[name].replace(" | None", "")
@@ -395,6 +504,9 @@ def coerce_sampling_value(name: str, value: Any) -> Any:
     elif kind == "bool":
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be text, got {value!r}")
     elif kind == "tuple[int, ...]":
         if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
             raise ValueError(f"{name} must be a list of token ids >= 0, got {value!r}")
