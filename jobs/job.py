@@ -70,6 +70,7 @@ class JobSummary:
         num_errors: of the output rows, those with ``finish_reason == "error"``.
         num_skipped: rows already in the output before this run (resume).
         num_prompt_tokens / num_generated_tokens: summed over this run's rows.
+        num_candidates / num_scored_tokens: score mode: candidates scored and their tokens (contexts excluded).
         elapsed_s: wall seconds of the whole run, model loading included.
         generation_s: wall seconds of generation alone (what tokens/s is measured over).
         peak_memory_mib: peak resident memory of the process.
@@ -85,6 +86,8 @@ class JobSummary:
     num_skipped: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    num_candidates: int = 0
+    num_scored_tokens: int = 0
     elapsed_s: float = 0.0
     generation_s: float = 0.0
     peak_memory_mib: float = 0.0
@@ -103,11 +106,23 @@ class JobSummary:
             return (f"cbrun: job already finished: all {self.num_skipped} rows of this input are in {self.output_dir} "
                     f"(see stats.json); nothing to do (use --overwrite to recompute)")
         gpu = "" if self.peak_gpu_memory_mib is None else f" | peak GPU memory {self.peak_gpu_memory_mib:.0f} MiB"
+        if self.num_candidates:
+            return self._score_line() + f" | peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}"
         samples = f" | {self.num_output_rows} samples" if self.num_output_rows != self.num_rows else ""
         return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped){samples} | "
                 f"{self.num_prompt_tokens} prompt tokens | {self.num_generated_tokens} generated tokens | "
                 f"{self.elapsed_s:.1f} s | {self.generated_tokens_per_s:.0f} tokens/s generated | "
                 f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}")
+
+    def _score_line(self) -> str:
+        """Score mode's throughput: candidates/s, and tokens/s over context + candidate tokens."""
+        seconds = self.generation_s or self.elapsed_s
+        rate = (lambda n: n / seconds if seconds > 0 else 0.0)  # noqa: E731
+        return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped) | "
+                f"{self.num_candidates} candidates | {self.num_prompt_tokens} context tokens | "
+                f"{self.num_scored_tokens} candidate tokens | {self.elapsed_s:.1f} s | "
+                f"{rate(self.num_candidates):.1f} candidates/s, "
+                f"{rate(self.num_prompt_tokens + self.num_scored_tokens):.0f} tokens/s scored")
 
     def _engine_counters(self) -> str:
         stats = self.engine_stats
@@ -395,7 +410,10 @@ class _JobRun:
                 summary.num_errors += 1
             else:
                 summary.num_prompt_tokens += row.num_prompt_tokens
-                summary.num_generated_tokens += row.num_completion_tokens
+                summary.num_generated_tokens += row.num_completion_tokens or 0
+                if row.candidate_num_tokens is not None:
+                    summary.num_candidates += len(row.candidate_num_tokens)
+                    summary.num_scored_tokens += sum(row.candidate_num_tokens)
         self.progress_bar.update(1)
         now = time.perf_counter()
         if now - self.last_postfix >= 0.5:

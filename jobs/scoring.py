@@ -11,15 +11,26 @@ changed). Each candidate becomes one engine request::
 so the engine returns the log-probability of every continuation token and whether it was the argmax. A row's
 candidates are submitted together and share the context's full KV blocks through prefix caching.
 
-Tokenization follows lm-evaluation-harness: trailing whitespace of the context moves to the front of the
-continuation ("Answer: " + "18" is scored as "Answer:" + " 18"); ``context_ids = encode(context)`` with the
-tokenizer's special tokens (BOS), as for any prompt; ``continuation_ids = encode(context + continuation)``
-minus its first ``len(context_ids)`` ids, so the continuation is tokenized as it would be inside the full text.
+Tokenization (``input.boundary = "exact"``, the only rule here): the scored tokens decode to exactly context +
+candidate. Trailing whitespace of the context first moves to the front of the candidate ("Answer: " + "18" is
+scored as "Answer:" + " 18", as lm-evaluation-harness does); ``context_ids = encode(context)`` with the tokenizer's
+special tokens (BOS, added once: ``jobs.prompts``), as for any prompt. Then:
+
+- a clean cut: when ``encode(context + candidate)`` starts with ``context_ids``, the candidate's ids are the rest,
+  so the candidate is tokenized as it would be inside the full text;
+- a token straddling the cut ("The dog" + "s ran" tokenized "The", " dogs", " ran"; "3" + "0" as "30"): the
+  candidate is encoded alone, after a newline sentinel that is then dropped (so a SentencePiece tokenizer adds no
+  word-start space), and checked to decode to exactly context + candidate; a candidate that cannot be is a row
+  error. Taking "the rest" here would score " ran" for "s ran", dropping the "s".
+
+lm-evaluation-harness' own ``hf`` rule (tokenize the whole, cut at the context's length) is kept apart, under its
+own name, in the lm-eval backend, so that backend reproduces lm-eval bit for bit.
 
 The output row holds, per candidate in order: ``candidate_logprobs`` (summed natural-log probability),
-``candidate_num_tokens`` and ``candidate_is_greedy`` (every continuation token was the argmax). ``completion`` is
-"" and ``finish_reason`` "length" (nothing is generated, as with ``max_new_tokens = 0``); ``num_prompt_tokens``
-counts the context only. The job's ``[sampling]`` settings and per-row sampling columns do not apply.
+``candidate_num_tokens`` and ``candidate_is_greedy`` (every continuation token was the argmax). The generation
+columns (``completion``, ``completion_token_ids``, ``num_completion_tokens``, ``finish_reason``) are null: nothing
+is generated. ``num_prompt_tokens`` counts the context only. The job's ``[sampling]`` settings and per-row sampling
+columns do not apply.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from engine.sampling_params import SamplingParams
+from jobs.prompts import encode_prompt
 from jobs.reader import InputError, InputRow
 from jobs.writer import OutputRow
 
@@ -91,13 +103,38 @@ def read_candidates(value: Any, corruptions: list[str]) -> list[str]:
     return candidates
 
 
+#: Text put before a candidate encoded alone, then dropped with its tokens: it starts a line, so the candidate's
+#: first token is tokenized as inside a text, not as a word start (SentencePiece's added space).
+_SENTINEL = "\n"
+
+
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context ids, continuation ids) as the module docstring describes."""
+    """(context ids, continuation ids) by the "exact" boundary rule (module docstring).
+
+    Raises:
+        ValueError: when the continuation cannot be tokenized so that the ids decode to context + continuation.
+    """
     stripped = context.rstrip()
     continuation = context[len(stripped):] + continuation
-    context_ids = list(tokenizer.encode(stripped))
-    whole = list(tokenizer.encode(stripped + continuation))
-    return context_ids, whole[len(context_ids):]
+    context_ids = encode_prompt(tokenizer, stripped)
+    whole = encode_prompt(tokenizer, stripped + continuation)
+    if len(whole) > len(context_ids) and whole[:len(context_ids)] == context_ids:
+        return context_ids, whole[len(context_ids):]
+    ids = _encode_alone(tokenizer, continuation)
+    decode = lambda ids_: tokenizer.decode(ids_, skip_special_tokens=True)  # noqa: E731
+    if decode(context_ids + ids) != decode(context_ids) + continuation:
+        raise ValueError(f"{continuation!r} cannot be tokenized after the context so that the tokens decode to "
+                         f"exactly context + candidate (a token of the joined text straddles the boundary)")
+    return context_ids, ids
+
+
+def _encode_alone(tokenizer, text: str) -> list[int]:
+    """``text``'s ids as if it continued a text: encoded after ``_SENTINEL``, whose ids are then dropped."""
+    prefix = tokenizer.encode(_SENTINEL, add_special_tokens=False)
+    ids = tokenizer.encode(_SENTINEL + text, add_special_tokens=False)
+    if prefix and ids[:len(prefix)] == prefix:
+        return ids[len(prefix):]
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def score_params(num_context_tokens: int) -> SamplingParams:
@@ -146,7 +183,12 @@ class Scorer:
             return error_row(row.id, row.row_index, row.error)
         try:
             candidates = read_candidates(candidates_value, self.corruptions)
-            pairs = [encode_pair(self.tokenizer, row.prompt, c) for c in candidates]
+            pairs = []
+            for k, candidate in enumerate(candidates):
+                try:
+                    pairs.append(encode_pair(self.tokenizer, row.prompt, candidate))
+                except ValueError as exc:
+                    raise ValueError(f"candidate {k}: {exc}") from None
             self._check(pairs)
         except ValueError as exc:
             return error_row(row.id, row.row_index, f"{where}: {exc}")
@@ -189,13 +231,14 @@ class Scorer:
         if pending.errors:
             message = f"row {row_index} (id {pending.row_id!r}): {'; '.join(sorted(pending.errors))}"
             return error_row(pending.row_id, row_index, message, pending.num_context_tokens)
-        return OutputRow(id=pending.row_id, row_index=row_index, completion="", completion_token_ids=[],
-                         num_prompt_tokens=pending.num_context_tokens, num_completion_tokens=0,
-                         finish_reason="length", candidate_logprobs=pending.logprobs,
+        return OutputRow(id=pending.row_id, row_index=row_index, completion=None, completion_token_ids=None,
+                         num_prompt_tokens=pending.num_context_tokens, num_completion_tokens=None,
+                         finish_reason=None, candidate_logprobs=pending.logprobs,
                          candidate_num_tokens=pending.num_tokens, candidate_is_greedy=pending.is_greedy)
 
 
 def error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int = 0) -> OutputRow:
-    return OutputRow(id=row_id, row_index=row_index, completion=None, completion_token_ids=[],
-                     num_prompt_tokens=num_prompt_tokens, num_completion_tokens=0, finish_reason="error",
+    """A score-mode row that cannot be scored: generation columns null, as in every score-mode row."""
+    return OutputRow(id=row_id, row_index=row_index, completion=None, completion_token_ids=None,
+                     num_prompt_tokens=num_prompt_tokens, num_completion_tokens=None, finish_reason="error",
                      error=message)

@@ -31,8 +31,9 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("completion", pa.string()),
     pa.field("completion_token_ids", pa.list_(pa.int32())),
     pa.field("num_prompt_tokens", pa.int64(), nullable=False),
-    pa.field("num_completion_tokens", pa.int64(), nullable=False),
-    pa.field("finish_reason", pa.string(), nullable=False),
+    # Generation columns: null in score mode (nothing is generated; finish_reason "error" on an error row).
+    pa.field("num_completion_tokens", pa.int64()),
+    pa.field("finish_reason", pa.string()),
     pa.field("error", pa.string()),
     # Null unless the job asks for them (sampling.logprobs; sampling.prompt_logprobs = true or prompt_logprobs_from):
     # prompt_logprobs[i] is the log-probability of prompt token prompt_logprobs_from + i (from 1: all but the first).
@@ -55,6 +56,7 @@ FINISH_REASONS = ("stop", "length", "error")
 @dataclass
 class OutputRow:
     """One finished row as stored: a completion, or an error (``finish_reason == "error"``, ``completion`` null).
+    A score-mode row has its candidates' columns instead, and null generation columns.
 
     ``logprobs`` (per generated token, {token id: log-probability}), ``prompt_logprobs`` and ``prompt_greedy`` are
     None unless the job's sampling settings ask for them. ``stop_reason`` says which stop string or token id ended
@@ -66,10 +68,10 @@ class OutputRow:
     id: str
     row_index: int
     completion: str | None
-    completion_token_ids: list[int]
+    completion_token_ids: list[int] | None
     num_prompt_tokens: int
-    num_completion_tokens: int
-    finish_reason: str
+    num_completion_tokens: int | None
+    finish_reason: str | None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float] | None = None
@@ -81,7 +83,8 @@ class OutputRow:
     sample_index: int = 0
 
     def __post_init__(self) -> None:
-        assert self.finish_reason in FINISH_REASONS, self.finish_reason
+        assert self.finish_reason in FINISH_REASONS or (self.finish_reason is None and self.candidate_logprobs
+                                                        is not None), self.finish_reason
         assert (self.error is None) == (self.finish_reason != "error"), (self.finish_reason, self.error)
 
 

@@ -123,7 +123,7 @@ def test_scores_equal_a_direct_forward_pass_on_the_tiny_model(tiny_model_dir, ti
         assert row["candidate_logprobs"] == pytest.approx([w[0] for w in want], abs=1e-3)
         assert row["candidate_num_tokens"] == [w[1] for w in want]
         assert row["candidate_is_greedy"] == [w[2] for w in want]
-        assert (row["finish_reason"], row["completion"], row["num_completion_tokens"]) == ("length", "", 0)
+        assert (row["finish_reason"], row["completion"], row["num_completion_tokens"]) == (None, None, None)
         assert row["num_prompt_tokens"] == len(encode_pair(tok, contexts[i], "x")[0])
     assert plain[0]["candidate_is_greedy"][-1] is True
     # the context's full blocks are computed once per row and shared by its candidates
