@@ -400,9 +400,9 @@ def _build(cls, section: str, values: dict[str, Any], exclude: set[str] = frozen
 
 
 def unknown_setting_message(section: str, key: str, known: set[str]) -> str:
-    """"unknown setting SECTION.KEY ...; did you mean ...?" with the closest known names (``difflib``), then all."""
-    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(f'{section}.{c}' for c in close)}?" if close else ""
+    """"unknown setting SECTION.KEY ...; did you mean ...?" with the closest known name (``difflib``), then all."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {section}.{close[0]}?" if close else ""
     return (f"unknown setting {section}.{key} (manifest or --set){hint} [{section}] accepts: "
             f"{', '.join(sorted(known))}")
 

@@ -185,16 +185,19 @@ def _plain_type(kind: pa.DataType) -> pa.DataType:
     return kind.value_type if pa.types.is_dictionary(kind) else kind
 
 
-def unify_schemas(sources: list) -> pa.Schema:
+def unify_schemas(sources: list, columns: list[str] | None = None) -> pa.Schema:
     """The union of the sources' columns, in first-seen order, each in the type every file's type widens to.
 
     Args:
         sources: objects with ``schema`` (``pa.Schema``) and ``path``.
+        columns: only these columns (those a job reads: a clash in a column it never reads does not matter);
+            None: all.
 
     Raises:
         InputError: when a column's types cannot be unified, naming the column, the files and their types.
     """
-    schemas = [pa.schema([pa.field(f.name, _plain_type(f.type)) for f in source.schema]) for source in sources]
+    schemas = [pa.schema([pa.field(f.name, _plain_type(f.type)) for f in source.schema
+                          if columns is None or f.name in columns]) for source in sources]
     try:
         return pa.unify_schemas(schemas, promote_options="permissive")
     except (pa.ArrowTypeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -258,7 +261,8 @@ class PromptReader:
     Attributes:
         num_rows: rows the job covers (the input's rows, cut to ``limit``).
         num_input_rows: rows in the whole input.
-        schema: the union of the files' schemas (``unify_schemas``); every batch is read in it.
+        column_names: every column of any file, in first-seen order.
+        schema: the union of the files' schemas over the columns read (``unify_schemas``); batches are read in it.
         sampling_columns: input columns that override a sampling setting per row.
         setting_of_column: {column: the SamplingParams field it sets} (a vLLM-named column maps to our name).
         samples_column: ``NUM_SAMPLES_COLUMN`` when the input has it (samples per row), else None.
@@ -283,20 +287,22 @@ class PromptReader:
         kind, files = list_input_files(path)
         source_cls = _ParquetSource if kind == "parquet" else _ArrowStreamSource
         self.sources = [source_cls(f) for f in files]
-        self.schema = unify_schemas(self.sources)
+        self.column_names = list(dict.fromkeys(name for source in self.sources for name in source.schema.names))
         self.num_input_rows = sum(s.num_rows for s in self.sources)
         self.num_rows = self.num_input_rows if limit is None else min(limit, self.num_input_rows)
         self.template_columns = template_fields(template) if template is not None else []
-        self.setting_of_column = _setting_columns(self.schema.names) if per_row_settings else {}
+        self.setting_of_column = _setting_columns(self.column_names) if per_row_settings else {}
         self.sampling_columns = list(self.setting_of_column)
-        self.samples_column = (NUM_SAMPLES_COLUMN if per_row_settings and NUM_SAMPLES_COLUMN in self.schema.names
+        self.samples_column = (NUM_SAMPLES_COLUMN if per_row_settings and NUM_SAMPLES_COLUMN in self.column_names
                                else None)
         self.columns = list(dict.fromkeys(
             c for c in [id_column, prompt_column, prompt_ids_column, *self.template_columns, *self.sampling_columns,
                         self.samples_column, *self.extra_columns.values()]
             if c is not None
         ))
-        self._check_schema()
+        self._check_columns()
+        self.schema = unify_schemas(self.sources, self.columns)
+        self._check_types()
         named = [*self.sampling_columns, *([self.samples_column] if self.samples_column else [])]
         if named:
             logger.info("per-row settings from columns: %s (input.per_row_settings = false reads them as data)",
@@ -306,17 +312,20 @@ class PromptReader:
         files = [str(s.path) for s in self.sources]
         return repr(files[0]) if len(files) == 1 else f"any file of {self.path!r}"
 
-    def _check_schema(self) -> None:
-        schema = self.schema
+    def _check_columns(self) -> None:
+        names = self.column_names
         for role, column in (("id_column", self.id_column), ("prompt_column", self.prompt_column),
                              ("prompt_ids_column", self.prompt_ids_column), *self.extra_columns.items()):
-            if column is not None and column not in schema.names:
+            if column is not None and column not in names:
                 raise InputError(f"input.{role} {column!r} is not a column of {self._where()}; "
-                                 f"its columns are: {', '.join(schema.names)}")
+                                 f"its columns are: {', '.join(names)}")
         for column in self.template_columns:
-            if column not in schema.names:
+            if column not in names:
                 raise InputError(f"input.template field {{{column}}} is not a column of {self._where()}; "
-                                 f"its columns are: {', '.join(schema.names)}")
+                                 f"its columns are: {', '.join(names)}")
+
+    def _check_types(self) -> None:
+        schema = self.schema
         if self.prompt_column is not None and self.template is None:
             kind = schema.field(self.prompt_column).type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
