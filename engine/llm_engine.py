@@ -192,7 +192,8 @@ class LLMEngine:
             samplers.append(request)
             row += 1
         sampled = dict(zip(map(id, samplers), token_ids))
-        num_kept = sum(1 for r in samplers if not r.is_finished)  # a finished request's extra token is dropped
+        # a finished request's extra token is dropped, and so is the token after an echo-only (max 0) prompt
+        num_kept = sum(1 for r in samplers if not r.is_finished and r.sampling_params.max_new_tokens)
         finished = self.scheduler.resolve(plan, sampled, self._stop_reason)
         self._count_step(plan, num_kept)
         return finished

@@ -116,13 +116,12 @@ class JobSummary:
 
     def _score_line(self) -> str:
         """Score mode's throughput: candidates/s, and tokens/s over context + candidate tokens."""
-        seconds = self.generation_s or self.elapsed_s
-        rate = (lambda n: n / seconds if seconds > 0 else 0.0)  # noqa: E731
+        seconds = max(self.generation_s or self.elapsed_s, 1e-9)
         return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped) | "
                 f"{self.num_candidates} candidates | {self.num_prompt_tokens} context tokens | "
                 f"{self.num_scored_tokens} candidate tokens | {self.elapsed_s:.1f} s | "
-                f"{rate(self.num_candidates):.1f} candidates/s, "
-                f"{rate(self.num_prompt_tokens + self.num_scored_tokens):.0f} tokens/s scored")
+                f"{self.num_candidates / seconds:.1f} candidates/s, "
+                f"{(self.num_prompt_tokens + self.num_scored_tokens) / seconds:.0f} tokens/s scored")
 
     def _engine_counters(self) -> str:
         stats = self.engine_stats

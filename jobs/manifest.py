@@ -192,7 +192,8 @@ class JobManifest:
         n: samples per row (``[sampling] n``), each written as its own output row with a ``sample_index``; a row's
             ``n`` column overrides it. Sample i's seed derives from (seed, row id, i).
         sampling_set: the ``[sampling]`` keys the user gave (manifest, ``--set`` or flags), by their canonical
-            names; the others hold defaults, which ``apply_model_defaults`` may replace.
+            names; the others hold defaults, which ``apply_model_defaults`` may replace. None (a manifest built in
+            code): the settings whose values differ from ``SamplingParams()``'s.
         model_defaults: take settings the user did not give from the model's generation_config.json.
     """
 
@@ -203,10 +204,14 @@ class JobManifest:
     n: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputSettings = field(default_factory=OutputSettings)
-    sampling_set: frozenset[str] = frozenset()
+    sampling_set: frozenset[str] | None = None
     model_defaults: bool = True
 
     def __post_init__(self) -> None:
+        if self.sampling_set is None:
+            default = SamplingParams()
+            self.sampling_set = frozenset(f.name for f in fields(SamplingParams)
+                                          if getattr(self.sampling, f.name) != getattr(default, f.name))
         if not isinstance(self.model_defaults, bool):
             raise ValueError(f"sampling.model_defaults must be true or false, got {self.model_defaults!r}")
         if not _is_int(self.n) or self.n < 1:
@@ -330,7 +335,9 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
     """
     for section, values in raw.items():
         if section not in SECTIONS:
-            raise ValueError(f"unknown manifest section [{section}]; known sections: {', '.join(SECTIONS)}")
+            close = difflib.get_close_matches(section, SECTIONS, n=1, cutoff=0.6)
+            hint = f"; did you mean [{close[0]}]?" if close else ""
+            raise ValueError(f"unknown manifest section [{section}]{hint} known sections: {', '.join(SECTIONS)}")
         if not isinstance(values, dict):
             raise ValueError(f"[{section}] must be a table of settings, got {values!r}")
     for section, flag in (("model", "--model"), ("input", "--input"), ("output", "--output")):

@@ -121,8 +121,8 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     if len(whole) > len(context_ids) and whole[:len(context_ids)] == context_ids:
         return context_ids, whole[len(context_ids):]
     ids = _encode_alone(tokenizer, continuation)
-    decode = lambda ids_: tokenizer.decode(ids_, skip_special_tokens=True)  # noqa: E731
-    if decode(context_ids + ids) != decode(context_ids) + continuation:
+    joined = tokenizer.decode(context_ids + ids, skip_special_tokens=True)
+    if joined != tokenizer.decode(context_ids, skip_special_tokens=True) + continuation:
         raise ValueError(f"{continuation!r} cannot be tokenized after the context so that the tokens decode to "
                          f"exactly context + candidate (a token of the joined text straddles the boundary)")
     return context_ids, ids

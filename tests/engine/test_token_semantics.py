@@ -69,7 +69,9 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tiny_engine):
 
 
 def test_zero_new_tokens_with_prompt_logprobs_scores_the_prompt(random_engine):
+    generated_before = random_engine.stats.num_generated_tokens
     out = one(random_engine, PROMPT, SamplingParams(max_new_tokens=0, prompt_logprobs_from=1))
+    assert random_engine.stats.num_generated_tokens == generated_before  # the token after the prompt is dropped
     assert (out.output_token_ids, out.finish_reason, out.stop_reason, out.text) == ([], "length", None, None)
     want = hf_logprobs(PROMPT)
     assert out.prompt_logprobs == pytest.approx([float(want[i - 1, PROMPT[i]]) for i in range(1, len(PROMPT))],

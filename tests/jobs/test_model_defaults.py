@@ -48,6 +48,7 @@ def test_a_prompt_that_begins_with_bos_gets_no_second_one(tiny_model_dir, tokeni
     assert encode_prompt(tokenizer, "<s>Once") == tokenizer.encode("Once") == [bos, *tokenizer.encode("Once")[1:]]
     assert encode_prompt(tokenizer, "Once <s>") == tokenizer.encode("Once <s>")  # only a leading BOS counts
     pq.write_table(pa.table({"p": ["<s>Once", "Once", "<s>The dog"]}), tmp_path / "in.parquet")
+    caplog.clear()  # the calls above logged it for the fixture's tokenizer; the job loads its own
     with caplog.at_level(logging.INFO, logger="cbrun"):
         run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", ["sampling.max_new_tokens=3"]),
                 progress=False)

@@ -140,3 +140,13 @@ def test_greedy_samples_warn_once(tiny_model_dir, tmp_path, caplog):
     for row in rows:
         by_row.setdefault(row["row_index"], []).append(row["completion_token_ids"])
     assert all(a == b for a, b in by_row.values())  # what the warning says: identical samples
+
+
+def test_settings_given_in_code_count_as_set_and_sections_get_suggestions():
+    from engine.sampling_params import SamplingParams
+    from jobs.manifest import InputSettings, JobManifest
+
+    m = JobManifest(input=InputSettings(path="i", prompt_column="p"), sampling=SamplingParams(temperature=0.5))
+    assert m.sampling_set == {"temperature"}  # so the model's generation_config.json does not replace it
+    with pytest.raises(ValueError, match=r"unknown manifest section \[smapling\]; did you mean \[sampling\]\?"):
+        manifest_from_dict({**PATHS, "smapling": {}})
