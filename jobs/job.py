@@ -417,11 +417,11 @@ class _JobRun:
         now = time.perf_counter()
         if now - self.last_postfix >= 0.5:
             self.last_postfix = now
+            seconds = max(now - self.started, 1e-9)
             generated = self.engine.stats.num_generated_tokens - self.generated_at_start
-            self.progress_bar.set_postfix_str(
-                f"{generated / max(now - self.started, 1e-9):.0f} gen tok/s, {summary.num_errors} errors",
-                refresh=False,
-            )
+            rate = (f"{summary.num_candidates / seconds:.1f} candidates/s" if self.scorer is not None
+                    else f"{generated / seconds:.0f} gen tok/s")
+            self.progress_bar.set_postfix_str(f"{rate}, {summary.num_errors} errors", refresh=False)
 
 
 def _error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int = 0,

@@ -307,6 +307,12 @@ class PromptReader:
         if named:
             logger.info("per-row settings from columns: %s (input.per_row_settings = false reads them as data)",
                         ", ".join(named))
+        for column in named:
+            setting = self.setting_of_column.get(column, NUM_SAMPLES_COLUMN)
+            kind = self.schema.field(column).type
+            if not _type_fits(SAMPLING_FIELD_TYPES.get(setting, "int"), kind):
+                logger.warning("column %r sets %s per row but holds %s: each of its non-null values will be a row "
+                               "error; if it is data, set input.per_row_settings = false", column, setting, kind)
 
     def _where(self) -> str:
         files = [str(s.path) for s in self.sources]
@@ -480,6 +486,22 @@ def _setting_columns(names: list[str]) -> dict[str, str]:
                              f"input.per_row_settings = false")
         found[name] = setting
     return found
+
+
+def _type_fits(annotation: str, kind: pa.DataType) -> bool:
+    """Whether an Arrow column type can hold values of a SamplingParams field's type (``coerce_sampling_value``
+    still checks each value: 2.5 in a float column is no ``top_k``)."""
+    annotation = annotation.replace(" | None", "")
+    if pa.types.is_null(kind):
+        return True
+    number = pa.types.is_integer(kind) or pa.types.is_floating(kind)
+    text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    return {"int": number, "float": number, "bool": pa.types.is_boolean(kind), "str": text,
+            "tuple[int, ...]": is_list and pa.types.is_integer(kind.value_type),
+            "tuple[str, ...]": text or (is_list and (pa.types.is_string(kind.value_type)
+                                                     or pa.types.is_large_string(kind.value_type)))
+            }.get(annotation, True)
 
 
 def coerce_sampling_value(name: str, value: Any, column: str | None = None) -> Any:

@@ -108,6 +108,8 @@ def test_per_row_setting_columns_are_named_and_can_be_turned_off(tiny_model_dir,
     with caplog.at_level(logging.INFO, logger="cbrun"):
         reader = PromptReader(tmp_path / "in.parquet", prompt_column="p")
     assert "per-row settings from columns: seed, n" in caplog.text
+    assert "column 'seed' sets seed per row but holds string" in caplog.text  # said at start, not row by row
+    assert "column 'n' sets" not in caplog.text
     assert all("seed must be an integer, got 'batch-1'" in r.error for r in list(reader.iter_rows())[:1])
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="cbrun"):
