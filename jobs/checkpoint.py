@@ -74,7 +74,8 @@ def job_fingerprint(manifest, num_input_rows: int) -> dict[str, Any]:
                   "prompt_column": inp.prompt_column, "prompt_ids_column": inp.prompt_ids_column,
                   "id_column": inp.id_column, "template": inp.template, "mode": inp.mode,
                   "candidates_column": inp.candidates_column, "corruptions": inp.corruptions, "chat": inp.chat,
-                  "messages_column": inp.messages_column, "system_prompt": inp.system_prompt},
+                  "messages_column": inp.messages_column, "system_prompt": inp.system_prompt,
+                  "per_row_settings": inp.per_row_settings, "boundary": inp.boundary},
         "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n},
     }
     # NOTE: a JSON round trip (tuples become lists) so it compares equal to the job.json it is written to.

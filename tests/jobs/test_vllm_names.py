@@ -152,3 +152,10 @@ def test_settings_given_in_code_count_as_set_and_sections_get_suggestions():
     assert m.sampling_set == {"temperature"}  # so the model's generation_config.json does not replace it
     with pytest.raises(ValueError, match=r"unknown manifest section \[smapling\]; did you mean \[sampling\]\?"):
         manifest_from_dict({**PATHS, "smapling": {}})
+
+
+def test_reading_setting_columns_or_not_is_part_of_the_job():
+    with_columns = manifest_from_dict(PATHS)
+    as_data = manifest_from_dict({**PATHS, "input": {**PATHS["input"], "per_row_settings": False}})
+    assert job_fingerprint(with_columns, 3)["input"]["per_row_settings"] is True
+    assert job_fingerprint(as_data, 3) != job_fingerprint(with_columns, 3)
