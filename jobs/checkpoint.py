@@ -78,6 +78,11 @@ def job_fingerprint(manifest, num_input_rows: int) -> dict[str, Any]:
                   "per_row_settings": inp.per_row_settings, "boundary": inp.boundary},
         "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n},
     }
+    # NOTE: added only when set, so the jobs of earlier versions keep their fingerprint
+    if inp.format != "auto":
+        fingerprint["input"]["format"] = inp.format
+    if manifest.output.keep_columns:
+        fingerprint["output"] = {"keep_columns": list(manifest.output.keep_columns)}
     # NOTE: a JSON round trip (tuples become lists) so it compares equal to the job.json it is written to.
     return json.loads(json.dumps(fingerprint))
 

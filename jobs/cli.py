@@ -1,4 +1,5 @@
-"""The ``cbrun`` command: ``run``, ``convert-llama2c`` and ``demo``. Thin: the work is in jobs.job and jobs.demo.
+"""The ``cbrun`` command: ``run``, ``export``, ``convert-llama2c`` and ``demo``. Thin: the work is in jobs.job,
+jobs.export and jobs.demo.
 
 Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
 Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``jobs.manifest.cli_text``).
@@ -31,6 +32,9 @@ RUN_FLAGS = {
     "top_k": ("sampling", "top_k"),
     "seed": ("sampling", "seed"),
     "overwrite": ("output", "overwrite"),
+    "input_format": ("input", "format"),
+    "output_format": ("output", "format"),
+    "keep_columns": ("output", "keep_columns"),
 }
 
 
@@ -63,9 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, help="job seed; each row's seed derives from it and the row id")
     run.add_argument("--overwrite", action="store_true", default=None,
                      help="discard the output directory's results when it holds a different job")
+    run.add_argument("--input-format", choices=("auto", "openai-batch"),
+                     help="openai-batch: OpenAI batch request lines (auto: recognised when no prompt setting is given)")
+    run.add_argument("--output-format", choices=("parts", "openai-batch"),
+                     help="openai-batch: also write results.jsonl (OpenAI batch output) when the job finishes")
+    run.add_argument("--keep-column", dest="keep_columns", action="append", metavar="COLUMN",
+                     help="carry this input column into every output row (repeatable)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="set any manifest key, e.g. --set engine.max_batch_tokens=1024 (repeatable)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    export = commands.add_parser("export", allow_abbrev=False, help="write an output directory's rows as JSON Lines",
+                                 description=(
+        "Write the committed rows of an output directory as OpenAI batch output lines (one per input row, in "
+        "input order) or as plain JSON rows; the parts are not changed."))
+    export.add_argument("output_dir", help="a cbrun output directory")
+    export.add_argument("--format", choices=("openai-batch", "jsonl"), default="openai-batch")
+    export.add_argument("--to", help="file to write (default: OUTPUT_DIR/results.jsonl or OUTPUT_DIR/output.jsonl)")
 
     convert = commands.add_parser("convert-llama2c", allow_abbrev=False, help="convert a llama2.c checkpoint to a Hugging Face directory")
     convert.add_argument("checkpoint", help="llama2.c model .bin")
@@ -96,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "convert-llama2c":
             return _convert(args)
+        if args.command == "export":
+            return _export(args)
         return _demo(args)
     except KeyboardInterrupt:
         print("cbrun: interrupted; finished rows are committed, rerun the same command to resume", file=sys.stderr)
@@ -138,6 +158,18 @@ def _flag_value(flag: str, value, cli_text):
     if value is None or flag not in ("template", "stop"):
         return value
     return [cli_text(v) for v in value] if isinstance(value, list) else cli_text(value)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from jobs.export import ExportError, export
+
+    try:
+        path = export(args.output_dir, args.format, args.to)
+    except (ExportError, OSError) as exc:
+        print(f"cbrun: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"cbrun: wrote {path}")
+    return 0
 
 
 def _convert(args: argparse.Namespace) -> int:

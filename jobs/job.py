@@ -23,12 +23,15 @@ from typing import Any
 
 import numpy as np
 
+from jobs.carry import carried_fields, carried_values, check_kept_columns, keep_roles
 from jobs.chat import check_chat_template, check_messages_column, conversation, encode_chat
 from jobs.checkpoint import Checkpoint, FingerprintMismatch, job_fingerprint
-from jobs.manifest import JobManifest, apply_model_defaults
+from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest, apply_model_defaults
+from jobs.openai_batch import OPENAI_FIELDS, REQUEST_FIELDS, OpenAIBatchReader, input_fields, is_openai_batch_input
 from jobs.ordering import RowWork, SampleGroups, order_by_prefix
 from jobs.prompts import encode_prompt
 from jobs.reader import InputError, InputRow, PromptReader
+from jobs.row_ids import warn_repeated_ids
 from jobs.scoring import Scorer, check_candidates_column
 from jobs.writer import OutputRow, PartWriter, committed_parts
 
@@ -76,6 +79,7 @@ class JobSummary:
         peak_memory_mib: peak resident memory of the process.
         peak_gpu_memory_mib: peak CUDA memory allocated by torch, None off CUDA.
         already_finished: the output already held the finished job; nothing was done.
+        num_repeated_ids: distinct ``id_column`` values that more than one input row holds (see ``jobs.row_ids``).
         engine_stats: ``LLMEngine.stats.as_dict()`` at the end.
     """
 
@@ -93,6 +97,7 @@ class JobSummary:
     peak_memory_mib: float = 0.0
     peak_gpu_memory_mib: float | None = None
     already_finished: bool = False
+    num_repeated_ids: int = 0
     engine_stats: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -109,6 +114,8 @@ class JobSummary:
         if self.num_candidates:
             return self._score_line() + f" | peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}"
         samples = f" | {self.num_output_rows} samples" if self.num_output_rows != self.num_rows else ""
+        if self.num_repeated_ids:
+            samples += f" | {self.num_repeated_ids} repeated ids"
         return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped){samples} | "
                 f"{self.num_prompt_tokens} prompt tokens | {self.num_generated_tokens} generated tokens | "
                 f"{self.elapsed_s:.1f} s | {self.generated_tokens_per_s:.0f} tokens/s generated | "
@@ -134,8 +141,19 @@ class JobSummary:
         return {**asdict(self), "generated_tokens_per_s": self.generated_tokens_per_s}
 
 
-def open_reader(manifest: JobManifest) -> PromptReader:
+def open_reader(manifest: JobManifest) -> PromptReader | OpenAIBatchReader:
+    """The job's reader: OpenAI batch requests (``jobs.openai_batch``) or rows, reading the kept columns too.
+
+    Raises:
+        InputError: for a missing input, column or prompt setting, a kept column that clashes, repeated custom_ids.
+    """
     inp = manifest.input
+    keep = manifest.output.keep_columns
+    if is_openai_batch_input(inp):
+        if inp.format == "auto" and not set(REQUEST_FIELDS) <= set(input_fields(inp.path)):
+            raise InputError(PROMPT_SETTINGS_MESSAGE)
+        return OpenAIBatchReader(inp.path, limit=inp.limit, batch_size=inp.batch_size, keep_columns=keep,
+                                 default_model=Path(manifest.model.path).name)
     extra_columns = {role: getattr(inp, role) for role in ("candidates_column", "messages_column")
                      if getattr(inp, role) is not None}
     reader = PromptReader(inp.path, prompt_column=inp.prompt_column, prompt_ids_column=inp.prompt_ids_column,
@@ -146,7 +164,15 @@ def open_reader(manifest: JobManifest) -> PromptReader:
         check_candidates_column(reader.schema, inp.candidates_column, inp.path)
     if inp.messages_column is not None:
         check_messages_column(reader.schema, inp.messages_column, inp.path)
+    check_kept_columns(keep, reader.column_names)
+    reader.add_extra_columns(keep_roles(keep))
     return reader
+
+
+def output_carried_fields(manifest: JobManifest, reader: PromptReader | OpenAIBatchReader) -> list:
+    """The Arrow fields the job's output rows carry beyond ``OUTPUT_SCHEMA`` (``jobs.carry``)."""
+    derived = OPENAI_FIELDS if isinstance(reader, OpenAIBatchReader) else []
+    return carried_fields(manifest.output.keep_columns, reader.schema, derived)
 
 
 def check_model_dir(model_path: str) -> None:
@@ -185,10 +211,13 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
     except ValueError as exc:
         raise JobError(str(exc)) from None
     tokenizer = None
-    if manifest.input.chat:  # NOTE: checked before any work, loading the model included
+    if manifest.input.chat or isinstance(reader, OpenAIBatchReader):  # NOTE: before any work, model loading too
         tokenizer = load_tokenizer(manifest.model.path)
         try:
-            check_chat_template(tokenizer, manifest.model.path)
+            if isinstance(reader, OpenAIBatchReader):
+                reader.bind_tokenizer(tokenizer, manifest.model.path)
+            else:
+                check_chat_template(tokenizer, manifest.model.path)
         except ValueError as exc:
             raise JobError(str(exc)) from None
     checkpoint = Checkpoint(manifest.output.path)
@@ -203,12 +232,17 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
                        f"--overwrite to discard them, or choose another --output")
     done = np.zeros(reader.num_rows, dtype=bool) if overwrite else checkpoint.done_rows(reader.num_rows)
     summary = JobSummary(output_dir=str(manifest.output.path), num_skipped=int(done.sum()))
+    if isinstance(reader, PromptReader) and manifest.input.id_column is not None:
+        summary.num_repeated_ids = warn_repeated_ids(reader)
     if done.all() and not overwrite:
         # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
         # finished here without loading the model.
         if not checkpoint.is_finished():
             checkpoint.prepare(fingerprint)
+            write_results_file(manifest)
             checkpoint.mark_finished({**summary.as_dict(), "num_rows_in_output": summary.num_skipped})
+        else:
+            write_results_file(manifest, only_if_missing=True)  # the job ran without --output-format before
         summary.already_finished = True
         summary.elapsed_s = time.perf_counter() - start
         return summary
@@ -218,7 +252,9 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
         tokenizer = load_tokenizer(manifest.model.path)
     checkpoint.prepare(fingerprint, overwrite=overwrite)
     checkpoint.clear_finished()
-    writer = PartWriter(checkpoint.output_dir, manifest.output.commit_every_rows, manifest.output.commit_every_seconds)
+    remove_stale_results(manifest)
+    writer = PartWriter(checkpoint.output_dir, manifest.output.commit_every_rows, manifest.output.commit_every_seconds,
+                        carried_fields=output_carried_fields(manifest, reader))
     generation_start = time.perf_counter()
     _JobRun(manifest, engine, tokenizer, writer, summary).run(reader, done, progress)
     summary.generation_s = time.perf_counter() - generation_start
@@ -226,8 +262,26 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
     summary.peak_memory_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary.peak_gpu_memory_mib = _peak_gpu_memory_mib(manifest.engine.device)
     summary.engine_stats = engine.stats.as_dict()
+    write_results_file(manifest, tokenizer)
     checkpoint.mark_finished({**summary.as_dict(), "num_rows_in_output": summary.num_skipped + summary.num_rows})
     return summary
+
+
+def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: bool = False) -> None:
+    """Write ``results.jsonl`` when ``output.format = "openai-batch"`` (before _SUCCESS: a finished job has it)."""
+    from jobs.export import RESULTS_FILE, export_openai_batch
+
+    path = Path(manifest.output.path) / RESULTS_FILE
+    if manifest.output.format == "openai-batch" and not (only_if_missing and path.is_file()):
+        export_openai_batch(manifest.output.path, tokenizer=tokenizer)
+
+
+def remove_stale_results(manifest: JobManifest) -> None:
+    """Remove a ``results.jsonl`` the run will write again, so that no stale one sits beside new parts."""
+    from jobs.export import RESULTS_FILE
+
+    if manifest.output.format == "openai-batch":
+        (Path(manifest.output.path) / RESULTS_FILE).unlink(missing_ok=True)
 
 
 def load_engine(manifest: JobManifest):
@@ -278,6 +332,7 @@ class _JobRun:
             self.scorer = Scorer(tokenizer, engine.max_model_len, self.vocab_size, manifest.input.corruptions)
         self.progress_bar = None
         self.warned_identical_samples = False
+        self.carried: dict[int, dict[str, Any]] = {}  # row index -> carried column values, until written
 
     def run(self, reader: PromptReader, done: np.ndarray, progress: bool) -> None:
         from tqdm import tqdm
@@ -313,6 +368,7 @@ class _JobRun:
     def _row_work(self, reader: PromptReader, done: np.ndarray):
         """Each good row's requests as a ``RowWork``; bad rows go to the writer as error rows on the spot."""
         for row in reader.iter_rows(done):
+            self.carried[row.row_index] = carried_values(row)
             if self.scorer is not None:  # score mode: one request per candidate
                 requests = self.scorer.requests(row, row.extra.get("candidates_column"))
                 if isinstance(requests, OutputRow):
@@ -400,6 +456,9 @@ class _JobRun:
     def _finish(self, rows: OutputRow | list[OutputRow]) -> None:
         """Hand one input row's output rows (its samples) to the writer as one group, and count them."""
         rows = [rows] if isinstance(rows, OutputRow) else rows
+        carried = self.carried.pop(rows[0].row_index, {})
+        for row in rows:
+            row.carried = carried
         self.writer.add_group(rows)
         summary = self.summary
         summary.num_rows += 1

@@ -4,14 +4,16 @@ A manifest has five sections, all optional in the file (a key may come from ``--
 
     [model]     path
     [input]     path, prompt_column, prompt_ids_column, id_column, template, limit, batch_size, order_window,
-                mode ("generate" or "score"), candidates_column, corruptions, chat, messages_column, system_prompt
+                mode ("generate" or "score"), candidates_column, corruptions, chat, messages_column, system_prompt,
+                format ("auto" or "openai-batch")
     [sampling]  SamplingParams fields (max_new_tokens, temperature, top_k, top_p, stop, stop_token_ids, ...),
                 or their vLLM names (``max_tokens``, ``min_tokens``: ``engine.sampling_params.VLLM_ALIASES``),
                 the job ``seed`` from which every row's own seed is derived, ``n`` (samples per row),
                 ``prompt_logprobs`` (shorthand for ``prompt_logprobs_from = 1``) and ``model_defaults``
                 (take unset settings from the model's generation_config.json; default true)
     [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
-    [output]    path, commit_every_rows, commit_every_seconds, overwrite
+    [output]    path, commit_every_rows, commit_every_seconds, overwrite, format ("parts" or "openai-batch"),
+                keep_columns
 
 NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
 process, not against the manifest's directory, so the same manifest behaves the same as flags given on the command
@@ -45,6 +47,11 @@ MODEL_DEFAULT_KEYS = ("max_new_tokens", "repetition_penalty", "temperature", "to
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
 #: Boundary rules of score mode (``jobs.scoring``).
 BOUNDARY_RULES = ("exact",)
+PROMPT_SETTINGS_MESSAGE = (
+    "give the prompt as exactly one of: input.prompt_column (optionally with input.template), input.template, "
+    "input.prompt_ids_column, or input.messages_column (with input.chat = true); or give OpenAI batch request "
+    "lines (input.format = \"openai-batch\")"
+)
 
 
 @dataclass
@@ -83,6 +90,9 @@ class InputSettings:
             such column (a metadata column that happens to be called ``seed`` stays metadata).
         boundary: score mode: how the context / candidate boundary is tokenized; "exact" (the only rule here;
             see ``jobs.scoring``): the scored tokens decode to exactly context + candidate.
+        format: "openai-batch" reads OpenAI batch request lines (``jobs.openai_batch``): each request's body gives
+            its prompt and sampling settings, so no prompt setting is given. "auto" (the default) does so when
+            no prompt setting is given and the input's fields are ``custom_id``, ``method``, ``url``, ``body``.
 
     Raises:
         ValueError: when no prompt source or two prompt sources are given, a number is out of range, or the
@@ -105,15 +115,15 @@ class InputSettings:
     system_prompt: str | None = None
     per_row_settings: bool = True
     boundary: str = "exact"
+    format: str = "auto"
 
     def __post_init__(self) -> None:
         has_text = self.prompt_column is not None or self.template is not None
         sources = [has_text, self.prompt_ids_column is not None, self.messages_column is not None]
-        if sum(sources) != 1:
-            raise ValueError(
-                "give the prompt as exactly one of: input.prompt_column (optionally with input.template), "
-                "input.template, input.prompt_ids_column, or input.messages_column (with input.chat = true)"
-            )
+        if _check_input_format(self, any(sources)):
+            pass  # NOTE: no prompt setting: OpenAI batch requests, recognised (format "auto") when the input opens
+        elif sum(sources) != 1:
+            raise ValueError(PROMPT_SETTINGS_MESSAGE)
         _check_modes(self)
         if self.limit is not None and (not _is_int(self.limit) or self.limit < 0):
             raise ValueError(f"input.limit must be an integer >= 0, got {self.limit!r}")
@@ -122,6 +132,22 @@ class InputSettings:
         if not _is_int(self.order_window) or self.order_window < 0:
             raise ValueError(f"input.order_window must be an integer >= 0 (0 keeps input order), "
                              f"got {self.order_window!r}")
+
+
+def _check_input_format(inp: InputSettings, has_prompt_setting: bool) -> bool:
+    """Whether the prompts come from OpenAI batch request bodies (or may, for format "auto" without a prompt
+    setting); raise ``ValueError`` for an unknown format or settings that do not fit OpenAI batch input."""
+    if inp.format not in ("auto", "openai-batch"):
+        raise ValueError(f"input.format must be \"auto\" or \"openai-batch\", got {inp.format!r}")
+    if inp.format == "auto":
+        if not has_prompt_setting and inp.mode != "generate":
+            raise ValueError(PROMPT_SETTINGS_MESSAGE)
+        return not has_prompt_setting
+    if has_prompt_setting or inp.chat or inp.mode != "generate" or inp.system_prompt is not None:
+        raise ValueError("input.format = \"openai-batch\" takes each prompt from its request's body: leave out "
+                         "input.prompt_column, template, prompt_ids_column, messages_column, chat, system_prompt "
+                         "and mode")
+    return True
 
 
 def _check_modes(inp: InputSettings) -> None:
@@ -165,14 +191,25 @@ class OutputSettings:
         commit_every_seconds: commit a part file once the oldest buffered row is this many seconds old (checked
             whenever a row finishes).
         overwrite: clear the directory's cbrun files when it holds a different job, instead of stopping.
+        format: "openai-batch" also writes ``results.jsonl`` (OpenAI batch output lines, in input order) beside
+            the parts when the job finishes (``jobs.openai_batch``); "parts" writes the parts alone.
+        keep_columns: input columns carried into every output row, with their Arrow types (``jobs.carry``).
     """
 
     path: str = ""
     commit_every_rows: int = 1000
     commit_every_seconds: float = 30.0
     overwrite: bool = False
+    format: str = "parts"
+    keep_columns: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.format not in ("parts", "openai-batch"):
+            raise ValueError(f"output.format must be \"parts\" or \"openai-batch\", got {self.format!r}")
+        if isinstance(self.keep_columns, str):
+            self.keep_columns = [self.keep_columns]
+        if not isinstance(self.keep_columns, list) or not all(isinstance(c, str) and c for c in self.keep_columns):
+            raise ValueError(f"output.keep_columns must be a list of column names, got {self.keep_columns!r}")
         if not _is_int(self.commit_every_rows) or self.commit_every_rows < 1:
             raise ValueError(f"output.commit_every_rows must be a positive integer, got {self.commit_every_rows!r}")
         if isinstance(self.commit_every_seconds, bool) or not isinstance(self.commit_every_seconds, int | float) \

@@ -1,4 +1,4 @@
-"""Stream prompt rows out of Parquet files (or a saved ``datasets`` data set) in record batches.
+"""Stream prompt rows out of Parquet or JSON Lines files (or a saved ``datasets`` data set) in record batches.
 
 The input is never loaded whole: Parquet is read with ``ParquetFile.iter_batches(batch_size, columns=...)`` over
 only the columns the job needs, and row groups whose rows are all done already (resume) are not read at all. Each
@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.sampling_params import SAMPLING_FIELDS, SamplingParams, canonical_name
+from jobs.jsonl_source import JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, is_jsonl
 
 logger = logging.getLogger("cbrun.reader")
 
@@ -81,17 +82,19 @@ class _Undecodable:
 
 
 def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
-    """Find the files of an input: one Parquet file, a directory of Parquet files, or a ``save_to_disk`` data set.
+    """Find the files of an input: one Parquet or JSON Lines file, a directory of them (mixed or not), or a
+    ``save_to_disk`` data set.
 
     Returns:
-        ("parquet" or "arrow", files in reading order).
+        ("parquet" (Parquet and JSON Lines files, see ``open_source``) or "arrow", files in reading order).
 
     Raises:
         InputError: when the path does not exist or holds nothing readable.
     """
     path = Path(path)
     if not path.exists():
-        raise InputError(f"input {str(path)!r} not found: give a Parquet file or a directory of Parquet files")
+        raise InputError(f"input {str(path)!r} not found: give a Parquet or JSON Lines file, or a directory of "
+                         f"them")
     if path.is_file():
         return "parquet", [path]
     if (path / "dataset_dict.json").is_file():
@@ -103,10 +106,11 @@ def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
         files = [path / f["filename"] for f in data_files]
         if files:
             return "arrow", files
-    files = sorted(p for p in path.rglob("*.parquet") if not any(part.startswith((".", "_")) for part in
-                                                                  p.relative_to(path).parts))
+    files = sorted(p for p in path.rglob("*") if p.name.endswith((".parquet", *JSONL_SUFFIXES)) and p.is_file()
+                   and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
     if not files:
-        raise InputError(f"input directory {str(path)!r} holds no .parquet files and no saved data set")
+        raise InputError(f"input directory {str(path)!r} holds no .parquet files, no .jsonl files and no saved "
+                         f"data set")
     return "parquet", files
 
 
@@ -167,6 +171,15 @@ class _ArrowStreamSource:
                     if skip is None or not skip[local:local + batch.num_rows].all():
                         yield row, batch.select(columns)
                     row += batch.num_rows
+
+
+def open_source(kind: str, path: Path, json_text_fields: tuple[str, ...] = ()):
+    """The source object of one input file: Arrow stream (``kind == "arrow"``), JSON Lines (by suffix) or Parquet."""
+    if kind == "arrow":
+        return _ArrowStreamSource(path)
+    if is_jsonl(path):
+        return JsonlSource(path, json_text_fields)
+    return _ParquetSource(path)
 
 
 def _consecutive_runs(indices: list[int]) -> Iterator[list[int]]:
@@ -275,7 +288,7 @@ class PromptReader:
     def __init__(self, path: str | Path, *, prompt_column: str | None = None, prompt_ids_column: str | None = None,
                  id_column: str | None = None, template: str | None = None, limit: int | None = None,
                  batch_size: int = 1024, extra_columns: dict[str, str] | None = None,
-                 per_row_settings: bool = True):
+                 per_row_settings: bool = True, json_text_fields: tuple[str, ...] = ()):
         self.path = str(path)
         self.prompt_column = prompt_column
         self.prompt_ids_column = prompt_ids_column
@@ -285,8 +298,8 @@ class PromptReader:
         # {role: column}, e.g. {"candidates_column": "answers"}: read into InputRow.extra, checked by the job.
         self.extra_columns = dict(extra_columns or {})
         kind, files = list_input_files(path)
-        source_cls = _ParquetSource if kind == "parquet" else _ArrowStreamSource
-        self.sources = [source_cls(f) for f in files]
+        # json_text_fields: JSON Lines fields read as JSON text (an OpenAI batch request's body; see jobs.jsonl_source)
+        self.sources = [open_source(kind, f, json_text_fields) for f in files]
         self.column_names = list(dict.fromkeys(name for source in self.sources for name in source.schema.names))
         self.num_input_rows = sum(s.num_rows for s in self.sources)
         self.num_rows = self.num_input_rows if limit is None else min(limit, self.num_input_rows)
@@ -313,6 +326,17 @@ class PromptReader:
             if not _type_fits(SAMPLING_FIELD_TYPES.get(setting, "int"), kind):
                 logger.warning("column %r sets %s per row but holds %s: each of its non-null values will be a row "
                                "error; if it is data, set input.per_row_settings = false", column, setting, kind)
+
+    def add_extra_columns(self, extra_columns: dict[str, str]) -> None:
+        """Also read ``extra_columns`` ({role: column}) into ``InputRow.extra``, e.g. ``output.keep_columns``.
+
+        Raises:
+            InputError: when a column is in no file, or its types cannot be unified across files.
+        """
+        self.extra_columns.update(extra_columns)
+        self.columns = list(dict.fromkeys([*self.columns, *extra_columns.values()]))
+        self._check_columns()
+        self.schema = unify_schemas(self.sources, self.columns)
 
     def _where(self) -> str:
         files = [str(s.path) for s in self.sources]
@@ -361,18 +385,23 @@ class PromptReader:
             if not skip.all():
                 present = [c for c in self.columns if c in source.schema.names]
                 for row, batch in source.iter_batches(present, self.batch_size, first_row, skip):
-                    batch = conform_batch(batch, self.schema, self.columns)
+                    batch = _with_row_errors(conform_batch(batch, self.schema, self.columns), batch)
                     yield from self._batch_rows(row, batch, skip[row - first_row:row - first_row + batch.num_rows])
             first_row += source.num_rows
 
     def _batch_rows(self, first_row: int, batch: pa.RecordBatch, skip: np.ndarray) -> Iterator[InputRow]:
-        values = {name: _column_values(batch.column(name)) for name in self.columns}
+        names = self.columns + ([ROW_ERROR_COLUMN] if ROW_ERROR_COLUMN in batch.schema.names else [])
+        values = {name: _column_values(batch.column(name)) for name in names}
         for i in np.flatnonzero(~skip):
             yield self._make_row(first_row + int(i), {name: column[i] for name, column in values.items()})
 
     def _make_row(self, row_index: int, values: dict[str, Any]) -> InputRow:
         row = InputRow(row_index=row_index, id=str(row_index))
         try:
+            if values.get(ROW_ERROR_COLUMN) is not None:  # a JSON Lines row that could not be read (jsonl_source)
+                if self.id_column is not None and isinstance(values[self.id_column], str):
+                    row.id = values[self.id_column]
+                raise ValueError(values[ROW_ERROR_COLUMN])
             if self.id_column is not None:
                 row.id = self._text(values[self.id_column], f"id column {self.id_column!r}", allow_empty=True)
             if self.prompt_ids_column is not None:
@@ -392,6 +421,9 @@ class PromptReader:
                 row.num_samples = coerce_num_samples(values[self.samples_column])
         except ValueError as exc:
             row.error = f"row {row_index} (id {row.id!r}): {exc}"
+            # NOTE: an error row still carries its readable extra columns (e.g. output.keep_columns)
+            row.extra = {role: values[column] for role, column in self.extra_columns.items()
+                         if not isinstance(values[column], _Undecodable)}
         return row
 
     @staticmethod
@@ -438,6 +470,13 @@ class PromptReader:
         if any(t < 0 for t in value):
             raise ValueError(f"{what} holds a negative token id")
         return [int(t) for t in value]
+
+
+def _with_row_errors(conformed: pa.RecordBatch, read: pa.RecordBatch) -> pa.RecordBatch:
+    """``conformed`` with the row-error column of the batch as read, when its source gives one (JSON Lines)."""
+    if ROW_ERROR_COLUMN not in read.schema.names:
+        return conformed
+    return conformed.append_column(ROW_ERROR_COLUMN, read.column(ROW_ERROR_COLUMN))
 
 
 def _column_values(array: pa.Array) -> list[Any]:

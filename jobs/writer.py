@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -62,7 +64,7 @@ class OutputRow:
     None unless the job's sampling settings ask for them. ``stop_reason`` says which stop string or token id ended
     a "stop" row. The ``candidate_*`` lists are score mode's (one entry per candidate), None in generate mode.
     A row with ``n`` samples is stored as ``n`` output rows of the same ``id`` and ``row_index``, ``sample_index``
-    0 .. n-1.
+    0 .. n-1. ``carried`` holds the values of the input columns the job carries (``jobs.carry``), by name.
     """
 
     id: str
@@ -81,6 +83,7 @@ class OutputRow:
     candidate_num_tokens: list[int] | None = None
     candidate_is_greedy: list[bool] | None = None
     sample_index: int = 0
+    carried: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.finish_reason in FINISH_REASONS or (self.finish_reason is None and self.candidate_logprobs
@@ -111,7 +114,7 @@ def write_part_atomically(path: Path, table: pa.Table) -> None:
     assert match, path
     tmp_path = path.with_name(temp_name(int(match.group(1))))
     with open(tmp_path, "wb") as f:
-        with pq.ParquetWriter(f, OUTPUT_SCHEMA) as writer:
+        with pq.ParquetWriter(f, table.schema) as writer:
             writer.write_table(table)
         f.flush()
         os.fsync(f.fileno())
@@ -138,10 +141,13 @@ class PartWriter:
         commit_every_rows: commit once this many rows are buffered.
         commit_every_seconds: commit (on the next ``add`` or ``maybe_commit``) once the oldest buffered row has
             waited this long.
+        carried_fields: input columns carried into every row (``OutputRow.carried``), after the output columns.
     """
 
-    def __init__(self, output_dir: str | Path, commit_every_rows: int = 1000, commit_every_seconds: float = 30.0):
+    def __init__(self, output_dir: str | Path, commit_every_rows: int = 1000, commit_every_seconds: float = 30.0,
+                 carried_fields: Sequence[pa.Field] = ()):
         self.output_dir = Path(output_dir)
+        self.schema = pa.schema([*OUTPUT_SCHEMA, *carried_fields])
         self.commit_every_rows = commit_every_rows
         self.commit_every_seconds = commit_every_seconds
         parts = committed_parts(self.output_dir)
@@ -183,7 +189,9 @@ class PartWriter:
         if not self.buffer:
             return None
         columns = {name: [getattr(row, name) for row in self.buffer] for name in OUTPUT_SCHEMA.names}
-        table = pa.Table.from_pydict(columns, schema=OUTPUT_SCHEMA)
+        for name in self.schema.names[len(OUTPUT_SCHEMA):]:
+            columns[name] = [row.carried.get(name) for row in self.buffer]
+        table = pa.Table.from_pydict(columns, schema=self.schema)
         path = self.output_dir / part_name(self.next_part)
         write_part_atomically(path, table)
         self.next_part += 1

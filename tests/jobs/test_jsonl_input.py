@@ -1,0 +1,165 @@
+"""JSON Lines input (a broken line and mixed types are row errors; .jsonl.gz; a directory mixing Parquet and
+JSONL; resume), input columns kept in the output with their Arrow types, and repeated ids counted and named."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from jobs.job import JobError, run_job
+from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.reader import PromptReader
+from jobs.writer import committed_parts
+
+ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
+LINES = [
+    {"id": "a", "prompt": "hello", "temperature": 0, "meta": {"k": [1, 2]}},
+    "",
+    {"id": "b", "prompt": 5, "temperature": 0.5},
+    "{\"id\": \"c\", \"prompt\": \"broken",
+    [1, 2],
+    {"id": "d", "prompt": "world", "meta": {"k": [3], "j": "x"}},
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from engine import LLMEngine
+
+    return LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)
+
+
+def write_jsonl(path, lines, compress=False) -> str:
+    text = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    if compress:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+def manifest(model_dir, input_path, output_dir, keep=(), **input_settings) -> JobManifest:
+    input_settings.setdefault("prompt_column", "prompt")
+    return JobManifest(model=ModelSettings(path=str(model_dir)),
+                       input=InputSettings(path=str(input_path), **input_settings),
+                       sampling=SamplingParams(max_new_tokens=3), engine=ENGINE_CONFIG,
+                       output=OutputSettings(path=str(output_dir), keep_columns=list(keep)))
+
+
+def output_rows(output_dir) -> dict[int, dict]:
+    rows = [r for p in committed_parts(output_dir) for r in pq.read_table(p).to_pylist()]
+    by_index = {r["row_index"]: r for r in rows}
+    assert len(by_index) == len(rows)
+    return by_index
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_broken_line_and_mixed_types_are_row_errors(tmp_path, compress):
+    path = write_jsonl(tmp_path / ("in.jsonl.gz" if compress else "in.jsonl"), LINES, compress)
+    reader = PromptReader(path, prompt_column="prompt", id_column="id", batch_size=2)
+    schema = reader.sources[0].schema
+    assert schema.names == ["id", "prompt", "temperature", "meta"]
+    assert schema.field("temperature").type == pa.float64()  # integers and numbers: float64
+    assert schema.field("meta").type == pa.struct([("k", pa.list_(pa.int64())), ("j", pa.string())])
+    assert reader.num_rows == 5  # the blank line is not a row
+    rows = list(reader.iter_rows())
+    name = "in.jsonl.gz" if compress else "in.jsonl"
+    assert [(r.row_index, r.id, r.prompt) for r in rows] == [(0, "a", "hello"), (1, "b", None), (2, "2", None),
+                                                            (3, "3", None), (4, "d", "world")]
+    assert rows[0].sampling_overrides == {"temperature": 0.0} and rows[0].error is None
+    assert rows[1].error == (f"row 1 (id 'b'): field 'prompt' on line 3 of {name} holds an integer (5), but the "
+                             f"column's type (from the other lines) is string")
+    assert rows[2].error.startswith(f"row 2 (id '2'): line 4 of {name} is not valid JSON: Unterminated string")
+    assert rows[3].error == f"row 3 (id '3'): line 5 of {name} is not a JSON object (it is an array)"
+    # A field the job does not read never makes a row an error; done rows are not read.
+    assert [r.error for r in PromptReader(path, prompt_column="id").iter_rows()][:2] == [None, None]
+    done = np.array([True, True, False, True, False])
+    assert [r.row_index for r in reader.iter_rows(done)] == [2, 4]
+
+
+def test_jsonl_job_and_a_directory_mixing_parquet_and_jsonl(tiny_model_dir, engine, tmp_path):
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"id": ["p0", "p1"], "prompt": ["one", "two"]}), tmp_path / "in" / "a.parquet")
+    write_jsonl(tmp_path / "in" / "b.jsonl", LINES)
+    summary = run_job(manifest(tiny_model_dir, tmp_path / "in", tmp_path / "out", id_column="id"), progress=False,
+                      engine=engine)
+    assert (summary.num_rows, summary.num_errors) == (7, 3)
+    rows = output_rows(tmp_path / "out")
+    assert [rows[i]["id"] for i in range(7)] == ["p0", "p1", "a", "b", "4", "5", "d"]
+    assert [rows[i]["finish_reason"] == "error" for i in range(7)] == [False, False, False, True, True, True, False]
+    assert "line 4 of b.jsonl is not valid JSON" in rows[4]["error"]
+
+
+def test_parquet_input_keeps_an_answer_column(tiny_model_dir, engine, tmp_path):
+    struct = pa.struct([("source", pa.string()), ("page", pa.int16())])
+    pq.write_table(pa.table({"prompt": ["2+2=", None, "3+3="], "answer": pa.array([4, 5, None], pa.int8()),
+                             "meta": pa.array([{"source": "s1", "page": 1}, None, {"source": "s3", "page": 3}],
+                                              struct)}), tmp_path / "in.parquet")
+    run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", keep=["answer", "meta"]),
+            progress=False, engine=engine)
+    table = pq.read_table(committed_parts(tmp_path / "out")[0])
+    assert table.schema.field("answer").type == pa.int8() and table.schema.field("meta").type == struct
+    rows = sorted(table.to_pylist(), key=lambda r: r["row_index"])
+    assert [(r["answer"], r["meta"]) for r in rows] == [(4, {"source": "s1", "page": 1}), (5, None), (None,
+                                                         {"source": "s3", "page": 3})]
+    assert rows[1]["finish_reason"] == "error"  # an error row keeps its columns too
+    assert json.loads((tmp_path / "out" / "job.json").read_text())["output"] == {"keep_columns": ["answer", "meta"]}
+
+
+def test_kept_column_that_clashes_or_is_missing_is_refused_before_any_work(tiny_model_dir, tmp_path):
+    pq.write_table(pa.table({"prompt": ["x"], "completion": ["y"]}), tmp_path / "in.parquet")
+    with pytest.raises(JobError, match="output.keep_columns 'completion' clashes with the output column"):
+        run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", keep=["completion"]),
+                progress=False)
+    with pytest.raises(JobError, match="output.keep_columns 'answer' is not an input column; input columns: "
+                                       "prompt, completion"):
+        run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", keep=["answer"]),
+                progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_repeated_ids_are_counted_and_named(tiny_model_dir, engine, tmp_path, caplog):
+    ids = ["a", "b", "a", "c", "b", "a", None]
+    pq.write_table(pa.table({"id": ids, "prompt": [f"p{i}" for i in range(7)]}), tmp_path / "in.parquet",
+                   row_group_size=3)
+    with caplog.at_level(logging.WARNING, logger="cbrun"):
+        summary = run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", id_column="id"),
+                          progress=False, engine=engine)
+    assert summary.num_repeated_ids == 2 and "| 2 repeated ids" in summary.line()
+    assert "input.id_column 'id' repeats values: 'a' (3 rows), 'b' (2 rows); rows are keyed by row_index" \
+        in caplog.text
+    assert len(output_rows(tmp_path / "out")) == 7  # every row written once, keyed by row_index
+    limited = manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out2", id_column="id", limit=2)
+    assert run_job(limited, progress=False, engine=engine).num_repeated_ids == 0
+
+
+def test_clean_file_reads_with_pyarrow_and_the_same_rows_as_line_by_line(tmp_path, monkeypatch):
+    from jobs.jsonl_source import JsonlSource
+
+    lines = [{"id": f"r{i}", "prompt": f"p {i}", "day": "2024-01-0" + str(i % 9 + 1), "temperature": 0.5,
+              "meta": {"k": [i]}} for i in range(7)]
+    lines.insert(3, "   ")
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    columns = dict(prompt_column="prompt", id_column="id", extra_columns={"day": "day", "meta": "meta"},
+                   batch_size=3)
+    fast = PromptReader(path, **columns)
+    assert fast.sources[0].arrow_readable and fast.num_rows == 7
+    assert fast.sources[0].schema.field("day").type == pa.string()  # dates stay text
+    monkeypatch.setattr(JsonlSource, "_arrow_scan", lambda self: False)
+    slow = PromptReader(path, **columns)
+    assert not slow.sources[0].arrow_readable and slow.sources[0].schema == fast.sources[0].schema
+    done = np.array([False, True, True, True, False, True, False])
+    for mask in (None, done):
+        rows = list(fast.iter_rows(mask))
+        assert rows == list(slow.iter_rows(mask))
+    assert [(r.row_index, r.id, r.extra["meta"]) for r in rows] == [(0, "r0", {"k": [0]}), (4, "r4", {"k": [4]}),
+                                                                     (6, "r6", {"k": [6]})]
