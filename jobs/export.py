@@ -99,6 +99,9 @@ def export_openai_batch(output_dir: str | Path, to: str | Path | None = None, to
     """
     output_dir = Path(output_dir)
     rows = read_rows(output_dir)
+    if any(row.get("candidate_logprobs") is not None for row in rows):
+        raise ExportError(f"{str(output_dir)!r} holds a score-mode job, which has no completions to write as OpenAI "
+                          f"batch output; use --format jsonl")
     job_bytes = Checkpoint(output_dir).job_file.read_bytes()
     model_path = json.loads(job_bytes).get("model", {}).get("path", "")
     default_model = Path(model_path).name or "cbrun"

@@ -283,8 +283,9 @@ def test_killed_batch_job_reruns_to_complete_results(chat_model_dir, tmp_path):
 
 
 def test_chat_requests_need_a_chat_template_before_any_work(tiny_model_dir, tmp_path):
+    chat_body = {"messages": [{"role": "user", "content": "x"}]}
     path = write_jsonl(tmp_path / "batch.jsonl", [request("a", COMPLETIONS, {"prompt": "x"}),
-                                                   request("b", CHAT, {"messages": [{"role": "user", "content": "x"}]})])
+                                                   request("b", CHAT, chat_body)])
     with pytest.raises(JobError, match="the batch has 1 /v1/chat/completions requests, but the tokenizer in .* has "
                                        "no chat template"):
         run_job(batch_manifest(tiny_model_dir, path, tmp_path / "out"), progress=False)
