@@ -18,15 +18,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.writer import PART_RE, TEMP_RE, committed_parts
+from jobs.writer import PART_RE, TEMP_RE, PartWriter, committed_parts
 
 JOB_FILE = "job.json"
 SUCCESS_FILE = "_SUCCESS"
@@ -104,10 +106,47 @@ class FingerprintMismatch(ValueError):
 
 
 class Checkpoint:
-    """The cbrun files of one output directory: job.json, part files, temporary files, _SUCCESS, stats.json."""
+    """The one owner of an output directory: job.json, part files, temporary files, _SUCCESS, stats.json.
+
+    A run ``open``s it (is it this job's, which rows are done), ``start``s writing (its ``PartWriter`` is the
+    directory's only appender) and ``mark_finished``es it.
+    """
 
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
+
+    def open(self, fingerprint: dict[str, Any], num_rows: int, *, overwrite: bool = False) -> np.ndarray:
+        """Check that the directory may take this job and read which of its rows are done; touches nothing.
+
+        Args:
+            fingerprint: the job's ``job_fingerprint``.
+            num_rows: rows the job covers.
+            overwrite: the directory's results will be discarded: nothing is done.
+
+        Returns:
+            Bool array over row indices 0..num_rows-1, True for rows in a committed part.
+
+        Raises:
+            FingerprintMismatch: when the directory holds another job's results (or parts but no job.json) and
+                ``overwrite`` is false.
+            ValueError: when the output path exists and is not a directory.
+        """
+        self.check(fingerprint, overwrite=overwrite)
+        if overwrite:
+            return np.zeros(num_rows, dtype=bool)
+        if not self.job_file.is_file() and committed_parts(self.output_dir):
+            raise FingerprintMismatch(
+                f"output directory {str(self.output_dir)!r} holds part files but no job.json; rerun with "
+                f"--overwrite to discard them, or choose another --output")
+        return self.done_rows(num_rows)
+
+    def start(self, fingerprint: dict[str, Any], commit_every_rows: int, commit_every_seconds: float, *,
+              overwrite: bool = False, carried_fields: Sequence[pa.Field] = ()) -> PartWriter:
+        """Make the directory ready to take rows (``prepare``, the finished marker removed); returns its appender
+        (``carried_fields``: the input columns its rows carry, ``jobs.carry``)."""
+        self.prepare(fingerprint, overwrite=overwrite)
+        self.clear_finished()
+        return PartWriter(self.output_dir, commit_every_rows, commit_every_seconds, carried_fields=carried_fields)
 
     @property
     def job_file(self) -> Path:
@@ -183,8 +222,9 @@ class Checkpoint:
         for name in (SUCCESS_FILE, STATS_FILE):
             (self.output_dir / name).unlink(missing_ok=True)
 
-    def mark_finished(self, stats: dict[str, Any]) -> None:
-        """Write stats.json, then the empty _SUCCESS marker."""
+    def mark_finished(self, fingerprint: dict[str, Any], stats: dict[str, Any]) -> None:
+        """Write job.json (when missing), stats.json, then the empty _SUCCESS marker."""
+        self.prepare(fingerprint)
         tmp = self.output_dir / f".{STATS_FILE}.tmp"
         tmp.write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, self.output_dir / STATS_FILE)

@@ -11,9 +11,7 @@ as error rows, and the job goes on.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import resource
 import sys
 import time
@@ -24,43 +22,30 @@ from typing import Any
 import numpy as np
 
 from jobs.carry import carried_fields, carried_values, check_kept_columns, keep_roles
-from jobs.chat import check_chat_template, check_messages_column, conversation, encode_chat
+from jobs.chat import check_chat_template, check_messages_column
 from jobs.checkpoint import Checkpoint, FingerprintMismatch, job_fingerprint
+from jobs.generate import GenerateMode
 from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest, apply_model_defaults
+from jobs.mode import JobMode
 from jobs.openai_batch import OPENAI_FIELDS, REQUEST_FIELDS, OpenAIBatchReader, input_fields, is_openai_batch_input
-from jobs.ordering import RowWork, SampleGroups, order_by_prefix
-from jobs.prompts import encode_prompt
-from jobs.reader import InputError, InputRow, PromptReader
+from jobs.ordering import order_by_prefix
+from jobs.reader import InputError, PromptReader
 from jobs.row_ids import warn_repeated_ids
 from jobs.scoring import Scorer, check_candidates_column
-from jobs.writer import OutputRow, PartWriter, committed_parts
+from jobs.writer import OutputRow, PartWriter
 
 
-logger = logging.getLogger("cbrun.job")
+def _score_mode(manifest: JobManifest, tokenizer, max_model_len: int, vocab_size: int | None) -> Scorer:
+    return Scorer(tokenizer, max_model_len, vocab_size, manifest.input.corruptions)
+
+
+#: ``input.mode`` -> the factory of its ``JobMode``: ``(manifest, tokenizer, max_model_len, vocab_size) -> mode``.
+#: A new mode registers here (and its name in ``InputSettings.mode``'s check).
+MODES = {"generate": GenerateMode, "score": _score_mode}
 
 
 class JobError(Exception):
     """The job cannot start as configured; the message says what to fix. Raised before any row is generated."""
-
-
-def derive_seed(job_seed: int, row_id: str, sample_index: int = 0) -> int:
-    """A sample's seed: the first 63 bits of sha256(job seed, row id, sample index), independent of batching and
-    order. Sample 0 hashes (job seed, row id) alone, so one-sample jobs keep the seeds they always had."""
-    key = f"{job_seed}\0{row_id}" if sample_index == 0 else f"{job_seed}\0{row_id}\0{sample_index}"
-    digest = hashlib.sha256(key.encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
-def sample_seeds(job_seed: int, row_id: str, num_samples: int, row_seed: int | None = None) -> list[int]:
-    """The seeds of a row's samples 0 .. num_samples-1.
-
-    Args:
-        row_seed: the row's ``seed`` column, if any: sample 0 takes it as is, and it stands in for the job seed in
-            the other samples' derivation (so they differ from sample 0 and from each other).
-    """
-    if row_seed is None:
-        return [derive_seed(job_seed, row_id, i) for i in range(num_samples)]
-    return [row_seed] + [derive_seed(row_seed, row_id, i) for i in range(1, num_samples)]
 
 
 @dataclass
@@ -224,13 +209,9 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
     fingerprint = job_fingerprint(manifest, reader.num_input_rows)
     overwrite = manifest.output.overwrite
     try:
-        checkpoint.check(fingerprint, overwrite=overwrite)
+        done = checkpoint.open(fingerprint, reader.num_rows, overwrite=overwrite)
     except (FingerprintMismatch, ValueError) as exc:
         raise JobError(str(exc)) from None
-    if not overwrite and not checkpoint.job_file.is_file() and committed_parts(checkpoint.output_dir):
-        raise JobError(f"output directory {manifest.output.path!r} holds part files but no job.json; rerun with "
-                       f"--overwrite to discard them, or choose another --output")
-    done = np.zeros(reader.num_rows, dtype=bool) if overwrite else checkpoint.done_rows(reader.num_rows)
     summary = JobSummary(output_dir=str(manifest.output.path), num_skipped=int(done.sum()))
     if isinstance(reader, PromptReader) and manifest.input.id_column is not None:
         summary.num_repeated_ids = warn_repeated_ids(reader)
@@ -240,7 +221,7 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
         if not checkpoint.is_finished():
             checkpoint.prepare(fingerprint)
             write_results_file(manifest)
-            checkpoint.mark_finished({**summary.as_dict(), "num_rows_in_output": summary.num_skipped})
+            checkpoint.mark_finished(fingerprint, {**summary.as_dict(), "num_rows_in_output": summary.num_skipped})
         else:
             write_results_file(manifest, only_if_missing=True)  # the job ran without --output-format before
         summary.already_finished = True
@@ -250,20 +231,22 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
     engine = engine if engine is not None else load_engine(manifest)
     if tokenizer is None:
         tokenizer = load_tokenizer(manifest.model.path)
-    checkpoint.prepare(fingerprint, overwrite=overwrite)
-    checkpoint.clear_finished()
+    writer = checkpoint.start(fingerprint, manifest.output.commit_every_rows, manifest.output.commit_every_seconds,
+                              overwrite=overwrite, carried_fields=output_carried_fields(manifest, reader))
     remove_stale_results(manifest)
-    writer = PartWriter(checkpoint.output_dir, manifest.output.commit_every_rows, manifest.output.commit_every_seconds,
-                        carried_fields=output_carried_fields(manifest, reader))
+    mode = MODES[manifest.input.mode](manifest, tokenizer, engine.max_model_len,
+                                      _model_vocab_size(manifest.model.path))
     generation_start = time.perf_counter()
-    _JobRun(manifest, engine, tokenizer, writer, summary).run(reader, done, progress)
+    max_in_flight = 4 * manifest.engine.max_requests_per_batch
+    _JobRun(mode, engine, writer, summary, manifest.input.order_window, max_in_flight).run(reader, done, progress)
     summary.generation_s = time.perf_counter() - generation_start
     summary.elapsed_s = time.perf_counter() - start
     summary.peak_memory_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary.peak_gpu_memory_mib = _peak_gpu_memory_mib(manifest.engine.device)
     summary.engine_stats = engine.stats.as_dict()
     write_results_file(manifest, tokenizer)
-    checkpoint.mark_finished({**summary.as_dict(), "num_rows_in_output": summary.num_skipped + summary.num_rows})
+    checkpoint.mark_finished(fingerprint, {**summary.as_dict(),
+                                           "num_rows_in_output": summary.num_skipped + summary.num_rows})
     return summary
 
 
@@ -317,27 +300,23 @@ def _model_vocab_size(model_path: str) -> int | None:
 
 
 class _JobRun:
-    """The row loop of one run: turns rows into requests, engine outputs into output rows, and counts."""
+    """The row loop of one run: rows through the job's mode into the engine, outputs back through it to the writer,
+    counting as it goes."""
 
-    def __init__(self, manifest: JobManifest, engine, tokenizer, writer: PartWriter, summary: JobSummary):
-        self.manifest = manifest
+    def __init__(self, mode: JobMode, engine, writer: PartWriter, summary: JobSummary, order_window: int,
+                 max_in_flight: int):
+        self.mode = mode
         self.engine = engine
-        self.tokenizer = tokenizer
         self.writer = writer
         self.summary = summary
-        self.vocab_size = _model_vocab_size(manifest.model.path)
-        self.in_flight = SampleGroups()  # generate mode: rows submitted, and their samples until all are back
-        self.scorer = None
-        if manifest.input.mode == "score":
-            self.scorer = Scorer(tokenizer, engine.max_model_len, self.vocab_size, manifest.input.corruptions)
+        self.order_window = order_window
+        self.max_in_flight = max_in_flight
         self.progress_bar = None
-        self.warned_identical_samples = False
         self.carried: dict[int, dict[str, Any]] = {}  # row index -> carried column values, until written
 
     def run(self, reader: PromptReader, done: np.ndarray, progress: bool) -> None:
         from tqdm import tqdm
 
-        max_in_flight = 4 * self.manifest.engine.max_requests_per_batch
         self.generated_at_start = self.engine.stats.num_generated_tokens
         self.started = time.perf_counter()
         self.last_postfix = 0.0
@@ -346,12 +325,11 @@ class _JobRun:
         with tqdm(total=int((~done).sum()), unit="row", disable=not progress, desc="cbrun",
                   dynamic_ncols=True, mininterval=interval) as self.progress_bar:
             try:
-                for output in self.engine.generate(self._requests(reader, done), max_in_flight=max_in_flight):
-                    row = self._collect(output)
-                    if row is not None:
-                        self._finish(row)
-                assert not self.in_flight, f"{len(self.in_flight)} requests never finished"
-                assert self.scorer is None or not self.scorer.pending, "scored rows never finished"
+                for output in self.engine.generate(self._requests(reader, done), max_in_flight=self.max_in_flight):
+                    rows = self.mode.collect(output)
+                    if rows is not None:
+                        self._finish(rows)
+                assert not self.mode.num_in_flight, f"{self.mode.num_in_flight} rows never finished"
             finally:
                 # NOTE: rows already finished are committed even when the run is interrupted (Ctrl-C).
                 self.writer.commit()
@@ -359,103 +337,22 @@ class _JobRun:
     def _requests(self, reader: PromptReader, done: np.ndarray):
         """The requests of the rows not done, in prefix-aware order (``input.order_window``), a row's together."""
         work = order_by_prefix(self._row_work(reader, done), key=lambda w: w.prompt_token_ids,
-                               window=self.manifest.input.order_window)
+                               window=self.order_window)
         for item in work:
-            if self.scorer is None:
-                self.in_flight.start(item.row_index, item.id, len(item.requests))
             yield from item.requests
 
     def _row_work(self, reader: PromptReader, done: np.ndarray):
         """Each good row's requests as a ``RowWork``; bad rows go to the writer as error rows on the spot."""
         for row in reader.iter_rows(done):
             self.carried[row.row_index] = carried_values(row)
-            if self.scorer is not None:  # score mode: one request per candidate
-                requests = self.scorer.requests(row, row.extra.get("candidates_column"))
-                if isinstance(requests, OutputRow):
-                    self._finish(requests)
-                    continue
-                yield RowWork(row.row_index, row.id, requests[0][1], list(requests))
-                continue
-            request = self._prepare(row)
-            if isinstance(request, OutputRow):
-                self._finish(request)
-                continue
-            row_index, prompt_token_ids, params = request
-            num_samples = row.num_samples or self.manifest.n
-            if num_samples > 1 and params.greedy and not self.warned_identical_samples:
-                self.warned_identical_samples = True
-                logger.warning("row %d (id %r) asks for %d samples with greedy decoding (temperature 0 or top_k 1): "
-                               "its samples are identical; set sampling.temperature > 0 for different ones "
-                               "(warned once)", row.row_index, row.id, num_samples)
-            seeds = sample_seeds(self.manifest.seed, row.id, num_samples, row.sampling_overrides.get("seed"))
-            requests = [((row_index, i), prompt_token_ids, params.replace(seed=seed)) for i, seed in enumerate(seeds)]
-            yield RowWork(row_index, row.id, prompt_token_ids, requests)
+            work = self.mode.prepare(row)
+            if isinstance(work, OutputRow):
+                self._finish([work])
+            else:
+                yield work
 
-    def _collect(self, output) -> OutputRow | list[OutputRow] | None:
-        """The output row(s) a finished request completes: None until the row's last candidate (score mode) or
-        sample (generate mode: all the row's samples, by sample index)."""
-        if self.scorer is not None:
-            return self.scorer.collect(output)
-        row_index, _ = output.request_id
-        return self.in_flight.add(row_index, self._output_row(self.in_flight.row_id(row_index), output))
-
-    def _encode(self, row: InputRow) -> list[int]:
-        """The prompt ids of a text row: the chat template over its conversation, or the plain encoding."""
-        inp = self.manifest.input
-        if not inp.chat:
-            return encode_prompt(self.tokenizer, row.prompt)
-        messages = conversation(row.prompt, row.extra.get("messages_column"), inp.messages_column is not None,
-                                inp.system_prompt)
-        return encode_chat(self.tokenizer, messages)
-
-    def _prepare(self, row: InputRow):
-        """(request_id, prompt_token_ids, SamplingParams) for a good row, an error ``OutputRow`` for a bad one."""
-        if row.error is not None:
-            return _error_row(row.id, row.row_index, row.error)
-        where = f"row {row.row_index} (id {row.id!r})"
-        prompt_token_ids = row.prompt_token_ids
-        if prompt_token_ids is None:
-            try:
-                prompt_token_ids = self._encode(row)
-            except ValueError as exc:
-                return _error_row(row.id, row.row_index, f"{where}: {exc}")
-        if not prompt_token_ids:
-            return _error_row(row.id, row.row_index, f"{where}: the prompt encodes to no tokens")
-        max_model_len = self.engine.max_model_len
-        if len(prompt_token_ids) >= max_model_len:
-            return _error_row(row.id, row.row_index, f"{where}: the prompt has {len(prompt_token_ids)} tokens, but "
-                              f"the model's maximum length is {max_model_len} tokens (prompt + completion)",
-                              len(prompt_token_ids))
-        if self.vocab_size is not None and max(prompt_token_ids) >= self.vocab_size:
-            return _error_row(row.id, row.row_index, f"{where}: token id {max(prompt_token_ids)} is out of the "
-                              f"model's vocabulary of {self.vocab_size}", len(prompt_token_ids))
-        try:
-            overrides = {"seed": derive_seed(self.manifest.seed, row.id), **row.sampling_overrides}
-            sampling_params = self.manifest.sampling.replace(**overrides)
-            sampling_params.validate()
-        except ValueError as exc:
-            return _error_row(row.id, row.row_index, f"{where}: {exc}", len(prompt_token_ids))
-        return row.row_index, prompt_token_ids, sampling_params
-
-    def _output_row(self, row_id: str, output) -> OutputRow:
-        row_index, sample_index = output.request_id
-        if output.finish_reason == "error":
-            message = f"row {row_index} (id {row_id!r}): {output.error}"
-            return _error_row(row_id, row_index, message, output.num_prompt_tokens, sample_index)
-        ids = list(output.output_token_ids)
-        # NOTE: when a stop string ended the request the engine hands back the text cut before it.
-        text = output.text if output.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
-        return OutputRow(
-            id=row_id, row_index=row_index, sample_index=sample_index, completion=text, completion_token_ids=ids,
-            num_prompt_tokens=output.num_prompt_tokens, num_completion_tokens=len(ids),
-            finish_reason=output.finish_reason, logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
-            prompt_greedy=output.prompt_greedy,
-            stop_reason=None if output.stop_reason is None else str(output.stop_reason),
-        )
-
-    def _finish(self, rows: OutputRow | list[OutputRow]) -> None:
+    def _finish(self, rows: list[OutputRow]) -> None:
         """Hand one input row's output rows (its samples) to the writer as one group, and count them."""
-        rows = [rows] if isinstance(rows, OutputRow) else rows
         carried = self.carried.pop(rows[0].row_index, {})
         for row in rows:
             row.carried = carried
@@ -478,14 +375,7 @@ class _JobRun:
             self.last_postfix = now
             seconds = max(now - self.started, 1e-9)
             generated = self.engine.stats.num_generated_tokens - self.generated_at_start
-            rate = (f"{summary.num_candidates / seconds:.1f} candidates/s" if self.scorer is not None
+            rate = (f"{summary.num_candidates / seconds:.1f} candidates/s" if summary.num_candidates
                     else f"{generated / seconds:.0f} gen tok/s")
             self.progress_bar.set_postfix_str(f"{rate}, {summary.num_errors} errors", refresh=False)
 
-
-def _error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int = 0,
-               sample_index: int = 0) -> OutputRow:
-    """A row that cannot run, or a sample the engine failed; a row that fails before the engine writes one, sample 0."""
-    return OutputRow(id=row_id, row_index=row_index, completion=None, completion_token_ids=[],
-                     num_prompt_tokens=num_prompt_tokens, num_completion_tokens=0, finish_reason="error",
-                     error=message, sample_index=sample_index)

@@ -43,9 +43,10 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from engine.sampling_params import SamplingParams
+from jobs.ordering import RowWork
 from jobs.prompts import encode_prompt
 from jobs.reader import InputError, InputRow
-from jobs.writer import OutputRow
+from jobs.writer import OutputRow, error_row
 
 _NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
@@ -159,7 +160,8 @@ class _PendingRow:
 class Scorer:
     """Turns score-mode rows into one request per candidate and gathers the candidates' results back into rows.
 
-    Owns the rows in flight; request ids are ``(row_index, candidate index)``.
+    Owns the rows in flight; request ids are ``(row_index, candidate index)``. Implements ``jobs.mode.JobMode``
+    (``prepare``, ``collect``, ``num_in_flight``).
 
     Args:
         tokenizer: the model's tokenizer.
@@ -176,11 +178,22 @@ class Scorer:
         self.corruptions = list(corruptions)
         self.pending: dict[int, _PendingRow] = {}
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.pending)
+
+    def prepare(self, row: InputRow) -> RowWork | OutputRow:
+        """The row's requests (one per candidate of ``input.candidates_column``), or its error row."""
+        requests = self.requests(row, row.extra.get("candidates_column"))
+        if isinstance(requests, OutputRow):
+            return requests
+        return RowWork(row.row_index, row.id, requests[0][1], requests)
+
     def requests(self, row: InputRow, candidates_value: Any) -> list[tuple] | OutputRow:
         """The row's requests, one per candidate, or an error ``OutputRow`` when the row cannot be scored."""
         where = f"row {row.row_index} (id {row.id!r})"
         if row.error is not None:
-            return error_row(row.id, row.row_index, row.error)
+            return error_row(row.id, row.row_index, row.error, generated=False)
         try:
             candidates = read_candidates(candidates_value, self.corruptions)
             pairs = []
@@ -191,7 +204,7 @@ class Scorer:
                     raise ValueError(f"candidate {k}: {exc}") from None
             self._check(pairs)
         except ValueError as exc:
-            return error_row(row.id, row.row_index, f"{where}: {exc}")
+            return error_row(row.id, row.row_index, f"{where}: {exc}", generated=False)
         context_ids = pairs[0][0]
         self.pending[row.row_index] = _PendingRow(row.id, row.row_index, len(context_ids),
                                                   [len(ids) for _, ids in pairs],
@@ -214,8 +227,8 @@ class Scorer:
                 raise ValueError(f"candidate {k}: token id {max(context_ids + ids)} is out of the model's "
                                  f"vocabulary of {self.vocab_size}")
 
-    def collect(self, output) -> OutputRow | None:
-        """Record one candidate's ``RequestOutput``; returns the row once all its candidates are in."""
+    def collect(self, output) -> list[OutputRow] | None:
+        """Record one candidate's ``RequestOutput``; returns the row (a list of one) once all its candidates are in."""
         row_index, k = output.request_id
         pending = self.pending[row_index]
         if output.finish_reason == "error":
@@ -230,15 +243,8 @@ class Scorer:
         del self.pending[row_index]
         if pending.errors:
             message = f"row {row_index} (id {pending.row_id!r}): {'; '.join(sorted(pending.errors))}"
-            return error_row(pending.row_id, row_index, message, pending.num_context_tokens)
-        return OutputRow(id=pending.row_id, row_index=row_index, completion=None, completion_token_ids=None,
-                         num_prompt_tokens=pending.num_context_tokens, num_completion_tokens=None,
-                         finish_reason=None, candidate_logprobs=pending.logprobs,
-                         candidate_num_tokens=pending.num_tokens, candidate_is_greedy=pending.is_greedy)
-
-
-def error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int = 0) -> OutputRow:
-    """A score-mode row that cannot be scored: generation columns null, as in every score-mode row."""
-    return OutputRow(id=row_id, row_index=row_index, completion=None, completion_token_ids=None,
-                     num_prompt_tokens=num_prompt_tokens, num_completion_tokens=None, finish_reason="error",
-                     error=message)
+            return [error_row(pending.row_id, row_index, message, pending.num_context_tokens, generated=False)]
+        return [OutputRow(id=pending.row_id, row_index=row_index, completion=None, completion_token_ids=None,
+                          num_prompt_tokens=pending.num_context_tokens, num_completion_tokens=None,
+                          finish_reason=None, candidate_logprobs=pending.logprobs,
+                          candidate_num_tokens=pending.num_tokens, candidate_is_greedy=pending.is_greedy)]

@@ -91,6 +91,19 @@ class OutputRow:
         assert (self.error is None) == (self.finish_reason != "error"), (self.finish_reason, self.error)
 
 
+def error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int = 0, sample_index: int = 0, *,
+              generated: bool = True) -> OutputRow:
+    """The output row of a row that cannot run, or of a request the engine failed (every mode builds them here).
+
+    A row that fails before reaching the engine writes one error row, sample 0; ``message`` names the row and the
+    cause. ``generated=False`` (score mode) leaves the generation columns null, as in every row of that mode.
+    """
+    return OutputRow(id=row_id, row_index=row_index, completion=None,
+                     completion_token_ids=[] if generated else None, num_prompt_tokens=num_prompt_tokens,
+                     num_completion_tokens=0 if generated else None, finish_reason="error", error=message,
+                     sample_index=sample_index)
+
+
 def part_name(number: int) -> str:
     return f"part-{number:06d}.parquet"
 

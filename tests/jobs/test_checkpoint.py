@@ -71,7 +71,7 @@ def test_prepare_match_mismatch_and_overwrite(manifest, tmp_path):
     with pytest.raises(FingerprintMismatch, match=r"different job \(changed: sampling.temperature\).*--overwrite"):
         checkpoint.prepare(other)
     (out / "user-notes.txt").write_text("keep me")
-    checkpoint.mark_finished({"num_rows": 2})
+    checkpoint.mark_finished(fingerprint, {"num_rows": 2})
     checkpoint.prepare(other, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["job.json", "user-notes.txt"]
     assert json.loads((out / "job.json").read_text()) == other
@@ -98,7 +98,7 @@ def test_stray_temp_files_are_removed(tmp_path):
 def test_finished_marker_and_stats(tmp_path):
     checkpoint = Checkpoint(tmp_path)
     assert not checkpoint.is_finished() and checkpoint.read_stats() is None
-    checkpoint.mark_finished({"num_rows": 3})
+    checkpoint.mark_finished({}, {"num_rows": 3})
     assert checkpoint.is_finished() and checkpoint.read_stats() == {"num_rows": 3}
     checkpoint.clear_finished()
     assert not checkpoint.is_finished() and not (tmp_path / "stats.json").exists()

@@ -11,7 +11,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SAMPLING_FIELDS, SamplingParams
-from jobs.job import derive_seed, run_job
+from jobs.generate import derive_seed
+from jobs.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, manifest_from_dict
 from jobs.reader import SAMPLING_FIELD_TYPES, PromptReader
 from jobs.writer import read_output

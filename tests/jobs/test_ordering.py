@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import jobs.checkpoint
 import jobs.job
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
@@ -153,7 +154,7 @@ def test_the_window_bounds_rows_read_ahead_of_the_writer(tiny_model_dir, tiny_en
     written: list[int] = []
     readers = []
 
-    class CountingWriter(jobs.job.PartWriter):
+    class CountingWriter(jobs.checkpoint.PartWriter):
         def add_group(self, rows):
             written.append(rows[0].row_index)
             super().add_group(rows)
@@ -161,7 +162,7 @@ def test_the_window_bounds_rows_read_ahead_of_the_writer(tiny_model_dir, tiny_en
     open_reader = jobs.job.open_reader
     monkeypatch.setattr(jobs.job, "open_reader", lambda m: readers.append(_CountingReader(open_reader(m), written))
                         or readers[-1])
-    monkeypatch.setattr(jobs.job, "PartWriter", CountingWriter)
+    monkeypatch.setattr(jobs.checkpoint, "PartWriter", CountingWriter)
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", window)
     run_job(manifest, progress=False, engine=tiny_engine)
     assert sorted(written) == list(range(40))

@@ -10,7 +10,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.checkpoint import job_fingerprint
-from jobs.job import JobError, derive_seed, run_job, sample_seeds
+from jobs.generate import derive_seed, sample_seeds
+from jobs.job import JobError, run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
 from jobs.writer import committed_parts
 
