@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 #: Names a job may override per row through an input column of the same name.
 SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
@@ -150,3 +152,94 @@ def _is_number(value) -> bool:
 def _check(ok: bool, name: str, expected: str, value) -> None:
     if not ok:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _as_text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be text, got {value!r}")
+    return value
+
+
+def _as_token_ids(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or any(not _is_int(t) or t < 0 for t in value):
+        raise ValueError(f"{name} must be a list of token ids >= 0, got {value!r}")
+    return tuple(value)
+
+
+def _as_strings(name: str, value: Any) -> tuple[str, ...]:
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
+    return tuple(value)
+
+
+#: A field's annotation (without ``| None``) -> the coercion of a per-row value into it.
+_COERCIONS: dict[str, Callable[[str, Any], Any]] = {
+    "int": _as_int, "float": _as_float, "bool": _as_bool, "str": _as_text, "tuple[int, ...]": _as_token_ids,
+    "tuple[str, ...]": _as_strings,
+}
+#: SamplingParams field name -> its annotation, e.g. "int", "float | None", "tuple[int, ...]".
+SAMPLING_FIELD_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}
+# NOTE: every field has a coercion: a new field of a new type fails here, at import, not by passing values through.
+assert all(kind.removesuffix(" | None") in _COERCIONS for kind in SAMPLING_FIELD_TYPES.values()), SAMPLING_FIELD_TYPES
+
+
+def coerce_sampling_value(name: str, value: Any, column: str | None = None) -> Any:
+    """Turn one per-row value (as read from a column) into the type the ``SamplingParams`` field declares.
+
+    Whole floats become ints (Parquet writers often store integer columns with nulls as doubles), lists become
+    tuples, one string becomes a one-string tuple for ``stop``; anything else of the wrong type is refused.
+
+    Args:
+        name: the setting (our name).
+        value: the column's value.
+        column: the column it came from, when its name differs (a vLLM name); errors then name both.
+
+    Raises:
+        ValueError: naming the setting, for an unknown name or a value of the wrong type (range checks are
+            ``SamplingParams.validate``'s).
+    """
+    if column is not None and column != name:
+        try:
+            return coerce_sampling_value(name, value)
+        except ValueError as exc:
+            raise ValueError(f"column {column!r}: {exc}") from None
+    if name not in SAMPLING_FIELD_TYPES:
+        raise ValueError(f"unknown sampling setting {name!r}")
+    kind = SAMPLING_FIELD_TYPES[name]
+    if value is None and kind.endswith(" | None"):
+        return None
+    return _COERCIONS[kind.removesuffix(" | None")](name, value)
+
+
+def coerce_num_samples(value: Any, name: str = "n") -> int:
+    """One row's ``n`` (samples to generate) as an int >= 1.
+
+    Raises:
+        ValueError: naming the column, for a value that is not a whole number >= 1.
+    """
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} (samples per row) must be an integer >= 1, got {value!r}")
+    return value

@@ -33,12 +33,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.sampling_params import coerce_num_samples, coerce_sampling_value
 from jobs.carry import carried_values, check_kept_columns, keep_role, keep_roles
 from jobs.chat import encode_chat
 from jobs.jsonl_source import is_jsonl, numbered_rows
 from jobs.prompts import encode_prompt
-from jobs.reader import InputError, InputRow, PromptReader, coerce_num_samples, coerce_sampling_value, \
-    list_input_files
+from jobs.reader import InputError, InputRow, PromptReader, list_input_files
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

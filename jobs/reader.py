@@ -25,7 +25,7 @@ import json
 import logging
 import string
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.sampling_params import SAMPLING_FIELDS, SamplingParams, canonical_name
+from engine.sampling_params import (SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, canonical_name, coerce_num_samples,
+                                    coerce_sampling_value)
 from jobs.jsonl_source import JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, is_jsonl
 
 logger = logging.getLogger("cbrun.reader")
 
-#: SamplingParams field name -> its annotation, e.g. "int", "float | None", "tuple[int, ...]".
-SAMPLING_FIELD_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}
 #: The optional input column that gives a row its own number of samples (overrides the job's ``sampling.n``).
 NUM_SAMPLES_COLUMN = "n"
 
@@ -416,9 +415,11 @@ class PromptReader:
                 row.extra[role] = values[column]
             for column, name in self.setting_of_column.items():
                 if values[column] is not None:
-                    row.sampling_overrides[name] = coerce_sampling_value(name, values[column], column)
+                    row.sampling_overrides[name] = coerce_sampling_value(name, _readable(column, values[column]),
+                                                                         column)
             if self.samples_column is not None and values[self.samples_column] is not None:
-                row.num_samples = coerce_num_samples(values[self.samples_column])
+                row.num_samples = coerce_num_samples(_readable(f"{NUM_SAMPLES_COLUMN} (samples per row)",
+                                                               values[self.samples_column]), NUM_SAMPLES_COLUMN)
         except ValueError as exc:
             row.error = f"row {row_index} (id {row.id!r}): {exc}"
             # NOTE: an error row still carries its readable extra columns (e.g. output.keep_columns)
@@ -493,18 +494,10 @@ def _column_values(array: pa.Array) -> list[Any]:
         return values
 
 
-def coerce_num_samples(value: Any) -> int:
-    """One row's ``n`` (samples to generate) as an int >= 1.
-
-    Raises:
-        ValueError: naming the column, for a value that is not a whole number >= 1.
-    """
+def _readable(what: str, value: Any) -> Any:
+    """``value``, or a ``ValueError`` naming ``what`` when pyarrow could not turn it into a Python object."""
     if isinstance(value, _Undecodable):
-        raise ValueError(f"{NUM_SAMPLES_COLUMN} (samples per row) cannot be read: {value.reason}")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{NUM_SAMPLES_COLUMN} (samples per row) must be an integer >= 1, got {value!r}")
+        raise ValueError(f"{what} cannot be read: {value.reason}")
     return value
 
 
@@ -541,49 +534,3 @@ def _type_fits(annotation: str, kind: pa.DataType) -> bool:
             "tuple[str, ...]": text or (is_list and (pa.types.is_string(kind.value_type)
                                                      or pa.types.is_large_string(kind.value_type)))
             }.get(annotation, True)
-
-
-def coerce_sampling_value(name: str, value: Any, column: str | None = None) -> Any:
-    """Turn one per-row sampling value into the type the ``SamplingParams`` field declares.
-
-    Args:
-        name: the setting (our name).
-        value: the column's value.
-        column: the column it came from, when its name differs (a vLLM name); errors then name both.
-
-    Raises:
-        ValueError: naming the setting, when the value has the wrong type (range checks are ``validate``'s).
-    """
-    if column is not None and column != name:
-        try:
-            return coerce_sampling_value(name, value)
-        except ValueError as exc:
-            raise ValueError(f"column {column!r}: {exc}") from None
-    if isinstance(value, _Undecodable):
-        raise ValueError(f"{name} cannot be read: {value.reason}")
-    kind = SAMPLING_FIELD_TYPES[name].replace(" | None", "")
-    if kind == "int":
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-    elif kind == "float":
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        value = float(value)
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
-    elif kind == "str":
-        if not isinstance(value, str):
-            raise ValueError(f"{name} must be text, got {value!r}")
-    elif kind == "tuple[int, ...]":
-        if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
-            raise ValueError(f"{name} must be a list of token ids >= 0, got {value!r}")
-        value = tuple(value)
-    elif kind == "tuple[str, ...]":
-        value = [value] if isinstance(value, str) else value
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
-        value = tuple(value)
-    return value

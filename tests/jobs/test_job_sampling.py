@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.config import EngineConfig
-from engine.sampling_params import SAMPLING_FIELDS, SamplingParams
+from engine.sampling_params import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
 from jobs.generate import derive_seed
 from jobs.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, manifest_from_dict
-from jobs.reader import SAMPLING_FIELD_TYPES, PromptReader
+from jobs.reader import PromptReader
 from jobs.writer import read_output
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
