@@ -12,17 +12,10 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.generate import derive_seed
 from jobs.job import JobError, run_job
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.writer import committed_parts
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    from engine import LLMEngine
-
-    return LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)
+MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=6, temperature=0.0), "commit_every_rows": 3}
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +23,6 @@ def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-def make_manifest(model_dir, input_path, output_dir, **input_settings) -> JobManifest:
-    input_settings.setdefault("prompt_column", "prompt")
-    return JobManifest(
-        model=ModelSettings(path=str(model_dir)),
-        input=InputSettings(path=str(input_path), **input_settings),
-        sampling=SamplingParams(max_new_tokens=6, temperature=0.0),
-        engine=ENGINE_CONFIG,
-        output=OutputSettings(path=str(output_dir), commit_every_rows=3),
-    )
 
 
 def read_output(output_dir) -> dict[int, dict]:
@@ -55,7 +37,7 @@ def write_prompts(path, n: int, **extra):
     return path
 
 
-def test_bad_rows_are_error_rows_and_the_job_goes_on(tiny_model_dir, tiny_engine, tokenizer, tmp_path):
+def test_bad_rows_are_error_rows_and_the_job_goes_on(tiny_model_dir, tiny_engine, tokenizer, tmp_path, make_manifest):
     prompts = ["hello", None, "", "x" * 300, "bad temperature", "world"]
     temperature = [None, None, None, None, -1.0, 0.0]
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": prompts,
@@ -84,7 +66,7 @@ def test_bad_rows_are_error_rows_and_the_job_goes_on(tiny_model_dir, tiny_engine
     assert summary.line().startswith("cbrun: 6 rows (4 errors, 0 skipped) | ")
 
 
-def test_prompt_ids_column_is_not_re_encoded(tiny_model_dir, tiny_engine, tmp_path):
+def test_prompt_ids_column_is_not_re_encoded(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     ids = pa.array([[10, 20, 30], [99], [5000]], pa.list_(pa.int64()))
     pq.write_table(pa.table({"ids": ids}), tmp_path / "ids.parquet")
     manifest = make_manifest(tiny_model_dir, tmp_path / "ids.parquet", tmp_path / "out",
@@ -95,7 +77,7 @@ def test_prompt_ids_column_is_not_re_encoded(tiny_model_dir, tiny_engine, tmp_pa
     assert "token id 5000 is out of the model's vocabulary" in out[2]["error"]
 
 
-def test_resume_extends_and_finished_job_does_nothing(tiny_model_dir, tiny_engine, tmp_path):
+def test_resume_extends_and_finished_job_does_nothing(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     write_prompts(tmp_path / "in.parquet", 10)
     full = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "full")
     run_job(full, progress=False, engine=tiny_engine)
@@ -117,7 +99,7 @@ def test_resume_extends_and_finished_job_does_nothing(tiny_model_dir, tiny_engin
     assert "already finished" in again.line()
 
 
-def test_changed_fingerprint_refuses_unless_overwrite(tiny_model_dir, tiny_engine, tmp_path):
+def test_changed_fingerprint_refuses_unless_overwrite(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     write_prompts(tmp_path / "in.parquet", 3)
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out")
     run_job(manifest, progress=False, engine=tiny_engine)
@@ -130,7 +112,7 @@ def test_changed_fingerprint_refuses_unless_overwrite(tiny_model_dir, tiny_engin
     assert all(r["num_completion_tokens"] <= 3 for r in read_output(tmp_path / "out").values())
 
 
-def test_seeded_sampling_is_reproducible_and_seed_column_overrides(tiny_model_dir, tiny_engine, tmp_path):
+def test_seeded_sampling_is_reproducible_and_seed_column_overrides(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     assert derive_seed(0, "a") == derive_seed(0, "a") != derive_seed(1, "a") != derive_seed(0, "b")
     assert 0 <= derive_seed(123, "row") < 2**63
     pq.write_table(pa.table({"prompt": ["same prompt"] * 4, "seed": pa.array([None, None, 42, 42], pa.int64())}),
@@ -146,7 +128,7 @@ def test_seeded_sampling_is_reproducible_and_seed_column_overrides(tiny_model_di
     assert outputs[0][2] == outputs[0][3]  # rows 2 and 3 both take seed 42 from the seed column
 
 
-def test_logprobs_reach_the_output(tiny_model_dir, tiny_engine, tmp_path):
+def test_logprobs_reach_the_output(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     write_prompts(tmp_path / "in.parquet", 2)
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out")
     manifest.sampling = SamplingParams(max_new_tokens=4, logprobs=2, prompt_logprobs_from=1)
@@ -157,7 +139,7 @@ def test_logprobs_reach_the_output(tiny_model_dir, tiny_engine, tmp_path):
         assert len(row["prompt_logprobs"]) == len(row["prompt_greedy"]) == row["num_prompt_tokens"] - 1
 
 
-def test_stop_string_column_cuts_the_completion(tiny_model_dir, tiny_engine, tmp_path):
+def test_stop_string_column_cuts_the_completion(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     write_prompts(tmp_path / "in.parquet", 1)
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "free")
     manifest.sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -173,7 +155,7 @@ def test_stop_string_column_cuts_the_completion(tiny_model_dir, tiny_engine, tmp
     assert (row["completion"], row["finish_reason"]) == (text[:cut], "stop")
 
 
-def test_setup_errors_come_before_any_work(tiny_model_dir, tmp_path):
+def test_setup_errors_come_before_any_work(tiny_model_dir, tmp_path, make_manifest):
     write_prompts(tmp_path / "in.parquet", 2)
     manifest = make_manifest(tmp_path / "no-model", tmp_path / "in.parquet", tmp_path / "out")
     with pytest.raises(JobError, match="model directory .* not found"):

@@ -13,25 +13,13 @@ from engine.config import EngineConfig
 from engine.sampling_params import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
 from jobs.generate import derive_seed
 from jobs.job import run_job
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, manifest_from_dict
+from jobs.manifest import manifest_from_dict
 from jobs.reader import PromptReader
 from jobs.writer import read_output
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 DEFAULTS = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    from engine import LLMEngine
-
-    return LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)
-
-
-def manifest(model_dir, input_path, output_dir, sampling: SamplingParams = DEFAULTS) -> JobManifest:
-    return JobManifest(model=ModelSettings(path=str(model_dir)),
-                       input=InputSettings(path=str(input_path), prompt_column="prompt", id_column="id"),
-                       sampling=sampling, engine=ENGINE_CONFIG, output=OutputSettings(path=str(output_dir)))
+MANIFEST_DEFAULTS = {"sampling": DEFAULTS, "id_column": "id"}
 
 
 def by_index(output_dir) -> dict[int, dict]:
@@ -115,7 +103,7 @@ def test_wrong_typed_row_values_are_row_errors_naming_the_setting(tmp_path):
     assert rows[3].error.startswith("row 3 (id '3'): stop must be a string or a list of strings")
 
 
-def test_per_row_overrides_reach_the_engine(tiny_model_dir, tiny_engine, tmp_path):
+def test_per_row_overrides_reach_the_engine(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     prompts = [f"row {i} says" for i in range(9)]
     greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
     first_token = direct(tiny_engine, prompts[4], greedy).output_token_ids[0]
@@ -137,7 +125,7 @@ def test_per_row_overrides_reach_the_engine(tiny_model_dir, tiny_engine, tmp_pat
         "ignore_eos": pa.array(none, pa.bool_()),
     })
     pq.write_table(table, tmp_path / "in.parquet", row_group_size=4)
-    summary = run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out"), progress=False,
+    summary = run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out"), progress=False,
                       engine=tiny_engine)
     assert (summary.num_rows, summary.num_errors) == (9, 1)
     out = by_index(tmp_path / "out")
@@ -164,7 +152,7 @@ def test_per_row_overrides_reach_the_engine(tiny_model_dir, tiny_engine, tmp_pat
     assert out[8]["completion_token_ids"] == penalised
 
 
-def test_prompt_logprobs_reach_the_output(tiny_model_dir, tiny_engine, tmp_path):
+def test_prompt_logprobs_reach_the_output(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -172,7 +160,7 @@ def test_prompt_logprobs_reach_the_output(tiny_model_dir, tiny_engine, tmp_path)
     sampling = manifest_from_dict({"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
                                    "output": {"path": "o"},
                                    "sampling": {"prompt_logprobs": True, "max_new_tokens": 2}}).sampling
-    run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", sampling), progress=False,
+    run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", sampling=sampling), progress=False,
             engine=tiny_engine)
     out = by_index(tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
 from jobs.job import run_job
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
+from jobs.manifest import load_manifest
 from jobs.ordering import order_by_prefix, prompt_sort_key
 from jobs.reader import template_fields
 from jobs.writer import committed_parts
@@ -24,14 +24,9 @@ from tests.jobs.test_resume import kill_after_first_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=128)
+MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True), "seed": 7,
+                     "commit_every_rows": 3, "id_column": "id"}
 PREFIXES = ["The quick brown fox jumps over the dog. ", "Once upon a time there was a cat. ", "Q: 2 + 2 = ? A: "]
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    from engine import LLMEngine
-
-    return LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)
 
 
 def write_shared_prefix_input(path, num_rows: int, seed: int = 0, **extra) -> list[str]:
@@ -41,18 +36,6 @@ def write_shared_prefix_input(path, num_rows: int, seed: int = 0, **extra) -> li
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(num_rows)], "prompt": prompts, **extra}), path,
                    row_group_size=8)
     return prompts
-
-
-def make_manifest(model_dir, input_path, output_dir, order_window: int, n: int = 1) -> JobManifest:
-    return JobManifest(
-        model=ModelSettings(path=str(model_dir)),
-        input=InputSettings(path=str(input_path), prompt_column="prompt", id_column="id", order_window=order_window),
-        sampling=SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True),
-        seed=7,
-        n=n,
-        engine=ENGINE_CONFIG,
-        output=OutputSettings(path=str(output_dir), commit_every_rows=3),
-    )
 
 
 def output_rows(output_dir) -> dict[tuple[int, int], dict]:
@@ -91,7 +74,7 @@ def test_window_bounds_the_items_pulled_ahead():
     assert out == [5, 4, 3, 2, 1, 0, 11, 10, 9, 8, 7, 6, 17, 16, 15, 14, 13, 12, 19, 18]
 
 
-def test_ordering_changes_the_order_of_work_never_a_row(tiny_model_dir, tiny_engine, tmp_path, monkeypatch):
+def test_ordering_changes_the_order_of_work_never_a_row(tiny_model_dir, tiny_engine, tmp_path, monkeypatch, make_manifest):
     prompts = write_shared_prefix_input(tmp_path / "in.parquet", 24)
     submitted = []
     generate = tiny_engine.generate
@@ -107,7 +90,7 @@ def test_ordering_changes_the_order_of_work_never_a_row(tiny_model_dir, tiny_eng
     outputs = {}
     for window in (0, 10):
         submitted.clear()
-        manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / f"w{window}", window, n=2)
+        manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / f"w{window}", order_window=window, n=2)
         summary = run_job(manifest, progress=False, engine=tiny_engine)
         assert (summary.num_rows, summary.num_output_rows, summary.num_errors) == (24, 48, 0)
         outputs[window] = output_rows(tmp_path / f"w{window}")
@@ -149,7 +132,7 @@ class _CountingReader:
 
 @pytest.mark.parametrize("window", [0, 8])
 def test_the_window_bounds_rows_read_ahead_of_the_writer(tiny_model_dir, tiny_engine, tmp_path, monkeypatch,
-                                                         window):
+                                                         window, make_manifest):
     write_shared_prefix_input(tmp_path / "in.parquet", 40)
     written: list[int] = []
     readers = []
@@ -163,7 +146,7 @@ def test_the_window_bounds_rows_read_ahead_of_the_writer(tiny_model_dir, tiny_en
     monkeypatch.setattr(jobs.job, "open_reader", lambda m: readers.append(_CountingReader(open_reader(m), written))
                         or readers[-1])
     monkeypatch.setattr(jobs.checkpoint, "PartWriter", CountingWriter)
-    manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", window)
+    manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", order_window=window)
     run_job(manifest, progress=False, engine=tiny_engine)
     assert sorted(written) == list(range(40))
     max_in_flight = 4 * ENGINE_CONFIG.max_requests_per_batch  # the job's look-ahead into the engine
@@ -172,7 +155,7 @@ def test_the_window_bounds_rows_read_ahead_of_the_writer(tiny_model_dir, tiny_en
         assert readers[-1].max_ahead > window  # the job did read a whole window ahead
 
 
-def test_killed_ordered_run_with_samples_resumes_exactly(tiny_model_dir, tmp_path, capsys):
+def test_killed_ordered_run_with_samples_resumes_exactly(tiny_model_dir, tmp_path, capsys, make_manifest):
     num_rows = 12
     write_shared_prefix_input(tmp_path / "in.parquet", num_rows,
                               n=pa.array([1, 3, None, 2] * (num_rows // 4), pa.int64()))
@@ -196,7 +179,7 @@ def test_killed_ordered_run_with_samples_resumes_exactly(tiny_model_dir, tmp_pat
     assert main(args) == 0  # resumed in this process (the killed one was a subprocess)
     assert f"(0 errors, {len(killed_rows)} skipped)" in capsys.readouterr().out
 
-    reference = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "reference", 0, n=2)
+    reference = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "reference", order_window=0, n=2)
     run_job(reference, progress=False)  # input order, one uninterrupted run
     expected = output_rows(tmp_path / "reference")
     got = output_rows(out)

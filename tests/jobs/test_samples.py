@@ -12,29 +12,12 @@ from engine.sampling_params import SamplingParams
 from jobs.checkpoint import job_fingerprint
 from jobs.generate import derive_seed, sample_seeds
 from jobs.job import JobError, run_job
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
+from jobs.manifest import load_manifest
 from jobs.writer import committed_parts
 
 ENGINE_CONFIG = EngineConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=128)
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    from engine import LLMEngine
-
-    return LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)
-
-
-def make_manifest(model_dir, input_path, output_dir, n: int = 1, **sampling) -> JobManifest:
-    return JobManifest(
-        model=ModelSettings(path=str(model_dir)),
-        input=InputSettings(path=str(input_path), prompt_column="prompt", id_column="id"),
-        sampling=SamplingParams(**{"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, **sampling}),
-        seed=3,
-        n=n,
-        engine=ENGINE_CONFIG,
-        output=OutputSettings(path=str(output_dir), commit_every_rows=1),
-    )
+MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True), "seed": 3,
+                     "commit_every_rows": 1, "id_column": "id"}
 
 
 def write_input(path, num_rows: int, **extra):
@@ -65,7 +48,7 @@ def test_seeds_derive_from_job_seed_row_id_and_sample_index():
     assert with_column[0] == 42 and len(set(with_column)) == 3
 
 
-def test_n_samples_are_separate_rows_that_differ_and_reproduce(tiny_model_dir, tiny_engine, tmp_path):
+def test_n_samples_are_separate_rows_that_differ_and_reproduce(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     write_input(tmp_path / "in.parquet", 4)
     runs = []
     for name in ("a", "b"):
@@ -87,7 +70,7 @@ def test_n_samples_are_separate_rows_that_differ_and_reproduce(tiny_model_dir, t
     assert pq.read_schema(committed_parts(tmp_path / "one")[0]).field("sample_index").type == pa.int32()
 
 
-def test_per_row_n_column_and_bad_values(tiny_model_dir, tiny_engine, tmp_path):
+def test_per_row_n_column_and_bad_values(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     n_column = pa.array([1, 4, None, 2, 0, 1.5], pa.float64())
     write_input(tmp_path / "in.parquet", 6, n=n_column)
     summary = run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2),
@@ -101,7 +84,7 @@ def test_per_row_n_column_and_bad_values(tiny_model_dir, tiny_engine, tmp_path):
         assert row["error"].startswith(f"row {i} (id 'r{i}'): n (samples per row) must be an integer >= 1")
 
 
-def test_seed_column_seeds_sample_zero_and_the_others_differ(tiny_model_dir, tiny_engine, tmp_path):
+def test_seed_column_seeds_sample_zero_and_the_others_differ(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     write_input(tmp_path / "in.parquet", 2, seed=pa.array([11, 11], pa.int64()))
     run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2), progress=False,
             engine=tiny_engine)
@@ -114,7 +97,7 @@ def test_seed_column_seeds_sample_zero_and_the_others_differ(tiny_model_dir, tin
     assert out[0][0]["completion_token_ids"] != out[0][1]["completion_token_ids"]
 
 
-def test_samples_of_a_row_share_its_prompt_blocks(tiny_model_dir, tmp_path):
+def test_samples_of_a_row_share_its_prompt_blocks(tiny_model_dir, tmp_path, make_manifest):
     from engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)  # a fresh, empty prefix cache
@@ -127,7 +110,7 @@ def test_samples_of_a_row_share_its_prompt_blocks(tiny_model_dir, tmp_path):
 
 
 def test_interrupted_run_commits_whole_rows_and_resumes_exactly(tiny_model_dir, tiny_engine, tmp_path,
-                                                                monkeypatch):
+                                                                monkeypatch, make_manifest):
     write_input(tmp_path / "in.parquet", 8, n=pa.array([3, 1, 2, 3, None, 2, 3, 1], pa.int64()))
     run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "reference", n=2), progress=False,
             engine=tiny_engine)
@@ -175,7 +158,7 @@ def test_n_setting_is_validated_and_part_of_the_fingerprint(tmp_path):
         load_manifest(None, [*sets, "input.order_window=-1"])
 
 
-def test_changing_n_refuses_to_resume(tiny_model_dir, tiny_engine, tmp_path):
+def test_changing_n_refuses_to_resume(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     write_input(tmp_path / "in.parquet", 2)
     run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2), progress=False,
             engine=tiny_engine)

@@ -21,13 +21,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=128, max_requests_per_batch=8, num_blocks=128)
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    from engine import LLMEngine
-
-    return LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)
-
-
 @functools.lru_cache(maxsize=None)
 def hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,47 @@
+"""Fixtures shared by the job tests: one tiny engine per test module, and a manifest factory.
+
+A module that uses them sets ``ENGINE_CONFIG`` (an ``EngineConfig``) and may set ``MANIFEST_DEFAULTS``: keyword
+defaults of ``make_manifest`` (``sampling``, ``seed``, ``n``, ``commit_every_rows`` and ``[input]`` settings).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+
+_PROMPT_SOURCES = ("prompt_column", "prompt_ids_column", "template", "messages_column")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(request, tiny_model_dir):
+    """An ``LLMEngine`` over the tiny random-weight model with the test module's ``ENGINE_CONFIG``."""
+    from engine import LLMEngine
+
+    return LLMEngine.from_pretrained(str(tiny_model_dir), request.module.ENGINE_CONFIG)
+
+
+@pytest.fixture
+def make_manifest(request):
+    """``make_manifest(model_dir, input_path, output_dir, **settings) -> JobManifest``.
+
+    ``settings``: ``sampling`` (a ``SamplingParams``), ``seed``, ``n``, ``commit_every_rows``; the rest are
+    ``[input]`` settings (``prompt_column="prompt"`` unless another prompt source is given). Unset ones come from
+    the module's ``MANIFEST_DEFAULTS``; the engine is the module's ``ENGINE_CONFIG``.
+    """
+    defaults = getattr(request.module, "MANIFEST_DEFAULTS", {})
+
+    def make(model_dir, input_path, output_dir, **settings) -> JobManifest:
+        settings = {**defaults, **settings}
+        sampling = settings.pop("sampling", SamplingParams())
+        seed, n = settings.pop("seed", 0), settings.pop("n", 1)
+        commit_every_rows = settings.pop("commit_every_rows", 1000)
+        if not any(settings.get(name) is not None for name in _PROMPT_SOURCES) and "prompt_column" not in settings:
+            settings["prompt_column"] = "prompt"
+        return JobManifest(model=ModelSettings(path=str(model_dir)),
+                           input=InputSettings(path=str(input_path), **settings),
+                           sampling=sampling, seed=seed, n=n, engine=request.module.ENGINE_CONFIG,
+                           output=OutputSettings(path=str(output_dir), commit_every_rows=commit_every_rows))
+
+    return make
