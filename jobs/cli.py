@@ -4,14 +4,24 @@ jobs.export and jobs.demo.
 Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
 Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``jobs.manifest.cli_text``).
 
-Exit codes: 0 done (or nothing to do), 1 an unexpected failure, 2 a setup problem reported before any work (missing
-input, column or model, unreadable model, bad manifest, output holding another job), 130 interrupted.
+Exit codes: ``EXIT_CODES`` (also in ``cbrun --help``, ``cbrun run --help`` and the README).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import traceback
+
+EXIT_CODES = (
+    "exit codes: 0 the job finished, its error rows within output.max_error_fraction (or there was nothing to do); "
+    "1 an unexpected failure (the rows finished before it are committed; rerun to resume); "
+    "2 a setup problem, reported before any work (bad manifest; missing or unusable input, column, model, tokenizer, "
+    "device or output directory; output holding another job; output in use by another run); "
+    "3 the job finished, but more than output.max_error_fraction of its output rows are error rows (or all are); "
+    "130 interrupted by SIGINT, 143 by SIGTERM (the finished rows are committed; rerun to resume)."
+)
 
 #: CLI flag -> (manifest section, key).
 RUN_FLAGS = {
@@ -40,16 +50,17 @@ RUN_FLAGS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbrun", description="Offline batch LLM inference over Parquet prompts.",
-                                     allow_abbrev=False)
+                                     allow_abbrev=False, epilog=EXIT_CODES)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", allow_abbrev=False, help="run (or resume) a job", description=(
+    run = commands.add_parser("run", allow_abbrev=False, help="run (or resume) a job", epilog=EXIT_CODES,
+                              description=(
         "Run a job described by a TOML manifest and/or flags; flags override the manifest. Relative paths resolve "
         "against the current directory. Rerunning the same job resumes it."))
     run.add_argument("manifest", nargs="?", help="TOML manifest ([model] [input] [sampling] [engine] [output])")
     run.add_argument("--model", help="Hugging Face model directory")
     run.add_argument("--input", help="Parquet file, directory of Parquet files, or saved datasets directory")
-    run.add_argument("--output", help="output directory (part files, job.json, stats.json, _SUCCESS)")
+    run.add_argument("--output", help="output directory (part files, _SUCCESS, and cbrun's own _cbrun/ folder)")
     run.add_argument("--prompt-column", help="text column holding the prompt")
     run.add_argument("--prompt-ids-column", help="list<int> column of prompt token ids (used as given)")
     run.add_argument("--id-column", help="column of row ids (default: the row index)")
@@ -76,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="set any manifest key, e.g. --set engine.max_batch_tokens=1024 (repeatable)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--retry-errors", action="store_true",
+                     help="take the rows with error rows out of the output and run them again (e.g. after a fix); "
+                          "each row is in the output once afterwards")
 
     export = commands.add_parser("export", allow_abbrev=False, help="write an output directory's rows as JSON Lines",
                                  description=(
@@ -117,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args)
         return _demo(args)
-    except KeyboardInterrupt:
-        print("cbrun: interrupted; finished rows are committed, rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # jobs.signals.Interrupted: SIGINT or SIGTERM
+        signum = getattr(exc, "signum", signal.SIGINT)
+        committed = getattr(exc, "num_committed_rows", None)
+        done = "" if committed is None else f"; the {committed} output rows this run finished are committed"
+        print(f"cbrun: interrupted by {signal.Signals(signum).name}: stopped admitting rows{done}; rerun the same "
+              f"command to resume", file=sys.stderr)
+        return 128 + signum
 
 
 def _quiet_transformers() -> None:
@@ -137,20 +155,26 @@ def _quiet_transformers() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jobs.job import JobError, run_job
+    from jobs.job import JobAborted, JobError, run_job
     from jobs.manifest import cli_text, load_manifest
+    from jobs.signals import interrupt_on_stop_signals
 
     overrides: dict[str, dict] = {}
     try:
         for flag, (section, key) in RUN_FLAGS.items():
             overrides.setdefault(section, {})[key] = _flag_value(flag, getattr(args, flag), cli_text)
         manifest = load_manifest(args.manifest, args.sets, overrides)
-        summary = run_job(manifest, progress=not args.no_progress)
+        with interrupt_on_stop_signals():
+            summary = run_job(manifest, progress=not args.no_progress, retry_errors=args.retry_errors)
     except (JobError, ValueError, FileNotFoundError) as exc:
         print(f"cbrun: error: {exc}", file=sys.stderr)
         return 2
+    except JobAborted as exc:
+        traceback.print_exception(exc.__cause__, file=sys.stderr)
+        print(f"cbrun: error: {exc}", file=sys.stderr)
+        return 1
     print(summary.line())
-    return 0
+    return summary.exit_code
 
 
 def _flag_value(flag: str, value, cli_text):
@@ -193,7 +217,7 @@ def _demo(args: argparse.Namespace) -> int:
           "the pipeline (reader -> engine -> writer).")
     summary = run_demo(args.output, num_rows=args.num_rows, progress=not args.no_progress)
     print(summary.line())
-    print(f"cbrun demo: output in {Path(summary.output_dir).resolve()} (part-*.parquet, stats.json); "
+    print(f"cbrun demo: output in {Path(summary.output_dir).resolve()} (part-*.parquet, _cbrun/stats.json); "
           f"read it with jobs.writer.read_output(DIR)")
     return 0
 

@@ -15,7 +15,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,10 @@ import numpy as np
 
 from jobs.carry import carried_fields, carried_values, check_kept_columns, keep_roles
 from jobs.chat import check_chat_template, check_messages_column
-from jobs.checkpoint import Checkpoint, FingerprintMismatch, job_fingerprint
+from jobs.checkpoint import Checkpoint, FingerprintMismatch
+from jobs.fingerprint import WEIGHT_SUFFIXES, job_fingerprint
 from jobs.generate import GenerateMode
+from jobs.lock import OutputLocked
 from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest, apply_model_defaults
 from jobs.mode import JobMode
 from jobs.openai_batch import OPENAI_FIELDS, REQUEST_FIELDS, OpenAIBatchReader, input_fields, is_openai_batch_input
@@ -48,6 +50,11 @@ class JobError(Exception):
     """The job cannot start as configured; the message says what to fix. Raised before any row is generated."""
 
 
+class JobAborted(Exception):
+    """Generation stopped on a fault that is not one row's; the rows finished before it are committed. The cause
+    is ``__cause__``."""
+
+
 @dataclass
 class JobSummary:
     """What one ``run_job`` call did.
@@ -66,6 +73,9 @@ class JobSummary:
         already_finished: the output already held the finished job; nothing was done.
         num_repeated_ids: distinct ``id_column`` values that more than one input row holds (see ``jobs.row_ids``).
         engine_stats: ``LLMEngine.stats.as_dict()`` at the end.
+        total_output_rows / total_error_rows: output rows in the whole output (earlier runs' and this run's), and
+            of them the error rows.
+        max_error_fraction: ``output.max_error_fraction``: above it, ``exit_code`` is 3.
     """
 
     output_dir: str
@@ -84,6 +94,20 @@ class JobSummary:
     already_finished: bool = False
     num_repeated_ids: int = 0
     engine_stats: dict[str, Any] = field(default_factory=dict)
+    total_output_rows: int = 0
+    total_error_rows: int = 0
+    max_error_fraction: float = 1.0
+
+    @property
+    def too_many_errors(self) -> bool:
+        """More error rows than ``max_error_fraction`` of the output allows; an output of error rows alone always."""
+        total, errors = self.total_output_rows, self.total_error_rows
+        return total > 0 and (errors == total or errors > self.max_error_fraction * total)
+
+    @property
+    def exit_code(self) -> int:
+        """0: finished with error rows within budget; 3: finished, but too many error rows (``too_many_errors``)."""
+        return 3 if self.too_many_errors else 0
 
     @property
     def generated_tokens_per_s(self) -> float:
@@ -94,17 +118,30 @@ class JobSummary:
         """The one summary line the CLI prints."""
         if self.already_finished:
             return (f"cbrun: job already finished: all {self.num_skipped} rows of this input are in {self.output_dir} "
-                    f"(see stats.json); nothing to do (use --overwrite to recompute)")
+                    f"(see _cbrun/stats.json); nothing to do (use --overwrite to recompute)"
+                    f"{self._errors()}")
         gpu = "" if self.peak_gpu_memory_mib is None else f" | peak GPU memory {self.peak_gpu_memory_mib:.0f} MiB"
         if self.num_candidates:
-            return self._score_line() + f" | peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}"
+            return (self._score_line() + f" | peak memory {self.peak_memory_mib:.0f} MiB{gpu}"
+                    f"{self._engine_counters()}{self._errors()}")
         samples = f" | {self.num_output_rows} samples" if self.num_output_rows != self.num_rows else ""
         if self.num_repeated_ids:
             samples += f" | {self.num_repeated_ids} repeated ids"
         return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped){samples} | "
                 f"{self.num_prompt_tokens} prompt tokens | {self.num_generated_tokens} generated tokens | "
                 f"{self.elapsed_s:.1f} s | {self.generated_tokens_per_s:.0f} tokens/s generated | "
-                f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}")
+                f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}{self._errors()}")
+
+    def _errors(self) -> str:
+        """Where the error rows are, when there are any; what exit code 3 means, when it applies."""
+        if not self.total_error_rows:
+            return ""
+        where = (f"{self.total_error_rows} of {self.total_output_rows} output rows in {self.output_dir} are error "
+                 f"rows (finish_reason = 'error'; their error column says why; rerun them with --retry-errors)")
+        if self.too_many_errors:
+            return (f"\ncbrun: too many errors (exit code 3): {where}, above output.max_error_fraction = "
+                    f"{self.max_error_fraction:g}")
+        return f"\ncbrun: {where}"
 
     def _score_line(self) -> str:
         """Score mode's throughput: candidates/s, and tokens/s over context + candidate tokens."""
@@ -161,28 +198,46 @@ def output_carried_fields(manifest: JobManifest, reader: PromptReader | OpenAIBa
 
 
 def check_model_dir(model_path: str) -> None:
-    """Raise ``JobError`` unless ``model_path`` looks like a Hugging Face model directory."""
+    """Raise ``JobError`` unless ``model_path`` is a Hugging Face model directory with a readable config and weights.
+
+    Reads the config alone (no weights), so a finished job is recognised without loading the model.
+    """
+    from transformers import AutoConfig
+
     path = Path(model_path)
     if not (path / "config.json").is_file():
         what = "not found" if not path.exists() else "has no config.json"
         raise JobError(f"model directory {model_path!r} {what}: give a Hugging Face model directory, e.g. one "
                        f"made by `cbrun convert-llama2c CHECKPOINT TOKENIZER OUT_DIR`")
+    try:
+        AutoConfig.from_pretrained(model_path)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
+    if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
+        raise JobError(f"model directory {model_path!r} holds no weights (*.safetensors, *.bin, *.pt, *.pth)")
 
 
-def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> JobSummary:
-    """Run (or resume, or recognise as finished) the job a manifest describes.
+def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_errors: bool = False) -> JobSummary:
+    """Run (or resume, or recognise as finished) the job a manifest describes, holding the output's lock throughout.
 
     Args:
         manifest: the job.
         progress: show a tqdm progress bar on stderr.
         engine: an ``LLMEngine`` already loaded from ``manifest.model.path`` (tests reuse one); None loads it.
+        retry_errors: first take the rows that have error rows out of the output, then run them again (each row
+            is in the output once afterwards, as before).
 
     Returns:
-        The run's ``JobSummary``; also written to the output's stats.json when the job is finished.
+        The run's ``JobSummary`` (its ``exit_code`` says whether the error rows are within
+        ``output.max_error_fraction``); also written to the output's ``_cbrun/stats.json`` when the job is finished.
 
     Raises:
-        JobError: before any generation, for a missing input/column/model, an unreadable model, or an output
-            directory that holds another job.
+        JobError: before any generation, for a missing or unusable resource (input, column, model, tokenizer,
+            device, output directory), an output directory that holds another job, or one another run holds.
+        JobAborted: generation stopped on a fault that is not one row's (e.g. out of memory, a device error); the
+            rows finished before it are committed.
+        KeyboardInterrupt: (or ``jobs.signals.Interrupted``) the run was interrupted; the rows finished before it
+            are committed, and ``num_committed_rows`` on the exception counts them.
     """
     start = time.perf_counter()
     try:
@@ -195,6 +250,7 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
         apply_model_defaults(manifest)  # NOTE: before the fingerprint, which records the settings used
     except ValueError as exc:
         raise JobError(str(exc)) from None
+    engine_config = replace(manifest.engine, device=resolve_device(manifest.engine.device))
     tokenizer = None
     if manifest.input.chat or isinstance(reader, OpenAIBatchReader):  # NOTE: before any work, model loading too
         tokenizer = load_tokenizer(manifest.model.path)
@@ -207,47 +263,90 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
             raise JobError(str(exc)) from None
     checkpoint = Checkpoint(manifest.output.path)
     fingerprint = job_fingerprint(manifest, reader.num_input_rows)
-    overwrite = manifest.output.overwrite
     try:
-        done = checkpoint.open(fingerprint, reader.num_rows, overwrite=overwrite)
-    except (FingerprintMismatch, ValueError) as exc:
+        checkpoint.check(fingerprint, overwrite=manifest.output.overwrite)  # before creating anything
+        checkpoint.lock.acquire()
+    except (FingerprintMismatch, ValueError, OutputLocked) as exc:
         raise JobError(str(exc)) from None
-    summary = JobSummary(output_dir=str(manifest.output.path), num_skipped=int(done.sum()))
-    if isinstance(reader, PromptReader) and manifest.input.id_column is not None:
-        summary.num_repeated_ids = warn_repeated_ids(reader)
-    if done.all() and not overwrite:
-        # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
-        # finished here without loading the model.
-        if not checkpoint.is_finished():
-            checkpoint.prepare(fingerprint)
-            write_results_file(manifest)
-            checkpoint.mark_finished(fingerprint, {**summary.as_dict(), "num_rows_in_output": summary.num_skipped})
-        else:
-            write_results_file(manifest, only_if_missing=True)  # the job ran without --output-format before
-        summary.already_finished = True
-        summary.elapsed_s = time.perf_counter() - start
-        return summary
+    except OSError as exc:
+        raise JobError(f"cannot create the output directory {manifest.output.path!r}: {exc}") from None
+    try:
+        job = _Job(manifest, reader, checkpoint, fingerprint, start)
+        return job.run(engine, engine_config, tokenizer, progress, retry_errors)
+    finally:
+        checkpoint.lock.release()
 
-    engine = engine if engine is not None else load_engine(manifest)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(manifest.model.path)
-    writer = checkpoint.start(fingerprint, manifest.output.commit_every_rows, manifest.output.commit_every_seconds,
-                              overwrite=overwrite, carried_fields=output_carried_fields(manifest, reader))
-    remove_stale_results(manifest)
-    mode = MODES[manifest.input.mode](manifest, tokenizer, engine.max_model_len,
-                                      _model_vocab_size(manifest.model.path))
-    generation_start = time.perf_counter()
-    max_in_flight = 4 * manifest.engine.max_requests_per_batch
-    _JobRun(mode, engine, writer, summary, manifest.input.order_window, max_in_flight).run(reader, done, progress)
-    summary.generation_s = time.perf_counter() - generation_start
-    summary.elapsed_s = time.perf_counter() - start
-    summary.peak_memory_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    summary.peak_gpu_memory_mib = _peak_gpu_memory_mib(manifest.engine.device)
-    summary.engine_stats = engine.stats.as_dict()
-    write_results_file(manifest, tokenizer)
-    checkpoint.mark_finished(fingerprint, {**summary.as_dict(),
-                                           "num_rows_in_output": summary.num_skipped + summary.num_rows})
-    return summary
+
+class _Job:
+    """One run of a job under the output directory's lock: open the output, run the rows not done, finish."""
+
+    def __init__(self, manifest: JobManifest, reader: PromptReader, checkpoint: Checkpoint, fingerprint: dict,
+                 start: float):
+        self.manifest = manifest
+        self.reader = reader
+        self.checkpoint = checkpoint
+        self.fingerprint = fingerprint
+        self.start = start
+
+    def run(self, engine, engine_config, tokenizer, progress: bool, retry_errors: bool) -> JobSummary:
+        manifest, checkpoint, overwrite = self.manifest, self.checkpoint, self.manifest.output.overwrite
+        try:
+            state = checkpoint.open(self.fingerprint, self.reader.num_rows, overwrite=overwrite,
+                                    retry_errors=retry_errors)
+        except ValueError as exc:  # FingerprintMismatch included
+            raise JobError(str(exc)) from None
+        summary = JobSummary(output_dir=str(manifest.output.path), num_skipped=int(state.done.sum()),
+                             total_output_rows=state.num_output_rows, total_error_rows=state.num_error_rows,
+                             max_error_fraction=manifest.output.max_error_fraction)
+        if isinstance(self.reader, PromptReader) and manifest.input.id_column is not None:
+            summary.num_repeated_ids = warn_repeated_ids(self.reader)
+        if state.done.all() and not overwrite:
+            # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
+            # finished here without loading the model.
+            if not checkpoint.is_finished():
+                checkpoint.prepare(self.fingerprint)
+                write_results_file(manifest)
+                checkpoint.mark_finished(self.fingerprint, {**summary.as_dict(),
+                                                            "num_rows_in_output": summary.num_skipped})
+            else:
+                write_results_file(manifest, only_if_missing=True)  # the job ran without --output-format before
+            summary.already_finished = True
+            summary.elapsed_s = time.perf_counter() - self.start
+            return summary
+
+        engine = engine if engine is not None else load_engine(manifest.model.path, engine_config)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(manifest.model.path)
+        out = manifest.output
+        writer = checkpoint.start(self.fingerprint, out.commit_every_rows, out.commit_every_seconds,
+                                  overwrite=overwrite, carried_fields=output_carried_fields(manifest, self.reader))
+        remove_stale_results(manifest)
+        mode = MODES[manifest.input.mode](manifest, tokenizer, engine.max_model_len,
+                                          _model_vocab_size(manifest.model.path))
+        generation_start = time.perf_counter()
+        max_in_flight = 4 * engine_config.max_requests_per_batch
+        try:
+            _JobRun(mode, engine, writer, summary, manifest.input.order_window, max_in_flight).run(
+                self.reader, state.done, progress)
+        except KeyboardInterrupt as exc:  # jobs.signals.Interrupted (SIGINT, SIGTERM) included
+            exc.num_committed_rows = writer.num_committed_rows
+            raise
+        except Exception as exc:
+            raise JobAborted(
+                f"the job stopped on a fault that is not one row's: {type(exc).__name__}: {exc}; the "
+                f"{writer.num_committed_rows} output rows this run finished are committed in {out.path}; rerun the "
+                f"same command to resume") from exc
+        summary.generation_s = time.perf_counter() - generation_start
+        summary.elapsed_s = time.perf_counter() - self.start
+        summary.peak_memory_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        summary.peak_gpu_memory_mib = _peak_gpu_memory_mib(engine_config.device)
+        summary.engine_stats = engine.stats.as_dict()
+        summary.total_output_rows += summary.num_output_rows
+        summary.total_error_rows += summary.num_errors
+        write_results_file(manifest, tokenizer)
+        checkpoint.mark_finished(self.fingerprint, {**summary.as_dict(),
+                                                    "num_rows_in_output": summary.num_skipped + summary.num_rows})
+        return summary
 
 
 def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: bool = False) -> None:
@@ -267,14 +366,44 @@ def remove_stale_results(manifest: JobManifest) -> None:
         (Path(manifest.output.path) / RESULTS_FILE).unlink(missing_ok=True)
 
 
-def load_engine(manifest: JobManifest):
+def resolve_device(device: str) -> str:
+    """The torch device a job runs on: "auto" is CUDA when available, else the CPU.
+
+    Raises:
+        JobError: for a device this machine does not have (e.g. "cuda" without a GPU) or a malformed name.
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise JobError(f"engine.device {device!r} is not a device name ({exc}); use \"auto\", \"cpu\" or "
+                       f"\"cuda\"") from None
+    if parsed.type == "cpu":
+        return device
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise JobError(f"engine.device = {device!r}, but this machine has no usable CUDA device "
+                           f"(torch.cuda.is_available() is False); set engine.device = \"auto\" or \"cpu\"")
+        if parsed.index is not None and parsed.index >= count:
+            raise JobError(f"engine.device = {device!r}, but this machine has {count} CUDA device(s)")
+        return device
+    if parsed.type == "mps" and torch.backends.mps.is_available():
+        return device
+    raise JobError(f"engine.device = {device!r} is not available here; use \"auto\", \"cpu\" or \"cuda\"")
+
+
+def load_engine(model_path: str, config):
     """``LLMEngine.from_pretrained`` with load failures turned into ``JobError``."""
     from engine import LLMEngine
 
     try:
-        return LLMEngine.from_pretrained(manifest.model.path, config=manifest.engine)
+        return LLMEngine.from_pretrained(model_path, config=config)
     except (ValueError, OSError) as exc:
-        raise JobError(f"cannot load the model from {manifest.model.path!r}: {exc}") from None
+        raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
 
 
 def load_tokenizer(model_path: str):

@@ -13,7 +13,7 @@ A manifest has five sections, all optional in the file (a key may come from ``--
                 (take unset settings from the model's generation_config.json; default true)
     [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
     [output]    path, commit_every_rows, commit_every_seconds, overwrite, format ("parts" or "openai-batch"),
-                keep_columns
+                keep_columns, max_error_fraction
 
 NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
 process, not against the manifest's directory, so the same manifest behaves the same as flags given on the command
@@ -186,7 +186,7 @@ class OutputSettings:
     """Where and how often results are committed.
 
     Attributes:
-        path: the output directory (part files, job.json, stats.json, _SUCCESS).
+        path: the output directory (part files, _SUCCESS, and cbrun's own _cbrun/ folder).
         commit_every_rows: commit a part file once this many finished rows are buffered.
         commit_every_seconds: commit a part file once the oldest buffered row is this many seconds old (checked
             whenever a row finishes).
@@ -194,6 +194,10 @@ class OutputSettings:
         format: "openai-batch" also writes ``results.jsonl`` (OpenAI batch output lines, in input order) beside
             the parts when the job finishes (``jobs.openai_batch``); "parts" writes the parts alone.
         keep_columns: input columns carried into every output row, with their Arrow types (``jobs.carry``).
+        max_error_fraction: the job exits with code 3 when more than this fraction of its output rows are error
+            rows (and always when all are). The default, 0.1, lets a few bad rows through (an over-long prompt,
+            a null field: the common case in real data) but stops a pipeline on a systematic fault (a wrong
+            column or template, a model that fails every request), which fails most rows.
     """
 
     path: str = ""
@@ -202,6 +206,7 @@ class OutputSettings:
     overwrite: bool = False
     format: str = "parts"
     keep_columns: list[str] = field(default_factory=list)
+    max_error_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if self.format not in ("parts", "openai-batch"):
@@ -217,6 +222,9 @@ class OutputSettings:
             raise ValueError(f"output.commit_every_seconds must be > 0, got {self.commit_every_seconds!r}")
         if not isinstance(self.overwrite, bool):
             raise ValueError(f"output.overwrite must be true or false, got {self.overwrite!r}")
+        if isinstance(self.max_error_fraction, bool) or not isinstance(self.max_error_fraction, int | float) \
+                or not 0 <= self.max_error_fraction <= 1:
+            raise ValueError(f"output.max_error_fraction must be in [0, 1], got {self.max_error_fraction!r}")
 
 
 @dataclass
@@ -397,7 +405,8 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         sampling=sampling_params,
         seed=seed,
         n=n,
-        engine=_build(EngineConfig, "engine", raw.get("engine", {})),
+        # NOTE: the device defaults to "auto" (CUDA when present); jobs.job.resolve_device checks it before any work.
+        engine=_build(EngineConfig, "engine", {"device": "auto", **raw.get("engine", {})}),
         output=_build(OutputSettings, "output", raw.get("output", {})),
         sampling_set=sampling_set,
         model_defaults=model_defaults,

@@ -2,7 +2,8 @@
 
 Each part is written under a hidden temporary name, flushed, fsynced, then ``os.replace``d to its final name (and
 the directory fsynced), so whoever lists the directory sees whole parts or nothing. A kill loses only the rows
-buffered since the last commit; resume recomputes them::
+buffered since the last commit; resume recomputes them. A commit interrupted at any line (a signal raises there)
+can simply be run again: it writes the same rows to the same part name, so no row is ever committed twice::
 
     finished rows --> buffer --(commit_every_rows or commit_every_seconds)--> .part-000007.parquet.tmp
                                                                                    | flush, fsync, os.replace
@@ -23,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+LOGPROB_TYPE = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
 PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 TEMP_RE = re.compile(r"^\.part-(\d{6,})\.parquet\.tmp$")
 
@@ -39,7 +41,9 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("error", pa.string()),
     # Null unless the job asks for them (sampling.logprobs; sampling.prompt_logprobs = true or prompt_logprobs_from):
     # prompt_logprobs[i] is the log-probability of prompt token prompt_logprobs_from + i (from 1: all but the first).
-    pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))),
+    # logprobs[i] lists token i's top candidates (and the chosen token) as {token_id, logprob} structs: lists of
+    # structs, not maps, so that every common reader (datasets, pandas, duckdb, polars) holds the column.
+    pa.field("logprobs", pa.list_(pa.list_(LOGPROB_TYPE))),
     pa.field("prompt_logprobs", pa.list_(pa.float32())),
     pa.field("prompt_greedy", pa.list_(pa.bool_())),
     # What ended a "stop" row: the stop string, or the stop (or EOS) token id as text; null otherwise.
@@ -143,11 +147,22 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+@dataclass
+class _Batch:
+    """The rows waiting for part ``number``; replaced whole, in one assignment, once that part is committed."""
+
+    number: int
+    rows: list[OutputRow] = field(default_factory=list)
+    oldest: float | None = None  # time.monotonic() when the first row came
+    num_committed_rows: int = 0  # output rows committed before this batch, by this writer
+
+
 class PartWriter:
     """Buffers finished rows and commits them as numbered part files.
 
     Owns the buffer and the part numbering of one output directory: numbering continues after the highest
-    committed part, so a resumed job never overwrites an earlier part.
+    committed part, so a resumed job never overwrites an earlier part. ``jobs.checkpoint.Checkpoint.start`` makes
+    it; it is the directory's only appender.
 
     Args:
         output_dir: an existing directory.
@@ -164,17 +179,23 @@ class PartWriter:
         self.commit_every_rows = commit_every_rows
         self.commit_every_seconds = commit_every_seconds
         parts = committed_parts(self.output_dir)
-        self.next_part = int(PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0
-        self.buffer: list[OutputRow] = []
-        self.oldest_buffered: float | None = None
-        self.num_committed_rows = 0
+        self._batch = _Batch(int(PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0)
+
+    @property
+    def buffer(self) -> list[OutputRow]:
+        return self._batch.rows
+
+    @property
+    def next_part(self) -> int:
+        return self._batch.number
+
+    @property
+    def num_committed_rows(self) -> int:
+        return self._batch.num_committed_rows
 
     def add(self, row: OutputRow) -> None:
         """Buffer one finished row; commits a part when a threshold is reached."""
-        if not self.buffer:
-            self.oldest_buffered = time.monotonic()
-        self.buffer.append(row)
-        self.maybe_commit()
+        self.add_group([row])
 
     def add_group(self, rows: list[OutputRow]) -> None:
         """Buffer rows that must land in the same part (the samples of one input row), then maybe commit.
@@ -182,42 +203,80 @@ class PartWriter:
         NOTE: resume counts a row done when its ``row_index`` is in a committed part, so a row's samples are never
         split across parts; a part may hold up to n - 1 rows beyond ``commit_every_rows``.
         """
-        if not self.buffer:
-            self.oldest_buffered = time.monotonic()
-        self.buffer.extend(rows)
+        batch = self._batch
+        if batch.oldest is None:
+            batch.oldest = time.monotonic()
+        batch.rows.extend(rows)
         self.maybe_commit()
 
     def maybe_commit(self) -> bool:
         """Commit the buffer when it is full or old enough; returns whether a part was written."""
-        if not self.buffer:
+        batch = self._batch
+        if not batch.rows:
             return False
-        too_old = time.monotonic() - self.oldest_buffered >= self.commit_every_seconds
-        if len(self.buffer) >= self.commit_every_rows or too_old:
+        too_old = time.monotonic() - batch.oldest >= self.commit_every_seconds
+        if len(batch.rows) >= self.commit_every_rows or too_old:
             self.commit()
             return True
         return False
 
     def commit(self) -> Path | None:
-        """Write every buffered row to the next part file now; returns its path (None when nothing is buffered)."""
-        if not self.buffer:
+        """Write every buffered row to the next part file now; returns its path (None when nothing is buffered).
+
+        Safe to call again after it was interrupted at any line: until the batch is replaced (the last line), a
+        retry writes the same rows to the same part name again; after, there is nothing left to write.
+        """
+        batch = self._batch
+        if not batch.rows:
             return None
-        columns = {name: [getattr(row, name) for row in self.buffer] for name in OUTPUT_SCHEMA.names}
-        for name in self.schema.names[len(OUTPUT_SCHEMA):]:
-            columns[name] = [row.carried.get(name) for row in self.buffer]
-        table = pa.Table.from_pydict(columns, schema=self.schema)
-        path = self.output_dir / part_name(self.next_part)
-        write_part_atomically(path, table)
-        self.next_part += 1
-        self.num_committed_rows += len(self.buffer)
-        self.buffer = []
-        self.oldest_buffered = None
+        path = self.output_dir / part_name(batch.number)
+        write_part_atomically(path, rows_to_table(batch.rows, self.schema))
+        self._batch = _Batch(batch.number + 1, num_committed_rows=batch.num_committed_rows + len(batch.rows))
         return path
+
+
+def rows_to_table(rows: list[OutputRow], schema: pa.Schema = OUTPUT_SCHEMA) -> pa.Table:
+    """``OutputRow``s as a table of ``schema``: ``OUTPUT_SCHEMA`` (logprobs dicts become {token_id, logprob} lists),
+    then the carried input columns (``OutputRow.carried``), if any."""
+    columns = {name: [getattr(row, name) for row in rows] for name in OUTPUT_SCHEMA.names}
+    columns["logprobs"] = [None if steps is None else [_logprob_entries(step) for step in steps]
+                           for steps in columns["logprobs"]]
+    for name in schema.names[len(OUTPUT_SCHEMA):]:
+        columns[name] = [row.carried.get(name) for row in rows]
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def _logprob_entries(step) -> list[dict]:
+    """One token's {token id: logprob} (or, from an older part, a list of (token id, logprob)) as struct dicts."""
+    items = step.items() if isinstance(step, dict) else step
+    return [{"token_id": token_id, "logprob": logprob} for token_id, logprob in items]
+
+
+def conform_table(table: pa.Table) -> pa.Table:
+    """A part read back, in ``OUTPUT_SCHEMA`` plus its carried columns: parts of older versions hold logprobs as
+    maps, or lack columns."""
+    carried = [f for f in table.schema if f.name not in OUTPUT_SCHEMA.names]
+    schema = pa.schema([*OUTPUT_SCHEMA, *carried])
+    if table.schema.equals(schema):
+        return table
+    columns = []
+    for f in schema:
+        if f.name not in table.column_names:
+            fill = 0 if f.name == "sample_index" else None
+            columns.append(pa.array([fill] * table.num_rows, f.type))
+        elif f.name == "logprobs" and not table.schema.field(f.name).type.equals(f.type):
+            steps = table.column(f.name).to_pylist()
+            columns.append(pa.array([None if s is None else [_logprob_entries(t) for t in s] for s in steps], f.type))
+        else:
+            columns.append(table.column(f.name).cast(f.type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def read_output(output_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
     """All committed rows of an output directory as one table, in part order (not sorted by row_index).
 
-    NOTE: ``pq.read_table(output_dir)`` would also try to read job.json and stats.json; this reads the parts only.
+    NOTE: ``pq.read_table(output_dir)`` reads the same rows (it skips ``_cbrun/``, ``_SUCCESS`` and temporary
+    files); this reads the committed parts alone, in part-number order.
     """
     parts = committed_parts(output_dir)
     if not parts:

@@ -61,7 +61,7 @@ def test_bad_rows_are_error_rows_and_the_job_goes_on(tiny_model_dir, tiny_engine
         assert row["num_completion_tokens"] == len(row["completion_token_ids"]) <= 6
         assert row["completion"] == tokenizer.decode(row["completion_token_ids"], skip_special_tokens=True)
     assert summary.num_generated_tokens == out[0]["num_completion_tokens"] + out[5]["num_completion_tokens"]
-    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    stats = json.loads((tmp_path / "out" / "_cbrun" / "stats.json").read_text())
     assert stats["num_errors"] == 4 and (tmp_path / "out" / "_SUCCESS").is_file()
     assert summary.line().startswith("cbrun: 6 rows (4 errors, 0 skipped) | ")
 
@@ -112,7 +112,8 @@ def test_changed_fingerprint_refuses_unless_overwrite(tiny_model_dir, tiny_engin
     assert all(r["num_completion_tokens"] <= 3 for r in read_output(tmp_path / "out").values())
 
 
-def test_seeded_sampling_is_reproducible_and_seed_column_overrides(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
+def test_seeded_sampling_is_reproducible_and_seed_column_overrides(tiny_model_dir, tiny_engine, tmp_path,
+                                                                   make_manifest):
     assert derive_seed(0, "a") == derive_seed(0, "a") != derive_seed(1, "a") != derive_seed(0, "b")
     assert 0 <= derive_seed(123, "row") < 2**63
     pq.write_table(pa.table({"prompt": ["same prompt"] * 4, "seed": pa.array([None, None, 42, 42], pa.int64())}),

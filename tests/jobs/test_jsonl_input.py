@@ -112,7 +112,8 @@ def test_parquet_input_keeps_an_answer_column(tiny_model_dir, engine, tmp_path):
     assert [(r["answer"], r["meta"]) for r in rows] == [(4, {"source": "s1", "page": 1}), (5, None), (None,
                                                          {"source": "s3", "page": 3})]
     assert rows[1]["finish_reason"] == "error"  # an error row keeps its columns too
-    assert json.loads((tmp_path / "out" / "job.json").read_text())["output"] == {"keep_columns": ["answer", "meta"]}
+    recorded = json.loads((tmp_path / "out" / "_cbrun" / "job.json").read_text())
+    assert recorded["output"] == {"keep_columns": ["answer", "meta"]}
 
 
 def test_kept_column_that_clashes_or_is_missing_is_refused_before_any_work(tiny_model_dir, tmp_path):

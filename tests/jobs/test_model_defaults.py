@@ -86,7 +86,7 @@ def test_generation_config_defaults_apply_where_the_job_is_silent(model_copy, tm
     summary = run_job(manifest(model_copy, tmp_path / "in.parquet", tmp_path / "run"), progress=False)
     assert summary.num_errors == 0
     assert all(r["num_completion_tokens"] <= 3 for r in rows_of(tmp_path / "run"))
-    recorded = json.loads((tmp_path / "run" / "job.json").read_text())
+    recorded = json.loads((tmp_path / "run" / "_cbrun" / "job.json").read_text())
     assert (recorded["sampling"]["temperature"], recorded["sampling"]["max_new_tokens"]) == (0.7, 3)
 
     config["temperature"] = -1

@@ -74,7 +74,8 @@ def test_window_bounds_the_items_pulled_ahead():
     assert out == [5, 4, 3, 2, 1, 0, 11, 10, 9, 8, 7, 6, 17, 16, 15, 14, 13, 12, 19, 18]
 
 
-def test_ordering_changes_the_order_of_work_never_a_row(tiny_model_dir, tiny_engine, tmp_path, monkeypatch, make_manifest):
+def test_ordering_changes_the_order_of_work_never_a_row(tiny_model_dir, tiny_engine, tmp_path, monkeypatch,
+                                                       make_manifest):
     prompts = write_shared_prefix_input(tmp_path / "in.parquet", 24)
     submitted = []
     generate = tiny_engine.generate
@@ -90,7 +91,8 @@ def test_ordering_changes_the_order_of_work_never_a_row(tiny_model_dir, tiny_eng
     outputs = {}
     for window in (0, 10):
         submitted.clear()
-        manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / f"w{window}", order_window=window, n=2)
+        manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / f"w{window}",
+                                 order_window=window, n=2)
         summary = run_job(manifest, progress=False, engine=tiny_engine)
         assert (summary.num_rows, summary.num_output_rows, summary.num_errors) == (24, 48, 0)
         outputs[window] = output_rows(tmp_path / f"w{window}")

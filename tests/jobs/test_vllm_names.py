@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.checkpoint import job_fingerprint
+from jobs.fingerprint import job_fingerprint
 from jobs.cli import build_parser, main
 from jobs.job import run_job
 from jobs.manifest import cli_text, load_manifest, manifest_from_dict

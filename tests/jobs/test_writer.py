@@ -114,5 +114,6 @@ def test_logprob_columns_round_trip(tmp_path):
     writer = PartWriter(tmp_path)
     writer.add(row)
     stored = pq.read_table(writer.commit()).to_pylist()[0]
-    assert [dict(step) for step in stored["logprobs"]] == row.logprobs
+    assert stored["logprobs"][1] == [{"token_id": 7, "logprob": -0.5}]  # lists of structs, not maps
+    assert [{e["token_id"]: e["logprob"] for e in step} for step in stored["logprobs"]] == row.logprobs
     assert (stored["prompt_logprobs"], stored["prompt_greedy"]) == ([-2.0, -0.5], [False, True])
