@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobs.fingerprint import fingerprint_differences, job_fingerprint  # noqa: F401  (job_fingerprint re-exported)
+from jobs.fingerprint import fingerprint_differences
 from jobs.lock import CBRUN_DIR, OutputLock, Shard
 from jobs.writer import PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, write_part_atomically
 

@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.checkpoint import job_fingerprint
+from jobs.fingerprint import job_fingerprint
 from jobs.generate import derive_seed, sample_seeds
 from jobs.job import JobError, run_job
 from jobs.manifest import load_manifest

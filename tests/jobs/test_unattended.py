@@ -250,8 +250,9 @@ def test_a_fault_that_is_not_one_rows_stops_the_job_with_finished_rows_committed
 def test_the_output_folder_loads_with_pyarrow_pandas_datasets_and_duckdb(tiny_model_dir, tiny_engine, tmp_path,
                                                                          make_manifest):
     import datasets
-    import duckdb
     import pandas as pd
+
+    duckdb = pytest.importorskip("duckdb")
 
     write_input(tmp_path / "in.parquet", 5)
     for name, logprobs in (("plain", None), ("logprobs", 2)):
