@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 
-from engine.sampling_params import SamplingParams
 from jobs.chat import conversation, encode_chat
 from jobs.ordering import RowWork, SampleGroups
 from jobs.prompts import encode_prompt

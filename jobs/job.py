@@ -1,9 +1,11 @@
-"""One batch inference job: reader -> engine.generate -> writer, with resume, progress and a summary.
+"""One batch inference job: reader -> mode -> engine.generate -> mode -> writer, with resume, progress and a summary.
 
-The job owns rows and files; the engine only sees (request_id, prompt_token_ids, SamplingParams). A row's request
-id is ``(row_index, sample_index)``, one request per sample (``sampling.n`` or the row's ``n`` column; score
-mode: ``(row_index, candidate index)``, one request per candidate; see ``jobs.scoring``). Rows are submitted in
-prefix-aware order over a window of ``input.order_window`` rows, a row's requests back to back (``jobs.ordering``);
+``run_job`` checks every resource first (``jobs.resources``), then takes the output's lock and holds it to the end
+(``jobs.checkpoint``, ``jobs.lock``). The job owns rows and files; the engine only sees (request_id,
+prompt_token_ids, SamplingParams). The job's mode (``MODES``: ``jobs.generate``, ``jobs.scoring``) turns rows into
+requests and outputs back into rows: request ids are ``(row_index, sample_index)`` in generate mode, one request
+per sample (``sampling.n`` or the row's ``n`` column), ``(row_index, candidate index)`` in score mode. Rows are
+submitted in prefix-aware order over a window of ``input.order_window`` rows, a row's requests back to back (``jobs.ordering``);
 a row's samples are written together, in one part, once all are back. Rows the job can tell are bad (null or
 empty prompt, prompt too long, bad per-row sampling value) never reach the engine: they go straight to the writer
 as error rows, and the job goes on.
@@ -24,7 +26,7 @@ import numpy as np
 from jobs.carry import carried_fields, carried_values, check_kept_columns, keep_roles
 from jobs.chat import check_chat_template, check_messages_column
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
-from jobs.fingerprint import WEIGHT_SUFFIXES, job_fingerprint
+from jobs.fingerprint import job_fingerprint
 from jobs.generate import GenerateMode
 from jobs.lock import OutputLocked
 from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest, apply_model_defaults
@@ -32,6 +34,7 @@ from jobs.mode import JobMode
 from jobs.openai_batch import OPENAI_FIELDS, REQUEST_FIELDS, OpenAIBatchReader, input_fields, is_openai_batch_input
 from jobs.ordering import order_by_prefix
 from jobs.reader import InputError, PromptReader
+from jobs.resources import JobAborted, JobError, check_model_dir, load_engine, load_tokenizer, resolve_device
 from jobs.row_ids import warn_repeated_ids
 from jobs.scoring import Scorer, check_candidates_column
 from jobs.writer import OutputRow, PartWriter
@@ -44,15 +47,6 @@ def _score_mode(manifest: JobManifest, tokenizer, max_model_len: int, vocab_size
 #: ``input.mode`` -> the factory of its ``JobMode``: ``(manifest, tokenizer, max_model_len, vocab_size) -> mode``.
 #: A new mode registers here (and its name in ``InputSettings.mode``'s check).
 MODES = {"generate": GenerateMode, "score": _score_mode}
-
-
-class JobError(Exception):
-    """The job cannot start as configured; the message says what to fix. Raised before any row is generated."""
-
-
-class JobAborted(Exception):
-    """Generation stopped on a fault that is not one row's; the rows finished before it are committed. The cause
-    is ``__cause__``."""
 
 
 @dataclass
@@ -195,26 +189,6 @@ def output_carried_fields(manifest: JobManifest, reader: PromptReader | OpenAIBa
     """The Arrow fields the job's output rows carry beyond ``OUTPUT_SCHEMA`` (``jobs.carry``)."""
     derived = OPENAI_FIELDS if isinstance(reader, OpenAIBatchReader) else []
     return carried_fields(manifest.output.keep_columns, reader.schema, derived)
-
-
-def check_model_dir(model_path: str) -> None:
-    """Raise ``JobError`` unless ``model_path`` is a Hugging Face model directory with a readable config and weights.
-
-    Reads the config alone (no weights), so a finished job is recognised without loading the model.
-    """
-    from transformers import AutoConfig
-
-    path = Path(model_path)
-    if not (path / "config.json").is_file():
-        what = "not found" if not path.exists() else "has no config.json"
-        raise JobError(f"model directory {model_path!r} {what}: give a Hugging Face model directory, e.g. one "
-                       f"made by `cbrun convert-llama2c CHECKPOINT TOKENIZER OUT_DIR`")
-    try:
-        AutoConfig.from_pretrained(model_path)
-    except (ValueError, OSError) as exc:
-        raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
-    if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
-        raise JobError(f"model directory {model_path!r} holds no weights (*.safetensors, *.bin, *.pt, *.pth)")
 
 
 def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_errors: bool = False) -> JobSummary:
@@ -364,55 +338,6 @@ def remove_stale_results(manifest: JobManifest) -> None:
 
     if manifest.output.format == "openai-batch":
         (Path(manifest.output.path) / RESULTS_FILE).unlink(missing_ok=True)
-
-
-def resolve_device(device: str) -> str:
-    """The torch device a job runs on: "auto" is CUDA when available, else the CPU.
-
-    Raises:
-        JobError: for a device this machine does not have (e.g. "cuda" without a GPU) or a malformed name.
-    """
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise JobError(f"engine.device {device!r} is not a device name ({exc}); use \"auto\", \"cpu\" or "
-                       f"\"cuda\"") from None
-    if parsed.type == "cpu":
-        return device
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise JobError(f"engine.device = {device!r}, but this machine has no usable CUDA device "
-                           f"(torch.cuda.is_available() is False); set engine.device = \"auto\" or \"cpu\"")
-        if parsed.index is not None and parsed.index >= count:
-            raise JobError(f"engine.device = {device!r}, but this machine has {count} CUDA device(s)")
-        return device
-    if parsed.type == "mps" and torch.backends.mps.is_available():
-        return device
-    raise JobError(f"engine.device = {device!r} is not available here; use \"auto\", \"cpu\" or \"cuda\"")
-
-
-def load_engine(model_path: str, config):
-    """``LLMEngine.from_pretrained`` with load failures turned into ``JobError``."""
-    from engine import LLMEngine
-
-    try:
-        return LLMEngine.from_pretrained(model_path, config=config)
-    except (ValueError, OSError) as exc:
-        raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
-
-
-def load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_path)
-    except (ValueError, OSError) as exc:
-        raise JobError(f"cannot load the tokenizer from {model_path!r}: {exc}") from None
 
 
 def _peak_gpu_memory_mib(device: str) -> float | None:

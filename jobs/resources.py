@@ -1,0 +1,91 @@
+"""Setup checks: every resource a manifest names is checked before any work, and a missing or unusable one is a
+``JobError`` (the CLI's exit code 2) whose message says what to fix.
+
+The input and its columns are checked by ``jobs.reader`` (``InputError``), the output directory by
+``jobs.checkpoint`` and ``jobs.lock``; here: the model directory (config and weights), the tokenizer, the device
+and the engine's load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jobs.fingerprint import WEIGHT_SUFFIXES
+
+
+class JobError(Exception):
+    """The job cannot start as configured; the message says what to fix. Raised before any row is generated."""
+
+
+class JobAborted(Exception):
+    """Generation stopped on a fault that is not one row's; the rows finished before it are committed. The cause
+    is ``__cause__``."""
+
+
+def check_model_dir(model_path: str) -> None:
+    """Raise ``JobError`` unless ``model_path`` is a Hugging Face model directory with a readable config and weights.
+
+    Reads the config alone (no weights), so a finished job is recognised without loading the model.
+    """
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        what = "not found" if not path.exists() else "has no config.json"
+        raise JobError(f"model directory {model_path!r} {what}: give a Hugging Face model directory, e.g. one "
+                       f"made by `cbrun convert-llama2c CHECKPOINT TOKENIZER OUT_DIR`")
+    try:
+        AutoConfig.from_pretrained(model_path)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
+    if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
+        raise JobError(f"model directory {model_path!r} holds no weights (*.safetensors, *.bin, *.pt, *.pth)")
+
+
+def resolve_device(device: str) -> str:
+    """The torch device a job runs on: "auto" is CUDA when available, else the CPU.
+
+    Raises:
+        JobError: for a device this machine does not have (e.g. "cuda" without a GPU) or a malformed name.
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise JobError(f"engine.device {device!r} is not a device name ({exc}); use \"auto\", \"cpu\" or "
+                       f"\"cuda\"") from None
+    if parsed.type == "cpu":
+        return device
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise JobError(f"engine.device = {device!r}, but this machine has no usable CUDA device "
+                           f"(torch.cuda.is_available() is False); set engine.device = \"auto\" or \"cpu\"")
+        if parsed.index is not None and parsed.index >= count:
+            raise JobError(f"engine.device = {device!r}, but this machine has {count} CUDA device(s)")
+        return device
+    if parsed.type == "mps" and torch.backends.mps.is_available():
+        return device
+    raise JobError(f"engine.device = {device!r} is not available here; use \"auto\", \"cpu\" or \"cuda\"")
+
+
+def load_engine(model_path: str, config):
+    """``LLMEngine.from_pretrained`` with load failures turned into ``JobError``."""
+    from engine import LLMEngine
+
+    try:
+        return LLMEngine.from_pretrained(model_path, config=config)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"cannot load the tokenizer from {model_path!r}: {exc}") from None
