@@ -225,9 +225,8 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
     except ValueError as exc:
         raise JobError(str(exc)) from None
     engine_config = replace(manifest.engine, device=resolve_device(manifest.engine.device))
-    tokenizer = None
-    if manifest.input.chat or isinstance(reader, OpenAIBatchReader):  # NOTE: before any work, model loading too
-        tokenizer = load_tokenizer(manifest.model.path)
+    tokenizer = load_tokenizer(manifest.model.path)  # NOTE: checked before any work, loading the model included
+    if manifest.input.chat or isinstance(reader, OpenAIBatchReader):
         try:
             if isinstance(reader, OpenAIBatchReader):
                 reader.bind_tokenizer(tokenizer, manifest.model.path)
@@ -289,8 +288,6 @@ class _Job:
             return summary
 
         engine = engine if engine is not None else load_engine(manifest.model.path, engine_config)
-        if tokenizer is None:
-            tokenizer = load_tokenizer(manifest.model.path)
         out = manifest.output
         writer = checkpoint.start(self.fingerprint, out.commit_every_rows, out.commit_every_seconds,
                                   overwrite=overwrite, carried_fields=output_carried_fields(manifest, self.reader))
