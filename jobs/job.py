@@ -5,10 +5,10 @@
 prompt_token_ids, SamplingParams). The job's mode (``MODES``: ``jobs.generate``, ``jobs.scoring``) turns rows into
 requests and outputs back into rows: request ids are ``(row_index, sample_index)`` in generate mode, one request
 per sample (``sampling.n`` or the row's ``n`` column), ``(row_index, candidate index)`` in score mode. Rows are
-submitted in prefix-aware order over a window of ``input.order_window`` rows, a row's requests back to back (``jobs.ordering``);
-a row's samples are written together, in one part, once all are back. Rows the job can tell are bad (null or
-empty prompt, prompt too long, bad per-row sampling value) never reach the engine: they go straight to the writer
-as error rows, and the job goes on.
+submitted in prefix-aware order over a window of ``input.order_window`` rows, a row's requests back to back
+(``jobs.ordering``); a row's samples are written together, in one part, once all are back. Rows the job can tell
+are bad (null or empty prompt, prompt too long, bad per-row sampling value) never reach the engine: they go
+straight to the writer as error rows, and the job goes on.
 """
 
 from __future__ import annotations

@@ -405,7 +405,7 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         sampling=sampling_params,
         seed=seed,
         n=n,
-        # NOTE: the device defaults to "auto" (CUDA when present); jobs.job.resolve_device checks it before any work.
+        # NOTE: the device defaults to "auto" (CUDA when present); jobs.resources.resolve_device checks it first.
         engine=_build(EngineConfig, "engine", {"device": "auto", **raw.get("engine", {})}),
         output=_build(OutputSettings, "output", raw.get("output", {})),
         sampling_set=sampling_set,
