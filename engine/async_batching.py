@@ -33,7 +33,7 @@ class StepHandle:
             a private copy when the step was launched behind another, so the next replay cannot overwrite it.
         sampled: (S,) int64 on the device, the argmax of each sampling entry's row, in plan order. It is the
             sampled token of every plain-greedy request; rows needing host-side sampling are redone on the host.
-        sample_row_of: ``id(request) -> row`` of ``sampled``.
+        sample_row_of: ``Request.index -> row`` of ``sampled``.
         done: CUDA event recorded after the device-to-host copy of ``sampled`` (None on the CPU).
     """
 

@@ -90,7 +90,7 @@ class BlockManager:
         self._block_hash: list[bytes | None] = [None] * num_block_ids
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_block_ids
         self._hash_to_block: dict[bytes, int] = {}
-        self._request_hashes: dict[int, list[bytes]] = {}  # id(request) -> hashes of its registered full blocks
+        self._request_hashes: dict[int, list[bytes]] = {}  # Request.index -> hashes of its registered full blocks
         self.num_evicted_blocks = 0
         self.swap_pool = CpuSwapPool(num_cpu_blocks * num_layers)  # in pages
 
@@ -220,7 +220,7 @@ class BlockManager:
             self.ref_counts[block] += 1
             request.block_table.append(block)
         if cached_blocks:
-            self._request_hashes[id(request)] = [self._block_hash[b] for b in cached_blocks]
+            self._request_hashes[request.index] = [self._block_hash[b] for b in cached_blocks]
 
     def _take_full_block(self) -> int:
         block = self.full.take()
@@ -232,7 +232,7 @@ class BlockManager:
         return block
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        hashes = self._request_hashes.setdefault(id(request), [])
+        hashes = self._request_hashes.setdefault(request.index, [])
         parent = hashes[-1] if hashes else ROOT_HASH
         # A block holding a token still on the device (async batching) is hashed by a later step.
         num_tokens = min(num_tokens, request.num_known_tokens)
@@ -269,7 +269,7 @@ class BlockManager:
             self.sliding.release(block)
         request.block_table.clear()
         request.sliding_block_table.clear()
-        self._request_hashes.pop(id(request), None)
+        self._request_hashes.pop(request.index, None)
 
     # ---- pages, for the model runner and offloading -----------------------------------------------------------
     def request_pages(self, request: Request) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import replace
 from typing import Iterable, Iterator
 
 import torch
@@ -61,7 +62,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.page_size, config.allow_block_sharing,
                                           num_cpu_blocks=num_cpu_blocks, layout=layout,
                                           max_chunk_tokens=config.max_batch_tokens, max_model_len=max_model_len)
-        self.scheduler = make_scheduler(config, self.block_manager, max_model_len)
+        self.scheduler = make_scheduler(config, self.block_manager, max_model_len, self.eos_token_ids,
+                                        self._stop_matcher)
         kv_cache = KVCache(self.block_manager.num_pages, config.page_size, num_kv_heads, head_dim, dtype,
                            next(model.parameters()).device, self.block_manager.swap_pool.num_slots)
         use_triton = _use_triton(config)
@@ -77,10 +79,17 @@ class LLMEngine:
                                         max_model_len=max_model_len, async_batching=self.overlap_steps,
                                         lean_model=select_lean_model(config.model_impl, model, use_graphs,
                                                                      max_model_len))
-        self.stats = EngineStats()
+        self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
-        self._rejected: list[Request] = []
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters, with soft resets and offloads read from the scheduler and evictions from the
+        block manager (their owners)."""
+        return replace(self._counters, num_soft_resets=self.scheduler.num_soft_resets,
+                       num_offloads=self.scheduler.num_offloads,
+                       num_evicted_blocks=self.block_manager.num_evicted_blocks)
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -114,18 +123,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         request = Request(request_id, list(prompt_token_ids), params, generator=torch.Generator().manual_seed(seed))
-        error = self._validate(request)
-        if error:
-            request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", error
-        elif params.max_new_tokens == 0 and not params.prompt_logprobs_from:
-            # nothing to generate and nothing to score: an empty completion, no forward pass. (With prompt
-            # log-probabilities the prompt runs; the token its last position samples is dropped in _finish.)
-            request.status, request.finish_reason = RequestStatus.FINISHED, "length"
-        else:
-            self.scheduler.add_request(request)
-            return
-        request.finish_time = time.perf_counter()
-        self._rejected.append(request)
+        self.scheduler.add_request(request, error=self._validate(request))
 
     def _validate(self, request: Request) -> str | None:
         try:
@@ -146,7 +144,7 @@ class LLMEngine:
         return None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- stepping -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -155,9 +153,8 @@ class LLMEngine:
         Synchronous by default: the step's tokens are read before it returns. With ``overlap_steps`` the step is
         left in flight and the previous one is read instead, after this one was launched (async batching).
         """
-        finished, self._rejected = self._rejected, []
         plan = self.scheduler.schedule()
-        finished.extend(plan.failed)
+        finished = self.scheduler.pop_finished()
         handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
         if handle is not None:
             self.scheduler.advance(plan)
@@ -168,9 +165,6 @@ class LLMEngine:
             to_read = launched
         if to_read is not None:
             finished.extend(self._resolve(*to_read))
-        self.stats.num_soft_resets = self.scheduler.num_soft_resets
-        self.stats.num_offloads = self.scheduler.num_offloads
-        self.stats.num_evicted_blocks = self.block_manager.num_evicted_blocks
         return [self._finish(r) for r in finished]
 
     def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
@@ -185,51 +179,35 @@ class LLMEngine:
             if not item.samples:
                 continue
             if request.sampling_params.needs_processing and not request.is_finished:
-                index = handle.sample_row_of[id(request)]
+                index = handle.sample_row_of[request.index]
                 token_ids[index], logprobs = sample_one(handle.logits[row], request, self.eos_token_ids)
                 if logprobs is not None:
                     request.logprobs.append(logprobs)
             samplers.append(request)
             row += 1
-        sampled = dict(zip(map(id, samplers), token_ids))
+        sampled = {r.index: token for r, token in zip(samplers, token_ids)}
         # a finished request's extra token is dropped, and so is the token after an echo-only (max 0) prompt
         num_kept = sum(1 for r in samplers if not r.is_finished and r.sampling_params.max_new_tokens)
-        finished = self.scheduler.resolve(plan, sampled, self._stop_reason)
+        finished = self.scheduler.resolve(plan, sampled)
         self._count_step(plan, num_kept)
         return finished
 
     def _count_step(self, plan, num_sampled: int) -> None:
-        self.stats.num_steps += 1
-        self.stats.num_computed_tokens += plan.num_batch_tokens
-        self.stats.num_generated_tokens += num_sampled
-
-    def _stop_reason(self, request: Request) -> str | None:
-        params, token = request.sampling_params, request.output_token_ids[-1]
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            request.stop_reason = token
-            return "stop"
-        if params.stop and self._stop_matcher.find(request.output_token_ids, params.stop):
-            text, kept_ids, stop = self._stop_matcher.cut(request.output_token_ids, params.stop,
-                                                          params.include_stop_str_in_output)
-            request.output_text, request.output_token_ids[:], request.stop_reason = text, kept_ids, stop
-            return "stop"
-        if len(request.output_token_ids) >= params.max_new_tokens or request.num_known_tokens >= self.max_model_len:
-            return "length"
-        return None
+        self._counters.num_steps += 1
+        self._counters.num_computed_tokens += plan.num_batch_tokens
+        self._counters.num_generated_tokens += num_sampled
 
     def _finish(self, request: Request) -> RequestOutput:
-        self.stats.num_requests += 1
+        counters = self._counters
+        counters.num_requests += 1
         if request.status is RequestStatus.FAILED:
-            self.stats.num_failed_requests += 1
+            counters.num_failed_requests += 1
         else:
-            self.stats.num_prompt_tokens += request.num_prompt_tokens
-            self.stats.num_cached_prompt_tokens += request.num_cached_tokens
-        ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
-        params = request.sampling_params
-        if params.max_new_tokens == 0 and request.status is not RequestStatus.FAILED:
-            # prompt log-probabilities only (echo): the token sampled after the prompt is not an output
-            request.output_token_ids, request.logprobs, request.finish_reason = [], [], "length"
-            request.stop_reason, request.output_text, ttft = None, None, None
+            counters.num_prompt_tokens += request.num_prompt_tokens
+            counters.num_cached_prompt_tokens += request.num_cached_tokens
+        # No TTFT for an echo-only request (max_new_tokens 0): its prompt ran for log-probabilities, no token is output.
+        has_tokens = request.first_token_time is not None and request.sampling_params.max_new_tokens > 0
+        ttft = request.first_token_time - request.arrival_time if has_tokens else None
         return RequestOutput(
             request.request_id, request.prompt_token_ids, request.output_token_ids, request.finish_reason,
             request.error, ttft, request.arrival_time, request.finish_time or time.perf_counter(),
@@ -279,7 +257,6 @@ class LLMEngine:
 
     def abort_all_requests(self) -> int:
         """Drop every queued and running request, freeing its cache; returns how many were dropped."""
-        self._rejected.clear()
         self._in_flight = None  # its results are not needed; its blocks are freed below
         return len(self.scheduler.abort_all())
 

@@ -66,7 +66,7 @@ class _StepInputs:
     groups: dict[str, GroupMetadata]
     shape: PaddedShape | None
     num_rows: int  # real logit rows
-    sample_row_of: dict[int, int]  # id(request) -> index among the sampling entries
+    sample_row_of: dict[int, int]  # Request.index -> index among the sampling entries
     sample_rows: torch.Tensor | None  # logit row of each sampling entry; None when every row samples
     carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (input rows, sampled rows, device tokens)
     needs_host_logits: bool  # prompt log-probabilities or host-side sampling read the logits after the step
@@ -214,7 +214,7 @@ class ModelRunner:
             offset += item.num_tokens
             if item.samples:
                 needs_host_logits |= request.sampling_params.needs_processing
-                sample_row_of[id(request)] = len(sample_rows)
+                sample_row_of[request.index] = len(sample_rows)
                 sample_rows.append(len(logits_indices))
                 logits_indices.append(offset - 1)
         for dst in carry_dst:
@@ -252,7 +252,7 @@ class ModelRunner:
     def _carry_pending(request, start: int, offset: int, previous: StepHandle | None, carry_dst: list[int],
                        carry_src: list[int]) -> None:
         """Record that input ``offset + (p - start)`` of the request's pending position p comes from the device."""
-        row = previous.sample_row_of.get(id(request)) if previous is not None else None
+        row = previous.sample_row_of.get(request.index) if previous is not None else None
         if row is None or request.num_pending_tokens != 1:
             raise RuntimeError(f"request {request.request_id!r} is scheduled with an input token that the step in "
                                "flight did not sample")

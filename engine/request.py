@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,9 @@ from engine.sampling_params import SamplingParams
 #: Host-side id of a token sampled on the device but not yet read back (async batching). It never reaches the
 #: model: the model runner fills its input slot from the previous step's device tensor.
 PENDING_TOKEN = -1
+
+#: Source of ``Request.index``: unique within the process, never reused (unlike ``id(request)``).
+_request_indices = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +40,8 @@ class Request:
 
     Attributes:
         request_id: the caller's id.
+        index: the engine's key for the request in per-request maps (plans, step handles, the prefix cache's
+            hashes): unique in the process and never reused, unlike the caller's id or ``id(request)``.
         prompt_token_ids: prompt ids as run.
         sampling_params: how to sample and when to stop.
         generator: the request's own ``torch.Generator`` (CPU), so its samples never depend on its batch.
@@ -56,6 +62,7 @@ class Request:
     sampling_params: SamplingParams
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    index: int = field(default_factory=lambda: next(_request_indices))
     output_token_ids: list[int] = field(default_factory=list)
     num_pending_tokens: int = 0
     num_computed_tokens: int = 0

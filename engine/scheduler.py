@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
+from engine.stop_check import Stop, StopConditions, check_stop
+from engine.stop_strings import StopStringMatcher
 
 
 @dataclass
@@ -50,7 +52,6 @@ class SchedulerOutput:
     """The plan of one step, in the order the model runner lays out the batch."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # requests that can never run, failed this step
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU slot) copies, made first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU slot, device block) copies, made next
     swapped_in: list[Request] = field(default_factory=list)  # whose CPU slots free once the copies ran
@@ -76,23 +77,54 @@ class FIFOScheduler:
     prompt and generated tokens recomputed on readmission; its generator and token counts are kept). Either way
     it is requeued at the front of ``waiting``.
 
-    The scheduler alone changes request status and moves requests between ``waiting`` and ``running``.
+    The scheduler alone changes a request's status, its tokens (``output_token_ids``, ``num_computed_tokens``,
+    ``num_pending_tokens``) and its finish fields, and moves requests between ``waiting`` and ``running``; after
+    each appended token it runs the stop check (``engine.stop_check``), as vLLM's ``update_from_output`` does.
+
+    Args:
+        config: the engine settings (budgets, safety margin).
+        block_manager: the KV-cache bookkeeping it allocates from.
+        max_model_len: the model's maximum length; None for no limit.
+        eos_token_ids: the model's EOS ids.
+        stop_matcher: finds stop strings (None without a tokenizer).
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None,
+                 eos_token_ids: frozenset[int] = frozenset(), stop_matcher: StopStringMatcher | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.stop_conditions = StopConditions(frozenset(eos_token_ids), max_model_len, stop_matcher)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: Unfinished requests (waiting or running) by ``Request.index``.
+        self.requests: dict[int, Request] = {}
+        self._finished_unplanned: list[Request] = []  # finished outside ``resolve``: rejected or failed
         self.num_soft_resets = 0
         self.num_offloads = 0  # swaps to CPU
 
-    def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add_request(self, request: Request, error: str | None = None) -> None:
+        """Queue a request; one with an ``error`` (bad input) fails at once, one with ``max_new_tokens = 0``
+        finishes at once (an empty completion, no forward pass) unless it asks for prompt log-probabilities. Either
+        comes back from ``pop_finished``."""
+        params = request.sampling_params
+        if error is not None:
+            self._set_failed(request, error)
+        elif params.max_new_tokens == 0 and not params.prompt_logprobs_from:
+            request.status, request.finish_reason = RequestStatus.FINISHED, "length"
+            request.finish_time = time.perf_counter()
+            self._finished_unplanned.append(request)
+        else:
+            self.requests[request.index] = request
+            self.waiting.append(request)
+
+    def pop_finished(self) -> list[Request]:
+        """The requests that finished outside ``resolve`` since the last call (rejected or failed), in order."""
+        finished, self._finished_unplanned = self._finished_unplanned, []
+        return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._finished_unplanned)
 
     def abort_all(self) -> list[Request]:
         """Drop every unfinished request, freeing its blocks and swap slots; returns them (status FAILED)."""
@@ -104,6 +136,8 @@ class FIFOScheduler:
             request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", "aborted"
         self.running.clear()
         self.waiting.clear()
+        self.requests.clear()
+        self._finished_unplanned.clear()
         return aborted
 
     # ---- planning -------------------------------------------------------------------------------------------
@@ -134,7 +168,7 @@ class FIFOScheduler:
             if self._allocate_or_preempt(request, num_tokens, plan, out):
                 plan.add(request, num_tokens)
             elif not plan.scheduled and not self._others_running(request):
-                self._fail(request, out, self._cache_too_small_message(request))
+                self._fail(request, self._cache_too_small_message(request))
 
     def _schedule_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
         while self.waiting:
@@ -152,7 +186,7 @@ class FIFOScheduler:
                 continue
             if not self.block_manager.can_ever_fit(request.num_tokens):
                 self.waiting.popleft()
-                self._fail(request, out, self._cache_too_small_message(request))
+                self._fail(request, self._cache_too_small_message(request))
                 continue
             cached_blocks = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached_blocks) * self.block_manager.page_size
@@ -238,21 +272,25 @@ class FIFOScheduler:
                 f"but the whole cache has {bm.num_blocks}; raise engine.num_blocks or max_memory_percent, "
                 f"or shorten the prompt / max_new_tokens")
 
-    def _fail(self, request: Request, out: SchedulerOutput, message: str) -> None:
+    def _fail(self, request: Request, message: str) -> None:
         if request in self.running:
             self.running.remove(request)
+        self.requests.pop(request.index, None)
         self.block_manager.free(request)
+        self._set_failed(request, message)
+
+    def _set_failed(self, request: Request, message: str) -> None:
         request.status = RequestStatus.FAILED
         request.finish_reason = "error"
         request.error = message
         request.finish_time = time.perf_counter()
-        out.failed.append(request)
+        self._finished_unplanned.append(request)
 
     # ---- after the forward pass -------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int], stop_check) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """``advance`` then ``resolve``: the synchronous step, results read before the next plan."""
         self.advance(out)
-        return self.resolve(out, sampled, stop_check)
+        return self.resolve(out, sampled)
 
     def advance(self, out: SchedulerOutput) -> None:
         """Move the planned requests past this step once it is launched, before its tokens are read.
@@ -267,13 +305,12 @@ class FIFOScheduler:
                 request.num_pending_tokens += 1
                 request.status = RequestStatus.DECODING
 
-    def resolve(self, out: SchedulerOutput, sampled: dict[int, int], stop_check) -> list[Request]:
+    def resolve(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """Turn a launched step's pending tokens into known ones and finish the requests that stop.
 
         Args:
             out: the step's plan (already ``advance``d).
-            sampled: ``id(request) -> token id`` for each planned request that sampled.
-            stop_check: ``fn(request) -> finish_reason | None`` applied after a token is appended.
+            sampled: ``Request.index -> token id`` for each planned request that sampled.
 
         Returns:
             The requests that finished (their blocks are already free). A request that finished in an earlier
@@ -287,16 +324,16 @@ class FIFOScheduler:
             if not item.samples or request.is_finished:
                 continue
             request.num_pending_tokens -= 1
-            request.output_token_ids.append(sampled[id(request)])
+            request.output_token_ids.append(sampled[request.index])
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
-            reason = stop_check(request)
-            if reason is not None:
-                self._finish(request, reason)
+            stop = check_stop(request, self.stop_conditions)
+            if stop is not None:
+                self._finish(request, stop)
                 finished.append(request)
         return finished
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Request, stop: Stop) -> None:
         # A request preempted while its last token was in flight may sit in ``waiting`` (even swapped out).
         if request in self.running:
             self.running.remove(request)
@@ -304,10 +341,15 @@ class FIFOScheduler:
             self.waiting.remove(request)
             if request.cpu_blocks:
                 self.block_manager.release_swap_slots(request)
+        self.requests.pop(request.index, None)
         self.block_manager.free(request)
         request.num_pending_tokens = 0  # a token planned after this one is never read
+        del request.output_token_ids[stop.num_output_tokens:]  # a stop string cut the output, or an echo-only run
+        del request.logprobs[stop.num_output_tokens:]
         request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
+        request.finish_reason = stop.finish_reason
+        request.stop_reason = stop.stop_reason
+        request.output_text = stop.output_text
         request.finish_time = time.perf_counter()
 
 
@@ -327,7 +369,7 @@ class _PlanBuilder:
         self.token_budget = config.max_batch_tokens
         self.request_budget = config.max_requests_per_batch
         self.scheduled: list[ScheduledRequest] = []
-        self._ids: set[int] = set()
+        self._indices: set[int] = set()  # ``Request.index`` of the planned requests
 
     def fit(self, num_tokens: int) -> int:
         """How many of ``num_tokens`` fit the remaining budgets (0 when none or no request slot)."""
@@ -337,16 +379,17 @@ class _PlanBuilder:
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled.append(ScheduledRequest(request, num_tokens))
-        self._ids.add(id(request))
+        self._indices.add(request.index)
         self.token_budget -= num_tokens
         self.request_budget -= 1
 
     def contains(self, request: Request) -> bool:
-        return id(request) in self._ids
+        return request.index in self._indices
 
 
-def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None
+def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None,
+                   eos_token_ids: frozenset[int] = frozenset(), stop_matcher: StopStringMatcher | None = None
                    ) -> FIFOScheduler:
     """The scheduler named by ``config.scheduler_type``."""
     cls = PrefillFirstScheduler if config.scheduler_type == "prefill_first" else FIFOScheduler
-    return cls(config, block_manager, max_model_len)
+    return cls(config, block_manager, max_model_len, eos_token_ids, stop_matcher)

@@ -150,9 +150,8 @@ def test_scheduler_runs_a_pending_request_only_when_its_token_can_stay_on_the_de
     second = s.schedule()  # planned while the first step is in flight
     assert [item.request.request_id for item in second.scheduled] == ["greedy"]
     s.advance(second)
-    finished = s.resolve(first, {id(r): 9 for r in (greedy, sampled, last, at_limit)},
-                         lambda r: "length" if len(r.output_token_ids) >= r.sampling_params.max_new_tokens else None)
-    assert {r.request_id for r in finished} == {"last"}
+    finished = s.resolve(first, {r.index: 9 for r in (greedy, sampled, last, at_limit)})
+    assert {r.request_id for r in finished} == {"last", "at_limit"}  # max_new_tokens; the model's length
     assert greedy.output_token_ids == [9] and greedy.num_pending_tokens == 1
     assert sampled.num_pending_tokens == 0 and sampled.output_token_ids == [9]
 

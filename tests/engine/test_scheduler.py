@@ -18,8 +18,8 @@ def req(name: str, n: int) -> Request:
 
 def run_step(scheduler, token=7):
     out = scheduler.schedule()
-    sampled = {id(s.request): token for s in out.scheduled if s.samples}
-    scheduler.update(out, sampled, lambda r: None)
+    sampled = {s.request.index: token for s in out.scheduled if s.samples}
+    scheduler.update(out, sampled)
     return [(s.request.request_id, s.num_tokens) for s in out.scheduled], out
 
 
@@ -89,8 +89,9 @@ def test_request_larger_than_cache_fails_alone():
     s.add_request(req("huge", 20))
     s.add_request(req("ok", 3))
     plan, out = run_step(s)
-    assert [r.request_id for r in out.failed] == ["huge"]
-    assert "blocks" in out.failed[0].error and out.failed[0].finish_reason == "error"
+    failed = s.pop_finished()
+    assert [r.request_id for r in failed] == ["huge"]
+    assert "blocks" in failed[0].error and failed[0].finish_reason == "error"
     assert plan == [("ok", 3)]
 
 
