@@ -299,7 +299,8 @@ class BlockManager:
 
         Returns:
             ``(CPU slot, device page)`` copies to make before the forward pass, or None when blocks lack.
-            The CPU slots stay taken until ``release_swap_slots`` runs after the copy.
+            The request holds no CPU slots afterwards; the slots stay taken until ``free_swap_slots`` runs after
+            the copies.
         """
         num_full = cdiv(request.num_computed_tokens, self.page_size) if self.full else 0
         num_ring = min(self.ring_blocks, cdiv(request.num_computed_tokens, self.page_size)) if self.sliding else 0
@@ -310,11 +311,17 @@ class BlockManager:
         pages += [b * self.num_sliding_layers + i for b in request.sliding_block_table[:num_ring]
                   for i in range(self.num_sliding_layers)]
         assert len(pages) == len(request.cpu_blocks)
-        return list(zip(request.cpu_blocks, pages))
+        copies = list(zip(request.cpu_blocks, pages))
+        request.cpu_blocks = []  # the slots stay taken until ``free_swap_slots`` runs after the copies
+        return copies
 
     def release_swap_slots(self, request: Request) -> None:
-        self.swap_pool.free(request.cpu_blocks)
+        """Free the CPU slots of a swapped-out request that will not be swapped in (finished or aborted)."""
+        self.free_swap_slots(request.cpu_blocks)
         request.cpu_blocks = []
+
+    def free_swap_slots(self, slots: list[int]) -> None:
+        self.swap_pool.free(slots)
 
     def check_consistency(self) -> None:
         """Assert the pool's invariants (for tests): chunks, blocks and references add up."""

@@ -24,7 +24,8 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import sample_one
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput, make_scheduler
+from engine.plan import SchedulerOutput
+from engine.scheduler import make_scheduler
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
 
@@ -169,25 +170,28 @@ class LLMEngine:
 
     def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
         """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
-        token_ids = handle.token_ids()
-        samplers, row = [], 0
+        token_ids = handle.token_ids()  # device argmax of each sampling entry, in plan order
+        sampled: dict[int, int] = {}
+        row, sample, num_kept = 0, 0, 0
         for item in plan.scheduled:
-            request, positions = item.request, item.prompt_logprob_positions()
+            # None once finished (async batching: found finished after this step was planned); its token is dropped.
+            request, positions = self.scheduler.requests.get(item.request_index), item.prompt_logprob_positions
             if positions:
-                _record_prompt_logprobs(request, handle.logits[row:row + len(positions)], positions)
+                if request is not None:
+                    _record_prompt_logprobs(request, handle.logits[row:row + len(positions)], positions)
                 row += len(positions)
             if not item.samples:
                 continue
-            if request.sampling_params.needs_processing and not request.is_finished:
-                index = handle.sample_row_of[request.index]
-                token_ids[index], logprobs = sample_one(handle.logits[row], request, self.eos_token_ids)
-                if logprobs is not None:
-                    request.logprobs.append(logprobs)
-            samplers.append(request)
+            if request is not None:
+                token = token_ids[sample]
+                if item.needs_host_sampling:
+                    token, logprobs = sample_one(handle.logits[row], request, self.eos_token_ids)
+                    if logprobs is not None:
+                        request.logprobs.append(logprobs)
+                sampled[item.request_index] = token
+                num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
+            sample += 1
             row += 1
-        sampled = {r.index: token for r, token in zip(samplers, token_ids)}
-        # a finished request's extra token is dropped, and so is the token after an echo-only (max 0) prompt
-        num_kept = sum(1 for r in samplers if not r.is_finished and r.sampling_params.max_new_tokens)
         finished = self.scheduler.resolve(plan, sampled)
         self._count_step(plan, num_kept)
         return finished
@@ -257,7 +261,9 @@ class LLMEngine:
 
     def abort_all_requests(self) -> int:
         """Drop every queued and running request, freeing its cache; returns how many were dropped."""
-        self._in_flight = None  # its results are not needed; its blocks are freed below
+        if self._in_flight is not None:  # its results are not needed; its blocks are freed below
+            self.scheduler.discard(self._in_flight[0])
+        self._in_flight = None
         return len(self.scheduler.abort_all())
 
 

@@ -11,7 +11,7 @@ from engine.attention import AttentionMetadata, GroupMetadata
 from engine.kv_layout import FULL, SLIDING, KVLayout
 from engine.cuda_graphs import CudaGraphRunner
 from engine.padding import PaddedShape, PaddingPolicy
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.plan import ScheduledRequest, SchedulerOutput
 
 
 class KVCache:
@@ -134,7 +134,7 @@ class ModelRunner:
         """Run a plan synchronously and return its logits (``launch`` without a step in flight).
 
         Returns:
-            (N, vocab_size) logits in plan order: for each entry, one row per ``prompt_logprob_positions()``
+            (N, vocab_size) logits in plan order: for each entry, one row per ``prompt_logprob_positions``
             position, then one row if it ``samples``. None when nothing is scheduled.
         """
         handle = self.launch(plan)
@@ -199,22 +199,21 @@ class ModelRunner:
         needs_host_logits = False
         offset = 0
         for item in scheduled:
-            request, start = item.request, item.start
-            end = start + item.num_tokens
-            token_ids.extend(request.token_ids(start, end))
-            if request.num_pending_tokens and end > request.num_known_tokens:
-                self._carry_pending(request, start, offset, previous, carry_dst, carry_src)
+            start, end = item.start, item.end
+            token_ids.extend(item.token_ids)
+            if item.num_pending_inputs:
+                self._carry_pending(item, offset, previous, carry_dst, carry_src)
             positions.extend(range(start, end))
             q_lens.append(item.num_tokens)
             seqlens_k.append(end)
-            logprob_positions = item.prompt_logprob_positions()
+            logprob_positions = item.prompt_logprob_positions
             if logprob_positions:
                 logits_indices.extend(range(offset + logprob_positions.start - start,
                                             offset + logprob_positions.stop - start))
             offset += item.num_tokens
             if item.samples:
-                needs_host_logits |= request.sampling_params.needs_processing
-                sample_row_of[request.index] = len(sample_rows)
+                needs_host_logits |= item.needs_host_sampling
+                sample_row_of[item.request_index] = len(sample_rows)
                 sample_rows.append(len(logits_indices))
                 logits_indices.append(offset - 1)
         for dst in carry_dst:
@@ -249,14 +248,14 @@ class ModelRunner:
             carry=carry, needs_host_logits=needs_host_logits or num_rows > len(sample_rows))
 
     @staticmethod
-    def _carry_pending(request, start: int, offset: int, previous: StepHandle | None, carry_dst: list[int],
+    def _carry_pending(item: ScheduledRequest, offset: int, previous: StepHandle | None, carry_dst: list[int],
                        carry_src: list[int]) -> None:
-        """Record that input ``offset + (p - start)`` of the request's pending position p comes from the device."""
-        row = previous.sample_row_of.get(request.index) if previous is not None else None
-        if row is None or request.num_pending_tokens != 1:
-            raise RuntimeError(f"request {request.request_id!r} is scheduled with an input token that the step in "
+        """Record that the entry's last input (at ``offset + num_tokens - 1``) comes from the device."""
+        row = previous.sample_row_of.get(item.request_index) if previous is not None else None
+        if row is None or item.num_pending_inputs != 1:
+            raise RuntimeError(f"request {item.request_id!r} is scheduled with an input token that the step in "
                                "flight did not sample")
-        carry_dst.append(offset + request.num_known_tokens - start)
+        carry_dst.append(offset + item.num_tokens - 1)
         carry_src.append(row)
 
     def _upload(self, inputs: _StepInputs):
@@ -304,7 +303,7 @@ class ModelRunner:
             num_slots: slot-mapping length (tokens, padding included); padded tokens get slot -1.
         """
         page = self.page_size
-        tables = [s.request.block_table if kind == FULL else s.request.sliding_block_table for s in scheduled]
+        tables = [s.block_table if kind == FULL else s.sliding_block_table for s in scheduled]
         width = max(len(t) for t in tables)
         blocks = torch.zeros((num_rows, width), dtype=torch.int64)  # padding rows read reserved chunk 0
         blocks[:len(tables)] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)

@@ -4,62 +4,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
+from engine.plan import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.stop_check import Stop, StopConditions, check_stop
 from engine.stop_strings import StopStringMatcher
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute ``num_tokens`` tokens from ``start`` on.
-
-    ``start``, ``samples`` and the prompt log-probability positions are fixed when the step is planned: with async
-    batching the request moves on (``Scheduler.advance``) before this step's results are read.
-    """
-
-    request: Request
-    num_tokens: int
-    start: int = field(init=False)
-    samples: bool = field(init=False)  # this step reaches the request's last token, so a token is sampled
-    _logprob_positions: range = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        request = self.request
-        self.start = request.num_computed_tokens
-        self.samples = self.start + self.num_tokens == request.num_tokens
-        self._logprob_positions = self._find_logprob_positions()
-
-    def prompt_logprob_positions(self) -> range:
-        """Positions of this step whose logits score the next prompt token, not yet recorded."""
-        return self._logprob_positions
-
-    def _find_logprob_positions(self) -> range:
-        request = self.request
-        first = request.sampling_params.prompt_logprobs_from
-        if first is None:
-            return range(0)
-        start = max(self.start, first - 1 + len(request.prompt_logprobs))
-        end = min(self.start + self.num_tokens, request.num_prompt_tokens - 1)
-        return range(start, max(start, end))
-
-
-@dataclass
-class SchedulerOutput:
-    """The plan of one step, in the order the model runner lays out the batch."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU slot) copies, made first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU slot, device block) copies, made next
-    swapped_in: list[Request] = field(default_factory=list)  # whose CPU slots free once the copies ran
-    num_preempted: int = 0
-
-    @property
-    def num_batch_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
 
 
 class FIFOScheduler:
@@ -210,7 +161,6 @@ class FIFOScheduler:
             return False
         self.waiting.popleft()
         out.swap_in.extend(copies)
-        out.swapped_in.append(request)
         request.status = RequestStatus.PREFILLING
         self.running.append(request)
         plan.add(request, num_tokens)
@@ -299,7 +249,7 @@ class FIFOScheduler:
         plan can schedule its decode while this step's token is still on the device (async batching).
         """
         for item in out.scheduled:
-            request = item.request
+            request = self.requests[item.request_index]
             request.num_computed_tokens += item.num_tokens
             if item.samples:
                 request.num_pending_tokens += 1
@@ -316,12 +266,11 @@ class FIFOScheduler:
             The requests that finished (their blocks are already free). A request that finished in an earlier
             step but was planned again before that was known is skipped: its extra token is dropped.
         """
-        for request in out.swapped_in:
-            self.block_manager.release_swap_slots(request)
+        self.discard(out)
         finished = []
         for item in out.scheduled:
-            request = item.request
-            if not item.samples or request.is_finished:
+            request = self.requests.get(item.request_index)
+            if not item.samples or request is None:  # None: finished since this step was planned
                 continue
             request.num_pending_tokens -= 1
             request.output_token_ids.append(sampled[request.index])
@@ -332,6 +281,12 @@ class FIFOScheduler:
                 self._finish(request, stop)
                 finished.append(request)
         return finished
+
+    def discard(self, out: SchedulerOutput) -> None:
+        """Free the CPU slots a launched plan swapped in from (its copies ran); ``resolve`` calls it, and the
+        engine for a plan in flight whose results it drops."""
+        if out.swap_in:
+            self.block_manager.free_swap_slots([slot for slot, _ in out.swap_in])
 
     def _finish(self, request: Request, stop: Stop) -> None:
         # A request preempted while its last token was in flight may sit in ``waiting`` (even swapped out).
@@ -378,13 +333,35 @@ class _PlanBuilder:
         return min(num_tokens, self.token_budget)
 
     def add(self, request: Request, num_tokens: int) -> None:
-        self.scheduled.append(ScheduledRequest(request, num_tokens))
+        self.scheduled.append(_plan_entry(request, num_tokens))
         self._indices.add(request.index)
         self.token_budget -= num_tokens
         self.request_budget -= 1
 
     def contains(self, request: Request) -> bool:
         return request.index in self._indices
+
+
+def _plan_entry(request: Request, num_tokens: int) -> ScheduledRequest:
+    """The request's share of the step as values, after its blocks for this step are allocated."""
+    start = request.num_computed_tokens
+    end = start + num_tokens
+    return ScheduledRequest(
+        request_index=request.index, request_id=request.request_id, start=start, num_tokens=num_tokens,
+        token_ids=request.token_ids(start, end), num_pending_inputs=max(0, end - request.num_known_tokens),
+        samples=end == request.num_tokens, needs_host_sampling=request.sampling_params.needs_processing,
+        prompt_logprob_positions=_prompt_logprob_positions(request, start, end),
+        block_table=list(request.block_table), sliding_block_table=list(request.sliding_block_table))
+
+
+def _prompt_logprob_positions(request: Request, start: int, end: int) -> range:
+    """Positions in ``start:end`` whose logits score the next prompt token and are not recorded yet."""
+    first = request.sampling_params.prompt_logprobs_from
+    if first is None:
+        return range(0)
+    lo = max(start, first - 1 + len(request.prompt_logprobs))
+    hi = min(end, request.num_prompt_tokens - 1)
+    return range(lo, max(lo, hi))
 
 
 def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None,

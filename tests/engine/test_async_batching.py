@@ -13,7 +13,8 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import PENDING_TOKEN, Request, RequestStatus
-from engine.scheduler import FIFOScheduler, SchedulerOutput
+from engine.plan import SchedulerOutput
+from engine.scheduler import FIFOScheduler
 from tests.model_utils import assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128
@@ -148,7 +149,7 @@ def test_scheduler_runs_a_pending_request_only_when_its_token_can_stay_on_the_de
     assert all(r.num_pending_tokens == 1 and r.status is RequestStatus.DECODING for r in (greedy, sampled, last))
     assert greedy.token_ids(3, 4) == [PENDING_TOKEN]
     second = s.schedule()  # planned while the first step is in flight
-    assert [item.request.request_id for item in second.scheduled] == ["greedy"]
+    assert [item.request_id for item in second.scheduled] == ["greedy"]
     s.advance(second)
     finished = s.resolve(first, {r.index: 9 for r in (greedy, sampled, last, at_limit)})
     assert {r.request_id for r in finished} == {"last", "at_limit"}  # max_new_tokens; the model's length

@@ -18,9 +18,9 @@ def req(name: str, n: int) -> Request:
 
 def run_step(scheduler, token=7):
     out = scheduler.schedule()
-    sampled = {s.request.index: token for s in out.scheduled if s.samples}
+    sampled = {s.request_index: token for s in out.scheduled if s.samples}
     scheduler.update(out, sampled)
-    return [(s.request.request_id, s.num_tokens) for s in out.scheduled], out
+    return [(s.request_id, s.num_tokens) for s in out.scheduled], out
 
 
 def test_fifo_decodes_first_then_prefills_then_new_with_chunking():
