@@ -18,7 +18,9 @@ from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
 from engine.lean_llama import select_lean_model
-from engine.model_runner import KVCache, ModelRunner
+from engine.cache_spec import CacheSpec
+from engine.kv_cache import KVCache
+from engine.model_runner import ModelRunner
 from engine.padding import PaddingPolicy
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -28,6 +30,7 @@ from engine.plan import SchedulerOutput
 from engine.scheduler import make_scheduler
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
+from engine.switches import resolve_switch
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -59,23 +62,22 @@ class LLMEngine:
         bytes_per_block = KVCache.bytes_per_block(len(layout.layer_types), config.page_size, num_kv_heads,
                                                   head_dim, dtype)
         self.num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block, model_config)
-        num_cpu_blocks = int(config.cpu_offload_space * 2**30) // bytes_per_block
-        self.block_manager = BlockManager(self.num_blocks, config.page_size, config.allow_block_sharing,
-                                          num_cpu_blocks=num_cpu_blocks, layout=layout,
+        #: The cache's geometry, the one source for the block manager, the KV cache, padding and the runner.
+        self.cache_spec = CacheSpec.build(self.num_blocks, config.page_size, layout,
+                                          num_cpu_blocks=int(config.cpu_offload_space * 2**30) // bytes_per_block,
                                           max_chunk_tokens=config.max_batch_tokens, max_model_len=max_model_len)
+        self.block_manager = BlockManager(self.cache_spec, config.allow_block_sharing)
         self.scheduler = make_scheduler(config, self.block_manager, max_model_len, self.eos_token_ids,
                                         self._stop_matcher)
-        kv_cache = KVCache(self.block_manager.num_pages, config.page_size, num_kv_heads, head_dim, dtype,
-                           next(model.parameters()).device, self.block_manager.swap_pool.num_slots)
+        kv_cache = KVCache(self.cache_spec, num_kv_heads, head_dim, dtype, next(model.parameters()).device)
         use_triton = _use_triton(config)
         use_graphs = _use_cuda_graphs(config, use_triton)
         #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
         self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)
-        padding = PaddingPolicy(config.q_padding_interval_size, config.kv_padding_interval_size,
-                                config.max_batch_tokens, config.max_requests_per_batch, config.page_size)
-        self.model_runner = ModelRunner(model, kv_cache, layout, config.page_size, self.block_manager.ring_blocks,
-                                        use_triton=use_triton, padding=padding if use_graphs else None,
+        padding = PaddingPolicy.for_cache(config, self.cache_spec)
+        self.model_runner = ModelRunner(model, kv_cache, use_triton=use_triton,
+                                        padding=padding if use_graphs else None,
                                         use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
                                         max_model_len=max_model_len, async_batching=self.overlap_steps,
                                         lean_model=select_lean_model(config.model_impl, model, use_graphs,
@@ -324,23 +326,17 @@ def _eos_token_ids(model_path: str, model_config) -> set[int]:
 
 def _use_cuda_graphs(config: EngineConfig, use_triton: bool) -> bool:
     """Whether to replay the forward pass from CUDA graphs; says why not, once, when it cannot."""
-    on_cuda = torch.device(config.device).type == "cuda"
-    if config.cuda_graphs == "off":
-        return False
     reason = None
-    if not on_cuda:
+    if torch.device(config.device).type != "cuda":
         reason = f"the device is {config.device}, not CUDA"
     elif not use_triton:
         reason = "attention_backend = torch synchronises with the host, which a graph cannot hold"
-    if reason is None:
-        return True
-    if config.cuda_graphs == "on":
-        raise ValueError(f"cuda_graphs = on, but {reason}")
-    logger.info("CUDA graphs off: %s", reason)
-    return False
+    return resolve_switch("cuda_graphs", config.cuda_graphs, reason, off_log="CUDA graphs off: %s")
 
 
 def _use_triton(config: EngineConfig) -> bool:
+    """Whether attention runs the Triton kernels: "auto" on CUDA devices. Not a ``resolve_switch``: "triton" runs
+    on any device (on the CPU through Triton's interpreter, as the tests do), so nothing can block it."""
     if config.attention_backend == "auto":
         return torch.device(config.device).type == "cuda"
     return config.attention_backend == "triton"

@@ -53,7 +53,8 @@ class Request:
         block_table: block ids of the request's pages in position order. Only the block manager changes it.
         sliding_block_table: the ring of sliding-window blocks; position p lives in block
             ``sliding_block_table[(p // page_size) % ring_blocks]`` (block manager's too).
-        cpu_blocks: CPU swap slots holding its pages while it is offloaded (block manager's too).
+        cpu_pages: pages of the CPU swap buffer holding its KV while it is offloaded, one per device page it had
+            (block manager's too).
         status: see ``RequestStatus``; only the scheduler changes it.
     """
 
@@ -69,7 +70,7 @@ class Request:
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     sliding_block_table: list[int] = field(default_factory=list)
-    cpu_blocks: list[int] = field(default_factory=list)
+    cpu_pages: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
     error: str | None = None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from engine.block_manager import BlockManager, cdiv
+from engine.block_manager import BlockManager
+from engine.cache_spec import cdiv
 from engine.config import EngineConfig
 from engine.plan import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
@@ -82,7 +83,7 @@ class FIFOScheduler:
         aborted = list(self.running) + list(self.waiting)
         for request in aborted:
             self.block_manager.free(request)
-            if request.cpu_blocks:
+            if request.cpu_pages:
                 self.block_manager.release_swap_slots(request)
             request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", "aborted"
         self.running.clear()
@@ -131,7 +132,7 @@ class FIFOScheduler:
             request = self.waiting[0]
             if not self._next_input_ready(request):
                 return  # FIFO: its token comes back with the step in flight
-            if request.cpu_blocks:
+            if request.cpu_pages:
                 if not self._swap_in(request, plan, out):
                     return
                 continue
@@ -294,7 +295,7 @@ class FIFOScheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-            if request.cpu_blocks:
+            if request.cpu_pages:
                 self.block_manager.release_swap_slots(request)
         self.requests.pop(request.index, None)
         self.block_manager.free(request)

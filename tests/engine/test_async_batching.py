@@ -12,6 +12,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
+from engine.cache_spec import CacheSpec
 from engine.request import PENDING_TOKEN, Request, RequestStatus
 from engine.plan import SchedulerOutput
 from engine.scheduler import FIFOScheduler
@@ -128,7 +129,7 @@ def test_generation_stops_at_the_model_length():
 
 def make_scheduler():
     config = EngineConfig(page_size=4, num_blocks=16, max_batch_tokens=64)
-    return FIFOScheduler(config, BlockManager(16, 4, True), max_model_len=12)
+    return FIFOScheduler(config, BlockManager(CacheSpec.build(16, 4), True), max_model_len=12)
 
 
 def launch(scheduler) -> SchedulerOutput:

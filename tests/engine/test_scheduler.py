@@ -1,6 +1,7 @@
 """FIFO and PrefillFirst scheduling: order, budgets, chunked prefill, safety margin, preemption, failures."""
 
 from engine.block_manager import BlockManager
+from engine.cache_spec import CacheSpec
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -8,7 +9,7 @@ from engine.scheduler import FIFOScheduler, PrefillFirstScheduler
 
 
 def make(config: EngineConfig, cls=FIFOScheduler):
-    bm = BlockManager(config.num_blocks, config.page_size, config.allow_block_sharing)
+    bm = BlockManager(CacheSpec.build(config.num_blocks, config.page_size), config.allow_block_sharing)
     return cls(config, bm), bm
 
 
