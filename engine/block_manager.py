@@ -28,6 +28,20 @@ def sha256_block_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
     return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
 
 
+def truncated_block_hash(bits: int) -> BlockHashFn:
+    """``sha256_block_hash`` cut to its first ``bits`` bits (a multiple of 8): a weak hash that makes tests collide.
+
+    Raises:
+        ValueError: when ``bits`` is not a multiple of 8 in [8, 256].
+    """
+    if bits % 8 or not 8 <= bits <= 256:
+        raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {bits!r}")
+    if bits == 256:
+        return sha256_block_hash
+    num_bytes = bits // 8
+    return lambda parent, token_ids: sha256_block_hash(parent, token_ids)[:num_bytes]
+
+
 class BlockManager:
     """Owns the KV cache's bookkeeping: free blocks, block tables, reference counts, the prefix cache, swap slots.
 
@@ -51,6 +65,9 @@ class BlockManager:
         spec: the cache's geometry (page size, layout, chunks, ring size, CPU swap pages).
         enable_prefix_caching: share full blocks between requests with equal prefixes.
         hash_fn: block hash function (``sha256_block_hash`` unless a test injects another).
+
+    A hash hit serves a block only when the block's stored token ids equal the request's (one tuple comparison per
+    hit): a collision is counted in ``num_hash_collisions`` and served as a miss, never as another prompt's KV.
     """
 
     def __init__(self, spec: CacheSpec, enable_prefix_caching: bool = True,
@@ -77,6 +94,7 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._request_hashes: dict[int, list[bytes]] = {}  # Request.index -> hashes of its registered full blocks
         self.num_evicted_blocks = 0
+        self.num_hash_collisions = 0  # hash hits whose block held other tokens (served as misses)
         self.swap_pool = CpuSwapPool(spec.num_cpu_pages)
 
     # ---- capacity -------------------------------------------------------------------------------------------
@@ -138,8 +156,11 @@ class BlockManager:
             tokens = tuple(request.token_ids(i * self.page_size, (i + 1) * self.page_size))
             parent = self.hash_fn(parent, tokens)
             block = self._hash_to_block.get(parent)
+            if block is None:
+                break
             # A hash hit must also match the tokens: a collision can never serve another prompt's cache.
-            if block is None or self._block_tokens[block] != tokens:
+            if self._block_tokens[block] != tokens:
+                self.num_hash_collisions += 1
                 break
             blocks.append(block)
         return blocks

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from engine.async_batching import StepHandle, use_async_batching
 from engine.attention import ATTN_IMPLEMENTATION
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
@@ -66,7 +66,8 @@ class LLMEngine:
         self.cache_spec = CacheSpec.build(self.num_blocks, config.page_size, layout,
                                           num_cpu_blocks=int(config.cpu_offload_space * 2**30) // bytes_per_block,
                                           max_chunk_tokens=config.max_batch_tokens, max_model_len=max_model_len)
-        self.block_manager = BlockManager(self.cache_spec, config.allow_block_sharing)
+        self.block_manager = BlockManager(self.cache_spec, config.allow_block_sharing,
+                                          truncated_block_hash(config.prefix_hash_bits))
         self.scheduler = make_scheduler(config, self.block_manager, max_model_len, self.eos_token_ids,
                                         self._stop_matcher)
         kv_cache = KVCache(self.cache_spec, num_kv_heads, head_dim, dtype, next(model.parameters()).device)

@@ -1,6 +1,8 @@
 """Block manager: exact block ids, reference counts, prefix-cache hits and eviction order."""
 
-from engine.block_manager import BlockManager
+import pytest
+
+from engine.block_manager import ROOT_HASH, BlockManager, sha256_block_hash, truncated_block_hash
 from engine.cache_spec import CacheSpec
 from engine.kv_layout import KVLayout
 from engine.request import Request
@@ -134,3 +136,20 @@ def test_prefix_sharing_is_off_with_sliding_layers():
     a = make_request(range(12))
     admit(bm, a)
     assert bm.find_cached_prefix(make_request(range(12))) == []
+
+
+def test_colliding_8_bit_hashes_are_never_shared():
+    bm = BlockManager(CacheSpec.build(num_blocks=16, page_size=2), hash_fn=truncated_block_hash(8))
+    seen = {}
+    for i in range(257):  # 256 hash values: two of 257 blocks must collide
+        tokens = (i, i + 1000)
+        first = seen.setdefault(bm.hash_fn(ROOT_HASH, tokens), tokens)
+        if first != tokens:
+            break
+    a, b, c = make_request(first + (1,)), make_request(tokens + (1,)), make_request(first + (2,))
+    admit(bm, a)
+    assert bm.find_cached_prefix(b) == [] and bm.num_hash_collisions == 1  # same hash, other tokens: a miss
+    assert bm.find_cached_prefix(c) == a.block_table[:1]  # same tokens: a hit
+    assert truncated_block_hash(256) is sha256_block_hash
+    with pytest.raises(ValueError, match="multiple of 8"):
+        truncated_block_hash(12)
