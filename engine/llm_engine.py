@@ -16,6 +16,7 @@ from engine.attention import ATTN_IMPLEMENTATION
 from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
+from engine.faults import is_request_fault, request_error_message
 from engine.kv_layout import KVLayout
 from engine.lean_llama import select_lean_model
 from engine.cache_spec import CacheSpec
@@ -169,6 +170,7 @@ class LLMEngine:
             to_read = launched
         if to_read is not None:
             finished.extend(self._resolve(*to_read))
+            finished.extend(self.scheduler.pop_finished())  # requests whose own row raised while read
         return [self._finish(r) for r in finished]
 
     def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
@@ -178,26 +180,43 @@ class LLMEngine:
         row, sample, num_kept = 0, 0, 0
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
-            request, positions = self.scheduler.requests.get(item.request_index), item.prompt_logprob_positions
-            if positions:
-                if request is not None:
-                    _record_prompt_logprobs(request, handle.logits[row:row + len(positions)], positions)
-                row += len(positions)
-            if not item.samples:
-                continue
+            request = self.scheduler.requests.get(item.request_index)
             if request is not None:
-                token = token_ids[sample]
-                if item.needs_host_sampling:
-                    token, logprobs = sample_one(handle.logits[row], request, self.eos_token_ids)
-                    if logprobs is not None:
-                        request.logprobs.append(logprobs)
-                sampled[item.request_index] = token
-                num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
-            sample += 1
-            row += 1
+                try:
+                    token = self._read_rows(item, request, handle.logits, row, token_ids[sample] if item.samples
+                                            else None)
+                except Exception as error:  # this request's rows alone; device and memory faults propagate
+                    if not is_request_fault(error):
+                        raise
+                    self.scheduler.fail_request(request, request_error_message("sampling", error))
+                else:
+                    if token is not None:
+                        sampled[item.request_index] = token
+                        num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's is dropped
+            row += len(item.prompt_logprob_positions) + item.samples
+            sample += item.samples
         finished = self.scheduler.resolve(plan, sampled)
         self._count_step(plan, num_kept)
         return finished
+
+    def _read_rows(self, item, request: Request, logits: torch.Tensor, row: int, device_token: int | None
+                   ) -> int | None:
+        """Record an entry's prompt log-probabilities and choose its token (None when it does not sample).
+
+        Args:
+            logits: the step's (N, vocab) logits; the entry's rows start at ``row``.
+            device_token: the device's argmax for a sampling entry (its token unless it needs the host).
+        """
+        positions = item.prompt_logprob_positions
+        if positions:
+            _record_prompt_logprobs(request, logits[row:row + len(positions)], positions)
+            row += len(positions)
+        if not item.samples or not item.needs_host_sampling:
+            return device_token
+        token, logprobs = sample_one(logits[row], request, self.eos_token_ids)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        return token
 
     def _count_step(self, plan, num_sampled: int) -> None:
         self._counters.num_steps += 1

@@ -8,6 +8,7 @@ from collections import deque
 from engine.block_manager import BlockManager
 from engine.cache_spec import cdiv
 from engine.config import EngineConfig
+from engine.faults import is_request_fault, request_error_message
 from engine.plan import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.stop_check import Stop, StopConditions, check_stop
@@ -223,6 +224,19 @@ class FIFOScheduler:
                 f"but the whole cache has {bm.num_blocks}; raise engine.num_blocks or max_memory_percent, "
                 f"or shorten the prompt / max_new_tokens")
 
+    def fail_request(self, request: Request, message: str) -> None:
+        """Fail one unfinished request whose own row raised during a step; the others go on.
+
+        Its blocks and swap pages are freed; a token already planned for it is dropped when read. It comes back
+        from ``pop_finished``.
+        """
+        if request in self.waiting:  # preempted while its token was in flight
+            self.waiting.remove(request)
+            if request.cpu_pages:
+                self.block_manager.release_swap_slots(request)
+        request.num_pending_tokens = 0
+        self._fail(request, message)
+
     def _fail(self, request: Request, message: str) -> None:
         if request in self.running:
             self.running.remove(request)
@@ -277,7 +291,13 @@ class FIFOScheduler:
             request.output_token_ids.append(sampled[request.index])
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
-            stop = check_stop(request, self.stop_conditions)
+            try:
+                stop = check_stop(request, self.stop_conditions)
+            except Exception as error:  # e.g. the tokenizer cannot decode the output for its stop strings
+                if not is_request_fault(error):
+                    raise
+                self.fail_request(request, request_error_message("stop check", error))
+                continue
             if stop is not None:
                 self._finish(request, stop)
                 finished.append(request)
