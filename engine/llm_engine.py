@@ -27,7 +27,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import sample_one
 from engine.sampling_params import SamplingParams
-from engine.plan import SchedulerOutput
+from engine.plan import ScheduledRequest, SchedulerOutput
 from engine.scheduler import make_scheduler
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
@@ -182,31 +182,39 @@ class LLMEngine:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
             request = self.scheduler.requests.get(item.request_index)
             if request is not None:
-                try:
-                    token = self._read_rows(item, request, handle.logits, row, token_ids[sample] if item.samples
-                                            else None)
-                except Exception as error:  # this request's rows alone; device and memory faults propagate
-                    if not is_request_fault(error):
-                        raise
-                    self.scheduler.fail_request(request, request_error_message("sampling", error))
-                else:
-                    if token is not None:
-                        sampled[item.request_index] = token
-                        num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's is dropped
+                token = token_ids[sample] if item.samples else None
+                if item.needs_host_sampling or item.prompt_logprob_positions:  # else plain greedy: the device's
+                    token = self._read_rows_or_fail(item, request, handle.logits, row, token)
+                if token is not None:
+                    sampled[item.request_index] = token
+                    num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
             row += len(item.prompt_logprob_positions) + item.samples
             sample += item.samples
         finished = self.scheduler.resolve(plan, sampled)
         self._count_step(plan, num_kept)
         return finished
 
-    def _read_rows(self, item, request: Request, logits: torch.Tensor, row: int, device_token: int | None
-                   ) -> int | None:
+    def _read_rows_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
+                           device_token: int | None) -> int | None:
         """Record an entry's prompt log-probabilities and choose its token (None when it does not sample).
+
+        An exception raised here is the request's own fault (``is_request_fault``): the request fails alone and
+        None is returned. Out-of-memory and device errors propagate.
 
         Args:
             logits: the step's (N, vocab) logits; the entry's rows start at ``row``.
             device_token: the device's argmax for a sampling entry (its token unless it needs the host).
         """
+        try:
+            return self._read_rows(item, request, logits, row, device_token)
+        except Exception as error:
+            if not is_request_fault(error):
+                raise
+            self.scheduler.fail_request(request, request_error_message("sampling", error))
+            return None
+
+    def _read_rows(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
+                   device_token: int | None) -> int | None:
         positions = item.prompt_logprob_positions
         if positions:
             _record_prompt_logprobs(request, logits[row:row + len(positions)], positions)
