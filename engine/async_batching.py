@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.switches import resolve_switch
+
 logger = logging.getLogger("cbrun.engine")
 
 
@@ -33,7 +35,7 @@ class StepHandle:
             a private copy when the step was launched behind another, so the next replay cannot overwrite it.
         sampled: (S,) int64 on the device, the argmax of each sampling entry's row, in plan order. It is the
             sampled token of every plain-greedy request; rows needing host-side sampling are redone on the host.
-        sample_row_of: ``id(request) -> row`` of ``sampled``.
+        sample_row_of: ``Request.index -> row`` of ``sampled``.
         done: CUDA event recorded after the device-to-host copy of ``sampled`` (None on the CPU).
     """
 
@@ -128,16 +130,9 @@ def use_async_batching(setting: str, device: str, use_cuda_graphs: bool) -> bool
     Raises:
         ValueError: for "on" on a non-CUDA device or without CUDA graphs.
     """
-    if setting == "off":
-        return False
     reason = None
     if torch.device(device).type != "cuda":
         reason = f"the device is {device}, not CUDA: no stream to overlap with"
     elif not use_cuda_graphs:
         reason = "it needs CUDA graphs (stable input addresses), which are off"
-    if reason is None:
-        return True
-    if setting == "on":
-        raise ValueError(f"async_batching = on, but {reason}")
-    logger.info("async batching off: %s", reason)
-    return False
+    return resolve_switch("async_batching", setting, reason, off_log="async batching off: %s")

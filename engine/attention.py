@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
+from engine.cache_spec import slot_address
 from kernels.reference import GatherPlan, build_gather_plan, paged_attention_ref, write_kv_cache_ref
 
 ATTN_IMPLEMENTATION = "cbrun_paged"
@@ -39,12 +40,16 @@ class GroupMetadata:
     _per_layer: dict = field(default_factory=dict)
 
     def for_layer(self, index: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot_mapping, block_tables) of the group's layer ``index``."""
+        """(slot_mapping, block_tables) of the group's layer ``index``.
+
+        Layer ``index`` of block b is page ``page_address(b, layers_per_block, index)``, layer 0's page plus
+        ``index`` (``engine.cache_spec``), so its slots are layer 0's plus ``index`` pages of ``page_size``.
+        """
         cached = self._per_layer.get(index)
         if cached is None:
             slots = self.slot_mapping
             if index:  # padded tokens keep their negative slot: they write nowhere in any layer
-                slots = torch.where(slots >= 0, slots + index * page_size, slots)
+                slots = torch.where(slots >= 0, slots + slot_address(index, 0, page_size), slots)
             cached = (slots, self.block_tables + index)
             self._per_layer[index] = cached
         return cached
@@ -143,6 +148,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Atten
     Returns:
         (T, num_heads, head_dim) attention output in ``q.dtype``.
     """
+    # The kernels read the page size from the cache tensor, the block tables and slots were built with md's.
+    assert md.k_pages.shape[1] == md.page_size, f"page size {md.page_size} but cache pages of {md.k_pages.shape[1]}"
     group, index = md.layer_groups[layer_idx]
     slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
     if md.use_triton:

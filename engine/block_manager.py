@@ -9,8 +9,9 @@ from typing import Callable
 
 import numpy as np
 
-from engine.cache_pool import NUM_RESERVED_CHUNKS, CachePool, ChunkAllocator
-from engine.kv_layout import FULL, SLIDING, KVLayout
+from engine.cache_pool import CachePool, ChunkAllocator
+from engine.cache_spec import NUM_RESERVED_CHUNKS, CacheSpec, cdiv
+from engine.kv_layout import FULL, SLIDING
 from engine.offload import CpuSwapPool
 from engine.request import Request
 
@@ -27,8 +28,18 @@ def sha256_block_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
     return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def truncated_block_hash(bits: int) -> BlockHashFn:
+    """``sha256_block_hash`` cut to its first ``bits`` bits (a multiple of 8): a weak hash that makes tests collide.
+
+    Raises:
+        ValueError: when ``bits`` is not a multiple of 8 in [8, 256].
+    """
+    if bits % 8 or not 8 <= bits <= 256:
+        raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {bits!r}")
+    if bits == 256:
+        return sha256_block_hash
+    num_bytes = bits // 8
+    return lambda parent, token_ids: sha256_block_hash(parent, token_ids)[:num_bytes]
 
 
 class BlockManager:
@@ -51,35 +62,26 @@ class BlockManager:
     Sharing is on only when every layer attends fully (a sliding ring cannot be shared).
 
     Args:
-        num_blocks: capacity in blocks of ``page_size`` tokens of every layer (the pool also holds 2 reserved
-            padding chunks beyond this).
-        page_size: tokens per block.
+        spec: the cache's geometry (page size, layout, chunks, ring size, CPU swap pages).
         enable_prefix_caching: share full blocks between requests with equal prefixes.
         hash_fn: block hash function (``sha256_block_hash`` unless a test injects another).
-        num_cpu_blocks: CPU swap capacity in blocks of every layer (0: no swap, preemption is a soft reset).
-        layout: which layers are full and sliding; default one full layer.
-        max_chunk_tokens: most tokens a request computes in one step (sizes the sliding ring).
-        max_model_len: the model's maximum length (caps the sliding ring).
+
+    A hash hit serves a block only when the block's stored token ids equal the request's (one tuple comparison per
+    hit): a collision is counted in ``num_hash_collisions`` and served as a miss, never as another prompt's KV.
     """
 
-    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: BlockHashFn = sha256_block_hash, num_cpu_blocks: int = 0, layout: KVLayout | None = None,
-                 max_chunk_tokens: int = 1, max_model_len: int | None = None) -> None:
-        self.layout = layout or KVLayout.full(1)
-        self.page_size = page_size
-        num_layers = len(self.layout.layer_types)
-        self.chunk_pages = self.layout.chunk_pages
-        usable_chunks = max(1, num_blocks * num_layers // self.chunk_pages)
-        self.pool = CachePool(usable_chunks + NUM_RESERVED_CHUNKS)
-        self.num_pages = self.pool.num_chunks * self.chunk_pages
-        self.num_full_layers = self.layout.num_layers_of(FULL)
-        self.num_sliding_layers = self.layout.num_layers_of(SLIDING)
-        self.full = ChunkAllocator(self.pool, self.chunk_pages, self.num_full_layers) if self.num_full_layers else None
-        self.sliding = (ChunkAllocator(self.pool, self.chunk_pages, self.num_sliding_layers)
-                        if self.num_sliding_layers else None)
-        self.ring_blocks = self._ring_size(max_chunk_tokens, max_model_len)
+    def __init__(self, spec: CacheSpec, enable_prefix_caching: bool = True,
+                 hash_fn: BlockHashFn = sha256_block_hash) -> None:
+        self.spec = spec
+        self.layout = spec.layout
+        self.page_size = spec.page_size
+        self.pool = CachePool(spec.num_chunks)
+        num_full_layers, num_sliding_layers = spec.layers_per_block(FULL), spec.layers_per_block(SLIDING)
+        self.full = ChunkAllocator(self.pool, spec.chunk_pages, num_full_layers) if num_full_layers else None
+        self.sliding = ChunkAllocator(self.pool, spec.chunk_pages, num_sliding_layers) if num_sliding_layers else None
+        self.ring_blocks = spec.ring_blocks
         main = self.full or self.sliding
-        self.num_blocks = usable_chunks * main.blocks_per_chunk
+        self.num_blocks = self.pool.num_usable_chunks * main.blocks_per_chunk
         self.enable_prefix_caching = enable_prefix_caching and self.sliding is None
         if enable_prefix_caching and self.sliding is not None:
             logger.info("prefix sharing is off: the model has sliding-window layers, whose blocks cannot be shared")
@@ -90,17 +92,10 @@ class BlockManager:
         self._block_hash: list[bytes | None] = [None] * num_block_ids
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_block_ids
         self._hash_to_block: dict[bytes, int] = {}
-        self._request_hashes: dict[int, list[bytes]] = {}  # id(request) -> hashes of its registered full blocks
+        self._request_hashes: dict[int, list[bytes]] = {}  # Request.index -> hashes of its registered full blocks
         self.num_evicted_blocks = 0
-        self.swap_pool = CpuSwapPool(num_cpu_blocks * num_layers)  # in pages
-
-    def _ring_size(self, max_chunk_tokens: int, max_model_len: int | None) -> int:
-        """Sliding blocks per request: every position a step's queries may see, [start - window + 1, start +
-        chunk), must live in a distinct ring slot."""
-        if self.sliding is None:
-            return 0
-        ring = cdiv(self.layout.sliding_window - 1 + max_chunk_tokens, self.page_size) + 1
-        return min(ring, cdiv(max_model_len, self.page_size)) if max_model_len else ring
+        self.num_hash_collisions = 0  # hash hits whose block held other tokens (served as misses)
+        self.swap_pool = CpuSwapPool(spec.num_cpu_pages)
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
@@ -161,8 +156,11 @@ class BlockManager:
             tokens = tuple(request.token_ids(i * self.page_size, (i + 1) * self.page_size))
             parent = self.hash_fn(parent, tokens)
             block = self._hash_to_block.get(parent)
+            if block is None:
+                break
             # A hash hit must also match the tokens: a collision can never serve another prompt's cache.
-            if block is None or self._block_tokens[block] != tokens:
+            if self._block_tokens[block] != tokens:
+                self.num_hash_collisions += 1
                 break
             blocks.append(block)
         return blocks
@@ -220,7 +218,7 @@ class BlockManager:
             self.ref_counts[block] += 1
             request.block_table.append(block)
         if cached_blocks:
-            self._request_hashes[id(request)] = [self._block_hash[b] for b in cached_blocks]
+            self._request_hashes[request.index] = [self._block_hash[b] for b in cached_blocks]
 
     def _take_full_block(self) -> int:
         block = self.full.take()
@@ -232,7 +230,7 @@ class BlockManager:
         return block
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        hashes = self._request_hashes.setdefault(id(request), [])
+        hashes = self._request_hashes.setdefault(request.index, [])
         parent = hashes[-1] if hashes else ROOT_HASH
         # A block holding a token still on the device (async batching) is hashed by a later step.
         num_tokens = min(num_tokens, request.num_known_tokens)
@@ -269,15 +267,13 @@ class BlockManager:
             self.sliding.release(block)
         request.block_table.clear()
         request.sliding_block_table.clear()
-        self._request_hashes.pop(id(request), None)
+        self._request_hashes.pop(request.index, None)
 
     # ---- pages, for the model runner and offloading -----------------------------------------------------------
     def request_pages(self, request: Request) -> list[int]:
         """Every page the request holds: its full blocks' pages, then its sliding ring's."""
-        pages = [b * self.num_full_layers + i for b in request.block_table for i in range(self.num_full_layers)]
-        pages += [b * self.num_sliding_layers + i for b in request.sliding_block_table
-                  for i in range(self.num_sliding_layers)]
-        return pages
+        return (self.spec.pages_of(request.block_table, FULL)
+                + self.spec.pages_of(request.sliding_block_table, SLIDING))
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's pages to CPU slots and free its blocks on the device.
@@ -291,7 +287,7 @@ class BlockManager:
         if slots is None:
             return None
         self.free(request)
-        request.cpu_blocks = slots
+        request.cpu_pages = slots
         return list(zip(pages, slots))
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
@@ -299,22 +295,27 @@ class BlockManager:
 
         Returns:
             ``(CPU slot, device page)`` copies to make before the forward pass, or None when blocks lack.
-            The CPU slots stay taken until ``release_swap_slots`` runs after the copy.
+            The request holds no CPU slots afterwards; the slots stay taken until ``free_swap_slots`` runs after
+            the copies.
         """
         num_full = cdiv(request.num_computed_tokens, self.page_size) if self.full else 0
         num_ring = min(self.ring_blocks, cdiv(request.num_computed_tokens, self.page_size)) if self.sliding else 0
         if not self.allocate_slots(request, num_new_tokens):
             return None
-        pages = [b * self.num_full_layers + i for b in request.block_table[:num_full]
-                 for i in range(self.num_full_layers)]
-        pages += [b * self.num_sliding_layers + i for b in request.sliding_block_table[:num_ring]
-                  for i in range(self.num_sliding_layers)]
-        assert len(pages) == len(request.cpu_blocks)
-        return list(zip(request.cpu_blocks, pages))
+        pages = (self.spec.pages_of(request.block_table[:num_full], FULL)
+                 + self.spec.pages_of(request.sliding_block_table[:num_ring], SLIDING))
+        assert len(pages) == len(request.cpu_pages)
+        copies = list(zip(request.cpu_pages, pages))
+        request.cpu_pages = []  # the slots stay taken until ``free_swap_slots`` runs after the copies
+        return copies
 
     def release_swap_slots(self, request: Request) -> None:
-        self.swap_pool.free(request.cpu_blocks)
-        request.cpu_blocks = []
+        """Free the CPU slots of a swapped-out request that will not be swapped in (finished or aborted)."""
+        self.free_swap_slots(request.cpu_pages)
+        request.cpu_pages = []
+
+    def free_swap_slots(self, slots: list[int]) -> None:
+        self.swap_pool.free(slots)
 
     def check_consistency(self) -> None:
         """Assert the pool's invariants (for tests): chunks, blocks and references add up."""

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-#: Chunks 0 and 1 are never given to a request: padded reads and writes (CUDA graphs) may land there.
-NUM_RESERVED_CHUNKS = 2
+from engine.cache_spec import NUM_RESERVED_CHUNKS, cdiv
 
 
 class CachePool:
@@ -70,7 +69,7 @@ class ChunkAllocator:
     def blocks_from_chunks(self, num_blocks: int) -> int:
         """Pool chunks needed to get ``num_blocks`` blocks beyond those free in held chunks."""
         missing = max(0, num_blocks - len(self._free))
-        return -(-missing // self.blocks_per_chunk)
+        return cdiv(missing, self.blocks_per_chunk)
 
     def take(self) -> int | None:
         if not self._free:

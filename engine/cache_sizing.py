@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from engine.block_manager import cdiv
+from engine.cache_spec import cdiv
 from engine.config import EngineConfig
 
 logger = logging.getLogger("cbrun.engine")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -38,6 +38,8 @@ class EngineConfig:
             while the device computes step N (see ``engine.async_batching``).
         num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide); None keeps torch's
             default. Tiny models run fastest on 1.
+        prefix_hash_bits: width of the prefix cache's block hash (SHA-256 cut to a multiple of 8 bits, default the
+            full 256). Narrow widths exist for tests that force collisions; a collision is never served.
         model_impl: the forward pass. "lean" runs Llama-family models (Llama, Mistral and Qwen2 without sliding
             windows, default RoPE) through ``engine.lean_llama``: the same math and attention without transformers'
             per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
@@ -67,6 +69,7 @@ class EngineConfig:
     async_batching: str = "auto"
     num_threads: int | None = None
     model_impl: str = "auto"
+    prefix_hash_bits: int = 256
 
     def __post_init__(self) -> None:
         self._check_positive_int("page_size")
@@ -95,6 +98,8 @@ class EngineConfig:
             self._check_positive_int(name)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.prefix_hash_bits % 8 or not 8 <= self.prefix_hash_bits <= 256:
+            raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {self.prefix_hash_bits!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
 
@@ -102,10 +107,6 @@ class EngineConfig:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 #: The name transformers' continuous batching uses for the same settings.

@@ -56,10 +56,6 @@ class KVLayout:
         counts = [n for n in (self.num_layers_of(FULL), self.num_layers_of(SLIDING)) if n]
         return math.lcm(*counts)
 
-    @property
-    def is_hybrid(self) -> bool:
-        return self.num_layers_of(FULL) > 0 and self.num_layers_of(SLIDING) > 0
-
     def index_in_group(self, layer: int) -> int:
         """Position of ``layer`` among the layers of its own kind."""
         kind = self.layer_types[layer]

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.switches import resolve_switch
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -217,10 +218,9 @@ def select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: 
     reason = unsupported_reason(model)
     if reason is None and use_cuda_graphs:
         reason = "CUDA graphs capture transformers' forward pass (set cuda_graphs = off to use the lean path)"
-    if reason is None:
-        logger.info("model implementation: lean (engine.lean_llama)")
-        return LeanLlama(model, max_model_len)
-    if model_impl == "lean":
-        raise ValueError(f"model_impl = lean, but {reason}; use model_impl = auto or transformers")
-    logger.info("model implementation: transformers (lean path not used: %s)", reason)
-    return None
+    if not resolve_switch("model_impl", model_impl, reason, on="lean", off="transformers",
+                          off_log="model implementation: transformers (lean path not used: %s)",
+                          hint="; use model_impl = auto or transformers"):
+        return None
+    logger.info("model implementation: lean (engine.lean_llama)")
+    return LeanLlama(model, max_model_len)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import replace
 from typing import Iterable, Iterator
 
 import torch
@@ -12,20 +13,25 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from engine.async_batching import StepHandle, use_async_batching
 from engine.attention import ATTN_IMPLEMENTATION
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
+from engine.faults import is_request_fault, request_error_message
 from engine.kv_layout import KVLayout
 from engine.lean_llama import select_lean_model
-from engine.model_runner import KVCache, ModelRunner
+from engine.cache_spec import CacheSpec
+from engine.kv_cache import KVCache
+from engine.model_runner import ModelRunner
 from engine.padding import PaddingPolicy
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import sample_one
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput, make_scheduler
+from engine.plan import ScheduledRequest, SchedulerOutput
+from engine.scheduler import make_scheduler
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
+from engine.switches import resolve_switch
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -57,30 +63,38 @@ class LLMEngine:
         bytes_per_block = KVCache.bytes_per_block(len(layout.layer_types), config.page_size, num_kv_heads,
                                                   head_dim, dtype)
         self.num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block, model_config)
-        num_cpu_blocks = int(config.cpu_offload_space * 2**30) // bytes_per_block
-        self.block_manager = BlockManager(self.num_blocks, config.page_size, config.allow_block_sharing,
-                                          num_cpu_blocks=num_cpu_blocks, layout=layout,
+        #: The cache's geometry, the one source for the block manager, the KV cache, padding and the runner.
+        self.cache_spec = CacheSpec.build(self.num_blocks, config.page_size, layout,
+                                          num_cpu_blocks=int(config.cpu_offload_space * 2**30) // bytes_per_block,
                                           max_chunk_tokens=config.max_batch_tokens, max_model_len=max_model_len)
-        self.scheduler = make_scheduler(config, self.block_manager, max_model_len)
-        kv_cache = KVCache(self.block_manager.num_pages, config.page_size, num_kv_heads, head_dim, dtype,
-                           next(model.parameters()).device, self.block_manager.swap_pool.num_slots)
+        self.block_manager = BlockManager(self.cache_spec, config.allow_block_sharing,
+                                          truncated_block_hash(config.prefix_hash_bits))
+        self.scheduler = make_scheduler(config, self.block_manager, max_model_len, self.eos_token_ids,
+                                        self._stop_matcher)
+        kv_cache = KVCache(self.cache_spec, num_kv_heads, head_dim, dtype, next(model.parameters()).device)
         use_triton = _use_triton(config)
         use_graphs = _use_cuda_graphs(config, use_triton)
         #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
         self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)
-        padding = PaddingPolicy(config.q_padding_interval_size, config.kv_padding_interval_size,
-                                config.max_batch_tokens, config.max_requests_per_batch, config.page_size)
-        self.model_runner = ModelRunner(model, kv_cache, layout, config.page_size, self.block_manager.ring_blocks,
-                                        use_triton=use_triton, padding=padding if use_graphs else None,
+        padding = PaddingPolicy.for_cache(config, self.cache_spec)
+        self.model_runner = ModelRunner(model, kv_cache, use_triton=use_triton,
+                                        padding=padding if use_graphs else None,
                                         use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
                                         max_model_len=max_model_len, async_batching=self.overlap_steps,
                                         lean_model=select_lean_model(config.model_impl, model, use_graphs,
                                                                      max_model_len))
-        self.stats = EngineStats()
+        self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
-        self._rejected: list[Request] = []
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters, with soft resets and offloads read from the scheduler and evictions from the
+        block manager (their owners)."""
+        return replace(self._counters, num_soft_resets=self.scheduler.num_soft_resets,
+                       num_offloads=self.scheduler.num_offloads,
+                       num_evicted_blocks=self.block_manager.num_evicted_blocks)
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -114,18 +128,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         request = Request(request_id, list(prompt_token_ids), params, generator=torch.Generator().manual_seed(seed))
-        error = self._validate(request)
-        if error:
-            request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", error
-        elif params.max_new_tokens == 0 and not params.prompt_logprobs_from:
-            # nothing to generate and nothing to score: an empty completion, no forward pass. (With prompt
-            # log-probabilities the prompt runs; the token its last position samples is dropped in _finish.)
-            request.status, request.finish_reason = RequestStatus.FINISHED, "length"
-        else:
-            self.scheduler.add_request(request)
-            return
-        request.finish_time = time.perf_counter()
-        self._rejected.append(request)
+        self.scheduler.add_request(request, error=self._validate(request))
 
     def _validate(self, request: Request) -> str | None:
         try:
@@ -146,7 +149,7 @@ class LLMEngine:
         return None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- stepping -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -155,9 +158,8 @@ class LLMEngine:
         Synchronous by default: the step's tokens are read before it returns. With ``overlap_steps`` the step is
         left in flight and the previous one is read instead, after this one was launched (async batching).
         """
-        finished, self._rejected = self._rejected, []
         plan = self.scheduler.schedule()
-        finished.extend(plan.failed)
+        finished = self.scheduler.pop_finished()
         handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
         if handle is not None:
             self.scheduler.advance(plan)
@@ -168,68 +170,78 @@ class LLMEngine:
             to_read = launched
         if to_read is not None:
             finished.extend(self._resolve(*to_read))
-        self.stats.num_soft_resets = self.scheduler.num_soft_resets
-        self.stats.num_offloads = self.scheduler.num_offloads
-        self.stats.num_evicted_blocks = self.block_manager.num_evicted_blocks
+            finished.extend(self.scheduler.pop_finished())  # requests whose own row raised while read
         return [self._finish(r) for r in finished]
 
     def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
         """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
-        token_ids = handle.token_ids()
-        samplers, row = [], 0
+        token_ids = handle.token_ids()  # device argmax of each sampling entry, in plan order
+        sampled: dict[int, int] = {}
+        row, sample, num_kept = 0, 0, 0
         for item in plan.scheduled:
-            request, positions = item.request, item.prompt_logprob_positions()
-            if positions:
-                _record_prompt_logprobs(request, handle.logits[row:row + len(positions)], positions)
-                row += len(positions)
-            if not item.samples:
-                continue
-            if request.sampling_params.needs_processing and not request.is_finished:
-                index = handle.sample_row_of[id(request)]
-                token_ids[index], logprobs = sample_one(handle.logits[row], request, self.eos_token_ids)
-                if logprobs is not None:
-                    request.logprobs.append(logprobs)
-            samplers.append(request)
-            row += 1
-        sampled = dict(zip(map(id, samplers), token_ids))
-        # a finished request's extra token is dropped, and so is the token after an echo-only (max 0) prompt
-        num_kept = sum(1 for r in samplers if not r.is_finished and r.sampling_params.max_new_tokens)
-        finished = self.scheduler.resolve(plan, sampled, self._stop_reason)
+            # None once finished (async batching: found finished after this step was planned); its token is dropped.
+            request = self.scheduler.requests.get(item.request_index)
+            if request is not None:
+                token = token_ids[sample] if item.samples else None
+                if item.needs_host_sampling or item.prompt_logprob_positions:  # else plain greedy: the device's
+                    token = self._read_rows_or_fail(item, request, handle.logits, row, token)
+                if token is not None:
+                    sampled[item.request_index] = token
+                    num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
+            row += len(item.prompt_logprob_positions) + item.samples
+            sample += item.samples
+        finished = self.scheduler.resolve(plan, sampled)
         self._count_step(plan, num_kept)
         return finished
 
-    def _count_step(self, plan, num_sampled: int) -> None:
-        self.stats.num_steps += 1
-        self.stats.num_computed_tokens += plan.num_batch_tokens
-        self.stats.num_generated_tokens += num_sampled
+    def _read_rows_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
+                           device_token: int | None) -> int | None:
+        """Record an entry's prompt log-probabilities and choose its token (None when it does not sample).
 
-    def _stop_reason(self, request: Request) -> str | None:
-        params, token = request.sampling_params, request.output_token_ids[-1]
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            request.stop_reason = token
-            return "stop"
-        if params.stop and self._stop_matcher.find(request.output_token_ids, params.stop):
-            text, kept_ids, stop = self._stop_matcher.cut(request.output_token_ids, params.stop,
-                                                          params.include_stop_str_in_output)
-            request.output_text, request.output_token_ids[:], request.stop_reason = text, kept_ids, stop
-            return "stop"
-        if len(request.output_token_ids) >= params.max_new_tokens or request.num_known_tokens >= self.max_model_len:
-            return "length"
-        return None
+        An exception raised here is the request's own fault (``is_request_fault``): the request fails alone and
+        None is returned. Out-of-memory and device errors propagate.
+
+        Args:
+            logits: the step's (N, vocab) logits; the entry's rows start at ``row``.
+            device_token: the device's argmax for a sampling entry (its token unless it needs the host).
+        """
+        try:
+            return self._read_rows(item, request, logits, row, device_token)
+        except Exception as error:
+            if not is_request_fault(error):
+                raise
+            self.scheduler.fail_request(request, request_error_message("sampling", error))
+            return None
+
+    def _read_rows(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
+                   device_token: int | None) -> int | None:
+        positions = item.prompt_logprob_positions
+        if positions:
+            _record_prompt_logprobs(request, logits[row:row + len(positions)], positions)
+            row += len(positions)
+        if not item.samples or not item.needs_host_sampling:
+            return device_token
+        token, logprobs = sample_one(logits[row], request, self.eos_token_ids)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        return token
+
+    def _count_step(self, plan, num_sampled: int) -> None:
+        self._counters.num_steps += 1
+        self._counters.num_computed_tokens += plan.num_batch_tokens
+        self._counters.num_generated_tokens += num_sampled
 
     def _finish(self, request: Request) -> RequestOutput:
-        self.stats.num_requests += 1
+        counters = self._counters
+        counters.num_requests += 1
         if request.status is RequestStatus.FAILED:
-            self.stats.num_failed_requests += 1
+            counters.num_failed_requests += 1
         else:
-            self.stats.num_prompt_tokens += request.num_prompt_tokens
-            self.stats.num_cached_prompt_tokens += request.num_cached_tokens
-        ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
-        params = request.sampling_params
-        if params.max_new_tokens == 0 and request.status is not RequestStatus.FAILED:
-            # prompt log-probabilities only (echo): the token sampled after the prompt is not an output
-            request.output_token_ids, request.logprobs, request.finish_reason = [], [], "length"
-            request.stop_reason, request.output_text, ttft = None, None, None
+            counters.num_prompt_tokens += request.num_prompt_tokens
+            counters.num_cached_prompt_tokens += request.num_cached_tokens
+        # No TTFT for an echo-only request (max_new_tokens 0): its prompt ran for log-probabilities, no token is output.
+        has_tokens = request.first_token_time is not None and request.sampling_params.max_new_tokens > 0
+        ttft = request.first_token_time - request.arrival_time if has_tokens else None
         return RequestOutput(
             request.request_id, request.prompt_token_ids, request.output_token_ids, request.finish_reason,
             request.error, ttft, request.arrival_time, request.finish_time or time.perf_counter(),
@@ -279,8 +291,9 @@ class LLMEngine:
 
     def abort_all_requests(self) -> int:
         """Drop every queued and running request, freeing its cache; returns how many were dropped."""
-        self._rejected.clear()
-        self._in_flight = None  # its results are not needed; its blocks are freed below
+        if self._in_flight is not None:  # its results are not needed; its blocks are freed below
+            self.scheduler.discard(self._in_flight[0])
+        self._in_flight = None
         return len(self.scheduler.abort_all())
 
 
@@ -341,23 +354,17 @@ def _eos_token_ids(model_path: str, model_config) -> set[int]:
 
 def _use_cuda_graphs(config: EngineConfig, use_triton: bool) -> bool:
     """Whether to replay the forward pass from CUDA graphs; says why not, once, when it cannot."""
-    on_cuda = torch.device(config.device).type == "cuda"
-    if config.cuda_graphs == "off":
-        return False
     reason = None
-    if not on_cuda:
+    if torch.device(config.device).type != "cuda":
         reason = f"the device is {config.device}, not CUDA"
     elif not use_triton:
         reason = "attention_backend = torch synchronises with the host, which a graph cannot hold"
-    if reason is None:
-        return True
-    if config.cuda_graphs == "on":
-        raise ValueError(f"cuda_graphs = on, but {reason}")
-    logger.info("CUDA graphs off: %s", reason)
-    return False
+    return resolve_switch("cuda_graphs", config.cuda_graphs, reason, off_log="CUDA graphs off: %s")
 
 
 def _use_triton(config: EngineConfig) -> bool:
+    """Whether attention runs the Triton kernels: "auto" on CUDA devices. Not a ``resolve_switch``: "triton" runs
+    on any device (on the CPU through Triton's interpreter, as the tests do), so nothing can block it."""
     if config.attention_backend == "auto":
         return torch.device(config.device).type == "cuda"
     return config.attention_backend == "triton"

@@ -8,49 +8,12 @@ import torch
 
 from engine.async_batching import InputStager, StepHandle
 from engine.attention import AttentionMetadata, GroupMetadata
-from engine.kv_layout import FULL, SLIDING, KVLayout
+from engine.cache_spec import cdiv, page_address, slot_address
 from engine.cuda_graphs import CudaGraphRunner
+from engine.kv_cache import KVCache
+from engine.kv_layout import FULL, SLIDING
 from engine.padding import PaddedShape, PaddingPolicy
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-
-
-class KVCache:
-    """The paged KV cache and its CPU swap buffer, in pages of one layer's ``page_size`` tokens.
-
-    ``kv`` has shape (2, num_pages, page_size, num_kv_heads, head_dim): K then V, every layer's pages in one
-    pool (which page serves which layer is the block manager's business). ``cpu_kv`` is the same with
-    ``num_cpu_pages`` (pinned on CUDA), so an offload or restore is one gather and one copy.
-    """
-
-    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, num_cpu_pages: int = 0) -> None:
-        self.kv = torch.zeros((2, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-        pin = torch.device(device).type == "cuda"
-        cpu_shape = (2, num_cpu_pages, page_size, num_kv_heads, head_dim)
-        self.cpu_kv = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_pages else None
-
-    @property
-    def k_pages(self) -> torch.Tensor:
-        return self.kv[0]
-
-    @property
-    def v_pages(self) -> torch.Tensor:
-        return self.kv[1]
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """K and V bytes of ``page_size`` tokens across all layers."""
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy ``(device page, CPU slot)`` pairs out, then ``(CPU slot, device page)`` pairs in."""
-        if swap_out:
-            src, dst = zip(*swap_out)
-            self.cpu_kv[:, list(dst)] = self.kv[:, list(src)].to("cpu", non_blocking=True)
-        if swap_in:
-            src, dst = zip(*swap_in)
-            self.kv[:, list(dst)] = self.cpu_kv[:, list(src)].to(self.kv.device, non_blocking=True)
+from engine.plan import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -66,7 +29,7 @@ class _StepInputs:
     groups: dict[str, GroupMetadata]
     shape: PaddedShape | None
     num_rows: int  # real logit rows
-    sample_row_of: dict[int, int]  # id(request) -> index among the sampling entries
+    sample_row_of: dict[int, int]  # Request.index -> index among the sampling entries
     sample_rows: torch.Tensor | None  # logit row of each sampling entry; None when every row samples
     carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (input rows, sampled rows, device tokens)
     needs_host_logits: bool  # prompt log-probabilities or host-side sampling read the logits after the step
@@ -81,10 +44,7 @@ class ModelRunner:
 
     Args:
         model: a transformers causal LM loaded with ``attn_implementation="cbrun_paged"``.
-        kv_cache: the cache tensors.
-        layout: the model's full / sliding layers.
-        page_size: tokens per page.
-        ring_blocks: sliding blocks per request (0 without sliding layers).
+        kv_cache: the cache tensors; its ``spec`` gives the layout, page size and ring size.
         use_triton: attention through the Triton kernels.
         padding: pad every step to a ``PaddedShape`` (what CUDA graphs need); None runs exact shapes.
         use_cuda_graphs: replay the forward pass from CUDA graphs (needs ``padding`` and ``use_triton``).
@@ -95,8 +55,8 @@ class ModelRunner:
         lean_model: a ``LeanLlama`` over ``model`` to run instead of its transformers forward (not with graphs).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, layout: KVLayout, page_size: int,
-                 ring_blocks: int = 0, use_triton: bool = False, padding: PaddingPolicy | None = None,
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool = False,
+                 padding: PaddingPolicy | None = None,
                  use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0,
                  async_batching: bool = False, lean_model=None) -> None:
         assert not use_cuda_graphs or (padding is not None and use_triton), "CUDA graphs need padding and Triton"
@@ -105,9 +65,10 @@ class ModelRunner:
         self.lean_model = lean_model
         self.model = model
         self.kv_cache = kv_cache
-        self.layout = layout
-        self.page_size = page_size
-        self.ring_blocks = ring_blocks
+        spec = kv_cache.spec
+        layout = spec.layout
+        self.page_size = spec.page_size
+        self.ring_blocks = spec.ring_blocks
         self.use_triton = use_triton
         self.padding = padding
         self.use_cuda_graphs = use_cuda_graphs
@@ -116,7 +77,7 @@ class ModelRunner:
         self._graph_runner: CudaGraphRunner | None = None
         self.device = next(model.parameters()).device
         self.layer_groups = [(kind, layout.index_in_group(i)) for i, kind in enumerate(layout.layer_types)]
-        self.layers_per_block = {kind: layout.num_layers_of(kind) for kind in (FULL, SLIDING)}
+        self.layers_per_block = {kind: spec.layers_per_block(kind) for kind in (FULL, SLIDING)}
         self.async_batching = async_batching
         self.stager = InputStager(self._max_input_elements(), self.device) if async_batching else None
 
@@ -134,7 +95,7 @@ class ModelRunner:
         """Run a plan synchronously and return its logits (``launch`` without a step in flight).
 
         Returns:
-            (N, vocab_size) logits in plan order: for each entry, one row per ``prompt_logprob_positions()``
+            (N, vocab_size) logits in plan order: for each entry, one row per ``prompt_logprob_positions``
             position, then one row if it ``samples``. None when nothing is scheduled.
         """
         handle = self.launch(plan)
@@ -199,22 +160,21 @@ class ModelRunner:
         needs_host_logits = False
         offset = 0
         for item in scheduled:
-            request, start = item.request, item.start
-            end = start + item.num_tokens
-            token_ids.extend(request.token_ids(start, end))
-            if request.num_pending_tokens and end > request.num_known_tokens:
-                self._carry_pending(request, start, offset, previous, carry_dst, carry_src)
+            start, end = item.start, item.end
+            token_ids.extend(item.token_ids)
+            if item.num_pending_inputs:
+                self._carry_pending(item, offset, previous, carry_dst, carry_src)
             positions.extend(range(start, end))
             q_lens.append(item.num_tokens)
             seqlens_k.append(end)
-            logprob_positions = item.prompt_logprob_positions()
+            logprob_positions = item.prompt_logprob_positions
             if logprob_positions:
                 logits_indices.extend(range(offset + logprob_positions.start - start,
                                             offset + logprob_positions.stop - start))
             offset += item.num_tokens
             if item.samples:
-                needs_host_logits |= request.sampling_params.needs_processing
-                sample_row_of[id(request)] = len(sample_rows)
+                needs_host_logits |= item.needs_host_sampling
+                sample_row_of[item.request_index] = len(sample_rows)
                 sample_rows.append(len(logits_indices))
                 logits_indices.append(offset - 1)
         for dst in carry_dst:
@@ -234,7 +194,7 @@ class ModelRunner:
         torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
         positions_t = torch.tensor(positions, dtype=torch.int64)
         request_index = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t.long())
-        max_blocks = shape.num_kv_blocks if shape else -(-max(seqlens_k) // self.page_size)
+        max_blocks = shape.num_kv_blocks if shape else cdiv(max(seqlens_k), self.page_size)
         groups = {kind: self._group_metadata(kind, scheduled, positions_t[:num_tokens], request_index, max_blocks,
                                              len(q_lens), len(token_ids))
                   for kind, n in self.layers_per_block.items() if n}
@@ -249,14 +209,14 @@ class ModelRunner:
             carry=carry, needs_host_logits=needs_host_logits or num_rows > len(sample_rows))
 
     @staticmethod
-    def _carry_pending(request, start: int, offset: int, previous: StepHandle | None, carry_dst: list[int],
+    def _carry_pending(item: ScheduledRequest, offset: int, previous: StepHandle | None, carry_dst: list[int],
                        carry_src: list[int]) -> None:
-        """Record that input ``offset + (p - start)`` of the request's pending position p comes from the device."""
-        row = previous.sample_row_of.get(id(request)) if previous is not None else None
-        if row is None or request.num_pending_tokens != 1:
-            raise RuntimeError(f"request {request.request_id!r} is scheduled with an input token that the step in "
+        """Record that the entry's last input (at ``offset + num_tokens - 1``) comes from the device."""
+        row = previous.sample_row_of.get(item.request_index) if previous is not None else None
+        if row is None or item.num_pending_inputs != 1:
+            raise RuntimeError(f"request {item.request_id!r} is scheduled with an input token that the step in "
                                "flight did not sample")
-        carry_dst.append(offset + request.num_known_tokens - start)
+        carry_dst.append(offset + item.num_tokens - 1)
         carry_src.append(row)
 
     def _upload(self, inputs: _StepInputs):
@@ -304,7 +264,7 @@ class ModelRunner:
             num_slots: slot-mapping length (tokens, padding included); padded tokens get slot -1.
         """
         page = self.page_size
-        tables = [s.request.block_table if kind == FULL else s.request.sliding_block_table for s in scheduled]
+        tables = [s.block_table if kind == FULL else s.sliding_block_table for s in scheduled]
         width = max(len(t) for t in tables)
         blocks = torch.zeros((num_rows, width), dtype=torch.int64)  # padding rows read reserved chunk 0
         blocks[:len(tables)] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
@@ -314,9 +274,9 @@ class ModelRunner:
             blocks = torch.nn.functional.pad(blocks, (0, num_logical_blocks - width))
         else:
             blocks = blocks[:, :num_logical_blocks]
-        pages = blocks * self.layers_per_block[kind]
+        pages = page_address(blocks, self.layers_per_block[kind])
         slot_mapping = torch.full((num_slots,), -1, dtype=torch.int64)
         rows = request_index[:len(positions)]
-        slot_mapping[:len(positions)] = pages[rows, positions // page] * page + positions % page
+        slot_mapping[:len(positions)] = slot_address(pages[rows, positions // page], positions % page, page)
         return GroupMetadata(slot_mapping=slot_mapping, block_tables=pages.to(torch.int32),
                              layers_per_block=self.layers_per_block[kind])

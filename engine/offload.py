@@ -1,4 +1,4 @@
-"""CPU swap space for offloaded requests: which CPU block slots are free."""
+"""CPU swap space for offloaded requests: which pages of the CPU swap buffer are free."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ class CpuSwapPool:
     """Bookkeeping of the pre-allocated CPU swap buffer (the tensors live in ``KVCache``).
 
     Args:
-        num_slots: CPU blocks the buffer holds (``cpu_offload_space`` GiB / bytes per block); 0 disables swap.
+        num_slots: pages the buffer holds (``CacheSpec.num_cpu_pages``: ``cpu_offload_space`` GiB over the bytes
+            of one layer's page); 0 disables swap.
     """
 
     def __init__(self, num_slots: int) -> None:

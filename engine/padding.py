@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.cache_spec import cdiv
+
 
 def round_up(value: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``value`` (``value`` >= 0, ``multiple`` >= 1)."""
-    return -(-value // multiple) * multiple
+    return cdiv(value, multiple) * multiple
 
 
 def next_power_of_two(value: int) -> int:
@@ -50,6 +52,12 @@ class PaddingPolicy:
     max_requests: int
     page_size: int
 
+    @classmethod
+    def for_cache(cls, config, spec) -> "PaddingPolicy":
+        """The policy of an ``EngineConfig``'s padding settings and budgets over a ``CacheSpec``'s pages."""
+        return cls(config.q_padding_interval_size, config.kv_padding_interval_size, config.max_batch_tokens,
+                   config.max_requests_per_batch, spec.page_size)
+
     def shape(self, num_tokens: int, num_requests: int, max_seqlen_k: int, num_logit_rows: int) -> PaddedShape:
         """The padded shape of a step with these true sizes.
 
@@ -64,4 +72,4 @@ class PaddingPolicy:
         requests = min(next_power_of_two(num_requests), self.max_requests)
         kv_tokens = round_up(max_seqlen_k, self.kv_padding_interval_size)
         logit_rows = max(requests, next_power_of_two(num_logit_rows))
-        return PaddedShape(tokens, requests, -(-kv_tokens // self.page_size), logit_rows)
+        return PaddedShape(tokens, requests, cdiv(kv_tokens, self.page_size), logit_rows)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,9 @@ from engine.sampling_params import SamplingParams
 #: Host-side id of a token sampled on the device but not yet read back (async batching). It never reaches the
 #: model: the model runner fills its input slot from the previous step's device tensor.
 PENDING_TOKEN = -1
+
+#: Source of ``Request.index``: unique within the process, never reused (unlike ``id(request)``).
+_request_indices = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +40,8 @@ class Request:
 
     Attributes:
         request_id: the caller's id.
+        index: the engine's key for the request in per-request maps (plans, step handles, the prefix cache's
+            hashes): unique in the process and never reused, unlike the caller's id or ``id(request)``.
         prompt_token_ids: prompt ids as run.
         sampling_params: how to sample and when to stop.
         generator: the request's own ``torch.Generator`` (CPU), so its samples never depend on its batch.
@@ -47,7 +53,8 @@ class Request:
         block_table: block ids of the request's pages in position order. Only the block manager changes it.
         sliding_block_table: the ring of sliding-window blocks; position p lives in block
             ``sliding_block_table[(p // page_size) % ring_blocks]`` (block manager's too).
-        cpu_blocks: CPU swap slots holding its pages while it is offloaded (block manager's too).
+        cpu_pages: pages of the CPU swap buffer holding its KV while it is offloaded, one per device page it had
+            (block manager's too).
         status: see ``RequestStatus``; only the scheduler changes it.
     """
 
@@ -56,13 +63,14 @@ class Request:
     sampling_params: SamplingParams
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    index: int = field(default_factory=lambda: next(_request_indices))
     output_token_ids: list[int] = field(default_factory=list)
     num_pending_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     sliding_block_table: list[int] = field(default_factory=list)
-    cpu_blocks: list[int] = field(default_factory=list)
+    cpu_pages: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
     error: str | None = None

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 #: Names a job may override per row through an input column of the same name.
+#: Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``).
+GREEDY_TEMPERATURE = 1e-5
+
 SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                    "ignore_eos", "stop_token_ids", "stop", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "logprobs", "prompt_logprobs_from", "include_stop_str_in_output",
@@ -42,7 +45,7 @@ class SamplingParams:
     Attributes:
         max_new_tokens: most tokens to generate (>= 0; 0 returns an empty completion without running the model).
         min_new_tokens: EOS and stop tokens are masked until this many tokens exist.
-        temperature: softmax temperature; 0 means greedy (argmax).
+        temperature: softmax temperature; 0 (or anything below ``GREEDY_TEMPERATURE``, 1e-5) means greedy (argmax).
         top_k: keep the k most likely tokens; 0 disables it (1 is greedy).
         top_p: nucleus sampling (Holtzman et al. 2019), keep the smallest set reaching this mass; (0, 1].
         min_p: drop tokens whose probability is under ``min_p`` times the top token's; [0, 1].
@@ -120,8 +123,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax: top_k 1, or a temperature below ``GREEDY_TEMPERATURE`` (dividing
+        logits by it would overflow; vLLM draws the same line)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def needs_processing(self) -> bool:

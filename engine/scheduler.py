@@ -4,61 +4,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager, cdiv
+from engine.block_manager import BlockManager
+from engine.cache_spec import cdiv
 from engine.config import EngineConfig
+from engine.faults import is_request_fault, request_error_message
+from engine.plan import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute ``num_tokens`` tokens from ``start`` on.
-
-    ``start``, ``samples`` and the prompt log-probability positions are fixed when the step is planned: with async
-    batching the request moves on (``Scheduler.advance``) before this step's results are read.
-    """
-
-    request: Request
-    num_tokens: int
-    start: int = field(init=False)
-    samples: bool = field(init=False)  # this step reaches the request's last token, so a token is sampled
-    _logprob_positions: range = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        request = self.request
-        self.start = request.num_computed_tokens
-        self.samples = self.start + self.num_tokens == request.num_tokens
-        self._logprob_positions = self._find_logprob_positions()
-
-    def prompt_logprob_positions(self) -> range:
-        """Positions of this step whose logits score the next prompt token, not yet recorded."""
-        return self._logprob_positions
-
-    def _find_logprob_positions(self) -> range:
-        request = self.request
-        first = request.sampling_params.prompt_logprobs_from
-        if first is None:
-            return range(0)
-        start = max(self.start, first - 1 + len(request.prompt_logprobs))
-        end = min(self.start + self.num_tokens, request.num_prompt_tokens - 1)
-        return range(start, max(start, end))
-
-
-@dataclass
-class SchedulerOutput:
-    """The plan of one step, in the order the model runner lays out the batch."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # requests that can never run, failed this step
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU slot) copies, made first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU slot, device block) copies, made next
-    swapped_in: list[Request] = field(default_factory=list)  # whose CPU slots free once the copies ran
-    num_preempted: int = 0
-
-    @property
-    def num_batch_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+from engine.stop_check import Stop, StopConditions, check_stop
+from engine.stop_strings import StopStringMatcher
 
 
 class FIFOScheduler:
@@ -76,34 +30,67 @@ class FIFOScheduler:
     prompt and generated tokens recomputed on readmission; its generator and token counts are kept). Either way
     it is requeued at the front of ``waiting``.
 
-    The scheduler alone changes request status and moves requests between ``waiting`` and ``running``.
+    The scheduler alone changes a request's status, its tokens (``output_token_ids``, ``num_computed_tokens``,
+    ``num_pending_tokens``) and its finish fields, and moves requests between ``waiting`` and ``running``; after
+    each appended token it runs the stop check (``engine.stop_check``), as vLLM's ``update_from_output`` does.
+
+    Args:
+        config: the engine settings (budgets, safety margin).
+        block_manager: the KV-cache bookkeeping it allocates from.
+        max_model_len: the model's maximum length; None for no limit.
+        eos_token_ids: the model's EOS ids.
+        stop_matcher: finds stop strings (None without a tokenizer).
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None,
+                 eos_token_ids: frozenset[int] = frozenset(), stop_matcher: StopStringMatcher | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.stop_conditions = StopConditions(frozenset(eos_token_ids), max_model_len, stop_matcher)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: Unfinished requests (waiting or running) by ``Request.index``.
+        self.requests: dict[int, Request] = {}
+        self._finished_unplanned: list[Request] = []  # finished outside ``resolve``: rejected or failed
         self.num_soft_resets = 0
         self.num_offloads = 0  # swaps to CPU
 
-    def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add_request(self, request: Request, error: str | None = None) -> None:
+        """Queue a request; one with an ``error`` (bad input) fails at once, one with ``max_new_tokens = 0``
+        finishes at once (an empty completion, no forward pass) unless it asks for prompt log-probabilities. Either
+        comes back from ``pop_finished``."""
+        params = request.sampling_params
+        if error is not None:
+            self._set_failed(request, error)
+        elif params.max_new_tokens == 0 and not params.prompt_logprobs_from:
+            request.status, request.finish_reason = RequestStatus.FINISHED, "length"
+            request.finish_time = time.perf_counter()
+            self._finished_unplanned.append(request)
+        else:
+            self.requests[request.index] = request
+            self.waiting.append(request)
+
+    def pop_finished(self) -> list[Request]:
+        """The requests that finished outside ``resolve`` since the last call (rejected or failed), in order."""
+        finished, self._finished_unplanned = self._finished_unplanned, []
+        return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._finished_unplanned)
 
     def abort_all(self) -> list[Request]:
         """Drop every unfinished request, freeing its blocks and swap slots; returns them (status FAILED)."""
         aborted = list(self.running) + list(self.waiting)
         for request in aborted:
             self.block_manager.free(request)
-            if request.cpu_blocks:
+            if request.cpu_pages:
                 self.block_manager.release_swap_slots(request)
             request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", "aborted"
         self.running.clear()
         self.waiting.clear()
+        self.requests.clear()
+        self._finished_unplanned.clear()
         return aborted
 
     # ---- planning -------------------------------------------------------------------------------------------
@@ -134,7 +121,7 @@ class FIFOScheduler:
             if self._allocate_or_preempt(request, num_tokens, plan, out):
                 plan.add(request, num_tokens)
             elif not plan.scheduled and not self._others_running(request):
-                self._fail(request, out, self._cache_too_small_message(request))
+                self._fail(request, self._cache_too_small_message(request))
 
     def _schedule_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
         while self.waiting:
@@ -146,13 +133,13 @@ class FIFOScheduler:
             request = self.waiting[0]
             if not self._next_input_ready(request):
                 return  # FIFO: its token comes back with the step in flight
-            if request.cpu_blocks:
+            if request.cpu_pages:
                 if not self._swap_in(request, plan, out):
                     return
                 continue
             if not self.block_manager.can_ever_fit(request.num_tokens):
                 self.waiting.popleft()
-                self._fail(request, out, self._cache_too_small_message(request))
+                self._fail(request, self._cache_too_small_message(request))
                 continue
             cached_blocks = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached_blocks) * self.block_manager.page_size
@@ -176,7 +163,6 @@ class FIFOScheduler:
             return False
         self.waiting.popleft()
         out.swap_in.extend(copies)
-        out.swapped_in.append(request)
         request.status = RequestStatus.PREFILLING
         self.running.append(request)
         plan.add(request, num_tokens)
@@ -238,21 +224,38 @@ class FIFOScheduler:
                 f"but the whole cache has {bm.num_blocks}; raise engine.num_blocks or max_memory_percent, "
                 f"or shorten the prompt / max_new_tokens")
 
-    def _fail(self, request: Request, out: SchedulerOutput, message: str) -> None:
+    def fail_request(self, request: Request, message: str) -> None:
+        """Fail one unfinished request whose own row raised during a step; the others go on.
+
+        Its blocks and swap pages are freed; a token already planned for it is dropped when read. It comes back
+        from ``pop_finished``.
+        """
+        if request in self.waiting:  # preempted while its token was in flight
+            self.waiting.remove(request)
+            if request.cpu_pages:
+                self.block_manager.release_swap_slots(request)
+        request.num_pending_tokens = 0
+        self._fail(request, message)
+
+    def _fail(self, request: Request, message: str) -> None:
         if request in self.running:
             self.running.remove(request)
+        self.requests.pop(request.index, None)
         self.block_manager.free(request)
+        self._set_failed(request, message)
+
+    def _set_failed(self, request: Request, message: str) -> None:
         request.status = RequestStatus.FAILED
         request.finish_reason = "error"
         request.error = message
         request.finish_time = time.perf_counter()
-        out.failed.append(request)
+        self._finished_unplanned.append(request)
 
     # ---- after the forward pass -------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int], stop_check) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """``advance`` then ``resolve``: the synchronous step, results read before the next plan."""
         self.advance(out)
-        return self.resolve(out, sampled, stop_check)
+        return self.resolve(out, sampled)
 
     def advance(self, out: SchedulerOutput) -> None:
         """Move the planned requests past this step once it is launched, before its tokens are read.
@@ -261,53 +264,68 @@ class FIFOScheduler:
         plan can schedule its decode while this step's token is still on the device (async batching).
         """
         for item in out.scheduled:
-            request = item.request
+            request = self.requests[item.request_index]
             request.num_computed_tokens += item.num_tokens
             if item.samples:
                 request.num_pending_tokens += 1
                 request.status = RequestStatus.DECODING
 
-    def resolve(self, out: SchedulerOutput, sampled: dict[int, int], stop_check) -> list[Request]:
+    def resolve(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """Turn a launched step's pending tokens into known ones and finish the requests that stop.
 
         Args:
             out: the step's plan (already ``advance``d).
-            sampled: ``id(request) -> token id`` for each planned request that sampled.
-            stop_check: ``fn(request) -> finish_reason | None`` applied after a token is appended.
+            sampled: ``Request.index -> token id`` for each planned request that sampled.
 
         Returns:
             The requests that finished (their blocks are already free). A request that finished in an earlier
             step but was planned again before that was known is skipped: its extra token is dropped.
         """
-        for request in out.swapped_in:
-            self.block_manager.release_swap_slots(request)
+        self.discard(out)
         finished = []
         for item in out.scheduled:
-            request = item.request
-            if not item.samples or request.is_finished:
+            request = self.requests.get(item.request_index)
+            if not item.samples or request is None:  # None: finished since this step was planned
                 continue
             request.num_pending_tokens -= 1
-            request.output_token_ids.append(sampled[id(request)])
+            request.output_token_ids.append(sampled[request.index])
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
-            reason = stop_check(request)
-            if reason is not None:
-                self._finish(request, reason)
+            try:
+                stop = check_stop(request, self.stop_conditions)
+            except Exception as error:  # e.g. the tokenizer cannot decode the output for its stop strings
+                if not is_request_fault(error):
+                    raise
+                self.fail_request(request, request_error_message("stop check", error))
+                continue
+            if stop is not None:
+                self._finish(request, stop)
                 finished.append(request)
         return finished
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def discard(self, out: SchedulerOutput) -> None:
+        """Free the CPU slots a launched plan swapped in from (its copies ran); ``resolve`` calls it, and the
+        engine for a plan in flight whose results it drops."""
+        if out.swap_in:
+            self.block_manager.free_swap_slots([slot for slot, _ in out.swap_in])
+
+    def _finish(self, request: Request, stop: Stop) -> None:
         # A request preempted while its last token was in flight may sit in ``waiting`` (even swapped out).
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-            if request.cpu_blocks:
+            if request.cpu_pages:
                 self.block_manager.release_swap_slots(request)
+        self.requests.pop(request.index, None)
         self.block_manager.free(request)
         request.num_pending_tokens = 0  # a token planned after this one is never read
+        del request.output_token_ids[stop.num_output_tokens:]  # a stop string cut the output, or an echo-only run
+        del request.logprobs[stop.num_output_tokens:]
         request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
+        request.finish_reason = stop.finish_reason
+        request.stop_reason = stop.stop_reason
+        request.output_text = stop.output_text
         request.finish_time = time.perf_counter()
 
 
@@ -327,7 +345,7 @@ class _PlanBuilder:
         self.token_budget = config.max_batch_tokens
         self.request_budget = config.max_requests_per_batch
         self.scheduled: list[ScheduledRequest] = []
-        self._ids: set[int] = set()
+        self._indices: set[int] = set()  # ``Request.index`` of the planned requests
 
     def fit(self, num_tokens: int) -> int:
         """How many of ``num_tokens`` fit the remaining budgets (0 when none or no request slot)."""
@@ -336,17 +354,40 @@ class _PlanBuilder:
         return min(num_tokens, self.token_budget)
 
     def add(self, request: Request, num_tokens: int) -> None:
-        self.scheduled.append(ScheduledRequest(request, num_tokens))
-        self._ids.add(id(request))
+        self.scheduled.append(_plan_entry(request, num_tokens))
+        self._indices.add(request.index)
         self.token_budget -= num_tokens
         self.request_budget -= 1
 
     def contains(self, request: Request) -> bool:
-        return id(request) in self._ids
+        return request.index in self._indices
 
 
-def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None
+def _plan_entry(request: Request, num_tokens: int) -> ScheduledRequest:
+    """The request's share of the step as values, after its blocks for this step are allocated."""
+    start = request.num_computed_tokens
+    end = start + num_tokens
+    return ScheduledRequest(
+        request_index=request.index, request_id=request.request_id, start=start, num_tokens=num_tokens,
+        token_ids=request.token_ids(start, end), num_pending_inputs=max(0, end - request.num_known_tokens),
+        samples=end == request.num_tokens, needs_host_sampling=request.sampling_params.needs_processing,
+        prompt_logprob_positions=_prompt_logprob_positions(request, start, end),
+        block_table=list(request.block_table), sliding_block_table=list(request.sliding_block_table))
+
+
+def _prompt_logprob_positions(request: Request, start: int, end: int) -> range:
+    """Positions in ``start:end`` whose logits score the next prompt token and are not recorded yet."""
+    first = request.sampling_params.prompt_logprobs_from
+    if first is None:
+        return range(0)
+    lo = max(start, first - 1 + len(request.prompt_logprobs))
+    hi = min(end, request.num_prompt_tokens - 1)
+    return range(lo, max(lo, hi))
+
+
+def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None,
+                   eos_token_ids: frozenset[int] = frozenset(), stop_matcher: StopStringMatcher | None = None
                    ) -> FIFOScheduler:
     """The scheduler named by ``config.scheduler_type``."""
     cls = PrefillFirstScheduler if config.scheduler_type == "prefill_first" else FIFOScheduler
-    return cls(config, block_manager, max_model_len)
+    return cls(config, block_manager, max_model_len, eos_token_ids, stop_matcher)

@@ -12,8 +12,10 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
+from engine.cache_spec import CacheSpec
 from engine.request import PENDING_TOKEN, Request, RequestStatus
-from engine.scheduler import FIFOScheduler, SchedulerOutput
+from engine.plan import SchedulerOutput
+from engine.scheduler import FIFOScheduler
 from tests.model_utils import assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128
@@ -127,7 +129,7 @@ def test_generation_stops_at_the_model_length():
 
 def make_scheduler():
     config = EngineConfig(page_size=4, num_blocks=16, max_batch_tokens=64)
-    return FIFOScheduler(config, BlockManager(16, 4, True), max_model_len=12)
+    return FIFOScheduler(config, BlockManager(CacheSpec.build(16, 4), True), max_model_len=12)
 
 
 def launch(scheduler) -> SchedulerOutput:
@@ -148,11 +150,10 @@ def test_scheduler_runs_a_pending_request_only_when_its_token_can_stay_on_the_de
     assert all(r.num_pending_tokens == 1 and r.status is RequestStatus.DECODING for r in (greedy, sampled, last))
     assert greedy.token_ids(3, 4) == [PENDING_TOKEN]
     second = s.schedule()  # planned while the first step is in flight
-    assert [item.request.request_id for item in second.scheduled] == ["greedy"]
+    assert [item.request_id for item in second.scheduled] == ["greedy"]
     s.advance(second)
-    finished = s.resolve(first, {id(r): 9 for r in (greedy, sampled, last, at_limit)},
-                         lambda r: "length" if len(r.output_token_ids) >= r.sampling_params.max_new_tokens else None)
-    assert {r.request_id for r in finished} == {"last"}
+    finished = s.resolve(first, {r.index: 9 for r in (greedy, sampled, last, at_limit)})
+    assert {r.request_id for r in finished} == {"last", "at_limit"}  # max_new_tokens; the model's length
     assert greedy.output_token_ids == [9] and greedy.num_pending_tokens == 1
     assert sampled.num_pending_tokens == 0 and sampled.output_token_ids == [9]
 

@@ -1,6 +1,9 @@
 """Block manager: exact block ids, reference counts, prefix-cache hits and eviction order."""
 
-from engine.block_manager import BlockManager
+import pytest
+
+from engine.block_manager import ROOT_HASH, BlockManager, sha256_block_hash, truncated_block_hash
+from engine.cache_spec import CacheSpec
 from engine.kv_layout import KVLayout
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -21,7 +24,7 @@ def admit(bm: BlockManager, request: Request) -> list[int]:
 
 
 def test_allocation_is_all_or_nothing():
-    bm = BlockManager(num_blocks=4, page_size=4, enable_prefix_caching=False)
+    bm = BlockManager(CacheSpec.build(num_blocks=4, page_size=4), enable_prefix_caching=False)
     a = make_request(range(10))
     assert bm.allocate_slots(a, 10)
     assert a.block_table == [2, 3, 4]  # chunks 0 and 1 are reserved for padding
@@ -34,7 +37,7 @@ def test_allocation_is_all_or_nothing():
 
 
 def test_growth_allocates_only_at_block_boundaries():
-    bm = BlockManager(num_blocks=8, page_size=4, enable_prefix_caching=False)
+    bm = BlockManager(CacheSpec.build(num_blocks=8, page_size=4), enable_prefix_caching=False)
     r = make_request(range(4))
     assert bm.allocate_slots(r, 4)
     r.num_computed_tokens = 4
@@ -46,7 +49,7 @@ def test_growth_allocates_only_at_block_boundaries():
 
 
 def test_prefix_hit_shares_blocks_and_counts_references():
-    bm = BlockManager(num_blocks=10, page_size=4)
+    bm = BlockManager(CacheSpec.build(num_blocks=10, page_size=4))
     a = make_request(list(range(9)))  # two full blocks + 1 token
     assert admit(bm, a) == []
     b = make_request(list(range(8)) + [99, 98])
@@ -61,7 +64,7 @@ def test_prefix_hit_shares_blocks_and_counts_references():
 
 
 def test_last_prompt_token_is_never_served_from_cache():
-    bm = BlockManager(num_blocks=10, page_size=4)
+    bm = BlockManager(CacheSpec.build(num_blocks=10, page_size=4))
     a = make_request(list(range(8)))  # exactly two blocks
     admit(bm, a)
     same = make_request(list(range(8)))
@@ -69,7 +72,7 @@ def test_last_prompt_token_is_never_served_from_cache():
 
 
 def test_freed_blocks_stay_cached_until_evicted_oldest_first():
-    bm = BlockManager(num_blocks=4, page_size=2)
+    bm = BlockManager(CacheSpec.build(num_blocks=4, page_size=2))
     a = make_request([1, 2, 3, 4, 5])  # blocks 2, 3 full; 4 partial
     admit(bm, a)
     bm.free(a)  # tail first: 4 (no hash) back to the pool; 3 then 2 cached
@@ -86,7 +89,7 @@ def test_freed_blocks_stay_cached_until_evicted_oldest_first():
 
 
 def test_cache_hit_never_makes_allocation_fail():
-    bm = BlockManager(num_blocks=3, page_size=2)
+    bm = BlockManager(CacheSpec.build(num_blocks=3, page_size=2))
     a = make_request([1, 2, 3, 4, 5])
     admit(bm, a)
     bm.free(a)
@@ -97,7 +100,7 @@ def test_cache_hit_never_makes_allocation_fail():
 
 
 def test_hash_collision_never_serves_other_tokens():
-    bm = BlockManager(num_blocks=8, page_size=2, hash_fn=lambda parent, tokens: b"same")
+    bm = BlockManager(CacheSpec.build(num_blocks=8, page_size=2), hash_fn=lambda parent, tokens: b"same")
     a = make_request([1, 2, 3])
     admit(bm, a)
     b = make_request([7, 8, 9])
@@ -107,8 +110,9 @@ def test_hash_collision_never_serves_other_tokens():
 def test_hybrid_pool_tiles_full_and_sliding_blocks_and_admits_only_when_both_fit():
     # 2 full + 1 sliding layers: a chunk is lcm(2, 1) = 2 pages = 1 full block or 2 sliding blocks.
     layout = KVLayout(("full", "sliding", "full"), sliding_window=4)
-    bm = BlockManager(num_blocks=4, page_size=2, layout=layout, max_chunk_tokens=2, max_model_len=64)
-    assert bm.chunk_pages == 2 and bm.pool.num_usable_chunks == 6  # 4 blocks x 3 layers / 2 pages
+    bm = BlockManager(CacheSpec.build(num_blocks=4, page_size=2, layout=layout, max_chunk_tokens=2,
+                                      max_model_len=64))
+    assert bm.spec.chunk_pages == 2 and bm.pool.num_usable_chunks == 6  # 4 blocks x 3 layers / 2 pages
     assert bm.ring_blocks == 4  # ceil((4 - 1 + 2) / 2) + 1
     r = make_request(range(20))
     assert not bm.allocate_slots(r, 20)  # 10 full blocks: more than the pool; nothing reserved
@@ -126,8 +130,26 @@ def test_hybrid_pool_tiles_full_and_sliding_blocks_and_admits_only_when_both_fit
 
 def test_prefix_sharing_is_off_with_sliding_layers():
     layout = KVLayout(("sliding", "sliding"), sliding_window=8)
-    bm = BlockManager(num_blocks=16, page_size=4, layout=layout, max_chunk_tokens=4, max_model_len=64)
+    bm = BlockManager(CacheSpec.build(num_blocks=16, page_size=4, layout=layout, max_chunk_tokens=4,
+                                      max_model_len=64))
     assert not bm.enable_prefix_caching
     a = make_request(range(12))
     admit(bm, a)
     assert bm.find_cached_prefix(make_request(range(12))) == []
+
+
+def test_colliding_8_bit_hashes_are_never_shared():
+    bm = BlockManager(CacheSpec.build(num_blocks=16, page_size=2), hash_fn=truncated_block_hash(8))
+    seen = {}
+    for i in range(257):  # 256 hash values: two of 257 blocks must collide
+        tokens = (i, i + 1000)
+        first = seen.setdefault(bm.hash_fn(ROOT_HASH, tokens), tokens)
+        if first != tokens:
+            break
+    a, b, c = make_request(first + (1,)), make_request(tokens + (1,)), make_request(first + (2,))
+    admit(bm, a)
+    assert bm.find_cached_prefix(b) == [] and bm.num_hash_collisions == 1  # same hash, other tokens: a miss
+    assert bm.find_cached_prefix(c) == a.block_table[:1]  # same tokens: a hit
+    assert truncated_block_hash(256) is sha256_block_hash
+    with pytest.raises(ValueError, match="multiple of 8"):
+        truncated_block_hash(12)

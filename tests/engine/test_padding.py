@@ -68,7 +68,8 @@ def test_padded_slots_never_write_into_a_request_cache():
     slots = md.groups["full"].slot_mapping
     assert shape.num_tokens == 32 and slots.shape[0] == 32
     assert (slots[num_tokens:] == -1).all()  # padded tokens write nowhere
-    real_pages = {page for s in plan.scheduled for page in engine.block_manager.request_pages(s.request)}
+    real_pages = {page for s in plan.scheduled
+                  for page in engine.block_manager.request_pages(engine.scheduler.requests[s.request_index])}
     assert set((slots[:num_tokens] // 4).tolist()) <= real_pages
     tables = md.groups["full"].block_tables
     assert (tables[len(plan.scheduled):] == 0).all()  # padded requests read the reserved padding chunk

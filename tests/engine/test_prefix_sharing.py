@@ -9,16 +9,24 @@ VOCAB = 128
 PAGE = 4
 
 
-def run(prompts, sharing: bool, num_blocks: int = 256, max_batch_tokens: int = 64, hash_fn=None):
+def make_engine(sharing: bool, num_blocks: int = 256, max_batch_tokens: int = 64, **settings) -> LLMEngine:
     config = EngineConfig(page_size=PAGE, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                          allow_block_sharing=sharing)
-    engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config)
-    if hash_fn is not None:
-        engine.block_manager.hash_fn = hash_fn
+                          allow_block_sharing=sharing, **settings)
+    return LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config)
+
+
+def generate(engine: LLMEngine, prompts) -> list[list[int]]:
     outputs = {o.request_id: o.output_token_ids for o in engine.generate(
         (i, p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(prompts))}
     assert_pool_balanced(engine)
-    return [outputs[i] for i in range(len(prompts))], engine.stats
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def run(prompts, sharing: bool, num_blocks: int = 256, max_batch_tokens: int = 64, hash_fn=None):
+    engine = make_engine(sharing, num_blocks, max_batch_tokens)
+    if hash_fn is not None:
+        engine.block_manager.hash_fn = hash_fn
+    return generate(engine, prompts), engine.stats
 
 
 def shared_prefix_prompts() -> list[list[int]]:
@@ -63,6 +71,15 @@ def test_forced_hash_collisions_never_change_outputs():
     off, _ = run(prompts, sharing=False)
     on, _ = run(prompts, sharing=True, hash_fn=lambda parent, tokens: bytes([sum(tokens) % 2]))
     assert on == off
+
+
+def test_8_bit_prefix_hash_collides_but_never_serves_other_tokens():
+    prompts = shared_prefix_prompts() + random_prompts(24, VOCAB, 20, 40, seed=12)
+    off, _ = run(prompts, sharing=False)
+    engine = make_engine(sharing=True, prefix_hash_bits=8)
+    assert generate(engine, prompts) == off
+    assert engine.block_manager.num_hash_collisions > 0  # collisions happened and were served as misses
+    assert engine.stats.num_cached_prompt_tokens > 0  # true hits were still served
 
 
 @pytest.mark.parametrize("max_batch_tokens", [5, 512])

@@ -1,6 +1,7 @@
 """FIFO and PrefillFirst scheduling: order, budgets, chunked prefill, safety margin, preemption, failures."""
 
 from engine.block_manager import BlockManager
+from engine.cache_spec import CacheSpec
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -8,7 +9,7 @@ from engine.scheduler import FIFOScheduler, PrefillFirstScheduler
 
 
 def make(config: EngineConfig, cls=FIFOScheduler):
-    bm = BlockManager(config.num_blocks, config.page_size, config.allow_block_sharing)
+    bm = BlockManager(CacheSpec.build(config.num_blocks, config.page_size), config.allow_block_sharing)
     return cls(config, bm), bm
 
 
@@ -18,9 +19,9 @@ def req(name: str, n: int) -> Request:
 
 def run_step(scheduler, token=7):
     out = scheduler.schedule()
-    sampled = {id(s.request): token for s in out.scheduled if s.samples}
-    scheduler.update(out, sampled, lambda r: None)
-    return [(s.request.request_id, s.num_tokens) for s in out.scheduled], out
+    sampled = {s.request_index: token for s in out.scheduled if s.samples}
+    scheduler.update(out, sampled)
+    return [(s.request_id, s.num_tokens) for s in out.scheduled], out
 
 
 def test_fifo_decodes_first_then_prefills_then_new_with_chunking():
@@ -89,8 +90,9 @@ def test_request_larger_than_cache_fails_alone():
     s.add_request(req("huge", 20))
     s.add_request(req("ok", 3))
     plan, out = run_step(s)
-    assert [r.request_id for r in out.failed] == ["huge"]
-    assert "blocks" in out.failed[0].error and out.failed[0].finish_reason == "error"
+    failed = s.pop_finished()
+    assert [r.request_id for r in failed] == ["huge"]
+    assert "blocks" in failed[0].error and failed[0].finish_reason == "error"
     assert plan == [("ok", 3)]
 
 

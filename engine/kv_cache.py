@@ -1,0 +1,53 @@
+"""The KV-cache tensors: the device pages every layer reads and writes, and the CPU swap buffer."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache_spec import CacheSpec
+
+
+class KVCache:
+    """The paged KV cache and its CPU swap buffer, in pages of one layer's ``page_size`` tokens.
+
+    ``kv`` has shape (2, spec.num_pages, spec.page_size, num_kv_heads, head_dim): K then V, every layer's pages in
+    one pool (which page serves which layer is the block manager's business). ``cpu_kv`` is the same with
+    ``spec.num_cpu_pages`` (pinned on CUDA), so an offload or restore is one gather and one copy.
+
+    Args:
+        spec: the cache's geometry.
+        num_kv_heads, head_dim: the model's K/V shape per token and layer.
+        dtype: the cache's dtype (the model's).
+        device: where ``kv`` lives.
+    """
+
+    def __init__(self, spec: CacheSpec, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.spec = spec
+        self.kv = torch.zeros((2, spec.num_pages, spec.page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        pin = torch.device(device).type == "cuda"
+        cpu_shape = (2, spec.num_cpu_pages, spec.page_size, num_kv_heads, head_dim)
+        self.cpu_kv = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) if spec.num_cpu_pages else None
+
+    @property
+    def k_pages(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @property
+    def v_pages(self) -> torch.Tensor:
+        return self.kv[1]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        """K and V bytes of ``page_size`` tokens across all layers."""
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy ``(device page, CPU slot)`` pairs out, then ``(CPU slot, device page)`` pairs in."""
+        if swap_out:
+            src, dst = zip(*swap_out)
+            self.cpu_kv[:, list(dst)] = self.kv[:, list(src)].to("cpu", non_blocking=True)
+        if swap_in:
+            src, dst = zip(*swap_in)
+            self.kv[:, list(dst)] = self.cpu_kv[:, list(src)].to(self.kv.device, non_blocking=True)

@@ -1,0 +1,118 @@
+"""Rows that break sampling fail alone (or sample safely); the good rows around them are exactly a clean run's."""
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.model_utils import assert_pool_balanced, random_llama_dir, random_prompts
+
+VOCAB = 128
+POISON_TOKEN, POISON_POSITION = 5, 6  # a row whose input is this token at this position gets NaN logits
+
+
+def engine_for(overlap: bool) -> LLMEngine:
+    config = EngineConfig(page_size=4, num_blocks=200, max_batch_tokens=32, max_requests_per_batch=8)
+    engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config)
+    engine.overlap_steps = overlap  # async batching's bookkeeping, run synchronously on the CPU
+    return engine
+
+
+def nan_logits_hook(engine: LLMEngine) -> None:
+    """NaN logits for rows whose input is ``POISON_TOKEN`` at ``POISON_POSITION``: a model gone bad for one row."""
+    forward = engine.model_runner._forward
+
+    def poisoned(input_ids, positions, md, logits_indices):
+        logits = forward(input_ids, positions, md, logits_indices)
+        rows = logits_indices[:logits.shape[0]]
+        bad = (input_ids[rows] == POISON_TOKEN) & (positions[rows] == POISON_POSITION)
+        return logits.masked_fill(bad[:, None], float("nan"))
+
+    engine.model_runner._forward = poisoned
+
+
+def good_rows():
+    """Greedy, host-greedy and seeded sampled rows; prompts longer than POISON_POSITION + 1, so no good row ever
+    has a logit row at that position."""
+    prompts = random_prompts(8, VOCAB, POISON_POSITION + 2, 30, seed=21)
+    kinds = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, repetition_penalty=1.2),
+             SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)]
+    return [(f"good{i}", p, kinds[i % 3]) for i, p in enumerate(prompts)]
+
+
+def bad_rows():
+    """Rows that break a naive sampler, with whether they must fail and the cause their error names."""
+    prompt = random_prompts(1, VOCAB, 10, 10, seed=22)[0]
+    poisoned = random_prompts(1, VOCAB, POISON_POSITION, POISON_POSITION, seed=23)[0] + [POISON_TOKEN]
+    every_token = tuple(range(VOCAB))
+    return [
+        ("tiny_temperature", prompt, SamplingParams(max_new_tokens=6, temperature=1e-40), None),
+        ("huge_temperature", prompt, SamplingParams(max_new_tokens=6, temperature=1e300, seed=1), None),
+        ("plus_inf_penalty", prompt, SamplingParams(max_new_tokens=6, frequency_penalty=-1e308, temperature=1.0), None),
+        ("minus_inf_penalty", prompt, SamplingParams(max_new_tokens=6, presence_penalty=1e308, temperature=1.0), None),
+        ("tiny_repetition_penalty", prompt, SamplingParams(max_new_tokens=6, repetition_penalty=1e-300,
+                                                          temperature=1.0), None),
+        ("tiny_top_p_min_p_1", prompt, SamplingParams(max_new_tokens=6, top_p=1e-12, min_p=1.0, temperature=2.0),
+         None),
+        ("huge_top_k", prompt, SamplingParams(max_new_tokens=6, top_k=10**9, temperature=1.0), None),
+        ("nothing_left_sampled", prompt, SamplingParams(max_new_tokens=6, min_new_tokens=3,
+                                                        stop_token_ids=every_token, temperature=1.0), "no token"),
+        ("nothing_left_greedy", prompt, SamplingParams(max_new_tokens=6, min_new_tokens=3,
+                                                       stop_token_ids=every_token), "no token"),
+        ("nan_sampled", poisoned, SamplingParams(max_new_tokens=6, temperature=1.0), "NaN"),
+        ("nan_host_greedy", poisoned, SamplingParams(max_new_tokens=6, repetition_penalty=1.1), "NaN"),
+    ]
+
+
+def run(engine, rows) -> dict:
+    outputs = {o.request_id: o for o in engine.generate((name, p, params) for name, p, params in rows)}
+    assert_pool_balanced(engine)
+    return outputs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_poison_rows_fail_alone_and_good_rows_equal_a_clean_run(overlap):
+    good = good_rows()
+    clean = run(engine_for(overlap), good)
+    engine = engine_for(overlap)
+    nan_logits_hook(engine)
+    bad = bad_rows()
+    mixed = []  # good and bad rows interleaved, so they share steps
+    for i in range(max(len(good), len(bad))):
+        mixed += good[i:i + 1] + [row[:3] for row in bad[i:i + 1]]
+    outputs = run(engine, mixed)
+    for name, _, _ in good:
+        assert outputs[name].output_token_ids == clean[name].output_token_ids
+        assert outputs[name].finish_reason == clean[name].finish_reason
+    for name, _, params, cause in bad:
+        out = outputs[name]
+        if cause is None:
+            assert out.finish_reason == "length" and len(out.output_token_ids) == 6, (name, out.error)
+        else:
+            assert out.finish_reason == "error" and "sampling failed: SamplingError" in out.error, name
+            assert cause in out.error, (name, out.error)
+    greedy = run(engine_for(overlap), [("t0", bad[0][1], SamplingParams(max_new_tokens=6))])
+    assert outputs["tiny_temperature"].output_token_ids == greedy["t0"].output_token_ids  # 1e-40 is greedy
+
+
+def test_a_row_that_raises_fails_alone_and_device_faults_propagate(monkeypatch):
+    import engine.llm_engine as llm_engine
+
+    real_sample_one = llm_engine.sample_one
+    faults = {"bad": RuntimeError("boom"), "oom": torch.OutOfMemoryError("CUDA out of memory")}
+
+    def sample_one(logits, request, eos_token_ids):
+        if request.request_id in faults:
+            raise faults[request.request_id]
+        return real_sample_one(logits, request, eos_token_ids)
+
+    monkeypatch.setattr(llm_engine, "sample_one", sample_one)
+    sampled = SamplingParams(max_new_tokens=5, temperature=1.0, seed=1)
+    prompts = random_prompts(3, VOCAB, 3, 9, seed=24)
+    outputs = run(engine_for(False), [("a", prompts[0], sampled), ("bad", prompts[1], sampled),
+                                      ("c", prompts[2], SamplingParams(max_new_tokens=5))])
+    assert outputs["bad"].finish_reason == "error" and outputs["bad"].error == "sampling failed: RuntimeError: boom"
+    assert [outputs[n].finish_reason for n in "ac"] == ["length", "length"]
+    engine = engine_for(False)
+    with pytest.raises(torch.OutOfMemoryError):
+        list(engine.generate([("a", prompts[0], sampled), ("oom", prompts[1], sampled)]))
+    assert not engine.has_unfinished_requests()  # the engine is left clean for the job to stop
