@@ -1,7 +1,8 @@
 """Shared test fixtures.
 
-Real model files live outside the repo, in ``shared/`` beside the repo root; they are read in place, never copied.
-Tests that need them are skipped when that folder is absent.
+Real model files live outside the repo, in ``shared/`` beside the repo root (or where ``$CBRUN_SHARED`` says, e.g.
+from a git worktree elsewhere); they are read in place, never copied. Tests that need them are skipped when that
+folder is absent.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED = REPO_ROOT.parent / "shared"
+SHARED = Path(os.environ.get("CBRUN_SHARED") or REPO_ROOT.parent / "shared")
 STORIES260K = SHARED / "models" / "stories260K"  # llama2.c checkpoint, tokenizer and greedy goldens
 
 
