@@ -20,14 +20,28 @@ class KVCache:
     ``kv`` has shape (2, num_pages, page_size, num_kv_heads, head_dim): K then V, every layer's pages in one
     pool (which page serves which layer is the block manager's business). ``cpu_kv`` is the same with
     ``num_cpu_pages`` (pinned on CUDA), so an offload or restore is one gather and one copy.
+
+    The pool is allocated, not filled: only the first ``num_zeroed_pages`` (the padding pages) are zeroed at once,
+    the others by ``zero_pages_below`` as the block manager first hands them out, so memory the job never uses is
+    never touched (on the CPU it is then never resident). Attention reads whole pages and masks the positions past
+    a request's context, which must hold finite values; a page once zeroed only ever holds K/V after that. Swap
+    slots are written whole before they are read and are not zeroed.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, num_cpu_pages: int = 0) -> None:
-        self.kv = torch.zeros((2, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+                 device: torch.device, num_cpu_pages: int = 0, num_zeroed_pages: int | None = None) -> None:
+        self.kv = torch.empty((2, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.num_zeroed_pages = 0
+        self.zero_pages_below(num_pages if num_zeroed_pages is None else num_zeroed_pages)
         pin = torch.device(device).type == "cuda"
         cpu_shape = (2, num_cpu_pages, page_size, num_kv_heads, head_dim)
-        self.cpu_kv = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_pages else None
+        self.cpu_kv = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) if num_cpu_pages else None
+
+    def zero_pages_below(self, num_pages: int) -> None:
+        """Zero pages ``[num_zeroed_pages, num_pages)`` of K and V, so every page below ``num_pages`` is initialised."""
+        if num_pages > self.num_zeroed_pages:
+            self.kv[:, self.num_zeroed_pages:num_pages].zero_()
+            self.num_zeroed_pages = num_pages
 
     @property
     def k_pages(self) -> torch.Tensor:

@@ -247,7 +247,7 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None) -> Job
         summary.elapsed_s = time.perf_counter() - start
         return summary
 
-    engine = engine if engine is not None else load_engine(manifest)
+    engine = engine if engine is not None else load_engine(manifest, expected_requests(manifest, reader, done))
     if tokenizer is None:
         tokenizer = load_tokenizer(manifest.model.path)
     checkpoint.prepare(fingerprint, overwrite=overwrite)
@@ -284,12 +284,23 @@ def remove_stale_results(manifest: JobManifest) -> None:
         (Path(manifest.output.path) / RESULTS_FILE).unlink(missing_ok=True)
 
 
-def load_engine(manifest: JobManifest):
+def expected_requests(manifest: JobManifest, reader, done: np.ndarray) -> int | None:
+    """Requests this run will add to the engine: rows to do times ``n``; None when a row can add more than that
+    (score mode's candidates, a per-row ``n`` column or OpenAI request body). Lets the engine size its default
+    cache to the job."""
+    if (manifest.input.mode == "score" or not isinstance(reader, PromptReader)
+            or reader.samples_column is not None):
+        return None
+    return int((~done).sum()) * manifest.n
+
+
+def load_engine(manifest: JobManifest, expected_requests: int | None = None):
     """``LLMEngine.from_pretrained`` with load failures turned into ``JobError``."""
     from engine import LLMEngine
 
     try:
-        return LLMEngine.from_pretrained(manifest.model.path, config=manifest.engine)
+        return LLMEngine.from_pretrained(manifest.model.path, config=manifest.engine,
+                                         expected_requests=expected_requests)
     except (ValueError, OSError) as exc:
         raise JobError(f"cannot load the model from {manifest.model.path!r}: {exc}") from None
 
