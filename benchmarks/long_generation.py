@@ -19,7 +19,8 @@ Runs, round-robin ``--repeats`` times, each in a fresh process:
   at torch's default thread count, timed over generation only (model loading excluded, which favours it).
 
 A table row is a run's median repeat by time; "vs generate" divides generated tok/s by hf-generate's median
-generation tok/s. Every run's outputs are compared with hf-generate's, token for token (cut at the first stop
+generation tok/s. CPU s (user + system, all threads) is steadier than wall time on a shared machine: cbrun's is the
+whole command's, hf-generate's its generation's. Every run's outputs are compared with hf-generate's, token for token (cut at the first stop
 token and at each row's limit).
 """
 
@@ -63,11 +64,13 @@ def run_cbrun(tree: str, sets: list[str], model_dir: Path, questions: Path, scra
                "--prompt-column", "question", "--output", str(out), "--max-new-tokens", str(MAX_NEW_TOKENS),
                "--no-progress", *[a for s in sets for a in ("--set", s)]]
     tree = Path(tree).resolve()
+    cpu_start = _children_cpu_s()
     start = time.perf_counter()
     # cwd too: ``python -m`` puts the working directory first on sys.path.
     done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, capture_output=True,
                           text=True)
     wall = time.perf_counter() - start
+    cpu = _children_cpu_s() - cpu_start
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-2000:]}")
     stats = json.loads((out / "stats.json").read_text())
@@ -76,8 +79,16 @@ def run_cbrun(tree: str, sets: list[str], model_dir: Path, questions: Path, scra
     table = pq.read_table(sorted(out.glob("part-*.parquet"))).sort_by("row_index")
     outputs = table.column("completion_token_ids").to_pylist()
     log = [line for line in done.stderr.splitlines() if "num_threads" in line or "KV cache" in line]
-    return dict(whole_s=wall, generation_s=stats["generation_s"], generated=stats["num_generated_tokens"],
+    return dict(whole_s=wall, cpu_s=cpu, generation_s=stats["generation_s"], generated=stats["num_generated_tokens"],
                 peak_mib=stats.get("peak_memory_mib"), outputs=outputs, summary=done.stdout.strip(), log=log)
+
+
+def _children_cpu_s() -> float:
+    """User plus system CPU seconds of this process's finished children (all their threads)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_hf(model_dir: Path, questions: Path, batch_size: int) -> dict:
@@ -104,13 +115,13 @@ def hf_child(model_dir: str, questions: str, batch_size: int) -> None:
     limits = [min(MAX_NEW_TOKENS, CONTEXT - len(p)) for p in prompts]
     model = _load_hf_model(Path(model_dir))
     outputs = []
-    start = time.perf_counter()
+    cpu_start, start = time.process_time(), time.perf_counter()
     for first in range(0, len(prompts), batch_size):
         rows = slice(first, first + batch_size)
         generated, _, _ = _hf_generate_batch(model, prompts[rows], limits[rows], (1,))
         outputs += [cut_output(g, limit, (1,)) for g, limit in zip(generated, limits[rows])]
-    wall = time.perf_counter() - start
-    print(json.dumps(dict(generation_s=wall, generated=sum(map(len, outputs)), threads=torch.get_num_threads(),
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    print(json.dumps(dict(generation_s=wall, generation_cpu_s=cpu, generated=sum(map(len, outputs)), threads=torch.get_num_threads(),
                           outputs=outputs)))
 
 
@@ -128,7 +139,8 @@ def report(results: dict[str, list[dict]], args, machine: str) -> str:
              f"prompt). {machine}. Median of {args.repeats} round-robin repeats (each in a fresh process); "
              f"min-max in brackets. Command: `{shlex.join(['python', '-m', 'benchmarks.long_generation', *sys.argv[1:]])}`.",
              "", "| run | whole command s | generation s | generated tokens | whole-command tok/s | generation tok/s "
-             "| vs generate (whole command) | peak RSS MiB | outputs == generate |", "|---|---|---|---|---|---|---|---|---|"]
+             "| vs generate (whole command) | CPU s | gen tok per CPU s | peak RSS MiB | outputs == generate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, runs in results.items():
         if label == "hf-generate":
             continue
@@ -138,11 +150,13 @@ def report(results: dict[str, list[dict]], args, machine: str) -> str:
         lines.append(f"| cbrun {label} | {r['whole_s']:.1f} | {r['generation_s']:.1f} | {r['generated']} | "
                      f"{r['generated'] / r['whole_s']:.0f} [{min(whole):.0f}-{max(whole):.0f}] | "
                      f"{r['generated'] / r['generation_s']:.0f} | {r['generated'] / r['whole_s'] / hf_tps:.2f}x | "
-                     f"{r['peak_mib']:.0f} | {equal}/{len(reference)} |")
+                     f"{r['cpu_s']:.1f} (whole command) | {r['generated'] / r['cpu_s']:.0f} | {r['peak_mib']:.0f} | "
+                     f"{equal}/{len(reference)} |")
     spread = [x["generated"] / x["generation_s"] for x in results["hf-generate"]]
     lines.append(f"| hf-generate batch {args.batch_size}, {hf['threads']} threads (torch default) | n/a | "
                  f"{hf['generation_s']:.1f} | {hf['generated']} | n/a | {hf_tps:.0f} [{min(spread):.0f}-"
-                 f"{max(spread):.0f}] | 1.00x (generation) | n/a | reference |")
+                 f"{max(spread):.0f}] | 1.00x (generation) | {hf['generation_cpu_s']:.1f} (generation) | "
+                 f"{hf['generated'] / hf['generation_cpu_s']:.0f} | n/a | reference |")
     lines += ["", "Engine log lines of the median runs (thread choice, cache size):", ""]
     for label, runs in results.items():
         if label != "hf-generate":
@@ -180,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_cbrun(path, sets, model_dir, questions, scratch)
                 results[label].append(r)
                 print(f"[{repeat + 1}] {label}: {r['generated'] / r['whole_s']:.0f} tok/s whole command, "
-                      f"{r['generated'] / r['generation_s']:.0f} generation; load {os.getloadavg()[0]:.2f}",
+                      f"{r['generated'] / r['generation_s']:.0f} generation, {r['generated'] / r['cpu_s']:.0f} per "
+                      f"CPU s; load {os.getloadavg()[0]:.2f}",
                       file=sys.stderr, flush=True)
             if not args.no_hf:
                 r = run_hf(model_dir, questions, args.batch_size)
@@ -191,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, runs in results.items():
             r = median_run(runs, "whole_s")
             print(f"{label}: {r['generated'] / r['whole_s']:.0f} tok/s whole, "
-                  f"{r['generated'] / r['generation_s']:.0f} generation, peak {r['peak_mib']:.0f} MiB")
+                  f"{r['generated'] / r['generation_s']:.0f} generation, {r['generated'] / r['cpu_s']:.0f} per CPU s, "
+                  f"peak {r['peak_mib']:.0f} MiB")
         return 0
     from benchmarks.cbrun_bench.measure import machine_info
 

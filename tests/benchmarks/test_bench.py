@@ -96,3 +96,16 @@ def test_repeats_with_and_without_sharing_on_the_fewshot_workload(stories260k_di
     assert unshared["vs_cbrun"] == unshared["generated_tok_s"] / shared["generated_tok_s"]
     assert shared["cached_prompt_tokens"] > 0 and unshared["cached_prompt_tokens"] == 0
     assert shared["computed_tokens"] < unshared["computed_tokens"]
+
+
+def test_long_workload_beside_the_default_configuration(stories260k_dir, tmp_path, capsys):
+    workload = workloads.build_workload("gsm8k-long", 4, (16, 256), 0, stories260k_dir, tmp_path)
+    assert workload.max_new_tokens == [min(256, 512 - len(p)) for p in workload.prompts]
+    assert workload.stop_token_ids == (1,) and len(workload.prompts) == 4
+
+    table, report = run_bench(["--workload", "gsm8k-long", "--rows", "4", "--backends", "cbrun,cbrun-defaults"],
+                              stories260k_dir, tmp_path, capsys)
+    assert "| cbrun-defaults |" in table and "yes (4/4)" in table
+    tuned, defaults = report["results"]
+    assert (tuned["backend"], defaults["backend"]) == ("cbrun", "cbrun-defaults")
+    assert defaults["rows_differing"] == 0 and defaults["generated_tokens"] == tuned["generated_tokens"]
