@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="most tokens to generate per sample (--max-tokens: vLLM's name)")
     run.add_argument("--n", type=int, help="samples per row")
     run.add_argument("--stop", action="append", help="stop string (repeatable; \\n is a newline)")
-    run.add_argument("--num-threads", type=int, help="CPU threads (tiny models run fastest on 1)")
+    run.add_argument("--num-threads", type=int, help="CPU threads (default: auto, 1 for a model under 10M "
+                     "parameters, else the physical cores)")
     run.add_argument("--temperature", type=float, help="0 is greedy")
     run.add_argument("--top-p", type=float)
     run.add_argument("--top-k", type=int)
