@@ -7,7 +7,9 @@ engine takes ``max_requests_per_batch = N`` and ``max_batch_tokens = N + --prefi
 requests with prompts of ``--prompt-len`` tokens and ``--new-tokens`` generated tokens (``ignore_eos``, greedy), so
 that after the first wave every step mixes decodes with the prefills of requests taking finished ones' places.
 
-Each phase is timed by wrapping the engine's own methods with ``time.perf_counter`` (wall time, one thread):
+Each phase is timed by wrapping the engine's own methods with ``CLOCK``: the CPU time of this thread
+(``time.thread_time``; the engine runs on one thread here, so it is the step's work without the time other
+processes of a shared machine take from it; ``--clock wall`` uses ``time.perf_counter`` instead):
 
 - schedule: ``Scheduler.schedule`` (the plan: admissions, block allocation);
 - prepare inputs: ``ModelRunner._prepare`` plus ``ModelRunner._upload`` (flattened ids, positions, slot mapping,
@@ -42,6 +44,10 @@ PHASES = {"schedule": ("scheduler", "schedule"), "prepare": ("model_runner", "_p
           "upload": ("model_runner", "_upload"), "forward": ("model_runner", "_forward"), "read": ("", "_resolve")}
 
 
+#: The clock of every measurement: CPU seconds of the calling thread (see the module docstring).
+CLOCK = time.thread_time
+
+
 class PhaseTimer:
     """Wraps the engine methods of ``PHASES`` on the instance; accumulates seconds per phase for the current step."""
 
@@ -58,9 +64,9 @@ class PhaseTimer:
 
     def _timed(self, phase: str, method):
         def wrapper(*args, **kwargs):
-            start = time.perf_counter()
+            start = CLOCK()
             result = method(*args, **kwargs)
-            self.current[phase] += time.perf_counter() - start
+            self.current[phase] += CLOCK() - start
             if phase == "schedule":
                 self.scheduled = len(result.scheduled)
             return result
@@ -97,9 +103,9 @@ def measure(model_dir: Path, running: int, args) -> dict:
     timer = PhaseTimer(engine)
     steps = []
     while engine.has_unfinished_requests():
-        start = time.perf_counter()
+        start = CLOCK()
         engine.step()
-        total = time.perf_counter() - start
+        total = CLOCK() - start
         phases, scheduled = timer.take()
         if scheduled:
             steps.append((total, phases, scheduled))
@@ -144,12 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request, drawn in [n/2, n]")
     p.add_argument("--prefill-tokens", type=int, default=256, help="max_batch_tokens beyond one decode per slot")
     p.add_argument("--skip", type=int, default=5, help="first steps left out (warm-up)")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="cpu: this thread's CPU time (default, steady on a shared machine); wall: perf_counter")
     p.add_argument("--json", type=Path, help="also write the rows as JSON to this path")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
     running = [int(n) for n in args.running.split(",")]
     with tempfile.TemporaryDirectory(prefix="cbrun-overhead-") as tmp:
