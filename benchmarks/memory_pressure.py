@@ -2,7 +2,7 @@
 
 Usage (from the repository root, after converting stories260K as the README shows):
 
-    python benchmarks/memory_pressure.py --model models/stories260K --rows 256
+    python -m benchmarks.memory_pressure --model models/stories260K --rows 256
 
 Prints a Markdown table: scheduler, cache blocks, CPU swap, generated tokens/s, steps, offloads (swaps to CPU),
 soft resets, and whether every output equals the unconstrained run's.
@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoTokenizer
 
+from benchmarks.cbrun_bench.workloads import gsm8k_path
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 
@@ -48,7 +49,8 @@ def _cpu_name() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/stories260K")
-    parser.add_argument("--data", default="../shared/data/gsm8k_test.parquet")
+    parser.add_argument("--data", default=str(gsm8k_path("test")),
+                        help="GSM8K test parquet (default: from $CBRUN_SHARED, else shared/ beside the checkout)")
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--blocks", type=int, nargs="+", default=[2048, 256, 96, 48, 24])

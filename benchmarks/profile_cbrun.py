@@ -1,7 +1,7 @@
 """Profile cbrun's step loop on a bench workload with cProfile; print the top costs.
 
 Usage (from the repo root):
-    python benchmarks/profile_cbrun.py [--workload gsm8k-stories260k] [--rows 128] [--model-dir DIR] [--top 30]
+    python -m benchmarks.profile_cbrun [--workload gsm8k-stories260k] [--rows 128] [--model-dir DIR] [--top 30]
 
 Builds the workload exactly as ``cbrun bench`` does, runs ``LLMEngine.generate`` over it once unprofiled (warm-up,
 also the timing without profiler overhead) and once under cProfile, and prints the functions by own time and by
@@ -21,10 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jobs.bench import build_workload  # noqa: E402
+from benchmarks.cbrun_bench.workloads import build_workload
+from engine import EngineConfig, LLMEngine, SamplingParams
 
 #: Functions whose cumulative time splits a step into phases.
 PHASES = {
@@ -58,7 +56,8 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_requests)
+    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_requests,
+                          num_threads=args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         workload = build_workload(args.workload, args.rows, (16, 256), 0, args.model_dir, Path(scratch))
         wall, steps, tokens = run(workload, config)

@@ -18,6 +18,9 @@ class CachePool:
         if num_chunks <= NUM_RESERVED_CHUNKS:
             raise ValueError(f"the KV-cache pool needs more than {NUM_RESERVED_CHUNKS} chunks, got {num_chunks}")
         self.num_chunks = num_chunks
+        #: Chunks below this index have been handed out at least once (the reserved ones count as used): the KV
+        #: cache zeroes their pages before a step first reads them and leaves the rest of the pool untouched.
+        self.num_touched_chunks = NUM_RESERVED_CHUNKS
         # A stack: the lowest chunks are handed out first, then the most recently freed ones (see ``take``).
         self._free: deque[int] = deque(range(num_chunks - 1, NUM_RESERVED_CHUNKS - 1, -1))
 
@@ -31,7 +34,11 @@ class CachePool:
 
     def take(self) -> int | None:
         # Most recently freed first: a compact working set stays in the CPU caches.
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        chunk = self._free.pop()
+        self.num_touched_chunks = max(self.num_touched_chunks, chunk + 1)
+        return chunk
 
     def give_back(self, chunk: int) -> None:
         assert chunk >= NUM_RESERVED_CHUNKS, "a reserved padding chunk was freed"

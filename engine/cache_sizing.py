@@ -44,12 +44,21 @@ def step_workspace_bytes(config: EngineConfig, model_config) -> int:
     return activations + logits + indices
 
 
-def resolve_num_blocks(config: EngineConfig, max_model_len: int, bytes_per_block: int, model_config) -> int:
+def resolve_num_blocks(config: EngineConfig, max_model_len: int, bytes_per_block: int, model_config,
+                       expected_requests: int | None = None, expected_tokens: int | None = None) -> int:
     """The block pool's size.
 
     ``config.num_blocks`` when set. Otherwise what fits in ``max_memory_percent`` of free memory (measured after
-    the model is loaded) once a forward pass's workspace is set aside, and never more than every request slot
-    (``max_requests_per_batch``) growing to ``max_model_len`` could use.
+    the model is loaded) once a forward pass's workspace is set aside, and never more than the work can fill
+    (``useful_blocks``).
+
+    Args:
+        config: the engine settings.
+        max_model_len: the model's maximum total length.
+        bytes_per_block: K and V bytes of one block across all layers.
+        model_config: the model's (text) config, for the step workspace.
+        expected_requests: requests the caller will add in all, when known.
+        expected_tokens: the sum over those requests of prompt plus ``max_new_tokens``, when known.
 
     Raises:
         ValueError: when the memory budget cannot hold even one block.
@@ -63,8 +72,23 @@ def resolve_num_blocks(config: EngineConfig, max_model_len: int, bytes_per_block
             raise ValueError(f"max_memory_percent={config.max_memory_percent} of {free / 2**30:.2f} GiB free "
                              f"leaves no room for a KV-cache block of {bytes_per_block} bytes; raise it, lower "
                              f"max_batch_tokens, or set engine.num_blocks")
-        useful = config.max_requests_per_batch * cdiv(max_model_len, config.page_size)
-        num_blocks = min(budget // bytes_per_block, useful)
+        num_blocks = min(budget // bytes_per_block,
+                         useful_blocks(config, max_model_len, expected_requests, expected_tokens))
     logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity, %.1f MiB", num_blocks, config.page_size,
                 num_blocks * config.page_size, num_blocks * bytes_per_block / 2**20)
     return num_blocks
+
+
+def useful_blocks(config: EngineConfig, max_model_len: int, expected_requests: int | None = None,
+                  expected_tokens: int | None = None) -> int:
+    """Most blocks the work could ever hold at once.
+
+    Every request slot that can run together (``max_requests_per_batch``, or fewer when fewer requests are
+    expected) grows to at most ``max_model_len`` tokens; and all expected requests together hold at most
+    ``expected_tokens`` (plus one partly filled block each). The smaller bound wins; at least one block.
+    """
+    slots = min(config.max_requests_per_batch, expected_requests or config.max_requests_per_batch)
+    blocks = slots * cdiv(max_model_len, config.page_size)
+    if expected_tokens is not None:
+        blocks = min(blocks, cdiv(expected_tokens, config.page_size) + slots)
+    return max(1, blocks)

@@ -9,6 +9,10 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SWITCHES = ("auto", "on", "off")
 MODEL_IMPLS = ("auto", "transformers", "lean")
+#: Default (max_requests_per_batch, max_batch_tokens) per device type, for throughput. CUDA: vLLM's offline (``LLM``)
+#: defaults, 256 sequences and 8k batched tokens. CPU: measured on the gsm8k-long bench workload (stories260K, one
+#: thread, 2-core machine): benchmarks/results-defaults.md.
+DEFAULT_BATCH_LIMITS = {"cpu": (256, 1024), "cuda": (256, 8192)}
 
 
 @dataclass
@@ -18,8 +22,10 @@ class EngineConfig:
     Attributes:
         page_size: tokens per KV-cache block (page).
         num_blocks: blocks in the KV-cache pool; None sizes the pool from free memory (``max_memory_percent``).
-        max_batch_tokens: token budget of one forward pass (decode tokens plus prefill chunk tokens).
-        max_requests_per_batch: most requests in one forward pass.
+        max_batch_tokens: token budget of one forward pass (decode tokens plus prefill chunk tokens); None (the
+            default) takes the device's throughput default from ``DEFAULT_BATCH_LIMITS`` (CPU 1024, CUDA 8192).
+        max_requests_per_batch: most requests in one forward pass; None (the default) takes the device's default
+            from ``DEFAULT_BATCH_LIMITS`` (256).
         scheduler_type: "fifo" or "prefill_first".
         safety_margin: fraction of the block pool kept free before new prefills are admitted; None takes the
             scheduler's default (FIFO 0.15, PrefillFirst 0.0); 0 disables it.
@@ -36,8 +42,10 @@ class EngineConfig:
         max_cached_graphs: CUDA graphs kept at once (one per padded shape).
         async_batching: "auto" (on with CUDA graphs on a CUDA device), "on" or "off": plan and upload step N+1
             while the device computes step N (see ``engine.async_batching``).
-        num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide); None keeps torch's
-            default. Tiny models run fastest on 1.
+        num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide): a positive int,
+            "auto" (the default: 1 thread for a model under 10M parameters, whose ops are too small to split,
+            else every physical core; torch's default on CUDA; see ``engine.threads.resolve_num_threads``), or None
+            (keep the process's current setting).
         prefix_hash_bits: width of the prefix cache's block hash (SHA-256 cut to a multiple of 8 bits, default the
             full 256). Narrow widths exist for tests that force collisions; a collision is never served.
         model_impl: the forward pass. "lean" runs Llama-family models (Llama, Mistral and Qwen2 without sliding
@@ -51,8 +59,8 @@ class EngineConfig:
 
     page_size: int = 16
     num_blocks: int | None = None
-    max_batch_tokens: int = 256
-    max_requests_per_batch: int = 64
+    max_batch_tokens: int | None = None
+    max_requests_per_batch: int | None = None
     scheduler_type: str = "fifo"
     safety_margin: float | None = None
     max_memory_percent: float = 0.5
@@ -67,11 +75,16 @@ class EngineConfig:
     kv_padding_interval_size: int = 256
     max_cached_graphs: int = 32
     async_batching: str = "auto"
-    num_threads: int | None = None
+    num_threads: int | str | None = "auto"
     model_impl: str = "auto"
     prefix_hash_bits: int = 256
 
     def __post_init__(self) -> None:
+        default_requests, default_tokens = DEFAULT_BATCH_LIMITS["cuda" if self.device.startswith("cuda") else "cpu"]
+        if self.max_requests_per_batch is None:
+            self.max_requests_per_batch = default_requests
+        if self.max_batch_tokens is None:
+            self.max_batch_tokens = default_tokens
         self._check_positive_int("page_size")
         self._check_positive_int("max_batch_tokens")
         self._check_positive_int("max_requests_per_batch")
@@ -92,7 +105,9 @@ class EngineConfig:
         for name in ("cuda_graphs", "async_batching"):
             if getattr(self, name) not in SWITCHES:
                 raise ValueError(f"{name} must be one of {SWITCHES}, got {getattr(self, name)!r}")
-        if self.num_threads is not None:
+        if self.num_threads not in (None, "auto"):
+            if isinstance(self.num_threads, str):
+                raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
             self._check_positive_int("num_threads")
         for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs"):
             self._check_positive_int(name)

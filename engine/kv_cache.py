@@ -14,20 +14,35 @@ class KVCache:
     one pool (which page serves which layer is the block manager's business). ``cpu_kv`` is the same with
     ``spec.num_cpu_pages`` (pinned on CUDA), so an offload or restore is one gather and one copy.
 
+    The pool is allocated, not filled: only the first ``num_zeroed_pages`` (the padding pages) are zeroed at once,
+    the others by ``zero_pages_below`` as the block manager first hands them out, so memory the job never uses is
+    never touched (on the CPU it is then never resident). Attention reads whole pages and masks the positions past
+    a request's context, which must hold finite values; a page once zeroed only ever holds K/V after that. Swap
+    slots are written whole before they are read and are not zeroed.
+
     Args:
         spec: the cache's geometry.
         num_kv_heads, head_dim: the model's K/V shape per token and layer.
         dtype: the cache's dtype (the model's).
         device: where ``kv`` lives.
+        num_zeroed_pages: pages zeroed at once (None: all of them).
     """
 
     def __init__(self, spec: CacheSpec, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_zeroed_pages: int | None = None) -> None:
         self.spec = spec
-        self.kv = torch.zeros((2, spec.num_pages, spec.page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.kv = torch.empty((2, spec.num_pages, spec.page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.num_zeroed_pages = 0
+        self.zero_pages_below(spec.num_pages if num_zeroed_pages is None else num_zeroed_pages)
         pin = torch.device(device).type == "cuda"
         cpu_shape = (2, spec.num_cpu_pages, spec.page_size, num_kv_heads, head_dim)
-        self.cpu_kv = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) if spec.num_cpu_pages else None
+        self.cpu_kv = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) if spec.num_cpu_pages else None
+
+    def zero_pages_below(self, num_pages: int) -> None:
+        """Zero pages ``[num_zeroed_pages, num_pages)`` of K and V, so every page below ``num_pages`` is initialised."""
+        if num_pages > self.num_zeroed_pages:
+            self.kv[:, self.num_zeroed_pages:num_pages].zero_()
+            self.num_zeroed_pages = num_pages
 
     @property
     def k_pages(self) -> torch.Tensor:

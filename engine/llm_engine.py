@@ -32,6 +32,7 @@ from engine.scheduler import make_scheduler
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
 from engine.switches import resolve_switch
+from engine.threads import resolve_num_threads
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -49,7 +50,8 @@ class LLMEngine:
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, eos_token_ids: Iterable[int],
-                 max_model_len: int, tokenizer=None) -> None:
+                 max_model_len: int, tokenizer=None, expected_requests: int | None = None,
+                 expected_tokens: int | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self._stop_matcher = StopStringMatcher(tokenizer) if tokenizer is not None else None
@@ -62,7 +64,8 @@ class LLMEngine:
         layout = KVLayout.from_model_config(model_config)
         bytes_per_block = KVCache.bytes_per_block(len(layout.layer_types), config.page_size, num_kv_heads,
                                                   head_dim, dtype)
-        self.num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block, model_config)
+        self.num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block, model_config,
+                                             expected_requests, expected_tokens)
         #: The cache's geometry, the one source for the block manager, the KV cache, padding and the runner.
         self.cache_spec = CacheSpec.build(self.num_blocks, config.page_size, layout,
                                           num_cpu_blocks=int(config.cpu_offload_space * 2**30) // bytes_per_block,
@@ -71,7 +74,8 @@ class LLMEngine:
                                           truncated_block_hash(config.prefix_hash_bits))
         self.scheduler = make_scheduler(config, self.block_manager, max_model_len, self.eos_token_ids,
                                         self._stop_matcher)
-        kv_cache = KVCache(self.cache_spec, num_kv_heads, head_dim, dtype, next(model.parameters()).device)
+        kv_cache = KVCache(self.cache_spec, num_kv_heads, head_dim, dtype, next(model.parameters()).device,
+                           num_zeroed_pages=self._num_touched_pages())
         use_triton = _use_triton(config)
         use_graphs = _use_cuda_graphs(config, use_triton)
         #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
@@ -98,27 +102,37 @@ class LLMEngine:
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model_path: str, config: EngineConfig | None = None) -> "LLMEngine":
+    def from_pretrained(cls, model_path: str, config: EngineConfig | None = None, *,
+                        expected_requests: int | None = None, expected_tokens: int | None = None) -> "LLMEngine":
         """Load a transformers causal LM from a local directory and build an engine around it.
 
         Args:
             model_path: a directory with config.json and weights (nothing is downloaded).
-            config: engine settings; defaults to ``EngineConfig()``.
+            config: engine settings; defaults to ``EngineConfig()``. ``num_threads = "auto"`` is resolved here,
+                from the loaded model's parameter count (``engine.threads.resolve_num_threads``).
+            expected_requests: how many requests the caller will add in all, when known (a job: its rows to do
+                times ``n``). Caps the default KV cache (``num_blocks`` unset) at what that many requests can fill.
+            expected_tokens: the sum over those requests of prompt plus ``max_new_tokens``, when known. Caps the
+                default KV cache further (``engine.cache_sizing.resolve_num_blocks``).
 
         Raises:
             OSError: when the directory is missing or unreadable.
             ValueError: when the model type is not a decoder-only causal LM transformers can load.
         """
         config = config or EngineConfig()
-        if config.num_threads is not None:
+        if isinstance(config.num_threads, int):
             torch.set_num_threads(config.num_threads)
         dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
                                                      local_files_only=True)
         _check_causal_decoder(model)
         model.to(config.device).eval()
+        if config.num_threads == "auto":
+            threads = resolve_num_threads("auto", sum(p.numel() for p in model.parameters()), config.device)
+            if threads is not None:
+                torch.set_num_threads(threads)
         return cls(model, config, _eos_token_ids(model_path, model.config), _max_model_len(model.config),
-                   _load_tokenizer(model_path))
+                   _load_tokenizer(model_path), expected_requests=expected_requests, expected_tokens=expected_tokens)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
@@ -152,6 +166,10 @@ class LLMEngine:
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- stepping -----------------------------------------------------------------------------------------------
+    def _num_touched_pages(self) -> int:
+        """Cache pages the block manager has handed out at least once (the padding pages included)."""
+        return self.block_manager.pool.num_touched_chunks * self.cache_spec.chunk_pages
+
     def step(self) -> list[RequestOutput]:
         """Plan and launch one forward pass; return the requests that finished (failed ones included).
 
@@ -160,6 +178,7 @@ class LLMEngine:
         """
         plan = self.scheduler.schedule()
         finished = self.scheduler.pop_finished()
+        self.model_runner.kv_cache.zero_pages_below(self._num_touched_pages())  # pages this plan uses first
         handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
         if handle is not None:
             self.scheduler.advance(plan)

@@ -1,5 +1,5 @@
-"""The ``cbrun`` command: ``run``, ``export``, ``convert-llama2c`` and ``demo``. Thin: the work is in jobs.job,
-jobs.export and jobs.demo.
+"""The ``cbrun`` command: ``run``, ``export``, ``convert-llama2c``, ``demo`` and ``bench``. Thin: the work is in
+jobs.job, jobs.export, jobs.demo and (for ``bench``) benchmarks.cbrun_bench.
 
 Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
 Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``jobs.manifest.cli_text``).
@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="most tokens to generate per sample (--max-tokens: vLLM's name)")
     run.add_argument("--n", type=int, help="samples per row")
     run.add_argument("--stop", action="append", help="stop string (repeatable; \\n is a newline)")
-    run.add_argument("--num-threads", type=int, help="CPU threads (tiny models run fastest on 1)")
+    run.add_argument("--num-threads", type=int, help="CPU threads (default: auto, 1 for a model under 10M "
+                     "parameters, else the physical cores)")
     run.add_argument("--temperature", type=float, help="0 is greedy")
     run.add_argument("--top-p", type=float)
     run.add_argument("--top-k", type=int)
@@ -118,9 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark parses its own options
-        from jobs.bench import main as bench_main
-
-        return bench_main(argv[1:])
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     _quiet_transformers()
     try:
@@ -138,6 +137,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cbrun: interrupted by {signal.Signals(signum).name}: stopped admitting rows{done}; rerun the same "
               f"command to resume", file=sys.stderr)
         return 128 + signum
+
+
+def _bench(argv: list[str]) -> int:
+    """``cbrun bench``: the benchmark package ``benchmarks.cbrun_bench`` of a source checkout (or an editable
+    install of one), imported only now: the runtime packages never import it."""
+    try:
+        from benchmarks.cbrun_bench.cli import main as bench_main
+    except ImportError as exc:
+        print(f"cbrun: error: cbrun bench needs the benchmarks package of a source checkout ({exc}); install the "
+              f"checkout editable (pip install -e .) or run python -m benchmarks.cbrun_bench from its root",
+              file=sys.stderr)
+        return 2
+    return bench_main(argv)
 
 
 def _quiet_transformers() -> None:

@@ -287,7 +287,9 @@ class _Job:
             summary.elapsed_s = time.perf_counter() - self.start
             return summary
 
-        engine = engine if engine is not None else load_engine(manifest.model.path, engine_config)
+        if engine is None:
+            engine = load_engine(manifest.model.path, engine_config,
+                                 expected_requests(manifest, self.reader, state.done))
         out = manifest.output
         writer = checkpoint.start(self.fingerprint, out.commit_every_rows, out.commit_every_seconds,
                                   overwrite=overwrite, carried_fields=output_carried_fields(manifest, self.reader))
@@ -335,6 +337,16 @@ def remove_stale_results(manifest: JobManifest) -> None:
 
     if manifest.output.format == "openai-batch":
         (Path(manifest.output.path) / RESULTS_FILE).unlink(missing_ok=True)
+
+
+def expected_requests(manifest: JobManifest, reader, done: np.ndarray) -> int | None:
+    """Requests this run will add to the engine: rows to do times ``n``; None when a row can add more than that
+    (score mode's candidates, a per-row ``n`` column or OpenAI request body). Lets the engine size its default
+    cache to the job."""
+    if (manifest.input.mode == "score" or not isinstance(reader, PromptReader)
+            or reader.samples_column is not None):
+        return None
+    return int((~done).sum()) * manifest.n
 
 
 def _peak_gpu_memory_mib(device: str) -> float | None:

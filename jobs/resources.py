@@ -72,12 +72,13 @@ def resolve_device(device: str) -> str:
     raise JobError(f"engine.device = {device!r} is not available here; use \"auto\", \"cpu\" or \"cuda\"")
 
 
-def load_engine(model_path: str, config):
-    """``LLMEngine.from_pretrained`` with load failures turned into ``JobError``."""
+def load_engine(model_path: str, config, expected_requests: int | None = None):
+    """``LLMEngine.from_pretrained`` with load failures turned into ``JobError``; ``expected_requests`` (the
+    requests the run will add, when known) lets the engine size its default cache to the job."""
     from engine import LLMEngine
 
     try:
-        return LLMEngine.from_pretrained(model_path, config=config)
+        return LLMEngine.from_pretrained(model_path, config=config, expected_requests=expected_requests)
     except (ValueError, OSError) as exc:
         raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
 

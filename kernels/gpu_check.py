@@ -1,7 +1,9 @@
 """GPU check of the Triton kernels: correctness against the PyTorch reference and speed against measured ceilings.
 
 Run on a CUDA machine with ``python -m kernels.gpu_check``; without CUDA it says so and exits 0 (the CPU tests
-of the kernels are ``tests/test_kernels.py``, in Triton's interpreter). It prints one table::
+of the kernels are ``tests/kernels/test_kernels.py``, in Triton's interpreter). The engine's end-to-end GPU run
+(CUDA graphs and async batching off and on) is ``python -m benchmarks.gpu_engine_check``, which runs these kernel
+checks first. It prints one table::
 
     kernel | shape | max err | ok | ms | GB/s | TFLOP/s | roofline
 
@@ -207,97 +209,22 @@ def print_table(rows: list[Row]) -> None:
             print("-+-".join("-" * w for w in widths))
 
 
-# ---- engine benchmark -----------------------------------------------------------------------------------------
-ENGINE_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)  # ~0.35B params
+def cuda_bench(fn: Callable) -> float:
+    """Median milliseconds of ``fn`` on the CUDA device (``triton.testing.do_bench``)."""
+    import triton.testing
 
-
-def _engine_workload(vocab_size: int, num_requests: int, max_prompt: int, max_new_tokens: int, seed: int = 0):
-    from engine.sampling_params import SamplingParams
-
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(max_prompt // 16, max_prompt, (num_requests,), generator=g).tolist()
-    return [(i, torch.randint(3, vocab_size, (n,), generator=g).tolist(),
-             SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)) for i, n in enumerate(lengths)]
-
-
-def _run_engine(model_dir: str, config, workload) -> tuple[float, dict, list[float]]:
-    """Generated tokens/s, outputs, and the bytes/s each decode-only step moved (weights + KV read)."""
-    import time
-
-    from engine import LLMEngine
-
-    engine = LLMEngine.from_pretrained(model_dir, config)
-    param_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv = engine.model_runner.kv_cache.kv
-    kv_bytes_per_token = kv[:, 0, 0].numel() * kv.element_size() * engine.model.config.num_hidden_layers
-    for request_id, prompt, params in workload:
-        engine.add_request(request_id, prompt, params)
-    outputs, decode_bytes_per_s = {}, []
-    sync = torch.cuda.synchronize if kv.is_cuda else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        running = engine.scheduler.running
-        decode_only = not engine.scheduler.waiting and all(r.num_tokens_to_compute == 1 for r in running)
-        context = sum(r.num_tokens for r in running)
-        t0 = time.perf_counter()
-        for out in engine.step():
-            outputs[out.request_id] = out.output_token_ids
-        if decode_only and running:
-            decode_bytes_per_s.append((param_bytes + context * kv_bytes_per_token) / (time.perf_counter() - t0))
-    sync()
-    elapsed = time.perf_counter() - start
-    return engine.stats.num_generated_tokens / elapsed, outputs, decode_bytes_per_s
-
-
-def engine_benchmark(copy_bandwidth: float | None = None, device: str = "cuda", model: dict = ENGINE_MODEL,
-                     num_requests: int = 128, max_prompt: int = 1024, max_new_tokens: int = 128) -> dict:
-    """End-to-end engine throughput on a random Llama (~0.35B by default) with CUDA graphs and async batching
-    off and on, and the fraction of copy bandwidth that decode-only steps reach. Prints a table; returns
-    ``{(cuda_graphs, async_batching): tokens/s}``. Without CUDA only the plain mode runs.
-    """
-    import statistics
-    import tempfile
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine import EngineConfig
-
-    model_dir = tempfile.mkdtemp(prefix="cbrun-gpu-check-")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    LlamaForCausalLM(LlamaConfig(**model)).to(dtype).save_pretrained(model_dir)
-    workload = _engine_workload(model["vocab_size"], num_requests, max_prompt, max_new_tokens)
-    modes = (("off", "off"), ("on", "off"), ("on", "on")) if device == "cuda" else (("off", "off"),)
-    results = {}
-    for graphs, overlap in modes:
-        config = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."), page_size=16,
-                              max_batch_tokens=2048, max_requests_per_batch=128, cuda_graphs=graphs,
-                              async_batching=overlap, max_memory_percent=0.5 if device == "cuda" else 0.1)
-        results[(graphs, overlap)] = _run_engine(model_dir, config, workload)
-    base_tps, base_out, _ = results[("off", "off")]
-    print()
-    print("engine | cuda graphs | async | tokens/s | speed-up | outputs == plain | decode bandwidth fraction (median)")
-    for (graphs, overlap), (tps, outputs, bw) in results.items():
-        same = sum(outputs[k] == base_out[k] for k in base_out)
-        frac = f"{statistics.median(bw) / copy_bandwidth:.2f}" if bw and copy_bandwidth else "n/a"
-        print(f"cbrun  | {graphs:11} | {overlap:5} | {tps:8.0f} | {tps / base_tps:7.2f}x | "
-              f"{same}/{len(base_out)} | {frac}")
-    return {mode: tps for mode, (tps, _, _) in results.items()}
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here, nothing to check (the kernels' CPU tests are tests/test_kernels.py)")
+        print("gpu_check: no CUDA device here, nothing to check (the kernels' CPU tests are "
+              "tests/kernels/test_kernels.py)")
         return 0
-    import triton.testing
-
-    def bench(fn) -> float:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    import triton
 
     print(f"gpu_check on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    rows = run_checks("cuda", bench)
-    engine_benchmark(measure_ceilings("cuda", bench)[0])
+    rows = run_checks("cuda", cuda_bench)
     failed = [f"{r.kernel} ({r.shape})" for r in rows if not r.ok]
     if failed:
         print(f"gpu_check: FAILED correctness: {failed}")

@@ -139,7 +139,7 @@ def paged_attention_ref(
         page_offset: added to every block id of the plan (a layer's page within a multi-layer block).
 
     NOTE: whole pages are gathered and unused positions masked, so unused slots must hold finite values (a NaN
-    there would survive a zero attention weight). The engine's cache is zero-initialised and only ever holds K/V.
+    there would survive a zero attention weight). The engine zeroes each cache page before its first use and then only ever writes K/V there.
 
     Returns:
         (T, num_heads, head_dim) in ``query.dtype``.

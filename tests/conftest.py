@@ -1,7 +1,8 @@
 """Shared test fixtures.
 
-Real model files live outside the repo, in ``shared/`` beside the repo root; they are read in place, never copied.
-Tests that need them are skipped when that folder is absent.
+Real model files live outside the repo, in ``shared/`` beside the repo root (stories260K: or under
+``$CBRUN_SHARED``, e.g. from a git worktree elsewhere); they are read in place, never copied. Tests that need them
+are skipped when that folder is absent.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED = REPO_ROOT.parent / "shared"
-STORIES260K = SHARED / "models" / "stories260K"  # llama2.c checkpoint, tokenizer and greedy goldens
+SHARED = REPO_ROOT.parent / "shared"  # the shipped manifests' relative ../shared paths resolve here
+# llama2.c checkpoint, tokenizer and greedy goldens; $CBRUN_SHARED points elsewhere (e.g. from a git worktree).
+STORIES260K = Path(os.environ.get("CBRUN_SHARED") or SHARED) / "models" / "stories260K"
 
 
 def require_stories260k() -> Path:

@@ -49,7 +49,8 @@ def test_loads_sections_into_dataclasses(manifest_file):
     assert (m.input.prompt_column, m.input.id_column, m.input.limit) == ("question", "id", 10)
     assert m.sampling.max_new_tokens == 64 and m.sampling.stop_token_ids == (5, 6) and m.sampling.seed is None
     assert m.seed == 7
-    assert (m.engine.page_size, m.engine.max_batch_tokens, m.engine.max_requests_per_batch) == (8, 128, 64)
+    # max_requests_per_batch is not in the manifest: the CPU default
+    assert (m.engine.page_size, m.engine.max_batch_tokens, m.engine.max_requests_per_batch) == (8, 128, 256)
     assert (m.output.commit_every_rows, m.output.commit_every_seconds, m.output.overwrite) == (50, 30.0, False)
 
 

@@ -5,7 +5,7 @@ import json
 import tomllib
 from pathlib import Path
 
-from jobs import bench
+from benchmarks.cbrun_bench import cli, report, workloads
 
 FEWSHOT_MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "gsm8k-fewshot.toml"
 
@@ -13,7 +13,7 @@ FEWSHOT_MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "gsm8k-fe
 def run_bench(args: list[str], model_dir: Path, tmp_path: Path, capsys) -> tuple[str, dict]:
     """``cbrun bench ARGS`` in this process on ``model_dir``; returns the printed table and the JSON report."""
     out = tmp_path / "bench.json"
-    assert bench.main([*args, "--model-dir", str(model_dir), "--json", str(out), "--no-isolate"]) == 0
+    assert cli.main([*args, "--model-dir", str(model_dir), "--json", str(out), "--no-isolate"]) == 0
     return capsys.readouterr().out, json.loads(out.read_text())
 
 
@@ -37,21 +37,21 @@ def test_bench_tiny_workload_writes_table_and_json(stories260k_dir, tmp_path, ca
 
 
 def test_cut_output_keeps_stop_token_and_limit():
-    assert bench.cut_output([5, 6, 1, 7], 10, (1,)) == [5, 6, 1]
-    assert bench.cut_output([5, 6, 1, 7], 2, (1,)) == [5, 6]
-    assert bench.cut_output([5, 6, 0, 0], 4, (1,)) == [5, 6, 0, 0]
+    assert workloads.cut_output([5, 6, 1, 7], 10, (1,)) == [5, 6, 1]
+    assert workloads.cut_output([5, 6, 1, 7], 2, (1,)) == [5, 6]
+    assert workloads.cut_output([5, 6, 0, 0], 4, (1,)) == [5, 6, 0, 0]
 
 
 def test_too_many_rows_is_a_setup_error(stories260k_dir):
-    assert bench.main(["--workload", "gsm8k-fewshot", "--rows", "5000", "--model-dir", str(stories260k_dir)]) == 2
+    assert cli.main(["--workload", "gsm8k-fewshot", "--rows", "5000", "--model-dir", str(stories260k_dir)]) == 2
 
 
 def test_fewshot_workload_shares_the_exemplar_prefix_and_fits_the_context(stories260k_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    template = bench.fewshot_template(bench.gsm8k_exemplars(1))
+    template = workloads.fewshot_template(workloads.gsm8k_exemplars(1))
     assert template == tomllib.loads(FEWSHOT_MANIFEST.read_text())["input"]["template"]
-    workload = bench.build_workload("gsm8k-fewshot", 1319, (16, 256), 0, stories260k_dir, tmp_path)
+    workload = workloads.build_workload("gsm8k-fewshot", 1319, (16, 256), 0, stories260k_dir, tmp_path)
 
     # 27 of the 1,319 test prompts are too long for the 512-token context, as the manifest's comment counts.
     assert len(workload.prompts) == len(workload.max_new_tokens) == 1319 - 27
@@ -70,12 +70,12 @@ def test_median_run_is_chosen_by_wall_time_and_spread_kept():
 
     runs = [run("cbrun", 1, 3.0, None), run("hf-cb", 1, 4.0), run("cbrun", 2, 1.0), run("hf-cb", 2, 2.0, 5),
             run("cbrun", 3, 2.0), run("hf-cb", 3, 1.0), run("hf-cb", 4, 3.0)]
-    cbrun, hf_cb = bench.median_runs(runs)
+    cbrun, hf_cb = report.median_runs(runs)
     assert (cbrun["repeat"], cbrun["repeats"], cbrun["generated_tok_s_range"]) == (3, 3, [100 / 3, 100.0])
     assert cbrun["repeats_differing"] == []
     assert (hf_cb["repeat"], hf_cb["repeats"]) == (2, 4)  # even count: the faster of the two middle runs
     assert hf_cb["repeats_differing"] == [{"repeat": 2, "rows_differing": 5}]
-    assert bench._outputs_cell({**hf_cb, "rows": 8}) == "NO: 5/8 rows differ in repeat 2"
+    assert report._outputs_cell({**hf_cb, "rows": 8}) == "NO: 5/8 rows differ in repeat 2"
 
 
 def test_repeats_with_and_without_sharing_on_the_fewshot_workload(stories260k_dir, tmp_path, capsys):
@@ -96,3 +96,16 @@ def test_repeats_with_and_without_sharing_on_the_fewshot_workload(stories260k_di
     assert unshared["vs_cbrun"] == unshared["generated_tok_s"] / shared["generated_tok_s"]
     assert shared["cached_prompt_tokens"] > 0 and unshared["cached_prompt_tokens"] == 0
     assert shared["computed_tokens"] < unshared["computed_tokens"]
+
+
+def test_long_workload_beside_the_default_configuration(stories260k_dir, tmp_path, capsys):
+    workload = workloads.build_workload("gsm8k-long", 4, (16, 256), 0, stories260k_dir, tmp_path)
+    assert workload.max_new_tokens == [min(256, 512 - len(p)) for p in workload.prompts]
+    assert workload.stop_token_ids == (1,) and len(workload.prompts) == 4
+
+    table, report = run_bench(["--workload", "gsm8k-long", "--rows", "4", "--backends", "cbrun,cbrun-defaults"],
+                              stories260k_dir, tmp_path, capsys)
+    assert "| cbrun-defaults |" in table and "yes (4/4)" in table
+    tuned, defaults = report["results"]
+    assert (tuned["backend"], defaults["backend"]) == ("cbrun", "cbrun-defaults")
+    assert defaults["rows_differing"] == 0 and defaults["generated_tokens"] == tuned["generated_tokens"]
