@@ -27,6 +27,7 @@ hands its arguments to lm-eval's own CLI. The ``lm_eval.models`` entry point in 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 from dataclasses import dataclass
@@ -137,7 +138,7 @@ class CbrunLM(TemplateLM):
         max_gen_toks: ``generate_until``'s default ``max_gen_toks`` (256, as ``hf``).
         device: "cpu", "cuda", ...; default (or a CUDA device where there is none): CUDA when available, else CPU.
         tokenizer: a tokenizer directory other than ``pretrained``.
-        seed: seed of sampled generations that give none (each request draws its own from it).
+        seed: seed of sampled generations whose ``gen_kwargs`` give none (see ``_generation_request``).
         batch_size, max_batch_size: accepted and ignored: the engine batches by ``max_batch_tokens``.
         **engine_settings: any ``EngineConfig`` field (``page_size``, ``max_batch_tokens``,
             ``max_requests_per_batch``, ``num_threads``, ``num_blocks``, ``max_memory_percent``,
@@ -170,6 +171,7 @@ class CbrunLM(TemplateLM):
         self.engine = _build_engine(pretrained, model, config, self.tokenizer, self._max_length)
         self._device = torch.device(device)
         self.pretrained = pretrained
+        self.seed = int(seed)
 
     # ---- what lm-eval asks of every model -------------------------------------------------------------------
     @property
@@ -274,7 +276,7 @@ class CbrunLM(TemplateLM):
         work, untils = [], []
         for index, request in enumerate(requests):
             context, gen_kwargs = request.args
-            prompt, params, until = self._generation_request(context, gen_kwargs, eos_text)
+            prompt, params, until = self._generation_request(context, gen_kwargs, eos_text, index)
             work.append((index, prompt, params))
             untils.append(until)
         texts = [""] * len(requests)
@@ -288,9 +290,12 @@ class CbrunLM(TemplateLM):
         self._log_stats("generate_until", len(requests))
         return texts
 
-    def _generation_request(self, context: str, gen_kwargs: dict, eos_text: str
+    def _generation_request(self, context: str, gen_kwargs: dict, eos_text: str, index: int
                             ) -> tuple[list[int], SamplingParams, list[str]]:
-        """(prompt ids, sampling params, stop strings) by ``HFLM.generate_until``'s rules."""
+        """(prompt ids, sampling params, stop strings) by ``HFLM.generate_until``'s rules.
+
+        A sampled request's seed derives from (``gen_kwargs["seed"]`` or the backend's ``seed``, its index in the
+        call), so a run is reproducible and lm-eval's ``repeats`` of one prompt draw different samples."""
         if not isinstance(gen_kwargs, dict):
             raise ValueError(f"generation kwargs must be a dict, got {gen_kwargs!r}")
         kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
@@ -308,6 +313,7 @@ class CbrunLM(TemplateLM):
             raise ValueError(f"generation kwargs {unknown} are not supported by cbrun; supported: do_sample, "
                              f"until, max_gen_toks, num_beams=1, {', '.join(_SAMPLING_KEYS)}")
         sampling = {k: kwargs[k] for k in _SAMPLING_KEYS if k in kwargs}
+        sampling["seed"] = _request_seed(int(sampling.get("seed", self.seed)), index)
         if not do_sample:
             sampling["temperature"] = 0.0
         params = SamplingParams(max_new_tokens=max_gen_toks, stop=tuple(s for s in until if s), **sampling)
@@ -326,6 +332,11 @@ def _score_params(request: LoglikelihoodRequest) -> SamplingParams:
     """Prompt log-probabilities from the first continuation token; one greedy token is sampled and ignored (the
     engine samples after every prompt; a plain argmax is the cheapest sample)."""
     return SamplingParams(max_new_tokens=1, temperature=0.0, seed=0, prompt_logprobs_from=request.prompt_logprobs_from)
+
+
+def _request_seed(seed: int, index: int) -> int:
+    """A stable 63-bit seed for request ``index`` of a call under ``seed``."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 def _resolve_device(device: str | None) -> str:

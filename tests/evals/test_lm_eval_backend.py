@@ -137,6 +137,24 @@ def test_generate_until_matches_hf(stories_runs):
     assert all(len(r[0]) > 0 for r in responses(generation["cbrun"], GEN))
 
 
+def test_sampled_generation_is_seeded_and_stops(stories260k_dir, stories_runs):
+    from lm_eval.api.instance import Instance
+
+    cbrun = stories_runs[0]
+    gen_kwargs = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "until": ["."], "max_gen_toks": 20}
+    requests = [Instance("generate_until", {}, (prompt, dict(gen_kwargs)), 0)
+                for prompt in ("Once upon a time", "Tom had a dog", "The sun")]
+    first = cbrun.generate_until(requests, disable_tqdm=True)
+    again = CbrunLM(pretrained=str(stories260k_dir), num_threads=1).generate_until(requests, disable_tqdm=True)
+    assert first == again  # each request's seed derives from the backend's seed and its index, not the history
+    assert all("." not in text and len(cbrun.tok_encode(text, add_special_tokens=False)) <= 21 for text in first)
+    other_seed = CbrunLM(pretrained=str(stories260k_dir), num_threads=1, seed=7).generate_until(requests,
+                                                                                             disable_tqdm=True)
+    assert other_seed != first
+    with pytest.raises(ValueError, match="not supported by cbrun"):
+        cbrun.generate_until([Instance("generate_until", {}, ("Hi", {"typical_p": 0.5}), 0)], disable_tqdm=True)
+
+
 def test_request_cache_serves_a_rerun(stories260k_dir, tmp_path):
     cbrun = CbrunLM(pretrained=str(stories260k_dir), num_threads=1)
     first = evaluate(cbrun, None, [MC], limit=3, use_cache=str(tmp_path / "cache"))
