@@ -61,7 +61,7 @@ class LoglikelihoodRequest:
 
     Attributes:
         prompt_token_ids: the tokens ``hf`` feeds plus the last continuation token (``hf`` drops it from the input
-            because nothing predicts from it; the engine runs it and the one sampled token is ignored).
+            because nothing predicts from it; the engine runs it, and drops what its last position samples).
         prompt_logprobs_from: first position whose log-probability counts: ``len(prompt) - len(continuation)``.
     """
 
@@ -329,9 +329,9 @@ class CbrunLM(TemplateLM):
 
 
 def _score_params(request: LoglikelihoodRequest) -> SamplingParams:
-    """Prompt log-probabilities from the first continuation token; one greedy token is sampled and ignored (the
-    engine samples after every prompt; a plain argmax is the cheapest sample)."""
-    return SamplingParams(max_new_tokens=1, temperature=0.0, seed=0, prompt_logprobs_from=request.prompt_logprobs_from)
+    """Prompt log-probabilities from the first continuation token, nothing generated (the engine runs the whole
+    prompt and drops the greedy token its last position samples)."""
+    return SamplingParams(max_new_tokens=0, temperature=0.0, seed=0, prompt_logprobs_from=request.prompt_logprobs_from)
 
 
 def _request_seed(seed: int, index: int) -> int:
