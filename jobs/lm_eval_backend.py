@@ -160,8 +160,8 @@ class CbrunLM(TemplateLM):
                              f"engine settings {list(EngineConfig.field_names())}")
         engine_settings = {k: v for k, v in kwargs.items() if k in EngineConfig.field_names()}
         device = _resolve_device(device)
-        config = EngineConfig(**{**ENGINE_DEFAULTS, "seed": seed, **engine_settings, "dtype": str(dtype),
-                                 "device": device})
+        dtype = str(dtype).removeprefix("torch.")  # a torch.dtype from Python callers, as hf accepts
+        config = EngineConfig(**{**ENGINE_DEFAULTS, "seed": seed, **engine_settings, "dtype": dtype, "device": device})
         self.tokenizer = _load_tokenizer(tokenizer or pretrained, add_bos_token)
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id

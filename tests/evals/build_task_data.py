@@ -3,9 +3,9 @@
 Deterministic: the same input gives the same files, which are committed so the task YAMLs need no hub and no build
 step. Run from the repo root to rebuild: ``python -m tests.evals.build_task_data [PATH/TO/gsm8k_test.parquet]``.
 
-- ``gsm8k_mc.parquet``: multiple choice, all 1,319 test rows. Each GSM8K question with its final answer and the final answers of the
-  next rows that differ from it and from each other (three wrong choices); the right one's place is drawn from a
-  seeded generator. Columns: question, choices (list of 4 strings), label (index of the right choice).
+- ``gsm8k_mc.parquet``: multiple choice, all 1,319 test rows. Each GSM8K question with its final answer and the
+  final answers of the next rows that differ from it and from each other (three wrong choices); the right one's
+  place is drawn from a seeded generator. Columns: question, choices (list of 4 strings), label (index of the right choice).
 - ``gsm8k_gen.parquet``: generation, the first ``NUM_GEN_ROWS`` rows. Columns: question, answer (the full GSM8K
   solution ending "#### N").
 - ``gsm8k_texts.parquet``: perplexity. Each text is ``ROWS_PER_TEXT`` consecutive question/answer pairs of the rows
