@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("bench", add_help=False, help="throughput benchmark against transformers "
                         "(cbrun bench --help for its options)")
+    commands.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with --model cbrun registered "
+                        "(needs the eval extra; cbrun lm-eval --help for its options)")
     return parser
 
 
@@ -120,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark parses its own options
         return _bench(argv[1:])
+    if argv[:1] == ["lm-eval"]:  # lm-eval parses its own options
+        from jobs.lm_eval_backend import main as lm_eval_main
+
+        return lm_eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     _quiet_transformers()
     try:

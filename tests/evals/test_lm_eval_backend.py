@@ -1,0 +1,263 @@
+"""cbrun as an lm-eval backend: the same numbers as lm-eval's own ``hf`` backend on the same model and tasks.
+
+Tasks are the local YAMLs under ``tests/evals/tasks`` (Parquet files built from GSM8K, no hub): multiple choice
+(acc, acc_norm), generate_until (exact match) and loglikelihood_rolling (perplexities over texts longer than the
+model's context). Every per-request result is compared: log-likelihoods within 1e-4 (rolling sums of thousands of
+tokens are float32 sums, as ``hf`` makes them: within 1e-4 or one part in 1e7), generations equal, metrics equal.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets is imported: the tasks read local files only
+pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")  # lm-eval's hf backend imports it
+
+import torch  # noqa: E402
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from jobs.lm_eval_backend import CbrunLM, loglikelihood_request, scoring_order  # noqa: E402
+from tests.conftest import REPO_ROOT  # noqa: E402
+
+TASKS_DIR = REPO_ROOT / "tests" / "evals" / "tasks"
+MC, GEN, PPL = "cbrun_gsm8k_mc", "cbrun_gsm8k_gen", "cbrun_gsm8k_ppl"
+
+
+@pytest.fixture(autouse=True)
+def _offline_from_repo_root(monkeypatch):
+    """The task YAMLs name their data relative to the repo root; datasets must not reach a hub."""
+    import datasets
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+
+
+def evaluate(model, model_args, tasks, limit, **kwargs) -> dict:
+    task_manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    return simple_evaluate(model=model, model_args=model_args, tasks=tasks, limit=limit, task_manager=task_manager,
+                           log_samples=True, **kwargs)
+
+
+def responses(results: dict, task: str) -> list:
+    """Per document, in document order, the backend's response to each of its requests."""
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [[resp[0] for resp in s["resps"]] for s in samples]
+
+
+def metrics(results: dict, task: str) -> dict:
+    return {k: v for k, v in results["results"][task].items() if "," in k and "stderr" not in k}
+
+
+def assert_same_results(cbrun: dict, hf: dict, task: str) -> None:
+    ours, theirs = responses(cbrun, task), responses(hf, task)
+    assert len(ours) == len(theirs) > 0
+    for doc, (a, b) in enumerate(zip(ours, theirs)):
+        assert len(a) == len(b), doc
+        for x, y in zip(a, b):
+            if isinstance(y, str):
+                assert x == y, f"doc {doc}: generations differ"
+            elif isinstance(y, (tuple, list)):  # (loglikelihood, is_greedy)
+                assert x[0] == pytest.approx(y[0], abs=1e-4), f"doc {doc}"
+                assert x[1] == y[1], f"doc {doc}: is_greedy differs"
+            else:  # a rolling loglikelihood
+                assert x == pytest.approx(y, abs=1e-4, rel=1e-7), f"doc {doc}"
+    ours_m, theirs_m = metrics(cbrun, task), metrics(hf, task)
+    assert ours_m.keys() == theirs_m.keys() and ours_m
+    for name, value in theirs_m.items():
+        assert ours_m[name] == pytest.approx(value, rel=1e-6), name
+
+
+# ---- the request rule ----------------------------------------------------------------------------------------
+def test_loglikelihood_request_is_hf_window():
+    # hf runs (ctx + cont)[-(max_length + 1):][:-1] and scores the last len(cont) positions.
+    request = loglikelihood_request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12], max_length=5)
+    assert request.prompt_token_ids == (7, 8, 9, 10, 11, 12)
+    assert request.prompt_logprobs_from == 4 and request.num_continuation_tokens == 2
+    short = loglikelihood_request([1, 2], [3], max_length=5)
+    assert short.prompt_token_ids == (1, 2, 3) and short.prompt_logprobs_from == 2
+    with pytest.raises(ValueError, match="more than max_length"):
+        loglikelihood_request([1], [2] * 6, max_length=5)
+    with pytest.raises(ValueError, match="at least one token"):
+        loglikelihood_request([1], [], max_length=5)
+
+
+def test_scoring_order_puts_one_request_per_context_first():
+    a = [loglikelihood_request([1, 2, 3], [c], 16) for c in (7, 5, 6)]
+    b = [loglikelihood_request([4, 4], [c], 16) for c in (9, 8)]
+    order = scoring_order(a + b)
+    assert order[:2] == [a[1], b[1]]  # the longest context first; within a context, by tokens
+    assert sorted(order[2:], key=lambda r: r.prompt_token_ids) == [a[2], a[0], b[0]]
+
+
+# ---- stories260K against hf --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stories_runs(stories260k_dir):
+    """(cbrun model, {backend: results of the MC + perplexity tasks}, {backend: results of the generation task},
+    cbrun's engine stats after the MC task alone)."""
+    cbrun = CbrunLM(pretrained=str(stories260k_dir), num_threads=1)
+    hf_args = f"pretrained={stories260k_dir},device=cpu,dtype=float32"
+    scoring = {"cbrun": evaluate(cbrun, None, [MC], limit=24)}
+    mc_stats = cbrun.engine.stats.as_dict()
+    ppl = evaluate(cbrun, None, [PPL], limit=24)
+    scoring["cbrun"]["samples"][PPL], scoring["cbrun"]["results"][PPL] = ppl["samples"][PPL], ppl["results"][PPL]
+    scoring["hf"] = evaluate("hf", hf_args, [MC, PPL], limit=24)
+    generation = {"cbrun": evaluate(cbrun, None, [GEN], limit=12, gen_kwargs="max_gen_toks=48"),
+                  "hf": evaluate("hf", hf_args, [GEN], limit=12, gen_kwargs="max_gen_toks=48")}
+    return cbrun, scoring, generation, mc_stats
+
+
+def test_multiple_choice_matches_hf(stories_runs):
+    _, scoring, _, stats = stories_runs
+    assert_same_results(scoring["cbrun"], scoring["hf"], MC)
+    assert {"acc,none", "acc_norm,none"} <= metrics(scoring["cbrun"], MC).keys()
+    # The 4 choices of a question share its context: 3 of them find its full blocks in the prefix cache.
+    assert stats["num_cached_prompt_tokens"] > 0 and stats["prefix_hit_rate"] > 0.5
+
+
+def test_rolling_perplexity_matches_hf(stories_runs):
+    _, scoring, _, _ = stories_runs
+    assert_same_results(scoring["cbrun"], scoring["hf"], PPL)
+    assert {"word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"} <= metrics(scoring["cbrun"],
+                                                                                           PPL).keys()
+
+
+def test_rolling_texts_exceed_the_context(stories_runs):
+    cbrun, scoring, _, _ = stories_runs
+    texts = [s["doc"]["text"] for s in scoring["cbrun"]["samples"][PPL]]
+    assert min(len(cbrun.tok_encode(t)) for t in texts) > 2 * cbrun.max_length  # three windows or more each
+
+
+def test_generate_until_matches_hf(stories_runs):
+    _, _, generation, _ = stories_runs
+    assert_same_results(generation["cbrun"], generation["hf"], GEN)
+    assert all(len(r[0]) > 0 for r in responses(generation["cbrun"], GEN))
+
+
+def test_sampled_generation_is_seeded_and_stops(stories260k_dir, stories_runs):
+    from lm_eval.api.instance import Instance
+
+    cbrun = stories_runs[0]
+    gen_kwargs = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "until": ["."], "max_gen_toks": 20}
+    requests = [Instance("generate_until", {}, (prompt, dict(gen_kwargs)), 0)
+                for prompt in ("Once upon a time", "Tom had a dog", "The sun")]
+    first = cbrun.generate_until(requests, disable_tqdm=True)
+    again = CbrunLM(pretrained=str(stories260k_dir), num_threads=1).generate_until(requests, disable_tqdm=True)
+    assert first == again  # each request's seed derives from the backend's seed and its index, not the history
+    assert all("." not in text and len(cbrun.tok_encode(text, add_special_tokens=False)) <= 21 for text in first)
+    other_seed = CbrunLM(pretrained=str(stories260k_dir), num_threads=1, seed=7).generate_until(requests,
+                                                                                             disable_tqdm=True)
+    assert other_seed != first
+    with pytest.raises(ValueError, match="not supported by cbrun"):
+        cbrun.generate_until([Instance("generate_until", {}, ("Hi", {"typical_p": 0.5}), 0)], disable_tqdm=True)
+
+
+def test_request_cache_serves_a_rerun(stories260k_dir, tmp_path):
+    cbrun = CbrunLM(pretrained=str(stories260k_dir), num_threads=1)
+    first = evaluate(cbrun, None, [MC], limit=3, use_cache=str(tmp_path / "cache"))
+    num_requests = cbrun.engine.stats.num_requests
+    second = evaluate(cbrun, None, [MC], limit=3, use_cache=str(tmp_path / "cache"))
+    assert num_requests == 12 and cbrun.engine.stats.num_requests == num_requests  # nothing recomputed
+    assert responses(second, MC) == responses(first, MC)
+
+
+def test_continuation_on_page_and_chunk_boundaries(stories260k_dir):
+    """Windows that end on a page (4 tokens) or whose continuation starts on a chunk (8 tokens) boundary score as
+    those that do not, and as hf."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    small = CbrunLM(pretrained=str(stories260k_dir), num_threads=1, page_size=4, max_batch_tokens=8,
+                    max_requests_per_batch=1)
+    words = "She liked to play in the park with her red ball every day".split(" ")
+    requests = [Instance("loglikelihood", {}, (context, " " + " ".join(words[:n])), 0)
+                for context in ("Once upon a time, there was a little girl named Lily.", "One day, Tom")
+                for n in range(1, len(words))]
+    pairs = [small._encode_pair(*r.args) for r in requests]
+    windows = [loglikelihood_request(ctx, cont, small.max_length) for ctx, cont in pairs]
+    assert {len(w.prompt_token_ids) % 4 == 0 for w in windows} == {True, False}
+    assert {w.prompt_logprobs_from % 8 == 0 for w in windows} == {True, False}
+    ours = small.loglikelihood(requests, disable_tqdm=True)
+    hf = HFLM(pretrained=str(stories260k_dir), device="cpu", dtype="float32").loglikelihood(requests,
+                                                                                           disable_tqdm=True)
+    for (a, greedy_a), (b, greedy_b) in zip(ours, hf):
+        assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+
+
+def test_tokenization_matches_hf(stories260k_dir, stories_runs):
+    from lm_eval.models.huggingface import HFLM
+
+    cbrun = stories_runs[0]
+    hf = HFLM(pretrained=str(stories260k_dir), device="cpu", dtype="float32")
+    for text in ("Once upon a time", "<s>Once upon a time", ""):
+        assert cbrun.tok_encode(text) == hf.tok_encode(text)
+    for context, continuation in (("Question: why?\nAnswer: ", "because"), ("Lily ", " ran"), ("A", "B")):
+        assert cbrun._encode_pair(context, continuation) == hf._encode_pair(context, continuation)
+    assert (cbrun.prefix_token_id, cbrun.eot_token_id, cbrun.max_length) == (hf.prefix_token_id, hf.eot_token_id,
+                                                                             hf.max_length)
+
+
+def test_model_args(stories260k_dir):
+    lm = CbrunLM.create_from_arg_string(f"pretrained={stories260k_dir},page_size=8,max_length=256,num_threads=1",
+                                        {"batch_size": 16, "max_batch_size": 64, "device": "cuda:0"})
+    assert lm.engine.config.page_size == 8 and lm.max_length == 256 and lm.engine.config.num_threads == 1
+    assert lm.engine.config.device == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="unknown cbrun model argument"):
+        CbrunLM(pretrained=str(stories260k_dir), pagesize=8)
+    with pytest.raises(ValueError, match="page_size"):
+        CbrunLM(pretrained=str(stories260k_dir), page_size=0)
+
+
+# ---- a grouped-query-attention model with a sliding window -------------------------------------------------------
+@pytest.fixture(scope="module")
+def sliding_window_dir(tmp_path_factory):
+    """A random Mistral (4 query heads, 2 KV heads, sliding window 24, 96 positions) with the byte tokenizer."""
+    from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
+
+    from jobs.demo import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                           sliding_window=24, bos_token_id=tokenizer.bos_token_id,
+                           eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    out = tmp_path_factory.mktemp("mistral_sliding")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = MistralForCausalLM(config)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(3.0)  # well-separated logits: a greedy tie is not a coin flip
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_sliding_window_gqa_model_matches_hf(sliding_window_dir):
+    """Contexts longer than the 96-token model are left-truncated, texts run in many rolling windows, and every
+    position attends to its last 24 positions only, in both backends."""
+    cbrun = CbrunLM(pretrained=str(sliding_window_dir), num_threads=1)
+    hf_args = f"pretrained={sliding_window_dir},device=cpu,dtype=float32"
+    for tasks, limit, gen_kwargs in (([MC, PPL], 6, None), ([GEN], 4, "max_gen_toks=16")):
+        ours = evaluate(cbrun, None, tasks, limit=limit, gen_kwargs=gen_kwargs)
+        theirs = evaluate("hf", hf_args, tasks, limit=limit, gen_kwargs=gen_kwargs)
+        for task in tasks:
+            assert_same_results(ours, theirs, task)
+
+
+@pytest.mark.slow
+def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys):
+    """``cbrun lm-eval`` is lm-eval's own CLI with ``--model cbrun`` registered (lm-eval 0.4.13 loads no plugins)."""
+    import sys
+
+    from jobs.cli import main
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # main hands lm-eval its arguments through sys.argv
+    assert main(["lm-eval", "run", "--model", "cbrun", "--model_args", f"pretrained={stories260k_dir},num_threads=1",
+                 "--device", "cpu", "--include_path", str(TASKS_DIR), "--tasks", MC, "--limit", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "cbrun (" in table and "|cbrun_gsm8k_mc|" in table.replace(" ", "") and "acc_norm" in table
