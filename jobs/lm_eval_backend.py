@@ -27,6 +27,8 @@ hands its arguments to lm-eval's own CLI. The ``lm_eval.models`` entry point in 
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import logging
 import sys
@@ -153,12 +155,13 @@ class CbrunLM(TemplateLM):
                  add_bos_token: bool | None = None, prefix_token_id: int | None = None, max_gen_toks: int = 256,
                  device: str | None = None, tokenizer: str | None = None, seed: int = 1234, **kwargs) -> None:
         super().__init__()
-        unknown = sorted(set(kwargs) - set(_IGNORED_ARGS) - set(EngineConfig.field_names()))
+        engine_fields = [f.name for f in dataclasses.fields(EngineConfig)]
+        unknown = sorted(set(kwargs) - set(_IGNORED_ARGS) - set(engine_fields))
         if unknown:
             raise ValueError(f"unknown cbrun model argument(s) {unknown}; accepted: pretrained, dtype, max_length, "
                              f"add_bos_token, prefix_token_id, max_gen_toks, device, tokenizer, seed and the "
-                             f"engine settings {list(EngineConfig.field_names())}")
-        engine_settings = {k: v for k, v in kwargs.items() if k in EngineConfig.field_names()}
+                             f"engine settings {engine_fields}")
+        engine_settings = {k: v for k, v in kwargs.items() if k in engine_fields}
         device = _resolve_device(device)
         dtype = str(dtype).removeprefix("torch.")  # a torch.dtype from Python callers, as hf accepts
         config = EngineConfig(**{**ENGINE_DEFAULTS, "seed": seed, **engine_settings, "dtype": dtype, "device": device})
