@@ -28,7 +28,6 @@ hands its arguments to lm-eval's own CLI. The ``lm_eval.models`` entry point in 
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import logging
 import sys
