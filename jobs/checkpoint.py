@@ -36,7 +36,8 @@ import pyarrow.parquet as pq
 
 from jobs.fingerprint import fingerprint_differences
 from jobs.lock import CBRUN_DIR, OutputLock, Shard
-from jobs.writer import PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, write_part_atomically
+from jobs.writer import (PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, part_shard,
+                         write_part_atomically)
 
 logger = logging.getLogger("cbrun")
 
@@ -107,6 +108,13 @@ class Checkpoint:
         if old is None:
             return
         changed = fingerprint_differences(old, fingerprint)
+        if "shards.count" in changed:
+            raise FingerprintMismatch(
+                f"output directory {str(self.output_dir)!r} holds a job split into {old['shards']['count']} "
+                f"shard(s), but this run splits it into {fingerprint['shards']['count']} (--shard I/N, or none: 1); "
+                f"continue it with the same N, or rerun with --overwrite to discard its results"
+                + (f" (also changed: {', '.join(c for c in changed if c != 'shards.count')})"
+                   if len(changed) > 1 else ""))
         if changed:
             raise FingerprintMismatch(
                 f"output directory {str(self.output_dir)!r} holds the results of a different job (changed: "
@@ -147,10 +155,13 @@ class Checkpoint:
             state = self.read_state(num_rows)
         return state
 
-    def read_state(self, num_rows: int) -> OutputState:
+    def read_state(self, num_rows: int, within: np.ndarray | None = None) -> OutputState:
         """The done bitmap and error counts of rows 0..num_rows-1, from the parts' row_index and finish_reason.
 
         Rows past ``num_rows`` (from a run with a larger limit) are ignored.
+
+        Args:
+            within: bool over rows 0..num_rows-1 (a shard's rows): only these rows are read; None: all.
         """
         done = np.zeros(num_rows, dtype=bool)
         failed = np.zeros(num_rows, dtype=bool)
@@ -161,6 +172,8 @@ class Checkpoint:
                 # NOTE: score-mode rows have a null finish_reason: not errors.
                 is_error = pc.fill_null(pc.equal(batch.column(1), "error"), False).to_numpy(zero_copy_only=False)
                 keep = indices < num_rows
+                if within is not None:
+                    keep[keep] = within[indices[keep]]
                 indices, is_error = indices[keep], is_error[keep]
                 done[indices] = True
                 failed[indices[is_error]] = True
@@ -220,7 +233,8 @@ class Checkpoint:
         (``carried_fields``: the input columns its rows carry, ``jobs.carry``)."""
         self.prepare(fingerprint, overwrite=overwrite)
         self.clear_finished()
-        return PartWriter(self.output_dir, commit_every_rows, commit_every_seconds, carried_fields=carried_fields)
+        return PartWriter(self.output_dir, commit_every_rows, commit_every_seconds, carried_fields=carried_fields,
+                          shard=self.lock.shard)
 
     def prepare(self, fingerprint: dict[str, Any], *, overwrite: bool = False) -> None:
         """Check, create the directory, clear it when ``overwrite``, remove stray temporary files, write job.json
@@ -251,7 +265,10 @@ class Checkpoint:
 
     def remove_temp_files(self) -> list[Path]:
         """Delete the half-written files a killed run left behind; returns them."""
-        stray = [p for p in self.output_dir.iterdir() if TEMP_RE.match(p.name)]
+        # NOTE: a shard of a sharded run removes its own temporary files only: the others may be being written.
+        shard = self.lock.shard
+        stray = [p for p in self.output_dir.iterdir() if (m := TEMP_RE.match(p.name))
+                 and (shard.count == 1 or part_shard(m) == shard)]
         own_temps = [d / f".{name}.tmp" for d in (self.output_dir, self.cbrun_dir) for name in (JOB_FILE, STATS_FILE)]
         stray += [p for p in own_temps if p.is_file()]
         for path in stray:

@@ -1,5 +1,5 @@
-"""The ``cbrun`` command: ``run``, ``export``, ``convert-llama2c``, ``demo`` and ``bench``. Thin: the work is in
-jobs.job, jobs.export, jobs.demo and (for ``bench``) benchmarks.cbrun_bench.
+"""The ``cbrun`` command: ``run``, ``status``, ``export``, ``convert-llama2c``, ``demo`` and ``bench``. Thin: the
+work is in jobs.job, jobs.status, jobs.export, jobs.demo and (for ``bench``) benchmarks.cbrun_bench.
 
 Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
 Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``jobs.manifest.cli_text``).
@@ -45,6 +45,9 @@ RUN_FLAGS = {
     "input_format": ("input", "format"),
     "output_format": ("output", "format"),
     "keep_columns": ("output", "keep_columns"),
+    "shard": ("input", "shard"),
+    "executor": ("cluster", "executor"),
+    "ray_address": ("cluster", "address"),
 }
 
 
@@ -88,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="set any manifest key, e.g. --set engine.max_batch_tokens=1024 (repeatable)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--shard", metavar="I/N",
+                     help="run shard I of N (0-based) of the job, e.g. $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT: "
+                          "a disjoint share of the rows; the N shards write into one output directory")
+    run.add_argument("--executor", choices=("local", "ray"),
+                     help="local: one engine in this process (default); ray: a Ray Data pool of engine replicas "
+                          "(cluster.num_replicas, ...; needs the extra cbrun[ray])")
+    run.add_argument("--ray-address", metavar="ADDRESS",
+                     help="the Ray cluster to join with --executor ray (auto: the one `ray start` runs here); "
+                          "absent: a local Ray instance")
     run.add_argument("--retry-errors", action="store_true",
                      help="take the rows with error rows out of the output and run them again (e.g. after a fix); "
                           "each row is in the output once afterwards")
@@ -99,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("output_dir", help="a cbrun output directory")
     export.add_argument("--format", choices=("openai-batch", "jsonl"), default="openai-batch")
     export.add_argument("--to", help="file to write (default: OUTPUT_DIR/results.jsonl or OUTPUT_DIR/output.jsonl)")
+
+    status = commands.add_parser("status", allow_abbrev=False, help="rows done per shard and in total; whether the "
+                                 "job is complete (exit 0 complete, 1 not yet, 2 not a cbrun output)")
+    status.add_argument("output_dir", help="the job's output directory")
 
     convert = commands.add_parser("convert-llama2c", allow_abbrev=False, help="convert a llama2.c checkpoint to a Hugging Face directory")
     convert.add_argument("checkpoint", help="llama2.c model .bin")
@@ -131,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "status":
+            return _status(args)
         if args.command == "convert-llama2c":
             return _convert(args)
         if args.command == "export":
@@ -212,6 +230,18 @@ def _export(args: argparse.Namespace) -> int:
         return 2
     print(f"cbrun: wrote {path}")
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from jobs.status import status_report
+
+    try:
+        report, complete = status_report(args.output_dir)
+    except (ValueError, OSError) as exc:
+        print(f"cbrun: error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if complete else 1
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -130,12 +130,14 @@ def input_fingerprint(input_path: str | Path) -> dict[str, str]:
     return digests
 
 
-def job_fingerprint(manifest, num_input_rows: int) -> dict[str, Any]:
+def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1) -> dict[str, Any]:
     """The settings and content that determine a job's outputs, as a JSON-ready dict.
 
     Args:
         manifest: the ``JobManifest``.
         num_input_rows: rows in the whole input, so that a replaced input file of another length is noticed.
+        num_shards: N of a sharded run (``--shard I/N``), 1 otherwise: the split of the rows and the part names
+            depend on it, so an output is continued with the same N only.
     """
     sampling = asdict(manifest.sampling)
     sampling.pop("seed")
@@ -153,6 +155,7 @@ def job_fingerprint(manifest, num_input_rows: int) -> dict[str, Any]:
                   "messages_column": inp.messages_column, "system_prompt": inp.system_prompt,
                   "per_row_settings": inp.per_row_settings, "boundary": inp.boundary},
         "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n},
+        "shards": {"count": num_shards},
     }
     # NOTE: added only when set, so the jobs of earlier versions keep their fingerprint
     if inp.format != "auto":

@@ -26,9 +26,9 @@ import numpy as np
 from jobs.carry import carried_fields, carried_values, check_kept_columns, keep_roles
 from jobs.chat import check_chat_template, check_messages_column
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
-from jobs.fingerprint import job_fingerprint
+from jobs.fingerprint import fingerprint_differences, job_fingerprint
 from jobs.generate import GenerateMode
-from jobs.lock import OutputLocked
+from jobs.lock import DirectoryLock, OutputLocked, Shard
 from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest, apply_model_defaults
 from jobs.mode import JobMode
 from jobs.openai_batch import OPENAI_FIELDS, REQUEST_FIELDS, OpenAIBatchReader, input_fields, is_openai_batch_input
@@ -37,6 +37,7 @@ from jobs.reader import InputError, PromptReader
 from jobs.resources import JobAborted, JobError, check_model_dir, load_engine, load_tokenizer, resolve_device
 from jobs.row_ids import warn_repeated_ids
 from jobs.scoring import Scorer, check_candidates_column
+from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.writer import OutputRow, PartWriter
 
 
@@ -191,7 +192,8 @@ def output_carried_fields(manifest: JobManifest, reader: PromptReader | OpenAIBa
     return carried_fields(manifest.output.keep_columns, reader.schema, derived)
 
 
-def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_errors: bool = False) -> JobSummary:
+def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_errors: bool = False,
+            shard: Shard | None = None) -> JobSummary:
     """Run (or resume, or recognise as finished) the job a manifest describes, holding the output's lock throughout.
 
     Args:
@@ -200,6 +202,9 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
         engine: an ``LLMEngine`` already loaded from ``manifest.model.path`` (tests reuse one); None loads it.
         retry_errors: first take the rows that have error rows out of the output, then run them again (each row
             is in the output once afterwards, as before).
+        shard: run only this shard of the job (``jobs.sharding``); None: ``input.shard``, else the whole job.
+            A shard locks, resumes and finishes its own rows; the job's ``_SUCCESS`` and ``stats.json`` are
+            written by whichever shard finds every row of every shard committed.
 
     Returns:
         The run's ``JobSummary`` (its ``exit_code`` says whether the error rows are within
@@ -234,8 +239,17 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
                 check_chat_template(tokenizer, manifest.model.path)
         except ValueError as exc:
             raise JobError(str(exc)) from None
-    checkpoint = Checkpoint(manifest.output.path)
-    fingerprint = job_fingerprint(manifest, reader.num_input_rows)
+    if manifest.cluster.executor == "ray":
+        from jobs.ray_executor import check_ray_installed
+
+        try:
+            check_ray_installed()
+        except ImportError as exc:
+            raise JobError(str(exc)) from None
+    if shard is None:
+        shard = Shard.parse(manifest.input.shard) if manifest.input.shard is not None else Shard()
+    checkpoint = Checkpoint(manifest.output.path, shard)
+    fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count)
     try:
         checkpoint.check(fingerprint, overwrite=manifest.output.overwrite)  # before creating anything
         checkpoint.lock.acquire()
@@ -245,6 +259,8 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
         raise JobError(f"cannot create the output directory {manifest.output.path!r}: {exc}") from None
     try:
         job = _Job(manifest, reader, checkpoint, fingerprint, start)
+        if shard.count > 1:
+            job = _ShardJob(manifest, reader, checkpoint, fingerprint, start)
         return job.run(engine, engine_config, tokenizer, progress, retry_errors)
     finally:
         checkpoint.lock.release()
@@ -261,46 +277,69 @@ class _Job:
         self.fingerprint = fingerprint
         self.start = start
 
+    #: rows of the job this run may write: all of them (a sharded run: its shard's, ``_ShardJob``).
+    within: np.ndarray | None = None
+
+    def open(self, retry_errors: bool):
+        """Open the output and read which rows are done. Returns the ``OutputState``."""
+        state = self.checkpoint.open(self.fingerprint, self.reader.num_rows,
+                                     overwrite=self.manifest.output.overwrite, retry_errors=retry_errors)
+        write_shards_file(self.checkpoint.output_dir, 1, self.reader.num_rows, [(0, self.reader.num_rows)])
+        return state
+
+    def start_writer(self) -> PartWriter:
+        """The output's ``PartWriter``, the directory made ready (``Checkpoint.start``); a stale results file gone."""
+        out = self.manifest.output
+        writer = self.checkpoint.start(self.fingerprint, out.commit_every_rows, out.commit_every_seconds,
+                                       overwrite=out.overwrite,
+                                       carried_fields=output_carried_fields(self.manifest, self.reader))
+        remove_stale_results(self.manifest)
+        return writer
+
+    def finish(self, summary: JobSummary, tokenizer=None) -> None:
+        """Write results.jsonl (``output.format = "openai-batch"``), stats.json and _SUCCESS: the whole job is in
+        the output."""
+        self.checkpoint.prepare(self.fingerprint)
+        write_results_file(self.manifest, tokenizer)
+        self.checkpoint.mark_finished(self.fingerprint, {**summary.as_dict(),
+                                                         "num_rows_in_output": summary.num_skipped + summary.num_rows})
+
     def run(self, engine, engine_config, tokenizer, progress: bool, retry_errors: bool) -> JobSummary:
         manifest, checkpoint, overwrite = self.manifest, self.checkpoint, self.manifest.output.overwrite
         try:
-            state = checkpoint.open(self.fingerprint, self.reader.num_rows, overwrite=overwrite,
-                                    retry_errors=retry_errors)
+            state = self.open(retry_errors)
         except ValueError as exc:  # FingerprintMismatch included
             raise JobError(str(exc)) from None
+        done = state.done if self.within is None else state.done | ~self.within
         summary = JobSummary(output_dir=str(manifest.output.path), num_skipped=int(state.done.sum()),
                              total_output_rows=state.num_output_rows, total_error_rows=state.num_error_rows,
                              max_error_fraction=manifest.output.max_error_fraction)
         if isinstance(self.reader, PromptReader) and manifest.input.id_column is not None:
             summary.num_repeated_ids = warn_repeated_ids(self.reader)
-        if state.done.all() and not overwrite:
+        if done.all() and not overwrite:
             # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
             # finished here without loading the model.
             if not checkpoint.is_finished():
-                checkpoint.prepare(self.fingerprint)
-                write_results_file(manifest)
-                checkpoint.mark_finished(self.fingerprint, {**summary.as_dict(),
-                                                            "num_rows_in_output": summary.num_skipped})
+                self.finish(summary)
             else:
                 write_results_file(manifest, only_if_missing=True)  # the job ran without --output-format before
             summary.already_finished = True
             summary.elapsed_s = time.perf_counter() - self.start
             return summary
 
+        if manifest.cluster.executor == "ray":
+            return self._run_on_ray(engine_config, summary, done)
         if engine is None:
-            engine = load_engine(manifest.model.path, engine_config,
-                                 expected_requests(manifest, self.reader, state.done))
+            engine = load_engine(manifest.model.path, engine_config, expected_requests(manifest, self.reader, done))
         out = manifest.output
-        writer = checkpoint.start(self.fingerprint, out.commit_every_rows, out.commit_every_seconds,
-                                  overwrite=overwrite, carried_fields=output_carried_fields(manifest, self.reader))
-        remove_stale_results(manifest)
+        writer = self.start_writer()
         mode = MODES[manifest.input.mode](manifest, tokenizer, engine.max_model_len,
                                           _model_vocab_size(manifest.model.path))
         generation_start = time.perf_counter()
         max_in_flight = 4 * engine_config.max_requests_per_batch
         try:
             _JobRun(mode, engine, writer, summary, manifest.input.order_window, max_in_flight).run(
-                self.reader, state.done, progress)
+                self.reader, done, progress)
         except KeyboardInterrupt as exc:  # jobs.signals.Interrupted (SIGINT, SIGTERM) included
             exc.num_committed_rows = writer.num_committed_rows
             raise
@@ -316,10 +355,106 @@ class _Job:
         summary.engine_stats = engine.stats.as_dict()
         summary.total_output_rows += summary.num_output_rows
         summary.total_error_rows += summary.num_errors
-        write_results_file(manifest, tokenizer)
-        checkpoint.mark_finished(self.fingerprint, {**summary.as_dict(),
-                                                    "num_rows_in_output": summary.num_skipped + summary.num_rows})
+        self.finish(summary, tokenizer)
         return summary
+
+    def _run_on_ray(self, engine_config, summary: JobSummary, done: np.ndarray) -> JobSummary:
+        """The rows not ``done`` on a Ray Data pool of engine replicas (``jobs.ray_executor``); this process only
+        writes."""
+        from jobs.ray_executor import run_on_ray
+
+        out = self.manifest.output
+        writer = self.start_writer()
+        counter = _JobRun(None, None, writer, summary, 0, 0)
+        generation_start = time.perf_counter()
+        try:
+            run_on_ray(self.manifest, engine_config, done, writer, counter.count)
+        except KeyboardInterrupt as exc:
+            writer.commit()
+            exc.num_committed_rows = writer.num_committed_rows
+            raise
+        except Exception as exc:
+            writer.commit()
+            raise JobAborted(
+                f"the job stopped on a fault that is not one row's: {type(exc).__name__}: {exc}; the "
+                f"{writer.num_committed_rows} output rows this run finished are committed in {out.path}; rerun the "
+                f"same command to resume") from exc
+        writer.commit()
+        summary.generation_s = time.perf_counter() - generation_start
+        summary.elapsed_s = time.perf_counter() - self.start
+        summary.peak_memory_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        summary.total_output_rows += summary.num_output_rows
+        summary.total_error_rows += summary.num_errors
+        self.finish(summary)
+        return summary
+
+
+class _ShardJob(_Job):
+    """One run of shard I of N (``jobs.sharding``): its rows only, under its own lock; the steps that touch the
+    whole directory under ``DirectoryLock``; ``_SUCCESS`` only once every shard's rows are committed."""
+
+    def __init__(self, manifest: JobManifest, reader: PromptReader, checkpoint: Checkpoint, fingerprint: dict,
+                 start: float):
+        super().__init__(manifest, reader, checkpoint, fingerprint, start)
+        self.shard = checkpoint.lock.shard
+        self.ranges = shard_ranges(unit_starts(reader), reader.num_rows, self.shard.count)
+        self.within = shard_mask(reader.num_rows, self.ranges[self.shard.index])
+
+    def open(self, retry_errors: bool):
+        checkpoint, num_rows = self.checkpoint, self.reader.num_rows
+        with DirectoryLock(checkpoint.output_dir):
+            if self.manifest.output.overwrite:
+                old = checkpoint._read_job_file()
+                if old is not None and fingerprint_differences(old, self.fingerprint):
+                    # NOTE: the first shard of a new job clears the old job's results; the next shards find this
+                    # job's job.json and drop their own rows alone.
+                    checkpoint.prepare(self.fingerprint, overwrite=True)
+                else:
+                    checkpoint.remove_rows(np.flatnonzero(self.within))
+            state = checkpoint.open(self.fingerprint, num_rows)
+            if retry_errors:
+                failed = state.error_rows[self.within[state.error_rows]]
+                if len(failed):
+                    checkpoint.clear_finished()
+                    checkpoint.remove_rows(failed)
+            write_shards_file(checkpoint.output_dir, self.shard.count, num_rows, self.ranges)
+            state = checkpoint.read_state(num_rows, self.within)
+        # NOTE: the rows outside the shard count as done for this run's bitmap (never read, never written).
+        return state
+
+    def start_writer(self) -> PartWriter:
+        with DirectoryLock(self.checkpoint.output_dir):
+            return super().start_writer()
+
+    def finish(self, summary: JobSummary, tokenizer=None) -> None:
+        """Record this shard's summary; then, if every row of every shard is committed, the job's."""
+        checkpoint, num_rows = self.checkpoint, self.reader.num_rows
+        shard_stats = {**summary.as_dict(), "shard": str(self.shard), "rows": list(self.ranges[self.shard.index])}
+        with DirectoryLock(checkpoint.output_dir):
+            _write_json(checkpoint.cbrun_dir / f"stats-{self.shard.lock_name.removeprefix('lock-')}.json",
+                        shard_stats)
+            whole = checkpoint.read_state(num_rows)
+            if not whole.done.all() or checkpoint.is_finished():
+                return
+            shards = [_read_json(checkpoint.cbrun_dir / f"stats-{i}-of-{self.shard.count}.json")
+                      for i in range(self.shard.count)]
+            write_results_file(self.manifest, tokenizer)
+            checkpoint.mark_finished(self.fingerprint, {
+                "output_dir": str(checkpoint.output_dir), "num_rows_in_output": num_rows,
+                "total_output_rows": whole.num_output_rows, "total_error_rows": whole.num_error_rows,
+                "num_shards": self.shard.count, "shards": shards,
+                "max_error_fraction": self.manifest.output.max_error_fraction,
+            })
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: bool = False) -> None:
@@ -419,6 +554,20 @@ class _JobRun:
         carried = self.carried.pop(rows[0].row_index, {})
         for row in rows:
             row.carried = carried
+        self.count(rows)
+        summary = self.summary
+        self.progress_bar.update(1)
+        now = time.perf_counter()
+        if now - self.last_postfix >= 0.5:
+            self.last_postfix = now
+            seconds = max(now - self.started, 1e-9)
+            generated = self.engine.stats.num_generated_tokens - self.generated_at_start
+            rate = (f"{summary.num_candidates / seconds:.1f} candidates/s" if summary.num_candidates
+                    else f"{generated / seconds:.0f} gen tok/s")
+            self.progress_bar.set_postfix_str(f"{rate}, {summary.num_errors} errors", refresh=False)
+
+    def count(self, rows: list[OutputRow]) -> None:
+        """Hand one input row's output rows to the writer as one group and add them to the summary."""
         self.writer.add_group(rows)
         summary = self.summary
         summary.num_rows += 1
@@ -432,13 +581,4 @@ class _JobRun:
                 if row.candidate_num_tokens is not None:
                     summary.num_candidates += len(row.candidate_num_tokens)
                     summary.num_scored_tokens += sum(row.candidate_num_tokens)
-        self.progress_bar.update(1)
-        now = time.perf_counter()
-        if now - self.last_postfix >= 0.5:
-            self.last_postfix = now
-            seconds = max(now - self.started, 1e-9)
-            generated = self.engine.stats.num_generated_tokens - self.generated_at_start
-            rate = (f"{summary.num_candidates / seconds:.1f} candidates/s" if summary.num_candidates
-                    else f"{generated / seconds:.0f} gen tok/s")
-            self.progress_bar.set_postfix_str(f"{rate}, {summary.num_errors} errors", refresh=False)
 

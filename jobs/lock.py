@@ -47,6 +47,23 @@ class Shard:
     def lock_name(self) -> str:
         return f"lock-{self.index}-of-{self.count}"
 
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """``"I/N"`` (as ``--shard`` and ``input.shard`` take it) as a ``Shard``.
+
+        Raises:
+            ValueError: when it is not two integers ``I/N`` with ``0 <= I < N``.
+        """
+        index, slash, count = str(text).partition("/")
+        try:
+            if not slash:
+                raise ValueError
+            shard = cls(int(index), int(count))
+        except ValueError:
+            raise ValueError(f"shard must be INDEX/COUNT with 0 <= INDEX < COUNT (e.g. 3/8, as in "
+                             f"$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT), got {text!r}") from None
+        return shard
+
 
 class OutputLocked(RuntimeError):
     """Another live process holds the lock; the message names it."""
@@ -114,3 +131,31 @@ def _read_holder(fd: int) -> str:
     if not record:
         return "holder unknown"
     return f"host {record.get('host')}, pid {record.get('pid')}, started {record.get('started')}"
+
+
+class DirectoryLock:
+    """A short, blocking, exclusive ``flock`` over the steps of a sharded run that touch the whole output directory
+    (clearing it for ``--overwrite``, job.json, removing duplicates, writing ``_SUCCESS``): the shards of one output
+    take turns at them. Held as a context manager; the kernel drops it when the process dies.
+
+    Args:
+        output_dir: the output directory; it and its ``_cbrun/`` folder are created when missing.
+    """
+
+    NAME = "lock-directory"
+
+    def __init__(self, output_dir: str | Path):
+        self.path = Path(output_dir) / CBRUN_DIR / self.NAME
+        self._fd: int | None = None
+
+    def __enter__(self) -> DirectoryLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # NOTE: blocking: the steps it guards take a fraction of a second
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)

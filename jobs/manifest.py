@@ -1,11 +1,11 @@
 """Job manifests: a TOML file, ``--set SECTION.KEY=VALUE`` overrides and CLI flags, loaded into dataclasses.
 
-A manifest has five sections, all optional in the file (a key may come from ``--set`` or a flag instead)::
+A manifest has six sections, all optional in the file (a key may come from ``--set`` or a flag instead)::
 
     [model]     path
     [input]     path, prompt_column, prompt_ids_column, id_column, template, limit, batch_size, order_window,
                 mode ("generate" or "score"), candidates_column, corruptions, chat, messages_column, system_prompt,
-                format ("auto" or "openai-batch")
+                format ("auto" or "openai-batch"), shard ("I/N")
     [sampling]  SamplingParams fields (max_new_tokens, temperature, top_k, top_p, stop, stop_token_ids, ...),
                 or their vLLM names (``max_tokens``, ``min_tokens``: ``engine.sampling_params.VLLM_ALIASES``),
                 the job ``seed`` from which every row's own seed is derived, ``n`` (samples per row),
@@ -14,6 +14,8 @@ A manifest has five sections, all optional in the file (a key may come from ``--
     [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
     [output]    path, commit_every_rows, commit_every_seconds, overwrite, format ("parts" or "openai-batch"),
                 keep_columns, max_error_fraction
+    [cluster]   executor ("local" or "ray"), num_replicas, num_gpus_per_replica, num_cpus_per_replica, batch_size,
+                address (``jobs.ray_executor``)
 
 NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
 process, not against the manifest's directory, so the same manifest behaves the same as flags given on the command
@@ -40,7 +42,7 @@ from engine.sampling_params import VLLM_ALIASES, SamplingParams, canonical_name
 
 logger = logging.getLogger("cbrun.job")
 
-SECTIONS = ("model", "input", "sampling", "engine", "output")
+SECTIONS = ("model", "input", "sampling", "engine", "output", "cluster")
 #: generation_config.json keys taken as sampling defaults when the job does not set them (vLLM's
 #: ``get_diff_sampling_param`` list). The last four are not taken when the file says ``do_sample = false``.
 MODEL_DEFAULT_KEYS = ("max_new_tokens", "repetition_penalty", "temperature", "top_p", "top_k", "min_p")
@@ -93,6 +95,7 @@ class InputSettings:
         format: "openai-batch" reads OpenAI batch request lines (``jobs.openai_batch``): each request's body gives
             its prompt and sampling settings, so no prompt setting is given. "auto" (the default) does so when
             no prompt setting is given and the input's fields are ``custom_id``, ``method``, ``url``, ``body``.
+        shard: ``"I/N"``: this process runs shard I of N of the job (``jobs.sharding``); ``--shard`` overrides it.
 
     Raises:
         ValueError: when no prompt source or two prompt sources are given, a number is out of range, or the
@@ -116,6 +119,7 @@ class InputSettings:
     per_row_settings: bool = True
     boundary: str = "exact"
     format: str = "auto"
+    shard: str | None = None
 
     def __post_init__(self) -> None:
         has_text = self.prompt_column is not None or self.template is not None
@@ -129,6 +133,10 @@ class InputSettings:
             raise ValueError(f"input.limit must be an integer >= 0, got {self.limit!r}")
         if not _is_int(self.batch_size) or self.batch_size < 1:
             raise ValueError(f"input.batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.shard is not None:
+            from jobs.lock import Shard
+
+            Shard.parse(self.shard)
         if not _is_int(self.order_window) or self.order_window < 0:
             raise ValueError(f"input.order_window must be an integer >= 0 (0 keeps input order), "
                              f"got {self.order_window!r}")
@@ -228,6 +236,44 @@ class OutputSettings:
 
 
 @dataclass
+class ClusterSettings:
+    """How the job's rows are spread over processes (``jobs.ray_executor``).
+
+    Attributes:
+        executor: "local" (this process runs one engine) or "ray" (a Ray Data actor pool of engine replicas; the
+            extra ``cbrun[ray]``).
+        num_replicas: engine replicas (Ray actors), each holding one engine, loaded once.
+        num_gpus_per_replica: GPUs each replica reserves; None: 1 when the engine's device is CUDA, else 0.
+        num_cpus_per_replica: CPUs each replica reserves; also its torch thread count (at least 1).
+        batch_size: input rows per batch handed to a replica (its engine batches continuously within it).
+        address: the Ray cluster to join ("auto": the one ``ray start`` runs on this node; "ray://host:10001");
+            None starts a local Ray instance.
+    """
+
+    executor: str = "local"
+    num_replicas: int = 1
+    num_gpus_per_replica: float | None = None
+    num_cpus_per_replica: float = 1
+    batch_size: int = 256
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.executor not in ("local", "ray"):
+            raise ValueError(f"cluster.executor must be \"local\" or \"ray\", got {self.executor!r}")
+        if not _is_int(self.num_replicas) or self.num_replicas < 1:
+            raise ValueError(f"cluster.num_replicas must be a positive integer, got {self.num_replicas!r}")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise ValueError(f"cluster.batch_size must be a positive integer, got {self.batch_size!r}")
+        for name in ("num_gpus_per_replica", "num_cpus_per_replica"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
+                raise ValueError(f"cluster.{name} must be a number >= 0, got {value!r}")
+        if self.address is not None and not isinstance(self.address, str):
+            raise ValueError(f"cluster.address must be a string (\"auto\", \"ray://HOST:PORT\"), "
+                             f"got {self.address!r}")
+
+
+@dataclass
 class JobManifest:
     """Everything one job needs: model, input, sampling defaults, engine settings, output.
 
@@ -251,6 +297,7 @@ class JobManifest:
     output: OutputSettings = field(default_factory=OutputSettings)
     sampling_set: frozenset[str] | None = None
     model_defaults: bool = True
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
     def __post_init__(self) -> None:
         if self.sampling_set is None:
@@ -410,6 +457,7 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         output=_build(OutputSettings, "output", raw.get("output", {})),
         sampling_set=sampling_set,
         model_defaults=model_defaults,
+        cluster=_build(ClusterSettings, "cluster", raw.get("cluster", {})),
     )
 
 

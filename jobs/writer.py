@@ -24,9 +24,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jobs.lock import Shard
+
 LOGPROB_TYPE = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
-PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
-TEMP_RE = re.compile(r"^\.part-(\d{6,})\.parquet\.tmp$")
+#: A committed part: ``part-NNNNNN.parquet`` (a plain run), ``part-sIIIIofNNNN-NNNNNN.parquet`` (shard I of N of a
+#: sharded run, ``jobs.sharding``), so that the shards of one output never pick the same name.
+PART_RE = re.compile(r"^part-(?:s(?P<index>\d{4,})of(?P<count>\d{4,})-)?(?P<number>\d{6,})\.parquet$")
+TEMP_RE = re.compile(r"^\.part-(?:s(?P<index>\d{4,})of(?P<count>\d{4,})-)?(?P<number>\d{6,})\.parquet\.tmp$")
 
 #: The one schema of every part file.
 OUTPUT_SCHEMA = pa.schema([
@@ -108,28 +112,46 @@ def error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int 
                      sample_index=sample_index)
 
 
-def part_name(number: int) -> str:
-    return f"part-{number:06d}.parquet"
+def part_name(number: int, shard: Shard = Shard()) -> str:
+    """The part file name of part ``number`` of ``shard`` (a plain run, shard 0/1, keeps the unprefixed name)."""
+    if shard.count == 1:
+        return f"part-{number:06d}.parquet"
+    return f"part-s{shard.index:04d}of{shard.count:04d}-{number:06d}.parquet"
 
 
-def temp_name(number: int) -> str:
-    return f".part-{number:06d}.parquet.tmp"
+def temp_name(number: int, shard: Shard = Shard()) -> str:
+    return f".{part_name(number, shard)}.tmp"
 
 
-def committed_parts(output_dir: str | Path) -> list[Path]:
-    """The committed part files of ``output_dir``, in part-number order (temporary files are not parts)."""
+def part_shard(match: re.Match) -> Shard:
+    """The shard a ``PART_RE`` (or ``TEMP_RE``) match names; unprefixed names are shard 0/1."""
+    if match.group("count") is None:
+        return Shard()
+    return Shard(int(match.group("index")), int(match.group("count")))
+
+
+def committed_parts(output_dir: str | Path, shard: Shard | None = None) -> list[Path]:
+    """The committed part files of ``output_dir`` (temporary files are not parts), in order: by shard (plain parts
+    first), then part number.
+
+    Args:
+        shard: only this shard's parts; None: every part.
+    """
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
-    parts = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := PART_RE.match(p.name))]
+    parts = []
+    for path in output_dir.iterdir():
+        if (match := PART_RE.match(path.name)) and (shard is None or part_shard(match) == shard):
+            owner = part_shard(match)
+            parts.append(((owner.count, owner.index, int(match.group("number"))), path))
     return [p for _, p in sorted(parts)]
 
 
 def write_part_atomically(path: Path, table: pa.Table) -> None:
     """Write ``table`` to ``path`` via a hidden temporary file in the same directory, fsynced, then renamed."""
-    match = PART_RE.match(path.name)
-    assert match, path
-    tmp_path = path.with_name(temp_name(int(match.group(1))))
+    assert PART_RE.match(path.name), path
+    tmp_path = path.with_name(f".{path.name}.tmp")
     with open(tmp_path, "wb") as f:
         with pq.ParquetWriter(f, table.schema) as writer:
             writer.write_table(table)
@@ -170,16 +192,19 @@ class PartWriter:
         commit_every_seconds: commit (on the next ``add`` or ``maybe_commit``) once the oldest buffered row has
             waited this long.
         carried_fields: input columns carried into every row (``OutputRow.carried``), after the output columns.
+        shard: the share of the output this writer appends to; its parts carry the shard in their names
+            (``part_name``) and are numbered on their own.
     """
 
     def __init__(self, output_dir: str | Path, commit_every_rows: int = 1000, commit_every_seconds: float = 30.0,
-                 carried_fields: Sequence[pa.Field] = ()):
+                 carried_fields: Sequence[pa.Field] = (), shard: Shard = Shard()):
         self.output_dir = Path(output_dir)
         self.schema = pa.schema([*OUTPUT_SCHEMA, *carried_fields])
         self.commit_every_rows = commit_every_rows
         self.commit_every_seconds = commit_every_seconds
-        parts = committed_parts(self.output_dir)
-        self._batch = _Batch(int(PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0)
+        self.shard = shard
+        parts = committed_parts(self.output_dir, shard)
+        self._batch = _Batch(int(PART_RE.match(parts[-1].name).group("number")) + 1 if parts else 0)
 
     @property
     def buffer(self) -> list[OutputRow]:
@@ -229,7 +254,7 @@ class PartWriter:
         batch = self._batch
         if not batch.rows:
             return None
-        path = self.output_dir / part_name(batch.number)
+        path = self.output_dir / part_name(batch.number, self.shard)
         write_part_atomically(path, rows_to_table(batch.rows, self.schema))
         self._batch = _Batch(batch.number + 1, num_committed_rows=batch.num_committed_rows + len(batch.rows))
         return path

@@ -1,0 +1,82 @@
+"""``cbrun status OUT_DIR``: how far a job's output is, per shard and in total, read from the committed parts.
+
+Nothing is locked or written: it reads ``_cbrun/job.json``, ``_cbrun/shards.json`` (the split of the rows, written
+by every run) and the parts' ``row_index`` and ``finish_reason`` columns, so it can watch running shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jobs.checkpoint import Checkpoint
+from jobs.sharding import read_shards_file
+
+
+@dataclass
+class ShardProgress:
+    """One shard's (or the whole job's) progress.
+
+    Attributes:
+        name: "I/N", or "total".
+        rows: the input rows ``[start, end)`` it covers.
+        num_done: input rows with their output rows committed.
+        num_error_rows: of those, rows with an error row (``finish_reason == "error"``).
+    """
+
+    name: str
+    rows: tuple[int, int]
+    num_done: int
+    num_error_rows: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def complete(self) -> bool:
+        return self.num_done == self.num_rows
+
+    def line(self) -> str:
+        where = "" if self.name == "total" else f" (input rows {self.rows[0]}..{self.rows[1] - 1})"
+        state = "complete" if self.complete else "not complete"
+        return (f"{self.name}: {self.num_done}/{self.num_rows} rows done{where}, {self.num_error_rows} error rows, "
+                f"{state}")
+
+
+def output_progress(output_dir: str | Path) -> list[ShardProgress]:
+    """Each shard's progress, then the total (last).
+
+    Raises:
+        ValueError: when the directory holds no cbrun job.
+    """
+    checkpoint = Checkpoint(output_dir)
+    job = checkpoint._read_job_file()
+    split = read_shards_file(output_dir)
+    if job is None:
+        raise ValueError(f"{str(output_dir)!r} holds no cbrun job (no _cbrun/job.json)")
+    if split is None:  # NOTE: an output of an older cbrun, which ran one process over the whole input
+        num_rows = job["input"]["num_rows"]
+        split = {"count": 1, "num_rows": num_rows, "ranges": [[0, num_rows]]}
+    state = checkpoint.read_state(split["num_rows"])
+    failed = np.zeros(split["num_rows"], dtype=bool)
+    failed[state.error_rows] = True
+    count = split["count"]
+    progress = [ShardProgress(f"shard {i}/{count}", (start, end), int(state.done[start:end].sum()),
+                              int(failed[start:end].sum())) for i, (start, end) in enumerate(split["ranges"])]
+    progress.append(ShardProgress("total", (0, split["num_rows"]), int(state.done.sum()), int(failed.sum())))
+    return progress
+
+
+def status_report(output_dir: str | Path) -> tuple[str, bool]:
+    """The text ``cbrun status`` prints, and whether the job is complete (every row committed, ``_SUCCESS``)."""
+    progress = output_progress(output_dir)
+    finished = Checkpoint(output_dir).is_finished()
+    lines = [f"cbrun status: {output_dir}"] + [p.line() for p in (progress if len(progress) > 2 else progress[-1:])]
+    complete = progress[-1].complete and finished
+    if progress[-1].complete and not finished:
+        lines.append("every row is committed, but _SUCCESS is missing: rerun any shard to finish the job")
+    lines.append("job complete (_SUCCESS written)" if complete else "job not complete")
+    return "\n".join(lines), complete

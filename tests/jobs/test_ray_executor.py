@@ -1,0 +1,128 @@
+"""The Ray Data executor on a local Ray instance (2 CPUs): 2 replicas equal the single-process run (greedy rows and
+seeded sampled rows), a SIGKILLed driver resumes with every row once, spans of pending rows, the extra named when
+Ray is missing. Skipped when Ray Data is not installed (the extra cbrun[ray])."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from jobs.cli import main
+from jobs.job import JobError, run_job
+from jobs.manifest import ClusterSettings
+from jobs.ray_executor import RAY_EXTRA_MESSAGE, pending_spans
+from jobs.writer import committed_parts, read_output
+from tests.jobs.test_resume import cbrun_command, run_args
+
+ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64,
+                             device="cpu")
+MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+                     "id_column": "id", "commit_every_rows": 32}
+NUM_ROWS = 200
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def rows(output_dir) -> list[dict]:
+    table = read_output(output_dir).to_pylist()
+    keyed = {(r["row_index"], r["sample_index"]): r for r in table}
+    assert len(keyed) == len(table), "a row was written twice"
+    return [keyed[k] for k in sorted(keyed)]
+
+
+def test_pending_spans_cover_the_rows_not_done_in_batches():
+    done = np.zeros(12, dtype=bool)
+    done[[0, 1, 5, 11]] = True
+    assert pending_spans(done, 3) == [(2, 5), (6, 9), (9, 11)]
+    assert pending_spans(np.ones(4, dtype=bool), 3) == []
+
+
+def test_missing_ray_exits_2_naming_the_extra(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "in.parquet")
+    args = ["run", "--model", str(tiny_model_dir), "--input", str(tmp_path / "in.parquet"), "--output",
+            str(tmp_path / "out"), "--prompt-column", "prompt", "--executor", "ray", "--no-progress"]
+    assert main(args) == 2
+    assert "pip install 'cbrun[ray]'" in capsys.readouterr().err and RAY_EXTRA_MESSAGE.endswith("ray[data])")
+    assert not (tmp_path / "out").exists()
+
+
+def test_two_replicas_equal_the_single_process_run(local_ray, stories260k_dir, make_manifest, tmp_path):
+    path = tmp_path / "in.parquet"
+    # Every third row is sampled (its temperature column) with a seed derived from the row id alone.
+    temperature = [0.8 if i % 3 == 0 else None for i in range(NUM_ROWS)]
+    pq.write_table(pa.table({"id": [f"s{i}" for i in range(NUM_ROWS)],
+                             "prompt": [f"Once upon a time, {'Lily' if i % 2 else 'Tom'} saw {i}"
+                                        for i in range(NUM_ROWS)],
+                             "temperature": pa.array(temperature, pa.float64())}), path, row_group_size=50)
+    single = make_manifest(stories260k_dir, path, tmp_path / "single")
+    single.seed = 5
+    run_job(single, progress=False)
+    on_ray = make_manifest(stories260k_dir, path, tmp_path / "ray")
+    on_ray.seed = 5
+    on_ray.cluster = ClusterSettings(executor="ray", num_replicas=2, num_cpus_per_replica=1, batch_size=40)
+    summary = run_job(on_ray, progress=False)
+    assert summary.num_rows == NUM_ROWS and summary.num_errors == 0
+    assert (tmp_path / "ray" / "_SUCCESS").is_file()
+    got, expected = rows(tmp_path / "ray"), rows(tmp_path / "single")
+    assert len(got) == NUM_ROWS and any(r["completion_token_ids"] for r in got)
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_killed_driver_resumes_every_row_once(local_ray, tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(60)], "prompt": [f"row {i} says" for i in range(60)]}),
+                   path, row_group_size=10)
+    out = tmp_path / "out"
+    args = run_args(tiny_model_dir, path, out) + ["--executor", "ray", "--set", "cluster.batch_size=4",
+                                                  "--set", "cluster.num_replicas=1"]
+    # The driver starts its own local Ray instance in a new session: after the driver's SIGKILL, the Ray processes
+    # it started are ended through that session's process group.
+    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not committed_parts(out):
+            assert process.poll() is None, process.stdout.read().decode()
+            assert time.monotonic() < deadline, "no part was committed in time"
+            time.sleep(0.01)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not (out / "_SUCCESS").exists(), "the job finished before it could be killed"
+    killed = read_output(out).column("row_index").to_pylist()
+    assert 0 < len(killed) < 60
+
+    assert main(args) == 0
+    assert f"(0 errors, {len(killed)} skipped)" in capsys.readouterr().out
+    assert (out / "_SUCCESS").is_file()
+    single = tmp_path / "single"
+    assert main(run_args(tiny_model_dir, path, single)) == 0
+    got = rows(out)
+    assert [r["row_index"] for r in got] == list(range(60))
+    assert [(r["id"], r["completion_token_ids"]) for r in got] == \
+        [(r["id"], r["completion_token_ids"]) for r in rows(single)]
