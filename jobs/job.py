@@ -9,6 +9,10 @@ submitted in prefix-aware order over a window of ``input.order_window`` rows, a 
 (``jobs.ordering``); a row's samples are written together, in one part, once all are back. Rows the job can tell
 are bad (null or empty prompt, prompt too long, bad per-row sampling value) never reach the engine: they go
 straight to the writer as error rows, and the job goes on.
+
+A sharded run (``--shard I/N``, ``_ShardJob``) does the same over its share of the rows (``jobs.sharding``); with
+``cluster.executor = "ray"`` the engine work runs on a Ray Data pool of replicas and this process only writes
+(``jobs.ray_executor``).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.cli import main
-from jobs.job import JobError, run_job
-from jobs.manifest import ClusterSettings
+from jobs.cli import build_parser, main
+from jobs.job import run_job
+from jobs.manifest import ClusterSettings, load_manifest
 from jobs.ray_executor import RAY_EXTRA_MESSAGE, pending_spans
 from jobs.writer import committed_parts, read_output
 from tests.jobs.test_resume import cbrun_command, run_args
@@ -29,9 +29,6 @@ ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_pe
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
                      "id_column": "id", "commit_every_rows": 32}
 NUM_ROWS = 200
-
-pytestmark = pytest.mark.ray
-
 
 @pytest.fixture(scope="module")
 def local_ray():
@@ -56,6 +53,23 @@ def test_pending_spans_cover_the_rows_not_done_in_batches():
     assert pending_spans(np.ones(4, dtype=bool), 3) == []
 
 
+def test_cluster_settings_from_flags_and_sets():
+    manifest = load_manifest(None, ["cluster.num_replicas=2", "cluster.num_gpus_per_replica=1",
+                                    "cluster.num_cpus_per_replica=4", "cluster.batch_size=64"],
+                             {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
+                              "output": {"path": "o"}, "cluster": {"executor": "ray", "address": "auto"}})
+    assert manifest.cluster == ClusterSettings(executor="ray", num_replicas=2, num_gpus_per_replica=1,
+                                               num_cpus_per_replica=4, batch_size=64, address="auto")
+    args = build_parser().parse_args(["run", "--executor", "ray", "--ray-address", "auto", "--shard", "1/4"])
+    assert (args.executor, args.ray_address, args.shard) == ("ray", "auto", "1/4")
+    for bad, message in (("cluster.executor=\"spark\"", "cluster.executor"), ("cluster.num_replicas=0",
+                                                                              "num_replicas"),
+                         ("cluster.batch_size=1.5", "batch_size"), ("cluster.num_gpus_per_replica=-1", "num_gpus")):
+        with pytest.raises(ValueError, match=message):
+            load_manifest(None, [bad], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
+                                        "output": {"path": "o"}})
+
+
 def test_missing_ray_exits_2_naming_the_extra(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)
     pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "in.parquet")
@@ -66,6 +80,7 @@ def test_missing_ray_exits_2_naming_the_extra(tiny_model_dir, tmp_path, monkeypa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.ray
 def test_two_replicas_equal_the_single_process_run(local_ray, stories260k_dir, make_manifest, tmp_path):
     path = tmp_path / "in.parquet"
     # Every third row is sampled (its temperature column) with a seed derived from the row id alone.
@@ -88,6 +103,7 @@ def test_two_replicas_equal_the_single_process_run(local_ray, stories260k_dir, m
     assert got == expected
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_killed_driver_resumes_every_row_once(local_ray, tiny_model_dir, tmp_path, capsys):
     path = tmp_path / "in.parquet"

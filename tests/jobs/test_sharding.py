@@ -156,3 +156,19 @@ def test_killed_shard_resumes_and_the_shards_equal_the_single_process_run(tiny_m
     assert [r["row_index"] for r in got] == list(range(NUM_ROWS))
     assert [(r["id"], r["completion_token_ids"]) for r in got] == \
         [(r["id"], r["completion_token_ids"]) for r in expected]
+
+
+def test_a_shard_reads_only_its_row_groups(tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path,
+                                           monkeypatch):
+    read = []
+    original = pq.ParquetFile.iter_batches
+
+    def recording(self, *args, row_groups=None, **kwargs):
+        read.extend(row_groups or [])  # NOTE: None: an output part read back by the checkpoint
+        return original(self, *args, row_groups=row_groups, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
+    run_job(make_manifest(tiny_model_dir, input_path, tmp_path / "out", shard="1/3"), engine=tiny_engine,
+            progress=False)
+    assert read == [2, 3]  # rows 10..19, in row groups of 5
+    assert sorted(read_output(tmp_path / "out").column("row_index").to_pylist()) == list(range(10, 20))
