@@ -260,8 +260,10 @@ class Checkpoint:
             if path.name in (JOB_FILE, SUCCESS_FILE, STATS_FILE) or PART_RE.match(path.name) \
                     or TEMP_RE.match(path.name):
                 path.unlink()
-        for name in (JOB_FILE, STATS_FILE):
+        for name in (JOB_FILE, STATS_FILE, "shards.json"):
             (self.cbrun_dir / name).unlink(missing_ok=True)
+        for path in self.cbrun_dir.glob("stats-*-of-*.json"):  # a sharded job's per-shard summaries
+            path.unlink()
 
     def remove_temp_files(self) -> list[Path]:
         """Delete the half-written files a killed run left behind; returns them."""

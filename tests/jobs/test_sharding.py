@@ -135,6 +135,7 @@ def test_another_shard_count_is_refused_unless_overwrite(tiny_model_dir, tiny_en
     run_job(manifest, engine=tiny_engine, progress=False)
     assert sorted(read_output(out).column("row_index").to_pylist()) == list(range(15, 30))
     assert all(p.name.startswith("part-s0001of0002-") for p in committed_parts(out))
+    assert sorted(p.name for p in (out / "_cbrun").glob("stats-*")) == ["stats-1-of-2.json"]
 
 
 @pytest.mark.slow
