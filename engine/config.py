@@ -54,8 +54,8 @@ class EngineConfig:
             per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
             "transformers" always runs the transformers modules; "auto" takes lean where it applies.
         speculative: speculative decoding (see ``engine.speculative``): "off", or "ngram" (prompt lookup: proposals
-            copied from the request's own prompt and output). Greedy requests only; outputs equal "off" token for
-            token. "draft" (a draft model) is not supported yet and is refused.
+            copied from the request's own prompt and output). Greedy outputs equal "off" token for
+            token; sampled ones keep the distribution. "draft" (a draft model) is not supported yet and is refused.
         num_speculative_tokens: most tokens proposed (and verified) per request per step (k).
         ngram_min, ngram_max: the n-gram lookup matches the last n tokens, longest n in [ngram_min, ngram_max] first.
         speculative_max_batch: speculation runs only while at most this many requests are running; above it the

@@ -25,7 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.padding import PaddingPolicy
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import sample_one
+from engine.sampler import sample_one, verify_proposals
 from engine.sampling_params import SamplingParams
 from engine.plan import ScheduledRequest, SchedulerOutput
 from engine.scheduler import make_scheduler
@@ -167,10 +167,6 @@ class LLMEngine:
             return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
         if request.sampling_params.stop and self._stop_matcher is None:
             return "stop strings need a tokenizer, and the model directory has none"
-        if self.config.speculative != "off" and not request.sampling_params.greedy:
-            return (f"speculative decoding ({self.config.speculative}) supports greedy sampling only (temperature 0) "
-                    f"so far; this request has temperature {request.sampling_params.temperature}: set "
-                    "engine.speculative = \"off\" to sample")
         return None
 
     def has_unfinished_requests(self) -> bool:
@@ -211,10 +207,13 @@ class LLMEngine:
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
             request = self.scheduler.requests.get(item.request_index)
-            if item.spec_token_ids and request is not None:  # a verify step: plain greedy by construction
-                tokens = accept_greedy(list(item.spec_token_ids), token_ids[sample:sample + item.num_sample_rows])
-                sampled[item.request_index] = tokens
-                num_kept += len(tokens)
+            if item.spec_token_ids and request is not None:  # a verify step
+                tokens = (self._verify_or_fail(item, request, handle.logits[row:row + item.num_sample_rows])
+                          if item.needs_host_sampling else
+                          accept_greedy(list(item.spec_token_ids), token_ids[sample:sample + item.num_sample_rows]))
+                if tokens is not None:
+                    sampled[item.request_index] = tokens
+                    num_kept += len(tokens)
             elif request is not None:
                 token = token_ids[sample] if item.samples else None
                 if item.needs_host_sampling or item.prompt_logprob_positions:  # else plain greedy: the device's
@@ -246,6 +245,20 @@ class LLMEngine:
                 raise
             self.scheduler.fail_request(request, request_error_message("sampling", error))
             return None
+
+    def _verify_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor) -> list[int] | None:
+        """The tokens a host-sampled verify step commits (``verify_proposals``); None when the request's own row
+        raised (it fails alone, as in ``_read_rows_or_fail``). logits: (1 + proposals, vocab)."""
+        try:
+            tokens, logprobs = verify_proposals(logits, request, list(item.spec_token_ids), self.eos_token_ids)
+        except Exception as error:
+            if not is_request_fault(error):
+                raise
+            self.scheduler.fail_request(request, request_error_message("sampling", error))
+            return None
+        if logprobs is not None:
+            request.logprobs.extend(logprobs)
+        return tokens
 
     def _read_rows(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
                    device_token: int | None) -> int | None:

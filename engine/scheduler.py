@@ -35,7 +35,7 @@ class FIFOScheduler:
     ``num_pending_tokens``) and its finish fields, and moves requests between ``waiting`` and ``running``; after
     each appended token it runs the stop check (``engine.stop_check``), as vLLM's ``update_from_output`` does.
 
-    With speculative decoding on (``config.speculative``), a plain-greedy request in steady decode gets proposals
+    With speculative decoding on (``config.speculative``), a request in steady decode gets proposals
     from its ``Speculator`` and is planned with ``1 + k`` tokens under the same budgets; ``resolve`` commits the
     accepted tokens one at a time through the stop check and rolls the rejected ones' slots back.
 
@@ -140,7 +140,7 @@ class FIFOScheduler:
         decodes plainly.
         """
         params = request.sampling_params
-        if request.num_tokens_to_compute != 1 or request.num_pending_tokens or params.needs_processing:
+        if request.num_tokens_to_compute != 1 or request.num_pending_tokens:
             return False
         room = min(params.max_new_tokens - len(request.output_token_ids) - 1, plan.token_budget - 1)
         if self.max_model_len is not None:

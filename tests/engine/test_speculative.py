@@ -64,14 +64,10 @@ def test_config_refuses_unsupported_settings():
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
 
 
-def test_engine_refuses_async_batching_and_sampling():
-    model_dir = random_llama_dir(VOCAB)
+def test_engine_refuses_async_batching():
     with pytest.raises(ValueError, match="async_batching"):
-        LLMEngine.from_pretrained(str(model_dir), EngineConfig(speculative="ngram", async_batching="on",
-                                                               num_blocks=64))
-    engine = LLMEngine.from_pretrained(str(model_dir), EngineConfig(speculative="ngram", num_blocks=64))
-    out = _generate(engine, [("r", [1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.8))])["r"]
-    assert out.finish_reason == "error" and "greedy sampling only" in out.error
+        LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(speculative="ngram",
+                                                                             async_batching="on", num_blocks=64))
 
 
 def test_engine_refuses_sliding_window_models(tmp_path):
@@ -203,3 +199,106 @@ def test_switch_to_plain_decoding_above_speculative_max_batch(caplog):
     messages = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
     # Each switch is logged once: paused when the batch filled past the limit, resumed in the tail.
     assert len(messages) == 2 and "paused" in messages[0] and "resumed" in messages[1]
+
+
+def test_host_processed_greedy_rows_equal_off():
+    """Penalties, min_new_tokens and log-probabilities see the accepted tokens before each verified position."""
+    model_dir = random_llama_dir(VOCAB)
+    prompts = _repetitive_prompts(6)
+    params = [SamplingParams(max_new_tokens=16, repetition_penalty=1.3),
+              SamplingParams(max_new_tokens=16, presence_penalty=0.5, frequency_penalty=0.3, logprobs=2),
+              SamplingParams(max_new_tokens=16, min_new_tokens=5, stop_token_ids=(3, 7, 11), logprobs=0,
+                             logprobs_mode="processed_logprobs")]
+    requests = [(i, p, params[i % 3]) for i, p in enumerate(prompts)]
+    (off, _), (ngram, stats) = _off_and_ngram(model_dir, requests, num_blocks=256, page_size=4, ngram_min=1)
+    for i in range(len(prompts)):
+        assert ngram[i].output_token_ids == off[i].output_token_ids, f"prompt {i}"
+        if off[i].logprobs is not None:
+            assert len(ngram[i].logprobs) == len(off[i].logprobs)
+            for got, want in zip(ngram[i].logprobs, off[i].logprobs):
+                assert got.keys() == want.keys()
+                assert got == pytest.approx(want, abs=1e-4)
+    assert stats.num_accepted_tokens > 0
+
+
+def test_seeded_sampled_rows_are_reproducible_and_independent_of_batch():
+    model_dir = random_llama_dir(VOCAB)
+    prompts = _repetitive_prompts(6)
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.9, seed=1234)
+    config = EngineConfig(speculative="ngram", ngram_min=1, num_blocks=256, page_size=4)
+    alone = _generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
+    others = [(i, p, SamplingParams(max_new_tokens=12, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
+    engine = LLMEngine.from_pretrained(str(model_dir), config)
+    crowded = _generate(engine, others[:3] + [("x", prompts[0], params)] + others[3:])["x"]
+    assert crowded.output_token_ids == alone.output_token_ids
+    assert engine.stats.num_verify_steps > 0
+
+
+def _markov_model_dir(transitions, path) -> str:
+    """A Llama whose next-token distribution is ``transitions[last token]`` exactly: every block's output
+    projections are zero (the residual stream is the last token's embedding), embeddings are scaled one-hot rows,
+    so the final RMSNorm gives ``sqrt(hidden) * onehot``, and the LM head holds ``log(transitions)``."""
+    import torch
+
+    vocab, hidden = transitions.shape[0], 64
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                                      pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[:, :vocab] = torch.log(transitions).T / hidden ** 0.5
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _chi_square_p(observed, expected_probs) -> float:
+    """Pearson's chi-square p-value, cells with an expected count under 5 pooled into one."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    expected = np.asarray(expected_probs) * sum(observed)
+    small = expected < 5
+    obs = np.append(np.asarray(observed)[~small], np.asarray(observed)[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+@pytest.mark.slow
+def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
+    """Rejection sampling with point-mass (n-gram) proposals: the verified tokens' frequencies over many seeded
+    draws match a toy model's known distribution (chi-square, fixed seeds, so the test is deterministic)."""
+    import numpy as np
+    import torch
+
+    vocab, num_draws = 8, 1500
+    # Next token: the successor (a + 1) with probability 0.6, any other with 0.4 / 7.
+    transitions = torch.full((vocab, vocab), 0.4 / (vocab - 1), dtype=torch.float64)
+    transitions[torch.arange(vocab), (torch.arange(vocab) + 1) % vocab] = 0.6
+    model_dir = _markov_model_dir(transitions.float(), tmp_path / "markov")
+    prompt = list(range(vocab)) * 2  # n-gram lookup proposes each token's successor
+    config = EngineConfig(speculative="ngram", ngram_min=1, ngram_max=2, num_speculative_tokens=2, num_blocks=512,
+                          page_size=4, max_batch_tokens=512, max_requests_per_batch=128, speculative_max_batch=128)
+    engine = LLMEngine.from_pretrained(model_dir, config)
+    requests = [(i, prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=i)) for i in range(num_draws)]
+    outputs = _generate(engine, requests)
+    tokens = np.array([outputs[i].output_token_ids for i in range(num_draws)])
+    stats = engine.stats
+    assert stats.num_verify_steps == stats.num_proposed_tokens == num_draws  # t2 verified, t3 the bonus
+    assert 0.5 < stats.acceptance_rate < 0.7  # p(successor) = 0.6: both branches of the rule ran often
+    t = transitions.numpy()
+    exact12 = (t[prompt[-1]][:, None] * t).reshape(-1)  # p(t1, t2), t1 major
+    exact3 = exact12 @ np.tile(t, (vocab, 1))  # sum over (t1, t2) of p(t1, t2) * p(t3 | t2)
+    # t2 is the verified token: its joint with t1 (which fixes the proposal) shows a wrong accept/resample rule.
+    observed12 = np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
+    assert _chi_square_p(observed12, exact12) > 1e-3, (observed12, exact12 * num_draws)
+    observed3 = np.bincount(tokens[:, 2], minlength=vocab)
+    assert _chi_square_p(observed3, exact3) > 1e-3, (observed3, exact3 * num_draws)
