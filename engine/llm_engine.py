@@ -80,7 +80,6 @@ class LLMEngine:
                            num_zeroed_pages=self._num_touched_pages())
         use_triton = _use_triton(config)
         use_graphs = _use_cuda_graphs(config, use_triton)
-
         #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
         self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)

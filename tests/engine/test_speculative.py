@@ -302,3 +302,40 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
     assert _chi_square_p(observed12, exact12) > 1e-3, (observed12, exact12 * num_draws)
     observed3 = np.bincount(tokens[:, 2], minlength=vocab)
     assert _chi_square_p(observed3, exact3) > 1e-3, (observed3, exact3 * num_draws)
+
+
+# ---- scheduling and rollback, without a model -------------------------------------------------------------------
+def test_verify_step_rolls_back_rejected_slots_and_never_caches_them():
+    from engine.block_manager import BlockManager
+    from engine.cache_spec import CacheSpec
+    from engine.request import Request
+    from engine.scheduler import FIFOScheduler
+
+    config = EngineConfig(page_size=4, num_blocks=64, max_batch_tokens=32, speculative="ngram", ngram_min=1,
+                          num_speculative_tokens=6)
+    bm = BlockManager(CacheSpec.build(config.num_blocks, config.page_size), True)
+    scheduler = FIFOScheduler(config, bm)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]  # 10 tokens; "6" recurs, so 7 8 9 10 11 12 is proposed
+    request = Request("r", prompt, SamplingParams(max_new_tokens=50))
+    scheduler.add_request(request)
+    out = scheduler.schedule()  # the prefill
+    assert [s.spec_token_ids for s in out.scheduled] == [()]
+    scheduler.update(out, {request.index: 7})  # output [7]: "6 7" recurs, 8 9 10 11 12 5 follow it
+    out = scheduler.schedule()
+    (item,) = out.scheduled
+    assert item.spec_token_ids == (8, 9, 10, 11, 12, 5) and item.num_tokens == 7
+    assert item.token_ids == [7, 8, 9, 10, 11, 12, 5] and item.start == 10 and item.num_sample_rows == 7
+    assert len(request.block_table) == 5  # 17 slots: positions 0 .. 16
+    # The model accepts 8 and 9, then says 3: three tokens committed, four proposals rejected.
+    scheduler.update(out, {request.index: [8, 9, 3]})
+    assert request.output_token_ids == [7, 8, 9, 3]
+    assert request.num_computed_tokens == 13  # positions 0 .. 12 (up to the accepted 9) hold valid KV
+    assert len(request.block_table) == 4  # the block of positions 16.. is freed
+    assert scheduler.speculator.num_proposed_tokens == 6 and scheduler.speculator.num_accepted_tokens == 2
+    # Only blocks full of known tokens enter the prefix cache, as they are planned: positions 0..7 so far.
+    assert sorted(bm._hash_to_block.values()) == sorted(request.block_table[:2])
+    out = scheduler.schedule()
+    (item,) = out.scheduled
+    assert item.start == 13 and item.token_ids[0] == 3  # the bonus token is computed next
+    assert sorted(bm._hash_to_block.values()) == sorted(request.block_table[:3])  # 0..11: prompt, 7, 8
+    bm.check_consistency()
