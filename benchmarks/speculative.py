@@ -3,7 +3,7 @@ story it already told in the prompt.
 
 Usage (from the repo root; converts stories260K from ../shared into a temporary directory):
 
-    python benchmarks/speculative.py [--repeats 3] [--batches 1 8 128] [--out benchmarks/results-speculative.md]
+    python -m benchmarks.speculative [--repeats 3] [--batches 1 8 128] [--out benchmarks/results-speculative.md]
 
 Workload: each of llama2.c's 12 greedy goldens for stories260K is a told story (prompt + output, the stop token
 dropped). A request's prompt is that story, then BOS and the story's first ``m`` tokens again; it asks for the rest
