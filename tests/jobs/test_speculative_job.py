@@ -25,7 +25,7 @@ def test_job_with_ngram_speculation_reproduces_goldens(stories260k_dir, referenc
     rows = sorted(read_output(out).to_pylist(), key=lambda r: r["row_index"])
     for row, line in zip(rows, reference_greedy):
         assert row["completion_token_ids"] == line["output_token_ids"], line["prompt"]
-    stats = json.loads((out / "stats.json").read_text())["engine_stats"]
+    stats = json.loads((out / "_cbrun" / "stats.json").read_text())["engine_stats"]
     assert 0 < stats["num_accepted_tokens"] <= stats["num_proposed_tokens"]
     assert stats["acceptance_rate"] == stats["num_accepted_tokens"] / stats["num_proposed_tokens"]
     assert stats["mean_tokens_per_verify_step"] == 1 + stats["num_accepted_tokens"] / stats["num_verify_steps"]
