@@ -269,6 +269,19 @@ class BlockManager:
         request.sliding_block_table.clear()
         self._request_hashes.pop(request.index, None)
 
+    def trim(self, request: Request) -> None:
+        """Free the request's full blocks past its computed tokens: the slots of rejected speculative proposals.
+
+        Such blocks hold no known token, so they were never registered in the prefix cache, nor shared.
+        """
+        assert self.sliding is None, "speculative decoding does not run sliding-window models"
+        keep = cdiv(request.num_computed_tokens, self.page_size)
+        while len(request.block_table) > keep:
+            block = request.block_table.pop()
+            assert self.ref_counts[block] == 1 and self._block_hash[block] is None, f"block {block} is shared"
+            self.ref_counts[block] = 0
+            self.full.release(block)
+
     # ---- pages, for the model runner and offloading -----------------------------------------------------------
     def request_pages(self, request: Request) -> list[int]:
         """Every page the request holds: its full blocks' pages, then its sliding ring's."""

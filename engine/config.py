@@ -13,6 +13,7 @@ MODEL_IMPLS = ("auto", "transformers", "lean")
 #: defaults, 256 sequences and 8k batched tokens. CPU: measured on the gsm8k-long bench workload (stories260K, one
 #: thread, 2-core machine): benchmarks/results-defaults.md.
 DEFAULT_BATCH_LIMITS = {"cpu": (256, 1024), "cuda": (256, 8192)}
+SPECULATIVE_METHODS = ("off", "ngram")  # "draft" (a draft model) is not built yet
 
 
 @dataclass
@@ -52,6 +53,14 @@ class EngineConfig:
             windows, default RoPE) through ``engine.lean_llama``: the same math and attention without transformers'
             per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
             "transformers" always runs the transformers modules; "auto" takes lean where it applies.
+        speculative: speculative decoding (see ``engine.speculative``): "off", or "ngram" (prompt lookup: proposals
+            copied from the request's own prompt and output). Greedy outputs equal "off" token for
+            token; sampled ones keep the distribution. "draft" (a draft model) is not supported yet and is refused.
+        num_speculative_tokens: most tokens proposed (and verified) per request per step (k).
+        ngram_min, ngram_max: the n-gram lookup matches the last n tokens, longest n in [ngram_min, ngram_max] first.
+        speculative_max_batch: speculation runs only while at most this many requests are running; above it the
+            engine decodes plainly (one token per request per step), where verification would cost more than it
+            saves.
 
     Raises:
         ValueError: naming the setting and the reason, for any out-of-range value.
@@ -78,6 +87,11 @@ class EngineConfig:
     num_threads: int | str | None = "auto"
     model_impl: str = "auto"
     prefix_hash_bits: int = 256
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    speculative_max_batch: int = 16
 
     def __post_init__(self) -> None:
         default_requests, default_tokens = DEFAULT_BATCH_LIMITS["cuda" if self.device.startswith("cuda") else "cpu"]
@@ -117,6 +131,17 @@ class EngineConfig:
             raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {self.prefix_hash_bits!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative == "draft":
+            raise ValueError('speculative = "draft" (a draft model) is not supported yet; use "ngram" or "off"')
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch"):
+            self._check_positive_int(name)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
 
     def _check_positive_int(self, name: str) -> None:
         value = getattr(self, name)

@@ -17,7 +17,7 @@ from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
 from engine.faults import is_request_fault, request_error_message
-from engine.kv_layout import KVLayout
+from engine.kv_layout import SLIDING, KVLayout
 from engine.lean_llama import select_lean_model
 from engine.cache_spec import CacheSpec
 from engine.kv_cache import KVCache
@@ -25,10 +25,11 @@ from engine.model_runner import ModelRunner
 from engine.padding import PaddingPolicy
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import sample_one
+from engine.sampler import sample_one, verify_proposals
 from engine.sampling_params import SamplingParams
 from engine.plan import ScheduledRequest, SchedulerOutput
 from engine.scheduler import make_scheduler
+from engine.speculative import accept_greedy
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
 from engine.switches import resolve_switch
@@ -62,6 +63,7 @@ class LLMEngine:
         num_kv_heads, head_dim = _kv_shape(model_config)
         dtype = next(model.parameters()).dtype
         layout = KVLayout.from_model_config(model_config)
+        _check_speculative(config, layout)
         bytes_per_block = KVCache.bytes_per_block(len(layout.layer_types), config.page_size, num_kv_heads,
                                                   head_dim, dtype)
         self.num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block, model_config,
@@ -96,9 +98,13 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The engine's counters, with soft resets and offloads read from the scheduler and evictions from the
         block manager (their owners)."""
+        speculator = self.scheduler.speculator
+        spec = dict(num_proposed_tokens=speculator.num_proposed_tokens,
+                    num_accepted_tokens=speculator.num_accepted_tokens,
+                    num_verify_steps=speculator.num_verify_steps) if speculator is not None else {}
         return replace(self._counters, num_soft_resets=self.scheduler.num_soft_resets,
                        num_offloads=self.scheduler.num_offloads,
-                       num_evicted_blocks=self.block_manager.num_evicted_blocks)
+                       num_evicted_blocks=self.block_manager.num_evicted_blocks, **spec)
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -200,15 +206,22 @@ class LLMEngine:
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
             request = self.scheduler.requests.get(item.request_index)
-            if request is not None:
+            if item.spec_token_ids and request is not None:  # a verify step
+                tokens = (self._verify_or_fail(item, request, handle.logits[row:row + item.num_sample_rows])
+                          if item.needs_host_sampling else
+                          accept_greedy(list(item.spec_token_ids), token_ids[sample:sample + item.num_sample_rows]))
+                if tokens is not None:
+                    sampled[item.request_index] = tokens
+                    num_kept += len(tokens)
+            elif request is not None:
                 token = token_ids[sample] if item.samples else None
                 if item.needs_host_sampling or item.prompt_logprob_positions:  # else plain greedy: the device's
                     token = self._read_rows_or_fail(item, request, handle.logits, row, token)
                 if token is not None:
                     sampled[item.request_index] = token
                     num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
-            row += len(item.prompt_logprob_positions) + item.samples
-            sample += item.samples
+            row += len(item.prompt_logprob_positions) + item.num_sample_rows
+            sample += item.num_sample_rows
         finished = self.scheduler.resolve(plan, sampled)
         self._count_step(plan, num_kept)
         return finished
@@ -231,6 +244,20 @@ class LLMEngine:
                 raise
             self.scheduler.fail_request(request, request_error_message("sampling", error))
             return None
+
+    def _verify_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor) -> list[int] | None:
+        """The tokens a host-sampled verify step commits (``verify_proposals``); None when the request's own row
+        raised (it fails alone, as in ``_read_rows_or_fail``). logits: (1 + proposals, vocab)."""
+        try:
+            tokens, logprobs = verify_proposals(logits, request, list(item.spec_token_ids), self.eos_token_ids)
+        except Exception as error:
+            if not is_request_fault(error):
+                raise
+            self.scheduler.fail_request(request, request_error_message("sampling", error))
+            return None
+        if logprobs is not None:
+            request.logprobs.extend(logprobs)
+        return tokens
 
     def _read_rows(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
                    device_token: int | None) -> int | None:
@@ -378,7 +405,26 @@ def _use_cuda_graphs(config: EngineConfig, use_triton: bool) -> bool:
         reason = f"the device is {config.device}, not CUDA"
     elif not use_triton:
         reason = "attention_backend = torch synchronises with the host, which a graph cannot hold"
+    elif config.speculative != "off":
+        reason = f"speculative decoding ({config.speculative}) does not capture its verify shapes in graphs yet"
     return resolve_switch("cuda_graphs", config.cuda_graphs, reason, off_log="CUDA graphs off: %s")
+
+
+def _check_speculative(config: EngineConfig, layout: KVLayout) -> None:
+    """Refuse speculative decoding where it is not supported yet.
+
+    Raises:
+        ValueError: for a model with sliding-window layers (rolling back a ring of blocks is not built), or with
+            async batching "on". CUDA graphs "on" is refused by ``_use_cuda_graphs``; "auto" turns them off.
+    """
+    if config.speculative == "off":
+        return
+    if SLIDING in layout.layer_types:
+        raise ValueError(f"speculative = {config.speculative!r} does not support sliding-window models yet "
+                         "(their ring of KV blocks cannot roll back rejected tokens); set engine.speculative = \"off\"")
+    if config.async_batching == "on":
+        raise ValueError(f"speculative = {config.speculative!r} does not run with async_batching = \"on\" yet "
+                         "(a verify step's tokens must be read before the next plan); set one of them to \"off\"")
 
 
 def _use_triton(config: EngineConfig) -> bool:

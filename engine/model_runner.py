@@ -96,7 +96,8 @@ class ModelRunner:
 
         Returns:
             (N, vocab_size) logits in plan order: for each entry, one row per ``prompt_logprob_positions``
-            position, then one row if it ``samples``. None when nothing is scheduled.
+            position, then its ``num_sample_rows`` rows (one when it samples, 1 + proposals when it verifies
+            speculative tokens). None when nothing is scheduled.
         """
         handle = self.launch(plan)
         return handle.logits if handle is not None else None
@@ -172,11 +173,12 @@ class ModelRunner:
                 logits_indices.extend(range(offset + logprob_positions.start - start,
                                             offset + logprob_positions.stop - start))
             offset += item.num_tokens
-            if item.samples:
+            if item.samples:  # one row, or one per verified position (speculative decoding)
                 needs_host_logits |= item.needs_host_sampling
                 sample_row_of[item.request_index] = len(sample_rows)
-                sample_rows.append(len(logits_indices))
-                logits_indices.append(offset - 1)
+                for row in range(offset - item.num_sample_rows, offset):
+                    sample_rows.append(len(logits_indices))
+                    logits_indices.append(row)
         for dst in carry_dst:
             token_ids[dst] = 0  # a real id for the host copy; the device value replaces it
         num_tokens, num_requests, num_rows = len(token_ids), len(q_lens), len(logits_indices)

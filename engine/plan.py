@@ -32,6 +32,8 @@ class ScheduledRequest:
             recorded (one logit row each, before the sample row).
         block_table: the request's full-attention blocks in position order, after this step's allocation.
         sliding_block_table: its sliding-window ring blocks.
+        spec_token_ids: proposed tokens (speculative decoding), the last ``len(spec_token_ids)`` of ``token_ids``;
+            the step computes logits at each of them and at the last known token, ``num_sample_rows`` in all.
     """
 
     request_index: int
@@ -45,6 +47,12 @@ class ScheduledRequest:
     prompt_logprob_positions: range
     block_table: list[int]
     sliding_block_table: list[int]
+    spec_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logit rows the step samples from for this request: 1 + proposals when it samples, else 0."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
 
     @property
     def end(self) -> int:

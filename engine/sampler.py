@@ -32,33 +32,106 @@ def sample_one(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[
             +inf (e.g. by a huge negative penalty) takes all the probability, shared with any other +inf token.
     """
     params = request.sampling_params
+    logprob_scores, scores = _process(logits, request, eos_token_ids, request.output_token_ids)
+    if params.greedy:
+        token = _argmax(scores)
+    else:
+        token = _draw(scores, params, request.generator)
+    return token, _logprobs(logprob_scores, token, params.logprobs)
+
+
+def verify_proposals(logits: torch.Tensor, request: Request, proposals: list[int], eos_token_ids: frozenset[int]
+                     ) -> tuple[list[int], list[dict[int, float]] | None]:
+    """The tokens a verify step commits for a host-sampled request: accepted proposals, then one more token.
+
+    Position ``i`` is processed as ``sample_one`` would process it once the committed tokens before it are output
+    (penalties and ``min_new_tokens`` see them). Greedy rows accept a proposal while it is the processed argmax.
+    Sampled rows use the speculative sampling rule with a point-mass proposal (Leviathan et al. 2023, Chen et al.
+    2023; an n-gram proposal has q(x) = 1): accept proposal x with probability p(x), else draw from the residual
+    ``max(p - onehot(x), 0)`` normalised, which is p without x; after all are accepted, the bonus token is drawn
+    from p at the last position. Every token is thus distributed exactly as plain sampling's. All draws come from
+    the request's own generator, so seeded rows are reproducible and independent of their batch.
+
+    Args:
+        logits: (len(proposals) + 1, vocab_size) logits at the verified positions, any float dtype.
+        request: its sampling params, prompt, output so far and generator.
+        proposals: the proposed tokens.
+        eos_token_ids: the model's EOS ids.
+
+    Returns:
+        The committed tokens (1 to ``len(proposals) + 1``), and their log-probabilities as ``sample_one`` gives
+        them (None when ``logprobs`` is off).
+
+    Raises:
+        SamplingError: as ``sample_one``.
+    """
+    params = request.sampling_params
+    output = list(request.output_token_ids)
+    tokens, logprobs = [], []
+    for i in range(len(proposals) + 1):
+        logprob_scores, scores = _process(logits[i], request, eos_token_ids, output)
+        proposal = proposals[i] if i < len(proposals) else None
+        token = _argmax(scores) if params.greedy else _accept_or_resample(scores, params, proposal, request.generator)
+        tokens.append(token)
+        output.append(token)
+        logprobs.append(_logprobs(logprob_scores, token, params.logprobs))
+        if token != proposal:
+            break
+    return tokens, logprobs if params.logprobs is not None else None
+
+
+def _process(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[int], output_token_ids: list[int]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores for log-probabilities, scores to choose from) of one (V,) row: penalties, then the filters unless
+    greedy; float32 on the CPU."""
+    params = request.sampling_params
     raw = logits.to("cpu", torch.float32, copy=True)
     keep_raw = params.logprobs is not None and params.logprobs_mode == "raw_logprobs"
-    scores = _apply_penalties(raw.clone() if keep_raw else raw, request, eos_token_ids)
+    scores = _apply_penalties(raw.clone() if keep_raw else raw, request, eos_token_ids, output_token_ids)
     if bool(scores.isnan().any()):
         raise SamplingError("the logits hold NaN (after penalties)")
-    if params.greedy:
-        token = int(scores.argmax())
-        if scores[token] == float("-inf"):
-            raise SamplingError("no token is left to sample: penalties and filters ruled out every one")
-    else:
+    if not params.greedy:
         scores = _filter(scores, params)
-        token = _draw(scores, params, request.generator)
-    return token, _logprobs(raw if keep_raw else scores, token, params.logprobs)
+    return (raw if keep_raw else scores), scores
 
 
-def _apply_penalties(scores: torch.Tensor, request: Request, eos_token_ids: frozenset[int]) -> torch.Tensor:
+def _argmax(scores: torch.Tensor) -> int:
+    token = int(scores.argmax())
+    if scores[token] == float("-inf"):
+        raise SamplingError("no token is left to sample: penalties and filters ruled out every one")
+    return token
+
+
+def _accept_or_resample(scores: torch.Tensor, params: SamplingParams, proposal: int | None,
+                        generator: torch.Generator | None) -> int:
+    """One position of ``verify_proposals`` for a sampled row (``proposal`` None: the bonus token)."""
+    weights = _target_weights(scores, params)
+    probs = weights / weights.sum()
+    if proposal is None:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    if float(torch.rand((), generator=generator)) < float(probs[proposal]):
+        return proposal
+    residual = probs.clone()
+    residual[proposal] = 0.0
+    if not float(residual.sum()) > 0.0:  # p(x) = 1 up to rounding: nothing else can be drawn
+        return proposal
+    return int(torch.multinomial(residual, 1, generator=generator))
+
+
+def _apply_penalties(scores: torch.Tensor, request: Request, eos_token_ids: frozenset[int],
+                     output_token_ids: list[int]) -> torch.Tensor:
+    """Penalties of a row that follows ``output_token_ids`` (the request's output, or more while verifying)."""
     params = request.sampling_params
-    if len(request.output_token_ids) < params.min_new_tokens:
+    if len(output_token_ids) < params.min_new_tokens:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         if stops:
             scores[list(stops)] = float("-inf")
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.prompt_token_ids) | set(request.output_token_ids)))
+        seen = torch.tensor(sorted(set(request.prompt_token_ids) | set(output_token_ids)))
         values = scores[seen]
         scores[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
-        counts = torch.bincount(torch.tensor(request.output_token_ids), minlength=scores.numel())[:scores.numel()]
+    if (params.presence_penalty or params.frequency_penalty) and output_token_ids:
+        counts = torch.bincount(torch.tensor(output_token_ids), minlength=scores.numel())[:scores.numel()]
         # Only the generated tokens: a penalty that overflows float32 times a zero count would be NaN elsewhere.
         seen = counts.nonzero()[:, 0]
         scores[seen] -= params.frequency_penalty * counts[seen] + params.presence_penalty
@@ -78,10 +151,15 @@ def _filter(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def _draw(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Min-p over the filtered distribution, then one draw from the request's generator."""
+    return int(torch.multinomial(_target_weights(scores, params), 1, generator=generator))
+
+
+def _target_weights(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The (V,) unnormalised distribution a sampled row draws from: softmax of the filtered scores, then min-p."""
     probs = _probabilities(scores)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
 
 
 def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.faults import is_request_fault, request_error_message
 from engine.plan import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
+from engine.speculative import Speculator
 from engine.stop_check import Stop, StopConditions, check_stop
 from engine.stop_strings import StopStringMatcher
 
@@ -34,6 +35,10 @@ class FIFOScheduler:
     ``num_pending_tokens``) and its finish fields, and moves requests between ``waiting`` and ``running``; after
     each appended token it runs the stop check (``engine.stop_check``), as vLLM's ``update_from_output`` does.
 
+    With speculative decoding on (``config.speculative``), a request in steady decode gets proposals
+    from its ``Speculator`` and is planned with ``1 + k`` tokens under the same budgets; ``resolve`` commits the
+    accepted tokens one at a time through the stop check and rolls the rejected ones' slots back.
+
     Args:
         config: the engine settings (budgets, safety margin).
         block_manager: the KV-cache bookkeeping it allocates from.
@@ -55,6 +60,7 @@ class FIFOScheduler:
         self._finished_unplanned: list[Request] = []  # finished outside ``resolve``: rejected or failed
         self.num_soft_resets = 0
         self.num_offloads = 0  # swaps to CPU
+        self.speculator = Speculator(config) if config.speculative != "off" else None
 
     def add_request(self, request: Request, error: str | None = None) -> None:
         """Queue a request; one with an ``error`` (bad input) fails at once, one with ``max_new_tokens = 0``
@@ -108,6 +114,7 @@ class FIFOScheduler:
         self._schedule_waiting(plan, out)
 
     def _schedule_running(self, plan: "_PlanBuilder", out: SchedulerOutput, decodes: bool) -> None:
+        speculate = decodes and self.speculator is not None and self.speculator.active(len(self.running))
         for request in list(self.running):
             if request.status is RequestStatus.PENDING or plan.contains(request):
                 continue  # preempted earlier in this step, or already planned
@@ -118,10 +125,31 @@ class FIFOScheduler:
             num_tokens = plan.fit(request.num_tokens_to_compute)
             if num_tokens == 0:
                 return
+            if speculate and self._schedule_speculative(request, plan):
+                continue
             if self._allocate_or_preempt(request, num_tokens, plan, out):
                 plan.add(request, num_tokens)
             elif not plan.scheduled and not self._others_running(request):
                 self._fail(request, self._cache_too_small_message(request))
+
+    def _schedule_speculative(self, request: Request, plan: "_PlanBuilder") -> bool:
+        """Plan a decode with proposals when the request has some and their slots are free; False otherwise.
+
+        Proposals stop where the request must: the bonus token after them may be its last (``max_new_tokens``),
+        and no position reaches the model's length. Their slots never preempt anyone: without room, the request
+        decodes plainly.
+        """
+        params = request.sampling_params
+        if request.num_tokens_to_compute != 1 or request.num_pending_tokens:
+            return False
+        room = min(params.max_new_tokens - len(request.output_token_ids) - 1, plan.token_budget - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - request.num_tokens)
+        proposals = self.speculator.propose(request.prompt_token_ids + request.output_token_ids, room)
+        if not proposals or not self.block_manager.allocate_slots(request, 1 + len(proposals)):
+            return False
+        plan.add(request, 1 + len(proposals), tuple(proposals))
+        return True
 
     def _schedule_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
         while self.waiting:
@@ -252,7 +280,7 @@ class FIFOScheduler:
         self._finished_unplanned.append(request)
 
     # ---- after the forward pass -------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Request]:
         """``advance`` then ``resolve``: the synchronous step, results read before the next plan."""
         self.advance(out)
         return self.resolve(out, sampled)
@@ -270,12 +298,17 @@ class FIFOScheduler:
                 request.num_pending_tokens += 1
                 request.status = RequestStatus.DECODING
 
-    def resolve(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+    def resolve(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Request]:
         """Turn a launched step's pending tokens into known ones and finish the requests that stop.
+
+        A verify step (an entry with ``spec_token_ids``) commits its accepted tokens and bonus token one at a
+        time, each through the stop check, so a stop inside the run cuts exactly where plain decoding would; the
+        slots of the rejected proposals are rolled back (``num_computed_tokens``, and blocks past it freed).
 
         Args:
             out: the step's plan (already ``advance``d).
-            sampled: ``Request.index -> token id`` for each planned request that sampled.
+            sampled: ``Request.index -> token id`` for each planned request that sampled; for a verify step, the
+                list of tokens it commits (the accepted proposals, then the bonus token; ``accept_greedy``).
 
         Returns:
             The requests that finished (their blocks are already free). A request that finished in an earlier
@@ -288,7 +321,20 @@ class FIFOScheduler:
             if not item.samples or request is None:  # None: finished since this step was planned
                 continue
             request.num_pending_tokens -= 1
-            request.output_token_ids.append(sampled[request.index])
+            tokens = sampled[request.index]
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            if item.spec_token_ids:
+                self._roll_back_rejected(request, item, num_accepted=len(tokens) - 1)
+            if self._commit(request, tokens):
+                finished.append(request)
+            elif item.spec_token_ids and request.status is RequestStatus.DECODING:
+                self.block_manager.trim(request)
+        return finished
+
+    def _commit(self, request: Request, tokens: list[int]) -> bool:
+        """Append tokens one at a time, each through the stop check; True when the request finished."""
+        for token in tokens:
+            request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
             try:
@@ -297,11 +343,17 @@ class FIFOScheduler:
                 if not is_request_fault(error):
                     raise
                 self.fail_request(request, request_error_message("stop check", error))
-                continue
+                return False
             if stop is not None:
                 self._finish(request, stop)
-                finished.append(request)
-        return finished
+                return True
+        return False
+
+    def _roll_back_rejected(self, request: Request, item: ScheduledRequest, num_accepted: int) -> None:
+        """Forget the KV of the proposals after the accepted ones: it was computed from rejected tokens."""
+        num_proposed = len(item.spec_token_ids)
+        request.num_computed_tokens -= num_proposed - num_accepted
+        self.speculator.record(num_proposed, num_accepted)
 
     def discard(self, out: SchedulerOutput) -> None:
         """Free the CPU slots a launched plan swapped in from (its copies ran); ``resolve`` calls it, and the
@@ -353,8 +405,8 @@ class _PlanBuilder:
             return 0
         return min(num_tokens, self.token_budget)
 
-    def add(self, request: Request, num_tokens: int) -> None:
-        self.scheduled.append(_plan_entry(request, num_tokens))
+    def add(self, request: Request, num_tokens: int, spec_token_ids: tuple[int, ...] = ()) -> None:
+        self.scheduled.append(_plan_entry(request, num_tokens, spec_token_ids))
         self._indices.add(request.index)
         self.token_budget -= num_tokens
         self.request_budget -= 1
@@ -363,16 +415,21 @@ class _PlanBuilder:
         return request.index in self._indices
 
 
-def _plan_entry(request: Request, num_tokens: int) -> ScheduledRequest:
-    """The request's share of the step as values, after its blocks for this step are allocated."""
+def _plan_entry(request: Request, num_tokens: int, spec_token_ids: tuple[int, ...] = ()) -> ScheduledRequest:
+    """The request's share of the step as values, after its blocks for this step are allocated.
+
+    ``num_tokens`` counts the proposals ``spec_token_ids``, which follow the request's own tokens.
+    """
     start = request.num_computed_tokens
-    end = start + num_tokens
+    end = start + num_tokens - len(spec_token_ids)  # one past the request's own tokens
     return ScheduledRequest(
         request_index=request.index, request_id=request.request_id, start=start, num_tokens=num_tokens,
-        token_ids=request.token_ids(start, end), num_pending_inputs=max(0, end - request.num_known_tokens),
+        token_ids=request.token_ids(start, end) + list(spec_token_ids),
+        num_pending_inputs=max(0, end - request.num_known_tokens),
         samples=end == request.num_tokens, needs_host_sampling=request.sampling_params.needs_processing,
         prompt_logprob_positions=_prompt_logprob_positions(request, start, end),
-        block_table=list(request.block_table), sliding_block_table=list(request.sliding_block_table))
+        block_table=list(request.block_table), sliding_block_table=list(request.sliding_block_table),
+        spec_token_ids=spec_token_ids)
 
 
 def _prompt_logprob_positions(request: Request, start: int, end: int) -> range:

@@ -20,6 +20,9 @@ class EngineStats:
         num_soft_resets: requests whose blocks were freed and their tokens later recomputed.
         num_offloads: requests swapped to CPU memory.
         num_evicted_blocks: prefix-cache blocks reused for other content.
+        num_proposed_tokens: speculative proposals verified.
+        num_accepted_tokens: of those, accepted (equal to what the target model chose).
+        num_verify_steps: request-steps that verified proposals (each commits 1 + its accepted proposals).
     """
 
     num_prompt_tokens: int = 0
@@ -32,6 +35,19 @@ class EngineStats:
     num_soft_resets: int = 0
     num_offloads: int = 0
     num_evicted_blocks: int = 0
+    num_proposed_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of speculative proposals accepted (0 when none were made)."""
+        return self.num_accepted_tokens / self.num_proposed_tokens if self.num_proposed_tokens else 0.0
+
+    @property
+    def mean_tokens_per_verify_step(self) -> float:
+        """Tokens a verify step commits on average: its accepted proposals plus the bonus token (0 when none)."""
+        return (self.num_accepted_tokens / self.num_verify_steps + 1) if self.num_verify_steps else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -39,4 +55,5 @@ class EngineStats:
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate}
+        return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate, "acceptance_rate": self.acceptance_rate,
+                "mean_tokens_per_verify_step": self.mean_tokens_per_verify_step}

@@ -155,8 +155,12 @@ class JobSummary:
         stats = self.engine_stats
         if not stats:
             return ""
-        return (f" | prefix cache hit rate {100 * stats['prefix_hit_rate']:.1f}% | {stats['num_offloads']} offloads, "
+        line = (f" | prefix cache hit rate {100 * stats['prefix_hit_rate']:.1f}% | {stats['num_offloads']} offloads, "
                 f"{stats['num_soft_resets']} soft resets")
+        if stats.get("num_verify_steps"):  # speculative decoding ran
+            line += (f" | speculative: {100 * stats['acceptance_rate']:.1f}% of {stats['num_proposed_tokens']} "
+                     f"proposals accepted, {stats['mean_tokens_per_verify_step']:.2f} tokens per verify step")
+        return line
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "generated_tokens_per_s": self.generated_tokens_per_s}
