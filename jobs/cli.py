@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "against the current directory. Rerunning the same job resumes it."))
     run.add_argument("manifest", nargs="?", help="TOML manifest ([model] [input] [sampling] [engine] [output])")
     run.add_argument("--model", help="Hugging Face model directory")
-    run.add_argument("--input", help="Parquet file, directory of Parquet files, or saved datasets directory")
+    run.add_argument("--input", help="Parquet or JSON Lines (.jsonl, .jsonl.gz) file, a directory of them, or a "
+                                     "saved datasets directory")
     run.add_argument("--output", help="output directory (part files, _SUCCESS, and cbrun's own _cbrun/ folder)")
     run.add_argument("--prompt-column", help="text column holding the prompt")
     run.add_argument("--prompt-ids-column", help="list<int> column of prompt token ids (used as given)")

@@ -184,21 +184,29 @@ class _ResultFormatter:
             candidates = token_logprobs(entry)
             best = sorted(candidates.items(), key=lambda item: -item[1])
             tokens.append((token_id, candidates.get(token_id, MISSING_LOGPROB), best if top is None else best[:top]))
+        ids = [token_id for token_id, _, _ in tokens]
         if chat:
-            content = [{**self.token(token_id, logprob),
-                        "top_logprobs": [self.token(i, lp) for i, lp in best]} for token_id, logprob, best in tokens]
+            content = [{**self.token(ids[:i], token_id, logprob),
+                        "top_logprobs": [self.token(ids[:i], alt, lp) for alt, lp in best]}
+                       for i, (token_id, logprob, best) in enumerate(tokens)]
             return {"content": content, "refusal": None}
-        texts = [self.text(token_id) for token_id, _, _ in tokens]
+        texts = [self.text(ids[:i], token_id) for i, token_id in enumerate(ids)]
         offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
         return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in tokens],
-                "top_logprobs": [{self.text(i): lp for i, lp in best} for _, _, best in tokens],
+                "top_logprobs": [{self.text(ids[:i], alt): lp for alt, lp in best}
+                                 for i, (_, _, best) in enumerate(tokens)],
                 "text_offset": offsets}
 
-    def text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def text(self, previous_ids: list[int], token_id: int) -> str:
+        """The text ``token_id`` adds after ``previous_ids``, decoded in context (as vLLM's incremental
+        detokenizer does): a SentencePiece token keeps its leading space, so the tokens join to the completion.
+        Falls back to the token decoded alone when the context's text is not a prefix (a split character)."""
+        before = self.tokenizer.decode(previous_ids)
+        after = self.tokenizer.decode([*previous_ids, token_id])
+        return after[len(before):] if after.startswith(before) else self.tokenizer.decode([token_id])
 
-    def token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.text(token_id)
+    def token(self, previous_ids: list[int], token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.text(previous_ids, token_id)
         return {"token": text, "logprob": logprob, "bytes": token_bytes(self.tokenizer, token_id, text)}
 
 

@@ -290,3 +290,22 @@ def test_chat_requests_need_a_chat_template_before_any_work(tiny_model_dir, tmp_
                                        "no chat template"):
         run_job(batch_manifest(tiny_model_dir, path, tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_completion_logprob_tokens_join_to_the_text(stories260k_dir):
+    """SentencePiece tokens decoded one by one lose their leading space; in context they keep it, so the
+    tokens join to the completion and every text_offset points at its token."""
+    from transformers import AutoTokenizer
+
+    from jobs.export import _ResultFormatter
+
+    tokenizer = AutoTokenizer.from_pretrained(str(stories260k_dir))
+    ids = tokenizer.encode("Once upon a time, there was a little girl", add_special_tokens=False)[3:]
+    text = tokenizer.decode(ids)
+    row = {"completion_token_ids": ids, "logprobs": [[{"token_id": i, "logprob": -1.0}] for i in ids]}
+    formatter = _ResultFormatter("h", "m", tokenizer)
+    logprobs = formatter.logprobs(row, None, chat=False)
+    assert "".join(logprobs["tokens"]) == text and " there" in logprobs["tokens"]
+    assert all(text[offset:].startswith(token) for offset, token in zip(logprobs["text_offset"], logprobs["tokens"]))
+    content = formatter.logprobs(row, None, chat=True)["content"]
+    assert "".join(entry["token"] for entry in content) == text
