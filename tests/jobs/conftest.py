@@ -45,3 +45,22 @@ def make_manifest(request):
                            output=OutputSettings(path=str(output_dir), commit_every_rows=commit_every_rows))
 
     return make
+
+
+#: A simple chat template for the tiny byte-tokenizer model (saved with it: nothing is downloaded).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """The tiny demo model, its byte tokenizer given ``CHAT_TEMPLATE``, built once per session."""
+    from transformers import AutoTokenizer
+
+    from jobs.demo import build_demo_model
+
+    path = build_demo_model(tmp_path_factory.mktemp("chat_model") / "model")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path

@@ -17,23 +17,7 @@ from jobs.writer import read_output
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory) -> Path:
-    """The tiny demo model, its byte tokenizer given a simple chat template (saved with it, no download)."""
-    from transformers import AutoTokenizer
-
-    from jobs.demo import build_demo_model
-
-    path = build_demo_model(tmp_path_factory.mktemp("chat_model") / "model")
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -22,27 +22,13 @@ from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSetti
 from jobs.export import token_logprobs
 from jobs.openai_batch import parse_request
 from jobs.writer import read_output
-from tests.jobs.test_chat import TEMPLATE, rendered_ids
+from tests.jobs.test_chat import rendered_ids
 from tests.jobs.test_resume import cbrun_command, kill_after_first_commit
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 LINE_KEYS = {"id", "custom_id", "response", "error"}
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory) -> Path:
-    """The tiny demo model, its byte tokenizer given a simple chat template (as in test_chat)."""
-    from transformers import AutoTokenizer
-
-    from jobs.demo import build_demo_model
-
-    path = build_demo_model(tmp_path_factory.mktemp("openai_model") / "model")
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
