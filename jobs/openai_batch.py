@@ -38,7 +38,7 @@ from jobs.carry import carried_values, check_kept_columns, keep_role, keep_roles
 from jobs.chat import encode_chat
 from jobs.jsonl_source import is_jsonl, numbered_rows
 from jobs.prompts import encode_prompt
-from jobs.reader import InputError, InputRow, PromptReader, list_input_files
+from jobs.reader import InputError, InputRow, PromptReader, iter_column_batches, list_input_files
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -301,17 +301,9 @@ class OpenAIBatchReader:
         """Refuse repeated custom_ids, naming them; returns how many requests go to the chat url."""
         counts: Counter = Counter()
         num_chat = 0
-        first_row = 0
-        for source in self.sources:
-            end = min(source.num_rows, self.num_rows - first_row)
-            if end <= 0:
-                break
-            skip = np.zeros(source.num_rows, dtype=bool)
-            skip[end:] = True
-            for _, batch in source.iter_batches(["custom_id", "url"], self.rows.batch_size, first_row, skip):
-                counts.update(str(v) for v in batch.column("custom_id").to_pylist() if v is not None)
-                num_chat += batch.column("url").to_pylist().count(CHAT_URL)
-            first_row += source.num_rows
+        for batch in iter_column_batches(self.sources, self.num_rows, ["custom_id", "url"], self.rows.batch_size):
+            counts.update(str(v) for v in batch.column("custom_id").to_pylist() if v is not None)
+            num_chat += batch.column("url").to_pylist().count(CHAT_URL)
         repeated = [(custom_id, n) for custom_id, n in counts.items() if n > 1]
         if repeated:
             named = ", ".join(f"{custom_id!r} ({n} lines)" for custom_id, n in repeated[:5])

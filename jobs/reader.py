@@ -181,6 +181,21 @@ def open_source(kind: str, path: Path, json_text_fields: tuple[str, ...] = ()):
     return _ParquetSource(path)
 
 
+def iter_column_batches(sources, num_rows: int, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
+    """Batches of ``columns`` over the input's first ``num_rows`` rows (a ``limit`` cuts the last file short),
+    file after file; rows past ``num_rows`` are never yielded."""
+    first_row = 0
+    for source in sources:
+        end = min(source.num_rows, num_rows - first_row)
+        if end <= 0:
+            break
+        skip = np.zeros(source.num_rows, dtype=bool)
+        skip[end:] = True
+        for row, batch in source.iter_batches(columns, batch_size, first_row, skip):
+            yield batch.slice(0, min(batch.num_rows, first_row + end - row))
+        first_row += source.num_rows
+
+
 def _consecutive_runs(indices: list[int]) -> Iterator[list[int]]:
     run: list[int] = []
     for i in indices:

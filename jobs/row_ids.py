@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from jobs.reader import iter_column_batches
 
 logger = logging.getLogger("cbrun")
 #: How many repeated ids the warning names.
@@ -26,19 +27,9 @@ def repeated_ids(reader) -> tuple[int, list[tuple[str, int]]]:
         (number of repeated id values, the first ``NUM_NAMED`` of them with their row counts).
     """
     chunks = []
-    first_row = 0
-    for source in reader.sources:
-        end = min(source.num_rows, reader.num_rows - first_row)
-        if end <= 0:
-            break
-        skip = np.zeros(source.num_rows, dtype=bool)
-        skip[end:] = True
-        for row, batch in source.iter_batches([reader.id_column], reader.batch_size, first_row, skip):
-            ids = batch.column(reader.id_column)
-            keep = min(batch.num_rows, first_row + end - row)
-            chunks.append(pc.cast(ids.slice(0, keep), pa.string(), safe=False) if ids.type != pa.string()
-                          else ids.slice(0, keep))
-        first_row += source.num_rows
+    for batch in iter_column_batches(reader.sources, reader.num_rows, [reader.id_column], reader.batch_size):
+        ids = batch.column(reader.id_column)
+        chunks.append(pc.cast(ids, pa.string(), safe=False) if ids.type != pa.string() else ids)
     if not chunks:
         return 0, []
     counts = pc.value_counts(pa.chunked_array(chunks, type=pa.string()).drop_null())

@@ -4,11 +4,7 @@ Ray is missing. Skipped when Ray Data is not installed (the extra cbrun[ray]).""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -21,8 +17,8 @@ from jobs.cli import build_parser, main
 from jobs.job import run_job
 from jobs.manifest import ClusterSettings, load_manifest
 from jobs.ray_executor import RAY_EXTRA_MESSAGE, pending_spans
-from jobs.writer import committed_parts, read_output
-from tests.jobs.test_resume import cbrun_command, run_args
+from jobs.writer import read_output
+from tests.jobs.test_resume import kill_after_first_commit, run_args
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64,
                              device="cpu")
@@ -112,24 +108,7 @@ def test_killed_driver_resumes_every_row_once(local_ray, tiny_model_dir, tmp_pat
     out = tmp_path / "out"
     args = run_args(tiny_model_dir, path, out) + ["--executor", "ray", "--set", "cluster.batch_size=4",
                                                   "--set", "cluster.num_replicas=1"]
-    # The driver starts its own local Ray instance in a new session: after the driver's SIGKILL, the Ray processes
-    # it started are ended through that session's process group.
-    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not committed_parts(out):
-            assert process.poll() is None, process.stdout.read().decode()
-            assert time.monotonic() < deadline, "no part was committed in time"
-            time.sleep(0.01)
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not (out / "_SUCCESS").exists(), "the job finished before it could be killed"
+    kill_after_first_commit(args, out, timeout_s=240)  # the Ray instance the driver started dies with it
     killed = read_output(out).column("row_index").to_pylist()
     assert 0 < len(killed) < 60
 

@@ -43,16 +43,26 @@ def rows_by_index(output_dir) -> dict[int, list[int]]:
     return by_index
 
 
-def kill_after_first_commit(args: list[str], out: Path) -> None:
-    """Start ``cbrun`` with ``args`` in a real subprocess and SIGKILL it as soon as a part file is committed."""
-    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not committed_parts(out):
-        assert process.poll() is None, process.stdout.read().decode()
-        assert time.monotonic() < deadline, "no part was committed in time"
-        time.sleep(0.01)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+def kill_after_first_commit(args: list[str], out: Path, timeout_s: float = 120) -> None:
+    """Start ``cbrun`` with ``args`` in a real subprocess and SIGKILL it as soon as a part file is committed.
+
+    The process runs in a session of its own, and whatever it started (a local Ray instance, say) is killed with it
+    through that session's process group."""
+    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not committed_parts(out):
+            assert process.poll() is None, process.stdout.read().decode()
+            assert time.monotonic() < deadline, "no part was committed in time"
+            time.sleep(0.01)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert process.returncode == -signal.SIGKILL
     assert not (out / "_SUCCESS").exists(), "the job finished before it could be killed"
 
