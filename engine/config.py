@@ -13,7 +13,7 @@ MODEL_IMPLS = ("auto", "transformers", "lean")
 #: defaults, 256 sequences and 8k batched tokens. CPU: measured on the gsm8k-long bench workload (stories260K, one
 #: thread, 2-core machine): benchmarks/results-defaults.md.
 DEFAULT_BATCH_LIMITS = {"cpu": (256, 1024), "cuda": (256, 8192)}
-SPECULATIVE_METHODS = ("off", "ngram")  # "draft" (a draft model) is not built yet
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 
 
 @dataclass
@@ -53,9 +53,12 @@ class EngineConfig:
             windows, default RoPE) through ``engine.lean_llama``: the same math and attention without transformers'
             per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
             "transformers" always runs the transformers modules; "auto" takes lean where it applies.
-        speculative: speculative decoding (see ``engine.speculative``): "off", or "ngram" (prompt lookup: proposals
-            copied from the request's own prompt and output). Greedy outputs equal "off" token for
-            token; sampled ones keep the distribution. "draft" (a draft model) is not supported yet and is refused.
+        speculative: speculative decoding (see ``engine.speculative``): "off", "ngram" (prompt lookup: proposals
+            copied from the request's own prompt and output) or "draft" (a small model with the same tokenizer,
+            ``draft_model``, proposes; see ``engine.draft_proposer``). Greedy outputs equal "off" token for
+            token; sampled ones keep the distribution.
+        draft_model: the draft model's directory (a transformers causal LM with the target's tokenizer), needed
+            by ``speculative = "draft"``; its KV cache takes its share of every block of the same pool.
         num_speculative_tokens: most tokens proposed (and verified) per request per step (k).
         ngram_min, ngram_max: the n-gram lookup matches the last n tokens, longest n in [ngram_min, ngram_max] first.
         speculative_max_batch: speculation runs only while at most this many requests are running; above it the
@@ -88,6 +91,7 @@ class EngineConfig:
     model_impl: str = "auto"
     prefix_hash_bits: int = 256
     speculative: str = "off"
+    draft_model: str | None = None
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
@@ -134,10 +138,12 @@ class EngineConfig:
         self._check_speculative()
 
     def _check_speculative(self) -> None:
-        if self.speculative == "draft":
-            raise ValueError('speculative = "draft" (a draft model) is not supported yet; use "ngram" or "off"')
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError('speculative = "draft" needs a draft model: set engine.draft_model to its directory')
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise ValueError(f"draft_model must be a directory path, got {self.draft_model!r}")
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch"):
             self._check_positive_int(name)
         if self.ngram_min > self.ngram_max:

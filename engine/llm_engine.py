@@ -16,6 +16,7 @@ from engine.attention import ATTN_IMPLEMENTATION
 from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
+from engine.draft_proposer import DraftProposer, check_draft_vocab, draft_bytes_per_block
 from engine.faults import is_request_fault, request_error_message
 from engine.kv_layout import SLIDING, KVLayout
 from engine.lean_llama import select_lean_model
@@ -52,7 +53,7 @@ class LLMEngine:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, eos_token_ids: Iterable[int],
                  max_model_len: int, tokenizer=None, expected_requests: int | None = None,
-                 expected_tokens: int | None = None) -> None:
+                 expected_tokens: int | None = None, draft_model: torch.nn.Module | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self._stop_matcher = StopStringMatcher(tokenizer) if tokenizer is not None else None
@@ -66,6 +67,10 @@ class LLMEngine:
         _check_speculative(config, layout)
         bytes_per_block = KVCache.bytes_per_block(len(layout.layer_types), config.page_size, num_kv_heads,
                                                   head_dim, dtype)
+        if config.speculative == "draft":
+            if draft_model is None:
+                raise ValueError('speculative = "draft" needs a draft model (engine.draft_model)')
+            bytes_per_block += draft_bytes_per_block(draft_model, config.page_size)  # one budget for both caches
         self.num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block, model_config,
                                              expected_requests, expected_tokens)
         #: The cache's geometry, the one source for the block manager, the KV cache, padding and the runner.
@@ -90,6 +95,13 @@ class LLMEngine:
                                         max_model_len=max_model_len, async_batching=self.overlap_steps,
                                         lean_model=select_lean_model(config.model_impl, model, use_graphs,
                                                                      max_model_len))
+        #: Runs the draft model and fills each step's proposals (``speculative = "draft"``); its cache shares
+        #: the block manager's block ids.
+        self.drafter = (DraftProposer(draft_model, self.cache_spec, model_config.vocab_size, self.eos_token_ids,
+                                      use_triton, max_model_len,
+                                      select_lean_model(config.model_impl, draft_model, False, max_model_len))
+                        if config.speculative == "draft" else None)
+        self._draft_probs: dict[int, torch.Tensor] = {}  # this step's draft distributions of sampled requests
         self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
@@ -128,17 +140,18 @@ class LLMEngine:
         config = config or EngineConfig()
         if isinstance(config.num_threads, int):
             torch.set_num_threads(config.num_threads)
-        dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-                                                     local_files_only=True)
-        _check_causal_decoder(model)
-        model.to(config.device).eval()
+        model = _load_model(model_path, config)
         if config.num_threads == "auto":
             threads = resolve_num_threads("auto", sum(p.numel() for p in model.parameters()), config.device)
             if threads is not None:
                 torch.set_num_threads(threads)
-        return cls(model, config, _eos_token_ids(model_path, model.config), _max_model_len(model.config),
-                   _load_tokenizer(model_path), expected_requests=expected_requests, expected_tokens=expected_tokens)
+        tokenizer = _load_tokenizer(model_path)
+        max_model_len = _max_model_len(model.config)
+        draft_model = None
+        if config.speculative == "draft":
+            draft_model = _load_draft_model(config, model, tokenizer, max_model_len)
+        return cls(model, config, _eos_token_ids(model_path, model.config), max_model_len, tokenizer,
+                   expected_requests=expected_requests, expected_tokens=expected_tokens, draft_model=draft_model)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
@@ -185,6 +198,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         finished = self.scheduler.pop_finished()
         self.model_runner.kv_cache.zero_pages_below(self._num_touched_pages())  # pages this plan uses first
+        if self.drafter is not None and plan.scheduled:
+            self.drafter.zero_chunks_below(self.block_manager.pool.num_touched_chunks)
+            plan, self._draft_probs = self.drafter.propose(plan, self.scheduler.requests)
         handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
         if handle is not None:
             self.scheduler.advance(plan)
@@ -207,7 +223,8 @@ class LLMEngine:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
             request = self.scheduler.requests.get(item.request_index)
             if item.spec_token_ids and request is not None:  # a verify step
-                tokens = (self._verify_or_fail(item, request, handle.logits[row:row + item.num_sample_rows])
+                tokens = (self._verify_or_fail(item, request, handle.logits[row:row + item.num_sample_rows],
+                                               self._draft_probs.get(item.request_index))
                           if item.needs_host_sampling else
                           accept_greedy(list(item.spec_token_ids), token_ids[sample:sample + item.num_sample_rows]))
                 if tokens is not None:
@@ -245,11 +262,14 @@ class LLMEngine:
             self.scheduler.fail_request(request, request_error_message("sampling", error))
             return None
 
-    def _verify_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor) -> list[int] | None:
+    def _verify_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor,
+                        draft_probs: torch.Tensor | None = None) -> list[int] | None:
         """The tokens a host-sampled verify step commits (``verify_proposals``); None when the request's own row
-        raised (it fails alone, as in ``_read_rows_or_fail``). logits: (1 + proposals, vocab)."""
+        raised (it fails alone, as in ``_read_rows_or_fail``). logits: (1 + proposals, vocab); draft_probs: the
+        draft's (proposals, vocab) q for a sampled request, None for point-mass (n-gram) proposals."""
         try:
-            tokens, logprobs = verify_proposals(logits, request, list(item.spec_token_ids), self.eos_token_ids)
+            tokens, logprobs = verify_proposals(logits, request, list(item.spec_token_ids), self.eos_token_ids,
+                                                draft_probs)
         except Exception as error:
             if not is_request_fault(error):
                 raise
@@ -359,6 +379,32 @@ def _record_prompt_logprobs(request: Request, logits: torch.Tensor, positions: r
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     request.prompt_logprobs.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
     request.prompt_greedy.extend((logits.argmax(dim=-1) == targets).tolist())
+
+
+def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
+    """A local transformers causal LM with cbrun's attention, in ``config.dtype`` on ``config.device``."""
+    dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                 local_files_only=True)
+    _check_causal_decoder(model)
+    return model.to(config.device).eval()
+
+
+def _load_draft_model(config: EngineConfig, target: torch.nn.Module, tokenizer, max_model_len: int
+                      ) -> torch.nn.Module:
+    """The draft model of ``config.draft_model``, checked against the target.
+
+    Raises:
+        OSError: when the directory is missing or unreadable.
+        ValueError: for another vocabulary (``check_draft_vocab``) or a shorter maximum length than the target's.
+    """
+    draft = _load_model(config.draft_model, config)
+    check_draft_vocab(target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size,
+                      tokenizer, _load_tokenizer(config.draft_model))
+    if _max_model_len(draft.config) < max_model_len:
+        raise ValueError(f"the draft model's maximum length {_max_model_len(draft.config)} is below the target's "
+                         f"{max_model_len}: it could not propose near the end of long requests")
+    return draft
 
 
 def _load_tokenizer(model_path: str):

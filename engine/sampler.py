@@ -40,16 +40,17 @@ def sample_one(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[
     return token, _logprobs(logprob_scores, token, params.logprobs)
 
 
-def verify_proposals(logits: torch.Tensor, request: Request, proposals: list[int], eos_token_ids: frozenset[int]
-                     ) -> tuple[list[int], list[dict[int, float]] | None]:
+def verify_proposals(logits: torch.Tensor, request: Request, proposals: list[int], eos_token_ids: frozenset[int],
+                     draft_probs: torch.Tensor | None = None) -> tuple[list[int], list[dict[int, float]] | None]:
     """The tokens a verify step commits for a host-sampled request: accepted proposals, then one more token.
 
     Position ``i`` is processed as ``sample_one`` would process it once the committed tokens before it are output
     (penalties and ``min_new_tokens`` see them). Greedy rows accept a proposal while it is the processed argmax.
-    Sampled rows use the speculative sampling rule with a point-mass proposal (Leviathan et al. 2023, Chen et al.
-    2023; an n-gram proposal has q(x) = 1): accept proposal x with probability p(x), else draw from the residual
-    ``max(p - onehot(x), 0)`` normalised, which is p without x; after all are accepted, the bonus token is drawn
-    from p at the last position. Every token is thus distributed exactly as plain sampling's. All draws come from
+    Sampled rows use the speculative sampling rule (Leviathan et al. 2023, Chen et al. 2023): accept proposal x,
+    drawn from the proposer's distribution q, with probability min(1, p(x) / q(x)), else draw from the residual
+    ``max(p - q, 0)`` normalised; after all are accepted, the bonus token is drawn from p at the last position.
+    Without ``draft_probs`` the proposal is a point mass (an n-gram proposal has q(x) = 1): accept with p(x), else
+    draw from p without x. Every token is thus distributed exactly as plain sampling's. All draws come from
     the request's own generator, so seeded rows are reproducible and independent of their batch.
 
     Args:
@@ -57,6 +58,8 @@ def verify_proposals(logits: torch.Tensor, request: Request, proposals: list[int
         request: its sampling params, prompt, output so far and generator.
         proposals: the proposed tokens.
         eos_token_ids: the model's EOS ids.
+        draft_probs: (len(proposals), vocab_size) float32 CPU, row i the distribution proposal i was drawn from (a
+            draft model's q); None for point-mass proposals. Ignored for greedy rows.
 
     Returns:
         The committed tokens (1 to ``len(proposals) + 1``), and their log-probabilities as ``sample_one`` gives
@@ -71,7 +74,9 @@ def verify_proposals(logits: torch.Tensor, request: Request, proposals: list[int
     for i in range(len(proposals) + 1):
         logprob_scores, scores = _process(logits[i], request, eos_token_ids, output)
         proposal = proposals[i] if i < len(proposals) else None
-        token = _argmax(scores) if params.greedy else _accept_or_resample(scores, params, proposal, request.generator)
+        q = draft_probs[i] if draft_probs is not None and proposal is not None else None
+        token = (_argmax(scores) if params.greedy
+                 else _accept_or_resample(scores, params, proposal, request.generator, q))
         tokens.append(token)
         output.append(token)
         logprobs.append(_logprobs(logprob_scores, token, params.logprobs))
@@ -103,19 +108,50 @@ def _argmax(scores: torch.Tensor) -> int:
 
 
 def _accept_or_resample(scores: torch.Tensor, params: SamplingParams, proposal: int | None,
-                        generator: torch.Generator | None) -> int:
-    """One position of ``verify_proposals`` for a sampled row (``proposal`` None: the bonus token)."""
+                        generator: torch.Generator | None, q: torch.Tensor | None = None) -> int:
+    """One position of ``verify_proposals`` for a sampled row (``proposal`` None: the bonus token; ``q`` None: a
+    point-mass proposal)."""
     weights = _target_weights(scores, params)
     probs = weights / weights.sum()
     if proposal is None:
         return int(torch.multinomial(probs, 1, generator=generator))
-    if float(torch.rand((), generator=generator)) < float(probs[proposal]):
+    q_proposal = 1.0 if q is None else float(q[proposal])
+    if float(torch.rand((), generator=generator)) * q_proposal < float(probs[proposal]):
         return proposal
-    residual = probs.clone()
-    residual[proposal] = 0.0
-    if not float(residual.sum()) > 0.0:  # p(x) = 1 up to rounding: nothing else can be drawn
+    if q is None:
+        residual = probs.clone()
+        residual[proposal] = 0.0
+    else:
+        residual = (probs - q).clamp(min=0.0)
+    if not float(residual.sum()) > 0.0:  # p <= q everywhere up to rounding: nothing else can be drawn
         return proposal
     return int(torch.multinomial(residual, 1, generator=generator))
+
+
+def sample_draft(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[int], output_token_ids: list[int]
+                 ) -> tuple[int, torch.Tensor]:
+    """Draw a draft model's proposal for a sampled request, and the distribution it was drawn from.
+
+    The draft row is processed as the request's target rows are (penalties over ``output_token_ids``, then
+    temperature, top-k, top-p, min-p), so q is close to p where the draft is good; any q keeps the target
+    distribution (``verify_proposals``). The draw comes from the request's own generator.
+
+    Args:
+        logits: (vocab_size,) draft logits, any float dtype.
+        request: its sampling params (not greedy), prompt and generator.
+        eos_token_ids: the target's EOS ids.
+        output_token_ids: the request's output followed by the proposals drawn before this one.
+
+    Returns:
+        The proposed token, and q: (vocab_size,) float32 CPU probabilities summing to 1.
+
+    Raises:
+        SamplingError: as ``sample_one``.
+    """
+    _, scores = _process(logits, request, eos_token_ids, output_token_ids)
+    weights = _target_weights(scores, request.sampling_params)
+    q = weights / weights.sum()
+    return int(torch.multinomial(q, 1, generator=request.generator)), q
 
 
 def _apply_penalties(scores: torch.Tensor, request: Request, eos_token_ids: frozenset[int],

@@ -1,4 +1,4 @@
-"""Speculative decoding: n-gram proposals (prompt lookup decoding) and greedy acceptance.
+"""Speculative decoding: n-gram proposals (prompt lookup decoding), the policy, and greedy acceptance.
 
 A decoding request whose own tokens predict what comes next is scheduled with ``1 + k`` query tokens: its last
 known token and ``k`` proposed ones. One forward pass gives the target model's logits at all ``k + 1`` positions;
@@ -6,9 +6,10 @@ proposals are accepted while each equals the target's argmax at the position bef
 after the last accepted one is the bonus token, so a verify step yields 1 to ``k + 1`` tokens, exactly the ones
 plain greedy decoding would have produced (Leviathan et al. 2023, "Fast Inference from Transformers via
 Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling";
-Saxena 2023, "Prompt Lookup Decoding"). The split of work follows vLLM v1: the scheduler asks for proposals
-(``spec_token_ids``) and commits the accepted tokens through its stop check, the block manager rolls back the
-slots of rejected ones, the model runner computes logits at every verified position. The code is ours.
+Saxena 2023, "Prompt Lookup Decoding"); draft-model proposals are in ``engine.draft_proposer``. The split of work
+follows vLLM v1: the scheduler asks for proposals (``spec_token_ids``) and commits the accepted tokens through its
+stop check, the block manager rolls back the slots of rejected ones, the model runner computes logits at every
+verified position. The code is ours.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import numpy as np
 from engine.config import EngineConfig
 
 logger = logging.getLogger("cbrun.engine")
+
+#: Id of a proposal slot planned for a draft model's token (``speculative = "draft"``): the scheduler plans the
+#: slots, ``engine.draft_proposer.DraftProposer`` fills them in before the target's forward pass.
+DRAFT_PLACEHOLDER = -2
 
 
 class NgramProposer:
@@ -94,7 +99,8 @@ class Speculator:
     def __init__(self, config: EngineConfig) -> None:
         self.k = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
-        self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.method = config.speculative
+        self.proposer = NgramProposer(config.ngram_min, config.ngram_max) if self.method == "ngram" else None
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
@@ -112,7 +118,10 @@ class Speculator:
         return active
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        """Proposals for a request whose known tokens are ``token_ids``, at most ``min(k, max_tokens)``."""
+        """Proposals for a request whose known tokens are ``token_ids``, at most ``min(k, max_tokens)``; with a
+        draft model, that many ``DRAFT_PLACEHOLDER`` slots (the draft runs batched once the step is planned)."""
+        if self.proposer is None:
+            return [DRAFT_PLACEHOLDER] * max(0, min(self.k, max_tokens))
         return self.proposer.propose(token_ids, min(self.k, max_tokens))
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
