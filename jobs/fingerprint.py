@@ -11,7 +11,8 @@ What it reads:
     64 KiB spread evenly over the file (a 100 GB checkpoint costs a few MB of reads);
   - each input file: its size, its Parquet footer (schema, row groups and their column statistics: min, max, null
     count) or first 64 KiB (Arrow), and the same sampled byte ranges;
-  - the settings that change a row's output (prompt, mode, sampling, seed, n, dtype) and the cbrun version.
+  - the settings that change a row's output (prompt, mode, sampling, seed, n, dtype) and the cbrun version;
+  - with ``speculative = "draft"``, the draft model as the model (its proposals enter sampled rows' draws).
 
 What it can miss: an edit in place that keeps every file's size and touches none of the bytes read. For weights,
 that is a change to tensor values outside the sampled ranges that keeps the header (e.g. a fine-tune written over
@@ -162,6 +163,10 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1) -> dict[
         fingerprint["input"]["format"] = inp.format
     if manifest.output.keep_columns:
         fingerprint["output"] = {"keep_columns": list(manifest.output.keep_columns)}
+    if manifest.engine.speculative == "draft":  # its proposals and q enter every sampled row's draws
+        draft = model_fingerprint(manifest.engine.draft_model)
+        fingerprint["draft_model"] = {"path": str(Path(manifest.engine.draft_model).resolve()),
+                                      "files": draft["files"], "weights": draft["weights"]}
     # NOTE: a JSON round trip (tuples become lists) so it compares equal to the job.json it is written to.
     return json.loads(json.dumps(fingerprint))
 

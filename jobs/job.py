@@ -233,6 +233,11 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
     except (InputError, ValueError) as exc:
         raise JobError(str(exc)) from None
     check_model_dir(manifest.model.path)
+    if manifest.engine.speculative == "draft":
+        try:
+            check_model_dir(manifest.engine.draft_model)
+        except JobError as exc:
+            raise JobError(f"engine.draft_model: {exc}") from None
     try:
         apply_model_defaults(manifest)  # NOTE: before the fingerprint, which records the settings used
     except ValueError as exc:
