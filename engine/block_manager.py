@@ -270,17 +270,22 @@ class BlockManager:
         self._request_hashes.pop(request.index, None)
 
     def trim(self, request: Request) -> None:
-        """Free the request's full blocks past its computed tokens: the slots of rejected speculative proposals.
+        """Free the request's blocks past its computed tokens: the slots of rejected speculative proposals.
 
-        Such blocks hold no known token, so they were never registered in the prefix cache, nor shared.
+        Such full blocks hold no known token, so they were never registered in the prefix cache, nor shared. A
+        sliding ring keeps the blocks it would hold without the proposals (``min(ring_blocks, blocks of the
+        computed tokens)``, as ``allocate_slots`` grows it): a rejected position's ring slot lies past every
+        position a later query may read before that position is written again (the ring spans the window plus
+        a step's tokens, and a verify step is one of those).
         """
-        assert self.sliding is None, "speculative decoding does not run sliding-window models"
         keep = cdiv(request.num_computed_tokens, self.page_size)
-        while len(request.block_table) > keep:
+        while self.full is not None and len(request.block_table) > keep:
             block = request.block_table.pop()
             assert self.ref_counts[block] == 1 and self._block_hash[block] is None, f"block {block} is shared"
             self.ref_counts[block] = 0
             self.full.release(block)
+        while self.sliding is not None and len(request.sliding_block_table) > min(self.ring_blocks, keep):
+            self.sliding.release(request.sliding_block_table.pop())
 
     # ---- pages, for the model runner and offloading -----------------------------------------------------------
     def request_pages(self, request: Request) -> list[int]:

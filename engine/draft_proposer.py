@@ -60,7 +60,7 @@ class DraftProposer:
             raise ValueError('speculative = "draft" does not run with CPU swap yet (engine.cpu_offload_space > 0): '
                              "the draft's pages are not swapped; set cpu_offload_space = 0 (preemption then soft "
                              "resets) or use speculative = \"ngram\"")
-        assert target_spec.layout.num_layers_of(SLIDING) == 0, "speculation refuses sliding-window targets"
+        assert target_spec.layout.num_layers_of(SLIDING) == 0, "LLMEngine refuses sliding-window targets"
         # One full block per chunk in the target: chunk id == block id, so the draft spec with the same chunks
         # (one draft block per chunk, one page per draft layer) addresses the same block ids.
         self.spec = CacheSpec(target_spec.page_size, layout, target_spec.num_chunks)

@@ -460,14 +460,15 @@ def _check_speculative(config: EngineConfig, layout: KVLayout) -> None:
     """Refuse speculative decoding where it is not supported yet.
 
     Raises:
-        ValueError: for a model with sliding-window layers (rolling back a ring of blocks is not built), or with
-            async batching "on". CUDA graphs "on" is refused by ``_use_cuda_graphs``; "auto" turns them off.
+        ValueError: for a draft model over a target with sliding-window layers (the draft's cache is addressed by
+            the target's full blocks), or with async batching "on". CUDA graphs "on" is refused by
+            ``_use_cuda_graphs``; "auto" turns them off.
     """
     if config.speculative == "off":
         return
-    if SLIDING in layout.layer_types:
-        raise ValueError(f"speculative = {config.speculative!r} does not support sliding-window models yet "
-                         "(their ring of KV blocks cannot roll back rejected tokens); set engine.speculative = \"off\"")
+    if config.speculative == "draft" and SLIDING in layout.layer_types:
+        raise ValueError('speculative = "draft" does not support sliding-window target models yet (the draft\'s '
+                         'cache pages follow the target\'s full-attention blocks); use speculative = "ngram"')
     if config.async_batching == "on":
         raise ValueError(f"speculative = {config.speculative!r} does not run with async_batching = \"on\" yet "
                          "(a verify step's tokens must be read before the next plan); set one of them to \"off\"")

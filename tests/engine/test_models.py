@@ -169,3 +169,37 @@ def test_sliding_ring_stays_within_its_window_and_pool_balances(oracle, name):
     assert longest > bm.ring_blocks * bm.page_size  # the ring was recycled
     assert [outputs[i] for i in range(len(PROMPTS))] == expected
     assert_pool_balanced(engine)
+
+
+#: Prompts that repeat a phrase, so n-gram lookup proposes (and random models often keep the loop going).
+REPEATING_PROMPTS = [(p * 8)[:12] for p in PROMPTS[2:8]]
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+@pytest.mark.parametrize("cache", [dict(), dict(safety_margin=0.0), dict(safety_margin=0.0, cpu_offload_space=0.01)],
+                         ids=["roomy", "soft-resets", "swap"])
+def test_ngram_speculation_matches_transformers_on_sliding_windows(oracle, name, cache):
+    """Rejected proposals' slots in a sliding ring are rolled back (``BlockManager.trim``): outputs stay exact,
+    under preemption too (soft reset and CPU swap of a trimmed ring)."""
+    model_dir, _ = oracle(name)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=SPECS[name].hf_attn).eval()
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0
+                                   )[0, len(p):].tolist() for p in REPEATING_PROMPTS]
+    # A tight pool: room for about one request's ring (Mistral) or its full blocks and ring (Gemma 3) at a time.
+    num_blocks = {"mistral": 8, "gemma3": 12}[name] if cache else 256
+    config = EngineConfig(**{**ENGINE_CONFIG, **cache, "num_blocks": num_blocks}, speculative="ngram", ngram_min=1,
+                          num_speculative_tokens=3)
+    engine = LLMEngine.from_pretrained(model_dir, config)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(REPEATING_PROMPTS))}
+    for i, want in enumerate(expected):
+        assert outputs[i].output_token_ids == want, f"{name}: prompt {i}"
+    stats = engine.stats
+    assert stats.num_accepted_tokens < stats.num_proposed_tokens  # rejected slots were written and rolled back
+    if cache:
+        assert stats.num_soft_resets + stats.num_offloads > 0
+        if "cpu_offload_space" in cache:
+            assert stats.num_offloads > 0
+    engine.block_manager.check_consistency()
