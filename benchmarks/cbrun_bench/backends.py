@@ -16,6 +16,12 @@ Backends (all greedy, all on the same rows):
   request budgets, block count and block sharing (on).
 - ``cbrun-defaults``: ``LLMEngine.generate`` with ``EngineConfig()`` as it comes (its own thread count, budgets and
   cache size; ``--threads`` is not applied): what a user gets without tuning, beside the tuned ``cbrun``.
+- ``cbrun-budgets``: ``cbrun`` again at each ``--budgets R/T`` (``max_requests_per_batch`` R, ``max_batch_tokens``
+  T), one row per budget: the tuned settings beside the reference's.
+- ``cbrun-command``: the whole flags-only ``cbrun run`` command, defaults, from process start to exit
+  (``command_backend``).
+- ``vllm``: vLLM's CPU backend in its own virtual environment and process (``--vllm-python``; ``vllm_backend``);
+  skipped, and said so, without it.
 """
 
 from __future__ import annotations
@@ -29,36 +35,48 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cbrun_bench.command_backend import run_command
 from benchmarks.cbrun_bench.measure import (RunResult, current_rss_mib, git_commit, peak_rss_mib, reset_peak_rss,
                                             timed)
+from benchmarks.cbrun_bench.vllm_backend import VllmOptions, run_vllm
 from benchmarks.cbrun_bench.workloads import Workload, cut_output
 
-BACKENDS = ("cbrun", "cbrun-defaults", "cbrun-nosharing", "cbrun-static", "hf-generate", "hf-cb")
+BACKENDS = ("cbrun", "cbrun-defaults", "cbrun-budgets", "cbrun-command", "cbrun-nosharing", "cbrun-static",
+            "hf-generate", "hf-cb", "vllm")
 
 
-def run_cbrun(workload: Workload, engine_config, backend: str = "cbrun") -> RunResult:
+def run_cbrun(workload: Workload, engine_config, backend: str = "cbrun", setting: str = "") -> RunResult:
     """Continuous batching: every row handed to ``LLMEngine.generate`` at once.
 
     Args:
         workload: the rows.
         engine_config: the ``EngineConfig`` (``cbrun-nosharing`` passes one with ``allow_block_sharing=False``).
         backend: the name the result carries.
+        setting: the setting the result carries (``cbrun-budgets``: its budget).
     """
-    from engine import LLMEngine, SamplingParams
+    from engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(str(workload.model_dir), engine_config)
     n = len(workload.prompts)
-    requests = [(i, p, SamplingParams(max_new_tokens=m, stop_token_ids=workload.stop_token_ids))
+    requests = [(i, p, _sampling_params(workload, m))
                 for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
-    result = timed(backend, "", lambda: _collect_cbrun(engine.generate(requests, max_in_flight=n), n),
-                    lambda: engine.stats.num_computed_tokens)
+    result = timed(backend, setting, lambda: _collect_cbrun(engine.generate(requests, max_in_flight=n), n),
+                   lambda: engine.stats.num_computed_tokens)
     result.info = _engine_info(engine)
     return result
 
 
+def _sampling_params(workload: Workload, max_new_tokens: int):
+    """Greedy ``SamplingParams`` of one row: its limit, the workload's stop ids and ``ignore_eos``."""
+    from engine import SamplingParams
+
+    return SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=workload.stop_token_ids,
+                          ignore_eos=workload.ignore_eos)
+
+
 def run_cbrun_static(workload: Workload, engine_config, batch_size: int) -> RunResult:
     """Static batching on cbrun's engine: admit ``batch_size`` rows, step until all finish, then the next rows."""
-    from engine import LLMEngine, SamplingParams
+    from engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(str(workload.model_dir), replace(engine_config,
                                                                         max_requests_per_batch=batch_size))
@@ -68,8 +86,7 @@ def run_cbrun_static(workload: Workload, engine_config, batch_size: int) -> RunR
         for start in range(0, len(workload.prompts), batch_size):
             stop = min(start + batch_size, len(workload.prompts))
             for i in range(start, stop):
-                engine.add_request(i, workload.prompts[i], SamplingParams(
-                    max_new_tokens=workload.max_new_tokens[i], stop_token_ids=workload.stop_token_ids))
+                engine.add_request(i, workload.prompts[i], _sampling_params(workload, workload.max_new_tokens[i]))
             while engine.has_unfinished_requests():
                 results.extend(engine.step())
         return _collect_cbrun(results, len(workload.prompts))
@@ -209,12 +226,19 @@ class BackendSpec:
     engine_config: object
     threads: int | None  # None: torch's default (cbrun-defaults: the engine picks its own)
     num_blocks: int | None = None  # hf-cb: cbrun's block count
+    setting: str = ""  # cbrun-budgets: the budget, shown in the table
+    vllm: VllmOptions | None = None  # vllm: its interpreter and settings
 
 
 def run_backend(spec: BackendSpec, workload: Workload) -> RunResult:
-    """Run one backend on the workload in this process (after ``warm_up``)."""
-    if spec.backend in ("cbrun", "cbrun-defaults", "cbrun-nosharing"):
-        return run_cbrun(workload, spec.engine_config, spec.backend)
+    """Run one backend on the workload in this process (after ``warm_up``); ``cbrun-command`` and ``vllm`` start
+    their own child process."""
+    if spec.backend in ("cbrun", "cbrun-defaults", "cbrun-nosharing", "cbrun-budgets"):
+        return run_cbrun(workload, spec.engine_config, spec.backend, spec.setting)
+    if spec.backend == "cbrun-command":
+        return run_command(workload)
+    if spec.backend == "vllm":
+        return run_vllm(workload, spec.vllm)
     if spec.backend == "cbrun-static":
         return run_cbrun_static(workload, spec.engine_config, spec.batch_size)
     if spec.backend == "hf-generate":
@@ -242,6 +266,7 @@ def _child(spec: BackendSpec, workload: Workload) -> RunResult:
     result.rss_peak_mib = peak_rss_mib() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result.info["peak_rss_method"] = "VmHWM after clear_refs" if reset else "ru_maxrss (includes warm-up)"
     result.info["commit"] = git_commit()  # the engine may change under a long run; this is the code this run used
+    result.info["threads"] = torch.get_num_threads()
     return result
 
 

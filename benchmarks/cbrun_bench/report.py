@@ -157,13 +157,58 @@ def sharing_summary(rows: list[dict]) -> str | None:
 def _memory_cell(row: dict) -> str:
     if row["rss_peak_mib"] is None:
         return "n/a"
+    if row["rss_base_mib"] is None:  # cbrun-command: the job's own peak, no base
+        return f"{row['rss_peak_mib']:.0f}"
     return f"{row['rss_peak_mib']:.0f} (+{row['rss_peak_mib'] - row['rss_base_mib']:.0f})"
+
+
+#: The cbrun rows ``vllm_summary`` takes the best of: the tuned settings (the reference and each budget).
+TUNED_CBRUN = ("cbrun", "cbrun-budgets")
+
+
+def vllm_summary(rows: list[dict]) -> str | None:
+    """One line on cbrun against vLLM's CPU backend: cbrun's best tuned row and its defaults, as ratios of vLLM's
+    generated tok/s, and whether the best row's outputs equal vLLM's. None unless vllm ran."""
+    vllm = next((r for r in rows if r["backend"] == "vllm"), None)
+    tuned = [r for r in rows if r["backend"] in TUNED_CBRUN]
+    if vllm is None or not tuned:
+        return None
+    best = max(tuned, key=lambda r: r["generated_tok_s"])
+    name = f"{best['backend']} ({best['setting']})" if best["setting"] else f"{best['backend']} (reference)"
+    equal = "rows equal to cbrun's: " + (f"{vllm['rows_equal']}/{vllm['rows']}" if vllm["rows_equal"] is not None
+                                         else "n/a")
+    line = (f"vs vLLM's CPU backend {vllm['info'].get('versions', {}).get('vllm', '')}: vLLM {vllm['generated_tok_s']:.0f} "
+            f"generated tok/s (engine start {vllm['info'].get('init_s', 0):.1f} s, not in its wall time); cbrun's best, "
+            f"{name}, {best['generated_tok_s']:.0f} = {best['generated_tok_s'] / vllm['generated_tok_s']:.2f}x")
+    defaults = next((r for r in rows if r["backend"] == "cbrun-defaults"), None)
+    if defaults:
+        line += (f"; cbrun-defaults {defaults['generated_tok_s']:.0f} = "
+                 f"{defaults['generated_tok_s'] / vllm['generated_tok_s']:.2f}x")
+    return line + f"; vLLM {equal}"
+
+
+def command_summary(rows: list[dict]) -> str | None:
+    """One line on the whole ``cbrun run`` command (defaults) against transformers' padded ``generate``: generated
+    tokens over the command's whole time, as a ratio of each hf-generate row's. None unless both ran."""
+    command = next((r for r in rows if r["backend"] == "cbrun-command"), None)
+    generate = [r for r in rows if r["backend"] == "hf-generate"]
+    if command is None or not generate:
+        return None
+    ratios = ", ".join(f"{command['generated_tok_s'] / r['generated_tok_s']:.2f}x hf-generate {r['setting']} at "
+                       f"{r['info'].get('threads', '?')} thread(s) ({r['generated_tok_s']:.0f} tok/s, generation only)"
+                       for r in generate)
+    generation_s = command["info"].get("generation_s")
+    phase = (f", {command['generated_tokens'] / generation_s:.0f} over its generation phase" if generation_s
+             else "")
+    return (f"whole command (cbrun run, default settings, process start to exit): "
+            f"{command['generated_tok_s']:.0f} generated tok/s{phase} = {ratios}")
 
 
 
 
 def format_report(report: dict) -> str:
-    """The header lines, the table, and what prefix sharing bought when cbrun-nosharing ran."""
+    """The header lines, the table, the backends skipped and why, and one line each on what prefix sharing bought,
+    cbrun against vLLM, and the whole command against ``generate`` (when those backends ran)."""
     m = report["machine"]
     lines = [
         f"workload: {report['workload']}: {report['description']}",
@@ -173,9 +218,13 @@ def format_report(report: dict) -> str:
         f"commit {m['commit']}, {m['date']}; "
         f"load average (1/5/15 min) at start {_load(report['load_avg_start'])}, end {_load(report['load_avg_end'])}",
         *_repeats_note(report["repeats"]), "", format_table(report["results"])]
-    sharing = sharing_summary(report["results"])
-    if sharing:
-        lines += ["", sharing]
+    skipped = [f"- {s['backend']}: skipped: {s['reason']}" for s in report.get("skipped", [])]
+    if skipped:
+        lines += ["", *skipped]
+    for summary in (sharing_summary, vllm_summary, command_summary):
+        line = summary(report["results"])
+        if line:
+            lines += ["", line]
     return "\n".join(lines)
 
 

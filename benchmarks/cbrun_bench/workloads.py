@@ -9,6 +9,11 @@ Rows are the first ``--rows`` GSM8K test questions. Per-row ``max_new_tokens`` i
   near-equal limits, the workload of issue 19's "fast by default" table (256 rows by default).
 - ``random-llama-30m``: a random-init Llama of about 40M parameters on random ids, one prompt per question with the
   length stories260K's tokenizer gives it.
+- ``vllm-random-llama``: issue 19's peer workload (section 0b), the one ``--backends ...,vllm`` compares with vLLM's
+  CPU backend: a random Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, head_dim 64, vocab 512; stories260K's
+  head_dim of 8 is one vLLM's CPU attention does not support) on 128 rows of random prompt ids of 40..300 tokens,
+  per-row ``max_new_tokens`` uniform in ``--max-new-tokens`` (16..256), ``ignore_eos``, all drawn from ``--seed``.
+  It reads no shared data.
 - ``gsm8k-fewshot``: stories260K, each question after the same 1-shot exemplar (GSM8K train row 0, question and
   answer), the prompt of manifests/gsm8k-fewshot.toml: every row shares a prefix of about 217 tokens, which
   cbrun's prefix cache serves. Questions whose prompt leaves no room to generate (>= 512 tokens) are left out; the
@@ -37,14 +42,20 @@ FEWSHOT_EXEMPLARS = 1
 #: ``gsm8k-long``: each row generates up to this many tokens, capped by the context.
 LONG_MAX_NEW_TOKENS = 256
 
-WORKLOADS = ("gsm8k-stories260k", "gsm8k-long", "random-llama-30m", "gsm8k-fewshot")
+WORKLOADS = ("gsm8k-stories260k", "gsm8k-long", "random-llama-30m", "gsm8k-fewshot", "vllm-random-llama")
 #: Rows per workload when --rows is not given, chosen so every backend ends in a few minutes on 2 CPU cores.
-DEFAULT_ROWS = {"gsm8k-stories260k": 512, "gsm8k-long": 256, "random-llama-30m": 64, "gsm8k-fewshot": 512}
+DEFAULT_ROWS = {"gsm8k-stories260k": 512, "gsm8k-long": 256, "random-llama-30m": 64, "gsm8k-fewshot": 512,
+                "vllm-random-llama": 128}
 
 #: Shape of the random Llama of the ``random-llama-30m`` workload (about 40M parameters with tied embeddings).
 RANDOM_LLAMA = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                     intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=True,
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+#: Shape of the ``vllm-random-llama`` workload's model: ``RANDOM_LLAMA`` with a 512-token vocabulary (head_dim 64).
+VLLM_RANDOM_LLAMA = {**RANDOM_LLAMA, "vocab_size": 512}
+#: ``vllm-random-llama``: prompt lengths are drawn uniformly from this range (inclusive).
+VLLM_PROMPT_LENGTHS = (40, 300)
 
 
 def shared_dir(shared: str | Path | None = None) -> Path:
@@ -79,6 +90,8 @@ class Workload:
         stop_token_ids: ids that end a row (kept in its output).
         max_model_len: the model's maximum total length.
         description: one line for the report.
+        ignore_eos: rows do not stop at the model's EOS token (vLLM's ``SamplingParams.ignore_eos``); every row
+            then generates exactly its ``max_new_tokens`` unless a ``stop_token_ids`` id comes.
     """
 
     name: str
@@ -88,6 +101,7 @@ class Workload:
     stop_token_ids: tuple[int, ...]
     max_model_len: int
     description: str
+    ignore_eos: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,7 +114,8 @@ def build_workload(name: str, rows: int, new_tokens: tuple[int, int], seed: int,
 
     Args:
         name: one of ``WORKLOADS``.
-        rows: number of GSM8K test questions, from the first (``gsm8k-fewshot`` leaves out those too long).
+        rows: number of GSM8K test questions, from the first (``gsm8k-fewshot`` leaves out those too long);
+            ``vllm-random-llama``: number of random prompts.
         new_tokens: (low, high) bounds of the uniform per-row ``max_new_tokens`` draw.
         seed: seed of that draw and of random prompt ids.
         model_dir: a model directory to reuse (built there when it has no config.json); None builds in ``scratch``.
@@ -110,6 +125,8 @@ def build_workload(name: str, rows: int, new_tokens: tuple[int, int], seed: int,
     Raises:
         ValueError: for an unknown workload, more rows than GSM8K's test split holds, or no row that fits.
     """
+    if name == "vllm-random-llama":
+        return _vllm_random_llama_workload(rows, new_tokens, seed, model_dir or scratch / "vllm-random-llama")
     shared = shared_dir(shared)
     if name == "gsm8k-stories260k":
         return _stories_workload(rows, new_tokens, seed, model_dir or scratch / "stories260k", shared)
@@ -225,13 +242,12 @@ def _random_llama_workload(rows: int, new_tokens: tuple[int, int], seed: int, mo
     max_len = RANDOM_LLAMA["max_position_embeddings"]
     return Workload("random-llama-30m", model_dir, prompts, draw_max_new_tokens(prompts, new_tokens, max_len, seed),
                     (RANDOM_LLAMA["eos_token_id"],), max_len,
-                    f"random-init Llama ({_shape_text()}) on {rows} prompts of random ids with the stories260K "
+                    f"random-init Llama ({_shape_text(RANDOM_LLAMA)}) on {rows} prompts of random ids with the stories260K "
                     f"token lengths of the first {rows} GSM8K test questions, stop token 2, max_new_tokens uniform "
                     f"{new_tokens[0]}..{new_tokens[1]} (seed {seed})")
 
 
-def _shape_text() -> str:
-    c = RANDOM_LLAMA
+def _shape_text(c: dict) -> str:
     return (f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads, "
             f"{c['num_key_value_heads']} kv heads, intermediate {c['intermediate_size']}, vocab {c['vocab_size']}, "
             f"tied embeddings")
@@ -243,15 +259,38 @@ def _stories_tokenizer(shared: Path):
     return build_tokenizer(*read_tokenizer(stories260k_path(shared) / "tok512.bin", 512), 512)
 
 
-def build_random_llama(out_dir: Path, seed: int = 0) -> Path:
-    """Save a random-initialised Llama of shape ``RANDOM_LLAMA`` (float32, no tokenizer) to ``out_dir``."""
+def _vllm_random_llama_workload(rows: int, new_tokens: tuple[int, int], seed: int, model_dir: Path) -> Workload:
+    """Random prompt ids of random lengths, per-row limits, ``ignore_eos``: the same rows for a given ``seed``."""
+    if not (model_dir / "config.json").is_file():
+        build_random_llama(model_dir, seed, VLLM_RANDOM_LLAMA)
+    g = torch.Generator().manual_seed(seed)
+    low, high = VLLM_PROMPT_LENGTHS
+    lengths = torch.randint(low, high + 1, (rows,), generator=g).tolist()
+    vocab = VLLM_RANDOM_LLAMA["vocab_size"]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    max_len = VLLM_RANDOM_LLAMA["max_position_embeddings"]
+    return Workload("vllm-random-llama", model_dir, prompts, draw_max_new_tokens(prompts, new_tokens, max_len, seed),
+                    (), max_len,
+                    f"random-init Llama ({_shape_text(VLLM_RANDOM_LLAMA)}) on {rows} prompts of random ids, "
+                    f"{low}..{high} tokens, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]}, ignore_eos "
+                    f"(seed {seed}): issue 19's vLLM CPU comparison", ignore_eos=True)
+
+
+def build_random_llama(out_dir: Path, seed: int = 0, shape: dict | None = None) -> Path:
+    """Save a random-initialised Llama (float32, no tokenizer) to ``out_dir``.
+
+    Args:
+        out_dir: the transformers model directory to write.
+        seed: the weights' seed.
+        shape: ``LlamaConfig`` fields; None takes ``RANDOM_LLAMA``.
+    """
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    shape = shape or RANDOM_LLAMA
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(LlamaConfig(**RANDOM_LLAMA)).to(torch.float32)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=RANDOM_LLAMA["eos_token_id"],
-                                               pad_token_id=0)
+        model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=shape["eos_token_id"], pad_token_id=0)
     model.save_pretrained(out_dir)
     return out_dir
 
