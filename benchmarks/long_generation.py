@@ -73,7 +73,9 @@ def run_cbrun(tree: str, sets: list[str], model_dir: Path, questions: Path, scra
     cpu = _children_cpu_s() - cpu_start
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-2000:]}")
-    stats = json.loads((out / "stats.json").read_text())
+    # cbrun keeps stats.json in OUT/_cbrun/; checkouts older than that wrote it at the top.
+    stats_path = next(p for p in (out / "_cbrun" / "stats.json", out / "stats.json") if p.is_file())
+    stats = json.loads(stats_path.read_text())
     import pyarrow.parquet as pq
 
     table = pq.read_table(sorted(out.glob("part-*.parquet"))).sort_by("row_index")

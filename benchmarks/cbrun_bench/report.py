@@ -177,9 +177,10 @@ def vllm_summary(rows: list[dict]) -> str | None:
     name = f"{best['backend']} ({best['setting']})" if best["setting"] else f"{best['backend']} (reference)"
     equal = "rows equal to cbrun's: " + (f"{vllm['rows_equal']}/{vllm['rows']}" if vllm["rows_equal"] is not None
                                          else "n/a")
-    line = (f"vs vLLM's CPU backend {vllm['info'].get('versions', {}).get('vllm', '')}: vLLM {vllm['generated_tok_s']:.0f} "
-            f"generated tok/s (engine start {vllm['info'].get('init_s', 0):.1f} s, not in its wall time); cbrun's best, "
-            f"{name}, {best['generated_tok_s']:.0f} = {best['generated_tok_s'] / vllm['generated_tok_s']:.2f}x")
+    version = vllm["info"].get("versions", {}).get("vllm", "")
+    line = (f"vs vLLM's CPU backend {version}: vLLM {vllm['generated_tok_s']:.0f} generated tok/s (engine start "
+            f"{vllm['info'].get('init_s', 0):.1f} s, not in its wall time); cbrun's best, {name}, "
+            f"{best['generated_tok_s']:.0f} = {best['generated_tok_s'] / vllm['generated_tok_s']:.2f}x")
     defaults = next((r for r in rows if r["backend"] == "cbrun-defaults"), None)
     if defaults:
         line += (f"; cbrun-defaults {defaults['generated_tok_s']:.0f} = "

