@@ -41,7 +41,7 @@ RESULT_KEYS = ("outputs", "wall_s", "cpu_s", "init_s", "first_token_s", "finish_
                "versions", "config")
 #: Environment variables copied into the result, so the JSON says how vLLM was set up.
 REPORTED_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU",
-                "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
+                "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_AOT_COMPILE")
 
 
 def _process_tree() -> list[int]:

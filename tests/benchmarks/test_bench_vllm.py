@@ -88,7 +88,8 @@ def test_vllm_backend_runs_the_runner_and_checks_outputs(stories260k_dir, tmp_pa
     assert report["skipped"] == []
     info = vllm["info"]
     assert info["versions"]["vllm"] == "0.0.fake" and info["max_num_seqs"] == 7  # --vllm-arg reached vllm.LLM
-    assert info["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "3"}  # --threads 1
+    assert info["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "3",  # --threads 1
+                           "VLLM_USE_AOT_COMPILE": "0"}
     assert info["init_s"] > 0 and info["process_s"] > vllm["wall_s"] > 0
     assert vllm["rss_peak_mib"] > 0 and vllm["ttft_s"] is None  # no per-request metrics: "n/a", not made up
 
