@@ -22,3 +22,28 @@ def test_decode_buckets_equal_one_padded_group(monkeypatch):
     single = ref.paged_attention_ref(query, k_cache, v_cache, ref.build_gather_plan(block_tables, cu, seqlens_k,
                                                                                     page), 0.3)
     torch.testing.assert_close(bucketed, single, rtol=1e-5, atol=1e-6)
+
+
+def test_prefill_tiles_equal_one_padded_group(monkeypatch):
+    """Prefills cut into causal tiles (some with a cached prefix, one past a sliding window) attend as untiled."""
+    g = torch.Generator().manual_seed(1)
+    num_pages, page, num_kv_heads, head_dim, num_heads = 300, 4, 2, 8, 4
+    k_cache = torch.randn(num_pages, page, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_pages, page, num_kv_heads, head_dim, generator=g)
+    q_lens = [70, 1, 33, 5, 40]
+    seqlens_k = torch.tensor([70, 20, 90, 5, 41])  # 57 and 1 cached tokens before the 2nd and last prefill
+    block_tables = torch.randint(2, num_pages, (len(q_lens), 25), generator=g)
+    cu = torch.tensor([0] + q_lens).cumsum(0)
+    query = torch.randn(int(cu[-1]), num_heads, head_dim, generator=g)
+    monkeypatch.setattr(ref, "PREFILL_BUCKET_SIZE", 3)
+    for window in (None, 24):
+        plan = ref.build_gather_plan(block_tables, cu, seqlens_k, page, window)
+        assert len(plan.groups) == 1 + 3  # the decode; 3 + 2 + 1 + 2 tiles of at most 32 rows, 3 a group
+        tiled = ref.paged_attention_ref(query, k_cache, v_cache, plan, 0.3)
+        with monkeypatch.context() as m:
+            m.setattr(ref, "PREFILL_TILE", 10**6)
+            m.setattr(ref, "PREFILL_BUCKET_SIZE", 10**6)
+            untiled_plan = ref.build_gather_plan(block_tables, cu, seqlens_k, page, window)
+            assert len(untiled_plan.groups) == 2
+            untiled = ref.paged_attention_ref(query, k_cache, v_cache, untiled_plan, 0.3)
+        torch.testing.assert_close(tiled, untiled, rtol=1e-5, atol=1e-6)
