@@ -184,7 +184,10 @@ class BlockManager:
         if not cached_blocks and self.sliding is None:
             num_slots = request.num_computed_tokens + num_new_tokens
             if num_slots <= len(request.block_table) * self.page_size:  # most decode steps: no new block
-                if self.enable_prefix_caching:
+                # Blocks filled since the last registration get hashed (``_register_full_blocks``); this check
+                # spares the call on the other steps.
+                if self.enable_prefix_caching and num_slots // self.page_size > len(
+                        self._request_hashes.get(request.index, ())):
                     self._register_full_blocks(request, num_slots)
                 return True
         num_cached_tokens = len(cached_blocks) * self.page_size

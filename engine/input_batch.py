@@ -105,25 +105,23 @@ class PersistentBatch:
                 never saw was skipped: a bug in the caller).
         """
         row_of = self.row_of
-        rows, lengths, sliding_lengths = [], [], []
-        full_rows = self.tables.get(full)
-        sliding_rows = self.tables.get(sliding)
-        for item in scheduled:
-            row = row_of.get(item.request_index)
-            if row is None:
-                row = self._join(item)
-            new = item.new_block_ids
-            if new and full_rows is not None:
-                full_rows.write(row, item.block_table_start, new)
-            lengths.append(item.block_table_start + len(new))
-            if sliding_rows is not None:
-                new = item.new_sliding_block_ids
-                if new:
-                    sliding_rows.write(row, item.sliding_block_start, new)
-                sliding_lengths.append(item.sliding_block_start + len(new))
-            rows.append(row)
-        return (np.array(rows, dtype=np.int64), np.array(lengths, dtype=np.int64),
-                np.array(sliding_lengths, dtype=np.int64) if sliding_rows is not None else None)
+        rows = list(map(row_of.get, [s.request_index for s in scheduled]))
+        if None in rows:  # requests joining the batch
+            rows = [row if row is not None else self._join(item) for row, item in zip(rows, scheduled)]
+        full_rows, sliding_rows = self.tables.get(full), self.tables.get(sliding)
+        # Decodes gain a block once every page_size steps: only the entries with new blocks are written.
+        for i in [i for i, s in enumerate(scheduled) if s.new_block_ids or s.new_sliding_block_ids]:
+            item = scheduled[i]
+            if item.new_block_ids and full_rows is not None:
+                full_rows.write(rows[i], item.block_table_start, item.new_block_ids)
+            if item.new_sliding_block_ids and sliding_rows is not None:
+                sliding_rows.write(rows[i], item.sliding_block_start, item.new_sliding_block_ids)
+        lengths = np.array([s.block_table_start + len(s.new_block_ids) for s in scheduled], dtype=np.int64)
+        sliding_lengths = None
+        if sliding_rows is not None:
+            sliding_lengths = np.array([s.sliding_block_start + len(s.new_sliding_block_ids) for s in scheduled],
+                                       dtype=np.int64)
+        return np.array(rows, dtype=np.int64), lengths, sliding_lengths
 
     def _join(self, item: ScheduledRequest) -> int:
         if item.block_table_start or item.sliding_block_start:

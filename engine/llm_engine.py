@@ -218,7 +218,7 @@ class LLMEngine:
     def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
         """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
         token_ids = handle.token_ids()  # device argmax of each sampling entry, in plan order
-        if not any(s.spec_token_ids or s.needs_host_sampling or s.prompt_logprob_positions for s in plan.scheduled):
+        if plan.plain_greedy:
             sampled, num_kept = self._read_greedy(plan, token_ids)
         else:
             sampled, num_kept = self._read_rows_of_plan(plan, handle, token_ids)

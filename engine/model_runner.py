@@ -130,7 +130,7 @@ class ModelRunner:
         self.input_batch.release(plan.released_request_indices)
         if not plan.scheduled:
             return None
-        inputs = self._prepare(plan.scheduled, previous)
+        inputs = self._prepare(plan.scheduled, previous, plan.plain_greedy)
         input_ids, positions, md, logits_indices, sample_rows, carry = self._upload(inputs)
         if self.use_cuda_graphs:
             if self._graph_runner is None:
@@ -163,8 +163,12 @@ class ModelRunner:
                                max_shape.num_logit_rows, {k: n for k, n in self.layers_per_block.items() if n},
                                template, self.max_cached_graphs)
 
-    def _prepare(self, scheduled: list[ScheduledRequest], previous: StepHandle | None) -> _StepInputs:
+    def _prepare(self, scheduled: list[ScheduledRequest], previous: StepHandle | None,
+                 plain_greedy: bool = False) -> _StepInputs:
         """The step's inputs as host tensors (padded to the step's shape when padding is on).
+
+        ``plain_greedy``: the plan's ``SchedulerOutput.plain_greedy`` (logit rows are then the sampling entries'
+        last tokens).
 
         Per request, only its plan entry's fields are read (a few list comprehensions); everything per token is
         computed with numpy from the per-request starts and lengths, and the block tables are one gather from the
@@ -184,7 +188,7 @@ class ModelRunner:
         positions = np.arange(num_tokens) + (starts - cu_seqlens_q[:-1])[request_of_token]
         carry = self._carry(scheduled, cu_seqlens_q, previous, token_ids)
         rows, num_blocks, num_sliding = self.input_batch.update(scheduled, full, sliding)
-        rows_info = self._logit_rows(scheduled, cu_seqlens_q)
+        rows_info = self._logit_rows(scheduled, cu_seqlens_q, plain_greedy)
         logits_indices, sample_rows, sample_row_of, needs_host_logits = rows_info
         num_rows = len(logits_indices)
         max_seqlen_k = int(seqlens_k.max())
@@ -213,7 +217,7 @@ class ModelRunner:
             needs_host_logits=needs_host_logits)
 
     @staticmethod
-    def _logit_rows(scheduled: list[ScheduledRequest], cu_seqlens_q: np.ndarray):
+    def _logit_rows(scheduled: list[ScheduledRequest], cu_seqlens_q: np.ndarray, plain_greedy: bool):
         """Which rows of the flattened batch get logits, and which of those are sampled.
 
         Returns:
@@ -223,11 +227,10 @@ class ModelRunner:
         samples = [s.samples for s in scheduled]
         sampling = list(compress(scheduled, samples))
         sample_row_of = dict(zip([s.request_index for s in sampling], range(len(sampling))))
-        needs_host_sampling = any(s.needs_host_sampling for s in sampling)
-        if not any(s.prompt_logprob_positions or s.spec_token_ids for s in scheduled):
-            # The common step: one logit row per sampling entry, its last token.
+        if plain_greedy:  # the common step: one logit row per sampling entry, its last token
             logits_indices = (cu_seqlens_q[1:] - 1)[np.array(samples, dtype=bool)]
-            return logits_indices, None, sample_row_of, needs_host_sampling
+            return logits_indices, None, sample_row_of, False
+        needs_host_sampling = any(s.needs_host_sampling for s in sampling)
         logits_indices, sample_rows = [], []
         for item, offset in zip(scheduled, cu_seqlens_q.tolist()):
             positions = item.prompt_logprob_positions

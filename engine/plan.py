@@ -95,6 +95,9 @@ class SchedulerOutput:
         num_preempted: requests offloaded or soft reset while planning.
         released_request_indices: requests that left the running set since the previous plan (finished, failed,
             aborted, offloaded or soft reset): the model runner frees their rows before laying out this step.
+        plain_greedy: every entry takes at most one sampled row, the device's argmax (no speculative proposals,
+            prompt log-probabilities or host-side sampling), so the runner and the engine take their short paths.
+            False is always safe (a plan built by hand).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -102,6 +105,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
     released_request_indices: list[int] = field(default_factory=list)
+    plain_greedy: bool = False
 
     @property
     def num_batch_tokens(self) -> int:

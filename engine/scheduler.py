@@ -109,6 +109,7 @@ class FIFOScheduler:
         out = SchedulerOutput()
         self._schedule_phases(plan, out)
         out.scheduled = plan.scheduled
+        out.plain_greedy = plan.plain_greedy
         out.released_request_indices, self._released = self._released, []
         return out
 
@@ -417,6 +418,7 @@ class _PlanBuilder:
         self.request_budget = config.max_requests_per_batch
         self.scheduled: list[ScheduledRequest] = []
         self._indices: set[int] = set()  # ``Request.index`` of the planned requests
+        self.plain_greedy = True  # ``SchedulerOutput.plain_greedy``
 
     def fit(self, num_tokens: int) -> int:
         """How many of ``num_tokens`` fit the remaining budgets (0 when none or no request slot)."""
@@ -432,7 +434,10 @@ class _PlanBuilder:
             block_start, sliding_start: lengths of its block tables before this step's allocation (0 for a request
                 (re)joining the batch: its whole tables go in the plan).
         """
-        self.scheduled.append(_plan_entry(request, num_tokens, spec_token_ids, block_start, sliding_start))
+        entry = _plan_entry(request, num_tokens, spec_token_ids, block_start, sliding_start)
+        if self.plain_greedy and (spec_token_ids or entry.needs_host_sampling or entry.prompt_logprob_positions):
+            self.plain_greedy = False
+        self.scheduled.append(entry)
         self._indices.add(request.index)
         self.token_budget -= num_tokens
         self.request_budget -= 1
@@ -450,8 +455,12 @@ def _plan_entry(request: Request, num_tokens: int, spec_token_ids: tuple[int, ..
     """
     start = request.num_computed_tokens
     end = start + num_tokens - len(spec_token_ids)  # one past the request's own tokens
-    num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
-    token_ids = request.token_ids(start, end)
+    num_prompt = len(request.prompt_token_ids)
+    num_known = num_prompt + len(request.output_token_ids)
+    if num_prompt <= start and end <= num_known:  # a decode (``Request.token_ids``' case, without the call)
+        token_ids = request.output_token_ids[start - num_prompt:end - num_prompt]
+    else:
+        token_ids = request.token_ids(start, end)
     if spec_token_ids:
         token_ids += spec_token_ids
     blocks, ring = request.block_table, request.sliding_block_table

@@ -270,10 +270,10 @@ def _markdown(command: str, table: str, load_start, load_end, args) -> str:
     clock = "this thread's CPU time (`time.thread_time`)" if args.clock == "cpu" else "wall time"
     return f"""# Engine overhead: host time per step on a near-free model
 
-Command: `{command}` (`benchmarks/cbrun_bench/overhead.py`; its docstring defines every column). Commit {commit},
-{time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}; {platform.machine()}, {os.cpu_count()} CPUs, torch
-{torch.__version__}, one thread; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end. Each
-cell is the median of {args.repeats} round-robin repeat(s); times are {clock}, means over the timed steps.
+Command: `{command}` (`benchmarks/cbrun_bench/overhead.py`; its docstring defines every column).
+Commit {commit}, {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}; {platform.machine()}, {os.cpu_count()} CPUs,
+torch {torch.__version__}, one thread; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end.
+Each cell is the median of {args.repeats} round-robin repeat(s); times are {clock}, means over the timed steps.
 
 {table}
 

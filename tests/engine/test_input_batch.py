@@ -56,8 +56,8 @@ def test_runner_tables_equal_the_block_managers_at_every_step(config):
     layers = runner.layers_per_block["full"]
     prepare, checked = runner._prepare, []
 
-    def checking_prepare(scheduled, previous):
-        inputs = prepare(scheduled, previous)
+    def checking_prepare(scheduled, previous, plain_greedy=False):
+        inputs = prepare(scheduled, previous, plain_greedy)
         tables = inputs.groups["full"].block_tables.numpy()
         for i, item in enumerate(scheduled):
             blocks = requests[item.request_index].block_table
