@@ -158,10 +158,10 @@ class FIFOScheduler:
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - request.num_tokens)
         proposals = self.speculator.propose(request.prompt_token_ids + request.output_token_ids, room)
-        block_start = len(request.block_table)
+        block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
         if not proposals or not self.block_manager.allocate_slots(request, 1 + len(proposals)):
             return False
-        plan.add(request, 1 + len(proposals), tuple(proposals), block_start=block_start)
+        plan.add(request, 1 + len(proposals), tuple(proposals), block_start, sliding_start)
         return True
 
     def _schedule_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
