@@ -181,6 +181,15 @@ class BlockManager:
         Returns:
             True when the slots are reserved.
         """
+        if not cached_blocks and self.sliding is None:
+            num_slots = request.num_computed_tokens + num_new_tokens
+            if num_slots <= len(request.block_table) * self.page_size:  # most decode steps: no new block
+                # Blocks filled since the last registration get hashed (``_register_full_blocks``); this check
+                # spares the call on the other steps.
+                if self.enable_prefix_caching and num_slots // self.page_size > len(
+                        self._request_hashes.get(request.index, ())):
+                    self._register_full_blocks(request, num_slots)
+                return True
         num_cached_tokens = len(cached_blocks) * self.page_size
         full_needed = self.num_blocks_needed(request, num_new_tokens + num_cached_tokens, len(cached_blocks))
         sliding_needed = self._sliding_blocks_needed(request, num_new_tokens + num_cached_tokens)
@@ -230,11 +239,14 @@ class BlockManager:
         return block
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        # A block holding a token still on the device (async batching) is hashed by a later step.
+        num_full = min(num_tokens, len(request.prompt_token_ids) + len(request.output_token_ids)) // self.page_size
+        hashes = self._request_hashes.get(request.index)
+        if hashes is not None and len(hashes) >= num_full:
+            return  # no block filled up since the last call (most decode steps)
         hashes = self._request_hashes.setdefault(request.index, [])
         parent = hashes[-1] if hashes else ROOT_HASH
-        # A block holding a token still on the device (async batching) is hashed by a later step.
-        num_tokens = min(num_tokens, request.num_known_tokens)
-        for i in range(len(hashes), num_tokens // self.page_size):
+        for i in range(len(hashes), num_full):
             tokens = tuple(request.token_ids(i * self.page_size, (i + 1) * self.page_size))
             parent = self.hash_fn(parent, tokens)
             hashes.append(parent)

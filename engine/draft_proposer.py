@@ -91,7 +91,9 @@ class DraftProposer:
         """
         verify = [item for item in plan.scheduled if item.spec_token_ids]
         mirror = [_first_draft_entry(item) for item in plan.scheduled]
-        handle = self.runner.launch(SchedulerOutput(scheduled=mirror))
+        # The released rows travel with the mirror: the draft's runner keeps its own persistent batch.
+        handle = self.runner.launch(SchedulerOutput(scheduled=mirror,
+                                                    released_request_indices=plan.released_request_indices))
         proposals: dict[int, list[int]] = {item.request_index: [] for item in verify}
         probs: dict[int, list[torch.Tensor]] = {item.request_index: [] for item in verify}
         for j in range(1, max((len(item.spec_token_ids) for item in verify), default=0) + 2):

@@ -94,7 +94,8 @@ class LLMEngine:
                                         use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
                                         max_model_len=max_model_len, async_batching=self.overlap_steps,
                                         lean_model=select_lean_model(config.model_impl, model, use_graphs,
-                                                                     max_model_len))
+                                                                     max_model_len),
+                                        max_requests=config.max_requests_per_batch)
         #: Runs the draft model and fills each step's proposals (``speculative = "draft"``); its cache shares
         #: the block manager's block ids.
         self.drafter = (DraftProposer(draft_model, self.cache_spec, model_config.vocab_size, self.eos_token_ids,
@@ -217,7 +218,42 @@ class LLMEngine:
     def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
         """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
         token_ids = handle.token_ids()  # device argmax of each sampling entry, in plan order
+        if plan.plain_greedy:
+            sampled, num_kept = self._read_greedy(plan, token_ids)
+        else:
+            sampled, num_kept = self._read_rows_of_plan(plan, handle, token_ids)
+        finished = self.scheduler.resolve(plan, sampled)
+        self._count_step(plan, num_kept)
+        return finished
+
+    def _read_greedy(self, plan: SchedulerOutput, token_ids: list[int]) -> tuple[dict[int, int], int]:
+        """A step of plain greedy entries: each sampling entry's token is the device's argmax.
+
+        Returns:
+            (``Request.index -> token`` of the unfinished requests, tokens kept as output).
+        """
+        requests = self.scheduler.requests
         sampled: dict[int, int] = {}
+        sample, num_kept = 0, 0
+        for item in plan.scheduled:
+            if item.samples:
+                # None once finished (async batching: found finished after this step was planned); token dropped.
+                request = requests.get(item.request_index)
+                if request is not None:
+                    sampled[item.request_index] = token_ids[sample]
+                    num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
+                sample += 1
+        return sampled, num_kept
+
+    def _read_rows_of_plan(self, plan: SchedulerOutput, handle: StepHandle, token_ids: list[int]
+                           ) -> tuple[dict[int, int | list[int]], int]:
+        """Any step: host sampling, prompt log-probabilities and speculative verification where entries need them.
+
+        Returns:
+            (``Request.index -> token``, or the tokens a verify step commits, of the unfinished requests; tokens
+            kept as output).
+        """
+        sampled: dict[int, int | list[int]] = {}
         row, sample, num_kept = 0, 0, 0
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
@@ -239,9 +275,7 @@ class LLMEngine:
                     num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
             row += len(item.prompt_logprob_positions) + item.num_sample_rows
             sample += item.num_sample_rows
-        finished = self.scheduler.resolve(plan, sampled)
-        self._count_step(plan, num_kept)
-        return finished
+        return sampled, num_kept
 
     def _read_rows_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
                            device_token: int | None) -> int | None:

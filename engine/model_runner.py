@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain, compress
 
+import numpy as np
 import torch
 
 from engine.async_batching import InputStager, StepHandle
 from engine.attention import AttentionMetadata, GroupMetadata
 from engine.cache_spec import cdiv, page_address, slot_address
 from engine.cuda_graphs import CudaGraphRunner
+from engine.input_batch import PersistentBatch
 from engine.kv_cache import KVCache
 from engine.kv_layout import FULL, SLIDING
 from engine.padding import PaddedShape, PaddingPolicy
@@ -40,7 +43,9 @@ class ModelRunner:
 
     The batch is flattened: the scheduled requests' new tokens are laid end to end as one sequence of T tokens
     (no padding), with positions, per-allocator slot mappings and block tables telling attention where each
-    request's context lives.
+    request's context lives. Block tables are kept between steps in a ``PersistentBatch`` that each plan patches
+    (``engine.input_batch``); positions and slots are computed with array operations from per-request values, so a
+    decode step costs no Python object per request beyond reading its plan entry.
 
     Args:
         model: a transformers causal LM loaded with ``attn_implementation="cbrun_paged"``.
@@ -53,12 +58,13 @@ class ModelRunner:
         async_batching: steps overlap (the next is launched before this one's results are read): inputs go
             through ``InputStager`` on CUDA, and logits the host still needs are copied out of the graph's output.
         lean_model: a ``LeanLlama`` over ``model`` to run instead of its transformers forward (not with graphs).
+        max_requests: rows the persistent batch allocates at first (more are added if a plan needs them).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool = False,
                  padding: PaddingPolicy | None = None,
                  use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0,
-                 async_batching: bool = False, lean_model=None) -> None:
+                 async_batching: bool = False, lean_model=None, max_requests: int = 64) -> None:
         assert not use_cuda_graphs or (padding is not None and use_triton), "CUDA graphs need padding and Triton"
         assert not async_batching or use_cuda_graphs, "async batching needs CUDA graphs"
         assert not (use_cuda_graphs and lean_model is not None), "CUDA graphs capture the transformers forward"
@@ -80,6 +86,8 @@ class ModelRunner:
         self.layers_per_block = {kind: spec.layers_per_block(kind) for kind in (FULL, SLIDING)}
         self.async_batching = async_batching
         self.stager = InputStager(self._max_input_elements(), self.device) if async_batching else None
+        groups = [kind for kind, n in self.layers_per_block.items() if n]
+        self.input_batch = PersistentBatch(groups, max_requests, cdiv(max_model_len, self.page_size))
 
     def _max_input_elements(self) -> int:
         """int64 elements of the largest padded step's inputs (what ``_upload`` stages)."""
@@ -119,9 +127,10 @@ class ModelRunner:
         """
         if plan.swap_out or plan.swap_in:
             self.kv_cache.swap(plan.swap_out, plan.swap_in)
+        self.input_batch.release(plan.released_request_indices)
         if not plan.scheduled:
             return None
-        inputs = self._prepare(plan.scheduled, previous)
+        inputs = self._prepare(plan.scheduled, previous, plan.plain_greedy)
         input_ids, positions, md, logits_indices, sample_rows, carry = self._upload(inputs)
         if self.use_cuda_graphs:
             if self._graph_runner is None:
@@ -154,61 +163,107 @@ class ModelRunner:
                                max_shape.num_logit_rows, {k: n for k, n in self.layers_per_block.items() if n},
                                template, self.max_cached_graphs)
 
-    def _prepare(self, scheduled: list[ScheduledRequest], previous: StepHandle | None) -> _StepInputs:
-        """The step's inputs as host tensors (padded to the step's shape when padding is on)."""
-        token_ids, positions, q_lens, seqlens_k, logits_indices = [], [], [], [], []
-        carry_dst, carry_src, sample_row_of, sample_rows = [], [], {}, []
-        needs_host_logits = False
-        offset = 0
-        for item in scheduled:
-            start, end = item.start, item.end
-            token_ids.extend(item.token_ids)
-            if item.num_pending_inputs:
-                self._carry_pending(item, offset, previous, carry_dst, carry_src)
-            positions.extend(range(start, end))
-            q_lens.append(item.num_tokens)
-            seqlens_k.append(end)
-            logprob_positions = item.prompt_logprob_positions
-            if logprob_positions:
-                logits_indices.extend(range(offset + logprob_positions.start - start,
-                                            offset + logprob_positions.stop - start))
-            offset += item.num_tokens
-            if item.samples:  # one row, or one per verified position (speculative decoding)
-                needs_host_logits |= item.needs_host_sampling
-                sample_row_of[item.request_index] = len(sample_rows)
-                for row in range(offset - item.num_sample_rows, offset):
-                    sample_rows.append(len(logits_indices))
-                    logits_indices.append(row)
-        for dst in carry_dst:
-            token_ids[dst] = 0  # a real id for the host copy; the device value replaces it
-        num_tokens, num_requests, num_rows = len(token_ids), len(q_lens), len(logits_indices)
-        shape = (self.padding.shape(num_tokens, num_requests, max(seqlens_k), num_rows)
+    def _prepare(self, scheduled: list[ScheduledRequest], previous: StepHandle | None,
+                 plain_greedy: bool = False) -> _StepInputs:
+        """The step's inputs as host tensors (padded to the step's shape when padding is on).
+
+        ``plain_greedy``: the plan's ``SchedulerOutput.plain_greedy`` (logit rows are then the sampling entries'
+        last tokens).
+
+        Per request, only its plan entry's fields are read (a few list comprehensions); everything per token is
+        computed with numpy from the per-request starts and lengths, and the block tables are one gather from the
+        persistent batch.
+        """
+        full = FULL if self.layers_per_block[FULL] else None
+        sliding = SLIDING if self.layers_per_block[SLIDING] else None
+        starts = np.array([s.start for s in scheduled], dtype=np.int64)
+        q_lens = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
+        seqlens_k = starts + q_lens
+        num_requests, num_tokens = len(scheduled), int(q_lens.sum())
+        token_ids = np.fromiter(chain.from_iterable([s.token_ids for s in scheduled]), dtype=np.int64,
+                                count=num_tokens)
+        cu_seqlens_q = np.zeros(num_requests + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu_seqlens_q[1:])
+        request_of_token = np.repeat(np.arange(num_requests), q_lens)
+        positions = np.arange(num_tokens) + (starts - cu_seqlens_q[:-1])[request_of_token]
+        carry = self._carry(scheduled, cu_seqlens_q, previous, token_ids)
+        rows, num_blocks, num_sliding = self.input_batch.update(scheduled, full, sliding)
+        rows_info = self._logit_rows(scheduled, cu_seqlens_q, plain_greedy)
+        logits_indices, sample_rows, sample_row_of, needs_host_logits = rows_info
+        num_rows = len(logits_indices)
+        max_seqlen_k = int(seqlens_k.max())
+        shape = (self.padding.shape(num_tokens, num_requests, max_seqlen_k, num_rows)
                  if self.padding else None)
         if shape is not None:
             # Padded tokens and requests: token 0 at position 0, no query rows, no context, no cache write.
-            token_ids += [0] * (shape.num_tokens - num_tokens)
-            positions += [0] * (shape.num_tokens - num_tokens)
-            q_lens += [0] * (shape.num_requests - num_requests)
-            seqlens_k += [0] * (shape.num_requests - num_requests)
-            logits_indices += [0] * (shape.num_logit_rows - num_rows)
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
-        cu_seqlens_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
-        positions_t = torch.tensor(positions, dtype=torch.int64)
-        request_index = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t.long())
-        max_blocks = shape.num_kv_blocks if shape else cdiv(max(seqlens_k), self.page_size)
-        groups = {kind: self._group_metadata(kind, scheduled, positions_t[:num_tokens], request_index, max_blocks,
-                                             len(q_lens), len(token_ids))
-                  for kind, n in self.layers_per_block.items() if n}
-        carry = (torch.tensor(carry_dst, dtype=torch.int64), torch.tensor(carry_src, dtype=torch.int64),
-                 previous.sampled) if carry_dst else None
+            token_ids = _pad(token_ids, shape.num_tokens)
+            positions = _pad(positions, shape.num_tokens)
+            cu_seqlens_q = np.concatenate((cu_seqlens_q, np.full(shape.num_requests - num_requests, num_tokens)))
+            seqlens_k = _pad(seqlens_k, shape.num_requests)
+            logits_indices = _pad(logits_indices, shape.num_logit_rows)
+        max_blocks = shape.num_kv_blocks if shape else -(-max_seqlen_k // self.page_size)
+        num_slots, num_table_rows = len(token_ids), len(seqlens_k)
+        groups = {}
+        for kind, lengths in ((full, num_blocks), (sliding, num_sliding)):
+            if kind is not None:
+                groups[kind] = self._group_metadata(kind, rows, lengths, positions[:num_tokens], request_of_token,
+                                                    max_blocks, num_table_rows, num_slots)
         return _StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions_t, cu_seqlens_q=cu_seqlens_q,
-            seqlens_k=torch.tensor(seqlens_k, dtype=torch.int32), max_seqlen_q=max(q_lens),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64), groups=groups, shape=shape,
-            num_rows=num_rows, sample_row_of=sample_row_of,
-            sample_rows=None if len(sample_rows) == num_rows else torch.tensor(sample_rows, dtype=torch.int64),
-            carry=carry, needs_host_logits=needs_host_logits or num_rows > len(sample_rows))
+            input_ids=torch.from_numpy(token_ids), positions=torch.from_numpy(positions),
+            cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)),
+            seqlens_k=torch.from_numpy(seqlens_k.astype(np.int32)), max_seqlen_q=int(q_lens.max()),
+            logits_indices=torch.from_numpy(logits_indices), groups=groups, shape=shape, num_rows=num_rows,
+            sample_row_of=sample_row_of, sample_rows=sample_rows, carry=carry,
+            needs_host_logits=needs_host_logits)
+
+    @staticmethod
+    def _logit_rows(scheduled: list[ScheduledRequest], cu_seqlens_q: np.ndarray, plain_greedy: bool):
+        """Which rows of the flattened batch get logits, and which of those are sampled.
+
+        Returns:
+            (logits_indices (N,) int64, sample_rows (S,) int64 tensor or None when every logit row samples,
+            ``Request.index -> index among the sampling entries``, whether the host reads the logits).
+        """
+        samples = [s.samples for s in scheduled]
+        sampling = list(compress(scheduled, samples))
+        sample_row_of = dict(zip([s.request_index for s in sampling], range(len(sampling))))
+        if plain_greedy:  # the common step: one logit row per sampling entry, its last token
+            logits_indices = (cu_seqlens_q[1:] - 1)[np.array(samples, dtype=bool)]
+            return logits_indices, None, sample_row_of, False
+        needs_host_sampling = any(s.needs_host_sampling for s in sampling)
+        logits_indices, sample_rows = [], []
+        for item, offset in zip(scheduled, cu_seqlens_q.tolist()):
+            positions = item.prompt_logprob_positions
+            if positions:
+                logits_indices.extend(range(offset + positions.start - item.start,
+                                            offset + positions.stop - item.start))
+            if item.samples:  # one row, or one per verified position (speculative decoding)
+                end = offset + item.num_tokens
+                for row in range(end - item.num_sample_rows, end):
+                    sample_rows.append(len(logits_indices))
+                    logits_indices.append(row)
+        num_rows = len(logits_indices)
+        return (np.array(logits_indices, dtype=np.int64),
+                None if len(sample_rows) == num_rows else torch.tensor(sample_rows, dtype=torch.int64),
+                sample_row_of, needs_host_sampling or num_rows > len(sample_rows))
+
+    def _carry(self, scheduled: list[ScheduledRequest], cu_seqlens_q: np.ndarray, previous: StepHandle | None,
+               token_ids: np.ndarray):
+        """(input rows, sampled rows, device tokens) of inputs the step in flight sampled (async batching), or None.
+
+        Their host ids (``PENDING_TOKEN``) are set to 0 in ``token_ids``: a real id for the host copy, which the
+        device value replaces.
+        """
+        pending = [i for i, s in enumerate(scheduled) if s.num_pending_inputs]
+        if not pending:
+            return None
+        carry_dst, carry_src = [], []
+        for i in pending:
+            item = scheduled[i]
+            self._carry_pending(item, int(cu_seqlens_q[i]), previous, carry_dst, carry_src)
+        token_ids[carry_dst] = 0
+        return (torch.tensor(carry_dst, dtype=torch.int64), torch.tensor(carry_src, dtype=torch.int64),
+                previous.sampled)
 
     @staticmethod
     def _carry_pending(item: ScheduledRequest, offset: int, previous: StepHandle | None, carry_dst: list[int],
@@ -255,30 +310,41 @@ class ModelRunner:
             v_pages=self.kv_cache.v_pages, use_triton=self.use_triton)
         return input_ids, positions, md, logits_indices, sample_rows, carry
 
-    def _group_metadata(self, kind: str, scheduled, positions: torch.Tensor, request_index: torch.Tensor,
-                        num_logical_blocks: int, num_rows: int, num_slots: int) -> GroupMetadata:
+    def _group_metadata(self, kind: str, rows: np.ndarray, lengths: np.ndarray, positions: np.ndarray,
+                        request_of_token: np.ndarray, num_logical_blocks: int, num_rows: int,
+                        num_slots: int) -> GroupMetadata:
         """Block tables (in pages of the group's first layer) and slot mapping of one allocator's layers.
 
         Args:
-            positions: (T,) positions of the real tokens; request_index: (T,) their row.
+            rows: (B,) the scheduled requests' rows in the persistent batch; lengths: (B,) their tables' lengths.
+            positions: (T,) positions of the real tokens; request_of_token: (T,) their request (0..B-1).
             num_logical_blocks: block-table width (covers the longest context, or the padded shape's).
-            num_rows: block-table rows (requests, padding included).
+            num_rows: block-table rows (requests, padding included; padding rows read reserved chunk 0).
             num_slots: slot-mapping length (tokens, padding included); padded tokens get slot -1.
         """
         page = self.page_size
-        tables = [s.block_table if kind == FULL else s.sliding_block_table for s in scheduled]
-        width = max(len(t) for t in tables)
-        blocks = torch.zeros((num_rows, width), dtype=torch.int64)  # padding rows read reserved chunk 0
-        blocks[:len(tables)] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        width = max(1, int(lengths.max()))
+        blocks = np.zeros((num_rows, width), dtype=np.int64)
+        blocks[:len(rows)] = self.input_batch.tables[kind].gather(rows, lengths, width)
         if kind == SLIDING:  # logical block j lives in ring block j % ring size
-            blocks = blocks[:, (torch.arange(num_logical_blocks) % self.ring_blocks).clamp(max=width - 1)]
+            blocks = blocks[:, np.minimum(np.arange(num_logical_blocks) % self.ring_blocks, width - 1)]
         elif num_logical_blocks > width:  # columns past every table (padded shapes) read the padding chunk
-            blocks = torch.nn.functional.pad(blocks, (0, num_logical_blocks - width))
+            wide = np.zeros((num_rows, num_logical_blocks), dtype=np.int64)  # (not np.pad: 50x slower)
+            wide[:, :width] = blocks
+            blocks = wide
         else:
             blocks = blocks[:, :num_logical_blocks]
         pages = page_address(blocks, self.layers_per_block[kind])
-        slot_mapping = torch.full((num_slots,), -1, dtype=torch.int64)
-        rows = request_index[:len(positions)]
-        slot_mapping[:len(positions)] = slot_address(pages[rows, positions // page], positions % page, page)
-        return GroupMetadata(slot_mapping=slot_mapping, block_tables=pages.to(torch.int32),
+        slot_mapping = np.full(num_slots, -1, dtype=np.int64)
+        slot_mapping[:len(positions)] = slot_address(pages[request_of_token, positions // page], positions % page,
+                                                     page)
+        return GroupMetadata(slot_mapping=torch.from_numpy(slot_mapping),
+                             block_tables=torch.from_numpy(pages.astype(np.int32)),
                              layers_per_block=self.layers_per_block[kind])
+
+
+def _pad(values: np.ndarray, size: int) -> np.ndarray:
+    """``values`` followed by zeros up to ``size``."""
+    out = np.zeros(size, dtype=values.dtype)
+    out[:len(values)] = values
+    return out

@@ -56,6 +56,8 @@ class Request:
         cpu_pages: pages of the CPU swap buffer holding its KV while it is offloaded, one per device page it had
             (block manager's too).
         status: see ``RequestStatus``; only the scheduler changes it.
+        needs_host_sampling: ``sampling_params.needs_processing``, read once by the scheduler when it accepts the
+            request (it is needed per request per step; sampling params are not changed after a request is made).
     """
 
     request_id: object
@@ -81,6 +83,7 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token, when asked for
     prompt_logprobs: list[float] = field(default_factory=list)  # prompt positions from prompt_logprobs_from on
     prompt_greedy: list[bool] = field(default_factory=list)  # whether each such prompt token was the argmax
+    needs_host_sampling: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -104,9 +107,11 @@ class Request:
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids of positions ``start:end`` over prompt and output; ``PENDING_TOKEN`` for pending ones."""
         num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:  # the common case: a prefill chunk
+        if end <= num_prompt:  # a prefill chunk
             return self.prompt_token_ids[start:end]
         known = num_prompt + len(self.output_token_ids)
+        if start >= num_prompt and end <= known:  # a decode
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
         pending = [PENDING_TOKEN] * (end - max(start, known)) if end > known else []
         end = min(end, known)
         if start >= end:

@@ -58,6 +58,7 @@ class FIFOScheduler:
         #: Unfinished requests (waiting or running) by ``Request.index``.
         self.requests: dict[int, Request] = {}
         self._finished_unplanned: list[Request] = []  # finished outside ``resolve``: rejected or failed
+        self._released: list[int] = []  # ``Request.index`` of requests that left ``running`` since the last plan
         self.num_soft_resets = 0
         self.num_offloads = 0  # swaps to CPU
         self.speculator = Speculator(config) if config.speculative != "off" else None
@@ -74,6 +75,7 @@ class FIFOScheduler:
             request.finish_time = time.perf_counter()
             self._finished_unplanned.append(request)
         else:
+            request.needs_host_sampling = params.needs_processing
             self.requests[request.index] = request
             self.waiting.append(request)
 
@@ -88,6 +90,7 @@ class FIFOScheduler:
     def abort_all(self) -> list[Request]:
         """Drop every unfinished request, freeing its blocks and swap slots; returns them (status FAILED)."""
         aborted = list(self.running) + list(self.waiting)
+        self._released.extend(r.index for r in self.running)
         for request in aborted:
             self.block_manager.free(request)
             if request.cpu_pages:
@@ -106,6 +109,8 @@ class FIFOScheduler:
         out = SchedulerOutput()
         self._schedule_phases(plan, out)
         out.scheduled = plan.scheduled
+        out.plain_greedy = plan.plain_greedy
+        out.released_request_indices, self._released = self._released, []
         return out
 
     def _schedule_phases(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
@@ -114,21 +119,28 @@ class FIFOScheduler:
         self._schedule_waiting(plan, out)
 
     def _schedule_running(self, plan: "_PlanBuilder", out: SchedulerOutput, decodes: bool) -> None:
+        """Plan the running requests in steady decode (``decodes``) or with prompt tokens left, in running order.
+
+        This loop runs for every running request every step, so it reads each request only as far as it must.
+        """
         speculate = decodes and self.speculator is not None and self.speculator.active(len(self.running))
-        for request in list(self.running):
-            if request.status is RequestStatus.PENDING or plan.contains(request):
-                continue  # preempted earlier in this step, or already planned
-            if not self._next_input_ready(request):
-                continue
-            if (request.status is RequestStatus.DECODING) != decodes:
+        status = RequestStatus.DECODING if decodes else RequestStatus.PREFILLING
+        # A status never changes between PREFILLING and DECODING while planning, so the other pass (and requests
+        # admitted this step, which are PREFILLING and planned) never meet this filter twice.
+        for request in [r for r in self.running if r.status is status]:
+            if request.status is not status:
+                continue  # preempted earlier in this step
+            if request.num_pending_tokens and not self._next_input_ready(request):
                 continue
             num_tokens = plan.fit(request.num_tokens_to_compute)
             if num_tokens == 0:
                 return
             if speculate and self._schedule_speculative(request, plan):
                 continue
-            if self._allocate_or_preempt(request, num_tokens, plan, out):
-                plan.add(request, num_tokens)
+            block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
+            if (self.block_manager.allocate_slots(request, num_tokens)
+                    or self._allocate_or_preempt(request, num_tokens, plan, out)):
+                plan.add(request, num_tokens, (), block_start, sliding_start)
             elif not plan.scheduled and not self._others_running(request):
                 self._fail(request, self._cache_too_small_message(request))
 
@@ -146,9 +158,10 @@ class FIFOScheduler:
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - request.num_tokens)
         proposals = self.speculator.propose(request.prompt_token_ids + request.output_token_ids, room)
+        block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
         if not proposals or not self.block_manager.allocate_slots(request, 1 + len(proposals)):
             return False
-        plan.add(request, 1 + len(proposals), tuple(proposals))
+        plan.add(request, 1 + len(proposals), tuple(proposals), block_start, sliding_start)
         return True
 
     def _schedule_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
@@ -215,6 +228,7 @@ class FIFOScheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Offload to CPU swap when it has room, else soft reset; requeue at the front either way."""
         self.running.remove(request)
+        self._released.append(request.index)
         copies = self.block_manager.swap_out(request) if self.block_manager.swap_pool.enabled else None
         if copies is not None:
             out.swap_out.extend(copies)
@@ -268,6 +282,7 @@ class FIFOScheduler:
     def _fail(self, request: Request, message: str) -> None:
         if request in self.running:
             self.running.remove(request)
+            self._released.append(request.index)
         self.requests.pop(request.index, None)
         self.block_manager.free(request)
         self._set_failed(request, message)
@@ -291,12 +306,13 @@ class FIFOScheduler:
         Each request counts its computed tokens; a request that samples gets one pending token, so the next
         plan can schedule its decode while this step's token is still on the device (async batching).
         """
+        requests, decoding = self.requests, RequestStatus.DECODING
         for item in out.scheduled:
-            request = self.requests[item.request_index]
+            request = requests[item.request_index]
             request.num_computed_tokens += item.num_tokens
             if item.samples:
                 request.num_pending_tokens += 1
-                request.status = RequestStatus.DECODING
+                request.status = decoding
 
     def resolve(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Request]:
         """Turn a launched step's pending tokens into known ones and finish the requests that stop.
@@ -316,13 +332,16 @@ class FIFOScheduler:
         """
         self.discard(out)
         finished = []
+        requests = self.requests
         for item in out.scheduled:
-            request = self.requests.get(item.request_index)
-            if not item.samples or request is None:  # None: finished since this step was planned
+            if not item.samples:
+                continue
+            request = requests.get(item.request_index)
+            if request is None:  # finished since this step was planned
                 continue
             request.num_pending_tokens -= 1
             tokens = sampled[request.index]
-            tokens = [tokens] if isinstance(tokens, int) else tokens
+            tokens = (tokens,) if isinstance(tokens, int) else tokens
             if item.spec_token_ids:
                 self._roll_back_rejected(request, item, num_accepted=len(tokens) - 1)
             if self._commit(request, tokens):
@@ -365,6 +384,7 @@ class FIFOScheduler:
         # A request preempted while its last token was in flight may sit in ``waiting`` (even swapped out).
         if request in self.running:
             self.running.remove(request)
+            self._released.append(request.index)
         elif request in self.waiting:
             self.waiting.remove(request)
             if request.cpu_pages:
@@ -398,6 +418,7 @@ class _PlanBuilder:
         self.request_budget = config.max_requests_per_batch
         self.scheduled: list[ScheduledRequest] = []
         self._indices: set[int] = set()  # ``Request.index`` of the planned requests
+        self.plain_greedy = True  # ``SchedulerOutput.plain_greedy``
 
     def fit(self, num_tokens: int) -> int:
         """How many of ``num_tokens`` fit the remaining budgets (0 when none or no request slot)."""
@@ -405,8 +426,18 @@ class _PlanBuilder:
             return 0
         return min(num_tokens, self.token_budget)
 
-    def add(self, request: Request, num_tokens: int, spec_token_ids: tuple[int, ...] = ()) -> None:
-        self.scheduled.append(_plan_entry(request, num_tokens, spec_token_ids))
+    def add(self, request: Request, num_tokens: int, spec_token_ids: tuple[int, ...] = (), block_start: int = 0,
+            sliding_start: int = 0) -> None:
+        """Plan ``num_tokens`` of the request, after its blocks for them are allocated.
+
+        Args:
+            block_start, sliding_start: lengths of its block tables before this step's allocation (0 for a request
+                (re)joining the batch: its whole tables go in the plan).
+        """
+        entry = _plan_entry(request, num_tokens, spec_token_ids, block_start, sliding_start)
+        if self.plain_greedy and (spec_token_ids or entry.needs_host_sampling or entry.prompt_logprob_positions):
+            self.plain_greedy = False
+        self.scheduled.append(entry)
         self._indices.add(request.index)
         self.token_budget -= num_tokens
         self.request_budget -= 1
@@ -415,28 +446,45 @@ class _PlanBuilder:
         return request.index in self._indices
 
 
-def _plan_entry(request: Request, num_tokens: int, spec_token_ids: tuple[int, ...] = ()) -> ScheduledRequest:
+def _plan_entry(request: Request, num_tokens: int, spec_token_ids: tuple[int, ...], block_start: int,
+                sliding_start: int) -> ScheduledRequest:
     """The request's share of the step as values, after its blocks for this step are allocated.
 
-    ``num_tokens`` counts the proposals ``spec_token_ids``, which follow the request's own tokens.
+    ``num_tokens`` counts the proposals ``spec_token_ids``, which follow the request's own tokens. Its block tables
+    go as deltas from ``block_start`` / ``sliding_start`` (see ``engine.plan``).
     """
     start = request.num_computed_tokens
     end = start + num_tokens - len(spec_token_ids)  # one past the request's own tokens
+    num_prompt = len(request.prompt_token_ids)
+    num_known = num_prompt + len(request.output_token_ids)
+    if num_prompt <= start and end <= num_known:  # a decode (``Request.token_ids``' case, without the call)
+        token_ids = request.output_token_ids[start - num_prompt:end - num_prompt]
+    else:
+        token_ids = request.token_ids(start, end)
+    if spec_token_ids:
+        token_ids += spec_token_ids
+    blocks, ring = request.block_table, request.sliding_block_table
+    # Positional: this runs per request per step, and keyword construction costs about three times more.
     return ScheduledRequest(
-        request_index=request.index, request_id=request.request_id, start=start, num_tokens=num_tokens,
-        token_ids=request.token_ids(start, end) + list(spec_token_ids),
-        num_pending_inputs=max(0, end - request.num_known_tokens),
-        samples=end == request.num_tokens, needs_host_sampling=request.sampling_params.needs_processing,
-        prompt_logprob_positions=_prompt_logprob_positions(request, start, end),
-        block_table=list(request.block_table), sliding_block_table=list(request.sliding_block_table),
-        spec_token_ids=spec_token_ids)
+        request.index, request.request_id, start, num_tokens, token_ids,
+        end - num_known if end > num_known else 0,  # num_pending_inputs
+        end == num_known + request.num_pending_tokens,  # samples
+        request.needs_host_sampling,
+        _prompt_logprob_positions(request, start, end) if request.sampling_params.prompt_logprobs_from else _NONE,
+        block_start, blocks[block_start:] if len(blocks) > block_start else _NO_BLOCKS,
+        sliding_start, ring[sliding_start:] if len(ring) > sliding_start else _NO_BLOCKS,
+        spec_token_ids)
+
+
+_NONE = range(0)  # no prompt log-probability positions
+_NO_BLOCKS = ()  # no new blocks (shared: plan values are never changed)
 
 
 def _prompt_logprob_positions(request: Request, start: int, end: int) -> range:
     """Positions in ``start:end`` whose logits score the next prompt token and are not recorded yet."""
     first = request.sampling_params.prompt_logprobs_from
     if first is None:
-        return range(0)
+        return _NONE
     lo = max(start, first - 1 + len(request.prompt_logprobs))
     hi = min(end, request.num_prompt_tokens - 1)
     return range(lo, max(lo, hi))
