@@ -6,8 +6,8 @@ Usage (from the repository root; stories260K from ../shared/models/stories260K i
 
 Every configuration runs the same greedy job as whole ``cbrun run`` commands (process start, model load and Ray
 start included) with one torch thread per engine (``OMP_NUM_THREADS=1``, ``engine.num_threads = 1``; Ray replicas:
-``num_cpus_per_replica = 1``). Ray runs cut the input into batches of ``rows / 8`` rows, so 2 replicas have work to
-share. Configurations are interleaved round-robin, rotating their order each repeat. Besides the full job, the
+``num_cpus_per_replica = 1``), ``SLOTS`` engine slots and Ray batches of ``SLOTS`` rows. "1 batch at a time" sets
+``cluster.max_concurrent_batches = 1``, so a replica's engine drains at the end of each batch. Configurations are interleaved round-robin, rotating their order each repeat. Besides the full job, the
 single process and Ray with 1 replica also run the first ``--small-rows`` rows: the difference of the two sizes
 removes each executor's fixed start-up cost, so Ray's overhead splits into a fixed part and a per-row part. Every
 output must equal the single process's, token for token. Writes ``--output`` (a Markdown table) and prints it.
@@ -30,14 +30,20 @@ import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
-NAMES = ["1 process", "2 shards", "ray 1 replica", "ray 2 replicas", "1 process (small)", "ray 1 replica (small)"]
+NAMES = ["1 process", "2 shards", "ray 1 replica", "ray 2 replicas", "ray 1 replica, 1 batch at a time",
+         "1 process (small)", "ray 1 replica (small)"]
+#: Engine slots (``engine.max_requests_per_batch``) and Ray batch rows: a replica holding 2 batches fills its engine
+#: as the single process does, so the comparison is of the executors, not of how full the engine is.
+SLOTS = 16
 
 
-def job_args(model: Path, data: Path, max_new_tokens: int, batch_size: int) -> list[str]:
+def job_args(model: Path, data: Path, max_new_tokens: int) -> list[str]:
+    # NOTE: no ignore_eos: rows end at different lengths, as real ones do, so a batch has a tail for the next
+    # batch's rows to fill (what cluster.max_concurrent_batches is for).
     return [sys.executable, "-m", "jobs.cli", "run", "--model", str(model), "--input", str(data),
             "--prompt-column", "prompt", "--max-new-tokens", str(max_new_tokens), "--temperature", "0",
-            "--no-progress", "--set", "sampling.ignore_eos=true", "--set", "engine.device=cpu",
-            "--set", "engine.num_threads=1", "--set", f"cluster.batch_size={batch_size}",
+            "--no-progress", "--set", "engine.device=cpu", "--set", "engine.num_threads=1",
+            "--set", f"engine.max_requests_per_batch={SLOTS}", "--set", f"cluster.batch_size={SLOTS}",
             "--set", "cluster.num_cpus_per_replica=1"]
 
 
@@ -49,6 +55,8 @@ def commands(name: str, base: list[str], small_rows: int) -> list[list[str]]:
         "2 shards": [base + ["--shard", "0/2"], base + ["--shard", "1/2"]],
         "ray 1 replica": [base + ray + ["--set", "cluster.num_replicas=1"]],
         "ray 2 replicas": [base + ray + ["--set", "cluster.num_replicas=2"]],
+        "ray 1 replica, 1 batch at a time": [base + ray + ["--set", "cluster.num_replicas=1",
+                                                           "--set", "cluster.max_concurrent_batches=1"]],
         "1 process (small)": [base + small],
         "ray 1 replica (small)": [base + ray + small + ["--set", "cluster.num_replicas=1"]],
     }[name]
@@ -78,7 +86,8 @@ def report(args, times: dict[str, list[float]]) -> str:
         "# Scale-out on one machine: shards and Ray replicas", "",
         f"`PYTHONPATH=. python benchmarks/scale_out.py --rows {args.rows} --small-rows {args.small_rows} "
         f"--max-new-tokens {args.max_new_tokens} --repeats {args.repeats}`: stories260K, greedy, one torch thread "
-        f"per engine, Ray batches of {args.rows // 8} rows and the default `cluster.max_concurrent_batches`; each "
+        f"per engine, `engine.max_requests_per_batch = {SLOTS}`, Ray batches of {SLOTS} rows and the default "
+        f"`cluster.max_concurrent_batches` (2) unless named; rows end at EOS or the token limit; each "
         f"configuration a whole `cbrun run` (process start, model load and, for Ray, starting a local Ray instance "
         f"and its actors included); configurations interleaved round-robin, order rotated each repeat; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average at the end "
@@ -89,7 +98,7 @@ def report(args, times: dict[str, list[float]]) -> str:
     for name in NAMES:
         rows = args.small_rows if "small" in name else args.rows
         runs = ", ".join(f"{t:.1f}" for t in times[name])
-        ratio = f"{single / median[name]:.2f}x" if "small" not in name else "-"
+        ratio = f"{single / median[name]:.2f}x" if "small" not in name else "-"  # small: other rows
         lines.append(f"| {name} | {rows} | {median[name]:.1f} | {runs} | {rows / median[name]:.1f} | {ratio} |")
     extra_rows = args.rows - args.small_rows
     per_row_single = (single - median["1 process (small)"]) / extra_rows
@@ -99,7 +108,8 @@ def report(args, times: dict[str, list[float]]) -> str:
     lines += [
         "",
         f"- 2 replicas against 1 (the same Ray job): {median['ray 1 replica'] / median['ray 2 replicas']:.2f}x; "
-        f"2 concurrent shards against 1 process: {single / median['2 shards']:.2f}x.",
+        f"2 concurrent shards against 1 process: {single / median['2 shards']:.2f}x; a replica holding 2 batches "
+        f"against 1 at a time: {median['ray 1 replica, 1 batch at a time'] / median['ray 1 replica']:.2f}x.",
         f"- Per row (the {args.rows}-row job minus the {args.small_rows}-row job, so start-up cancels): 1 process "
         f"{1000 * per_row_single:.1f} ms, Ray 1 replica {1000 * per_row_ray:.1f} ms: Ray adds "
         f"{1000 * (per_row_ray - per_row_single):.1f} ms per row.",
@@ -113,7 +123,7 @@ def report(args, times: dict[str, list[float]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--small-rows", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -128,7 +138,7 @@ def main() -> None:
     data = work / "in.parquet"
     pq.write_table(pa.table({"prompt": [f"Once upon a time, {('Lily', 'Tom', 'Sue')[i % 3]} found {i} "
                                         for i in range(args.rows)]}), data, row_group_size=32)
-    base = job_args(model, data, args.max_new_tokens, args.rows // 8)
+    base = job_args(model, data, args.max_new_tokens)
     times: dict[str, list[float]] = {n: [] for n in NAMES}
     got: dict[str, list] = {}
     for repeat in range(args.repeats):

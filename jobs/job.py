@@ -330,7 +330,8 @@ class _Job:
                              total_output_rows=state.num_output_rows, total_error_rows=state.num_error_rows,
                              max_error_fraction=manifest.output.max_error_fraction)
         if isinstance(self.reader, PromptReader) and manifest.input.id_column is not None:
-            summary.num_repeated_ids = warn_repeated_ids(self.reader)
+            summary.num_repeated_ids = warn_repeated_ids(self.reader, self.checkpoint.output_dir,
+                                                         self.fingerprint["input"])
         if done.all() and not overwrite:
             # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
             # finished here without loading the model.
