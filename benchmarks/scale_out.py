@@ -84,14 +84,15 @@ def report(args, times: dict[str, list[float]]) -> str:
     single = median["1 process"]
     lines = [
         "# Scale-out on one machine: shards and Ray replicas", "",
-        f"`PYTHONPATH=. python benchmarks/scale_out.py --rows {args.rows} --small-rows {args.small_rows} "
+        (f"`PYTHONPATH=. python benchmarks/scale_out.py --rows {args.rows} --small-rows {args.small_rows} "
         f"--max-new-tokens {args.max_new_tokens} --repeats {args.repeats}`: stories260K, greedy, one torch thread "
         f"per engine, `engine.max_requests_per_batch = {SLOTS}`, Ray batches of {SLOTS} rows and the default "
         f"`cluster.max_concurrent_batches` (2) unless named; rows end at EOS or the token limit; each "
         f"configuration a whole `cbrun run` (process start, model load and, for Ray, starting a local Ray instance "
         f"and its actors included); configurations interleaved round-robin, order rotated each repeat; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average at the end "
-        f"{os.getloadavg()[0]:.1f}. Every configuration's outputs equal the single process's, token for token.", "",
+        f"{os.getloadavg()[0]:.1f}. Every configuration's outputs equal the single process's, token for token."),
+        "",
         "| configuration | rows | wall s (median) | all runs s | rows/s | vs 1 process |",
         "|---|---|---|---|---|---|",
     ]
@@ -107,15 +108,15 @@ def report(args, times: dict[str, list[float]]) -> str:
              - args.small_rows * (per_row_ray - per_row_single))
     lines += [
         "",
-        f"- 2 replicas against 1 (the same Ray job): {median['ray 1 replica'] / median['ray 2 replicas']:.2f}x; "
+        (f"- 2 replicas against 1 (the same Ray job): {median['ray 1 replica'] / median['ray 2 replicas']:.2f}x; "
         f"2 concurrent shards against 1 process: {single / median['2 shards']:.2f}x; a replica holding 2 batches "
-        f"against 1 at a time: {median['ray 1 replica, 1 batch at a time'] / median['ray 1 replica']:.2f}x.",
-        f"- Per row (the {args.rows}-row job minus the {args.small_rows}-row job, so start-up cancels): 1 process "
+        f"against 1 at a time: {median['ray 1 replica, 1 batch at a time'] / median['ray 1 replica']:.2f}x."),
+        (f"- Per row (the {args.rows}-row job minus the {args.small_rows}-row job, so start-up cancels): 1 process "
         f"{1000 * per_row_single:.1f} ms, Ray 1 replica {1000 * per_row_ray:.1f} ms: Ray adds "
-        f"{1000 * (per_row_ray - per_row_single):.1f} ms per row.",
-        f"- Ray's fixed cost (local instance, actor start, engine load in the actor, driver set-up) beyond the "
+        f"{1000 * (per_row_ray - per_row_single):.1f} ms per row."),
+        (f"- Ray's fixed cost (local instance, actor start, engine load in the actor, driver set-up) beyond the "
         f"single process's start-up: {fixed:.1f} s per run; `--ray-address auto` on a running cluster skips the "
-        f"instance start.",
+        "instance start."),
         "",
     ]
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
-from jobs.reader import ROW_INDEX_COLUMN, InputRow
+from jobs.reader import InputRow
 
 try:  # NOTE: Ray is an optional extra; without it this module still imports (``pending_spans``)
     from ray.data import Datasource, ReadTask
