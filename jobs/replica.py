@@ -118,8 +118,14 @@ class BatchLoop:
             except queue.Empty:
                 return
             block = False
-            if future.set_running_or_notify_cancel():
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
                 self._admit(rows, future)
+            except Exception as exc:  # NOTE: the batch may not be in _batch_of yet; _run fails the others
+                if not future.done():
+                    future.set_exception(exc)
+                raise
 
     def _admit(self, rows: list[InputRow], future: Future) -> None:
         batch = _Batch(future)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 
 from engine.config import EngineConfig
@@ -64,3 +65,17 @@ def test_two_batches_share_the_engine_steps_and_equal_the_single_process_run(sto
         got = sorted(tuple(r[k] for k in KEY) for r in table.to_pylist())
         assert [g[0] for g in got] == list(range(start, start + 20))  # each batch gets back its own rows
         assert got == [expected[(i, 0)] for i in range(start, start + 20)]
+
+
+def test_a_fault_fails_the_batches_held_and_the_loop_serves_the_next(stories260k_dir, make_manifest, tmp_path):
+    write_input(tmp_path / "in.parquet")
+    replica = Replica(make_manifest(stories260k_dir, tmp_path / "in.parquet", tmp_path / "ray"), ENGINE_CONFIG,
+                      num_threads=1, max_concurrent_batches=2)
+    batch = pa.Table.from_batches(list(replica.reader.read_span(0, 4)))
+    step = replica.loop.engine.step
+    replica.loop.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+    with pytest.raises(RuntimeError, match="device lost"):
+        asyncio.run(replica(batch))
+    replica.loop.engine.step = step
+    table = asyncio.run(replica(batch))  # the same rows again (as Ray Data retries them): a clean engine and mode
+    assert sorted(table.column("row_index").to_pylist()) == [0, 1, 2, 3]
