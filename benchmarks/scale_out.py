@@ -124,7 +124,7 @@ def report(args, times: dict[str, list[float]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=96)
     parser.add_argument("--small-rows", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
