@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import replace
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -106,6 +106,9 @@ class LLMEngine:
         self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
+        #: Called by ``step`` with the request ids of the plan it launches (None: nothing is called). Lets a caller
+        #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
+        self.step_observer: Callable[[list], None] | None = None
 
     @property
     def stats(self) -> EngineStats:
@@ -202,6 +205,8 @@ class LLMEngine:
         if self.drafter is not None and plan.scheduled:
             self.drafter.zero_chunks_below(self.block_manager.pool.num_touched_chunks)
             plan, self._draft_probs = self.drafter.propose(plan, self.scheduler.requests)
+        if self.step_observer is not None and plan.scheduled:
+            self.step_observer([self.scheduler.requests[s.request_index].request_id for s in plan.scheduled])
         handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
         if handle is not None:
             self.scheduler.advance(plan)

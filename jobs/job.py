@@ -72,6 +72,7 @@ class JobSummary:
         already_finished: the output already held the finished job; nothing was done.
         num_repeated_ids: distinct ``id_column`` values that more than one input row holds (see ``jobs.row_ids``).
         engine_stats: ``LLMEngine.stats.as_dict()`` at the end.
+        replica_stats: the Ray executor's counters over its replicas (``jobs.ray_executor.run_on_ray``).
         total_output_rows / total_error_rows: output rows in the whole output (earlier runs' and this run's), and
             of them the error rows.
         max_error_fraction: ``output.max_error_fraction``: above it, ``exit_code`` is 3.
@@ -93,6 +94,7 @@ class JobSummary:
     already_finished: bool = False
     num_repeated_ids: int = 0
     engine_stats: dict[str, Any] = field(default_factory=dict)
+    replica_stats: dict[str, int] = field(default_factory=dict)
     total_output_rows: int = 0
     total_error_rows: int = 0
     max_error_fraction: float = 1.0
@@ -328,7 +330,8 @@ class _Job:
                              total_output_rows=state.num_output_rows, total_error_rows=state.num_error_rows,
                              max_error_fraction=manifest.output.max_error_fraction)
         if isinstance(self.reader, PromptReader) and manifest.input.id_column is not None:
-            summary.num_repeated_ids = warn_repeated_ids(self.reader)
+            summary.num_repeated_ids = warn_repeated_ids(self.reader, self.checkpoint.output_dir,
+                                                         self.fingerprint["input"])
         if done.all() and not overwrite:
             # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
             # finished here without loading the model.
@@ -381,7 +384,7 @@ class _Job:
         counter = _JobRun(None, None, writer, summary, 0, 0)
         generation_start = time.perf_counter()
         try:
-            run_on_ray(self.manifest, engine_config, done, writer, counter.count)
+            summary.replica_stats = run_on_ray(self.manifest, engine_config, done, writer, counter.count)
         except KeyboardInterrupt as exc:
             writer.commit()
             exc.num_committed_rows = writer.num_committed_rows

@@ -15,7 +15,7 @@ A manifest has six sections, all optional in the file (a key may come from ``--s
     [output]    path, commit_every_rows, commit_every_seconds, overwrite, format ("parts" or "openai-batch"),
                 keep_columns, max_error_fraction
     [cluster]   executor ("local" or "ray"), num_replicas, num_gpus_per_replica, num_cpus_per_replica, batch_size,
-                address (``jobs.ray_executor``)
+                max_concurrent_batches, address (``jobs.ray_executor``)
 
 NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
 process, not against the manifest's directory, so the same manifest behaves the same as flags given on the command
@@ -245,7 +245,9 @@ class ClusterSettings:
         num_replicas: engine replicas (Ray actors), each holding one engine, loaded once.
         num_gpus_per_replica: GPUs each replica reserves; None: 1 when the engine's device is CUDA, else 0.
         num_cpus_per_replica: CPUs each replica reserves; also its torch thread count (at least 1).
-        batch_size: input rows per batch handed to a replica (its engine batches continuously within it).
+        batch_size: input rows per batch handed to a replica.
+        max_concurrent_batches: batches a replica holds at once; its engine's continuous batching runs their rows
+            together, so its batch stays full while one batch ends and the next begins (``jobs.replica``).
         address: the Ray cluster to join ("auto": the one ``ray start`` runs on this node; "ray://host:10001");
             None starts a local Ray instance.
     """
@@ -255,6 +257,7 @@ class ClusterSettings:
     num_gpus_per_replica: float | None = None
     num_cpus_per_replica: float = 1
     batch_size: int = 256
+    max_concurrent_batches: int = 2
     address: str | None = None
 
     def __post_init__(self) -> None:
@@ -262,8 +265,9 @@ class ClusterSettings:
             raise ValueError(f"cluster.executor must be \"local\" or \"ray\", got {self.executor!r}")
         if not _is_int(self.num_replicas) or self.num_replicas < 1:
             raise ValueError(f"cluster.num_replicas must be a positive integer, got {self.num_replicas!r}")
-        if not _is_int(self.batch_size) or self.batch_size < 1:
-            raise ValueError(f"cluster.batch_size must be a positive integer, got {self.batch_size!r}")
+        for name in ("batch_size", "max_concurrent_batches"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"cluster.{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("num_gpus_per_replica", "num_cpus_per_replica"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):

@@ -330,6 +330,16 @@ class OpenAIBatchReader:
         for row in self.rows.iter_rows(done):
             yield self._request_row(row)
 
+    def read_span(self, start: int, end: int) -> Iterator[pa.RecordBatch]:
+        """The request lines ``start .. end-1`` as ``PromptReader.read_span`` batches."""
+        return self.rows.read_span(start, end)
+
+    def rows_of(self, batch: pa.RecordBatch | pa.Table) -> Iterator[InputRow]:
+        """The rows of a ``read_span`` batch, as ``iter_rows`` makes them."""
+        assert self.tokenizer is not None, "bind_tokenizer first"
+        for row in self.rows.rows_of(batch):
+            yield self._request_row(row)
+
     def _request_row(self, row: InputRow) -> InputRow:
         extra = row.extra
         row.extra = {keep_role(name): value for name, value in carried_values(row).items()}

@@ -41,6 +41,8 @@ logger = logging.getLogger("cbrun.reader")
 
 #: The optional input column that gives a row its own number of samples (overrides the job's ``sampling.n``).
 NUM_SAMPLES_COLUMN = "n"
+#: The column of ``PromptReader.read_span`` batches that holds each row's index in the whole input.
+ROW_INDEX_COLUMN = "__cbrun_row_index__"
 
 
 class InputError(ValueError):
@@ -402,6 +404,41 @@ class PromptReader:
                     batch = _with_row_errors(conform_batch(batch, self.schema, self.columns), batch)
                     yield from self._batch_rows(row, batch, skip[row - first_row:row - first_row + batch.num_rows])
             first_row += source.num_rows
+
+    def read_span(self, start: int, end: int) -> Iterator[pa.RecordBatch]:
+        """The rows ``start .. end-1`` as record batches, reading only the row groups they are in.
+
+        A batch holds ``columns`` in the unified ``schema``, ``ROW_ERROR_COLUMN`` (null where the row was read)
+        and ``ROW_INDEX_COLUMN`` (int64: the row's index in the whole input), so ``rows_of`` can make the rows
+        anywhere, e.g. in a Ray replica (``jobs.ray_input``).
+        """
+        first_row = 0
+        for source in self.sources:
+            last_row = first_row + source.num_rows
+            if first_row < end and start < last_row:
+                skip = np.ones(source.num_rows, dtype=bool)
+                skip[max(start - first_row, 0):end - first_row] = False
+                present = [c for c in self.columns if c in source.schema.names]
+                for row, batch in source.iter_batches(present, self.batch_size, first_row, skip):
+                    wanted = np.flatnonzero(~skip[row - first_row:row - first_row + batch.num_rows])
+                    if len(wanted):  # a contiguous run: the span is one range
+                        yield self._span_batch(batch.slice(int(wanted[0]), len(wanted)), row + int(wanted[0]))
+            first_row = last_row
+
+    def _span_batch(self, read: pa.RecordBatch, first_row: int) -> pa.RecordBatch:
+        conformed = conform_batch(read, self.schema, self.columns)
+        errors = (read.column(ROW_ERROR_COLUMN) if ROW_ERROR_COLUMN in read.schema.names
+                  else pa.nulls(read.num_rows, pa.string()))
+        indices = pa.array(np.arange(first_row, first_row + read.num_rows), pa.int64())
+        return pa.RecordBatch.from_arrays([*conformed.columns, errors, indices],
+                                          names=[*self.columns, ROW_ERROR_COLUMN, ROW_INDEX_COLUMN])
+
+    def rows_of(self, batch: pa.RecordBatch | pa.Table) -> Iterator[InputRow]:
+        """The input rows of a batch from ``read_span`` (any rows, in any order: each carries its row index)."""
+        names = [*self.columns, ROW_ERROR_COLUMN]
+        values = {name: _column_values(batch.column(name)) for name in names}
+        for i, row_index in enumerate(batch.column(ROW_INDEX_COLUMN).to_pylist()):
+            yield self._make_row(row_index, {name: column[i] for name, column in values.items()})
 
     def _batch_rows(self, first_row: int, batch: pa.RecordBatch, skip: np.ndarray) -> Iterator[InputRow]:
         names = self.columns + ([ROW_ERROR_COLUMN] if ROW_ERROR_COLUMN in batch.schema.names else [])

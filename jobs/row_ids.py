@@ -1,18 +1,29 @@
 """Repeated ``id_column`` values: harmless to resume (rows are keyed by ``row_index``), but they break a user's
-join on id, so the job counts them in its summary line and names the first few in a warning before any work."""
+join on id, so the job counts them in its summary line and names the first few in a warning before any work.
+
+Counting reads the whole id column, so its result is kept in ``_cbrun/repeated-ids.json`` with the input's
+fingerprint: the shards of a sharded run and later reruns (resume) read it instead of the column, and concurrent
+shards take turns (``DirectoryLock``) so the first counts and the others read. A changed input has another
+fingerprint and is counted again.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from jobs.lock import CBRUN_DIR, DirectoryLock
 from jobs.reader import iter_column_batches
 
 logger = logging.getLogger("cbrun")
 #: How many repeated ids the warning names.
 NUM_NAMED = 5
+REPEATED_IDS_FILE = "repeated-ids.json"
 
 
 def repeated_ids(reader) -> tuple[int, list[tuple[str, int]]]:
@@ -38,10 +49,38 @@ def repeated_ids(reader) -> tuple[int, list[tuple[str, int]]]:
     return len(repeated), named
 
 
-def warn_repeated_ids(reader) -> int:
-    """Log a warning naming the first repeated ids, if any; returns how many id values repeat."""
-    try:
+def recorded_repeated_ids(reader, output_dir: str | Path, input_fingerprint: dict) -> tuple[int, list]:
+    """``repeated_ids(reader)``, read from ``_cbrun/repeated-ids.json`` when a run of the same input (its
+    fingerprint and ``num_rows``) recorded it, else counted and recorded there (atomically)."""
+    path = Path(output_dir) / CBRUN_DIR / REPEATED_IDS_FILE
+    key = {"input": input_fingerprint, "num_rows": reader.num_rows}
+    with DirectoryLock(output_dir):
+        try:
+            recorded = json.loads(path.read_text())
+            if recorded["key"] == key:
+                return recorded["num_repeated"], [tuple(item) for item in recorded["named"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet (or unreadable): count
         num_repeated, named = repeated_ids(reader)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "num_repeated": num_repeated, "named": named}) + "\n")
+        os.replace(tmp, path)
+    return num_repeated, named
+
+
+def warn_repeated_ids(reader, output_dir: str | Path | None = None, input_fingerprint: dict | None = None) -> int:
+    """Log a warning naming the first repeated ids, if any; returns how many id values repeat.
+
+    Args:
+        reader: a ``PromptReader`` with an ``id_column``.
+        output_dir, input_fingerprint: the job's output and ``job_fingerprint(...)["input"]``: the count is read
+            from (or recorded in) the output (``recorded_repeated_ids``); None counts without recording.
+    """
+    try:
+        if output_dir is None:
+            num_repeated, named = repeated_ids(reader)
+        else:
+            num_repeated, named = recorded_repeated_ids(reader, output_dir, input_fingerprint)
     except (pa.ArrowException, ValueError, TypeError):
         return 0  # NOTE: ids that cannot be read as text are the rows' own errors; nothing to count here
     if num_repeated:

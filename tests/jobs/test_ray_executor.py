@@ -51,16 +51,19 @@ def test_pending_spans_cover_the_rows_not_done_in_batches():
 
 def test_cluster_settings_from_flags_and_sets():
     manifest = load_manifest(None, ["cluster.num_replicas=2", "cluster.num_gpus_per_replica=1",
+                                    "cluster.max_concurrent_batches=3",
                                     "cluster.num_cpus_per_replica=4", "cluster.batch_size=64"],
                              {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
                               "output": {"path": "o"}, "cluster": {"executor": "ray", "address": "auto"}})
     assert manifest.cluster == ClusterSettings(executor="ray", num_replicas=2, num_gpus_per_replica=1,
-                                               num_cpus_per_replica=4, batch_size=64, address="auto")
+                                               num_cpus_per_replica=4, batch_size=64, max_concurrent_batches=3,
+                                               address="auto")
     args = build_parser().parse_args(["run", "--executor", "ray", "--ray-address", "auto", "--shard", "1/4"])
     assert (args.executor, args.ray_address, args.shard) == ("ray", "auto", "1/4")
     for bad, message in (("cluster.executor=\"spark\"", "cluster.executor"), ("cluster.num_replicas=0",
                                                                               "num_replicas"),
-                         ("cluster.batch_size=1.5", "batch_size"), ("cluster.num_gpus_per_replica=-1", "num_gpus")):
+                         ("cluster.batch_size=1.5", "batch_size"), ("cluster.num_gpus_per_replica=-1", "num_gpus"),
+                         ("cluster.max_concurrent_batches=0", "max_concurrent_batches")):
         with pytest.raises(ValueError, match=message):
             load_manifest(None, [bad], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
                                         "output": {"path": "o"}})
@@ -97,6 +100,22 @@ def test_two_replicas_equal_the_single_process_run(local_ray, stories260k_dir, m
     got, expected = rows(tmp_path / "ray"), rows(tmp_path / "single")
     assert len(got) == NUM_ROWS and any(r["completion_token_ids"] for r in got)
     assert got == expected
+
+
+@pytest.mark.ray
+def test_a_replica_runs_the_rows_of_two_batches_in_one_step(local_ray, stories260k_dir, make_manifest, tmp_path):
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"b{i}" for i in range(20)], "prompt": [f"Tom had {i} cats" for i in range(20)]}),
+                   path)
+    single = make_manifest(stories260k_dir, path, tmp_path / "single")
+    run_job(single, progress=False)
+    on_ray = make_manifest(stories260k_dir, path, tmp_path / "ray")
+    # Batches of 5 rows, 2 at once (the default max_concurrent_batches) into 8 engine slots: the second batch's
+    # rows join the first's steps.
+    on_ray.cluster = ClusterSettings(executor="ray", num_replicas=1, batch_size=5)
+    summary = run_job(on_ray, progress=False)
+    assert summary.replica_stats["num_row_steps_shared_across_batches"] > 0
+    assert rows(tmp_path / "ray") == rows(tmp_path / "single")
 
 
 @pytest.mark.ray
