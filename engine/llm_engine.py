@@ -108,14 +108,14 @@ class LLMEngine:
 
     @property
     def stats(self) -> EngineStats:
-        """The engine's counters, with soft resets and offloads read from the scheduler and evictions from the
-        block manager (their owners)."""
+        """The engine's counters, with soft resets, offloads and generated tokens read from the scheduler and
+        evictions from the block manager (their owners)."""
         speculator = self.scheduler.speculator
         spec = dict(num_proposed_tokens=speculator.num_proposed_tokens,
                     num_accepted_tokens=speculator.num_accepted_tokens,
                     num_verify_steps=speculator.num_verify_steps) if speculator is not None else {}
         return replace(self._counters, num_soft_resets=self.scheduler.num_soft_resets,
-                       num_offloads=self.scheduler.num_offloads,
+                       num_offloads=self.scheduler.num_offloads, num_generated_tokens=self.scheduler.num_generated_tokens,
                        num_evicted_blocks=self.block_manager.num_evicted_blocks, **spec)
 
     # ---- construction -----------------------------------------------------------------------------------------
@@ -218,7 +218,7 @@ class LLMEngine:
         """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
         token_ids = handle.token_ids()  # device argmax of each sampling entry, in plan order
         sampled: dict[int, int] = {}
-        row, sample, num_kept = 0, 0, 0
+        row, sample = 0, 0
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
             request = self.scheduler.requests.get(item.request_index)
@@ -229,18 +229,16 @@ class LLMEngine:
                           accept_greedy(list(item.spec_token_ids), token_ids[sample:sample + item.num_sample_rows]))
                 if tokens is not None:
                     sampled[item.request_index] = tokens
-                    num_kept += len(tokens)
             elif request is not None:
                 token = token_ids[sample] if item.samples else None
                 if item.needs_host_sampling or item.prompt_logprob_positions:  # else plain greedy: the device's
                     token = self._read_rows_or_fail(item, request, handle.logits, row, token)
                 if token is not None:
                     sampled[item.request_index] = token
-                    num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
             row += len(item.prompt_logprob_positions) + item.num_sample_rows
             sample += item.num_sample_rows
         finished = self.scheduler.resolve(plan, sampled)
-        self._count_step(plan, num_kept)
+        self._count_step(plan)
         return finished
 
     def _read_rows_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
@@ -292,10 +290,9 @@ class LLMEngine:
             request.logprobs.append(logprobs)
         return token
 
-    def _count_step(self, plan, num_sampled: int) -> None:
+    def _count_step(self, plan) -> None:
         self._counters.num_steps += 1
         self._counters.num_computed_tokens += plan.num_batch_tokens
-        self._counters.num_generated_tokens += num_sampled
 
     def _finish(self, request: Request) -> RequestOutput:
         counters = self._counters
