@@ -112,14 +112,14 @@ class LLMEngine:
 
     @property
     def stats(self) -> EngineStats:
-        """The engine's counters, with soft resets and offloads read from the scheduler and evictions from the
-        block manager (their owners)."""
+        """The engine's counters, with soft resets, offloads and generated tokens read from the scheduler and
+        evictions from the block manager (their owners)."""
         speculator = self.scheduler.speculator
         spec = dict(num_proposed_tokens=speculator.num_proposed_tokens,
                     num_accepted_tokens=speculator.num_accepted_tokens,
                     num_verify_steps=speculator.num_verify_steps) if speculator is not None else {}
         return replace(self._counters, num_soft_resets=self.scheduler.num_soft_resets,
-                       num_offloads=self.scheduler.num_offloads,
+                       num_offloads=self.scheduler.num_offloads, num_generated_tokens=self.scheduler.num_generated_tokens,
                        num_evicted_blocks=self.block_manager.num_evicted_blocks, **spec)
 
     # ---- construction -----------------------------------------------------------------------------------------
@@ -224,42 +224,39 @@ class LLMEngine:
         """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
         token_ids = handle.token_ids()  # device argmax of each sampling entry, in plan order
         if plan.plain_greedy:
-            sampled, num_kept = self._read_greedy(plan, token_ids)
+            sampled = self._read_greedy(plan, token_ids)
         else:
-            sampled, num_kept = self._read_rows_of_plan(plan, handle, token_ids)
-        finished = self.scheduler.resolve(plan, sampled)
-        self._count_step(plan, num_kept)
+            sampled = self._read_rows_of_plan(plan, handle, token_ids)
+        finished = self.scheduler.resolve(plan, sampled)  # counts the committed output tokens
+        self._count_step(plan)
         return finished
 
-    def _read_greedy(self, plan: SchedulerOutput, token_ids: list[int]) -> tuple[dict[int, int], int]:
+    def _read_greedy(self, plan: SchedulerOutput, token_ids: list[int]) -> dict[int, int]:
         """A step of plain greedy entries: each sampling entry's token is the device's argmax.
 
         Returns:
-            (``Request.index -> token`` of the unfinished requests, tokens kept as output).
+            ``Request.index -> token`` of the unfinished requests.
         """
         requests = self.scheduler.requests
         sampled: dict[int, int] = {}
-        sample, num_kept = 0, 0
+        sample = 0
         for item in plan.scheduled:
             if item.samples:
                 # None once finished (async batching: found finished after this step was planned); token dropped.
-                request = requests.get(item.request_index)
-                if request is not None:
+                if item.request_index in requests:
                     sampled[item.request_index] = token_ids[sample]
-                    num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
                 sample += 1
-        return sampled, num_kept
+        return sampled
 
     def _read_rows_of_plan(self, plan: SchedulerOutput, handle: StepHandle, token_ids: list[int]
-                           ) -> tuple[dict[int, int | list[int]], int]:
+                           ) -> dict[int, int | list[int]]:
         """Any step: host sampling, prompt log-probabilities and speculative verification where entries need them.
 
         Returns:
-            (``Request.index -> token``, or the tokens a verify step commits, of the unfinished requests; tokens
-            kept as output).
+            ``Request.index -> token``, or the tokens a verify step commits, of the unfinished requests.
         """
         sampled: dict[int, int | list[int]] = {}
-        row, sample, num_kept = 0, 0, 0
+        row, sample = 0, 0
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
             request = self.scheduler.requests.get(item.request_index)
@@ -270,17 +267,15 @@ class LLMEngine:
                           accept_greedy(list(item.spec_token_ids), token_ids[sample:sample + item.num_sample_rows]))
                 if tokens is not None:
                     sampled[item.request_index] = tokens
-                    num_kept += len(tokens)
             elif request is not None:
                 token = token_ids[sample] if item.samples else None
                 if item.needs_host_sampling or item.prompt_logprob_positions:  # else plain greedy: the device's
                     token = self._read_rows_or_fail(item, request, handle.logits, row, token)
                 if token is not None:
                     sampled[item.request_index] = token
-                    num_kept += request.sampling_params.max_new_tokens > 0  # an echo-only prompt's token is dropped
             row += len(item.prompt_logprob_positions) + item.num_sample_rows
             sample += item.num_sample_rows
-        return sampled, num_kept
+        return sampled
 
     def _read_rows_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
                            device_token: int | None) -> int | None:
@@ -331,10 +326,9 @@ class LLMEngine:
             request.logprobs.append(logprobs)
         return token
 
-    def _count_step(self, plan, num_sampled: int) -> None:
+    def _count_step(self, plan) -> None:
         self._counters.num_steps += 1
         self._counters.num_computed_tokens += plan.num_batch_tokens
-        self._counters.num_generated_tokens += num_sampled
 
     def _finish(self, request: Request) -> RequestOutput:
         counters = self._counters

@@ -61,6 +61,9 @@ class FIFOScheduler:
         self._released: list[int] = []  # ``Request.index`` of requests that left ``running`` since the last plan
         self.num_soft_resets = 0
         self.num_offloads = 0  # swaps to CPU
+        #: Output tokens committed (a verify step's accepted run counts only up to a stop inside it, so the count
+        #: equals plain decoding's); an echo-only request's token is not an output.
+        self.num_generated_tokens = 0
         self.speculator = Speculator(config) if config.speculative != "off" else None
 
     def add_request(self, request: Request, error: str | None = None) -> None:
@@ -157,7 +160,7 @@ class FIFOScheduler:
         room = min(params.max_new_tokens - len(request.output_token_ids) - 1, plan.token_budget - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - request.num_tokens)
-        proposals = self.speculator.propose(request.prompt_token_ids + request.output_token_ids, room)
+        proposals = self.speculator.propose(request, room)
         block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
         if not proposals or not self.block_manager.allocate_slots(request, 1 + len(proposals)):
             return False
@@ -352,8 +355,10 @@ class FIFOScheduler:
 
     def _commit(self, request: Request, tokens: list[int]) -> bool:
         """Append tokens one at a time, each through the stop check; True when the request finished."""
+        counts = request.sampling_params.max_new_tokens > 0
         for token in tokens:
             request.output_token_ids.append(token)
+            self.num_generated_tokens += counts
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
             try:

@@ -15,10 +15,10 @@ verified position. The code is ours.
 from __future__ import annotations
 
 import logging
-
-import numpy as np
+import weakref
 
 from engine.config import EngineConfig
+from engine.request import Request
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -27,12 +27,67 @@ logger = logging.getLogger("cbrun.engine")
 DRAFT_PLACEHOLDER = -2
 
 
+class NgramIndex:
+    """The n-grams of one growing token sequence, indexed as its tokens arrive, for prompt lookup.
+
+    ``latest[n - ngram_min]`` maps each n-gram seen so far (a tuple) to the end (exclusive) of its latest
+    occurrence. N-grams are indexed up to, not including, the sequence's last token, so a lookup of the suffix finds
+    only earlier occurrences. Each new token costs ``ngram_max - ngram_min + 1`` dictionary updates, once: a decode
+    step's lookup does not rescan the sequence (vLLM's n-gram proposer scans the whole context every step).
+
+    Args:
+        ngram_min, ngram_max: the n-gram lengths indexed (1 <= ngram_min <= ngram_max).
+
+    Attributes:
+        token_ids: the sequence so far (the caller appends with ``extend``).
+    """
+
+    __slots__ = ("ngram_min", "ngram_max", "token_ids", "_latest", "_num_indexed")
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self.token_ids: list[int] = []
+        self._latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(ngram_min, ngram_max + 1)]
+        self._num_indexed = 0  # n-grams ending at or before this position are in ``_latest``
+
+    def extend(self, token_ids) -> None:
+        """Append tokens to the sequence (they are indexed lazily, at the next ``propose``)."""
+        self.token_ids.extend(token_ids)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last n tokens.
+
+        n runs from ``ngram_max`` down to ``ngram_min``; the first n with an earlier occurrence wins, so a longer
+        context match is preferred. Empty when nothing matches or ``k`` is 0.
+        """
+        tokens = self.token_ids
+        num_tokens = len(tokens)
+        if k <= 0 or num_tokens <= self.ngram_min:
+            return []
+        self._index_through(num_tokens - 1)
+        for n in range(min(self.ngram_max, num_tokens - 1), self.ngram_min - 1, -1):
+            end = self._latest[n - self.ngram_min].get(tuple(tokens[num_tokens - n:]))
+            if end is not None:
+                return tokens[end:end + k]
+        return []
+
+    def _index_through(self, stop: int) -> None:
+        """Index every n-gram ending at or before position ``stop`` (exclusive end)."""
+        tokens, low = self.token_ids, self.ngram_min
+        for end in range(self._num_indexed + 1, stop + 1):
+            for n in range(low, min(self.ngram_max, end) + 1):
+                self._latest[n - low][tuple(tokens[end - n:end])] = end
+        self._num_indexed = max(self._num_indexed, stop)
+
+
 class NgramProposer:
     """Proposes the tokens that followed the latest earlier occurrence of the sequence's last n tokens.
 
     For n from ``ngram_max`` down to ``ngram_min``, the last n tokens are searched for earlier in the same
     sequence (prompt and output); at the latest match, the up to ``k`` tokens that followed it are proposed. The
-    first n with a match wins, so a longer context match is preferred.
+    first n with a match wins, so a longer context match is preferred. A running request keeps one ``NgramIndex``
+    (``new_index``) that grows with it; ``propose`` is the same lookup over a whole sequence at once.
 
     Args:
         ngram_min, ngram_max: the n-gram lengths tried (1 <= ngram_min <= ngram_max).
@@ -42,6 +97,10 @@ class NgramProposer:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
+    def new_index(self) -> NgramIndex:
+        """An empty index for one sequence."""
+        return NgramIndex(self.ngram_min, self.ngram_max)
+
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to ``k`` proposed next tokens for a sequence (empty when nothing matches or ``k`` is 0).
 
@@ -49,18 +108,9 @@ class NgramProposer:
             token_ids: the request's known tokens, prompt then output.
             k: most tokens to propose.
         """
-        num_tokens = len(token_ids)
-        if k <= 0 or num_tokens <= self.ngram_min:
-            return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.ngram_max, num_tokens - 1), self.ngram_min - 1, -1):
-            # Windows starting at 0 .. num_tokens - n - 1: every earlier occurrence, not the suffix itself.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n
-                return token_ids[start:start + k]
-        return []
+        index = self.new_index()
+        index.extend(token_ids)
+        return index.propose(k)
 
 
 def accept_greedy(proposals: list[int], target_argmax: list[int]) -> list[int]:
@@ -104,6 +154,7 @@ class Speculator:
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
+        self._indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
         self._active: bool | None = None  # the last step's decision
         self._logged: set[bool] = set()
 
@@ -117,12 +168,25 @@ class Speculator:
         self._active = active
         return active
 
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        """Proposals for a request whose known tokens are ``token_ids``, at most ``min(k, max_tokens)``; with a
-        draft model, that many ``DRAFT_PLACEHOLDER`` slots (the draft runs batched once the step is planned)."""
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Proposals for a request from its known tokens (prompt then output), at most ``min(k, max_tokens)``;
+        with a draft model, that many ``DRAFT_PLACEHOLDER`` slots (the draft runs batched once the step is planned).
+
+        The request's ``NgramIndex`` is kept between steps and only its new tokens are added (a request's known
+        tokens only grow while it runs); it goes when the request does (a weak reference).
+        """
         if self.proposer is None:
             return [DRAFT_PLACEHOLDER] * max(0, min(self.k, max_tokens))
-        return self.proposer.propose(token_ids, min(self.k, max_tokens))
+        index = self._indexes.get(request)
+        if index is None:
+            index = self._indexes[request] = self.proposer.new_index()
+        num_prompt, num_indexed = request.num_prompt_tokens, len(index.token_ids)
+        assert num_indexed <= request.num_known_tokens, "a request's known tokens shrank while it ran"
+        if num_indexed < num_prompt:
+            index.extend(request.prompt_token_ids[num_indexed:])
+            num_indexed = num_prompt
+        index.extend(request.output_token_ids[num_indexed - num_prompt:])
+        return index.propose(min(self.k, max_tokens))
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         """Count one verify step's proposals and accepted ones."""

@@ -13,7 +13,8 @@ class EngineStats:
         num_prompt_tokens: prompt tokens of finished requests.
         num_cached_prompt_tokens: of those, tokens served from the prefix cache.
         num_computed_tokens: tokens run through the model (prefill chunks, decodes, recomputation).
-        num_generated_tokens: tokens sampled.
+        num_generated_tokens: output tokens committed, as plain decoding samples them (a stop inside an accepted
+            speculative run cuts the count there too; an echo-only request adds none).
         num_steps: forward passes.
         num_requests: requests finished (failed included).
         num_failed_requests: requests that finished with an error.

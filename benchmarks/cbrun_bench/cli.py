@@ -3,7 +3,8 @@
 The pieces: ``workloads`` (the rows), ``backends`` (cbrun and transformers, each run in a process of its own),
 ``measure`` (clocks, memory, FLOPs), ``report`` (the table and JSON) and this command, which runs the backends
 round-robin ``--repeats`` times. ``--workload engine-overhead`` runs ``benchmarks.cbrun_bench.overhead`` instead:
-host time per engine step on a model whose forward pass costs next to nothing.
+host time per engine step on a model whose forward pass costs next to nothing; ``--workload speculative`` runs
+``benchmarks.cbrun_bench.speculative``: speculative decoding off / ngram / draft at several batch sizes.
 
 A backend that cannot run here is reported as skipped, with the reason, and never stood in for: ``vllm`` without
 ``--vllm-python``, ``cbrun-command`` on a workload with per-row limits the command cannot express.
@@ -54,14 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
         "and print a side-by-side table: throughput, prefix-cache hits, TTFT/ITL, peak memory, and whether each "
         "backend's greedy outputs equal cbrun's. With --repeats N each row is the backend's median run by wall "
         "time."))
-    p.add_argument("--workload", choices=(*WORKLOADS, "engine-overhead"), default="gsm8k-stories260k",
+    p.add_argument("--workload", choices=(*WORKLOADS, "engine-overhead", "speculative"),
+                   default="gsm8k-stories260k",
                    help="gsm8k-stories260k: GSM8K test questions on stories260K; gsm8k-long: the same with "
                    "max_new_tokens = min(256, 512 - prompt); random-llama-30m: random ids of the same lengths on a "
                    "random 40M Llama; gsm8k-fewshot: the questions after a shared 1-shot GSM8K exemplar on "
                    "stories260K (prefix sharing); vllm-random-llama: 128 random prompts of 40-300 ids on a random "
                    "Llama with a 512-token vocabulary, ignore_eos, the comparison with vLLM's CPU backend "
                    "(--vllm-python); engine-overhead: host time per step on a near-free model "
-                   "(cbrun bench --workload engine-overhead --help)")
+                   "(cbrun bench --workload engine-overhead --help); speculative: speculation off / ngram / draft "
+                   "on a story-repeat workload and workload 1 (cbrun bench --workload speculative --help)")
     p.add_argument("--rows", type=int, help=f"GSM8K test questions to take, from the first (gsm8k-fewshot leaves "
                    f"out those too long for the context) (default {DEFAULT_ROWS})")
     p.add_argument("--backends",
@@ -242,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.cbrun_bench.overhead import main as overhead_main
 
         return overhead_main([a for a in argv if a not in ("--workload", "engine-overhead")])
+    if "speculative" in argv:  # its own options; see benchmarks.cbrun_bench.speculative
+        from benchmarks.cbrun_bench.speculative import main as speculative_main
+
+        return speculative_main([a for a in argv if a not in ("--workload", "speculative")])
     args = _parse_args(argv)
     torch.set_num_threads(args.threads)
     quiet_transformers()

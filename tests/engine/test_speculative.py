@@ -12,7 +12,7 @@ import pytest
 import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.speculative import NgramProposer, accept_greedy
+from engine.speculative import NgramIndex, NgramProposer, accept_greedy
 from tests.model_utils import WEIGHT_SCALE, assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128
@@ -43,6 +43,30 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert NgramProposer(1, 2).propose([8, 9, 4, 4, 8, 9, 3, 9, 5, 8, 9], 2) == [3, 9]
     assert NgramProposer(2, 3).propose([1, 2, 3, 4], 2) == []  # no earlier occurrence
     assert NgramProposer(2, 3).propose([1], 2) == []
+
+
+def test_ngram_index_grown_token_by_token_proposes_as_a_fresh_lookup():
+    """The incremental index a running request keeps gives, at every length, what a scan of the whole sequence
+    gives (latest match, longest n first); each token is indexed once."""
+    import random
+
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(300)]  # a small vocabulary: many repeated n-grams
+    for low, high in ((1, 3), (2, 4)):
+        index = NgramIndex(low, high)
+        for length in range(len(tokens)):
+            index.extend(tokens[length:length + 1])
+            for k in (1, 5):
+                assert index.propose(k) == _scan_propose(tokens[:length + 1], low, high, k), (low, high, length)
+
+
+def _scan_propose(tokens: list[int], low: int, high: int, k: int) -> list[int]:
+    """Prompt lookup by a full scan: the tokens after the latest earlier match of the longest suffix n-gram."""
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        starts = [j for j in range(len(tokens) - n) if tokens[j:j + n] == tokens[-n:]]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + k]
+    return []
 
 
 def test_accept_greedy_takes_matching_prefix_then_bonus():
@@ -329,3 +353,33 @@ def test_verify_step_rolls_back_rejected_slots_and_never_caches_them():
     assert item.start == 13 and item.token_ids[0] == 3  # the bonus token is computed next
     assert sorted(bm._hash_to_block.values()) == sorted(request.block_table[:3])  # 0..11: prompt, 7, 8
     bm.check_consistency()
+
+
+def test_generated_token_count_equals_off_when_a_stop_cuts_an_accepted_run(stories260k_dir, reference_greedy):
+    """``num_generated_tokens`` counts an accepted run only up to a stop inside it (a stop token, a stop string,
+    max_new_tokens, the model length), so it equals plain decoding's count exactly."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(stories260k_dir))
+    line = reference_greedy[7]  # after 120 tokens of its golden output, stories260K repeats itself: all accepted
+    prompt = line["prompt_token_ids"] + line["output_token_ids"][:120]
+    off_engine = LLMEngine.from_pretrained(str(stories260k_dir), EngineConfig())
+    plain = _generate(off_engine, [("p", prompt, SamplingParams(max_new_tokens=512 - len(prompt), ignore_eos=True))]
+                      )["p"].output_token_ids
+    near_the_end = prompt + plain[:-10]  # greedy continues with plain[-10:], then the model length stops it
+    # The stop token and string: a token 6 or more tokens in, new to the output (and its text new to the output's
+    # text) but in the prompt, so that n-gram lookup can propose it and more after it.
+    at = next(i for i in range(6, len(plain)) if plain[i] not in plain[:i] and plain[i] in prompt and
+              tokenizer.decode(plain[i:i + 1]).strip() not in tokenizer.decode(plain[:i]))
+    requests = [
+        ("max", prompt, SamplingParams(max_new_tokens=11)),
+        ("token", prompt, SamplingParams(max_new_tokens=24, stop_token_ids=(plain[at],))),
+        ("string", prompt, SamplingParams(max_new_tokens=24, stop=(tokenizer.decode(plain[at:at + 1]).strip(),))),
+        ("length", near_the_end, SamplingParams(max_new_tokens=40, ignore_eos=True)),
+    ]
+    for name, *rest in requests:  # each alone, so its count is its own
+        (off, off_stats), (ngram, stats) = _off_and_ngram(stories260k_dir, [(name, *rest)],
+                                                          num_speculative_tokens=8, ngram_min=1)
+        assert ngram[name].output_token_ids == off[name].output_token_ids, name
+        assert stats.num_accepted_tokens > 0, name  # a verify step ran, so a run could overshoot the stop
+        assert stats.num_generated_tokens == off_stats.num_generated_tokens, name
+        if name != "string":  # a stop string's text cut may drop tokens from the output, not from the count
+            assert off_stats.num_generated_tokens == len(off[name].output_token_ids), name
