@@ -76,6 +76,16 @@ static void attend_tile(const float *query, const float *k_cache, const float *v
         const int64_t page = (int64_t)table[page_start / page_size] + page_offset;
         const float *k_page = k_cache + page * page_size * token_stride + (int64_t)kv_head * head_dim;
         const float *v_page = v_cache + page * page_size * token_stride + (int64_t)kv_head * head_dim;
+        if (page_start + page_size <= last_pos) {  /* the next page's rows are scattered: fetch them early */
+            const int64_t next = (int64_t)table[page_start / page_size + 1] + page_offset;
+            const float *k_next = k_cache + next * page_size * token_stride + (int64_t)kv_head * head_dim;
+            const float *v_next = v_cache + next * page_size * token_stride + (int64_t)kv_head * head_dim;
+            for (int t = 0; t < page_size; t++)
+                for (int d = 0; d < head_dim; d += 16) {
+                    __builtin_prefetch(k_next + t * token_stride + d);
+                    __builtin_prefetch(v_next + t * token_stride + d);
+                }
+        }
         for (int r = 0; r < rows; r++) {
             const int pos = first_pos + r;
             int t_lo = page_start, t_hi = page_start + page_size - 1;  /* keys of this page the row sees */
