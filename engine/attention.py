@@ -68,6 +68,7 @@ class AttentionMetadata:
         page_size: tokens per page.
         k_pages, v_pages: the cache, (num_pages, page_size, num_kv_heads, head_dim), shared by all layers.
         use_triton: run the Triton kernels instead of the PyTorch reference.
+        use_cpu_kernel: run ``kernels.cpu_attention``'s C kernel (float32, CPU) instead of the PyTorch reference.
     """
 
     groups: dict[str, GroupMetadata]
@@ -79,6 +80,7 @@ class AttentionMetadata:
     k_pages: torch.Tensor
     v_pages: torch.Tensor
     use_triton: bool = False
+    use_cpu_kernel: bool = False
     _plans: dict = field(default_factory=dict)
 
     def gather_plan(self, group: str, sliding_window: int | None) -> GatherPlan:
@@ -135,7 +137,7 @@ def paged_attention_forward(
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer_idx: int,
                     scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Write one layer's new K/V into the paged cache, then attend over it (reference or Triton, per ``md``).
+    """Write one layer's new K/V into the paged cache, then attend over it (reference, C or Triton, per ``md``).
 
     Args:
         q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim), RoPE already applied; the cache's dtype.
@@ -160,6 +162,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Atten
                                       scale, sliding_window=sliding_window, softcap=softcap,
                                       max_seqlen_q=md.max_seqlen_q)
     write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
+    if md.use_cpu_kernel:
+        from kernels.cpu_attention import paged_attention_cpu
+        return paged_attention_cpu(q, md.k_pages, md.v_pages, block_tables, md.cu_seqlens_q, md.seqlens_k, scale,
+                                   softcap, sliding_window)
     return paged_attention_ref(q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap,
                                page_offset=index)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 SWITCHES = ("auto", "on", "off")
 MODEL_IMPLS = ("auto", "transformers", "lean")
 #: Default (max_requests_per_batch, max_batch_tokens) per device type, for throughput. CUDA: vLLM's offline (``LLM``)
@@ -35,7 +35,10 @@ class EngineConfig:
         cpu_offload_space: GiB of CPU swap space for offloaded requests; 0 falls back to soft reset.
         dtype: model and KV-cache dtype; "auto" keeps the checkpoint's dtype.
         device: torch device string, e.g. "cpu" or "cuda".
-        attention_backend: "torch" (PyTorch reference), "triton" (kernels), or "auto" (triton on CUDA).
+        attention_backend: "torch" (the PyTorch reference: gathers the pages, then SDPA), "triton" (kernels),
+            "cpu" (``kernels.cpu_attention``: a C/OpenMP kernel that reads pages in place, compiled at first use;
+            float32 on the CPU only, else a ValueError), or "auto": triton on CUDA, else cpu where it applies
+            (float32, the kernel builds), else torch.
         seed: seed of the engine's generator for requests without a seed of their own.
         cuda_graphs: "auto" (on for CUDA with the Triton backend), "on" or "off".
         q_padding_interval_size: with CUDA graphs, query tokens are padded to a multiple of this.

@@ -90,6 +90,7 @@ class LLMEngine:
         self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)
         padding = PaddingPolicy.for_cache(config, self.cache_spec)
         self.model_runner = ModelRunner(model, kv_cache, use_triton=use_triton,
+                                        use_cpu_kernel=_use_cpu_kernel(config, dtype, use_triton),
                                         padding=padding if use_graphs else None,
                                         use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
                                         max_model_len=max_model_len, async_batching=self.overlap_steps,
@@ -505,6 +506,29 @@ def _check_speculative(config: EngineConfig, layout: KVLayout) -> None:
     if config.async_batching == "on":
         raise ValueError(f"speculative = {config.speculative!r} does not run with async_batching = \"on\" yet "
                          "(a verify step's tokens must be read before the next plan); set one of them to \"off\"")
+
+
+def _use_cpu_kernel(config: EngineConfig, dtype: torch.dtype, use_triton: bool) -> bool:
+    """Whether attention runs ``kernels.cpu_attention``'s C kernel: "cpu", or "auto" off CUDA where it applies.
+
+    Raises:
+        ValueError: ``attention_backend = "cpu"`` on a CUDA device, with a dtype other than float32, or where the
+            kernel cannot be built (the message says why).
+    """
+    if use_triton or config.attention_backend == "torch":
+        return False
+    reason = None
+    if torch.device(config.device).type != "cpu":
+        reason = f"the device is {config.device}, not the CPU"
+    elif dtype != torch.float32:
+        reason = f"the model's dtype is {dtype}; the CPU kernel is float32 only"
+    else:
+        from kernels.cpu_attention import unavailable_reason
+
+        failure = unavailable_reason()
+        reason = f"the CPU attention kernel is unavailable ({failure})" if failure else None
+    return resolve_switch("attention_backend", config.attention_backend, reason, on="cpu", off="torch",
+                          off_log="attention: PyTorch reference (%s)", hint="; use attention_backend = torch")
 
 
 def _use_triton(config: EngineConfig) -> bool:

@@ -1,0 +1,112 @@
+"""CPU attention A/B: the PyTorch reference (gather pages, then SDPA) against the C kernel that reads them in place.
+
+Usage (from the repo root; about 6 minutes on a quiet 2-core machine with the defaults):
+    python -m benchmarks.cpu_attention --repeats 3 [--threads 1] [--out benchmarks/results-cpu-attention.md]
+
+Workloads:
+- ``random-llama-vllm``: issue 19's vLLM comparison: a random Llama (hidden 512, 8 layers, 8 heads, 4 KV heads,
+  head_dim 64, intermediate 1408, vocab 512), 128 rows of random prompt ids (40-300 tokens), per-row
+  ``max_tokens`` 16-256, ``ignore_eos``, greedy float32, 256 requests / 2048 tokens per step.
+- ``gsm8k-stories260k``: ``cbrun bench``'s workload 1 (stories260K, 512 GSM8K questions, 128 requests / 512 tokens).
+
+Each repeat runs every (workload, backend) pair once, round-robin, in this process; the table gives the median
+generation-phase tokens/s (model loading excluded) and the ratio cpu / torch, and checks outputs equal token for
+token between the backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+BACKENDS = ("torch", "cpu")
+VLLM_LLAMA = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=1408, vocab_size=512, max_position_embeddings=2048, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+
+
+def vllm_workload(model_dir: Path, rows: int = 128, seed: int = 0):
+    """(model dir, requests, engine budgets) of the random-llama-vllm workload; builds the model when missing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not (model_dir / "config.json").is_file():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            LlamaForCausalLM(LlamaConfig(**VLLM_LLAMA)).float().save_pretrained(model_dir)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VLLM_LLAMA["vocab_size"]) for _ in range(rng.randint(40, 300))] for _ in range(rows)]
+    requests = [(i, p, SamplingParams(max_new_tokens=rng.randint(16, 256), ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    return model_dir, requests, (256, 2048)
+
+
+def stories_workload(scratch: Path):
+    from benchmarks.cbrun_bench.workloads import build_workload
+
+    w = build_workload("gsm8k-stories260k", 512, (16, 256), 0, None, scratch)
+    requests = [(i, p, SamplingParams(max_new_tokens=m, stop_token_ids=w.stop_token_ids))
+                for i, (p, m) in enumerate(zip(w.prompts, w.max_new_tokens))]
+    return w.model_dir, requests, (128, 512)
+
+
+def run_once(model_dir: Path, requests, budgets, backend: str, threads: int) -> tuple[float, float, dict]:
+    """(generated tokens/s, CPU seconds, {request id: output ids}) of one generation phase."""
+    config = EngineConfig(max_requests_per_batch=budgets[0], max_batch_tokens=budgets[1], num_threads=threads,
+                          attention_backend=backend)
+    engine = LLMEngine.from_pretrained(str(model_dir), config)
+    start, cpu = time.perf_counter(), time.process_time()
+    outputs = list(engine.generate(requests, max_in_flight=len(requests)))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(o.output_token_ids) for o in outputs)
+    return tokens / wall, cpu, {o.request_id: o.output_token_ids for o in outputs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--workloads", default="random-llama-vllm,gsm8k-stories260k")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results-cpu-attention.md"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        builders = {"random-llama-vllm": lambda: vllm_workload(Path(scratch) / "vllm-llama"),
+                    "gsm8k-stories260k": lambda: stories_workload(Path(scratch))}
+        workloads = {name: builders[name]() for name in args.workloads.split(",")}
+        results = {(w, b): [] for w in workloads for b in BACKENDS}
+        outputs = {}
+        for repeat in range(args.repeats):
+            for name, (model_dir, requests, budgets) in workloads.items():
+                for backend in BACKENDS:
+                    tps, cpu, out = run_once(model_dir, requests, budgets, backend, args.threads)
+                    results[name, backend].append((tps, cpu))
+                    outputs[name, backend] = out
+                    print(f"repeat {repeat} {name} {backend}: {tps:.0f} tok/s, {cpu:.1f} CPU s", flush=True)
+        for name in workloads:
+            torch_tps = statistics.median(t for t, _ in results[name, "torch"])
+            cpu_tps = statistics.median(t for t, _ in results[name, "cpu"])
+            equal = outputs[name, "torch"] == outputs[name, "cpu"]
+            rows.append(f"| {name} | {torch_tps:.0f} | {cpu_tps:.0f} | {cpu_tps / torch_tps:.2f}x | "
+                        f"{'yes' if equal else 'NO'} |")
+    table = "\n".join(["| workload | torch (gather + SDPA) tok/s | cpu (pages in place) tok/s | ratio | outputs equal |",
+                       "|---|---|---|---|---|", *rows])
+    text = (f"# CPU attention: reference vs in-place kernel\n\n`python -m benchmarks.cpu_attention "
+            f"{' '.join(argv if argv is not None else sys.argv[1:])}`; {args.threads} thread(s), median of "
+            f"{args.repeats} round-robin repeats, generation phase.\n\n{table}\n")
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Paged attention on the CPU without gathering pages: a small C/OpenMP kernel, compiled at first use.
+
+``kernels/cpu_paged_attention.c`` reads each request's K/V pages where they lie in the cache (a blocked online
+softmax, one page at a time), where ``kernels.reference.paged_attention_ref`` first copies every page it reads
+into a padded tensor. The reference stays the fallback and the oracle (``tests/kernels/test_cpu_attention.py``).
+
+The kernel is plain C with no torch headers, so it builds in about a second: with ``$CC`` (default ``gcc``), flags
+``-O3 -march=native -fopenmp``, into ``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``), once per source,
+compiler and CPU. It is loaded with ``ctypes`` and called on tensors' data pointers. Where it cannot be built (no
+compiler, a failed build, a read-only cache), ``unavailable_reason`` says why and the engine keeps the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("cbrun.engine")
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+CACHE_ENV = "CBRUN_KERNEL_CACHE"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC")
+
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def unavailable_reason() -> str | None:
+    """Why the C kernel cannot run here (building it on first call), or None when it can."""
+    _load()
+    return _failure
+
+
+def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
+                        scale: float, softcap: float | None = None, sliding_window: int | None = None,
+                        page_offset: int = 0) -> torch.Tensor:
+    """Attention of a flattened varlen batch over a paged KV cache, read in place (float32, CPU).
+
+    Same contract as ``kernels.paged_attention.paged_attention_triton`` and the reference.
+
+    Args:
+        query: (T, num_heads, head_dim) float32.
+        k_cache, v_cache: (num_pages, page_size, num_kv_heads, head_dim) float32, contiguous;
+            num_heads % num_kv_heads == 0.
+        block_tables: (B, max_blocks) int32/int64 page of each request's logical blocks, covering its context.
+        cu_seqlens_q: (B + 1,) cumulative query lengths; seqlens_k: (B,) context lengths, this step's included.
+        scale: multiplier of q.k; softcap: scores become ``softcap * tanh(scores / softcap)`` when set.
+        sliding_window: attend only to the last ``sliding_window`` positions (self included); None for full.
+        page_offset: added to every page of ``block_tables``.
+
+    Returns:
+        (T, num_heads, head_dim) float32; rows past ``cu_seqlens_q[-1]`` are zero.
+
+    Raises:
+        RuntimeError: when the kernel is unavailable (see ``unavailable_reason``) or runs out of memory.
+        ValueError: for a dtype, device or shape the kernel does not take.
+    """
+    library = _load()
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    _check(query, k_cache, v_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    query = query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    cu = cu_seqlens_q.to(torch.int32).contiguous()
+    seqlens = seqlens_k.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    num_rows = int(cu[-1])
+    if num_rows < num_tokens:
+        out[num_rows:] = 0
+    status = library.cbrun_paged_attention_f32(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], page_offset,
+        cu.data_ptr(), seqlens.data_ptr(), seqlens.shape[0], num_heads, num_kv_heads, head_dim, page_size,
+        scale, softcap or 0.0, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
+    if status:
+        raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
+    return out
+
+
+def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    if query.shape[2] != k_cache.shape[3] or query.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"query {tuple(query.shape)} does not fit the cache {tuple(k_cache.shape)}")
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _failure
+    if _library is None and _failure is None:
+        try:
+            _library = _bind(ctypes.CDLL(str(_build())))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _failure = str(e)
+            logger.info("CPU attention kernel unavailable, the PyTorch reference runs instead: %s", e)
+    return _library
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    fn = library.cbrun_paged_attention_f32
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i32]
+    fn.restype = ctypes.c_int
+    return library
+
+
+def _build() -> Path:
+    """The compiled library's path, compiling it first unless the cache holds it for this source, compiler, CPU."""
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'gcc')!r} not found)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_flags())
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cbrun" / "kernels")
+    target = cache / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: concurrent first uses never load a half-written library.
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                                text=True, timeout=300)
+        if result.returncode:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags (``-march=native`` code is only valid on a CPU that has them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor().encode()

@@ -1,0 +1,83 @@
+"""The C paged-attention kernel (``kernels.cpu_attention``) against the PyTorch reference on ragged batches.
+
+Contexts end on, just before and just after page boundaries; pages are shuffled; every cache slot no request owns
+is NaN, so a kernel that reads past a request's context (or a masked slot) fails the comparison.
+"""
+
+import pytest
+import torch
+
+from kernels.cpu_attention import paged_attention_cpu, unavailable_reason
+from kernels.reference import build_gather_plan, paged_attention_ref
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
+                                reason=f"CPU attention kernel unavailable: {unavailable_reason()}")
+
+PAGE = 4
+# (query lengths, context lengths): decodes, a prefill of whole pages, a chunk after cached context, a request with
+# no query rows, contexts of 1, PAGE - 1, PAGE, PAGE + 1 and 2 * PAGE + 1 tokens.
+RAGGED = ([1, 1, 1, 1, 8, 5, 0, 1, 13, 1], [1, 3, 4, 5, 8, 9, 6, 40, 21, 17])
+
+
+def make_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-k // PAGE) for k in k_lens]
+    num_pages = sum(pages) + 2  # page 0 finite and unowned (the reference's padding target), one spare
+    k_cache = torch.full((num_pages, PAGE, num_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache[0], v_cache[0] = 0.0, 0.0
+    order = (torch.randperm(num_pages - 2, generator=gen) + 1).tolist()
+    width = max(pages)
+    tables = torch.zeros(len(q_lens), width, dtype=torch.int32)
+    for b, (n, k_len) in enumerate(zip(pages, k_lens)):
+        own, order = order[:n], order[n:]
+        tables[b, :n] = torch.tensor(own, dtype=torch.int32)
+        for j in range(k_len):  # only the context's slots get values
+            page, offset = own[j // PAGE], j % PAGE
+            k_cache[page, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            v_cache[page, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+    cu = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
+    query = torch.randn(int(cu[-1]) + 2, num_heads, head_dim, generator=gen)  # two trailing padding rows
+    return query, k_cache, v_cache, tables, cu, torch.tensor(k_lens, dtype=torch.int32)
+
+
+def reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap=None, window=None):
+    """The reference over a copy of the cache whose unowned slots are 0: it reads whole pages and masks them."""
+    plan = build_gather_plan(tables, cu, seqlens, PAGE, window)
+    return paged_attention_ref(query, torch.nan_to_num(k_cache), torch.nan_to_num(v_cache), plan, scale, softcap)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 8), (6, 6, 16), (8, 1, 64)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
+def test_ragged_batch_matches_reference(num_heads, num_kv_heads, head_dim, window, softcap):
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(*RAGGED, num_heads, num_kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    out = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
+    expected = reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert (out[int(cu[-1]):] == 0).all()  # padding rows
+
+
+def test_threads_and_page_offset_give_the_same_output():
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(*RAGGED, 4, 2, 8, seed=1)
+    # The same cache as the second of two layers per block: every page shifted by one.
+    k2 = torch.stack((torch.zeros_like(k_cache), k_cache), 1).flatten(0, 1)
+    v2 = torch.stack((torch.zeros_like(v_cache), v_cache), 1).flatten(0, 1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3)
+        torch.set_num_threads(2)
+        two = paged_attention_cpu(query, k2, v2, tables * 2, cu, seqlens, 0.3, page_offset=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each query vector's sums run in the same order on any thread
+
+
+def test_rejects_what_it_cannot_run():
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch([1], [3], 2, 1, 8)
+    with pytest.raises(ValueError, match="float32"):
+        paged_attention_cpu(query.half(), k_cache.half(), v_cache.half(), tables, cu, seqlens, 0.3)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_attention_cpu(query[..., :4], k_cache, v_cache, tables, cu, seqlens, 0.3)
