@@ -140,3 +140,48 @@ def test_killed_driver_resumes_every_row_once(local_ray, tiny_model_dir, tmp_pat
     assert [r["row_index"] for r in got] == list(range(60))
     assert [(r["id"], r["completion_token_ids"]) for r in got] == \
         [(r["id"], r["completion_token_ids"]) for r in rows(single)]
+
+
+def kill_one_replica_once(output_dir, killed: list[int], stop) -> None:
+    """SIGKILL one replica process (Ray titles it ``ray::MapWorker(...)``) once the driver has committed a part."""
+    import signal
+
+    import psutil
+
+    while not stop.is_set():
+        if any(output_dir.glob("part-*.parquet")):
+            for process in psutil.process_iter(["cmdline"]):
+                if "MapWorker" in " ".join(process.info["cmdline"] or []):
+                    process.send_signal(signal.SIGKILL)
+                    killed.append(process.pid)
+                    return
+        stop.wait(0.05)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_replica_is_restarted_and_its_rows_are_written_once(local_ray, stories260k_dir, make_manifest,
+                                                                     tmp_path):
+    import threading
+
+    path = tmp_path / "in.parquet"
+    num_rows = 400
+    pq.write_table(pa.table({"id": [f"k{i}" for i in range(num_rows)],
+                             "prompt": [f"Once upon a time, Lily saw {i}" for i in range(num_rows)]}), path)
+    single = make_manifest(stories260k_dir, path, tmp_path / "single", commit_every_rows=16)
+    run_job(single, progress=False)
+    on_ray = make_manifest(stories260k_dir, path, tmp_path / "ray", commit_every_rows=16)
+    on_ray.cluster = ClusterSettings(executor="ray", num_replicas=1, batch_size=8)
+    killed: list[int] = []
+    stop = threading.Event()
+    killer = threading.Thread(target=kill_one_replica_once, args=(tmp_path / "ray", killed, stop), daemon=True)
+    killer.start()
+    try:
+        summary = run_job(on_ray, progress=False)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "the job finished before a replica could be killed"
+    assert summary.num_rows == num_rows and summary.num_errors == 0
+    got = rows(tmp_path / "ray")  # asserts no row was written twice
+    assert len(got) == num_rows and got == rows(tmp_path / "single")
