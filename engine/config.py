@@ -147,6 +147,9 @@ class EngineConfig:
             raise ValueError('speculative = "draft" needs a draft model: set engine.draft_model to its directory')
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise ValueError(f"draft_model must be a directory path, got {self.draft_model!r}")
+        if self.draft_model is not None and self.speculative != "draft":  # silently unused otherwise
+            raise ValueError(f'draft_model is set but speculative = "{self.speculative}": set speculative = "draft" '
+                             "to use it, or leave draft_model unset")
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch"):
             self._check_positive_int(name)
         if self.ngram_min > self.ngram_max:

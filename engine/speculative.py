@@ -161,7 +161,9 @@ class Speculator:
     def active(self, num_running: int) -> bool:
         """Whether this step speculates, given the running requests; logs the first switch each way."""
         active = num_running <= self.max_batch
-        if self._active is not None and active != self._active and active not in self._logged:
+        # NOTE: a run that starts above the switch logs "paused" at its first step (speculating is the default).
+        switched = active != self._active and (self._active is not None or not active)
+        if switched and active not in self._logged:
             self._logged.add(active)
             logger.info("speculative decoding %s: %d requests running (speculative_max_batch = %d)",
                         "resumed" if active else "paused, decoding plainly", num_running, self.max_batch)

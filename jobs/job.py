@@ -299,17 +299,25 @@ class _Job:
         """Open the output and read which rows are done. Returns the ``OutputState``."""
         state = self.checkpoint.open(self.fingerprint, self.reader.num_rows,
                                      overwrite=self.manifest.output.overwrite, retry_errors=retry_errors)
-        write_shards_file(self.checkpoint.output_dir, 1, self.reader.num_rows, [(0, self.reader.num_rows)])
+        self.write_shards_file()
         return state
 
     def start_writer(self) -> PartWriter:
         """The output's ``PartWriter``, the directory made ready (``Checkpoint.start``); a stale results file gone."""
         out = self.manifest.output
         writer = self.checkpoint.start(self.fingerprint, out.commit_every_rows, out.commit_every_seconds,
-                                       overwrite=out.overwrite,
+                                       overwrite=self.clears_at_start(),
                                        carried_fields=output_carried_fields(self.manifest, self.reader))
+        self.write_shards_file()  # again: --overwrite cleared the directory's cbrun files
         remove_stale_results(self.manifest)
         return writer
+
+    def clears_at_start(self) -> bool:
+        """Whether the writer's start discards the directory's results (--overwrite; a shard clears in ``open``)."""
+        return self.manifest.output.overwrite
+
+    def write_shards_file(self) -> None:
+        write_shards_file(self.checkpoint.output_dir, 1, self.reader.num_rows, [(0, self.reader.num_rows)])
 
     def finish(self, summary: JobSummary, tokenizer=None) -> None:
         """Write results.jsonl (``output.format = "openai-batch"``), stats.json and _SUCCESS: the whole job is in
@@ -433,7 +441,7 @@ class _ShardJob(_Job):
                 if len(failed):
                     checkpoint.clear_finished()
                     checkpoint.remove_rows(failed)
-            write_shards_file(checkpoint.output_dir, self.shard.count, num_rows, self.ranges)
+            self.write_shards_file()
             state = checkpoint.read_state(num_rows, self.within)
         # NOTE: the rows outside the shard count as done for this run's bitmap (never read, never written).
         return state
@@ -441,6 +449,12 @@ class _ShardJob(_Job):
     def start_writer(self) -> PartWriter:
         with DirectoryLock(self.checkpoint.output_dir):
             return super().start_writer()
+
+    def clears_at_start(self) -> bool:
+        return False  # ``open`` has dropped this shard's rows (or a new job's results); the other shards' stay
+
+    def write_shards_file(self) -> None:
+        write_shards_file(self.checkpoint.output_dir, self.shard.count, self.reader.num_rows, self.ranges)
 
     def finish(self, summary: JobSummary, tokenizer=None) -> None:
         """Record this shard's summary; then, if every row of every shard is committed, the job's."""

@@ -254,3 +254,9 @@ def test_sampling_with_a_draft_keeps_the_target_distribution(tmp_path):
     assert _chi_square_p(observed12, exact12) > 1e-3, (observed12, exact12 * num_draws)
     observed3 = np.bincount(tokens[:, 2], minlength=vocab)
     assert _chi_square_p(observed3, exact3) > 1e-3, (observed3, exact3 * num_draws)
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_a_draft_model_without_draft_speculation_is_refused(speculative):
+    with pytest.raises(ValueError, match=f'draft_model is set but speculative = "{speculative}"'):
+        EngineConfig(speculative=speculative, draft_model="some/draft")

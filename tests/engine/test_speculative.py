@@ -383,3 +383,14 @@ def test_generated_token_count_equals_off_when_a_stop_cuts_an_accepted_run(stori
         assert stats.num_generated_tokens == off_stats.num_generated_tokens, name
         if name != "string":  # a stop string's text cut may drop tokens from the output, not from the count
             assert off_stats.num_generated_tokens == len(off[name].output_token_ids), name
+
+
+def test_the_switch_logs_each_way_also_when_a_run_starts_above_it(caplog):
+    from engine.speculative import Speculator
+
+    speculator = Speculator(EngineConfig(speculative="ngram", speculative_max_batch=2))
+    with caplog.at_level(logging.INFO, logger="cbrun.engine"):
+        assert [speculator.active(n) for n in (5, 4, 2, 1, 3)] == [False, False, True, True, False]
+    messages = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
+    assert messages == ["speculative decoding paused, decoding plainly: 5 requests running (speculative_max_batch = 2)",
+                        "speculative decoding resumed: 2 requests running (speculative_max_batch = 2)"]

@@ -120,6 +120,23 @@ def test_success_only_after_every_shard_and_status_per_shard(tiny_model_dir, tin
     assert "total: 30/30 rows done, 0 error rows, complete" in capsys.readouterr().out
 
 
+def test_overwrite_of_one_shard_keeps_the_others_and_status_stays_true(tiny_model_dir, tiny_engine, make_manifest,
+                                                                        input_path, tmp_path, capsys):
+    out = tmp_path / "out"
+    for shard in ("0/3", "1/3", "2/3"):
+        run_job(make_manifest(tiny_model_dir, input_path, out, shard=shard), engine=tiny_engine, progress=False)
+    manifest = make_manifest(tiny_model_dir, input_path, out, shard="1/3")
+    manifest.output.overwrite = True
+    run_job(manifest, engine=tiny_engine, progress=False)  # recomputes shard 1's rows alone
+    assert sorted(read_output(out).column("row_index").to_pylist()) == list(range(30))
+    assert main(["status", str(out)]) == 0
+    assert "total: 30/30 rows done, 0 error rows, complete" in capsys.readouterr().out
+    plain = make_manifest(tiny_model_dir, input_path, tmp_path / "plain")
+    plain.output.overwrite = True
+    run_job(plain, engine=tiny_engine, progress=False)
+    assert main(["status", str(tmp_path / "plain")]) == 0  # --overwrite keeps the shards file it writes
+
+
 def test_another_shard_count_is_refused_unless_overwrite(tiny_model_dir, tiny_engine, make_manifest, input_path,
                                                          tmp_path):
     out = tmp_path / "out"
