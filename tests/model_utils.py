@@ -67,3 +67,17 @@ def assert_pool_balanced(engine) -> None:
     bm.check_consistency()
     assert all(r == 0 for r in bm.ref_counts)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def assert_same_outputs_and_logprobs(got, want, abs_tol: float = 1e-4) -> None:
+    """``got`` and ``want`` (``Request id -> RequestOutput``, the same ids): equal tokens, and where ``want`` has
+    logprobs, the same top-token keys with values within ``abs_tol``."""
+    import pytest
+
+    for key in want:
+        assert got[key].output_token_ids == want[key].output_token_ids, f"prompt {key}"
+        if want[key].logprobs is not None:
+            assert len(got[key].logprobs) == len(want[key].logprobs)
+            for g, w in zip(got[key].logprobs, want[key].logprobs):
+                assert g.keys() == w.keys()
+                assert g == pytest.approx(w, abs=abs_tol)

@@ -21,7 +21,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.draft_proposer import check_draft_vocab
 from tests.engine.test_speculative import (_chi_square_p, _generate, _markov_model_dir, _random_model_dir,
                                            _repetitive_prompts)
-from tests.model_utils import hf_greedy, random_llama_dir, random_prompts
+from tests.model_utils import assert_same_outputs_and_logprobs, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128
 
@@ -196,13 +196,7 @@ def test_host_processed_greedy_rows_equal_off():
                              logprobs_mode="processed_logprobs")]
     requests = [(i, p, params[i % 3]) for i, p in enumerate(prompts)]
     (off, _), (spec, stats) = _off_and_draft(model_dir, model_dir, requests, num_blocks=256, page_size=4)
-    for i in range(len(prompts)):
-        assert spec[i].output_token_ids == off[i].output_token_ids, f"prompt {i}"
-        if off[i].logprobs is not None:
-            assert len(spec[i].logprobs) == len(off[i].logprobs)
-            for got, want in zip(spec[i].logprobs, off[i].logprobs):
-                assert got.keys() == want.keys()
-                assert got == pytest.approx(want, abs=1e-4)
+    assert_same_outputs_and_logprobs(spec, off)
     assert stats.num_accepted_tokens > 0
 
 

@@ -13,7 +13,8 @@ import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.speculative import NgramIndex, NgramProposer, accept_greedy
-from tests.model_utils import WEIGHT_SCALE, assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
+from tests.model_utils import (WEIGHT_SCALE, assert_pool_balanced, assert_same_outputs_and_logprobs, hf_greedy,
+                               random_llama_dir, random_prompts)
 
 VOCAB = 128
 
@@ -225,13 +226,7 @@ def test_host_processed_greedy_rows_equal_off():
                              logprobs_mode="processed_logprobs")]
     requests = [(i, p, params[i % 3]) for i, p in enumerate(prompts)]
     (off, _), (ngram, stats) = _off_and_ngram(model_dir, requests, num_blocks=256, page_size=4, ngram_min=1)
-    for i in range(len(prompts)):
-        assert ngram[i].output_token_ids == off[i].output_token_ids, f"prompt {i}"
-        if off[i].logprobs is not None:
-            assert len(ngram[i].logprobs) == len(off[i].logprobs)
-            for got, want in zip(ngram[i].logprobs, off[i].logprobs):
-                assert got.keys() == want.keys()
-                assert got == pytest.approx(want, abs=1e-4)
+    assert_same_outputs_and_logprobs(ngram, off)
     assert stats.num_accepted_tokens > 0
 
 
