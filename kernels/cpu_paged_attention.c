@@ -1,10 +1,12 @@
 /* Paged attention for the CPU, float32: reads K/V pages where they lie (no gather), blocked online softmax.
  *
  * The algorithm of kernels/paged_attention.py (FlashAttention-2's online softmax, Dao 2023, over the pages of a
- * block table as in vLLM's paged attention), written for a CPU core: one work item is (request, KV head, tile of
- * up to TILE_Q query rows); it walks the pages its rows need, one page at a time, keeping per query vector a
- * running max, a running sum and an output accumulator. The query heads of a KV head's group share each page, so
- * K and V are read once per tile and never repeated per query head. Work items are spread over OpenMP threads.
+ * block table as in vLLM's paged attention), written for a CPU core: one work item is (request, tile of up to TILE_Q
+ * query rows, a run of KV heads -- all of them unless there are too few items for the threads); it walks the pages
+ * its rows need, one page at a time, keeping per query vector a running max, a running sum and an output
+ * accumulator. A page's token rows hold every KV head side by side, so taking all heads in one item reads each
+ * page as one contiguous stream (the cost on small heads is memory latency, not arithmetic), and the query heads of
+ * a KV head's group share its keys, so K and V are read once per tile. Work items are spread over OpenMP threads.
  *
  * Layouts (all contiguous, float32 unless said):
  *   query, out:          (T, num_heads, head_dim)
@@ -24,47 +26,148 @@
 
 typedef struct {
     int32_t request;
-    int32_t kv_head;
-    int32_t row_start; /* first query row of the tile, relative to the request */
+    int32_t row_start;     /* first query row of the tile, relative to the request */
+    int32_t kv_head_begin; /* KV heads [kv_head_begin, kv_head_end) */
+    int32_t kv_head_end;
 } WorkItem;
 
-/* s[j] = q . k_j for the n_keys (<= 4) keys k_j = k + j * stride: four dot products per pass over q. */
-static void dot4(const float *q, const float *k, int64_t stride, int n_keys, int n, float *s) {
-    const float *k1 = k + (n_keys > 1 ? stride : 0), *k2 = k + (n_keys > 2 ? 2 * stride : 0);
-    const float *k3 = k + (n_keys > 3 ? 3 * stride : 0);
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int i = 0; i < n; i++) {
-        s0 += q[i] * k[i];
-        s1 += q[i] * k1[i];
-        s2 += q[i] * k2[i];
-        s3 += q[i] * k3[i];
-    }
-    const float all[4] = {s0, s1, s2, s3};
-    for (int j = 0; j < n_keys; j++) s[j] = all[j];
+/* exp(x) for x <= 0, vectorisable (no libm call, no branch): Cephes' expf (S. L. Moshier, Cephes Math Library,
+ * netlib), i.e. x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r, and 2^n built in the exponent
+ * bits. Relative error about 1e-7 (1-2 ulp), like libm's expf. Below -87.3 (2^n would be subnormal) it returns 0,
+ * which is what a softmax weight that small rounds to next to the row's maximum weight of 1. */
+static inline float exp_nonpositive(float x) {
+    const float underflows = x < -87.3f ? 0.0f : 1.0f;  /* selects, not branches: the loops calling this vectorise */
+    x = x < -87.3f ? -87.3f : x;
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits */
+    const float t = x * 1.44269504088896341f + shifter;
+    const float n = t - shifter;
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln 2 split in two, as in Cephes */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } scale;
+    scale.f = t;
+    scale.i = (scale.i - 0x4B400000 + 127) << 23; /* the integer n, then 2^n */
+    return p * scale.f * underflows;
 }
 
-/* a += sum_j p[j] * v_j for the n_keys (<= 4) rows v_j = v + j * stride (missing rows weigh 0). */
-static void axpy4(float *a, const float *p, const float *v, int64_t stride, int n_keys, int n) {
-    const float p0 = p[0], p1 = n_keys > 1 ? p[1] : 0.f, p2 = n_keys > 2 ? p[2] : 0.f, p3 = n_keys > 3 ? p[3] : 0.f;
-    const float *v1 = v + (n_keys > 1 ? stride : 0), *v2 = v + (n_keys > 2 ? 2 * stride : 0);
-    const float *v3 = v + (n_keys > 3 ? 3 * stride : 0);
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define KEY_BLOCK 8 /* keys scored together: one 8-lane register of scores */
+
+/* s[0..n) = q . k_j for the n keys whose transposed rows are kt[d * kt_stride + j] (j from 0): head_dim vector
+ * FMAs per block of KEY_BLOCK keys, the scores held in one register, no horizontal sums. Lanes past n hold
+ * garbage that the caller never reads. */
+ALWAYS_INLINE void scores_transposed(const float *q, const float *kt, int kt_stride, int n, int head_dim, float *s) {
+    for (int b = 0; b < n; b += KEY_BLOCK) {
+        float block[KEY_BLOCK] = {0.f};
+        for (int d = 0; d < head_dim; d++) {
+            const float qd = q[d];
+            const float *kd = kt + (int64_t)d * kt_stride + b;
 #pragma omp simd
-    for (int d = 0; d < n; d++) a[d] += p0 * v[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+            for (int j = 0; j < KEY_BLOCK; j++) block[j] += qd * kd[j];
+        }
+        memcpy(s + b, block, sizeof(block));
+    }
 }
 
-static void attend_tile(const float *query, const float *k_cache, const float *v_cache, const int32_t *table,
-                        int32_t page_offset, int32_t q_start, int32_t q_len, int32_t seqlen_k, int32_t row_start,
-                        int32_t kv_head, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                        int32_t page_size, float scale, float softcap, int32_t sliding_window, float *out,
-                        float *scratch) {
+/* s[0..n) = q . k_j for the keys k_j = k + j * stride, four per pass over q (for long heads, read in place). */
+ALWAYS_INLINE void scores_dot(const float *q, const float *k, int64_t stride, int n, int head_dim, float *s) {
+    for (int j = 0; j < n; j += 4) {
+        const int n_keys = n - j < 4 ? n - j : 4;
+        const float *k0 = k + j * stride, *k1 = k0 + (n_keys > 1 ? stride : 0);
+        const float *k2 = k0 + (n_keys > 2 ? 2 * stride : 0), *k3 = k0 + (n_keys > 3 ? 3 * stride : 0);
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int d = 0; d < head_dim; d++) {
+            s0 += q[d] * k0[d];
+            s1 += q[d] * k1[d];
+            s2 += q[d] * k2[d];
+            s3 += q[d] * k3[d];
+        }
+        const float all[4] = {s0, s1, s2, s3};
+        for (int i = 0; i < n_keys; i++) s[j + i] = all[i];
+    }
+}
+
+/* One (query vector, page) step of the online softmax: s[0..n) are the vector's raw scores q.k for n consecutive
+ * keys of the page, v the first of those keys' V rows; m, l, acc its running max, sum and (head_dim,) output. */
+ALWAYS_INLINE void online_softmax_update(float *s, int n, const float *v, int64_t token_stride, int head_dim,
+                                         float scale, float softcap, float *m, float *l, float *acc) {
+    float page_max = -INFINITY;
+    if (softcap > 0.f) {
+        for (int j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] * scale / softcap);
+    } else {
+#pragma omp simd
+        for (int j = 0; j < n; j++) s[j] *= scale;
+    }
+#pragma omp simd reduction(max : page_max)
+    for (int j = 0; j < n; j++) page_max = s[j] > page_max ? s[j] : page_max;
+    if (page_max > *m) { /* rescale what was summed under the old max */
+        const float correction = exp_nonpositive(*m - page_max);
+        *l *= correction;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) acc[d] *= correction;
+        *m = page_max;
+    }
+    const float row_max = *m;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < n; j++) {
+        s[j] = exp_nonpositive(s[j] - row_max);
+        sum += s[j];
+    }
+    *l += sum;
+    /* A local accumulator: acc and v could alias as far as the compiler knows, which would store and reload acc
+     * after every key. With head_dim a constant it lives in registers. */
+    float a[head_dim];
+    memcpy(a, acc, sizeof(float) * head_dim);
+    for (int j = 0; j < n; j++) {
+        const float p = s[j];
+        const float *vj = v + j * token_stride;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) a[d] += p * vj[d];
+    }
+    memcpy(acc, a, sizeof(float) * head_dim);
+}
+
+static void prefetch_page(const float *k, const float *v, int64_t token_stride, int page_size, int head_dim) {
+    for (int t = 0; t < page_size; t++)
+        for (int d = 0; d < head_dim; d += 16) {
+            __builtin_prefetch(k + t * token_stride + d);
+            __builtin_prefetch(v + t * token_stride + d);
+        }
+}
+
+/* Scratch floats one tile needs (see attend_tile). */
+static size_t tile_scratch_floats(int num_heads, int head_dim, int page_size) {
+    const int kt_stride = page_size + KEY_BLOCK;
+    return (size_t)TILE_Q * num_heads * (head_dim + 2) + page_size + KEY_BLOCK + (size_t)head_dim * kt_stride;
+}
+
+/* Attention of up to TILE_Q query rows of one request, for the query heads of one KV head. head_dim is a
+ * compile-time constant at each call site below, so the d loops unroll and the accumulators stay in registers. */
+ALWAYS_INLINE void attend_tile(const float *query, const float *k_cache, const float *v_cache, const int32_t *table,
+                               int32_t page_offset, int32_t q_start, int32_t q_len, int32_t seqlen_k,
+                               int32_t row_start, int32_t kv_head_begin, int32_t kv_head_end, int32_t num_heads,
+                               int32_t num_kv_heads,
+                               const int head_dim, int32_t page_size, float scale, float softcap,
+                               int32_t sliding_window, float *out, float *scratch) {
     const int group = num_heads / num_kv_heads;
     const int rows = q_len - row_start < TILE_Q ? q_len - row_start : TILE_Q;
-    const int nvec = rows * group;
+    const int heads = kv_head_end - kv_head_begin;
+    const int nvec = rows * heads * group;             /* vector (r, kv head, g) is (r * heads + h) * group + g */
+    const int kt_stride = page_size + KEY_BLOCK;
     float *acc = scratch;                              /* (nvec, head_dim) */
     float *m = acc + (size_t)nvec * head_dim;          /* (nvec,) running max */
     float *l = m + nvec;                               /* (nvec,) running sum */
-    float *s = l + nvec;                               /* (page_size,) scores of one page */
+    float *s = l + nvec;                               /* (page_size + KEY_BLOCK,) one vector's scores on a page */
+    float *kt = s + page_size + KEY_BLOCK;             /* (head_dim, kt_stride) the page's keys, transposed */
+    /* Transposing a page costs about what scoring it once costs: it pays for short heads, or many query vectors. */
+    const int transpose = head_dim <= 16 || rows * group >= 8;
     memset(acc, 0, sizeof(float) * (size_t)nvec * head_dim);
     for (int i = 0; i < nvec; i++) { m[i] = -INFINITY; l[i] = 0.f; }
     const int first_pos = seqlen_k - q_len + row_start;     /* position of the tile's first row */
@@ -74,63 +177,52 @@ static void attend_tile(const float *query, const float *k_cache, const float *v
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     for (int page_start = lo - lo % page_size; page_start <= last_pos; page_start += page_size) {
         const int64_t page = (int64_t)table[page_start / page_size] + page_offset;
-        const float *k_page = k_cache + page * page_size * token_stride + (int64_t)kv_head * head_dim;
-        const float *v_page = v_cache + page * page_size * token_stride + (int64_t)kv_head * head_dim;
+        const int64_t head_offset = (int64_t)kv_head_begin * head_dim;
         if (page_start + page_size <= last_pos) {  /* the next page's rows are scattered: fetch them early */
             const int64_t next = (int64_t)table[page_start / page_size + 1] + page_offset;
-            const float *k_next = k_cache + next * page_size * token_stride + (int64_t)kv_head * head_dim;
-            const float *v_next = v_cache + next * page_size * token_stride + (int64_t)kv_head * head_dim;
-            for (int t = 0; t < page_size; t++)
-                for (int d = 0; d < head_dim; d += 16) {
-                    __builtin_prefetch(k_next + t * token_stride + d);
-                    __builtin_prefetch(v_next + t * token_stride + d);
-                }
+            prefetch_page(k_cache + next * page_size * token_stride + head_offset,
+                          v_cache + next * page_size * token_stride + head_offset, token_stride, page_size,
+                          heads * head_dim);
         }
-        for (int r = 0; r < rows; r++) {
-            const int pos = first_pos + r;
-            int t_lo = page_start, t_hi = page_start + page_size - 1;  /* keys of this page the row sees */
-            if (t_hi > pos) t_hi = pos;
-            if (sliding_window > 0 && t_lo < pos - sliding_window + 1) t_lo = pos - sliding_window + 1;
-            if (t_lo > t_hi) continue;
-            for (int g = 0; g < group; g++) {
-                const int vec = r * group + g;
-                const float *q = query + ((int64_t)(q_start + row_start + r) * num_heads
-                                          + (int64_t)kv_head * group + g) * head_dim;
-                const int n_keys = t_hi - t_lo + 1;
-                for (int j = 0; j < n_keys; j += 4)
-                    dot4(q, k_page + (t_lo + j - page_start) * token_stride, token_stride,
-                         n_keys - j < 4 ? n_keys - j : 4, head_dim, s + j);
-                float page_max = -INFINITY;
-                for (int j = 0; j < n_keys; j++) {
-                    float x = s[j] * scale;
-                    if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-                    s[j] = x;
-                    if (x > page_max) page_max = x;
+        /* Keys of this page that some row of the tile sees: one run [k_lo, k_hi]. */
+        const int k_lo = page_start > lo ? page_start : lo;
+        const int k_hi = page_start + page_size - 1 < last_pos ? page_start + page_size - 1 : last_pos;
+        for (int h = 0; h < heads; h++) {
+            const int kv_head = kv_head_begin + h;
+            const float *k_page = k_cache + page * page_size * token_stride + (int64_t)kv_head * head_dim;
+            const float *v_page = v_cache + page * page_size * token_stride + (int64_t)kv_head * head_dim;
+            if (transpose)
+                for (int j = 0; j <= k_hi - k_lo; j++) {
+                    const float *k = k_page + (int64_t)(k_lo - page_start + j) * token_stride;
+                    for (int d = 0; d < head_dim; d++) kt[d * kt_stride + j] = k[d];
                 }
-                float *a = acc + (size_t)vec * head_dim;
-                if (page_max > m[vec]) {  /* rescale what was summed under the old max */
-                    const float correction = expf(m[vec] - page_max);
-                    l[vec] *= correction;
-#pragma omp simd
-                    for (int d = 0; d < head_dim; d++) a[d] *= correction;
-                    m[vec] = page_max;
+            for (int r = 0; r < rows; r++) {
+                const int pos = first_pos + r;
+                int t_lo = k_lo, t_hi = k_hi < pos ? k_hi : pos;  /* keys of this page the row sees */
+                if (sliding_window > 0 && t_lo < pos - sliding_window + 1) t_lo = pos - sliding_window + 1;
+                if (t_lo > t_hi) continue;
+                const int n = t_hi - t_lo + 1;
+                for (int g = 0; g < group; g++) {
+                    const int vec = (r * heads + h) * group + g;
+                    const float *q = query + ((int64_t)(q_start + row_start + r) * num_heads
+                                              + (int64_t)kv_head * group + g) * head_dim;
+                    if (transpose)
+                        scores_transposed(q, kt + (t_lo - k_lo), kt_stride, n, head_dim, s);
+                    else
+                        scores_dot(q, k_page + (int64_t)(t_lo - page_start) * token_stride, token_stride, n,
+                                   head_dim, s);
+                    online_softmax_update(s, n, v_page + (int64_t)(t_lo - page_start) * token_stride,
+                                          token_stride, head_dim, scale, softcap, m + vec, l + vec,
+                                          acc + (size_t)vec * head_dim);
                 }
-                float sum = 0.f;
-                for (int j = 0; j < n_keys; j++) {
-                    s[j] = expf(s[j] - m[vec]);
-                    sum += s[j];
-                }
-                for (int j = 0; j < n_keys; j += 4)
-                    axpy4(a, s + j, v_page + (t_lo + j - page_start) * token_stride, token_stride,
-                          n_keys - j < 4 ? n_keys - j : 4, head_dim);
-                l[vec] += sum;
             }
         }
     }
     for (int r = 0; r < rows; r++) {
-        for (int g = 0; g < group; g++) {
-            const int vec = r * group + g;
-            float *o = out + ((int64_t)(q_start + row_start + r) * num_heads + (int64_t)kv_head * group + g) * head_dim;
+        for (int v = 0; v < heads * group; v++) {  /* query heads kv_head_begin * group + v, in order */
+            const int vec = r * heads * group + v;
+            float *o = out + ((int64_t)(q_start + row_start + r) * num_heads + (int64_t)kv_head_begin * group + v)
+                                 * head_dim;
             const float inv = 1.f / l[vec];
             const float *a = acc + (size_t)vec * head_dim;
 #pragma omp simd
@@ -139,31 +231,61 @@ static void attend_tile(const float *query, const float *k_cache, const float *v
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated. Rows of requests with no query rows, and rows past
- * cu_seqlens_q[num_requests], are not written. */
+/* attend_tile specialised for the common head sizes (a constant head_dim), generic otherwise. */
+static void attend_tile_any(const float *query, const float *k_cache, const float *v_cache, const int32_t *table,
+                            int32_t page_offset, int32_t q_start, int32_t q_len, int32_t seqlen_k, int32_t row_start,
+                            int32_t kv_head_begin, int32_t kv_head_end, int32_t num_heads, int32_t num_kv_heads,
+                            int32_t head_dim,
+                            int32_t page_size, float scale, float softcap, int32_t sliding_window, float *out,
+                            float *scratch) {
+#define ATTEND(D) attend_tile(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k, row_start, \
+                              kv_head_begin, kv_head_end, num_heads, num_kv_heads, D, page_size, scale, softcap, sliding_window, out, \
+                              scratch)
+    switch (head_dim) {
+    case 8: ATTEND(8); break;
+    case 16: ATTEND(16); break;
+    case 32: ATTEND(32); break;
+    case 64: ATTEND(64); break;
+    case 128: ATTEND(128); break;
+    default: ATTEND(head_dim);
+    }
+#undef ATTEND
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated. Rows past cu_seqlens_q[num_requests], and the rows of
+ * requests with more than max_q_len query rows (when max_q_len > 0), are not written. */
 int cbrun_paged_attention_f32(const float *query, const float *k_cache, const float *v_cache,
                               const int32_t *block_tables, int64_t bt_stride, int32_t page_offset,
                               const int32_t *cu_seqlens_q, const int32_t *seqlens_k, int32_t num_requests,
                               int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t page_size,
-                              float scale, float softcap, int32_t sliding_window, float *out, int32_t num_threads) {
-    int64_t num_items = 0;
+                              float scale, float softcap, int32_t sliding_window, float *out, int32_t num_threads,
+                              int32_t max_q_len) {
+    const int threads = num_threads > 0 ? num_threads : 1;
+    int64_t num_tiles = 0;
     for (int b = 0; b < num_requests; b++) {
         const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-        num_items += (int64_t)((q_len + TILE_Q - 1) / TILE_Q) * num_kv_heads;
+        if (max_q_len <= 0 || q_len <= max_q_len) num_tiles += (q_len + TILE_Q - 1) / TILE_Q;
     }
-    if (num_items == 0) return 0;
+    if (num_tiles == 0) return 0;
+    /* All KV heads in one item reads pages as contiguous streams; split heads only to give every thread work. */
+    int head_splits = 1;
+    while (head_splits < num_kv_heads && num_tiles * head_splits < 4 * threads) head_splits *= 2;
+    if (head_splits > num_kv_heads) head_splits = num_kv_heads;
+    const int64_t num_items = num_tiles * head_splits;
     WorkItem *items = malloc(sizeof(WorkItem) * (size_t)num_items);
     if (!items) return -1;
     int64_t n = 0;
     for (int b = 0; b < num_requests; b++) {
         const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+        if (max_q_len > 0 && q_len > max_q_len) continue;
         for (int row = 0; row < q_len; row += TILE_Q)
-            for (int h = 0; h < num_kv_heads; h++) items[n++] = (WorkItem){b, h, row};
+            for (int split = 0; split < head_splits; split++)
+                items[n++] = (WorkItem){b, row, (int32_t)((int64_t)num_kv_heads * split / head_splits),
+                                        (int32_t)((int64_t)num_kv_heads * (split + 1) / head_splits)};
     }
-    const int group = num_heads / num_kv_heads;
-    const size_t scratch_floats = (size_t)TILE_Q * group * (head_dim + 2) + page_size + 4;
+    const size_t scratch_floats = tile_scratch_floats(num_heads, head_dim, page_size);
     int failed = 0;
-#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+#pragma omp parallel num_threads(threads)
     {
         float *scratch = malloc(sizeof(float) * scratch_floats);
         if (!scratch) {
@@ -175,10 +297,10 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
             if (!scratch) continue;
             const WorkItem it = items[i];
             const int32_t b = it.request;
-            attend_tile(query, k_cache, v_cache, block_tables + (int64_t)b * bt_stride, page_offset,
-                        cu_seqlens_q[b], cu_seqlens_q[b + 1] - cu_seqlens_q[b], seqlens_k[b], it.row_start,
-                        it.kv_head, num_heads, num_kv_heads, head_dim, page_size, scale, softcap, sliding_window,
-                        out, scratch);
+            attend_tile_any(query, k_cache, v_cache, block_tables + (int64_t)b * bt_stride, page_offset,
+                            cu_seqlens_q[b], cu_seqlens_q[b + 1] - cu_seqlens_q[b], seqlens_k[b], it.row_start,
+                            it.kv_head_begin, it.kv_head_end, num_heads, num_kv_heads, head_dim, page_size, scale,
+                            softcap, sliding_window, out, scratch);
         }
         free(scratch);
     }
