@@ -2,6 +2,11 @@
 
 Usage (from the repo root; about 6 minutes on a quiet 2-core machine with the defaults):
     python -m benchmarks.cpu_attention --repeats 3 [--threads 1] [--out benchmarks/results-cpu-attention.md]
+    python -m benchmarks.cpu_attention --kernel-only --repeats 5 [--out benchmarks/results-cpu-attention-kernel.md]
+
+``--kernel-only`` (about 1 minute) times one attention call per shape instead of whole runs: the C kernel against
+the reference on decode and prefill batches of random data, head_dim 8 to 128 (``KERNEL_SHAPES``), as the best of
+``--repeats`` round-robin calls in thread CPU time (steadier than wall time on a shared machine).
 
 Workloads:
 - ``random-llama-vllm``: issue 19's vLLM comparison: a random Llama (hidden 512, 8 layers, 8 heads, 4 KV heads,
@@ -58,6 +63,60 @@ def stories_workload(scratch: Path):
     return w.model_dir, requests, (128, 512)
 
 
+#: name: (requests, query rows each, context tokens each, query heads, KV heads, head_dim, page size).
+KERNEL_SHAPES = {
+    "stories260K decode": (256, 1, 220, 8, 4, 8, 16),
+    "stories260K prefill": (8, 256, 256, 8, 4, 8, 16),
+    "stories260K lm-eval scoring (page 8)": (32, 200, 200, 8, 4, 8, 8),
+    "vLLM-workload Llama decode": (128, 1, 300, 8, 4, 64, 16),
+    "vLLM-workload Llama verify (1 + 4 rows)": (64, 5, 200, 8, 4, 64, 16),
+    "vLLM-workload Llama prefill": (8, 256, 256, 8, 4, 64, 16),
+    "head_dim 128 decode": (64, 1, 1000, 32, 8, 128, 16),
+    "head_dim 128 prefill": (2, 512, 512, 32, 8, 128, 16),
+}
+
+
+def kernel_case(requests, q_len, context, num_heads, num_kv_heads, head_dim, page_size, seed=0):
+    """Random (query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k) with shuffled pages."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-context // page_size)
+    num_pages = requests * blocks + 1
+    k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen)
+    tables = (torch.randperm(num_pages - 1, generator=gen)[:requests * blocks] + 1).view(requests, blocks)
+    query = torch.randn(requests * q_len, num_heads, head_dim, generator=gen)
+    cu = torch.arange(0, requests * q_len + 1, q_len, dtype=torch.int32)
+    return query, k_cache, v_cache, tables.to(torch.int32), cu, torch.full((requests,), context, dtype=torch.int32)
+
+
+def kernel_table(repeats: int) -> str:
+    """Markdown table: per shape, reference and C kernel milliseconds per call and their ratio."""
+    from kernels.cpu_attention import paged_attention_cpu
+    from kernels.reference import build_gather_plan, paged_attention_ref
+
+    calls = {}
+    for name, shape in KERNEL_SHAPES.items():
+        q, k, v, tables, cu, seqlens = kernel_case(*shape)
+        scale = shape[5] ** -0.5
+        calls[name] = {
+            "torch": lambda q=q, k=k, v=v, t=tables, cu=cu, s=seqlens, sc=scale, ps=shape[6]:
+                paged_attention_ref(q, k, v, build_gather_plan(t, cu, s, ps), sc),
+            "cpu": lambda q=q, k=k, v=v, t=tables, cu=cu, s=seqlens, sc=scale: paged_attention_cpu(q, k, v, t, cu, s, sc),
+        }
+    best = {(name, b): float("inf") for name in calls for b in BACKENDS}
+    for _ in range(repeats):
+        for name, fns in calls.items():
+            for backend, fn in fns.items():
+                start = time.thread_time()
+                fn()
+                best[name, backend] = min(best[name, backend], time.thread_time() - start)
+    rows = [f"| {name} | {'x'.join(map(str, KERNEL_SHAPES[name][:3]))} | {KERNEL_SHAPES[name][5]} | "
+            f"{best[name, 'torch'] * 1e3:.2f} | {best[name, 'cpu'] * 1e3:.2f} | "
+            f"{best[name, 'torch'] / best[name, 'cpu']:.2f}x |" for name in calls]
+    return "\n".join(["| shape | requests x query rows x context | head_dim | torch (gather + SDPA) ms | cpu kernel ms "
+                      "| speed-up |", "|---|---|---|---|---|---|", *rows])
+
+
 def run_once(model_dir: Path, requests, budgets, backend: str, threads: int) -> tuple[float, float, dict]:
     """(generated tokens/s, CPU seconds, {request id: output ids}) of one generation phase."""
     config = EngineConfig(max_requests_per_batch=budgets[0], max_batch_tokens=budgets[1], num_threads=threads,
@@ -75,9 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--workloads", default="random-llama-vllm,gsm8k-stories260k")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results-cpu-attention.md"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="results file (default benchmarks/results-cpu-attention.md, or -kernel.md with --kernel-only)")
+    p.add_argument("--kernel-only", action="store_true", help="time single attention calls, not whole runs")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    command = f"python -m benchmarks.cpu_attention {' '.join(argv if argv is not None else sys.argv[1:])}"
+    if args.kernel_only:
+        out = args.out or Path("benchmarks/results-cpu-attention-kernel.md")
+        text = (f"# CPU attention kernel vs reference, one call per shape\n\n`{command}`; {args.threads} thread(s), "
+                f"best of {args.repeats} round-robin calls, thread CPU time.\n\n{kernel_table(args.repeats)}\n")
+        out.write_text(text)
+        print(text)
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         builders = {"random-llama-vllm": lambda: vllm_workload(Path(scratch) / "vllm-llama"),
@@ -100,10 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{'yes' if equal else 'NO'} |")
     table = "\n".join(["| workload | torch (gather + SDPA) tok/s | cpu (pages in place) tok/s | ratio | outputs equal |",
                        "|---|---|---|---|---|", *rows])
-    text = (f"# CPU attention: reference vs in-place kernel\n\n`python -m benchmarks.cpu_attention "
-            f"{' '.join(argv if argv is not None else sys.argv[1:])}`; {args.threads} thread(s), median of "
+    text = (f"# CPU attention: reference vs in-place kernel\n\n`{command}`; {args.threads} thread(s), median of "
             f"{args.repeats} round-robin repeats, generation phase.\n\n{table}\n")
-    args.out.write_text(text)
+    (args.out or Path("benchmarks/results-cpu-attention.md")).write_text(text)
     print(text)
     return 0
 

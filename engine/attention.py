@@ -19,10 +19,6 @@ from kernels.reference import GatherPlan, build_gather_plan, paged_attention_ref
 
 ATTN_IMPLEMENTATION = "cbrun_paged"
 
-#: Requests with more query rows than this go to the reference path when the C kernel runs the step: from about 8
-#: rows the reference's page copy is shared by enough rows for its matmuls to win (``kernels.cpu_attention``).
-CPU_KERNEL_MAX_QUERY_ROWS = 6
-
 
 @dataclass
 class GroupMetadata:
@@ -86,7 +82,6 @@ class AttentionMetadata:
     use_triton: bool = False
     use_cpu_kernel: bool = False
     _plans: dict = field(default_factory=dict)
-    _long_requests: dict = field(default_factory=dict)
 
     def gather_plan(self, group: str, sliding_window: int | None) -> GatherPlan:
         """The reference path's gather plan of one group, built on first use and shared by its layers."""
@@ -97,33 +92,6 @@ class AttentionMetadata:
                                      self.page_size, sliding_window)
             self._plans[key] = plan
         return plan
-
-
-    def long_requests(self, group: str, sliding_window: int | None) -> tuple[torch.Tensor, GatherPlan] | None:
-        """The requests the C kernel leaves to the reference: those over ``CPU_KERNEL_MAX_QUERY_ROWS`` query rows.
-
-        Returns:
-            None when there are none, else ((R,) int64 query rows of those requests in batch order, the gather
-            plan of those requests alone). Built on first use and shared by the group's layers.
-        """
-        key = (group, sliding_window)
-        if key not in self._long_requests:
-            self._long_requests[key] = self._build_long_requests(group, sliding_window)
-        return self._long_requests[key]
-
-    def _build_long_requests(self, group: str, sliding_window: int | None):
-        q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
-        long = q_lens > CPU_KERNEL_MAX_QUERY_ROWS
-        if not bool(long.any()):
-            return None
-        starts, lens = self.cu_seqlens_q[:-1][long].long(), q_lens[long].long()
-        offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        rows = torch.repeat_interleave(starts, lens) + offsets
-        cu = torch.zeros(len(lens) + 1, dtype=self.cu_seqlens_q.dtype)
-        torch.cumsum(lens, 0, out=cu[1:])
-        plan = build_gather_plan(self.groups[group].block_tables[long], cu, self.seqlens_k[long], self.page_size,
-                                 sliding_window)
-        return rows, plan
 
 
 def paged_attention_forward(
@@ -195,24 +163,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Atten
                                       max_seqlen_q=md.max_seqlen_q)
     write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
     if md.use_cpu_kernel:
-        return _cpu_kernel_attention(q, md, group, index, block_tables, scale, sliding_window, softcap)
+        from kernels.cpu_attention import paged_attention_cpu
+        return paged_attention_cpu(q, md.k_pages, md.v_pages, block_tables, md.cu_seqlens_q, md.seqlens_k, scale,
+                                   softcap, sliding_window)
     return paged_attention_ref(q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap,
                                page_offset=index)
-
-
-def _cpu_kernel_attention(q: torch.Tensor, md: AttentionMetadata, group: str, index: int,
-                          block_tables: torch.Tensor, scale: float, sliding_window: int | None,
-                          softcap: float | None) -> torch.Tensor:
-    """The C kernel on the short requests (decode rows), the reference on the long ones (prefill chunks)."""
-    from kernels.cpu_attention import paged_attention_cpu
-
-    long = md.long_requests(group, sliding_window)
-    out = paged_attention_cpu(q, md.k_pages, md.v_pages, block_tables, md.cu_seqlens_q, md.seqlens_k, scale,
-                              softcap, sliding_window, max_q_len=CPU_KERNEL_MAX_QUERY_ROWS if long else None)
-    if long is not None:
-        rows, plan = long
-        out[rows] = paged_attention_ref(q[rows], md.k_pages, md.v_pages, plan, scale, softcap, page_offset=index)
-    return out
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

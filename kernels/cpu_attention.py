@@ -4,10 +4,8 @@
 softmax, one page at a time), where ``kernels.reference.paged_attention_ref`` first copies every page it reads
 into a padded tensor. The reference stays the fallback and the oracle (``tests/kernels/test_cpu_attention.py``).
 
-The kernel wins on decode rows (a few query rows over a long context: 2.5x to 5x the reference, whose copy is the
-cost there) and loses on prefill (from about 8 query rows a request, the reference's copy is paid once for many
-rows and its matmuls beat the kernel's loops: 1.3x to 3x), so ``max_q_len`` lets a caller give the kernel only the
-short requests (``engine.attention`` sends the long ones to the reference).
+At one thread it is 2.5x to 4x the reference on decode rows (the reference's page copy is the cost there) and 1x to
+2x on prefill chunks (head_dim 8 to 128; ``python -m benchmarks.cpu_attention --kernel-only``).
 
 The kernel is plain C with no torch headers, so it builds in about a second: with ``$CC`` (default ``gcc``), flags
 ``-O3 -march=native -fopenmp -fno-trapping-math`` (the last lets the compiler vectorise the softmax's selects), into ``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``), once per source,
@@ -47,7 +45,7 @@ def unavailable_reason() -> str | None:
 def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
                         scale: float, softcap: float | None = None, sliding_window: int | None = None,
-                        page_offset: int = 0, max_q_len: int | None = None) -> torch.Tensor:
+                        page_offset: int = 0) -> torch.Tensor:
     """Attention of a flattened varlen batch over a paged KV cache, read in place (float32, CPU).
 
     Same contract as ``kernels.paged_attention.paged_attention_triton`` and the reference.
@@ -61,8 +59,6 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scale: multiplier of q.k; softcap: scores become ``softcap * tanh(scores / softcap)`` when set.
         sliding_window: attend only to the last ``sliding_window`` positions (self included); None for full.
         page_offset: added to every page of ``block_tables``.
-        max_q_len: when set, requests with more query rows than this are skipped: their rows of the result are
-            left unwritten (uninitialised) for the caller to fill.
 
     Returns:
         (T, num_heads, head_dim) float32; rows past ``cu_seqlens_q[-1]`` are zero.
@@ -88,7 +84,7 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     status = library.cbrun_paged_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], page_offset,
         cu.data_ptr(), seqlens.data_ptr(), seqlens.shape[0], num_heads, num_kv_heads, head_dim, page_size,
-        scale, softcap or 0.0, sliding_window or 0, out.data_ptr(), torch.get_num_threads(), max_q_len or 0)
+        scale, softcap or 0.0, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
     if status:
         raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
     return out
@@ -118,7 +114,7 @@ def _load() -> ctypes.CDLL | None:
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     fn = library.cbrun_paged_attention_f32
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i32, i32]
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i32]
     fn.restype = ctypes.c_int
     return library
 

@@ -1,12 +1,19 @@
-/* Paged attention for the CPU, float32: reads K/V pages where they lie (no gather), blocked online softmax.
+/* Paged attention for the CPU, float32: reads K/V pages where they lie (no gather).
  *
- * The algorithm of kernels/paged_attention.py (FlashAttention-2's online softmax, Dao 2023, over the pages of a
- * block table as in vLLM's paged attention), written for a CPU core: one work item is (request, tile of up to TILE_Q
- * query rows, a run of KV heads -- all of them unless there are too few items for the threads); it walks the pages
- * its rows need, one page at a time, keeping per query vector a running max, a running sum and an output
- * accumulator. A page's token rows hold every KV head side by side, so taking all heads in one item reads each
- * page as one contiguous stream (the cost on small heads is memory latency, not arithmetic), and the query heads of
- * a KV head's group share its keys, so K and V are read once per tile. Work items are spread over OpenMP threads.
+ * The algorithm of kernels/paged_attention.py (softmax attention over the pages of a block table, as in vLLM's
+ * paged attention), written for a CPU core. One work item is (request, tile of up to TILE_Q query rows, a run of KV
+ * heads -- all of them unless there are too few items for the threads); work items are spread over OpenMP threads.
+ * A page's token rows hold every KV head side by side, so taking all heads in one item reads each page as one
+ * stream, and the query heads of a KV head's group share its keys, so K and V are read once per tile.
+ *
+ * Two ways through a tile, with the same result up to float rounding:
+ * - attend_tile_two_pass (the usual one, whenever the tile's scores fit TWO_PASS_MAX_SCORES): every score first,
+ *   then each query vector's max, exp and sum as long vector loops, then the weighted sum of V. As in vLLM's CPU
+ *   paged attention, this beats an online softmax for decode rows, whose per-page bookkeeping costs more than
+ *   their arithmetic.
+ * - attend_tile: FlashAttention-2's online softmax (Dao 2023), one page at a time, for contexts too long to hold.
+ * Scores come from one of: a transposed copy of the page (tiles of many query vectors), SIMD dot products reduced
+ * by a shuffle butterfly (head_dim a multiple of 8), or plain dot products. exp is Cephes' polynomial, vectorised.
  *
  * Layouts (all contiguous, float32 unless said):
  *   query, out:          (T, num_heads, head_dim)
@@ -57,6 +64,7 @@ static inline float exp_nonpositive(float x) {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define KEY_BLOCK 8 /* keys scored together: one 8-lane register of scores */
+#define TWO_PASS_MAX_SCORES 65536 /* floats of scores (256 KiB) a tile may hold for attend_tile_two_pass */
 
 /* s[0..n) = q . k_j for the n keys whose transposed rows are kt[d * kt_stride + j] (j from 0): head_dim vector
  * FMAs per block of KEY_BLOCK keys, the scores held in one register, no horizontal sums. Lanes past n hold
@@ -71,6 +79,44 @@ ALWAYS_INLINE void scores_transposed(const float *q, const float *kt, int kt_str
             for (int j = 0; j < KEY_BLOCK; j++) block[j] += qd * kd[j];
         }
         memcpy(s + b, block, sizeof(block));
+    }
+}
+
+typedef float f32x8 __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+#define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (i32x8){__VA_ARGS__})
+#endif
+
+static inline f32x8 load8(const float *p) {
+    f32x8 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* s[0..n) = q . k_j for keys k_j = k + j * stride, head_dim a multiple of 8: per block of 8 keys, eight 8-lane
+ * product sums, then one butterfly of shuffles and adds turns them into the 8 keys' scores (the transpose-and-add
+ * reduction of SIMD dot products, as in BLAS dot kernels). Keys are read in place; a partial last block repeats
+ * key n - 1 and writes lanes past n, which the caller never reads (s needs KEY_BLOCK floats of slack). */
+ALWAYS_INLINE void scores_butterfly(const float *q, const float *k, int64_t stride, int n, int head_dim, float *s) {
+    for (int b = 0; b < n; b += KEY_BLOCK) {
+        f32x8 p[KEY_BLOCK];
+        for (int j = 0; j < KEY_BLOCK; j++) {
+            const float *kj = k + (int64_t)(b + j < n ? b + j : n - 1) * stride;
+            f32x8 sum = load8(q) * load8(kj);
+            for (int d = 8; d < head_dim; d += 8) sum += load8(q + d) * load8(kj + d);
+            p[j] = sum;
+        }
+        const f32x8 a0 = SHUFFLE8(p[0], p[1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE8(p[0], p[1], 1, 9, 3, 11, 5, 13, 7, 15);
+        const f32x8 a1 = SHUFFLE8(p[2], p[3], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE8(p[2], p[3], 1, 9, 3, 11, 5, 13, 7, 15);
+        const f32x8 a2 = SHUFFLE8(p[4], p[5], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE8(p[4], p[5], 1, 9, 3, 11, 5, 13, 7, 15);
+        const f32x8 a3 = SHUFFLE8(p[6], p[7], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE8(p[6], p[7], 1, 9, 3, 11, 5, 13, 7, 15);
+        const f32x8 b0 = SHUFFLE8(a0, a1, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE8(a0, a1, 2, 3, 10, 11, 6, 7, 14, 15);
+        const f32x8 b1 = SHUFFLE8(a2, a3, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE8(a2, a3, 2, 3, 10, 11, 6, 7, 14, 15);
+        const f32x8 scores = SHUFFLE8(b0, b1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);
+        memcpy(s + b, &scores, sizeof(scores));
     }
 }
 
@@ -166,8 +212,8 @@ ALWAYS_INLINE void attend_tile(const float *query, const float *k_cache, const f
     float *l = m + nvec;                               /* (nvec,) running sum */
     float *s = l + nvec;                               /* (page_size + KEY_BLOCK,) one vector's scores on a page */
     float *kt = s + page_size + KEY_BLOCK;             /* (head_dim, kt_stride) the page's keys, transposed */
-    /* Transposing a page costs about what scoring it once costs: it pays for short heads, or many query vectors. */
-    const int transpose = head_dim <= 16 || rows * group >= 8;
+    /* Short heads: a transposed page scores with no horizontal sums (see scores_transposed). */
+    const int transpose = head_dim <= 16;
     memset(acc, 0, sizeof(float) * (size_t)nvec * head_dim);
     for (int i = 0; i < nvec; i++) { m[i] = -INFINITY; l[i] = 0.f; }
     const int first_pos = seqlen_k - q_len + row_start;     /* position of the tile's first row */
@@ -206,11 +252,13 @@ ALWAYS_INLINE void attend_tile(const float *query, const float *k_cache, const f
                     const int vec = (r * heads + h) * group + g;
                     const float *q = query + ((int64_t)(q_start + row_start + r) * num_heads
                                               + (int64_t)kv_head * group + g) * head_dim;
+                    const float *k_first = k_page + (int64_t)(t_lo - page_start) * token_stride;
                     if (transpose)
                         scores_transposed(q, kt + (t_lo - k_lo), kt_stride, n, head_dim, s);
+                    else if (head_dim % 8 == 0)
+                        scores_butterfly(q, k_first, token_stride, n, head_dim, s);
                     else
-                        scores_dot(q, k_page + (int64_t)(t_lo - page_start) * token_stride, token_stride, n,
-                                   head_dim, s);
+                        scores_dot(q, k_first, token_stride, n, head_dim, s);
                     online_softmax_update(s, n, v_page + (int64_t)(t_lo - page_start) * token_stride,
                                           token_stride, head_dim, scale, softcap, m + vec, l + vec,
                                           acc + (size_t)vec * head_dim);
@@ -231,6 +279,112 @@ ALWAYS_INLINE void attend_tile(const float *query, const float *k_cache, const f
     }
 }
 
+/* The same attention as attend_tile in three passes over the whole visible context instead of one online pass
+ * over pages: all scores of the tile's vectors for one KV head, then each vector's max, exp and sum as long vector
+ * loops, then the weighted sum of V. For decode rows, the online softmax's per-page bookkeeping (a max, a
+ * rescale, four short loops per vector and page) costs more than the arithmetic; here it is paid once per vector.
+ * Needs heads * rows * group * (span + KEY_BLOCK) floats of scores (span = keys the tile sees), so the caller uses
+ * it only when that fits TWO_PASS_MAX_SCORES. */
+ALWAYS_INLINE void attend_tile_two_pass(const float *query, const float *k_cache, const float *v_cache,
+                                        const int32_t *table, int32_t page_offset, int32_t q_start, int32_t q_len,
+                                        int32_t seqlen_k, int32_t row_start, int32_t kv_head_begin,
+                                        int32_t kv_head_end, int32_t num_heads, int32_t num_kv_heads,
+                                        const int head_dim, int32_t page_size, float scale, float softcap,
+                                        int32_t sliding_window, float *out, float *scratch) {
+    const int group = num_heads / num_kv_heads;
+    const int rows = q_len - row_start < TILE_Q ? q_len - row_start : TILE_Q;
+    const int first_pos = seqlen_k - q_len + row_start, last_pos = first_pos + rows - 1;
+    int lo = 0;
+    if (sliding_window > 0 && first_pos - sliding_window + 1 > 0) lo = first_pos - sliding_window + 1;
+    const int span = last_pos - lo + 1, s_stride = span + KEY_BLOCK;
+    const int kt_stride = page_size + KEY_BLOCK;
+    float *kt = scratch;                                   /* (head_dim, kt_stride) one page's keys, transposed */
+    float *scores = kt + (size_t)head_dim * kt_stride;     /* (heads, rows * group, s_stride): key t at t - lo */
+    /* Transposing a page costs about what scoring it once costs: it pays for a tile of many query vectors. */
+    const int transpose = head_dim <= 16 && (rows * group >= 16 || head_dim % 8 != 0);
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int first_page = lo / page_size, last_page = last_pos / page_size;
+    const int heads = kv_head_end - kv_head_begin, nvec = rows * group;
+    for (int lp = first_page; lp <= last_page; lp++) {  /* pass 1: scores, every head of a page while it is cached */
+        const int64_t page = (int64_t)table[lp] + page_offset;
+        const int page_start = lp * page_size;
+        const int k_lo = page_start > lo ? page_start : lo;
+        const int k_hi = page_start + page_size - 1 < last_pos ? page_start + page_size - 1 : last_pos;
+        const int n = k_hi - k_lo + 1;
+        if (lp < last_page) {  /* pages are scattered: fetch the next one early */
+            const int64_t next = ((int64_t)table[lp + 1] + page_offset) * page_size * token_stride
+                                 + (int64_t)kv_head_begin * head_dim;
+            prefetch_page(k_cache + next, v_cache + next, token_stride, page_size, heads * head_dim);
+        }
+        for (int h = 0; h < heads; h++) {
+            const int kv_head = kv_head_begin + h;
+            const float *k_first = k_cache + page * page_size * token_stride + (int64_t)kv_head * head_dim
+                                   + (int64_t)(k_lo - page_start) * token_stride;
+            if (transpose)
+                for (int j = 0; j < n; j++)
+                    for (int d = 0; d < head_dim; d++) kt[d * kt_stride + j] = k_first[j * token_stride + d];
+            for (int vec = 0; vec < nvec; vec++) {
+                const int r = vec / group, g = vec % group;
+                const float *q = query + ((int64_t)(q_start + row_start + r) * num_heads
+                                          + (int64_t)kv_head * group + g) * head_dim;
+                float *s = scores + ((size_t)h * nvec + vec) * s_stride + (k_lo - lo);
+                if (transpose)
+                    scores_transposed(q, kt, kt_stride, n, head_dim, s);
+                else if (head_dim % 8 == 0)
+                    scores_butterfly(q, k_first, token_stride, n, head_dim, s);
+                else
+                    scores_dot(q, k_first, token_stride, n, head_dim, s);
+            }
+        }
+    }
+    for (int h = 0; h < heads; h++) {
+        const int kv_head = kv_head_begin + h;
+        const float *v_head = v_cache + (int64_t)kv_head * head_dim;
+        for (int vec = 0; vec < rows * group; vec++) {  /* pass 2: softmax weights; pass 3: weighted sum of V */
+            const int r = vec / group, g = vec % group;
+            const int pos = first_pos + r;
+            int t_lo = lo;
+            if (sliding_window > 0 && t_lo < pos - sliding_window + 1) t_lo = pos - sliding_window + 1;
+            float *s = scores + ((size_t)h * nvec + vec) * s_stride + (t_lo - lo);
+            const int n = pos - t_lo + 1;
+            if (softcap > 0.f) {
+                for (int j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] * scale / softcap);
+            } else {
+#pragma omp simd
+                for (int j = 0; j < n; j++) s[j] *= scale;
+            }
+            float row_max = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : row_max)
+            for (int j = 0; j < n; j++) row_max = s[j] > row_max ? s[j] : row_max;
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < n; j++) {
+                s[j] = exp_nonpositive(s[j] - row_max);
+                sum += s[j];
+            }
+            float a[head_dim];
+            memset(a, 0, sizeof(float) * head_dim);
+            for (int t = t_lo; t <= pos;) {
+                const int page_start = t - t % page_size;
+                const int t_end = page_start + page_size - 1 < pos ? page_start + page_size - 1 : pos;
+                const float *v = v_head + ((int64_t)table[t / page_size] + page_offset) * page_size * token_stride
+                                 + (int64_t)(t - page_start) * token_stride;
+                const float *p = s + (t - t_lo);
+                for (int j = 0; j <= t_end - t; j++) {
+                    const float pj = p[j];
+                    const float *vj = v + j * token_stride;
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) a[d] += pj * vj[d];
+                }
+                t = t_end + 1;
+            }
+            float *o = out + ((int64_t)(q_start + row_start + r) * num_heads + (int64_t)kv_head * group + g) * head_dim;
+            const float inv = 1.f / sum;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) o[d] = a[d] * inv;
+        }
+    }
+}
+
 /* attend_tile specialised for the common head sizes (a constant head_dim), generic otherwise. */
 static void attend_tile_any(const float *query, const float *k_cache, const float *v_cache, const int32_t *table,
                             int32_t page_offset, int32_t q_start, int32_t q_len, int32_t seqlen_k, int32_t row_start,
@@ -238,9 +392,25 @@ static void attend_tile_any(const float *query, const float *k_cache, const floa
                             int32_t head_dim,
                             int32_t page_size, float scale, float softcap, int32_t sliding_window, float *out,
                             float *scratch) {
-#define ATTEND(D) attend_tile(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k, row_start, \
-                              kv_head_begin, kv_head_end, num_heads, num_kv_heads, D, page_size, scale, softcap, sliding_window, out, \
-                              scratch)
+    const int rows = q_len - row_start < TILE_Q ? q_len - row_start : TILE_Q;
+    const int first_pos = seqlen_k - q_len + row_start;
+    int lo = 0;
+    if (sliding_window > 0 && first_pos - sliding_window + 1 > 0) lo = first_pos - sliding_window + 1;
+    const int64_t score_floats = (int64_t)(kv_head_end - kv_head_begin) * rows * (num_heads / num_kv_heads)
+                                 * (first_pos + rows - lo + KEY_BLOCK);
+    const int two_pass = score_floats <= TWO_PASS_MAX_SCORES;
+    float *two_pass_scratch = scratch + tile_scratch_floats(num_heads, head_dim, page_size);
+#define ATTEND(D)                                                                                                 \
+    do {                                                                                                          \
+        if (two_pass)                                                                                             \
+            attend_tile_two_pass(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k, row_start, \
+                                 kv_head_begin, kv_head_end, num_heads, num_kv_heads, D, page_size, scale, softcap, \
+                                 sliding_window, out, two_pass_scratch);                                          \
+        else                                                                                                      \
+            attend_tile(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k, row_start,         \
+                        kv_head_begin, kv_head_end, num_heads, num_kv_heads, D, page_size, scale, softcap,        \
+                        sliding_window, out, scratch);                                                            \
+    } while (0)
     switch (head_dim) {
     case 8: ATTEND(8); break;
     case 16: ATTEND(16); break;
@@ -252,19 +422,18 @@ static void attend_tile_any(const float *query, const float *k_cache, const floa
 #undef ATTEND
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated. Rows past cu_seqlens_q[num_requests], and the rows of
- * requests with more than max_q_len query rows (when max_q_len > 0), are not written. */
+/* Returns 0, or -1 when scratch memory could not be allocated. Rows of requests with no query rows, and rows past
+ * cu_seqlens_q[num_requests], are not written. */
 int cbrun_paged_attention_f32(const float *query, const float *k_cache, const float *v_cache,
                               const int32_t *block_tables, int64_t bt_stride, int32_t page_offset,
                               const int32_t *cu_seqlens_q, const int32_t *seqlens_k, int32_t num_requests,
                               int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t page_size,
-                              float scale, float softcap, int32_t sliding_window, float *out, int32_t num_threads,
-                              int32_t max_q_len) {
+                              float scale, float softcap, int32_t sliding_window, float *out, int32_t num_threads) {
     const int threads = num_threads > 0 ? num_threads : 1;
     int64_t num_tiles = 0;
     for (int b = 0; b < num_requests; b++) {
         const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-        if (max_q_len <= 0 || q_len <= max_q_len) num_tiles += (q_len + TILE_Q - 1) / TILE_Q;
+        num_tiles += (q_len + TILE_Q - 1) / TILE_Q;
     }
     if (num_tiles == 0) return 0;
     /* All KV heads in one item reads pages as contiguous streams; split heads only to give every thread work. */
@@ -277,13 +446,13 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
     int64_t n = 0;
     for (int b = 0; b < num_requests; b++) {
         const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-        if (max_q_len > 0 && q_len > max_q_len) continue;
         for (int row = 0; row < q_len; row += TILE_Q)
             for (int split = 0; split < head_splits; split++)
                 items[n++] = (WorkItem){b, row, (int32_t)((int64_t)num_kv_heads * split / head_splits),
                                         (int32_t)((int64_t)num_kv_heads * (split + 1) / head_splits)};
     }
-    const size_t scratch_floats = tile_scratch_floats(num_heads, head_dim, page_size);
+    const size_t scratch_floats = tile_scratch_floats(num_heads, head_dim, page_size)
+                                 + (size_t)head_dim * (page_size + KEY_BLOCK) + TWO_PASS_MAX_SCORES;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
