@@ -32,6 +32,7 @@ from jobs.chat import check_chat_template, check_messages_column
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
 from jobs.fingerprint import fingerprint_differences, job_fingerprint
 from jobs.generate import GenerateMode
+from jobs.heap import frozen_heap
 from jobs.lock import DirectoryLock, OutputLocked, Shard
 from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest, apply_model_defaults
 from jobs.mode import JobMode
@@ -362,8 +363,9 @@ class _Job:
         generation_start = time.perf_counter()
         max_in_flight = 4 * engine_config.max_requests_per_batch
         try:
-            _JobRun(mode, engine, writer, summary, manifest.input.order_window, max_in_flight).run(
-                self.reader, done, progress)
+            with frozen_heap():  # the imports' and the model's objects, out of the collector's way (jobs.heap)
+                _JobRun(mode, engine, writer, summary, manifest.input.order_window, max_in_flight).run(
+                    self.reader, done, progress)
         except KeyboardInterrupt as exc:  # jobs.signals.Interrupted (SIGINT, SIGTERM) included
             exc.num_committed_rows = writer.num_committed_rows
             raise
@@ -392,7 +394,8 @@ class _Job:
         counter = _JobRun(None, None, writer, summary, 0, 0)
         generation_start = time.perf_counter()
         try:
-            summary.replica_stats = run_on_ray(self.manifest, engine_config, done, writer, counter.count)
+            with frozen_heap():  # as in the local run; jobs.heap
+                summary.replica_stats = run_on_ray(self.manifest, engine_config, done, writer, counter.count)
         except KeyboardInterrupt as exc:
             writer.commit()
             exc.num_committed_rows = writer.num_committed_rows

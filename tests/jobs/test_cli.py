@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.cli import main
+from jobs.cli import exit_process, main
 from jobs.writer import committed_parts
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -114,3 +117,32 @@ def test_convert_llama2c_command(shared_dir, tmp_path, capsys):
     assert (tmp_path / "m" / "config.json").is_file()
     assert main(["convert-llama2c", str(tmp_path / "none.bin"), str(src / "tok512.bin"), str(tmp_path / "n")]) == 2
     assert "cbrun: error:" in capsys.readouterr().err
+
+
+def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_code():
+    code = ("import atexit, sys\n"
+            "from jobs.cli import exit_process\n"
+            "atexit.register(lambda: print('atexit handler ran'))\n"
+            "print('summary line', end='')\n"
+            "sys.stderr.write('a warning')\n"
+            "exit_process(3)\n"
+            "print('not reached')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 3
+    assert done.stdout == "summary lineatexit handler ran\n"
+    assert done.stderr == "a warning"
+
+
+def test_exit_process_returns_while_a_non_daemon_thread_runs():
+    # In a subprocess: were it to exit here, it would end the test run with it.
+    code = ("import threading\n"
+            "from jobs.cli import exit_process\n"
+            "release = threading.Event()\n"
+            "threading.Thread(target=release.wait, daemon=False).start()\n"
+            "exit_process(3)\n"
+            "print('returned')\n"
+            "release.set()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert (done.returncode, done.stdout) == (0, "returned\n"), done.stderr
