@@ -9,7 +9,9 @@ runs them, in a fresh process with this checkout's code::
 
 No thread, budget or cache setting is passed (``--threads`` does not apply): the engine's defaults choose them.
 Its time includes interpreter start, imports, model loading, cache allocation, reading the input and writing the
-parts; its generation phase alone and peak memory come from the job's ``_cbrun/stats.json`` (``info``).
+parts; its generation phase alone, the job's own time (``run_job``, from the manifest to the summary) and peak memory
+come from the job's ``_cbrun/stats.json`` (``info``), so the report splits the wall time into generation, the
+job's setup and finish around it, and the rest (interpreter start, imports before the job, exit).
 
 The command takes one ``--max-new-tokens`` for every row, and the engine caps each row at the model's length, so
 the backend runs only workloads whose per-row limits are ``min(N, max_model_len - prompt)`` for one N
@@ -89,7 +91,8 @@ def run_command(workload: Workload) -> RunResult:
     ids = table.column("completion_token_ids").to_pylist()
     outputs = [cut_output(o or [], m, workload.stop_token_ids) for o, m in zip(ids, workload.max_new_tokens)]
     n = len(outputs)
-    info = {"generation_s": stats.get("generation_s"), "peak_memory_mib": stats.get("peak_memory_mib"),
+    info = {"generation_s": stats.get("generation_s"), "job_elapsed_s": stats.get("elapsed_s"),
+            "peak_memory_mib": stats.get("peak_memory_mib"),
             "summary": done.stdout.strip().splitlines()[-1:], "command": "cbrun " + " ".join(command[3:]),
             "peak_rss_method": "the job's own peak_memory_mib (stats.json)"}
     return RunResult("cbrun-command", "", outputs, wall, cpu, [None] * n, [None] * n, None,

@@ -202,7 +202,20 @@ def command_summary(rows: list[dict]) -> str | None:
     phase = (f", {command['generated_tokens'] / generation_s:.0f} over its generation phase" if generation_s
              else "")
     return (f"whole command (cbrun run, default settings, process start to exit): "
-            f"{command['generated_tok_s']:.0f} generated tok/s{phase} = {ratios}")
+            f"{command['generated_tok_s']:.0f} generated tok/s{phase} = {ratios}{_command_split(command)}")
+
+
+def _command_split(command: dict) -> str:
+    """Where the whole command's wall time went: generation, the job's setup and finish around it (run_job: reading
+    the manifest, imports it triggers, loading, writing the summary), and the rest (interpreter start, imports
+    before the job, exit); its peak RSS."""
+    info = command["info"]
+    generation_s, job_s = info.get("generation_s"), info.get("job_elapsed_s")
+    if not generation_s or not job_s:
+        return ""
+    return (f"; its {command['wall_s']:.1f} s: generation {generation_s:.1f} s, job setup and finish "
+            f"{job_s - generation_s:.1f} s, interpreter start, imports before the job and exit "
+            f"{command['wall_s'] - job_s:.1f} s; peak RSS {command['rss_peak_mib']:.0f} MiB")
 
 
 

@@ -109,3 +109,17 @@ def test_long_workload_beside_the_default_configuration(stories260k_dir, tmp_pat
     tuned, defaults = report["results"]
     assert (tuned["backend"], defaults["backend"]) == ("cbrun", "cbrun-defaults")
     assert defaults["rows_differing"] == 0 and defaults["generated_tokens"] == tuned["generated_tokens"]
+
+
+def test_command_summary_splits_the_whole_command_around_generation():
+    command = {"backend": "cbrun-command", "setting": "", "generated_tokens": 4000, "generated_tok_s": 200.0,
+               "wall_s": 20.0, "rss_peak_mib": 700.4,
+               "info": {"generation_s": 12.0, "job_elapsed_s": 17.5}}
+    generate = {"backend": "hf-generate", "setting": "batch 64", "generated_tok_s": 400.0, "info": {"threads": 2}}
+    line = report.command_summary([command, generate])
+    assert line == ("whole command (cbrun run, default settings, process start to exit): 200 generated tok/s, 333 "
+                    "over its generation phase = 0.50x hf-generate batch 64 at 2 thread(s) (400 tok/s, generation "
+                    "only); its 20.0 s: generation 12.0 s, job setup and finish 5.5 s, interpreter start, imports "
+                    "before the job and exit 2.5 s; peak RSS 700 MiB")
+    del command["info"]["job_elapsed_s"]  # a result file from before the split: the line without it
+    assert report.command_summary([command, generate]).endswith("(400 tok/s, generation only)")
