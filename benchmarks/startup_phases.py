@@ -4,7 +4,7 @@ process start to exit, for one or more checkouts side by side.
 Usage (from the repository root)::
 
     python -m benchmarks.startup_phases --tree before=/path/to/old/checkout --tree after=. --repeats 3 \\
-        --markdown benchmarks/results-startup.md
+        --markdown benchmarks/results-startup-phases.md
 
 The workload is ``cbrun bench``'s gsm8k-long (stories260K on the first ``--rows`` GSM8K test questions as prompt
 ids, greedy, stop token 1, ``--max-new-tokens 256``) and the command is the bench's ``cbrun-command`` one: default
