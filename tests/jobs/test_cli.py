@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.cli import exit_process, main
+from jobs.cli import main
 from jobs.writer import committed_parts
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +127,7 @@ def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_cod
             "sys.stderr.write('a warning')\n"
             "exit_process(3)\n"
             "print('not reached')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
                           cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert done.returncode == 3
     assert done.stdout == "summary lineatexit handler ran\n"
@@ -143,6 +143,6 @@ def test_exit_process_returns_while_a_non_daemon_thread_runs():
             "exit_process(3)\n"
             "print('returned')\n"
             "release.set()\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
                           cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert (done.returncode, done.stdout) == (0, "returned\n"), done.stderr

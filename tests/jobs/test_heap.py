@@ -44,9 +44,8 @@ def test_frozen_heap_leaves_a_heap_frozen_by_someone_else_alone():
 
 
 def test_frozen_heap_unfreezes_when_the_block_raises():
-    with pytest.raises(KeyboardInterrupt):
-        with frozen_heap():
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), frozen_heap():
+        raise KeyboardInterrupt
     assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
