@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
 def exit_process(code: int) -> None:
     """End this process now with ``code``, without the interpreter's teardown; return when that is not safe.
 
-    Once ``run`` is done, everything it wrote is closed: parts and job files written, fsynced and renamed, the
-    output's lock released. What is left at a normal exit is the teardown of the interpreter, whose final garbage
+    Once ``run`` is done, everything it wrote is closed and in place (parts fsynced and renamed, job files written
+    and renamed, the output's lock released); what a process hands the OS survives ``os._exit`` as it survives a
+    normal exit. What is left at a normal exit is the teardown of the interpreter, whose final garbage
     collections walk the ~400k objects that torch and transformers create at import: about a second (a tenth of
     the whole command on a short job). This runs what a normal exit runs that anyone can see: the ``atexit``
     handlers (logging's flush, Ray's shutdown, temporary directories' cleanup, ...), then flushes stdout and
