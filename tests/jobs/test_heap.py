@@ -21,26 +21,31 @@ def collector_restored():
         gc.disable()
 
 
+def is_frozen(obj) -> bool:
+    """Whether ``obj`` (a tracked container) is in the permanent generation: ``gc.get_objects`` skips that one."""
+    assert gc.is_tracked(obj)
+    return not any(o is obj for o in gc.get_objects())
+
+
 def test_frozen_heap_freezes_what_exists_turns_the_collector_on_and_restores_both():
-    before = object()  # noqa: F841 (kept alive: tracked, so it is frozen)
+    before = []
     gc.disable()  # as a setup under collection_paused leaves it
     with frozen_heap():
         assert gc.isenabled()
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
-        made_inside = [[] for _ in range(10)]
-        assert gc.get_freeze_count() == frozen  # only what existed before the block is frozen
-        del made_inside
+        made_inside = []
+        assert is_frozen(before) and not is_frozen(made_inside)  # only what existed before the block
     assert not gc.isenabled()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and not is_frozen(before)
 
 
 def test_frozen_heap_leaves_a_heap_frozen_by_someone_else_alone():
+    owners = []
     gc.freeze()
-    owner_frozen = gc.get_freeze_count()
+    made_after = []
     with frozen_heap():
-        assert gc.get_freeze_count() == owner_frozen
-    assert gc.get_freeze_count() == owner_frozen  # not unfrozen: its owner froze it
+        assert not is_frozen(made_after)  # nothing more is frozen here
+    assert is_frozen(owners)  # not unfrozen: its owner froze it
+    assert not is_frozen(made_after)
 
 
 def test_frozen_heap_unfreezes_when_the_block_raises():
