@@ -67,6 +67,11 @@ class EngineConfig:
         speculative_max_batch: speculation runs only while at most this many requests are running; above it the
             engine decodes plainly (one token per request per step), where verification would cost more than it
             saves.
+        speculative_row_cost: the cost of one more query row in a step, as a fraction of a step's fixed cost; the
+            speculator proposes a token only when its chance of being accepted pays for its row
+            (``engine.speculative.verify_threshold``). 0 always proposes ``num_speculative_tokens``. The default
+            is what stories260K measured on a 2-core CPU with one thread (``cbrun bench --workload speculative``);
+            a bigger model, whose per-row compute weighs more, warrants a higher value.
 
     Raises:
         ValueError: naming the setting and the reason, for any out-of-range value.
@@ -99,6 +104,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int = 16
+    speculative_row_cost: float = 0.03
 
     def __post_init__(self) -> None:
         default_requests, default_tokens = DEFAULT_BATCH_LIMITS["cuda" if self.device.startswith("cuda") else "cpu"]
@@ -152,6 +158,9 @@ class EngineConfig:
                              "to use it, or leave draft_model unset")
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch"):
             self._check_positive_int(name)
+        row_cost = self.speculative_row_cost
+        if isinstance(row_cost, bool) or not isinstance(row_cost, (int, float)) or not 0 <= row_cost < float("inf"):
+            raise ValueError(f"speculative_row_cost must be a number >= 0, got {row_cost!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
 

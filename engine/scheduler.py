@@ -377,7 +377,7 @@ class FIFOScheduler:
         """Forget the KV of the proposals after the accepted ones: it was computed from rejected tokens."""
         num_proposed = len(item.spec_token_ids)
         request.num_computed_tokens -= num_proposed - num_accepted
-        self.speculator.record(num_proposed, num_accepted)
+        self.speculator.record(request, num_proposed, num_accepted)
 
     def discard(self, out: SchedulerOutput) -> None:
         """Free the CPU slots a launched plan swapped in from (its copies ran); ``resolve`` calls it, and the

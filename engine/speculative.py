@@ -130,15 +130,94 @@ def accept_greedy(proposals: list[int], target_argmax: list[int]) -> list[int]:
     return target_argmax[:accepted + 1]
 
 
+#: Acceptance evidence of a request that has verified nothing yet: one accepted proposal out of one, so its first
+#: verify step proposes the full ``k`` (and one rejection halves its estimate).
+PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 1.0
+#: Weight of a request's older verify steps against its latest one (exponential forgetting: acceptance changes
+#: along an output, e.g. when a repeated passage starts or ends).
+ACCEPTANCE_DECAY = 0.8
+#: Evidence added, as if one proposal in twenty were accepted, at each step a backed-off request skips: its
+#: estimate creeps back up, so it probes with one proposal now and then and resumes when its text starts to repeat.
+BACKOFF_PROBE = 0.05
+
+
+def verify_threshold(row_cost: float, num_rows: int, num_tokens: int) -> float:
+    """The least expected tokens a proposal must add for a step to stay at least as fast as plain decoding.
+
+    A step's cost is modelled as ``1 + row_cost * query rows`` (a fixed part, then a share per query row). A plain
+    step of ``num_rows`` query rows yields ``num_tokens`` tokens; one more row (a proposal) costs ``row_cost`` and
+    yields, on average, the chance it is accepted. Adding rows whose expected tokens per unit of cost exceed the
+    plain step's ``num_tokens / (1 + row_cost * num_rows)`` only raises the step's tokens per unit of cost, so a
+    step whose every proposal clears this threshold is, in expectation, no slower than plain decoding.
+
+    Args:
+        row_cost: a query row's cost as a fraction of a step's fixed cost (``EngineConfig.speculative_row_cost``).
+        num_rows: query rows of the step without proposals; num_tokens: tokens it yields (both >= 0).
+
+    Returns:
+        The threshold in tokens per proposal, in [0, 1) (0 when rows cost nothing).
+    """
+    return row_cost * num_tokens / (1.0 + row_cost * num_rows)
+
+
+def proposal_length(acceptance: float, threshold: float, k: int) -> int:
+    """How many proposals pay: the most ``j <= k`` whose chance of all being accepted, ``acceptance ** j``, exceeds
+    ``threshold`` (the j-th proposal adds a token only when the j - 1 before it were accepted; acceptance is
+    modelled as independent per position, the geometric model of Leviathan et al. 2023, section 3.3)."""
+    length, chance = 0, 1.0
+    while length < k and chance * acceptance > threshold:
+        chance *= acceptance
+        length += 1
+    return length
+
+
+class _RequestSpeculation:
+    """One running request's speculation state: its n-gram index and its recent acceptance evidence.
+
+    ``accepted / trials`` estimates the chance that a proposal is accepted given those before it were: a verify step
+    that accepted ``a`` of ``j`` proposals counts ``a`` successes in ``a`` trials, plus one failed trial when
+    ``a < j`` (the rejected one; the proposals after it were never tried).
+    """
+
+    __slots__ = ("index", "accepted", "trials")
+
+    def __init__(self, index: NgramIndex | None) -> None:
+        self.index = index
+        self.accepted, self.trials = PRIOR_ACCEPTED, PRIOR_TRIALS
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.trials
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
+        self.trials = ACCEPTANCE_DECAY * self.trials + num_accepted + (num_accepted < num_proposed)
+
+    def skip(self) -> None:
+        self.accepted += BACKOFF_PROBE
+        self.trials += BACKOFF_PROBE
+
+
 class Speculator:
     """The scheduler's speculation policy: whether to speculate this step, and the proposals of one request.
 
-    Speculation runs only while at most ``speculative_max_batch`` requests are running (verifying costs compute
-    that a full batch does not have to spare); the switch is logged the first time it happens each way.
+    Two rules decide, so that speculation never costs more than it saves:
+
+    - the batch switch: speculation runs only while at most ``speculative_max_batch`` requests are running; the
+      switch is logged the first time it happens each way;
+    - the cost rule, per request and step: a request proposes ``proposal_length(acceptance, threshold, k)``
+      tokens, where ``acceptance`` is its own recent acceptance rate (``_RequestSpeculation``) and ``threshold``
+      is ``verify_threshold`` for the step's running requests. A request whose proposals keep being rejected thus
+      backs off to plain decoding, and probes again now and then (``BACKOFF_PROBE``); a large batch, where a
+      query row costs more relative to the tokens a step already yields, asks for a higher acceptance rate. The
+      rule reads only the requests' own tokens and counts, so a run's plans are reproducible (no timing); a
+      sampled (non-greedy) row uses the threshold of a batch of one, so its draws never depend on its batch.
+      Similar rules: SGLang's and vLLM's speculative configs cap proposals by batch size; the per-request,
+      acceptance-driven length follows "dynamic speculation lookahead" (Mamou et al. 2024). The code is ours.
 
     Args:
         config: the engine settings (``speculative``, ``num_speculative_tokens``, ``ngram_*``,
-            ``speculative_max_batch``).
+            ``speculative_max_batch``, ``speculative_row_cost``).
 
     Attributes:
         num_proposed_tokens: proposals verified so far.
@@ -149,17 +228,25 @@ class Speculator:
     def __init__(self, config: EngineConfig) -> None:
         self.k = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
+        self.row_cost = config.speculative_row_cost
         self.method = config.speculative
         self.proposer = NgramProposer(config.ngram_min, config.ngram_max) if self.method == "ngram" else None
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
-        self._indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
+        self._states: weakref.WeakKeyDictionary[Request, _RequestSpeculation] = weakref.WeakKeyDictionary()
         self._active: bool | None = None  # the last step's decision
         self._logged: set[bool] = set()
+        self.threshold = 0.0  # this step's ``verify_threshold``
+        self._solo_threshold = verify_threshold(self.row_cost, 1, 1)  # a sampled row's (see ``propose``)
 
     def active(self, num_running: int) -> bool:
-        """Whether this step speculates, given the running requests; logs the first switch each way."""
+        """Whether this step speculates, given the running requests; logs the first switch each way.
+
+        Also sets the step's ``threshold``: each running request is counted as one query row and one token (a
+        prefill chunk has more rows and may yield none, which only lowers the true threshold: the estimate errs
+        towards plain decoding).
+        """
         active = num_running <= self.max_batch
         # NOTE: a run that starts above the switch logs "paused" at its first step (speculating is the default).
         switched = active != self._active and (self._active is not None or not active)
@@ -168,30 +255,48 @@ class Speculator:
             logger.info("speculative decoding %s: %d requests running (speculative_max_batch = %d)",
                         "resumed" if active else "paused, decoding plainly", num_running, self.max_batch)
         self._active = active
+        self.threshold = verify_threshold(self.row_cost, num_running, num_running)
         return active
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
-        """Proposals for a request from its known tokens (prompt then output), at most ``min(k, max_tokens)``;
-        with a draft model, that many ``DRAFT_PLACEHOLDER`` slots (the draft runs batched once the step is planned).
+        """Proposals for a request this step, at most ``min(k, max_tokens)`` and as many as the cost rule pays for:
+        from its known tokens (prompt then output) with n-gram lookup, or that many ``DRAFT_PLACEHOLDER`` slots
+        with a draft model (the draft runs batched once the step is planned). Empty when none pay.
 
-        The request's ``NgramIndex`` is kept between steps and only its new tokens are added (a request's known
-        tokens only grow while it runs); it goes when the request does (a weak reference).
+        The request's state (``_RequestSpeculation``) is kept between steps and goes when the request does (a weak
+        reference); its ``NgramIndex`` only adds the tokens that are new since the last lookup (a request's known
+        tokens only grow while it runs).
         """
-        if self.proposer is None:
-            return [DRAFT_PLACEHOLDER] * max(0, min(self.k, max_tokens))
-        index = self._indexes.get(request)
+        state = self._states.get(request)
+        if state is None:
+            state = self._states[request] = _RequestSpeculation(
+                self.proposer.new_index() if self.proposer is not None else None)
+        # A sampled row's draws depend on how many proposals it verifies: its threshold is the one of a batch of
+        # one, so that its proposals, like its generator, depend only on its own tokens (seeded rows stay
+        # reproducible and independent of their batch); a greedy row's tokens do not depend on its proposals.
+        threshold = self.threshold if request.sampling_params.greedy else self._solo_threshold
+        length = proposal_length(state.acceptance, threshold, min(self.k, max_tokens))
+        if length == 0:
+            if max_tokens > 0:
+                state.skip()
+            return []
+        index = state.index
         if index is None:
-            index = self._indexes[request] = self.proposer.new_index()
-        num_prompt, num_indexed = request.num_prompt_tokens, len(index.token_ids)
-        assert num_indexed <= request.num_known_tokens, "a request's known tokens shrank while it ran"
+            return [DRAFT_PLACEHOLDER] * length
+        tokens = index.token_ids
+        num_prompt, num_indexed = request.num_prompt_tokens, len(tokens)
         if num_indexed < num_prompt:
-            index.extend(request.prompt_token_ids[num_indexed:])
+            tokens += request.prompt_token_ids[num_indexed:]
             num_indexed = num_prompt
-        index.extend(request.output_token_ids[num_indexed - num_prompt:])
-        return index.propose(min(self.k, max_tokens))
+        tokens += request.output_token_ids[num_indexed - num_prompt:]
+        assert len(tokens) == request.num_known_tokens, "a request's known tokens shrank while it ran"
+        return index.propose(length)
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        """Count one verify step's proposals and accepted ones."""
+    def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        """Count one verify step's proposals and accepted ones (totals, and the request's own evidence)."""
         self.num_proposed_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
         self.num_verify_steps += 1
+        state = self._states.get(request)
+        if state is not None:
+            state.observe(num_proposed, num_accepted)
