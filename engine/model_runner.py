@@ -234,6 +234,12 @@ class ModelRunner:
             logits_indices = (cu_seqlens_q[1:] - 1)[np.array(samples, dtype=bool)]
             return logits_indices, None, sample_row_of, False
         needs_host_sampling = any(s.needs_host_sampling for s in sampling)
+        if not any([s.prompt_logprob_positions for s in scheduled]):  # e.g. a verify step: every logit row samples
+            num_sample_rows = np.array([s.num_sample_rows for s in scheduled], dtype=np.int64)
+            first_rows = cu_seqlens_q[1:] - num_sample_rows  # each entry's rows are its last num_sample_rows
+            first_of_row = np.repeat(first_rows - (np.cumsum(num_sample_rows) - num_sample_rows), num_sample_rows)
+            logits_indices = first_of_row + np.arange(len(first_of_row))
+            return logits_indices, None, sample_row_of, needs_host_sampling
         logits_indices, sample_rows = [], []
         for item, offset in zip(scheduled, cu_seqlens_q.tolist()):
             positions = item.prompt_logprob_positions
