@@ -104,7 +104,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int = 16
-    speculative_row_cost: float = 0.03
+    speculative_row_cost: float = 0.06
 
     def __post_init__(self) -> None:
         default_requests, default_tokens = DEFAULT_BATCH_LIMITS["cuda" if self.device.startswith("cuda") else "cpu"]

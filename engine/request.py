@@ -58,6 +58,9 @@ class Request:
         status: see ``RequestStatus``; only the scheduler changes it.
         needs_host_sampling: ``sampling_params.needs_processing``, read once by the scheduler when it accepts the
             request (it is needed per request per step; sampling params are not changed after a request is made).
+        speculation: the speculator's state of the request (``engine.speculative``), None until it first decodes
+            with speculation on; only the ``Speculator`` reads or writes it (kept here, not in a map, because it is
+            read per request per step and goes with the request).
     """
 
     request_id: object
@@ -84,6 +87,7 @@ class Request:
     prompt_logprobs: list[float] = field(default_factory=list)  # prompt positions from prompt_logprobs_from on
     prompt_greedy: list[bool] = field(default_factory=list)  # whether each such prompt token was the argmax
     needs_host_sampling: bool = False
+    speculation: object = None
 
     @property
     def num_prompt_tokens(self) -> int:

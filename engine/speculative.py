@@ -15,7 +15,6 @@ verified position. The code is ours.
 from __future__ import annotations
 
 import logging
-import weakref
 
 from engine.config import EngineConfig
 from engine.request import Request
@@ -234,7 +233,6 @@ class Speculator:
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
-        self._states: weakref.WeakKeyDictionary[Request, _RequestSpeculation] = weakref.WeakKeyDictionary()
         self._active: bool | None = None  # the last step's decision
         self._logged: set[bool] = set()
         self.threshold = 0.0  # this step's ``verify_threshold``
@@ -263,23 +261,23 @@ class Speculator:
         from its known tokens (prompt then output) with n-gram lookup, or that many ``DRAFT_PLACEHOLDER`` slots
         with a draft model (the draft runs batched once the step is planned). Empty when none pay.
 
-        The request's state (``_RequestSpeculation``) is kept between steps and goes when the request does (a weak
-        reference); its ``NgramIndex`` only adds the tokens that are new since the last lookup (a request's known
-        tokens only grow while it runs).
+        The request's state (``_RequestSpeculation``, in ``Request.speculation``) is kept between steps; its
+        ``NgramIndex`` only adds the tokens that are new since the last lookup (a request's known tokens only grow
+        while it runs). A backed-off request costs one comparison and two additions.
         """
-        state = self._states.get(request)
+        state = request.speculation
         if state is None:
-            state = self._states[request] = _RequestSpeculation(
+            state = request.speculation = _RequestSpeculation(
                 self.proposer.new_index() if self.proposer is not None else None)
         # A sampled row's draws depend on how many proposals it verifies: its threshold is the one of a batch of
         # one, so that its proposals, like its generator, depend only on its own tokens (seeded rows stay
         # reproducible and independent of their batch); a greedy row's tokens do not depend on its proposals.
         threshold = self.threshold if request.sampling_params.greedy else self._solo_threshold
-        length = proposal_length(state.acceptance, threshold, min(self.k, max_tokens))
-        if length == 0:
+        if state.accepted <= threshold * state.trials or max_tokens <= 0:  # backed off (this runs per request)
             if max_tokens > 0:
                 state.skip()
             return []
+        length = proposal_length(state.accepted / state.trials, threshold, min(self.k, max_tokens))
         index = state.index
         if index is None:
             return [DRAFT_PLACEHOLDER] * length
@@ -297,6 +295,5 @@ class Speculator:
         self.num_proposed_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
         self.num_verify_steps += 1
-        state = self._states.get(request)
-        if state is not None:
-            state.observe(num_proposed, num_accepted)
+        if request.speculation is not None:
+            request.speculation.observe(num_proposed, num_accepted)

@@ -79,16 +79,37 @@ def num_requests(workload: str, batch: int) -> int:
     return GSM8K_ROWS.get(batch, 2 * batch)
 
 
-def mode_config(mode: str, batch: int, draft_model: Path):
-    """The ``EngineConfig`` of one mode at one batch size.
+def mode_config(mode: str, batch: int, draft_model: Path, settings: dict | None = None):
+    """The ``EngineConfig`` of one mode at one batch size, with ``settings`` (``--engine``) on top.
 
     Raises:
-        ValueError, TypeError: when the engine does not support the mode (``draft`` before it is built).
+        ValueError, TypeError: when the engine does not support the mode (``draft`` before it is built) or a
+            setting.
     """
     from engine import EngineConfig
 
     extra = dict(draft_model=str(draft_model)) if mode == "draft" else {}
-    return EngineConfig(max_requests_per_batch=batch, speculative=mode, num_threads=1, **extra)
+    return EngineConfig(max_requests_per_batch=batch, speculative=mode, num_threads=1, **extra, **(settings or {}))
+
+
+def parse_settings(items: list[str]) -> dict:
+    """``--engine KEY=VALUE`` items as a dict; a value is a Python literal (``0.03``, ``8``) or else a string.
+
+    Raises:
+        ValueError: for an item without ``=``.
+    """
+    import ast
+
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine wants KEY=VALUE, got {item!r}")
+        try:
+            settings[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[key] = value
+    return settings
 
 
 @dataclass
@@ -139,7 +160,7 @@ def run_all(args, model_dir: Path, scratch: Path) -> tuple[dict, dict]:
     unavailable = {}
     for mode in args.modes:
         try:
-            mode_config(mode, 1, args.draft_model or model_dir)
+            mode_config(mode, 1, args.draft_model or model_dir, args.settings)
         except (ValueError, TypeError) as e:
             unavailable[mode] = str(e)
     runs = {}
@@ -148,7 +169,7 @@ def run_all(args, model_dir: Path, scratch: Path) -> tuple[dict, dict]:
             for mode in args.modes:
                 if mode in unavailable:
                     continue
-                run = run_once(model_dir, mode_config(mode, batch, args.draft_model or model_dir), reqs)
+                run = run_once(model_dir, mode_config(mode, batch, args.draft_model or model_dir, args.settings), reqs)
                 runs.setdefault((workload, batch, mode), []).append(run)
                 print(f"[speculative] {workload} batch {batch} {mode} (repeat {repeat}/{args.repeats}): "
                       f"{run.generated} tokens in {run.wall_s:.1f} s ({run.tok_s:.0f} tok/s), {run.steps} steps",
@@ -215,12 +236,22 @@ def format_report(rows: list[dict], args, argv: list[str], load_start, load_end)
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}; commit "
         f"{git_commit()}; {m['date']}; load average (1/5/15 min) at start "
         f"{'/'.join(f'{v:.2f}' for v in load_start)}, end {'/'.join(f'{v:.2f}' for v in load_end)}.", "",
-        "One CPU thread; engine defaults otherwise (`num_speculative_tokens` 4, `ngram_min` 2, `ngram_max` 4, "
-        "`speculative_max_batch` 16). Each row: the median of "
+        "One CPU thread; engine defaults otherwise (" + _settings_text(args.settings) + "). Each row: the median of "
         f"{args.repeats} round-robin runs by generated tokens/s (wall time); \"vs off\" divides the medians; "
         "\"vs off (CPU time)\" does the same with process CPU time, steadier on a shared machine. Workloads and "
         "method: `benchmarks/cbrun_bench/speculative.py`.", "",
         format_table(rows), ""])
+
+
+def _settings_text(settings: dict) -> str:
+    """The speculation settings of the runs, e.g. "`num_speculative_tokens` 4, ...", from the engine's defaults."""
+    from engine import EngineConfig
+
+    config = EngineConfig(**{k: v for k, v in settings.items() if k not in ("speculative", "draft_model")})
+    names = ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch", "speculative_row_cost")
+    text = ", ".join(f"`{name}` {getattr(config, name)}" for name in names)
+    others = {k: v for k, v in settings.items() if k not in names}
+    return text + "".join(f", `{k}` {v}" for k, v in others.items())
 
 
 def write_readme_table(readme: Path, rows: list[dict]) -> None:
@@ -254,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="write the Markdown report here (e.g. benchmarks/results-speculative.md)")
     p.add_argument("--readme", type=Path, help=f"rewrite the table between {README_START} and {README_END} here")
     p.add_argument("--json", type=Path, help="also write the rows as JSON to this path")
+    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                   help="an EngineConfig setting for every run, e.g. speculative_row_cost=0.03 (repeatable)")
     return p
 
 
@@ -264,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.modes = [m for m in args.modes.split(",") if m]
     args.workloads = [w for w in args.workloads.split(",") if w]
+    try:
+        args.settings = parse_settings(args.engine)
+    except ValueError as e:
+        parser.error(str(e))
     if args.modes[0] != "off" or set(args.modes) - set(MODES) or set(args.workloads) - set(WORKLOADS):
         parser.error(f"--modes must start with off and come from {MODES}; --workloads from {WORKLOADS}")
     torch.set_num_threads(1)

@@ -25,3 +25,13 @@ def test_speculative_bench_writes_report_json_and_readme(stories260k_dir, tmp_pa
     text = readme.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old table" not in text
     assert "| story-repeat | 2 | ngram |" in text and "| story-repeat | 2 | draft |" in text
+
+
+def test_engine_settings_reach_every_run_and_the_report():
+    settings = speculative.parse_settings(["speculative_row_cost=0.03", "num_speculative_tokens=8"])
+    assert settings == {"speculative_row_cost": 0.03, "num_speculative_tokens": 8}
+    config = speculative.mode_config("ngram", 8, None, settings)
+    assert (config.speculative_row_cost, config.num_speculative_tokens, config.max_requests_per_batch) == (0.03, 8, 8)
+    text = speculative._settings_text(settings)
+    assert "`num_speculative_tokens` 8" in text and "`speculative_row_cost` 0.03" in text
+    assert "`speculative_max_batch` 16" in text
