@@ -261,11 +261,12 @@ class LLMEngine:
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
             request = self.scheduler.requests.get(item.request_index)
+            num_sample_rows = item.num_sample_rows
             if item.spec_token_ids and request is not None:  # a verify step
-                tokens = (self._verify_or_fail(item, request, handle.logits[row:row + item.num_sample_rows],
+                tokens = (self._verify_or_fail(item, request, handle.logits[row:row + num_sample_rows],
                                                self._draft_probs.get(item.request_index))
                           if item.needs_host_sampling else
-                          accept_greedy(list(item.spec_token_ids), token_ids[sample:sample + item.num_sample_rows]))
+                          accept_greedy(item.spec_token_ids, token_ids[sample:sample + num_sample_rows]))
                 if tokens is not None:
                     sampled[item.request_index] = tokens
             elif request is not None:
@@ -274,8 +275,8 @@ class LLMEngine:
                     token = self._read_rows_or_fail(item, request, handle.logits, row, token)
                 if token is not None:
                     sampled[item.request_index] = token
-            row += len(item.prompt_logprob_positions) + item.num_sample_rows
-            sample += item.num_sample_rows
+            row += len(item.prompt_logprob_positions) + num_sample_rows
+            sample += num_sample_rows
         return sampled
 
     def _read_rows_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,

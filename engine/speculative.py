@@ -15,6 +15,7 @@ verified position. The code is ours.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from engine.config import EngineConfig
 from engine.request import Request
@@ -60,23 +61,30 @@ class NgramIndex:
         n runs from ``ngram_max`` down to ``ngram_min``; the first n with an earlier occurrence wins, so a longer
         context match is preferred. Empty when nothing matches or ``k`` is 0.
         """
-        tokens = self.token_ids
+        tokens, low = self.token_ids, self.ngram_min
         num_tokens = len(tokens)
-        if k <= 0 or num_tokens <= self.ngram_min:
+        if k <= 0 or num_tokens <= low:
             return []
-        self._index_through(num_tokens - 1)
-        for n in range(min(self.ngram_max, num_tokens - 1), self.ngram_min - 1, -1):
-            end = self._latest[n - self.ngram_min].get(tuple(tokens[num_tokens - n:]))
+        if self._num_indexed < num_tokens - 1:
+            self._index_through(num_tokens - 1)
+        latest = self._latest
+        for n in range(min(self.ngram_max, num_tokens - 1), low - 1, -1):
+            end = latest[n - low].get(tuple(tokens[num_tokens - n:]))
             if end is not None:
                 return tokens[end:end + k]
         return []
 
     def _index_through(self, stop: int) -> None:
         """Index every n-gram ending at or before position ``stop`` (exclusive end)."""
-        tokens, low = self.token_ids, self.ngram_min
+        tokens, low, high = self.token_ids, self.ngram_min, self.ngram_max
+        pairs = list(enumerate(self._latest, low))  # (n, its map)
         for end in range(self._num_indexed + 1, stop + 1):
-            for n in range(low, min(self.ngram_max, end) + 1):
-                self._latest[n - low][tuple(tokens[end - n:end])] = end
+            if end < high:  # the sequence's first tokens: n-grams no longer than the prefix
+                for n, latest in pairs[:end - low + 1]:
+                    latest[tuple(tokens[end - n:end])] = end
+            else:
+                for n, latest in pairs:
+                    latest[tuple(tokens[end - n:end])] = end
         self._num_indexed = max(self._num_indexed, stop)
 
 
@@ -112,7 +120,7 @@ class NgramProposer:
         return index.propose(k)
 
 
-def accept_greedy(proposals: list[int], target_argmax: list[int]) -> list[int]:
+def accept_greedy(proposals: Sequence[int], target_argmax: list[int]) -> list[int]:
     """The tokens a greedy verify step commits: the accepted proposals, then the bonus token.
 
     Args:

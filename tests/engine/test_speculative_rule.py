@@ -111,3 +111,31 @@ def test_a_sampled_rows_proposals_do_not_depend_on_its_batch():
         speculator, request = _speculator(), _repeating_request(params)
         runs.append([_step(speculator, request, num_running, num_accepted=i % 3) for i in range(30)])
     assert runs[0] == runs[1] == runs[2] and sum(runs[0]) > 30
+
+
+def test_ngram_index_equals_a_rescan_of_the_whole_sequence():
+    """The incremental index proposes what a scan for the latest earlier occurrence of the suffix proposes."""
+    import random
+
+    from engine.speculative import NgramIndex
+
+    def rescan(tokens, low, high, k):
+        if k <= 0 or len(tokens) <= low:
+            return []
+        for n in range(min(high, len(tokens) - 1), low - 1, -1):
+            for end in range(len(tokens) - 1, n - 1, -1):
+                if tokens[end - n:end] == tokens[len(tokens) - n:]:
+                    return tokens[end:end + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(100):
+        low = rng.randint(1, 3)
+        high = rng.randint(low, 5)
+        index, tokens = NgramIndex(low, high), []
+        for _ in range(40):
+            new = [rng.randint(0, 4) for _ in range(rng.randint(0, 4))]
+            tokens += new
+            index.extend(new)
+            k = rng.randint(0, 5)
+            assert index.propose(k) == rescan(tokens, low, high, k), (low, high, tokens, k)
