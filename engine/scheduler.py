@@ -154,12 +154,14 @@ class FIFOScheduler:
         and no position reaches the model's length. Their slots never preempt anyone: without room, the request
         decodes plainly.
         """
-        params = request.sampling_params
-        if request.num_tokens_to_compute != 1 or request.num_pending_tokens:
+        if request.num_pending_tokens:
             return False
-        room = min(params.max_new_tokens - len(request.output_token_ids) - 1, plan.token_budget - 1)
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)  # ``Request.num_tokens``
+        if num_tokens - request.num_computed_tokens != 1:
+            return False
+        room = min(request.sampling_params.max_new_tokens - len(request.output_token_ids) - 1, plan.token_budget - 1)
         if self.max_model_len is not None:
-            room = min(room, self.max_model_len - request.num_tokens)
+            room = min(room, self.max_model_len - num_tokens)
         proposals = self.speculator.propose(request, room)
         block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
         if not proposals or not self.block_manager.allocate_slots(request, 1 + len(proposals)):

@@ -186,10 +186,11 @@ class _RequestSpeculation:
     ``a < j`` (the rejected one; the proposals after it were never tried).
     """
 
-    __slots__ = ("index", "accepted", "trials")
+    __slots__ = ("index", "greedy", "accepted", "trials")
 
-    def __init__(self, index: NgramIndex | None) -> None:
+    def __init__(self, index: NgramIndex | None, greedy: bool) -> None:
         self.index = index
+        self.greedy = greedy  # the request's sampling params are fixed once it is made
         self.accepted, self.trials = PRIOR_ACCEPTED, PRIOR_TRIALS
 
     @property
@@ -276,11 +277,11 @@ class Speculator:
         state = request.speculation
         if state is None:
             state = request.speculation = _RequestSpeculation(
-                self.proposer.new_index() if self.proposer is not None else None)
+                self.proposer.new_index() if self.proposer is not None else None, request.sampling_params.greedy)
         # A sampled row's draws depend on how many proposals it verifies: its threshold is the one of a batch of
         # one, so that its proposals, like its generator, depend only on its own tokens (seeded rows stay
         # reproducible and independent of their batch); a greedy row's tokens do not depend on its proposals.
-        threshold = self.threshold if request.sampling_params.greedy else self._solo_threshold
+        threshold = self.threshold if state.greedy else self._solo_threshold
         if state.accepted <= threshold * state.trials or max_tokens <= 0:  # backed off (this runs per request)
             if max_tokens > 0:
                 state.skip()
@@ -289,13 +290,13 @@ class Speculator:
         index = state.index
         if index is None:
             return [DRAFT_PLACEHOLDER] * length
-        tokens = index.token_ids
-        num_prompt, num_indexed = request.num_prompt_tokens, len(tokens)
+        tokens, output = index.token_ids, request.output_token_ids
+        num_prompt, num_indexed = len(request.prompt_token_ids), len(tokens)
         if num_indexed < num_prompt:
             tokens += request.prompt_token_ids[num_indexed:]
             num_indexed = num_prompt
-        tokens += request.output_token_ids[num_indexed - num_prompt:]
-        assert len(tokens) == request.num_known_tokens, "a request's known tokens shrank while it ran"
+        tokens += output[num_indexed - num_prompt:]
+        assert len(tokens) == num_prompt + len(output), "a request's known tokens shrank while it ran"
         return index.propose(length)
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
