@@ -220,8 +220,10 @@ class Speculator:
       query row costs more relative to the tokens a step already yields, asks for a higher acceptance rate. The
       rule reads only the requests' own tokens and counts, so a run's plans are reproducible (no timing); a
       sampled (non-greedy) row uses the threshold of a batch of one, so its draws never depend on its batch.
-      Similar rules: SGLang's and vLLM's speculative configs cap proposals by batch size; the per-request,
-      acceptance-driven length follows "dynamic speculation lookahead" (Mamou et al. 2024). The code is ours.
+      Similar rules: vLLM's ``speculative_disable_by_batch_size`` switches off by running-queue size, and
+      TensorRT-LLM's ``acceptance_rate_threshold`` on a low rolling acceptance rate (for the whole engine); the
+      per-request, acceptance-driven length follows "dynamic speculation lookahead" (Mamou et al. 2024). The code
+      is ours.
 
     Args:
         config: the engine settings (``speculative``, ``num_speculative_tokens``, ``ngram_*``,
