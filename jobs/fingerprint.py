@@ -12,7 +12,9 @@ What it reads:
   - each input file: its size, its Parquet footer (schema, row groups and their column statistics: min, max, null
     count) or first 64 KiB (Arrow), and the same sampled byte ranges;
   - the settings that change a row's output (prompt, mode, sampling, seed, n, dtype) and the cbrun version;
-  - with ``speculative = "draft"``, the draft model as the model (its proposals enter sampled rows' draws).
+  - with speculation on, its settings (mode, k, n-gram range, switch and row cost: they decide which proposals a
+    sampled row's verify steps draw against, so they change its tokens, never a greedy row's), and with
+    ``speculative = "draft"`` the draft model as the model (its proposals and probabilities enter the draws).
 
 What it can miss: an edit in place that keeps every file's size and touches none of the bytes read. For weights,
 that is a change to tensor values outside the sampled ranges that keeps the header (e.g. a fine-tune written over
@@ -163,6 +165,13 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1) -> dict[
         fingerprint["input"]["format"] = inp.format
     if manifest.output.keep_columns:
         fingerprint["output"] = {"keep_columns": list(manifest.output.keep_columns)}
+    engine = manifest.engine
+    if engine.speculative != "off":
+        fingerprint["speculative"] = {
+            "mode": engine.speculative, "num_speculative_tokens": engine.num_speculative_tokens,
+            "ngram_min": engine.ngram_min, "ngram_max": engine.ngram_max,
+            "speculative_max_batch": engine.speculative_max_batch,
+            "speculative_row_cost": engine.speculative_row_cost}
     if manifest.engine.speculative == "draft":  # its proposals and q enter every sampled row's draws
         draft = model_fingerprint(manifest.engine.draft_model)
         fingerprint["draft_model"] = {"path": str(Path(manifest.engine.draft_model).resolve()),

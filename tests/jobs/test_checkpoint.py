@@ -63,6 +63,18 @@ def test_fingerprint_changes_with_outputs_settings(manifest):
         "input.num_rows", "model.files.tokenizer.json", "sampling.job_seed", "sampling.max_new_tokens"]
 
 
+def test_fingerprint_records_speculation_only_when_on(manifest):
+    """n-gram settings change sampled rows' draws, so a resume must not mix them; "off" keeps older fingerprints."""
+    off = job_fingerprint(manifest, 100)
+    assert "speculative" not in off
+    manifest.engine = EngineConfig(page_size=16, max_batch_tokens=256, speculative="ngram")
+    ngram = job_fingerprint(manifest, 100)
+    assert fingerprint_differences(off, ngram) == ["speculative"]
+    assert ngram["speculative"]["mode"] == "ngram" and ngram["speculative"]["num_speculative_tokens"] == 4
+    manifest.engine = EngineConfig(page_size=16, max_batch_tokens=256, speculative="ngram", num_speculative_tokens=2)
+    assert fingerprint_differences(ngram, job_fingerprint(manifest, 100)) == ["speculative.num_speculative_tokens"]
+
+
 def test_fingerprint_sees_weights_chat_template_and_input_content(manifest, tmp_path):
     """Same sizes, same row count, same names: the content changed, and the refusal names the file."""
     model = Path(manifest.model.path)
