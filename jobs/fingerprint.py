@@ -118,7 +118,7 @@ def model_fingerprint(model_path: str | Path) -> dict[str, Any]:
 def input_fingerprint(input_path: str | Path) -> dict[str, str]:
     """{file name relative to the input path: sampled digest (Parquet: footer-led)} of the input's files; {} when
     the input cannot be listed."""
-    from jobs.reader import InputError, list_input_files
+    from jobs.reader import InputError, input_file_format, list_input_files
 
     try:
         _, paths = list_input_files(input_path)
@@ -128,7 +128,10 @@ def input_fingerprint(input_path: str | Path) -> dict[str, str]:
     digests = {}
     for path in paths:
         name = path.name if root.is_file() else path.relative_to(root).as_posix()
-        head = parquet_footer(path) if path.suffix == ".parquet" else None
+        try:
+            head = parquet_footer(path) if input_file_format(path) == "parquet" else None
+        except InputError:
+            head = None
         digests[name] = sampled_digest(path, head)
     return digests
 

@@ -1,4 +1,9 @@
-"""JSON Lines input (``.jsonl``, ``.jsonl.gz``): one JSON object per line, read as Arrow record batches.
+"""JSON Lines input (``.jsonl``, ``.jsonl.gz``, and ``.json`` / ``.json.gz`` holding JSON Lines; any letter case):
+one JSON object per line, read as Arrow record batches.
+
+A ``.json`` file is JSON Lines when its first non-space character is ``{`` (data sets exported by ``datasets``
+and the Hugging Face Hub use ``.json`` for JSON Lines); a ``.json`` file holding one JSON array is refused by
+``jobs.reader.input_file_format``.
 
 A ``JsonlSource`` looks like the reader's Parquet source (``path``, ``schema``, ``num_rows``, ``iter_batches``), so
 ``jobs.reader.PromptReader`` streams it with the same ``row_index``, resume and per-row error rules. Every non-blank
@@ -34,17 +39,41 @@ import pyarrow.json as pa_json
 #: Name of the hidden string column a JSONL batch carries beside the asked columns: the row's error, or null.
 ROW_ERROR_COLUMN = "__cbrun_row_error__"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+#: Suffixes of files read as JSON Lines when their first non-space character is "{" (``first_json_char``).
+JSON_SUFFIXES = (".json", ".json.gz")
 #: Bytes per block of pyarrow's JSON reader (its schema is inferred from the first block).
 ARROW_BLOCK_SIZE = 16 << 20
 
 
 def is_jsonl(path: str | Path) -> bool:
-    """Whether the file name says JSON Lines (``.jsonl`` or ``.jsonl.gz``)."""
-    return str(path).endswith(JSONL_SUFFIXES)
+    """Whether the file is read as JSON Lines: named ``.jsonl`` or ``.jsonl.gz`` (any letter case), or ``.json`` /
+    ``.json.gz`` whose first non-space character is ``{`` (an empty one too: no rows)."""
+    name = Path(path).name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return True
+    return name.endswith(JSON_SUFFIXES) and first_json_char(path) in ("{", "")
+
+
+def first_json_char(path: str | Path) -> str:
+    """The file's first non-whitespace character (decompressed for ``.gz``), "" for a blank or empty file.
+
+    Raises:
+        OSError: when the file cannot be read (gzip.BadGzipFile included).
+    """
+    with _open_binary(Path(path)) as f:
+        while chunk := f.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[:1].decode("latin-1")
+    return ""
+
+
+def _is_gzip(path: Path) -> bool:
+    return path.name.lower().endswith(".gz")
 
 
 def _open_binary(path: Path):
-    return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
+    return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
 
 
 def numbered_rows(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -153,7 +182,7 @@ class JsonlSource:
     """One JSON Lines file (optionally gzip-compressed), scanned once for its row count and schema.
 
     Args:
-        path: the ``.jsonl`` or ``.jsonl.gz`` file.
+        path: the JSON Lines file (``.jsonl``, ``.jsonl.gz``, or ``.json`` / ``.json.gz`` holding JSON Lines).
         json_text_fields: fields read as their JSON text (a string column) instead of a typed column, e.g. an
             OpenAI batch request's ``body``, whose fields differ from line to line.
 
@@ -174,7 +203,7 @@ class JsonlSource:
             self._line_scan()
 
     def _arrow_stream(self):
-        return pa.input_stream(str(self.path), compression="gzip" if str(self.path).endswith(".gz") else None)
+        return pa.input_stream(str(self.path), compression="gzip" if _is_gzip(self.path) else None)
 
     def _arrow_scan(self) -> bool:
         """Count rows and take the schema with pyarrow's reader; False when some block does not read."""

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from engine.sampling_params import (SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, canonical_name, coerce_num_samples,
                                     coerce_sampling_value)
-from jobs.jsonl_source import JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, is_jsonl
+from jobs.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, first_json_char
 
 logger = logging.getLogger("cbrun.reader")
 
@@ -82,21 +82,79 @@ class _Undecodable:
         self.reason = reason
 
 
+#: Parquet files start (and end) with these 4 bytes.
+PARQUET_MAGIC = b"PAR1"
+#: What ``input_file_format`` reads, for error messages.
+SUPPORTED_INPUTS = (".parquet, .jsonl, .jsonl.gz, .json or .json.gz holding JSON Lines (any letter case), a Parquet "
+                    "file of any name (e.g. Hive's 000000_0), or a datasets save_to_disk directory")
+#: Files of a directory that are documentation, not data: ignored (a Hugging Face data set's README.md).
+DOC_SUFFIXES = (".md", ".rst")
+
+
+def input_file_format(path: Path) -> str | None:
+    """How one input file is read: "parquet", "jsonl", or None (not a format cbrun reads).
+
+    By name, letter case ignored: ``.parquet``; ``.jsonl`` / ``.jsonl.gz``; ``.json`` / ``.json.gz`` whose first
+    non-space character is ``{`` (JSON Lines, see ``jobs.jsonl_source``). Any other name is Parquet when the file
+    starts with Parquet's magic bytes (Hive and some Spark writers leave Parquet files without a suffix).
+
+    Raises:
+        InputError: for a ``.json`` file that holds a JSON document (e.g. one array) rather than JSON Lines, or one
+            that cannot be read.
+    """
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(JSON_SUFFIXES):
+        try:
+            first = first_json_char(path)
+        except OSError as exc:
+            raise InputError(f"input file {str(path)!r} cannot be read: {exc}") from None
+        if first in ("{", ""):
+            return "jsonl"
+        raise InputError(f"input file {str(path)!r} is JSON but not JSON Lines (it starts with {first!r}, not one "
+                         f"object per line); cbrun reads {SUPPORTED_INPUTS}. Convert it, e.g. "
+                         f"jq -c '.[]' {path.name} > {path.stem}.jsonl")
+    try:
+        with open(path, "rb") as f:
+            return "parquet" if f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC else None
+    except OSError:
+        return None
+
+
+def _is_hidden(relative: Path) -> bool:
+    """Spark/Hive's rule: a path part starting with "." or "_" (``_SUCCESS``, ``.part-0.crc``) is not data."""
+    return any(part.startswith((".", "_")) for part in relative.parts)
+
+
+def _is_doc(path: Path) -> bool:
+    return path.suffix.lower() in DOC_SUFFIXES
+
+
 def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
-    """Find the files of an input: one Parquet or JSON Lines file, a directory of them (mixed or not), or a
-    ``save_to_disk`` data set.
+    """Find the files of an input: one Parquet or JSON Lines file, a directory of them (mixed or not, searched
+    recursively), or a ``save_to_disk`` data set. What a file is read as: ``input_file_format``.
+
+    In a directory, files and folders whose name starts with "." or "_" are ignored, as Spark and Hive do
+    (``_SUCCESS``, ``.crc`` files, ``_cbrun/``), and so are ``.md`` / ``.rst`` documents (a data set's README.md);
+    any other file that is not a format cbrun reads is refused, so that no rows are left out unseen.
 
     Returns:
         ("parquet" (Parquet and JSON Lines files, see ``open_source``) or "arrow", files in reading order).
 
     Raises:
-        InputError: when the path does not exist or holds nothing readable.
+        InputError: when the path does not exist, holds nothing readable, is a file of a format cbrun does not
+            read, or is a directory that holds such files (named, with the formats cbrun reads).
     """
     path = Path(path)
     if not path.exists():
         raise InputError(f"input {str(path)!r} not found: give a Parquet or JSON Lines file, or a directory of "
                          f"them")
     if path.is_file():
+        if input_file_format(path) is None:
+            raise InputError(f"input file {str(path)!r} is not a format cbrun reads; cbrun reads {SUPPORTED_INPUTS}")
         return "parquet", [path]
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
@@ -107,12 +165,19 @@ def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
         files = [path / f["filename"] for f in data_files]
         if files:
             return "arrow", files
-    files = sorted(p for p in path.rglob("*") if p.name.endswith((".parquet", *JSONL_SUFFIXES)) and p.is_file()
-                   and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
-    if not files:
+    candidates = sorted(p for p in path.rglob("*") if p.is_file() and not _is_hidden(p.relative_to(path))
+                        and not _is_doc(p))
+    unreadable = [p for p in candidates if input_file_format(p) is None]
+    if unreadable:
+        names = ", ".join(repr(p.relative_to(path).as_posix()) for p in unreadable[:10])
+        more = f" and {len(unreadable) - 10} more" if len(unreadable) > 10 else ""
+        raise InputError(f"input directory {str(path)!r} holds files cbrun cannot read: {names}{more}; cbrun reads "
+                         f"{SUPPORTED_INPUTS} (names starting with '.' or '_' are ignored). Move them out, or point "
+                         f"--input at the files to read")
+    if not candidates:
         raise InputError(f"input directory {str(path)!r} holds no .parquet files, no .jsonl files and no saved "
                          f"data set")
-    return "parquet", files
+    return "parquet", candidates
 
 
 class _ParquetSource:
@@ -178,7 +243,7 @@ def open_source(kind: str, path: Path, json_text_fields: tuple[str, ...] = ()):
     """The source object of one input file: Arrow stream (``kind == "arrow"``), JSON Lines (by suffix) or Parquet."""
     if kind == "arrow":
         return _ArrowStreamSource(path)
-    if is_jsonl(path):
+    if input_file_format(path) == "jsonl":
         return JsonlSource(path, json_text_fields)
     return _ParquetSource(path)
 
