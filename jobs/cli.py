@@ -65,9 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         "against the current directory. Rerunning the same job resumes it."))
     run.add_argument("manifest", nargs="?", help="TOML manifest ([model] [input] [sampling] [engine] [output])")
     run.add_argument("--model", help="Hugging Face model directory")
-    run.add_argument("--input", help="Parquet or JSON Lines (.jsonl, .jsonl.gz) file, a directory of them, or a "
-                                     "saved datasets directory")
-    run.add_argument("--output", help="output directory (part files, _SUCCESS, and cbrun's own _cbrun/ folder)")
+    run.add_argument("--input", help="Parquet or JSON Lines (.jsonl, .jsonl.gz, or .json holding JSON Lines; any "
+                                     "letter case) file, a directory of them (names starting with '.' or '_' "
+                                     "ignored; any other file it cannot read is refused), or a saved datasets "
+                                     "directory")
+    run.add_argument("--output", help="output directory (part files, _SUCCESS, and cbrun's own _cbrun/ folder); "
+                                      "not the input, nor inside or around it")
     run.add_argument("--prompt-column", help="text column holding the prompt")
     run.add_argument("--prompt-ids-column", help="list<int> column of prompt token ids (used as given)")
     run.add_argument("--id-column", help="column of row ids (default: the row index)")
@@ -116,8 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=("openai-batch", "jsonl"), default="openai-batch")
     export.add_argument("--to", help="file to write (default: OUTPUT_DIR/results.jsonl or OUTPUT_DIR/output.jsonl)")
 
-    status = commands.add_parser("status", allow_abbrev=False, help="rows done per shard and in total; whether the "
-                                 "job is complete (exit 0 complete, 1 not yet, 2 not a cbrun output)")
+    status_codes = ("exit codes (those cbrun run gives for the same output): 0 complete, its error rows within "
+                    "output.max_error_fraction; 1 not complete yet; 2 not a cbrun output; 3 complete, but more than "
+                    "output.max_error_fraction of its output rows are error rows (rerun them with cbrun run ... "
+                    "--retry-errors)")
+    status = commands.add_parser("status", allow_abbrev=False, help="rows done per shard and in total, error rows; "
+                                 "whether the job is complete (exit 0 complete, 1 not yet, 2 not a cbrun output, "
+                                 "3 complete with too many error rows)",
+                                 description="Rows done per shard and in total, error rows, and whether the job is "
+                                             "complete; reads the output, locks and writes nothing.",
+                                 epilog=status_codes)
     status.add_argument("output_dir", help="the job's output directory")
 
     convert = commands.add_parser("convert-llama2c", allow_abbrev=False, help="convert a llama2.c checkpoint to a Hugging Face directory")
@@ -285,12 +296,12 @@ def _status(args: argparse.Namespace) -> int:
     from jobs.status import status_report
 
     try:
-        report, complete = status_report(args.output_dir)
+        report, code = status_report(args.output_dir)
     except (ValueError, OSError) as exc:
         print(f"cbrun: error: {exc}", file=sys.stderr)
         return 2
     print(report)
-    return 0 if complete else 1
+    return code
 
 
 def _convert(args: argparse.Namespace) -> int:

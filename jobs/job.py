@@ -42,6 +42,7 @@ from jobs.reader import InputError, PromptReader
 from jobs.resources import JobAborted, JobError, check_model_dir, load_engine, load_tokenizer, resolve_device
 from jobs.row_ids import warn_repeated_ids
 from jobs.scoring import Scorer, check_candidates_column
+from jobs.status import too_many_errors
 from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.writer import OutputRow, PartWriter
 
@@ -103,8 +104,7 @@ class JobSummary:
     @property
     def too_many_errors(self) -> bool:
         """More error rows than ``max_error_fraction`` of the output allows; an output of error rows alone always."""
-        total, errors = self.total_output_rows, self.total_error_rows
-        return total > 0 and (errors == total or errors > self.max_error_fraction * total)
+        return too_many_errors(self.total_output_rows, self.total_error_rows, self.max_error_fraction)
 
     @property
     def exit_code(self) -> int:
@@ -118,6 +118,9 @@ class JobSummary:
 
     def line(self) -> str:
         """The one summary line the CLI prints."""
+        if self.already_finished and not self.num_skipped:
+            return (f"cbrun: warning: the input has no rows to run (an empty input, or --limit 0): nothing "
+                    f"generated; {self.output_dir} holds the finished job with no output rows")
         if self.already_finished:
             return (f"cbrun: job already finished: all {self.num_skipped} rows of this input are in {self.output_dir} "
                     f"(see _cbrun/stats.json); nothing to do (use --overwrite to recompute)"
@@ -197,6 +200,26 @@ def open_reader(manifest: JobManifest) -> PromptReader | OpenAIBatchReader:
     return reader
 
 
+def check_output_apart_from_input(input_path: str | Path, output_path: str | Path) -> None:
+    """Refuse an output directory that is the input, lies inside an input directory, or holds the input: the
+    output's parts would be read back as input by the next run (or ``--overwrite`` would delete the input).
+
+    Raises:
+        InputError: naming both paths.
+    """
+    inp, out = Path(input_path).resolve(), Path(output_path).resolve()
+    if out == inp:
+        where = "is the input"
+    elif inp.is_dir() and out.is_relative_to(inp):
+        where = "is inside the input directory"
+    elif inp.is_relative_to(out):
+        where = "holds the input"
+    else:
+        return
+    raise InputError(f"output directory {str(output_path)!r} {where} {str(input_path)!r}: its part files would be "
+                     f"read back as input; give an --output outside the input")
+
+
 def output_carried_fields(manifest: JobManifest, reader: PromptReader | OpenAIBatchReader) -> list:
     """The Arrow fields the job's output rows carry beyond ``OUTPUT_SCHEMA`` (``jobs.carry``)."""
     derived = OPENAI_FIELDS if isinstance(reader, OpenAIBatchReader) else []
@@ -232,6 +255,7 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
     start = time.perf_counter()
     try:
         manifest.check_required()
+        check_output_apart_from_input(manifest.input.path, manifest.output.path)
         reader = open_reader(manifest)
     except (InputError, ValueError) as exc:
         raise JobError(str(exc)) from None

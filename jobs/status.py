@@ -1,7 +1,9 @@
 """``cbrun status OUT_DIR``: how far a job's output is, per shard and in total, read from the committed parts.
 
 Nothing is locked or written: it reads ``_cbrun/job.json``, ``_cbrun/shards.json`` (the split of the rows, written
-by every run) and the parts' ``row_index`` and ``finish_reason`` columns, so it can watch running shards.
+by every run), ``_cbrun/stats.json`` (the finished job's ``max_error_fraction``) and the parts' ``row_index`` and
+``finish_reason`` columns, so it can watch running shards. Its exit code is the one ``cbrun run`` gives for the
+same output (``status_report``).
 """
 
 from __future__ import annotations
@@ -11,8 +13,19 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs.checkpoint import Checkpoint
+from jobs.checkpoint import Checkpoint, OutputState
 from jobs.sharding import read_shards_file
+
+
+#: ``output.max_error_fraction``'s default (``jobs.manifest.OutputSettings``), for outputs whose stats lack it.
+DEFAULT_MAX_ERROR_FRACTION = 0.1
+
+
+def too_many_errors(total_output_rows: int, error_rows: int, max_error_fraction: float) -> bool:
+    """More error rows than ``max_error_fraction`` of the output rows allows; an output of error rows alone always
+    (the rule behind exit code 3 of ``cbrun run`` and ``cbrun status``)."""
+    total = total_output_rows
+    return total > 0 and (error_rows == total or error_rows > max_error_fraction * total)
 
 
 @dataclass
@@ -52,6 +65,11 @@ def output_progress(output_dir: str | Path) -> list[ShardProgress]:
     Raises:
         ValueError: when the directory holds no cbrun job.
     """
+    return _read_progress(output_dir)[0]
+
+
+def _read_progress(output_dir: str | Path) -> tuple[list[ShardProgress], OutputState]:
+    """(``output_progress``, the whole output's ``OutputState``)."""
     checkpoint = Checkpoint(output_dir)
     job = checkpoint._read_job_file()
     split = read_shards_file(output_dir)
@@ -67,16 +85,41 @@ def output_progress(output_dir: str | Path) -> list[ShardProgress]:
     progress = [ShardProgress(f"shard {i}/{count}", (start, end), int(state.done[start:end].sum()),
                               int(failed[start:end].sum())) for i, (start, end) in enumerate(split["ranges"])]
     progress.append(ShardProgress("total", (0, split["num_rows"]), int(state.done.sum()), int(failed.sum())))
-    return progress
+    return progress, state
 
 
-def status_report(output_dir: str | Path) -> tuple[str, bool]:
-    """The text ``cbrun status`` prints, and whether the job is complete (every row committed, ``_SUCCESS``)."""
-    progress = output_progress(output_dir)
-    finished = Checkpoint(output_dir).is_finished()
+def status_report(output_dir: str | Path) -> tuple[str, int]:
+    """The text ``cbrun status`` prints, and its exit code.
+
+    Returns:
+        (text, code): code 0 when the job is complete (every row committed, ``_SUCCESS``) with its error rows
+        within ``output.max_error_fraction`` (read from ``_cbrun/stats.json``); 3 when complete with more error
+        rows than that (the code ``cbrun run`` exits with); 1 when not complete.
+
+    Raises:
+        ValueError: when the directory holds no cbrun job.
+    """
+    progress, state = _read_progress(output_dir)
+    checkpoint = Checkpoint(output_dir)
+    finished = checkpoint.is_finished()
     lines = [f"cbrun status: {output_dir}"] + [p.line() for p in (progress if len(progress) > 2 else progress[-1:])]
     complete = progress[-1].complete and finished
     if progress[-1].complete and not finished:
         lines.append("every row is committed, but _SUCCESS is missing: rerun any shard to finish the job")
-    lines.append("job complete (_SUCCESS written)" if complete else "job not complete")
-    return "\n".join(lines), complete
+    if not complete:
+        lines.append("job not complete")
+        return "\n".join(lines), 1
+    stats = checkpoint.read_stats() or {}
+    fraction = stats.get("max_error_fraction", DEFAULT_MAX_ERROR_FRACTION)
+    errors = state.num_error_rows
+    if not errors:
+        lines.append("job complete (_SUCCESS written)")
+        return "\n".join(lines), 0
+    where = (f"{errors} of {state.num_output_rows} output rows are error rows (finish_reason = 'error'; their error "
+             f"column says why; rerun them with cbrun run ... --retry-errors)")
+    if too_many_errors(state.num_output_rows, errors, fraction):
+        lines.append(f"job complete (_SUCCESS written), but too many errors (exit code 3): {where}, above "
+                     f"output.max_error_fraction = {fraction:g}")
+        return "\n".join(lines), 3
+    lines.append(f"job complete (_SUCCESS written): {where}")
+    return "\n".join(lines), 0
