@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -44,7 +45,7 @@ from jobs.row_ids import warn_repeated_ids
 from jobs.scoring import Scorer, check_candidates_column
 from jobs.status import too_many_errors
 from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
-from jobs.writer import OutputRow, PartWriter
+from jobs.writer import OutputRow, PartWriter, committed_parts
 
 
 def _score_mode(manifest: JobManifest, tokenizer, max_model_len: int, vocab_size: int | None) -> Scorer:
@@ -290,6 +291,8 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
         shard = Shard.parse(manifest.input.shard) if manifest.input.shard is not None else Shard()
     checkpoint = Checkpoint(manifest.output.path, shard)
     fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count)
+    # NOTE: a refused run leaves no output directory it made (see _remove_refused_output); a shard's may be shared
+    created_output = shard.count == 1 and not Path(manifest.output.path).exists()
     try:
         checkpoint.check(fingerprint, overwrite=manifest.output.overwrite)  # before creating anything
         checkpoint.lock.acquire()
@@ -302,8 +305,19 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
         if shard.count > 1:
             job = _ShardJob(manifest, reader, checkpoint, fingerprint, start)
         return job.run(engine, engine_config, tokenizer, progress, retry_errors)
+    except JobError:
+        if created_output:
+            _remove_refused_output(checkpoint.output_dir)
+        raise
     finally:
         checkpoint.lock.release()
+
+
+def _remove_refused_output(output_dir: Path) -> None:
+    """Remove the output directory a run made and then refused in setup (``JobError``: before any generation), so
+    that the refusal leaves nothing behind; kept when it holds any committed part."""
+    if not committed_parts(output_dir):
+        shutil.rmtree(output_dir, ignore_errors=True)
 
 
 class _Job:

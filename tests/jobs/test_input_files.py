@@ -1,6 +1,6 @@
 """Which input files are read, never silently skipped: suffixes in any letter case, ``.json`` holding JSON Lines,
 suffix-less Parquet, hidden files ignored, unreadable files refused at setup; an output that overlaps the input
-refused; an empty input said plainly; ``cbrun status`` reporting error rows with ``cbrun run``'s exit code."""
+refused, and a refused run leaves no output directory it made; an empty input said plainly; ``cbrun status`` reporting error rows with ``cbrun run``'s exit code."""
 
 from __future__ import annotations
 
@@ -85,6 +85,27 @@ def test_output_overlapping_the_input_is_refused(tmp_path, tiny_model_dir, capsy
                  "--prompt-column", "prompt", "--output", str(out)]) == 2
     assert re.search(r"cbrun: error: output directory .* would be read back as input", capsys.readouterr().err)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == before  # nothing created
+
+
+def test_a_run_refused_after_taking_the_lock_leaves_no_output_directory(tmp_path, tiny_model_dir, capsys,
+                                                                       monkeypatch):
+    import jobs.job
+    from jobs.resources import JobError
+
+    def unloadable(*args, **kwargs):
+        raise JobError("cannot load the model: broken weights")
+
+    monkeypatch.setattr(jobs.job, "load_engine", unloadable)
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a"]}), path)
+    args = ["run", "--no-progress", "--model", str(tiny_model_dir), "--input", str(path), "--prompt-column",
+            "prompt"]
+    assert main(args + ["--output", str(tmp_path / "new")]) == 2
+    assert "broken weights" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()  # a directory the user made: kept
+    assert main(args + ["--output", str(tmp_path / "old")]) == 2
+    assert (tmp_path / "old").is_dir()
 
 
 @pytest.mark.parametrize("limit", [None, 0])
