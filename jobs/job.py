@@ -73,6 +73,8 @@ class JobSummary:
         peak_memory_mib: peak resident memory of the process.
         peak_gpu_memory_mib: peak CUDA memory allocated by torch, None off CUDA.
         already_finished: the output already held the finished job; nothing was done.
+        empty_input: the input has no rows to run (no rows at all, or ``input.limit = 0``); the job is finished
+            with no output rows (exit 0, as vLLM and Ray Data take an empty data set).
         num_repeated_ids: distinct ``id_column`` values that more than one input row holds (see ``jobs.row_ids``).
         engine_stats: ``LLMEngine.stats.as_dict()`` at the end.
         replica_stats: the Ray executor's counters over its replicas (``jobs.ray_executor.run_on_ray``).
@@ -95,6 +97,7 @@ class JobSummary:
     peak_memory_mib: float = 0.0
     peak_gpu_memory_mib: float | None = None
     already_finished: bool = False
+    empty_input: bool = False
     num_repeated_ids: int = 0
     engine_stats: dict[str, Any] = field(default_factory=dict)
     replica_stats: dict[str, int] = field(default_factory=dict)
@@ -119,7 +122,7 @@ class JobSummary:
 
     def line(self) -> str:
         """The one summary line the CLI prints."""
-        if self.already_finished and not self.num_skipped:
+        if self.empty_input:
             return (f"cbrun: warning: the input has no rows to run (an empty input, or --limit 0): nothing "
                     f"generated; {self.output_dir} holds the finished job with no output rows")
         if self.already_finished:
@@ -382,6 +385,7 @@ class _Job:
         if done.all() and not overwrite:
             # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
             # finished here without loading the model.
+            summary.empty_input = self.reader.num_rows == 0
             if not checkpoint.is_finished():
                 self.finish(summary)
             else:
