@@ -1,9 +1,9 @@
 """JSON Lines input (``.jsonl``, ``.jsonl.gz``, and ``.json`` / ``.json.gz`` holding JSON Lines; any letter case):
 one JSON object per line, read as Arrow record batches.
 
-A ``.json`` file is JSON Lines when its first non-space character is ``{`` (data sets exported by ``datasets``
-and the Hugging Face Hub use ``.json`` for JSON Lines); a ``.json`` file holding one JSON array is refused by
-``jobs.reader.input_file_format``.
+A ``.json`` file is JSON Lines when its first non-blank line is one whole JSON object (data sets exported by
+``datasets`` and the Hugging Face Hub use ``.json`` for JSON Lines); a ``.json`` file holding one JSON array or one
+object printed over many lines is refused by ``jobs.reader.input_file_format``.
 
 A ``JsonlSource`` looks like the reader's Parquet source (``path``, ``schema``, ``num_rows``, ``iter_batches``), so
 ``jobs.reader.PromptReader`` streams it with the same ``row_index``, resume and per-row error rules. Every non-blank
@@ -39,7 +39,7 @@ import pyarrow.json as pa_json
 #: Name of the hidden string column a JSONL batch carries beside the asked columns: the row's error, or null.
 ROW_ERROR_COLUMN = "__cbrun_row_error__"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
-#: Suffixes of files read as JSON Lines when their first non-space character is "{" (``first_json_char``).
+#: Suffixes of files read as JSON Lines when their first line is a JSON object (``holds_json_lines``).
 JSON_SUFFIXES = (".json", ".json.gz")
 #: Bytes per block of pyarrow's JSON reader (its schema is inferred from the first block).
 ARROW_BLOCK_SIZE = 16 << 20
@@ -47,25 +47,26 @@ ARROW_BLOCK_SIZE = 16 << 20
 
 def is_jsonl(path: str | Path) -> bool:
     """Whether the file is read as JSON Lines: named ``.jsonl`` or ``.jsonl.gz`` (any letter case), or ``.json`` /
-    ``.json.gz`` whose first non-space character is ``{`` (an empty one too: no rows)."""
+    ``.json.gz`` holding JSON Lines (``holds_json_lines``)."""
     name = Path(path).name.lower()
     if name.endswith(JSONL_SUFFIXES):
         return True
-    return name.endswith(JSON_SUFFIXES) and first_json_char(path) in ("{", "")
+    return name.endswith(JSON_SUFFIXES) and holds_json_lines(path)
 
 
-def first_json_char(path: str | Path) -> str:
-    """The file's first non-whitespace character (decompressed for ``.gz``), "" for a blank or empty file.
+def holds_json_lines(path: str | Path) -> bool:
+    """Whether a ``.json`` file holds JSON Lines: its first non-blank line is one whole JSON object (or it has no
+    non-blank line). A JSON array, or one object printed over many lines (``dataset_info.json``), is not.
 
     Raises:
         OSError: when the file cannot be read (gzip.BadGzipFile included).
     """
-    with _open_binary(Path(path)) as f:
-        while chunk := f.read(4096):
-            stripped = chunk.lstrip()
-            if stripped:
-                return stripped[:1].decode("latin-1")
-    return ""
+    for _, line in numbered_rows(Path(path)):
+        try:
+            return isinstance(json.loads(line), dict)
+        except ValueError:
+            return False
+    return True
 
 
 def _is_gzip(path: Path) -> bool:

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from engine.sampling_params import (SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, canonical_name, coerce_num_samples,
                                     coerce_sampling_value)
-from jobs.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, first_json_char
+from jobs.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, holds_json_lines
 
 logger = logging.getLogger("cbrun.reader")
 
@@ -95,12 +95,13 @@ def input_file_format(path: Path) -> str | None:
     """How one input file is read: "parquet", "jsonl", or None (not a format cbrun reads).
 
     By name, letter case ignored: ``.parquet``; ``.jsonl`` / ``.jsonl.gz``; ``.json`` / ``.json.gz`` whose first
-    non-space character is ``{`` (JSON Lines, see ``jobs.jsonl_source``). Any other name is Parquet when the file
-    starts with Parquet's magic bytes (Hive and some Spark writers leave Parquet files without a suffix).
+    line is one whole JSON object (JSON Lines, ``jobs.jsonl_source.holds_json_lines``). Any other name is Parquet
+    when the file starts with Parquet's magic bytes (Hive and some Spark writers leave Parquet files without a
+    suffix).
 
     Raises:
-        InputError: for a ``.json`` file that holds a JSON document (e.g. one array) rather than JSON Lines, or one
-            that cannot be read.
+        InputError: for a ``.json`` file that holds a JSON document (one array, or an object printed over many
+            lines) rather than JSON Lines, or one that cannot be read.
     """
     name = path.name.lower()
     if name.endswith(".parquet"):
@@ -109,14 +110,13 @@ def input_file_format(path: Path) -> str | None:
         return "jsonl"
     if name.endswith(JSON_SUFFIXES):
         try:
-            first = first_json_char(path)
+            if holds_json_lines(path):
+                return "jsonl"
         except OSError as exc:
             raise InputError(f"input file {str(path)!r} cannot be read: {exc}") from None
-        if first in ("{", ""):
-            return "jsonl"
-        raise InputError(f"input file {str(path)!r} is JSON but not JSON Lines (it starts with {first!r}, not one "
-                         f"object per line); cbrun reads {SUPPORTED_INPUTS}. Convert it, e.g. "
-                         f"jq -c '.[]' {path.name} > {path.stem}.jsonl")
+        raise InputError(f"input file {str(path)!r} is JSON but not JSON Lines (its first line is not one whole JSON "
+                         f"object: a JSON array, or a document printed over many lines); cbrun reads "
+                         f"{SUPPORTED_INPUTS}. Convert an array, e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl")
     try:
         with open(path, "rb") as f:
             return "parquet" if f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC else None

@@ -68,6 +68,10 @@ def test_json_file_given_directly(tmp_path):
     array.write_text(json.dumps([{"prompt": "p0"}]))
     with pytest.raises(InputError, match=r"'.*y\.json' is JSON but not JSON Lines .*cbrun reads \.parquet, \.jsonl"):
         PromptReader(array, prompt_column="prompt")
+    pretty = tmp_path / "dataset_info.json"
+    pretty.write_text(json.dumps({"features": {"prompt": "string"}}, indent=2))
+    with pytest.raises(InputError, match=r"dataset_info\.json' is JSON but not JSON Lines"):
+        PromptReader(pretty, prompt_column="prompt")
     csv = tmp_path / "z.csv"
     csv.write_text("prompt\np0\n")
     with pytest.raises(InputError, match=r"'.*z\.csv' is not a format cbrun reads; cbrun reads \.parquet"):
