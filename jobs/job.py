@@ -43,8 +43,8 @@ from jobs.reader import InputError, PromptReader
 from jobs.resources import JobAborted, JobError, check_model_dir, load_engine, load_tokenizer, resolve_device
 from jobs.row_ids import warn_repeated_ids
 from jobs.scoring import Scorer, check_candidates_column
-from jobs.status import too_many_errors
 from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
+from jobs.status import too_many_errors
 from jobs.writer import OutputRow, PartWriter, committed_parts
 
 

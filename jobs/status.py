@@ -16,7 +16,6 @@ import numpy as np
 from jobs.checkpoint import Checkpoint, OutputState
 from jobs.sharding import read_shards_file
 
-
 #: ``output.max_error_fraction``'s default (``jobs.manifest.OutputSettings``), for outputs whose stats lack it.
 DEFAULT_MAX_ERROR_FRACTION = 0.1
 

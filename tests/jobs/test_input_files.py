@@ -1,6 +1,7 @@
 """Which input files are read, never silently skipped: suffixes in any letter case, ``.json`` holding JSON Lines,
 suffix-less Parquet, hidden files ignored, unreadable files refused at setup; an output that overlaps the input
-refused, and a refused run leaves no output directory it made; an empty input said plainly; ``cbrun status`` reporting error rows with ``cbrun run``'s exit code."""
+refused, and a refused run leaves no output directory it made; an empty input said plainly; ``cbrun status``
+reporting error rows with ``cbrun run``'s exit code."""
 
 from __future__ import annotations
 
