@@ -69,6 +69,7 @@ class AttentionMetadata:
         k_pages, v_pages: the cache, (num_pages, page_size, num_kv_heads, head_dim), shared by all layers.
         use_triton: run the Triton kernels instead of the PyTorch reference.
         use_cpu_kernel: run ``kernels.cpu_attention``'s C kernel (float32, CPU) instead of the PyTorch reference.
+        cpu_kernel_threads: that kernel's threads (``engine.threads.resolve_attention_threads``); None for torch's.
     """
 
     groups: dict[str, GroupMetadata]
@@ -81,6 +82,7 @@ class AttentionMetadata:
     v_pages: torch.Tensor
     use_triton: bool = False
     use_cpu_kernel: bool = False
+    cpu_kernel_threads: int | None = None
     _plans: dict = field(default_factory=dict)
 
     def gather_plan(self, group: str, sliding_window: int | None) -> GatherPlan:
@@ -165,7 +167,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Atten
     if md.use_cpu_kernel:
         from kernels.cpu_attention import paged_attention_cpu
         return paged_attention_cpu(q, md.k_pages, md.v_pages, block_tables, md.cu_seqlens_q, md.seqlens_k, scale,
-                                   softcap, sliding_window)
+                                   softcap, sliding_window, num_threads=md.cpu_kernel_threads)
     return paged_attention_ref(q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap,
                                page_offset=index)
 

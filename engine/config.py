@@ -49,7 +49,8 @@ class EngineConfig:
         num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide): a positive int,
             "auto" (the default: 1 thread for a model under 10M parameters, whose ops are too small to split,
             else every physical core; torch's default on CUDA; see ``engine.threads.resolve_num_threads``), or None
-            (keep the process's current setting).
+            (keep the process's current setting). The C attention kernel takes the same count, except under
+            "auto", where it uses every physical core (``engine.threads.resolve_attention_threads``).
         prefix_hash_bits: width of the prefix cache's block hash (SHA-256 cut to a multiple of 8 bits, default the
             full 256). Narrow widths exist for tests that force collisions; a collision is never served.
         model_impl: the forward pass. "lean" runs Llama-family models (Llama, Mistral and Qwen2 without sliding

@@ -34,7 +34,7 @@ from engine.speculative import accept_greedy
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
 from engine.switches import resolve_switch
-from engine.threads import resolve_num_threads
+from engine.threads import resolve_attention_threads, resolve_num_threads
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -91,6 +91,8 @@ class LLMEngine:
         padding = PaddingPolicy.for_cache(config, self.cache_spec)
         self.model_runner = ModelRunner(model, kv_cache, use_triton=use_triton,
                                         use_cpu_kernel=_use_cpu_kernel(config, dtype, use_triton),
+                                        cpu_kernel_threads=resolve_attention_threads(config.num_threads,
+                                                                                     config.device),
                                         padding=padding if use_graphs else None,
                                         use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
                                         max_model_len=max_model_len, async_batching=self.overlap_steps,

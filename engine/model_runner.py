@@ -52,6 +52,7 @@ class ModelRunner:
         kv_cache: the cache tensors; its ``spec`` gives the layout, page size and ring size.
         use_triton: attention through the Triton kernels.
         use_cpu_kernel: attention through ``kernels.cpu_attention`` (pages read in place; not with ``use_triton``).
+        cpu_kernel_threads: that kernel's threads; None uses torch's intra-op count.
         padding: pad every step to a ``PaddedShape`` (what CUDA graphs need); None runs exact shapes.
         use_cuda_graphs: replay the forward pass from CUDA graphs (needs ``padding`` and ``use_triton``).
         max_cached_graphs: graphs kept at once.
@@ -63,7 +64,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool = False,
-                 use_cpu_kernel: bool = False,
+                 use_cpu_kernel: bool = False, cpu_kernel_threads: int | None = None,
                  padding: PaddingPolicy | None = None,
                  use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0,
                  async_batching: bool = False, lean_model=None, max_requests: int = 64) -> None:
@@ -79,6 +80,7 @@ class ModelRunner:
         self.ring_blocks = spec.ring_blocks
         self.use_triton = use_triton
         self.use_cpu_kernel = use_cpu_kernel
+        self.cpu_kernel_threads = cpu_kernel_threads
         self.padding = padding
         self.use_cuda_graphs = use_cuda_graphs
         self.max_cached_graphs = max_cached_graphs
@@ -316,7 +318,8 @@ class ModelRunner:
         md = AttentionMetadata(
             groups=groups, layer_groups=self.layer_groups, cu_seqlens_q=cu_seqlens_q, seqlens_k=seqlens_k,
             max_seqlen_q=inputs.max_seqlen_q, page_size=self.page_size, k_pages=self.kv_cache.k_pages,
-            v_pages=self.kv_cache.v_pages, use_triton=self.use_triton, use_cpu_kernel=self.use_cpu_kernel)
+            v_pages=self.kv_cache.v_pages, use_triton=self.use_triton, use_cpu_kernel=self.use_cpu_kernel,
+            cpu_kernel_threads=self.cpu_kernel_threads)
         return input_ids, positions, md, logits_indices, sample_rows, carry
 
     def _group_metadata(self, kind: str, rows: np.ndarray, lengths: np.ndarray, positions: np.ndarray,

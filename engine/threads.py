@@ -34,6 +34,22 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+def resolve_attention_threads(setting: int | str | None, device: str) -> int | None:
+    """Threads of the C attention kernel (``kernels.cpu_attention``), or None to use torch's intra-op count.
+
+    Rule for "auto" on the CPU: every physical core, even where torch keeps one thread for a tiny model. The kernel
+    forks once per layer call over hundreds of independent (request, head) items, so unlike torch's per-op
+    fork/join on tiny matmuls it scales: attention is most of a small model's step.
+
+    Args:
+        setting: ``EngineConfig.num_threads``; an explicit count (or None) applies to the kernel as to torch.
+        device: the engine's device string.
+    """
+    if setting != "auto" or torch.device(device).type != "cpu":
+        return None
+    return physical_cores()
+
+
 def resolve_num_threads(setting: int | str | None, num_params: int, device: str) -> int | None:
     """The intra-op thread count to set for ``engine.num_threads``, or None to leave torch's as it is.
 

@@ -45,7 +45,7 @@ def unavailable_reason() -> str | None:
 def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
                         scale: float, softcap: float | None = None, sliding_window: int | None = None,
-                        page_offset: int = 0) -> torch.Tensor:
+                        page_offset: int = 0, num_threads: int | None = None) -> torch.Tensor:
     """Attention of a flattened varlen batch over a paged KV cache, read in place (float32, CPU).
 
     Same contract as ``kernels.paged_attention.paged_attention_triton`` and the reference.
@@ -59,6 +59,7 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scale: multiplier of q.k; softcap: scores become ``softcap * tanh(scores / softcap)`` when set.
         sliding_window: attend only to the last ``sliding_window`` positions (self included); None for full.
         page_offset: added to every page of ``block_tables``.
+        num_threads: OpenMP threads of the kernel; None uses torch's intra-op thread count.
 
     Returns:
         (T, num_heads, head_dim) float32; rows past ``cu_seqlens_q[-1]`` are zero.
@@ -84,7 +85,8 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     status = library.cbrun_paged_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], page_offset,
         cu.data_ptr(), seqlens.data_ptr(), seqlens.shape[0], num_heads, num_kv_heads, head_dim, page_size,
-        scale, softcap or 0.0, sliding_window or 0, out.data_ptr(), torch.get_num_threads())
+        scale, softcap or 0.0, sliding_window or 0, out.data_ptr(),
+        num_threads or torch.get_num_threads())
     if status:
         raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
     return out

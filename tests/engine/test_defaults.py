@@ -11,7 +11,7 @@ from engine.cache_pool import NUM_RESERVED_CHUNKS, CachePool
 from engine.cache_sizing import useful_blocks
 from engine.config import DEFAULT_BATCH_LIMITS
 from engine.kv_cache import KVCache
-from engine.threads import TINY_MODEL_PARAMS, physical_cores, resolve_num_threads
+from engine.threads import TINY_MODEL_PARAMS, physical_cores, resolve_attention_threads, resolve_num_threads
 from tests.model_utils import hf_greedy, random_llama_dir, random_prompts
 
 
@@ -37,12 +37,19 @@ def test_auto_threads_rule():
     assert resolve_num_threads(3, 10**9, "cpu") == 3 and resolve_num_threads(None, 10**9, "cpu") is None
 
 
+def test_auto_attention_threads_rule():
+    assert resolve_attention_threads("auto", "cpu") == physical_cores()  # even where torch keeps one thread
+    assert resolve_attention_threads("auto", "cuda") is None
+    assert resolve_attention_threads(3, "cpu") is None and resolve_attention_threads(None, "cpu") is None
+
+
 def test_auto_threads_set_one_thread_for_a_tiny_model():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        LLMEngine.from_pretrained(str(random_llama_dir()), EngineConfig(num_blocks=16))
+        engine = LLMEngine.from_pretrained(str(random_llama_dir()), EngineConfig(num_blocks=16))
         assert torch.get_num_threads() == 1
+        assert engine.model_runner.cpu_kernel_threads == physical_cores()
         torch.set_num_threads(2)
         LLMEngine.from_pretrained(str(random_llama_dir()), EngineConfig(num_blocks=16, num_threads=None))
         assert torch.get_num_threads() == 2

@@ -84,6 +84,8 @@ def test_threads_and_page_offset_give_the_same_output():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)  # each query vector's sums run in the same order on any thread
+    three = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3, num_threads=3)
+    assert torch.equal(one, three)  # the kernel's own thread count, whatever torch's is
 
 
 def test_rejects_what_it_cannot_run():
