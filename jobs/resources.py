@@ -74,13 +74,25 @@ def resolve_device(device: str) -> str:
 
 def load_engine(model_path: str, config, expected_requests: int | None = None):
     """``LLMEngine.from_pretrained`` with load failures turned into ``JobError``; ``expected_requests`` (the
-    requests the run will add, when known) lets the engine size its default cache to the job."""
+    requests the run will add, when known) lets the engine size its default cache to the job.
+
+    Failures include unreadable or corrupt weight files (a truncated ``model.safetensors`` raises safetensors'
+    ``SafetensorError``, a broken ``.bin`` pickle's ``UnpicklingError``; weights that do not fit the config
+    torch's ``RuntimeError``): the model directory is the job's input, so they get a setup error, not a traceback.
+    """
+    import pickle
+
+    from safetensors import SafetensorError
+
     from engine import LLMEngine
 
     try:
         return LLMEngine.from_pretrained(model_path, config=config, expected_requests=expected_requests)
     except (ValueError, OSError) as exc:
         raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError) as exc:
+        raise JobError(f"cannot load the model's weights from {model_path!r} (a corrupt or truncated weight file, "
+                       f"or weights that do not match config.json?): {type(exc).__name__}: {exc}") from None
 
 
 def load_tokenizer(model_path: str):

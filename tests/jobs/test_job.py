@@ -170,3 +170,18 @@ def test_setup_errors_come_before_any_work(tiny_model_dir, tmp_path, make_manife
     with pytest.raises(JobError, match="cannot load the model"):
         run_job(manifest, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_weights_are_a_setup_error(tiny_model_dir, tmp_path, make_manifest):
+    """A truncated model.safetensors (an interrupted download) is refused like any bad input, not a traceback."""
+    import shutil
+
+    write_prompts(tmp_path / "in.parquet", 2)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    manifest = make_manifest(model, tmp_path / "in.parquet", tmp_path / "out")
+    with pytest.raises(JobError, match="cannot load the model's weights .*SafetensorError"):
+        run_job(manifest, progress=False)
+    assert not (tmp_path / "out").exists()
