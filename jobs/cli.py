@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import difflib
 import os
 import signal
 import sys
@@ -146,7 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "(cbrun bench --help for its options)")
     commands.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with --model cbrun registered "
                         "(needs the eval extra; cbrun lm-eval --help for its options)")
+    parser.command_parsers = dict(commands.choices)  # for parse_command_line's errors
     return parser
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """``build_parser``'s parse of ``argv``, where an unknown option is reported by its command's parser (its own
+    usage line, and the nearest option name) rather than by the top-level one.
+
+    Raises:
+        SystemExit: with code 2 (argparse's), after printing the usage and the error to stderr.
+    """
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser.command_parsers[args.command]
+        # NOTE: argparse keeps no public list of a parser's options; _actions is what argcomplete reads too.
+        options = [o for action in command._actions for o in action.option_strings]
+        hints = [f"{arg} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(
+            arg.split("=", 1)[0], options, n=1, cutoff=0.6)) else arg for arg in unknown]
+        command.error(f"unrecognized arguments: {' '.join(hints)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         from jobs.lm_eval_backend import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     from jobs.heap import collection_paused
 
     with collection_paused():  # importing transformers (jobs.heap)

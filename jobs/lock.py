@@ -128,6 +128,11 @@ def _read_holder(fd: int) -> str:
         record = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError):
         record = {}
+    return describe_holder(record if isinstance(record, dict) else {})
+
+
+def describe_holder(record: dict) -> str:
+    """A lock file's holder record in words ("host H, pid P, started T")."""
     if not record:
         return "holder unknown"
     return f"host {record.get('host')}, pid {record.get('pid')}, started {record.get('started')}"
@@ -159,3 +164,51 @@ class DirectoryLock:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def held_locks(output_dir: str | Path) -> dict[str, dict] | None:
+    """The shard locks of ``output_dir`` that a live process holds now, without taking any lock.
+
+    Read from Linux's ``/proc/locks`` (every ``flock`` on this host, by device and inode), so a ``cbrun status``
+    run next to a job can never make that job's lock attempt fail, as probing with ``flock`` itself could.
+
+    Returns:
+        ``{"I/N": holder record}`` (the record the holder wrote: host, pid, shard, started; ``{}`` when unreadable)
+        for each held shard lock, or None when this host has no ``/proc/locks`` (other systems, or a lock held on
+        another NFS client, cannot be seen from here).
+    """
+    try:
+        with open("/proc/locks") as f:
+            held = {_lock_key(fields) for fields in (line.split() for line in f) if len(fields) > 5
+                    and fields[1] == "FLOCK"}
+    except OSError:
+        return None
+    found: dict[str, dict] = {}
+    for path in sorted((Path(output_dir) / CBRUN_DIR).glob("lock-*-of-*")):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in held:
+            index, _, count = path.name.removeprefix("lock-").partition("-of-")
+            found[f"{index}/{count}"] = _read_record(path)
+    return found
+
+
+def _lock_key(fields: list[str]) -> tuple[int, int, int] | None:
+    """(major, minor, inode) of a held lock's ``/proc/locks`` line, split into fields: ``N: FLOCK ADVISORY WRITE
+    PID MAJOR:MINOR:INODE START END``, major and minor in hex. (Waiters' lines read ``N: -> FLOCK ...``; the caller
+    leaves them out.)"""
+    try:
+        major, minor, inode = fields[5].split(":")
+        return int(major, 16), int(minor, 16), int(inode)
+    except ValueError:
+        return None
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}

@@ -2,8 +2,9 @@
 
 Nothing is locked or written: it reads ``_cbrun/job.json``, ``_cbrun/shards.json`` (the split of the rows, written
 by every run), ``_cbrun/stats.json`` (the finished job's ``max_error_fraction``) and the parts' ``row_index`` and
-``finish_reason`` columns, so it can watch running shards. Its exit code is the one ``cbrun run`` gives for the
-same output (``status_report``).
+``finish_reason`` columns, so it can watch running shards; which shards a live run holds now comes from the
+host's lock table (``jobs.lock.held_locks``), without taking a lock. Its exit code is the one ``cbrun run`` gives
+for the same output (``status_report``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from jobs.checkpoint import Checkpoint, OutputState
+from jobs.lock import describe_holder, held_locks
 from jobs.sharding import read_shards_file
 
 #: ``output.max_error_fraction``'s default (``jobs.manifest.OutputSettings``), for outputs whose stats lack it.
@@ -87,6 +89,17 @@ def _read_progress(output_dir: str | Path) -> tuple[list[ShardProgress], OutputS
     return progress, state
 
 
+def _running_lines(output_dir: str | Path, complete: bool) -> list[str]:
+    """Which runs hold the output's shard locks now; for an unfinished job with none, that a rerun resumes it."""
+    held = held_locks(output_dir)
+    if held is None:  # NOTE: no /proc/locks here: say nothing rather than guess
+        return []
+    lines = [f"running now: shard {shard} ({describe_holder(record)})" for shard, record in held.items()]
+    if not held and not complete:
+        lines.append("no cbrun run holds this output now: rerun the same command to resume it")
+    return lines
+
+
 def status_report(output_dir: str | Path) -> tuple[str, int]:
     """The text ``cbrun status`` prints, and its exit code.
 
@@ -103,6 +116,7 @@ def status_report(output_dir: str | Path) -> tuple[str, int]:
     finished = checkpoint.is_finished()
     lines = [f"cbrun status: {output_dir}"] + [p.line() for p in (progress if len(progress) > 2 else progress[-1:])]
     complete = progress[-1].complete and finished
+    lines += _running_lines(output_dir, complete)
     if progress[-1].complete and not finished:
         lines.append("every row is committed, but _SUCCESS is missing: rerun any shard to finish the job")
     if not complete:

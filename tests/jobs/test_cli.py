@@ -54,6 +54,21 @@ def test_setup_problems_exit_2_with_a_message(tmp_path, prompts, tiny_model_dir,
     assert not (tmp_path / "out").exists()
 
 
+def test_an_unknown_option_is_reported_by_its_command_with_the_nearest_name(tmp_path, capsys):
+    cases = [(["run", "--modle", "m", "--output", str(tmp_path / "out")], "usage: cbrun run ",
+              "cbrun run: error: unrecognized arguments: --modle (did you mean --model?)"),
+             (["run", "--temprature=0.5"], "usage: cbrun run ",
+              "unrecognized arguments: --temprature=0.5 (did you mean --temperature?)"),
+             (["status", str(tmp_path), "--zzz"], "usage: cbrun status ",
+              "cbrun status: error: unrecognized arguments: --zzz\n")]
+    for args, usage, message in cases:
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith(usage) and message in err, (args, err)
+    assert not (tmp_path / "out").exists()
+
+
 def test_run_with_manifest_flags_and_set_then_rerun(tmp_path, prompts, tiny_model_dir, capsys):
     manifest = tmp_path / "job.toml"
     manifest.write_text(f"""

@@ -4,6 +4,9 @@ refused, a killed shard resumed."""
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -12,7 +15,7 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
 from jobs.job import JobError, run_job
-from jobs.lock import Shard
+from jobs.lock import OutputLock, Shard
 from jobs.reader import PromptReader
 from jobs.sharding import shard_ranges, unit_starts
 from jobs.status import output_progress
@@ -118,6 +121,24 @@ def test_success_only_after_every_shard_and_status_per_shard(tiny_model_dir, tin
     assert (out / "_SUCCESS").is_file()
     assert main(["status", str(out)]) == 0
     assert "total: 30/30 rows done, 0 error rows, complete" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the host's lock table is Linux's /proc/locks")
+def test_status_says_which_shards_a_live_run_holds(tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path,
+                                                   capsys):
+    out = tmp_path / "out"
+    run_job(make_manifest(tiny_model_dir, input_path, out, shard="0/3"), engine=tiny_engine, progress=False)
+    assert main(["status", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "no cbrun run holds this output now: rerun the same command to resume it" in printed
+    assert "running now" not in printed
+    with OutputLock(out, Shard(1, 3)):  # a live run of shard 1, as the host's lock table shows it
+        assert main(["status", str(out)]) == 1
+        printed = capsys.readouterr().out
+    assert f"running now: shard 1/3 (host {socket.gethostname()}, pid {os.getpid()}, started " in printed
+    assert "no cbrun run holds" not in printed and "shard 0/3 (host" not in printed
+    assert main(["status", str(out)]) == 1  # released: the lock file stays, its lock does not
+    assert "no cbrun run holds this output now" in capsys.readouterr().out
 
 
 def test_overwrite_of_one_shard_keeps_the_others_and_status_stays_true(tiny_model_dir, tiny_engine, make_manifest,
