@@ -7,6 +7,7 @@ from dataclasses import dataclass
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
 SWITCHES = ("auto", "on", "off")
 MODEL_IMPLS = ("auto", "transformers", "lean")
 #: Default (max_requests_per_batch, max_batch_tokens) per device type, for throughput. CUDA: vLLM's offline (``LLM``)
@@ -57,6 +58,10 @@ class EngineConfig:
             windows, default RoPE) through ``engine.lean_llama``: the same math and attention without transformers'
             per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
             "transformers" always runs the transformers modules; "auto" takes lean where it applies.
+        linear_backend: the GEMM of the lean path's linear layers (``engine.cpu_linear``): "torch" (``F.linear``;
+            logits bit-identical to transformers'), "onednn" (oneDNN's matmul, float32 on the CPU only, else a
+            ValueError), or "auto": oneDNN for float32 CPU weights of at least 2^18 elements, where it is faster,
+            torch's for the rest. The transformers modules always use torch's.
         speculative: speculative decoding (see ``engine.speculative``): "off", "ngram" (prompt lookup: proposals
             copied from the request's own prompt and output) or "draft" (a small model with the same tokenizer,
             ``draft_model``, proposes; see ``engine.draft_proposer``). Greedy outputs equal "off" token for
@@ -100,6 +105,7 @@ class EngineConfig:
     async_batching: str = "auto"
     num_threads: int | str | None = "auto"
     model_impl: str = "auto"
+    linear_backend: str = "auto"
     prefix_hash_bits: int = 256
     speculative: str = "off"
     draft_model: str | None = None
@@ -147,6 +153,8 @@ class EngineConfig:
             raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {self.prefix_hash_bits!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

@@ -4,7 +4,9 @@ transformers runs every step through about 14 ``nn.Module`` calls per decoder la
 capturing and keyword plumbing. On the CPU, with the small models and batches of an offline job, that costs a
 visible share of each step. ``LeanLlama`` runs the loaded model's own weight tensors (nothing is copied) through
 the same operations in the same order, and the same paged attention (``engine.attention.paged_attention``), so
-its logits equal transformers' bit for bit.
+its logits equal transformers' bit for bit, as long as each linear layer runs on torch's GEMM. On the CPU, large
+float32 weights run on oneDNN's instead (``engine.cpu_linear``, ``linear_backend``): faster, and equal up to float32
+rounding.
 
 Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
 
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.cpu_linear import LinearFn, onednn_linear, select_linear
 from engine.switches import resolve_switch
 
 logger = logging.getLogger("cbrun.engine")
@@ -78,7 +81,8 @@ def _unsupported_layer(layer: torch.nn.Module) -> str | None:
 
 @dataclass
 class _Layer:
-    """One decoder layer's tensors: (weight, bias or None) per projection, RMSNorm weights and epsilons."""
+    """One decoder layer's tensors: (weight, bias or None, the function that runs it) per projection, RMSNorm
+    weights and epsilons."""
 
     input_norm: torch.Tensor
     input_eps: float
@@ -102,12 +106,14 @@ class LeanLlama:
     Args:
         model: a transformers model for which ``unsupported_reason`` is None, in eval mode.
         max_positions: positions the RoPE table covers; defaults to the config's ``max_position_embeddings``.
+        linear_backend: which GEMM runs each projection (``engine.cpu_linear.select_linear``).
 
     Raises:
-        ValueError: naming the reason when the model is not supported.
+        ValueError: naming the reason when the model is not supported, or from ``select_linear``.
     """
 
-    def __init__(self, model: torch.nn.Module, max_positions: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, max_positions: int | None = None, linear_backend: str = "auto"
+                 ) -> None:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"the lean model path cannot run this model: {reason}")
@@ -116,8 +122,13 @@ class LeanLlama:
         self.head_dim = first_attn.head_dim
         self.embed = decoder.embed_tokens.weight
         self.final_norm, self.final_eps = decoder.norm.weight, decoder.norm.variance_epsilon
-        self.lm_head = (model.lm_head.weight, model.lm_head.bias)
-        self.layers = [_layer_tensors(layer) for layer in decoder.layers]
+        self.lm_head = _projection(model.lm_head, linear_backend)
+        self.layers = [_layer_tensors(layer, linear_backend) for layer in decoder.layers]
+        projections = [self.lm_head] + [p for layer in self.layers for p in (layer.q, layer.k, layer.v, layer.o,
+                                                                             layer.gate, layer.up, layer.down)]
+        self.num_onednn_linears = sum(p[2] is onednn_linear for p in projections)
+        logger.info("linear layers: %d of %d on oneDNN, the rest on torch's GEMM (linear_backend = %s)",
+                    self.num_onednn_linears, len(projections), linear_backend)
         self.cos, self.sin_signed = _rope_tables(decoder.rotary_emb,
                                                  max_positions or model.config.max_position_embeddings,
                                                  self.embed.dtype)
@@ -143,23 +154,32 @@ class LeanLlama:
             h += _mlp(layer, _rms_norm(h, layer.post_norm, layer.post_eps))
         # NOTE: norm all rows, then keep some, as transformers does: norming only the kept rows is the same math,
         # but a GPU reduction may order its sums by the number of rows.
-        return F.linear(_rms_norm(h, self.final_norm, self.final_eps)[logits_indices], *self.lm_head)
+        return _linear(_rms_norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
 
     def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    md: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = _rope(F.linear(x, *layer.q).view(num_tokens, -1, self.head_dim), cos, sin)
-        k = _rope(F.linear(x, *layer.k).view(num_tokens, -1, self.head_dim), cos, sin)
-        v = F.linear(x, *layer.v).view(num_tokens, -1, self.head_dim)
+        q = _rope(_linear(x, layer.q).view(num_tokens, -1, self.head_dim), cos, sin)
+        k = _rope(_linear(x, layer.k).view(num_tokens, -1, self.head_dim), cos, sin)
+        v = _linear(x, layer.v).view(num_tokens, -1, self.head_dim)
         out = paged_attention(q, k, v, md, index, layer.scale)
-        return F.linear(out.reshape(num_tokens, -1), *layer.o)
+        return _linear(out.reshape(num_tokens, -1), layer.o)
 
 
-def _layer_tensors(layer: torch.nn.Module) -> _Layer:
+def _projection(module: torch.nn.Linear, backend: str) -> tuple[torch.Tensor, torch.Tensor | None, LinearFn]:
+    return module.weight, module.bias, select_linear(module.weight, backend)
+
+
+def _linear(x: torch.Tensor, projection: tuple[torch.Tensor, torch.Tensor | None, LinearFn]) -> torch.Tensor:
+    weight, bias, run = projection
+    return run(x, weight, bias)
+
+
+def _layer_tensors(layer: torch.nn.Module, backend: str) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
 
     def linear(module):
-        return module.weight, module.bias
+        return _projection(module, backend)
 
     input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
     return _Layer(input_norm=input_norm.weight, input_eps=input_norm.variance_epsilon, post_norm=post_norm.weight,
@@ -202,20 +222,30 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-    gate = F.silu(F.linear(x, *layer.gate), inplace=True)  # in place: the same values, one (T, I) tensor fewer
-    return F.linear(gate.mul_(F.linear(x, *layer.up)), *layer.down)
+    gate = F.silu(_linear(x, layer.gate), inplace=True)  # in place: the same values, one (T, I) tensor fewer
+    return _linear(gate.mul_(_linear(x, layer.up)), layer.down)
 
 
-def select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: bool, max_model_len: int
-                      ) -> LeanLlama | None:
+def select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: bool, max_model_len: int,
+                      linear_backend: str = "auto") -> LeanLlama | None:
     """The lean forward pass when ``model_impl`` asks for it and it applies; None runs transformers' modules.
 
     Logs once (logger "cbrun.engine", INFO) which implementation runs and, under "auto", why not the lean one.
 
     Raises:
         ValueError: ``model_impl == "lean"`` with an unsupported model or with CUDA graphs on (graphs capture
-            transformers' forward pass).
+            transformers' forward pass); ``linear_backend == "onednn"`` where the lean path does not run (the
+            transformers modules always use torch's GEMM) or cannot use oneDNN.
     """
+    lean = _select_lean_model(model_impl, model, use_cuda_graphs, max_model_len, linear_backend)
+    if lean is None and linear_backend == "onednn":
+        raise ValueError("linear_backend = onednn runs only on the lean forward pass, which this model does not "
+                         "use (see the log); use linear_backend = auto or torch")
+    return lean
+
+
+def _select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: bool, max_model_len: int,
+                       linear_backend: str) -> LeanLlama | None:
     if model_impl == "transformers":
         logger.info("model implementation: transformers (model_impl = transformers)")
         return None
@@ -227,4 +257,4 @@ def select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: 
                           hint="; use model_impl = auto or transformers"):
         return None
     logger.info("model implementation: lean (engine.lean_llama)")
-    return LeanLlama(model, max_model_len)
+    return LeanLlama(model, max_model_len, linear_backend)

@@ -97,13 +97,14 @@ class LLMEngine:
                                         use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
                                         max_model_len=max_model_len, async_batching=self.overlap_steps,
                                         lean_model=select_lean_model(config.model_impl, model, use_graphs,
-                                                                     max_model_len),
+                                                                     max_model_len, config.linear_backend),
                                         max_requests=config.max_requests_per_batch)
         #: Runs the draft model and fills each step's proposals (``speculative = "draft"``); its cache shares
         #: the block manager's block ids.
         self.drafter = (DraftProposer(draft_model, self.cache_spec, model_config.vocab_size, self.eos_token_ids,
                                       use_triton, max_model_len,
-                                      select_lean_model(config.model_impl, draft_model, False, max_model_len))
+                                      select_lean_model(config.model_impl, draft_model, False, max_model_len,
+                                                        config.linear_backend))
                         if config.speculative == "draft" else None)
         self._draft_probs: dict[int, torch.Tensor] = {}  # this step's draft distributions of sampled requests
         self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own

@@ -1,4 +1,5 @@
-"""The lean Llama-family forward pass: the same logits as transformers' modules, bit for bit, step by step.
+"""The lean Llama-family forward pass: the same logits as transformers' modules, bit for bit, step by step (on
+torch's GEMM; within float32 rounding with every projection on oneDNN's).
 
 Each step of a real engine run (chunked prefill forced, so prefill chunks and decodes share batches) goes through
 transformers' forward and then through ``LeanLlama`` on the same inputs; the logits must be ``torch.equal``. Both
@@ -15,6 +16,7 @@ import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import ATTN_IMPLEMENTATION
+from engine.cpu_linear import onednn_unavailable_reason
 from engine.lean_llama import LeanLlama, unsupported_reason
 from tests.model_utils import WEIGHT_SCALE, hf_greedy, random_llama_dir, random_prompts, run_engine
 
@@ -40,27 +42,33 @@ def _random_model(config_class=transformers.LlamaConfig, model_class=transformer
 
 
 class _BothForwards:
-    """Stands in for the runner's model: runs transformers, then the lean pass, and compares their logits."""
+    """Stands in for the runner's model: runs transformers, then the lean pass, and compares their logits: equal
+    bit for bit on torch's GEMM, within float32 rounding on oneDNN's."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.lean = model, LeanLlama(model)
+    def __init__(self, model: torch.nn.Module, linear_backend: str = "torch") -> None:
+        self.model, self.lean = model, LeanLlama(model, linear_backend=linear_backend)
+        self.exact = linear_backend == "torch"
         self.num_steps = self.num_mixed_steps = 0
 
     def __call__(self, input_ids, position_ids, logits_to_keep, cbrun_metadata, **kwargs):
         expected = self.model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep,
                               cbrun_metadata=cbrun_metadata, **kwargs)
         got = self.lean(input_ids[0], position_ids[0], cbrun_metadata, logits_to_keep)
-        assert torch.equal(got, expected.logits[0]), f"step {self.num_steps}: logits differ"
+        if self.exact:
+            assert torch.equal(got, expected.logits[0]), f"step {self.num_steps}: logits differ"
+        else:
+            torch.testing.assert_close(got, expected.logits[0], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"step {self.num_steps}: {m}")
         q_lens = cbrun_metadata.cu_seqlens_q.diff()
         self.num_steps += 1
         self.num_mixed_steps += bool((q_lens == 1).any() and (q_lens > 1).any())
         return expected
 
 
-def _check_every_step(model: torch.nn.Module) -> _BothForwards:
+def _check_every_step(model: torch.nn.Module, linear_backend: str = "torch") -> _BothForwards:
     config = EngineConfig(**ENGINE_CONFIG, model_impl="transformers")
     engine = LLMEngine(model, config, eos_token_ids=(), max_model_len=model.config.max_position_embeddings)
-    both = _BothForwards(model)
+    both = _BothForwards(model, linear_backend)
     engine.model_runner.model = both
     prompts = random_prompts(12, VOCAB, 1, 30)
     outputs = list(engine.generate((i, p, SamplingParams(max_new_tokens=NEW_TOKENS)) for i, p in enumerate(prompts)))
@@ -83,12 +91,27 @@ def test_lean_logits_equal_transformers_every_step(kwargs):
     assert both.num_mixed_steps > 0, "no step mixed prefill and decode"
 
 
-def test_engine_lean_greedy_equals_generate_and_transformers_impl(caplog):
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(config_class=transformers.Qwen2Config, model_class=transformers.Qwen2ForCausalLM),  # q/k/v biases
+], ids=["llama-gqa-untied", "qwen2"])
+def test_lean_logits_on_onednn_match_transformers_every_step(kwargs):
+    if onednn_unavailable_reason(torch.zeros(1, 1)):
+        pytest.skip("this torch build has no oneDNN linear op")
+    both = _check_every_step(_random_model(**kwargs), linear_backend="onednn")  # every projection on oneDNN
+    assert both.num_mixed_steps > 0, "no step mixed prefill and decode"
+
+
+@pytest.mark.parametrize("linear_backend", ["auto", "onednn"])
+def test_engine_lean_greedy_equals_generate_and_transformers_impl(linear_backend, caplog):
+    if linear_backend == "onednn" and onednn_unavailable_reason(torch.zeros(1, 1)):
+        pytest.skip("this torch build has no oneDNN linear op")
     model_dir = random_llama_dir(VOCAB)
     prompts = random_prompts(8, VOCAB, 1, 40)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    lean_config = EngineConfig(**ENGINE_CONFIG, model_impl="lean", linear_backend=linear_backend)
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
-        lean = run_engine(model_dir, prompts, EngineConfig(**ENGINE_CONFIG, model_impl="lean"), params)
+        lean = run_engine(model_dir, prompts, lean_config, params)
     assert "model implementation: lean" in caplog.text
     modules = run_engine(model_dir, prompts, EngineConfig(**ENGINE_CONFIG, model_impl="transformers"), params)
     for i, prompt in enumerate(prompts):
