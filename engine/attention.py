@@ -4,7 +4,9 @@ transformers' attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_impl
 and pass through any keyword the model's ``forward`` received. The engine loads models with
 ``attn_implementation="cbrun_paged"`` and passes this step's ``AttentionMetadata`` as ``cbrun_metadata``: each
 layer writes its new K/V into the paged cache through the slot mapping, then attends over the block tables.
-Because the name is not a mask implementation, transformers builds no attention mask at all.
+Because the name is not a mask implementation, transformers builds no attention mask at all. The name is
+registered by ``register_with_transformers``, which whoever loads a transformers model with it calls (importing
+this module does not import transformers: the lean path runs ``paged_attention`` without it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
 
 from engine.cache_spec import slot_address
 from kernels.reference import GatherPlan, build_gather_plan, paged_attention_ref, write_kv_cache_ref
@@ -172,4 +173,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Atten
                                page_offset=index)
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+def register_with_transformers() -> str:
+    """Register ``paged_attention_forward`` as transformers' attention ``ATTN_IMPLEMENTATION`` (imports
+    transformers; calling it again is harmless). Returns the name, for ``attn_implementation=``."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

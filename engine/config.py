@@ -10,6 +10,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 SWITCHES = ("auto", "on", "off")
 MODEL_IMPLS = ("auto", "transformers", "lean")
+LOADERS = ("auto", "transformers")
 #: Default (max_requests_per_batch, max_batch_tokens) per device type, for throughput. CUDA: vLLM's offline (``LLM``)
 #: defaults, 256 sequences and 8k batched tokens. CPU: measured on the gsm8k-long bench workload (stories260K, one
 #: thread, 2-core machine): benchmarks/results-defaults.md.
@@ -58,6 +59,10 @@ class EngineConfig:
             windows, default RoPE) through ``engine.lean_llama``: the same math and attention without transformers'
             per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
             "transformers" always runs the transformers modules; "auto" takes lean where it applies.
+        loader: who loads the model and tokenizer. "auto" (the default) reads a Llama-family checkpoint that the
+            lean path runs straight from its files without importing transformers (``engine.safetensors_loader``,
+            ``engine.tokenizer``: config.json, safetensors weights, tokenizer.json) and leaves everything else to
+            transformers, as does "transformers" always. The log says which loader ran and why.
         linear_backend: the GEMM of the lean path's linear layers (``engine.cpu_linear``): "torch" (``F.linear``;
             logits bit-identical to transformers'), "onednn" (oneDNN's matmul, float32 on the CPU only, else a
             ValueError), or "auto": oneDNN for float32 CPU weights of at least 2^18 elements, where it is faster,
@@ -105,6 +110,7 @@ class EngineConfig:
     async_batching: str = "auto"
     num_threads: int | str | None = "auto"
     model_impl: str = "auto"
+    loader: str = "auto"
     linear_backend: str = "auto"
     prefix_hash_bits: int = 256
     speculative: str = "off"
@@ -153,6 +159,8 @@ class EngineConfig:
             raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {self.prefix_hash_bits!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.loader not in LOADERS:
+            raise ValueError(f"loader must be one of {LOADERS}, got {self.loader!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         self._check_speculative()

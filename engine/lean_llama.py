@@ -2,9 +2,11 @@
 
 transformers runs every step through about 14 ``nn.Module`` calls per decoder layer plus decorators, output
 capturing and keyword plumbing. On the CPU, with the small models and batches of an offline job, that costs a
-visible share of each step. ``LeanLlama`` runs the loaded model's own weight tensors (nothing is copied) through
-the same operations in the same order, and the same paged attention (``engine.attention.paged_attention``), so
-its logits equal transformers' bit for bit, as long as each linear layer runs on torch's GEMM. On the CPU, large
+visible share of each step. ``LeanLlama`` runs the model's weight tensors (``engine.llama_weights.LlamaWeights``:
+a transformers model's own, nothing copied, or the same tensors read by ``engine.safetensors_loader`` without
+transformers) through the same operations in the same order, and the same paged attention
+(``engine.attention.paged_attention``), so its logits equal transformers' bit for bit, as long as each linear
+layer runs on torch's GEMM. On the CPU, large
 float32 weights run on oneDNN's instead (``engine.cpu_linear``, ``linear_backend``): faster, and equal up to float32
 rounding.
 
@@ -15,7 +17,8 @@ Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` without a sliding window, ``Qwen2ForCausalLM`` without
 sliding layers; default RoPE only; linear biases as the checkpoint has them; tied or untied embeddings.
-``unsupported_reason`` says why anything else is refused. Fusing q/k/v or gate/up into one matmul was measured
+``unsupported_reason`` says why anything else is refused (``engine.llama_config`` keeps the same limits for the
+transformers-free loader). Fusing q/k/v or gate/up into one matmul was measured
 and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden 896 with 128 KV features), and on
 the CPU it saved nothing measurable (hidden 512, intermediate 1408, 128 and 2048 rows, one thread: within 4%,
 either way). The matmuls are most of a CPU step once attention reads pages in place (``kernels.cpu_attention``).
@@ -31,6 +34,8 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.cpu_linear import LinearFn, onednn_linear, select_linear
+from engine.llama_weights import LayerWeights, Linear, LlamaWeights
+from engine.safetensors_loader import LeanModel
 from engine.switches import resolve_switch
 
 logger = logging.getLogger("cbrun.engine")
@@ -104,7 +109,9 @@ class LeanLlama:
     Owns references to the model's weights and a RoPE table; holds no state between steps.
 
     Args:
-        model: a transformers model for which ``unsupported_reason`` is None, in eval mode.
+        weights: the model's tensors (``LlamaWeights``: from ``engine.safetensors_loader``, or
+            ``weights_from_module``), or a transformers model for which ``unsupported_reason`` is None, in eval
+            mode (its own tensors are used, nothing is copied).
         max_positions: positions the RoPE table covers; defaults to the config's ``max_position_embeddings``.
         linear_backend: which GEMM runs each projection (``engine.cpu_linear.select_linear``).
 
@@ -112,26 +119,22 @@ class LeanLlama:
         ValueError: naming the reason when the model is not supported, or from ``select_linear``.
     """
 
-    def __init__(self, model: torch.nn.Module, max_positions: int | None = None, linear_backend: str = "auto"
-                 ) -> None:
-        reason = unsupported_reason(model)
-        if reason:
-            raise ValueError(f"the lean model path cannot run this model: {reason}")
-        decoder = model.model
-        first_attn = decoder.layers[0].self_attn
-        self.head_dim = first_attn.head_dim
-        self.embed = decoder.embed_tokens.weight
-        self.final_norm, self.final_eps = decoder.norm.weight, decoder.norm.variance_epsilon
-        self.lm_head = _projection(model.lm_head, linear_backend)
-        self.layers = [_layer_tensors(layer, linear_backend) for layer in decoder.layers]
+    def __init__(self, weights: LlamaWeights | torch.nn.Module, max_positions: int | None = None,
+                 linear_backend: str = "auto") -> None:
+        if isinstance(weights, torch.nn.Module):
+            weights = weights_from_module(weights)
+        self.head_dim = weights.head_dim
+        self.embed = weights.embed
+        self.final_norm, self.final_eps = weights.final_norm, weights.final_eps
+        self.lm_head = _projection(weights.lm_head, linear_backend)
+        self.layers = [_layer_tensors(layer, linear_backend) for layer in weights.layers]
         projections = [self.lm_head] + [p for layer in self.layers for p in (layer.q, layer.k, layer.v, layer.o,
                                                                              layer.gate, layer.up, layer.down)]
         self.num_onednn_linears = sum(p[2] is onednn_linear for p in projections)
         logger.info("linear layers: %d of %d on oneDNN, the rest on torch's GEMM (linear_backend = %s)",
                     self.num_onednn_linears, len(projections), linear_backend)
-        self.cos, self.sin_signed = _rope_tables(decoder.rotary_emb,
-                                                 max_positions or model.config.max_position_embeddings,
-                                                 self.embed.dtype)
+        self.cos, self.sin_signed = _rope_tables(weights.inv_freq, weights.attention_scaling,
+                                                 max_positions or weights.max_position_embeddings, self.embed.dtype)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
@@ -166,8 +169,39 @@ class LeanLlama:
         return _linear(out.reshape(num_tokens, -1), layer.o)
 
 
-def _projection(module: torch.nn.Linear, backend: str) -> tuple[torch.Tensor, torch.Tensor | None, LinearFn]:
-    return module.weight, module.bias, select_linear(module.weight, backend)
+def weights_from_module(model: torch.nn.Module) -> LlamaWeights:
+    """The tensors of a transformers model that ``unsupported_reason`` accepts (its own tensors, not copies).
+
+    Raises:
+        ValueError: naming the reason when the model is not supported.
+    """
+    reason = unsupported_reason(model)
+    if reason:
+        raise ValueError(f"the lean model path cannot run this model: {reason}")
+    decoder = model.model
+    rotary = decoder.rotary_emb
+
+    def linear(module: torch.nn.Linear) -> Linear:
+        return module.weight, module.bias
+
+    layers = []
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(LayerWeights(
+            input_norm=layer.input_layernorm.weight, input_eps=layer.input_layernorm.variance_epsilon,
+            post_norm=layer.post_attention_layernorm.weight, post_eps=layer.post_attention_layernorm.variance_epsilon,
+            q=linear(attn.q_proj), k=linear(attn.k_proj), v=linear(attn.v_proj), o=linear(attn.o_proj),
+            gate=linear(mlp.gate_proj), up=linear(mlp.up_proj), down=linear(mlp.down_proj), scale=attn.scaling))
+    return LlamaWeights(embed=decoder.embed_tokens.weight, layers=layers, final_norm=decoder.norm.weight,
+                        final_eps=decoder.norm.variance_epsilon, lm_head=linear(model.lm_head),
+                        head_dim=decoder.layers[0].self_attn.head_dim, inv_freq=rotary.inv_freq,
+                        attention_scaling=rotary.attention_scaling,
+                        max_position_embeddings=model.config.max_position_embeddings)
+
+
+def _projection(linear: Linear, backend: str) -> tuple[torch.Tensor, torch.Tensor | None, LinearFn]:
+    weight, bias = linear
+    return weight, bias, select_linear(weight, backend)
 
 
 def _linear(x: torch.Tensor, projection: tuple[torch.Tensor, torch.Tensor | None, LinearFn]) -> torch.Tensor:
@@ -175,20 +209,17 @@ def _linear(x: torch.Tensor, projection: tuple[torch.Tensor, torch.Tensor | None
     return run(x, weight, bias)
 
 
-def _layer_tensors(layer: torch.nn.Module, backend: str) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
+def _layer_tensors(layer: LayerWeights, backend: str) -> _Layer:
+    def linear(weights: Linear):
+        return _projection(weights, backend)
 
-    def linear(module):
-        return _projection(module, backend)
-
-    input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
-    return _Layer(input_norm=input_norm.weight, input_eps=input_norm.variance_epsilon, post_norm=post_norm.weight,
-                  post_eps=post_norm.variance_epsilon, q=linear(attn.q_proj), k=linear(attn.k_proj),
-                  v=linear(attn.v_proj), o=linear(attn.o_proj), gate=linear(mlp.gate_proj),
-                  up=linear(mlp.up_proj), down=linear(mlp.down_proj), scale=attn.scaling)
+    return _Layer(input_norm=layer.input_norm, input_eps=layer.input_eps, post_norm=layer.post_norm,
+                  post_eps=layer.post_eps, q=linear(layer.q), k=linear(layer.k), v=linear(layer.v),
+                  o=linear(layer.o), gate=linear(layer.gate), up=linear(layer.up), down=linear(layer.down),
+                  scale=layer.scale)
 
 
-def _rope_tables(rotary_emb: torch.nn.Module, max_positions: int, dtype: torch.dtype
+def _rope_tables(inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(max_positions, head_dim) cos and sign-folded sin tables, from the model's own ``inv_freq``.
 
@@ -197,12 +228,12 @@ def _rope_tables(rotary_emb: torch.nn.Module, max_positions: int, dtype: torch.d
     computes for that position. The sin table's first half is negated: ``rotate_half(x) * sin`` then becomes
     ``roll(x, head_dim / 2) * sin_signed``, the same products up to an exact sign flip.
     """
-    inv_freq = rotary_emb.inv_freq.float()
+    inv_freq = inv_freq.float()
     positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.int64)
     freqs = positions[:, None].float() * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
-    cos = (angles.cos() * rotary_emb.attention_scaling).to(dtype)
-    sin = (angles.sin() * rotary_emb.attention_scaling).to(dtype)
+    cos = (angles.cos() * attention_scaling).to(dtype)
+    sin = (angles.sin() * attention_scaling).to(dtype)
     half = sin.shape[-1] // 2
     return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
@@ -226,9 +257,10 @@ def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
     return _linear(gate.mul_(_linear(x, layer.up)), layer.down)
 
 
-def select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: bool, max_model_len: int,
+def select_lean_model(model_impl: str, model, use_cuda_graphs: bool, max_model_len: int,
                       linear_backend: str = "auto") -> LeanLlama | None:
     """The lean forward pass when ``model_impl`` asks for it and it applies; None runs transformers' modules.
+    A ``LeanModel`` (loaded without transformers) always gets it.
 
     Logs once (logger "cbrun.engine", INFO) which implementation runs and, under "auto", why not the lean one.
 
@@ -246,6 +278,13 @@ def select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: 
 
 def _select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: bool, max_model_len: int,
                        linear_backend: str) -> LeanLlama | None:
+    if isinstance(model, LeanModel):  # loaded without transformers: the lean pass is its only forward pass
+        if model_impl == "transformers" or use_cuda_graphs:
+            setting = "model_impl = transformers" if model_impl == "transformers" else "CUDA graphs"
+            raise ValueError(f"{setting} needs transformers' modules, but the model was loaded without "
+                             "transformers (engine.safetensors_loader); load it with engine.loader = transformers")
+        logger.info("model implementation: lean (engine.lean_llama)")
+        return LeanLlama(model.weights, max_model_len, linear_backend)
     if model_impl == "transformers":
         logger.info("model implementation: transformers (model_impl = transformers)")
         return None

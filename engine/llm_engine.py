@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from engine import safetensors_loader
 from engine.async_batching import StepHandle, use_async_batching
-from engine.attention import ATTN_IMPLEMENTATION
+from engine.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
@@ -35,6 +37,7 @@ from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
 from engine.switches import resolve_switch
 from engine.threads import resolve_attention_threads, resolve_num_threads
+from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -130,7 +133,13 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model_path: str, config: EngineConfig | None = None, *,
                         expected_requests: int | None = None, expected_tokens: int | None = None) -> "LLMEngine":
-        """Load a transformers causal LM from a local directory and build an engine around it.
+        """Load a causal LM from a local directory and build an engine around it.
+
+        A Llama-family checkpoint in safetensors that the lean forward pass runs is read straight from its files,
+        without importing transformers (``engine.safetensors_loader``, ``engine.tokenizer``), unless
+        ``config.loader = "transformers"`` or the engine needs transformers' modules (``model_impl =
+        "transformers"``, CUDA graphs, a draft model); everything else loads through transformers. The log says
+        which loader ran and why (logger "cbrun.engine", INFO).
 
         Args:
             model_path: a directory with config.json and weights (nothing is downloaded).
@@ -144,16 +153,18 @@ class LLMEngine:
         Raises:
             OSError: when the directory is missing or unreadable.
             ValueError: when the model type is not a decoder-only causal LM transformers can load.
+            RuntimeError: a tensor's shape does not match config.json (safetensors loader).
+            safetensors.SafetensorError: a corrupt or truncated safetensors file.
         """
         config = config or EngineConfig()
         if isinstance(config.num_threads, int):
             torch.set_num_threads(config.num_threads)
-        model = _load_model(model_path, config)
+        model = _load_target_model(model_path, config)
         if config.num_threads == "auto":
             threads = resolve_num_threads("auto", sum(p.numel() for p in model.parameters()), config.device)
             if threads is not None:
                 torch.set_num_threads(threads)
-        tokenizer = _load_tokenizer(model_path)
+        tokenizer = _load_tokenizer(model_path, config.loader)
         max_model_len = _max_model_len(model.config)
         draft_model = None
         if config.speculative == "draft":
@@ -419,9 +430,38 @@ def _record_prompt_logprobs(request: Request, logits: torch.Tensor, positions: r
     request.prompt_greedy.extend((logits.argmax(dim=-1) == targets).tolist())
 
 
+def _load_target_model(model_path: str, config: EngineConfig):
+    """The model, read by ``engine.safetensors_loader`` where it applies (a ``LeanModel``), else by transformers."""
+    reason = _needs_transformers(config)
+    plan = None
+    if reason is None:
+        plan, reason = safetensors_loader.load_plan(model_path, config.dtype)
+    if plan is not None:
+        logger.info("model loader: safetensors, without transformers (engine.safetensors_loader)")
+        return safetensors_loader.load(plan, config.device)
+    logger.info("model loader: transformers (%s)", reason)
+    return _load_model(model_path, config)
+
+
+def _needs_transformers(config: EngineConfig) -> str | None:
+    """Why this engine needs transformers' modules whatever the checkpoint (None: the lean pass may run alone)."""
+    if config.loader == "transformers":
+        return "engine.loader = transformers"
+    if config.model_impl == "transformers":
+        return "model_impl = transformers runs transformers' modules"
+    if config.speculative == "draft":
+        return "speculative = draft: the draft model runs beside transformers' target"
+    if config.cuda_graphs != "off" and _cuda_graphs_blocker(config, _use_triton(config)) is None:
+        return "CUDA graphs capture transformers' forward pass"
+    return None
+
+
 def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
     """A local transformers causal LM with cbrun's attention, in ``config.dtype`` on ``config.device``."""
+    from transformers import AutoModelForCausalLM
+
     dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
+    register_with_transformers()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
                                                  local_files_only=True)
     _check_causal_decoder(model)
@@ -438,17 +478,18 @@ def _load_draft_model(config: EngineConfig, target: torch.nn.Module, tokenizer, 
     """
     draft = _load_model(config.draft_model, config)
     check_draft_vocab(target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size,
-                      tokenizer, _load_tokenizer(config.draft_model))
+                      tokenizer, _load_tokenizer(config.draft_model, config.loader))
     if _max_model_len(draft.config) < max_model_len:
         raise ValueError(f"the draft model's maximum length {_max_model_len(draft.config)} is below the target's "
                          f"{max_model_len}: it could not propose near the end of long requests")
     return draft
 
 
-def _load_tokenizer(model_path: str):
-    """The model directory's tokenizer, or None when it has none (stop strings are then unavailable)."""
+def _load_tokenizer(model_path: str, loader: str = "auto"):
+    """The model directory's tokenizer (``engine.tokenizer.load_tokenizer``), or None when it has none (stop
+    strings are then unavailable)."""
     try:
-        return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        return load_tokenizer(model_path, loader=loader)
     except (OSError, ValueError, TypeError):
         logger.info("no tokenizer in %s: stop strings are unavailable", model_path)
         return None
@@ -471,9 +512,11 @@ def _max_model_len(model_config) -> int:
 
 
 def _eos_token_ids(model_path: str, model_config) -> set[int]:
+    """generation_config.json's ``eos_token_id`` (what transformers' ``GenerationConfig`` reads), else the model
+    config's; a missing or unreadable file counts as stating none."""
     try:
-        eos = GenerationConfig.from_pretrained(model_path, local_files_only=True).eos_token_id
-    except OSError:
+        eos = json.loads((Path(model_path) / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
         eos = None
     if eos is None:
         eos = model_config.eos_token_id
@@ -484,14 +527,19 @@ def _eos_token_ids(model_path: str, model_config) -> set[int]:
 
 def _use_cuda_graphs(config: EngineConfig, use_triton: bool) -> bool:
     """Whether to replay the forward pass from CUDA graphs; says why not, once, when it cannot."""
-    reason = None
+    return resolve_switch("cuda_graphs", config.cuda_graphs, _cuda_graphs_blocker(config, use_triton),
+                          off_log="CUDA graphs off: %s")
+
+
+def _cuda_graphs_blocker(config: EngineConfig, use_triton: bool) -> str | None:
+    """Why CUDA graphs cannot run in this engine, or None when they can."""
     if torch.device(config.device).type != "cuda":
-        reason = f"the device is {config.device}, not CUDA"
-    elif not use_triton:
-        reason = "attention_backend = torch synchronises with the host, which a graph cannot hold"
-    elif config.speculative != "off":
-        reason = f"speculative decoding ({config.speculative}) does not capture its verify shapes in graphs yet"
-    return resolve_switch("cuda_graphs", config.cuda_graphs, reason, off_log="CUDA graphs off: %s")
+        return f"the device is {config.device}, not CUDA"
+    if not use_triton:
+        return "attention_backend = torch synchronises with the host, which a graph cannot hold"
+    if config.speculative != "off":
+        return f"speculative decoding ({config.speculative}) does not capture its verify shapes in graphs yet"
+    return None
 
 
 def _check_speculative(config: EngineConfig, layout: KVLayout) -> None:

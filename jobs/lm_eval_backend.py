@@ -377,12 +377,12 @@ def _load_model(path: str, config: EngineConfig) -> torch.nn.Module:
     """The causal LM as ``LLMEngine.from_pretrained`` loads it (cbrun's paged attention, local files only)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.attention import ATTN_IMPLEMENTATION
+    from engine.attention import register_with_transformers
 
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=register_with_transformers(),
                                                  local_files_only=True)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; the cbrun backend runs causal LMs")

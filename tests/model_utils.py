@@ -29,6 +29,31 @@ def random_llama_dir(vocab_size: int = 128, num_kv_heads: int = 2, max_len: int 
     return path
 
 
+@functools.lru_cache(maxsize=None)
+def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A small random model of ``model_type`` ("llama", "qwen2", "mistral"), every weight, bias and norm scale
+    perturbed, saved once per session (safetensors); ``overrides`` are config fields."""
+    import transformers
+
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+    config_class, model_class = classes[model_type]
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    if model_type == "mistral":
+        fields["sliding_window"] = None
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**fields, **overrides})).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # biases start at zero and norms at one: make them matter
+            param.mul_(WEIGHT_SCALE).add_(0.05 * torch.randn_like(param))
+    path = Path(tempfile.mkdtemp(prefix=f"cbrun-{model_type}-"))
+    model.save_pretrained(path)
+    return path
+
+
 def random_prompts(n: int, vocab_size: int, min_len: int = 1, max_len: int = 40, seed: int = 1) -> list[list[int]]:
     """``n`` prompts of random ids with lengths in [min_len, max_len]."""
     g = torch.Generator().manual_seed(seed)

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.attention import ATTN_IMPLEMENTATION
+from engine.attention import register_with_transformers
 from kernels.cpu_attention import unavailable_reason
 from tests.model_utils import random_llama_dir, random_prompts, run_engine
 
@@ -30,7 +30,7 @@ def test_cpu_kernel_tokens_equal_reference():
 def _model(dtype: torch.dtype) -> torch.nn.Module:
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    config._attn_implementation = ATTN_IMPLEMENTATION
+    config._attn_implementation = register_with_transformers()
     return transformers.LlamaForCausalLM(config).eval().to(dtype)
 
 

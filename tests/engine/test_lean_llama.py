@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.attention import ATTN_IMPLEMENTATION
+from engine.attention import register_with_transformers
 from engine.cpu_linear import onednn_unavailable_reason
 from engine.lean_llama import LeanLlama, unsupported_reason
 from tests.model_utils import WEIGHT_SCALE, hf_greedy, random_llama_dir, random_prompts, run_engine
@@ -33,7 +33,7 @@ def _random_model(config_class=transformers.LlamaConfig, model_class=transformer
     """A small random model on the engine's attention; every weight, bias and norm scale perturbed."""
     torch.manual_seed(0)
     config = config_class(**dict(_BASE, **overrides))
-    config._attn_implementation = ATTN_IMPLEMENTATION
+    config._attn_implementation = register_with_transformers()
     model = model_class(config).eval()
     with torch.no_grad():
         for param in model.parameters():  # biases start at zero and norms at one: make them matter
