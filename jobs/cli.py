@@ -186,10 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return lm_eval_main(argv[1:])
     args = parse_command_line(argv)
-    from jobs.heap import collection_paused
-
-    with collection_paused():  # importing transformers (jobs.heap)
-        _quiet_transformers()
+    _quiet_transformers()
     try:
         if args.command == "run":
             code = _run(args)
@@ -250,13 +247,21 @@ def _bench(argv: list[str]) -> int:
 
 def _quiet_transformers() -> None:
     """Keep transformers' per-load progress bars and advisory warnings out of a job's output; show cbrun's own
-    log lines (cache size, why CUDA graphs are off, sharing off for sliding-window models)."""
-    import logging
+    log lines (which loader ran, cache size, why CUDA graphs are off, sharing off for sliding-window models).
 
-    from transformers.utils import logging as hf_logging
+    Does not import transformers (a job on the safetensors loader never does): when it is not imported yet, its
+    import reads the same settings from the environment (``TRANSFORMERS_VERBOSITY``, and huggingface_hub's
+    ``HF_HUB_DISABLE_PROGRESS_BARS``, which transformers' progress bars follow); values the user set are kept.
+    """
+    import logging
 
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("cbrun").setLevel(logging.INFO)
+    if "transformers" not in sys.modules:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        return
+    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -106,9 +106,9 @@ def export_openai_batch(output_dir: str | Path, to: str | Path | None = None, to
     model_path = json.loads(job_bytes).get("model", {}).get("path", "")
     default_model = Path(model_path).name or "cbrun"
     if tokenizer is None and any(row.get("logprobs") is not None for row in rows):
-        from transformers import AutoTokenizer
+        from engine.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
     formatter = _ResultFormatter(hashlib.sha256(job_bytes).hexdigest(), default_model, tokenizer)
     to = Path(to) if to is not None else output_dir / RESULTS_FILE
     _write_lines(to, (json.dumps(formatter.line(group), ensure_ascii=False) for group in _row_groups(rows)))

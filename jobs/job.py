@@ -274,7 +274,8 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
     except ValueError as exc:
         raise JobError(str(exc)) from None
     engine_config = replace(manifest.engine, device=resolve_device(manifest.engine.device))
-    tokenizer = load_tokenizer(manifest.model.path)  # NOTE: checked before any work, loading the model included
+    # NOTE: checked before any work, loading the model included
+    tokenizer = load_tokenizer(manifest.model.path, loader=manifest.engine.loader)
     if manifest.input.chat or isinstance(reader, OpenAIBatchReader):
         try:
             if isinstance(reader, OpenAIBatchReader):

@@ -216,7 +216,7 @@ class Replica:
         self.reader = open_reader(manifest)
         # NOTE: the replica's CPUs set its threads; engine.num_threads ("auto": every core) would oversubscribe them
         engine = load_engine(manifest.model.path, replace(engine_config, num_threads=num_threads))
-        tokenizer = load_tokenizer(manifest.model.path)
+        tokenizer = load_tokenizer(manifest.model.path, loader=engine_config.loader)
         if hasattr(self.reader, "bind_tokenizer"):  # OpenAI batch requests: prompt ids come from the tokenizer
             self.reader.bind_tokenizer(tokenizer, manifest.model.path)
         vocab_size = _model_vocab_size(manifest.model.path)

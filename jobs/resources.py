@@ -25,9 +25,11 @@ class JobAborted(Exception):
 def check_model_dir(model_path: str) -> None:
     """Raise ``JobError`` unless ``model_path`` is a Hugging Face model directory with a readable config and weights.
 
-    Reads the config alone (no weights), so a finished job is recognised without loading the model.
+    Reads the config alone (no weights), so a finished job is recognised without loading the model. A
+    Llama-family config that ``engine.llama_config`` reads is checked there, without importing transformers; any
+    other goes through transformers' ``AutoConfig``.
     """
-    from transformers import AutoConfig
+    from engine.llama_config import parse_llama_config, read_config_json
 
     path = Path(model_path)
     if not (path / "config.json").is_file():
@@ -35,7 +37,11 @@ def check_model_dir(model_path: str) -> None:
         raise JobError(f"model directory {model_path!r} {what}: give a Hugging Face model directory, e.g. one "
                        f"made by `cbrun convert-llama2c CHECKPOINT TOKENIZER OUT_DIR`")
     try:
-        AutoConfig.from_pretrained(model_path)
+        config, _ = parse_llama_config(read_config_json(path))
+        if config is None:
+            from transformers import AutoConfig
+
+            AutoConfig.from_pretrained(model_path)
     except (ValueError, OSError) as exc:
         raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
     if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
@@ -95,10 +101,18 @@ def load_engine(model_path: str, config, expected_requests: int | None = None):
                        f"or weights that do not match config.json?): {type(exc).__name__}: {exc}") from None
 
 
-def load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
+def load_tokenizer(model_path: str, *, loader: str = "auto"):
+    """The model's tokenizer (``engine.tokenizer.load_tokenizer``: without transformers where that is exact).
+
+    Args:
+        loader: ``engine.loader``.
+
+    Raises:
+        JobError: the directory has no usable tokenizer.
+    """
+    from engine.tokenizer import load_tokenizer as load
 
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        return load(model_path, loader=loader)
     except (ValueError, OSError) as exc:
         raise JobError(f"cannot load the tokenizer from {model_path!r}: {exc}") from None
