@@ -207,15 +207,22 @@ def _fast_tokenizer(model_dir: str) -> tuple[FastTokenizer | None, str | None]:
         backend = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     except Exception as exc:  # tokenizers raises plain Exceptions; transformers then reports the file its own way
         return None, f"tokenizer.json does not load ({exc})"
-    reason = _added_tokens_differ(backend, settings)
+    try:
+        reason = _added_tokens_differ(backend, settings)
+        specials = {name: _content(settings.get(name)) for name in NAMED_SPECIAL_TOKENS}
+        extras = [_content(t) for t in _extra_special_tokens(settings)]
+    except (AttributeError, TypeError, ValueError) as exc:  # a value of an unexpected type: transformers' to judge
+        return None, f"tokenizer_config.json holds a value not read here ({exc})"
     if reason:
         return None, reason
     if settings.get("clean_up_tokenization_spaces") and type(backend.model).__name__ != "BPE":
         return None, "clean_up_tokenization_spaces = true on a non-BPE model"
-    specials = {name: _content(settings.get(name)) for name in NAMED_SPECIAL_TOKENS}
-    extras = [_content(t) for t in settings.get("extra_special_tokens") or settings.get("additional_special_tokens")
-              or []]
     return FastTokenizer(backend, model_dir, specials, extras, bool(settings.get("split_special_tokens", False))), None
+
+
+def _extra_special_tokens(settings: dict) -> list:
+    """The extra special tokens, as transformers reads them (``additional_special_tokens`` is the old name)."""
+    return list(settings.get("extra_special_tokens") or settings.get("additional_special_tokens") or [])
 
 
 def _read_files(model_dir: Path) -> tuple[dict | None, str | None]:
@@ -247,9 +254,12 @@ def _read_files(model_dir: Path) -> tuple[dict | None, str | None]:
     return settings, None
 
 
-def _content(token) -> str | None:
-    """A special token's text from tokenizer_config.json: a string or a serialized AddedToken."""
-    return token.get("content") if isinstance(token, dict) else token
+def _content(token):
+    """A special token's text from tokenizer_config.json: a string, or a serialized AddedToken's content (another
+    value comes back as it is, and is refused)."""
+    if isinstance(token, dict) and token.get("__type") == "AddedToken":
+        return token.get("content")
+    return token
 
 
 def _added_tokens_differ(backend, settings: dict) -> str | None:
@@ -263,8 +273,7 @@ def _added_tokens_differ(backend, settings: dict) -> str | None:
             return f"added_tokens_decoder entry {index} differs from tokenizer.json's added tokens"
     special_added = {t.content for t in added.values() if t.special}
     names = [_content(settings.get(name)) for name in NAMED_SPECIAL_TOKENS]
-    extras = settings.get("extra_special_tokens") or settings.get("additional_special_tokens") or []
-    for token in [t for t in names if t is not None] + [_content(t) for t in extras]:
+    for token in [t for t in names if t is not None] + [_content(t) for t in _extra_special_tokens(settings)]:
         if not isinstance(token, str) or token not in special_added:
             return f"special token {token!r} is not a special added token of tokenizer.json"
     return None

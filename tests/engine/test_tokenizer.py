@@ -164,8 +164,10 @@ def test_stories260k_byte_fallback_and_special_text_are_exercised(tokenizer_dirs
     (dict(extra_special_tokens={"image_token": "<s>"}), "extra_special_tokens is a dict"),
     (dict(image_token="<s>"), "sets image_token"),
     (dict(padding_side="middle"), "padding_side = 'middle'"),
+    (dict(bos_token={"content": "<s>"}), "special token {'content': '<s>'} is not a special added token"),
+    (dict(added_tokens_decoder=["<s>"]), "holds a value not read here"),
 ], ids=["llama-class", "unknown-key", "missing-special", "added-token-flags", "auto-map", "named-extras",
-        "model-specific-token", "bad-padding-side"])
+        "model-specific-token", "bad-padding-side", "untyped-token-dict", "decoder-list"])
 def test_configs_it_does_not_reproduce_load_transformers_tokenizer(change, reason, tiny_model_dir, tmp_path):
     path = _edit_config(_copy(tiny_model_dir, tmp_path / "t"), **change)
     assert reason in fast_tokenizer_reason(path)
