@@ -34,12 +34,15 @@ REPO = Path(__file__).resolve().parents[1]
 #: (phase, the mark it starts at (None: process spawn), the mark it ends at).
 PHASES = (
     ("interpreter start, import jobs.cli", None, "cli imported"),
-    ("import jobs.job (numpy, pyarrow) and transformers (the CLI's logging setup)", "cli imported",
-     "_quiet_transformers"),
+    ("import jobs.job (numpy, pyarrow), the CLI's logging setup (it imported transformers before the safetensors "
+     "loader)", "cli imported", "_quiet_transformers"),
     ("open the input", "_quiet_transformers", "open_reader"),
-    ("check the model directory (imports torch, transformers' config)", "open_reader", "check_model_dir"),
-    ("tokenizer, fingerprint, output directory check", "check_model_dir", "_Job.open"),
-    ("load the engine (transformers' modeling imports, from_pretrained, KV cache)", "_Job.open", "load_engine"),
+    ("check the model directory (before the safetensors loader: imports torch and transformers' AutoConfig)",
+     "open_reader", "check_model_dir"),
+    ("device (imports torch, unless imported already), tokenizer, fingerprint, output directory check",
+     "check_model_dir", "_Job.open"),
+    ("load the engine (model, tokenizer, KV cache; transformers' modeling imports where used)", "_Job.open",
+     "load_engine"),
     ("start the writer", "load_engine", "start_writer"),
     ("generation phase (read rows, generate, final commit)", "start_writer", "_JobRun.run"),
     ("finish (stats.json, _SUCCESS), summary line", "_JobRun.run", "main done"),
@@ -99,7 +102,8 @@ def child() -> None:
 
     def report() -> None:
         mark("main done")
-        Path(os.environ["MARKS_OUT"]).write_text(json.dumps({"marks": marks, "gc_s": gc_s}))
+        Path(os.environ["MARKS_OUT"]).write_text(json.dumps({"marks": marks, "gc_s": gc_s,
+                                                             "transformers": "transformers" in sys.modules}))
 
     atexit.register(report)
     sys.exit(cli.main())
@@ -139,6 +143,7 @@ def run_once(tree: Path, model_dir: Path, prompts: Path, scratch: Path) -> dict:
         phases[phase] = (t1 - t0, None if c1 is None or c0 is None else c1 - c0)
     stats = json.loads((out / "_cbrun" / "stats.json").read_text())
     return {"phases": phases, "wall_s": wall, "gc_s": traced["gc_s"], "generation_s": stats["generation_s"],
+            "transformers": traced.get("transformers"),
             "peak_memory_mib": stats["peak_memory_mib"], "summary": done.stdout.strip().splitlines()[-1]}
 
 
@@ -163,6 +168,8 @@ def format_table(results: dict[str, list[dict]]) -> str:
     for name, value, _ in rows:
         lines.append(f"| {name} | " + " | ".join(c for t in trees for c in (med(value(r) for r in results[t]), ""))
                      + " |")
+    imported = [", ".join(sorted({"yes" if r["transformers"] else "no" for r in results[t]})) for t in trees]
+    lines.append("| transformers imported | " + " | ".join(c for i in imported for c in (i, "")) + " |")
     return "\n".join(lines)
 
 
