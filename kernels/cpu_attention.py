@@ -15,6 +15,7 @@ compiler, a failed build, a read-only cache), ``unavailable_reason`` says why an
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -90,6 +91,27 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if status:
         raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
     return out
+
+
+@contextlib.contextmanager
+def generic_two_pass():
+    """Within the block, tiles with head_dim % 8 == 0 take the kernel's generic loops instead of its 8-lane ones.
+
+    For tests only: the two must give the same floats (``tests/kernels/test_cpu_attention.py``). Not thread-safe:
+    it sets a flag of the loaded library.
+
+    Raises:
+        RuntimeError: when the kernel is unavailable.
+    """
+    library = _load()
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    flag = ctypes.c_int.in_dll(library, "cbrun_attention_generic_two_pass")
+    flag.value = 1
+    try:
+        yield
+    finally:
+        flag.value = 0
 
 
 def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
