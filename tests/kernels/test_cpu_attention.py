@@ -9,7 +9,7 @@ reproduce (``generic_two_pass``): decode, verify and prefill tiles, both score o
 import pytest
 import torch
 
-from kernels.cpu_attention import generic_two_pass, paged_attention_cpu, unavailable_reason
+from kernels.cpu_attention import SOURCE, generic_two_pass, load_source, paged_attention_cpu, unavailable_reason
 from kernels.reference import build_gather_plan, paged_attention_ref
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
@@ -137,3 +137,12 @@ def test_lane_loops_with_every_thread_count_and_head_split():
     for threads in (1, 2, 3):
         out = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3, num_threads=threads)
         assert torch.equal(out, generic)
+
+
+def test_load_source_builds_a_kernel_of_the_same_contract(tmp_path):
+    """benchmarks.cpu_attention --paired loads another version of the source beside this one."""
+    copy = tmp_path / "cpu_paged_attention.c"
+    copy.write_text(SOURCE.read_text() + "\n/* another version */\n")
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(*RAGGED, 4, 2, 8, seed=2)
+    other = load_source(copy)(query, k_cache, v_cache, tables, cu, seqlens, 0.3)
+    assert torch.equal(other, paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3))
