@@ -8,6 +8,12 @@ Usage (from the repo root; about 6 minutes on a quiet 2-core machine with the de
 the reference on decode and prefill batches of random data, head_dim 8 to 128 (``KERNEL_SHAPES``), as the best of
 ``--repeats`` round-robin calls in thread CPU time (steadier than wall time on a shared machine).
 
+``--paired OLD.c`` (a few minutes) compares two versions of the C kernel on the calls of real engine runs: it runs
+each workload of ``PAIRED_WORKLOADS`` once through the engine (1 thread) and times every attention call with
+both kernels, in alternating order, the caches evicted before each (in the engine the other layers' pages stream
+through them between calls of one layer), and checks the two give equal outputs. Both see the same pages at the
+same addresses, so the pair is immune to the load of a shared machine in a way two separate runs are not.
+
 Workloads:
 - ``random-llama-vllm``: issue 19's vLLM comparison: a random Llama (hidden 512, 8 layers, 8 heads, 4 KV heads,
   head_dim 64, intermediate 1408, vocab 512), 128 rows of random prompt ids (40-300 tokens), per-row
@@ -22,6 +28,8 @@ token between the backends.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import random
 import statistics
 import sys
@@ -67,6 +75,8 @@ def stories_workload(scratch: Path):
 KERNEL_SHAPES = {
     "stories260K decode": (256, 1, 220, 8, 4, 8, 16),
     "stories260K prefill": (8, 256, 256, 8, 4, 8, 16),
+    "stories260K prefill chunk after context": (4, 150, 300, 8, 4, 8, 16),
+    "stories260K verify (1 + 4 rows)": (64, 5, 200, 8, 4, 8, 16),
     "stories260K lm-eval scoring (page 8)": (32, 200, 200, 8, 4, 8, 8),
     "vLLM-workload Llama decode": (128, 1, 300, 8, 4, 64, 16),
     "vLLM-workload Llama verify (1 + 4 rows)": (64, 5, 200, 8, 4, 64, 16),
@@ -117,6 +127,65 @@ def kernel_table(repeats: int) -> str:
                       "| speed-up |", "|---|---|---|---|---|---|", *rows])
 
 
+#: --paired: workload name, rows, (max_requests_per_batch, max_batch_tokens) of its engine.
+PAIRED_WORKLOADS = (("gsm8k-long", 256, (256, 1024)), ("vllm-random-llama", 128, (256, 2048)))
+
+
+def paired_table(old_source: Path) -> str:
+    """Markdown table: per workload and kind of call, thread CPU seconds of its attention calls, old vs this tree."""
+    rows = []
+    for name, num_rows, budgets in PAIRED_WORKLOADS:
+        seconds, calls = paired_seconds(old_source, name, num_rows, budgets)
+        for kind in ("decode", "with prefill rows", "all"):
+            old, new = (sum(t for (k, v), t in seconds.items() if v == version and kind in (k, "all"))
+                        for version in ("old", "new"))
+            rows.append(f"| {name} | {kind} ({calls[kind]}) | {old:.2f} | {new:.2f} | {old / new:.2f}x |")
+    return "\n".join(["| workload | attention calls (count) | old kernel CPU s | this kernel CPU s | speed-up |",
+                      "|---|---|---|---|---|", *rows])
+
+
+def paired_seconds(old_source: Path, name: str, num_rows: int, budgets: tuple[int, int]):
+    """({(kind, "old" | "new"): thread CPU seconds}, {kind: calls}) over one engine run of a workload.
+
+    kind is "decode" (every request one query row) or "with prefill rows"; calls also counts "all".
+    """
+    import kernels.cpu_attention as cpu_attention
+    from benchmarks.cbrun_bench.workloads import build_workload
+
+    kernels = {"old": cpu_attention.load_source(old_source), "new": cpu_attention.paged_attention_cpu}
+    evict = torch.ones(12 << 20)  # 48 MiB, more than the L3 cache: touching it evicts the pages and their TLB entries
+    seconds = {}
+    calls = {"decode": 0, "with prefill rows": 0, "all": 0}
+
+    def timed(*args, **kwargs):
+        cu = args[4]
+        kind = "decode" if int((cu[1:] - cu[:-1]).max()) == 1 else "with prefill rows"
+        outputs = {}
+        for version in (("old", "new") if calls["all"] % 2 == 0 else ("new", "old")):
+            evict.add_(0)
+            start = time.thread_time()
+            outputs[version] = kernels[version](*args, **kwargs)
+            seconds[kind, version] = seconds.get((kind, version), 0.0) + time.thread_time() - start
+        calls[kind] += 1
+        calls["all"] += 1
+        assert torch.equal(outputs["old"], outputs["new"]), "the two kernels' outputs differ"
+        return outputs["new"]
+
+    with tempfile.TemporaryDirectory() as scratch:
+        w = build_workload(name, num_rows, (16, 256), 0, None, Path(scratch))
+        engine = LLMEngine.from_pretrained(str(w.model_dir), EngineConfig(
+            max_requests_per_batch=budgets[0], max_batch_tokens=budgets[1], num_threads=1))
+        requests = [(i, p, SamplingParams(max_new_tokens=m, stop_token_ids=w.stop_token_ids, ignore_eos=w.ignore_eos))
+                    for i, (p, m) in enumerate(zip(w.prompts, w.max_new_tokens))]
+        cpu_attention.paged_attention_cpu = timed
+        try:
+            for _ in engine.generate(requests, max_in_flight=len(requests)):
+                pass
+        finally:
+            cpu_attention.paged_attention_cpu = kernels["new"]
+    return seconds, calls
+
+
 def run_once(model_dir: Path, requests, budgets, backend: str, threads: int) -> tuple[float, float, dict]:
     """(generated tokens/s, CPU seconds, {request id: output ids}) of one generation phase."""
     config = EngineConfig(max_requests_per_batch=budgets[0], max_batch_tokens=budgets[1], num_threads=threads,
@@ -129,6 +198,16 @@ def run_once(model_dir: Path, requests, budgets, backend: str, threads: int) -> 
     return tokens / wall, cpu, {o.request_id: o.output_token_ids for o in outputs}
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -137,13 +216,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help="results file (default benchmarks/results-cpu-attention.md, or -kernel.md with --kernel-only)")
     p.add_argument("--kernel-only", action="store_true", help="time single attention calls, not whole runs")
+    p.add_argument("--paired", type=Path, metavar="OLD.c",
+                   help="time this kernel against the source OLD.c on every attention call of real engine runs")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     command = f"python -m benchmarks.cpu_attention {' '.join(argv if argv is not None else sys.argv[1:])}"
+    machine = (f"{_cpu_model()}, {os.cpu_count()} CPUs, "
+               f"{time.strftime('%Y-%m-%d %H:%M %Z')}, load average at start {os.getloadavg()[0]:.2f}")
+    if args.paired:
+        out = args.out or Path("benchmarks/results-cpu-attention-paired.md")
+        text = (f"# CPU attention kernel vs an older version, on the calls of real engine runs\n\n`{command}`; 1 "
+                f"thread; every call timed with both kernels (thread CPU time, caches evicted before each, order "
+                f"alternating), outputs equal; {machine}.\n\n{paired_table(args.paired)}\n")
+        out.write_text(text)
+        print(text)
+        return 0
     if args.kernel_only:
         out = args.out or Path("benchmarks/results-cpu-attention-kernel.md")
         text = (f"# CPU attention kernel vs reference, one call per shape\n\n`{command}`; {args.threads} thread(s), "
-                f"best of {args.repeats} round-robin calls, thread CPU time.\n\n{kernel_table(args.repeats)}\n")
+                f"best of {args.repeats} round-robin calls, thread CPU time; {machine}.\n\n"
+                f"{kernel_table(args.repeats)}\n")
         out.write_text(text)
         print(text)
         return 0

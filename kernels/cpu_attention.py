@@ -15,7 +15,9 @@ compiler, a failed build, a read-only cache), ``unavailable_reason`` says why an
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -71,6 +74,26 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     library = _load()
     if library is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    return _call(library, query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, softcap,
+                 sliding_window, page_offset, num_threads)
+
+
+def load_source(source: Path) -> Callable[..., torch.Tensor]:
+    """``paged_attention_cpu`` of another version of the kernel's source, built (and cached) as this one is.
+
+    For A/B benchmarks (``benchmarks.cpu_attention --paired``), e.g. the kernel of another checkout.
+
+    Raises:
+        RuntimeError, OSError, subprocess.SubprocessError: when it cannot be built or loaded.
+    """
+    library = _bind(ctypes.CDLL(str(_build(Path(source)))))
+    return functools.partial(_call, library)
+
+
+def _call(library: ctypes.CDLL, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
+          softcap: float | None = None, sliding_window: int | None = None, page_offset: int = 0,
+          num_threads: int | None = None) -> torch.Tensor:
     _check(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -90,6 +113,27 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if status:
         raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
     return out
+
+
+@contextlib.contextmanager
+def generic_two_pass():
+    """Within the block, tiles with head_dim % 8 == 0 take the kernel's generic loops instead of its 8-lane ones.
+
+    For tests only: the two must give the same floats (``tests/kernels/test_cpu_attention.py``). Not thread-safe:
+    it sets a flag of the loaded library.
+
+    Raises:
+        RuntimeError: when the kernel is unavailable.
+    """
+    library = _load()
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    flag = ctypes.c_int.in_dll(library, "cbrun_attention_generic_two_pass")
+    flag.value = 1
+    try:
+        yield
+    finally:
+        flag.value = 0
 
 
 def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -121,13 +165,13 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-def _build() -> Path:
+def _build(source: Path = SOURCE) -> Path:
     """The compiled library's path, compiling it first unless the cache holds it for this source, compiler, CPU."""
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
         raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'gcc')!r} not found)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_flags())
+    key = hashlib.sha256(source.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_flags())
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cbrun" / "kernels")
     target = cache / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
     if target.is_file():
@@ -136,10 +180,10 @@ def _build() -> Path:
     # Built under a temporary name and renamed: concurrent first uses never load a half-written library.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True,
                                 text=True, timeout=300)
         if result.returncode:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"compiling {source.name} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)
     return target
 

@@ -7,13 +7,20 @@
  * stream, and the query heads of a KV head's group share its keys, so K and V are read once per tile.
  *
  * Two ways through a tile, with the same result up to float rounding:
- * - attend_tile_two_pass (the usual one, whenever the tile's scores fit TWO_PASS_MAX_SCORES): every score first,
+ * - the three passes (the usual one, whenever the tile's scores fit TWO_PASS_MAX_SCORES): every score first,
  *   then each query vector's max, exp and sum as long vector loops, then the weighted sum of V. As in vLLM's CPU
  *   paged attention, this beats an online softmax for decode rows, whose per-page bookkeeping costs more than
- *   their arithmetic.
+ *   their arithmetic. attend_tile_two_pass_simd runs them in 8-lane registers for head_dim % 8 == 0 (every real
+ *   model), with the floats of the generic attend_tile_two_pass, which runs the other head sizes.
  * - attend_tile: FlashAttention-2's online softmax (Dao 2023), one page at a time, for contexts too long to hold.
- * Scores come from one of: a transposed copy of the page (tiles of many query vectors), SIMD dot products reduced
- * by a shuffle butterfly (head_dim a multiple of 8), or plain dot products. exp is Cephes' polynomial, vectorised.
+ * Scores come from one of: a transposed copy of the page (short heads, tiles of many query vectors), SIMD dot
+ * products reduced by a shuffle butterfly (head_dim a multiple of 8), or plain dot products. exp is Cephes'
+ * polynomial, vectorised. Which order sums a score, a softmax sum or an output depends only on the tile's shape,
+ * never on the thread or the work split, so outputs are the same at any thread count.
+ *
+ * Decode on a large batch is bound by memory, not arithmetic: each request's pages are scattered 2 KiB blocks
+ * (page_size 16, 4 KV heads of 8), and every page is a fresh 4 KiB memory page (a TLB miss, expensive under
+ * virtualisation). Pages are fetched two ahead of the score pass.
  *
  * Layouts (all contiguous, float32 unless said):
  *   query, out:          (T, num_heads, head_dim)
@@ -36,6 +43,7 @@ typedef struct {
     int32_t row_start;     /* first query row of the tile, relative to the request */
     int32_t kv_head_begin; /* KV heads [kv_head_begin, kv_head_end) */
     int32_t kv_head_end;
+    int64_t cost;          /* item_cost: the order in which threads take items */
 } WorkItem;
 
 /* exp(x) for x <= 0, vectorisable (no libm call, no branch): Cephes' expf (S. L. Moshier, Cephes Math Library,
@@ -83,10 +91,10 @@ ALWAYS_INLINE void scores_transposed(const float *q, const float *kt, int kt_str
 }
 
 typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
 #if defined(__clang__)
 #define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-typedef int32_t i32x8 __attribute__((vector_size(32)));
 #define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (i32x8){__VA_ARGS__})
 #endif
 
@@ -385,6 +393,293 @@ ALWAYS_INLINE void attend_tile_two_pass(const float *query, const float *k_cache
     }
 }
 
+/* ---- attend_tile_two_pass for head_dim % 8 == 0, in 8-lane registers ----
+ * The same arithmetic as attend_tile_two_pass, vector for vector: every score, softmax weight and output is the
+ * same float (tests/kernels/test_cpu_attention.py checks it against the generic loops). What changes is how much
+ * independent work is in flight: the generic loops run one query vector at a time, and each step of its sums waits
+ * on the previous add (a head_dim 8 vector's V sum is one register, so one add per token and vector, 3 cycles
+ * each), reloads q per key, and walks the V pages once per vector. Here the V pass runs up to eight query vectors
+ * of a row at once (eight independent sums, one read of each V row), scores on a transposed page run eight query
+ * vectors per key block, butterfly scores load each slice of q once for eight keys, the softmax sum sits in a
+ * register (GCC keeps an OpenMP simd reduction in a stack array), and no loop divides by the group size.
+ * Scores are laid out (rows, query vectors of the row, keys) so one row's vectors are a fixed stride apart. */
+
+static inline f32x8 splat8(float x) { return (f32x8){x, x, x, x, x, x, x, x}; }
+static inline void store8(float *p, f32x8 v) { memcpy(p, &v, sizeof(v)); }
+
+/* Lane j: the sum of p[j]'s lanes l0..l7 as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), the order of
+ * scores_butterfly's butterfly, in 14 one-instruction shuffles (vshufps, vperm2f128 on x86). */
+ALWAYS_INLINE f32x8 lane_sums8(const f32x8 *p) {
+#define PAIR_SUMS(a, b) (SHUFFLE8(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE8(a, b, 1, 3, 9, 11, 5, 7, 13, 15))
+    const f32x8 a0 = PAIR_SUMS(p[0], p[1]), a1 = PAIR_SUMS(p[2], p[3]);
+    const f32x8 a2 = PAIR_SUMS(p[4], p[5]), a3 = PAIR_SUMS(p[6], p[7]);
+    const f32x8 b0 = PAIR_SUMS(a0, a1), b1 = PAIR_SUMS(a2, a3);
+#undef PAIR_SUMS
+    return SHUFFLE8(b0, b1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* Scores of q against keys k0 + j * stride for j < 8 (j past n_keys repeats key n_keys - 1, whose lanes the
+ * caller never reads), summed as scores_butterfly sums them: per lane over the 8-float slices of head_dim in order,
+ * then lane_sums8. Each slice of q is loaded once for the 8 keys. */
+ALWAYS_INLINE f32x8 butterfly_block(const float *q, const float *k0, int64_t stride, const int n_keys,
+                                    const int head_dim) {
+    const float *k[KEY_BLOCK];
+    for (int j = 0; j < KEY_BLOCK; j++) k[j] = k0 + (j < n_keys ? j : n_keys - 1) * stride;
+    f32x8 p[KEY_BLOCK];
+    const f32x8 q0 = load8(q);
+    for (int j = 0; j < KEY_BLOCK; j++) p[j] = q0 * load8(k[j]);
+    for (int d = 8; d < head_dim; d += 8) {
+        const f32x8 qd = load8(q + d);
+        for (int j = 0; j < KEY_BLOCK; j++) p[j] += qd * load8(k[j] + d);
+    }
+    return lane_sums8(p);
+}
+
+/* s[v][b .. b + 8) for NV (<= 8) query vectors q + v * head_dim against keys b .. b + 8 of a transposed page kt,
+ * each score summed over d in order from 0 as scores_transposed sums it: NV independent sums per d. */
+ALWAYS_INLINE void transposed_block(const float *q, const float *kt, int kt_stride, int b, const int head_dim,
+                                    const int NV, float *const *s) {
+    f32x8 acc[8];
+    for (int v = 0; v < NV; v++) acc[v] = splat8(0.f);
+    for (int d = 0; d < head_dim; d++) {
+        const f32x8 kd = load8(kt + (int64_t)d * kt_stride + b);
+        for (int v = 0; v < NV; v++) acc[v] += splat8(q[v * head_dim + d]) * kd;
+    }
+    for (int v = 0; v < NV; v++) store8(s[v] + b, acc[v]);
+}
+
+/* exp_nonpositive of 8 lanes: the same operations, so the same floats lane for lane. */
+ALWAYS_INLINE f32x8 exp8_nonpositive(f32x8 x) {
+    const i32x8 underflows = x < splat8(-87.3f); /* all ones where 2^n would be subnormal */
+    x = (f32x8)(((i32x8)x & ~underflows) | ((i32x8)splat8(-87.3f) & underflows));
+    const f32x8 shifter = splat8(12582912.0f);
+    const f32x8 t = x * splat8(1.44269504088896341f) + shifter;
+    const f32x8 n = t - shifter;
+    const f32x8 r = (x - n * splat8(0.693359375f)) + n * splat8(2.12194440e-4f);
+    f32x8 p = splat8(1.9875691500e-4f);
+    p = p * r + splat8(1.3981999507e-3f);
+    p = p * r + splat8(8.3334519073e-3f);
+    p = p * r + splat8(4.1665795894e-2f);
+    p = p * r + splat8(1.6666665459e-1f);
+    p = p * r + splat8(5.0000001201e-1f);
+    p = p * r * r + r + splat8(1.0f);
+    const i32x8 scale = ((i32x8)t - 0x4B400000 + 127) << 23;
+    return (f32x8)((i32x8)(p * (f32x8)scale) & ~underflows);
+}
+
+/* Softmax weights of one query vector's n raw scores, in place (scale or softcap, max, exp), and their sum, the
+ * floats of attend_tile_two_pass's second pass. Its sum is an OpenMP simd reduction, which GCC runs as 8 lane
+ * sums over the full 8-float blocks, the tail added to lane 0, then 0 + lane 0 + ... + lane 7 in order; this
+ * spells that order out (the test against the generic loops checks it), with the lane sums in a register instead
+ * of a stack array. */
+ALWAYS_INLINE float softmax_weights(float *s, int n, float scale, float softcap) {
+    if (softcap > 0.f) {
+        for (int j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] * scale / softcap);
+    } else {
+#pragma omp simd
+        for (int j = 0; j < n; j++) s[j] *= scale;
+    }
+    float row_max = -INFINITY;
+#pragma omp simd reduction(max : row_max)
+    for (int j = 0; j < n; j++) row_max = s[j] > row_max ? s[j] : row_max;
+    f32x8 lanes = splat8(0.f);
+    int j = 0;
+    for (; j + 16 <= n; j += 16) { /* two blocks per step: two independent exp chains in flight */
+        const f32x8 e0 = exp8_nonpositive(load8(s + j) - splat8(row_max));
+        const f32x8 e1 = exp8_nonpositive(load8(s + j + 8) - splat8(row_max));
+        store8(s + j, e0);
+        store8(s + j + 8, e1);
+        lanes += e0;
+        lanes += e1;
+    }
+    for (; j + 8 <= n; j += 8) {
+        const f32x8 e = exp8_nonpositive(load8(s + j) - splat8(row_max));
+        store8(s + j, e);
+        lanes += e;
+    }
+    float lane0 = lanes[0];
+    for (; j < n; j++) {
+        s[j] = exp_nonpositive(s[j] - row_max);
+        lane0 += s[j];
+    }
+    float sum = 0.f + lane0;
+    for (int l = 1; l < 8; l++) sum += lanes[l];
+    return sum;
+}
+
+/* The V pass of NV (<= 8) query vectors of one row over positions [t_lo, pos]: o[v][d0 .. d0 + DB) =
+ * inv[v] * sum_t p[v * p_stride + t - t_lo] * V_t[v_off[v] + d0 ..], each sum from 0 in order of t, as
+ * attend_tile_two_pass sums it. NV * DB / 8 <= 8 accumulator registers; each V row is read once for the NV vectors. */
+ALWAYS_INLINE void weighted_v_block(const float *v_cache, const int32_t *table, int32_t page_offset,
+                                    int32_t page_size, int64_t token_stride, int t_lo, int pos, const float *p,
+                                    int p_stride, const int64_t *v_off, const float *inv, float *o, int64_t o_stride,
+                                    int d0, const int DB, const int NV) {
+    f32x8 acc[8][8];
+    for (int v = 0; v < NV; v++)
+        for (int e = 0; e < DB / 8; e++) acc[v][e] = splat8(0.f);
+    int lp = t_lo / page_size, t = t_lo, offset = t_lo - lp * page_size;
+    while (t <= pos) {
+        const int count = page_size - offset < pos - t + 1 ? page_size - offset : pos - t + 1;
+        const float *row = v_cache + ((int64_t)table[lp] + page_offset) * page_size * token_stride
+                           + (int64_t)offset * token_stride + d0;
+        const float *w = p + (t - t_lo);
+        for (int j = 0; j < count; j++, row += token_stride, w++)
+            for (int v = 0; v < NV; v++) {
+                const f32x8 pv = splat8(w[v * p_stride]);
+                for (int e = 0; e < DB / 8; e++) acc[v][e] += pv * load8(row + v_off[v] + 8 * e);
+            }
+        t += count;
+        lp++;
+        offset = 0;
+    }
+    for (int v = 0; v < NV; v++)
+        for (int e = 0; e < DB / 8; e++) store8(o + v * o_stride + d0 + 8 * e, acc[v][e] * splat8(inv[v]));
+}
+
+/* Prefetch one page's rows of the item's KV heads (contiguous when the item holds every head). */
+static void prefetch_rows(const float *k, const float *v, int64_t token_stride, int page_size, int width) {
+    if (width == token_stride) {
+        for (int64_t f = 0; f < (int64_t)page_size * token_stride; f += 16) {
+            __builtin_prefetch(k + f);
+            __builtin_prefetch(v + f);
+        }
+    } else {
+        prefetch_page(k, v, token_stride, page_size, width);
+    }
+}
+
+#define PREFETCH_PAGES 2 /* pages scattered in memory are fetched this many pages ahead of the score pass */
+
+/* Pass 1 of attend_tile_two_pass_simd on one page: the raw scores of every query vector of the tile against the
+ * page's keys [k_lo, k_lo + n), written at scores + (r * vectors + h * group + g) * s_stride + (k_lo - lo). */
+ALWAYS_INLINE void score_page(const float *q_tile, const float *qpack, const float *k_page, int n, int rows,
+                              int heads, int group, int kv_head_begin, int32_t num_heads, int64_t token_stride,
+                              const int head_dim, int transpose, float *kt, int kt_stride, float *s_page,
+                              int s_stride) {
+    const int vectors = heads * group, nvec = rows * group;
+    for (int h = 0; h < heads; h++) {
+        const float *k_first = k_page + (int64_t)(kv_head_begin + h) * head_dim;
+        float *s_head = s_page + (size_t)h * group * s_stride;
+        if (transpose) {
+            for (int j = 0; j < n; j++)
+                for (int d = 0; d < head_dim; d++) kt[d * kt_stride + j] = k_first[j * token_stride + d];
+            const float *q_head = qpack + (size_t)h * nvec * head_dim;
+            float *s[8];
+            int vec = 0;
+#define TRANSPOSED(NV)                                                                                         \
+    for (; nvec - vec >= NV; vec += NV) {                                                                      \
+        for (int v = 0; v < NV; v++)                                                                           \
+            s[v] = s_head + (size_t)((vec + v) / group * vectors + (vec + v) % group) * s_stride;              \
+        for (int b = 0; b < n; b += KEY_BLOCK)                                                                 \
+            transposed_block(q_head + (size_t)vec * head_dim, kt, kt_stride, b, head_dim, NV, s);             \
+    }
+            TRANSPOSED(8)
+            TRANSPOSED(4)
+            TRANSPOSED(1)
+#undef TRANSPOSED
+        } else {
+            for (int r = 0; r < rows; r++)
+                for (int g = 0; g < group; g++) {
+                    const float *q = q_tile + ((int64_t)r * num_heads + (int64_t)(kv_head_begin + h) * group + g)
+                                              * head_dim;
+                    float *sv = s_head + (size_t)(r * vectors + g) * s_stride;
+                    int b = 0;
+                    for (; b + KEY_BLOCK <= n; b += KEY_BLOCK)
+                        store8(sv + b, butterfly_block(q, k_first + b * token_stride, token_stride, KEY_BLOCK,
+                                                       head_dim));
+                    if (b < n)
+                        store8(sv + b, butterfly_block(q, k_first + b * token_stride, token_stride, n - b, head_dim));
+                }
+        }
+    }
+}
+
+/* attend_tile_two_pass for head_dim % 8 == 0 (see the section comment above): the same three passes, the same
+ * floats. head_dim is a compile-time constant at each call site of attend_tile_any, so every loop over it unrolls
+ * and the accumulators stay in registers. qpack holds TILE_Q * num_heads * head_dim floats, scratch the kt and
+ * scores of attend_tile_two_pass. */
+ALWAYS_INLINE void attend_tile_two_pass_simd(const float *query, const float *k_cache, const float *v_cache,
+                                             const int32_t *table, int32_t page_offset, int32_t q_start,
+                                             int32_t q_len, int32_t seqlen_k, int32_t row_start,
+                                             int32_t kv_head_begin, int32_t kv_head_end, int32_t num_heads,
+                                             int32_t num_kv_heads, const int head_dim, int32_t page_size,
+                                             float scale, float softcap, int32_t sliding_window, float *out,
+                                             float *qpack, float *scratch) {
+    const int group = num_heads / num_kv_heads;
+    const int rows = q_len - row_start < TILE_Q ? q_len - row_start : TILE_Q;
+    const int first_pos = seqlen_k - q_len + row_start, last_pos = first_pos + rows - 1;
+    int lo = 0;
+    if (sliding_window > 0 && first_pos - sliding_window + 1 > 0) lo = first_pos - sliding_window + 1;
+    const int span = last_pos - lo + 1, s_stride = span + KEY_BLOCK;
+    const int kt_stride = page_size + KEY_BLOCK;
+    const int heads = kv_head_end - kv_head_begin, vectors = heads * group; /* query vectors per row */
+    float *kt = scratch;                               /* (head_dim, kt_stride) one page's keys, transposed */
+    float *scores = kt + (size_t)head_dim * kt_stride; /* (rows, vectors, s_stride): key t at t - lo */
+    /* The same choice of summation order as attend_tile_two_pass. */
+    const int transpose = head_dim <= 16 && rows * group >= 16;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t page_floats = (int64_t)page_size * token_stride, head_offset = (int64_t)kv_head_begin * head_dim;
+    const int first_page = lo / page_size, last_page = last_pos / page_size;
+    const float *q_tile = query + (int64_t)(q_start + row_start) * num_heads * head_dim;
+    if (transpose)  /* qpack: (heads, rows * group, head_dim), each KV head's query vectors side by side */
+        for (int h = 0; h < heads; h++)
+            for (int r = 0; r < rows; r++)
+                memcpy(qpack + ((size_t)h * rows + r) * group * head_dim,
+                       q_tile + ((int64_t)r * num_heads + (int64_t)(kv_head_begin + h) * group) * head_dim,
+                       sizeof(float) * group * head_dim);
+    for (int lp = first_page; lp < first_page + PREFETCH_PAGES && lp <= last_page; lp++) {
+        const int64_t at = ((int64_t)table[lp] + page_offset) * page_floats + head_offset;
+        prefetch_rows(k_cache + at, v_cache + at, token_stride, page_size, heads * head_dim);
+    }
+    for (int lp = first_page; lp <= last_page; lp++) {  /* pass 1: scores, every head of a page while it is cached */
+        const int page_start = lp * page_size;
+        const int k_lo = page_start > lo ? page_start : lo;
+        const int k_hi = page_start + page_size - 1 < last_pos ? page_start + page_size - 1 : last_pos;
+        if (lp + PREFETCH_PAGES <= last_page) {
+            const int64_t at = ((int64_t)table[lp + PREFETCH_PAGES] + page_offset) * page_floats + head_offset;
+            prefetch_rows(k_cache + at, v_cache + at, token_stride, page_size, heads * head_dim);
+        }
+        const float *k_page = k_cache + ((int64_t)table[lp] + page_offset) * page_floats
+                              + (int64_t)(k_lo - page_start) * token_stride;
+        score_page(q_tile, qpack, k_page, k_hi - k_lo + 1, rows, heads, group, kv_head_begin, num_heads,
+                   token_stride, head_dim, transpose, kt, kt_stride, scores + (k_lo - lo), s_stride);
+    }
+    /* Passes 2 and 3, one row at a time: every vector's weights, then the V sums of up to 8 vectors at once. */
+    const int DB = head_dim <= 64 && 64 % head_dim == 0 ? head_dim : (head_dim % 64 == 0 ? 64 : 8);
+    const int per_call = 64 / DB; /* vectors per V pass: 8 accumulator registers */
+    for (int r = 0; r < rows; r++) {
+        const int pos = first_pos + r;
+        int t_lo = lo;
+        if (sliding_window > 0 && t_lo < pos - sliding_window + 1) t_lo = pos - sliding_window + 1;
+        float *s_row = scores + (size_t)r * vectors * s_stride + (t_lo - lo);
+        float *o_row = out + ((int64_t)(q_start + row_start + r) * num_heads + (int64_t)kv_head_begin * group)
+                             * head_dim;
+        float inv[8];
+        int64_t v_off[8];
+        int u = 0; /* vector u of the row: KV head kv_head_begin + u / group, its query head u % group */
+#define V_PASS(NV)                                                                                           \
+    for (; vectors - u >= NV; u += NV) {                                                                     \
+        for (int v = 0; v < NV; v++) {                                                                       \
+            inv[v] = 1.f / softmax_weights(s_row + (size_t)(u + v) * s_stride, pos - t_lo + 1, scale, softcap); \
+            v_off[v] = (int64_t)(kv_head_begin + (u + v) / group) * head_dim;                                \
+        }                                                                                                    \
+        for (int d0 = 0; d0 < head_dim; d0 += DB)                                                            \
+            weighted_v_block(v_cache, table, page_offset, page_size, token_stride, t_lo, pos,                \
+                             s_row + (size_t)u * s_stride, s_stride, v_off, inv, o_row + (size_t)u * head_dim, \
+                             head_dim, d0, DB, NV);                                                          \
+    }
+        if (per_call >= 8) V_PASS(8)
+        if (per_call >= 4) V_PASS(4)
+        if (per_call >= 2) V_PASS(2)
+        V_PASS(1)
+#undef V_PASS
+    }
+}
+
+/* Nonzero: tiles with head_dim % 8 == 0 take attend_tile_two_pass too, the loops attend_tile_two_pass_simd
+ * reproduces, so tests can check that both give the same floats (kernels.cpu_attention.generic_two_pass). */
+int cbrun_attention_generic_two_pass = 0;
+
 /* attend_tile specialised for the common head sizes (a constant head_dim), generic otherwise. */
 static void attend_tile_any(const float *query, const float *k_cache, const float *v_cache, const int32_t *table,
                             int32_t page_offset, int32_t q_start, int32_t q_len, int32_t seqlen_k, int32_t row_start,
@@ -402,7 +697,11 @@ static void attend_tile_any(const float *query, const float *k_cache, const floa
     float *two_pass_scratch = scratch + tile_scratch_floats(num_heads, head_dim, page_size);
 #define ATTEND(D)                                                                                                 \
     do {                                                                                                          \
-        if (two_pass)                                                                                             \
+        if (two_pass && (D) % 8 == 0 && !cbrun_attention_generic_two_pass)                                        \
+            attend_tile_two_pass_simd(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k,      \
+                                      row_start, kv_head_begin, kv_head_end, num_heads, num_kv_heads, D,          \
+                                      page_size, scale, softcap, sliding_window, out, scratch, two_pass_scratch); \
+        else if (two_pass)                                                                                        \
             attend_tile_two_pass(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k, row_start, \
                                  kv_head_begin, kv_head_end, num_heads, num_kv_heads, D, page_size, scale, softcap, \
                                  sliding_window, out, two_pass_scratch);                                          \
@@ -420,6 +719,34 @@ static void attend_tile_any(const float *query, const float *k_cache, const floa
     default: ATTEND(head_dim);
     }
 #undef ATTEND
+}
+
+/* This thread's scratch of at least `floats` floats, kept between calls (OpenMP's threads live as long as the
+ * process, so each allocates once and grows it only for a larger shape; never freed). NULL when out of memory. */
+static float *thread_scratch(size_t floats) {
+    static _Thread_local float *buffer;
+    static _Thread_local size_t capacity;
+    if (floats > capacity) {
+        free(buffer);
+        buffer = malloc(sizeof(float) * floats);
+        capacity = buffer ? floats : 0;
+    }
+    return buffer;
+}
+
+/* Work of one item in (query row, key) pairs per KV head: its rows times the keys its last row sees. */
+static int64_t item_cost(WorkItem it, const int32_t *cu_seqlens_q, const int32_t *seqlens_k,
+                         int32_t sliding_window) {
+    const int q_len = cu_seqlens_q[it.request + 1] - cu_seqlens_q[it.request];
+    const int rows = q_len - it.row_start < TILE_Q ? q_len - it.row_start : TILE_Q;
+    int64_t keys = seqlens_k[it.request] - q_len + it.row_start + rows;
+    if (sliding_window > 0 && keys > sliding_window + rows) keys = sliding_window + rows;
+    return rows * keys * (it.kv_head_end - it.kv_head_begin);
+}
+
+static int by_cost_descending(const void *a, const void *b) {
+    const int64_t ca = ((const WorkItem *)a)->cost, cb = ((const WorkItem *)b)->cost;
+    return ca < cb ? 1 : (ca > cb ? -1 : 0);
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. Rows of requests with no query rows, and rows past
@@ -449,19 +776,26 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
         for (int row = 0; row < q_len; row += TILE_Q)
             for (int split = 0; split < head_splits; split++)
                 items[n++] = (WorkItem){b, row, (int32_t)((int64_t)num_kv_heads * split / head_splits),
-                                        (int32_t)((int64_t)num_kv_heads * (split + 1) / head_splits)};
+                                        (int32_t)((int64_t)num_kv_heads * (split + 1) / head_splits), 0};
+    }
+    /* Largest items first, so that the threads' last items are small ones and they finish together (the longest-
+     * processing-time-first rule). Which thread runs an item never changes its floats. */
+    if (threads > 1) {
+        for (int64_t i = 0; i < num_items; i++)
+            items[i].cost = item_cost(items[i], cu_seqlens_q, seqlens_k, sliding_window);
+        qsort(items, (size_t)num_items, sizeof(WorkItem), by_cost_descending);
     }
     const size_t scratch_floats = tile_scratch_floats(num_heads, head_dim, page_size)
                                  + (size_t)head_dim * (page_size + KEY_BLOCK) + TWO_PASS_MAX_SCORES;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scratch = malloc(sizeof(float) * scratch_floats);
+        float *scratch = thread_scratch(scratch_floats);
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, 2)
         for (int64_t i = 0; i < num_items; i++) {
             if (!scratch) continue;
             const WorkItem it = items[i];
@@ -471,7 +805,6 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
                             it.kv_head_begin, it.kv_head_end, num_heads, num_kv_heads, head_dim, page_size, scale,
                             softcap, sliding_window, out, scratch);
         }
-        free(scratch);
     }
     free(items);
     return failed ? -1 : 0;

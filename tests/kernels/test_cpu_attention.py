@@ -1,13 +1,15 @@
 """The C paged-attention kernel (``kernels.cpu_attention``) against the PyTorch reference on ragged batches.
 
 Contexts end on, just before and just after page boundaries; pages are shuffled; every cache slot no request owns
-is NaN, so a kernel that reads past a request's context (or a masked slot) fails the comparison.
+is NaN, so a kernel that reads past a request's context (or a masked slot) fails the comparison. The kernel's
+8-lane loops (head_dim % 8 == 0) must give exactly the floats of its generic loops, whose summation order they
+reproduce (``generic_two_pass``): decode, verify and prefill tiles, both score orders, every V-pass width.
 """
 
 import pytest
 import torch
 
-from kernels.cpu_attention import paged_attention_cpu, unavailable_reason
+from kernels.cpu_attention import SOURCE, generic_two_pass, load_source, paged_attention_cpu, unavailable_reason
 from kernels.reference import build_gather_plan, paged_attention_ref
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
@@ -19,11 +21,11 @@ PAGE = 4
 RAGGED = ([1, 1, 1, 1, 8, 5, 0, 1, 13, 1], [1, 3, 4, 5, 8, 9, 6, 40, 21, 17])
 
 
-def make_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, seed=0):
+def make_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, seed=0, page=PAGE):
     gen = torch.Generator().manual_seed(seed)
-    pages = [-(-k // PAGE) for k in k_lens]
+    pages = [-(-k // page) for k in k_lens]
     num_pages = sum(pages) + 2  # page 0 finite and unowned (the reference's padding target), one spare
-    k_cache = torch.full((num_pages, PAGE, num_kv_heads, head_dim), float("nan"))
+    k_cache = torch.full((num_pages, page, num_kv_heads, head_dim), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
     k_cache[0], v_cache[0] = 0.0, 0.0
     order = (torch.randperm(num_pages - 2, generator=gen) + 1).tolist()
@@ -33,9 +35,9 @@ def make_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, seed=0):
         own, order = order[:n], order[n:]
         tables[b, :n] = torch.tensor(own, dtype=torch.int32)
         for j in range(k_len):  # only the context's slots get values
-            page, offset = own[j // PAGE], j % PAGE
-            k_cache[page, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
-            v_cache[page, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            at, offset = own[j // page], j % page
+            k_cache[at, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            v_cache[at, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
     cu = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
     query = torch.randn(int(cu[-1]) + 2, num_heads, head_dim, generator=gen)  # two trailing padding rows
     return query, k_cache, v_cache, tables, cu, torch.tensor(k_lens, dtype=torch.int32)
@@ -43,11 +45,12 @@ def make_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, seed=0):
 
 def reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap=None, window=None):
     """The reference over a copy of the cache whose unowned slots are 0: it reads whole pages and masks them."""
-    plan = build_gather_plan(tables, cu, seqlens, PAGE, window)
+    plan = build_gather_plan(tables, cu, seqlens, k_cache.shape[1], window)
     return paged_attention_ref(query, torch.nan_to_num(k_cache), torch.nan_to_num(v_cache), plan, scale, softcap)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 8), (6, 6, 16), (8, 1, 64)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 8), (6, 6, 16), (8, 1, 64), (4, 2, 12),
+                                                             (6, 2, 24), (4, 4, 128)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
 def test_ragged_batch_matches_reference(num_heads, num_kv_heads, head_dim, window, softcap):
     query, k_cache, v_cache, tables, cu, seqlens = make_batch(*RAGGED, num_heads, num_kv_heads, head_dim)
@@ -95,3 +98,51 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="does not fit"):
         paged_attention_cpu(query[..., :4], k_cache, v_cache, tables, cu, seqlens, 0.3)
 
+
+
+# (query lengths, context lengths) of the shapes the engine runs: decode rows, speculative verify rows (1 + k),
+# prefill chunks of 1 to 3 tiles (TILE_Q = 16 rows) after cached context, and a request with no query rows.
+SHAPES = {
+    "decode": ([1] * 9, [1, 7, 8, 9, 16, 17, 40, 63, 100]),
+    "verify": ([2, 3, 4, 5, 5, 1], [2, 9, 17, 24, 70, 33]),
+    "prefill": ([16, 7, 33, 0, 40], [16, 30, 60, 5, 41]),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 8), (6, 2, 8), (4, 4, 16), (4, 2, 24),
+                                                             (8, 4, 64), (2, 1, 128)])
+@pytest.mark.parametrize("page", [4, 8, 16])
+def test_lane_loops_give_the_generic_loops_floats(shape, num_heads, num_kv_heads, head_dim, page):
+    """Same floats, not just close ones: the engine's greedy tokens must not depend on which loops ran (a float32
+    near-tie such as tests/engine/test_near_tie_row.py's flips on one ulp)."""
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(*SHAPES[shape], num_heads, num_kv_heads, head_dim,
+                                                              seed=page + head_dim, page=page)
+    scale = head_dim ** -0.5
+    for window, softcap in ((None, None), (6, None), (None, 2.0)):
+        lanes = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
+        with generic_two_pass():
+            generic = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
+        assert torch.equal(lanes, generic)
+        expected = reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
+        torch.testing.assert_close(lanes, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lane_loops_with_every_thread_count_and_head_split():
+    """Two threads split a batch of few tiles by KV heads (items of fewer heads, so narrower V passes); the floats
+    stay the generic loops' at one thread."""
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch([1, 3], [50, 20], 16, 8, 8, seed=7, page=16)
+    with generic_two_pass():
+        generic = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3, num_threads=1)
+    for threads in (1, 2, 3):
+        out = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3, num_threads=threads)
+        assert torch.equal(out, generic)
+
+
+def test_load_source_builds_a_kernel_of_the_same_contract(tmp_path):
+    """benchmarks.cpu_attention --paired loads another version of the source beside this one."""
+    copy = tmp_path / "cpu_paged_attention.c"
+    copy.write_text(SOURCE.read_text() + "\n/* another version */\n")
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(*RAGGED, 4, 2, 8, seed=2)
+    other = load_source(copy)(query, k_cache, v_cache, tables, cu, seqlens, 0.3)
+    assert torch.equal(other, paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3))
