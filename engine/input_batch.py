@@ -54,10 +54,12 @@ class BlockTableRows:
 
         Column 0 of a row without blocks is 0 too (block 0 is in a reserved padding chunk, never handed out).
         """
-        have = min(width, self.ids.shape[1])
-        tables = np.zeros((len(rows), width), dtype=np.int64)
-        tables[:, :have] = self.ids[rows, :have]
-        tables[np.arange(width)[None, :] >= lengths[:, None]] = 0
+        if width <= self.ids.shape[1]:
+            tables = self.ids[rows, :width]  # a copy (an index array selects the rows)
+        else:
+            tables = np.zeros((len(rows), width), dtype=np.int64)
+            tables[:, :self.ids.shape[1]] = self.ids[rows]
+        tables[np.arange(width) >= lengths[:, None]] = 0
         return tables
 
 

@@ -32,6 +32,7 @@ class KVCache:
                  device: torch.device, num_zeroed_pages: int | None = None) -> None:
         self.spec = spec
         self.kv = torch.empty((2, spec.num_pages, spec.page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self._k_pages, self._v_pages = self.kv[0], self.kv[1]  # ``kv`` is only ever written in place
         self.num_zeroed_pages = 0
         self.zero_pages_below(spec.num_pages if num_zeroed_pages is None else num_zeroed_pages)
         pin = torch.device(device).type == "cuda"
@@ -46,11 +47,13 @@ class KVCache:
 
     @property
     def k_pages(self) -> torch.Tensor:
-        return self.kv[0]
+        """(num_pages, page_size, num_kv_heads, head_dim) K pages: a view of ``kv``, made once (read every step)."""
+        return self._k_pages
 
     @property
     def v_pages(self) -> torch.Tensor:
-        return self.kv[1]
+        """The V pages, as ``k_pages``."""
+        return self._v_pages
 
     @staticmethod
     def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

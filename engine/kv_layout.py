@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 FULL, SLIDING = "full", "sliding"
 
@@ -51,7 +52,7 @@ class KVLayout:
     def num_layers_of(self, kind: str) -> int:
         return sum(1 for t in self.layer_types if t == kind)
 
-    @property
+    @cached_property  # read every step (the engine zeroes pages per chunk); the layout never changes
     def chunk_pages(self) -> int:
         counts = [n for n in (self.num_layers_of(FULL), self.num_layers_of(SLIDING)) if n]
         return math.lcm(*counts)

@@ -177,20 +177,32 @@ class ModelRunner:
 
         Per request, only its plan entry's fields are read (a few list comprehensions); everything per token is
         computed with numpy from the per-request starts and lengths, and the block tables are one gather from the
-        persistent batch.
+        persistent batch. A decode step (one token per entry, the common step) skips the per-token arrays: its
+        positions are the starts and its query offsets a range.
         """
         full = FULL if self.layers_per_block[FULL] else None
         sliding = SLIDING if self.layers_per_block[SLIDING] else None
+        num_requests = len(scheduled)
         starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        q_lens = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
-        seqlens_k = starts + q_lens
-        num_requests, num_tokens = len(scheduled), int(q_lens.sum())
-        token_ids = np.fromiter(chain.from_iterable([s.token_ids for s in scheduled]), dtype=np.int64,
-                                count=num_tokens)
-        cu_seqlens_q = np.zeros(num_requests + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu_seqlens_q[1:])
-        request_of_token = np.repeat(np.arange(num_requests), q_lens)
-        positions = np.arange(num_tokens) + (starts - cu_seqlens_q[:-1])[request_of_token]
+        q_lens = [s.num_tokens for s in scheduled]
+        num_tokens = sum(q_lens)
+        if num_tokens == num_requests:  # a decode step (one token each): positions are the starts
+            token_ids = np.array([s.token_ids[0] for s in scheduled], dtype=np.int64)
+            cu_seqlens_q = np.arange(num_requests + 1, dtype=np.int64)
+            request_of_token = cu_seqlens_q[:-1]
+            positions = starts
+            seqlens_k = starts + 1
+            max_seqlen_q = 1
+        else:
+            token_ids = np.fromiter(chain.from_iterable([s.token_ids for s in scheduled]), dtype=np.int64,
+                                    count=num_tokens)
+            q_lens = np.array(q_lens, dtype=np.int64)
+            cu_seqlens_q = np.zeros(num_requests + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=cu_seqlens_q[1:])
+            request_of_token = np.repeat(np.arange(num_requests), q_lens)
+            positions = np.arange(num_tokens) + (starts - cu_seqlens_q[:-1])[request_of_token]
+            seqlens_k = starts + q_lens
+            max_seqlen_q = int(q_lens.max())
         carry = self._carry(scheduled, cu_seqlens_q, previous, token_ids)
         rows, num_blocks, num_sliding = self.input_batch.update(scheduled, full, sliding)
         rows_info = self._logit_rows(scheduled, cu_seqlens_q, plain_greedy)
@@ -216,7 +228,7 @@ class ModelRunner:
         return _StepInputs(
             input_ids=torch.from_numpy(token_ids), positions=torch.from_numpy(positions),
             cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)),
-            seqlens_k=torch.from_numpy(seqlens_k.astype(np.int32)), max_seqlen_q=int(q_lens.max()),
+            seqlens_k=torch.from_numpy(seqlens_k.astype(np.int32)), max_seqlen_q=max_seqlen_q,
             logits_indices=torch.from_numpy(logits_indices), groups=groups, shape=shape, num_rows=num_rows,
             sample_row_of=sample_row_of, sample_rows=sample_rows, carry=carry,
             needs_host_logits=needs_host_logits)
@@ -230,10 +242,12 @@ class ModelRunner:
             ``Request.index -> index among the sampling entries``, whether the host reads the logits).
         """
         samples = [s.samples for s in scheduled]
-        sampling = list(compress(scheduled, samples))
+        sampling = list(compress(scheduled, samples)) if not all(samples) else scheduled
         sample_row_of = dict(zip([s.request_index for s in sampling], range(len(sampling))))
         if plain_greedy:  # the common step: one logit row per sampling entry, its last token
-            logits_indices = (cu_seqlens_q[1:] - 1)[np.array(samples, dtype=bool)]
+            logits_indices = cu_seqlens_q[1:] - 1
+            if len(sampling) < len(scheduled):
+                logits_indices = logits_indices[np.array(samples, dtype=bool)]
             return logits_indices, None, sample_row_of, False
         needs_host_sampling = any(s.needs_host_sampling for s in sampling)
         if not any([s.prompt_logprob_positions for s in scheduled]):  # e.g. a verify step: every logit row samples
@@ -336,20 +350,25 @@ class ModelRunner:
         """
         page = self.page_size
         width = max(1, int(lengths.max()))
-        blocks = np.zeros((num_rows, width), dtype=np.int64)
-        blocks[:len(rows)] = self.input_batch.tables[kind].gather(rows, lengths, width)
+        blocks = self.input_batch.tables[kind].gather(rows, lengths, width)
+        if num_rows > len(rows):  # padded requests: no table (column 0 reads the padding chunk)
+            blocks = np.concatenate((blocks, np.zeros((num_rows - len(rows), width), dtype=np.int64)))
         if kind == SLIDING:  # logical block j lives in ring block j % ring size
             blocks = blocks[:, np.minimum(np.arange(num_logical_blocks) % self.ring_blocks, width - 1)]
         elif num_logical_blocks > width:  # columns past every table (padded shapes) read the padding chunk
             wide = np.zeros((num_rows, num_logical_blocks), dtype=np.int64)  # (not np.pad: 50x slower)
             wide[:, :width] = blocks
             blocks = wide
-        else:
+        elif num_logical_blocks < width:
             blocks = blocks[:, :num_logical_blocks]
         pages = page_address(blocks, self.layers_per_block[kind])
-        slot_mapping = np.full(num_slots, -1, dtype=np.int64)
-        slot_mapping[:len(positions)] = slot_address(pages[request_of_token, positions // page], positions % page,
-                                                     page)
+        block_of_token, offset = np.divmod(positions, page)
+        slots = slot_address(pages[request_of_token, block_of_token], offset, page)
+        if num_slots == len(slots):
+            slot_mapping = slots
+        else:
+            slot_mapping = np.full(num_slots, -1, dtype=np.int64)
+            slot_mapping[:len(slots)] = slots
         return GroupMetadata(slot_mapping=torch.from_numpy(slot_mapping),
                              block_tables=torch.from_numpy(pages.astype(np.int32)),
                              layers_per_block=self.layers_per_block[kind])

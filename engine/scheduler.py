@@ -133,12 +133,18 @@ class FIFOScheduler:
         for request in [r for r in self.running if r.status is status]:
             if request.status is not status:
                 continue  # preempted earlier in this step
-            if request.num_pending_tokens and not self._next_input_ready(request):
+            pending = request.num_pending_tokens
+            if pending and not self._next_input_ready(request):
                 continue
-            num_tokens = plan.fit(request.num_tokens_to_compute)
+            if plan.request_budget == 0:  # ``plan.fit``, inline: this loop runs per request per step
+                return
+            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            to_compute = num_known + pending - request.num_computed_tokens  # ``Request.num_tokens_to_compute``
+            num_tokens = min(to_compute, plan.token_budget)
             if num_tokens == 0:
                 return
-            if speculate and self._schedule_speculative(request, plan):
+            if speculate and to_compute == 1 and not pending and self._schedule_speculative(request, plan,
+                                                                                             num_known):
                 continue
             block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
             if (self.block_manager.allocate_slots(request, num_tokens)
@@ -147,18 +153,14 @@ class FIFOScheduler:
             elif not plan.scheduled and not self._others_running(request):
                 self._fail(request, self._cache_too_small_message(request))
 
-    def _schedule_speculative(self, request: Request, plan: "_PlanBuilder") -> bool:
+    def _schedule_speculative(self, request: Request, plan: "_PlanBuilder", num_tokens: int) -> bool:
         """Plan a decode with proposals when the request has some and their slots are free; False otherwise.
 
-        Proposals stop where the request must: the bonus token after them may be its last (``max_new_tokens``),
-        and no position reaches the model's length. Their slots never preempt anyone: without room, the request
-        decodes plainly.
+        Called for a request in steady decode (its one token to compute is known on the host: nothing pending);
+        ``num_tokens`` is its ``Request.num_tokens``. Proposals stop where the request must: the bonus token after
+        them may be its last (``max_new_tokens``), and no position reaches the model's length. Their slots never
+        preempt anyone: without room, the request decodes plainly.
         """
-        if request.num_pending_tokens:
-            return False
-        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)  # ``Request.num_tokens``
-        if num_tokens - request.num_computed_tokens != 1:
-            return False
         room = min(request.sampling_params.max_new_tokens - len(request.output_token_ids) - 1, plan.token_budget - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - num_tokens)

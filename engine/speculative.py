@@ -61,18 +61,26 @@ class NgramIndex:
         n runs from ``ngram_max`` down to ``ngram_min``; the first n with an earlier occurrence wins, so a longer
         context match is preferred. Empty when nothing matches or ``k`` is 0.
         """
+        if k <= 0:
+            return []
+        end, n = self.lookup()
+        return self.token_ids[end:end + k] if n else []
+
+    def lookup(self) -> tuple[int, int]:
+        """``(end, n)``: the longest suffix n-gram (``ngram_max`` down to ``ngram_min``) that occurred earlier, and
+        the end (exclusive) of its latest earlier occurrence, where the proposals start; ``(0, 0)`` when none."""
         tokens, low = self.token_ids, self.ngram_min
         num_tokens = len(tokens)
-        if k <= 0 or num_tokens <= low:
-            return []
+        if num_tokens <= low:
+            return 0, 0
         if self._num_indexed < num_tokens - 1:
             self._index_through(num_tokens - 1)
         latest = self._latest
         for n in range(min(self.ngram_max, num_tokens - 1), low - 1, -1):
             end = latest[n - low].get(tuple(tokens[num_tokens - n:]))
             if end is not None:
-                return tokens[end:end + k]
-        return []
+                return end, n
+        return 0, 0
 
     def _index_through(self, stop: int) -> None:
         """Index every n-gram ending at or before position ``stop`` (exclusive end)."""
@@ -137,6 +145,11 @@ def accept_greedy(proposals: Sequence[int], target_argmax: list[int]) -> list[in
     return target_argmax[:accepted + 1]
 
 
+#: What a request's verify entry costs beyond its proposals' rows, in rows: the host's per-entry work (proposals,
+#: verification, rollback) and the projections' switch from a matrix-vector to a matrix product for its rows.
+#: Measured with stories260K on 2 CPU cores: about 0.15 ms per verifying request against 0.1 ms per row and a
+#: 3.9 ms step (``benchmarks/results-speculative.md``).
+VERIFY_ENTRY_ROWS = 1.0
 #: Acceptance evidence of a request that has verified nothing yet: one accepted proposal out of one, so its first
 #: verify step proposes the full ``k`` (and one rejection halves its estimate).
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 1.0
@@ -167,43 +180,50 @@ def verify_threshold(row_cost: float, num_rows: int, num_tokens: int) -> float:
     return row_cost * num_tokens / (1.0 + row_cost * num_rows)
 
 
-def proposal_length(acceptance: float, threshold: float, k: int) -> int:
+def proposal_length(acceptance: float, threshold: float, k: int, entry_rows: float = VERIFY_ENTRY_ROWS) -> int:
     """How many proposals pay: the most ``j <= k`` whose chance of all being accepted, ``acceptance ** j``, exceeds
     ``threshold`` (the j-th proposal adds a token only when the j - 1 before it were accepted; acceptance is
-    modelled as independent per position, the geometric model of Leviathan et al. 2023, section 3.3)."""
-    length, chance = 0, 1.0
+    modelled as independent per position, the geometric model of Leviathan et al. 2023, section 3.3), or 0 when
+    even those ``j`` do not pay for the verify entry too: their expected tokens ``acceptance + ... +
+    acceptance ** j`` must reach ``(j + entry_rows) * threshold``, a verify entry costing ``entry_rows`` rows
+    beyond its proposals' (``VERIFY_ENTRY_ROWS``). That ``j`` is the best length: each proposal up to it adds
+    more than its row costs, each after it less."""
+    length, chance, tokens = 0, 1.0, 0.0
     while length < k and chance * acceptance > threshold:
         chance *= acceptance
+        tokens += chance
         length += 1
-    return length
+    return length if tokens >= (length + entry_rows) * threshold else 0
 
 
 class _RequestSpeculation:
     """One running request's speculation state: its n-gram index and its recent acceptance evidence.
 
-    ``accepted / trials`` estimates the chance that a proposal is accepted given those before it were: a verify step
-    that accepted ``a`` of ``j`` proposals counts ``a`` successes in ``a`` trials, plus one failed trial when
-    ``a < j`` (the rejected one; the proposals after it were never tried).
+    The evidence is kept apart per kind of proposal, because how often a proposal is accepted depends on what it
+    was drawn from: for n-gram lookup one estimate per match length n (a token that followed an earlier 4-gram
+    match is accepted far more often than one that followed a single matching token), for a draft model one.
+    ``accepted[i] / trials[i]`` estimates the chance that a proposal of kind ``i`` is accepted given those before it
+    were: a verify step that accepted ``a`` of ``j`` proposals counts ``a`` successes in ``a`` trials, plus one
+    failed trial when ``a < j`` (the rejected one; the proposals after it were never tried).
     """
 
-    __slots__ = ("index", "greedy", "accepted", "trials")
+    __slots__ = ("index", "greedy", "accepted", "trials", "verifying")
 
-    def __init__(self, index: NgramIndex | None, greedy: bool) -> None:
+    def __init__(self, index: NgramIndex | None, greedy: bool, num_kinds: int) -> None:
         self.index = index
         self.greedy = greedy  # the request's sampling params are fixed once it is made
-        self.accepted, self.trials = PRIOR_ACCEPTED, PRIOR_TRIALS
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.trials
+        self.accepted = [PRIOR_ACCEPTED] * num_kinds
+        self.trials = [PRIOR_TRIALS] * num_kinds
+        self.verifying = 0  # the kind of the proposals in flight (``observe`` credits it)
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
-        self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
-        self.trials = ACCEPTANCE_DECAY * self.trials + num_accepted + (num_accepted < num_proposed)
+        kind = self.verifying
+        self.accepted[kind] = ACCEPTANCE_DECAY * self.accepted[kind] + num_accepted
+        self.trials[kind] = ACCEPTANCE_DECAY * self.trials[kind] + num_accepted + (num_accepted < num_proposed)
 
-    def skip(self) -> None:
-        self.accepted += BACKOFF_PROBE
-        self.trials += BACKOFF_PROBE
+    def skip(self, kind: int) -> None:
+        self.accepted[kind] += BACKOFF_PROBE
+        self.trials[kind] += BACKOFF_PROBE
 
 
 class Speculator:
@@ -214,10 +234,12 @@ class Speculator:
     - the batch switch: speculation runs only while at most ``speculative_max_batch`` requests are running; the
       switch is logged the first time it happens each way;
     - the cost rule, per request and step: a request proposes ``proposal_length(acceptance, threshold, k)``
-      tokens, where ``acceptance`` is its own recent acceptance rate (``_RequestSpeculation``) and ``threshold``
-      is ``verify_threshold`` for the step's running requests. A request whose proposals keep being rejected thus
-      backs off to plain decoding, and probes again now and then (``BACKOFF_PROBE``); a large batch, where a
-      query row costs more relative to the tokens a step already yields, asks for a higher acceptance rate. The
+      tokens, where ``acceptance`` is its own recent acceptance rate for proposals of this kind (n-gram lookup:
+      of this match length; ``_RequestSpeculation``) and ``threshold`` is ``verify_threshold`` for the step's
+      running requests; the proposals must also pay for their verify entry (``VERIFY_ENTRY_ROWS``). A request
+      whose proposals keep being rejected thus backs off to plain decoding, and probes again now and then
+      (``BACKOFF_PROBE``); a large batch, where a query row costs more relative to the tokens a step already
+      yields, asks for a higher acceptance rate. The
       rule reads only the requests' own tokens and counts, so a run's plans are reproducible (no timing); a
       sampled (non-greedy) row uses the threshold of a batch of one, so its draws never depend on its batch.
       Similar rules: vLLM's ``speculative_disable_by_batch_size`` switches off by running-queue size, and
@@ -241,6 +263,7 @@ class Speculator:
         self.row_cost = config.speculative_row_cost
         self.method = config.speculative
         self.proposer = NgramProposer(config.ngram_min, config.ngram_max) if self.method == "ngram" else None
+        self.ngram_min = config.ngram_min
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
@@ -274,24 +297,48 @@ class Speculator:
 
         The request's state (``_RequestSpeculation``, in ``Request.speculation``) is kept between steps; its
         ``NgramIndex`` only adds the tokens that are new since the last lookup (a request's known tokens only grow
-        while it runs). A backed-off request costs one comparison and two additions.
+        while it runs). The evidence read is that of the proposal's kind (the n-gram match's length), so the
+        lookup comes first; a step without a match proposes nothing and leaves the evidence as it is. A backed-off
+        kind costs one comparison and two additions.
         """
         state = request.speculation
         if state is None:
-            state = request.speculation = _RequestSpeculation(
-                self.proposer.new_index() if self.proposer is not None else None, request.sampling_params.greedy)
+            state = request.speculation = self._new_state(request)
+        if max_tokens <= 0:
+            return []
+        index = state.index
+        if index is None:
+            kind = 0
+        else:
+            end, n = self._lookup(index, request)
+            if not n:
+                return []
+            kind = n - self.ngram_min
         # A sampled row's draws depend on how many proposals it verifies: its threshold is the one of a batch of
         # one, so that its proposals, like its generator, depend only on its own tokens (seeded rows stay
         # reproducible and independent of their batch); a greedy row's tokens do not depend on its proposals.
         threshold = self.threshold if state.greedy else self._solo_threshold
-        if state.accepted <= threshold * state.trials or max_tokens <= 0:  # backed off (this runs per request)
-            if max_tokens > 0:
-                state.skip()
+        accepted, trials = state.accepted[kind], state.trials[kind]
+        # Backed off: the first test is the cheap one (no proposal pays its row), the length's the exact one.
+        length = 0 if accepted <= threshold * trials else proposal_length(accepted / trials, threshold,
+                                                                            min(self.k, max_tokens))
+        if not length:
+            state.skip(kind)
             return []
-        length = proposal_length(state.accepted / state.trials, threshold, min(self.k, max_tokens))
-        index = state.index
+        state.verifying = kind
         if index is None:
             return [DRAFT_PLACEHOLDER] * length
+        return index.token_ids[end:end + length]
+
+    def _new_state(self, request: Request) -> _RequestSpeculation:
+        if self.proposer is None:
+            return _RequestSpeculation(None, request.sampling_params.greedy, 1)
+        return _RequestSpeculation(self.proposer.new_index(), request.sampling_params.greedy,
+                                   self.proposer.ngram_max - self.ngram_min + 1)
+
+    @staticmethod
+    def _lookup(index: NgramIndex, request: Request) -> tuple[int, int]:
+        """``index.lookup()`` after appending the request's tokens that are new since the last one."""
         tokens, output = index.token_ids, request.output_token_ids
         num_prompt, num_indexed = len(request.prompt_token_ids), len(tokens)
         if num_indexed < num_prompt:
@@ -299,7 +346,7 @@ class Speculator:
             num_indexed = num_prompt
         tokens += output[num_indexed - num_prompt:]
         assert len(tokens) == num_prompt + len(output), "a request's known tokens shrank while it ran"
-        return index.propose(length)
+        return index.lookup()
 
     def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """Count one verify step's proposals and accepted ones (totals, and the request's own evidence)."""

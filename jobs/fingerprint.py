@@ -34,6 +34,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from engine.config import SPECULATION_RULE_VERSION
+
 #: Files of the model directory whose bytes define the model's outputs besides the weights (hashed whole).
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -174,7 +176,7 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1) -> dict[
             "mode": engine.speculative, "num_speculative_tokens": engine.num_speculative_tokens,
             "ngram_min": engine.ngram_min, "ngram_max": engine.ngram_max,
             "speculative_max_batch": engine.speculative_max_batch,
-            "speculative_row_cost": engine.speculative_row_cost}
+            "speculative_row_cost": engine.speculative_row_cost, "rule": SPECULATION_RULE_VERSION}
     if manifest.engine.speculative == "draft":  # its proposals and q enter every sampled row's draws
         draft = model_fingerprint(manifest.engine.draft_model)
         fingerprint["draft_model"] = {"path": str(Path(manifest.engine.draft_model).resolve()),

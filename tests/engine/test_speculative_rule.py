@@ -6,7 +6,7 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.request import Request
-from engine.speculative import Speculator, proposal_length, verify_threshold
+from engine.speculative import VERIFY_ENTRY_ROWS, Speculator, proposal_length, verify_threshold
 
 
 def test_verify_threshold_is_the_plain_steps_tokens_per_unit_of_cost_times_a_rows_cost():
@@ -18,21 +18,29 @@ def test_verify_threshold_is_the_plain_steps_tokens_per_unit_of_cost_times_a_row
 
 
 @pytest.mark.parametrize("acceptance, threshold, k, expected", [
-    (1.0, 0.9, 4, 4),  # always accepted: all k
+    (1.0, 0.5, 4, 4),  # always accepted: all k
+    (1.0, 0.9, 4, 0),  # always accepted, yet 4 tokens do not pay for 4 rows and the entry at 0.9 each
     (0.5, 0.2, 4, 2),  # 0.5 and 0.25 clear 0.2, 0.125 does not
     (0.5, 0.2, 1, 1),  # capped by k (or by the room left)
     (0.9, 0.6, 8, 4),  # 0.9 ** 4 = 0.656, 0.9 ** 5 = 0.59
     (0.2, 0.2, 4, 0),  # not above the threshold: plain decoding
     (0.0, 0.0, 4, 0),  # never accepted
     (0.3, 0.0, 4, 4),  # free rows
+    (0.3, 0.2, 4, 0),  # its one row would pay (0.3 > 0.2), not with the verify entry's cost (0.3 < 2 * 0.2)
 ])
 def test_proposal_length(acceptance, threshold, k, expected):
     assert proposal_length(acceptance, threshold, k) == expected
 
 
+def test_without_an_entry_cost_each_proposal_needs_only_to_pay_its_row():
+    assert proposal_length(0.3, 0.2, 4, entry_rows=0.0) == 1
+    assert proposal_length(0.3, 0.2, 4) == 0
+
+
 def test_the_rule_never_makes_a_step_slower_than_plain_decoding_under_its_cost_model():
     """For every batch size, row cost and mix of acceptance rates, the step the rule plans yields at least the
-    tokens per unit of cost of the plain step (expected tokens under the geometric acceptance model)."""
+    tokens per unit of cost of the plain step (expected tokens under the geometric acceptance model; each verify
+    entry costs its proposals' rows plus ``VERIFY_ENTRY_ROWS``)."""
     rates = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)
     for row_cost, batch, k in itertools.product((0.003, 0.03, 0.3), (1, 2, 8, 32, 128), (1, 4, 8)):
         threshold = verify_threshold(row_cost, batch, batch)
@@ -41,10 +49,10 @@ def test_the_rule_never_makes_a_step_slower_than_plain_decoding_under_its_cost_m
             alphas = [mix[i % 3] for i in range(batch)]
             lengths = [proposal_length(a, threshold, k) for a in alphas]
             tokens = batch + sum(sum(a ** i for i in range(1, j + 1)) for a, j in zip(alphas, lengths))
-            cost = 1 + row_cost * (batch + sum(lengths))
+            cost = 1 + row_cost * (batch + sum(lengths) + VERIFY_ENTRY_ROWS * sum(1 for j in lengths if j))
             assert tokens / cost >= plain * (1 - 1e-12), (row_cost, batch, k, mix)
-            # ...and it speculates where a row clearly pays: a near-certain proposal at a cheap row cost.
-            if row_cost * batch < 1 and max(alphas) >= 0.9:
+            # ...and it speculates where a row clearly pays: a near-certain proposal pays its row and the entry.
+            if max(alphas) >= 0.9 and 0.9 > (1 + VERIFY_ENTRY_ROWS) * threshold:
                 assert max(lengths) > 0, (row_cost, batch, k, mix)
 
 
@@ -74,14 +82,15 @@ def _step(speculator: Speculator, request: Request, num_running: int, num_accept
 
 def test_a_request_whose_proposals_are_rejected_backs_off_and_probes_again():
     speculator, request = _speculator(), _repeating_request()
-    lengths = [_step(speculator, request, 8, num_accepted=0) for _ in range(40)]
-    # First the full k (no evidence yet), then fewer, then none; a probe of one proposal now and then.
+    lengths = [_step(speculator, request, 8, num_accepted=0) for _ in range(60)]
+    # First the full k (no evidence yet), then fewer, then none; a probe of one proposal now and then (about every
+    # 14 steps at 8 running requests: one proposal must pay for its row and for the verify entry).
     assert lengths[0] == 4 and lengths[1] < 4
     backed_off = lengths[5:]
-    assert max(backed_off) == 1 and 4 <= sum(backed_off) <= 8  # a probe about every 6 steps
+    assert max(backed_off) == 1 and 3 <= sum(backed_off) <= 5
     # Once its proposals are accepted again, it climbs back to the full k.
     after = [_step(speculator, request, 8, num_accepted=4) for _ in range(40)]
-    assert after[:10].count(4) >= 4 and after[10:] == [4] * 30
+    assert 4 in after[:15] and after[15:] == [4] * 25
     assert speculator.num_verify_steps == sum(1 for n in lengths + after if n)
     assert speculator.num_proposed_tokens == sum(lengths + after)
 
@@ -95,6 +104,16 @@ def test_a_bigger_batch_asks_for_a_higher_acceptance_rate():
     assert min(lengths[1]) >= 3
     assert 1 <= min(lengths[8]) and max(lengths[8]) <= 2
     assert max(lengths[128]) <= 1 and lengths[128].count(0) > 10
+
+
+def test_evidence_is_kept_per_match_length():
+    """Rejected proposals after bigram matches back the request off those, not its first unigram match."""
+    speculator, request = _speculator(), _repeating_request()
+    lengths = [_step(speculator, request, 8, num_accepted=0) for _ in range(12)]  # "... 3 4" always matches 2 tokens
+    assert lengths[0] == 4 and max(lengths[6:]) <= 1
+    request.output_token_ids += [9, 2]  # "9 2" is new; "2" alone occurred before: a unigram match, fresh evidence
+    proposals = speculator.propose(request, 1000)
+    assert len(proposals) == 4 and proposals[:2] == [3, 4]  # the full k: no evidence on unigram matches yet
 
 
 def test_row_cost_zero_always_proposes_k():
@@ -139,3 +158,6 @@ def test_ngram_index_equals_a_rescan_of_the_whole_sequence():
             index.extend(new)
             k = rng.randint(0, 5)
             assert index.propose(k) == rescan(tokens, low, high, k), (low, high, tokens, k)
+            end, n = index.lookup()
+            assert n == 0 or (tokens[end - n:end] == tokens[len(tokens) - n:] and end < len(tokens))
+            assert (n == 0) == (rescan(tokens, low, high, 1) == [])

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import SPECULATION_RULE_VERSION, EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
 from jobs.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
@@ -70,7 +70,8 @@ def test_fingerprint_records_speculation_only_when_on(manifest):
     manifest.engine = EngineConfig(page_size=16, max_batch_tokens=256, speculative="ngram")
     ngram = job_fingerprint(manifest, 100)
     assert fingerprint_differences(off, ngram) == ["speculative"]
-    assert ngram["speculative"]["mode"] == "ngram" and ngram["speculative"]["num_speculative_tokens"] == 4
+    assert ngram["speculative"]["mode"] == "ngram" and ngram["speculative"]["num_speculative_tokens"] == 8
+    assert ngram["speculative"]["rule"] == SPECULATION_RULE_VERSION  # a new proposal rule changes sampled rows' draws too
     manifest.engine = EngineConfig(page_size=16, max_batch_tokens=256, speculative="ngram", num_speculative_tokens=2)
     assert fingerprint_differences(ngram, job_fingerprint(manifest, 100)) == ["speculative.num_speculative_tokens"]
 
