@@ -460,12 +460,16 @@ def _build_engine(path: str, model: torch.nn.Module, config: EngineConfig, token
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``cbrun lm-eval ARGS``: lm-eval's CLI (``lm_eval ARGS``) with ``--model cbrun`` registered."""
+    """``cbrun lm-eval ARGS``: lm-eval's CLI (``lm_eval ARGS``) with ``--model cbrun`` registered, and lm-eval's
+    index of its built-in tasks read from a cache (``jobs.lm_eval_task_index``; the same index, for any backend)."""
     from lm_eval.__main__ import cli_evaluate
+
+    from jobs.lm_eval_task_index import cached_builtin_task_index
 
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(format="%(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     sys.argv = ["lm-eval", *argv]
-    cli_evaluate()
+    with cached_builtin_task_index():
+        cli_evaluate()
     return 0

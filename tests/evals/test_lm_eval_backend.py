@@ -272,14 +272,18 @@ def test_sliding_window_gqa_model_matches_hf(sliding_window_dir):
 
 
 @pytest.mark.slow
-def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys):
-    """``cbrun lm-eval`` is lm-eval's own CLI with ``--model cbrun`` registered (lm-eval 0.4.13 loads no plugins)."""
+def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys, tmp_path):
+    """``cbrun lm-eval`` is lm-eval's own CLI with ``--model cbrun`` registered (lm-eval 0.4.13 loads no plugins),
+    with lm-eval's index of its built-in tasks cached (``jobs.lm_eval_task_index``)."""
     import sys
 
     from jobs.cli import main
+    from jobs.lm_eval_task_index import CACHE_DIR_ENV
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # main hands lm-eval its arguments through sys.argv
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     assert main(["lm-eval", "run", "--model", "cbrun", "--model_args", f"pretrained={stories260k_dir},num_threads=1",
                  "--device", "cpu", "--include_path", str(TASKS_DIR), "--tasks", MC, "--limit", "2"]) == 0
     table = capsys.readouterr().out
     assert "cbrun (" in table and "|cbrun_gsm8k_mc|" in table.replace(" ", "") and "acc_norm" in table
+    assert [p.name.startswith("task-index-") for p in (tmp_path / "lm_eval").iterdir()] == [True]
