@@ -79,10 +79,12 @@ def command(backend: str, model: str, task: str, limit: int | None, output_dir: 
 
 
 def run_once(backend: str, model: str, task: str, limit: int | None, extra_env: dict | None = None) -> dict:
-    """One lm-eval process: wall and CPU seconds, the task's metrics, cbrun's hit rate."""
+    """One lm-eval process: wall and CPU seconds, the task's metrics, cbrun's hit rate, the 1-minute load average
+    at its start."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            **(extra_env or {})}
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as output_dir:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
@@ -97,7 +99,7 @@ def run_once(backend: str, model: str, task: str, limit: int | None, extra_env: 
                if "," in k and "stderr" not in k and isinstance(v, (int, float))}
     hit = HIT_RATE_RE.findall(proc.stderr)
     return {"wall": wall, "cpu": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            "metrics": metrics, "hit_rate": float(hit[-1]) if hit else None}
+            "metrics": metrics, "hit_rate": float(hit[-1]) if hit else None, "load": load}
 
 
 def cold_start(model: str) -> dict:
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_once(backend, args.model, task, limit)
                 results.setdefault((name, backend), []).append(result)
                 print(f"repeat {repeat + 1} {name} {backend}: {result['wall']:.1f} s wall, {result['cpu']:.1f} s CPU, "
-                      f"{result['metrics']}, hit rate {result['hit_rate']}", file=sys.stderr, flush=True)
+                      f"{result['metrics']}, hit rate {result['hit_rate']}, load {result['load']:.1f}", file=sys.stderr, flush=True)
     table = render(results, runs, args, cold)
     print(table)
     if args.out:
@@ -190,10 +192,12 @@ def render(results, runs, args, cold: dict) -> str:
                          f"{shown}{'' if equal else ' (DIFFER)'} | {'' if hit is None else f'{hit:.1f}%'} | "
                          f"{' | '.join(ratios)} |")
     load = os.getloadavg()
+    loads = [r["load"] for rs in results.values() for r in rs]
     header = (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()} "
               f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()}), model {args.model}, "
               f"{args.repeats} interleaved repeats ({args.startup_repeats} of the startup row), one thread each; "
-              f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min).\n"
+              f"1-minute load average at the runs' starts {min(loads):.1f} to {max(loads):.1f}, at the end "
+              f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min).\n"
               f"Command: `python benchmarks/lm_eval_backend.py --repeats {args.repeats} --startup-repeats "
               f"{args.startup_repeats}{f' --mc-limit {args.mc_limit}' if args.mc_limit else ''} "
               f"--gen-limit {args.gen_limit} --gen-large-limit {args.gen_large_limit}`\n\n"
