@@ -200,6 +200,28 @@ def test_tokenization_matches_hf(stories260k_dir, stories_runs):
                                                                              hf.max_length)
 
 
+def test_loglikelihood_encodes_every_string_in_one_batch(stories_runs, monkeypatch):
+    """``loglikelihood`` encodes its strings up front (one tokenizer call); lm-eval's own encoding loop then finds
+    every one of them, and the requests are those of the string-by-string encoding."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import TemplateLM
+
+    cbrun = stories_runs[0]
+    pairs = [("Question: why?\nAnswer: ", "because"), ("Lily  ", " ran"), ("", "Once upon"), ("<s>A", "B"),
+             ("Question: why?\nAnswer: ", "so")]
+    requests = [Instance("loglikelihood", {}, pair, 0) for pair in pairs]
+    seen = []
+    monkeypatch.setattr(type(cbrun), "_loglikelihood_tokens", lambda self, reqs, disable_tqdm=False: seen.append(
+        [(ctx, cont) for _, ctx, cont in reqs]) or [(0.0, True)] * len(reqs))
+    TemplateLM.loglikelihood(cbrun, requests, disable_tqdm=True)  # string by string
+    encode = type(cbrun.tokenizer).encode
+    calls = []
+    monkeypatch.setattr(type(cbrun.tokenizer), "encode", lambda self, *a, **k: calls.append(a) or encode(self, *a, **k))
+    cbrun.loglikelihood(requests, disable_tqdm=True)
+    assert calls == [] and seen[1] == seen[0] and len(seen[0]) == len(pairs)
+    assert cbrun._encodings == {}  # nothing kept past the call
+
+
 def test_model_args(stories260k_dir):
     lm = CbrunLM.create_from_arg_string(f"pretrained={stories260k_dir},page_size=8,max_length=256,num_threads=1",
                                         {"batch_size": 16, "max_batch_size": 64, "device": "cuda:0"})
@@ -250,14 +272,18 @@ def test_sliding_window_gqa_model_matches_hf(sliding_window_dir):
 
 
 @pytest.mark.slow
-def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys):
-    """``cbrun lm-eval`` is lm-eval's own CLI with ``--model cbrun`` registered (lm-eval 0.4.13 loads no plugins)."""
+def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys, tmp_path):
+    """``cbrun lm-eval`` is lm-eval's own CLI with ``--model cbrun`` registered (lm-eval 0.4.13 loads no plugins),
+    with lm-eval's index of its built-in tasks cached (``jobs.lm_eval_task_index``)."""
     import sys
 
     from jobs.cli import main
+    from jobs.lm_eval_task_index import CACHE_DIR_ENV
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # main hands lm-eval its arguments through sys.argv
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     assert main(["lm-eval", "run", "--model", "cbrun", "--model_args", f"pretrained={stories260k_dir},num_threads=1",
                  "--device", "cpu", "--include_path", str(TASKS_DIR), "--tasks", MC, "--limit", "2"]) == 0
     table = capsys.readouterr().out
     assert "cbrun (" in table and "|cbrun_gsm8k_mc|" in table.replace(" ", "") and "acc_norm" in table
+    assert [p.name.startswith("task-index-") for p in (tmp_path / "lm_eval").iterdir()] == [True]
