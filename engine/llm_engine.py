@@ -157,19 +157,13 @@ class LLMEngine:
             safetensors.SafetensorError: a corrupt or truncated safetensors file.
         """
         config = config or EngineConfig()
-        if isinstance(config.num_threads, int):
-            torch.set_num_threads(config.num_threads)
-        model = _load_target_model(model_path, config)
-        if config.num_threads == "auto":
-            threads = resolve_num_threads("auto", sum(p.numel() for p in model.parameters()), config.device)
-            if threads is not None:
-                torch.set_num_threads(threads)
+        model = load_model(model_path, config)
         tokenizer = _load_tokenizer(model_path, config.loader)
         max_model_len = _max_model_len(model.config)
         draft_model = None
         if config.speculative == "draft":
             draft_model = _load_draft_model(config, model, tokenizer, max_model_len)
-        return cls(model, config, _eos_token_ids(model_path, model.config), max_model_len, tokenizer,
+        return cls(model, config, eos_token_ids(model_path, model.config), max_model_len, tokenizer,
                    expected_requests=expected_requests, expected_tokens=expected_tokens, draft_model=draft_model)
 
     # ---- requests ---------------------------------------------------------------------------------------------
@@ -430,6 +424,26 @@ def _record_prompt_logprobs(request: Request, logits: torch.Tensor, positions: r
     request.prompt_greedy.extend((logits.argmax(dim=-1) == targets).tolist())
 
 
+def load_model(model_path: str, config: EngineConfig):
+    """The causal LM of a local directory as ``LLMEngine.from_pretrained`` loads it, torch's threads set first.
+
+    Read by ``engine.safetensors_loader`` where it applies (a ``LeanModel``, transformers not imported), else by
+    transformers with cbrun's attention. ``config.num_threads``: an int is set before loading, "auto" is resolved
+    after it from the model's parameter count (``engine.threads.resolve_num_threads``), None leaves torch's.
+
+    Raises:
+        as ``LLMEngine.from_pretrained``.
+    """
+    if isinstance(config.num_threads, int):
+        torch.set_num_threads(config.num_threads)
+    model = _load_target_model(model_path, config)
+    if config.num_threads == "auto":
+        threads = resolve_num_threads("auto", sum(p.numel() for p in model.parameters()), config.device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+    return model
+
+
 def _load_target_model(model_path: str, config: EngineConfig):
     """The model, read by ``engine.safetensors_loader`` where it applies (a ``LeanModel``), else by transformers."""
     reason = _needs_transformers(config)
@@ -511,7 +525,7 @@ def _max_model_len(model_config) -> int:
     raise ValueError("the model config states no maximum length (max_position_embeddings / n_positions)")
 
 
-def _eos_token_ids(model_path: str, model_config) -> set[int]:
+def eos_token_ids(model_path: str, model_config) -> set[int]:
     """generation_config.json's ``eos_token_id`` (what transformers' ``GenerationConfig`` reads), else the model
     config's; a missing or unreadable file counts as stating none."""
     try:

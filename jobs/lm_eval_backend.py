@@ -30,9 +30,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -417,26 +419,53 @@ def _raise_on_error(output, what: str) -> None:
 
 
 def _load_tokenizer(path: str, add_bos_token: bool | None):
+    """The tokenizer ``AutoTokenizer`` loads; for a tokenizer saved as transformers' generic ``TokenizersBackend``
+    (a tokenizer.json, as ``cbrun convert-llama2c`` writes), that class directly (``_generic_tokenizer_class``)."""
     from transformers import AutoTokenizer
 
     kwargs = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    return (_generic_tokenizer_class(path) or AutoTokenizer).from_pretrained(path, local_files_only=True, **kwargs)
+
+
+def _generic_tokenizer_class(path: str):
+    """``TokenizersBackend`` where ``AutoTokenizer`` is known to pick it, else None (``AutoTokenizer`` decides).
+
+    ``AutoTokenizer`` first reads the model's config through transformers' configuration classes, whose imports
+    (model-loading and distributed modules this backend never uses) cost about a second per run. Where
+    ``tokenizer_config.json`` names ``TokenizersBackend`` and no remote code, its rules (transformers 5) end in that
+    class, except for model types it overrides (``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``) and Mistral's format
+    (``MistralCommonBackend``): those, and anything else, go to ``AutoTokenizer``.
+    """
+    try:
+        from transformers.models.auto.tokenization_auto import (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+                                                                TOKENIZER_MAPPING_NAMES)
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its AutoTokenizer decides
+        return None
+    try:
+        tokenizer_config = json.loads((Path(path) / "tokenizer_config.json").read_text(encoding="utf-8"))
+        model_type = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if tokenizer_config.get("tokenizer_class") != "TokenizersBackend" or "auto_map" in tokenizer_config:
+        return None
+    if model_type in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS or not (Path(path) / "tokenizer.json").is_file():
+        return None
+    if (TOKENIZER_MAPPING_NAMES.get(model_type) or "").removesuffix("Fast") == "MistralCommonBackend":
+        return None
+    return TokenizersBackend
 
 
 def _load_model(path: str, config: EngineConfig) -> torch.nn.Module:
-    """The causal LM as ``LLMEngine.from_pretrained`` loads it (cbrun's paged attention, local files only)."""
-    from transformers import AutoModelForCausalLM
+    """The causal LM as ``LLMEngine.from_pretrained`` loads it (``engine.llm_engine.load_model``: the safetensors
+    loader where it applies, else transformers with cbrun's paged attention; torch's threads from
+    ``num_threads``, "auto" included; local files only)."""
+    from engine.llm_engine import load_model
 
-    from engine.attention import register_with_transformers
-
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=register_with_transformers(),
-                                                 local_files_only=True)
+    model = load_model(path, config)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; the cbrun backend runs causal LMs")
-    return model.to(config.device).eval()
+    return model
 
 
 def _build_engine(path: str, model: torch.nn.Module, config: EngineConfig, tokenizer, max_length: int):
@@ -446,17 +475,9 @@ def _build_engine(path: str, model: torch.nn.Module, config: EngineConfig, token
     ``max_length``, one past them) because it samples after every prompt. Rotary models compute any position;
     a model with learned position embeddings of exactly ``max_length`` rows needs ``max_length`` one lower.
     """
-    from transformers import GenerationConfig
+    from engine.llm_engine import LLMEngine, eos_token_ids
 
-    from engine.llm_engine import LLMEngine
-
-    try:
-        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
-    except OSError:
-        eos = None
-    eos = model.config.eos_token_id if eos is None else eos
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return LLMEngine(model, config, eos_ids, max_length + 2, tokenizer)
+    return LLMEngine(model, config, eos_token_ids(path, model.config), max_length + 2, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

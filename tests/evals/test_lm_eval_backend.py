@@ -18,6 +18,7 @@ pytest.importorskip("accelerate")  # lm-eval's hf backend imports it
 
 import torch  # noqa: E402
 from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from jobs.lm_eval_backend import CbrunLM, loglikelihood_request, scoring_order  # noqa: E402
@@ -233,6 +234,25 @@ def test_model_args(stories260k_dir):
         CbrunLM(pretrained=str(stories260k_dir), page_size=0)
 
 
+def test_default_model_args_load_and_score_as_one_thread(stories260k_dir, stories_runs):
+    """No model args but ``pretrained``: ``num_threads = "auto"`` is resolved (it once reached
+    ``torch.set_num_threads`` as a string), the checkpoint loads as ``cbrun run`` loads it (the safetensors loader:
+    transformers' model classes not needed), and the scores equal those of ``num_threads=1``."""
+    cbrun_one_thread = stories_runs[0]
+    threads = torch.get_num_threads()
+    try:
+        lm = CbrunLM(pretrained=str(stories260k_dir))
+        assert lm.engine.config.num_threads == "auto"
+        assert torch.get_num_threads() == 1  # a tiny model keeps one thread (engine.threads.resolve_num_threads)
+        assert type(lm.engine.model).__name__ == "LeanModel"
+        requests = [Instance("loglikelihood", {}, ("Once upon a time", " there was a girl"), 0),
+                    Instance("loglikelihood", {}, ("Tom had a dog.", " The dog was big"), 1)]
+        assert lm.loglikelihood(requests, disable_tqdm=True) == cbrun_one_thread.loglikelihood(requests,
+                                                                                               disable_tqdm=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---- a grouped-query-attention model with a sliding window -------------------------------------------------------
 @pytest.fixture(scope="module")
 def sliding_window_dir(tmp_path_factory):
@@ -287,3 +307,25 @@ def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys, tmp_path):
     table = capsys.readouterr().out
     assert "cbrun (" in table and "|cbrun_gsm8k_mc|" in table.replace(" ", "") and "acc_norm" in table
     assert [p.name.startswith("task-index-") for p in (tmp_path / "lm_eval").iterdir()] == [True]
+
+
+@pytest.mark.parametrize("model", ["stories260k", "mistral_sliding"])
+def test_tokenizer_is_the_one_auto_tokenizer_loads(model, stories260k_dir, sliding_window_dir):
+    """The backend's tokenizer (``TokenizersBackend`` built directly where ``_generic_tokenizer_class`` allows it)
+    is AutoTokenizer's: the same class, and the same ids with and without special tokens, and with
+    ``add_bos_token`` forced either way."""
+    from transformers import AutoTokenizer
+
+    from jobs.lm_eval_backend import _load_tokenizer
+
+    path = str(stories260k_dir if model == "stories260k" else sliding_window_dir)
+    texts = ["Once upon a time, there was a girl.", " a leading space", "", "Tom ran.\n\nThe end"]
+    for add_bos_token in (None, True, False):
+        kwargs = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
+        ours, auto = _load_tokenizer(path, add_bos_token), AutoTokenizer.from_pretrained(path, **kwargs)
+        assert type(ours) is type(auto)
+        for special in (True, False):
+            assert ours(texts, add_special_tokens=special)["input_ids"] == auto(texts, add_special_tokens=special)[
+                "input_ids"]
+        assert (ours.bos_token_id, ours.eos_token_id, ours.name_or_path) == (auto.bos_token_id, auto.eos_token_id,
+                                                                            auto.name_or_path)
