@@ -12,12 +12,12 @@ proposes with it. Steps per run are those of FIFO admission into ``max_requests_
 per request first (what the engine's runs take when prompts fit one step's budget): at batch 1 the sum over
 requests, at batch B the makespan. ``off`` is one token per step.
 
-The rules (n-gram lengths 2..4 unless named, as the engine's defaults):
+The rules (n-gram lengths 2..4 unless named):
 
-- latest: the longest suffix n-gram with an earlier occurrence, its latest occurrence (the engine's rule);
+- latest: the longest suffix n-gram with an earlier occurrence, its latest occurrence (the engine's rule with ``ngram_min = 2``);
 - first: the same n, its first occurrence;
 - longest: the longest suffix match of any length (not capped at 4), its latest occurrence;
-- latest, n >= 1: the engine's rule down to single-token matches (``ngram_min = 1``);
+- latest, n >= 1: the engine's rule down to single-token matches (``ngram_min = 1``, the engine's default);
 - oracle: among every earlier occurrence of every suffix n-gram (n = 1..4), the one whose continuation the output
   follows longest (what no lookup can beat without knowing the output).
 

@@ -10,7 +10,7 @@ Two workloads, both stories260K, greedy, stop token 1 (BOS, as llama2.c), one CP
   16..256, seed 0), whose outputs do not repeat their prompts: speculation must not make it slower.
 
 For each workload and ``max_requests_per_batch`` in ``--batches`` (default 1, 8, 128), every mode runs on the same
-requests with a fresh engine (default settings otherwise: ``num_speculative_tokens`` 8, ``ngram_min`` 2,
+requests with a fresh engine (default settings otherwise: ``num_speculative_tokens`` 8, ``ngram_min`` 1,
 ``ngram_max`` 4, ``speculative_max_batch`` 16, so at 128 speculation runs only in the tail, ``speculative_row_cost``
 0.03; ``--engine KEY=VALUE`` changes any setting for every run, e.g. to re-measure the row cost). Requests per run
 grow with the batch (``STORY_REQUESTS``, ``GSM8K_ROWS``) so each run takes a few seconds. The runs go round-robin
