@@ -208,6 +208,13 @@ def _cpu_model() -> str:
     return platform.machine()
 
 
+
+def _report(out: Path, text: str) -> int:
+    """Write a results file and print it; the exit status 0."""
+    out.write_text(text)
+    print(text)
+    return 0
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -224,21 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     machine = (f"{_cpu_model()}, {os.cpu_count()} CPUs, "
                f"{time.strftime('%Y-%m-%d %H:%M %Z')}, load average at start {os.getloadavg()[0]:.2f}")
     if args.paired:
-        out = args.out or Path("benchmarks/results-cpu-attention-paired.md")
-        text = (f"# CPU attention kernel vs an older version, on the calls of real engine runs\n\n`{command}`; 1 "
-                f"thread; every call timed with both kernels (thread CPU time, caches evicted before each, order "
-                f"alternating), outputs equal; {machine}.\n\n{paired_table(args.paired)}\n")
-        out.write_text(text)
-        print(text)
-        return 0
+        return _report(args.out or Path("benchmarks/results-cpu-attention-paired.md"),
+                       f"# CPU attention kernel vs an older version, on the calls of real engine runs\n\n`{command}`; "
+                       f"1 thread; every call timed with both kernels (thread CPU time, caches evicted before each, "
+                       f"order alternating), outputs equal; {machine}.\n\n{paired_table(args.paired)}\n")
     if args.kernel_only:
-        out = args.out or Path("benchmarks/results-cpu-attention-kernel.md")
-        text = (f"# CPU attention kernel vs reference, one call per shape\n\n`{command}`; {args.threads} thread(s), "
-                f"best of {args.repeats} round-robin calls, thread CPU time; {machine}.\n\n"
-                f"{kernel_table(args.repeats)}\n")
-        out.write_text(text)
-        print(text)
-        return 0
+        return _report(args.out or Path("benchmarks/results-cpu-attention-kernel.md"),
+                       f"# CPU attention kernel vs reference, one call per shape\n\n`{command}`; {args.threads} "
+                       f"thread(s), best of {args.repeats} round-robin calls, thread CPU time; {machine}.\n\n"
+                       f"{kernel_table(args.repeats)}\n")
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         builders = {"random-llama-vllm": lambda: vllm_workload(Path(scratch) / "vllm-llama"),

@@ -74,6 +74,21 @@ static inline float exp_nonpositive(float x) {
 #define KEY_BLOCK 8 /* keys scored together: one 8-lane register of scores */
 #define TWO_PASS_MAX_SCORES 65536 /* floats of scores (256 KiB) a tile may hold for attend_tile_two_pass */
 
+/* Which keys a tile of query rows sees: its rows (at most TILE_Q, from row_start), the positions of its first and
+ * last row, and lo, the first key any of them attends to (0, or the sliding window's start for the first row). */
+typedef struct {
+    int rows, first_pos, last_pos, lo;
+} TileKeys;
+
+ALWAYS_INLINE TileKeys tile_keys(int32_t q_len, int32_t seqlen_k, int32_t row_start, int32_t sliding_window) {
+    TileKeys t;
+    t.rows = q_len - row_start < TILE_Q ? q_len - row_start : TILE_Q;
+    t.first_pos = seqlen_k - q_len + row_start;
+    t.last_pos = t.first_pos + t.rows - 1;
+    t.lo = sliding_window > 0 && t.first_pos - sliding_window + 1 > 0 ? t.first_pos - sliding_window + 1 : 0;
+    return t;
+}
+
 /* s[0..n) = q . k_j for the n keys whose transposed rows are kt[d * kt_stride + j] (j from 0): head_dim vector
  * FMAs per block of KEY_BLOCK keys, the scores held in one register, no horizontal sums. Lanes past n hold
  * garbage that the caller never reads. */
@@ -211,7 +226,8 @@ ALWAYS_INLINE void attend_tile(const float *query, const float *k_cache, const f
                                const int head_dim, int32_t page_size, float scale, float softcap,
                                int32_t sliding_window, float *out, float *scratch) {
     const int group = num_heads / num_kv_heads;
-    const int rows = q_len - row_start < TILE_Q ? q_len - row_start : TILE_Q;
+    const TileKeys keys = tile_keys(q_len, seqlen_k, row_start, sliding_window);
+    const int rows = keys.rows, first_pos = keys.first_pos, last_pos = keys.last_pos, lo = keys.lo;
     const int heads = kv_head_end - kv_head_begin;
     const int nvec = rows * heads * group;             /* vector (r, kv head, g) is (r * heads + h) * group + g */
     const int kt_stride = page_size + KEY_BLOCK;
@@ -224,10 +240,6 @@ ALWAYS_INLINE void attend_tile(const float *query, const float *k_cache, const f
     const int transpose = head_dim <= 16;
     memset(acc, 0, sizeof(float) * (size_t)nvec * head_dim);
     for (int i = 0; i < nvec; i++) { m[i] = -INFINITY; l[i] = 0.f; }
-    const int first_pos = seqlen_k - q_len + row_start;     /* position of the tile's first row */
-    const int last_pos = first_pos + rows - 1;
-    int lo = 0;
-    if (sliding_window > 0 && first_pos - sliding_window + 1 > 0) lo = first_pos - sliding_window + 1;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     for (int page_start = lo - lo % page_size; page_start <= last_pos; page_start += page_size) {
         const int64_t page = (int64_t)table[page_start / page_size] + page_offset;
@@ -300,10 +312,8 @@ ALWAYS_INLINE void attend_tile_two_pass(const float *query, const float *k_cache
                                         const int head_dim, int32_t page_size, float scale, float softcap,
                                         int32_t sliding_window, float *out, float *scratch) {
     const int group = num_heads / num_kv_heads;
-    const int rows = q_len - row_start < TILE_Q ? q_len - row_start : TILE_Q;
-    const int first_pos = seqlen_k - q_len + row_start, last_pos = first_pos + rows - 1;
-    int lo = 0;
-    if (sliding_window > 0 && first_pos - sliding_window + 1 > 0) lo = first_pos - sliding_window + 1;
+    const TileKeys keys = tile_keys(q_len, seqlen_k, row_start, sliding_window);
+    const int rows = keys.rows, first_pos = keys.first_pos, last_pos = keys.last_pos, lo = keys.lo;
     const int span = last_pos - lo + 1, s_stride = span + KEY_BLOCK;
     const int kt_stride = page_size + KEY_BLOCK;
     float *kt = scratch;                                   /* (head_dim, kt_stride) one page's keys, transposed */
@@ -606,10 +616,8 @@ ALWAYS_INLINE void attend_tile_two_pass_simd(const float *query, const float *k_
                                              float scale, float softcap, int32_t sliding_window, float *out,
                                              float *qpack, float *scratch) {
     const int group = num_heads / num_kv_heads;
-    const int rows = q_len - row_start < TILE_Q ? q_len - row_start : TILE_Q;
-    const int first_pos = seqlen_k - q_len + row_start, last_pos = first_pos + rows - 1;
-    int lo = 0;
-    if (sliding_window > 0 && first_pos - sliding_window + 1 > 0) lo = first_pos - sliding_window + 1;
+    const TileKeys keys = tile_keys(q_len, seqlen_k, row_start, sliding_window);
+    const int rows = keys.rows, first_pos = keys.first_pos, last_pos = keys.last_pos, lo = keys.lo;
     const int span = last_pos - lo + 1, s_stride = span + KEY_BLOCK;
     const int kt_stride = page_size + KEY_BLOCK;
     const int heads = kv_head_end - kv_head_begin, vectors = heads * group; /* query vectors per row */
@@ -687,12 +695,10 @@ static void attend_tile_any(const float *query, const float *k_cache, const floa
                             int32_t head_dim,
                             int32_t page_size, float scale, float softcap, int32_t sliding_window, float *out,
                             float *scratch) {
-    const int rows = q_len - row_start < TILE_Q ? q_len - row_start : TILE_Q;
-    const int first_pos = seqlen_k - q_len + row_start;
-    int lo = 0;
-    if (sliding_window > 0 && first_pos - sliding_window + 1 > 0) lo = first_pos - sliding_window + 1;
+    const TileKeys keys = tile_keys(q_len, seqlen_k, row_start, sliding_window);
+    const int rows = keys.rows;
     const int64_t score_floats = (int64_t)(kv_head_end - kv_head_begin) * rows * (num_heads / num_kv_heads)
-                                 * (first_pos + rows - lo + KEY_BLOCK);
+                                 * (keys.last_pos - keys.lo + 1 + KEY_BLOCK);
     const int two_pass = score_floats <= TWO_PASS_MAX_SCORES;
     float *two_pass_scratch = scratch + tile_scratch_floats(num_heads, head_dim, page_size);
 #define ATTEND(D)                                                                                                 \
