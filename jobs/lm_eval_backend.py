@@ -46,6 +46,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, eos_token_ids, load_model
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("cbrun.lm_eval")
@@ -190,7 +191,8 @@ class CbrunLM(TemplateLM):
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self._max_gen_toks = int(max_gen_toks)
-        model = _load_model(pretrained, config)
+        # As cbrun run loads it: the safetensors loader where it applies; torch's threads set ("auto" resolved).
+        model = load_model(pretrained, config)
         self._max_length = int(max_length) if max_length else resolve_max_length(model.config, self.tokenizer)
         self.engine = _build_engine(pretrained, model, config, self.tokenizer, self._max_length)
         self._device = torch.device(device)
@@ -456,18 +458,6 @@ def _generic_tokenizer_class(path: str):
     return TokenizersBackend
 
 
-def _load_model(path: str, config: EngineConfig) -> torch.nn.Module:
-    """The causal LM as ``LLMEngine.from_pretrained`` loads it (``engine.llm_engine.load_model``: the safetensors
-    loader where it applies, else transformers with cbrun's paged attention; torch's threads from
-    ``num_threads``, "auto" included; local files only)."""
-    from engine.llm_engine import load_model
-
-    model = load_model(path, config)
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; the cbrun backend runs causal LMs")
-    return model
-
-
 def _build_engine(path: str, model: torch.nn.Module, config: EngineConfig, tokenizer, max_length: int):
     """An engine whose length limit admits a scoring window of ``max_length + 1`` tokens plus the sampled token.
 
@@ -475,8 +465,6 @@ def _build_engine(path: str, model: torch.nn.Module, config: EngineConfig, token
     ``max_length``, one past them) because it samples after every prompt. Rotary models compute any position;
     a model with learned position embeddings of exactly ``max_length`` rows needs ``max_length`` one lower.
     """
-    from engine.llm_engine import LLMEngine, eos_token_ids
-
     return LLMEngine(model, config, eos_token_ids(path, model.config), max_length + 2, tokenizer)
 
 
