@@ -21,8 +21,8 @@ import traceback
 EXIT_CODES = (
     "exit codes: 0 the job finished, its error rows within output.max_error_fraction (or there was nothing to do); "
     "1 an unexpected failure (the rows finished before it are committed; rerun to resume); "
-    "2 a setup problem, reported before any work (bad manifest; missing or unusable input, column, model, tokenizer, "
-    "device or output directory; output holding another job; output in use by another run); "
+    "2 a setup problem, reported before any work (bad manifest; missing or unusable input, column, model, weights, "
+    "tokenizer, device or output directory; output holding another job; output in use by another run); "
     "3 the job finished, but more than output.max_error_fraction of its output rows are error rows (or all are); "
     "130 interrupted by SIGINT, 143 by SIGTERM (the finished rows are committed; rerun to resume)."
 )
