@@ -15,6 +15,13 @@ LOADERS = ("auto", "transformers")
 #: defaults, 256 sequences and 8k batched tokens. CPU: measured on the gsm8k-long bench workload (stories260K, one
 #: thread, 2-core machine): benchmarks/results-defaults.md.
 DEFAULT_BATCH_LIMITS = {"cpu": (256, 1024), "cuda": (256, 8192)}
+#: Default ``page_size`` per device type. CPU: 64, because the C attention kernel streams a page's rows from memory
+#: and then jumps to the next page wherever it lies: longer pages mean fewer jumps and less per-page work. On the
+#: gsm8k-long bench workload (stories260K, 2-core machine) the generation phase took 0.89x the time of 16-token
+#: pages at 32, 0.86x at 64 and 0.82x at 128, within each other's spread from 64 up (benchmarks/results-page-size.md);
+#: 64 keeps prefix sharing finer than 128 (only whole blocks are shared). CUDA: 16, the page the Triton kernels are
+#: tuned for (vLLM's default block size on GPUs).
+DEFAULT_PAGE_SIZE = {"cpu": 64, "cuda": 16}
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 #: Version of the rule that decides a request's proposals (``engine.speculative.Speculator.propose``). A sampled
 #: row's draws depend on its proposals, so a job's fingerprint records it: bump it whenever a change alters which
@@ -28,7 +35,9 @@ class EngineConfig:
     """Settings of the continuous-batching engine.
 
     Attributes:
-        page_size: tokens per KV-cache block (page).
+        page_size: tokens per KV-cache block (page); None (the default) takes the device's default from
+            ``DEFAULT_PAGE_SIZE`` (CPU 64, CUDA 16). Prefix sharing reuses whole blocks only, so smaller pages share
+            more of a common prefix.
         num_blocks: blocks in the KV-cache pool; None sizes the pool from free memory (``max_memory_percent``).
         max_batch_tokens: token budget of one forward pass (decode tokens plus prefill chunk tokens); None (the
             default) takes the device's throughput default from ``DEFAULT_BATCH_LIMITS`` (CPU 1024, CUDA 8192).
@@ -41,7 +50,8 @@ class EngineConfig:
         allow_block_sharing: reuse KV blocks of identical prompt prefixes (prefix caching).
         cpu_offload_space: GiB of CPU swap space for offloaded requests; 0 falls back to soft reset.
         dtype: model and KV-cache dtype; "auto" keeps the checkpoint's dtype.
-        device: torch device string, e.g. "cpu" or "cuda".
+        device: torch device string, e.g. "cpu" or "cuda"; "auto" (a job manifest's default) leaves the device
+            defaults above None until the job resolves the device and replaces it.
         attention_backend: "torch" (the PyTorch reference: gathers the pages, then SDPA), "triton" (kernels),
             "cpu" (``kernels.cpu_attention``: a C/OpenMP kernel that reads pages in place, compiled at first use;
             float32 on the CPU only, else a ValueError), or "auto": triton on CUDA, else cpu where it applies
@@ -101,7 +111,7 @@ class EngineConfig:
         ValueError: naming the setting and the reason, for any out-of-range value.
     """
 
-    page_size: int = 16
+    page_size: int | None = None
     num_blocks: int | None = None
     max_batch_tokens: int | None = None
     max_requests_per_batch: int | None = None
@@ -133,14 +143,10 @@ class EngineConfig:
     speculative_row_cost: float = 0.03
 
     def __post_init__(self) -> None:
-        default_requests, default_tokens = DEFAULT_BATCH_LIMITS["cuda" if self.device.startswith("cuda") else "cpu"]
-        if self.max_requests_per_batch is None:
-            self.max_requests_per_batch = default_requests
-        if self.max_batch_tokens is None:
-            self.max_batch_tokens = default_tokens
-        self._check_positive_int("page_size")
-        self._check_positive_int("max_batch_tokens")
-        self._check_positive_int("max_requests_per_batch")
+        self._resolve_device_defaults()
+        for name in ("page_size", "max_batch_tokens", "max_requests_per_batch"):
+            if getattr(self, name) is not None:  # None only while the device is "auto"
+                self._check_positive_int(name)
         if self.num_blocks is not None:
             self._check_positive_int("num_blocks")
         if self.scheduler_type not in SCHEDULER_TYPES:
@@ -175,6 +181,22 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         self._check_speculative()
+
+    def _resolve_device_defaults(self) -> None:
+        """Fill ``page_size``, ``max_requests_per_batch`` and ``max_batch_tokens`` left None with the device's
+        defaults. A job's manifest says device "auto" until ``jobs.resources.resolve_device`` picks one; those stay
+        None until then, so that ``dataclasses.replace(config, device=...)`` takes the defaults of the device the
+        job runs on, not the CPU's."""
+        if self.device == "auto":
+            return
+        device_type = "cuda" if self.device.startswith("cuda") else "cpu"
+        default_requests, default_tokens = DEFAULT_BATCH_LIMITS[device_type]
+        if self.page_size is None:
+            self.page_size = DEFAULT_PAGE_SIZE[device_type]
+        if self.max_requests_per_batch is None:
+            self.max_requests_per_batch = default_requests
+        if self.max_batch_tokens is None:
+            self.max_batch_tokens = default_tokens
 
     def _check_speculative(self) -> None:
         if self.speculative not in SPECULATIVE_METHODS:

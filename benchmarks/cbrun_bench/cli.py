@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="vllm: an extra vllm.LLM argument, VALUE as JSON when it parses (repeatable), e.g. "
                    "max_num_seqs=128")
-    p.add_argument("--page-size", type=int, default=16, help="cbrun and hf-cb tokens per KV block")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="cbrun and hf-cb tokens per KV block (default: the engine's, 64 on the CPU)")
     p.add_argument("--max-new-tokens", default="16:256", metavar="LOW:HIGH",
                    help="per-row max_new_tokens drawn uniformly in [LOW, HIGH]")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-row lengths and of random prompts")

@@ -1,6 +1,7 @@
 """Throughput defaults: device batch limits, ``num_threads = "auto"``, a default cache sized to the work, and a
 pool that is zeroed only where it is used."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cache_pool import NUM_RESERVED_CHUNKS, CachePool
 from engine.cache_sizing import useful_blocks
-from engine.config import DEFAULT_BATCH_LIMITS
+from engine.config import DEFAULT_BATCH_LIMITS, DEFAULT_PAGE_SIZE
 from engine.kv_cache import KVCache
 from engine.threads import TINY_MODEL_PARAMS, physical_cores, resolve_attention_threads, resolve_num_threads
 from tests.model_utils import hf_greedy, random_llama_dir, random_prompts
@@ -22,6 +23,24 @@ def test_batch_limits_default_by_device_and_explicit_values_stay():
     assert cpu.num_threads == "auto"
     set_by_hand = EngineConfig(max_requests_per_batch=8, max_batch_tokens=64)
     assert (set_by_hand.max_requests_per_batch, set_by_hand.max_batch_tokens) == (8, 64)
+
+
+def test_page_size_defaults_by_device_and_explicit_values_stay():
+    assert EngineConfig().page_size == DEFAULT_PAGE_SIZE["cpu"] == 64
+    assert EngineConfig(device="cuda:0").page_size == DEFAULT_PAGE_SIZE["cuda"] == 16
+    assert EngineConfig(page_size=8).page_size == EngineConfig(device="cuda", page_size=8).page_size == 8
+    with pytest.raises(ValueError, match="page_size"):
+        EngineConfig(page_size=0)
+
+
+def test_auto_device_takes_the_defaults_of_the_device_it_resolves_to():
+    # A manifest's device is "auto" until the job resolves it: the defaults must be the resolved device's.
+    auto = EngineConfig(device="auto")
+    assert (auto.page_size, auto.max_requests_per_batch, auto.max_batch_tokens) == (None, None, None)
+    cuda = replace(auto, device="cuda:0")
+    assert (cuda.page_size, cuda.max_requests_per_batch, cuda.max_batch_tokens) == (16, 256, 8192)
+    cpu = replace(EngineConfig(device="auto", page_size=32), device="cpu")
+    assert (cpu.page_size, cpu.max_requests_per_batch, cpu.max_batch_tokens) == (32, 256, 1024)
 
 
 @pytest.mark.parametrize("value", ["many", 0, -1, 1.5, True])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,10 @@ def test_loads_sections_into_dataclasses(manifest_file):
     assert (m.input.prompt_column, m.input.id_column, m.input.limit) == ("question", "id", 10)
     assert m.sampling.max_new_tokens == 64 and m.sampling.stop_token_ids == (5, 6) and m.sampling.seed is None
     assert m.seed == 7
-    # max_requests_per_batch is not in the manifest: the CPU default
-    assert (m.engine.page_size, m.engine.max_batch_tokens, m.engine.max_requests_per_batch) == (8, 128, 256)
+    # max_requests_per_batch is not in the manifest: the default of the device the job resolves "auto" to
+    assert (m.engine.device, m.engine.page_size, m.engine.max_batch_tokens) == ("auto", 8, 128)
+    assert m.engine.max_requests_per_batch is None
+    assert replace(m.engine, device="cpu").max_requests_per_batch == 256
     assert (m.output.commit_every_rows, m.output.commit_every_seconds, m.output.overwrite) == (50, 30.0, False)
 
 
@@ -111,7 +114,7 @@ def test_set_and_flags_override_in_order(manifest_file):
 def test_flags_alone_make_a_manifest_and_paths_are_required():
     m = load_manifest(None, [], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
                                  "output": {"path": "o"}})
-    assert m.engine.page_size == 16 and m.sampling.max_new_tokens == 128
+    assert replace(m.engine, device="cpu").page_size == 64 and m.sampling.max_new_tokens == 128
     with pytest.raises(ValueError, match=r"model.path is required.*--model"):
         manifest_from_dict({"input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}})
 
