@@ -122,7 +122,7 @@ def test_flags_alone_make_a_manifest_and_paths_are_required():
 def test_shipped_gsm8k_manifest_is_valid():
     m = load_manifest(REPO_ROOT / "manifests" / "gsm8k-stories260k.toml")
     assert m.model.path == "models/stories260K" and m.input.prompt_column == "question"
-    assert m.input.id_column == "id" and m.sampling.temperature == 0.0 and m.engine.page_size == 16
+    assert m.input.id_column == "id" and m.sampling.temperature == 0.0 and m.engine.page_size == 64
     data = REPO_ROOT / m.input.path  # relative to the repository root, where cbrun is meant to run
     if not data.is_file():
         pytest.skip(f"{data} not present")
