@@ -156,6 +156,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Atten
     # The kernels read the page size from the cache tensor, the block tables and slots were built with md's.
     assert md.k_pages.shape[1] == md.page_size, f"page size {md.page_size} but cache pages of {md.k_pages.shape[1]}"
     group, index = md.layer_groups[layer_idx]
+    if md.use_cpu_kernel:
+        return _cpu_kernel_attention(q, k, v, md, group, index, scale, sliding_window, softcap)
     slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
     if md.use_triton:
         from kernels.kv_cache_write import write_kv_cache_triton
@@ -165,12 +167,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Atten
                                       scale, sliding_window=sliding_window, softcap=softcap,
                                       max_seqlen_q=md.max_seqlen_q)
     write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
-    if md.use_cpu_kernel:
-        from kernels.cpu_attention import paged_attention_cpu
-        return paged_attention_cpu(q, md.k_pages, md.v_pages, block_tables, md.cu_seqlens_q, md.seqlens_k, scale,
-                                   softcap, sliding_window, num_threads=md.cpu_kernel_threads)
     return paged_attention_ref(q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap,
                                page_offset=index)
+
+
+def _cpu_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, group: str,
+                          index: int, scale: float, sliding_window: int | None, softcap: float | None
+                          ) -> torch.Tensor:
+    """``paged_attention`` on the C kernels (``kernels.cpu_attention``): the K/V write and the attention each take
+    the group's layer-0 slot mapping and block tables with the layer's page shift, applied in C, so no layer makes
+    shifted copies of them (``GroupMetadata.for_layer``, which the other backends use)."""
+    from kernels.cpu_attention import paged_attention_cpu, write_kv_cache_cpu
+
+    layer0 = md.groups[group]
+    write_kv_cache_cpu(k, v, md.k_pages, md.v_pages, layer0.slot_mapping, slot_address(index, 0, md.page_size))
+    return paged_attention_cpu(q, md.k_pages, md.v_pages, layer0.block_tables, md.cu_seqlens_q, md.seqlens_k, scale,
+                               softcap, sliding_window, page_offset=index, num_threads=md.cpu_kernel_threads)
 
 
 def register_with_transformers() -> str:

@@ -8,7 +8,8 @@ transformers) through the same operations in the same order, and the same paged 
 (``engine.attention.paged_attention``), so its logits equal transformers' bit for bit, as long as each linear
 layer runs on torch's GEMM. On the CPU, large
 float32 weights run on oneDNN's instead (``engine.cpu_linear``, ``linear_backend``): faster, and equal up to float32
-rounding.
+rounding. Where the step runs on the C attention kernels (float32 on the CPU), RoPE runs in C too
+(``kernels.cpu_attention.rope_cpu``): the same floats as the PyTorch ops, one call instead of four.
 
 Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,7 @@ from engine.cpu_linear import LinearFn, onednn_linear, select_linear
 from engine.llama_weights import LayerWeights, Linear, LlamaWeights
 from engine.safetensors_loader import LeanModel
 from engine.switches import resolve_switch
+from kernels.cpu_attention import rope_cpu
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -150,20 +153,27 @@ class LeanLlama:
             (N, vocab_size) logits in the model's dtype.
         """
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (T, 1, head_dim)
+        if md.use_cpu_kernel:  # the C kernels' RoPE: one call per tensor, reading the tables by position
+            def rope(x: torch.Tensor) -> torch.Tensor:
+                return rope_cpu(x, self.cos, self.sin_signed, positions)
+        else:
+            cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (T, 1, head_dim)
+
+            def rope(x: torch.Tensor) -> torch.Tensor:
+                return _rope(x, cos, sin)
         for index, layer in enumerate(self.layers):
             # In place: the same sums as ``h = h + ...``, without a new (T, hidden) tensor per add.
-            h += self._attention(index, layer, _rms_norm(h, layer.input_norm, layer.input_eps), cos, sin, md)
+            h += self._attention(index, layer, _rms_norm(h, layer.input_norm, layer.input_eps), rope, md)
             h += _mlp(layer, _rms_norm(h, layer.post_norm, layer.post_eps))
         # NOTE: norm all rows, then keep some, as transformers does: norming only the kept rows is the same math,
         # but a GPU reduction may order its sums by the number of rows.
         return _linear(_rms_norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
 
-    def _attention(self, index: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, index: int, layer: _Layer, x: torch.Tensor, rope: Callable[[torch.Tensor], torch.Tensor],
                    md: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = _rope(_linear(x, layer.q).view(num_tokens, -1, self.head_dim), cos, sin)
-        k = _rope(_linear(x, layer.k).view(num_tokens, -1, self.head_dim), cos, sin)
+        q = rope(_linear(x, layer.q).view(num_tokens, -1, self.head_dim))
+        k = rope(_linear(x, layer.k).view(num_tokens, -1, self.head_dim))
         v = _linear(x, layer.v).view(num_tokens, -1, self.head_dim)
         out = paged_attention(q, k, v, md, index, layer.scale)
         return _linear(out.reshape(num_tokens, -1), layer.o)

@@ -7,9 +7,13 @@ into a padded tensor. The reference stays the fallback and the oracle (``tests/k
 At one thread it is 2.5x to 4x the reference on decode rows (the reference's page copy is the cost there) and 1x to
 2x on prefill chunks (head_dim 8 to 128; ``python -m benchmarks.cpu_attention --kernel-only``).
 
-The kernel is plain C with no torch headers, so it builds in about a second: with ``$CC`` (default ``gcc``), flags
-``-O3 -march=native -fopenmp -fno-trapping-math`` (the last lets the compiler vectorise the softmax's selects), into ``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``), once per source,
-compiler and CPU. It is loaded with ``ctypes`` and called on tensors' data pointers. Where it cannot be built (no
+The same library writes each step's K/V into the cache (``write_kv_cache_cpu``, a plain copy) and applies RoPE
+(``rope_cpu``, the floats of the PyTorch ops).
+
+The kernel is plain C with no torch headers; it builds with ``$CC`` (default ``gcc``), flags ``-O3 -march=native
+-fopenmp -fno-trapping-math`` (the last lets the compiler vectorise the softmax's selects), into
+``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``), once per source, compiler and CPU (about 33 s on a
+2-core machine: its tile loops are specialised per head size). It is loaded with ``ctypes`` and called on tensors' data pointers. Where it cannot be built (no
 compiler, a failed build, a read-only cache), ``unavailable_reason`` says why and the engine keeps the reference.
 """
 
@@ -76,6 +80,96 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
     return _call(library, query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, softcap,
                  sliding_window, page_offset, num_threads)
+
+
+def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, slot_offset: int = 0) -> None:
+    """Store this step's keys and values in the paged cache, in place, in C: one call, no per-call tensor ops.
+
+    The same bits as ``kernels.reference.write_kv_cache_ref`` (a copy), which costs a mask, a host sync and two
+    ``index_copy_`` per layer; with ``slot_offset`` the caller passes one slot mapping for every layer of a group
+    instead of one shifted copy per layer.
+
+    Args:
+        key, value: (T, num_kv_heads, head_dim) float32 CPU tensors.
+        k_cache, v_cache: (num_pages, page_size, num_kv_heads, head_dim) float32, contiguous.
+        slot_mapping: (T,) int64 flat slot of each token (page * page_size + offset); a negative slot (padding) is
+            skipped.
+        slot_offset: added to every non-negative slot (a layer's page shift times ``page_size``).
+
+    Raises:
+        RuntimeError: when the kernel is unavailable (see ``unavailable_reason``).
+        ValueError: for a dtype, device or shape the kernel does not take, or a slot outside the cache (nothing is
+            written then).
+    """
+    library = _load()
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    _check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+    key, value = key.contiguous(), value.contiguous()
+    slots = slot_mapping.contiguous()
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    status = library.cbrun_write_kv_f32(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                        slots.data_ptr(), slots.shape[0], num_kv_heads * head_dim, slot_offset,
+                                        k_cache.shape[0] * page_size)
+    if status:
+        raise ValueError(f"a slot of slot_mapping (+ {slot_offset}) lies outside the cache's "
+                         f"{k_cache.shape[0] * page_size} slots")
+
+
+def rope_cpu(x: torch.Tensor, cos_table: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
+             ) -> torch.Tensor:
+    """RoPE in place, in C: ``x * cos + roll(x, head_dim / 2) * sin_signed`` per row's position, the same floats as
+    those three PyTorch ops (``engine.lean_llama._rope``), in one call instead of four ops and their tensors.
+
+    Args:
+        x: (T, num_heads, head_dim) float32 CPU tensor, contiguous; head_dim even. Overwritten.
+        cos_table, sin_signed: (num_positions, head_dim) float32, contiguous: ``engine.lean_llama._rope_tables``
+            (transformers' rotate_half with the sign of the first half folded into the sin table).
+        positions: (T,) int64 position of each row.
+
+    Returns:
+        ``x``, rotated.
+
+    Raises:
+        RuntimeError: when the kernel is unavailable (see ``unavailable_reason``).
+        ValueError: for a dtype, device or shape the kernel does not take, or a position outside the tables
+            (``x`` is left as it was).
+    """
+    library = _load()
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    for name, t in (("x", x), ("cos_table", cos_table), ("sin_signed", sin_signed)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    num_rows, num_heads, head_dim = x.shape
+    if cos_table.shape != sin_signed.shape or cos_table.shape[1] != head_dim or head_dim % 2:
+        raise ValueError(f"x {tuple(x.shape)} does not fit the RoPE tables {tuple(cos_table.shape)} "
+                         f"and {tuple(sin_signed.shape)} (an even head_dim)")
+    if positions.dtype != torch.int64 or positions.shape != (num_rows,):
+        raise ValueError(f"positions must be int64 of shape ({num_rows},), got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    positions = positions.contiguous()
+    status = library.cbrun_rope_f32(x.data_ptr(), cos_table.data_ptr(), sin_signed.data_ptr(), positions.data_ptr(),
+                                    num_rows, num_heads, head_dim, cos_table.shape[0])
+    if status:
+        raise ValueError(f"a position lies outside the RoPE tables' {cos_table.shape[0]} positions")
+    return x
+
+
+def _check_kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not fit the cache "
+                         f"{tuple(k_cache.shape)}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != key.shape[:1]:
+        raise ValueError(f"slot_mapping must be int64 of shape ({key.shape[0]},), got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
 
 
 def load_source(source: Path) -> Callable[..., torch.Tensor]:
@@ -162,6 +256,12 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i32]
     fn.restype = ctypes.c_int
+    write = library.cbrun_write_kv_f32
+    write.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    write.restype = ctypes.c_int
+    rope = library.cbrun_rope_f32
+    rope.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i64]
+    rope.restype = ctypes.c_int
     return library
 
 

@@ -815,3 +815,52 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
     free(items);
     return failed ? -1 : 0;
 }
+
+/* Store num_tokens tokens' K and V rows (row_floats = num_kv_heads * head_dim floats each, rows of key and value
+ * contiguous) at cache slots slots[t] + slot_offset of k_cache / v_cache (num_slots rows each). A negative slot
+ * (a padding token) is skipped. Every slot is checked before anything is written: returns -1, the cache untouched,
+ * when one lies outside [0, num_slots), else 0. A plain copy, so the same bits as the PyTorch reference's
+ * index_copy_ (kernels/reference.py write_kv_cache_ref). */
+int cbrun_write_kv_f32(const float *key, const float *value, float *k_cache, float *v_cache, const int64_t *slots,
+                       int64_t num_tokens, int64_t row_floats, int64_t slot_offset, int64_t num_slots) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] >= 0 && (slots[t] + slot_offset < 0 || slots[t] + slot_offset >= num_slots)) return -1;
+    const size_t row_bytes = sizeof(float) * (size_t)row_floats;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0) continue;
+        const int64_t slot = slots[t] + slot_offset;
+        memcpy(k_cache + slot * row_floats, key + t * row_floats, row_bytes);
+        memcpy(v_cache + slot * row_floats, value + t * row_floats, row_bytes);
+    }
+    return 0;
+}
+
+/* RoPE in place on x (num_rows, num_heads, head_dim), row t at position positions[t], rotating the two halves of
+ * each head as transformers' rotate_half does: x * cos + rotate_half(x) * sin, with the tables of engine/lean_llama.py
+ * (cos_table, and sin_signed, whose first half is negated, both (num_positions, head_dim)). The products and the
+ * sum are rounded one at a time, as the three PyTorch ops round them: contracting them into fused multiply-adds
+ * (GCC's default) would change the floats, so it is off for this function. Returns -1, x untouched, when a
+ * position lies outside [0, num_positions), else 0. head_dim is even. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+int cbrun_rope_f32(float *x, const float *cos_table, const float *sin_signed, const int64_t *positions,
+                   int64_t num_rows, int32_t num_heads, int32_t head_dim, int64_t num_positions) {
+    for (int64_t t = 0; t < num_rows; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
+    const int half = head_dim / 2;
+    for (int64_t t = 0; t < num_rows; t++) {
+        const float *c = cos_table + positions[t] * head_dim, *s = sin_signed + positions[t] * head_dim;
+        for (int h = 0; h < num_heads; h++) {
+            float *row = x + (t * num_heads + h) * head_dim;
+            for (int d = 0; d < half; d++) {
+                const float lo = row[d], hi = row[d + half];
+                const float lo_cos = lo * c[d], hi_sin = hi * s[d];
+                const float hi_cos = hi * c[d + half], lo_sin = lo * s[d + half];
+                row[d] = lo_cos + hi_sin;
+                row[d + half] = hi_cos + lo_sin;
+            }
+        }
+    }
+    return 0;
+}
+#pragma GCC pop_options

@@ -9,8 +9,10 @@ reproduce (``generic_two_pass``): decode, verify and prefill tiles, both score o
 import pytest
 import torch
 
-from kernels.cpu_attention import SOURCE, generic_two_pass, load_source, paged_attention_cpu, unavailable_reason
-from kernels.reference import build_gather_plan, paged_attention_ref
+from engine.lean_llama import _rope, _rope_tables
+from kernels.cpu_attention import (SOURCE, generic_two_pass, load_source, paged_attention_cpu, rope_cpu,
+                                   unavailable_reason, write_kv_cache_cpu)
+from kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"CPU attention kernel unavailable: {unavailable_reason()}")
@@ -98,6 +100,54 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="does not fit"):
         paged_attention_cpu(query[..., :4], k_cache, v_cache, tables, cu, seqlens, 0.3)
 
+
+@pytest.mark.parametrize("slot_offset", [0, 8])
+def test_kv_write_gives_the_references_bits(slot_offset):
+    gen = torch.Generator().manual_seed(3)
+    key, value = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
+    slots = torch.tensor([5, -1, 0, 15, -1, 9])  # padding tokens (-1) write nowhere; 24 slots in all
+    caches = [torch.randn(6, 4, 2, 8, generator=gen) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    write_kv_cache_ref(key, value, *expected, torch.where(slots >= 0, slots + slot_offset, slots))
+    write_kv_cache_cpu(key, value, *caches, slots, slot_offset)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_kv_write_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    key = value = torch.ones(2, 2, 8)
+    k_cache, v_cache = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    with pytest.raises(ValueError, match="outside the cache's 8 slots"):
+        write_kv_cache_cpu(key, value, k_cache, v_cache, torch.tensor([1, 8]))  # slot 1 is fine, 8 is not
+    with pytest.raises(ValueError, match="outside"):
+        write_kv_cache_cpu(key, value, k_cache, v_cache, torch.tensor([1, 3]), slot_offset=5)
+    assert not k_cache.any() and not v_cache.any()
+    with pytest.raises(ValueError, match="do not fit"):
+        write_kv_cache_cpu(key[..., :4], value[..., :4], k_cache, v_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="int64"):
+        write_kv_cache_cpu(key, value, k_cache, v_cache, torch.tensor([0, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 6])
+def test_rope_gives_the_pytorch_ops_floats(head_dim):
+    # The lean model's tables and PyTorch RoPE are the oracle, bit for bit: a fused multiply-add would differ.
+    gen = torch.Generator().manual_seed(head_dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin_signed = _rope_tables(inv_freq, 1.0, 512, torch.float32)
+    x = torch.randn(37, 3, head_dim, generator=gen) * 10
+    positions = torch.randint(0, 512, (37,), generator=gen)
+    expected = _rope(x, cos[positions][:, None], sin_signed[positions][:, None])
+    assert torch.equal(rope_cpu(x.clone(), cos, sin_signed, positions), expected)
+
+
+def test_rope_refuses_a_position_outside_the_tables_and_leaves_x():
+    cos = sin_signed = torch.ones(4, 8)
+    x = torch.randn(2, 1, 8)
+    before = x.clone()
+    with pytest.raises(ValueError, match="outside the RoPE tables' 4 positions"):
+        rope_cpu(x, cos, sin_signed, torch.tensor([1, 4]))
+    assert torch.equal(x, before)
+    with pytest.raises(ValueError, match="int64"):
+        rope_cpu(x, cos, sin_signed, torch.tensor([1, 2], dtype=torch.int32))
 
 
 # (query lengths, context lengths) of the shapes the engine runs: decode rows, speculative verify rows (1 + k),
