@@ -13,8 +13,9 @@ The same library writes each step's K/V into the cache (``write_kv_cache_cpu``, 
 The kernel is plain C with no torch headers; it builds with ``$CC`` (default ``gcc``), flags ``-O3 -march=native
 -fopenmp -fno-trapping-math`` (the last lets the compiler vectorise the softmax's selects), into
 ``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``), once per source, compiler and CPU (about 33 s on a
-2-core machine: its tile loops are specialised per head size). It is loaded with ``ctypes`` and called on tensors' data pointers. Where it cannot be built (no
-compiler, a failed build, a read-only cache), ``unavailable_reason`` says why and the engine keeps the reference.
+2-core machine: its tile loops are specialised per head size). It is loaded with ``ctypes`` and called on tensors'
+data pointers. Where it cannot be built (no compiler, a failed build, a read-only cache), ``unavailable_reason``
+says why and the engine keeps the reference.
 """
 
 from __future__ import annotations
@@ -75,9 +76,7 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         RuntimeError: when the kernel is unavailable (see ``unavailable_reason``) or runs out of memory.
         ValueError: for a dtype, device or shape the kernel does not take.
     """
-    library = _load()
-    if library is None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    library = _loaded()
     return _call(library, query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, softcap,
                  sliding_window, page_offset, num_threads)
 
@@ -102,9 +101,7 @@ def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         ValueError: for a dtype, device or shape the kernel does not take, or a slot outside the cache (nothing is
             written then).
     """
-    library = _load()
-    if library is None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    library = _loaded()
     _check_kv_write(key, value, k_cache, v_cache, slot_mapping)
     key, value = key.contiguous(), value.contiguous()
     slots = slot_mapping.contiguous()
@@ -136,12 +133,10 @@ def rope_cpu(x: torch.Tensor, cos_table: torch.Tensor, sin_signed: torch.Tensor,
         ValueError: for a dtype, device or shape the kernel does not take, or a position outside the tables
             (``x`` is left as it was).
     """
-    library = _load()
-    if library is None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
-    for name, t in (("x", x), ("cos_table", cos_table), ("sin_signed", sin_signed)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    library = _loaded()
+    _check_float32_cpu(x=x, cos_table=cos_table, sin_signed=sin_signed)
+    if not (x.is_contiguous() and cos_table.is_contiguous() and sin_signed.is_contiguous()):
+        raise ValueError("x, cos_table and sin_signed must be contiguous")
     num_rows, num_heads, head_dim = x.shape
     if cos_table.shape != sin_signed.shape or cos_table.shape[1] != head_dim or head_dim % 2:
         raise ValueError(f"x {tuple(x.shape)} does not fit the RoPE tables {tuple(cos_table.shape)} "
@@ -159,11 +154,8 @@ def rope_cpu(x: torch.Tensor, cos_table: torch.Tensor, sin_signed: torch.Tensor,
 
 def _check_kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
-        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    _check_float32_cpu(key=key, value=value)
+    _check_cache(k_cache, v_cache)
     if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not fit the cache "
                          f"{tuple(k_cache.shape)}")
@@ -219,9 +211,7 @@ def generic_two_pass():
     Raises:
         RuntimeError: when the kernel is unavailable.
     """
-    library = _load()
-    if library is None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    library = _loaded()
     flag = ctypes.c_int.in_dll(library, "cbrun_attention_generic_two_pass")
     flag.value = 1
     try:
@@ -230,14 +220,31 @@ def generic_two_pass():
         flag.value = 0
 
 
-def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+def _check_float32_cpu(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    _check_float32_cpu(k_cache=k_cache, v_cache=v_cache)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
         raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+
+
+def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    _check_float32_cpu(query=query)
+    _check_cache(k_cache, v_cache)
     if query.shape[2] != k_cache.shape[3] or query.shape[1] % k_cache.shape[2]:
         raise ValueError(f"query {tuple(query.shape)} does not fit the cache {tuple(k_cache.shape)}")
+
+
+def _loaded() -> ctypes.CDLL:
+    """The library, built and loaded at first use; RuntimeError (why) when it is unavailable."""
+    library = _load()
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
+    return library
 
 
 def _load() -> ctypes.CDLL | None:
