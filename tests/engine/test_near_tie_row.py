@@ -40,7 +40,7 @@ QUESTION = ("The three angles in a triangle add up to 180 degrees. One angle is 
 TIE_STEP, WINNER, RUNNER_UP = 46, 262, 352
 NUM_TOKENS = TIE_STEP + 2
 # The README job's engine settings (manifests/gsm8k-stories260k.toml).
-JOB_ENGINE = dict(page_size=16, max_batch_tokens=512, max_requests_per_batch=64, num_threads=1)
+JOB_ENGINE = dict(page_size=64, max_batch_tokens=512, max_requests_per_batch=64, num_threads=1)
 BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(unavailable_reason() is not None,
                                                                  reason=f"CPU kernel: {unavailable_reason()}"))]
 
