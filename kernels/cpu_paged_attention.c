@@ -477,6 +477,31 @@ ALWAYS_INLINE f32x8 exp8_nonpositive(f32x8 x) {
     return (f32x8)((i32x8)(p * (f32x8)scale) & ~underflows);
 }
 
+/* Lanes of a or b, whichever is larger (b where a is NaN), as a bitwise select: GCC's C has no vector ?:. */
+ALWAYS_INLINE f32x8 max8(f32x8 a, f32x8 b) {
+    const i32x8 take_b = b > a;
+    return (f32x8)(((i32x8)b & take_b) | ((i32x8)a & ~take_b));
+}
+
+/* The largest of s[0..n) (-inf when n is 0). Four independent maxima in flight: one chain waits on each max's
+ * latency. A max is exact, so the order of comparisons never changes the result. */
+ALWAYS_INLINE float max_of(const float *s, int n) {
+    f32x8 m0 = splat8(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    int j = 0;
+    for (; j + 32 <= n; j += 32) {
+        m0 = max8(m0, load8(s + j));
+        m1 = max8(m1, load8(s + j + 8));
+        m2 = max8(m2, load8(s + j + 16));
+        m3 = max8(m3, load8(s + j + 24));
+    }
+    for (; j + 8 <= n; j += 8) m0 = max8(m0, load8(s + j));
+    m0 = max8(max8(m0, m1), max8(m2, m3));
+    float m = -INFINITY;
+    for (int l = 0; l < 8; l++) m = m0[l] > m ? m0[l] : m;
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
 /* Softmax weights of one query vector's n raw scores, in place (scale or softcap, max, exp), and their sum, the
  * floats of attend_tile_two_pass's second pass. Its sum is an OpenMP simd reduction, which GCC runs as 8 lane
  * sums over the full 8-float blocks, the tail added to lane 0, then 0 + lane 0 + ... + lane 7 in order; this
@@ -489,12 +514,10 @@ ALWAYS_INLINE float softmax_weights(float *s, int n, float scale, float softcap)
 #pragma omp simd
         for (int j = 0; j < n; j++) s[j] *= scale;
     }
-    float row_max = -INFINITY;
-#pragma omp simd reduction(max : row_max)
-    for (int j = 0; j < n; j++) row_max = s[j] > row_max ? s[j] : row_max;
+    const float row_max = max_of(s, n);
     f32x8 lanes = splat8(0.f);
     int j = 0;
-    for (; j + 16 <= n; j += 16) { /* two blocks per step: two independent exp chains in flight */
+    for (; j + 16 <= n; j += 16) { /* two 8-lane blocks per step, summed into the lanes one after the other */
         const f32x8 e0 = exp8_nonpositive(load8(s + j) - splat8(row_max));
         const f32x8 e1 = exp8_nonpositive(load8(s + j + 8) - splat8(row_max));
         store8(s + j, e0);
@@ -560,6 +583,34 @@ static void prefetch_rows(const float *k, const float *v, int64_t token_stride, 
 
 #define PREFETCH_PAGES 2 /* pages scattered in memory are fetched this many pages ahead of the score pass */
 
+/* kt[d * kt_stride + j] = k[j * stride + d] for keys j < n rounded up to 8 (keys past n repeat key n - 1; their
+ * scores are never read) and d < head_dim (a multiple of 8): 8 x 8 blocks transposed in registers, 24 shuffles
+ * (unpack, shufps, vperm2f128 on x86) instead of 64 scalar loads and stores. A copy: the floats are unchanged. */
+ALWAYS_INLINE void transpose_keys(const float *k, int n, int64_t stride, const int head_dim, float *kt,
+                                  int kt_stride) {
+    for (int b = 0; b < n; b += KEY_BLOCK)
+        for (int d0 = 0; d0 < head_dim; d0 += 8) {
+            f32x8 r[8];
+            for (int j = 0; j < 8; j++) r[j] = load8(k + (b + j < n ? b + j : n - 1) * stride + d0);
+            f32x8 t[8], u[8];
+            for (int j = 0; j < 8; j += 2) {
+                t[j] = SHUFFLE8(r[j], r[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+                t[j + 1] = SHUFFLE8(r[j], r[j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+            }
+            for (int j = 0; j < 8; j += 4)
+                for (int h = 0; h < 2; h++) {
+                    u[j + 2 * h] = SHUFFLE8(t[j + h], t[j + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+                    u[j + 2 * h + 1] = SHUFFLE8(t[j + h], t[j + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+                }
+            /* u[c] (c < 4) holds column c of keys 0..3 then column c + 4; u[4 + c] the same of keys 4..7 */
+            for (int c = 0; c < 4; c++) {
+                store8(kt + (int64_t)(d0 + c) * kt_stride + b, SHUFFLE8(u[c], u[4 + c], 0, 1, 2, 3, 8, 9, 10, 11));
+                store8(kt + (int64_t)(d0 + c + 4) * kt_stride + b,
+                       SHUFFLE8(u[c], u[4 + c], 4, 5, 6, 7, 12, 13, 14, 15));
+            }
+        }
+}
+
 /* Pass 1 of attend_tile_two_pass_simd on one page: the raw scores of every query vector of the tile against the
  * page's keys [k_lo, k_lo + n), written at scores + (r * vectors + h * group + g) * s_stride + (k_lo - lo). */
 ALWAYS_INLINE void score_page(const float *q_tile, const float *qpack, const float *k_page, int n, int rows,
@@ -571,8 +622,7 @@ ALWAYS_INLINE void score_page(const float *q_tile, const float *qpack, const flo
         const float *k_first = k_page + (int64_t)(kv_head_begin + h) * head_dim;
         float *s_head = s_page + (size_t)h * group * s_stride;
         if (transpose) {
-            for (int j = 0; j < n; j++)
-                for (int d = 0; d < head_dim; d++) kt[d * kt_stride + j] = k_first[j * token_stride + d];
+            transpose_keys(k_first, n, token_stride, head_dim, kt, kt_stride);
             const float *q_head = qpack + (size_t)h * nvec * head_dim;
             float *s[8];
             int vec = 0;
@@ -769,9 +819,11 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
         num_tiles += (q_len + TILE_Q - 1) / TILE_Q;
     }
     if (num_tiles == 0) return 0;
-    /* All KV heads in one item reads pages as contiguous streams; split heads only to give every thread work. */
+    /* All KV heads in one item reads pages as contiguous streams, and gives the V pass up to 8 query vectors at
+     * once (independent sums; with one head of a GQA group it has 2, and waits on each add); split heads only to
+     * give a second thread work. */
     int head_splits = 1;
-    while (head_splits < num_kv_heads && num_tiles * head_splits < 4 * threads) head_splits *= 2;
+    while (threads > 1 && head_splits < num_kv_heads && num_tiles * head_splits < 4 * threads) head_splits *= 2;
     if (head_splits > num_kv_heads) head_splits = num_kv_heads;
     const int64_t num_items = num_tiles * head_splits;
     WorkItem *items = malloc(sizeof(WorkItem) * (size_t)num_items);

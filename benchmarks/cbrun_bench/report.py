@@ -32,7 +32,9 @@ def summarize(result: RunResult, workload: Workload, reference: RunResult | None
     row = dict(backend=result.backend, setting=result.setting, repeat=result.repeat, rows=len(result.outputs),
                prompt_tokens=workload.num_prompt_tokens, generated_tokens=generated, wall_s=result.wall_s,
                cpu_s=result.cpu_s, generated_tok_s=generated / result.wall_s, total_tok_s=total / result.wall_s,
-               generated_tok_per_cpu_s=generated / result.cpu_s,
+               # None when the run took less CPU time than its clock resolves (a subprocess's /proc times tick
+               # at 10 ms): a short run on a fast machine can read 0.
+               generated_tok_per_cpu_s=generated / result.cpu_s if result.cpu_s > 0 else None,
                computed_tokens=result.computed_tokens,
                cached_prompt_tokens=result.info.get("num_cached_prompt_tokens"),
                prefix_hit_rate=result.info.get("prefix_hit_rate"),

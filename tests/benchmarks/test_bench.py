@@ -123,3 +123,17 @@ def test_command_summary_splits_the_whole_command_around_generation():
                     "before the job and exit 2.5 s; peak RSS 700 MiB")
     del command["info"]["job_elapsed_s"]  # a result file from before the split: the line without it
     assert report.command_summary([command, generate]).endswith("(400 tok/s, generation only)")
+
+
+def test_a_run_whose_cpu_time_reads_zero_reports_no_cpu_rate():
+    """A subprocess backend reads its CPU time from /proc in 10 ms ticks; a short run on a fast machine reads 0."""
+    from benchmarks.cbrun_bench.measure import ModelCost, RunResult
+
+    workload = workloads.Workload("w", Path("."), [[1, 2, 3]], [2], (), 512, "")
+    cost = ModelCost(decoder_params=100, lm_head_params=10, attention_per_position=4, total_params=110)
+    run = RunResult("vllm", "", [[5, 6]], wall_s=0.01, cpu_s=0.0, first_token_s=[0.005], finish_s=[0.01])
+    row = report.summarize(run, workload, None, cost, matmul_gflops=100.0)
+    assert row["generated_tok_per_cpu_s"] is None
+    assert row["generated_tok_s"] == 2 / 0.01
+    timed = report.summarize(RunResult("vllm", "", [[5, 6]], 0.01, 0.5, [0.005], [0.01]), workload, None, cost, 100.0)
+    assert timed["generated_tok_per_cpu_s"] == 2 / 0.5
