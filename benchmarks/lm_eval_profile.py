@@ -86,7 +86,7 @@ def load_backend(backend: str, model: str, timers: Timers):
     timers.wrap(backend_module.CbrunLM, "_loglikelihood_tokens", "scoring")
     timers.wrap(engine, "step", "engine step")
     timers.wrap(engine.model_runner, "_forward", "forward")
-    timers.wrap(kernels.cpu_attention, "paged_attention_cpu", "attention kernel")
+    timers.wrap(kernels.cpu_attention.StepKernels, "attention", "attention kernel")
     timers.wrap(lean_llama, "_linear", "linear layers")
     timers.wrap(engine, "add_request", "add_request")
     return lm

@@ -85,6 +85,16 @@ class AttentionMetadata:
     use_cpu_kernel: bool = False
     cpu_kernel_threads: int | None = None
     _plans: dict = field(default_factory=dict)
+    _step_kernels: object = None
+
+    def step_kernels(self):
+        """This step's ``kernels.cpu_attention.StepKernels`` over the cache, built on first use and shared by the
+        layers, so the step's block tables, slot mappings and lengths are checked and converted once."""
+        if self._step_kernels is None:
+            from kernels.cpu_attention import StepKernels
+
+            self._step_kernels = StepKernels(self.k_pages, self.v_pages, self.cpu_kernel_threads)
+        return self._step_kernels
 
     def gather_plan(self, group: str, sliding_window: int | None) -> GatherPlan:
         """The reference path's gather plan of one group, built on first use and shared by its layers."""
@@ -176,13 +186,13 @@ def _cpu_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md:
                           ) -> torch.Tensor:
     """``paged_attention`` on the C kernels (``kernels.cpu_attention``): the K/V write and the attention each take
     the group's layer-0 slot mapping and block tables with the layer's page shift, applied in C, so no layer makes
-    shifted copies of them (``GroupMetadata.for_layer``, which the other backends use)."""
-    from kernels.cpu_attention import paged_attention_cpu, write_kv_cache_cpu
-
+    shifted copies of them (``GroupMetadata.for_layer``, which the other backends use), and the step's
+    ``StepKernels`` converts them once for all layers."""
+    kernels = md.step_kernels()
     layer0 = md.groups[group]
-    write_kv_cache_cpu(k, v, md.k_pages, md.v_pages, layer0.slot_mapping, slot_address(index, 0, md.page_size))
-    return paged_attention_cpu(q, md.k_pages, md.v_pages, layer0.block_tables, md.cu_seqlens_q, md.seqlens_k, scale,
-                               softcap, sliding_window, page_offset=index, num_threads=md.cpu_kernel_threads)
+    kernels.write_kv(k, v, layer0.slot_mapping, slot_address(index, 0, md.page_size))
+    return kernels.attention(q, layer0.block_tables, md.cu_seqlens_q, md.seqlens_k, scale, softcap, sliding_window,
+                             page_offset=index)
 
 
 def register_with_transformers() -> str:

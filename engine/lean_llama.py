@@ -9,7 +9,8 @@ transformers) through the same operations in the same order, and the same paged 
 layer runs on torch's GEMM. On the CPU, large
 float32 weights run on oneDNN's instead (``engine.cpu_linear``, ``linear_backend``): faster, and equal up to float32
 rounding. Where the step runs on the C attention kernels (float32 on the CPU), RoPE runs in C too
-(``kernels.cpu_attention.rope_cpu``): the same floats as the PyTorch ops, one call instead of four.
+(``kernels.cpu_attention.rope_cpu``, called through the step's ``StepKernels``): the same floats as the PyTorch
+ops, one call instead of four.
 
 Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
 
@@ -39,7 +40,6 @@ from engine.cpu_linear import LinearFn, onednn_linear, select_linear
 from engine.llama_weights import LayerWeights, Linear, LlamaWeights
 from engine.safetensors_loader import LeanModel
 from engine.switches import resolve_switch
-from kernels.cpu_attention import rope_cpu
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -154,8 +154,10 @@ class LeanLlama:
         """
         h = F.embedding(input_ids, self.embed)
         if md.use_cpu_kernel:  # the C kernels' RoPE: one call per tensor, reading the tables by position
+            kernels = md.step_kernels()
+
             def rope(x: torch.Tensor) -> torch.Tensor:
-                return rope_cpu(x, self.cos, self.sin_signed, positions)
+                return kernels.rope(x, self.cos, self.sin_signed, positions)
         else:
             cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (T, 1, head_dim)
 

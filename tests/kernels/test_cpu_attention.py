@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.lean_llama import _rope, _rope_tables
-from kernels.cpu_attention import (SOURCE, generic_two_pass, load_source, paged_attention_cpu, rope_cpu,
-                                   unavailable_reason, write_kv_cache_cpu)
+from kernels.cpu_attention import (SOURCE, StepKernels, generic_two_pass, load_source, paged_attention_cpu,
+                                   rope_cpu, unavailable_reason, write_kv_cache_cpu)
 from kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
@@ -148,6 +148,47 @@ def test_rope_refuses_a_position_outside_the_tables_and_leaves_x():
     assert torch.equal(x, before)
     with pytest.raises(ValueError, match="int64"):
         rope_cpu(x, cos, sin_signed, torch.tensor([1, 2], dtype=torch.int32))
+
+
+def test_step_kernels_reused_by_layers_match_the_one_call_functions_and_check_each_new_tensor():
+    # One StepKernels serves every layer of a step: the step's tensors are converted once, each layer's own tensors
+    # are checked on every call, and a tensor not seen before (another object) is checked again.
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(*RAGGED, 4, 2, 8, seed=5)
+    kernels = StepKernels(k_cache, v_cache, num_threads=1)
+    for layer in range(3):  # as layers do: the same tables and lengths, a new query each time
+        q = query * (layer + 1)
+        assert torch.equal(kernels.attention(q, tables, cu, seqlens, 0.3),
+                           paged_attention_cpu(q, k_cache, v_cache, tables, cu, seqlens, 0.3, num_threads=1))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.attention(query.double(), tables, cu, seqlens, 0.3)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.attention(query[..., :4], tables, cu, seqlens, 0.3)
+
+    gen = torch.Generator().manual_seed(4)
+    key, value = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    slots = torch.tensor([2, -1, 7])
+    caches = [torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)]
+    expected = [c.clone() for c in caches]
+    writer = StepKernels(*caches)
+    for offset in (0, 4):  # two layers of one group: one slot mapping, shifted in C
+        writer.write_kv(key, value, slots, offset)
+        write_kv_cache_cpu(key, value, *expected, slots, offset)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    with pytest.raises(ValueError, match="int64"):
+        writer.write_kv(key, value, slots.to(torch.int32))
+    with pytest.raises(ValueError, match="int64 of shape"):
+        writer.write_kv(key[:2], value[:2], slots)
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    cos, sin_signed = _rope_tables(inv_freq, 1.0, 16, torch.float32)
+    x, positions = torch.randn(3, 2, 8, generator=gen), torch.tensor([0, 5, 15])
+    rope = StepKernels.rope_only()
+    rotated = rope_cpu(x.clone(), cos, sin_signed, positions)
+    assert torch.equal(rope.rope(x.clone(), cos, sin_signed, positions), rotated)
+    with pytest.raises(ValueError, match="one"):  # the same cos table with a sin table of another shape
+        rope.rope(x.clone(), cos, sin_signed[:8], positions)
+    with pytest.raises(ValueError, match="outside the RoPE tables' 16 positions"):
+        rope.rope(x.clone(), cos, sin_signed, torch.tensor([0, 5, 16]))
 
 
 # (query lengths, context lengths) of the shapes the engine runs: decode rows, speculative verify rows (1 + k),
