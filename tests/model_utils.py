@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -24,7 +26,7 @@ def random_llama_dir(vocab_size: int = 128, num_kv_heads: int = 2, max_len: int 
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(WEIGHT_SCALE)
-    path = Path(tempfile.mkdtemp(prefix="cbrun-llama-"))
+    path = session_tmp_dir("cbrun-llama-")
     model.save_pretrained(path)
     return path
 
@@ -49,8 +51,15 @@ def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> P
     with torch.no_grad():
         for param in model.parameters():  # biases start at zero and norms at one: make them matter
             param.mul_(WEIGHT_SCALE).add_(0.05 * torch.randn_like(param))
-    path = Path(tempfile.mkdtemp(prefix=f"cbrun-{model_type}-"))
+    path = session_tmp_dir(f"cbrun-{model_type}-")
     model.save_pretrained(path)
+    return path
+
+
+def session_tmp_dir(prefix: str) -> Path:
+    """A new temporary directory, removed when the test process exits (the models are cached per session)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
 
 

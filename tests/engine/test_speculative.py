@@ -14,7 +14,7 @@ import transformers
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.speculative import NgramIndex, NgramProposer, accept_greedy
 from tests.model_utils import (WEIGHT_SCALE, assert_pool_balanced, assert_same_outputs_and_logprobs, hf_greedy,
-                               random_llama_dir, random_prompts)
+                               random_llama_dir, random_prompts, session_tmp_dir)
 
 VOCAB = 128
 
@@ -116,9 +116,6 @@ def test_ngram_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, pag
 def _random_model_dir(arch: str):
     if arch == "llama":
         return random_llama_dir(VOCAB)
-    import tempfile
-    from pathlib import Path
-
     import torch
 
     torch.manual_seed(0)
@@ -129,7 +126,7 @@ def _random_model_dir(arch: str):
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(WEIGHT_SCALE)
-    path = Path(tempfile.mkdtemp(prefix="cbrun-qwen2-"))
+    path = session_tmp_dir("cbrun-qwen2-")
     model.save_pretrained(path)
     return path
 
