@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -152,11 +151,12 @@ class StepKernels:
         self._library = library or _loaded()
         if k_cache is not None:
             _check_cache(k_cache, v_cache)
-            self._k_cache, self._v_cache = k_cache, v_cache
+            self._k_cache, self._v_cache = k_cache, v_cache  # kept alive while C holds their pointers
             self._cache_shape = tuple(k_cache.shape)
             self._k_ptr, self._v_ptr = k_cache.data_ptr(), v_cache.data_ptr()
         self._num_threads = num_threads or torch.get_num_threads()
         self._ready: dict[int, tuple[torch.Tensor, object]] = {}  # id(tensor) -> (tensor, its checked C form)
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (cos, sin, positions), checked
 
     @classmethod
     def rope_only(cls) -> "StepKernels":
@@ -214,9 +214,10 @@ class StepKernels:
         if not x.is_contiguous() or x.dim() != 3:
             raise ValueError(f"x must be a contiguous (T, num_heads, head_dim) tensor, got {tuple(x.shape)}")
         num_rows, num_heads, head_dim = x.shape
-        sin_checked, num_positions = self._converted(cos_table, functools.partial(_rope_tables, sin_signed))
-        if sin_checked is not sin_signed:  # the same cos table with another sin table: check the pair again
-            sin_checked, num_positions = _rope_tables(sin_signed, cos_table)
+        tables = self._rope_tables
+        if tables is None or tables[0] is not cos_table or tables[1] is not sin_signed:  # a new pair: check it
+            tables = self._rope_tables = (cos_table, sin_signed, _rope_table_positions(cos_table, sin_signed))
+        num_positions = tables[2]
         if cos_table.shape[1] != head_dim:
             raise ValueError(f"x {tuple(x.shape)} does not fit the RoPE tables {tuple(cos_table.shape)} "
                              f"and {tuple(sin_signed.shape)} (an even head_dim)")
@@ -254,15 +255,15 @@ def _int64_vector(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _rope_tables(sin_signed: torch.Tensor, cos_table: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Checks RoPE's tables; returns the sin table and their number of positions."""
+def _rope_table_positions(cos_table: torch.Tensor, sin_signed: torch.Tensor) -> int:
+    """Checks RoPE's tables; returns their number of positions."""
     _check_float32_cpu(cos_table=cos_table, sin_signed=sin_signed)
     if not (cos_table.is_contiguous() and sin_signed.is_contiguous()):
         raise ValueError("x, cos_table and sin_signed must be contiguous")
     if cos_table.shape != sin_signed.shape or cos_table.dim() != 2 or cos_table.shape[1] % 2:
         raise ValueError(f"the RoPE tables {tuple(cos_table.shape)} and {tuple(sin_signed.shape)} must be one "
                          "(num_positions, head_dim) shape with an even head_dim")
-    return sin_signed, cos_table.shape[0]
+    return cos_table.shape[0]
 
 
 def load_source(source: Path) -> Callable[..., torch.Tensor]:
