@@ -28,6 +28,7 @@ token between the backends.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import random
@@ -128,14 +129,19 @@ def kernel_table(repeats: int) -> str:
 
 
 #: --paired: workload name, rows, (max_requests_per_batch, max_batch_tokens) of its engine.
+#: Bytes touched before each timed call of ``--paired``: they evict the pages and their TLB entries from the L1 and
+#: L2 caches, and from most L3s (not from an L3 as large as the 480 MiB of the Intel Xeon of
+#: results-cpu-attention-paired-r3.md, whose calls read pages from that L3).
+EVICT_BYTES = 48 << 20
+
 PAIRED_WORKLOADS = (("gsm8k-long", 256, (256, 1024)), ("vllm-random-llama", 128, (256, 2048)))
 
 
-def paired_table(old_source: Path) -> str:
+def paired_table(old_source: Path, page_size: int | None = None) -> str:
     """Markdown table: per workload and kind of call, thread CPU seconds of its attention calls, old vs this tree."""
     rows = []
     for name, num_rows, budgets in PAIRED_WORKLOADS:
-        seconds, calls = paired_seconds(old_source, name, num_rows, budgets)
+        seconds, calls = paired_seconds(old_source, name, num_rows, budgets, page_size)
         for kind in ("decode", "with prefill rows", "all"):
             old, new = (sum(t for (k, v), t in seconds.items() if v == version and kind in (k, "all"))
                         for version in ("old", "new"))
@@ -144,27 +150,36 @@ def paired_table(old_source: Path) -> str:
                       "|---|---|---|---|---|", *rows])
 
 
-def paired_seconds(old_source: Path, name: str, num_rows: int, budgets: tuple[int, int]):
-    """({(kind, "old" | "new"): thread CPU seconds}, {kind: calls}) over one engine run of a workload.
+def paired_seconds(old_source: Path, name: str, num_rows: int, budgets: tuple[int, int],
+                   page_size: int | None = None):
+    """({(kind, "old" | "new"): thread CPU seconds}, {kind: calls}) over one engine run of a workload, with the
+    engine's KV pages of ``page_size`` tokens (None: the engine's default).
 
     kind is "decode" (every request one query row) or "with prefill rows"; calls also counts "all".
     """
     import kernels.cpu_attention as cpu_attention
     from benchmarks.cbrun_bench.workloads import build_workload
 
-    kernels = {"old": cpu_attention.load_source(old_source), "new": cpu_attention.paged_attention_cpu}
-    evict = torch.ones(12 << 20)  # 48 MiB, more than the L3 cache: touching it evicts the pages and their TLB entries
+    old_library = cpu_attention.load_library(old_source)
+    new_attention = cpu_attention.StepKernels.attention
+    evict = torch.ones(EVICT_BYTES // 4)
     seconds = {}
     calls = {"decode": 0, "with prefill rows": 0, "all": 0}
 
-    def timed(*args, **kwargs):
-        cu = args[4]
+    def timed(step: cpu_attention.StepKernels, query, block_tables, cu_seqlens_q, *args, **kwargs):
+        # The old kernel gets its own instance for the step, so both pay the same one-time conversions.
+        old_step = step.__dict__.get("_paired_old")
+        if old_step is None:
+            old_step = step.__dict__["_paired_old"] = cpu_attention.StepKernels(
+                step._k_cache, step._v_cache, step._num_threads, old_library)
+        kernels = {"old": functools.partial(new_attention, old_step), "new": functools.partial(new_attention, step)}
+        cu = cu_seqlens_q
         kind = "decode" if int((cu[1:] - cu[:-1]).max()) == 1 else "with prefill rows"
         outputs = {}
         for version in (("old", "new") if calls["all"] % 2 == 0 else ("new", "old")):
             evict.add_(0)
             start = time.thread_time()
-            outputs[version] = kernels[version](*args, **kwargs)
+            outputs[version] = kernels[version](query, block_tables, cu_seqlens_q, *args, **kwargs)
             seconds[kind, version] = seconds.get((kind, version), 0.0) + time.thread_time() - start
         calls[kind] += 1
         calls["all"] += 1
@@ -174,15 +189,17 @@ def paired_seconds(old_source: Path, name: str, num_rows: int, budgets: tuple[in
     with tempfile.TemporaryDirectory() as scratch:
         w = build_workload(name, num_rows, (16, 256), 0, None, Path(scratch))
         engine = LLMEngine.from_pretrained(str(w.model_dir), EngineConfig(
-            max_requests_per_batch=budgets[0], max_batch_tokens=budgets[1], num_threads=1))
+            max_requests_per_batch=budgets[0], max_batch_tokens=budgets[1], num_threads=1, page_size=page_size))
         requests = [(i, p, SamplingParams(max_new_tokens=m, stop_token_ids=w.stop_token_ids, ignore_eos=w.ignore_eos))
                     for i, (p, m) in enumerate(zip(w.prompts, w.max_new_tokens))]
-        cpu_attention.paged_attention_cpu = timed
+        cpu_attention.StepKernels.attention = timed
         try:
             for _ in engine.generate(requests, max_in_flight=len(requests)):
                 pass
         finally:
-            cpu_attention.paged_attention_cpu = kernels["new"]
+            cpu_attention.StepKernels.attention = new_attention
+    if not calls["all"]:  # the engine no longer calls the kernel through StepKernels.attention: nothing was timed
+        raise RuntimeError(f"{name}: no attention call reached StepKernels.attention")
     return seconds, calls
 
 
@@ -225,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-only", action="store_true", help="time single attention calls, not whole runs")
     p.add_argument("--paired", type=Path, metavar="OLD.c",
                    help="time this kernel against the source OLD.c on every attention call of real engine runs")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="with --paired: the engine's KV page size in tokens (default: the engine's)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     command = f"python -m benchmarks.cpu_attention {' '.join(argv if argv is not None else sys.argv[1:])}"
@@ -234,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args.out or Path("benchmarks/results-cpu-attention-paired.md"),
                        f"# CPU attention kernel vs an older version, on the calls of real engine runs\n\n`{command}`; "
                        f"1 thread; every call timed with both kernels (thread CPU time, caches evicted before each, "
-                       f"order alternating), outputs equal; {machine}.\n\n{paired_table(args.paired)}\n")
+                       f"order alternating), outputs equal; {machine}.\n\n{paired_table(args.paired, args.page_size)}\n")
     if args.kernel_only:
         return _report(args.out or Path("benchmarks/results-cpu-attention-kernel.md"),
                        f"# CPU attention kernel vs reference, one call per shape\n\n`{command}`; {args.threads} "

@@ -266,6 +266,16 @@ def _rope_table_positions(cos_table: torch.Tensor, sin_signed: torch.Tensor) -> 
     return cos_table.shape[0]
 
 
+def load_library(source: Path) -> ctypes.CDLL:
+    """Another version of the kernel's source, built (and cached) as this one is and loaded: the ``library`` of a
+    ``StepKernels``, for A/B benchmarks (``benchmarks.cpu_attention --paired``).
+
+    Raises:
+        RuntimeError, OSError, subprocess.SubprocessError: when it cannot be built or loaded.
+    """
+    return _bind(ctypes.CDLL(str(_build(Path(source)))))
+
+
 def load_source(source: Path) -> Callable[..., torch.Tensor]:
     """``paged_attention_cpu`` of another version of the kernel's source, built (and cached) as this one is.
 
@@ -274,7 +284,7 @@ def load_source(source: Path) -> Callable[..., torch.Tensor]:
     Raises:
         RuntimeError, OSError, subprocess.SubprocessError: when it cannot be built or loaded.
     """
-    library = _bind(ctypes.CDLL(str(_build(Path(source)))))
+    library = load_library(source)
 
     def attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, softcap=None,
                   sliding_window=None, page_offset=0, num_threads=None):

@@ -20,7 +20,9 @@
  *
  * Decode on a large batch is bound by memory, not arithmetic: each request's pages are scattered 2 KiB blocks
  * (page_size 16, 4 KV heads of 8), and every page is a fresh 4 KiB memory page (a TLB miss, expensive under
- * virtualisation). Pages are fetched two ahead of the score pass.
+ * virtualisation). Pages are fetched one ahead of the score pass, a few lines per key block: issued all at once,
+ * a page's prefetches wait for free line-fill buffers and stall the scoring behind them (perf put half of the
+ * kernel's samples on them).
  *
  * Layouts (all contiguous, float32 unless said):
  *   query, out:          (T, num_heads, head_dim)
@@ -581,7 +583,22 @@ static void prefetch_rows(const float *k, const float *v, int64_t token_stride, 
     }
 }
 
-#define PREFETCH_PAGES 2 /* pages scattered in memory are fetched this many pages ahead of the score pass */
+#define PREFETCH_PAGES 1 /* pages scattered in memory are fetched this many pages ahead of the score pass */
+
+/* A page's K and V lines still to prefetch, issued a few at a time between key blocks of the score pass: a page's
+ * hundreds of prefetches issued at once wait for free line-fill buffers and stall the scoring behind them. */
+typedef struct {
+    const float *k, *v;
+    int64_t next, end; /* floats [next, end) of the page's rows not prefetched yet */
+} PrefetchCursor;
+
+ALWAYS_INLINE void prefetch_some(PrefetchCursor *c, int64_t floats) {
+    const int64_t stop = c->next + floats < c->end ? c->next + floats : c->end;
+    for (; c->next < stop; c->next += 16) {
+        __builtin_prefetch(c->k + c->next);
+        __builtin_prefetch(c->v + c->next);
+    }
+}
 
 /* kt[d * kt_stride + j] = k[j * stride + d] for keys j < n rounded up to 8 (keys past n repeat key n - 1; their
  * scores are never read) and d < head_dim (a multiple of 8): 8 x 8 blocks transposed in registers, 24 shuffles
@@ -616,12 +633,16 @@ ALWAYS_INLINE void transpose_keys(const float *k, int n, int64_t stride, const i
 ALWAYS_INLINE void score_page(const float *q_tile, const float *qpack, const float *k_page, int n, int rows,
                               int heads, int group, int kv_head_begin, int32_t num_heads, int64_t token_stride,
                               const int head_dim, int transpose, float *kt, int kt_stride, float *s_page,
-                              int s_stride) {
+                              int s_stride, PrefetchCursor *ahead) {
     const int vectors = heads * group, nvec = rows * group;
+    /* ahead's lines spread evenly over the key blocks this page scores (whole 16-float lines per block) */
+    const int blocks = heads * (transpose ? 1 : nvec) * ((n + KEY_BLOCK - 1) / KEY_BLOCK);
+    const int64_t chunk = ((ahead->end - ahead->next + blocks - 1) / blocks + 15) / 16 * 16;
     for (int h = 0; h < heads; h++) {
         const float *k_first = k_page + (int64_t)(kv_head_begin + h) * head_dim;
         float *s_head = s_page + (size_t)h * group * s_stride;
         if (transpose) {
+            prefetch_some(ahead, chunk);
             transpose_keys(k_first, n, token_stride, head_dim, kt, kt_stride);
             const float *q_head = qpack + (size_t)h * nvec * head_dim;
             float *s[8];
@@ -644,9 +665,11 @@ ALWAYS_INLINE void score_page(const float *q_tile, const float *qpack, const flo
                                               * head_dim;
                     float *sv = s_head + (size_t)(r * vectors + g) * s_stride;
                     int b = 0;
-                    for (; b + KEY_BLOCK <= n; b += KEY_BLOCK)
+                    for (; b + KEY_BLOCK <= n; b += KEY_BLOCK) {
+                        prefetch_some(ahead, chunk);
                         store8(sv + b, butterfly_block(q, k_first + b * token_stride, token_stride, KEY_BLOCK,
                                                        head_dim));
+                    }
                     if (b < n)
                         store8(sv + b, butterfly_block(q, k_first + b * token_stride, token_stride, n - b, head_dim));
                 }
@@ -689,18 +712,26 @@ ALWAYS_INLINE void attend_tile_two_pass_simd(const float *query, const float *k_
         const int64_t at = ((int64_t)table[lp] + page_offset) * page_floats + head_offset;
         prefetch_rows(k_cache + at, v_cache + at, token_stride, page_size, heads * head_dim);
     }
+    /* The item holds every KV head: a page's rows are one contiguous run, prefetched a little per key block. */
+    const int spread = heads == num_kv_heads;
+    PrefetchCursor ahead = {k_cache, v_cache, 0, 0};
     for (int lp = first_page; lp <= last_page; lp++) {  /* pass 1: scores, every head of a page while it is cached */
         const int page_start = lp * page_size;
         const int k_lo = page_start > lo ? page_start : lo;
         const int k_hi = page_start + page_size - 1 < last_pos ? page_start + page_size - 1 : last_pos;
+        prefetch_some(&ahead, ahead.end);  /* what the last page left (none: its blocks took it all) */
+        ahead.end = 0;
         if (lp + PREFETCH_PAGES <= last_page) {
             const int64_t at = ((int64_t)table[lp + PREFETCH_PAGES] + page_offset) * page_floats + head_offset;
-            prefetch_rows(k_cache + at, v_cache + at, token_stride, page_size, heads * head_dim);
+            if (spread)
+                ahead = (PrefetchCursor){k_cache + at, v_cache + at, 0, page_floats};
+            else
+                prefetch_rows(k_cache + at, v_cache + at, token_stride, page_size, heads * head_dim);
         }
         const float *k_page = k_cache + ((int64_t)table[lp] + page_offset) * page_floats
                               + (int64_t)(k_lo - page_start) * token_stride;
         score_page(q_tile, qpack, k_page, k_hi - k_lo + 1, rows, heads, group, kv_head_begin, num_heads,
-                   token_stride, head_dim, transpose, kt, kt_stride, scores + (k_lo - lo), s_stride);
+                   token_stride, head_dim, transpose, kt, kt_stride, scores + (k_lo - lo), s_stride, &ahead);
     }
     /* Passes 2 and 3, one row at a time: every vector's weights, then the V sums of up to 8 vectors at once. */
     const int DB = head_dim <= 64 && 64 % head_dim == 0 ? head_dim : (head_dim % 64 == 0 ? 64 : 8);
