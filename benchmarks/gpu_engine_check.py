@@ -74,17 +74,17 @@ def engine_benchmark(copy_bandwidth: float | None = None, device: str = "cuda", 
 
     from engine import EngineConfig
 
-    model_dir = tempfile.mkdtemp(prefix="cbrun-gpu-check-")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    LlamaForCausalLM(LlamaConfig(**model)).to(dtype).save_pretrained(model_dir)
     workload = _engine_workload(model["vocab_size"], num_requests, max_prompt, max_new_tokens)
     modes = (("off", "off"), ("on", "off"), ("on", "on")) if device == "cuda" else (("off", "off"),)
     results = {}
-    for graphs, overlap in modes:
-        config = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."), page_size=16,
-                              max_batch_tokens=2048, max_requests_per_batch=128, cuda_graphs=graphs,
-                              async_batching=overlap, max_memory_percent=0.5 if device == "cuda" else 0.1)
-        results[(graphs, overlap)] = _run_engine(model_dir, config, workload)
+    with tempfile.TemporaryDirectory(prefix="cbrun-gpu-check-") as model_dir:  # the model is removed afterwards
+        LlamaForCausalLM(LlamaConfig(**model)).to(dtype).save_pretrained(model_dir)
+        for graphs, overlap in modes:
+            config = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."), page_size=16,
+                                  max_batch_tokens=2048, max_requests_per_batch=128, cuda_graphs=graphs,
+                                  async_batching=overlap, max_memory_percent=0.5 if device == "cuda" else 0.1)
+            results[(graphs, overlap)] = _run_engine(model_dir, config, workload)
     base_tps, base_out, _ = results[("off", "off")]
     print()
     print("engine | cuda graphs | async | tokens/s | speed-up | outputs == plain | decode bandwidth fraction (median)")
