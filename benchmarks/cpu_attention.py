@@ -128,12 +128,12 @@ def kernel_table(repeats: int) -> str:
                       "| speed-up |", "|---|---|---|---|---|---|", *rows])
 
 
-#: --paired: workload name, rows, (max_requests_per_batch, max_batch_tokens) of its engine.
 #: Bytes touched before each timed call of ``--paired``: they evict the pages and their TLB entries from the L1 and
 #: L2 caches, and from most L3s (not from an L3 as large as the 480 MiB of the Intel Xeon of
 #: results-cpu-attention-paired-r3.md, whose calls read pages from that L3).
 EVICT_BYTES = 48 << 20
 
+#: --paired: workload name, rows, (max_requests_per_batch, max_batch_tokens) of its engine.
 PAIRED_WORKLOADS = (("gsm8k-long", 256, (256, 1024)), ("vllm-random-llama", 128, (256, 2048)))
 
 
