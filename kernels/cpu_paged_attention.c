@@ -635,8 +635,9 @@ ALWAYS_INLINE void score_page(const float *q_tile, const float *qpack, const flo
                               const int head_dim, int transpose, float *kt, int kt_stride, float *s_page,
                               int s_stride, PrefetchCursor *ahead) {
     const int vectors = heads * group, nvec = rows * group;
-    /* ahead's lines spread evenly over the key blocks this page scores (whole 16-float lines per block) */
-    const int blocks = heads * (transpose ? 1 : nvec) * ((n + KEY_BLOCK - 1) / KEY_BLOCK);
+    /* ahead's lines spread evenly over this page's calls of prefetch_some (whole 16-float lines per call): one per
+     * head on the transposed path, one per key block of each query vector on the other */
+    const int blocks = transpose ? heads : heads * nvec * ((n + KEY_BLOCK - 1) / KEY_BLOCK);
     const int64_t chunk = ((ahead->end - ahead->next + blocks - 1) / blocks + 15) / 16 * 16;
     for (int h = 0; h < heads; h++) {
         const float *k_first = k_page + (int64_t)(kv_head_begin + h) * head_dim;
