@@ -139,7 +139,7 @@ class StepKernels:
         k_cache, v_cache: (num_pages, page_size, num_kv_heads, head_dim) float32, contiguous, of one shape; None
             for an instance that only applies RoPE (``rope_only``).
         num_threads: OpenMP threads of the attention; None uses torch's intra-op thread count.
-        library: the loaded kernel library; None: this checkout's (``load_source`` passes another's).
+        library: the loaded kernel library; None: this checkout's (``load_library`` loads another version's).
 
     Raises:
         RuntimeError: when the kernel is unavailable (see ``unavailable_reason``).
@@ -279,7 +279,8 @@ def load_library(source: Path) -> ctypes.CDLL:
 def load_source(source: Path) -> Callable[..., torch.Tensor]:
     """``paged_attention_cpu`` of another version of the kernel's source, built (and cached) as this one is.
 
-    For A/B benchmarks (``benchmarks.cpu_attention --paired``), e.g. the kernel of another checkout.
+    A one-call comparison with another checkout's kernel, as ``paged_attention_cpu`` takes its arguments; the
+    paired benchmark (``benchmarks.cpu_attention --paired``) builds ``StepKernels`` on ``load_library`` instead.
 
     Raises:
         RuntimeError, OSError, subprocess.SubprocessError: when it cannot be built or loaded.

@@ -571,20 +571,6 @@ ALWAYS_INLINE void weighted_v_block(const float *v_cache, const int32_t *table, 
         for (int e = 0; e < DB / 8; e++) store8(o + v * o_stride + d0 + 8 * e, acc[v][e] * splat8(inv[v]));
 }
 
-/* Prefetch one page's rows of the item's KV heads (contiguous when the item holds every head). */
-static void prefetch_rows(const float *k, const float *v, int64_t token_stride, int page_size, int width) {
-    if (width == token_stride) {
-        for (int64_t f = 0; f < (int64_t)page_size * token_stride; f += 16) {
-            __builtin_prefetch(k + f);
-            __builtin_prefetch(v + f);
-        }
-    } else {
-        prefetch_page(k, v, token_stride, page_size, width);
-    }
-}
-
-#define PREFETCH_PAGES 1 /* pages scattered in memory are fetched this many pages ahead of the score pass */
-
 /* A page's K and V lines still to prefetch, issued a few at a time between key blocks of the score pass: a page's
  * hundreds of prefetches issued at once wait for free line-fill buffers and stall the scoring behind them. */
 typedef struct {
@@ -599,6 +585,18 @@ ALWAYS_INLINE void prefetch_some(PrefetchCursor *c, int64_t floats) {
         __builtin_prefetch(c->v + c->next);
     }
 }
+
+/* Prefetch one page's rows of the item's KV heads at once (contiguous when the item holds every head). */
+static void prefetch_rows(const float *k, const float *v, int64_t token_stride, int page_size, int width) {
+    if (width == token_stride) {
+        PrefetchCursor whole = {k, v, 0, (int64_t)page_size * token_stride};
+        prefetch_some(&whole, whole.end);
+    } else {
+        prefetch_page(k, v, token_stride, page_size, width);
+    }
+}
+
+#define PREFETCH_PAGES 1 /* pages scattered in memory are fetched this many pages ahead of the score pass */
 
 /* kt[d * kt_stride + j] = k[j * stride + d] for keys j < n rounded up to 8 (keys past n repeat key n - 1; their
  * scores are never read) and d < head_dim (a multiple of 8): 8 x 8 blocks transposed in registers, 24 shuffles
@@ -636,9 +634,10 @@ ALWAYS_INLINE void score_page(const float *q_tile, const float *qpack, const flo
                               int s_stride, PrefetchCursor *ahead) {
     const int vectors = heads * group, nvec = rows * group;
     /* ahead's lines spread evenly over this page's calls of prefetch_some (whole 16-float lines per call): one per
-     * head on the transposed path, one per key block of each query vector on the other */
-    const int blocks = transpose ? heads : heads * nvec * ((n + KEY_BLOCK - 1) / KEY_BLOCK);
-    const int64_t chunk = ((ahead->end - ahead->next + blocks - 1) / blocks + 15) / 16 * 16;
+     * head on the transposed path, one per full key block of each query vector on the other. A page with no call
+     * leaves them all to the caller's flush at the next page. */
+    const int calls = transpose ? heads : heads * nvec * (n / KEY_BLOCK);
+    const int64_t chunk = calls ? ((ahead->end - ahead->next + calls - 1) / calls + 15) / 16 * 16 : 0;
     for (int h = 0; h < heads; h++) {
         const float *k_first = k_page + (int64_t)(kv_head_begin + h) * head_dim;
         float *s_head = s_page + (size_t)h * group * s_stride;
