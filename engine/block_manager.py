@@ -21,6 +21,8 @@ logger = logging.getLogger("cbrun.engine")
 BlockHashFn = Callable[[bytes, tuple[int, ...]], bytes]
 
 ROOT_HASH = hashlib.sha256(b"cbrun-prefix-cache-root").digest()
+#: The chain link of a request's first block: the serial of the (virtual) block before position 0.
+ROOT_SERIAL = 0
 
 
 def sha256_block_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
@@ -66,8 +68,11 @@ class BlockManager:
         enable_prefix_caching: share full blocks between requests with equal prefixes.
         hash_fn: block hash function (``sha256_block_hash`` unless a test injects another).
 
-    A hash hit serves a block only when the block's stored token ids equal the request's (one tuple comparison per
-    hit): a collision is counted in ``num_hash_collisions`` and served as a miss, never as another prompt's KV.
+    A hash hit serves a block only when the block's stored token ids equal the request's and its stored parent is
+    the block served just before it (one tuple and one integer comparison per hit). Each registration gets a new
+    serial number and a block keeps its parent's serial, so by induction from ``ROOT_SERIAL`` a served run holds
+    exactly the request's leading tokens at their own positions, whatever the hash width. A refused hit is counted
+    in ``num_hash_collisions`` and served as a miss, never as another prompt's KV.
     """
 
     def __init__(self, spec: CacheSpec, enable_prefix_caching: bool = True,
@@ -91,10 +96,16 @@ class BlockManager:
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, least recently freed first
         self._block_hash: list[bytes | None] = [None] * num_block_ids
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_block_ids
+        # The chain check: a registered block's own serial and the serial of the block before it in its chain.
+        self._block_serial: list[int | None] = [None] * num_block_ids
+        self._block_parent: list[int | None] = [None] * num_block_ids
+        self._next_serial = ROOT_SERIAL + 1
         self._hash_to_block: dict[bytes, int] = {}
         self._request_hashes: dict[int, list[bytes]] = {}  # Request.index -> hashes of its registered full blocks
+        # Request.index -> per full block, the serial of a cached block holding the same chain (None: none does)
+        self._request_serials: dict[int, list[int | None]] = {}
         self.num_evicted_blocks = 0
-        self.num_hash_collisions = 0  # hash hits whose block held other tokens (served as misses)
+        self.num_hash_collisions = 0  # hash hits refused: other tokens, or another chain (served as misses)
         self.swap_pool = CpuSwapPool(spec.num_cpu_pages)
 
     # ---- capacity -------------------------------------------------------------------------------------------
@@ -151,18 +162,20 @@ class BlockManager:
         max_blocks = (request.num_tokens - 1) // self.page_size
         if request.sampling_params.prompt_logprobs_from is not None:  # its logits must be computed
             max_blocks = min(max_blocks, (request.sampling_params.prompt_logprobs_from - 1) // self.page_size)
-        parent, blocks = ROOT_HASH, []
+        parent, parent_serial, blocks = ROOT_HASH, ROOT_SERIAL, []
         for i in range(max_blocks):
             tokens = tuple(request.token_ids(i * self.page_size, (i + 1) * self.page_size))
             parent = self.hash_fn(parent, tokens)
             block = self._hash_to_block.get(parent)
             if block is None:
                 break
-            # A hash hit must also match the tokens: a collision can never serve another prompt's cache.
-            if self._block_tokens[block] != tokens:
+            # A hash hit must also match the tokens and follow the block served before it: a collision can never
+            # serve another prompt's cache, nor the same tokens computed after another prefix.
+            if self._block_tokens[block] != tokens or self._block_parent[block] != parent_serial:
                 self.num_hash_collisions += 1
                 break
             blocks.append(block)
+            parent_serial = self._block_serial[block]
         return blocks
 
     # ---- allocation -----------------------------------------------------------------------------------------
@@ -228,6 +241,7 @@ class BlockManager:
             request.block_table.append(block)
         if cached_blocks:
             self._request_hashes[request.index] = [self._block_hash[b] for b in cached_blocks]
+            self._request_serials[request.index] = [self._block_serial[b] for b in cached_blocks]
 
     def _take_full_block(self) -> int:
         block = self.full.take()
@@ -245,17 +259,37 @@ class BlockManager:
         if hashes is not None and len(hashes) >= num_full:
             return  # no block filled up since the last call (most decode steps)
         hashes = self._request_hashes.setdefault(request.index, [])
+        serials = self._request_serials.setdefault(request.index, [])
         parent = hashes[-1] if hashes else ROOT_HASH
         for i in range(len(hashes), num_full):
             tokens = tuple(request.token_ids(i * self.page_size, (i + 1) * self.page_size))
             parent = self.hash_fn(parent, tokens)
             hashes.append(parent)
-            block = request.block_table[i]
-            # The first block to hold a content keeps the entry; a duplicate stays unhashed.
-            if parent not in self._hash_to_block and self._block_hash[block] is None:
-                self._hash_to_block[parent] = block
-                self._block_hash[block] = parent
-                self._block_tokens[block] = tokens
+            serials.append(self._register_block(request.block_table[i], parent, tokens,
+                                                serials[i - 1] if i else ROOT_SERIAL))
+
+    def _register_block(self, block: int, block_hash: bytes, tokens: tuple[int, ...],
+                        parent_serial: int | None) -> int | None:
+        """Enter one full block in the prefix cache; returns the serial of the cached block holding its chain.
+
+        The first block to hold a chain keeps the entry; a duplicate stays unhashed and links its successors to
+        the entry. A block whose chain is not in the cache (its parent's was refused, or the hash is taken by
+        another chain) is not entered, nor are the blocks after it: None.
+        """
+        if parent_serial is None:
+            return None
+        holder = self._hash_to_block.get(block_hash)
+        if holder is None and self._block_hash[block] is None:
+            self._hash_to_block[block_hash] = block
+            self._block_hash[block] = block_hash
+            self._block_tokens[block] = tokens
+            self._block_serial[block] = self._next_serial
+            self._block_parent[block] = parent_serial
+            self._next_serial += 1
+            return self._block_serial[block]
+        if holder is not None and self._block_tokens[holder] == tokens and self._block_parent[holder] == parent_serial:
+            return self._block_serial[holder]
+        return None
 
     def _drop_hash(self, block: int) -> None:
         block_hash = self._block_hash[block]
@@ -263,6 +297,8 @@ class BlockManager:
             del self._hash_to_block[block_hash]
         self._block_hash[block] = None
         self._block_tokens[block] = None
+        self._block_serial[block] = None
+        self._block_parent[block] = None
 
     # ---- release ----------------------------------------------------------------------------------------------
     def free(self, request: Request) -> None:
@@ -280,6 +316,7 @@ class BlockManager:
         request.block_table.clear()
         request.sliding_block_table.clear()
         self._request_hashes.pop(request.index, None)
+        self._request_serials.pop(request.index, None)
 
     def trim(self, request: Request) -> None:
         """Free the request's blocks past its computed tokens: the slots of rejected speculative proposals.

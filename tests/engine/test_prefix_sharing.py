@@ -88,3 +88,35 @@ def test_chunked_prefill_with_sharing(max_batch_tokens):
     off, _ = run(prompts, sharing=False, max_batch_tokens=max_batch_tokens)
     on, _ = run(prompts, sharing=True, max_batch_tokens=max_batch_tokens)
     assert on == off
+
+
+def chain_collision_prompts(page: int) -> list[list[int]]:
+    """P0 = X+Y+5, P1 = X+Z+5, P2 = X+Y+Z+5, with Z chosen so that P2's third block hash equals P1's second.
+
+    Under 8-bit block hashes, P2's blocks X, Y and Z each find a cached block holding the same tokens, but the Z
+    block was computed after X alone, not after X+Y: only a check of the block's place in the chain refuses it.
+    """
+    from engine.block_manager import ROOT_HASH, truncated_block_hash
+
+    hash_fn = truncated_block_hash(8)
+    x, y = (random_prompts(1, VOCAB, page, page, seed=s)[0] for s in (21, 22))
+    h_x = hash_fn(ROOT_HASH, tuple(x))
+    h_xy = hash_fn(h_x, tuple(y))
+    for seed in range(100, 10_000):
+        z = random_prompts(1, VOCAB, page, page, seed=seed)[0]
+        if h_xy != h_x and hash_fn(h_xy, tuple(z)) == hash_fn(h_x, tuple(z)):
+            return [x + y + [5], x + z + [5], x + y + z + [5]]
+    raise AssertionError("no colliding block found")
+
+
+def test_cached_block_from_another_chain_is_never_served():
+    page = 16
+    prompts = chain_collision_prompts(page)
+    config = dict(page_size=page, num_blocks=64, max_batch_tokens=64)
+    off = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(allow_block_sharing=False, **config))
+    on = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)),
+                                   EngineConfig(allow_block_sharing=True, prefix_hash_bits=8, **config))
+    expected = generate(off, prompts[:2]) + generate(off, prompts[2:])
+    assert generate(on, prompts[:2]) + generate(on, prompts[2:]) == expected
+    assert on.block_manager.num_hash_collisions == 1  # the Z block's hit, refused
+    assert on.stats.num_cached_prompt_tokens == 3 * page  # X for P1, then X+Y for P2
