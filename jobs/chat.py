@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from jobs.arrow_types import is_list_type, is_text_type
 from jobs.reader import InputError
 
 
@@ -29,11 +30,11 @@ def check_chat_template(tokenizer, model_path: str) -> None:
 def check_messages_column(schema: pa.Schema, column: str, path: str) -> None:
     """Raise ``InputError`` unless ``column`` is a list of structs with text fields ``role`` and ``content``."""
     kind = schema.field(column).type
-    ok = (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_struct(kind.value_type)
+    ok = is_list_type(kind) and pa.types.is_struct(kind.value_type)
     if ok:
         names = {kind.value_type.field(i).name: kind.value_type.field(i).type
                  for i in range(kind.value_type.num_fields)}
-        ok = all(name in names and (pa.types.is_string(names[name]) or pa.types.is_large_string(names[name]))
+        ok = all(name in names and is_text_type(names[name])
                  for name in ("role", "content"))
     if not ok:
         raise InputError(f"input.messages_column {column!r} of {path!r} must be a list of structs with text fields "

@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 
 from engine.sampling_params import (SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, canonical_name, coerce_num_samples,
                                     coerce_sampling_value)
+from jobs.arrow_types import is_binary_type, is_list_type, is_text_type
 from jobs.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, holds_json_lines
 
 logger = logging.getLogger("cbrun.reader")
@@ -439,12 +440,11 @@ class PromptReader:
         schema = self.schema
         if self.prompt_column is not None and self.template is None:
             kind = schema.field(self.prompt_column).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
-                    or pa.types.is_large_binary(kind) or pa.types.is_null(kind)):
+            if not (is_text_type(kind) or is_binary_type(kind) or pa.types.is_null(kind)):
                 raise InputError(f"input.prompt_column {self.prompt_column!r} must hold text, but its type is {kind}")
         if self.prompt_ids_column is not None:
             kind = schema.field(self.prompt_ids_column).type
-            if not pa.types.is_null(kind) and (not (pa.types.is_list(kind) or pa.types.is_large_list(kind))
+            if not pa.types.is_null(kind) and (not is_list_type(kind)
                                                or not pa.types.is_integer(kind.value_type)):
                 raise InputError(f"input.prompt_ids_column {self.prompt_ids_column!r} must be a list of integers, "
                                  f"but its type is {kind}")
@@ -644,10 +644,9 @@ def _type_fits(annotation: str, kind: pa.DataType) -> bool:
     if pa.types.is_null(kind):
         return True
     number = pa.types.is_integer(kind) or pa.types.is_floating(kind)
-    text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    text = is_text_type(kind)
+    is_list = is_list_type(kind)
     return {"int": number, "float": number, "bool": pa.types.is_boolean(kind), "str": text,
             "tuple[int, ...]": is_list and pa.types.is_integer(kind.value_type),
-            "tuple[str, ...]": text or (is_list and (pa.types.is_string(kind.value_type)
-                                                     or pa.types.is_large_string(kind.value_type)))
+            "tuple[str, ...]": text or (is_list and is_text_type(kind.value_type))
             }.get(annotation, True)

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from engine.sampling_params import SamplingParams
+from jobs.arrow_types import is_list_type, is_text_type
 from jobs.ordering import RowWork
 from jobs.prompts import encode_prompt
 from jobs.reader import InputError, InputRow
@@ -75,9 +76,9 @@ CORRUPTIONS: dict[str, Callable[[str], str]] = {"last_number_plus_one": last_num
 def check_candidates_column(schema: pa.Schema, column: str, path: str) -> None:
     """Raise ``InputError`` unless ``column`` holds text or lists of text."""
     kind = schema.field(column).type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+    if is_list_type(kind):
         kind = kind.value_type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if not is_text_type(kind):
         raise InputError(f"input.candidates_column {column!r} of {path!r} must hold text or a list of text, but its "
                          f"type is {schema.field(column).type}")
 

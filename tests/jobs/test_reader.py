@@ -184,3 +184,18 @@ def test_saved_datasets_directory(tmp_path):
     datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(InputError, match="DatasetDict.*test"):
         PromptReader(tmp_path / "dd", prompt_column="text")
+
+
+@pytest.mark.parametrize("text", [pa.string(), pa.large_string(), pa.string_view()])
+def test_every_arrow_text_type_is_a_prompt_and_setting_column(tmp_path, text):
+    # Newer pyarrow, polars and duckdb write string_view; it must read as string does.
+    path = write(tmp_path / "v.parquet", {
+        "p": pa.array(["a", "b", None], text),
+        "stop": pa.array([["END"], None, []], pa.list_(text)),
+        "logprobs_mode": pa.array(["processed_logprobs", None, None], text),
+    })
+    assert pq.read_schema(path).field("p").type == text
+    rows = list(PromptReader(path, prompt_column="p").iter_rows())
+    assert [r.prompt for r in rows[:2]] == ["a", "b"] and rows[2].error is not None
+    assert rows[0].sampling_overrides == {"stop": ("END",), "logprobs_mode": "processed_logprobs"}
+    assert rows[1].sampling_overrides == {}
