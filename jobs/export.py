@@ -1,4 +1,7 @@
-"""Export an output directory's parts as JSON Lines: OpenAI batch output (``results.jsonl``) or plain rows.
+"""Export an output directory's parts as JSON Lines: OpenAI batch output (``_results.jsonl``) or plain rows.
+
+The default names start with ``_`` so that the directory stays a data set: ``pq.read_table(OUT)``,
+``pandas.read_parquet(OUT)`` and other Parquet data-set readers skip them.
 
 The parts stay the record (resume reads them alone); these files are derived from them, whole or not at all
 (written under a temporary name, fsynced, then renamed), and can be written again at any time with
@@ -39,8 +42,8 @@ from jobs.checkpoint import Checkpoint
 from jobs.openai_batch import CHAT_URL, COMPLETIONS_URL
 from jobs.writer import committed_parts
 
-RESULTS_FILE = "results.jsonl"
-ROWS_FILE = "output.jsonl"
+RESULTS_FILE = "_results.jsonl"  # "_": data-set readers skip it
+ROWS_FILE = "_output.jsonl"
 EXPORT_FORMATS = ("openai-batch", "jsonl")
 #: Stands for a log-probability the output does not hold (vLLM writes the same for -inf).
 MISSING_LOGPROB = -9999.0
@@ -73,7 +76,7 @@ def read_rows(output_dir: str | Path) -> list[dict[str, Any]]:
 
 def export(output_dir: str | Path, fmt: str, to: str | Path | None = None, tokenizer=None) -> Path:
     """Write the directory's rows in format ``fmt`` ("openai-batch" or "jsonl") to ``to`` (default
-    ``OUT_DIR/results.jsonl`` or ``OUT_DIR/output.jsonl``); returns the path written.
+    ``OUT_DIR/_results.jsonl`` or ``OUT_DIR/_output.jsonl``); returns the path written.
 
     Raises:
         ExportError: for an unknown format or a directory without a job.

@@ -363,7 +363,7 @@ class _Job:
         write_shards_file(self.checkpoint.output_dir, 1, self.reader.num_rows, [(0, self.reader.num_rows)])
 
     def finish(self, summary: JobSummary, tokenizer=None) -> None:
-        """Write results.jsonl (``output.format = "openai-batch"``), stats.json and _SUCCESS: the whole job is in
+        """Write _results.jsonl (``output.format = "openai-batch"``), stats.json and _SUCCESS: the whole job is in
         the output."""
         self.checkpoint.prepare(self.fingerprint)
         write_results_file(self.manifest, tokenizer)
@@ -534,7 +534,7 @@ def _read_json(path: Path) -> dict | None:
 
 
 def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: bool = False) -> None:
-    """Write ``results.jsonl`` when ``output.format = "openai-batch"`` (before _SUCCESS: a finished job has it)."""
+    """Write ``_results.jsonl`` when ``output.format = "openai-batch"`` (before _SUCCESS: a finished job has it)."""
     from jobs.export import RESULTS_FILE, export_openai_batch
 
     path = Path(manifest.output.path) / RESULTS_FILE
@@ -543,7 +543,7 @@ def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: b
 
 
 def remove_stale_results(manifest: JobManifest) -> None:
-    """Remove a ``results.jsonl`` the run will write again, so that no stale one sits beside new parts."""
+    """Remove a ``_results.jsonl`` the run will write again, so that no stale one sits beside new parts."""
     from jobs.export import RESULTS_FILE
 
     if manifest.output.format == "openai-batch":

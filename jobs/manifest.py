@@ -199,7 +199,7 @@ class OutputSettings:
         commit_every_seconds: commit a part file once the oldest buffered row is this many seconds old (checked
             whenever a row finishes).
         overwrite: clear the directory's cbrun files when it holds a different job, instead of stopping.
-        format: "openai-batch" also writes ``results.jsonl`` (OpenAI batch output lines, in input order) beside
+        format: "openai-batch" also writes ``_results.jsonl`` (OpenAI batch output lines, in input order) beside
             the parts when the job finishes (``jobs.openai_batch``); "parts" writes the parts alone.
         keep_columns: input columns carried into every output row, with their Arrow types (``jobs.carry``).
         max_error_fraction: the job exits with code 3 when more than this fraction of its output rows are error

@@ -16,7 +16,7 @@ The format is the one the OpenAI Batch API and ``vllm run-batch`` read (vLLM ``e
   field. A field set to its neutral value (``"stream": false``, ``"logit_bias": {}``...) is accepted.
 
 Each row carries ``OPENAI_FIELDS`` (the custom_id as given, null when the line has none; the url; the model name;
-the number of top logprobs asked) into its output rows, so ``jobs.export`` can write ``results.jsonl`` from the
+the number of top logprobs asked) into its output rows, so ``jobs.export`` can write ``_results.jsonl`` from the
 parts alone.
 """
 

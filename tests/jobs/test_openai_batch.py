@@ -8,6 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pandas
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -54,7 +55,7 @@ def batch_manifest(model_dir, input_path, output_dir, **output) -> JobManifest:
 
 
 def read_results(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "results.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(output_dir) / "_results.jsonl").read_text().splitlines()]
 
 
 def greedy(engine, ids: list[int], max_new_tokens: int) -> list[int]:
@@ -177,16 +178,19 @@ def test_mixed_batch_results_parse_with_openai_types_in_input_order(chat_model_d
 
     # The parts stay the record: each row once; export writes the same file again.
     assert sorted(read_output(tmp_path / "out").column("row_index").to_pylist()) == [0, 1, 1, 2, 3, 4, 5, 6]
-    first = (tmp_path / "out" / "results.jsonl").read_bytes()
+    first = (tmp_path / "out" / "_results.jsonl").read_bytes()
     assert main(["export", str(tmp_path / "out"), "--to", str(tmp_path / "again.jsonl")]) == 0
     assert (tmp_path / "again.jsonl").read_bytes() == first
     assert main(["export", str(tmp_path / "out"), "--format", "jsonl"]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "_output.jsonl").read_text().splitlines()]
     assert [(r["row_index"], r["sample_index"]) for r in rows] == [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0), (4, 0),
                                                                      (5, 0), (6, 0)]
     assert rows[0]["custom_id"] == "chat-1" and rows[0]["url"] == CHAT
     assert json.loads(rows[0]["body"]) == MIXED[0]["body"]  # the request body kept as JSON text
     assert read_output(tmp_path / "out").num_rows == 8
+    # The JSON Lines files start with "_": the folder stays a data set for pyarrow's and pandas' readers.
+    assert pq.read_table(tmp_path / "out").num_rows == 8
+    assert pandas.read_parquet(tmp_path / "out").shape[0] == 8
 
 
 def test_token_logprobs_reads_maps_and_structs():
@@ -255,7 +259,7 @@ def test_killed_batch_job_reruns_to_complete_results(chat_model_dir, tmp_path):
     args = ["run", "--model", str(chat_model_dir), "--input", str(path), "--output", str(out), "--max-new-tokens",
             "8", "--output-format", "openai-batch", "--no-progress", *[a for s in sets for a in ("--set", s)]]
     kill_after_first_commit(args, out)
-    assert not (out / "results.jsonl").exists()
+    assert not (out / "_results.jsonl").exists()
     resumed = subprocess.run(cbrun_command() + args, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     lines = read_results(out)
