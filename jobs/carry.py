@@ -33,14 +33,15 @@ def carried_values(row: InputRow) -> dict[str, Any]:
     return {role[len(KEEP_ROLE):]: value for role, value in row.extra.items() if role.startswith(KEEP_ROLE)}
 
 
-def check_kept_columns(columns: list[str], input_columns: list[str]) -> None:
-    """Raise ``InputError`` when a kept column clashes with an output column or is not an input column."""
+def check_kept_columns(columns: list[str], input_columns: list[str] | None) -> None:
+    """Raise ``InputError`` when a kept column clashes with an output column or is not an input column
+    (``input_columns`` None: the input names no column, being empty, so only the clashes are checked)."""
     clashes = [name for name in columns if name in OUTPUT_SCHEMA.names]
     if clashes:
         raise InputError(f"output.keep_columns {clashes[0]!r} clashes with the output column of the same name; "
                          f"output columns: {', '.join(OUTPUT_SCHEMA.names)}")
     for name in columns:
-        if name not in input_columns:
+        if input_columns is not None and name not in input_columns:
             raise InputError(f"output.keep_columns {name!r} is not an input column; input columns: "
                              f"{', '.join(input_columns)}")
 

@@ -195,11 +195,11 @@ def open_reader(manifest: JobManifest) -> PromptReader | OpenAIBatchReader:
                           id_column=inp.id_column, template=inp.template, limit=inp.limit, batch_size=inp.batch_size,
                           extra_columns=extra_columns,
                           per_row_settings=inp.per_row_settings and inp.mode == "generate")
-    if inp.candidates_column is not None:
+    if inp.candidates_column is not None and not reader.no_columns_known:
         check_candidates_column(reader.schema, inp.candidates_column, inp.path)
-    if inp.messages_column is not None:
+    if inp.messages_column is not None and not reader.no_columns_known:
         check_messages_column(reader.schema, inp.messages_column, inp.path)
-    check_kept_columns(keep, reader.column_names)
+    check_kept_columns(keep, None if reader.no_columns_known else reader.column_names)
     reader.add_extra_columns(keep_roles(keep))
     return reader
 

@@ -361,6 +361,8 @@ class PromptReader:
         sampling_columns: input columns that override a sampling setting per row.
         setting_of_column: {column: the SamplingParams field it sets} (a vLLM-named column maps to our name).
         samples_column: ``NUM_SAMPLES_COLUMN`` when the input has it (samples per row), else None.
+        no_columns_known: no file names a column (every file is an empty JSON Lines file): an input of no rows,
+            whose columns are not checked and read as null columns.
 
     Raises:
         InputError: from the constructor, for a missing input, a column in no file, a column of the wrong type or
@@ -396,7 +398,7 @@ class PromptReader:
             if c is not None
         ))
         self._check_columns()
-        self.schema = unify_schemas(self.sources, self.columns)
+        self.schema = self._unified_schema()
         self._check_types()
         named = [*self.sampling_columns, *([self.samples_column] if self.samples_column else [])]
         if named:
@@ -418,13 +420,27 @@ class PromptReader:
         self.extra_columns.update(extra_columns)
         self.columns = list(dict.fromkeys([*self.columns, *extra_columns.values()]))
         self._check_columns()
-        self.schema = unify_schemas(self.sources, self.columns)
+        self.schema = self._unified_schema()
+
+    @property
+    def no_columns_known(self) -> bool:
+        """Whether no file names a column: every file is empty (a 0-byte JSON Lines file), so the input has no
+        rows and no schema to check the settings against."""
+        return all(not s.num_rows and not s.schema.names for s in self.sources)
+
+    def _unified_schema(self) -> pa.Schema:
+        schema = unify_schemas(self.sources, self.columns)
+        if self.no_columns_known:  # the columns read are null columns of no rows
+            schema = pa.schema([pa.field(c, pa.null()) for c in self.columns])
+        return schema
 
     def _where(self) -> str:
         files = [str(s.path) for s in self.sources]
         return repr(files[0]) if len(files) == 1 else f"any file of {self.path!r}"
 
     def _check_columns(self) -> None:
+        if self.no_columns_known:
+            return
         names = self.column_names
         for role, column in (("id_column", self.id_column), ("prompt_column", self.prompt_column),
                              ("prompt_ids_column", self.prompt_ids_column), *self.extra_columns.items()):

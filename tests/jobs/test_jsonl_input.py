@@ -99,6 +99,20 @@ def test_jsonl_job_and_a_directory_mixing_parquet_and_jsonl(tiny_model_dir, engi
     assert "line 4 of b.jsonl is not valid JSON" in rows[4]["error"]
 
 
+@pytest.mark.parametrize("text", ["", "\n\n"])
+def test_empty_jsonl_is_an_empty_input(tiny_model_dir, engine, tmp_path, text):
+    # A 0-byte (or blank) file names no column: it is an input with no rows, not a missing column.
+    (tmp_path / "in.jsonl").write_text(text)
+    job = manifest(tiny_model_dir, tmp_path / "in.jsonl", tmp_path / "out", id_column="id", keep=["answer"])
+    summary = run_job(job, progress=False, engine=engine)
+    assert (summary.num_rows, summary.num_errors) == (0, 0)
+    assert (tmp_path / "out" / "_SUCCESS").is_file()
+    # A file with rows but without the column is still refused, naming its columns.
+    write_jsonl(tmp_path / "rows.jsonl", [{"question": "q"}])
+    with pytest.raises(JobError, match="'prompt' is not a column of .*its columns are: question"):
+        run_job(manifest(tiny_model_dir, tmp_path / "rows.jsonl", tmp_path / "out2"), progress=False, engine=engine)
+
+
 def test_parquet_input_keeps_an_answer_column(tiny_model_dir, engine, tmp_path):
     struct = pa.struct([("source", pa.string()), ("page", pa.int16())])
     pq.write_table(pa.table({"prompt": ["2+2=", None, "3+3="], "answer": pa.array([4, 5, None], pa.int8()),
