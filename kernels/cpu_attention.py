@@ -360,7 +360,11 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _build(source: Path = SOURCE) -> Path:
-    """The compiled library's path, compiling it first unless the cache holds it for this source, compiler, CPU."""
+    """The compiled library's path, compiling it first unless the cache holds it for this source, compiler, CPU.
+
+    Raises:
+        RuntimeError: when no compiler is found or the compile fails (naming the compiler and its exit code).
+    """
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
         raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'gcc')!r} not found)")
@@ -372,12 +376,16 @@ def _build(source: Path = SOURCE) -> Path:
         return target
     cache.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed: concurrent first uses never load a half-written library.
+    # NOTE: the compile takes 15 to 35 s on 2 cores (the tile loops are specialised per head size): say so first
+    logger.info("compiling the CPU attention kernel (first use, about 20 s) into %s", cache)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True,
                                 text=True, timeout=300)
         if result.returncode:
-            raise RuntimeError(f"compiling {source.name} failed: {result.stderr.strip()[-2000:]}")
+            output = (result.stderr.strip() or result.stdout.strip())[-2000:] or "no output"
+            raise RuntimeError(f"compiling {source.name} with {compiler} failed (exit code {result.returncode}): "
+                               f"{output}")
         os.replace(built, target)
     return target
 
