@@ -89,13 +89,23 @@ def _read_progress(output_dir: str | Path) -> tuple[list[ShardProgress], OutputS
     return progress, state
 
 
-def _running_lines(output_dir: str | Path, complete: bool) -> list[str]:
-    """Which runs hold the output's shard locks now; for an unfinished job with none, that a rerun resumes it."""
+def _running_lines(output_dir: str | Path, progress: list[ShardProgress], complete: bool) -> list[str]:
+    """Which runs hold the output's shard locks now; for an unfinished job, how to resume what no run holds: the
+    same command, or for a sharded job each unfinished shard's own ``--shard I/N`` flag."""
     held = held_locks(output_dir)
     if held is None:  # NOTE: no /proc/locks here: say nothing rather than guess
         return []
     lines = [f"running now: shard {shard} ({describe_holder(record)})" for shard, record in held.items()]
-    if not held and not complete:
+    if complete:
+        return lines
+    shards = progress[:-1]
+    unfinished = [p.name.removeprefix("shard ") for p in shards if not p.complete]
+    idle = [name for name in unfinished if name not in held]
+    if len(shards) > 1 and idle:
+        flags = ", ".join(f"--shard {name}" for name in idle)
+        lines.append(f"no cbrun run holds shard{'s' if len(idle) > 1 else ''} {', '.join(idle)} now: run the job "
+                     f"with {flags} (one run per shard) to resume {'them' if len(idle) > 1 else 'it'}")
+    elif not held:
         lines.append("no cbrun run holds this output now: rerun the same command to resume it")
     return lines
 
@@ -116,7 +126,7 @@ def status_report(output_dir: str | Path) -> tuple[str, int]:
     finished = checkpoint.is_finished()
     lines = [f"cbrun status: {output_dir}"] + [p.line() for p in (progress if len(progress) > 2 else progress[-1:])]
     complete = progress[-1].complete and finished
-    lines += _running_lines(output_dir, complete)
+    lines += _running_lines(output_dir, progress, complete)
     if progress[-1].complete and not finished:
         lines.append("every row is committed, but _SUCCESS is missing: rerun any shard to finish the job")
     if not complete:

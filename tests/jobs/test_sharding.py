@@ -130,15 +130,18 @@ def test_status_says_which_shards_a_live_run_holds(tiny_model_dir, tiny_engine, 
     run_job(make_manifest(tiny_model_dir, input_path, out, shard="0/3"), engine=tiny_engine, progress=False)
     assert main(["status", str(out)]) == 1
     printed = capsys.readouterr().out
-    assert "no cbrun run holds this output now: rerun the same command to resume it" in printed
+    # Shards that never started need their own flag, not "the same command".
+    assert ("no cbrun run holds shards 1/3, 2/3 now: run the job with --shard 1/3, --shard 2/3 (one run per shard) "
+            "to resume them") in printed
     assert "running now" not in printed
     with OutputLock(out, Shard(1, 3)):  # a live run of shard 1, as the host's lock table shows it
         assert main(["status", str(out)]) == 1
         printed = capsys.readouterr().out
     assert f"running now: shard 1/3 (host {socket.gethostname()}, pid {os.getpid()}, started " in printed
-    assert "no cbrun run holds" not in printed and "shard 0/3 (host" not in printed
+    assert "no cbrun run holds shard 2/3 now: run the job with --shard 2/3 (one run per shard) to resume it" in printed
+    assert "shard 0/3 (host" not in printed
     assert main(["status", str(out)]) == 1  # released: the lock file stays, its lock does not
-    assert "no cbrun run holds this output now" in capsys.readouterr().out
+    assert "no cbrun run holds shards 1/3, 2/3 now" in capsys.readouterr().out
 
 
 def test_overwrite_of_one_shard_keeps_the_others_and_status_stays_true(tiny_model_dir, tiny_engine, make_manifest,
