@@ -42,7 +42,9 @@ RAY_EXTRA_MESSAGE = ("--executor ray (cluster.executor = \"ray\") needs Ray Data
 
 
 def check_ray_installed() -> None:
-    """Raise ``ImportError`` with ``RAY_EXTRA_MESSAGE`` when Ray Data cannot be imported."""
+    """Raise ``ImportError`` with ``RAY_EXTRA_MESSAGE`` when Ray Data cannot be imported; Ray's logs are quieted
+    first (``quiet_ray_logs``: Ray Data reads its level when imported)."""
+    quiet_ray_logs()
     try:
         import ray  # noqa: F401
         import ray.data  # noqa: F401
@@ -50,12 +52,30 @@ def check_ray_installed() -> None:
         raise ImportError(RAY_EXTRA_MESSAGE) from None
 
 
+#: Ray's log levels unless the environment sets them: its Python and Ray Data loggers print warnings and above; its
+#: C++ core prints fatal errors only, because Ray Data's actor pool always makes it print a harmless ERROR line
+#: (``core_worker.cc``: the replicas' constructor arguments sit in the object store and ``max_restarts > 0``).
+#: Errors that matter reach cbrun as Python exceptions.
+QUIET_RAY_ENV = {"RAY_BACKEND_LOG_LEVEL": "fatal", "RAY_DATA_LOG_LEVEL": "WARNING", "RAY_LOGGER_LEVEL": "warning"}
+
+
+def quiet_ray_logs() -> None:
+    """Quiet Ray's logs to warnings (``QUIET_RAY_ENV``), keeping any level the user's environment sets."""
+    for name, level in QUIET_RAY_ENV.items():
+        os.environ.setdefault(name, level)
+    logging.getLogger("ray").setLevel(os.environ["RAY_LOGGER_LEVEL"].upper())
+    # NOTE: Ray Data reads its variable when first imported (jobs.ray_input may have imported it): set it here too
+    logging.getLogger("ray.data").setLevel(os.environ["RAY_DATA_LOG_LEVEL"].upper())
+
+
 def connect(address: str | None, num_cpus: int | None = None) -> None:
-    """Join the Ray cluster at ``address`` ("auto", "ray://..."), or start a local instance when None."""
+    """Join the Ray cluster at ``address`` ("auto", "ray://..."), or start a local instance when None; Ray's logs
+    are quieted first (``quiet_ray_logs``)."""
     import ray
 
     if ray.is_initialized():
         return
+    quiet_ray_logs()
     kwargs = {"address": address} if address else {"num_cpus": num_cpus}
     ray.init(**kwargs, log_to_driver=False, include_dashboard=False, configure_logging=False)
 

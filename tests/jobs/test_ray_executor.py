@@ -4,6 +4,8 @@ Ray is missing. Skipped when Ray Data is not installed (the extra cbrun[ray]).""
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 import numpy as np
@@ -16,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from jobs.cli import build_parser, main
 from jobs.job import run_job
 from jobs.manifest import ClusterSettings, load_manifest
-from jobs.ray_executor import RAY_EXTRA_MESSAGE, pending_spans
+from jobs.ray_executor import QUIET_RAY_ENV, RAY_EXTRA_MESSAGE, pending_spans, quiet_ray_logs
 from jobs.writer import read_output
 from tests.jobs.test_resume import kill_after_first_commit, run_args
 
@@ -185,3 +187,18 @@ def test_a_killed_replica_is_restarted_and_its_rows_are_written_once(local_ray, 
     assert summary.num_rows == num_rows and summary.num_errors == 0
     got = rows(tmp_path / "ray")  # asserts no row was written twice
     assert len(got) == num_rows and got == rows(tmp_path / "single")
+
+
+def test_ray_logs_are_quieted_to_warnings_unless_the_environment_says(monkeypatch):
+    for name in QUIET_RAY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_BACKEND_LOG_LEVEL", "info")  # the user's choice wins
+    levels = {name: logging.getLogger(name).level for name in ("ray", "ray.data")}
+    try:
+        quiet_ray_logs()
+        assert os.environ["RAY_BACKEND_LOG_LEVEL"] == "info"
+        assert os.environ["RAY_DATA_LOG_LEVEL"] == "WARNING" and os.environ["RAY_LOGGER_LEVEL"] == "warning"
+        assert all(logging.getLogger(name).level == logging.WARNING for name in levels)
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
