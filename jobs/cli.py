@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("out_dir", help="directory to write")
 
     demo = commands.add_parser("demo", allow_abbrev=False, help="run a small job on a tiny random-weight model (no download)")
-    demo.add_argument("--output", default="cbrun-demo",
-                      help="work directory for the demo model, prompts and output (default: ./cbrun-demo)")
+    demo.add_argument("--work-dir", default="cbrun-demo",
+                      help="directory for the demo model and prompts (default: ./cbrun-demo)")
+    demo.add_argument("--output", help="the job's output directory (default: WORK_DIR/output)")
     demo.add_argument("--num-rows", type=int, default=64, help="prompts in the demo input (default: 64)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -349,7 +350,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     print("cbrun demo: building a tiny model with RANDOM weights; its completions are noise text, the point is "
           "the pipeline (reader -> engine -> writer).")
-    summary = run_demo(args.output, num_rows=args.num_rows, progress=not args.no_progress)
+    summary = run_demo(args.work_dir, output_dir=args.output, num_rows=args.num_rows, progress=not args.no_progress)
     print(summary.line())
     print(f"cbrun demo: output in {Path(summary.output_dir).resolve()} (part-*.parquet, _cbrun/stats.json); "
           f"read it with jobs.writer.read_output(DIR)")

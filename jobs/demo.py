@@ -105,11 +105,16 @@ def demo_manifest(work_dir: str | Path, *, output_dir: str | Path | None = None)
     )
 
 
-def run_demo(work_dir: str | Path, *, num_rows: int = 64, progress: bool = True):
-    """Build the demo model and prompts in ``work_dir`` and run the demo job there.
+def run_demo(work_dir: str | Path, *, output_dir: str | Path | None = None, num_rows: int = 64,
+             progress: bool = True):
+    """Build the demo model and prompts in ``work_dir`` and run the demo job into ``output_dir``.
+
+    Args:
+        work_dir: where the model (``model/``) and the prompts (``prompts.parquet``) are written.
+        output_dir: the job's output directory (default ``work_dir/output``).
 
     Returns:
-        The job's ``JobSummary``; the output parts are in ``work_dir/output``.
+        The job's ``JobSummary``; its ``output_dir`` holds the parts.
     """
     from jobs.job import run_job
 
@@ -117,4 +122,4 @@ def run_demo(work_dir: str | Path, *, num_rows: int = 64, progress: bool = True)
     work_dir.mkdir(parents=True, exist_ok=True)
     build_demo_model(work_dir / "model")
     write_demo_prompts(work_dir / "prompts.parquet", num_rows)
-    return run_job(demo_manifest(work_dir), progress=progress)
+    return run_job(demo_manifest(work_dir, output_dir=output_dir), progress=progress)

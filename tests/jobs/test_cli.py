@@ -103,11 +103,16 @@ path = "{tmp_path / 'out'}"
 
 
 def test_demo(tmp_path, capsys):
-    assert main(["demo", "--output", str(tmp_path / "demo"), "--num-rows", "16", "--no-progress"]) == 0
+    assert main(["demo", "--work-dir", str(tmp_path / "demo"), "--num-rows", "16", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "RANDOM weights" in out and "noise" in out and str(tmp_path / "demo" / "output") in out
     assert SUMMARY_RE.search(out).groups() == ("16", "0", "0")
     assert len(output_rows(tmp_path / "demo" / "output")) == 16
+    # --output names the output directory itself.
+    args = ["demo", "--work-dir", str(tmp_path / "demo"), "--output", str(tmp_path / "out"), "--num-rows", "4"]
+    assert main([*args, "--no-progress"]) == 0
+    assert f"output in {tmp_path / 'out'} " in capsys.readouterr().out
+    assert len(output_rows(tmp_path / "out")) == 4
 
 
 def test_gsm8k_manifest_on_stories260k(stories260k_dir, tmp_path, monkeypatch, capsys):
