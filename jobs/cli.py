@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--input-format", choices=("auto", "openai-batch"),
                      help="openai-batch: OpenAI batch request lines (auto: recognised when no prompt setting is given)")
     run.add_argument("--output-format", choices=("parts", "openai-batch"),
-                     help="openai-batch: also write OUTPUT_DIR/_results.jsonl (OpenAI batch output) when the job finishes")
+                     help="openai-batch: also write OUTPUT_DIR/_results.jsonl (OpenAI batch output) when the job "
+                          "finishes")
     run.add_argument("--keep-column", dest="keep_columns", action="append", metavar="COLUMN",
                      help="carry this input column into every output row (repeatable)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -118,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "input order) or as plain JSON rows; the parts are not changed."))
     export.add_argument("output_dir", help="a cbrun output directory")
     export.add_argument("--format", choices=("openai-batch", "jsonl"), default="openai-batch")
-    export.add_argument("--to", help="file to write (default: OUTPUT_DIR/_results.jsonl or OUTPUT_DIR/_output.jsonl; the _ keeps the folder a Parquet data set)")
+    export.add_argument("--to", help="file to write (default: OUTPUT_DIR/_results.jsonl or OUTPUT_DIR/_output.jsonl; "
+                                     "the _ keeps the folder a Parquet data set)")
 
     status_codes = ("exit codes (those cbrun run gives for the same output): 0 complete, its error rows within "
                     "output.max_error_fraction; 1 not complete yet; 2 not a cbrun output; 3 complete, but more than "
