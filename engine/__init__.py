@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "ContinuousBatchingConfig": "engine.config",
     "EngineConfig": "engine.config",
     "EngineStats": "engine.stats",
     "LLMEngine": "engine.llm_engine",

@@ -220,7 +220,3 @@ class EngineConfig:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-#: The name transformers' continuous batching uses for the same settings.
-ContinuousBatchingConfig = EngineConfig

@@ -1,5 +1,6 @@
 """The ``cbrun`` command: ``run``, ``status``, ``export``, ``convert-llama2c``, ``demo`` and ``bench``. Thin: the
-work is in jobs.job, jobs.status, jobs.export, jobs.demo and (for ``bench``) benchmarks.cbrun_bench.
+work is in jobs.job, jobs.status, jobs.export and jobs.demo; ``bench`` is the command the benchmarks package
+registers in the ``cbrun.commands`` entry-point group (``COMMAND_ENTRY_POINTS``), so no runtime module imports it.
 
 Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
 Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``jobs.manifest.cli_text``).
@@ -17,6 +18,9 @@ import signal
 import sys
 import threading
 import traceback
+
+#: The entry-point group through which an installed package adds a ``cbrun`` command (``bench``).
+COMMAND_ENTRY_POINTS = "cbrun.commands"
 
 EXIT_CODES = (
     "exit codes: 0 the job finished, its error rows within output.max_error_fraction (or there was nothing to do); "
@@ -236,13 +240,19 @@ def exit_process(code: int) -> None:
 
 
 def _bench(argv: list[str]) -> int:
-    """``cbrun bench``: the benchmark package ``benchmarks.cbrun_bench`` of a source checkout (or an editable
-    install of one), imported only now: the runtime packages never import it."""
+    """``cbrun bench``: the ``bench`` command registered in ``COMMAND_ENTRY_POINTS`` (``benchmarks.cbrun_bench``,
+    by pyproject.toml), loaded only now; exit 2 when no installed package registers it."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group=COMMAND_ENTRY_POINTS, name="bench"))
     try:
-        from benchmarks.cbrun_bench.cli import main as bench_main
+        bench_main = found[0].load() if found else None
     except ImportError as exc:
-        print(f"cbrun: error: cbrun bench needs the benchmarks package of a source checkout ({exc}); install the "
-              f"checkout editable (pip install -e .) or run python -m benchmarks.cbrun_bench from its root",
+        print(f"cbrun: error: cbrun bench is registered but does not import: {exc}", file=sys.stderr)
+        return 2
+    if bench_main is None:
+        print("cbrun: error: cbrun bench comes with a source checkout's benchmarks package, registered by installing "
+              "the checkout (pip install -e .); python -m benchmarks.cbrun_bench runs it from the checkout's root",
               file=sys.stderr)
         return 2
     return bench_main(argv)

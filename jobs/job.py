@@ -28,33 +28,23 @@ from typing import Any
 
 import numpy as np
 
-from jobs.carry import carried_fields, carried_values, check_kept_columns, keep_roles
-from jobs.chat import check_chat_template, check_messages_column
+from jobs.carry import carried_values
+from jobs.chat import check_chat_template
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
 from jobs.fingerprint import fingerprint_differences, job_fingerprint
-from jobs.generate import GenerateMode
 from jobs.heap import frozen_heap
 from jobs.lock import DirectoryLock, OutputLocked, Shard
-from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest, apply_model_defaults
+from jobs.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
+from jobs.manifest import JobManifest, apply_model_defaults
 from jobs.mode import JobMode
-from jobs.openai_batch import OPENAI_FIELDS, REQUEST_FIELDS, OpenAIBatchReader, input_fields, is_openai_batch_input
+from jobs.openai_batch import OpenAIBatchReader
 from jobs.ordering import order_by_prefix
 from jobs.reader import InputError, PromptReader
 from jobs.resources import JobAborted, JobError, check_model_dir, load_engine, load_tokenizer, resolve_device
 from jobs.row_ids import warn_repeated_ids
-from jobs.scoring import Scorer, check_candidates_column
 from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.status import too_many_errors
 from jobs.writer import OutputRow, PartWriter, committed_parts
-
-
-def _score_mode(manifest: JobManifest, tokenizer, max_model_len: int, vocab_size: int | None) -> Scorer:
-    return Scorer(tokenizer, max_model_len, vocab_size, manifest.input.corruptions)
-
-
-#: ``input.mode`` -> the factory of its ``JobMode``: ``(manifest, tokenizer, max_model_len, vocab_size) -> mode``.
-#: A new mode registers here (and its name in ``InputSettings.mode``'s check).
-MODES = {"generate": GenerateMode, "score": _score_mode}
 
 
 @dataclass
@@ -176,34 +166,6 @@ class JobSummary:
         return {**asdict(self), "generated_tokens_per_s": self.generated_tokens_per_s}
 
 
-def open_reader(manifest: JobManifest) -> PromptReader | OpenAIBatchReader:
-    """The job's reader: OpenAI batch requests (``jobs.openai_batch``) or rows, reading the kept columns too.
-
-    Raises:
-        InputError: for a missing input, column or prompt setting, a kept column that clashes, repeated custom_ids.
-    """
-    inp = manifest.input
-    keep = manifest.output.keep_columns
-    if is_openai_batch_input(inp):
-        if inp.format == "auto" and not set(REQUEST_FIELDS) <= set(input_fields(inp.path)):
-            raise InputError(PROMPT_SETTINGS_MESSAGE)
-        return OpenAIBatchReader(inp.path, limit=inp.limit, batch_size=inp.batch_size, keep_columns=keep,
-                                 default_model=Path(manifest.model.path).name)
-    extra_columns = {role: getattr(inp, role) for role in ("candidates_column", "messages_column")
-                     if getattr(inp, role) is not None}
-    reader = PromptReader(inp.path, prompt_column=inp.prompt_column, prompt_ids_column=inp.prompt_ids_column,
-                          id_column=inp.id_column, template=inp.template, limit=inp.limit, batch_size=inp.batch_size,
-                          extra_columns=extra_columns,
-                          per_row_settings=inp.per_row_settings and inp.mode == "generate")
-    if inp.candidates_column is not None and not reader.no_columns_known:
-        check_candidates_column(reader.schema, inp.candidates_column, inp.path)
-    if inp.messages_column is not None and not reader.no_columns_known:
-        check_messages_column(reader.schema, inp.messages_column, inp.path)
-    check_kept_columns(keep, None if reader.no_columns_known else reader.column_names)
-    reader.add_extra_columns(keep_roles(keep))
-    return reader
-
-
 def check_output_apart_from_input(input_path: str | Path, output_path: str | Path) -> None:
     """Refuse an output directory that is the input, lies inside an input directory, or holds the input: the
     output's parts would be read back as input by the next run (or ``--overwrite`` would delete the input).
@@ -222,12 +184,6 @@ def check_output_apart_from_input(input_path: str | Path, output_path: str | Pat
         return
     raise InputError(f"output directory {str(output_path)!r} {where} {str(input_path)!r}: its part files would be "
                      f"read back as input; give an --output outside the input")
-
-
-def output_carried_fields(manifest: JobManifest, reader: PromptReader | OpenAIBatchReader) -> list:
-    """The Arrow fields the job's output rows carry beyond ``OUTPUT_SCHEMA`` (``jobs.carry``)."""
-    derived = OPENAI_FIELDS if isinstance(reader, OpenAIBatchReader) else []
-    return carried_fields(manifest.output.keep_columns, reader.schema, derived)
 
 
 def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_errors: bool = False,
@@ -402,7 +358,7 @@ class _Job:
         out = manifest.output
         writer = self.start_writer()
         mode = MODES[manifest.input.mode](manifest, tokenizer, engine.max_model_len,
-                                          _model_vocab_size(manifest.model.path))
+                                          model_vocab_size(manifest.model.path))
         generation_start = time.perf_counter()
         max_in_flight = 4 * engine_config.max_requests_per_batch
         try:
@@ -566,11 +522,6 @@ def _peak_gpu_memory_mib(device: str) -> float | None:
     import torch
 
     return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
-
-
-def _model_vocab_size(model_path: str) -> int | None:
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return config.get("vocab_size")
 
 
 class _JobRun:

@@ -36,6 +36,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.json as pa_json
 
+from jobs.errors import InputError
+
 #: Name of the hidden string column a JSONL batch carries beside the asked columns: the row's error, or null.
 ROW_ERROR_COLUMN = "__cbrun_row_error__"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -192,7 +194,7 @@ class JsonlSource:
         num_rows: non-blank lines.
 
     Raises:
-        jobs.reader.InputError: when the file cannot be read (missing, not gzip, ...).
+        InputError: when the file cannot be read (missing, not gzip, ...).
     """
 
     def __init__(self, path: Path, json_text_fields: tuple[str, ...] = ()):
@@ -221,8 +223,6 @@ class JsonlSource:
 
     def _line_scan(self) -> None:
         """Count rows and infer the schema a line at a time (see the module docstring)."""
-        from jobs.reader import InputError
-
         types = _FieldTypes(self.json_text_fields)
         self.num_rows = 0
         try:

@@ -85,7 +85,7 @@ _READERS: dict[str, object] = {}  # the [input] settings -> their reader, per wo
 
 def _reader(manifest):
     """The job's reader, opened once per worker process (its footers and schema are read once, not per span)."""
-    from jobs.job import open_reader
+    from jobs.job_setup import open_reader
 
     key = repr(manifest.input) + repr(manifest.output.keep_columns)
     if key not in _READERS:

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 from engine.sampling_params import (SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, canonical_name, coerce_num_samples,
                                     coerce_sampling_value)
 from jobs.arrow_types import is_binary_type, is_list_type, is_text_type
+from jobs.errors import InputError
 from jobs.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, holds_json_lines
 
 logger = logging.getLogger("cbrun.reader")
@@ -44,10 +45,6 @@ logger = logging.getLogger("cbrun.reader")
 NUM_SAMPLES_COLUMN = "n"
 #: The column of ``PromptReader.read_span`` batches that holds each row's index in the whole input.
 ROW_INDEX_COLUMN = "__cbrun_row_index__"
-
-
-class InputError(ValueError):
-    """The input cannot be read as asked (missing file or column, wrong column type); raised before any work."""
 
 
 @dataclass

@@ -209,7 +209,7 @@ class Replica:
     def __init__(self, manifest, engine_config, num_threads: int, max_concurrent_batches: int):
         import torch
 
-        from jobs.job import MODES, _model_vocab_size, open_reader, output_carried_fields
+        from jobs.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
         from jobs.resources import load_engine, load_tokenizer
 
         torch.set_num_threads(num_threads)
@@ -219,7 +219,7 @@ class Replica:
         tokenizer = load_tokenizer(manifest.model.path, loader=engine_config.loader)
         if hasattr(self.reader, "bind_tokenizer"):  # OpenAI batch requests: prompt ids come from the tokenizer
             self.reader.bind_tokenizer(tokenizer, manifest.model.path)
-        vocab_size = _model_vocab_size(manifest.model.path)
+        vocab_size = model_vocab_size(manifest.model.path)
 
         def make_mode():
             return MODES[manifest.input.mode](manifest, tokenizer, engine.max_model_len, vocab_size)

@@ -166,3 +166,28 @@ def test_exit_process_returns_while_a_non_daemon_thread_runs():
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
                           cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert (done.returncode, done.stdout) == (0, "returned\n"), done.stderr
+
+
+def test_bench_is_the_command_the_benchmarks_register(monkeypatch, capsys):
+    import importlib.metadata
+    import tomllib
+
+    from benchmarks.cbrun_bench import cli as bench_cli
+    from jobs.cli import COMMAND_ENTRY_POINTS
+
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    target = pyproject["project"]["entry-points"][COMMAND_ENTRY_POINTS]["bench"]
+    assert target == f"{bench_cli.__name__}:{bench_cli.main.__name__}"
+    calls = []
+
+    class Registered:  # an installed package's entry point
+        def load(self):
+            return lambda argv: calls.append(argv) or 0
+
+    registered = Registered()
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group, name: [registered] if (group, name) == (COMMAND_ENTRY_POINTS, "bench") else [])
+    assert main(["bench", "--workload", "x"]) == 0 and calls == [["--workload", "x"]]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group, name: [])
+    assert main(["bench"]) == 2
+    assert "pip install -e ." in capsys.readouterr().err

@@ -1,43 +1,115 @@
-"""The layers import downwards only: kernels/ imports nothing from engine/, jobs/ or benchmarks/, and the runtime
-packages import nothing from benchmarks/ (``cbrun bench`` imports it inside the CLI function that runs it)."""
+"""The module import graph of engine/, jobs/, kernels/ and benchmarks/, built with ``ast``: no cycles and no import
+of a higher layer (benchmarks -> jobs -> engine -> kernels), counting imports inside functions, which a cycle or a
+layer breach would otherwise hide behind."""
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+#: Lowest first: a module may import its own layer's modules and the layers before it.
+LAYERS = ("kernels", "engine", "jobs", "benchmarks")
 
 
-def imported_packages(path: Path, top_level_only: bool = False) -> set[str]:
-    """First components of every module ``path`` imports (relative imports excluded: they stay in the package).
-
-    Args:
-        top_level_only: only imports at module level (not inside functions), i.e. what importing the module runs.
-    """
-    tree = ast.parse(path.read_text(), filename=str(path))
-    nodes = tree.body if top_level_only else ast.walk(tree)
-    found = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+def find_modules(root: Path, packages=LAYERS) -> dict[str, Path]:
+    """{dotted module name: file} of every module of ``packages`` under ``root`` (a package is its __init__)."""
+    found = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
     return found
 
 
-def test_kernels_import_nothing_above_them():
-    files = sorted((REPO / "kernels").glob("*.py"))
-    assert files
-    offending = {f.name: sorted(imported_packages(f) & {"engine", "jobs", "benchmarks"}) for f in files}
-    assert {name: bad for name, bad in offending.items() if bad} == {}
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``name`` imports anywhere in its file (module level or inside functions).
+
+    ``from a.b import c`` counts ``a.b.c`` when that is a module, else ``a.b``; an import of a name no module of
+    ``modules`` has (a third-party package) is skipped; relative imports are resolved.
+    """
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".")[:None if path.name == "__init__.py" else -1]
+                package = package[:len(package) - node.level + 1]
+                base = ".".join([*package, *([node.module] if node.module else [])])
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # a name inside a module: the module itself
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
 
 
-def test_runtime_packages_do_not_import_benchmarks_at_module_level():
-    files = [f for package in ("engine", "jobs", "kernels") for f in sorted((REPO / package).glob("*.py"))]
-    assert [f.name for f in files if "benchmarks" in imported_packages(f, top_level_only=True)] == []
+def import_graph(root: Path = REPO, packages=LAYERS) -> dict[str, set[str]]:
+    modules = find_modules(root, packages)
+    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
 
 
-def test_the_scan_sees_imports_inside_functions(tmp_path):
-    module = tmp_path / "m.py"
-    module.write_text("import torch\n\ndef f():\n    from engine.request import Request\n    import jobs.job\n")
-    assert imported_packages(module) == {"torch", "engine", "jobs"}
-    assert imported_packages(module, top_level_only=True) == {"torch"}
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan 1972), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    rank = {package: i for i, package in enumerate(layers)}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if rank[b.split(".")[0]] > rank[a.split(".")[0]])
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert len(graph) > 100 and "jobs.cli" in graph and "benchmarks.cbrun_bench.cli" in graph
+    assert cycles(graph) == []
+
+
+def test_no_layer_imports_a_higher_one():
+    # kernels/ imports nothing above it; engine/, jobs/ and kernels/ never import benchmarks/ (``cbrun bench`` is
+    # registered by the benchmarks package as an entry point, see jobs.cli.COMMAND_ENTRY_POINTS)
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_graph_sees_cycles_and_breaches_inside_functions(tmp_path):
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    (tmp_path / "engine" / "a.py").write_text("import torch\n\ndef f():\n    from engine.b import g\n")
+    (tmp_path / "engine" / "b.py").write_text("from . import a\n\ndef g():\n    import jobs.c\n")
+    (tmp_path / "jobs" / "c.py").write_text("from engine.a import f\n")
+    graph = import_graph(tmp_path, ("engine", "jobs"))
+    assert graph == {"engine": set(), "engine.a": {"engine.b"}, "engine.b": {"engine.a", "jobs.c"},
+                     "jobs.c": {"engine.a"}}
+    assert cycles(graph) == [["engine.a", "engine.b", "jobs.c"]]
+    assert upward_imports(graph, ("engine", "jobs")) == ["engine.b -> jobs.c"]
