@@ -5,7 +5,7 @@ registers in the ``cbrun.commands`` entry-point group (``COMMAND_ENTRY_POINTS``)
 Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
 Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``jobs.manifest.cli_text``).
 
-Exit codes: ``EXIT_CODES`` (also in ``cbrun --help``, ``cbrun run --help`` and the README).
+Exit codes: ``EXIT_CODES`` (also in ``cbrun --help``, ``cbrun run --help`` and docs/running.md).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ STORY_REQUESTS = {1: 4, 8: 16}
 #: GSM8K rows per run, by max_requests_per_batch (others: twice the batch size).
 GSM8K_ROWS = {1: 6, 8: 32}
 BOS = 1
-#: The README block that ``--readme`` rewrites.
+#: The block of a Markdown page (docs/performance.md) that ``--readme`` rewrites.
 README_START, README_END = "<!-- speculative-table:start -->", "<!-- speculative-table:end -->"
 
 

@@ -46,7 +46,7 @@ RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 RESULT_KEYS = ("outputs", "wall_s", "cpu_s", "init_s", "first_token_s", "finish_s", "rss_base_mib", "rss_peak_mib",
                "versions", "config")
 #: Why the backend did not run when ``--vllm-python`` is absent.
-SKIPPED_REASON = "no --vllm-python PATH given (vLLM runs in its own virtual environment; see README, Performance)"
+SKIPPED_REASON = "no --vllm-python PATH given (vLLM runs in its own virtual environment; see benchmarks/README.md)"
 
 
 @dataclass
