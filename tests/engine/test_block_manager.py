@@ -153,3 +153,16 @@ def test_colliding_8_bit_hashes_are_never_shared():
     assert truncated_block_hash(256) is sha256_block_hash
     with pytest.raises(ValueError, match="multiple of 8"):
         truncated_block_hash(12)
+
+
+def test_a_block_after_a_duplicate_is_served_in_the_chain_of_the_cached_copy():
+    bm = BlockManager(CacheSpec.build(num_blocks=16, page_size=2))
+    a = make_request([1, 2, 3, 4, 9])
+    admit(bm, a)
+    b = make_request([1, 2, 5, 6, 9])  # computed its [1, 2] block again (admitted without the lookup)
+    assert bm.allocate_slots(b, b.num_tokens)
+    b.num_computed_tokens = b.num_tokens
+    assert b.block_table[0] != a.block_table[0]  # the duplicate stays out of the cache
+    c = make_request([1, 2, 5, 6, 7])
+    assert bm.find_cached_prefix(c) == [a.block_table[0], b.block_table[1]]  # b's [5, 6] follows a's [1, 2]
+    assert bm.num_hash_collisions == 0
