@@ -20,7 +20,6 @@ says why and the engine keeps the reference.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -165,8 +164,12 @@ class StepKernels:
 
     def attention(self, query: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   seqlens_k: torch.Tensor, scale: float, softcap: float | None = None,
-                  sliding_window: int | None = None, page_offset: int = 0) -> torch.Tensor:
-        """``paged_attention_cpu`` over this instance's cache: (T, num_heads, head_dim) float32."""
+                  sliding_window: int | None = None, page_offset: int = 0, lane_loops: bool = True) -> torch.Tensor:
+        """``paged_attention_cpu`` over this instance's cache: (T, num_heads, head_dim) float32.
+
+        ``lane_loops = False`` makes tiles with head_dim % 8 == 0 take the kernel's generic loops instead of its
+        8-lane ones, which must give the same floats (``tests/kernels/test_cpu_attention.py`` compares them).
+        """
         _check_float32_cpu(query=query)
         _, page_size, num_kv_heads, head_dim = self._cache_shape
         if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
@@ -182,7 +185,7 @@ class StepKernels:
         status = self._library.cbrun_paged_attention_f32(
             query.data_ptr(), self._k_ptr, self._v_ptr, tables.data_ptr(), tables.shape[1], page_offset,
             cu.data_ptr(), seqlens.data_ptr(), seqlens.shape[0], num_heads, num_kv_heads, head_dim, page_size,
-            scale, softcap or 0.0, sliding_window or 0, out.data_ptr(), self._num_threads)
+            scale, softcap or 0.0, sliding_window or 0, out.data_ptr(), self._num_threads, int(lane_loops))
         if status:
             raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
         return out
@@ -295,25 +298,6 @@ def load_source(source: Path) -> Callable[..., torch.Tensor]:
     return attention
 
 
-@contextlib.contextmanager
-def generic_two_pass():
-    """Within the block, tiles with head_dim % 8 == 0 take the kernel's generic loops instead of its 8-lane ones.
-
-    For tests only: the two must give the same floats (``tests/kernels/test_cpu_attention.py``). Not thread-safe:
-    it sets a flag of the loaded library.
-
-    Raises:
-        RuntimeError: when the kernel is unavailable.
-    """
-    library = _loaded()
-    flag = ctypes.c_int.in_dll(library, "cbrun_attention_generic_two_pass")
-    flag.value = 1
-    try:
-        yield
-    finally:
-        flag.value = 0
-
-
 def _check_float32_cpu(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.dtype != torch.float32 or not t.is_cpu:
@@ -348,7 +332,7 @@ def _load() -> ctypes.CDLL | None:
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     fn = library.cbrun_paged_attention_f32
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i32]
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i32, i32]
     fn.restype = ctypes.c_int
     write = library.cbrun_write_kv_f32
     write.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]

@@ -765,17 +765,15 @@ ALWAYS_INLINE void attend_tile_two_pass_simd(const float *query, const float *k_
     }
 }
 
-/* Nonzero: tiles with head_dim % 8 == 0 take attend_tile_two_pass too, the loops attend_tile_two_pass_simd
- * reproduces, so tests can check that both give the same floats (kernels.cpu_attention.generic_two_pass). */
-int cbrun_attention_generic_two_pass = 0;
-
-/* attend_tile specialised for the common head sizes (a constant head_dim), generic otherwise. */
+/* attend_tile specialised for the common head sizes (a constant head_dim), generic otherwise. lane_loops = 0 makes
+ * tiles with head_dim % 8 == 0 take attend_tile_two_pass too, the loops attend_tile_two_pass_simd reproduces, so
+ * tests can check that both give the same floats (a runtime argument, so both are the code the engine runs). */
 static void attend_tile_any(const float *query, const float *k_cache, const float *v_cache, const int32_t *table,
                             int32_t page_offset, int32_t q_start, int32_t q_len, int32_t seqlen_k, int32_t row_start,
                             int32_t kv_head_begin, int32_t kv_head_end, int32_t num_heads, int32_t num_kv_heads,
                             int32_t head_dim,
                             int32_t page_size, float scale, float softcap, int32_t sliding_window, float *out,
-                            float *scratch) {
+                            float *scratch, int32_t lane_loops) {
     const TileKeys keys = tile_keys(q_len, seqlen_k, row_start, sliding_window);
     const int rows = keys.rows;
     const int64_t score_floats = (int64_t)(kv_head_end - kv_head_begin) * rows * (num_heads / num_kv_heads)
@@ -784,7 +782,7 @@ static void attend_tile_any(const float *query, const float *k_cache, const floa
     float *two_pass_scratch = scratch + tile_scratch_floats(num_heads, head_dim, page_size);
 #define ATTEND(D)                                                                                                 \
     do {                                                                                                          \
-        if (two_pass && (D) % 8 == 0 && !cbrun_attention_generic_two_pass)                                        \
+        if (two_pass && (D) % 8 == 0 && lane_loops)                                                               \
             attend_tile_two_pass_simd(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k,      \
                                       row_start, kv_head_begin, kv_head_end, num_heads, num_kv_heads, D,          \
                                       page_size, scale, softcap, sliding_window, out, scratch, two_pass_scratch); \
@@ -837,12 +835,14 @@ static int by_cost_descending(const void *a, const void *b) {
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. Rows of requests with no query rows, and rows past
- * cu_seqlens_q[num_requests], are not written. */
+ * cu_seqlens_q[num_requests], are not written. lane_loops: 1 (the engine), or 0 for the generic loops only (tests;
+ * see attend_tile_any). */
 int cbrun_paged_attention_f32(const float *query, const float *k_cache, const float *v_cache,
                               const int32_t *block_tables, int64_t bt_stride, int32_t page_offset,
                               const int32_t *cu_seqlens_q, const int32_t *seqlens_k, int32_t num_requests,
                               int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t page_size,
-                              float scale, float softcap, int32_t sliding_window, float *out, int32_t num_threads) {
+                              float scale, float softcap, int32_t sliding_window, float *out, int32_t num_threads,
+                              int32_t lane_loops) {
     const int threads = num_threads > 0 ? num_threads : 1;
     int64_t num_tiles = 0;
     for (int b = 0; b < num_requests; b++) {
@@ -892,7 +892,7 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
             attend_tile_any(query, k_cache, v_cache, block_tables + (int64_t)b * bt_stride, page_offset,
                             cu_seqlens_q[b], cu_seqlens_q[b + 1] - cu_seqlens_q[b], seqlens_k[b], it.row_start,
                             it.kv_head_begin, it.kv_head_end, num_heads, num_kv_heads, head_dim, page_size, scale,
-                            softcap, sliding_window, out, scratch);
+                            softcap, sliding_window, out, scratch, lane_loops);
         }
     }
     free(items);

@@ -3,15 +3,16 @@
 Contexts end on, just before and just after page boundaries; pages are shuffled; every cache slot no request owns
 is NaN, so a kernel that reads past a request's context (or a masked slot) fails the comparison. The kernel's
 8-lane loops (head_dim % 8 == 0) must give exactly the floats of its generic loops, whose summation order they
-reproduce (``generic_two_pass``): decode, verify and prefill tiles, both score orders, every V-pass width.
+reproduce (``StepKernels.attention(..., lane_loops=False)``): decode, verify and prefill tiles, both score orders,
+every V-pass width.
 """
 
 import pytest
 import torch
 
 from engine.lean_llama import _rope, _rope_tables
-from kernels.cpu_attention import (SOURCE, StepKernels, generic_two_pass, load_source, paged_attention_cpu,
-                                   rope_cpu, unavailable_reason, write_kv_cache_cpu)
+from kernels.cpu_attention import (SOURCE, StepKernels, load_source, paged_attention_cpu, rope_cpu,
+                                   unavailable_reason, write_kv_cache_cpu)
 from kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
@@ -212,8 +213,8 @@ def test_lane_loops_give_the_generic_loops_floats(shape, num_heads, num_kv_heads
     scale = head_dim ** -0.5
     for window, softcap in ((None, None), (6, None), (None, 2.0)):
         lanes = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
-        with generic_two_pass():
-            generic = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
+        generic = StepKernels(k_cache, v_cache).attention(query, tables, cu, seqlens, scale, softcap, window,
+                                                          lane_loops=False)
         assert torch.equal(lanes, generic)
         expected = reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
         torch.testing.assert_close(lanes, expected, rtol=1e-5, atol=1e-5)
@@ -223,8 +224,7 @@ def test_lane_loops_with_every_thread_count_and_head_split():
     """Two threads split a batch of few tiles by KV heads (items of fewer heads, so narrower V passes); the floats
     stay the generic loops' at one thread."""
     query, k_cache, v_cache, tables, cu, seqlens = make_batch([1, 3], [50, 20], 16, 8, 8, seed=7, page=16)
-    with generic_two_pass():
-        generic = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3, num_threads=1)
+    generic = StepKernels(k_cache, v_cache, num_threads=1).attention(query, tables, cu, seqlens, 0.3, lane_loops=False)
     for threads in (1, 2, 3):
         out = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3, num_threads=threads)
         assert torch.equal(out, generic)
