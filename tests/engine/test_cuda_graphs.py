@@ -1,0 +1,162 @@
+"""CUDA graphs emulated on the CPU (``cuda_graphs = "emulate"``): greedy outputs equal the eager engine's token for
+token over every kind of step, only decode and uniform verify steps are graphed, and the emulation catches a
+replay that reads tensors computed outside its capture."""
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.cuda_graphs import CudaGraphRunner, _Captured
+from engine.graph_emulation import EmulatedGraph
+from tests.model_utils import assert_pool_balanced, random_model_dir, random_prompts
+
+VOCAB = 128
+MODELS = {"llama": {}, "qwen2": {}, "mistral-window": {"sliding_window": 6}}
+
+
+def model_dir(name: str):
+    return random_model_dir(name.split("-")[0], **MODELS[name])
+
+
+def generate(model: str, prompts, *, new_tokens: int = 8, **config) -> tuple[list[list[int]], LLMEngine]:
+    config = {"page_size": 4, "num_blocks": 128, "max_batch_tokens": 24, "max_requests_per_batch": 8, **config}
+    engine = LLMEngine.from_pretrained(str(model_dir(model)), EngineConfig(loader="transformers", **config))
+    params = SamplingParams(max_new_tokens=new_tokens)
+    outputs = {o.request_id: o.output_token_ids for o in engine.generate(
+        (i, p, params) for i, p in enumerate(prompts))}
+    assert_pool_balanced(engine)
+    return [outputs[i] for i in range(len(prompts))], engine
+
+
+def shared_prefix_prompts(n: int = 8, seed: int = 7) -> list[list[int]]:
+    """Mixed lengths; half the prompts start with the same 9 tokens (prefix cache hits on 4-token pages)."""
+    prompts = random_prompts(n, VOCAB, 1, 20, seed=seed)
+    prefix = random_prompts(1, VOCAB, 9, 9, seed=seed + 1)[0]
+    return [prefix + p if i % 2 else p for i, p in enumerate(prompts)]
+
+
+def assert_emulation_equals_eager(model: str, prompts, **config) -> LLMEngine:
+    eager, _ = generate(model, prompts, cuda_graphs="off", **config)
+    graphed, engine = generate(model, prompts, cuda_graphs="emulate", **config)
+    assert graphed == eager
+    stats = engine.stats
+    assert stats.num_cuda_graph_replays > 0
+    assert 0 < stats.num_cuda_graph_captures <= stats.num_cuda_graph_replays < stats.num_steps  # prefills eager
+    return engine
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_emulated_graphs_equal_eager_over_mixed_steps_and_prefix_sharing(model, backend):
+    engine = assert_emulation_equals_eager(model, shared_prefix_prompts(), attention_backend=backend)
+    if "window" not in model:  # a sliding window's ring blocks are not shared
+        assert engine.stats.num_cached_prompt_tokens > 0
+
+
+@pytest.mark.parametrize("swap_gib", [0.0, 0.001])
+def test_emulated_graphs_equal_eager_under_preemption(swap_gib):
+    prompts = random_prompts(8, VOCAB, 1, 12, seed=5)
+    config = dict(num_blocks=10, cpu_offload_space=swap_gib, allow_block_sharing=False, attention_backend="cpu")
+    engine = assert_emulation_equals_eager("llama", prompts, new_tokens=16, **config)
+    stats = engine.stats
+    assert (stats.num_offloads > 0) if swap_gib else (stats.num_soft_resets > 0 and stats.num_offloads == 0)
+
+
+def test_emulated_graphs_equal_eager_with_speculation():
+    pattern = random_prompts(1, VOCAB, 5, 5, seed=9)[0]
+    prompts = [pattern * 4, pattern[:3] * 5]
+    engine = assert_emulation_equals_eager("qwen2", prompts, new_tokens=16, speculative="ngram",
+                                           num_speculative_tokens=3, attention_backend="cpu",
+                                           speculative_row_cost=0.0)
+    assert engine.stats.num_verify_steps > 0
+    shapes = engine.model_runner._graph_runner._graphs
+    assert any(shape.query_len > 1 for shape in shapes)  # uniform verify steps were graphed too
+
+
+@pytest.mark.slow
+def test_emulated_graphs_equal_eager_on_triton_interpreter():
+    pytest.importorskip("triton")
+    prompts = random_prompts(3, VOCAB, 2, 9, seed=11)
+    assert_emulation_equals_eager("llama", prompts, new_tokens=3, attention_backend="triton")
+
+
+def test_captures_are_bounded_by_the_buckets():
+    prompts = random_prompts(8, VOCAB, 1, 12, seed=13)
+    _, engine = generate("llama", prompts, cuda_graphs="emulate", new_tokens=12, attention_backend="cpu")
+    runner = engine.model_runner._graph_runner
+    assert {shape.num_requests for shape in runner._graphs} <= set(engine.model_runner.graph_buckets.sizes)
+    assert all(shape.query_len == 1 for shape in runner._graphs)
+    assert runner.num_captures == len(runner._graphs) <= len(engine.model_runner.graph_buckets.sizes)
+
+
+def test_graphed_decode_passes_its_true_query_length():
+    _, engine = generate("llama", random_prompts(3, VOCAB, 1, 5, seed=17), cuda_graphs="emulate", new_tokens=3)
+    runner = engine.model_runner._graph_runner
+    for shape in runner._graphs:
+        md = runner._static_inputs(shape)[2]
+        assert md.max_seqlen_q == shape.query_len == 1 and md.cu_seqlens_q.shape[0] == shape.num_requests + 1
+        assert md.kernels_as_ops
+
+
+def _capture_reusing_warm_up_metadata(self: CudaGraphRunner, shape) -> _Captured:
+    """The fault this module guards against: the capture reuses the warm-up's metadata, so the per-layer slot
+    mappings and block tables the warm-up cached in it (``GroupMetadata.for_layer``) feed every replay."""
+    inputs = self._static_inputs(shape)
+    self._forward(*inputs)
+    graph = EmulatedGraph()
+    with graph.capture():
+        logits = self._forward(*inputs)
+    return _Captured(graph, logits)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_emulation_catches_stale_metadata(monkeypatch, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    prompts = random_prompts(4, VOCAB, 2, 10, seed=3)
+    config = dict(attention_backend=backend, new_tokens=6 if backend == "torch" else 3)
+    eager, _ = generate("llama", prompts, cuda_graphs="off", **config)
+    monkeypatch.setattr(CudaGraphRunner, "_capture", _capture_reusing_warm_up_metadata)
+    stale, engine = generate("llama", prompts, cuda_graphs="emulate", **config)
+    assert engine.stats.num_cuda_graph_replays > 0
+    assert stale != eager
+
+
+def test_emulated_graph_replays_recorded_work_over_new_values():
+    x = torch.arange(4.0)
+    scale = torch.tensor(2.0)
+    out = torch.zeros(4)
+    graph = EmulatedGraph()
+    with graph.capture():
+        y = (x * scale).to(torch.float64)  # a fresh tensor, and ``to`` that copies
+        out.add_(y.float().cumsum(0))  # in place into a static output
+    assert graph.num_ops > 0
+    x.copy_(torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    out.zero_()
+    graph.replay()
+    assert out.tolist() == [2.0, 4.0, 6.0, 8.0]
+    assert y.tolist() == [2.0, 2.0, 2.0, 2.0]  # the recorded intermediate was rewritten in place
+
+
+def test_emulated_capture_refuses_host_reads():
+    x = torch.ones(3)
+    graph = EmulatedGraph()
+    with pytest.raises(RuntimeError, match="on the host"), graph.capture():
+        if bool(x.sum() > 0):
+            x.mul_(2)
+
+
+def test_config_validates_cuda_graphs():
+    assert EngineConfig(cuda_graphs="emulate").cuda_graphs == "emulate"
+    with pytest.raises(ValueError, match="cuda_graphs must be one of"):
+        EngineConfig(cuda_graphs="fake")
+    with pytest.raises(ValueError, match="cuda_graph_max_batch_size"):
+        EngineConfig(cuda_graph_max_batch_size=0)
+
+
+def test_stats_count_graphs():
+    _, engine = generate("llama", random_prompts(2, VOCAB, 1, 5, seed=19), cuda_graphs="emulate", new_tokens=4)
+    stats = engine.stats.as_dict()
+    assert stats["num_cuda_graph_captures"] >= 1 and stats["num_cuda_graph_replays"] >= 3
+    _, eager = generate("llama", random_prompts(2, VOCAB, 1, 5, seed=19), cuda_graphs="off", new_tokens=4)
+    assert eager.stats.num_cuda_graph_captures == eager.stats.num_cuda_graph_replays == 0
