@@ -140,6 +140,13 @@ class CudaGraphRunner:
                                kernels_as_ops=self.emulate)
         return self.input_ids[:n], self.positions[:n], md, self.logits_indices[:shape.num_logit_rows]
 
+    def _static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a replay may read that the captured region does not make: the static input buffers, the
+        model's weights and buffers, and the KV cache (the emulation checks that nothing else is read)."""
+        buffers = [self.input_ids, self.positions, self.cu_seqlens_q, self.seqlens_k, self.logits_indices,
+                   *self.slots.values(), *self.tables.values()]
+        return [*buffers, *self.model.parameters(), *self.model.buffers(), self.setup.k_pages, self.setup.v_pages]
+
     def _forward(self, input_ids, positions, md, logits_indices) -> torch.Tensor:
         return self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                           logits_to_keep=logits_indices, cbrun_metadata=md).logits[0]
@@ -156,7 +163,7 @@ class CudaGraphRunner:
             with torch.cuda.stream(stream):
                 self._forward(*self._static_inputs(shape))
             torch.cuda.current_stream().wait_stream(stream)
-        with graph.capture():
+        with graph.capture(self._static_tensors()) if self.emulate else graph.capture():
             logits = self._forward(*self._static_inputs(shape))
         logger.debug("captured a %s graph for %s", "emulated" if self.emulate else "CUDA", shape)
         return _Captured(graph, logits)

@@ -66,16 +66,28 @@ def _mutates(func: torch._ops.OpOverload) -> bool:
 
 class _Recorder(TorchDispatchMode):
     """Records the ops dispatched while it is active (the mode is off inside each op, so a custom op's own
-    internals are not recorded)."""
+    internals are not recorded).
 
-    def __init__(self) -> None:
+    Args:
+        static: storages (``_storage``) the region may read besides what it makes itself; None checks nothing.
+    """
+
+    def __init__(self, static: set[int] | None) -> None:
         super().__init__()
         self.ops: list[_RecordedOp] = []
+        self.static = static
+        self.made: set[int] = set()  # storages of tensors the region made
+        self.foreign: list[str] = []  # ops that read a tensor made outside the region, not static
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        inputs = [t for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if self.static is not None and func is not torch.ops.aten.lift_fresh.default:
+            if any(t.numel() and _storage(t) not in self.made and _storage(t) not in self.static for t in inputs):
+                self.foreign.append(str(func))
         result = func(*args, **kwargs)
         outputs = _tensors(result)
+        self.made.update(_storage(o) for o in outputs if isinstance(o, torch.Tensor))
         if any(not isinstance(o, torch.Tensor) for o in outputs):
             raise RuntimeError(f"the captured region reads a tensor's value on the host ({func}): a CUDA graph "
                                "cannot capture a device sync; its replay would keep the capture step's value")
@@ -84,8 +96,8 @@ class _Recorder(TorchDispatchMode):
         elif func not in _ALLOCATIONS:
             # NOTE: by storage, not by schema: ``aten.to`` is annotated as a possible alias but copies when the
             # dtype changes, and a view aliases its input whatever its schema says.
-            inputs = {_storage(t) for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor)}
-            fresh = [(i, o) for i, o in enumerate(outputs) if _storage(o) not in inputs]
+            input_storages = {_storage(t) for t in inputs}
+            fresh = [(i, o) for i, o in enumerate(outputs) if _storage(o) not in input_storages]
             if fresh:
                 self.ops.append(_RecordedOp(func, args, kwargs, fresh))
         return result
@@ -107,17 +119,27 @@ class EmulatedGraph:
         return len(self._ops or ())
 
     @contextmanager
-    def capture(self):
+    def capture(self, static: list[torch.Tensor] | None = None):
         """Record the ops run inside the ``with`` block (they also run, as under stream capture they do not;
         the warm-up before it makes that harmless).
 
+        Args:
+            static: the tensors a replay may read besides those the region makes (static input buffers, weights,
+                the KV cache), or their views. None skips the check.
+
         Raises:
-            RuntimeError: when the region reads a tensor's value on the host.
+            RuntimeError: when the region reads a tensor's value on the host, or, with ``static``, reads a tensor
+                that it did not make and that is not static (computed outside the capture: its replay would
+                keep reading the capture step's values).
         """
         assert self._ops is None, "a graph is captured once"
-        recorder = _Recorder()
+        recorder = _Recorder(None if static is None else {_storage(t) for t in static})
         with recorder:
             yield self
+        if recorder.foreign:
+            raise RuntimeError(f"the captured region reads tensors computed outside it, neither static buffers nor "
+                               f"weights nor the cache (first in {recorder.foreign[0]}, {len(recorder.foreign)} "
+                               "ops in all): every replay would read the capture step's values")
         self._ops = recorder.ops
 
     def replay(self) -> None:

@@ -98,13 +98,14 @@ def test_graphed_decode_passes_its_true_query_length():
         assert md.kernels_as_ops
 
 
-def _capture_reusing_warm_up_metadata(self: CudaGraphRunner, shape) -> _Captured:
+def _capture_reusing_warm_up_metadata(self: CudaGraphRunner, shape, check_reads: bool = False) -> _Captured:
     """The fault this module guards against: the capture reuses the warm-up's metadata, so the per-layer slot
-    mappings and block tables the warm-up cached in it (``GroupMetadata.for_layer``) feed every replay."""
+    mappings and block tables the warm-up cached in it (``GroupMetadata.for_layer``) feed every replay.
+    ``check_reads``: capture with the emulation's check that only static tensors come from outside."""
     inputs = self._static_inputs(shape)
     self._forward(*inputs)
     graph = EmulatedGraph()
-    with graph.capture():
+    with graph.capture(self._static_tensors() if check_reads else None):
         logits = self._forward(*inputs)
     return _Captured(graph, logits)
 
@@ -120,6 +121,16 @@ def test_emulation_catches_stale_metadata(monkeypatch, backend):
     stale, engine = generate("llama", prompts, cuda_graphs="emulate", **config)
     assert engine.stats.num_cuda_graph_replays > 0
     assert stale != eager
+
+
+def test_emulated_capture_refuses_tensors_computed_outside_it(monkeypatch):
+    def capture(self, shape):
+        return _capture_reusing_warm_up_metadata(self, shape, check_reads=True)
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
+    with pytest.raises(RuntimeError, match="computed outside"):
+        generate("llama", random_prompts(2, VOCAB, 2, 6, seed=3), cuda_graphs="emulate", new_tokens=3,
+                 attention_backend="torch")
 
 
 def test_emulated_graph_replays_recorded_work_over_new_values():
