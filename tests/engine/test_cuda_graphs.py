@@ -73,6 +73,15 @@ def test_emulated_graphs_equal_eager_with_speculation():
     assert any(shape.query_len > 1 for shape in shapes)  # uniform verify steps were graphed too
 
 
+def test_emulated_graphs_equal_eager_with_a_draft_model():
+    prompts = random_prompts(3, VOCAB, 2, 10, seed=21)
+    draft = str(model_dir("llama"))  # the target itself: every proposal is accepted, so verify steps are uniform
+    engine = assert_emulation_equals_eager("llama", prompts, speculative="draft", draft_model=draft,
+                                           num_speculative_tokens=3, speculative_row_cost=0.0)
+    assert engine.stats.num_accepted_tokens > 0
+    assert any(shape.query_len == 4 for shape in engine.model_runner._graph_runner._graphs)
+
+
 @pytest.mark.slow
 def test_emulated_graphs_equal_eager_on_triton_interpreter():
     pytest.importorskip("triton")
