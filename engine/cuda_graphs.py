@@ -100,7 +100,8 @@ class CudaGraphRunner:
 
         Args:
             input_ids, positions: (shape.num_tokens,) int64; logits_indices: (shape.num_logit_rows,) int64.
-            md: the step's metadata, padded to ``shape``: only its tensors are read (copied).
+            md: the step's metadata, padded to ``shape`` (block tables: as wide as its longest context): only its
+                tensors are read (copied).
             carry: (input rows, token ids) on the device, written over ``input_ids`` after the copy: tokens the
                 step in flight sampled (async batching), which the host does not know yet.
 
@@ -117,7 +118,9 @@ class CudaGraphRunner:
         self.logits_indices[:shape.num_logit_rows].copy_(logits_indices, non_blocking=True)
         for name, group in md.groups.items():
             self.slots[name][:n].copy_(group.slot_mapping, non_blocking=True)
-            self.tables[name][:b].copy_(group.block_tables, non_blocking=True)
+            # NOTE: only the step's columns: those past its longest context keep earlier steps' page ids (valid
+            # pages), which no kernel reads: each reads only the blocks its request's context length covers.
+            self.tables[name][:b, :group.block_tables.shape[1]].copy_(group.block_tables, non_blocking=True)
         captured = self._graphs.get(shape)
         if captured is None:
             captured = self._graphs[shape] = self._capture(shape)

@@ -238,7 +238,7 @@ class ModelRunner:
             cu_seqlens_q = np.concatenate((cu_seqlens_q, np.full(shape.num_requests - num_requests, num_tokens)))
             seqlens_k = _pad(seqlens_k, shape.num_requests)
             logits_indices = _pad(logits_indices, shape.num_logit_rows)
-        max_blocks = shape.num_kv_blocks if shape else -(-max_seqlen_k // self.page_size)
+        max_blocks = cdiv(max_seqlen_k, self.page_size)  # a graph's static tables keep their other columns
         num_slots, num_table_rows = len(token_ids), len(seqlens_k)
         groups = {}
         for kind, lengths in ((full, num_blocks), (sliding, num_sliding)):

@@ -29,7 +29,8 @@ class PaddedShape:
     Attributes:
         num_tokens: query tokens, ``num_requests * query_len``.
         num_requests: the bucket: rows of block tables and sequence lengths.
-        num_kv_blocks: block-table width, the same for every graph (enough for ``max_model_len``).
+        num_kv_blocks: the static block tables' width, the same for every graph (enough for ``max_model_len``);
+            a step fills only the columns its longest context needs.
         num_logit_rows: rows of logits, one per token (a decode or verify step samples every token).
         query_len: tokens of every request (1 for decode, 1 + proposals for verify); attention's ``max_seqlen_q``.
     """
