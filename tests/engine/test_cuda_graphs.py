@@ -73,6 +73,19 @@ def test_emulated_graphs_equal_eager_with_speculation():
     assert any(shape.query_len > 1 for shape in shapes)  # uniform verify steps were graphed too
 
 
+def test_emulated_graphs_keep_seeded_sampled_rows():
+    prompts = random_prompts(7, VOCAB, 2, 20, seed=23)
+    outputs = {}
+    for mode in ("off", "emulate"):
+        engine = LLMEngine.from_pretrained(str(model_dir("qwen2")), EngineConfig(
+            loader="transformers", page_size=4, num_blocks=128, max_batch_tokens=24, cuda_graphs=mode))
+        requests = ((i, p, SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=100 + i))
+                    for i, p in enumerate(prompts))
+        outputs[mode] = {o.request_id: o.output_token_ids for o in engine.generate(requests)}
+    assert engine.stats.num_cuda_graph_replays > 0
+    assert outputs["emulate"] == outputs["off"]
+
+
 def test_emulated_graphs_equal_eager_with_a_draft_model():
     prompts = random_prompts(3, VOCAB, 2, 10, seed=21)
     draft = str(model_dir("llama"))  # the target itself: every proposal is accepted, so verify steps are uniform
