@@ -86,6 +86,26 @@ def test_emulated_graphs_keep_seeded_sampled_rows():
     assert outputs["emulate"] == outputs["off"]
 
 
+def test_emulated_graphs_with_async_batching_bookkeeping():
+    """Async batching's path on the CPU (set by hand, as tests/engine/test_async_batching.py does): tokens the step
+    in flight sampled are carried into the static input buffer on the device, and logits the host still reads are
+    copied out of the graph's output before the next replay."""
+    prompts = random_prompts(7, VOCAB, 2, 20, seed=29)
+
+    def params(i):
+        return SamplingParams(max_new_tokens=10, temperature=0.8, seed=i) if i % 2 else SamplingParams(max_new_tokens=10)
+
+    outputs = {}
+    for mode, overlap in (("off", False), ("emulate", True)):
+        engine = LLMEngine.from_pretrained(str(model_dir("llama")), EngineConfig(
+            loader="transformers", page_size=4, num_blocks=128, max_batch_tokens=24, cuda_graphs=mode))
+        engine.overlap_steps = engine.model_runner.async_batching = overlap
+        outputs[mode] = {o.request_id: o.output_token_ids for o in engine.generate(
+            (i, p, params(i)) for i, p in enumerate(prompts))}
+    assert engine.stats.num_cuda_graph_replays > 0
+    assert outputs["emulate"] == outputs["off"]
+
+
 def test_emulated_graphs_equal_eager_with_a_draft_model():
     prompts = random_prompts(3, VOCAB, 2, 10, seed=21)
     draft = str(model_dir("llama"))  # the target itself: every proposal is accepted, so verify steps are uniform
