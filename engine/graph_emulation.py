@@ -82,9 +82,9 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = [t for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if self.static is not None and func is not torch.ops.aten.lift_fresh.default:
-            if any(t.numel() and _storage(t) not in self.made and _storage(t) not in self.static for t in inputs):
-                self.foreign.append(str(func))
+        if self.static is not None and func is not torch.ops.aten.lift_fresh.default and any(
+                t.numel() and _storage(t) not in self.made and _storage(t) not in self.static for t in inputs):
+            self.foreign.append(str(func))
         result = func(*args, **kwargs)
         outputs = _tensors(result)
         self.made.update(_storage(o) for o in outputs if isinstance(o, torch.Tensor))

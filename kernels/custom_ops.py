@@ -10,8 +10,6 @@ the existing entry points: Triton (``kernels.paged_attention``, ``kernels.kv_cac
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
@@ -55,7 +53,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 @torch.library.custom_op("cbrun::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
-                    sliding_window: Optional[int], softcap: Optional[float], max_seqlen_q: int, page_offset: int,
+                    sliding_window: int | None, softcap: float | None, max_seqlen_q: int, page_offset: int,
                     backend: str, num_threads: int) -> torch.Tensor:
     """Attention of a flattened varlen batch over the paged cache.
 

@@ -56,8 +56,8 @@ def test_emulated_graphs_equal_eager_over_mixed_steps_and_prefix_sharing(model, 
 @pytest.mark.parametrize("swap_gib", [0.0, 0.001])
 def test_emulated_graphs_equal_eager_under_preemption(swap_gib):
     prompts = random_prompts(8, VOCAB, 1, 12, seed=5)
-    config = dict(num_blocks=10, cpu_offload_space=swap_gib, allow_block_sharing=False, attention_backend="cpu")
-    engine = assert_emulation_equals_eager("llama", prompts, new_tokens=16, **config)
+    engine = assert_emulation_equals_eager("llama", prompts, new_tokens=16, num_blocks=10, cpu_offload_space=swap_gib,
+                                           allow_block_sharing=False, attention_backend="cpu")
     stats = engine.stats
     assert (stats.num_offloads > 0) if swap_gib else (stats.num_soft_resets > 0 and stats.num_offloads == 0)
 
@@ -157,7 +157,7 @@ def test_emulation_catches_stale_metadata(monkeypatch, backend):
     if backend == "triton":
         pytest.importorskip("triton")
     prompts = random_prompts(4, VOCAB, 2, 10, seed=3)
-    config = dict(attention_backend=backend, new_tokens=6 if backend == "torch" else 3)
+    config = {"attention_backend": backend, "new_tokens": 6 if backend == "torch" else 3}
     eager, _ = generate("llama", prompts, cuda_graphs="off", **config)
     monkeypatch.setattr(CudaGraphRunner, "_capture", _capture_reusing_warm_up_metadata)
     stale, engine = generate("llama", prompts, cuda_graphs="emulate", **config)
