@@ -11,7 +11,10 @@ from engine.graph_emulation import EmulatedGraph
 from tests.model_utils import assert_pool_balanced, random_model_dir, random_prompts
 
 VOCAB = 128
-MODELS = {"llama": {}, "qwen2": {}, "mistral-window": {"sliding_window": 6}}
+#: Full attention, every layer sliding (one allocator of ring blocks), and full and sliding layers mixed (two
+#: allocators, so two sets of static slot mappings and block tables).
+MODELS = {"llama": {}, "qwen2": {}, "mistral-window": {"sliding_window": 6},
+          "qwen2-mixed": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}}
 
 
 def model_dir(name: str):
@@ -49,7 +52,7 @@ def assert_emulation_equals_eager(model: str, prompts, **config) -> LLMEngine:
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_emulated_graphs_equal_eager_over_mixed_steps_and_prefix_sharing(model, backend):
     engine = assert_emulation_equals_eager(model, shared_prefix_prompts(), attention_backend=backend)
-    if "window" not in model:  # a sliding window's ring blocks are not shared
+    if "sliding_window" not in MODELS[model]:  # prefix sharing is off for models with sliding windows
         assert engine.stats.num_cached_prompt_tokens > 0
 
 
