@@ -1,11 +1,15 @@
 """Which steps are graphed and how they are padded, tested on the CPU: the buckets, and that padded tokens and
 requests touch no request's cache."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.model_runner import ModelRunner
 from engine.padding import GraphBuckets, PaddedShape, capture_sizes
+from engine.plan import ScheduledRequest
 from tests.model_utils import random_llama_dir, random_prompts
 
 VOCAB = 128
@@ -57,3 +61,28 @@ def test_padded_slots_never_write_into_a_request_cache():
     # NOTE: compared bit for bit: pages never handed out are uninitialised and may hold NaN (NaN != NaN).
     changed = (cache.kv.view(torch.uint8) != before.view(torch.uint8)).flatten(2).any(-1).any(0)  # (num_pages,)
     assert set(changed.nonzero().flatten().tolist()) <= real_pages
+
+
+def _entry(num_tokens: int, proposals: int = 0, samples: bool = True, logprobs: range = range(0)):
+    """A plan entry with only the fields ``_graph_shape`` reads set meaningfully."""
+    return ScheduledRequest(0, "r", 10, num_tokens, [1] * num_tokens, 0, samples, False, logprobs, 0, (), 0, (),
+                            tuple([1] * proposals))
+
+
+@pytest.mark.parametrize("entries,query_len", [
+    ([_entry(1)] * 3, 1),  # decode: graphed, bucket 4
+    ([_entry(3, 2)] * 2, 3),  # a uniform verify step: graphed
+    ([_entry(3, 2), _entry(2, 1)], None),  # uneven proposals: eager
+    ([_entry(1), _entry(5)], None),  # a prefill chunk beside a decode: eager
+    ([_entry(1), _entry(1, samples=False)], None),  # a chunk that samples nothing: eager
+    ([_entry(1, logprobs=range(10, 11))], None),  # a step scoring prompt tokens: eager
+    ([_entry(1)] * 9, None),  # more requests than the largest bucket: eager
+])
+def test_only_decode_and_uniform_verify_steps_are_graphed(entries, query_len):
+    runner = SimpleNamespace(graph_buckets=GraphBuckets(8, 3, 64, 4))
+    num_tokens = sum(e.num_tokens for e in entries)
+    num_rows = sum(e.num_sample_rows + len(e.prompt_logprob_positions) for e in entries)
+    shape = ModelRunner._graph_shape(runner, entries, num_tokens, num_rows)
+    assert (shape.query_len if shape else None) == query_len
+    if shape is not None:
+        assert shape.num_requests in (2, 4) and shape.num_tokens == shape.num_requests * query_len
