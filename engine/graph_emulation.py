@@ -120,8 +120,8 @@ class EmulatedGraph:
 
     @contextmanager
     def capture(self, static: list[torch.Tensor] | None = None):
-        """Record the ops run inside the ``with`` block (they also run, as under stream capture they do not;
-        the warm-up before it makes that harmless).
+        """Record the ops run inside the ``with`` block. Unlike under stream capture they also run; that is
+        harmless, since the replay that follows computes the same values again.
 
         Args:
             static: the tensors a replay may read besides those the region makes (static input buffers, weights,
