@@ -60,6 +60,12 @@ class GroupMetadata:
 class AttentionMetadata:
     """Everything a layer needs to find this step's tokens in the paged cache. Built once per step.
 
+    NOTE: what the layers derive from it (``GroupMetadata.for_layer``'s shifted tensors, gather plans,
+    ``StepKernels``) is computed on first use and cached in it. Under a CUDA graph those computations must be
+    captured with the forward, so an instance is built inside the captured region from the graph's static buffers
+    and never shared with an eager pass (``engine.cuda_graphs``): a replay then recomputes them from the new
+    step's values instead of reading tensors left from the capture step.
+
     Attributes:
         groups: ``{"full": ..., "sliding": ...}`` per allocator the model uses.
         layer_groups: per layer, (group name, index of the layer within its group).
@@ -71,6 +77,8 @@ class AttentionMetadata:
         use_triton: run the Triton kernels instead of the PyTorch reference.
         use_cpu_kernel: run ``kernels.cpu_attention``'s C kernel (float32, CPU) instead of the PyTorch reference.
         cpu_kernel_threads: that kernel's threads (``engine.threads.resolve_attention_threads``); None for torch's.
+        kernels_as_ops: call the kernels through ``kernels.custom_ops`` (one dispatched op per call, which the
+            CUDA-graph emulation records) instead of directly.
     """
 
     groups: dict[str, GroupMetadata]
@@ -84,6 +92,7 @@ class AttentionMetadata:
     use_triton: bool = False
     use_cpu_kernel: bool = False
     cpu_kernel_threads: int | None = None
+    kernels_as_ops: bool = False
     _plans: dict = field(default_factory=dict)
     _step_kernels: object = None
 
@@ -166,6 +175,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Atten
     # The kernels read the page size from the cache tensor, the block tables and slots were built with md's.
     assert md.k_pages.shape[1] == md.page_size, f"page size {md.page_size} but cache pages of {md.k_pages.shape[1]}"
     group, index = md.layer_groups[layer_idx]
+    if md.kernels_as_ops:
+        return _attention_as_ops(q, k, v, md, group, index, scale, sliding_window, softcap)
     if md.use_cpu_kernel:
         return _cpu_kernel_attention(q, k, v, md, group, index, scale, sliding_window, softcap)
     slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
@@ -193,6 +204,29 @@ def _cpu_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md:
     kernels.write_kv(k, v, layer0.slot_mapping, slot_address(index, 0, md.page_size))
     return kernels.attention(q, layer0.block_tables, md.cu_seqlens_q, md.seqlens_k, scale, softcap, sliding_window,
                              page_offset=index)
+
+
+def _attention_as_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, group: str,
+                      index: int, scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """``paged_attention`` through ``kernels.custom_ops``, each backend given what its direct call gets: the C
+    kernel layer 0's slots and tables with the layer's shift, the reference the layer's slots and layer 0's
+    tables with the shift, Triton the layer's own slots and tables (``GroupMetadata.for_layer``)."""
+    import kernels.custom_ops  # noqa: F401  (registers torch.ops.cbrun)
+
+    ops = torch.ops.cbrun
+    threads = md.cpu_kernel_threads or 0
+    layer0 = md.groups[group]
+    if md.use_cpu_kernel:
+        backend, slots, slot_offset, tables, page_offset = ("cpu", layer0.slot_mapping,
+                                                            slot_address(index, 0, md.page_size),
+                                                            layer0.block_tables, index)
+    else:
+        slots, layer_tables = layer0.for_layer(index, md.page_size)
+        backend, slot_offset = ("triton" if md.use_triton else "torch"), 0
+        tables, page_offset = (layer_tables, 0) if md.use_triton else (layer0.block_tables, index)
+    ops.write_kv_cache(k, v, md.k_pages, md.v_pages, slots, slot_offset, backend, threads)
+    return ops.paged_attention(q, md.k_pages, md.v_pages, tables, md.cu_seqlens_q, md.seqlens_k, scale,
+                               sliding_window, softcap, md.max_seqlen_q, page_offset, backend, threads)
 
 
 def register_with_transformers() -> str:

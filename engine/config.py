@@ -9,6 +9,8 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 SWITCHES = ("auto", "on", "off")
+#: ``cuda_graphs``' values: a switch, or "emulate" (the graph path on any device, ``engine.graph_emulation``).
+CUDA_GRAPH_MODES = SWITCHES + ("emulate",)
 MODEL_IMPLS = ("auto", "transformers", "lean")
 LOADERS = ("auto", "transformers")
 #: Default (max_requests_per_batch, max_batch_tokens) per device type, for throughput. CUDA: vLLM's offline (``LLM``)
@@ -57,10 +59,12 @@ class EngineConfig:
             float32 on the CPU only, else a ValueError), or "auto": triton on CUDA, else cpu where it applies
             (float32, the kernel builds), else torch.
         seed: seed of the engine's generator for requests without a seed of their own.
-        cuda_graphs: "auto" (on for CUDA with the Triton backend), "on" or "off".
-        q_padding_interval_size: with CUDA graphs, query tokens are padded to a multiple of this.
-        kv_padding_interval_size: with CUDA graphs, block tables address a multiple of this many tokens.
-        max_cached_graphs: CUDA graphs kept at once (one per padded shape).
+        cuda_graphs: replay decode and uniform verify steps from CUDA graphs, padded to batch-size buckets
+            (``engine.padding``); other steps run eagerly. "auto" (on for CUDA with the Triton backend), "on",
+            "off", or "emulate": the same graph path recorded and replayed op by op on any device and backend
+            (``engine.graph_emulation``; for tests: slower than "off").
+        cuda_graph_max_batch_size: the largest batch-size bucket (SGLang's ``cuda_graph_max_bs``); decode steps
+            with more requests run eagerly. None (the default) takes ``max_requests_per_batch``.
         async_batching: "auto" (on with CUDA graphs on a CUDA device), "on" or "off": plan and upload step N+1
             while the device computes step N (see ``engine.async_batching``).
         num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide): a positive int,
@@ -125,9 +129,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     cuda_graphs: str = "auto"
-    q_padding_interval_size: int = 64
-    kv_padding_interval_size: int = 256
-    max_cached_graphs: int = 32
+    cuda_graph_max_batch_size: int | None = None
     async_batching: str = "auto"
     num_threads: int | str | None = "auto"
     model_impl: str = "auto"
@@ -161,15 +163,16 @@ class EngineConfig:
             raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("cuda_graphs", "async_batching"):
-            if getattr(self, name) not in SWITCHES:
-                raise ValueError(f"{name} must be one of {SWITCHES}, got {getattr(self, name)!r}")
+        if self.async_batching not in SWITCHES:
+            raise ValueError(f"async_batching must be one of {SWITCHES}, got {self.async_batching!r}")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
+        if self.cuda_graph_max_batch_size is not None:
+            self._check_positive_int("cuda_graph_max_batch_size")
         if self.num_threads not in (None, "auto"):
             if isinstance(self.num_threads, str):
                 raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
             self._check_positive_int("num_threads")
-        for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_cached_graphs"):
-            self._check_positive_int(name)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.prefix_hash_bits % 8 or not 8 <= self.prefix_hash_bits <= 256:

@@ -25,7 +25,7 @@ from engine.lean_llama import select_lean_model
 from engine.cache_spec import CacheSpec
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
-from engine.padding import PaddingPolicy
+from engine.padding import GraphBuckets
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import sample_one, verify_proposals
@@ -91,17 +91,17 @@ class LLMEngine:
         #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
         self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)
-        padding = PaddingPolicy.for_cache(config, self.cache_spec)
         self.model_runner = ModelRunner(model, kv_cache, use_triton=use_triton,
                                         use_cpu_kernel=_use_cpu_kernel(config, dtype, use_triton),
                                         cpu_kernel_threads=resolve_attention_threads(config.num_threads,
                                                                                      config.device),
-                                        padding=padding if use_graphs else None,
-                                        use_cuda_graphs=use_graphs, max_cached_graphs=config.max_cached_graphs,
+                                        graph_buckets=_graph_buckets(config, max_model_len) if use_graphs else None,
+                                        emulate_graphs=config.cuda_graphs == "emulate",
                                         max_model_len=max_model_len, async_batching=self.overlap_steps,
                                         lean_model=select_lean_model(config.model_impl, model, use_graphs,
                                                                      max_model_len, config.linear_backend),
-                                        max_requests=config.max_requests_per_batch)
+                                        max_requests=config.max_requests_per_batch,
+                                        max_batch_tokens=config.max_batch_tokens)
         #: Runs the draft model and fills each step's proposals (``speculative = "draft"``); its cache shares
         #: the block manager's block ids.
         self.drafter = (DraftProposer(draft_model, self.cache_spec, model_config.vocab_size, self.eos_token_ids,
@@ -125,7 +125,9 @@ class LLMEngine:
         spec = dict(num_proposed_tokens=speculator.num_proposed_tokens,
                     num_accepted_tokens=speculator.num_accepted_tokens,
                     num_verify_steps=speculator.num_verify_steps) if speculator is not None else {}
-        return replace(self._counters, num_soft_resets=self.scheduler.num_soft_resets,
+        captures, replays = self.model_runner.graph_counts
+        return replace(self._counters, num_cuda_graph_captures=captures, num_cuda_graph_replays=replays,
+                       num_soft_resets=self.scheduler.num_soft_resets,
                        num_offloads=self.scheduler.num_offloads, num_generated_tokens=self.scheduler.num_generated_tokens,
                        num_evicted_blocks=self.block_manager.num_evicted_blocks, **spec)
 
@@ -465,7 +467,8 @@ def _needs_transformers(config: EngineConfig) -> str | None:
         return "model_impl = transformers runs transformers' modules"
     if config.speculative == "draft":
         return "speculative = draft: the draft model runs beside transformers' target"
-    if config.cuda_graphs != "off" and _cuda_graphs_blocker(config, _use_triton(config)) is None:
+    if config.cuda_graphs == "emulate" or (config.cuda_graphs != "off"
+                                           and _cuda_graphs_blocker(config, _use_triton(config)) is None):
         return "CUDA graphs capture transformers' forward pass"
     return None
 
@@ -540,7 +543,9 @@ def eos_token_ids(model_path: str, model_config) -> set[int]:
 
 
 def _use_cuda_graphs(config: EngineConfig, use_triton: bool) -> bool:
-    """Whether to replay the forward pass from CUDA graphs; says why not, once, when it cannot."""
+    """Whether to replay decode steps from CUDA graphs, real or emulated; says why not, once, when it cannot."""
+    if config.cuda_graphs == "emulate":  # on any device and backend
+        return True
     return resolve_switch("cuda_graphs", config.cuda_graphs, _cuda_graphs_blocker(config, use_triton),
                           off_log="CUDA graphs off: %s")
 
@@ -551,9 +556,15 @@ def _cuda_graphs_blocker(config: EngineConfig, use_triton: bool) -> str | None:
         return f"the device is {config.device}, not CUDA"
     if not use_triton:
         return "attention_backend = torch synchronises with the host, which a graph cannot hold"
-    if config.speculative != "off":
-        return f"speculative decoding ({config.speculative}) does not capture its verify shapes in graphs yet"
     return None
+
+
+def _graph_buckets(config: EngineConfig, max_model_len: int) -> GraphBuckets:
+    """The shapes decode (and, with speculation, uniform verify) steps are graphed at."""
+    max_batch_size = min(config.cuda_graph_max_batch_size or config.max_requests_per_batch,
+                         config.max_requests_per_batch)
+    max_query_len = 1 + config.num_speculative_tokens if config.speculative != "off" else 1
+    return GraphBuckets(max_batch_size, max_query_len, max_model_len, config.page_size)
 
 
 def _check_speculative(config: EngineConfig, layout: KVLayout) -> None:
@@ -561,8 +572,7 @@ def _check_speculative(config: EngineConfig, layout: KVLayout) -> None:
 
     Raises:
         ValueError: for a draft model over a target with sliding-window layers (the draft's cache is addressed by
-            the target's full blocks), or with async batching "on". CUDA graphs "on" is refused by
-            ``_use_cuda_graphs``; "auto" turns them off.
+            the target's full blocks), or with async batching "on".
     """
     if config.speculative == "off":
         return

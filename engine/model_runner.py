@@ -11,11 +11,11 @@ import torch
 from engine.async_batching import InputStager, StepHandle
 from engine.attention import AttentionMetadata, GroupMetadata
 from engine.cache_spec import cdiv, page_address, slot_address
-from engine.cuda_graphs import CudaGraphRunner
+from engine.cuda_graphs import AttentionSetup, CudaGraphRunner
 from engine.input_batch import PersistentBatch
 from engine.kv_cache import KVCache
 from engine.kv_layout import FULL, SLIDING
-from engine.padding import PaddedShape, PaddingPolicy
+from engine.padding import GraphBuckets, PaddedShape
 from engine.plan import ScheduledRequest, SchedulerOutput
 
 
@@ -30,7 +30,7 @@ class _StepInputs:
     max_seqlen_q: int
     logits_indices: torch.Tensor  # int64 rows of the flattened batch whose logits are computed
     groups: dict[str, GroupMetadata]
-    shape: PaddedShape | None
+    shape: PaddedShape | None  # the graph's shape, or None for an eager step
     num_rows: int  # real logit rows
     sample_row_of: dict[int, int]  # Request.index -> index among the sampling entries
     sample_rows: torch.Tensor | None  # logit row of each sampling entry; None when every row samples
@@ -53,22 +53,25 @@ class ModelRunner:
         use_triton: attention through the Triton kernels.
         use_cpu_kernel: attention through ``kernels.cpu_attention`` (pages read in place; not with ``use_triton``).
         cpu_kernel_threads: that kernel's threads; None uses torch's intra-op count.
-        padding: pad every step to a ``PaddedShape`` (what CUDA graphs need); None runs exact shapes.
-        use_cuda_graphs: replay the forward pass from CUDA graphs (needs ``padding`` and ``use_triton``).
-        max_cached_graphs: graphs kept at once.
-        max_model_len: the model's maximum length (sizes the static block tables).
+        graph_buckets: replay decode and uniform verify steps from CUDA graphs at these padded shapes (real ones
+            need ``use_triton``); other steps, and all of them when None, run eagerly at their exact shapes.
+        emulate_graphs: emulate the graphs (``engine.graph_emulation``) instead of capturing CUDA graphs.
+        max_model_len: the model's maximum length (sizes the persistent batch's block tables).
         async_batching: steps overlap (the next is launched before this one's results are read): inputs go
             through ``InputStager`` on CUDA, and logits the host still needs are copied out of the graph's output.
         lean_model: a ``LeanLlama`` over ``model`` to run instead of its transformers forward (not with graphs).
-        max_requests: rows the persistent batch allocates at first (more are added if a plan needs them).
+        max_requests: rows the persistent batch allocates at first (more are added if a plan needs them); with
+            async batching, the scheduler's request limit.
+        max_batch_tokens: the scheduler's token budget (sizes the async input staging).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool = False,
                  use_cpu_kernel: bool = False, cpu_kernel_threads: int | None = None,
-                 padding: PaddingPolicy | None = None,
-                 use_cuda_graphs: bool = False, max_cached_graphs: int = 32, max_model_len: int = 0,
-                 async_batching: bool = False, lean_model=None, max_requests: int = 64) -> None:
-        assert not use_cuda_graphs or (padding is not None and use_triton), "CUDA graphs need padding and Triton"
+                 graph_buckets: GraphBuckets | None = None, emulate_graphs: bool = False, max_model_len: int = 0,
+                 async_batching: bool = False, lean_model=None, max_requests: int = 64,
+                 max_batch_tokens: int = 0) -> None:
+        use_cuda_graphs = graph_buckets is not None
+        assert not use_cuda_graphs or use_triton or emulate_graphs, "CUDA graphs need the Triton kernels"
         assert not async_batching or use_cuda_graphs, "async batching needs CUDA graphs"
         assert not (use_cuda_graphs and lean_model is not None), "CUDA graphs capture the transformers forward"
         self.lean_model = lean_model
@@ -81,27 +84,29 @@ class ModelRunner:
         self.use_triton = use_triton
         self.use_cpu_kernel = use_cpu_kernel
         self.cpu_kernel_threads = cpu_kernel_threads
-        self.padding = padding
+        self.graph_buckets = graph_buckets
+        self.emulate_graphs = emulate_graphs
         self.use_cuda_graphs = use_cuda_graphs
-        self.max_cached_graphs = max_cached_graphs
         self.max_model_len = max_model_len
         self._graph_runner: CudaGraphRunner | None = None
         self.device = next(model.parameters()).device
         self.layer_groups = [(kind, layout.index_in_group(i)) for i, kind in enumerate(layout.layer_types)]
         self.layers_per_block = {kind: spec.layers_per_block(kind) for kind in (FULL, SLIDING)}
         self.async_batching = async_batching
-        self.stager = InputStager(self._max_input_elements(), self.device) if async_batching else None
+        self.stager = (InputStager(self._max_input_elements(max_requests, max_batch_tokens), self.device)
+                       if async_batching else None)
         groups = [kind for kind, n in self.layers_per_block.items() if n]
         self.input_batch = PersistentBatch(groups, max_requests, cdiv(max_model_len, self.page_size))
 
-    def _max_input_elements(self) -> int:
-        """int64 elements of the largest padded step's inputs (what ``_upload`` stages)."""
-        policy = self.padding
-        shape = policy.shape(policy.max_batch_tokens, policy.max_requests, self.max_model_len, policy.max_batch_tokens)
-        tokens, requests = shape.num_tokens, shape.num_requests
+    def _max_input_elements(self, max_requests: int, max_batch_tokens: int) -> int:
+        """int64 elements of the largest step's inputs (what ``_upload`` stages): an eager step at the scheduler's
+        budgets or the largest graphed shape."""
+        top = self.graph_buckets.max_shape
+        tokens = max(max_batch_tokens, top.num_tokens)
+        requests = max(max_requests, top.num_requests)
         num_groups = sum(1 for n in self.layers_per_block.values() if n)
-        per_group = tokens + requests * shape.num_kv_blocks
-        return 2 * tokens + 2 * requests + 1 + 2 * shape.num_logit_rows + num_groups * per_group + 2 * requests
+        per_group = tokens + requests * top.num_kv_blocks
+        return 4 * tokens + 4 * requests + 1 + num_groups * per_group
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor | None:
@@ -137,9 +142,9 @@ class ModelRunner:
             return None
         inputs = self._prepare(plan.scheduled, previous, plan.plain_greedy)
         input_ids, positions, md, logits_indices, sample_rows, carry = self._upload(inputs)
-        if self.use_cuda_graphs:
+        if inputs.shape is not None:
             if self._graph_runner is None:
-                self._graph_runner = self._make_graph_runner(md)
+                self._graph_runner = self._make_graph_runner()
             logits = self._graph_runner.run(input_ids, positions, md, logits_indices, inputs.shape, carry)
             logits = logits[:inputs.num_rows]
             if self.async_batching and inputs.needs_host_logits:  # the next replay overwrites the static output
@@ -160,13 +165,29 @@ class ModelRunner:
                             logits_to_keep=logits_indices, cbrun_metadata=md)
         return output.logits[0]
 
-    def _make_graph_runner(self, template: AttentionMetadata) -> CudaGraphRunner:
-        policy = self.padding
-        max_shape = policy.shape(policy.max_batch_tokens, policy.max_requests, self.max_model_len,
-                                 policy.max_batch_tokens)
-        return CudaGraphRunner(self.model, max_shape.num_tokens, max_shape.num_requests, max_shape.num_kv_blocks,
-                               max_shape.num_logit_rows, {k: n for k, n in self.layers_per_block.items() if n},
-                               template, self.max_cached_graphs)
+    @property
+    def graph_counts(self) -> tuple[int, int]:
+        """(graphs captured, graph replays) so far, emulated or real."""
+        runner = self._graph_runner
+        return (runner.num_captures, runner.num_replays) if runner is not None else (0, 0)
+
+    def _make_graph_runner(self) -> CudaGraphRunner:
+        setup = AttentionSetup(self.layer_groups, self.page_size, self.kv_cache.k_pages, self.kv_cache.v_pages,
+                               self.use_triton, self.use_cpu_kernel, self.cpu_kernel_threads)
+        return CudaGraphRunner(self.model, self.graph_buckets, {k: n for k, n in self.layers_per_block.items() if n},
+                               setup, emulate=self.emulate_graphs)
+
+    def _graph_shape(self, scheduled: list[ScheduledRequest], num_tokens: int, num_rows: int) -> PaddedShape | None:
+        """The padded shape of a step that replays a graph, or None when it runs eagerly: graphed are steps where
+        every entry has the same number of tokens and samples each of them with no prompt log-probabilities (a
+        decode step, or a verify step where every request checks the same number of proposals)."""
+        if self.graph_buckets is None or num_rows != num_tokens:
+            return None
+        query_len = scheduled[0].num_tokens
+        if any(s.num_tokens != query_len or s.num_sample_rows != query_len or not s.samples
+               or s.prompt_logprob_positions for s in scheduled):
+            return None
+        return self.graph_buckets.shape(len(scheduled), query_len)
 
     def _prepare(self, scheduled: list[ScheduledRequest], previous: StepHandle | None,
                  plain_greedy: bool = False) -> _StepInputs:
@@ -209,8 +230,7 @@ class ModelRunner:
         logits_indices, sample_rows, sample_row_of, needs_host_logits = rows_info
         num_rows = len(logits_indices)
         max_seqlen_k = int(seqlens_k.max())
-        shape = (self.padding.shape(num_tokens, num_requests, max_seqlen_k, num_rows)
-                 if self.padding else None)
+        shape = self._graph_shape(scheduled, num_tokens, num_rows)
         if shape is not None:
             # Padded tokens and requests: token 0 at position 0, no query rows, no context, no cache write.
             token_ids = _pad(token_ids, shape.num_tokens)
@@ -218,7 +238,7 @@ class ModelRunner:
             cu_seqlens_q = np.concatenate((cu_seqlens_q, np.full(shape.num_requests - num_requests, num_tokens)))
             seqlens_k = _pad(seqlens_k, shape.num_requests)
             logits_indices = _pad(logits_indices, shape.num_logit_rows)
-        max_blocks = shape.num_kv_blocks if shape else cdiv(max_seqlen_k, self.page_size)
+        max_blocks = cdiv(max_seqlen_k, self.page_size)  # a graph's static tables keep their other columns
         num_slots, num_table_rows = len(token_ids), len(seqlens_k)
         groups = {}
         for kind, lengths in ((full, num_blocks), (sliding, num_sliding)):

@@ -24,6 +24,8 @@ class EngineStats:
         num_proposed_tokens: speculative proposals verified.
         num_accepted_tokens: of those, accepted (equal to what the target model chose).
         num_verify_steps: request-steps that verified proposals (each commits 1 + its accepted proposals).
+        num_cuda_graph_captures: CUDA graphs captured (emulated ones included): at most one per padded shape.
+        num_cuda_graph_replays: steps replayed from a CUDA graph (emulated or real); the other steps ran eagerly.
     """
 
     num_prompt_tokens: int = 0
@@ -39,6 +41,8 @@ class EngineStats:
     num_proposed_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    num_cuda_graph_captures: int = 0
+    num_cuda_graph_replays: int = 0
 
     @property
     def acceptance_rate(self) -> float:

@@ -1,87 +1,88 @@
-"""Padded shapes for CUDA graphs, tested on the CPU: arithmetic, the graph cache, and that padding changes nothing."""
+"""Which steps are graphed and how they are padded, tested on the CPU: the buckets, and that padded tokens and
+requests touch no request's cache."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import GraphCache
-from engine.padding import PaddedShape, PaddingPolicy, round_up
-from tests.model_utils import assert_pool_balanced, random_llama_dir, random_prompts
+from engine.model_runner import ModelRunner
+from engine.padding import GraphBuckets, PaddedShape, capture_sizes
+from engine.plan import ScheduledRequest
+from tests.model_utils import random_llama_dir, random_prompts
 
 VOCAB = 128
 
 
-def test_round_up_and_shapes():
-    assert [round_up(v, 8) for v in (0, 1, 8, 9)] == [0, 8, 8, 16]
-    policy = PaddingPolicy(q_padding_interval_size=16, kv_padding_interval_size=32, max_batch_tokens=100,
-                           max_requests=48, page_size=4)
-    assert policy.shape(1, 1, 1, 1) == PaddedShape(16, 1, 8, 1)
-    assert policy.shape(17, 3, 33, 3) == PaddedShape(32, 4, 16, 4)
-    assert policy.shape(100, 48, 64, 70) == PaddedShape(112, 48, 16, 128)  # request count capped at the limit
-    with pytest.raises(ValueError, match="exceeds"):
-        policy.shape(101, 1, 1, 1)
+def test_capture_sizes_are_vllms_cut_at_the_limit():
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(6) == (1, 2, 4, 6)
+    assert capture_sizes(8) == (1, 2, 4, 8)
+    assert capture_sizes(30) == (1, 2, 4, 8, 16, 24, 30)
+    assert len(capture_sizes(256)) == 35
 
 
-def test_graph_cache_keys_and_bound():
-    captured = []
-    cache = GraphCache(2, lambda shape: captured.append(shape) or f"graph{len(captured)}")
-    a, b, c = (PaddedShape(16, n, 8, n) for n in (1, 2, 4))
-    assert cache.get(a) == "graph1" and cache.get(a) == "graph1"  # a hit does not capture again
-    cache.get(b)
-    cache.get(a)  # a is now the most recently used
-    cache.get(c)  # evicts b
-    assert a in cache and c in cache and b not in cache and len(cache) == 2
-    assert cache.num_captures == 3
-    with pytest.raises(ValueError, match="max_cached_graphs"):
-        GraphCache(0, lambda s: None)
-
-
-def run(prompts, padding: PaddingPolicy | None, **config):
-    engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(num_blocks=256, **config))
-    engine.model_runner.padding = padding
-    outputs = {o.request_id: o.output_token_ids for o in engine.generate(
-        (i, p, SamplingParams(max_new_tokens=10)) for i, p in enumerate(prompts))}
-    assert_pool_balanced(engine)
-    return [outputs[i] for i in range(len(prompts))], engine
-
-
-@pytest.mark.parametrize("q_interval,kv_interval", [(8, 16), (64, 256)])
-def test_outputs_with_padding_equal_outputs_without(q_interval, kv_interval):
-    prompts = random_prompts(12, VOCAB, 1, 30, seed=41)
-    config = dict(page_size=4, max_batch_tokens=24, max_requests_per_batch=8)
-    plain, _ = run(prompts, None, **config)
-    policy = PaddingPolicy(q_interval, kv_interval, 24, 8, 4)
-    padded, _ = run(prompts, policy, **config)
-    assert padded == plain
+def test_bucket_shapes():
+    buckets = GraphBuckets(max_batch_size=16, max_query_len=4, max_model_len=100, page_size=8)
+    assert buckets.shape(1, 1) == PaddedShape(1, 1, 13, 1, 1)
+    assert buckets.shape(5, 1) == PaddedShape(8, 8, 13, 8, 1)
+    assert buckets.shape(9, 3) == PaddedShape(48, 16, 13, 48, 3)
+    assert buckets.shape(17, 1) is None  # more requests than the largest bucket: eager
+    assert buckets.shape(2, 5) is None  # a longer query than any verify step: eager
+    assert buckets.max_shape == PaddedShape(64, 16, 13, 64, 4)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        GraphBuckets(0, 1, 100, 8)
 
 
 def test_padded_slots_never_write_into_a_request_cache():
-    prompts = random_prompts(3, VOCAB, 5, 9, seed=42)
-    engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(page_size=4, num_blocks=32))
-    policy = PaddingPolicy(16, 32, 256, 8, 4)
-    engine.model_runner.padding = policy
-    for i, p in enumerate(prompts):
-        engine.add_request(i, p, SamplingParams(max_new_tokens=2))
+    engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(
+        page_size=4, num_blocks=32, cuda_graphs="emulate", loader="transformers", attention_backend="cpu"))
+    for i, p in enumerate(random_prompts(3, VOCAB, 5, 9, seed=42)):
+        engine.add_request(i, p, SamplingParams(max_new_tokens=4))
+    engine.step()
+    assert engine.stats.num_cuda_graph_replays == 0  # the prefill ran eagerly
     plan = engine.scheduler.schedule()
-    inputs = engine.model_runner._prepare(plan.scheduled, None)
-    md, logits_indices, shape = inputs, inputs.logits_indices, inputs.shape
-    num_tokens = plan.num_batch_tokens
-    slots = md.groups["full"].slot_mapping
-    assert shape.num_tokens == 32 and slots.shape[0] == 32
-    assert (slots[num_tokens:] == -1).all()  # padded tokens write nowhere
+    inputs = engine.model_runner._prepare(plan.scheduled, None, plan.plain_greedy)
+    shape = inputs.shape
+    assert shape is not None and shape.num_requests == 4 and shape.query_len == 1  # 3 decodes in bucket 4
+    slots = inputs.groups["full"].slot_mapping
+    assert slots.shape[0] == 4 and slots[3] == -1  # the padded token writes nowhere
     real_pages = {page for s in plan.scheduled
                   for page in engine.block_manager.request_pages(engine.scheduler.requests[s.request_index])}
-    assert set((slots[:num_tokens] // 4).tolist()) <= real_pages
-    tables = md.groups["full"].block_tables
-    assert (tables[len(plan.scheduled):] == 0).all()  # padded requests read the reserved padding chunk
-    num_real = len(plan.scheduled)
-    assert md.cu_seqlens_q.tolist()[num_real:] == [num_tokens] * (shape.num_requests - num_real + 1)
-    assert logits_indices.shape[0] == shape.num_logit_rows
+    assert set((slots[:3] // 4).tolist()) <= real_pages
+    assert (inputs.groups["full"].block_tables[3:] == 0).all()  # the padded request reads the padding chunk
+    assert inputs.cu_seqlens_q.tolist() == [0, 1, 2, 3, 3] and inputs.seqlens_k[3] == 0
     cache = engine.model_runner.kv_cache
     cache.zero_pages_below(engine._num_touched_pages())  # as LLMEngine.step does before a plan runs
     before = cache.kv.clone()
-    logits = engine.model_runner.execute(plan)  # runs with the padding in place
-    assert logits.shape[0] == sum(s.samples for s in plan.scheduled)
+    logits = engine.model_runner.execute(plan)
+    assert logits.shape[0] == 3 and engine.stats.num_cuda_graph_replays == 1
     # NOTE: compared bit for bit: pages never handed out are uninitialised and may hold NaN (NaN != NaN).
     changed = (cache.kv.view(torch.uint8) != before.view(torch.uint8)).flatten(2).any(-1).any(0)  # (num_pages,)
     assert set(changed.nonzero().flatten().tolist()) <= real_pages
+
+
+def _entry(num_tokens: int, proposals: int = 0, samples: bool = True, logprobs: range = range(0)):
+    """A plan entry with only the fields ``_graph_shape`` reads set meaningfully."""
+    return ScheduledRequest(0, "r", 10, num_tokens, [1] * num_tokens, 0, samples, False, logprobs, 0, (), 0, (),
+                            tuple([1] * proposals))
+
+
+@pytest.mark.parametrize("entries,query_len", [
+    ([_entry(1)] * 3, 1),  # decode: graphed, bucket 4
+    ([_entry(3, 2)] * 2, 3),  # a uniform verify step: graphed
+    ([_entry(3, 2), _entry(2, 1)], None),  # uneven proposals: eager
+    ([_entry(1), _entry(5)], None),  # a prefill chunk beside a decode: eager
+    ([_entry(1), _entry(1, samples=False)], None),  # a chunk that samples nothing: eager
+    ([_entry(1, logprobs=range(10, 11))], None),  # a step scoring prompt tokens: eager
+    ([_entry(1)] * 9, None),  # more requests than the largest bucket: eager
+])
+def test_only_decode_and_uniform_verify_steps_are_graphed(entries, query_len):
+    runner = SimpleNamespace(graph_buckets=GraphBuckets(8, 3, 64, 4))
+    num_tokens = sum(e.num_tokens for e in entries)
+    num_rows = sum(e.num_sample_rows + len(e.prompt_logprob_positions) for e in entries)
+    shape = ModelRunner._graph_shape(runner, entries, num_tokens, num_rows)
+    assert (shape.query_len if shape else None) == query_len
+    if shape is not None:
+        assert shape.num_requests in (2, 4) and shape.num_tokens == shape.num_requests * query_len
