@@ -18,6 +18,7 @@ from engine.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
+from engine.device import select_device
 from engine.draft_proposer import DraftProposer, check_draft_vocab, draft_bytes_per_block
 from engine.faults import is_request_fault, request_error_message
 from engine.kv_layout import SLIDING, KVLayout
@@ -58,6 +59,7 @@ class LLMEngine:
                  max_model_len: int, tokenizer=None, expected_requests: int | None = None,
                  expected_tokens: int | None = None, draft_model: torch.nn.Module | None = None) -> None:
         self.config = config
+        select_device(config.device)
         self.tokenizer = tokenizer
         self._stop_matcher = StopStringMatcher(tokenizer) if tokenizer is not None else None
         self.model = model
@@ -156,7 +158,7 @@ class LLMEngine:
             RuntimeError: a tensor's shape does not match config.json (safetensors loader).
             safetensors.SafetensorError: a corrupt or truncated safetensors file.
         """
-        config = config or EngineConfig()
+        config = resolve_engine_dtype(model_path, config or EngineConfig())
         model = load_model(model_path, config)
         tokenizer = _load_tokenizer(model_path, config.loader)
         max_model_len = _max_model_len(model.config)
@@ -434,6 +436,8 @@ def load_model(model_path: str, config: EngineConfig):
     Raises:
         as ``LLMEngine.from_pretrained``.
     """
+    config = resolve_engine_dtype(model_path, config)
+    select_device(config.device)
     if isinstance(config.num_threads, int):
         torch.set_num_threads(config.num_threads)
     model = _load_target_model(model_path, config)
@@ -442,6 +446,28 @@ def load_model(model_path: str, config: EngineConfig):
         if threads is not None:
             torch.set_num_threads(threads)
     return model
+
+
+def resolve_engine_dtype(model_path: str, config: EngineConfig) -> EngineConfig:
+    """``config`` with ``dtype = "auto"`` replaced by the dtype it means for this checkpoint and device
+    (``EngineConfig.resolve_dtype``: config.json's ``dtype`` / ``torch_dtype`` on CUDA, float32 on the CPU)."""
+    if config.dtype != "auto":
+        return config
+    return replace(config, dtype=config.resolve_dtype(checkpoint_dtype(model_path)))
+
+
+def checkpoint_dtype(model_path: str) -> str | None:
+    """config.json's ``dtype`` (transformers 5) or ``torch_dtype`` (older files), or its text config's; None when
+    it states none or cannot be read (the loader reports a missing or bad config.json itself)."""
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (raw, raw.get("text_config") or {}):
+        value = section.get("dtype") or section.get("torch_dtype")
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None
 
 
 def _load_target_model(model_path: str, config: EngineConfig):
@@ -476,8 +502,11 @@ def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
 
     dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
     register_with_transformers()
+    # NOTE: on CUDA the weights are read straight onto the device in ``dtype`` (one device, so no accelerate
+    # dispatch): no host copy of the whole model. The CPU keeps transformers' default placement.
+    placement = {"device_map": torch.device(config.device)} if torch.device(config.device).type == "cuda" else {}
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-                                                 local_files_only=True)
+                                                 local_files_only=True, **placement)
     _check_causal_decoder(model)
     return model.to(config.device).eval()
 
