@@ -7,18 +7,21 @@ and batch kind (decode, short verify, prefill) this builds the launch exactly as
 would run the same binary, compiles each for each architecture, and reads back the shared memory (Triton's
 metadata) and the registers and stack (``cuobjdump --dump-resource-usage``; stack bytes are register spills).
 
-Run ``python -m kernels.aot_fit`` to print the full table (a few minutes on two cores). The test is
-``tests/kernels/test_kernel_fit.py``.
+Run ``python -m kernels.aot_fit`` to print the full table (several minutes on two cores; ``--subset``,
+``--capability 90`` for less). The test is ``tests/kernels/test_kernel_fit.py``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -97,20 +100,22 @@ class Fit:
 
 
 def engine_launches(capability: int, models=MODELS, dtypes=DTYPES, max_seqlen_qs=MAX_SEQLEN_Q,
-                    page_size: int = 16) -> list[Launch]:
-    """Every distinct launch the engine makes on ``capability`` for ``models`` x ``dtypes`` x batch kinds."""
+                    page_size: int = 16, windows: bool = True, kv_write: bool = True) -> list[Launch]:
+    """Every distinct launch the engine makes on ``capability`` for ``models`` x ``dtypes`` x batch kinds
+    (``windows``: also the sliding-window variant of models with one; ``kv_write``: also the KV-cache write)."""
     launches: dict[tuple, Launch] = {}
     for model in models:
         for dtype in dtypes:
-            for window in ((False, True) if model.window else (False,)):
+            for window in ((False, True) if model.window and windows else (False,)):
                 for max_q in max_seqlen_qs:
                     config = attention_launch_config(dtype, model.num_heads, model.num_kv_heads, model.head_dim,
                                                      page_size, max_q, window, False, capability)
                     launch = Launch("paged_attention", dtype, config, f"{model.name} max_q={max_q}")
                     launches.setdefault(launch.key(), launch)
-            config = kv_write_launch_config(model.num_kv_heads, model.head_dim, page_size)
-            launch = Launch("kv_cache_write", dtype, config, model.name)
-            launches.setdefault(launch.key(), launch)
+            if kv_write:
+                config = kv_write_launch_config(model.num_kv_heads, model.head_dim, page_size)
+                launch = Launch("kv_cache_write", dtype, config, model.name)
+                launches.setdefault(launch.key(), launch)
     return list(launches.values())
 
 
@@ -177,18 +182,40 @@ def format_fit(fit: Fit) -> str:
             f"{fit.registers} | {fit.stack} | {'ok' if fit.ok else 'NO'} | {fit.launch.example}")
 
 
-def main() -> int:
-    """Compile every launch for every architecture; print one line each; exit 1 if any does not fit."""
+#: A representative subset, for the default test run (7 binaries per architecture): Llama-3-8B (head_dim 128) and
+#: Gemma-3 (head_dim 256), bf16 and float32, the decode and the prefill tile: the largest tiles, and the dtypes and
+#: head dims that were hardest to fit.
+SUBSET = dict(models=tuple(m for m in MODELS if m.name in ("Llama-3-8B", "Gemma-3-4B")),
+              dtypes=(torch.bfloat16, torch.float32), max_seqlen_qs=(1, 8192), windows=False, kv_write=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile every launch for every architecture; print one line each; exit 1 if any does not fit.
+
+    NOTE: run it in a process without ``TRITON_INTERPRET`` set: under the interpreter ``@triton.jit`` makes
+    functions that cannot be compiled for a GPU.
+    """
+    parser = argparse.ArgumentParser(prog="python -m kernels.aot_fit", description=__doc__.split("\n")[0])
+    parser.add_argument("--capability", type=int, action="append", choices=sorted(SHARED_MEMORY_LIMITS),
+                        help="architecture(s) to compile for, e.g. 90 (default: 80, 89 and 90)")
+    parser.add_argument("--subset", action="store_true", help="only the representative subset (SUBSET)")
+    parser.add_argument("--json", type=Path, help="also write every launch's figures here")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    matrix = SUBSET if args.subset else {}
+    fits = []
     with tempfile.TemporaryDirectory(prefix="cbrun-aot-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # NOTE: nothing cached across runs: every binary is compiled here
-        fits = []
         print("arch | kernel | dtype | tile | shared | regs | stack | fits | first made by")
-        for capability in CAPABILITIES:
-            for launch in engine_launches(capability):
+        for capability in args.capability or CAPABILITIES:
+            for launch in engine_launches(capability, **matrix):
                 fits.append(compile_launch(launch, capability))
                 print(format_fit(fits[-1]), flush=True)
     bad = [f for f in fits if not f.ok]
     print(f"{len(fits) - len(bad)} of {len(fits)} launches fit")
+    if args.json:
+        args.json.write_text(json.dumps([dict(capability=f.capability, kernel=f.launch.kernel, shared=f.shared,
+                                              shared_limit=f.shared_limit, registers=f.registers, stack=f.stack,
+                                              ok=f.ok, line=format_fit(f)) for f in fits]))
     return 1 if bad else 0
 
 

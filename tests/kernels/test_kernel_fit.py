@@ -2,13 +2,16 @@
 
 The full matrix (every model shape of ``kernels.aot_fit.MODELS`` x bf16/fp16/fp32 x decode/verify/prefill, three
 architectures, ~190 binaries after deduplication) takes minutes on two cores, so it is marked slow; the default
-run compiles a representative subset: the largest tiles and the dtypes and head dims that were hardest to fit.
+run compiles a representative subset (``aot_fit.SUBSET``, about 20 binaries).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,46 +30,45 @@ def _toolchain_present() -> bool:
 
 
 needs_toolchain = pytest.mark.skipif(not _toolchain_present(), reason="triton wheel without ptxas/cuobjdump")
-
-#: The default run: Llama-3-8B (GQA 4, head_dim 128), Qwen2.5-7B (GQA 7 padded to 8) and Gemma-3 (head_dim 256,
-#: sliding window), bf16 and fp32, decode and prefill tiles.
-SUBSET_MODELS = tuple(m for m in aot_fit.MODELS if m.name in ("Llama-3-8B", "Qwen2.5-7B", "Gemma-3-4B"))
-SUBSET = dict(models=SUBSET_MODELS, dtypes=(torch.bfloat16, torch.float32), max_seqlen_qs=(1, 8192))
+ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def fresh_triton_cache(tmp_path, monkeypatch):
-    """Nothing cached across runs: each binary is compiled by this test."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
-    yield
-    shutil.rmtree(tmp_path / "triton-cache", ignore_errors=True)
-
-
-def _assert_all_fit(capability: int, **matrix) -> None:
-    launches = aot_fit.engine_launches(capability, **matrix)
-    assert len({launch.key() for launch in launches}) == len(launches)  # deduplicated
-    fits = [aot_fit.compile_launch(launch, capability) for launch in launches]
-    bad = [aot_fit.format_fit(fit) for fit in fits if not fit.ok]
+def _compile_all(tmp_path, *args: str) -> list[dict]:
+    """``python -m kernels.aot_fit`` in a fresh process: without TRITON_INTERPRET (the test session sets it, and
+    interpreted kernels cannot be compiled for a GPU), with an empty Triton cache (nothing cached across runs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), TRITON_DEFAULT_FP_FUSION="1")
+    out = tmp_path / "fits.json"
+    result = subprocess.run([sys.executable, "-m", "kernels.aot_fit", *args, "--json", str(out)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=3000)
+    assert out.exists(), result.stdout[-5000:] + result.stderr[-5000:]
+    fits = json.loads(out.read_text())
+    bad = [fit["line"] for fit in fits if not fit["ok"]]
     assert not bad, "launches that do not fit:\n" + "\n".join(bad)
-    assert all(fit.shared > 0 for fit in fits if fit.launch.kernel == "paged_attention")  # K/V tiles staged
+    assert result.returncode == 0, result.stderr[-5000:]
+    return fits
 
 
 @needs_toolchain
-@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
-def test_representative_launches_fit(capability, fresh_triton_cache):
-    _assert_all_fit(capability, **SUBSET)
+def test_representative_launches_fit(tmp_path):
+    """The subset (``aot_fit.SUBSET``) for sm_80, sm_89 and sm_90, in one process."""
+    fits = _compile_all(tmp_path, "--subset")
+    expected = sum(len(aot_fit.engine_launches(c, **aot_fit.SUBSET)) for c in aot_fit.CAPABILITIES)
+    assert len(fits) == expected >= 18 and {fit["capability"] for fit in fits} == set(aot_fit.CAPABILITIES)
+    assert all(fit["shared"] > 0 for fit in fits if fit["kernel"] == "paged_attention")  # K/V tiles are staged
 
 
 @pytest.mark.slow
 @needs_toolchain
 @pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
-def test_every_engine_launch_fits(capability, fresh_triton_cache):
-    _assert_all_fit(capability)
+def test_every_engine_launch_fits(capability, tmp_path):
+    fits = _compile_all(tmp_path, "--capability", str(capability))
+    assert len(fits) == len(aot_fit.engine_launches(capability))
 
 
 def test_fit_verdict_reads_the_limits():
     """A launch over a part's shared memory, or spilling in 16-bit on sm_90, is reported as not fitting."""
-    launch = aot_fit.engine_launches(90, models=SUBSET_MODELS[:1], dtypes=(torch.bfloat16,), max_seqlen_qs=(1,))[0]
+    launch = aot_fit.engine_launches(90, models=aot_fit.MODELS[:1], dtypes=(torch.bfloat16,), max_seqlen_qs=(1,))[0]
     assert aot_fit.Fit(launch, 90, SHARED_MEMORY_LIMITS[90], 128, 0).ok
     assert not aot_fit.Fit(launch, 89, SHARED_MEMORY_LIMITS[89] + 1, 128, 0).ok
     assert not aot_fit.Fit(launch, 90, 1024, 128, 8).ok  # any spill in 16-bit on sm_90
