@@ -264,7 +264,7 @@ def attention_launch_config(dtype: torch.dtype, num_heads: int, num_kv_heads: in
     group = num_heads // num_kv_heads
     group_padded = triton.next_power_of_2(group)
     head_dim_padded = max(triton.next_power_of_2(head_dim), 16)
-    tile = pick_attention_tile(capability, torch.empty((), dtype=dtype).element_size(), head_dim_padded,
+    tile = pick_attention_tile(capability, dtype.itemsize, head_dim_padded,
                                group_padded, max(max_seqlen_q, 1))
     constexprs = dict(GROUP=group, GROUP_PADDED=group_padded, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
                       PAGE_SIZE=page_size, BLOCK_M=tile.block_m, BLOCK_Q=tile.block_q(group_padded),
