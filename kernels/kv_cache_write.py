@@ -7,6 +7,8 @@ One program copies one token's (num_kv_heads, head_dim) key and value tiles.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -95,6 +97,7 @@ def write_kv_cache_triton(
     )
 
 
+@functools.lru_cache(maxsize=64)
 def kv_write_launch_config(num_kv_heads: int, head_dim: int, page_size: int) -> LaunchConfig:
     """The constexprs and launch options of one ``kv_cache_write_kernel`` launch (``kernels.aot_fit`` compiles
     exactly this): one token's (num_kv_heads, head_dim) tile per program, 4 warps once it has 1024 elements."""

@@ -247,13 +247,15 @@ class LaunchConfig:
         return tuple(sorted(self.constexprs.items())) + (self.num_warps, self.num_stages)
 
 
+@functools.lru_cache(maxsize=1024)
 def attention_launch_config(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                             max_seqlen_q: int, use_window: bool, use_softcap: bool, capability: int,
                             dot_in_fp32: bool = False) -> LaunchConfig:
     """The constexprs, ``num_warps`` and ``num_stages`` of one ``paged_attention_kernel`` launch.
 
     ``paged_attention_triton`` launches with exactly this; ``kernels.aot_fit`` compiles it ahead of time for each
-    GPU architecture. The tile comes from ``kernels.tile_policy.pick_attention_tile``.
+    GPU architecture. The tile comes from ``kernels.tile_policy.pick_attention_tile``. Cached: every layer of a
+    step asks the same question, so the answer is computed once (callers must not change the returned dict).
 
     Args:
         dtype: query and cache dtype. num_heads, num_kv_heads, head_dim, page_size: the model's and cache's shape.
