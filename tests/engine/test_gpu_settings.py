@@ -96,3 +96,30 @@ def test_select_device_sets_the_indexed_cuda_device(monkeypatch):
 def test_device_to_host_returns_the_values():
     pages = torch.arange(24.0).reshape(2, 3, 4)
     assert torch.equal(device_to_host(pages[:, [2, 0]]), pages[:, [2, 0]])
+
+
+@pytest.mark.parametrize("device, placed", [("cuda:1", True), ("cpu", False)])
+def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypatch):
+    """On CUDA the checkpoint is read onto the device in the engine's dtype (``device_map``), no host copy."""
+    import transformers
+
+    from engine import llm_engine
+
+    calls = []
+
+    class Loaded(torch.nn.Module):
+        config = SimpleNamespace()
+
+        def to(self, *args, **kwargs):
+            return self
+
+    def from_pretrained(path, **kwargs):
+        calls.append(kwargs)
+        return Loaded()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    llm_engine._load_model("unused", EngineConfig(device=device, dtype="bfloat16"))
+    assert calls[0]["dtype"] is torch.bfloat16
+    assert ("device_map" in calls[0]) is placed
+    if placed:
+        assert calls[0]["device_map"] == torch.device("cuda:1")
