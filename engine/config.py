@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -193,17 +195,17 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         self._check_speculative()
 
-    def resolve_dtype(self, checkpoint_dtype: str | None) -> str:
-        """The dtype the engine runs in: ``dtype`` unless "auto", which is ``checkpoint_dtype`` on CUDA (float32
+    def resolve_dtype(self, checkpoint: str | None) -> str:
+        """The dtype the engine runs in: ``dtype`` unless "auto", which is ``checkpoint`` on CUDA (float32
         when the checkpoint states none) and float32 on the CPU (its kernels and GEMMs are float32).
 
         Args:
-            checkpoint_dtype: config.json's ``dtype`` / ``torch_dtype`` as a name ("bfloat16"), or None.
+            checkpoint: config.json's ``dtype`` / ``torch_dtype`` as a name ("bfloat16"), or None.
         """
         if self.dtype != "auto":
             return self.dtype
-        if self.device.startswith("cuda") and checkpoint_dtype in ("float32", "bfloat16", "float16"):
-            return checkpoint_dtype
+        if self.device.startswith("cuda") and checkpoint in ("float32", "bfloat16", "float16"):
+            return checkpoint
         return "float32"
 
     def _resolve_device_defaults(self) -> None:
@@ -248,3 +250,17 @@ class EngineConfig:
 
 #: The name transformers' continuous batching uses for the same settings.
 ContinuousBatchingConfig = EngineConfig
+
+
+def checkpoint_dtype(model_path: str | Path) -> str | None:
+    """config.json's ``dtype`` (transformers 5) or ``torch_dtype`` (older files), or its text config's; None when
+    it states none or cannot be read (the loader reports a missing or bad config.json itself)."""
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (raw, raw.get("text_config") or {}):
+        value = section.get("dtype") or section.get("torch_dtype")
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None

@@ -17,7 +17,7 @@ from engine.async_batching import StepHandle, use_async_batching
 from engine.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
-from engine.config import EngineConfig
+from engine.config import EngineConfig, checkpoint_dtype
 from engine.device import select_device
 from engine.draft_proposer import DraftProposer, check_draft_vocab, draft_bytes_per_block
 from engine.faults import is_request_fault, request_error_message
@@ -454,20 +454,6 @@ def resolve_engine_dtype(model_path: str, config: EngineConfig) -> EngineConfig:
     if config.dtype != "auto":
         return config
     return replace(config, dtype=config.resolve_dtype(checkpoint_dtype(model_path)))
-
-
-def checkpoint_dtype(model_path: str) -> str | None:
-    """config.json's ``dtype`` (transformers 5) or ``torch_dtype`` (older files), or its text config's; None when
-    it states none or cannot be read (the loader reports a missing or bad config.json itself)."""
-    try:
-        raw = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for section in (raw, raw.get("text_config") or {}):
-        value = section.get("dtype") or section.get("torch_dtype")
-        if isinstance(value, str):
-            return value.removeprefix("torch.")
-    return None
 
 
 def _load_target_model(model_path: str, config: EngineConfig):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine import cache_sizing, device as device_module
-from engine.config import EngineConfig
+from engine.config import EngineConfig, checkpoint_dtype
 from engine.kv_cache import device_to_host
-from engine.llm_engine import checkpoint_dtype, resolve_engine_dtype
+from engine.llm_engine import resolve_engine_dtype
 
 GiB = 2**30
 MODEL = SimpleNamespace(hidden_size=4096, intermediate_size=14336, vocab_size=128256)  # Llama-3-8B
@@ -123,3 +123,21 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
     assert ("device_map" in calls[0]) is placed
     if placed:
         assert calls[0]["device_map"] == torch.device("cuda:1")
+
+
+def test_job_fingerprint_records_the_resolved_dtype(tmp_path):
+    """dtype "auto" is float32 on the CPU and the checkpoint's on CUDA: a run records the one it uses, so an
+    output started on a GPU in bf16 is not continued on the CPU in float32 (the fingerprints differ)."""
+    from jobs.fingerprint import job_fingerprint
+    from jobs.manifest import manifest_from_dict
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    manifest = manifest_from_dict({"model": {"path": str(tmp_path)}, "input": {"path": str(tmp_path / "in.jsonl")},
+                                   "output": {"path": str(tmp_path / "out")}})
+    assert manifest.engine.dtype == "auto"
+    on = {device: EngineConfig(device=device).resolve_dtype(checkpoint_dtype(str(tmp_path))) for device in
+          ("cuda", "cpu")}
+    prints = {device: job_fingerprint(manifest, 1, engine_dtype=dtype)["model"]["dtype"]
+              for device, dtype in on.items()}
+    assert prints == {"cuda": "bfloat16", "cpu": "float32"}
