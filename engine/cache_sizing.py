@@ -17,6 +17,12 @@ logger = logging.getLogger("cbrun.engine")
 _ACTIVATION_HIDDEN_MULTIPLE = 8
 
 
+def cuda_memory_bytes(device: str) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device (``torch.cuda.mem_get_info``): free counts every process's use."""
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free), int(total)
+
+
 def available_memory_bytes(device: str) -> int:
     """Free memory of the device in bytes: ``torch.cuda.mem_get_info`` on CUDA, MemAvailable on the CPU.
 
@@ -44,13 +50,45 @@ def step_workspace_bytes(config: EngineConfig, model_config) -> int:
     return activations + logits + indices
 
 
+def graph_pool_bytes(config: EngineConfig, model_config) -> int:
+    """The CUDA-graph pool's reserve: the graphs capture decode steps of up to ``max_requests_per_batch`` rows,
+    whose intermediates stay allocated in the pool. Counted as one step of that many tokens (0 with graphs off)."""
+    if config.cuda_graphs == "off":
+        return 0
+    hidden = model_config.hidden_size
+    intermediate = getattr(model_config, "intermediate_size", None) or 4 * hidden
+    rows = config.max_requests_per_batch
+    return rows * (_ACTIVATION_HIDDEN_MULTIPLE * hidden + 3 * intermediate) * 4 + rows * model_config.vocab_size * 4
+
+
+def memory_budget_bytes(config: EngineConfig, model_config) -> tuple[int, str]:
+    """Bytes the KV cache may take, and a sentence saying how they were reached (for errors and the log).
+
+    On CUDA: ``gpu_memory_utilization`` of the device's total memory, less what is in use now (the weights, once
+    loaded, and any other process's memory), a step's workspace (``step_workspace_bytes``) and the graph pool
+    (``graph_pool_bytes``). On the CPU: ``max_memory_percent`` of MemAvailable, less a step's workspace.
+    """
+    workspace = step_workspace_bytes(config, model_config)
+    if torch.device(config.device).type == "cuda":
+        free, total = cuda_memory_bytes(config.device)
+        graphs = graph_pool_bytes(config, model_config)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - workspace - graphs
+        how = (f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.2f} GiB, less "
+               f"{(total - free) / 2**30:.2f} GiB in use (weights and other processes), "
+               f"{workspace / 2**30:.2f} GiB of step workspace and {graphs / 2**30:.2f} GiB of graph pool")
+        return budget, how
+    free = available_memory_bytes(config.device)
+    return (int(free * config.max_memory_percent) - workspace,
+            f"max_memory_percent={config.max_memory_percent} of {free / 2**30:.2f} GiB available, less "
+            f"{workspace / 2**30:.2f} GiB of step workspace")
+
+
 def resolve_num_blocks(config: EngineConfig, max_model_len: int, bytes_per_block: int, model_config,
                        expected_requests: int | None = None, expected_tokens: int | None = None) -> int:
     """The block pool's size.
 
-    ``config.num_blocks`` when set. Otherwise what fits in ``max_memory_percent`` of free memory (measured after
-    the model is loaded) once a forward pass's workspace is set aside, and never more than the work can fill
-    (``useful_blocks``).
+    ``config.num_blocks`` when set. Otherwise what fits in the memory budget (``memory_budget_bytes``, measured
+    after the model is loaded), and never more than the work can fill (``useful_blocks``).
 
     Args:
         config: the engine settings.
@@ -66,12 +104,11 @@ def resolve_num_blocks(config: EngineConfig, max_model_len: int, bytes_per_block
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
-        free = available_memory_bytes(config.device)
-        budget = int(free * config.max_memory_percent) - step_workspace_bytes(config, model_config)
+        budget, how = memory_budget_bytes(config, model_config)
         if budget < bytes_per_block:
-            raise ValueError(f"max_memory_percent={config.max_memory_percent} of {free / 2**30:.2f} GiB free "
-                             f"leaves no room for a KV-cache block of {bytes_per_block} bytes; raise it, lower "
-                             f"max_batch_tokens, or set engine.num_blocks")
+            setting = "gpu_memory_utilization" if torch.device(config.device).type == "cuda" else "max_memory_percent"
+            raise ValueError(f"{how} leaves no room for a KV-cache block of {bytes_per_block} bytes; raise "
+                             f"{setting}, lower max_batch_tokens or max_requests_per_batch, or set engine.num_blocks")
         num_blocks = min(budget // bytes_per_block,
                          useful_blocks(config, max_model_len, expected_requests, expected_tokens))
     logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity, %.1f MiB", num_blocks, config.page_size,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -48,12 +50,20 @@ class EngineConfig:
         scheduler_type: "fifo" or "prefill_first".
         safety_margin: fraction of the block pool kept free before new prefills are admitted; None takes the
             scheduler's default (FIFO 0.15, PrefillFirst 0.0); 0 disables it.
-        max_memory_percent: fraction of free memory the cache sizing may use when ``num_blocks`` is None.
+        max_memory_percent: on the CPU, the fraction of available memory (MemAvailable, read after the model is
+            loaded) the KV cache and one step's workspace may use when ``num_blocks`` is None.
+        gpu_memory_utilization: on CUDA, the fraction of the device's total memory this engine may hold in all
+            (vLLM's name): weights, the CUDA-graph pool, one step's activations and logits, and the KV cache,
+            which gets what is left (``engine.cache_sizing``). Memory other processes hold counts against it.
         allow_block_sharing: reuse KV blocks of identical prompt prefixes (prefix caching).
         cpu_offload_space: GiB of CPU swap space for offloaded requests; 0 falls back to soft reset.
-        dtype: model and KV-cache dtype; "auto" keeps the checkpoint's dtype.
-        device: torch device string, e.g. "cpu" or "cuda"; "auto" (a job manifest's default) leaves the device
-            defaults above None until the job resolves the device and replaces it.
+        dtype: model and KV-cache dtype: "float32", "bfloat16", "float16", or "auto" (the default): the
+            checkpoint's ``torch_dtype`` (``dtype``) on CUDA, float32 on the CPU (``resolve_dtype``). Weights load
+            straight to the device in that dtype.
+        device: torch device string, e.g. "cpu", "cuda" or "cuda:1"; "auto" (a job manifest's default) leaves the
+            device defaults above None until the job resolves the device and replaces it. A CUDA device with an
+            index becomes the process's current device when the engine is built, so every stream, event, graph
+            pool and kernel launch lands on it.
         attention_backend: "torch" (the PyTorch reference: gathers the pages, then SDPA), "triton" (kernels),
             "cpu" (``kernels.cpu_attention``: a C/OpenMP kernel that reads pages in place, compiled at first use;
             float32 on the CPU only, else a ValueError), or "auto": triton on CUDA, else cpu where it applies
@@ -122,9 +132,10 @@ class EngineConfig:
     scheduler_type: str = "fifo"
     safety_margin: float | None = None
     max_memory_percent: float = 0.5
+    gpu_memory_utilization: float = 0.9
     allow_block_sharing: bool = True
     cpu_offload_space: float = 0.0
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0
@@ -159,6 +170,8 @@ class EngineConfig:
             raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
         if not 0.0 < self.max_memory_percent <= 1.0:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.cpu_offload_space < 0:
             raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
         if self.dtype not in DTYPES:
@@ -184,6 +197,19 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         self._check_speculative()
+
+    def resolve_dtype(self, checkpoint: str | None) -> str:
+        """The dtype the engine runs in: ``dtype`` unless "auto", which is ``checkpoint`` on CUDA (float32
+        when the checkpoint states none) and float32 on the CPU (its kernels and GEMMs are float32).
+
+        Args:
+            checkpoint: config.json's ``dtype`` / ``torch_dtype`` as a name ("bfloat16"), or None.
+        """
+        if self.dtype != "auto":
+            return self.dtype
+        if self.device.startswith("cuda") and checkpoint in ("float32", "bfloat16", "float16"):
+            return checkpoint
+        return "float32"
 
     def _resolve_device_defaults(self) -> None:
         """Fill ``page_size``, ``max_requests_per_batch`` and ``max_batch_tokens`` left None with the device's
@@ -223,3 +249,17 @@ class EngineConfig:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def checkpoint_dtype(model_path: str | Path) -> str | None:
+    """config.json's ``dtype`` (transformers 5) or ``torch_dtype`` (older files), or its text config's; None when
+    it states none or cannot be read (the loader reports a missing or bad config.json itself)."""
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (raw, raw.get("text_config") or {}):
+        value = section.get("dtype") or section.get("torch_dtype")
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None

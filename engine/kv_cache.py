@@ -62,10 +62,32 @@ class KVCache:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy ``(device page, CPU slot)`` pairs out, then ``(CPU slot, device page)`` pairs in."""
+        """Copy ``(device page, CPU slot)`` pairs out, then ``(CPU slot, device page)`` pairs in.
+
+        A swap-out is complete when this returns: the pages' bytes are in ``cpu_kv`` (the block manager may hand
+        the device pages to another request at once). A swap-in is ordered on the current stream before any later
+        kernel that reads the pages.
+        """
         if swap_out:
             src, dst = zip(*swap_out)
-            self.cpu_kv[:, list(dst)] = self.kv[:, list(src)].to("cpu", non_blocking=True)
+            self.cpu_kv[:, list(dst)] = device_to_host(self.kv[:, list(src)])
         if swap_in:
             src, dst = zip(*swap_in)
             self.kv[:, list(dst)] = self.cpu_kv[:, list(src)].to(self.kv.device, non_blocking=True)
+
+
+def device_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` (a fresh gather, so the CPU returns it as is), complete when returned.
+
+    On CUDA the copy goes into pinned memory without blocking the stream's other work, and the host waits on an
+    event recorded after it before anyone reads the result. NOTE: reading the result of a non-blocking
+    device-to-host copy before it completes reads whatever the buffer held (the race this avoids).
+    """
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(tensor.device))
+    done.synchronize()
+    return host

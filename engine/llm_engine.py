@@ -17,7 +17,8 @@ from engine.async_batching import StepHandle, use_async_batching
 from engine.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
-from engine.config import EngineConfig
+from engine.config import EngineConfig, checkpoint_dtype
+from engine.device import select_device
 from engine.draft_proposer import DraftProposer, check_draft_vocab, draft_bytes_per_block
 from engine.faults import is_request_fault, request_error_message
 from engine.kv_layout import SLIDING, KVLayout
@@ -58,6 +59,7 @@ class LLMEngine:
                  max_model_len: int, tokenizer=None, expected_requests: int | None = None,
                  expected_tokens: int | None = None, draft_model: torch.nn.Module | None = None) -> None:
         self.config = config
+        select_device(config.device)
         self.tokenizer = tokenizer
         self._stop_matcher = StopStringMatcher(tokenizer) if tokenizer is not None else None
         self.model = model
@@ -158,7 +160,7 @@ class LLMEngine:
             RuntimeError: a tensor's shape does not match config.json (safetensors loader).
             safetensors.SafetensorError: a corrupt or truncated safetensors file.
         """
-        config = config or EngineConfig()
+        config = resolve_engine_dtype(model_path, config or EngineConfig())
         model = load_model(model_path, config)
         tokenizer = _load_tokenizer(model_path, config.loader)
         max_model_len = _max_model_len(model.config)
@@ -436,6 +438,8 @@ def load_model(model_path: str, config: EngineConfig):
     Raises:
         as ``LLMEngine.from_pretrained``.
     """
+    config = resolve_engine_dtype(model_path, config)
+    select_device(config.device)
     if isinstance(config.num_threads, int):
         torch.set_num_threads(config.num_threads)
     model = _load_target_model(model_path, config)
@@ -444,6 +448,14 @@ def load_model(model_path: str, config: EngineConfig):
         if threads is not None:
             torch.set_num_threads(threads)
     return model
+
+
+def resolve_engine_dtype(model_path: str, config: EngineConfig) -> EngineConfig:
+    """``config`` with ``dtype = "auto"`` replaced by the dtype it means for this checkpoint and device
+    (``EngineConfig.resolve_dtype``: config.json's ``dtype`` / ``torch_dtype`` on CUDA, float32 on the CPU)."""
+    if config.dtype != "auto":
+        return config
+    return replace(config, dtype=config.resolve_dtype(checkpoint_dtype(model_path)))
 
 
 def _load_target_model(model_path: str, config: EngineConfig):
@@ -479,8 +491,11 @@ def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
 
     dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
     register_with_transformers()
+    # NOTE: on CUDA the weights are read straight onto the device in ``dtype`` (one device, so no accelerate
+    # dispatch): no host copy of the whole model. The CPU keeps transformers' default placement.
+    placement = {"device_map": torch.device(config.device)} if torch.device(config.device).type == "cuda" else {}
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-                                                 local_files_only=True)
+                                                 local_files_only=True, **placement)
     _check_causal_decoder(model)
     return model.to(config.device).eval()
 

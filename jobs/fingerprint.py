@@ -138,7 +138,8 @@ def input_fingerprint(input_path: str | Path) -> dict[str, str]:
     return digests
 
 
-def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1) -> dict[str, Any]:
+def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
+                    engine_dtype: str | None = None) -> dict[str, Any]:
     """The settings and content that determine a job's outputs, as a JSON-ready dict.
 
     Args:
@@ -146,6 +147,8 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1) -> dict[
         num_input_rows: rows in the whole input, so that a replaced input file of another length is noticed.
         num_shards: N of a sharded run (``--shard I/N``), 1 otherwise: the split of the rows and the part names
             depend on it, so an output is continued with the same N only.
+        engine_dtype: the dtype the engine runs in (``EngineConfig.resolve_dtype``: "auto" resolved for the
+            device); None records ``manifest.engine.dtype`` as written.
     """
     sampling = asdict(manifest.sampling)
     sampling.pop("seed")
@@ -154,7 +157,7 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1) -> dict[
     fingerprint = {
         "cbrun_version": cbrun_version(),
         "model": {"path": str(Path(manifest.model.path).resolve()), "files": model["files"],
-                  "weights": model["weights"], "dtype": manifest.engine.dtype},
+                  "weights": model["weights"], "dtype": engine_dtype or manifest.engine.dtype},
         "input": {"path": str(Path(inp.path).resolve()), "num_rows": num_input_rows,
                   "files": input_fingerprint(inp.path),
                   "prompt_column": inp.prompt_column, "prompt_ids_column": inp.prompt_ids_column,

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.config import checkpoint_dtype
 from jobs.carry import carried_values
 from jobs.chat import check_chat_template
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
@@ -250,7 +251,9 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
     if shard is None:
         shard = Shard.parse(manifest.input.shard) if manifest.input.shard is not None else Shard()
     checkpoint = Checkpoint(manifest.output.path, shard)
-    fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count)
+    # NOTE: dtype "auto" means bf16 on a GPU and float32 on the CPU: the fingerprint records the one this run uses
+    fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count,
+                                  engine_dtype=engine_config.resolve_dtype(checkpoint_dtype(manifest.model.path)))
     # NOTE: a refused run leaves no output directory it made (see _remove_refused_output); a shard's may be shared
     created_output = shard.count == 1 and not Path(manifest.output.path).exists()
     try:

@@ -1,16 +1,18 @@
 """GPU check of the Triton kernels: correctness against the PyTorch reference and speed against measured ceilings.
 
-Run on a CUDA machine with ``python -m kernels.gpu_check``; without CUDA it says so and exits 0 (the CPU tests
-of the kernels are ``tests/kernels/test_kernels.py``, in Triton's interpreter). The engine's end-to-end GPU run
-(CUDA graphs and async batching off and on) is ``python -m benchmarks.gpu_engine_check``, which runs these kernel
-checks first. It prints one table::
+Run on a CUDA machine with ``python -m kernels.gpu_check``: exit 0 when every kernel matches its reference, 1 on
+any mismatch, 2 without CUDA (nothing was checked; the CPU tests of the kernels are
+``tests/kernels/test_kernels.py``, in Triton's interpreter). ``python -m benchmarks.gpu_suite`` runs this and the
+engine's checks. It prints one table::
 
-    kernel | shape | max err | ok | ms | GB/s | TFLOP/s | roofline
+    kernel | dtype | shape | tile | max err | ok | ms | GB/s | TFLOP/s | roofline
 
-``max err`` is against the reference computed in float32 on the same (bf16) inputs; ``ms`` is the median of
-``triton.testing.do_bench``; ``roofline`` is the fraction of the measured copy bandwidth for memory-bound cases
-(decode, KV write: bytes that must move / time) and of the measured bf16 matmul rate for prefill (FLOPs of the
-causal attention actually computed / time).
+``tile`` is the launch the wrapper really makes on this device (``paged_attention.attention_launch_config``:
+rows x context positions, warps). ``max err`` is against the reference computed in float32 on the same inputs;
+``ms`` is the median of ``triton.testing.do_bench``; ``roofline`` is the fraction of the measured copy bandwidth
+(the HBM roofline) for memory-bound cases (decode, KV write: bytes that must move / time) and of the measured bf16
+matmul rate for prefill (FLOPs of the causal attention actually computed / time). The "decode tile" rows time
+the tile decode uses in bf16 and float32 at head_dim 128 and 256.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 
 from kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
 
-BF16_TOLERANCE = 3e-2  # |err| <= tol * (1 + |expected|) against the float32 reference, as in the tests
+#: |err| <= tol * (1 + |expected|) against the float32 reference, as in the tests.
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+NO_CUDA_EXIT = 2
 
 
 @dataclass
@@ -61,13 +65,21 @@ REALISTIC_CASES = (
     AttentionCase("mixed", 62, 2048, chunks=((512, 2048), (512, 1024)), memory_bound=False),
     AttentionCase("prefill", 0, 0, chunks=((1024, 1024),) * 4, memory_bound=False),
 )
+#: The decode tile in each dtype the engine runs, at head_dim 128 (Llama-3-8B heads) and 256 (Gemma: 8 query heads
+#: over 4 KV heads): 128 requests at 4096 tokens of context, far past L2.
+DECODE_TILE_CASES = tuple(
+    (AttentionCase("decode tile", 128, 4096, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim), dtype)
+    for dtype in (torch.bfloat16, torch.float32)
+    for head_dim, heads, kv_heads in ((128, 32, 8), (256, 8, 4)))
 KV_WRITE_TOKENS = (64, 8192)
 
 
 @dataclass
 class Row:
     kernel: str
+    dtype: str
     shape: str
+    tile: str
     max_err: float
     ok: bool
     ms: float
@@ -79,7 +91,7 @@ class Row:
         seconds = self.ms * 1e-3
         gbps, tflops = self.bytes_moved / seconds / 1e9, self.flops / seconds / 1e12
         achieved = self.flops / seconds if self.flops else self.bytes_moved / seconds
-        return [self.kernel, self.shape, f"{self.max_err:.2e}", "yes" if self.ok else "NO",
+        return [self.kernel, self.dtype, self.shape, self.tile, f"{self.max_err:.2e}", "yes" if self.ok else "NO",
                 f"{self.ms:.3f}", f"{gbps:.0f}", f"{tflops:.1f}" if self.flops else "-",
                 f"{achieved / self.ceiling:.2f}"]
 
@@ -123,7 +135,7 @@ def attention_work(case: AttentionCase, elem_bytes: int) -> tuple[float, float]:
 
 
 def check_attention(case: AttentionCase, dtype: torch.dtype, device: str, bench: Callable, ceilings) -> Row:
-    from kernels.paged_attention import paged_attention_triton
+    from kernels.paged_attention import attention_launch_config, device_capability, paged_attention_triton
 
     query, k_cache, v_cache, block_tables, cu, seqlens_k = make_attention_batch(case, dtype, device)
     scale = case.head_dim ** -0.5
@@ -139,7 +151,7 @@ def check_attention(case: AttentionCase, dtype: torch.dtype, device: str, bench:
     expected = paged_attention_ref(query.float(), k_cache.float(), v_cache.float(), plan, scale, case.softcap)
     err = (out.float() - expected).abs()
     max_err = err.max().item()  # NaN (an unwritten row) propagates
-    ok = bool((err <= BF16_TOLERANCE * (1 + expected.abs())).all())  # False on NaN too
+    ok = bool((err <= TOLERANCE[dtype] * (1 + expected.abs())).all())  # False on NaN too
     del expected, plan, err
     ms = bench(run)
     bytes_moved, flops = attention_work(case, query.element_size())
@@ -147,7 +159,12 @@ def check_attention(case: AttentionCase, dtype: torch.dtype, device: str, bench:
     extras += f" cap={case.softcap}" if case.softcap else ""
     shape = (f"B={len(case.q_lens)} T={query.shape[0]} ctx={max(case.k_lens)} H={case.num_heads}/{case.num_kv_heads} "
              f"D={case.head_dim} p={case.page_size}{extras}")
-    return Row(f"attention {case.name}", shape, max_err, ok, ms, bytes_moved,
+    launch = attention_launch_config(dtype, case.num_heads, case.num_kv_heads, case.head_dim, case.page_size, max_q,
+                                     case.sliding_window is not None, case.softcap is not None,
+                                     device_capability(query.device))
+    c = launch.constexprs
+    tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{launch.num_warps}"
+    return Row(f"attention {case.name}", dtype_name(dtype), shape, tile, max_err, ok, ms, bytes_moved,
                0.0 if case.memory_bound else flops, ceilings[0] if case.memory_bound else ceilings[1])
 
 
@@ -170,43 +187,64 @@ def check_kv_write(num_tokens: int, dtype: torch.dtype, device: str, bench: Call
     ms = bench(lambda: write_kv_cache_triton(key, value, k_cache, v_cache, slots))
     written = int((slots >= 0).sum())
     bytes_moved = 4 * written * num_kv_heads * head_dim * key.element_size()  # read k, v; write k, v
-    return Row("kv_cache_write", f"T={num_tokens} Hkv={num_kv_heads} D={head_dim} p={page_size}",
-               0.0 if same else math.inf, same, ms, bytes_moved, 0.0, ceilings[0])
+    return Row("kv_cache_write", dtype_name(dtype), f"T={num_tokens} Hkv={num_kv_heads} D={head_dim} p={page_size}",
+               "-", 0.0 if same else math.inf, same, ms, bytes_moved, 0.0, ceilings[0])
 
 
 def measure_ceilings(device: str, bench: Callable) -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, bf16 matmul rate in FLOP/s), measured here."""
+    """(copy bandwidth in bytes/s counting read + write: the HBM roofline, bf16 matmul rate in FLOP/s), measured
+    here."""
+    return _copy_bandwidth(device, bench), _matmul_rate(device, bench)
+
+
+def _copy_bandwidth(device: str, bench: Callable) -> float:
     src = torch.empty(2**30, dtype=torch.uint8, device=device)  # 1 GiB, far past L2
     dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-3)
-    del src, dst
-    n = 8192
+    return 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-3)
+
+
+def _matmul_rate(device: str, bench: Callable, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     c = torch.empty_like(a)
-    matmul_rate = 2 * n**3 / (bench(lambda: torch.matmul(a, b, out=c)) * 1e-3)
-    return copy_bw, matmul_rate
+    return 2 * n**3 / (bench(lambda: torch.matmul(a, b, out=c)) * 1e-3)
 
 
 def run_checks(device: str, bench: Callable, cases=REALISTIC_CASES, kv_write_tokens=KV_WRITE_TOKENS,
-               dtype: torch.dtype = torch.bfloat16) -> list[Row]:
-    """Every kernel against its reference on ``device``, timed with ``bench(fn) -> ms``; prints the table."""
-    ceilings = measure_ceilings(device, bench)
+               dtype: torch.dtype = torch.bfloat16, decode_tile_cases=DECODE_TILE_CASES,
+               ceilings: tuple[float, float] | None = None) -> list[Row]:
+    """Every kernel against its reference on ``device``, timed with ``bench(fn) -> ms``; prints the table.
+
+    ``cases`` run in ``dtype``, ``decode_tile_cases`` in their own dtypes; ``ceilings`` are measured when None.
+    """
+    if ceilings is None:
+        ceilings = measure_ceilings(device, bench)
     print(f"ceilings: copy {ceilings[0] / 1e9:.0f} GB/s (read + write), bf16 matmul {ceilings[1] / 1e12:.0f} TFLOP/s")
     rows = [check_attention(case, dtype, device, bench, ceilings) for case in cases]
+    rows += [check_attention(case, case_dtype, device, bench, ceilings) for case, case_dtype in decode_tile_cases]
     rows += [check_kv_write(t, dtype, device, bench, ceilings) for t in kv_write_tokens]
     print_table(rows)
     return rows
 
 
-def print_table(rows: list[Row]) -> None:
-    header = ["kernel", "shape", "max err", "ok", "ms", "GB/s", "TFLOP/s", "roofline"]
-    cells = [header] + [r.cells() for r in rows]
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+HEADER = ["kernel", "dtype", "shape", "tile", "max err", "ok", "ms", "GB/s", "TFLOP/s", "roofline"]
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell, a rule under the header."""
+    cells = [header] + rows
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
-    for i, line in enumerate(cells):
-        print(" | ".join(c.ljust(w) for c, w in zip(line, widths)))
-        if i == 0:
-            print("-+-".join("-" * w for w in widths))
+    lines = [" | ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_table(rows: list[Row]) -> None:
+    print(format_table(HEADER, [r.cells() for r in rows]))
 
 
 def cuda_bench(fn: Callable) -> float:
@@ -217,15 +255,16 @@ def cuda_bench(fn: Callable) -> float:
 
 
 def main() -> int:
+    """Check and time the kernels on the current CUDA device: 0 all correct, 1 any mismatch, 2 without CUDA."""
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here, nothing to check (the kernels' CPU tests are "
+        print("gpu_check: no CUDA device here, nothing was checked (the kernels' CPU tests are "
               "tests/kernels/test_kernels.py)")
-        return 0
+        return NO_CUDA_EXIT
     import triton
 
     print(f"gpu_check on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     rows = run_checks("cuda", cuda_bench)
-    failed = [f"{r.kernel} ({r.shape})" for r in rows if not r.ok]
+    failed = [f"{r.kernel} {r.dtype} ({r.shape})" for r in rows if not r.ok]
     if failed:
         print(f"gpu_check: FAILED correctness: {failed}")
         return 1

@@ -7,9 +7,13 @@ One program copies one token's (num_kv_heads, head_dim) key and value tiles.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from kernels.paged_attention import LaunchConfig
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -83,19 +87,23 @@ def write_kv_cache_triton(
     num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
     if num_tokens == 0:
         return
+    launch = kv_write_launch_config(num_kv_heads, head_dim, page_size)
     kv_cache_write_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         num_blocks * page_size,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs,
     )
 
+
+@functools.lru_cache(maxsize=64)
+def kv_write_launch_config(num_kv_heads: int, head_dim: int, page_size: int) -> LaunchConfig:
+    """The constexprs and launch options of one ``kv_cache_write_kernel`` launch (``kernels.aot_fit`` compiles
+    exactly this): one token's (num_kv_heads, head_dim) tile per program, 4 warps once it has 1024 elements."""
+    constexprs = dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+                      BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+    return LaunchConfig(constexprs, 4 if num_kv_heads * head_dim >= 1024 else 1, 2)
 
 def _check_write_args(key, value, k_cache, v_cache, slot_mapping) -> None:
     if key.dim() != 3 or value.shape != key.shape:

@@ -23,9 +23,14 @@ The launch shape thus depends on tensor shapes only (CUDA-graph friendly).
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from kernels.tile_policy import DEFAULT_CAPABILITY, pick_attention_tile
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -214,40 +219,69 @@ def paged_attention_triton(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
 
-    group = num_heads // num_kv_heads
-    group_padded = triton.next_power_of_2(group)
-    block_m, block_n = _pick_tile(group_padded, max(int(max_seqlen_q), 1))
-    block_q = block_m // group_padded
-    grid = (num_tokens // block_q + num_requests, num_kv_heads)
+    launch = attention_launch_config(query.dtype, num_heads, num_kv_heads, head_dim, page_size, int(max_seqlen_q),
+                                     sliding_window is not None, softcap is not None, device_capability(query.device),
+                                     dot_in_fp32=query.is_cpu and query.dtype == torch.bfloat16)
+    grid = (num_tokens // launch.constexprs["BLOCK_Q"] + num_requests, num_kv_heads)
     paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k,
         float(scale), float(softcap or 0.0), int(sliding_window or 0),
         num_tokens, num_requests, block_tables.shape[1],
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group,
-        GROUP_PADDED=group_padded,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=max(triton.next_power_of_2(head_dim), 16),
-        PAGE_SIZE=page_size,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        USE_SOFTCAP=softcap is not None,
-        USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        DOT_IN_FP32=query.is_cpu and query.dtype == torch.bfloat16,
-        num_warps=4,
-        num_stages=2,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs,
     )
     return out
 
 
-def _pick_tile(group_padded: int, max_seqlen_q: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for a batch: 16 rows when every request decodes (memory bound: small tiles, more
-    programs), up to 64 rows once prefill chunks make K/V reuse across query tokens worth it."""
-    block_m = min(max(triton.next_power_of_2(max_seqlen_q * group_padded), 16), 64)
-    return max(block_m, group_padded), 64
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything of a launch that selects a compiled kernel: the constexprs and the launch options."""
+
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    def key(self) -> tuple:
+        """Hashable identity: two launches with equal keys run the same binary."""
+        return tuple(sorted(self.constexprs.items())) + (self.num_warps, self.num_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def attention_launch_config(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                            max_seqlen_q: int, use_window: bool, use_softcap: bool, capability: int,
+                            dot_in_fp32: bool = False) -> LaunchConfig:
+    """The constexprs, ``num_warps`` and ``num_stages`` of one ``paged_attention_kernel`` launch.
+
+    ``paged_attention_triton`` launches with exactly this; ``kernels.aot_fit`` compiles it ahead of time for each
+    GPU architecture. The tile comes from ``kernels.tile_policy.pick_attention_tile``. Cached: every layer of a
+    step asks the same question, so the answer is computed once (callers must not change the returned dict).
+
+    Args:
+        dtype: query and cache dtype. num_heads, num_kv_heads, head_dim, page_size: the model's and cache's shape.
+        max_seqlen_q: longest query (tokens) in the batch. use_window, use_softcap: whether those are set.
+        capability: compute capability, major * 10 + minor (``device_capability``).
+        dot_in_fp32: upcast bf16 dot operands (the CPU interpreter only).
+    """
+    group = num_heads // num_kv_heads
+    group_padded = triton.next_power_of_2(group)
+    head_dim_padded = max(triton.next_power_of_2(head_dim), 16)
+    tile = pick_attention_tile(capability, dtype.itemsize, head_dim_padded,
+                               group_padded, max(max_seqlen_q, 1))
+    constexprs = dict(GROUP=group, GROUP_PADDED=group_padded, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+                      PAGE_SIZE=page_size, BLOCK_M=tile.block_m, BLOCK_Q=tile.block_q(group_padded),
+                      BLOCK_N=tile.block_n, USE_SOFTCAP=use_softcap, USE_WINDOW=use_window,
+                      DOT_PRECISION="ieee" if dtype == torch.float32 else None, DOT_IN_FP32=dot_in_fp32)
+    return LaunchConfig(constexprs, tile.num_warps, tile.num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(device: torch.device) -> int:
+    """Compute capability of ``device`` as major * 10 + minor; ``DEFAULT_CAPABILITY`` off CUDA (interpreter)."""
+    if device.type != "cuda":
+        return DEFAULT_CAPABILITY
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
 
 
 def _check_attention_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap,

@@ -128,6 +128,18 @@ def test_attention_batch_mixes(mix, dtype):
 
 
 @in_process
+@pytest.mark.parametrize("capability", [80, 89, 90])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_attention_tiles_of_each_architecture(capability, dtype, head_dim, monkeypatch):
+    """The tiles ``kernels.tile_policy`` picks for each GPU part (decode and prefill rows, BLOCK_N 32 or 64)
+    compute the reference's attention: the batch mixes a long chunk (several KV tiles) with a decode."""
+    monkeypatch.setattr(paged_attention, "device_capability", lambda device: capability)
+    check_attention([24, 1], [130, 40], head_dim=head_dim, dtype=dtype)
+    check_attention([1, 1], [70, 9], head_dim=head_dim, dtype=dtype)
+
+
+@in_process
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1), (6, 2)])

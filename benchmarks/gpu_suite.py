@@ -1,0 +1,124 @@
+"""Every GPU check in one run: the Triton kernels against their reference and timed, then the engine's modes.
+
+From a plain checkout on a CUDA machine (Python 3.12, torch with CUDA, triton, transformers; no extras)::
+
+    PYTHONPATH=. python -m benchmarks.gpu_suite                     # writes benchmarks/results-gpu-suite.md
+    PYTHONPATH=. python -m benchmarks.gpu_suite --results /tmp/r.md
+
+It runs ``kernels.gpu_check`` (attention in realistic batches, the decode tile in bf16 and float32 at head_dim 128
+and 256 against the HBM roofline, the KV-cache write) and ``benchmarks.gpu_engine_check`` (CUDA graphs, async
+batching and swap preemption against the plain engine, token for token, then timed), prints one table and
+writes it, with the device and versions, to the results file. A part that raises is a row saying so, and the
+others still run. It takes about 2 to 4 minutes on an H100 (budget: under 8).
+
+Exit status: 0 every check matched, 1 any mismatch or error, 2 without CUDA (nothing was run, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results-gpu-suite.md"
+HEADER = ["part", "check", "dtype", "case", "tile", "ok", "result", "roofline"]
+NO_CUDA_EXIT = 2
+
+
+def kernel_rows(copy_bandwidth_and_matmul: tuple[float, float]) -> list[tuple[list[str], bool]]:
+    """The kernel checks as suite rows: (cells, ok)."""
+    from kernels import gpu_check
+
+    rows = gpu_check.run_checks("cuda", gpu_check.cuda_bench, ceilings=copy_bandwidth_and_matmul)
+    out = []
+    for row in rows:
+        c = row.cells()  # kernel, dtype, shape, tile, max err, ok, ms, GB/s, TFLOP/s, roofline
+        result = f"{c[6]} ms, {c[7]} GB/s" + (f", {c[8]} TFLOP/s" if c[8] != "-" else "") + f", err {c[4]}"
+        out.append((["kernels", c[0], c[1], c[2], c[3], c[5], result, c[9]], row.ok))
+    return out
+
+
+def engine_rows(copy_bandwidth: float) -> list[tuple[list[str], bool]]:
+    """The engine checks as suite rows: (cells, ok)."""
+    from benchmarks import gpu_engine_check
+
+    out = []
+    for row in gpu_engine_check.engine_checks(copy_bandwidth):
+        c = row.cells()  # part, mode, dtype, tokens/s, vs plain, == plain, swaps, BW frac, ok
+        result = f"{c[3]} tok/s, {c[4]} plain, {c[5]} equal" + (f", {c[6]} swaps" if row.offloads else "")
+        out.append((["engine", f"{c[0]}: {c[1]}", c[2], "0.35B Llama", "-", c[8], result, c[7]], row.ok))
+    return out
+
+
+def environment() -> str:
+    """Device, driver-visible versions and the host, for the results file's header."""
+    import triton
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return (f"{props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}), "
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def run_suite() -> tuple[list[tuple[list[str], bool]], float]:
+    """All parts; a part that raises becomes a failed row. Returns (rows, seconds)."""
+    from kernels import gpu_check
+
+    start = time.perf_counter()
+    rows: list[tuple[list[str], bool]] = []
+    try:
+        ceilings = gpu_check.measure_ceilings("cuda", gpu_check.cuda_bench)
+    except Exception:  # noqa: BLE001 - reported as a row, the suite goes on
+        traceback.print_exc()
+        rows.append((["ceilings", "measure", "-", "-", "-", "NO", "raised (see log)", "-"], False))
+        ceilings = None
+    parts = (("kernels", lambda: kernel_rows(ceilings)), ("engine", lambda: engine_rows(ceilings[0])))
+    for name, part in parts if ceilings else ():
+        try:
+            rows += part()
+        except Exception:  # noqa: BLE001 - reported as a row, the suite goes on
+            traceback.print_exc()
+            rows.append(([name, "all", "-", "-", "-", "NO", "raised (see log)", "-"], False))
+        torch.cuda.empty_cache()
+    return rows, time.perf_counter() - start
+
+
+def report(rows: list[tuple[list[str], bool]], seconds: float, env: str) -> str:
+    """The results file's text: header, the one table, the verdict."""
+    from kernels.gpu_check import format_table
+
+    failed = sum(not ok for _, ok in rows)
+    verdict = "all checks matched" if not failed else f"{failed} check(s) FAILED"
+    return (f"# GPU suite\n\n`PYTHONPATH=. python -m benchmarks.gpu_suite` on {env}; {seconds:.0f} s; {verdict}.\n\n"
+            "roofline: kernels, the fraction of the measured copy bandwidth (memory-bound rows) or bf16 matmul "
+            "rate (prefill rows); engine, the median fraction of copy bandwidth decode-only steps reach.\n\n"
+            "```\n" + format_table(HEADER, [cells for cells, _ in rows]) + "\n```\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite", description=__doc__.split("\n")[0])
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where to write the table")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        print("gpu_suite: no CUDA device here (torch.cuda.is_available() is False), nothing was run; run it on a "
+              "machine with an NVIDIA GPU and a CUDA build of torch. The CPU side is `pytest` (kernels in Triton's "
+              "interpreter, ahead-of-time compilation for sm_80/89/90).")
+        return NO_CUDA_EXIT
+    env = environment()
+    print(f"gpu_suite on {env}")
+    rows, seconds = run_suite()
+    text = report(rows, seconds, env)
+    print()
+    print(text)
+    args.results.write_text(text)
+    print(f"gpu_suite: wrote {args.results}")
+    return 0 if all(ok for _, ok in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Every Triton launch the engine can make fits sm_80, sm_89 and sm_90: compiled ahead of time, no GPU needed.
+
+The full matrix (every model shape of ``kernels.aot_fit.MODELS`` x bf16/fp16/fp32 x decode/verify/prefill, three
+architectures, 192 binaries after deduplication) takes about ten minutes on two cores, so it is marked slow and
+runs only with ``CBRUN_KERNEL_FIT_ALL=1`` (the suite runs slow tests by default); the default run compiles a
+representative subset (``aot_fit.SUBSET``, 21 binaries).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from kernels import aot_fit  # noqa: E402
+from kernels.paged_attention import attention_launch_config  # noqa: E402
+from kernels.tile_policy import SHARED_MEMORY_LIMITS, pick_attention_tile  # noqa: E402
+
+
+def _toolchain_present() -> bool:
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return all(os.path.exists(os.path.join(bin_dir, tool)) for tool in ("ptxas", "cuobjdump"))
+
+
+needs_toolchain = pytest.mark.skipif(not _toolchain_present(), reason="triton wheel without ptxas/cuobjdump")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _compile_all(tmp_path, *args: str) -> list[dict]:
+    """``python -m kernels.aot_fit`` in a fresh process: without TRITON_INTERPRET (the test session sets it, and
+    interpreted kernels cannot be compiled for a GPU), with an empty Triton cache (nothing cached across runs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), TRITON_DEFAULT_FP_FUSION="1")
+    out = tmp_path / "fits.json"
+    result = subprocess.run([sys.executable, "-m", "kernels.aot_fit", *args, "--json", str(out)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=3000)
+    assert out.exists(), result.stdout[-5000:] + result.stderr[-5000:]
+    fits = json.loads(out.read_text())
+    bad = [fit["line"] for fit in fits if not fit["ok"]]
+    assert not bad, "launches that do not fit:\n" + "\n".join(bad)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return fits
+
+
+@needs_toolchain
+def test_representative_launches_fit(tmp_path):
+    """The subset (``aot_fit.SUBSET``) for sm_80, sm_89 and sm_90, in one process."""
+    fits = _compile_all(tmp_path, "--subset")
+    expected = sum(len(aot_fit.engine_launches(c, **aot_fit.SUBSET)) for c in aot_fit.CAPABILITIES)
+    assert len(fits) == expected >= 18 and {fit["capability"] for fit in fits} == set(aot_fit.CAPABILITIES)
+    assert all(fit["shared"] > 0 for fit in fits if fit["kernel"] == "paged_attention")  # K/V tiles are staged
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
+                    reason="the full matrix takes ~10 minutes on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 (or run "
+                           "python -m kernels.aot_fit)")
+@needs_toolchain
+@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
+def test_every_engine_launch_fits(capability, tmp_path):
+    fits = _compile_all(tmp_path, "--capability", str(capability))
+    assert len(fits) == len(aot_fit.engine_launches(capability))
+
+
+def test_fit_verdict_reads_the_limits():
+    """A launch over a part's shared memory, or spilling in 16-bit on sm_90, is reported as not fitting."""
+    launch = aot_fit.engine_launches(90, models=aot_fit.MODELS[:1], dtypes=(torch.bfloat16,), max_seqlen_qs=(1,))[0]
+    assert aot_fit.Fit(launch, 90, SHARED_MEMORY_LIMITS[90], 128, 0).ok
+    assert not aot_fit.Fit(launch, 89, SHARED_MEMORY_LIMITS[89] + 1, 128, 0).ok
+    assert not aot_fit.Fit(launch, 90, 1024, 128, 8).ok  # any spill in 16-bit on sm_90
+    assert aot_fit.Fit(launch, 80, 1024, 128, 8).ok  # a few bytes elsewhere
+
+
+def test_engine_launches_cover_every_tile_and_dedupe():
+    launches = aot_fit.engine_launches(90)
+    attention = [launch for launch in launches if launch.kernel == "paged_attention"]
+    rows = {(launch.dtype, launch.config.constexprs["BLOCK_M"]) for launch in attention}
+    assert {(torch.bfloat16, 16), (torch.bfloat16, 64), (torch.float32, 16), (torch.float32, 32)} <= rows
+    assert any(launch.config.constexprs["USE_WINDOW"] for launch in attention)
+    assert len({launch.key() for launch in launches}) == len(launches)
+
+
+@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("head_dim, heads", ((64, (9, 3)), (128, (28, 4)), (256, (8, 4))))
+@pytest.mark.parametrize("max_q", (1, 3, 9, 4096))
+def test_tile_policy_shapes(capability, dtype, head_dim, heads, max_q):
+    """Tiles the kernel can run: power-of-two rows holding whole GQA groups, at least 16 by 16 for tl.dot."""
+    config = attention_launch_config(dtype, heads[0], heads[1], head_dim, 16, max_q, False, False, capability)
+    c = config.constexprs
+    assert c["BLOCK_M"] % c["GROUP_PADDED"] == 0 and c["BLOCK_Q"] * c["GROUP_PADDED"] == c["BLOCK_M"]
+    assert c["BLOCK_M"] >= 16 and c["BLOCK_N"] >= 16
+    assert c["BLOCK_M"] & (c["BLOCK_M"] - 1) == 0 and config.num_warps in (4, 8)
+    if max_q == 1:  # decode takes the smallest tile
+        assert c["BLOCK_M"] == max(16, c["GROUP_PADDED"])
+
+
+def test_tile_policy_rows_grow_with_the_query():
+    decode = pick_attention_tile(90, 2, 128, 4, 1)
+    prefill = pick_attention_tile(90, 2, 128, 4, 4096)
+    assert (decode.block_m, prefill.block_m) == (16, 64)
+    assert pick_attention_tile(90, 4, 128, 4, 4096).block_m == 32  # float32 keeps its tile smaller
