@@ -173,7 +173,8 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_generator))
-        request = Request(request_id, list(prompt_token_ids), params, generator=torch.Generator().manual_seed(seed))
+        request = Request(request_id, list(prompt_token_ids), params, generator=torch.Generator().manual_seed(seed),
+                          seed=seed)
         self.scheduler.add_request(request, error=self._validate(request))
 
     def _validate(self, request: Request) -> str | None:
