@@ -65,7 +65,6 @@ class Request:
     request_id: object
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    generator: object = None
     seed: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     index: int = field(default_factory=lambda: next(_request_indices))

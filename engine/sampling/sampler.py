@@ -122,10 +122,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tens
             tokens = drawn
         else:
             tokens[rows] = drawn
-    return _with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
+    return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
 
 
-def _with_logprobs(out: SamplerOutput, scores: torch.Tensor, raw: torch.Tensor | None, batch: SamplingBatch
+def with_logprobs(out: SamplerOutput, scores: torch.Tensor, raw: torch.Tensor | None, batch: SamplingBatch
                    ) -> SamplerOutput:
     """Fill the log-probabilities asked for: one ``log_softmax`` per kind of row, then one ``topk``."""
     rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
