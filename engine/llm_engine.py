@@ -29,7 +29,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling.step import StepSampler, VerifyEntry
 from engine.sampling_params import SamplingParams
-from engine.plan import ScheduledRequest, SchedulerOutput
+from engine.plan import SchedulerOutput
 from engine.scheduler import make_scheduler
 from engine.speculative import accept_greedy
 from engine.stats import EngineStats
