@@ -35,8 +35,10 @@ class SamplingBatch:
         greedy: bool; sampled rows use temperature, filters and a draw, greedy rows the argmax.
         temperature: float32 (1 on greedy rows); top_k: int64 (0 off); top_p, min_p: float32.
         seeds, positions: int64 stream keys and output positions (``random_stream.uniform``).
-        penalty_rows: (P,) int64 or None; counts: (P, V) int32; prompt_mask: (P, V) bool;
-        repetition, presence, frequency: (P,) float32.
+        penalty_rows: (P,) int64 or None; count_rows: (P,) int64 rows of ``TokenCounts.counts``; seen: (P, V)
+        bool; extra_counts: (P, V) int32 or None (``TokenCounts.gather``); repetition, presence, frequency: (P,)
+        float32.
+        token_counts: the ``TokenCounts`` the rows were gathered from.
         stop_rows, stop_tokens: int64 (row, token) pairs masked by ``min_new_tokens``, or None.
         num_logprobs: host list, per row the top log-probabilities asked for (None: off).
         processed_logprobs: host list, per row whether ``logprobs_mode`` is "processed_logprobs".
@@ -51,8 +53,10 @@ class SamplingBatch:
     seeds: torch.Tensor
     positions: torch.Tensor
     penalty_rows: torch.Tensor | None
-    counts: torch.Tensor | None
-    prompt_mask: torch.Tensor | None
+    count_rows: torch.Tensor | None
+    seen: torch.Tensor | None
+    extra_counts: torch.Tensor | None
+    token_counts: TokenCounts
     repetition: torch.Tensor | None
     presence: torch.Tensor | None
     frequency: torch.Tensor | None
@@ -81,10 +85,10 @@ def build_batch(rows: list[SamplingRow], token_counts: TokenCounts, eos_token_id
     greedy = [p.greedy for p in params]
     penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty
                  or p.frequency_penalty]
-    counts = prompt_mask = None
+    count_rows = seen = extra_counts = None
     if penalised:
-        counts, prompt_mask = token_counts.gather([rows[i].request for i in penalised],
-                                                  [rows[i].extra_tokens for i in penalised])
+        count_rows, seen, extra_counts = token_counts.gather([rows[i].request for i in penalised],
+                                                             [rows[i].extra_tokens for i in penalised])
 
     def floats(values):
         return torch.tensor(values, dtype=torch.float32, device=device)
@@ -102,7 +106,8 @@ def build_batch(rows: list[SamplingRow], token_counts: TokenCounts, eos_token_id
         min_p=floats([p.min_p for p in params]),
         seeds=ints([random_stream.stream_key(row.request.seed) for row in rows]),
         positions=ints([row.position for row in rows]),
-        penalty_rows=ints(penalised) if penalised else None, counts=counts, prompt_mask=prompt_mask,
+        penalty_rows=ints(penalised) if penalised else None, count_rows=count_rows, seen=seen,
+        extra_counts=extra_counts, token_counts=token_counts,
         repetition=floats([params[i].repetition_penalty for i in penalised]) if penalised else None,
         presence=floats([params[i].presence_penalty for i in penalised]) if penalised else None,
         frequency=floats([params[i].frequency_penalty for i in penalised]) if penalised else None,

@@ -68,7 +68,8 @@ def draw_filtered(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     kth = kth_largest(probs, top_k)
     with_k = kth > 0
     mass_k = torch.where(probs >= kth[:, None], probs, 0.0).sum(dim=1) if bool(with_k.any()) else None
-    floor_p = torch.maximum(kth, min_p * probs.amax(dim=1))  # the top-k and min-p bounds in one
+    # The top-k and min-p bounds in one: p(x) must reach both.
+    floor_p = torch.maximum(kth, min_p * probs.amax(dim=1)) if bool((min_p > 0).any()) else kth
     nucleus = top_p < 1.0
     any_nucleus = bool(nucleus.any())
     tokens = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)

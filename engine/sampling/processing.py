@@ -52,27 +52,33 @@ def apply_stop_mask(scores: torch.Tensor, rows: torch.Tensor | None, tokens: tor
         scores[rows, tokens] = float("-inf")
 
 
-def apply_penalties(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> None:
+def apply_penalties(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, count_rows: torch.Tensor,
+                    seen: torch.Tensor, extra_counts: torch.Tensor | None, repetition: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor) -> None:
     """Repetition (prompt and output tokens, CTRL: Keskar et al. 2019), presence and frequency penalties (output
     tokens, OpenAI's), in place on ``scores[rows]``.
+
+    Only the seen tokens are touched: one pass finds them, then the work is over those few entries.
 
     Args:
         scores: (R, V) float32.
         rows: (P,) int64, the rows with a penalty.
-        counts: (P, V) int32, each row's output token counts.
-        prompt_mask: (P, V) bool, each row's prompt tokens.
+        counts: (N, V) int32 output token counts (``TokenCounts.counts``); count_rows: (P,) int64 its row of each.
+        seen: (P, V) bool, each row's prompt and output tokens.
+        extra_counts: (P, V) int32 counts added to ``counts`` (tokens after the request's output), or None.
         repetition, presence, frequency: (P,) float32.
     """
-    sub = scores[rows]
-    output_seen = counts > 0
-    seen = output_seen | prompt_mask
-    rep = repetition[:, None]
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    at, token = seen.nonzero(as_tuple=True)
+    row = rows[at]
+    values = scores[row, token]
+    count = counts[count_rows[at], token]
+    if extra_counts is not None:
+        count = count + extra_counts[at, token]
+    rep = repetition[at]
+    values = torch.where(values > 0, values / rep, values * rep)
     # NOTE: only where a count is positive: a penalty that overflows float32 times a zero count would be NaN.
-    penalty = frequency[:, None] * counts + presence[:, None]
-    sub = torch.where(output_seen, sub - penalty, sub)
-    scores[rows] = sub
+    values = torch.where(count > 0, values - (frequency[at] * count + presence[at]), values)
+    scores[row, token] = values
 
 
 def settle_infinities(scores: torch.Tensor) -> torch.Tensor:
@@ -85,8 +91,8 @@ def settle_infinities(scores: torch.Tensor) -> torch.Tensor:
     Returns:
         (R,) int8 error codes.
     """
-    nan = scores.isnan().any(dim=1)
-    top = scores.amax(dim=1)
+    top = scores.amax(dim=1)  # NaN where the row holds NaN
+    nan = top.isnan()
     inf_rows = top == float("inf")
     if bool(inf_rows.any()):
         sub = scores[inf_rows]

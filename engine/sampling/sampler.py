@@ -65,22 +65,30 @@ def process(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Ten
             None when no row is constrained. Disallowed tokens become -inf before anything else.
 
     Returns:
-        (scores (R, V) float32 after penalties, finite or -inf except on failed rows; raw (R, V) float32 scores
-        for raw log-probabilities, or None when no row asks for them; (R,) int8 error codes).
+        (scores (R, V) float32 after penalties, finite or -inf except on failed rows; raw (L, V) float32 scores
+        of the L rows that ask for raw log-probabilities, in row order, or None; (R,) int8 error codes).
     """
     scores = logits.to(torch.float32, copy=True)
     if token_bitmask is not None:
         processing.apply_token_bitmask(scores, token_bitmask)
-    wants_raw = any(n is not None and not p for n, p in zip(batch.num_logprobs, batch.processed_logprobs))
-    raw = scores.clone() if wants_raw else None
+    raw_rows = [i for i, (n, p) in enumerate(zip(batch.num_logprobs, batch.processed_logprobs))
+                if n is not None and not p]
+    raw = None
+    if raw_rows:  # only the rows that ask, before the penalties change them
+        raw = scores.clone() if len(raw_rows) == len(batch) else scores[_index(raw_rows, scores.device)]
     processing.apply_stop_mask(scores, batch.stop_rows, batch.stop_tokens)
     if batch.penalty_rows is not None:
-        processing.apply_penalties(scores, batch.penalty_rows, batch.counts, batch.prompt_mask, batch.repetition,
-                        batch.presence, batch.frequency)
+        processing.apply_penalties(scores, batch.penalty_rows, batch.token_counts.counts, batch.count_rows,
+                                   batch.seen, batch.extra_counts, batch.repetition, batch.presence,
+                                   batch.frequency)
     errors = processing.settle_infinities(scores)
-    # A failed row is dropped by its caller; zeros keep the batched ops below free of NaN.
-    scores.masked_fill_((errors != 0)[:, None], 0.0)
+    if bool(errors.any()):  # a failed row is dropped by its caller; zeros keep the batched ops below free of NaN
+        scores.masked_fill_((errors != 0)[:, None], 0.0)
     return scores, raw, errors
+
+
+def _index(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def sampled_probs(scores: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | None = None,
@@ -107,9 +115,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tens
         ruled out, gets an error code; the other rows are unaffected.
     """
     scores, raw, errors = process(logits, batch, token_bitmask)
-    tokens = scores.argmax(dim=1)
+    all_sampled = batch.any_sampled and not bool(batch.greedy.any())
+    tokens = None if all_sampled else scores.argmax(dim=1)
     if batch.any_sampled:
-        all_sampled = not bool(batch.greedy.any())
         rows = None if all_sampled else (~batch.greedy).nonzero()[:, 0]
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         probs = sampled_probs(scores if rows is None else scores[rows], batch, rows, filtered=False)
@@ -126,31 +134,39 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tens
 
 
 def with_logprobs(out: SamplerOutput, scores: torch.Tensor, raw: torch.Tensor | None, batch: SamplingBatch
-                   ) -> SamplerOutput:
-    """Fill the log-probabilities asked for: one ``log_softmax`` per kind of row, then one ``topk``."""
+                  ) -> SamplerOutput:
+    """Fill the log-probabilities asked for: one ``log_softmax`` per kind of row, then one ``topk``.
+
+    Args:
+        out: the chosen tokens and error codes.
+        scores, raw: ``process``'s.
+        batch: the rows' settings.
+    """
     rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
     if not rows:
         return out
-    logprobs = torch.empty(len(rows), scores.shape[1], dtype=torch.float32, device=scores.device)
-    kinds: dict[str, list[int]] = {"raw": [], "greedy": [], "sampled": []}
     greedy = batch.greedy.tolist()
-    for j, i in enumerate(rows):
-        kinds["raw" if not batch.processed_logprobs[i] else "greedy" if greedy[i] else "sampled"].append(j)
-    for kind, js in kinds.items():
+    kinds = ["raw" if not batch.processed_logprobs[i] else "greedy" if greedy[i] else "sampled" for i in rows]
+    parts = []
+    for kind in ("raw", "greedy", "sampled"):
+        js = [j for j, k in enumerate(kinds) if k == kind]
         if not js:
             continue
-        at = torch.tensor([rows[j] for j in js], dtype=torch.int64, device=scores.device)
         if kind == "raw":
-            values = raw[at]
-            processing.settle_infinities(values)
-            values = torch.log_softmax(values, dim=1)
-        elif kind == "greedy":
-            values = torch.log_softmax(scores[at], dim=1)
+            processing.settle_infinities(raw)
+            values = torch.log_softmax(raw, dim=1)
         else:
-            values = torch.log(sampled_probs(scores[at], batch, at))
-        logprobs[torch.tensor(js, dtype=torch.int64, device=scores.device)] = values
-    index = torch.tensor(rows, dtype=torch.int64, device=scores.device)
+            at = _index([rows[j] for j in js], scores.device)
+            values = (torch.log_softmax(scores[at], dim=1) if kind == "greedy"
+                      else torch.log(sampled_probs(scores[at], batch, at)))
+        parts.append((js, values))
+    if len(parts) == 1:
+        logprobs = parts[0][1]
+    else:
+        logprobs = torch.empty(len(rows), scores.shape[1], dtype=torch.float32, device=scores.device)
+        for js, values in parts:
+            logprobs[_index(js, scores.device)] = values
     num = [batch.num_logprobs[i] for i in rows]
     top = torch.topk(logprobs, min(max(num), logprobs.shape[1]), dim=1)
-    return SamplerOutput(out.tokens, out.errors, rows, num, logprobs.gather(1, out.tokens[index][:, None])[:, 0],
-                         top.values, top.indices)
+    chosen = logprobs.gather(1, out.tokens[_index(rows, scores.device)][:, None])[:, 0]
+    return SamplerOutput(out.tokens, out.errors, rows, num, chosen, top.values, top.indices)

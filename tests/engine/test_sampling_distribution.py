@@ -58,13 +58,10 @@ def batch_of(params: SamplingParams, extra=None):
     rows = []
     for i in range(NUM_DRAWS):
         request = Request(i, list(PROMPT), params, seed=1000 + i)
-        request.output_token_ids = list(OUTPUT) + [0] * (i % 5)  # other positions too ...
+        request.output_token_ids = list(OUTPUT)
         rows.append(SamplingRow(request, list(extra or [])))
-    counts = TokenCounts(VOCAB, "cpu")
-    batch = build_batch(rows, counts, frozenset(), "cpu")
-    # ... with the penalties' counts of OUTPUT only (the padding zeros are removed again)
-    if batch.counts is not None:
-        batch.counts[:, 0] -= torch.tensor([i % 5 for i in range(NUM_DRAWS)], dtype=torch.int32)
+    batch = build_batch(rows, TokenCounts(VOCAB, "cpu"), frozenset(), "cpu")
+    batch.positions = torch.arange(NUM_DRAWS) % 7 + len(OUTPUT)  # other positions draw other numbers too
     return batch
 
 
