@@ -27,7 +27,7 @@ from engine.model_runner import ModelRunner
 from engine.padding import PaddingPolicy
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling.step import StepSampler, VerifyEntry
+from engine.sampling.step import LaunchedRows, StepSampler, VerifyEntry
 from engine.sampling_params import SamplingParams
 from engine.plan import SchedulerOutput
 from engine.scheduler import make_scheduler
@@ -110,7 +110,8 @@ class LLMEngine:
                         if config.speculative == "draft" else None)
         self._draft_probs: dict[int, torch.Tensor] = {}  # this step's draft distributions of sampled requests
         self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
-        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        #: The step in flight (async batching): its plan, handle, and rows sampled at launch (or None).
+        self._in_flight: tuple[SchedulerOutput, StepHandle, LaunchedRows | None] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
         #: Turns each step's logits into tokens on their device; owns the penalised requests' token counts.
         self.sampler = StepSampler(model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids,
@@ -218,10 +219,12 @@ class LLMEngine:
             plan, self._draft_probs = self.drafter.propose(plan, self.scheduler.requests)
         if self.step_observer is not None and plan.scheduled:
             self.step_observer([self.scheduler.requests[s.request_index].request_id for s in plan.scheduled])
-        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
+        at_launch = self._rows_sampled_at_launch(plan) if plan.scheduled else None
+        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None,
+                                          at_launch.sample if at_launch is not None else None)
         if handle is not None:
             self.scheduler.advance(plan)
-        launched = (plan, handle) if handle is not None else None
+        launched = (plan, handle, at_launch) if handle is not None else None
         if self.overlap_steps:  # read the step launched before this one; this one stays in flight
             to_read, self._in_flight = self._in_flight, launched
         else:
@@ -231,13 +234,32 @@ class LLMEngine:
             finished.extend(self.scheduler.pop_finished())  # requests whose own row raised while read
         return [self._finish(r) for r in finished]
 
-    def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
-        """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
-        token_ids = handle.token_ids()  # device argmax of each sampling entry, in plan order
+    def _rows_sampled_at_launch(self, plan: SchedulerOutput) -> LaunchedRows | None:
+        """The plan's entries that sample one token through the sampler (not the plain argmax, not a verify
+        entry), with their logit rows and sampling rows; None when there are none."""
+        if plan.plain_greedy:
+            return None
+        rows = LaunchedRows(self.sampler)
+        row, sample = 0, 0
+        for item in plan.scheduled:
+            if item.samples and item.needs_host_sampling and not item.spec_token_ids:
+                rows.requests.append(self.scheduler.requests[item.request_index])
+                rows.logit_rows.append(row + len(item.prompt_logprob_positions))
+                rows.sample_rows.append(sample)
+            row += len(item.prompt_logprob_positions) + item.num_sample_rows
+            sample += item.num_sample_rows
+        return rows if rows.requests else None
+
+    def _resolve(self, plan: SchedulerOutput, handle: StepHandle, at_launch: LaunchedRows | None) -> list[Request]:
+        """Read a launched step's tokens, finish the rows sampled at launch, verify speculative entries, record
+        prompt log-probabilities, and advance the requests."""
+        token_ids = handle.token_ids()  # each sampling entry's token (argmax or sampled), in plan order
         if plan.plain_greedy:
             sampled = self._read_greedy(plan, token_ids)
         else:
             sampled = self._read_rows_of_plan(plan, handle, token_ids)
+            if at_launch is not None:
+                sampled.update(at_launch.read(token_ids, self.scheduler.requests))
         finished = self.scheduler.resolve(plan, sampled)  # counts the committed output tokens
         self._count_step(plan)
         return finished
@@ -263,16 +285,15 @@ class LLMEngine:
                            ) -> dict[int, int | list[int]]:
         """Any step: batched sampling, prompt log-probabilities and speculative verification where entries need them.
 
-        Rows that need more than the device's argmax are gathered over the whole plan and handled in one batched
-        call per kind (``engine.sampling.step.StepSampler``), on the logits' device.
+        Verify entries and prompt rows are gathered over the whole plan and handled in one batched call each
+        (``engine.sampling.step.StepSampler``), on the logits' device; rows that sample one token were sampled
+        at launch and are read by ``_resolve``.
 
         Returns:
             ``Request.index -> token``, or the tokens a verify step commits, of the unfinished requests.
         """
         sampled: dict[int, int | list[int]] = {}
         prompt_rows: list[tuple[Request, int, range]] = []
-        to_sample: list[Request] = []
-        sample_at: list[int] = []
         to_verify: list[VerifyEntry] = []
         row, sample = 0, 0
         for item in plan.scheduled:
@@ -291,15 +312,13 @@ class LLMEngine:
                     sampled[item.request_index] = accept_greedy(item.spec_token_ids,
                                                                 token_ids[sample:sample + num_sample_rows])
                 elif item.samples and item.needs_host_sampling:
-                    to_sample.append(request)
-                    sample_at.append(first)
+                    pass  # sampled when the step was launched (``_rows_sampled_at_launch``)
                 elif item.samples:  # plain greedy: the device's argmax
                     sampled[item.request_index] = token_ids[sample]
             row += len(positions) + num_sample_rows
             sample += num_sample_rows
         if prompt_rows:
             _record_prompt_logprobs(prompt_rows, handle.logits)
-        sampled.update(self.sampler.sample_rows(handle.logits, to_sample, sample_at))
         sampled.update(self.sampler.verify_entries(handle.logits, to_verify))
         return sampled
 

@@ -15,16 +15,18 @@ from engine.sampling.token_counts import TokenCounts
 class SamplingRow:
     """One logits row to sample: its request and the tokens counted as output after the request's own.
 
-    ``extra_tokens`` are a verify step's proposals before this position (or a draft's earlier proposals); the
-    row's token is then output position ``len(request.output_token_ids) + len(extra_tokens)``.
+    ``extra_tokens`` are a verify step's proposals before this position (or a draft's earlier proposals);
+    ``pending`` the tokens sampled on the device but not read yet (async batching; never for a penalised row). The
+    row's token is output position ``len(request.output_token_ids) + pending + len(extra_tokens)``.
     """
 
     request: Request
     extra_tokens: list[int]
+    pending: int = 0
 
     @property
     def position(self) -> int:
-        return len(self.request.output_token_ids) + len(self.extra_tokens)
+        return len(self.request.output_token_ids) + self.pending + len(self.extra_tokens)
 
 
 @dataclass

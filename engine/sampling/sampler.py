@@ -54,8 +54,8 @@ class SamplerOutput:
         return tokens, errors, logprobs
 
 
-def process(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def process(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None,
+            in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Scores of every row before temperature and filters.
 
     Args:
@@ -63,12 +63,14 @@ def process(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Ten
         batch: the rows' settings.
         token_bitmask: (R, ceil(V / 32)) int32 in xgrammar's layout (bit j of word i: token 32 i + j allowed), or
             None when no row is constrained. Disallowed tokens become -inf before anything else.
+        in_place: ``logits`` is the caller's own copy (float32 logits are then processed in place, one pass
+            fewer).
 
     Returns:
         (scores (R, V) float32 after penalties, finite or -inf except on failed rows; raw (L, V) float32 scores
         of the L rows that ask for raw log-probabilities, in row order, or None; (R,) int8 error codes).
     """
-    scores = logits.to(torch.float32, copy=True)
+    scores = logits.to(torch.float32, copy=not in_place)
     if token_bitmask is not None:
         processing.apply_token_bitmask(scores, token_bitmask)
     raw_rows = [i for i, (n, p) in enumerate(zip(batch.num_logprobs, batch.processed_logprobs))
@@ -102,19 +104,20 @@ def sampled_probs(scores: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor
     return filtered_probs(probs, pick(batch.top_k), pick(batch.top_p), pick(batch.min_p))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None,
+           in_place: bool = False) -> SamplerOutput:
     """Choose one token per row, greedy and sampled rows together.
 
     Args:
         logits: (R, V) logits of any float dtype on the device; R == len(batch).
         batch: the rows' settings (``build_batch``).
-        token_bitmask: see ``process``.
+        token_bitmask, in_place: see ``process``.
 
     Returns:
         The device-side results (``SamplerOutput.to_host`` reads them). A row with NaN logits, or with every token
         ruled out, gets an error code; the other rows are unaffected.
     """
-    scores, raw, errors = process(logits, batch, token_bitmask)
+    scores, raw, errors = process(logits, batch, token_bitmask, in_place)
     all_sampled = batch.any_sampled and not bool(batch.greedy.any())
     tokens = None if all_sampled else scores.argmax(dim=1)
     if batch.any_sampled:

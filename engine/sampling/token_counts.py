@@ -98,16 +98,17 @@ class TokenCounts:
         return self._free.pop()
 
     def _count_new_outputs(self, requests: list[Request]) -> None:
-        rows, tokens = [], []
+        rows, tokens, counted = [], [], {}
         for request in {r.index: r for r in requests}.values():  # each request once
             done = self._num_counted[request.index]
             new = request.output_token_ids[done:]
             if new:
                 rows += [self._row_of[request.index]] * len(new)
                 tokens += new
-                self._num_counted[request.index] = done + len(new)
+                counted[request.index] = done + len(new)
         if rows:
             at = torch.tensor([rows, tokens], dtype=torch.int64, device=self.device)
             self.counts.index_put_((at[0], at[1]), torch.ones(len(rows), dtype=torch.int32, device=self.device),
                                    accumulate=True)
             self.seen[at[0], at[1]] = True
+        self._num_counted.update(counted)  # only once counted: a failed update is redone by the next call
