@@ -104,3 +104,19 @@ def test_rows_do_not_depend_on_their_batch():
     for i in range(8):
         alone = run(logits[i:i + 1], [params[i]], seeds=[i], outputs={0: outputs[i]})
         assert (alone[0][0], alone[2][0]) == (together[0][i], together[2][i])
+
+
+def test_token_counts_follow_the_output_and_a_released_row_starts_clean():
+    counts = TokenCounts(VOCAB, "cpu")
+    first = Request("a", [3, 4], SamplingParams(repetition_penalty=1.2))
+    first.output_token_ids = [5, 5]
+    rows, seen, extra = counts.gather([first, first], [[], [6, 5]])
+    assert seen[:, [3, 4, 5]].all() and seen[:, 6].tolist() == [False, True]
+    assert counts.counts[rows[0], 5] == 2 and extra[1, 5] == 1 and extra[0].sum() == 0
+    first.output_token_ids.append(7)  # the next step counts only the new token
+    rows, seen, _ = counts.gather([first], [[]])
+    assert counts.counts[rows[0], 5] == 2 and counts.counts[rows[0], 7] == 1
+    counts.release(first.index)
+    second = Request("b", [9], SamplingParams(repetition_penalty=1.2))
+    rows, seen, _ = counts.gather([second], [[]])  # reuses the freed row
+    assert seen[0].nonzero()[:, 0].tolist() == [9] and counts.counts[rows[0]].sum() == 0
