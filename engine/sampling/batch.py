@@ -44,7 +44,8 @@ class SamplingBatch:
         stop_rows, stop_tokens: int64 (row, token) pairs masked by ``min_new_tokens``, or None.
         num_logprobs: host list, per row the top log-probabilities asked for (None: off).
         processed_logprobs: host list, per row whether ``logprobs_mode`` is "processed_logprobs".
-        any_sampled, any_filtered: host flags (skip work no row needs).
+        greedy_rows: host list of ``greedy``; any_sampled, any_filtered: host flags (skip work no row needs,
+            without waiting for the device).
     """
 
     greedy: torch.Tensor
@@ -66,6 +67,7 @@ class SamplingBatch:
     stop_tokens: torch.Tensor | None
     num_logprobs: list[int | None]
     processed_logprobs: list[bool]
+    greedy_rows: list[bool]
     any_sampled: bool
     any_filtered: bool
 
@@ -117,6 +119,6 @@ def build_batch(rows: list[SamplingRow], token_counts: TokenCounts, eos_token_id
         stop_tokens=ints([t for _, t in stop_pairs]) if stop_pairs else None,
         num_logprobs=[p.logprobs for p in params],
         processed_logprobs=[p.logprobs_mode == "processed_logprobs" for p in params],
-        any_sampled=any_sampled,
+        greedy_rows=greedy, any_sampled=any_sampled,
         any_filtered=any(not g and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
                          for g, p in zip(greedy, params)))

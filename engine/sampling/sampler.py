@@ -89,6 +89,11 @@ def process(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Ten
     return scores, raw, errors
 
 
+def sampled_rows(batch: SamplingBatch, device) -> torch.Tensor:
+    """(S,) int64 indices of the batch's sampled (not greedy) rows, built on the host (no device sync)."""
+    return _index([i for i, greedy in enumerate(batch.greedy_rows) if not greedy], device)
+
+
 def _index(rows: list[int], device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
@@ -118,10 +123,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tens
         ruled out, gets an error code; the other rows are unaffected.
     """
     scores, raw, errors = process(logits, batch, token_bitmask, in_place)
-    all_sampled = batch.any_sampled and not bool(batch.greedy.any())
+    all_sampled = not any(batch.greedy_rows)
     tokens = None if all_sampled else scores.argmax(dim=1)
     if batch.any_sampled:
-        rows = None if all_sampled else (~batch.greedy).nonzero()[:, 0]
+        rows = None if all_sampled else sampled_rows(batch, scores.device)
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         probs = sampled_probs(scores if rows is None else scores[rows], batch, rows, filtered=False)
         seeds, positions = pick(batch.seeds), pick(batch.positions)
@@ -148,7 +153,7 @@ def with_logprobs(out: SamplerOutput, scores: torch.Tensor, raw: torch.Tensor | 
     rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
     if not rows:
         return out
-    greedy = batch.greedy.tolist()
+    greedy = batch.greedy_rows
     kinds = ["raw" if not batch.processed_logprobs[i] else "greedy" if greedy[i] else "sampled" for i in rows]
     parts = []
     for kind in ("raw", "greedy", "sampled"):

@@ -19,7 +19,7 @@ import torch
 
 from engine.faults import SamplingError
 from engine.request import Request
-from engine.sampling import random_stream
+from engine.sampling import random_stream, sampler
 from engine.sampling.batch import SamplingBatch, SamplingRow, build_batch
 from engine.sampling.filters import inverse_cdf
 from engine.sampling.processing import ERROR_MESSAGES
@@ -56,7 +56,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, proposals: torch.Tensor, 
     tokens = scores.argmax(dim=1)
     accepted = (proposals >= 0) & (tokens == proposals)
     if batch.any_sampled:
-        rows = (~batch.greedy).nonzero()[:, 0]
+        rows = sampler.sampled_rows(batch, scores.device)
         p = sampled_probs(scores[rows], batch, rows)
         proposal = proposals[rows]
         bonus = proposal < 0
