@@ -32,6 +32,11 @@ SPECULATIVE_METHODS = ("off", "ngram", "draft")
 #: proposals a request makes under the same settings. 2: evidence kept per n-gram match length, and a verify entry's
 #: own cost. (Here, not in ``engine.speculative``, so the job layer reads it without importing torch.)
 SPECULATION_RULE_VERSION = 2
+#: Version of the sampler's random stream and draw rule (``engine.sampling``). A sampled row's tokens depend on it,
+#: so a job's fingerprint records it: bump it whenever a change alters which token a seeded row draws. 2: the
+#: counter-based stream (``engine.sampling.random_stream``) drawn by inverse CDF with pivots; 1 (unrecorded): one
+#: ``torch.Generator`` per request on the host.
+SAMPLER_VERSION = 2
 
 
 @dataclass

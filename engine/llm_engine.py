@@ -20,7 +20,6 @@ from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig, checkpoint_dtype
 from engine.device import select_device
 from engine.draft_proposer import DraftProposer, check_draft_vocab, draft_bytes_per_block
-from engine.faults import is_request_fault, request_error_message
 from engine.kv_layout import SLIDING, KVLayout
 from engine.lean_llama import select_lean_model
 from engine.cache_spec import CacheSpec
@@ -29,9 +28,9 @@ from engine.model_runner import ModelRunner
 from engine.padding import GraphBuckets
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import sample_one, verify_proposals
+from engine.sampling.step import LaunchedRows, StepSampler, VerifyEntry
 from engine.sampling_params import SamplingParams
-from engine.plan import ScheduledRequest, SchedulerOutput
+from engine.plan import SchedulerOutput
 from engine.scheduler import make_scheduler
 from engine.speculative import accept_greedy
 from engine.stats import EngineStats
@@ -113,8 +112,12 @@ class LLMEngine:
                         if config.speculative == "draft" else None)
         self._draft_probs: dict[int, torch.Tensor] = {}  # this step's draft distributions of sampled requests
         self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
-        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        #: The step in flight (async batching): its plan, handle, and rows sampled at launch (or None).
+        self._in_flight: tuple[SchedulerOutput, StepHandle, LaunchedRows | None] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
+        #: Turns each step's logits into tokens on their device; owns the penalised requests' token counts.
+        self.sampler = StepSampler(model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids,
+                                   self.scheduler.fail_request)
         #: Called by ``step`` with the request ids of the plan it launches (None: nothing is called). Lets a caller
         #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
         self.step_observer: Callable[[list], None] | None = None
@@ -177,7 +180,7 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_generator))
-        request = Request(request_id, list(prompt_token_ids), params, generator=torch.Generator().manual_seed(seed))
+        request = Request(request_id, list(prompt_token_ids), params, seed=seed)
         self.scheduler.add_request(request, error=self._validate(request))
 
     def _validate(self, request: Request) -> str | None:
@@ -220,10 +223,12 @@ class LLMEngine:
             plan, self._draft_probs = self.drafter.propose(plan, self.scheduler.requests)
         if self.step_observer is not None and plan.scheduled:
             self.step_observer([self.scheduler.requests[s.request_index].request_id for s in plan.scheduled])
-        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
+        at_launch = self._rows_sampled_at_launch(plan) if plan.scheduled else None
+        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None,
+                                          at_launch.sample if at_launch is not None else None)
         if handle is not None:
             self.scheduler.advance(plan)
-        launched = (plan, handle) if handle is not None else None
+        launched = (plan, handle, at_launch) if handle is not None else None
         if self.overlap_steps:  # read the step launched before this one; this one stays in flight
             to_read, self._in_flight = self._in_flight, launched
         else:
@@ -233,13 +238,32 @@ class LLMEngine:
             finished.extend(self.scheduler.pop_finished())  # requests whose own row raised while read
         return [self._finish(r) for r in finished]
 
-    def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
-        """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
-        token_ids = handle.token_ids()  # device argmax of each sampling entry, in plan order
+    def _rows_sampled_at_launch(self, plan: SchedulerOutput) -> LaunchedRows | None:
+        """The plan's entries that sample one token through the sampler (not the plain argmax, not a verify
+        entry), with their logit rows and sampling rows; None when there are none."""
+        if plan.plain_greedy:
+            return None
+        rows = LaunchedRows(self.sampler)
+        row, sample = 0, 0
+        for item in plan.scheduled:
+            if item.samples and item.needs_host_sampling and not item.spec_token_ids:
+                rows.requests.append(self.scheduler.requests[item.request_index])
+                rows.logit_rows.append(row + len(item.prompt_logprob_positions))
+                rows.sample_rows.append(sample)
+            row += len(item.prompt_logprob_positions) + item.num_sample_rows
+            sample += item.num_sample_rows
+        return rows if rows.requests else None
+
+    def _resolve(self, plan: SchedulerOutput, handle: StepHandle, at_launch: LaunchedRows | None) -> list[Request]:
+        """Read a launched step's tokens, finish the rows sampled at launch, verify speculative entries, record
+        prompt log-probabilities, and advance the requests."""
+        token_ids = handle.token_ids()  # each sampling entry's token (argmax or sampled), in plan order
         if plan.plain_greedy:
             sampled = self._read_greedy(plan, token_ids)
         else:
             sampled = self._read_rows_of_plan(plan, handle, token_ids)
+            if at_launch is not None:
+                sampled.update(at_launch.read(token_ids, self.scheduler.requests))
         finished = self.scheduler.resolve(plan, sampled)  # counts the committed output tokens
         self._count_step(plan)
         return finished
@@ -263,88 +287,51 @@ class LLMEngine:
 
     def _read_rows_of_plan(self, plan: SchedulerOutput, handle: StepHandle, token_ids: list[int]
                            ) -> dict[int, int | list[int]]:
-        """Any step: host sampling, prompt log-probabilities and speculative verification where entries need them.
+        """Any step: batched sampling, prompt log-probabilities and speculative verification where entries need them.
+
+        Verify entries and prompt rows are gathered over the whole plan and handled in one batched call each
+        (``engine.sampling.step.StepSampler``), on the logits' device; rows that sample one token were sampled
+        at launch and are read by ``_resolve``.
 
         Returns:
             ``Request.index -> token``, or the tokens a verify step commits, of the unfinished requests.
         """
         sampled: dict[int, int | list[int]] = {}
+        prompt_rows: list[tuple[Request, int, range]] = []
+        to_verify: list[VerifyEntry] = []
         row, sample = 0, 0
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
             request = self.scheduler.requests.get(item.request_index)
             num_sample_rows = item.num_sample_rows
-            if item.spec_token_ids and request is not None:  # a verify step
-                tokens = (self._verify_or_fail(item, request, handle.logits[row:row + num_sample_rows],
-                                               self._draft_probs.get(item.request_index))
-                          if item.needs_host_sampling else
-                          accept_greedy(item.spec_token_ids, token_ids[sample:sample + num_sample_rows]))
-                if tokens is not None:
-                    sampled[item.request_index] = tokens
-            elif request is not None:
-                token = token_ids[sample] if item.samples else None
-                if item.needs_host_sampling or item.prompt_logprob_positions:  # else plain greedy: the device's
-                    token = self._read_rows_or_fail(item, request, handle.logits, row, token)
-                if token is not None:
-                    sampled[item.request_index] = token
-            row += len(item.prompt_logprob_positions) + num_sample_rows
+            positions = item.prompt_logprob_positions
+            if request is not None:
+                if positions:
+                    prompt_rows.append((request, row, positions))
+                first = row + len(positions)
+                if item.spec_token_ids and item.needs_host_sampling:
+                    to_verify.append(VerifyEntry(request, list(item.spec_token_ids), first,
+                                                 self._draft_probs.get(item.request_index)))
+                elif item.spec_token_ids:
+                    sampled[item.request_index] = accept_greedy(item.spec_token_ids,
+                                                                token_ids[sample:sample + num_sample_rows])
+                elif item.samples and item.needs_host_sampling:
+                    pass  # sampled when the step was launched (``_rows_sampled_at_launch``)
+                elif item.samples:  # plain greedy: the device's argmax
+                    sampled[item.request_index] = token_ids[sample]
+            row += len(positions) + num_sample_rows
             sample += num_sample_rows
+        if prompt_rows:
+            _record_prompt_logprobs(prompt_rows, handle.logits)
+        sampled.update(self.sampler.verify_entries(handle.logits, to_verify))
         return sampled
-
-    def _read_rows_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
-                           device_token: int | None) -> int | None:
-        """Record an entry's prompt log-probabilities and choose its token (None when it does not sample).
-
-        An exception raised here is the request's own fault (``is_request_fault``): the request fails alone and
-        None is returned. Out-of-memory and device errors propagate.
-
-        Args:
-            logits: the step's (N, vocab) logits; the entry's rows start at ``row``.
-            device_token: the device's argmax for a sampling entry (its token unless it needs the host).
-        """
-        try:
-            return self._read_rows(item, request, logits, row, device_token)
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
-            self.scheduler.fail_request(request, request_error_message("sampling", error))
-            return None
-
-    def _verify_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor,
-                        draft_probs: torch.Tensor | None = None) -> list[int] | None:
-        """The tokens a host-sampled verify step commits (``verify_proposals``); None when the request's own row
-        raised (it fails alone, as in ``_read_rows_or_fail``). logits: (1 + proposals, vocab); draft_probs: the
-        draft's (proposals, vocab) q for a sampled request, None for point-mass (n-gram) proposals."""
-        try:
-            tokens, logprobs = verify_proposals(logits, request, list(item.spec_token_ids), self.eos_token_ids,
-                                                draft_probs)
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
-            self.scheduler.fail_request(request, request_error_message("sampling", error))
-            return None
-        if logprobs is not None:
-            request.logprobs.extend(logprobs)
-        return tokens
-
-    def _read_rows(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
-                   device_token: int | None) -> int | None:
-        positions = item.prompt_logprob_positions
-        if positions:
-            _record_prompt_logprobs(request, logits[row:row + len(positions)], positions)
-            row += len(positions)
-        if not item.samples or not item.needs_host_sampling:
-            return device_token
-        token, logprobs = sample_one(logits[row], request, self.eos_token_ids)
-        if logprobs is not None:
-            request.logprobs.append(logprobs)
-        return token
 
     def _count_step(self, plan) -> None:
         self._counters.num_steps += 1
         self._counters.num_computed_tokens += plan.num_batch_tokens
 
     def _finish(self, request: Request) -> RequestOutput:
+        self.sampler.release(request)
         counters = self._counters
         counters.num_requests += 1
         if request.status is RequestStatus.FAILED:
@@ -407,6 +394,7 @@ class LLMEngine:
         if self._in_flight is not None:  # its results are not needed; its blocks are freed below
             self.scheduler.discard(self._in_flight[0])
         self._in_flight = None
+        self.sampler.release_all()
         return len(self.scheduler.abort_all())
 
 
@@ -420,12 +408,23 @@ def _check_causal_decoder(model: torch.nn.Module) -> None:
                              "cbrun runs decoder-only causal LMs")
 
 
-def _record_prompt_logprobs(request: Request, logits: torch.Tensor, positions: range) -> None:
-    """Log-probability of each next prompt token, and whether it was the argmax. logits: (len(positions), V)."""
-    targets = torch.tensor(request.prompt_token_ids[positions.start + 1:positions.stop + 1], device=logits.device)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    request.prompt_logprobs.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
-    request.prompt_greedy.extend((logits.argmax(dim=-1) == targets).tolist())
+def _record_prompt_logprobs(entries: list[tuple[Request, int, range]], logits: torch.Tensor) -> None:
+    """Log-probability of each next prompt token, and whether it was the argmax, for every entry of the step in
+    one ``log_softmax``. entries: (request, its first row in ``logits``, its prompt positions); logits: (N, V)."""
+    rows = torch.tensor([r for _, first, positions in entries for r in range(first, first + len(positions))],
+                        dtype=torch.int64, device=logits.device)
+    targets = torch.tensor([t for request, _, positions in entries
+                            for t in request.prompt_token_ids[positions.start + 1:positions.stop + 1]],
+                           dtype=torch.int64, device=logits.device)
+    chosen = logits[rows].float()
+    logprobs = torch.log_softmax(chosen, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+    greedy = (chosen.argmax(dim=-1) == targets).tolist()
+    start = 0
+    for request, _, positions in entries:
+        end = start + len(positions)
+        request.prompt_logprobs.extend(logprobs[start:end])
+        request.prompt_greedy.extend(greedy[start:end])
+        start = end
 
 
 def load_model(model_path: str, config: EngineConfig):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, compress
 
@@ -121,13 +122,16 @@ class ModelRunner:
         return handle.logits if handle is not None else None
 
     @torch.inference_mode()
-    def launch(self, plan: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle | None:
+    def launch(self, plan: SchedulerOutput, previous: StepHandle | None = None,
+               sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> StepHandle | None:
         """Make the plan's offload copies, then enqueue one forward pass and the argmax of its sample rows.
 
         Args:
             plan: the step's plan; each entry computes ``num_tokens`` tokens from its ``start``.
             previous: the step still in flight (async batching). An input token that is pending on the host
                 (``PENDING_TOKEN``) is taken from ``previous.sampled`` on the device.
+            sample: ``(logits, argmax) -> tokens``: the sampler, called on the device before the tokens are read
+                back (it replaces the rows it samples; ``engine.sampling.step``); None keeps the argmax.
 
         Returns:
             The step's handle (nothing waited for on CUDA), or None when nothing is scheduled.
@@ -155,6 +159,8 @@ class ModelRunner:
             logits = self._forward(input_ids, positions, md, logits_indices)[:inputs.num_rows]
         sample_logits = logits if sample_rows is None else logits[sample_rows]
         sampled = sample_logits.argmax(dim=-1)
+        if sample is not None:
+            sampled = sample(logits, sampled)
         return StepHandle.launch_readback(logits, sampled, inputs.sample_row_of)
 
     def _forward(self, input_ids, positions, md: AttentionMetadata, logits_indices) -> torch.Tensor:

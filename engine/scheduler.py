@@ -28,7 +28,7 @@ class FIFOScheduler:
     requests not yet in this step's plan are offloaded, one at a time, until it can; the request asking is never
     offloaded, so the last active request always keeps its cache. An offloaded request is swapped to CPU memory
     when the swap pool has room (resumed later without recomputing) and soft reset otherwise (blocks freed, its
-    prompt and generated tokens recomputed on readmission; its generator and token counts are kept). Either way
+    prompt and generated tokens recomputed on readmission; its seed and token counts are kept). Either way
     it is requeued at the front of ``waiting``.
 
     The scheduler alone changes a request's status, its tokens (``output_token_ids``, ``num_computed_tokens``,
@@ -249,12 +249,13 @@ class FIFOScheduler:
 
     def _next_input_ready(self, request: Request) -> bool:
         """Whether the request may run now. With async batching its last token may still be on the device: it
-        runs again only if the model runner can feed that token from the device (a plain argmax, no host-side
-        sampling) and that token is not its last one (``max_new_tokens`` or the model's length reached)."""
+        runs again only if the model runner can feed that token from the device (the argmax, or a token the
+        sampler drew at launch; not a penalised row, whose token counts need the token on the host) and that token
+        is not its last one (``max_new_tokens`` or the model's length reached)."""
         if not request.num_pending_tokens:
             return True
         params = request.sampling_params
-        if params.needs_processing:
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
             return False
         if len(request.output_token_ids) + request.num_pending_tokens >= params.max_new_tokens:
             return False

@@ -11,7 +11,8 @@ What it reads:
     64 KiB spread evenly over the file (a 100 GB checkpoint costs a few MB of reads);
   - each input file: its size, its Parquet footer (schema, row groups and their column statistics: min, max, null
     count) or first 64 KiB (Arrow), and the same sampled byte ranges;
-  - the settings that change a row's output (prompt, mode, sampling, seed, n, dtype) and the cbrun version;
+  - the settings that change a row's output (prompt, mode, sampling, seed, n, dtype), the cbrun version and the
+    sampler's version (``engine.config.SAMPLER_VERSION``: which token a seeded row draws);
   - with speculation on, its settings (mode, k, n-gram range, switch and row cost: they decide which proposals a
     sampled row's verify steps draw against, so they change its tokens, never a greedy row's), and with
     ``speculative = "draft"`` the draft model as the model (its proposals and probabilities enter the draws).
@@ -34,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from engine.config import SPECULATION_RULE_VERSION
+from engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION
 
 #: Files of the model directory whose bytes define the model's outputs besides the weights (hashed whole).
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -165,7 +166,7 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
                   "candidates_column": inp.candidates_column, "corruptions": inp.corruptions, "chat": inp.chat,
                   "messages_column": inp.messages_column, "system_prompt": inp.system_prompt,
                   "per_row_settings": inp.per_row_settings, "boundary": inp.boundary},
-        "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n},
+        "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n, "sampler": SAMPLER_VERSION},
         "shards": {"count": num_shards},
     }
     # NOTE: added only when set, so the jobs of earlier versions keep their fingerprint

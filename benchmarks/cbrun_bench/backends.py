@@ -1,6 +1,6 @@
 """The backends of ``cbrun bench``, each run in a process of its own.
 
-Backends (all greedy, all on the same rows):
+Backends (all greedy but the ``cbrun-sampled*`` ones, all on the same rows):
 
 - ``cbrun``: ``LLMEngine.generate``, continuous batching. The reference: every other backend's outputs are compared
   with its outputs, token for token, per row.
@@ -20,6 +20,10 @@ Backends (all greedy, all on the same rows):
   T), one row per budget: the tuned settings beside the reference's.
 - ``cbrun-command``: the whole flags-only ``cbrun run`` command, defaults, from process start to exit
   (``command_backend``).
+- ``cbrun-sampled``: ``cbrun`` with temperature 0.8 and top_p 0.95, row i seeded i (``SAMPLED``);
+  ``cbrun-sampled-full``: the same plus repetition_penalty 1.1 and logprobs 5 (``SAMPLED_FULL``). With
+  ``ignore_eos`` (``random-llama-100m``) every row generates the same tokens as greedy, so the tok/s compare the
+  samplers alone; their outputs differ from cbrun's greedy ones by design.
 - ``vllm``: vLLM's CPU backend in its own virtual environment and process (``--vllm-python``; ``vllm_backend``);
   skipped, and said so, without it.
 """
@@ -42,10 +46,15 @@ from benchmarks.cbrun_bench.vllm_backend import VllmOptions, run_vllm
 from benchmarks.cbrun_bench.workloads import Workload, cut_output
 
 BACKENDS = ("cbrun", "cbrun-defaults", "cbrun-budgets", "cbrun-command", "cbrun-nosharing", "cbrun-static",
-            "hf-generate", "hf-cb", "vllm")
+            "hf-generate", "hf-cb", "vllm", "cbrun-sampled", "cbrun-sampled-full")
+#: The sampling settings of ``cbrun-sampled`` and ``cbrun-sampled-full`` (each row also gets seed = its index).
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+SAMPLED_FULL = {**SAMPLED, "repetition_penalty": 1.1, "logprobs": 5}
+SAMPLING_BACKENDS = {"cbrun-sampled": SAMPLED, "cbrun-sampled-full": SAMPLED_FULL}
 
 
-def run_cbrun(workload: Workload, engine_config, backend: str = "cbrun", setting: str = "") -> RunResult:
+def run_cbrun(workload: Workload, engine_config, backend: str = "cbrun", setting: str = "",
+              sampling: dict | None = None) -> RunResult:
     """Continuous batching: every row handed to ``LLMEngine.generate`` at once.
 
     Args:
@@ -53,12 +62,13 @@ def run_cbrun(workload: Workload, engine_config, backend: str = "cbrun", setting
         engine_config: the ``EngineConfig`` (``cbrun-nosharing`` passes one with ``allow_block_sharing=False``).
         backend: the name the result carries.
         setting: the setting the result carries (``cbrun-budgets``: its budget).
+        sampling: ``SamplingParams`` fields every row takes (with seed = its index); None: greedy.
     """
     from engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(str(workload.model_dir), engine_config)
     n = len(workload.prompts)
-    requests = [(i, p, _sampling_params(workload, m))
+    requests = [(i, p, _sampling_params(workload, m, sampling, seed=i))
                 for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
     result = timed(backend, setting, lambda: _collect_cbrun(engine.generate(requests, max_in_flight=n), n),
                    lambda: engine.stats.num_computed_tokens)
@@ -66,12 +76,14 @@ def run_cbrun(workload: Workload, engine_config, backend: str = "cbrun", setting
     return result
 
 
-def _sampling_params(workload: Workload, max_new_tokens: int):
-    """Greedy ``SamplingParams`` of one row: its limit, the workload's stop ids and ``ignore_eos``."""
+def _sampling_params(workload: Workload, max_new_tokens: int, sampling: dict | None = None, seed: int = 0):
+    """``SamplingParams`` of one row: its limit, the workload's stop ids and ``ignore_eos``; greedy unless
+    ``sampling`` gives more fields (the row's ``seed`` then applies)."""
     from engine import SamplingParams
 
+    extra = {**sampling, "seed": seed} if sampling else {}
     return SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=workload.stop_token_ids,
-                          ignore_eos=workload.ignore_eos)
+                          ignore_eos=workload.ignore_eos, **extra)
 
 
 def run_cbrun_static(workload: Workload, engine_config, batch_size: int) -> RunResult:
@@ -235,6 +247,8 @@ def run_backend(spec: BackendSpec, workload: Workload) -> RunResult:
     their own child process."""
     if spec.backend in ("cbrun", "cbrun-defaults", "cbrun-nosharing", "cbrun-budgets"):
         return run_cbrun(workload, spec.engine_config, spec.backend, spec.setting)
+    if spec.backend in SAMPLING_BACKENDS:
+        return run_cbrun(workload, spec.engine_config, spec.backend, spec.setting, SAMPLING_BACKENDS[spec.backend])
     if spec.backend == "cbrun-command":
         return run_command(workload)
     if spec.backend == "vllm":

@@ -42,8 +42,12 @@ WORKLOAD_DEFAULTS = {
     # torch's default thread count.
     "gsm8k-long": dict(backends="cbrun,cbrun-defaults,cbrun-command,hf-generate", batch_sizes="64",
                        hf_threads="default"),
+    # Issue 30: greedy against sampled rows, the same tokens (ignore_eos), a decode batch of every row.
+    "random-llama-100m": dict(backends="cbrun,cbrun-sampled,cbrun-sampled-full", max_requests=256,
+                              max_batch_tokens=2048),
 }
-DEFAULT_BACKENDS = ",".join(b for b in BACKENDS if b not in ("cbrun-budgets", "cbrun-command", "vllm"))
+DEFAULT_BACKENDS = ",".join(b for b in BACKENDS if b not in ("cbrun-budgets", "cbrun-command", "vllm",
+                                                             "cbrun-sampled", "cbrun-sampled-full"))
 #: The reference cbrun's (max_requests_per_batch, max_batch_tokens) when neither flag nor workload says.
 DEFAULT_BUDGET = (128, 512)
 DEFAULT_BATCH_SIZES = "8,32,64"
@@ -171,6 +175,8 @@ def backend_specs(args) -> list[BackendSpec]:
         elif backend == "cbrun-budgets":
             specs.extend(BackendSpec(backend, None, replace(config, max_requests_per_batch=r, max_batch_tokens=t),
                                      args.threads, setting=f"{r} req / {t} tok") for r, t in args.budgets)
+        elif backend in ("cbrun-sampled", "cbrun-sampled-full"):
+            specs.append(BackendSpec(backend, None, config, args.threads))
         elif backend == "cbrun-nosharing":
             specs.append(BackendSpec(backend, None, replace(config, allow_block_sharing=False), args.threads))
         elif backend == "hf-cb":

@@ -14,6 +14,11 @@ Rows are the first ``--rows`` GSM8K test questions. Per-row ``max_new_tokens`` i
   head_dim of 8 is one vLLM's CPU attention does not support) on 128 rows of random prompt ids of 40..300 tokens,
   per-row ``max_new_tokens`` uniform in ``--max-new-tokens`` (16..256), ``ignore_eos``, all drawn from ``--seed``.
   It reads no shared data.
+- ``random-llama-100m``: issue 30's sampler workload: a random Llama of about 100M parameters (hidden 768, 12
+  layers, 12 heads, 4 KV heads, vocab 32000, tied embeddings) on 256 rows of random prompt ids of 16..48 tokens,
+  per-row ``max_new_tokens`` uniform in ``--max-new-tokens``, ``ignore_eos`` (every row generates exactly its limit,
+  whatever it samples), all drawn from ``--seed``. Run it with ``cbrun-sampled`` and ``cbrun-sampled-full``. It
+  reads no shared data.
 - ``gsm8k-fewshot``: stories260K, each question after the same 1-shot exemplar (GSM8K train row 0, question and
   answer), the prompt of manifests/gsm8k-fewshot.toml: every row shares a prefix of about 217 tokens, which
   cbrun's prefix cache serves. Questions whose prompt leaves no room to generate (>= 512 tokens) are left out; the
@@ -42,10 +47,11 @@ FEWSHOT_EXEMPLARS = 1
 #: ``gsm8k-long``: each row generates up to this many tokens, capped by the context.
 LONG_MAX_NEW_TOKENS = 256
 
-WORKLOADS = ("gsm8k-stories260k", "gsm8k-long", "random-llama-30m", "gsm8k-fewshot", "vllm-random-llama")
+WORKLOADS = ("gsm8k-stories260k", "gsm8k-long", "random-llama-30m", "gsm8k-fewshot", "vllm-random-llama",
+             "random-llama-100m")
 #: Rows per workload when --rows is not given, chosen so every backend ends in a few minutes on 2 CPU cores.
 DEFAULT_ROWS = {"gsm8k-stories260k": 512, "gsm8k-long": 256, "random-llama-30m": 64, "gsm8k-fewshot": 512,
-                "vllm-random-llama": 128}
+                "vllm-random-llama": 128, "random-llama-100m": 256}
 
 #: Shape of the random Llama of the ``random-llama-30m`` workload (about 40M parameters with tied embeddings).
 RANDOM_LLAMA = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -56,6 +62,11 @@ RANDOM_LLAMA = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
 VLLM_RANDOM_LLAMA = {**RANDOM_LLAMA, "vocab_size": 512}
 #: ``vllm-random-llama``: prompt lengths are drawn uniformly from this range (inclusive).
 VLLM_PROMPT_LENGTHS = (40, 300)
+#: Shape of the ``random-llama-100m`` workload's model (about 100M parameters with tied embeddings).
+RANDOM_LLAMA_100M = {**RANDOM_LLAMA, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                     "num_key_value_heads": 4, "intermediate_size": 2048}
+#: ``random-llama-100m``: prompt lengths are drawn uniformly from this range (inclusive).
+SAMPLER_PROMPT_LENGTHS = (16, 48)
 
 
 def shared_dir(shared: str | Path | None = None) -> Path:
@@ -127,6 +138,9 @@ def build_workload(name: str, rows: int, new_tokens: tuple[int, int], seed: int,
     """
     if name == "vllm-random-llama":
         return _vllm_random_llama_workload(rows, new_tokens, seed, model_dir or scratch / "vllm-random-llama")
+    if name == "random-llama-100m":
+        return _random_ids_workload(name, RANDOM_LLAMA_100M, SAMPLER_PROMPT_LENGTHS, rows, new_tokens, seed,
+                                    model_dir or scratch / name, "issue 30's sampler workload")
     shared = shared_dir(shared)
     if name == "gsm8k-stories260k":
         return _stories_workload(rows, new_tokens, seed, model_dir or scratch / "stories260k", shared)
@@ -274,6 +288,22 @@ def _vllm_random_llama_workload(rows: int, new_tokens: tuple[int, int], seed: in
                     f"random-init Llama ({_shape_text(VLLM_RANDOM_LLAMA)}) on {rows} prompts of random ids, "
                     f"{low}..{high} tokens, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]}, ignore_eos "
                     f"(seed {seed}): issue 19's vLLM CPU comparison", ignore_eos=True)
+
+
+def _random_ids_workload(name: str, shape: dict, prompt_lengths: tuple[int, int], rows: int,
+                         new_tokens: tuple[int, int], seed: int, model_dir: Path, purpose: str) -> Workload:
+    """Random prompt ids of random lengths on a random Llama of ``shape``, per-row limits, ``ignore_eos``."""
+    if not (model_dir / "config.json").is_file():
+        build_random_llama(model_dir, seed, shape)
+    g = torch.Generator().manual_seed(seed)
+    low, high = prompt_lengths
+    lengths = torch.randint(low, high + 1, (rows,), generator=g).tolist()
+    prompts = [torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+    max_len = shape["max_position_embeddings"]
+    return Workload(name, model_dir, prompts, draw_max_new_tokens(prompts, new_tokens, max_len, seed), (), max_len,
+                    f"random-init Llama ({_shape_text(shape)}) on {rows} prompts of random ids, {low}..{high} "
+                    f"tokens, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]}, ignore_eos (seed {seed}): "
+                    f"{purpose}", ignore_eos=True)
 
 
 def build_random_llama(out_dir: Path, seed: int = 0, shape: dict | None = None) -> Path:

@@ -68,8 +68,9 @@ def test_requests_finishing_in_flight_drop_their_extra_token(prompts, stop_token
     assert engine.stats.num_generated_tokens == sync_engine.stats.num_generated_tokens
 
 
-def test_host_sampled_requests_wait_for_their_token_and_match(prompts, stop_token):
-    """Seeded sampling, penalties and log-probabilities are decided on the host; greedy rows on the device."""
+def test_sampled_and_processed_requests_match_the_synchronous_run(prompts, stop_token):
+    """Seeded sampling and log-probabilities are drawn on the device at launch and take part in the overlap;
+    penalised rows wait for their token. Outputs equal the synchronous run's."""
     def params(i):
         kind = i % 4
         if kind == 0:
@@ -142,20 +143,24 @@ def test_scheduler_runs_a_pending_request_only_when_its_token_can_stay_on_the_de
     s = make_scheduler()
     greedy = Request("greedy", [1, 2, 3], SamplingParams(max_new_tokens=5))
     sampled = Request("sampled", [1, 2, 3], SamplingParams(max_new_tokens=5, temperature=1.0))
+    penalised = Request("penalised", [1, 2, 3], SamplingParams(max_new_tokens=5, temperature=1.0,
+                                                                repetition_penalty=1.2))
     last = Request("last", [1, 2, 3], SamplingParams(max_new_tokens=1))
     at_limit = Request("at_limit", [1] * 11, SamplingParams(max_new_tokens=5))  # 11 + 1 pending = max length
-    for r in (greedy, sampled, last, at_limit):
+    for r in (greedy, sampled, penalised, last, at_limit):
         s.add_request(r)
     first = launch(s)
     assert all(r.num_pending_tokens == 1 and r.status is RequestStatus.DECODING for r in (greedy, sampled, last))
     assert greedy.token_ids(3, 4) == [PENDING_TOKEN]
     second = s.schedule()  # planned while the first step is in flight
-    assert [item.request_id for item in second.scheduled] == ["greedy"]
+    # Sampled rows are drawn on the device at launch, like the argmax; a penalised row waits for its counts.
+    assert [item.request_id for item in second.scheduled] == ["greedy", "sampled"]
     s.advance(second)
-    finished = s.resolve(first, {r.index: 9 for r in (greedy, sampled, last, at_limit)})
+    finished = s.resolve(first, {r.index: 9 for r in (greedy, sampled, penalised, last, at_limit)})
     assert {r.request_id for r in finished} == {"last", "at_limit"}  # max_new_tokens; the model's length
     assert greedy.output_token_ids == [9] and greedy.num_pending_tokens == 1
-    assert sampled.num_pending_tokens == 0 and sampled.output_token_ids == [9]
+    assert sampled.output_token_ids == [9] and sampled.num_pending_tokens == 1
+    assert penalised.num_pending_tokens == 0 and penalised.output_token_ids == [9]
 
 
 def test_model_runner_refuses_a_pending_token_it_cannot_carry():

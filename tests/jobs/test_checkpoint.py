@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import SPECULATION_RULE_VERSION, EngineConfig
+from engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION, EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
 from jobs.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
@@ -243,3 +243,12 @@ def test_output_path_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         Checkpoint(tmp_path / "f").check({})
+
+
+def test_fingerprint_records_the_sampler_version(manifest):
+    """A new random stream changes every seeded sampled row: a job written by the old sampler is not resumed."""
+    current = job_fingerprint(manifest, 100)
+    assert current["sampling"]["sampler"] == SAMPLER_VERSION
+    older = json.loads(json.dumps(current))
+    del older["sampling"]["sampler"]
+    assert fingerprint_differences(older, current) == ["sampling.sampler"]
