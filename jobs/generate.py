@@ -130,4 +130,5 @@ class GenerateMode:
             finish_reason=output.finish_reason, logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
             prompt_greedy=output.prompt_greedy,
             stop_reason=None if output.stop_reason is None else str(output.stop_reason),
+            queue_s=output.queue_s, ttft_s=output.ttft_s, decode_s=output.decode_s,
         )

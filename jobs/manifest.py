@@ -206,6 +206,8 @@ class OutputSettings:
             rows (and always when all are). The default, 0.1, lets a few bad rows through (an over-long prompt,
             a null field: the common case in real data) but stops a pipeline on a systematic fault (a wrong
             column or template, a model that fails every request), which fails most rows.
+        timeline_interval_s: seconds between the records of the run's timeline, ``_cbrun/timeline-<run>.jsonl``
+            (``jobs.timeline``; ``cbrun report`` draws it); 0 records none.
     """
 
     path: str = ""
@@ -215,8 +217,13 @@ class OutputSettings:
     format: str = "parts"
     keep_columns: list[str] = field(default_factory=list)
     max_error_fraction: float = 0.1
+    timeline_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.timeline_interval_s, bool) or not isinstance(self.timeline_interval_s, int | float) \
+                or self.timeline_interval_s < 0:
+            raise ValueError(f"output.timeline_interval_s must be >= 0 (0: no timeline), got "
+                             f"{self.timeline_interval_s!r}")
         if self.format not in ("parts", "openai-batch"):
             raise ValueError(f"output.format must be \"parts\" or \"openai-batch\", got {self.format!r}")
         if isinstance(self.keep_columns, str):
