@@ -54,12 +54,17 @@ class Timeline:
         return [s[key] for s in self.samples]
 
     def rate(self, key: str) -> tuple[list[float], list[float]]:
-        """Per second of a cumulative counter between consecutive samples, at each interval's end."""
+        """Per second of a cumulative counter over each interval, at the interval's end. The intervals run from the
+        first sample to the last, back to back (samples at the same time fall into the next interval)."""
         t, y = [], []
-        for a, b in zip(self.samples, self.samples[1:]):
+        if not self.samples:
+            return t, y
+        a = self.samples[0]
+        for b in self.samples[1:]:
             if b["t"] > a["t"]:
                 t.append(b["t"])
                 y.append((b[key] - a[key]) / (b["t"] - a["t"]))
+                a = b
         return t, y
 
     def ratio(self, part: str, whole: str) -> tuple[list[float], list[float]]:
