@@ -19,6 +19,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Self
 
 #: Finished requests before their mean completion length replaces ``max_tokens`` as the expected completion.
 MIN_FINISHED = 16
@@ -134,7 +135,7 @@ class JobProgress:
         self.bar = tqdm(total=num_rows, disable=not enabled, desc="cbrun", dynamic_ncols=True, mininterval=interval,
                         bar_format=BAR_FORMAT)
 
-    def __enter__(self) -> JobProgress:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

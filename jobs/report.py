@@ -94,7 +94,6 @@ def render_charts(data: ReportData, png_dir: Path) -> list[str]:
 def summary_rows(data: ReportData) -> list[tuple[str, str]]:
     """The summary table: (what, value)."""
     rows, stats, timelines = data.rows, data.stats or {}, data.timelines
-    engine = stats.get("engine_stats") or {}
     seconds = sum(tl.duration_s for tl in timelines)
     generated = data.generated_tokens
     table = [("status", "finished (_SUCCESS)" if (data.output_dir / "_SUCCESS").is_file() else "not finished"),
@@ -108,13 +107,17 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
         table.append(("generated tokens per second", f"{generated / seconds:,.0f}"))
     if data.rows.ttft_s:
         table.append(("median time to first token", f"{_median(rows.ttft_s):.3f} s"))
-    if engine:
-        table += [("prefix-cache hit rate (last run)", f"{100 * engine.get('prefix_hit_rate', 0):.1f}%"),
-                  ("offloads / soft resets (last run)",
-                   f"{engine.get('num_offloads', 0)} / {engine.get('num_soft_resets', 0)}")]
-        if engine.get("num_proposed_tokens"):
-            table.append(("speculative proposals accepted", f"{100 * engine['acceptance_rate']:.1f}% of "
-                                                            f"{engine['num_proposed_tokens']:,}"))
+    if timelines:
+        def total(key: str) -> int:
+            return sum(tl.final(key) for tl in timelines)
+
+        prompt, proposed = total("prompt_tokens"), total("spec_proposed")
+        hit_rate = total("cached_prompt_tokens") / prompt if prompt else 0.0
+        table += [("prefix-cache hit rate (of prompt tokens)", f"{100 * hit_rate:.1f}%"),
+                  ("offloads / soft resets", f"{total('offloads')} / {total('soft_resets')}")]
+        if proposed:
+            table.append(("speculative proposals accepted",
+                          f"{100 * total('spec_accepted') / proposed:.1f}% of {proposed:,}"))
     if stats.get("peak_memory_mib"):
         table.append(("peak memory (last run)", f"{stats['peak_memory_mib']:,.0f} MiB"))
     return table

@@ -14,10 +14,10 @@ WIDE = (9.0, 3.0)
 
 
 def _figure(size=WIDE):
-    from matplotlib.figure import Figure  # NOTE: Figure, not pyplot: no GUI backend, no global state
+    # NOTE: a Figure, not pyplot: no GUI backend, no global state
+    from matplotlib.figure import Figure
 
-    fig = Figure(figsize=size, dpi=100, layout="constrained")
-    return fig
+    return Figure(figsize=size, dpi=100, layout="constrained")
 
 
 def _over_time(data: ReportData, title: str, ylabel: str, series) -> object | None:

@@ -77,8 +77,7 @@ class TimelineRecorder:
         self.window_steps += 1
         self.window_tokens += batch_tokens
         self.window_seconds += seconds
-        if batch_tokens > self.window_max_tokens:
-            self.window_max_tokens = batch_tokens
+        self.window_max_tokens = max(self.window_max_tokens, batch_tokens)
         if time.perf_counter() >= self.next_sample:
             self.record()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -55,7 +57,7 @@ def test_the_timeline_adds_up_to_the_runs_counts(tiny_model_dir, tiny_engine, tm
     assert final["steps"] == tiny_engine.stats.num_steps - steps_before
     assert sum(s["interval_steps"] for s in samples) == final["steps"]
     assert (final["running"], final["waiting"], final["kv_blocks_used"]) == (0, 0, 0)
-    for before, after in zip(samples, samples[1:]):
+    for before, after in itertools.pairwise(samples):
         assert after["t"] >= before["t"]
         for key in CUMULATIVE:
             assert after[key] >= before[key], key
@@ -156,3 +158,30 @@ def test_the_eta_rate_forgets_old_history():
                     now=float(second))
     assert eta.tokens_per_s() > 900
     assert format_eta(None) == "ETA ?" and format_eta(65) == "ETA 01:05" and format_eta(7384) == "ETA 2:03:04"
+
+
+def test_a_ray_replica_records_its_own_timeline(stories260k_dir, tmp_path, make_manifest):
+    import asyncio
+    import time
+
+    from jobs.replica import Replica
+
+    manifest = make_manifest(stories260k_dir, write_prompts(tmp_path / "in.parquet"), tmp_path / "out")
+    manifest.output.timeline_interval_s = 0.001
+    replica = Replica(manifest, ENGINE_CONFIG, num_threads=1, max_concurrent_batches=2)
+    batches = [pa.Table.from_batches(list(replica.reader.read_span(start, start + 12))) for start in (0, 12)]
+
+    async def both():
+        return await asyncio.gather(*(replica(batch) for batch in batches))
+
+    tables = asyncio.run(both())
+    rows = [r for t in tables for r in t.to_pylist()]
+    path = replica.timeline.path
+    assert path.parent == tmp_path / "out" / "_cbrun" and "-replica-" in path.name
+    deadline = time.monotonic() + 10
+    while (samples := read_timeline(path)[1])[-1]["rows_done"] < 24 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the loop records its sample once idle, just after handing back the last batch
+    last = samples[-1]
+    assert (last["rows_done"], last["rows_errors"]) == (24, 1)
+    assert last["generated_tokens"] == sum(r["num_completion_tokens"] for r in rows) > 0
+    assert last["running"] == last["waiting"] == 0
