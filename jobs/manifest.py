@@ -208,6 +208,8 @@ class OutputSettings:
             column or template, a model that fails every request), which fails most rows.
         timeline_interval_s: seconds between the records of the run's timeline, ``_cbrun/timeline-<run>.jsonl``
             (``jobs.timeline``; ``cbrun report`` draws it); 0 records none.
+        row_timings: fill the output's timing columns (``queue_s``, ``ttft_s``, ``decode_s``: seconds, per
+            sample) in generate mode; off, they are null, so that two runs' outputs stay equal row for row.
     """
 
     path: str = ""
@@ -218,12 +220,15 @@ class OutputSettings:
     keep_columns: list[str] = field(default_factory=list)
     max_error_fraction: float = 0.1
     timeline_interval_s: float = 1.0
+    row_timings: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.timeline_interval_s, bool) or not isinstance(self.timeline_interval_s, int | float) \
                 or self.timeline_interval_s < 0:
             raise ValueError(f"output.timeline_interval_s must be >= 0 (0: no timeline), got "
                              f"{self.timeline_interval_s!r}")
+        if not isinstance(self.row_timings, bool):
+            raise ValueError(f"output.row_timings must be true or false, got {self.row_timings!r}")
         if self.format not in ("parts", "openai-batch"):
             raise ValueError(f"output.format must be \"parts\" or \"openai-batch\", got {self.format!r}")
         if isinstance(self.keep_columns, str):

@@ -15,6 +15,7 @@ run (``benchmarks/timeline_overhead.py``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -27,9 +28,16 @@ from typing import Any
 TIMELINE_GLOB = "timeline-*.jsonl"
 
 
+#: Runs started in this process so far: a second run within the same second gets its own id.
+_runs_in_process = itertools.count()
+
+
 def run_id() -> str:
-    """A run's id: its UTC start time to the second and its process id (``20261202T190512Z-4242``)."""
-    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+    """A run's id: its UTC start time to the second and its process id (``20261202T190512Z-4242``), then ``-N``
+    for the process's run N > 0 (tests and notebooks run several jobs in one process)."""
+    number = next(_runs_in_process)
+    suffix = f"-{number}" if number else ""
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}{suffix}"
 
 
 def timeline_path(cbrun_dir: str | Path, run: str, part: str = "") -> Path:

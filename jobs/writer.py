@@ -58,8 +58,8 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("candidate_is_greedy", pa.list_(pa.bool_())),
     # Which of the row's samples this is (sampling.n or the row's n column): 0 .. n-1; 0 for one sample per row.
     pa.field("sample_index", pa.int32(), nullable=False),
-    # Generate mode's per-request timings in seconds (``engine.outputs.RequestOutput``); null on error rows and
-    # in score mode. They differ from run to run: compare outputs without ``TIMING_COLUMNS``.
+    # Generate mode's per-request timings in seconds (``engine.outputs.RequestOutput``) when output.row_timings is
+    # on; null otherwise, on error rows and in score mode. They differ from run to run (``TIMING_COLUMNS``).
     pa.field("queue_s", pa.float64()),  # arrival in the engine -> first admission into the batch
     pa.field("ttft_s", pa.float64()),  # arrival in the engine -> first generated token
     pa.field("decode_s", pa.float64()),  # first generated token -> finished

@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import FastTokenizer, load_tokenizer
 from jobs.fingerprint import job_fingerprint
 from jobs.job import run_job
-from jobs.writer import TIMING_COLUMNS, read_output
+from jobs.writer import read_output
 from tests.conftest import REPO_ROOT
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=16, num_blocks=256,
@@ -56,8 +56,7 @@ def test_job_outputs_are_equal_between_the_two_loaders(model, sampling, stories2
     assert isinstance(load_tokenizer(model_dir), FastTokenizer)
     slow_manifest, _ = _run(make_manifest, model_dir, input_path, tmp_path / "slow", "transformers",
                             sampling=sampling)
-    fast, slow = (read_output(tmp_path / d).sort_by("row_index").drop_columns(list(TIMING_COLUMNS))
-                  for d in ("fast", "slow"))
+    fast, slow = (read_output(tmp_path / d).sort_by("row_index") for d in ("fast", "slow"))
     assert fast.num_rows == len(PROMPTS) and fast.equals(slow)
     assert job_fingerprint(fast_manifest, len(PROMPTS)) == job_fingerprint(slow_manifest, len(PROMPTS))
 
@@ -69,8 +68,8 @@ def test_each_loader_resumes_the_others_output(stories260k_dir, tmp_path, make_m
     _, summary = _run(make_manifest, stories260k_dir, input_path, tmp_path / "out", "auto", sampling=sampling)
     assert (summary.num_skipped, summary.num_rows) == (10, len(PROMPTS) - 10)
     _run(make_manifest, stories260k_dir, input_path, tmp_path / "whole", "transformers", sampling=sampling)
-    assert read_output(tmp_path / "out").sort_by("row_index").drop_columns(list(TIMING_COLUMNS)).equals(
-        read_output(tmp_path / "whole").sort_by("row_index").drop_columns(list(TIMING_COLUMNS)))
+    assert read_output(tmp_path / "out").sort_by("row_index").equals(
+        read_output(tmp_path / "whole").sort_by("row_index"))
 
 
 def _imported_modules(args: list[str], tmp_path) -> tuple[subprocess.CompletedProcess, set[str]]:

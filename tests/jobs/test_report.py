@@ -31,6 +31,7 @@ def finished_output(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     for limit in (8, None):
         manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", limit=limit)
         manifest.output.timeline_interval_s = 0.001
+        manifest.output.row_timings = True
         summary = run_job(manifest, progress=False, engine=tiny_engine)
     stats = json.loads((tmp_path / "out" / "_cbrun" / "stats.json").read_text())
     after = tiny_engine.stats

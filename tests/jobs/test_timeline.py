@@ -29,11 +29,12 @@ def write_prompts(path, n: int = 24):
     return path
 
 
-def run(make_manifest, model_dir, tmp_path, engine, interval_s=0.001, output="out", **settings):
+def run(make_manifest, model_dir, tmp_path, engine, interval_s=0.001, output="out", row_timings=False, **settings):
     overwrite, shard = settings.pop("overwrite", False), settings.pop("shard", None)
     manifest = make_manifest(model_dir, write_prompts(tmp_path / "in.parquet"), tmp_path / output, **settings)
     manifest.output.timeline_interval_s = interval_s
     manifest.output.overwrite = overwrite
+    manifest.output.row_timings = row_timings
     return manifest, run_job(manifest, progress=False, engine=engine, shard=shard)
 
 
@@ -69,7 +70,9 @@ def test_the_timeline_adds_up_to_the_runs_counts(tiny_model_dir, tiny_engine, tm
 
 
 def test_rows_carry_their_timings(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
-    _, summary = run(make_manifest, tiny_model_dir, tmp_path, tiny_engine)
+    run(make_manifest, tiny_model_dir, tmp_path, tiny_engine, output="plain")
+    assert {r["ttft_s"] for r in read_output(tmp_path / "plain").to_pylist()} == {None}  # off by default
+    _, summary = run(make_manifest, tiny_model_dir, tmp_path, tiny_engine, row_timings=True)
     rows = read_output(tmp_path / "out").to_pylist()
     assert len(rows) == 24
     for row in rows:
