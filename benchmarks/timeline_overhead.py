@@ -32,7 +32,7 @@ from jobs.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.timeline import TimelineRecorder
 
-WORDS = "once upon a time there was a little girl named lily she liked to play with her dog in the park".split()
+WORDS = "once upon a time there was a little girl named lily she liked to play with her dog in the park".split()  # noqa: SIM905
 
 
 class _Clock:

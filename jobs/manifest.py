@@ -13,7 +13,7 @@ A manifest has six sections, all optional in the file (a key may come from ``--s
                 (take unset settings from the model's generation_config.json; default true)
     [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
     [output]    path, commit_every_rows, commit_every_seconds, overwrite, format ("parts" or "openai-batch"),
-                keep_columns, max_error_fraction
+                keep_columns, max_error_fraction, timeline_interval_s, row_timings
     [cluster]   executor ("local" or "ray"), num_replicas, num_gpus_per_replica, num_cpus_per_replica, batch_size,
                 max_concurrent_batches, address (``jobs.ray_executor``)
 

@@ -69,7 +69,7 @@ class TimelineRecorder:
         self.interval_s = interval_s
         self.started = time.perf_counter()
         self.next_sample = self.started + interval_s
-        self.at_start = engine.stats.as_dict()
+        self.at_start = _counters(engine.stats)
         self._reset_window()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by ``close``)
@@ -114,7 +114,7 @@ class TimelineRecorder:
         (wall seconds per step, host and device together), ``device_s_mean`` (None: not measured).
         """
         engine = self.engine
-        stats, start = engine.stats.as_dict(), self.at_start
+        stats, start = _counters(engine.stats), self.at_start
         done, errors = self.rows()
         steps = self.window_steps
 
@@ -149,6 +149,16 @@ class TimelineRecorder:
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+#: The ``EngineStats`` counters a sample reads.
+_COUNTERS = ("num_prompt_tokens", "num_cached_prompt_tokens", "num_generated_tokens", "num_computed_tokens",
+             "num_steps", "num_offloads", "num_soft_resets", "num_proposed_tokens", "num_accepted_tokens",
+             "num_failed_requests")
+
+
+def _counters(stats) -> dict[str, int]:
+    return {name: getattr(stats, name) for name in _COUNTERS}
 
 
 def step_listeners(*listeners: Callable[[int, float], None] | None) -> Callable[[int, float], None] | None:

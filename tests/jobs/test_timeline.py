@@ -188,3 +188,12 @@ def test_a_ray_replica_records_its_own_timeline(stories260k_dir, tmp_path, make_
     assert (last["rows_done"], last["rows_errors"]) == (24, 1)
     assert last["generated_tokens"] == sum(r["num_completion_tokens"] for r in rows) > 0
     assert last["running"] == last["waiting"] == 0
+
+
+@pytest.mark.parametrize(("field", "value"), [("timeline_interval_s", -1), ("timeline_interval_s", True),
+                                              ("row_timings", "yes")])
+def test_bad_output_settings_are_refused(field, value):
+    from jobs.manifest import OutputSettings
+
+    with pytest.raises(ValueError, match=f"output.{field}"):
+        OutputSettings(path="out", **{field: value})
