@@ -2,8 +2,8 @@
 
 Two measurements on one engine, in one process, over the same job (stories260K, the CPU):
 
-1. in-run: the seconds spent inside ``TimelineRecorder.on_step`` / ``record`` (the recorder's whole per-step work,
-   file writes included), as a fraction of the run's generation seconds. Measured inside each run, so other load
+1. in-run: the seconds spent inside the recorder (``TimelineRecorder.__init__``, ``on_step``, ``close``: its whole
+   work, file writes included), as a fraction of the run's generation seconds. Measured inside each run, so other load
    on the machine scales both sides alike.
 2. paired: runs with the timeline (``output.timeline_interval_s``) and without (0), alternated, the ratio of their
    generation seconds (noisy on a shared machine: read it with the in-run figure).
@@ -67,12 +67,15 @@ def run_once(model: str, input_path: Path, out: Path, engine, interval_s: float,
                            output=OutputSettings(path=str(out), timeline_interval_s=interval_s, overwrite=True))
     clock = _Clock()
     steps_before = engine.stats.num_steps
-    originals = TimelineRecorder.on_step, TimelineRecorder.record
-    TimelineRecorder.on_step, TimelineRecorder.record = clock.wrap(originals[0]), clock.wrap(originals[1])
+    names = ("__init__", "on_step", "close")  # all of the recorder's work: record() runs inside on_step or close
+    originals = [getattr(TimelineRecorder, name) for name in names]
+    for name, method in zip(names, originals):
+        setattr(TimelineRecorder, name, clock.wrap(method))
     try:
         summary = run_job(manifest, progress=False, engine=engine)
     finally:
-        TimelineRecorder.on_step, TimelineRecorder.record = originals
+        for name, method in zip(names, originals):
+            setattr(TimelineRecorder, name, method)
     return summary, clock, engine.stats.num_steps - steps_before
 
 

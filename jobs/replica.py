@@ -258,7 +258,7 @@ class Replica:
                                     lambda: (loop.num_rows_done, loop.num_error_rows), interval,
                                     {"run": run, "part": part, "model": manifest.model.path, "engine": engine_config})
         engine.step_listener = recorder.on_step
-        loop.on_idle = recorder.record
+        loop.on_idle = lambda: recorder.record(flush=True)
         return recorder
 
     async def __call__(self, batch: pa.Table) -> pa.Table:

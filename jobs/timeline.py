@@ -24,6 +24,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
+#: Seconds between flushes of the timeline file to the operating system (and the final sample, at close).
+FLUSH_EVERY_S = 10.0
 #: The timeline files of an output directory's ``_cbrun/``.
 TIMELINE_GLOB = "timeline-*.jsonl"
 
@@ -69,6 +71,7 @@ class TimelineRecorder:
         self.interval_s = interval_s
         self.started = time.perf_counter()
         self.next_sample = self.started + interval_s
+        self.next_flush = self.started + FLUSH_EVERY_S
         self.at_start = _counters(engine.stats)
         self._reset_window()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,6 +82,7 @@ class TimelineRecorder:
             head[key] = asdict(value) if is_dataclass(value) else value
         self._write(head)
         self._write(self.sample())  # t = 0: the run's counters start at zero
+        self._file.flush()
 
     def on_step(self, batch_tokens: int, seconds: float) -> None:
         """``LLMEngine.step_listener``: count one step (its batch tokens and wall seconds); sample when due."""
@@ -89,12 +93,17 @@ class TimelineRecorder:
         if time.perf_counter() >= self.next_sample:
             self.record()
 
-    def record(self, final: bool = False) -> None:
-        """Write one sample now and start the next interval."""
+    def record(self, final: bool = False, flush: bool = False) -> None:
+        """Write one sample now and start the next interval; ``flush``: hand the file to the OS now (e.g. idle)."""
         self._write(self.sample(final))
-        self._file.flush()
         self._reset_window()
-        self.next_sample = time.perf_counter() + self.interval_s
+        now = time.perf_counter()
+        self.next_sample = now + self.interval_s
+        if flush or now >= self.next_flush:
+            # NOTE: a write to a busy disk can take milliseconds; flushing every FLUSH_EVERY_S seconds rather than
+            # every sample keeps that off most steps (a killed run loses at most that much of its timeline).
+            self._file.flush()
+            self.next_flush = now + FLUSH_EVERY_S
 
     def close(self) -> None:
         """Write the final sample and close the file (safe to call twice)."""

@@ -197,3 +197,10 @@ def test_bad_output_settings_are_refused(field, value):
 
     with pytest.raises(ValueError, match=f"output.{field}"):
         OutputSettings(path="out", **{field: value})
+
+
+def test_the_bar_shows_rows_eta_rate_and_errors(tiny_model_dir, tiny_engine, tmp_path, make_manifest, capsys):
+    manifest = make_manifest(tiny_model_dir, write_prompts(tmp_path / "in.parquet"), tmp_path / "out")
+    run_job(manifest, progress=True, engine=tiny_engine)
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "24/24 rows [" in last and ", ETA " in last and " gen tok/s, 1 errors]" in last
