@@ -107,3 +107,13 @@ def test_error_causes_fall_together():
         error_cause("row 9 (id 'x'): the prompt has 999 tokens, but the model's maximum length is 256")
     assert error_cause(None) == "(no message)"
     assert len(error_cause("row 1 (id 'a'): " + "x" * 200)) == 90
+
+
+def test_an_output_without_timelines_still_has_its_rows_charts(finished_output):
+    out = finished_output[0]
+    for path in (out / "_cbrun").glob("timeline-*.jsonl"):
+        path.unlink()
+    assert main(["report", str(out)]) == 0
+    page = (out / "_cbrun" / "report.html").read_text()
+    assert page.count("<svg") == 2  # distributions and errors: the charts over time need a timeline
+    assert "Engine settings that ran</h2>\n<p class=\"sub\">not recorded</p>" in page
