@@ -45,6 +45,7 @@ class _Clock:
         self.seconds = 0.0
         self.cpu_seconds = 0.0
         self.calls = 0
+        self.slowest = (0.0, "")  # the longest single call's wall seconds, and its method
 
     def wrap(self, method):
         def timed(*args, **kwargs):
@@ -52,7 +53,9 @@ class _Clock:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                wall = time.perf_counter() - start
+                self.seconds += wall
+                self.slowest = max(self.slowest, (wall, method.__name__))
                 self.cpu_seconds += time.thread_time() - cpu_start
                 self.calls += 1
 
@@ -102,8 +105,8 @@ def main(argv=None) -> None:
         write_input(tmp / "in.parquet", args.rows)
         run_once(args.model, tmp / "in.parquet", tmp / "warm", engine, 1.0, args.max_tokens)  # warm-up
         print("| interval_s | run | generation s | steps | recorder calls | recorder wall s | recorder CPU s | "
-              "recorder wall % of run | recorder CPU % of run |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "recorder wall % of run | recorder CPU % of run | slowest call |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         ratios = []
         for pair in range(args.pairs):
             seconds = {}
@@ -114,7 +117,8 @@ def main(argv=None) -> None:
                 print(f"| {interval:g} | {pair} | {summary.generation_s:.3f} | "
                       f"{steps} | {clock.calls} | {clock.seconds:.5f} | {clock.cpu_seconds:.5f} | "
                       f"{100 * clock.seconds / summary.generation_s:.3f} | "
-                      f"{100 * clock.cpu_seconds / summary.generation_s:.3f} |")
+                      f"{100 * clock.cpu_seconds / summary.generation_s:.3f} | "
+                      f"{clock.slowest[1]} {1000 * clock.slowest[0]:.1f} ms |")
             ratios.append(seconds[1.0] / seconds[0.0])
         print(f"\npaired generation-time ratio, timeline every 1 s / none: median {statistics.median(ratios):.3f} "
               f"(runs: {', '.join(f'{r:.3f}' for r in ratios)})")
