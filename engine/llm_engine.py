@@ -121,6 +121,9 @@ class LLMEngine:
         #: Called by ``step`` with the request ids of the plan it launches (None: nothing is called). Lets a caller
         #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
         self.step_observer: Callable[[list], None] | None = None
+        #: Called at the end of each ``step`` with the batch tokens of the plan it launched (0: none) and the step's
+        #: wall seconds (None: nothing is called). Lets a job record its timeline (``jobs.timeline``).
+        self.step_listener: Callable[[int, float], None] | None = None
 
     @property
     def stats(self) -> EngineStats:
@@ -215,6 +218,16 @@ class LLMEngine:
         Synchronous by default: the step's tokens are read before it returns. With ``overlap_steps`` the step is
         left in flight and the previous one is read instead, after this one was launched (async batching).
         """
+        if self.step_listener is None:
+            return self._step()
+        start = time.perf_counter()
+        plan_tokens: list[int] = []
+        outputs = self._step(plan_tokens)
+        self.step_listener(plan_tokens[0] if plan_tokens else 0, time.perf_counter() - start)
+        return outputs
+
+    def _step(self, plan_tokens: list[int] | None = None) -> list[RequestOutput]:
+        """``step``'s work; appends the launched plan's batch tokens to ``plan_tokens`` when given."""
         plan = self.scheduler.schedule()
         finished = self.scheduler.pop_finished()
         self.model_runner.kv_cache.zero_pages_below(self._num_touched_pages())  # pages this plan uses first
@@ -229,6 +242,8 @@ class LLMEngine:
         if handle is not None:
             self.scheduler.advance(plan)
         launched = (plan, handle, at_launch) if handle is not None else None
+        if plan_tokens is not None and handle is not None:
+            plan_tokens.append(plan.num_batch_tokens)
         if self.overlap_steps:  # read the step launched before this one; this one stays in flight
             to_read, self._in_flight = self._in_flight, launched
         else:
@@ -348,7 +363,8 @@ class LLMEngine:
             stop_reason=request.stop_reason, text=self._output_text(request),
             logprobs=request.logprobs if request.sampling_params.logprobs is not None else None,
             prompt_logprobs=(request.prompt_logprobs if request.sampling_params.prompt_logprobs_from else None),
-            prompt_greedy=(request.prompt_greedy if request.sampling_params.prompt_logprobs_from else None))
+            prompt_greedy=(request.prompt_greedy if request.sampling_params.prompt_logprobs_from else None),
+            scheduled_time=request.scheduled_time, first_token_time=request.first_token_time if has_tokens else None)
 
     def _output_text(self, request: Request) -> str | None:
         """The output text when it is not simply the decoded ids: cut before a stop string, or without the text of

@@ -39,7 +39,19 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float] | None = None
     prompt_greedy: list[bool] | None = None
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def queue_s(self) -> float | None:
+        """Seconds from arrival to its first admission into the batch (None if it was never admitted)."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
+    def decode_s(self) -> float | None:
+        """Seconds from its first generated token to its finish (None when no token was generated)."""
+        return None if self.ttft_s is None else self.finish_time - self.first_token_time

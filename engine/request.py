@@ -78,6 +78,7 @@ class Request:
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
     error: str | None = None
+    scheduled_time: float | None = None  # when the scheduler first admitted it (``time.perf_counter()``)
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -201,6 +201,8 @@ class FIFOScheduler:
             if not request.output_token_ids:
                 request.num_cached_tokens = num_cached_tokens
             request.status = RequestStatus.PREFILLING
+            if request.scheduled_time is None:  # its time in the queue ends at its first admission
+                request.scheduled_time = time.perf_counter()
             self.running.append(request)
             plan.add(request, num_tokens)
 

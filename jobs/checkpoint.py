@@ -262,8 +262,9 @@ class Checkpoint:
                 path.unlink()
         for name in (JOB_FILE, STATS_FILE, "shards.json"):
             (self.cbrun_dir / name).unlink(missing_ok=True)
-        for path in self.cbrun_dir.glob("stats-*-of-*.json"):  # a sharded job's per-shard summaries
-            path.unlink()
+        for pattern in ("stats-*-of-*.json", "timeline-*.jsonl"):  # per-shard summaries; runs' timelines
+            for path in self.cbrun_dir.glob(pattern):
+                path.unlink()
 
     def remove_temp_files(self) -> list[Path]:
         """Delete the half-written files a killed run left behind; returns them."""

@@ -138,6 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog=status_codes)
     status.add_argument("output_dir", help="the job's output directory")
 
+    report = commands.add_parser("report", allow_abbrev=False, help="an HTML page of a job's output: charts over "
+                                 "time, distributions, errors, settings, cost (needs cbrun[report])",
+                                 description="Write one self-contained HTML page (inline SVG charts, no JavaScript, "
+                                             "readable offline) of an output directory's timelines, rows and "
+                                             "settings, and PNG copies of its charts; reads the output, locks "
+                                             "nothing, and works on a running job too.")
+    report.add_argument("output_dir", help="the job's output directory")
+    report.add_argument("--out", help="HTML file to write (default: OUTPUT_DIR/_cbrun/report.html); the PNGs go "
+                                      "in a folder of the same name without .html")
+    report.add_argument("--price-per-hour", type=float, metavar="USD",
+                        help="USD per GPU-hour: adds USD per million generated tokens and GPU-hours per billion")
+
     convert = commands.add_parser("convert-llama2c", allow_abbrev=False, help="convert a llama2.c checkpoint to a Hugging Face directory")
     convert.add_argument("checkpoint", help="llama2.c model .bin")
     convert.add_argument("tokenizer", help="llama2.c tokenizer .bin")
@@ -206,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "report":
+            return _report(args)
         return _demo(args)
     except KeyboardInterrupt as exc:  # jobs.signals.Interrupted: SIGINT or SIGTERM
         signum = getattr(exc, "signum", signal.SIGINT)
@@ -325,6 +339,21 @@ def _export(args: argparse.Namespace) -> int:
     try:
         path = export(args.output_dir, args.format, args.to)
     except (ExportError, OSError) as exc:
+        print(f"cbrun: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"cbrun: wrote {path}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from jobs.report import write_report
+
+    if args.price_per_hour is not None and not args.price_per_hour >= 0:
+        print(f"cbrun: error: --price-per-hour must be >= 0, got {args.price_per_hour}", file=sys.stderr)
+        return 2
+    try:
+        path = write_report(args.output_dir, args.out, args.price_per_hour)
+    except (ImportError, ValueError, OSError) as exc:
         print(f"cbrun: error: {exc}", file=sys.stderr)
         return 2
     print(f"cbrun: wrote {path}")

@@ -124,10 +124,13 @@ class GenerateMode:
         ids = list(output.output_token_ids)
         # NOTE: when a stop string ended the request the engine hands back the text cut before it.
         text = output.text if output.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
-        return OutputRow(
+        row = OutputRow(
             id=row_id, row_index=row_index, sample_index=sample_index, completion=text, completion_token_ids=ids,
             num_prompt_tokens=output.num_prompt_tokens, num_completion_tokens=len(ids),
             finish_reason=output.finish_reason, logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
             prompt_greedy=output.prompt_greedy,
             stop_reason=None if output.stop_reason is None else str(output.stop_reason),
         )
+        if self.manifest.output.row_timings:
+            row.queue_s, row.ttft_s, row.decode_s = output.queue_s, output.ttft_s, output.decode_s
+        return row

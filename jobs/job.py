@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import resource
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -40,11 +39,13 @@ from jobs.manifest import JobManifest, apply_model_defaults
 from jobs.mode import JobMode
 from jobs.openai_batch import OpenAIBatchReader
 from jobs.ordering import order_by_prefix
+from jobs.progress import JobProgress
 from jobs.reader import InputError, PromptReader
 from jobs.resources import JobAborted, JobError, check_model_dir, load_engine, load_tokenizer, resolve_device
 from jobs.row_ids import warn_repeated_ids
 from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.status import too_many_errors
+from jobs.timeline import TimelineRecorder, run_id, step_listeners, timeline_path
 from jobs.writer import OutputRow, PartWriter, committed_parts
 
 
@@ -321,6 +322,20 @@ class _Job:
     def write_shards_file(self) -> None:
         write_shards_file(self.checkpoint.output_dir, 1, self.reader.num_rows, [(0, self.reader.num_rows)])
 
+    #: the timeline file's suffix naming this run's share of the job ("": the whole job).
+    timeline_part = ""
+
+    def open_timeline(self, engine, engine_config, summary: JobSummary) -> TimelineRecorder | None:
+        """This run's timeline recorder (``jobs.timeline``), or None when ``output.timeline_interval_s`` is 0."""
+        interval = self.manifest.output.timeline_interval_s
+        if not interval:
+            return None
+        run = run_id()
+        header = {"run": run, "part": self.timeline_part or "whole job", "model": self.manifest.model.path,
+                  "engine": engine_config}
+        return TimelineRecorder(timeline_path(self.checkpoint.cbrun_dir, run, self.timeline_part), engine,
+                                lambda: (summary.num_rows, summary.num_errors), interval, header)
+
     def finish(self, summary: JobSummary, tokenizer=None) -> None:
         """Write _results.jsonl (``output.format = "openai-batch"``), stats.json and _SUCCESS: the whole job is in
         the output."""
@@ -355,7 +370,7 @@ class _Job:
             return summary
 
         if manifest.cluster.executor == "ray":
-            return self._run_on_ray(engine_config, summary, done)
+            return self._run_on_ray(engine_config, summary, done, progress)
         if engine is None:
             engine = load_engine(manifest.model.path, engine_config, expected_requests(manifest, self.reader, done))
         out = manifest.output
@@ -366,8 +381,8 @@ class _Job:
         max_in_flight = 4 * engine_config.max_requests_per_batch
         try:
             with frozen_heap():  # the imports' and the model's objects, out of the collector's way (jobs.heap)
-                _JobRun(mode, engine, writer, summary, manifest.input.order_window, max_in_flight).run(
-                    self.reader, done, progress)
+                _JobRun(mode, engine, writer, summary, manifest.input.order_window, max_in_flight,
+                        self.open_timeline(engine, engine_config, summary)).run(self.reader, done, progress)
         except KeyboardInterrupt as exc:  # jobs.signals.Interrupted (SIGINT, SIGTERM) included
             exc.num_committed_rows = writer.num_committed_rows
             raise
@@ -386,7 +401,7 @@ class _Job:
         self.finish(summary, tokenizer)
         return summary
 
-    def _run_on_ray(self, engine_config, summary: JobSummary, done: np.ndarray) -> JobSummary:
+    def _run_on_ray(self, engine_config, summary: JobSummary, done: np.ndarray, progress: bool) -> JobSummary:
         """The rows not ``done`` on a Ray Data pool of engine replicas (``jobs.ray_executor``); this process only
         writes."""
         from jobs.ray_executor import run_on_ray
@@ -396,8 +411,9 @@ class _Job:
         counter = _JobRun(None, None, writer, summary, 0, 0)
         generation_start = time.perf_counter()
         try:
-            with frozen_heap():  # as in the local run; jobs.heap
-                summary.replica_stats = run_on_ray(self.manifest, engine_config, done, writer, counter.count)
+            with frozen_heap(), JobProgress(int((~done).sum()), None, enabled=progress) as bar:  # as in the local run
+                summary.replica_stats = run_on_ray(self.manifest, engine_config, done, writer,
+                                                   lambda rows: (counter.count(rows), bar.row_finished(rows)))
         except KeyboardInterrupt as exc:
             writer.commit()
             exc.num_committed_rows = writer.num_committed_rows
@@ -428,6 +444,7 @@ class _ShardJob(_Job):
         self.shard = checkpoint.lock.shard
         self.ranges = shard_ranges(unit_starts(reader), reader.num_rows, self.shard.count)
         self.within = shard_mask(reader.num_rows, self.ranges[self.shard.index])
+        self.timeline_part = f"shard-{self.shard.index}-of-{self.shard.count}"
 
     def open(self, retry_errors: bool):
         checkpoint, num_rows = self.checkpoint, self.reader.num_rows
@@ -532,26 +549,24 @@ class _JobRun:
     counting as it goes."""
 
     def __init__(self, mode: JobMode, engine, writer: PartWriter, summary: JobSummary, order_window: int,
-                 max_in_flight: int):
+                 max_in_flight: int, timeline: TimelineRecorder | None = None):
         self.mode = mode
+        self.timeline = timeline
         self.engine = engine
         self.writer = writer
         self.summary = summary
         self.order_window = order_window
         self.max_in_flight = max_in_flight
-        self.progress_bar = None
+        self.progress: JobProgress | None = None
         self.carried: dict[int, dict[str, Any]] = {}  # row index -> carried column values, until written
 
     def run(self, reader: PromptReader, done: np.ndarray, progress: bool) -> None:
-        from tqdm import tqdm
-
-        self.generated_at_start = self.engine.stats.num_generated_tokens
-        self.started = time.perf_counter()
-        self.last_postfix = 0.0
-        # A log file (no terminal) gets a line every 30 s rather than a redraw per row.
-        interval = 0.5 if sys.stderr.isatty() else 30.0
-        with tqdm(total=int((~done).sum()), unit="row", disable=not progress, desc="cbrun",
-                  dynamic_ncols=True, mininterval=interval) as self.progress_bar:
+        stats = self.engine.stats
+        self.processed_at_start = stats.num_computed_tokens + stats.num_cached_prompt_tokens
+        self.generated_at_start = stats.num_generated_tokens
+        timeline = self.timeline
+        with JobProgress(int((~done).sum()), self._tokens, enabled=progress) as self.progress:
+            self.engine.step_listener = step_listeners(self.progress.on_step, timeline and timeline.on_step)
             try:
                 for output in self.engine.generate(self._requests(reader, done), max_in_flight=self.max_in_flight):
                     rows = self.mode.collect(output)
@@ -560,7 +575,16 @@ class _JobRun:
                 assert not self.mode.num_in_flight, f"{self.mode.num_in_flight} rows never finished"
             finally:
                 # NOTE: rows already finished are committed even when the run is interrupted (Ctrl-C).
+                self.engine.step_listener = None
                 self.writer.commit()
+                if timeline is not None:
+                    timeline.close()
+
+    def _tokens(self) -> tuple[int, int]:
+        """Tokens processed (prefilled, decoded, prefix-cache hits) and generated since the run's start."""
+        stats = self.engine.stats
+        return (stats.num_computed_tokens + stats.num_cached_prompt_tokens - self.processed_at_start,
+                stats.num_generated_tokens - self.generated_at_start)
 
     def _requests(self, reader: PromptReader, done: np.ndarray):
         """The requests of the rows not done, in prefix-aware order (``input.order_window``), a row's together."""
@@ -575,8 +599,11 @@ class _JobRun:
             self.carried[row.row_index] = carried_values(row)
             work = self.mode.prepare(row)
             if isinstance(work, OutputRow):
+                self.progress.eta.add_error_row()
                 self._finish([work])
             else:
+                self.progress.eta.add_row([len(r[1]) for r in work.requests],
+                                          [r[2].max_new_tokens for r in work.requests])
                 yield work
 
     def _finish(self, rows: list[OutputRow]) -> None:
@@ -585,16 +612,7 @@ class _JobRun:
         for row in rows:
             row.carried = carried
         self.count(rows)
-        summary = self.summary
-        self.progress_bar.update(1)
-        now = time.perf_counter()
-        if now - self.last_postfix >= 0.5:
-            self.last_postfix = now
-            seconds = max(now - self.started, 1e-9)
-            generated = self.engine.stats.num_generated_tokens - self.generated_at_start
-            rate = (f"{summary.num_candidates / seconds:.1f} candidates/s" if summary.num_candidates
-                    else f"{generated / seconds:.0f} gen tok/s")
-            self.progress_bar.set_postfix_str(f"{rate}, {summary.num_errors} errors", refresh=False)
+        self.progress.row_finished(rows)
 
     def count(self, rows: list[OutputRow]) -> None:
         """Hand one input row's output rows to the writer as one group and add them to the summary."""

@@ -13,7 +13,7 @@ A manifest has six sections, all optional in the file (a key may come from ``--s
                 (take unset settings from the model's generation_config.json; default true)
     [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
     [output]    path, commit_every_rows, commit_every_seconds, overwrite, format ("parts" or "openai-batch"),
-                keep_columns, max_error_fraction
+                keep_columns, max_error_fraction, timeline_interval_s, row_timings
     [cluster]   executor ("local" or "ray"), num_replicas, num_gpus_per_replica, num_cpus_per_replica, batch_size,
                 max_concurrent_batches, address (``jobs.ray_executor``)
 
@@ -206,6 +206,10 @@ class OutputSettings:
             rows (and always when all are). The default, 0.1, lets a few bad rows through (an over-long prompt,
             a null field: the common case in real data) but stops a pipeline on a systematic fault (a wrong
             column or template, a model that fails every request), which fails most rows.
+        timeline_interval_s: seconds between the records of the run's timeline, ``_cbrun/timeline-<run>.jsonl``
+            (``jobs.timeline``; ``cbrun report`` draws it); 0 records none.
+        row_timings: fill the output's timing columns (``queue_s``, ``ttft_s``, ``decode_s``: seconds, per
+            sample) in generate mode; off, they are null, so that two runs' outputs stay equal row for row.
     """
 
     path: str = ""
@@ -215,8 +219,16 @@ class OutputSettings:
     format: str = "parts"
     keep_columns: list[str] = field(default_factory=list)
     max_error_fraction: float = 0.1
+    timeline_interval_s: float = 1.0
+    row_timings: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.timeline_interval_s, bool) or not isinstance(self.timeline_interval_s, int | float) \
+                or self.timeline_interval_s < 0:
+            raise ValueError(f"output.timeline_interval_s must be >= 0 (0: no timeline), got "
+                             f"{self.timeline_interval_s!r}")
+        if not isinstance(self.row_timings, bool):
+            raise ValueError(f"output.row_timings must be true or false, got {self.row_timings!r}")
         if self.format not in ("parts", "openai-batch"):
             raise ValueError(f"output.format must be \"parts\" or \"openai-batch\", got {self.format!r}")
         if isinstance(self.keep_columns, str):

@@ -71,6 +71,9 @@ class BatchLoop:
     Attributes:
         num_steps: forward passes run.
         num_shared_steps: forward passes whose requests came from more than one batch.
+        num_rows_done / num_error_rows: input rows handed back in finished batches, and their error output rows.
+        on_idle: called on the engine thread each time the loop runs out of work (None: nothing is called); the
+            replica's timeline records a sample there (``jobs.timeline``).
     """
 
     def __init__(self, engine, make_mode, schema: pa.Schema, order_window: int, max_in_flight: int):
@@ -82,6 +85,9 @@ class BatchLoop:
         self.max_in_flight = max_in_flight
         self.num_steps = 0
         self.num_shared_steps = 0
+        self.num_rows_done = 0
+        self.num_error_rows = 0
+        self.on_idle = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: deque = deque()  # requests of admitted batches not yet added to the engine
         self._batch_of: dict[int, _Batch] = {}  # row index -> its batch, while the row runs
@@ -100,7 +106,10 @@ class BatchLoop:
     def _run(self) -> None:
         while True:
             try:
-                self._take_batches(block=not self._requests and not self.engine.has_unfinished_requests())
+                idle = not self._requests and not self.engine.has_unfinished_requests()
+                if idle and self.on_idle is not None:
+                    self.on_idle()
+                self._take_batches(block=idle)
                 self._add_requests()
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
@@ -163,6 +172,8 @@ class BatchLoop:
         for group in batch.groups:
             for row in group:
                 row.carried = batch.carried.get(row.row_index, {})
+        self.num_rows_done += len(batch.groups)
+        self.num_error_rows += sum(row.finish_reason == "error" for group in batch.groups for row in group)
         table = rows_to_table([row for group in batch.groups for row in group], self.schema)
         sizes = [len(group) for group in batch.groups for _ in group]
         shared = [batch.shared_steps.get(row.row_index, 0) for group in batch.groups for row in group]
@@ -229,6 +240,26 @@ class Replica:
                               4 * engine_config.max_requests_per_batch)
         self.max_concurrent_batches = max_concurrent_batches
         self._slots: asyncio.Semaphore | None = None
+        self.timeline = self._open_timeline(manifest, engine, engine_config)
+
+    def _open_timeline(self, manifest, engine, engine_config):
+        """This replica's own timeline in the output's ``_cbrun/`` (``jobs.timeline``), sampled on the engine thread;
+        None when ``output.timeline_interval_s`` is 0."""
+        import os
+
+        from jobs.timeline import TimelineRecorder, run_id, timeline_path
+
+        interval = manifest.output.timeline_interval_s
+        if not interval:
+            return None
+        run, part = run_id(), f"replica-{os.getpid()}"
+        loop = self.loop
+        recorder = TimelineRecorder(timeline_path(os.path.join(manifest.output.path, "_cbrun"), run, part), engine,
+                                    lambda: (loop.num_rows_done, loop.num_error_rows), interval,
+                                    {"run": run, "part": part, "model": manifest.model.path, "engine": engine_config})
+        engine.step_listener = recorder.on_step
+        loop.on_idle = lambda: recorder.record(flush=True)
+        return recorder
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         """``batch``: input rows (``jobs.ray_input``). Returns their output rows (``OUTPUT_SCHEMA``,

@@ -58,7 +58,15 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("candidate_is_greedy", pa.list_(pa.bool_())),
     # Which of the row's samples this is (sampling.n or the row's n column): 0 .. n-1; 0 for one sample per row.
     pa.field("sample_index", pa.int32(), nullable=False),
+    # Generate mode's per-request timings in seconds (``engine.outputs.RequestOutput``) when output.row_timings is
+    # on; null otherwise, on error rows and in score mode. They differ from run to run (``TIMING_COLUMNS``).
+    pa.field("queue_s", pa.float64()),  # arrival in the engine -> first admission into the batch
+    pa.field("ttft_s", pa.float64()),  # arrival in the engine -> first generated token
+    pa.field("decode_s", pa.float64()),  # first generated token -> finished
 ])
+
+#: The output columns that are timings (``OUTPUT_SCHEMA``), not results.
+TIMING_COLUMNS = ("queue_s", "ttft_s", "decode_s")
 
 FINISH_REASONS = ("stop", "length", "error")
 
@@ -72,7 +80,8 @@ class OutputRow:
     None unless the job's sampling settings ask for them. ``stop_reason`` says which stop string or token id ended
     a "stop" row. The ``candidate_*`` lists are score mode's (one entry per candidate), None in generate mode.
     A row with ``n`` samples is stored as ``n`` output rows of the same ``id`` and ``row_index``, ``sample_index``
-    0 .. n-1. ``carried`` holds the values of the input columns the job carries (``jobs.carry``), by name.
+    0 .. n-1. ``queue_s`` / ``ttft_s`` / ``decode_s`` are the request's timings (``TIMING_COLUMNS``), None where
+    none apply. ``carried`` holds the values of the input columns the job carries (``jobs.carry``), by name.
     """
 
     id: str
@@ -91,6 +100,9 @@ class OutputRow:
     candidate_num_tokens: list[int] | None = None
     candidate_is_greedy: list[bool] | None = None
     sample_index: int = 0
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    decode_s: float | None = None
     carried: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
