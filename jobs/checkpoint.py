@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ import pyarrow.parquet as pq
 
 from jobs.fingerprint import fingerprint_differences
 from jobs.lock import CBRUN_DIR, OutputLock, Shard
+from jobs.storage import write_file, write_json
 from jobs.writer import (PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, part_shard,
                          write_part_atomically)
 
@@ -271,8 +271,9 @@ class Checkpoint:
         shard = self.lock.shard
         stray = [p for p in self.output_dir.iterdir() if (m := TEMP_RE.match(p.name))
                  and (shard.count == 1 or part_shard(m) == shard)]
-        own_temps = [d / f".{name}.tmp" for d in (self.output_dir, self.cbrun_dir) for name in (JOB_FILE, STATS_FILE)]
-        stray += [p for p in own_temps if p.is_file()]
+        # NOTE: ``.NAME.tmp`` from older versions, ``.NAME.PID.tmp`` from ``jobs.storage.write_file``
+        stray += [p for d in (self.output_dir, self.cbrun_dir) for name in (JOB_FILE, STATS_FILE)
+                  for p in d.glob(f".{name}*.tmp") if p.is_file()]
         for path in stray:
             path.unlink()
         return stray
@@ -289,7 +290,7 @@ class Checkpoint:
         """Write job.json (when missing), stats.json, then the empty _SUCCESS marker."""
         self.prepare(fingerprint)
         _write_json(self.cbrun_dir / STATS_FILE, stats)
-        (self.output_dir / SUCCESS_FILE).touch()
+        write_file(self.output_dir / SUCCESS_FILE, b"")
 
     def read_stats(self) -> dict[str, Any] | None:
         for path in (self.cbrun_dir / STATS_FILE, self.output_dir / STATS_FILE):
@@ -299,6 +300,4 @@ class Checkpoint:
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_json(path, value)

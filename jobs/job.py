@@ -28,15 +28,18 @@ from typing import Any
 
 import numpy as np
 
+from jobs import storage
 from jobs.carry import carried_fields, carried_values, check_kept_columns, keep_roles
 from jobs.chat import check_chat_template, check_messages_column
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
+from jobs.lease import LeaseLost
 from jobs.fingerprint import fingerprint_differences, job_fingerprint
 from jobs.generate import GenerateMode
 from jobs.heap import frozen_heap
 from jobs.lock import DirectoryLock, OutputLocked, Shard
 from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest, apply_model_defaults
 from jobs.mode import JobMode
+from jobs.object_output import output_owner
 from jobs.openai_batch import OPENAI_FIELDS, REQUEST_FIELDS, OpenAIBatchReader, input_fields, is_openai_batch_input
 from jobs.ordering import order_by_prefix
 from jobs.reader import InputError, PromptReader
@@ -45,6 +48,7 @@ from jobs.row_ids import warn_repeated_ids
 from jobs.scoring import Scorer, check_candidates_column
 from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.status import too_many_errors
+from jobs.storage import StorageError, is_uri
 from jobs.writer import OutputRow, PartWriter, committed_parts
 
 
@@ -211,6 +215,12 @@ def check_output_apart_from_input(input_path: str | Path, output_path: str | Pat
     Raises:
         InputError: naming both paths.
     """
+    if is_uri(input_path) or is_uri(output_path):
+        inp, out = str(input_path).rstrip("/"), str(output_path).rstrip("/")
+        if out == inp or out.startswith(inp + "/") or inp.startswith(out + "/"):
+            raise InputError(f"output {str(output_path)!r} overlaps the input {str(input_path)!r}: its part files "
+                             f"would be read back as input; give an --output outside the input")
+        return
     inp, out = Path(input_path).resolve(), Path(output_path).resolve()
     if out == inp:
         where = "is the input"
@@ -257,11 +267,14 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
             are committed, and ``num_committed_rows`` on the exception counts them.
     """
     start = time.perf_counter()
+    storage.configure(manifest.storage.endpoint_url)
     try:
         manifest.check_required()
         check_output_apart_from_input(manifest.input.path, manifest.output.path)
+        check_object_store_output(manifest, shard)
+        manifest.model.path = storage.local_model(manifest.model.path)
         reader = open_reader(manifest)
-    except (InputError, ValueError) as exc:
+    except (InputError, ValueError, ImportError, FileNotFoundError, StorageError) as exc:
         raise JobError(str(exc)) from None
     check_model_dir(manifest.model.path)
     if manifest.engine.speculative == "draft":
@@ -293,14 +306,18 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
             raise JobError(str(exc)) from None
     if shard is None:
         shard = Shard.parse(manifest.input.shard) if manifest.input.shard is not None else Shard()
-    checkpoint = Checkpoint(manifest.output.path, shard)
-    fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count)
+    checkpoint = output_owner(manifest.output.path, shard)
+    try:
+        fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count)
+    except StorageError as exc:
+        raise JobError(str(exc)) from None
     # NOTE: a refused run leaves no output directory it made (see _remove_refused_output); a shard's may be shared
-    created_output = shard.count == 1 and not Path(manifest.output.path).exists()
+    created_output = (shard.count == 1 and isinstance(checkpoint, Checkpoint)
+                      and not Path(checkpoint.output_dir).exists())
     try:
         checkpoint.check(fingerprint, overwrite=manifest.output.overwrite)  # before creating anything
         checkpoint.lock.acquire()
-    except (FingerprintMismatch, ValueError, OutputLocked) as exc:
+    except (FingerprintMismatch, ValueError, OutputLocked, StorageError) as exc:
         raise JobError(str(exc)) from None
     except OSError as exc:
         raise JobError(f"cannot create the output directory {manifest.output.path!r}: {exc}") from None
@@ -309,12 +326,32 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
         if shard.count > 1:
             job = _ShardJob(manifest, reader, checkpoint, fingerprint, start)
         return job.run(engine, engine_config, tokenizer, progress, retry_errors)
+    except (StorageError, LeaseLost) as exc:  # NOTE: in setup or at the finish; the row loop's are JobAborted
+        raise JobAborted(f"the output store failed: {exc}; the rows committed so far are kept in "
+                         f"{manifest.output.path}; rerun the same command to resume") from exc
     except JobError:
         if created_output:
             _remove_refused_output(checkpoint.output_dir)
         raise
     finally:
         checkpoint.lock.release()
+
+
+def check_object_store_output(manifest: JobManifest, shard: Shard | None) -> None:
+    """Refuse what an object-store output does not support yet: ``--shard`` and ``output.format =
+    "openai-batch"`` (their files are written by local-only steps).
+
+    Raises:
+        ValueError: naming the setting.
+    """
+    if not is_uri(manifest.output.path):
+        return
+    if shard is not None and shard.count > 1 or manifest.input.shard not in (None, "0/1"):
+        raise ValueError(f"--shard is not supported for an object-store output ({manifest.output.path}) yet; use "
+                         f"--executor ray to spread one job over machines, or a shared file system")
+    if manifest.output.format == "openai-batch":
+        raise ValueError(f"output.format = \"openai-batch\" is not supported for an object-store output "
+                         f"({manifest.output.path}) yet; write the parts, then run cbrun export on a local copy")
 
 
 def _remove_refused_output(output_dir: Path) -> None:
@@ -381,8 +418,8 @@ class _Job:
                              total_output_rows=state.num_output_rows, total_error_rows=state.num_error_rows,
                              max_error_fraction=manifest.output.max_error_fraction)
         if isinstance(self.reader, PromptReader) and manifest.input.id_column is not None:
-            summary.num_repeated_ids = warn_repeated_ids(self.reader, self.checkpoint.output_dir,
-                                                         self.fingerprint["input"])
+            recorded_in = None if is_uri(self.checkpoint.output_dir) else self.checkpoint.output_dir
+            summary.num_repeated_ids = warn_repeated_ids(self.reader, recorded_in, self.fingerprint["input"])
         if done.all() and not overwrite:
             # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
             # finished here without loading the model.
@@ -524,9 +561,7 @@ class _ShardJob(_Job):
 
 
 def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    storage.write_json(path, value)
 
 
 def _read_json(path: Path) -> dict | None:

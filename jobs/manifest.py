@@ -16,6 +16,7 @@ A manifest has six sections, all optional in the file (a key may come from ``--s
                 keep_columns, max_error_fraction
     [cluster]   executor ("local" or "ray"), num_replicas, num_gpus_per_replica, num_cpus_per_replica, batch_size,
                 max_concurrent_batches, address (``jobs.ray_executor``)
+    [storage]   endpoint_url (an S3-compatible endpoint, over ``AWS_ENDPOINT_URL``; ``jobs.storage``)
 
 NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
 process, not against the manifest's directory, so the same manifest behaves the same as flags given on the command
@@ -42,7 +43,7 @@ from engine.sampling_params import VLLM_ALIASES, SamplingParams, canonical_name
 
 logger = logging.getLogger("cbrun.job")
 
-SECTIONS = ("model", "input", "sampling", "engine", "output", "cluster")
+SECTIONS = ("model", "input", "sampling", "engine", "output", "cluster", "storage")
 #: generation_config.json keys taken as sampling defaults when the job does not set them (vLLM's
 #: ``get_diff_sampling_param`` list). The last four are not taken when the file says ``do_sample = false``.
 MODEL_DEFAULT_KEYS = ("max_new_tokens", "repetition_penalty", "temperature", "top_p", "top_k", "min_p")
@@ -278,6 +279,22 @@ class ClusterSettings:
 
 
 @dataclass
+class StorageSettings:
+    """How object-store paths (``s3://``, ``gs://``) are reached (``jobs.storage``).
+
+    Attributes:
+        endpoint_url: the S3 endpoint (MinIO, a local server, another region's URL); None: ``AWS_ENDPOINT_URL``
+            from the environment, else AWS itself.
+    """
+
+    endpoint_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.endpoint_url is not None and not isinstance(self.endpoint_url, str):
+            raise ValueError(f"storage.endpoint_url must be a URL string, got {self.endpoint_url!r}")
+
+
+@dataclass
 class JobManifest:
     """Everything one job needs: model, input, sampling defaults, engine settings, output.
 
@@ -302,6 +319,7 @@ class JobManifest:
     sampling_set: frozenset[str] | None = None
     model_defaults: bool = True
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    storage: StorageSettings = field(default_factory=StorageSettings)
 
     def __post_init__(self) -> None:
         if self.sampling_set is None:
@@ -462,6 +480,7 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         sampling_set=sampling_set,
         model_defaults=model_defaults,
         cluster=_build(ClusterSettings, "cluster", raw.get("cluster", {})),
+        storage=_build(StorageSettings, "storage", raw.get("storage", {})),
     )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,6 +18,7 @@ import pyarrow.compute as pc
 
 from jobs.lock import CBRUN_DIR, DirectoryLock
 from jobs.reader import iter_column_batches
+from jobs.storage import write_json
 
 logger = logging.getLogger("cbrun")
 #: How many repeated ids the warning names.
@@ -62,9 +62,7 @@ def recorded_repeated_ids(reader, output_dir: str | Path, input_fingerprint: dic
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none yet (or unreadable): count
         num_repeated, named = repeated_ids(reader)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "num_repeated": num_repeated, "named": named}) + "\n")
-        os.replace(tmp, path)
+        write_json(path, {"key": key, "num_repeated": num_repeated, "named": named})
     return num_repeated, named
 
 

@@ -7,6 +7,7 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
+from jobs import storage as storage_module
 from jobs import writer as writer_module
 from jobs.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts, part_name, read_output
 
@@ -48,11 +49,12 @@ def test_commit_writes_a_hidden_temp_file_then_renames(tmp_path, monkeypatch):
         assert pq.read_table(src).num_rows == 1  # complete and readable before it gets its final name
         real_replace(src, dst)
 
-    monkeypatch.setattr(writer_module.os, "replace", spy)
+    monkeypatch.setattr(storage_module.os, "replace", spy)
     writer = PartWriter(tmp_path)
     writer.add(make_row(0))
     writer.commit()
-    assert seen == [(".part-000000.parquet.tmp", "part-000000.parquet", [".part-000000.parquet.tmp"])]
+    temp = f".part-000000.parquet.{os.getpid()}.tmp"
+    assert seen == [(temp, "part-000000.parquet", [temp])]
     assert sorted(os.listdir(tmp_path)) == ["part-000000.parquet"]
 
 
