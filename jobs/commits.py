@@ -20,7 +20,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -51,6 +51,7 @@ class CommitRecord:
         done: packed bits (``np.packbits``, big-endian bit order) over the span: the rows the part holds.
         errors: packed bits over the span: the rows with an error row among their output rows.
         num_output_rows, num_error_rows: output rows (samples) in the part, and of them error rows.
+        name: the record's object name (``record_name``, or ``span_record_name`` for a Ray replica's span).
     """
 
     part: str
@@ -60,6 +61,7 @@ class CommitRecord:
     errors: bytes
     num_output_rows: int
     num_error_rows: int
+    name: str = ""  # the record's own object name (relative to the output), once read back
 
     @classmethod
     def of_rows(cls, part: str, row_indices: np.ndarray, is_error: np.ndarray) -> CommitRecord:
@@ -100,6 +102,12 @@ def record_name(part: str) -> str:
     return f"{COMMITS_DIR}/{part}.json"
 
 
+def span_record_name(first_row: int, end_row: int) -> str:
+    """The commit record's object name of a Ray replica's span ``[first_row, end_row)``: every attempt at the span
+    writes its own part but the same record name, create-only, so exactly one attempt's part counts."""
+    return f"{COMMITS_DIR}/span-r{first_row:012d}-{end_row:012d}.json"
+
+
 def add_span(target: np.ndarray, record: CommitRecord, bits: bytes, within: np.ndarray | None = None) -> None:
     """Set ``target[i]`` for the rows set in ``bits`` (``record.done`` or ``record.errors``) below
     ``len(target)`` (and, given ``within``, where it is True)."""
@@ -115,6 +123,8 @@ def add_span(target: np.ndarray, record: CommitRecord, bits: bytes, within: np.n
 
 def read_records(output: str) -> list[CommitRecord]:
     """Every commit record of an object-store output, in part-name order (the order the parts were written)."""
-    uris = list_files(str(join(output, COMMITS_DIR)))
-    records = [CommitRecord.from_json(data) for uri in uris if (data := read_file(uri)) is not None]
+    root = str(output).rstrip("/")
+    uris = list_files(str(join(root, COMMITS_DIR)))
+    records = [replace(CommitRecord.from_json(data), name=uri[len(root) + 1:]) for uri in uris
+               if (data := read_file(uri)) is not None]
     return sorted(records, key=lambda r: r.part)

@@ -475,7 +475,10 @@ class _Job:
         generation_start = time.perf_counter()
         try:
             with frozen_heap():  # as in the local run; jobs.heap
-                summary.replica_stats = run_on_ray(self.manifest, engine_config, done, writer, counter.count)
+                # NOTE: on an object store each replica commits its own parts; the driver only counts their rows
+                commit_output = self.checkpoint.output_dir if is_uri(self.checkpoint.output_dir) else None
+                summary.replica_stats = run_on_ray(self.manifest, engine_config, done, writer,
+                                                   counter.tally if commit_output else counter.count, commit_output)
         except KeyboardInterrupt as exc:
             writer.commit()
             exc.num_committed_rows = writer.num_committed_rows
@@ -680,6 +683,10 @@ class _JobRun:
     def count(self, rows: list[OutputRow]) -> None:
         """Hand one input row's output rows to the writer as one group and add them to the summary."""
         self.writer.add_group(rows)
+        self.tally(rows)
+
+    def tally(self, rows: list[OutputRow]) -> None:
+        """Add one input row's output rows to the summary (rows a Ray replica committed itself)."""
         summary = self.summary
         summary.num_rows += 1
         summary.num_output_rows += len(rows)

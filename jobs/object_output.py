@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from jobs.checkpoint import JOB_FILE, STATS_FILE, SUCCESS_FILE, Checkpoint, FingerprintMismatch, OutputState
 from jobs.commits import (COMMITS_DIR, OBJECT_PART_RE, CommitRecord, add_span, new_attempt, object_part_name,
-                          read_records, record_name)
+                          read_records, record_name, span_record_name)
 from jobs.fingerprint import fingerprint_differences
 from jobs.lease import Lease, read_holder
 from jobs.lock import CBRUN_DIR, Shard
@@ -177,7 +177,7 @@ class ObjectCheckpoint:
         if kept.num_rows:
             writer = ObjectPartWriter(self.output_dir, schema=kept.schema)
             writer.commit_table(kept)
-        remove(str(join(self.output_dir, record_name(record.part))))
+        remove(str(join(self.output_dir, record.name or record_name(record.part))))
         remove(str(join(self.output_dir, record.part)))
         return table.num_rows - kept.num_rows
 
@@ -215,6 +215,8 @@ class ObjectCheckpoint:
     def mark_finished(self, fingerprint: dict[str, Any], stats: dict[str, Any]) -> None:
         """Write job.json (when it differs), stats.json, then the empty _SUCCESS marker."""
         self.prepare(fingerprint)
+        # NOTE: a Ray span retried under another batching commits its rows twice; the finished job holds them once
+        self.remove_duplicates(self.records())
         write_json(join(self.cbrun_dir, STATS_FILE), stats)
         put_object(str(join(self.output_dir, SUCCESS_FILE)), b"")
 
@@ -306,3 +308,30 @@ def output_owner(output: str | Path, shard: Shard = Shard()) -> Checkpoint | Obj
     if is_uri(output):
         return ObjectCheckpoint(str(output), shard)
     return Checkpoint(local_path(output), shard)
+
+
+def commit_span(output: str, table: pa.Table, attempt: str, seq: int) -> bool:
+    """Commit a Ray replica's output table of one span: its part under this attempt's name, then the span's
+    record (``span_record_name``), create-only. Returns whether this attempt's record won; a part that lost is
+    deleted (an earlier attempt at the span committed the same rows).
+
+    Raises:
+        StorageError: when the store failed after its retries (Ray retries the batch).
+    """
+    indices = table.column("row_index").to_numpy()
+    is_error = pc.fill_null(pc.equal(table.column("finish_reason"), "error"), False).to_numpy(zero_copy_only=False)
+    name = object_part_name(attempt, seq, int(indices.min()))
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    _put_once(str(join(output, name)), buffer.getvalue())
+    record = CommitRecord.of_rows(name, indices, is_error)
+    record_uri = str(join(output, span_record_name(record.first_row, record.end_row)))
+    try:
+        put_object(record_uri, record.to_json(), create_only=True)
+        return True
+    except PreconditionFailed:
+        winner = read_file(record_uri)
+        if winner is not None and CommitRecord.from_json(winner).part == name:
+            return True  # NOTE: this attempt's own record, from a try whose reply was lost
+        remove(str(join(output, name)))
+        return False
