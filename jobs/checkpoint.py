@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from jobs.fingerprint import fingerprint_differences
 from jobs.lock import CBRUN_DIR, OutputLock, Shard
 from jobs.storage import write_file, write_json
-from jobs.writer import (PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, part_shard,
+from jobs.writer import (PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, part_name, part_shard,
                          write_part_atomically)
 
 logger = logging.getLogger("cbrun")
@@ -277,6 +277,12 @@ class Checkpoint:
         for path in stray:
             path.unlink()
         return stray
+
+    def write_empty_part_if_none(self, schema: pa.Schema) -> None:
+        """Commit one part with no rows and the full ``schema`` when the output has no part (an empty job), so
+        that readers of the directory find its columns."""
+        if not committed_parts(self.output_dir):
+            write_part_atomically(self.output_dir / part_name(0, self.lock.shard), schema.empty_table())
 
     def is_finished(self) -> bool:
         return (self.output_dir / SUCCESS_FILE).is_file()

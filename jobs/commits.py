@@ -66,7 +66,7 @@ class CommitRecord:
     @classmethod
     def of_rows(cls, part: str, row_indices: np.ndarray, is_error: np.ndarray) -> CommitRecord:
         """The record of a part whose output rows have these ``row_indices`` (int64) and error flags (bool)."""
-        first, end = int(row_indices.min()), int(row_indices.max()) + 1
+        first, end = (int(row_indices.min()), int(row_indices.max()) + 1) if len(row_indices) else (0, 0)
         done = np.zeros(end - first, dtype=bool)
         done[row_indices - first] = True
         errors = np.zeros(end - first, dtype=bool)

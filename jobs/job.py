@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from jobs import storage
 from jobs.carry import carried_fields, carried_values, check_kept_columns, keep_roles
 from jobs.chat import check_chat_template, check_messages_column
+from jobs.compact import compact_output
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
 from jobs.lease import LeaseLost
 from jobs.fingerprint import fingerprint_differences, job_fingerprint
@@ -49,7 +51,7 @@ from jobs.scoring import Scorer, check_candidates_column
 from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.status import too_many_errors
 from jobs.storage import StorageError, is_uri
-from jobs.writer import OutputRow, PartWriter, committed_parts
+from jobs.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts
 
 
 def _score_mode(manifest: JobManifest, tokenizer, max_model_len: int, vocab_size: int | None) -> Scorer:
@@ -403,7 +405,12 @@ class _Job:
         """Write results.jsonl (``output.format = "openai-batch"``), stats.json and _SUCCESS: the whole job is in
         the output."""
         self.checkpoint.prepare(self.fingerprint)
+        # NOTE: an output with no rows still holds one part, so that readers see its columns (pandas, duckdb)
+        self.checkpoint.write_empty_part_if_none(pa.schema([*OUTPUT_SCHEMA,
+                                                            *output_carried_fields(self.manifest, self.reader)]))
         write_results_file(self.manifest, tokenizer)
+        if self.manifest.output.compact:
+            compact_output(self.checkpoint.output_dir, self.manifest.output.target_file_mb, locked=True)
         self.checkpoint.mark_finished(self.fingerprint, {**summary.as_dict(),
                                                          "num_rows_in_output": summary.num_skipped + summary.num_rows})
 

@@ -13,7 +13,7 @@ A manifest has six sections, all optional in the file (a key may come from ``--s
                 (take unset settings from the model's generation_config.json; default true)
     [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
     [output]    path, commit_every_rows, commit_every_seconds, overwrite, format ("parts" or "openai-batch"),
-                keep_columns, max_error_fraction
+                keep_columns, max_error_fraction, compact, target_file_mb
     [cluster]   executor ("local" or "ray"), num_replicas, num_gpus_per_replica, num_cpus_per_replica, batch_size,
                 max_concurrent_batches, address (``jobs.ray_executor``)
     [storage]   endpoint_url (an S3-compatible endpoint, over ``AWS_ENDPOINT_URL``; ``jobs.storage``)
@@ -207,6 +207,8 @@ class OutputSettings:
             rows (and always when all are). The default, 0.1, lets a few bad rows through (an over-long prompt,
             a null field: the common case in real data) but stops a pipeline on a systematic fault (a wrong
             column or template, a model that fails every request), which fails most rows.
+        compact: when the job finishes, merge its parts into files of about ``target_file_mb`` (``jobs.compact``).
+        target_file_mb: the size of the merged files of ``compact`` and ``cbrun compact``, in MB.
     """
 
     path: str = ""
@@ -216,6 +218,8 @@ class OutputSettings:
     format: str = "parts"
     keep_columns: list[str] = field(default_factory=list)
     max_error_fraction: float = 0.1
+    compact: bool = False
+    target_file_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if self.format not in ("parts", "openai-batch"):
@@ -234,6 +238,11 @@ class OutputSettings:
         if isinstance(self.max_error_fraction, bool) or not isinstance(self.max_error_fraction, int | float) \
                 or not 0 <= self.max_error_fraction <= 1:
             raise ValueError(f"output.max_error_fraction must be in [0, 1], got {self.max_error_fraction!r}")
+        if not isinstance(self.compact, bool):
+            raise ValueError(f"output.compact must be true or false, got {self.compact!r}")
+        if isinstance(self.target_file_mb, bool) or not isinstance(self.target_file_mb, int | float) \
+                or self.target_file_mb <= 0:
+            raise ValueError(f"output.target_file_mb must be a number > 0 (MB), got {self.target_file_mb!r}")
 
 
 @dataclass

@@ -205,6 +205,11 @@ class ObjectCheckpoint:
                     or name in (f"{CBRUN_DIR}/{JOB_FILE}", f"{CBRUN_DIR}/{STATS_FILE}", f"{CBRUN_DIR}/shards.json")):
                 remove(uri)
 
+    def write_empty_part_if_none(self, schema: pa.Schema) -> None:
+        """Commit one part with no rows and the full ``schema`` when the output has none (an empty job)."""
+        if not self.records():
+            ObjectPartWriter(self.output_dir, schema=schema).commit_table(schema.empty_table())
+
     def is_finished(self) -> bool:
         return read_file(join(self.output_dir, SUCCESS_FILE)) is not None
 
@@ -285,7 +290,7 @@ class ObjectPartWriter(PartWriter):
         indices = table.column("row_index").to_numpy()
         is_error = pc.fill_null(pc.equal(table.column("finish_reason"), "error"), False).to_numpy(
             zero_copy_only=False)
-        name = object_part_name(self.attempt, seq, int(indices.min()))
+        name = object_part_name(self.attempt, seq, int(indices.min()) if len(indices) else 0)
         buffer = io.BytesIO()
         pq.write_table(table, buffer)
         uri = str(join(self.output_dir, name))

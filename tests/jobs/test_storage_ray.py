@@ -12,7 +12,6 @@ from jobs.job import run_job
 from jobs.manifest import ClusterSettings
 from jobs.object_output import ObjectCheckpoint
 from jobs.status import status_report
-from tests.jobs.s3_server import _moto_server, s3  # noqa: F401 - fixtures
 from tests.jobs.test_storage_s3 import rows_once, upload_input
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=64)

@@ -28,7 +28,6 @@ from jobs.job import JobAborted, JobError, run_job
 from jobs.lease import Lease
 from jobs.object_output import ObjectCheckpoint
 from jobs.writer import read_output
-from tests.jobs.s3_server import _moto_server, s3  # noqa: F401 - fixtures
 from tests.jobs.s3_faults import FaultyProxy
 from tests.jobs.test_resume import cbrun_command
 
