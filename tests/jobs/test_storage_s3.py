@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -23,11 +24,11 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs import storage
 from jobs.cli import main
-from jobs.commits import read_records
+from jobs.commits import CommitRecord, add_span, new_attempt, read_records
 from jobs.job import JobAborted, JobError, run_job
-from jobs.lease import Lease
-from jobs.object_output import ObjectCheckpoint
-from jobs.writer import read_output
+from jobs.lease import Lease, LeaseLost
+from jobs.object_output import ObjectCheckpoint, commit_span
+from jobs.writer import OutputRow, read_output, rows_to_table
 from tests.jobs.s3_faults import FaultyProxy
 from tests.jobs.test_resume import cbrun_command
 
@@ -252,3 +253,48 @@ def test_a_store_that_keeps_failing_stops_the_job_with_exit_1(s3, tiny_model_dir
     s3.client().delete_object(Bucket=s3.bucket, Key="out/_cbrun/lease-0-of-1.json")  # as if it expired
     assert run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine).exit_code == 0
     assert rows_once(out) == local_rows
+
+
+def test_commit_record_round_trip_holds_rows_and_error_rows():
+    indices = np.array([7, 3, 3, 12, 9], dtype=np.int64)  # row 3 with two samples
+    is_error = np.array([False, False, False, True, False])
+    record = CommitRecord.of_rows("part-x.parquet", indices, is_error)
+    again = CommitRecord.from_json(record.to_json())
+    assert again == record and (again.first_row, again.end_row) == (3, 13)
+    assert again.rows().tolist() == [3, 7, 9, 12] and again.error_rows().tolist() == [12]
+    assert again.num_output_rows == 5 and again.num_error_rows == 1
+    done = np.zeros(10, dtype=bool)
+    add_span(done, again, again.done)  # rows past the job's 10 rows are left out
+    assert np.flatnonzero(done).tolist() == [3, 7, 9]
+
+
+def test_only_one_attempt_at_a_span_wins(s3):
+    out = s3.uri("out")
+    table = rows_to_table([OutputRow(id=f"r{i}", row_index=i, completion="x", completion_token_ids=[1],
+                                     num_prompt_tokens=1, num_completion_tokens=1, finish_reason="stop")
+                           for i in range(4, 8)])
+    assert commit_span(out, table, new_attempt(), 0)
+    assert commit_span(out, table, "t0000000000000x00000001", 0) is False  # a retried batch: its part is deleted
+    parts = [k["Key"] for k in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="out/part-")["Contents"]]
+    records = read_records(out)
+    assert len(parts) == 1 and [r.name for r in records] == ["_cbrun/commits/span-r000000000004-000000000008.json"]
+    winner = records[0].part
+    attempt = winner.split("-")[1]
+    assert commit_span(out, table, attempt, 0)  # the winner's own retry (its reply lost) still counts as committed
+    assert [r.part for r in read_records(out)] == [winner]
+
+
+def test_a_lease_is_renewed_and_a_lost_one_stops_the_writer(s3):
+    out = s3.uri("out")
+    lease = Lease(out, ttl_s=0.9)
+    lease.acquire()
+    try:
+        time.sleep(1.2)  # past the first expiry: renewed meanwhile
+        lease.check()
+        s3.client().put_object(Bucket=s3.bucket, Key="out/_cbrun/lease-0-of-1.json", Body=b'{"token": "thief"}')
+        time.sleep(0.7)
+        with pytest.raises(LeaseLost):
+            lease.check()
+    finally:
+        lease.release()
+    assert b"thief" in storage.read_file(s3.uri("out/_cbrun/lease-0-of-1.json"))  # not deleted: not ours
