@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from jobs.storage import join, list_files, read_file
+from jobs.storage import join, list_files, read_files
 
 #: Where the records live, below the output.
 COMMITS_DIR = "_cbrun/commits"
@@ -125,6 +125,7 @@ def read_records(output: str) -> list[CommitRecord]:
     """Every commit record of an object-store output, in part-name order (the order the parts were written)."""
     root = str(output).rstrip("/")
     uris = list_files(str(join(root, COMMITS_DIR)))
-    records = [replace(CommitRecord.from_json(data), name=uri[len(root) + 1:]) for uri in uris
-               if (data := read_file(uri)) is not None]
+    found = read_files(uris)  # NOTE: concurrently: resume reads one small object per part
+    records = [replace(CommitRecord.from_json(found[uri]), name=uri[len(root) + 1:]) for uri in uris
+               if uri in found]
     return sorted(records, key=lambda r: r.part)
