@@ -21,6 +21,7 @@ NUM_ROWS = 24
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_two_replicas_commit_their_own_parts_to_s3(s3, tiny_model_dir, make_manifest, tmp_path):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")

@@ -113,6 +113,7 @@ def test_status_reads_an_s3_output(s3, tiny_model_dir, tiny_engine, make_manifes
     assert "total: 6/6 rows done" in text and "job complete" in text
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume(s3, tiny_model_dir, local_rows):
     """Kill ``cbrun run`` (S3 in, S3 out) with SIGKILL at random moments, three times, then let it finish."""
     source = upload_input(s3, input_table())
@@ -298,3 +299,25 @@ def test_a_lease_is_renewed_and_a_lost_one_stops_the_writer(s3):
     finally:
         lease.release()
     assert b"thief" in storage.read_file(s3.uri("out/_cbrun/lease-0-of-1.json"))  # not deleted: not ours
+
+
+def test_retry_errors_and_overwrite_on_s3(s3, tiny_model_dir, tiny_engine, make_manifest):
+    """--retry-errors takes the error rows out of their parts (rewritten under new names) and runs them again;
+    --overwrite discards the output's results: either way every row is in the output once."""
+    prompts = [f"a prompt for row {i}" if i != 2 else None for i in range(6)]
+    source = upload_input(s3, pa.table({"id": [f"r{i}" for i in range(6)], "prompt": prompts}))
+    out = s3.uri("out")
+    first = run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine)
+    assert first.num_errors == 1 and rows_once(out)[2][1] == "error"
+    parts_before = {r.part for r in read_records(out)}
+    retried = run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine,
+                      retry_errors=True)
+    assert retried.num_rows == 1 and retried.num_skipped == 5
+    assert sorted(rows_once(out)) == list(range(6)) and rows_once(out)[2][1] == "error"
+    assert {r.part for r in read_records(out)} != parts_before  # the part that held row 2 was rewritten
+    manifest = make_manifest(tiny_model_dir, source, out, sampling=SamplingParams(max_new_tokens=2,
+                                                                                  temperature=0.0, ignore_eos=True))
+    manifest.output.overwrite = True
+    summary = run_job(manifest, progress=False, engine=tiny_engine)
+    assert summary.num_skipped == 0 and summary.num_rows == 6
+    assert all(len(ids) == 2 for i, (ids, _) in rows_once(out).items() if i != 2)
