@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from jobs.fingerprint import fingerprint_differences
 from jobs.lock import CBRUN_DIR, OutputLock, Shard
-from jobs.storage import write_file, write_json
+from jobs.storage import read_json, write_file, write_json
 from jobs.writer import (PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, part_name, part_shard,
                          write_part_atomically)
 
@@ -277,6 +277,15 @@ class Checkpoint:
         for path in stray:
             path.unlink()
         return stray
+
+    def write_meta(self, name: str, value: dict[str, Any]) -> None:
+        """Write cbrun's own JSON file ``_cbrun/<name>`` (the split of the rows, a shard's summary, ...)."""
+        self.cbrun_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(self.cbrun_dir / name, value)
+
+    def read_meta(self, name: str) -> dict[str, Any] | None:
+        """cbrun's own JSON file ``_cbrun/<name>``; None when it is absent."""
+        return read_json(self.cbrun_dir / name)
 
     def write_empty_part_if_none(self, schema: pa.Schema) -> None:
         """Commit one part with no rows and the full ``schema`` when the output has no part (an empty job), so

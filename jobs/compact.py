@@ -80,7 +80,7 @@ def compact_output(output: str | Path, target_file_mb: float = DEFAULT_TARGET_FI
     owner = output_owner(output)
     if owner._read_job_file() is None:
         raise ValueError(f"{str(output)!r} holds no cbrun job (no _cbrun/job.json)")
-    split = read_shards_file(owner.output_dir) or {"count": 1}
+    split = read_shards_file(owner) or {"count": 1}
     shards = [Shard(i, split["count"]) for i in range(split["count"])]
     holders = [] if locked else [output_owner(output, shard).lock for shard in shards]
     try:

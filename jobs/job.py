@@ -399,7 +399,7 @@ class _Job:
         return self.manifest.output.overwrite
 
     def write_shards_file(self) -> None:
-        write_shards_file(self.checkpoint.output_dir, 1, self.reader.num_rows, [(0, self.reader.num_rows)])
+        write_shards_file(self.checkpoint, 1, self.reader.num_rows, [(0, self.reader.num_rows)])
 
     def finish(self, summary: JobSummary, tokenizer=None) -> None:
         """Write results.jsonl (``output.format = "openai-batch"``), stats.json and _SUCCESS: the whole job is in
@@ -547,19 +547,18 @@ class _ShardJob(_Job):
         return False  # ``open`` has dropped this shard's rows (or a new job's results); the other shards' stay
 
     def write_shards_file(self) -> None:
-        write_shards_file(self.checkpoint.output_dir, self.shard.count, self.reader.num_rows, self.ranges)
+        write_shards_file(self.checkpoint, self.shard.count, self.reader.num_rows, self.ranges)
 
     def finish(self, summary: JobSummary, tokenizer=None) -> None:
         """Record this shard's summary; then, if every row of every shard is committed, the job's."""
         checkpoint, num_rows = self.checkpoint, self.reader.num_rows
         shard_stats = {**summary.as_dict(), "shard": str(self.shard), "rows": list(self.ranges[self.shard.index])}
         with DirectoryLock(checkpoint.output_dir):
-            _write_json(checkpoint.cbrun_dir / f"stats-{self.shard.lock_name.removeprefix('lock-')}.json",
-                        shard_stats)
+            checkpoint.write_meta(f"stats-{self.shard.lock_name.removeprefix('lock-')}.json", shard_stats)
             whole = checkpoint.read_state(num_rows)
             if not whole.done.all() or checkpoint.is_finished():
                 return
-            shards = [_read_json(checkpoint.cbrun_dir / f"stats-{i}-of-{self.shard.count}.json")
+            shards = [checkpoint.read_meta(f"stats-{i}-of-{self.shard.count}.json")
                       for i in range(self.shard.count)]
             write_results_file(self.manifest, tokenizer)
             checkpoint.mark_finished(self.fingerprint, {
@@ -568,14 +567,6 @@ class _ShardJob(_Job):
                 "num_shards": self.shard.count, "shards": shards,
                 "max_error_fraction": self.manifest.output.max_error_fraction,
             })
-
-
-def _write_json(path: Path, value: dict) -> None:
-    storage.write_json(path, value)
-
-
-def _read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: bool = False) -> None:

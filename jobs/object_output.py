@@ -205,6 +205,13 @@ class ObjectCheckpoint:
                     or name in (f"{CBRUN_DIR}/{JOB_FILE}", f"{CBRUN_DIR}/{STATS_FILE}", f"{CBRUN_DIR}/shards.json")):
                 remove(uri)
 
+    def write_meta(self, name: str, value: dict[str, Any]) -> None:
+        """Write cbrun's own JSON object ``_cbrun/<name>``."""
+        write_json(join(self.cbrun_dir, name), value)
+
+    def read_meta(self, name: str) -> dict[str, Any] | None:
+        return read_json(join(self.cbrun_dir, name))
+
     def write_empty_part_if_none(self, schema: pa.Schema) -> None:
         """Commit one part with no rows and the full ``schema`` when the output has none (an empty job)."""
         if not self.records():

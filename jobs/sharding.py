@@ -13,13 +13,10 @@ parts named for it (``jobs.writer.part_name``) and resumes on its own; the last 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jobs.lock import CBRUN_DIR
-from jobs.storage import join, read_json, write_json
 
 SHARDS_FILE = "shards.json"
 
@@ -73,11 +70,12 @@ def shard_mask(num_rows: int, row_range: tuple[int, int]) -> np.ndarray:
     return mask
 
 
-def write_shards_file(output_dir: str | Path, count: int, num_rows: int, ranges: list[tuple[int, int]]) -> None:
-    """Record the split in ``_cbrun/shards.json`` (atomically, ``jobs.storage.write_file``), for ``cbrun status``."""
-    value = {"count": count, "num_rows": num_rows, "ranges": [list(r) for r in ranges]}
-    write_json(join(output_dir, CBRUN_DIR, SHARDS_FILE), value)
+def write_shards_file(owner, count: int, num_rows: int, ranges: list[tuple[int, int]]) -> None:
+    """Record the split in ``_cbrun/shards.json`` through the output's owner (``jobs.object_output.output_owner``),
+    for ``cbrun status``."""
+    owner.write_meta(SHARDS_FILE, {"count": count, "num_rows": num_rows, "ranges": [list(r) for r in ranges]})
 
 
-def read_shards_file(output_dir: str | Path) -> dict[str, Any] | None:
-    return read_json(join(output_dir, CBRUN_DIR, SHARDS_FILE))
+def read_shards_file(owner) -> dict[str, Any] | None:
+    """The split ``write_shards_file`` recorded, read through the output's owner; None when there is none."""
+    return owner.read_meta(SHARDS_FILE)

@@ -74,7 +74,7 @@ def _read_progress(output_dir: str | Path) -> tuple[list[ShardProgress], OutputS
     """(``output_progress``, the whole output's ``OutputState``)."""
     checkpoint = output_owner(output_dir)
     job = checkpoint._read_job_file()
-    split = read_shards_file(output_dir)
+    split = read_shards_file(checkpoint)
     if job is None:
         raise ValueError(f"{str(output_dir)!r} holds no cbrun job (no _cbrun/job.json)")
     if split is None:  # NOTE: an output of an older cbrun, which ran one process over the whole input
