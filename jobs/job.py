@@ -51,6 +51,7 @@ from jobs.scoring import Scorer, check_candidates_column
 from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.status import too_many_errors
 from jobs.storage import StorageError, is_uri
+from jobs.storage_cache import local_model
 from jobs.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts
 
 
@@ -274,7 +275,7 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
         manifest.check_required()
         check_output_apart_from_input(manifest.input.path, manifest.output.path)
         check_object_store_output(manifest, shard)
-        manifest.model.path = storage.local_model(manifest.model.path)
+        manifest.model.path = local_model(manifest.model.path)
         reader = open_reader(manifest)
     except (InputError, ValueError, ImportError, FileNotFoundError, StorageError) as exc:
         raise JobError(str(exc)) from None

@@ -36,7 +36,8 @@ import pyarrow.parquet as pq
 from engine.sampling_params import (SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, canonical_name, coerce_num_samples,
                                     coerce_sampling_value)
 from jobs.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, holds_json_lines
-from jobs.storage import StorageError, basename, is_uri, list_files, local_copy, local_path, open_input
+from jobs.storage import StorageError, basename, is_uri, list_files, local_path, open_input
+from jobs.storage_cache import local_copy
 
 logger = logging.getLogger("cbrun.reader")
 

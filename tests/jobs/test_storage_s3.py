@@ -22,7 +22,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs import storage
+from jobs import storage, storage_cache
 from jobs.cli import main
 from jobs.commits import CommitRecord, add_span, new_attempt, read_records
 from jobs.job import JobAborted, JobError, run_job
@@ -321,3 +321,20 @@ def test_retry_errors_and_overwrite_on_s3(s3, tiny_model_dir, tiny_engine, make_
     summary = run_job(manifest, progress=False, engine=tiny_engine)
     assert summary.num_skipped == 0 and summary.num_rows == 6
     assert all(len(ids) == 2 for i, (ids, _) in rows_once(out).items() if i != 2)
+
+
+def test_a_model_on_s3_is_downloaded_once_into_the_cache(s3, tiny_model_dir, make_manifest, local_rows, tmp_path,
+                                                          monkeypatch):
+    monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
+    for path in tiny_model_dir.rglob("*"):
+        if path.is_file():
+            key = f"models/tiny/{path.relative_to(tiny_model_dir).as_posix()}"
+            s3.client().put_object(Bucket=s3.bucket, Key=key, Body=path.read_bytes())
+    source = upload_input(s3, input_table())
+    summary = run_job(make_manifest(s3.uri("models/tiny"), source, s3.uri("out")), progress=False)
+    assert summary.exit_code == 0 and rows_once(s3.uri("out")) == local_rows
+    copies = list((tmp_path / "cache" / "models").iterdir())
+    assert len(copies) == 1 and (copies[0] / "config.json").is_file()
+    stamp = (copies[0] / "config.json").stat().st_mtime_ns
+    assert storage_cache.local_model(s3.uri("models/tiny")) == str(copies[0])  # unchanged objects: no download
+    assert (copies[0] / "config.json").stat().st_mtime_ns == stamp
