@@ -4,8 +4,8 @@ An object store has no ``flock``. A run takes ``OUT/_cbrun/lease-<index>-of-<cou
 (S3's ``If-None-Match: *``); the object names the holder (host, pid, start) and when the lease expires. A thread
 renews it every ``ttl_s / 3`` with a PUT conditional on the ETag it last wrote (``If-Match``), so a run that dies
 stops renewing and its lease expires ``ttl_s`` later. A second run finds an unexpired lease and stops with exit 2
-naming the holder; one that finds an expired lease takes it over, with the same conditional PUT (of two runs
-racing for it, one wins). Before each commit the writer checks that the lease is still held (``check``).
+naming the holder; one that finds an expired lease, or one whose holder ran on this host and is gone (a killed
+run), takes it over with the same conditional PUT (of two runs racing for it, one wins). Before each commit the writer checks that the lease is still held (``check``).
 
 What it cannot prevent:
   - a holder paused longer than ``ttl_s`` (SIGSTOP, a VM migration, a network partition) that then finishes one
@@ -87,7 +87,7 @@ class Lease:
     def _take_over(self, body: bytes) -> None:
         info = object_info(self.uri)
         current = read_holder(self.uri)
-        if info is not None and current.get("expires", 0) > time.time():
+        if info is not None and current.get("expires", 0) > time.time() and not _holder_died_here(current):
             left = current["expires"] - time.time()
             raise OutputLocked(f"output {self.uri.rsplit('/_cbrun/', 1)[0]!r} is in use by another cbrun run "
                                f"({describe_holder(current)}, shard {self.shard}; its lease expires in {left:.0f} s "
@@ -151,3 +151,17 @@ def read_holder(uri: str) -> dict:
     except ValueError:
         return {}
     return record if isinstance(record, dict) else {}
+
+
+def _holder_died_here(record: dict) -> bool:
+    """Whether the lease's holder ran on this host and its process is gone (killed, crashed): its lease need not
+    be waited out. NOTE: a reused pid reads as alive, which only means waiting for the expiry."""
+    if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
+        return False
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
