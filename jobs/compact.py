@@ -25,7 +25,14 @@ from jobs.lock import Shard
 from jobs.object_output import ObjectCheckpoint, ObjectPartWriter, output_owner
 from jobs.sharding import read_shards_file
 from jobs.storage import join, object_info, open_input, remove, write_file
-from jobs.writer import PART_RE, PartWriter, committed_parts, conform_table, part_name, part_shard
+from jobs.writer import (
+    PART_RE,
+    PartWriter,
+    committed_parts,
+    conform_table,
+    part_name,
+    part_shard,
+)
 
 logger = logging.getLogger("cbrun")
 

@@ -27,7 +27,15 @@ import threading
 import time
 
 from jobs.lock import CBRUN_DIR, OutputLocked, Shard, describe_holder
-from jobs.storage import PreconditionFailed, StorageError, join, object_info, put_object, read_file, remove
+from jobs.storage import (
+    PreconditionFailed,
+    StorageError,
+    join,
+    object_info,
+    put_object,
+    read_file,
+    remove,
+)
 
 logger = logging.getLogger("cbrun")
 

@@ -28,14 +28,41 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobs.checkpoint import JOB_FILE, STATS_FILE, SUCCESS_FILE, Checkpoint, FingerprintMismatch, OutputState
-from jobs.commits import (COMMITS_DIR, OBJECT_PART_RE, CommitRecord, add_span, new_attempt, object_part_name,
-                          read_records, record_name, span_record_name)
+from jobs.checkpoint import (
+    JOB_FILE,
+    STATS_FILE,
+    SUCCESS_FILE,
+    Checkpoint,
+    FingerprintMismatch,
+    OutputState,
+)
+from jobs.commits import (
+    COMMITS_DIR,
+    OBJECT_PART_RE,
+    CommitRecord,
+    add_span,
+    new_attempt,
+    object_part_name,
+    read_records,
+    record_name,
+    span_record_name,
+)
 from jobs.fingerprint import fingerprint_differences
 from jobs.lease import Lease, read_holder
 from jobs.lock import CBRUN_DIR, Shard
-from jobs.storage import (PreconditionFailed, is_uri, join, list_files, local_path, open_input, put_object,
-                          read_file, read_json, remove, write_json)
+from jobs.storage import (
+    PreconditionFailed,
+    is_uri,
+    join,
+    list_files,
+    local_path,
+    open_input,
+    put_object,
+    read_file,
+    read_json,
+    remove,
+    write_json,
+)
 from jobs.writer import PartWriter, _Batch, conform_table, rows_to_table
 
 logger = logging.getLogger("cbrun")

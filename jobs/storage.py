@@ -117,7 +117,7 @@ def retried(what: str, call: Callable[[], T]) -> T:
             return call()
         except (FileNotFoundError, PreconditionFailed):
             raise
-        except Exception as exc:  # noqa: BLE001 - the store's client raises many types; all are retried
+        except Exception as exc:  # NOTE: the store's client raises many types; all are retried
             if _is_precondition_failure(exc):
                 raise PreconditionFailed(str(exc)) from None
             if attempt == NUM_RETRIES:

@@ -15,8 +15,17 @@ import os
 import shutil
 from pathlib import Path
 
-from jobs.storage import (basename, filesystem, is_uri, list_files, local_path, object_info, read_file, retried,
-                          write_file)
+from jobs.storage import (
+    basename,
+    filesystem,
+    is_uri,
+    list_files,
+    local_path,
+    object_info,
+    read_file,
+    retried,
+    write_file,
+)
 
 logger = logging.getLogger("cbrun")
 
@@ -73,7 +82,8 @@ def local_model(path: str) -> str:
     for name in source:
         destination = staging / name
         destination.parent.mkdir(parents=True, exist_ok=True)
-        retried(f"downloading {root}/{name}", lambda: fs.get_file(filesystem(f"{root}/{name}")[1], str(destination)))
+        key = filesystem(f"{root}/{name}")[1]
+        retried(f"downloading {root}/{name}", lambda key=key, to=str(destination): fs.get_file(key, to))
     (staging / marker.name).write_text(json.dumps({"uri": root, "objects": source}))
     if target.exists():
         shutil.rmtree(target)
