@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,8 @@ import pyarrow.parquet as pq
 
 from jobs.fingerprint import fingerprint_differences
 from jobs.lock import CBRUN_DIR, OutputLock, Shard
-from jobs.writer import (PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, part_shard,
+from jobs.storage import read_json, write_file, write_json
+from jobs.writer import (PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, part_name, part_shard,
                          write_part_atomically)
 
 logger = logging.getLogger("cbrun")
@@ -272,11 +272,27 @@ class Checkpoint:
         shard = self.lock.shard
         stray = [p for p in self.output_dir.iterdir() if (m := TEMP_RE.match(p.name))
                  and (shard.count == 1 or part_shard(m) == shard)]
-        own_temps = [d / f".{name}.tmp" for d in (self.output_dir, self.cbrun_dir) for name in (JOB_FILE, STATS_FILE)]
-        stray += [p for p in own_temps if p.is_file()]
+        # NOTE: ``.NAME.tmp`` from older versions, ``.NAME.PID.tmp`` from ``jobs.storage.write_file``
+        stray += [p for d in (self.output_dir, self.cbrun_dir) for name in (JOB_FILE, STATS_FILE)
+                  for p in d.glob(f".{name}*.tmp") if p.is_file()]
         for path in stray:
             path.unlink()
         return stray
+
+    def write_meta(self, name: str, value: dict[str, Any]) -> None:
+        """Write cbrun's own JSON file ``_cbrun/<name>`` (the split of the rows, a shard's summary, ...)."""
+        self.cbrun_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(self.cbrun_dir / name, value)
+
+    def read_meta(self, name: str) -> dict[str, Any] | None:
+        """cbrun's own JSON file ``_cbrun/<name>``; None when it is absent."""
+        return read_json(self.cbrun_dir / name)
+
+    def write_empty_part_if_none(self, schema: pa.Schema) -> None:
+        """Commit one part with no rows and the full ``schema`` when the output has no part (an empty job), so
+        that readers of the directory find its columns."""
+        if not committed_parts(self.output_dir):
+            write_part_atomically(self.output_dir / part_name(0, self.lock.shard), schema.empty_table())
 
     def is_finished(self) -> bool:
         return (self.output_dir / SUCCESS_FILE).is_file()
@@ -290,7 +306,7 @@ class Checkpoint:
         """Write job.json (when missing), stats.json, then the empty _SUCCESS marker."""
         self.prepare(fingerprint)
         _write_json(self.cbrun_dir / STATS_FILE, stats)
-        (self.output_dir / SUCCESS_FILE).touch()
+        write_file(self.output_dir / SUCCESS_FILE, b"")
 
     def read_stats(self) -> dict[str, Any] | None:
         for path in (self.cbrun_dir / STATS_FILE, self.output_dir / STATS_FILE):
@@ -300,6 +316,4 @@ class Checkpoint:
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_json(path, value)

@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
                                       "in a folder of the same name without .html")
     report.add_argument("--price-per-hour", type=float, metavar="USD",
                         help="USD per GPU-hour: adds USD per million generated tokens and GPU-hours per billion")
+    compact = commands.add_parser("compact", allow_abbrev=False, help="merge an output's small parts into files of "
+                                  "about --target-file-mb MB (kill-safe; the output still resumes)",
+                                  description="Merge the committed parts of an output (a directory or an s3:// or "
+                                              "gs:// URI) into files of about --target-file-mb MB each; takes the "
+                                              "output's lock, so it refuses while a run writes it (exit 2).")
+    compact.add_argument("output_dir", help="the job's output (directory or URI)")
+    compact.add_argument("--target-file-mb", type=float, default=256.0, help="size of the merged files (256)")
 
     convert = commands.add_parser("convert-llama2c", allow_abbrev=False, help="convert a llama2.c checkpoint to a Hugging Face directory")
     convert.add_argument("checkpoint", help="llama2.c model .bin")
@@ -220,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "compact":
+            return _compact(args)
         return _demo(args)
     except KeyboardInterrupt as exc:  # jobs.signals.Interrupted: SIGINT or SIGTERM
         signum = getattr(exc, "signum", signal.SIGINT)
@@ -370,6 +379,23 @@ def _status(args: argparse.Namespace) -> int:
         return 2
     print(report)
     return code
+
+
+def _compact(args: argparse.Namespace) -> int:
+    from jobs.compact import compact_output
+    from jobs.lock import OutputLocked
+    from jobs.storage import StorageError
+
+    try:
+        result = compact_output(args.output_dir, args.target_file_mb)
+    except (ValueError, OSError, OutputLocked) as exc:
+        print(f"cbrun: error: {exc}", file=sys.stderr)
+        return 2
+    except StorageError as exc:
+        print(f"cbrun: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"cbrun: compacted {args.output_dir}: {result.num_parts_before} parts -> {result.num_parts_after}")
+    return 0
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -29,7 +29,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ import pyarrow.parquet as pq
 
 from jobs.checkpoint import Checkpoint
 from jobs.openai_batch import CHAT_URL, COMPLETIONS_URL
+from jobs.storage import write_file
 from jobs.writer import committed_parts
 
 RESULTS_FILE = "_results.jsonl"  # "_": data-set readers skip it
@@ -286,12 +286,11 @@ def _jsonable(value: Any) -> Any:
 
 
 def _write_lines(path: Path, lines) -> None:
-    """Write text lines to ``path`` under a temporary name in the same directory, fsynced, then renamed."""
+    """Write text lines to ``path`` atomically (``jobs.storage.write_file``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+
+    def write(f) -> None:
         for line in lines:
-            f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            f.write((line + "\n").encode("utf-8"))
+
+    write_file(path, write)

@@ -9,6 +9,8 @@ What it reads:
   - each weight file (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``): its size, its safetensors
     header (every tensor's name, dtype, shape and offsets) or first 64 KiB, and ``NUM_SAMPLES`` byte ranges of
     64 KiB spread evenly over the file (a 100 GB checkpoint costs a few MB of reads);
+  - each input object in an object store: its size, ETag and Parquet footer (the store's own checksum of the
+    bytes; nothing else is read);
   - each input file: its size, its Parquet footer (schema, row groups and their column statistics: min, max, null
     count) or first 64 KiB (Arrow), and the same sampled byte ranges;
   - the settings that change a row's output (prompt, mode, sampling, seed, n, dtype), the cbrun version and the
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION
+from jobs.storage import basename, is_uri, object_digest, parquet_footer_size
 
 #: Files of the model directory whose bytes define the model's outputs besides the weights (hashed whole).
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -127,6 +130,8 @@ def input_fingerprint(input_path: str | Path) -> dict[str, str]:
         _, paths = list_input_files(input_path)
     except InputError:
         return {}
+    if is_uri(input_path):
+        return object_fingerprints(str(input_path), paths)
     root = Path(input_path)
     digests = {}
     for path in paths:
@@ -137,6 +142,23 @@ def input_fingerprint(input_path: str | Path) -> dict[str, str]:
             head = None
         digests[name] = sampled_digest(path, head)
     return digests
+
+
+def object_fingerprints(root: str, uris: list[str]) -> dict[str, str]:
+    """{object name relative to ``root``: digest of its size, ETag and (Parquet) footer} of input objects: an
+    object's metadata stands for its bytes, so nothing but the footers is read."""
+    root = root.rstrip("/")
+    digests = {}
+    for uri in uris:
+        name = uri[len(root) + 1:] if uri != root else basename(uri)
+        tail = parquet_footer_size(uri) if uri.lower().endswith(".parquet") else 0
+        digests[name] = object_digest(uri, tail)
+    return digests
+
+
+def _resolved(path: str | Path) -> str:
+    """A path as recorded: an object-store URI as given, a local path made absolute."""
+    return str(path).rstrip("/") if is_uri(path) else str(Path(path).resolve())
 
 
 def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
@@ -157,9 +179,9 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
     model = model_fingerprint(manifest.model.path)
     fingerprint = {
         "cbrun_version": cbrun_version(),
-        "model": {"path": str(Path(manifest.model.path).resolve()), "files": model["files"],
+        "model": {"path": _resolved(manifest.model.path), "files": model["files"],
                   "weights": model["weights"], "dtype": engine_dtype or manifest.engine.dtype},
-        "input": {"path": str(Path(inp.path).resolve()), "num_rows": num_input_rows,
+        "input": {"path": _resolved(inp.path), "num_rows": num_input_rows,
                   "files": input_fingerprint(inp.path),
                   "prompt_column": inp.prompt_column, "prompt_ids_column": inp.prompt_ids_column,
                   "id_column": inp.id_column, "template": inp.template, "mode": inp.mode,

@@ -17,7 +17,6 @@ A sharded run (``--shard I/N``, ``_ShardJob``) does the same over its share of t
 
 from __future__ import annotations
 
-import json
 import resource
 import shutil
 import time
@@ -26,17 +25,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from engine.config import checkpoint_dtype
+from jobs import storage
 from jobs.carry import carried_values
 from jobs.chat import check_chat_template
+from jobs.compact import compact_output
 from jobs.checkpoint import Checkpoint, FingerprintMismatch
+from jobs.lease import LeaseLost
 from jobs.fingerprint import fingerprint_differences, job_fingerprint
 from jobs.heap import frozen_heap
 from jobs.lock import DirectoryLock, OutputLocked, Shard
 from jobs.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
 from jobs.manifest import JobManifest, apply_model_defaults
 from jobs.mode import JobMode
+from jobs.object_output import output_owner
 from jobs.openai_batch import OpenAIBatchReader
 from jobs.ordering import order_by_prefix
 from jobs.progress import JobProgress
@@ -45,8 +49,10 @@ from jobs.resources import JobAborted, JobError, check_model_dir, load_engine, l
 from jobs.row_ids import warn_repeated_ids
 from jobs.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.status import too_many_errors
+from jobs.storage import StorageError, is_uri
+from jobs.storage_cache import local_model
 from jobs.timeline import TimelineRecorder, run_id, step_listeners, timeline_path
-from jobs.writer import OutputRow, PartWriter, committed_parts
+from jobs.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts
 
 
 @dataclass
@@ -175,6 +181,12 @@ def check_output_apart_from_input(input_path: str | Path, output_path: str | Pat
     Raises:
         InputError: naming both paths.
     """
+    if is_uri(input_path) or is_uri(output_path):
+        inp, out = str(input_path).rstrip("/"), str(output_path).rstrip("/")
+        if out == inp or out.startswith(inp + "/") or inp.startswith(out + "/"):
+            raise InputError(f"output {str(output_path)!r} overlaps the input {str(input_path)!r}: its part files "
+                             f"would be read back as input; give an --output outside the input")
+        return
     inp, out = Path(input_path).resolve(), Path(output_path).resolve()
     if out == inp:
         where = "is the input"
@@ -215,11 +227,14 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
             are committed, and ``num_committed_rows`` on the exception counts them.
     """
     start = time.perf_counter()
+    storage.configure(manifest.storage.endpoint_url)
     try:
         manifest.check_required()
         check_output_apart_from_input(manifest.input.path, manifest.output.path)
+        check_object_store_output(manifest, shard)
+        manifest.model.path = local_model(manifest.model.path)
         reader = open_reader(manifest)
-    except (InputError, ValueError) as exc:
+    except (InputError, ValueError, ImportError, FileNotFoundError, StorageError) as exc:
         raise JobError(str(exc)) from None
     check_model_dir(manifest.model.path)
     if manifest.engine.speculative == "draft":
@@ -251,16 +266,20 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
             raise JobError(str(exc)) from None
     if shard is None:
         shard = Shard.parse(manifest.input.shard) if manifest.input.shard is not None else Shard()
-    checkpoint = Checkpoint(manifest.output.path, shard)
-    # NOTE: dtype "auto" means bf16 on a GPU and float32 on the CPU: the fingerprint records the one this run uses
-    fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count,
-                                  engine_dtype=engine_config.resolve_dtype(checkpoint_dtype(manifest.model.path)))
+    checkpoint = output_owner(manifest.output.path, shard)
+    try:
+        # NOTE: dtype "auto" means bf16 on a GPU and float32 on the CPU: the fingerprint records the one this run uses
+        fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count,
+                                      engine_dtype=engine_config.resolve_dtype(checkpoint_dtype(manifest.model.path)))
+    except StorageError as exc:
+        raise JobError(str(exc)) from None
     # NOTE: a refused run leaves no output directory it made (see _remove_refused_output); a shard's may be shared
-    created_output = shard.count == 1 and not Path(manifest.output.path).exists()
+    created_output = (shard.count == 1 and isinstance(checkpoint, Checkpoint)
+                      and not Path(checkpoint.output_dir).exists())
     try:
         checkpoint.check(fingerprint, overwrite=manifest.output.overwrite)  # before creating anything
         checkpoint.lock.acquire()
-    except (FingerprintMismatch, ValueError, OutputLocked) as exc:
+    except (FingerprintMismatch, ValueError, OutputLocked, StorageError) as exc:
         raise JobError(str(exc)) from None
     except OSError as exc:
         raise JobError(f"cannot create the output directory {manifest.output.path!r}: {exc}") from None
@@ -269,12 +288,32 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
         if shard.count > 1:
             job = _ShardJob(manifest, reader, checkpoint, fingerprint, start)
         return job.run(engine, engine_config, tokenizer, progress, retry_errors)
+    except (StorageError, LeaseLost) as exc:  # NOTE: in setup or at the finish; the row loop's are JobAborted
+        raise JobAborted(f"the output store failed: {exc}; the rows committed so far are kept in "
+                         f"{manifest.output.path}; rerun the same command to resume") from exc
     except JobError:
         if created_output:
             _remove_refused_output(checkpoint.output_dir)
         raise
     finally:
         checkpoint.lock.release()
+
+
+def check_object_store_output(manifest: JobManifest, shard: Shard | None) -> None:
+    """Refuse what an object-store output does not support yet: ``--shard`` and ``output.format =
+    "openai-batch"`` (their files are written by local-only steps).
+
+    Raises:
+        ValueError: naming the setting.
+    """
+    if not is_uri(manifest.output.path):
+        return
+    if shard is not None and shard.count > 1 or manifest.input.shard not in (None, "0/1"):
+        raise ValueError(f"--shard is not supported for an object-store output ({manifest.output.path}) yet; use "
+                         f"--executor ray to spread one job over machines, or a shared file system")
+    if manifest.output.format == "openai-batch":
+        raise ValueError(f"output.format = \"openai-batch\" is not supported for an object-store output "
+                         f"({manifest.output.path}) yet; write the parts, then run cbrun export on a local copy")
 
 
 def _remove_refused_output(output_dir: Path) -> None:
@@ -320,7 +359,7 @@ class _Job:
         return self.manifest.output.overwrite
 
     def write_shards_file(self) -> None:
-        write_shards_file(self.checkpoint.output_dir, 1, self.reader.num_rows, [(0, self.reader.num_rows)])
+        write_shards_file(self.checkpoint, 1, self.reader.num_rows, [(0, self.reader.num_rows)])
 
     #: the timeline file's suffix naming this run's share of the job ("": the whole job).
     timeline_part = ""
@@ -340,7 +379,12 @@ class _Job:
         """Write _results.jsonl (``output.format = "openai-batch"``), stats.json and _SUCCESS: the whole job is in
         the output."""
         self.checkpoint.prepare(self.fingerprint)
+        # NOTE: an output with no rows still holds one part, so that readers see its columns (pandas, duckdb)
+        self.checkpoint.write_empty_part_if_none(pa.schema([*OUTPUT_SCHEMA,
+                                                            *output_carried_fields(self.manifest, self.reader)]))
         write_results_file(self.manifest, tokenizer)
+        if self.manifest.output.compact:
+            compact_output(self.checkpoint.output_dir, self.manifest.output.target_file_mb, locked=True)
         self.checkpoint.mark_finished(self.fingerprint, {**summary.as_dict(),
                                                          "num_rows_in_output": summary.num_skipped + summary.num_rows})
 
@@ -355,8 +399,8 @@ class _Job:
                              total_output_rows=state.num_output_rows, total_error_rows=state.num_error_rows,
                              max_error_fraction=manifest.output.max_error_fraction)
         if isinstance(self.reader, PromptReader) and manifest.input.id_column is not None:
-            summary.num_repeated_ids = warn_repeated_ids(self.reader, self.checkpoint.output_dir,
-                                                         self.fingerprint["input"])
+            recorded_in = None if is_uri(self.checkpoint.output_dir) else self.checkpoint.output_dir
+            summary.num_repeated_ids = warn_repeated_ids(self.reader, recorded_in, self.fingerprint["input"])
         if done.all() and not overwrite:
             # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
             # finished here without loading the model.
@@ -412,8 +456,11 @@ class _Job:
         generation_start = time.perf_counter()
         try:
             with frozen_heap(), JobProgress(int((~done).sum()), None, enabled=progress) as bar:  # as in the local run
+                # NOTE: on an object store each replica commits its own parts; the driver only counts their rows
+                commit_output = self.checkpoint.output_dir if is_uri(self.checkpoint.output_dir) else None
+                on_rows = counter.tally if commit_output else counter.count
                 summary.replica_stats = run_on_ray(self.manifest, engine_config, done, writer,
-                                                   lambda rows: (counter.count(rows), bar.row_finished(rows)))
+                                                   lambda rows: (on_rows(rows), bar.row_finished(rows)), commit_output)
         except KeyboardInterrupt as exc:
             writer.commit()
             exc.num_committed_rows = writer.num_committed_rows
@@ -476,19 +523,18 @@ class _ShardJob(_Job):
         return False  # ``open`` has dropped this shard's rows (or a new job's results); the other shards' stay
 
     def write_shards_file(self) -> None:
-        write_shards_file(self.checkpoint.output_dir, self.shard.count, self.reader.num_rows, self.ranges)
+        write_shards_file(self.checkpoint, self.shard.count, self.reader.num_rows, self.ranges)
 
     def finish(self, summary: JobSummary, tokenizer=None) -> None:
         """Record this shard's summary; then, if every row of every shard is committed, the job's."""
         checkpoint, num_rows = self.checkpoint, self.reader.num_rows
         shard_stats = {**summary.as_dict(), "shard": str(self.shard), "rows": list(self.ranges[self.shard.index])}
         with DirectoryLock(checkpoint.output_dir):
-            _write_json(checkpoint.cbrun_dir / f"stats-{self.shard.lock_name.removeprefix('lock-')}.json",
-                        shard_stats)
+            checkpoint.write_meta(f"stats-{self.shard.lock_name.removeprefix('lock-')}.json", shard_stats)
             whole = checkpoint.read_state(num_rows)
             if not whole.done.all() or checkpoint.is_finished():
                 return
-            shards = [_read_json(checkpoint.cbrun_dir / f"stats-{i}-of-{self.shard.count}.json")
+            shards = [checkpoint.read_meta(f"stats-{i}-of-{self.shard.count}.json")
                       for i in range(self.shard.count)]
             write_results_file(self.manifest, tokenizer)
             checkpoint.mark_finished(self.fingerprint, {
@@ -497,16 +543,6 @@ class _ShardJob(_Job):
                 "num_shards": self.shard.count, "shards": shards,
                 "max_error_fraction": self.manifest.output.max_error_fraction,
             })
-
-
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
-
-
-def _read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: bool = False) -> None:
@@ -617,6 +653,10 @@ class _JobRun:
     def count(self, rows: list[OutputRow]) -> None:
         """Hand one input row's output rows to the writer as one group and add them to the summary."""
         self.writer.add_group(rows)
+        self.tally(rows)
+
+    def tally(self, rows: list[OutputRow]) -> None:
+        """Add one input row's output rows to the summary (rows a Ray replica committed itself)."""
         summary = self.summary
         summary.num_rows += 1
         summary.num_output_rows += len(rows)

@@ -23,9 +23,10 @@ import logging
 import os
 import pickle
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterator
+
+from jobs.storage import write_file
 
 logger = logging.getLogger("cbrun.lm_eval")
 
@@ -123,19 +124,12 @@ def _file_stats(directory: str, relative: str) -> Iterator[str]:
 
 
 def _write(path: Path, entries: dict) -> None:
-    """Write under a temporary name, then rename: a concurrent run never reads half a file."""
-    temporary = None
+    """Write atomically (``jobs.storage.write_file``): a concurrent run never reads half a file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
-            temporary = f.name
-            pickle.dump(entries, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(temporary, path)
+        write_file(path, lambda f: pickle.dump(entries, f, protocol=pickle.HIGHEST_PROTOCOL))
     except (OSError, pickle.PicklingError) as error:
         logger.info("cbrun: lm-eval's task index is not cached (%s)", error)
-        if temporary is not None:
-            with contextlib.suppress(OSError):
-                os.remove(temporary)
 
 
 def _cache_dir() -> Path:

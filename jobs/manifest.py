@@ -13,9 +13,10 @@ A manifest has six sections, all optional in the file (a key may come from ``--s
                 (take unset settings from the model's generation_config.json; default true)
     [engine]    EngineConfig fields (page_size, max_batch_tokens, max_requests_per_batch, device, ...)
     [output]    path, commit_every_rows, commit_every_seconds, overwrite, format ("parts" or "openai-batch"),
-                keep_columns, max_error_fraction, timeline_interval_s, row_timings
+                keep_columns, max_error_fraction, timeline_interval_s, row_timings, compact, target_file_mb
     [cluster]   executor ("local" or "ray"), num_replicas, num_gpus_per_replica, num_cpus_per_replica, batch_size,
                 max_concurrent_batches, address (``jobs.ray_executor``)
+    [storage]   endpoint_url (an S3-compatible endpoint, over ``AWS_ENDPOINT_URL``; ``jobs.storage``)
 
 NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
 process, not against the manifest's directory, so the same manifest behaves the same as flags given on the command
@@ -42,7 +43,7 @@ from engine.sampling_params import VLLM_ALIASES, SamplingParams, canonical_name
 
 logger = logging.getLogger("cbrun.job")
 
-SECTIONS = ("model", "input", "sampling", "engine", "output", "cluster")
+SECTIONS = ("model", "input", "sampling", "engine", "output", "cluster", "storage")
 #: generation_config.json keys taken as sampling defaults when the job does not set them (vLLM's
 #: ``get_diff_sampling_param`` list). The last four are not taken when the file says ``do_sample = false``.
 MODEL_DEFAULT_KEYS = ("max_new_tokens", "repetition_penalty", "temperature", "top_p", "top_k", "min_p")
@@ -210,6 +211,8 @@ class OutputSettings:
             (``jobs.timeline``; ``cbrun report`` draws it); 0 records none.
         row_timings: fill the output's timing columns (``queue_s``, ``ttft_s``, ``decode_s``: seconds, per
             sample) in generate mode; off, they are null, so that two runs' outputs stay equal row for row.
+        compact: when the job finishes, merge its parts into files of about ``target_file_mb`` (``jobs.compact``).
+        target_file_mb: the size of the merged files of ``compact`` and ``cbrun compact``, in MB.
     """
 
     path: str = ""
@@ -221,6 +224,8 @@ class OutputSettings:
     max_error_fraction: float = 0.1
     timeline_interval_s: float = 1.0
     row_timings: bool = False
+    compact: bool = False
+    target_file_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if isinstance(self.timeline_interval_s, bool) or not isinstance(self.timeline_interval_s, int | float) \
@@ -245,6 +250,11 @@ class OutputSettings:
         if isinstance(self.max_error_fraction, bool) or not isinstance(self.max_error_fraction, int | float) \
                 or not 0 <= self.max_error_fraction <= 1:
             raise ValueError(f"output.max_error_fraction must be in [0, 1], got {self.max_error_fraction!r}")
+        if not isinstance(self.compact, bool):
+            raise ValueError(f"output.compact must be true or false, got {self.compact!r}")
+        if isinstance(self.target_file_mb, bool) or not isinstance(self.target_file_mb, int | float) \
+                or self.target_file_mb <= 0:
+            raise ValueError(f"output.target_file_mb must be a number > 0 (MB), got {self.target_file_mb!r}")
 
 
 @dataclass
@@ -290,6 +300,22 @@ class ClusterSettings:
 
 
 @dataclass
+class StorageSettings:
+    """How object-store paths (``s3://``, ``gs://``) are reached (``jobs.storage``).
+
+    Attributes:
+        endpoint_url: the S3 endpoint (MinIO, a local server, another region's URL); None: ``AWS_ENDPOINT_URL``
+            from the environment, else AWS itself.
+    """
+
+    endpoint_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.endpoint_url is not None and not isinstance(self.endpoint_url, str):
+            raise ValueError(f"storage.endpoint_url must be a URL string, got {self.endpoint_url!r}")
+
+
+@dataclass
 class JobManifest:
     """Everything one job needs: model, input, sampling defaults, engine settings, output.
 
@@ -314,6 +340,7 @@ class JobManifest:
     sampling_set: frozenset[str] | None = None
     model_defaults: bool = True
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    storage: StorageSettings = field(default_factory=StorageSettings)
 
     def __post_init__(self) -> None:
         if self.sampling_set is None:
@@ -474,6 +501,7 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         sampling_set=sampling_set,
         model_defaults=model_defaults,
         cluster=_build(ClusterSettings, "cluster", raw.get("cluster", {})),
+        storage=_build(StorageSettings, "storage", raw.get("storage", {})),
     )
 
 

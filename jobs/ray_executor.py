@@ -10,6 +10,10 @@ a single-process run does; only the reading and the engine work move out::
         |                                        runs the rows of all its batches together (jobs.replica)
     iter_batches --> driver: PartWriter.add_group per input row (temp file + rename, as ever)
 
+On an object-store output the replicas commit their own parts instead (``jobs.object_output.commit_span``: the part
+under the replica's attempt name, then the span's commit record, create-only, so one attempt per span wins) and send
+the driver only the rows' counts; the driver hands out spans, holds the lease, counts, and writes ``_SUCCESS``.
+
 Each row's seeds derive from (job seed, row id), not from the replica or the batch, so outputs equal the
 single-process run's. Ray restarts a dead replica and retries its batches (Ray Data's actor pools default to
 ``max_restarts=-1``, ``max_task_retries=-1``); a retried batch's rows reach the driver once, since a task's output
@@ -80,7 +84,8 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
     ray.init(**kwargs, log_to_driver=False, include_dashboard=False, configure_logging=False)
 
 
-def output_batches(manifest, engine_config, spans: list[tuple[int, int]]) -> Iterator[pa.Table]:
+def output_batches(manifest, engine_config, spans: list[tuple[int, int]], commit_output: str | None = None
+                   ) -> Iterator[pa.Table]:
     """Run the spans through ``cluster.num_replicas`` replicas; yield their output tables as they stream back."""
     import ray.data
 
@@ -107,12 +112,13 @@ def output_batches(manifest, engine_config, spans: list[tuple[int, int]]) -> Ite
         compute=ray.data.ActorPoolStrategy(size=cluster.num_replicas, max_concurrent_calls_per_actor=per_replica,
                                            max_tasks_in_flight_per_actor=per_replica),
         fn_constructor_kwargs={"manifest": manifest, "engine_config": engine_config, "num_threads": num_threads,
-                               "max_concurrent_batches": per_replica},
+                               "max_concurrent_batches": per_replica, "commit_output": commit_output},
     )
     yield from outputs.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
 
 
-def run_on_ray(manifest, engine_config, done: np.ndarray, writer, on_group) -> dict[str, int]:
+def run_on_ray(manifest, engine_config, done: np.ndarray, writer, on_group, commit_output: str | None = None
+               ) -> dict[str, int]:
     """Compute the rows not ``done`` on Ray replicas and hand each row's output rows to ``on_group`` once.
 
     Args:
@@ -121,6 +127,8 @@ def run_on_ray(manifest, engine_config, done: np.ndarray, writer, on_group) -> d
         done: bool over the job's rows, True for rows this run must not compute (committed, or another shard's).
         writer: the run's ``PartWriter`` (its time threshold is checked as batches come back).
         on_group: called with each input row's output rows, in the order they come back.
+        commit_output: an object-store output: each replica commits its batches' parts there itself
+            (``jobs.replica``), and ``on_group`` gets the rows without their completions, to count them.
 
     Returns:
         The replicas' counters: ``num_row_steps_shared_across_batches``, the forward passes of the rows written in
@@ -130,7 +138,8 @@ def run_on_ray(manifest, engine_config, done: np.ndarray, writer, on_group) -> d
     written = done.copy()
     waiting: dict[int, list[dict]] = {}
     num_shared = 0
-    for table in output_batches(manifest, engine_config, pending_spans(done, manifest.cluster.batch_size)):
+    spans = pending_spans(done, manifest.cluster.batch_size)
+    for table in output_batches(manifest, engine_config, spans, commit_output):
         sizes = table.column(GROUP_SIZE_COLUMN).to_pylist()
         shared = table.column(SHARED_STEPS_COLUMN).to_pylist()
         records = table.drop_columns([GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN]).to_pylist()

@@ -38,6 +38,8 @@ from engine.sampling_params import (SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, canon
 from jobs.arrow_types import is_binary_type, is_list_type, is_text_type
 from jobs.errors import InputError
 from jobs.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, holds_json_lines
+from jobs.storage import StorageError, basename, is_uri, list_files, local_path, open_input
+from jobs.storage_cache import local_copy
 
 logger = logging.getLogger("cbrun.reader")
 
@@ -146,7 +148,9 @@ def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
         InputError: when the path does not exist, holds nothing readable, is a file of a format cbrun does not
             read, or is a directory that holds such files (named, with the formats cbrun reads).
     """
-    path = Path(path)
+    if is_uri(path):
+        return "parquet", list_object_files(str(path))
+    path = Path(local_path(path))
     if not path.exists():
         raise InputError(f"input {str(path)!r} not found: give a Parquet or JSON Lines file, or a directory of "
                          f"them")
@@ -178,14 +182,48 @@ def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
     return "parquet", candidates
 
 
+def object_file_format(uri: str) -> str | None:
+    """How one input object is read, by its name alone (``input_file_format``'s rules without opening it)."""
+    name = basename(uri).lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES + JSON_SUFFIXES):
+        return "jsonl"
+    return None
+
+
+def list_object_files(uri: str) -> list[str]:
+    """The input objects under an object-store URI (one object, or every object below a prefix, in name order),
+    with ``list_input_files``'s rules: names starting with "." or "_" and documents skipped, others refused.
+
+    Raises:
+        InputError: when nothing is there, or an object is not ``.parquet`` / ``.jsonl`` / ``.json``(``.gz``).
+    """
+    try:
+        objects = list_files(uri)
+    except (ImportError, StorageError) as exc:
+        raise InputError(f"input {uri!r} cannot be listed: {exc}") from None
+    root = uri.rstrip("/")
+    relative = {o: o[len(root) + 1:] if o != root else basename(o) for o in objects}
+    candidates = [o for o in objects if not _is_hidden(Path(relative[o])) and not _is_doc(Path(relative[o]))]
+    if not candidates:
+        raise InputError(f"input {uri!r} not found: no objects there (give a Parquet or JSON Lines object, or a "
+                         f"prefix of them)")
+    unreadable = [relative[o] for o in candidates if object_file_format(o) is None]
+    if unreadable:
+        raise InputError(f"input {uri!r} holds objects cbrun cannot read: {', '.join(map(repr, unreadable[:10]))}; "
+                         f"in an object store cbrun reads .parquet, .jsonl and .json(.gz) objects")
+    return candidates
+
+
 class _ParquetSource:
     """One Parquet file: its schema, row count and row-group offsets come from the footer alone."""
 
     def __init__(self, path: Path):
         self.path = path
         try:
-            self.file = pq.ParquetFile(path)
-        except (pa.ArrowInvalid, OSError) as exc:
+            self.file = pq.ParquetFile(open_input(path) if is_uri(path) else path)
+        except (pa.ArrowInvalid, OSError, StorageError) as exc:
             raise InputError(f"input file {str(path)!r} is not a readable Parquet file: {exc}") from None
         self.schema = self.file.schema_arrow
         metadata = self.file.metadata
@@ -241,6 +279,11 @@ def open_source(kind: str, path: Path, json_text_fields: tuple[str, ...] = ()):
     """The source object of one input file: Arrow stream (``kind == "arrow"``), JSON Lines (by suffix) or Parquet."""
     if kind == "arrow":
         return _ArrowStreamSource(path)
+    if is_uri(path):
+        if object_file_format(path) == "jsonl":
+            # NOTE: JSON Lines is read by line offsets from a local file: the object is copied to a temporary file
+            return JsonlSource(local_copy(path), json_text_fields)
+        return _ParquetSource(path)
     if input_file_format(path) == "jsonl":
         return JsonlSource(path, json_text_fields)
     return _ParquetSource(path)

@@ -215,11 +215,17 @@ class Replica:
         engine_config: the resolved ``EngineConfig``.
         num_threads: torch threads of this replica.
         max_concurrent_batches: batches this replica runs at once (``cluster.max_concurrent_batches``).
+        commit_output: an object-store output URI: the replica commits each batch's rows there itself
+            (``jobs.object_output.commit_span``) and returns only their counts (``slim_table``); None: it returns
+            the rows, and the driver writes them.
     """
 
-    def __init__(self, manifest, engine_config, num_threads: int, max_concurrent_batches: int):
+    def __init__(self, manifest, engine_config, num_threads: int, max_concurrent_batches: int,
+                 commit_output: str | None = None):
         import torch
 
+        from jobs import storage
+        from jobs.commits import new_attempt
         from jobs.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
         from jobs.resources import load_engine, load_tokenizer
 
@@ -240,6 +246,10 @@ class Replica:
                               4 * engine_config.max_requests_per_batch)
         self.max_concurrent_batches = max_concurrent_batches
         self._slots: asyncio.Semaphore | None = None
+        storage.configure(manifest.storage.endpoint_url)
+        self.commit_output = commit_output
+        self.attempt = new_attempt()  # NOTE: this replica's own part names; a restarted replica gets another
+        self._num_parts = 0
         self.timeline = self._open_timeline(manifest, engine, engine_config)
 
     def _open_timeline(self, manifest, engine, engine_config):
@@ -269,4 +279,29 @@ class Replica:
         from jobs.ray_input import input_rows
 
         async with self._slots:
-            return await asyncio.wrap_future(self.loop.submit(list(input_rows(self.reader, batch))))
+            table = await asyncio.wrap_future(self.loop.submit(list(input_rows(self.reader, batch))))
+        if self.commit_output is None or not table.num_rows:
+            return table
+        from jobs.object_output import commit_span
+
+        seq, self._num_parts = self._num_parts, self._num_parts + 1
+        parts = table.drop_columns([GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN])
+        await asyncio.to_thread(commit_span, self.commit_output, parts, self.attempt, seq)
+        return slim_table(table)
+
+
+#: The columns a replica that commits its own parts still returns: what the driver's counts and summary need.
+SLIM_COLUMNS = ("id", "row_index", "num_prompt_tokens", "num_completion_tokens", "finish_reason", "error",
+                "candidate_num_tokens", "sample_index", "stop_reason")
+
+
+def slim_table(table: pa.Table) -> pa.Table:
+    """An output table with its completions, token ids, log-probabilities and carried columns nulled or left
+    out: the driver counts the rows (``jobs.ray_executor``), the parts hold them."""
+    columns = {}
+    for f in OUTPUT_SCHEMA:
+        column = table.column(f.name)
+        columns[f.name] = column if f.name in SLIM_COLUMNS else pa.nulls(table.num_rows, f.type)
+    columns[GROUP_SIZE_COLUMN] = table.column(GROUP_SIZE_COLUMN)
+    columns[SHARED_STEPS_COLUMN] = table.column(SHARED_STEPS_COLUMN)
+    return pa.table(columns)

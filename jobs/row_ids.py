@@ -9,15 +9,14 @@ fingerprint and is counted again.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jobs.lock import CBRUN_DIR, DirectoryLock
+from jobs.checkpoint import Checkpoint
+from jobs.lock import DirectoryLock
 from jobs.reader import iter_column_batches
 
 logger = logging.getLogger("cbrun")
@@ -52,19 +51,17 @@ def repeated_ids(reader) -> tuple[int, list[tuple[str, int]]]:
 def recorded_repeated_ids(reader, output_dir: str | Path, input_fingerprint: dict) -> tuple[int, list]:
     """``repeated_ids(reader)``, read from ``_cbrun/repeated-ids.json`` when a run of the same input (its
     fingerprint and ``num_rows``) recorded it, else counted and recorded there (atomically)."""
-    path = Path(output_dir) / CBRUN_DIR / REPEATED_IDS_FILE
+    owner = Checkpoint(output_dir)
     key = {"input": input_fingerprint, "num_rows": reader.num_rows}
     with DirectoryLock(output_dir):
         try:
-            recorded = json.loads(path.read_text())
+            recorded = owner.read_meta(REPEATED_IDS_FILE)
             if recorded["key"] == key:
                 return recorded["num_repeated"], [tuple(item) for item in recorded["named"]]
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none yet (or unreadable): count
         num_repeated, named = repeated_ids(reader)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "num_repeated": num_repeated, "named": named}) + "\n")
-        os.replace(tmp, path)
+        owner.write_meta(REPEATED_IDS_FILE, {"key": key, "num_repeated": num_repeated, "named": named})
     return num_repeated, named
 
 

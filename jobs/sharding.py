@@ -13,14 +13,9 @@ parts named for it (``jobs.writer.part_name``) and resumes on its own; the last 
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from jobs.lock import CBRUN_DIR, Shard
 
 SHARDS_FILE = "shards.json"
 
@@ -74,25 +69,12 @@ def shard_mask(num_rows: int, row_range: tuple[int, int]) -> np.ndarray:
     return mask
 
 
-def write_shards_file(output_dir: str | Path, count: int, num_rows: int, ranges: list[tuple[int, int]]) -> None:
-    """Record the split in ``_cbrun/shards.json`` (atomically), for ``cbrun status``."""
-    path = Path(output_dir) / CBRUN_DIR / SHARDS_FILE
-    value = {"count": count, "num_rows": num_rows, "ranges": [list(r) for r in ranges]}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+def write_shards_file(owner, count: int, num_rows: int, ranges: list[tuple[int, int]]) -> None:
+    """Record the split in ``_cbrun/shards.json`` through the output's owner (``jobs.object_output.output_owner``),
+    for ``cbrun status``."""
+    owner.write_meta(SHARDS_FILE, {"count": count, "num_rows": num_rows, "ranges": [list(r) for r in ranges]})
 
 
-def read_shards_file(output_dir: str | Path) -> dict[str, Any] | None:
-    path = Path(output_dir) / CBRUN_DIR / SHARDS_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def shard_of(manifest_shard: str | None, cli_shard: str | None) -> Shard:
-    """The run's shard: ``--shard`` over ``input.shard``; neither: the whole job (``Shard()``).
-
-    Raises:
-        ValueError: for a malformed ``I/N``.
-    """
-    text = cli_shard if cli_shard is not None else manifest_shard
-    return Shard() if text is None else Shard.parse(text)
+def read_shards_file(owner) -> dict[str, Any] | None:
+    """The split ``write_shards_file`` recorded, read through the output's owner; None when there is none."""
+    return owner.read_meta(SHARDS_FILE)

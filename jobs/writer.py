@@ -13,7 +13,6 @@ can simply be run again: it writes the same rows to the same part name, so no ro
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Sequence
@@ -24,13 +23,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jobs.commits import read_records
 from jobs.lock import Shard
+from jobs.storage import is_uri, join, open_input, write_file
 
 LOGPROB_TYPE = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
 #: A committed part: ``part-NNNNNN.parquet`` (a plain run), ``part-sIIIIofNNNN-NNNNNN.parquet`` (shard I of N of a
 #: sharded run, ``jobs.sharding``), so that the shards of one output never pick the same name.
 PART_RE = re.compile(r"^part-(?:s(?P<index>\d{4,})of(?P<count>\d{4,})-)?(?P<number>\d{6,})\.parquet$")
-TEMP_RE = re.compile(r"^\.part-(?:s(?P<index>\d{4,})of(?P<count>\d{4,})-)?(?P<number>\d{6,})\.parquet\.tmp$")
+TEMP_RE = re.compile(r"^\.part-(?:s(?P<index>\d{4,})of(?P<count>\d{4,})-)?(?P<number>\d{6,})\.parquet(?:\.\d+)?\.tmp$")
 
 #: The one schema of every part file.
 OUTPUT_SCHEMA = pa.schema([
@@ -131,10 +132,6 @@ def part_name(number: int, shard: Shard = Shard()) -> str:
     return f"part-s{shard.index:04d}of{shard.count:04d}-{number:06d}.parquet"
 
 
-def temp_name(number: int, shard: Shard = Shard()) -> str:
-    return f".{part_name(number, shard)}.tmp"
-
-
 def part_shard(match: re.Match) -> Shard:
     """The shard a ``PART_RE`` (or ``TEMP_RE``) match names; unprefixed names are shard 0/1."""
     if match.group("count") is None:
@@ -161,24 +158,15 @@ def committed_parts(output_dir: str | Path, shard: Shard | None = None) -> list[
 
 
 def write_part_atomically(path: Path, table: pa.Table) -> None:
-    """Write ``table`` to ``path`` via a hidden temporary file in the same directory, fsynced, then renamed."""
+    """Write ``table`` to ``path`` whole or not at all (``jobs.storage.write_file``: temporary file, fsync, rename,
+    fsync of the directory)."""
     assert PART_RE.match(path.name), path
-    tmp_path = path.with_name(f".{path.name}.tmp")
-    with open(tmp_path, "wb") as f:
+
+    def write(f) -> None:
         with pq.ParquetWriter(f, table.schema) as writer:
             writer.write_table(table)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_path, path)
-    _fsync_dir(path.parent)
 
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_file(path, write)
 
 
 @dataclass
@@ -215,8 +203,12 @@ class PartWriter:
         self.commit_every_rows = commit_every_rows
         self.commit_every_seconds = commit_every_seconds
         self.shard = shard
-        parts = committed_parts(self.output_dir, shard)
-        self._batch = _Batch(int(PART_RE.match(parts[-1].name).group("number")) + 1 if parts else 0)
+        self._batch = _Batch(self._first_part_number())
+
+    def _first_part_number(self) -> int:
+        """The next part number after the highest committed part of this writer's shard."""
+        parts = committed_parts(self.output_dir, self.shard)
+        return int(PART_RE.match(parts[-1].name).group("number")) + 1 if parts else 0
 
     @property
     def buffer(self) -> list[OutputRow]:
@@ -310,12 +302,22 @@ def conform_table(table: pa.Table) -> pa.Table:
 
 
 def read_output(output_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
-    """All committed rows of an output directory as one table, in part order (not sorted by row_index).
+    """All committed rows of an output (a directory or an object-store URI) as one table, in part order (not
+    sorted by row_index): every column of the parts, the carried input columns (``output.keep_columns``)
+    included.
 
-    NOTE: ``pq.read_table(output_dir)`` reads the same rows (it skips ``_cbrun/``, ``_SUCCESS`` and temporary
-    files); this reads the committed parts alone, in part-number order.
+    NOTE: ``pq.read_table(output_dir)`` reads the same rows of a finished job (it skips ``_cbrun/``, ``_SUCCESS``
+    and temporary files); this reads the committed parts alone, in commit order.
     """
-    parts = committed_parts(output_dir)
+    if is_uri(output_dir):
+        parts = [str(join(output_dir, record.part)) for record in read_records(str(output_dir))]
+    else:
+        parts = committed_parts(output_dir)
     if not parts:
         return OUTPUT_SCHEMA.empty_table().select(columns or OUTPUT_SCHEMA.names)
-    return pq.read_table([str(p) for p in parts], columns=columns, schema=OUTPUT_SCHEMA)
+    tables = []
+    for part in parts:
+        with open_input(part) as f:
+            tables.append(conform_table(pq.read_table(f)))
+    table = pa.concat_tables(tables, promote_options="default")
+    return table.select(columns) if columns is not None else table

@@ -7,6 +7,7 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
+from jobs import storage as storage_module
 from jobs import writer as writer_module
 from jobs.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts, part_name, read_output
 
@@ -48,11 +49,12 @@ def test_commit_writes_a_hidden_temp_file_then_renames(tmp_path, monkeypatch):
         assert pq.read_table(src).num_rows == 1  # complete and readable before it gets its final name
         real_replace(src, dst)
 
-    monkeypatch.setattr(writer_module.os, "replace", spy)
+    monkeypatch.setattr(storage_module.os, "replace", spy)
     writer = PartWriter(tmp_path)
     writer.add(make_row(0))
     writer.commit()
-    assert seen == [(".part-000000.parquet.tmp", "part-000000.parquet", [".part-000000.parquet.tmp"])]
+    temp = f".part-000000.parquet.{os.getpid()}.tmp"
+    assert seen == [(temp, "part-000000.parquet", [temp])]
     assert sorted(os.listdir(tmp_path)) == ["part-000000.parquet"]
 
 
@@ -117,3 +119,17 @@ def test_logprob_columns_round_trip(tmp_path):
     assert stored["logprobs"][1] == [{"token_id": 7, "logprob": -0.5}]  # lists of structs, not maps
     assert [{e["token_id"]: e["logprob"] for e in step} for step in stored["logprobs"]] == row.logprobs
     assert (stored["prompt_logprobs"], stored["prompt_greedy"]) == ([-2.0, -0.5], [False, True])
+
+
+def test_read_output_returns_every_column_of_the_parts_the_carried_ones_too(tmp_path):
+    import pyarrow as pa
+
+    writer = PartWriter(tmp_path, carried_fields=[pa.field("topic", pa.string())])
+    row = make_row(0)
+    row.carried = {"topic": "maths"}
+    writer.add(row)
+    writer.commit()
+    table = read_output(tmp_path)
+    assert table.column_names == [*OUTPUT_SCHEMA.names, "topic"]
+    assert table.column("topic").to_pylist() == ["maths"]
+    assert read_output(tmp_path, columns=["row_index", "topic"]).to_pylist() == [{"row_index": 0, "topic": "maths"}]
