@@ -257,6 +257,7 @@ class Replica:
         None when ``output.timeline_interval_s`` is 0."""
         import os
 
+        from jobs import storage
         from jobs.timeline import TimelineRecorder, run_id, timeline_path
 
         interval = manifest.output.timeline_interval_s
@@ -264,7 +265,7 @@ class Replica:
             return None
         run, part = run_id(), f"replica-{os.getpid()}"
         loop = self.loop
-        recorder = TimelineRecorder(timeline_path(os.path.join(manifest.output.path, "_cbrun"), run, part), engine,
+        recorder = TimelineRecorder(timeline_path(storage.join(manifest.output.path, "_cbrun"), run, part), engine,
                                     lambda: (loop.num_rows_done, loop.num_error_rows), interval,
                                     {"run": run, "part": part, "model": manifest.model.path, "engine": engine_config})
         engine.step_listener = recorder.on_step

@@ -18,14 +18,19 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from jobs import storage
+
 #: Seconds between flushes of the timeline file to the operating system (and the final sample, at close).
 FLUSH_EVERY_S = 10.0
+#: Seconds between uploads of a timeline whose output is in an object store (a whole PUT each time).
+UPLOAD_EVERY_S = 60.0
 #: The timeline files of an output directory's ``_cbrun/``.
 TIMELINE_GLOB = "timeline-*.jsonl"
 
@@ -42,9 +47,10 @@ def run_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}{suffix}"
 
 
-def timeline_path(cbrun_dir: str | Path, run: str, part: str = "") -> Path:
-    """``<cbrun_dir>/timeline-<run>[-<part>].jsonl``; ``part`` names a shard (``shard-0-of-2``) or a replica."""
-    return Path(cbrun_dir) / (f"timeline-{run}-{part}.jsonl" if part else f"timeline-{run}.jsonl")
+def timeline_path(cbrun_dir: str | Path, run: str, part: str = "") -> str | Path:
+    """``<cbrun_dir>/timeline-<run>[-<part>].jsonl``; ``part`` names a shard (``shard-0-of-2``) or a replica.
+    ``cbrun_dir`` may be an object-store URI (the result is then a URI too)."""
+    return storage.join(cbrun_dir, f"timeline-{run}-{part}.jsonl" if part else f"timeline-{run}.jsonl")
 
 
 class TimelineRecorder:
@@ -65,7 +71,12 @@ class TimelineRecorder:
     def __init__(self, path: str | Path, engine, rows: Callable[[], tuple[int, int]], interval_s: float = 1.0,
                  header: dict[str, Any] | None = None):
         assert interval_s > 0, interval_s
-        self.path = Path(path)
+        # NOTE: an object store has no append: the timeline is written to a local file and uploaded whole (one
+        # PUT) every UPLOAD_EVERY_S seconds and at close, so a killed run loses at most that much of it there.
+        self.remote = str(path) if storage.is_uri(path) else None
+        self.path = Path(tempfile.gettempdir(), "cbrun-timelines", storage.basename(path)) if self.remote \
+            else Path(path)
+        self.next_upload = time.perf_counter() + UPLOAD_EVERY_S
         self.engine = engine
         self.rows = rows
         self.interval_s = interval_s
@@ -104,6 +115,9 @@ class TimelineRecorder:
             # every sample keeps that off most steps (a killed run loses at most that much of its timeline).
             self._file.flush()
             self.next_flush = now + FLUSH_EVERY_S
+            if self.remote is not None and now >= self.next_upload:
+                self._upload()
+                self.next_upload = now + UPLOAD_EVERY_S
 
     def close(self) -> None:
         """Write the final sample and close the file (safe to call twice)."""
@@ -111,6 +125,14 @@ class TimelineRecorder:
             return
         self.record(final=True)
         self._file.close()
+        if self.remote is not None:
+            self._upload()
+
+    def _upload(self) -> None:
+        """Put the local copy's bytes so far at the object-store path (``jobs.storage.write_file``: one PUT)."""
+        if not self._file.closed:
+            self._file.flush()
+        storage.write_file(self.remote, self.path.read_bytes())
 
     def sample(self, final: bool = False) -> dict[str, Any]:
         """The run's counters now, cumulative since its start, and the steps since the last sample.
