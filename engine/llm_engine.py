@@ -35,6 +35,9 @@ from engine.scheduler import make_scheduler
 from engine.speculative import accept_greedy
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
+from engine.structured_output.bitmask import build_step_bitmask
+from engine.structured_output.compiler import GrammarCompiler
+from engine.structured_output.request_state import StructuredOutputRequest
 from engine.switches import resolve_switch
 from engine.threads import resolve_attention_threads, resolve_num_threads
 from engine.tokenizer import load_tokenizer
@@ -116,6 +119,7 @@ class LLMEngine:
         #: Called by ``step`` with the request ids of the plan it launches (None: nothing is called). Lets a caller
         #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
         self.step_observer: Callable[[list], None] | None = None
+        self._grammar_compiler: GrammarCompiler | None = None  # built for the first constrained request
 
     @property
     def stats(self) -> EngineStats:
@@ -125,7 +129,10 @@ class LLMEngine:
         spec = dict(num_proposed_tokens=speculator.num_proposed_tokens,
                     num_accepted_tokens=speculator.num_accepted_tokens,
                     num_verify_steps=speculator.num_verify_steps) if speculator is not None else {}
+        compile_seconds = (sum(self._grammar_compiler.compile_seconds.values())
+                           if self._grammar_compiler is not None else 0.0)
         return replace(self._counters, num_soft_resets=self.scheduler.num_soft_resets,
+                       grammar_compile_seconds=compile_seconds,
                        num_offloads=self.scheduler.num_offloads, num_generated_tokens=self.scheduler.num_generated_tokens,
                        num_evicted_blocks=self.block_manager.num_evicted_blocks, **spec)
 
@@ -174,7 +181,24 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         request = Request(request_id, list(prompt_token_ids), params, generator=torch.Generator().manual_seed(seed))
-        self.scheduler.add_request(request, error=self._validate(request))
+        error = self._validate(request)
+        if error is None and params.structured_outputs is not None:
+            error = self._start_grammar(request)
+        self.scheduler.add_request(request, error=error)
+
+    def _start_grammar(self, request: Request) -> str | None:
+        """Give a constrained request its grammar state, its grammar compiling off the step loop (or cached);
+        the reason it cannot have one, else None."""
+        if self.tokenizer is None:
+            return "structured outputs need a tokenizer, and the model directory has none"
+        if not self.eos_token_ids:
+            return "structured outputs need an EOS token to end the output, and the model states none"
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.get_text_config().vocab_size,
+                                                     self.eos_token_ids)
+        params = request.sampling_params.structured_outputs
+        request.structured = StructuredOutputRequest(params, self._grammar_compiler.submit(params))
+        return None
 
     def _validate(self, request: Request) -> str | None:
         try:
@@ -210,6 +234,8 @@ class LLMEngine:
         """
         plan = self.scheduler.schedule()
         finished = self.scheduler.pop_finished()
+        if not plan.scheduled and self._in_flight is None and not finished:
+            self._wait_for_grammars()
         self.model_runner.kv_cache.zero_pages_below(self._num_touched_pages())  # pages this plan uses first
         if self.drafter is not None and plan.scheduled:
             self.drafter.zero_chunks_below(self.block_manager.pool.num_touched_chunks)
@@ -228,6 +254,12 @@ class LLMEngine:
             finished.extend(self._resolve(*to_read))
             finished.extend(self.scheduler.pop_finished())  # requests whose own row raised while read
         return [self._finish(r) for r in finished]
+
+    def _wait_for_grammars(self, timeout: float = 0.05) -> None:
+        """Nothing could run: block briefly until a waiting request's grammar is compiled, instead of spinning."""
+        futures = self.scheduler.grammar_futures()
+        if futures:
+            self._grammar_compiler.wait_any(futures, timeout)
 
     def _resolve(self, plan: SchedulerOutput, handle: StepHandle) -> list[Request]:
         """Read a launched step's tokens, sample the rows that need the host, and advance the requests."""
@@ -265,6 +297,7 @@ class LLMEngine:
             ``Request.index -> token``, or the tokens a verify step commits, of the unfinished requests.
         """
         sampled: dict[int, int | list[int]] = {}
+        self._apply_grammar_masks(plan, handle.logits)
         row, sample = 0, 0
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
@@ -286,6 +319,22 @@ class LLMEngine:
             row += len(item.prompt_logprob_positions) + num_sample_rows
             sample += num_sample_rows
         return sampled
+
+    def _apply_grammar_masks(self, plan: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Mask the constrained rows' disallowed tokens to -inf, every row in one batched call, before any
+        sampling; a request whose grammar allows no token at all fails alone (its tokenizer cannot express it)."""
+        if self._grammar_compiler is None:
+            return
+        start = time.perf_counter()
+        step = build_step_bitmask(plan, self.scheduler.requests, logits.shape[0], logits.shape[-1])
+        if step is None:
+            return
+        step.apply(logits)
+        for index in step.blocked:
+            self.scheduler.fail_request(self.scheduler.requests[index], "structured outputs: the constraint allows "
+                                        "no token here (the tokenizer cannot express its next character)")
+        self._counters.num_grammar_mask_steps += 1
+        self._counters.grammar_mask_seconds += time.perf_counter() - start
 
     def _read_rows_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
                            device_token: int | None) -> int | None:

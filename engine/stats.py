@@ -24,6 +24,9 @@ class EngineStats:
         num_proposed_tokens: speculative proposals verified.
         num_accepted_tokens: of those, accepted (equal to what the target model chose).
         num_verify_steps: request-steps that verified proposals (each commits 1 + its accepted proposals).
+        num_grammar_mask_steps: steps with at least one constrained row (structured outputs).
+        grammar_mask_seconds: host time those steps spent filling and applying token bitmasks.
+        grammar_compile_seconds: time spent compiling distinct constraints (on the compile threads).
     """
 
     num_prompt_tokens: int = 0
@@ -39,6 +42,9 @@ class EngineStats:
     num_proposed_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    num_grammar_mask_steps: int = 0
+    grammar_mask_seconds: float = 0.0
+    grammar_compile_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:

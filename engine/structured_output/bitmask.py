@@ -1,0 +1,83 @@
+"""A step's token bitmask: one int32 row of ceil(vocab / 32) words per logit row, filled from the requests'
+grammar matchers, and applied to the logits in one batched call (xgrammar's kernel on the logits' device)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.plan import SchedulerOutput
+
+#: Bits per bitmask word (xgrammar's layout: bit ``t % 32`` of word ``t // 32`` allows token t).
+WORD_BITS = 32
+
+
+class StepBitmask:
+    """The bitmask rows of one step, and the requests whose grammar allowed no token.
+
+    Attributes:
+        bitmask: (num_logit_rows, ceil(vocab / 32)) int32 CPU; -1 (every token allowed) in unconstrained rows.
+        rows: the logit rows that are constrained (the only rows ``apply`` touches).
+        blocked: ``Request.index`` of requests whose grammar allows no token at a row of theirs.
+    """
+
+    def __init__(self, num_rows: int, vocab_size: int) -> None:
+        self.bitmask = torch.full((num_rows, -(-vocab_size // WORD_BITS)), -1, dtype=torch.int32)
+        self.rows: list[int] = []
+        self.blocked: set[int] = set()
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the disallowed logits of the constrained rows to -inf, in place, on the logits' device.
+
+        Args:
+            logits: (num_logit_rows, vocab_size) float logits of the step, in plan order.
+        """
+        if not self.rows:
+            return
+        import xgrammar as xgr
+
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=self.rows)
+
+
+def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, vocab_size: int
+                       ) -> StepBitmask | None:
+    """The bitmask of a step's logit rows (None when no planned request is constrained).
+
+    Rows follow the plan as the engine reads them: per entry, its prompt log-probability rows, then its sample rows
+    (one, or one per verified position of a verify step). A verify step gets a mask per position: the matcher
+    accepts each proposal after its row is filled, and is rolled back once all are (the committed tokens are
+    accepted later, by the scheduler). A proposal the grammar refuses ends the walk: its own row already excludes
+    it, so verification rejects it there and never reads the rows after.
+
+    Args:
+        plan: the step's plan.
+        requests: the scheduler's unfinished requests by ``Request.index``.
+        num_rows: logit rows of the step.
+        vocab_size: the logits' width.
+    """
+    step: StepBitmask | None = None
+    row = 0
+    for item in plan.scheduled:
+        row += len(item.prompt_logprob_positions)
+        request = requests.get(item.request_index) if item.samples else None
+        state = request.structured if request is not None else None
+        if state is not None and state.ready() and state.error is None:
+            if step is None:
+                step = StepBitmask(num_rows, vocab_size)
+            _fill_entry(step, state, row, item.spec_token_ids, request.index)
+        row += item.num_sample_rows
+    return step
+
+
+def _fill_entry(step: StepBitmask, state, row: int, proposals: tuple[int, ...], request_index: int) -> None:
+    accepted = 0
+    for i in range(len(proposals) + 1):
+        step.rows.append(row + i)
+        if not state.fill_bitmask(step.bitmask, row + i):
+            step.blocked.add(request_index)
+        if i == len(proposals) or not state.accept(proposals[i]):
+            break
+        accepted += 1
+        if state.is_terminated:  # an accepted EOS ends the request there: no row after it is read
+            break
+    state.rollback(accepted)
