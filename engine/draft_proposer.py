@@ -17,7 +17,7 @@ writes too, in the same step::
 Rejected positions hold stale draft KV past ``num_computed_tokens``, overwritten before anything reads them, as
 the target's. Greedy requests propose the draft's argmax; sampled ones draw from the draft's own processed
 distribution q (same temperature / top-k / top-p / penalties as the request), and the verifier accepts with
-min(1, p/q) (``engine.sampler.verify_proposals``; Leviathan et al. 2023, Chen et al. 2023). The code is ours.
+min(1, p/q) (``engine.sampling.speculative_rule.verify``; Leviathan et al. 2023, Chen et al. 2023). The code is ours.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from engine.kv_layout import SLIDING, KVLayout
 from engine.model_runner import ModelRunner
 from engine.plan import ScheduledRequest, SchedulerOutput
 from engine.request import Request
-from engine.sampler import sample_draft
+from engine.sampling.speculative_rule import sample_draft
 
 
 class DraftProposer:
@@ -83,11 +83,11 @@ class DraftProposer:
 
         Args:
             plan: the step's plan; a verify entry's ``spec_token_ids`` are placeholders, one per proposal slot.
-            requests: the unfinished requests by ``Request.index`` (sampling params, output, generator).
+            requests: the unfinished requests by ``Request.index`` (sampling params, output, seed).
 
         Returns:
             The plan to launch on the target, and for each sampled (non-greedy) verify entry its draft
-            distributions, a (num_proposals, vocab_size) float32 CPU tensor: row i is q of proposal i.
+            distributions, a (num_proposals, vocab_size) float32 tensor on the logits' device: row i is q of proposal i.
         """
         verify = [item for item in plan.scheduled if item.spec_token_ids]
         mirror = [_first_draft_entry(item) for item in plan.scheduled]
@@ -126,7 +126,8 @@ class DraftProposer:
                 token, q = sample_draft(logits[i], request, self.eos_token_ids, request.output_token_ids + drafts)
             except SamplingError:  # e.g. filters rule out every token: propose the argmax as a point mass (any q
                 token = argmax[i]  # keeps the target distribution; the target's own row reports its error)
-                q = torch.zeros(self.vocab_size).index_fill_(0, torch.tensor([token]), 1.0)
+                q = torch.zeros(self.vocab_size, device=logits.device)
+                q[token] = 1.0
             drafts.append(token)
             probs[item.request_index].append(q)
 

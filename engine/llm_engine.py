@@ -19,7 +19,6 @@ from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
 from engine.config import EngineConfig
 from engine.draft_proposer import DraftProposer, check_draft_vocab, draft_bytes_per_block
-from engine.faults import is_request_fault, request_error_message
 from engine.kv_layout import SLIDING, KVLayout
 from engine.lean_llama import select_lean_model
 from engine.cache_spec import CacheSpec
@@ -28,9 +27,9 @@ from engine.model_runner import ModelRunner
 from engine.padding import PaddingPolicy
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import sample_one, verify_proposals
+from engine.sampling.step import StepSampler, VerifyEntry
 from engine.sampling_params import SamplingParams
-from engine.plan import ScheduledRequest, SchedulerOutput
+from engine.plan import SchedulerOutput
 from engine.scheduler import make_scheduler
 from engine.speculative import accept_greedy
 from engine.stats import EngineStats
@@ -116,6 +115,9 @@ class LLMEngine:
         self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
+        #: Turns each step's logits into tokens on their device; owns the penalised requests' token counts.
+        self.sampler = StepSampler(model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids,
+                                   self.scheduler.fail_request)
         #: Called by ``step`` with the request ids of the plan it launches (None: nothing is called). Lets a caller
         #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
         self.step_observer: Callable[[list], None] | None = None
@@ -180,7 +182,7 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_generator))
-        request = Request(request_id, list(prompt_token_ids), params, generator=torch.Generator().manual_seed(seed))
+        request = Request(request_id, list(prompt_token_ids), params, seed=seed)
         error = self._validate(request)
         if error is None and params.structured_outputs is not None:
             error = self._start_grammar(request)
@@ -291,105 +293,77 @@ class LLMEngine:
 
     def _read_rows_of_plan(self, plan: SchedulerOutput, handle: StepHandle, token_ids: list[int]
                            ) -> dict[int, int | list[int]]:
-        """Any step: host sampling, prompt log-probabilities and speculative verification where entries need them.
+        """Any step: batched sampling, prompt log-probabilities and speculative verification where entries need them.
+
+        Rows that need more than the device's argmax are gathered over the whole plan and handled in one batched
+        call per kind (``engine.sampling.step.StepSampler``), on the logits' device.
 
         Returns:
             ``Request.index -> token``, or the tokens a verify step commits, of the unfinished requests.
         """
         sampled: dict[int, int | list[int]] = {}
-        self._apply_grammar_masks(plan, handle.logits)
+        bitmask = self._grammar_bitmask(plan, handle.logits)  # fails the requests whose grammar allows nothing
+        prompt_rows: list[tuple[Request, int, range]] = []
+        to_sample: list[Request] = []
+        sample_at: list[int] = []
+        to_verify: list[VerifyEntry] = []
         row, sample = 0, 0
         for item in plan.scheduled:
             # None once finished (async batching: found finished after this step was planned); its token is dropped.
             request = self.scheduler.requests.get(item.request_index)
             num_sample_rows = item.num_sample_rows
-            if item.spec_token_ids and request is not None:  # a verify step
-                tokens = (self._verify_or_fail(item, request, handle.logits[row:row + num_sample_rows],
-                                               self._draft_probs.get(item.request_index))
-                          if item.needs_host_sampling else
-                          accept_greedy(item.spec_token_ids, token_ids[sample:sample + num_sample_rows]))
-                if tokens is not None:
-                    sampled[item.request_index] = tokens
-            elif request is not None:
-                token = token_ids[sample] if item.samples else None
-                if item.needs_host_sampling or item.prompt_logprob_positions:  # else plain greedy: the device's
-                    token = self._read_rows_or_fail(item, request, handle.logits, row, token)
-                if token is not None:
-                    sampled[item.request_index] = token
-            row += len(item.prompt_logprob_positions) + num_sample_rows
+            positions = item.prompt_logprob_positions
+            if request is not None:
+                if positions:
+                    prompt_rows.append((request, row, positions))
+                first = row + len(positions)
+                if item.spec_token_ids and item.needs_host_sampling:
+                    to_verify.append(VerifyEntry(request, list(item.spec_token_ids), first,
+                                                 self._draft_probs.get(item.request_index)))
+                elif item.spec_token_ids:
+                    sampled[item.request_index] = accept_greedy(item.spec_token_ids,
+                                                                token_ids[sample:sample + num_sample_rows])
+                elif item.samples and item.needs_host_sampling:
+                    to_sample.append(request)
+                    sample_at.append(first)
+                elif item.samples:  # plain greedy: the device's argmax
+                    sampled[item.request_index] = token_ids[sample]
+            row += len(positions) + num_sample_rows
             sample += num_sample_rows
+        if prompt_rows:
+            _record_prompt_logprobs(prompt_rows, handle.logits)
+        sample_mask = None
+        if bitmask is not None and to_sample:
+            sample_mask = bitmask[torch.tensor(sample_at, dtype=torch.int64, device=bitmask.device)]
+        sampled.update(self.sampler.sample_rows(handle.logits, to_sample, sample_at, sample_mask))
+        sampled.update(self.sampler.verify_entries(handle.logits, to_verify, bitmask))
         return sampled
 
-    def _apply_grammar_masks(self, plan: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Mask the constrained rows' disallowed tokens to -inf, every row in one batched call, before any
-        sampling; a request whose grammar allows no token at all fails alone (its tokenizer cannot express it)."""
+    def _grammar_bitmask(self, plan: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor | None:
+        """The step's token bitmask on the logits' device: (N logit rows, ceil(V / 32)) int32, every token allowed
+        in unconstrained rows; None when no planned request is constrained. The sampler applies it first, to every
+        row in the same pass. A request whose grammar allows no token at all fails here, alone (its tokenizer
+        cannot express the constraint's next character)."""
         if self._grammar_compiler is None:
-            return
+            return None
         start = time.perf_counter()
         step = build_step_bitmask(plan, self.scheduler.requests, logits.shape[0], logits.shape[-1])
         if step is None:
-            return
-        step.apply(logits)
+            return None
         for index in step.blocked:
             self.scheduler.fail_request(self.scheduler.requests[index], "structured outputs: the constraint allows "
                                         "no token here (the tokenizer cannot express its next character)")
+        bitmask = step.bitmask.to(logits.device, non_blocking=True)
         self._counters.num_grammar_mask_steps += 1
         self._counters.grammar_mask_seconds += time.perf_counter() - start
-
-    def _read_rows_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
-                           device_token: int | None) -> int | None:
-        """Record an entry's prompt log-probabilities and choose its token (None when it does not sample).
-
-        An exception raised here is the request's own fault (``is_request_fault``): the request fails alone and
-        None is returned. Out-of-memory and device errors propagate.
-
-        Args:
-            logits: the step's (N, vocab) logits; the entry's rows start at ``row``.
-            device_token: the device's argmax for a sampling entry (its token unless it needs the host).
-        """
-        try:
-            return self._read_rows(item, request, logits, row, device_token)
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
-            self.scheduler.fail_request(request, request_error_message("sampling", error))
-            return None
-
-    def _verify_or_fail(self, item: ScheduledRequest, request: Request, logits: torch.Tensor,
-                        draft_probs: torch.Tensor | None = None) -> list[int] | None:
-        """The tokens a host-sampled verify step commits (``verify_proposals``); None when the request's own row
-        raised (it fails alone, as in ``_read_rows_or_fail``). logits: (1 + proposals, vocab); draft_probs: the
-        draft's (proposals, vocab) q for a sampled request, None for point-mass (n-gram) proposals."""
-        try:
-            tokens, logprobs = verify_proposals(logits, request, list(item.spec_token_ids), self.eos_token_ids,
-                                                draft_probs)
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
-            self.scheduler.fail_request(request, request_error_message("sampling", error))
-            return None
-        if logprobs is not None:
-            request.logprobs.extend(logprobs)
-        return tokens
-
-    def _read_rows(self, item: ScheduledRequest, request: Request, logits: torch.Tensor, row: int,
-                   device_token: int | None) -> int | None:
-        positions = item.prompt_logprob_positions
-        if positions:
-            _record_prompt_logprobs(request, logits[row:row + len(positions)], positions)
-            row += len(positions)
-        if not item.samples or not item.needs_host_sampling:
-            return device_token
-        token, logprobs = sample_one(logits[row], request, self.eos_token_ids)
-        if logprobs is not None:
-            request.logprobs.append(logprobs)
-        return token
+        return bitmask
 
     def _count_step(self, plan) -> None:
         self._counters.num_steps += 1
         self._counters.num_computed_tokens += plan.num_batch_tokens
 
     def _finish(self, request: Request) -> RequestOutput:
+        self.sampler.release(request)
         counters = self._counters
         counters.num_requests += 1
         if request.status is RequestStatus.FAILED:
@@ -452,6 +426,7 @@ class LLMEngine:
         if self._in_flight is not None:  # its results are not needed; its blocks are freed below
             self.scheduler.discard(self._in_flight[0])
         self._in_flight = None
+        self.sampler.release_all()
         return len(self.scheduler.abort_all())
 
 
@@ -465,12 +440,23 @@ def _check_causal_decoder(model: torch.nn.Module) -> None:
                              "cbrun runs decoder-only causal LMs")
 
 
-def _record_prompt_logprobs(request: Request, logits: torch.Tensor, positions: range) -> None:
-    """Log-probability of each next prompt token, and whether it was the argmax. logits: (len(positions), V)."""
-    targets = torch.tensor(request.prompt_token_ids[positions.start + 1:positions.stop + 1], device=logits.device)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    request.prompt_logprobs.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
-    request.prompt_greedy.extend((logits.argmax(dim=-1) == targets).tolist())
+def _record_prompt_logprobs(entries: list[tuple[Request, int, range]], logits: torch.Tensor) -> None:
+    """Log-probability of each next prompt token, and whether it was the argmax, for every entry of the step in
+    one ``log_softmax``. entries: (request, its first row in ``logits``, its prompt positions); logits: (N, V)."""
+    rows = torch.tensor([r for _, first, positions in entries for r in range(first, first + len(positions))],
+                        dtype=torch.int64, device=logits.device)
+    targets = torch.tensor([t for request, _, positions in entries
+                            for t in request.prompt_token_ids[positions.start + 1:positions.stop + 1]],
+                           dtype=torch.int64, device=logits.device)
+    chosen = logits[rows].float()
+    logprobs = torch.log_softmax(chosen, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+    greedy = (chosen.argmax(dim=-1) == targets).tolist()
+    start = 0
+    for request, _, positions in entries:
+        end = start + len(positions)
+        request.prompt_logprobs.extend(logprobs[start:end])
+        request.prompt_greedy.extend(greedy[start:end])
+        start = end
 
 
 def load_model(model_path: str, config: EngineConfig):

@@ -7,8 +7,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 #: Host-side id of a token sampled on the device but not yet read back (async batching). It never reaches the
@@ -45,7 +43,8 @@ class Request:
             hashes): unique in the process and never reused, unlike the caller's id or ``id(request)``.
         prompt_token_ids: prompt ids as run.
         sampling_params: how to sample and when to stop.
-        generator: the request's own ``torch.Generator`` (CPU), so its samples never depend on its batch.
+        seed: the key of the request's own counter-based random stream (``engine.sampling.random_stream``), so
+            its samples never depend on its batch.
         output_token_ids: generated ids so far, as known on the host.
         num_pending_tokens: tokens sampled on the device whose ids the host has not read yet (async batching:
             0 or 1). They count in ``num_tokens`` so the scheduler can plan the next step around them.
@@ -69,7 +68,7 @@ class Request:
     request_id: object
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    generator: torch.Generator | None = None
+    seed: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     index: int = field(default_factory=lambda: next(_request_indices))
     output_token_ids: list[int] = field(default_factory=list)

@@ -28,7 +28,7 @@ class FIFOScheduler:
     requests not yet in this step's plan are offloaded, one at a time, until it can; the request asking is never
     offloaded, so the last active request always keeps its cache. An offloaded request is swapped to CPU memory
     when the swap pool has room (resumed later without recomputing) and soft reset otherwise (blocks freed, its
-    prompt and generated tokens recomputed on readmission; its generator and token counts are kept). Either way
+    prompt and generated tokens recomputed on readmission; its seed and token counts are kept). Either way
     it is requeued at the front of ``waiting``.
 
     The scheduler alone changes a request's status, its tokens (``output_token_ids``, ``num_computed_tokens``,

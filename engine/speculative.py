@@ -315,7 +315,7 @@ class Speculator:
                 return []
             kind = n - self.ngram_min
         # A sampled row's draws depend on how many proposals it verifies: its threshold is the one of a batch of
-        # one, so that its proposals, like its generator, depend only on its own tokens (seeded rows stay
+        # one, so that its proposals, like its random stream, depend only on its own tokens (seeded rows stay
         # reproducible and independent of their batch); a greedy row's tokens do not depend on its proposals.
         threshold = self.threshold if state.greedy else self._solo_threshold
         accepted, trials = state.accepted[kind], state.trials[kind]

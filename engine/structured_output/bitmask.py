@@ -1,5 +1,5 @@
 """A step's token bitmask: one int32 row of ceil(vocab / 32) words per logit row, filled from the requests'
-grammar matchers, and applied to the logits in one batched call (xgrammar's kernel on the logits' device)."""
+grammar matchers; the batched sampler applies it to every row first (``engine.sampling.sampler.process``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class StepBitmask:
 
     Attributes:
         bitmask: (num_logit_rows, ceil(vocab / 32)) int32 CPU; -1 (every token allowed) in unconstrained rows.
-        rows: the logit rows that are constrained (the only rows ``apply`` touches).
+        rows: the logit rows that are constrained.
         blocked: ``Request.index`` of requests whose grammar allows no token at a row of theirs.
     """
 
@@ -24,19 +24,6 @@ class StepBitmask:
         self.bitmask = torch.full((num_rows, -(-vocab_size // WORD_BITS)), -1, dtype=torch.int32)
         self.rows: list[int] = []
         self.blocked: set[int] = set()
-
-    def apply(self, logits: torch.Tensor) -> None:
-        """Set the disallowed logits of the constrained rows to -inf, in place, on the logits' device.
-
-        Args:
-            logits: (num_logit_rows, vocab_size) float logits of the step, in plan order.
-        """
-        if not self.rows:
-            return
-        import xgrammar as xgr
-
-        bitmask = self.bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=self.rows)
 
 
 def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, vocab_size: int

@@ -95,17 +95,19 @@ def test_poison_rows_fail_alone_and_good_rows_equal_a_clean_run(overlap):
 
 
 def test_a_row_that_raises_fails_alone_and_device_faults_propagate(monkeypatch):
-    import engine.llm_engine as llm_engine
+    """A batched call that raises is redone row by row: only the row that raises alone fails."""
+    from engine.sampling import step
 
-    real_sample_one = llm_engine.sample_one
+    real_build_batch = step.build_batch
     faults = {"bad": RuntimeError("boom"), "oom": torch.OutOfMemoryError("CUDA out of memory")}
 
-    def sample_one(logits, request, eos_token_ids):
-        if request.request_id in faults:
-            raise faults[request.request_id]
-        return real_sample_one(logits, request, eos_token_ids)
+    def build_batch(rows, *args):
+        for row in rows:
+            if row.request.request_id in faults:
+                raise faults[row.request.request_id]
+        return real_build_batch(rows, *args)
 
-    monkeypatch.setattr(llm_engine, "sample_one", sample_one)
+    monkeypatch.setattr(step, "build_batch", build_batch)
     sampled = SamplingParams(max_new_tokens=5, temperature=1.0, seed=1)
     prompts = random_prompts(3, VOCAB, 3, 9, seed=24)
     outputs = run(engine_for(False), [("a", prompts[0], sampled), ("bad", prompts[1], sampled),

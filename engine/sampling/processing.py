@@ -1,0 +1,96 @@
+"""Logits to scores for a whole step: token bitmask, minimum-length stops, penalties, the inf/NaN rules.
+
+Every function works on (R, V) tensors on the logits' device, R being the step's sampled rows; a row's result
+depends on its own logits and settings only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Per-row error codes (``SamplingBatch`` rows that cannot give a token fail alone).
+OK, NAN_LOGITS, NOTHING_LEFT = 0, 1, 2
+ERROR_MESSAGES = {NAN_LOGITS: "the logits hold NaN (after penalties)",
+                  NOTHING_LEFT: "no token is left to sample: penalties and filters ruled out every one"}
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def allowed_tokens(token_bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Expand xgrammar's packed bitmask into a boolean mask.
+
+    Args:
+        token_bitmask: (R, ceil(V / 32)) int32; bit j of word i set means token ``32 * i + j`` is allowed
+            (xgrammar's ``allocate_token_bitmask`` layout).
+        vocab_size: V, the logits' width (bits past it are ignored; tokens past the mask's width are disallowed).
+
+    Returns:
+        (R, V) bool, True where allowed.
+    """
+    device = token_bitmask.device
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (token_bitmask.to(torch.int32)[:, :, None] >> shifts) & 1
+    allowed = bits.reshape(token_bitmask.shape[0], -1).bool()
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = torch.zeros(allowed.shape[0], vocab_size - allowed.shape[1], dtype=torch.bool, device=device)
+    return torch.cat((allowed, pad), dim=1)
+
+
+def apply_token_bitmask(scores: torch.Tensor, token_bitmask: torch.Tensor) -> torch.Tensor:
+    """Set disallowed tokens to -inf in place. scores: (R, V) float; token_bitmask: (R, ceil(V / 32)) int32."""
+    if token_bitmask.shape[0] != scores.shape[0]:
+        raise ValueError(f"token_bitmask has {token_bitmask.shape[0]} rows; the logits have {scores.shape[0]}")
+    return scores.masked_fill_(~allowed_tokens(token_bitmask, scores.shape[1]), float("-inf"))
+
+
+def apply_stop_mask(scores: torch.Tensor, rows: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
+    """``min_new_tokens``: set (row, token) pairs to -inf in place (the stop tokens of rows still too short)."""
+    if rows is not None:
+        scores[rows, tokens] = float("-inf")
+
+
+def apply_penalties(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor,
+                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> None:
+    """Repetition (prompt and output tokens, CTRL: Keskar et al. 2019), presence and frequency penalties (output
+    tokens, OpenAI's), in place on ``scores[rows]``.
+
+    Args:
+        scores: (R, V) float32.
+        rows: (P,) int64, the rows with a penalty.
+        counts: (P, V) int32, each row's output token counts.
+        prompt_mask: (P, V) bool, each row's prompt tokens.
+        repetition, presence, frequency: (P,) float32.
+    """
+    sub = scores[rows]
+    output_seen = counts > 0
+    seen = output_seen | prompt_mask
+    rep = repetition[:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    # NOTE: only where a count is positive: a penalty that overflows float32 times a zero count would be NaN.
+    penalty = frequency[:, None] * counts + presence[:, None]
+    sub = torch.where(output_seen, sub - penalty, sub)
+    scores[rows] = sub
+
+
+def settle_infinities(scores: torch.Tensor) -> torch.Tensor:
+    """Per-row error codes, and +inf rows turned into finite ones in place.
+
+    A row holding NaN fails (``NAN_LOGITS``); a row whose every score is -inf fails (``NOTHING_LEFT``); a row
+    holding +inf gives all its probability to its +inf tokens, shared equally (scores become 0 there, -inf
+    elsewhere).
+
+    Returns:
+        (R,) int8 error codes.
+    """
+    nan = scores.isnan().any(dim=1)
+    top = scores.amax(dim=1)
+    inf_rows = top == float("inf")
+    if bool(inf_rows.any()):
+        sub = scores[inf_rows]
+        scores[inf_rows] = torch.where(sub == float("inf"), 0.0, float("-inf"))
+    errors = torch.zeros(scores.shape[0], dtype=torch.int8, device=scores.device)
+    errors.masked_fill_(top == float("-inf"), NOTHING_LEFT)
+    return errors.masked_fill_(nan, NAN_LOGITS)

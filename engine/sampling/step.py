@@ -1,0 +1,181 @@
+"""A step's reading of its logits: every sampled row, verified position and prompt row in a few batched calls.
+
+``StepSampler`` is what the engine calls once per step. It gathers the rows that need more than the device's
+argmax, builds their settings (``batch.build_batch``), runs ``sampler.sample`` and ``speculative_rule.verify`` on
+the logits' device, and reads back only tokens, error codes and the log-probabilities asked for. A row that cannot
+give a token fails alone (its error code). Should a batched call raise an exception of the request's own kind
+(``engine.faults.is_request_fault``), its rows are redone one at a time, so only the rows that raise alone fail:
+a row's result does not depend on its batch, so the others are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.faults import SamplingError, is_request_fault, request_error_message
+from engine.request import Request
+from engine.sampling.batch import SamplingRow, build_batch
+from engine.sampling.sampler import sample
+from engine.sampling.speculative_rule import verify
+from engine.sampling.token_counts import TokenCounts
+
+
+@dataclass
+class VerifyEntry:
+    """A sampled or host-processed request's verify entry: its logit rows start at ``first_row`` (one per
+    proposal, then the bonus row); ``draft_probs`` is the draft's (proposals, V) q, None for n-gram proposals."""
+
+    request: Request
+    proposals: list[int]
+    first_row: int
+    draft_probs: torch.Tensor | None
+
+
+class StepSampler:
+    """Owns the penalised requests' token counts (``TokenCounts``) and turns a step's logits into tokens.
+
+    Args:
+        vocab_size: V.
+        device: the logits' device.
+        eos_token_ids: the model's EOS ids.
+        fail: called with (request, message) for a request whose own row failed.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int],
+                 fail: Callable[[Request, str], None]) -> None:
+        self.token_counts = TokenCounts(vocab_size, device)
+        self.eos_token_ids = eos_token_ids
+        self.fail = fail
+
+    def release(self, request: Request) -> None:
+        """Forget a finished request's counts."""
+        self.token_counts.release(request.index)
+
+    def release_all(self) -> None:
+        self.token_counts.release_all()
+
+    def sample_rows(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
+                    token_bitmask: torch.Tensor | None = None) -> dict[int, int]:
+        """One token for each request, from its logit row.
+
+        Args:
+            logits: (N, V) the step's logits on the device.
+            requests: the requests to sample; rows: their rows of ``logits``.
+            token_bitmask: (len(rows), ceil(V / 32)) int32 or None (``sampler.process``).
+
+        Returns:
+            ``Request.index -> token`` of the requests that did not fail; log-probabilities are appended to
+            ``Request.logprobs``.
+        """
+        if not requests:
+            return {}
+        results = self._isolated(lambda at: self._sample(logits, requests, rows, at, token_bitmask),
+                                 requests)
+        sampled = {}
+        for request, result in zip(requests, results):
+            if result is None:
+                continue
+            token, error, logprobs = result
+            if error is not None:
+                self.fail(request, request_error_message("sampling", SamplingError(error)))
+                continue
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            sampled[request.index] = token
+        return sampled
+
+    def verify_entries(self, logits: torch.Tensor, entries: list[VerifyEntry],
+                       token_bitmask: torch.Tensor | None = None) -> dict[int, list[int]]:
+        """The tokens each verify entry commits: its accepted proposals, then a replacement or the bonus token.
+
+        Args:
+            logits: (N, V) the step's logits on the device.
+            entries: the verify entries; their rows of ``logits`` start at ``first_row``.
+            token_bitmask: (N, ceil(V / 32)) int32 over the step's logit rows (a mask per verified position), on
+                the logits' device, or None (``sampler.process``).
+
+        Returns:
+            ``Request.index -> tokens`` of the requests that did not fail (their log-probabilities appended).
+        """
+        if not entries:
+            return {}
+        results = self._isolated(lambda at: self._verify(logits, [entries[i] for i in at], token_bitmask),
+                                 [entry.request for entry in entries])
+        committed = {}
+        for entry, result in zip(entries, results):
+            if result is None:
+                continue
+            tokens, error, logprobs = result
+            if error is not None:
+                self.fail(entry.request, request_error_message("sampling", SamplingError(error)))
+                continue
+            if entry.request.sampling_params.logprobs is not None:
+                entry.request.logprobs.extend(logprobs)
+            committed[entry.request.index] = tokens
+        return committed
+
+    def _isolated(self, run: Callable[[list[int]], list], requests: list[Request]) -> list:
+        """``run`` over all items at once; on a request fault, over each alone (an item that raises alone fails,
+        its result None)."""
+        try:
+            return run(list(range(len(requests))))
+        except Exception as error:
+            if not is_request_fault(error):
+                raise
+        results = []
+        for i, request in enumerate(requests):
+            try:
+                results.append(run([i])[0])
+            except Exception as error:
+                if not is_request_fault(error):
+                    raise
+                self.fail(request, request_error_message("sampling", error))
+                results.append(None)
+        return results
+
+    def _sample(self, logits, requests, rows, at, token_bitmask):
+        batch = build_batch([SamplingRow(requests[i], []) for i in at], self.token_counts, self.eos_token_ids,
+                            logits.device)
+        index = torch.tensor([rows[i] for i in at], dtype=torch.int64, device=logits.device)
+        mask = token_bitmask[torch.tensor(at, device=token_bitmask.device)] if token_bitmask is not None else None
+        tokens, errors, logprobs = sample(logits[index], batch, mask).to_host()
+        return list(zip(tokens, errors, logprobs))
+
+    def _verify(self, logits, entries: list[VerifyEntry], token_bitmask=None):
+        rows, logit_rows, proposals, drafted = [], [], [], []
+        for entry in entries:
+            spec = entry.proposals
+            for i in range(len(spec) + 1):
+                rows.append(SamplingRow(entry.request, spec[:i]))
+                logit_rows.append(entry.first_row + i)
+                proposals.append(spec[i] if i < len(spec) else -1)
+                drafted.append(entry.draft_probs is not None and i < len(spec))
+        device = logits.device
+        batch = build_batch(rows, self.token_counts, self.eos_token_ids, device)
+        draft_probs = has_draft = None
+        if any(drafted):
+            draft_probs = torch.zeros(len(rows), logits.shape[1], dtype=torch.float32, device=device)
+            at = [j for j, d in enumerate(drafted) if d]
+            draft_probs[torch.tensor(at, device=device)] = torch.cat(
+                [e.draft_probs for e in entries if e.draft_probs is not None]).to(device, torch.float32)
+            has_draft = torch.tensor(drafted, device=device)
+        index = torch.tensor(logit_rows, device=device)
+        out = verify(logits[index], batch, torch.tensor(proposals, dtype=torch.int64, device=device), draft_probs,
+                     has_draft, token_bitmask[index] if token_bitmask is not None else None)
+        accepted = out.accepted.tolist()
+        tokens, errors, logprobs = out.sampled.to_host()
+        results, j = [], 0
+        for entry in entries:
+            committed, committed_logprobs, error = [], [], None
+            for i in range(len(entry.proposals) + 1):
+                error = error or errors[j + i]
+                committed.append(tokens[j + i])
+                committed_logprobs.append(logprobs[j + i])
+                if not accepted[j + i]:
+                    break
+            results.append((committed, error, committed_logprobs))
+            j += len(entry.proposals) + 1
+        return results
