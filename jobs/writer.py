@@ -58,6 +58,9 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("candidate_is_greedy", pa.list_(pa.bool_())),
     # Which of the row's samples this is (sampling.n or the row's n column): 0 .. n-1; 0 for one sample per row.
     pa.field("sample_index", pa.int32(), nullable=False),
+    # Whether the completion satisfies the row's structured_outputs constraint (JSON parsed and checked with
+    # jsonschema); null for a row without one, and for error rows.
+    pa.field("structured_output_valid", pa.bool_()),
 ])
 
 FINISH_REASONS = ("stop", "length", "error")
@@ -91,6 +94,7 @@ class OutputRow:
     candidate_num_tokens: list[int] | None = None
     candidate_is_greedy: list[bool] | None = None
     sample_index: int = 0
+    structured_output_valid: bool | None = None
     carried: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
