@@ -131,8 +131,7 @@ class LLMEngine:
         spec = dict(num_proposed_tokens=speculator.num_proposed_tokens,
                     num_accepted_tokens=speculator.num_accepted_tokens,
                     num_verify_steps=speculator.num_verify_steps) if speculator is not None else {}
-        compile_seconds = (sum(self._grammar_compiler.compile_seconds.values())
-                           if self._grammar_compiler is not None else 0.0)
+        compile_seconds = self._grammar_compiler.compile_seconds if self._grammar_compiler is not None else 0.0
         return replace(self._counters, num_soft_resets=self.scheduler.num_soft_resets,
                        grammar_compile_seconds=compile_seconds,
                        num_offloads=self.scheduler.num_offloads, num_generated_tokens=self.scheduler.num_generated_tokens,

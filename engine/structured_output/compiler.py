@@ -37,12 +37,18 @@ class GrammarCompiler:
         vocab_size: the model's logits width (may exceed the tokenizer's vocabulary: padded ids are never allowed).
         eos_token_ids: the model's EOS ids: the only tokens allowed once a structure is complete.
         max_threads: compile threads.
+        max_cached: compiled constraints kept, least recently used dropped first (a job whose rows each bring
+            their own schema would otherwise hold them all).
 
     Attributes:
-        compile_seconds: {key: seconds} spent compiling each distinct constraint (its first submit).
+        num_compiled: distinct constraints compiled (failures included).
+        compile_seconds: seconds spent compiling them, summed over the compile threads (the first compile
+            includes reading the tokenizer's vocabulary).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_threads: int = 2) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_threads: int = 2,
+                 max_cached: int = 1024) -> None:
+        self.max_cached = max_cached
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
@@ -50,7 +56,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._xgr_compiler = None
         self._cache: dict[tuple[str, str], Future] = {}
-        self.compile_seconds: dict[tuple[str, str], float] = {}
+        self.num_compiled = 0
+        self.compile_seconds = 0.0
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """A future of the constraint's ``xgrammar.CompiledGrammar`` (the cached one for a constraint seen before).
@@ -61,6 +68,10 @@ class GrammarCompiler:
         future = self._cache.get(key)
         if future is None:
             future = self._cache[key] = self._pool.submit(self._compile, key)
+            if len(self._cache) > self.max_cached:  # the oldest goes; requests keep their own future
+                del self._cache[next(iter(self._cache))]
+        else:
+            self._cache[key] = self._cache.pop(key)  # most recently used last
         return future
 
     def wait_any(self, futures: list[Future], timeout: float) -> None:
@@ -72,17 +83,18 @@ class GrammarCompiler:
 
     def _compile(self, key: tuple[str, str]):
         start = time.perf_counter()
-        try:
-            compiler = self._compiler()
-        except ImportError:
-            raise GrammarCompileError("structured outputs need xgrammar: pip install 'cbrun[structured]'") from None
         kind, text = key
         try:
-            compiled = _compile_with(compiler, kind, text)
+            compiled = _compile_with(self._compiler(), kind, text)
+        except ImportError:
+            raise GrammarCompileError("structured outputs need xgrammar: pip install 'cbrun[structured]'") from None
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses for bad input
             raise GrammarCompileError(f"invalid {kind.replace('_', ' ')} constraint: {_first_line(exc)}") from None
-        seconds = time.perf_counter() - start
-        self.compile_seconds[key] = seconds
+        finally:
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self.num_compiled += 1
+                self.compile_seconds += seconds
         logger.info("structured outputs: compiled a %s constraint in %.3f s", kind, seconds)
         return compiled
 

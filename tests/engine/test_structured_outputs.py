@@ -193,7 +193,7 @@ def test_each_distinct_constraint_compiles_once(model_dir):
     schema_a = StructuredOutputsParams(json=SCHEMA)
     schema_b = StructuredOutputsParams(json=json.dumps(SCHEMA))  # the same schema, as text
     _run(engine, [SamplingParams(max_new_tokens=5, structured_outputs=so) for so in (schema_a, schema_b, schema_a)])
-    assert len(engine._grammar_compiler.compile_seconds) == 1
+    assert engine._grammar_compiler.num_compiled == 1
     assert engine.stats.grammar_compile_seconds > 0 and engine.stats.num_grammar_mask_steps > 0
 
 
@@ -220,3 +220,28 @@ def test_params_validation_and_key():
     params = SamplingParams(structured_outputs={"choice": ["a", "b"]})
     assert params.structured_outputs == StructuredOutputsParams(choice=("a", "b")) and params.needs_processing
     assert StructuredOutputsParams(json={"b": 1, "a": 2}).key != StructuredOutputsParams(json={"a": 2, "b": 1}).key
+
+
+def test_compiled_constraints_are_cached_least_recently_used_first():
+    from engine.structured_output.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer=None, vocab_size=8, eos_token_ids=frozenset({7}), max_cached=2)
+    a, b, c = (StructuredOutputsParams(regex=r) for r in ("a", "b", "c"))
+    future_a = compiler.submit(a)
+    compiler.submit(b)
+    assert compiler.submit(a) is future_a  # a is now the most recently used
+    compiler.submit(c)  # b goes
+    assert compiler.submit(a) is future_a and set(compiler._cache) == {a.key, c.key}
+    with pytest.raises(Exception, match="invalid regex constraint"):  # no tokenizer: the compile fails, as a row
+        future_a.result()
+    compiler.shutdown()
+
+
+def test_the_samplers_bitmask_kernel_equals_the_unpacked_mask():
+    from engine.sampling import processing
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(5, 70, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, 3), dtype=torch.int32, generator=g)
+    want = scores.masked_fill(~processing.allowed_tokens(bitmask, 70), float("-inf"))
+    assert torch.equal(processing.apply_token_bitmask(scores.clone(), bitmask), want)
