@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from engine.plan import SchedulerOutput
+from engine.sampling.processing import apply_token_bitmask
+from engine.sampling_params import SamplingParams
 
 #: Bits per bitmask word (xgrammar's layout: bit ``t % 32`` of word ``t // 32`` allows token t).
 WORD_BITS = 32
@@ -68,3 +70,30 @@ def _fill_entry(step: StepBitmask, state, row: int, proposals: tuple[int, ...], 
         if state.is_terminated:  # an accepted EOS ends the request there: no row after it is read
             break
     state.rollback(accepted)
+
+
+def masked_greedy(params: SamplingParams) -> bool:
+    """Whether a row's only processing is its constraint's mask: greedy, no penalties, no ``min_new_tokens``, no
+    log-probabilities. Its token is then the argmax of its masked logits (``masked_argmax``)."""
+    return (params.structured_outputs is not None and params.greedy and params.min_new_tokens == 0
+            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.logprobs is None)
+
+
+def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int | None]:
+    """The argmax of each row's logits with its disallowed tokens at -inf, in one batched op on the logits' device.
+
+    Args:
+        logits: (N, V) the step's logits.
+        rows: the rows to read.
+        bitmask: (N, ceil(V / 32)) int32 over the step's logit rows, on the logits' device.
+
+    Returns:
+        Per row its token, or None where the masked logits hold NaN or allow nothing (the sampler then gives the
+        row's error).
+    """
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    scores = apply_token_bitmask(logits[index].float(), bitmask[index])
+    best, tokens = scores.max(dim=1)
+    usable = ~(best.isnan() | (best == float("-inf")) | scores.isnan().any(dim=1))
+    return [t if ok else None for t, ok in zip(tokens.tolist(), usable.tolist())]

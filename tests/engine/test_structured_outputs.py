@@ -113,10 +113,10 @@ def test_greedy_equals_masked_argmax_oracle(engine, model_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    compiled = engine._grammar_compiler.submit(StructuredOutputsParams(regex=REGEX)).result()
     prompts = _prompts(3)
     outputs = _run(engine, [SamplingParams(max_new_tokens=20, structured_outputs=StructuredOutputsParams(
         regex=REGEX))] * 3, prompts)
+    compiled = engine._grammar_compiler.submit(StructuredOutputsParams(regex=REGEX)).result()
     for i, prompt in enumerate(prompts):
         matcher, ids = xgr.GrammarMatcher(compiled), list(prompt)
         bitmask = xgr.allocate_token_bitmask(1, model.config.vocab_size)
@@ -245,3 +245,17 @@ def test_the_samplers_bitmask_kernel_equals_the_unpacked_mask():
     bitmask = torch.randint(-2**31, 2**31 - 1, (5, 3), dtype=torch.int32, generator=g)
     want = scores.masked_fill(~processing.allowed_tokens(bitmask, 70), float("-inf"))
     assert torch.equal(processing.apply_token_bitmask(scores.clone(), bitmask), want)
+
+
+def test_masked_argmax_takes_the_best_allowed_token_and_leaves_bad_rows_to_the_sampler():
+    from engine.structured_output.bitmask import masked_argmax, masked_greedy
+
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [9.0, 1.0, 0.0, 3.0], [float("nan"), 1.0, 2.0, 0.0]])
+    bitmask = torch.tensor([[0b1101], [0b0000], [0b1111]], dtype=torch.int32)  # row 0: tokens 0, 2, 3
+    assert masked_argmax(logits, [0, 1, 2], bitmask) == [3, None, None]
+    assert logits[0, 1] == 5.0  # the step's logits are not changed
+    so = StructuredOutputsParams(choice=CHOICES)
+    assert masked_greedy(SamplingParams(structured_outputs=so))
+    assert not masked_greedy(SamplingParams(structured_outputs=so, temperature=1.0))
+    assert not masked_greedy(SamplingParams(structured_outputs=so, logprobs=1))
+    assert not masked_greedy(SamplingParams())
