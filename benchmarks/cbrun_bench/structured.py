@@ -13,10 +13,13 @@ questions as prompts, greedy, the same engine settings and budgets in every run,
 - ``unconstrained, same limit`` (``--same-limit``): ``max_new_tokens`` 160 for every row (rows run longer, so its
   batches stay full: the ratio then mixes in the workload's shape).
 
-A row gives generated tokens / wall second of each run and the ratio; the constrained run adds the grammar's compile
-time (``EngineStats.grammar_compile_seconds``), the host time per step spent filling and uploading the rows'
-bitmasks (``grammar_mask_seconds / num_grammar_mask_steps``), how many rows ended by "stop" and how many parse and
-validate.
+``--repeat`` runs the two again in the other order. A row gives each run's generated tokens / wall second, its
+forward passes' time (timed around the model runner's forward, synchronous on the CPU) and the rest (host time),
+and the ratio. On a shared machine the forward passes' time swings with the load although both runs do the same
+passes, so the report also gives the ratio with the unconstrained run's forward time in both: the grammar's cost
+alone. The constrained run adds the grammar's compile time (``EngineStats.grammar_compile_seconds``), the host time
+per step spent filling and uploading the rows' bitmasks (``grammar_mask_seconds / num_grammar_mask_steps``), how
+many rows ended by "stop" and how many parse and validate.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def run(engine_config, model_dir: Path, prompts: list[list[int]], params: list) 
     from engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(str(model_dir), engine_config)
+    forward = _time_forward(engine)
     start = time.perf_counter()
     outputs = sorted(engine.generate((i, p, q) for i, (p, q) in enumerate(zip(prompts, params))),
                      key=lambda o: o.request_id)
@@ -97,12 +101,29 @@ def run(engine_config, model_dir: Path, prompts: list[list[int]], params: list) 
     stats = engine.stats
     texts = [engine.tokenizer.decode(o.output_token_ids, skip_special_tokens=True) if o.text is None else o.text
              for o in outputs]
-    return {"wall_s": wall, "tokens": stats.num_generated_tokens, "tok_s": stats.num_generated_tokens / wall,
+    return {"wall_s": wall, "forward_s": forward[0], "host_s": wall - forward[0],
+            "tokens": stats.num_generated_tokens, "tok_s": stats.num_generated_tokens / wall,
             "steps": stats.num_steps, "compile_s": stats.grammar_compile_seconds,
             "mask_steps": stats.num_grammar_mask_steps, "mask_s": stats.grammar_mask_seconds,
             "stop": sum(o.finish_reason == "stop" for o in outputs), "texts": texts,
             "lengths": [len(o.output_token_ids) for o in outputs],
             "errors": sum(o.finish_reason == "error" for o in outputs)}
+
+
+def _time_forward(engine) -> list[float]:
+    """Wrap the model runner's forward pass with a timer (synchronous on the CPU); returns its running total."""
+    total = [0.0]
+    forward = engine.model_runner._forward
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    engine.model_runner._forward = timed
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--same-limit", action="store_true", help="also run unconstrained with max_new_tokens for all")
+    p.add_argument("--repeat", action="store_true", help="run both again in the other order")
     p.add_argument("--model-dir", type=Path, default=None, help="where the model is built (default: a temp dir)")
     p.add_argument("--shared", type=Path, default=None)
     p.add_argument("--out", type=Path, default=RESULTS, help="results file (markdown)")
@@ -129,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
                           max_batch_tokens=4096)
     free = SamplingParams(max_new_tokens=args.max_new_tokens)
     constraint = StructuredOutputsParams(json=SCHEMA)
-    runs = {"json schema": run(config, model_dir, prompts,
-                               [free.replace(structured_outputs=constraint)] * len(prompts))}
-    lengths = runs["json schema"]["lengths"]
-    runs["unconstrained, same lengths"] = run(config, model_dir, prompts, [
-        free.replace(max_new_tokens=n, ignore_eos=True) for n in lengths])
+    constrained = [free.replace(structured_outputs=constraint)] * len(prompts)
+    runs = {"json schema": run(config, model_dir, prompts, constrained)}
+    same_lengths = [free.replace(max_new_tokens=n, ignore_eos=True) for n in runs["json schema"]["lengths"]]
+    runs["unconstrained, same lengths"] = run(config, model_dir, prompts, same_lengths)
     if args.same_limit:
         runs["unconstrained, same limit"] = run(config, model_dir, prompts, [free] * len(prompts))
+    if args.repeat:  # the same two runs again, in the other order: the machine's load drifts
+        runs["unconstrained, same lengths (2)"] = run(config, model_dir, prompts, same_lengths)
+        runs["json schema (2)"] = run(config, model_dir, prompts, constrained)
     valid = sum(bool(is_valid_output(t, constraint)) for t in runs["json schema"]["texts"])
     report = _report(args, runs, valid)
     print(report)
@@ -151,12 +175,19 @@ def _report(args, runs: dict, valid: int) -> str:
              f"{args.rows} rows, max_new_tokens {args.max_new_tokens}, greedy, {args.threads} threads, one run each. "
              "Model: random Llama (hidden 256, 4 layers, vocab 32000) with a 32000-token byte-level BPE tokenizer "
              "trained on GSM8K train.", "",
-             "| run | generated tokens | steps | wall s | tok/s | vs same lengths | rows ended by stop |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| run | generated tokens | steps | wall s | forward s | host s (rest) | tok/s | vs same lengths | "
+             "rows ended by stop |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in runs.items():
-        lines.append(f"| {name} | {r['tokens']} | {r['steps']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | "
-                     f"{r['tok_s'] / base['tok_s']:.2f}x | {r['stop']} / {args.rows} |")
-    lines += ["", f"- grammar compile (one schema, on the compile thread): {json_run['compile_s']:.3f} s",
+        lines.append(f"| {name} | {r['tokens']} | {r['steps']} | {r['wall_s']:.1f} | {r['forward_s']:.1f} | "
+                     f"{r['host_s']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
+                     f"{r['stop']} / {args.rows} |")
+    # The forward passes are the same work in both runs; their time swings with the machine's load. With the
+    # unconstrained run's forward time in both, the ratio is the host time's alone.
+    same_forward = (base["forward_s"] + base["host_s"]) / (base["forward_s"] + json_run["host_s"])
+    lines += ["", f"- ratio with equal forward time (the unconstrained run's {base['forward_s']:.1f} s in both): "
+              f"{same_forward:.2f}x; grammar host time per step: "
+              f"{1000 * (json_run['host_s'] - base['host_s']) / json_run['steps']:.1f} ms",
+              f"- grammar compile (one schema, on the compile thread): {json_run['compile_s']:.3f} s",
               f"- bitmask fill + upload per step at up to {args.rows} constrained rows: {mask_ms:.2f} ms "
               f"({json_run['mask_steps']} steps, {json_run['mask_s']:.2f} s in all, "
               f"{100 * json_run['mask_s'] / json_run['wall_s']:.1f}% of the run)",

@@ -84,7 +84,7 @@ def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     """The argmax of each row's logits with its disallowed tokens at -inf, in one batched op on the logits' device.
 
     Args:
-        logits: (N, V) the step's logits.
+        logits: (N, V) the step's logits; masked in place when ``rows`` are all of them, in order.
         rows: the rows to read.
         bitmask: (N, ceil(V / 32)) int32 over the step's logit rows, on the logits' device.
 
@@ -92,8 +92,11 @@ def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
         Per row its token, or None where the masked logits hold NaN or allow nothing (the sampler then gives the
         row's error).
     """
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    scores = apply_token_bitmask(logits[index].float(), bitmask[index])
-    best, tokens = scores.max(dim=1)
-    usable = ~(best.isnan() | (best == float("-inf")) | scores.isnan().any(dim=1))
+    if rows == list(range(logits.shape[0])):  # every row of the step: masked in place, no copy (the mask is
+        scores = apply_token_bitmask(logits, bitmask)  # applied first anyway, and again is the same)
+    else:
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        scores = apply_token_bitmask(logits[index], bitmask[index])
+    best, tokens = scores.max(dim=1)  # a row with a NaN has a NaN maximum
+    usable = ~(best.isnan() | (best == float("-inf")))
     return [t if ok else None for t, ok in zip(tokens.tolist(), usable.tolist())]

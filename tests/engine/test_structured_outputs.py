@@ -252,8 +252,9 @@ def test_masked_argmax_takes_the_best_allowed_token_and_leaves_bad_rows_to_the_s
 
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [9.0, 1.0, 0.0, 3.0], [float("nan"), 1.0, 2.0, 0.0]])
     bitmask = torch.tensor([[0b1101], [0b0000], [0b1111]], dtype=torch.int32)  # row 0: tokens 0, 2, 3
+    assert masked_argmax(logits, [0, 2], bitmask) == [3, None]
+    assert logits[0, 1] == 5.0  # a subset of the rows: the step's logits are not changed
     assert masked_argmax(logits, [0, 1, 2], bitmask) == [3, None, None]
-    assert logits[0, 1] == 5.0  # the step's logits are not changed
     so = StructuredOutputsParams(choice=CHOICES)
     assert masked_greedy(SamplingParams(structured_outputs=so))
     assert not masked_greedy(SamplingParams(structured_outputs=so, temperature=1.0))
