@@ -289,6 +289,8 @@ class FIFOScheduler:
         params = request.sampling_params
         if params.needs_processing:
             return False
+        if request.structured is not None:  # its next mask needs its matcher past that token, on the host
+            return False
         if len(request.output_token_ids) + request.num_pending_tokens >= params.max_new_tokens:
             return False
         return self.max_model_len is None or request.num_tokens < self.max_model_len
