@@ -35,6 +35,9 @@ from engine.scheduler import make_scheduler
 from engine.speculative import accept_greedy
 from engine.stats import EngineStats
 from engine.stop_strings import StopStringMatcher
+from engine.structured_output.bitmask import build_step_bitmask, masked_argmax, masked_greedy
+from engine.structured_output.compiler import GrammarCompiler
+from engine.structured_output.request_state import StructuredOutputRequest
 from engine.switches import resolve_switch
 from engine.threads import resolve_attention_threads, resolve_num_threads
 from engine.tokenizer import load_tokenizer
@@ -124,6 +127,7 @@ class LLMEngine:
         #: Called at the end of each ``step`` with the batch tokens of the plan it launched (0: none) and the step's
         #: wall seconds (None: nothing is called). Lets a job record its timeline (``jobs.timeline``).
         self.step_listener: Callable[[int, float], None] | None = None
+        self._grammar_compiler: GrammarCompiler | None = None  # built for the first constrained request
 
     @property
     def stats(self) -> EngineStats:
@@ -133,9 +137,11 @@ class LLMEngine:
         spec = dict(num_proposed_tokens=speculator.num_proposed_tokens,
                     num_accepted_tokens=speculator.num_accepted_tokens,
                     num_verify_steps=speculator.num_verify_steps) if speculator is not None else {}
+        compile_seconds = self._grammar_compiler.compile_seconds if self._grammar_compiler is not None else 0.0
         captures, replays = self.model_runner.graph_counts
         return replace(self._counters, num_cuda_graph_captures=captures, num_cuda_graph_replays=replays,
                        num_soft_resets=self.scheduler.num_soft_resets,
+                       grammar_compile_seconds=compile_seconds,
                        num_offloads=self.scheduler.num_offloads, num_generated_tokens=self.scheduler.num_generated_tokens,
                        num_evicted_blocks=self.block_manager.num_evicted_blocks, **spec)
 
@@ -184,7 +190,24 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         request = Request(request_id, list(prompt_token_ids), params, seed=seed)
-        self.scheduler.add_request(request, error=self._validate(request))
+        error = self._validate(request)
+        if error is None and params.structured_outputs is not None:
+            error = self._start_grammar(request)
+        self.scheduler.add_request(request, error=error)
+
+    def _start_grammar(self, request: Request) -> str | None:
+        """Give a constrained request its grammar state, its grammar compiling off the step loop (or cached);
+        the reason it cannot have one, else None."""
+        if self.tokenizer is None:
+            return "structured outputs need a tokenizer, and the model directory has none"
+        if not self.eos_token_ids:
+            return "structured outputs need an EOS token to end the output, and the model states none"
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.get_text_config().vocab_size,
+                                                     self.eos_token_ids)
+        params = request.sampling_params.structured_outputs
+        request.structured = StructuredOutputRequest(params, self._grammar_compiler.submit(params))
+        return None
 
     def _validate(self, request: Request) -> str | None:
         try:
@@ -230,6 +253,8 @@ class LLMEngine:
         """``step``'s work; appends the launched plan's batch tokens to ``plan_tokens`` when given."""
         plan = self.scheduler.schedule()
         finished = self.scheduler.pop_finished()
+        if not plan.scheduled and self._in_flight is None and not finished:
+            self._wait_for_grammars()
         self.model_runner.kv_cache.zero_pages_below(self._num_touched_pages())  # pages this plan uses first
         if self.drafter is not None and plan.scheduled:
             self.drafter.zero_chunks_below(self.block_manager.pool.num_touched_chunks)
@@ -253,6 +278,12 @@ class LLMEngine:
             finished.extend(self.scheduler.pop_finished())  # requests whose own row raised while read
         return [self._finish(r) for r in finished]
 
+    def _wait_for_grammars(self, timeout: float = 0.05) -> None:
+        """Nothing could run: block briefly until a waiting request's grammar is compiled, instead of spinning."""
+        futures = self.scheduler.grammar_futures()
+        if futures:
+            self._grammar_compiler.wait_any(futures, timeout)
+
     def _rows_sampled_at_launch(self, plan: SchedulerOutput) -> LaunchedRows | None:
         """The plan's entries that sample one token through the sampler (not the plain argmax, not a verify
         entry), with their logit rows and sampling rows; None when there are none."""
@@ -261,7 +292,9 @@ class LLMEngine:
         rows = LaunchedRows(self.sampler)
         row, sample = 0, 0
         for item in plan.scheduled:
-            if item.samples and item.needs_host_sampling and not item.spec_token_ids:
+            # NOTE: a constrained row is sampled when the step is read, after its bitmask is built from its matcher
+            if (item.samples and item.needs_host_sampling and not item.spec_token_ids
+                    and self.scheduler.requests[item.request_index].structured is None):
                 rows.requests.append(self.scheduler.requests[item.request_index])
                 rows.logit_rows.append(row + len(item.prompt_logprob_positions))
                 rows.sample_rows.append(sample)
@@ -312,7 +345,10 @@ class LLMEngine:
             ``Request.index -> token``, or the tokens a verify step commits, of the unfinished requests.
         """
         sampled: dict[int, int | list[int]] = {}
+        bitmask = self._grammar_bitmask(plan, handle.logits)  # fails the requests whose grammar allows nothing
         prompt_rows: list[tuple[Request, int, range]] = []
+        to_sample: list[Request] = []  # constrained rows (the others were sampled at launch)
+        sample_at: list[int] = []
         to_verify: list[VerifyEntry] = []
         row, sample = 0, 0
         for item in plan.scheduled:
@@ -330,6 +366,9 @@ class LLMEngine:
                 elif item.spec_token_ids:
                     sampled[item.request_index] = accept_greedy(item.spec_token_ids,
                                                                 token_ids[sample:sample + num_sample_rows])
+                elif item.samples and item.needs_host_sampling and request.structured is not None:
+                    to_sample.append(request)
+                    sample_at.append(first)
                 elif item.samples and item.needs_host_sampling:
                     pass  # sampled when the step was launched (``_rows_sampled_at_launch``)
                 elif item.samples:  # plain greedy: the device's argmax
@@ -338,8 +377,51 @@ class LLMEngine:
             sample += num_sample_rows
         if prompt_rows:
             _record_prompt_logprobs(prompt_rows, handle.logits)
-        sampled.update(self.sampler.verify_entries(handle.logits, to_verify))
+        sample_mask = None
+        if bitmask is not None and to_sample:
+            to_sample, sample_at = self._masked_greedy(handle.logits, bitmask, to_sample, sample_at, sampled)
+            sample_mask = bitmask[torch.tensor(sample_at, dtype=torch.int64, device=bitmask.device)]
+        sampled.update(self.sampler.sample_rows(handle.logits, to_sample, sample_at, sample_mask))
+        sampled.update(self.sampler.verify_entries(handle.logits, to_verify, bitmask))
         return sampled
+
+    def _grammar_bitmask(self, plan: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor | None:
+        """The step's token bitmask on the logits' device: (N logit rows, ceil(V / 32)) int32, every token allowed
+        in unconstrained rows; None when no planned request is constrained. The sampler applies it first, to every
+        row in the same pass. A request whose grammar allows no token at all fails here, alone (its tokenizer
+        cannot express the constraint's next character)."""
+        if self._grammar_compiler is None:
+            return None
+        start = time.perf_counter()
+        step = build_step_bitmask(plan, self.scheduler.requests, logits.shape[0], logits.shape[-1])
+        if step is None:
+            return None
+        for index in step.blocked:
+            self.scheduler.fail_request(self.scheduler.requests[index], "structured outputs: the constraint allows "
+                                        "no token here (the tokenizer cannot express its next character)")
+        bitmask = step.bitmask.to(logits.device, non_blocking=True)
+        self._counters.num_grammar_mask_steps += 1
+        self._counters.grammar_mask_seconds += time.perf_counter() - start
+        return bitmask
+
+    @staticmethod
+    def _masked_greedy(logits: torch.Tensor, bitmask: torch.Tensor, requests: list[Request], rows: list[int],
+                       sampled: dict) -> tuple[list[Request], list[int]]:
+        """Take the greedy rows whose only processing is their grammar's mask (``masked_greedy``): their token is
+        the argmax of their masked logits, all in one batched op (the sampler's own mask op). Returns the other
+        rows and their logit rows, for the sampler; a row whose masked logits hold NaN or nothing goes there too,
+        so its error is the sampler's."""
+        fast = [i for i, request in enumerate(requests) if masked_greedy(request.sampling_params)]
+        if not fast:
+            return requests, rows
+        tokens = masked_argmax(logits, [rows[i] for i in fast], bitmask)
+        done = set()
+        for i, token in zip(fast, tokens):
+            if token is not None:
+                sampled[requests[i].index] = token
+                done.add(i)
+        keep = [i for i in range(len(requests)) if i not in done]
+        return [requests[i] for i in keep], [rows[i] for i in keep]
 
     def _count_step(self, plan) -> None:
         self._counters.num_steps += 1

@@ -21,6 +21,7 @@ class RequestStatus(enum.Enum):
     """Where a request is in its life cycle. Only the scheduler changes it."""
 
     PENDING = "pending"  # waiting for admission (new, or requeued after a soft reset)
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # queued; its constraint is still compiling (vLLM's WAITING_FOR_FSM)
     PREFILLING = "prefilling"  # admitted; some tokens still to compute before the next sample
     DECODING = "decoding"  # one new token per step
     FINISHED = "finished"
@@ -57,6 +58,8 @@ class Request:
         status: see ``RequestStatus``; only the scheduler changes it.
         needs_host_sampling: ``sampling_params.needs_processing``, read once by the scheduler when it accepts the
             request (it is needed per request per step; sampling params are not changed after a request is made).
+        structured: its constraint's grammar state (``engine.structured_output.request_state``), None for free
+            text; the engine makes it, the scheduler advances its matcher on committed tokens.
         speculation: the speculator's state of the request (``engine.speculative``), None until it first decodes
             with speculation on; only the ``Speculator`` reads or writes it (kept here, not in a map, because it is
             read per request per step and goes with the request).
@@ -88,6 +91,7 @@ class Request:
     prompt_greedy: list[bool] = field(default_factory=list)  # whether each such prompt token was the argmax
     needs_host_sampling: bool = False
     speculation: object = None
+    structured: object = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engine.structured_output.params import StructuredOutputsParams, coerce_structured_outputs
+
 #: Names a job may override per row through an input column of the same name.
 #: Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
@@ -14,7 +16,7 @@ GREEDY_TEMPERATURE = 1e-5
 SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                    "ignore_eos", "stop_token_ids", "stop", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "logprobs", "prompt_logprobs_from", "include_stop_str_in_output",
-                   "logprobs_mode")
+                   "logprobs_mode", "structured_outputs")
 
 #: vLLM ``SamplingParams`` names that differ from ours -> our (canonical) name. Every other vLLM name we support
 #: (temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, the penalties, logprobs, n,
@@ -65,6 +67,9 @@ class SamplingParams:
             temperature; "processed_logprobs": of the distribution actually sampled from (after penalties,
             temperature, top-k and top-p). Prompt log-probabilities are always raw.
         prompt_logprobs_from: return log-probabilities of prompt tokens at positions >= this (>= 1); None: off.
+        structured_outputs: a constraint the output must match (JSON schema, regex, choice, grammar; vLLM's
+            ``StructuredOutputsParams``; a dict holding one of them is converted); None: free text. Disallowed
+            tokens are masked before everything else.
 
     Raises:
         ValueError: from ``validate`` when a value is out of range; the message names the setting.
@@ -87,8 +92,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs_from: int | None = None
     logprobs_mode: str = "raw_logprobs"
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict | str):
+            self.structured_outputs = coerce_structured_outputs("structured_outputs", self.structured_outputs)
         self.stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
@@ -120,6 +128,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
         _check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "true or false",
                self.include_stop_str_in_output)
+        if self.structured_outputs is not None:
+            coerce_structured_outputs("structured_outputs", self.structured_outputs)
         _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", " or ".join(map(repr, LOGPROBS_MODES)),
                self.logprobs_mode)
 
@@ -133,7 +143,8 @@ class SamplingParams:
     def needs_processing(self) -> bool:
         """True when the logits row needs more than a batched argmax."""
         return (not self.greedy or self.min_new_tokens > 0 or self.repetition_penalty != 1.0
-                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.logprobs is not None)
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.logprobs is not None
+                or self.structured_outputs is not None)
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with ``changes`` applied; unknown names raise ``ValueError``."""
@@ -202,7 +213,7 @@ def _as_strings(name: str, value: Any) -> tuple[str, ...]:
 #: A field's annotation (without ``| None``) -> the coercion of a per-row value into it.
 _COERCIONS: dict[str, Callable[[str, Any], Any]] = {
     "int": _as_int, "float": _as_float, "bool": _as_bool, "str": _as_text, "tuple[int, ...]": _as_token_ids,
-    "tuple[str, ...]": _as_strings,
+    "tuple[str, ...]": _as_strings, "StructuredOutputsParams": coerce_structured_outputs,
 }
 #: SamplingParams field name -> its annotation, e.g. "int", "float | None", "tuple[int, ...]".
 SAMPLING_FIELD_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}

@@ -79,6 +79,8 @@ class FIFOScheduler:
             self._finished_unplanned.append(request)
         else:
             request.needs_host_sampling = params.needs_processing
+            if request.structured is not None:  # admitted once its grammar is ready; failed if it cannot be
+                request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.requests[request.index] = request
             self.waiting.append(request)
 
@@ -171,7 +173,33 @@ class FIFOScheduler:
         plan.add(request, 1 + len(proposals), tuple(proposals), block_start, sliding_start)
         return True
 
+    def grammar_futures(self) -> list:
+        """The compile futures of the waiting requests whose grammar is not ready (the engine waits on them when
+        nothing else can run)."""
+        return [r.structured.future for r in self.waiting if r.status is RequestStatus.WAITING_FOR_GRAMMAR]
+
     def _schedule_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
+        """Admit waiting requests in order. One whose grammar is still compiling is stepped over and keeps its
+        place (vLLM's WAITING_FOR_FSM): it never holds up the requests behind it."""
+        compiling: list[Request] = []
+        try:
+            self._admit_waiting(plan, out, compiling)
+        finally:
+            self.waiting.extendleft(reversed(compiling))
+
+    def _grammar_pending(self, request: Request) -> bool:
+        """Whether the request still waits for its grammar; a grammar that failed to compile fails it."""
+        if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
+            return False
+        if not request.structured.ready():
+            return True
+        request.status = RequestStatus.PENDING
+        if request.structured.error is not None:
+            self.waiting.remove(request)
+            self._fail(request, f"structured outputs: {request.structured.error}")
+        return False
+
+    def _admit_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput, compiling: list[Request]) -> None:
         while self.waiting:
             if self.running and self._below_safety_margin():
                 return
@@ -179,6 +207,11 @@ class FIFOScheduler:
             if len(self.running) >= self.config.max_requests_per_batch:
                 return
             request = self.waiting[0]
+            if self._grammar_pending(request):
+                compiling.append(self.waiting.popleft())
+                continue
+            if request.is_finished:  # its grammar failed to compile
+                continue
             if not self._next_input_ready(request):
                 return  # FIFO: its token comes back with the step in flight
             if request.cpu_pages:
@@ -258,6 +291,8 @@ class FIFOScheduler:
             return True
         params = request.sampling_params
         if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            return False
+        if request.structured is not None:  # its next mask needs its matcher past that token, on the host
             return False
         if len(request.output_token_ids) + request.num_pending_tokens >= params.max_new_tokens:
             return False
@@ -364,6 +399,10 @@ class FIFOScheduler:
         """Append tokens one at a time, each through the stop check; True when the request finished."""
         counts = request.sampling_params.max_new_tokens > 0
         for token in tokens:
+            if request.structured is not None and counts and not request.structured.accept(token):
+                self.fail_request(request, f"structured outputs: token {token} is not allowed by the constraint "
+                                           "(the sampler's mask was not applied)")
+                return False
             request.output_token_ids.append(token)
             self.num_generated_tokens += counts
             if request.first_token_time is None:

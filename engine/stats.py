@@ -26,6 +26,9 @@ class EngineStats:
         num_verify_steps: request-steps that verified proposals (each commits 1 + its accepted proposals).
         num_cuda_graph_captures: CUDA graphs captured (emulated ones included): at most one per padded shape.
         num_cuda_graph_replays: steps replayed from a CUDA graph (emulated or real); the other steps ran eagerly.
+        num_grammar_mask_steps: steps with at least one constrained row (structured outputs).
+        grammar_mask_seconds: host time those steps spent filling and applying token bitmasks.
+        grammar_compile_seconds: time spent compiling distinct constraints (on the compile threads).
     """
 
     num_prompt_tokens: int = 0
@@ -43,6 +46,9 @@ class EngineStats:
     num_verify_steps: int = 0
     num_cuda_graph_captures: int = 0
     num_cuda_graph_replays: int = 0
+    num_grammar_mask_steps: int = 0
+    grammar_mask_seconds: float = 0.0
+    grammar_compile_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:

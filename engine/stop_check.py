@@ -45,7 +45,7 @@ class Stop:
 def check_stop(request: Request, conditions: StopConditions) -> Stop | None:
     """Whether the request stops after its last appended token; reads the request, changes nothing.
 
-    Checked in this order: a stop token or EOS, a stop string in the output's tail, then max_new_tokens and the
+    Checked in this order: a stop token or EOS, the end of a structured output's grammar, a stop string in the output's tail, then max_new_tokens and the
     model's maximum length. A request with ``max_new_tokens = 0`` ran its prompt for prompt log-probabilities
     only (echo): the token its last position sampled is not an output.
     """
@@ -54,6 +54,8 @@ def check_stop(request: Request, conditions: StopConditions) -> Stop | None:
         return Stop("length", 0)
     token = output[-1]
     if token in params.stop_token_ids or (not params.ignore_eos and token in conditions.eos_token_ids):
+        return Stop("stop", len(output), stop_reason=token)
+    if request.structured is not None and request.structured.is_terminated:  # the structure and its end token
         return Stop("stop", len(output), stop_reason=token)
     matcher = conditions.stop_matcher
     if params.stop and matcher.find(output, params.stop):

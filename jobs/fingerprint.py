@@ -175,6 +175,12 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
     """
     sampling = asdict(manifest.sampling)
     sampling.pop("seed")
+    # NOTE: the constraint only when set (earlier jobs keep their fingerprint), in one spelling (a schema as text
+    # or as a table is one job)
+    constraint = manifest.sampling.structured_outputs
+    sampling.pop("structured_outputs")
+    if constraint is not None:
+        sampling["structured_outputs"] = constraint.to_dict()
     inp = manifest.input
     model = model_fingerprint(manifest.model.path)
     fingerprint = {

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import logging
 
+from engine.structured_output import StructuredOutputsParams
+from engine.structured_output.validate import is_valid_output
 from jobs.chat import conversation, encode_chat
 from jobs.ordering import RowWork, SampleGroups
 from jobs.prompts import encode_prompt
@@ -59,6 +61,7 @@ class GenerateMode:
         self.vocab_size = vocab_size
         self.in_flight = SampleGroups()
         self.warned_identical_samples = False
+        self._constraints: dict[int, StructuredOutputsParams] = {}  # row index -> its constraint, while in flight
 
     @property
     def num_in_flight(self) -> int:
@@ -89,13 +92,18 @@ class GenerateMode:
                            "(warned once)", row.row_index, row.id, num_samples)
         seeds = sample_seeds(self.manifest.seed, row.id, num_samples, row.sampling_overrides.get("seed"))
         self.in_flight.start(row.row_index, row.id, num_samples)
+        if params.structured_outputs is not None:
+            self._constraints[row.row_index] = params.structured_outputs
         requests = [((row.row_index, i), prompt_token_ids, params.replace(seed=seed)) for i, seed in enumerate(seeds)]
         return RowWork(row.row_index, row.id, prompt_token_ids, requests)
 
     def collect(self, output) -> list[OutputRow] | None:
         """Record one sample's ``RequestOutput``; all the row's samples, by sample index, once all are back."""
         row_index, _ = output.request_id
-        return self.in_flight.add(row_index, self._output_row(self.in_flight.row_id(row_index), output))
+        rows = self.in_flight.add(row_index, self._output_row(self.in_flight.row_id(row_index), output))
+        if rows is not None:
+            self._constraints.pop(row_index, None)
+        return rows
 
     def _encode(self, row: InputRow) -> list[int]:
         """The prompt ids of a text row: the chat template over its conversation, or the plain encoding."""
@@ -130,6 +138,7 @@ class GenerateMode:
             finish_reason=output.finish_reason, logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
             prompt_greedy=output.prompt_greedy,
             stop_reason=None if output.stop_reason is None else str(output.stop_reason),
+            structured_output_valid=is_valid_output(text, self._constraints.get(row_index)),
         )
         if self.manifest.output.row_timings:
             row.queue_s, row.ttft_s, row.decode_s = output.queue_s, output.ttft_s, output.decode_s

@@ -12,6 +12,7 @@ The format is the one the OpenAI Batch API and ``vllm run-batch`` read (vLLM ``e
 - the body's sampling fields override the job's ``[sampling]`` values for that row (``BODY_FIELDS``); a field
   that is absent or null keeps the job's value (note: the job's default temperature is 0, OpenAI's is 1);
 - ``custom_id`` is the row id (it seeds the row as ``id_column`` does); duplicates are refused before any work;
+- ``response_format`` (``json_object``, ``json_schema``) constrains the row's output (``structured_outputs``);
 - an unknown url or method, a missing body, or a body field cbrun cannot honour is that row's error, naming the
   field. A field set to its neutral value (``"stream": false``, ``"logit_bias": {}``...) is accepted.
 
@@ -34,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.sampling_params import coerce_num_samples, coerce_sampling_value
+from engine.structured_output import StructuredOutputsParams, coerce_structured_outputs
 from jobs.carry import carried_values, check_kept_columns, keep_role, keep_roles
 from jobs.chat import encode_chat
 from jobs.jsonl_source import is_jsonl, numbered_rows
@@ -52,13 +54,13 @@ BODY_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
     "stop": "stop", "stop_token_ids": "stop_token_ids", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-    "ignore_eos": "ignore_eos",
+    "ignore_eos": "ignore_eos", "structured_outputs": "structured_outputs",
 }
 #: Body fields that change nothing cbrun computes.
 IGNORED_FIELDS = ("model", "user", "metadata", "store", "service_tier", "stream_options")
 #: Body fields accepted only with these values (their neutral values: they ask for nothing).
 NEUTRAL_VALUES = {"stream": (False,), "echo": (False,), "best_of": (1,), "logit_bias": ({},), "tools": ([],),
-                  "response_format": ({"type": "text"},), "parallel_tool_calls": (True, False),
+                  "parallel_tool_calls": (True, False),
                   "skip_special_tokens": (True,), "include_stop_str_in_output": (False,)}
 
 
@@ -134,8 +136,36 @@ def parse_request(method: Any, url: Any, body: Any) -> BatchRequest:
         request.overrides["logprobs"] = request.top_logprobs
     if "n" in fields_:
         request.num_samples = _field(coerce_num_samples, "n", fields_.pop("n"))
+    constraint = response_format(fields_.pop("response_format", None))
+    if constraint is not None:
+        request.overrides["structured_outputs"] = constraint
     request.overrides.update(_sampling_overrides(fields_))
     return request
+
+
+def response_format(value: Any) -> StructuredOutputsParams | None:
+    """The constraint of a body's ``response_format`` (OpenAI's spec, on chat and completions alike):
+    ``{"type": "text"}`` or absent: none; ``{"type": "json_object"}``: any JSON object; ``{"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``: a JSON value valid under ``schema``.
+
+    Raises:
+        ValueError: naming the field, for another type or a malformed or invalid schema.
+    """
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f"body.response_format = {json.dumps(value)} is not supported: its type must be "
+                         '"text", "json_object" or "json_schema"')
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ValueError("body.response_format.json_schema.schema must be a JSON schema object")
+    return _field(lambda v: coerce_structured_outputs("structured_outputs", {"json": v}),
+                  "response_format.json_schema.schema", spec["schema"])
 
 
 def _body_object(body: Any) -> dict[str, Any]:

@@ -64,6 +64,9 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("queue_s", pa.float64()),  # arrival in the engine -> first admission into the batch
     pa.field("ttft_s", pa.float64()),  # arrival in the engine -> first generated token
     pa.field("decode_s", pa.float64()),  # first generated token -> finished
+    # Whether the completion satisfies the row's structured_outputs constraint (JSON parsed and checked with
+    # jsonschema); null for a row without one, and for error rows.
+    pa.field("structured_output_valid", pa.bool_()),
 ])
 
 #: The output columns that are timings (``OUTPUT_SCHEMA``), not results.
@@ -104,6 +107,7 @@ class OutputRow:
     queue_s: float | None = None
     ttft_s: float | None = None
     decode_s: float | None = None
+    structured_output_valid: bool | None = None
     carried: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and print a side-by-side table: throughput, prefix-cache hits, TTFT/ITL, peak memory, and whether each "
         "backend's greedy outputs equal cbrun's. With --repeats N each row is the backend's median run by wall "
         "time."))
-    p.add_argument("--workload", choices=(*WORKLOADS, "engine-overhead", "speculative"),
+    p.add_argument("--workload", choices=(*WORKLOADS, "engine-overhead", "speculative", "structured"),
                    default="gsm8k-stories260k",
                    help="gsm8k-stories260k: GSM8K test questions on stories260K; gsm8k-long: the same with "
                    "max_new_tokens = min(256, 512 - prompt); random-llama-30m: random ids of the same lengths on a "
@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "Llama with a 512-token vocabulary, ignore_eos, the comparison with vLLM's CPU backend "
                    "(--vllm-python); engine-overhead: host time per step on a near-free model "
                    "(cbrun bench --workload engine-overhead --help); speculative: speculation off / ngram / draft "
-                   "on a story-repeat workload and workload 1 (cbrun bench --workload speculative --help)")
+                   "on a story-repeat workload and workload 1 (cbrun bench --workload speculative --help); "
+                   "structured: a JSON-schema job against the same job unconstrained "
+                   "(cbrun bench --workload structured --help)")
     p.add_argument("--rows", type=int, help=f"GSM8K test questions to take, from the first (gsm8k-fewshot leaves "
                    f"out those too long for the context) (default {DEFAULT_ROWS})")
     p.add_argument("--backends",
@@ -256,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.cbrun_bench.speculative import main as speculative_main
 
         return speculative_main([a for a in argv if a not in ("--workload", "speculative")])
+    if "structured" in argv:  # its own options; see benchmarks.cbrun_bench.structured
+        from benchmarks.cbrun_bench.structured import main as structured_main
+
+        return structured_main([a for a in argv if a not in ("--workload", "structured")])
     args = _parse_args(argv)
     torch.set_num_threads(args.threads)
     quiet_transformers()

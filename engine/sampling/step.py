@@ -159,15 +159,53 @@ class StepSampler:
         return sampled
 
     @torch.inference_mode()
-    def verify_entries(self, logits: torch.Tensor, entries: list[VerifyEntry]) -> dict[int, list[int]]:
+    def sample_rows(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
+                    token_bitmask: torch.Tensor | None = None) -> dict[int, int]:
+        """One token for each request, from its logit row, when the step is read (constrained rows, whose
+        bitmask needs their matcher past the previous token).
+
+        Args:
+            logits: (N, V) the step's logits on the device.
+            requests: the requests to sample; rows: their rows of ``logits``.
+            token_bitmask: (len(rows), ceil(V / 32)) int32 or None (``sampler.process``).
+
+        Returns:
+            ``Request.index -> token`` of the requests that did not fail; log-probabilities are appended to
+            ``Request.logprobs``.
+        """
+        if not requests:
+            return {}
+        results = self._isolated(lambda at: self._sample(logits, requests, rows, at, token_bitmask), requests)
+        sampled = {}
+        for request, result in zip(requests, results):
+            if result is None:
+                continue
+            token, error, logprobs = result
+            if error is not None:
+                self.fail(request, request_error_message("sampling", SamplingError(error)))
+                continue
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            sampled[request.index] = token
+        return sampled
+
+    @torch.inference_mode()
+    def verify_entries(self, logits: torch.Tensor, entries: list[VerifyEntry],
+                       token_bitmask: torch.Tensor | None = None) -> dict[int, list[int]]:
         """The tokens each verify entry commits: its accepted proposals, then a replacement or the bonus token.
+
+        Args:
+            logits: (N, V) the step's logits on the device.
+            entries: the verify entries; their rows of ``logits`` start at ``first_row``.
+            token_bitmask: (N, ceil(V / 32)) int32 over the step's logit rows (a mask per verified position), on
+                the logits' device, or None (``sampler.process``).
 
         Returns:
             ``Request.index -> tokens`` of the requests that did not fail (their log-probabilities appended).
         """
         if not entries:
             return {}
-        results = self._isolated(lambda at: self._verify(logits, [entries[i] for i in at]),
+        results = self._isolated(lambda at: self._verify(logits, [entries[i] for i in at], token_bitmask),
                                  [entry.request for entry in entries])
         committed = {}
         for entry, result in zip(entries, results):
@@ -210,7 +248,7 @@ class StepSampler:
         tokens, errors, logprobs = sample(logits[index], batch, mask).to_host()
         return list(zip(tokens, errors, logprobs))
 
-    def _verify(self, logits, entries: list[VerifyEntry]):
+    def _verify(self, logits, entries: list[VerifyEntry], token_bitmask=None):
         rows, logit_rows, proposals, drafted = [], [], [], []
         for entry in entries:
             spec = entry.proposals
@@ -228,8 +266,9 @@ class StepSampler:
             draft_probs[torch.tensor(at, device=device)] = torch.cat(
                 [e.draft_probs for e in entries if e.draft_probs is not None]).to(device, torch.float32)
             has_draft = torch.tensor(drafted, device=device)
-        out = verify(logits[torch.tensor(logit_rows, device=device)], batch,
-                     torch.tensor(proposals, dtype=torch.int64, device=device), draft_probs, has_draft)
+        index = torch.tensor(logit_rows, device=device)
+        out = verify(logits[index], batch, torch.tensor(proposals, dtype=torch.int64, device=device), draft_probs,
+                     has_draft, token_bitmask[index] if token_bitmask is not None else None)
         accepted = out.accepted.tolist()
         tokens, errors, logprobs = out.sampled.to_host()
         results, j = [], 0

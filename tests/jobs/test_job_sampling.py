@@ -11,6 +11,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from jobs.generate import derive_seed
 from jobs.job import run_job
 from jobs.manifest import manifest_from_dict
@@ -35,12 +36,14 @@ def test_every_sampling_field_is_a_manifest_setting():
     values = {"max_new_tokens": 7, "min_new_tokens": 2, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.1,
               "stop_token_ids": [4, 5], "stop": ["\n\n", "END"], "ignore_eos": True, "repetition_penalty": 1.2,
               "presence_penalty": 0.1, "frequency_penalty": 0.2, "logprobs": 2, "prompt_logprobs_from": 3,
-              "include_stop_str_in_output": True, "logprobs_mode": "processed_logprobs"}
+              "include_stop_str_in_output": True, "logprobs_mode": "processed_logprobs",
+              "structured_outputs": {"regex": "a+"}}
     assert set(values) | {"seed"} == {f.name for f in fields(SamplingParams)} == set(SAMPLING_FIELDS)
     raw = {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"},
            "sampling": {**values, "seed": 11}}
     m = manifest_from_dict(raw)
     expected = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    expected["structured_outputs"] = StructuredOutputsParams(regex="a+")
     assert {k: getattr(m.sampling, k) for k in values} == expected
     assert m.seed == 11 and m.sampling.seed is None  # the job seed; each row's seed derives from it
 
@@ -67,6 +70,8 @@ def test_every_sampling_field_is_a_row_column_of_its_arrow_type(tmp_path):
         "presence_penalty": pa.array([-0.5, None]), "frequency_penalty": pa.array([0.5, None]),
         "logprobs": pa.array([0, None], pa.int8()), "prompt_logprobs_from": pa.array([1, None], pa.int64()),
         "include_stop_str_in_output": pa.array([True, None]), "logprobs_mode": pa.array(["raw_logprobs", None]),
+        "structured_outputs": pa.array([{"choice": ["x", "y"], "regex": None}, None],
+                                       pa.struct([("choice", pa.list_(pa.string())), ("regex", pa.string())])),
     }
     pq.write_table(pa.table(columns), tmp_path / "in.parquet")
     reader = PromptReader(tmp_path / "in.parquet", prompt_column="prompt")
@@ -76,9 +81,10 @@ def test_every_sampling_field_is_a_row_column_of_its_arrow_type(tmp_path):
         "max_new_tokens": 3, "min_new_tokens": 1, "temperature": 0.0, "top_k": 2, "top_p": 0.5, "min_p": 0.25,
         "seed": 2**62, "ignore_eos": True, "stop_token_ids": (1, 2), "stop": ("END",), "repetition_penalty": 1.5,
         "presence_penalty": -0.5, "frequency_penalty": 0.5, "logprobs": 0, "prompt_logprobs_from": 1,
-        "include_stop_str_in_output": True, "logprobs_mode": "raw_logprobs"}
+        "include_stop_str_in_output": True, "logprobs_mode": "raw_logprobs",
+        "structured_outputs": StructuredOutputsParams(choice=("x", "y"))}
     python_types = {"int": int, "float": float, "bool": bool, "tuple[int, ...]": tuple, "tuple[str, ...]": tuple,
-                    "str": str}
+                    "str": str, "StructuredOutputsParams": StructuredOutputsParams}
     assert {k: type(v) for k, v in first.sampling_overrides.items()} == \
         {k: python_types[SAMPLING_FIELD_TYPES[k].replace(" | None", "")] for k in SAMPLING_FIELDS}
     SamplingParams().replace(**first.sampling_overrides).validate()

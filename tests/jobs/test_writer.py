@@ -30,7 +30,8 @@ def test_parts_have_the_schema_and_rows(tmp_path):
     assert table.schema.equals(OUTPUT_SCHEMA)
     unset = {"logprobs": None, "prompt_logprobs": None, "prompt_greedy": None, "stop_reason": None,
              "candidate_logprobs": None, "candidate_num_tokens": None, "candidate_is_greedy": None,
-             "sample_index": 0, "queue_s": None, "ttft_s": None, "decode_s": None}
+             "sample_index": 0, "queue_s": None, "ttft_s": None, "decode_s": None,
+             "structured_output_valid": None}
     assert table.to_pylist() == [
         {"id": "r0", "row_index": 0, "completion": "text 0", "completion_token_ids": [0, 1], "num_prompt_tokens": 3,
          "num_completion_tokens": 2, "finish_reason": "length", "error": None, **unset},

@@ -1,0 +1,102 @@
+"""A step's token bitmask: one int32 row of ceil(vocab / 32) words per logit row, filled from the requests'
+grammar matchers; the batched sampler applies it to every row first (``engine.sampling.sampler.process``)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.plan import SchedulerOutput
+from engine.sampling.processing import apply_token_bitmask
+from engine.sampling_params import SamplingParams
+
+#: Bits per bitmask word (xgrammar's layout: bit ``t % 32`` of word ``t // 32`` allows token t).
+WORD_BITS = 32
+
+
+class StepBitmask:
+    """The bitmask rows of one step, and the requests whose grammar allowed no token.
+
+    Attributes:
+        bitmask: (num_logit_rows, ceil(vocab / 32)) int32 CPU; -1 (every token allowed) in unconstrained rows.
+        rows: the logit rows that are constrained.
+        blocked: ``Request.index`` of requests whose grammar allows no token at a row of theirs.
+    """
+
+    def __init__(self, num_rows: int, vocab_size: int) -> None:
+        self.bitmask = torch.full((num_rows, -(-vocab_size // WORD_BITS)), -1, dtype=torch.int32)
+        self.rows: list[int] = []
+        self.blocked: set[int] = set()
+
+
+def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, vocab_size: int
+                       ) -> StepBitmask | None:
+    """The bitmask of a step's logit rows (None when no planned request is constrained).
+
+    Rows follow the plan as the engine reads them: per entry, its prompt log-probability rows, then its sample rows
+    (one, or one per verified position of a verify step). A verify step gets a mask per position: the matcher
+    accepts each proposal after its row is filled, and is rolled back once all are (the committed tokens are
+    accepted later, by the scheduler). A proposal the grammar refuses ends the walk: its own row already excludes
+    it, so verification rejects it there and never reads the rows after.
+
+    Args:
+        plan: the step's plan.
+        requests: the scheduler's unfinished requests by ``Request.index``.
+        num_rows: logit rows of the step.
+        vocab_size: the logits' width.
+    """
+    step: StepBitmask | None = None
+    row = 0
+    for item in plan.scheduled:
+        row += len(item.prompt_logprob_positions)
+        request = requests.get(item.request_index) if item.samples else None
+        state = request.structured if request is not None else None
+        if state is not None and state.ready() and state.error is None:
+            if step is None:
+                step = StepBitmask(num_rows, vocab_size)
+            _fill_entry(step, state, row, item.spec_token_ids, request.index)
+        row += item.num_sample_rows
+    return step
+
+
+def _fill_entry(step: StepBitmask, state, row: int, proposals: tuple[int, ...], request_index: int) -> None:
+    accepted = 0
+    for i in range(len(proposals) + 1):
+        step.rows.append(row + i)
+        if not state.fill_bitmask(step.bitmask, row + i):
+            step.blocked.add(request_index)
+        if i == len(proposals) or not state.accept(proposals[i]):
+            break
+        accepted += 1
+        if state.is_terminated:  # an accepted EOS ends the request there: no row after it is read
+            break
+    state.rollback(accepted)
+
+
+def masked_greedy(params: SamplingParams) -> bool:
+    """Whether a row's only processing is its constraint's mask: greedy, no penalties, no ``min_new_tokens``, no
+    log-probabilities. Its token is then the argmax of its masked logits (``masked_argmax``)."""
+    return (params.structured_outputs is not None and params.greedy and params.min_new_tokens == 0
+            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.logprobs is None)
+
+
+def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int | None]:
+    """The argmax of each row's logits with its disallowed tokens at -inf, in one batched op on the logits' device.
+
+    Args:
+        logits: (N, V) the step's logits; masked in place when ``rows`` are all of them, in order.
+        rows: the rows to read.
+        bitmask: (N, ceil(V / 32)) int32 over the step's logit rows, on the logits' device.
+
+    Returns:
+        Per row its token, or None where the masked logits hold NaN or allow nothing (the sampler then gives the
+        row's error).
+    """
+    if rows == list(range(logits.shape[0])):  # every row of the step: masked in place, no copy (the mask is
+        scores = apply_token_bitmask(logits, bitmask)  # applied first anyway, and again is the same)
+    else:
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        scores = apply_token_bitmask(logits[index], bitmask[index])
+    best, tokens = scores.max(dim=1)  # a row with a NaN has a NaN maximum
+    usable = ~(best.isnan() | (best == float("-inf")))
+    return [t if ok else None for t, ok in zip(tokens.tolist(), usable.tolist())]
