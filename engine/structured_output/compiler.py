@@ -107,10 +107,30 @@ class GrammarCompiler:
                 tokenizer = self._tokenizer
                 if hasattr(tokenizer, "transformers_tokenizer"):  # engine.tokenizer.FastTokenizer
                     tokenizer = tokenizer.transformers_tokenizer()
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self._eos_token_ids)
+                info = _tokenizer_info(xgr, tokenizer, self.vocab_size, self._eos_token_ids)
                 self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._xgr_compiler
+
+
+def _tokenizer_info(xgr, tokenizer, vocab_size: int | None, stop_token_ids):
+    """xgrammar's view of the vocabulary, with every special token (BOS, UNK, chat markers, ...) spelled as no
+    text, so no grammar can match it: xgrammar takes a token's text as written, and ``<unk>`` would otherwise
+    satisfy a grammar such as ``"<" [a-z]+ ">"`` while decoding to nothing. The stop tokens stay allowed where the
+    grammar may end."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                if getattr(t, "special", False)}
+    special -= set(info.stop_token_ids)
+    if not special:
+        return info
+    size = info.vocab_size
+    encoded = [""] * size
+    for token, index in tokenizer.get_vocab().items():
+        if index < size and index not in special:
+            encoded[index] = token
+    return xgr.TokenizerInfo(encoded, vocab_type=info.vocab_type, vocab_size=size,
+                             stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
 
 
 #: xgrammar 0.2.9's JSON string characters: a length-bounded string's (``maxLength``/``minLength``) lets raw

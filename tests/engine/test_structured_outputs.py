@@ -260,3 +260,15 @@ def test_masked_argmax_takes_the_best_allowed_token_and_leaves_bad_rows_to_the_s
     assert not masked_greedy(SamplingParams(structured_outputs=so, temperature=1.0))
     assert not masked_greedy(SamplingParams(structured_outputs=so, logprobs=1))
     assert not masked_greedy(SamplingParams())
+
+
+def test_special_tokens_never_match_a_grammar_that_their_text_spells(engine):
+    """``<unk>`` (id 258) and ``<s>`` (256) spell ``"<" [a-z]+ ">"`` as written, but decode to nothing: no row may
+    draw them, whatever its seed (the byte tokenizer must spell the letters one by one)."""
+    so = StructuredOutputsParams(grammar='root ::= "<" [a-z]{1,4} ">"')
+    outputs = _run(engine, [SamplingParams(max_new_tokens=20, temperature=1.0, seed=i, structured_outputs=so)
+                            for i in range(24)])
+    for output in outputs.values():
+        assert output.finish_reason == "stop", output.error
+        assert not {256, 258} & set(output.output_token_ids), output.output_token_ids
+        assert re.fullmatch(r"<[a-z]{1,4}>", _text(engine, output)), output.output_token_ids
