@@ -162,7 +162,7 @@ def _resolved(path: str | Path) -> str:
 
 
 def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
-                    engine_dtype: str | None = None) -> dict[str, Any]:
+                    engine_dtype: str | None = None, may_sample: bool = True) -> dict[str, Any]:
     """The settings and content that determine a job's outputs, as a JSON-ready dict.
 
     Args:
@@ -172,6 +172,8 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
             depend on it, so an output is continued with the same N only.
         engine_dtype: the dtype the engine runs in (``EngineConfig.resolve_dtype``: "auto" resolved for the
             device); None records ``manifest.engine.dtype`` as written.
+        may_sample: whether any row may be sampled (the job's settings, per-row setting columns, OpenAI batch
+            bodies): only then is the sampler's version recorded, so a greedy job of an earlier version resumes.
     """
     sampling = asdict(manifest.sampling)
     sampling.pop("seed")
@@ -194,10 +196,12 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
                   "candidates_column": inp.candidates_column, "corruptions": inp.corruptions, "chat": inp.chat,
                   "messages_column": inp.messages_column, "system_prompt": inp.system_prompt,
                   "per_row_settings": inp.per_row_settings, "boundary": inp.boundary},
-        "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n, "sampler": SAMPLER_VERSION},
+        "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n},
         "shards": {"count": num_shards},
     }
     # NOTE: added only when set, so the jobs of earlier versions keep their fingerprint
+    if may_sample:  # the random stream decides a sampled row's tokens, never a greedy row's
+        fingerprint["sampling"]["sampler"] = SAMPLER_VERSION
     if inp.format != "auto":
         fingerprint["input"]["format"] = inp.format
     if manifest.output.keep_columns:

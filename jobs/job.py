@@ -270,7 +270,8 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
     try:
         # NOTE: dtype "auto" means bf16 on a GPU and float32 on the CPU: the fingerprint records the one this run uses
         fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count,
-                                      engine_dtype=engine_config.resolve_dtype(checkpoint_dtype(manifest.model.path)))
+                                      engine_dtype=engine_config.resolve_dtype(checkpoint_dtype(manifest.model.path)),
+                                      may_sample=_may_sample(manifest, reader))
     except StorageError as exc:
         raise JobError(str(exc)) from None
     # NOTE: a refused run leaves no output directory it made (see _remove_refused_output); a shard's may be shared
@@ -543,6 +544,13 @@ class _ShardJob(_Job):
                 "num_shards": self.shard.count, "shards": shards,
                 "max_error_fraction": self.manifest.output.max_error_fraction,
             })
+
+
+def _may_sample(manifest: JobManifest, reader) -> bool:
+    """Whether any row of the job may be sampled: the job's own settings, a per-row setting column, or an OpenAI
+    batch file (each body carries its settings)."""
+    return (not manifest.sampling.greedy or bool(getattr(reader, "setting_of_column", None))
+            or isinstance(reader, OpenAIBatchReader))
 
 
 def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: bool = False) -> None:

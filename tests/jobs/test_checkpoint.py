@@ -252,3 +252,12 @@ def test_fingerprint_records_the_sampler_version(manifest):
     older = json.loads(json.dumps(current))
     del older["sampling"]["sampler"]
     assert fingerprint_differences(older, current) == ["sampling.sampler"]
+
+
+def test_a_greedy_job_of_an_earlier_version_still_resumes(manifest):
+    """The random stream never decides a greedy row's tokens: a job with no sampled row records no sampler
+    version, so its fingerprint equals the one an earlier version wrote."""
+    greedy = job_fingerprint(manifest, 100, may_sample=False)
+    assert "sampler" not in greedy["sampling"]
+    sampled = job_fingerprint(manifest, 100, may_sample=True)
+    assert fingerprint_differences(greedy, sampled) == ["sampling.sampler"]
