@@ -11,7 +11,8 @@ The same library writes each step's K/V into the cache (``write_kv_cache_cpu``, 
 (``rope_cpu``, the floats of the PyTorch ops).
 
 The kernel is plain C with no torch headers; it builds with ``$CC`` (default ``gcc``), flags ``-O3 -march=native
--fopenmp -fno-trapping-math`` (the last lets the compiler vectorise the softmax's selects), into
+-ffp-contract=off -fopenmp -fno-trapping-math`` (no fused multiply-adds, so the floats do not depend on the CPU;
+the last lets the compiler vectorise the softmax's selects), into
 ``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``), once per source, compiler and CPU (about 33 s on a
 2-core machine: its tile loops are specialised per head size). It is loaded with ``ctypes`` and called on tensors'
 data pointers. Where it cannot be built (no compiler, a failed build, a read-only cache), ``unavailable_reason``
@@ -36,7 +37,11 @@ logger = logging.getLogger("cbrun.engine")
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 CACHE_ENV = "CBRUN_KERNEL_CACHE"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-std=c11", "-shared", "-fPIC")
+# -ffp-contract=off: no fused multiply-adds. The kernel's 8-lane loops and its generic loops must give the same
+# floats, and RoPE the floats of PyTorch's separate ops, on any CPU; -std=c11 already implies it, spelled out so a
+# change of dialect (gnu11 contracts by default) cannot bring contraction back on FMA targets.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fno-trapping-math", "-std=c11", "-shared",
+         "-fPIC")
 
 _library: ctypes.CDLL | None = None
 _failure: str | None = None

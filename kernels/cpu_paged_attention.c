@@ -373,14 +373,28 @@ ALWAYS_INLINE void attend_tile_two_pass(const float *query, const float *k_cache
 #pragma omp simd
                 for (int j = 0; j < n; j++) s[j] *= scale;
             }
-            float row_max = -INFINITY, sum = 0.f;
+            float row_max = -INFINITY;
 #pragma omp simd reduction(max : row_max)
             for (int j = 0; j < n; j++) row_max = s[j] > row_max ? s[j] : row_max;
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < n; j++) {
+            /* The sum in one fixed order: 8 lane sums over the full 8-key blocks, the tail added to lane 0, then
+             * 0 + lane 0 + ... + lane 7 (softmax_weights, the 8-lane loops, sums the same way). Not an OpenMP simd
+             * reduction: GCC sums that in as many lanes as its vector width for the target (16 with AVX-512 on
+             * AMD, 4 with SSE only), and the two loops must give the same floats on every x86-64 CPU. */
+            float lanes[8] = {0.f};
+            int j = 0;
+            for (; j + 8 <= n; j += 8)
+#pragma omp simd
+                for (int l = 0; l < 8; l++) {
+                    s[j + l] = exp_nonpositive(s[j + l] - row_max);
+                    lanes[l] += s[j + l];
+                }
+            float lane0 = lanes[0];
+            for (; j < n; j++) {
                 s[j] = exp_nonpositive(s[j] - row_max);
-                sum += s[j];
+                lane0 += s[j];
             }
+            float sum = 0.f + lane0;
+            for (int l = 1; l < 8; l++) sum += lanes[l];
             float a[head_dim];
             memset(a, 0, sizeof(float) * head_dim);
             for (int t = t_lo; t <= pos;) {
@@ -413,7 +427,7 @@ ALWAYS_INLINE void attend_tile_two_pass(const float *query, const float *k_cache
  * each), reloads q per key, and walks the V pages once per vector. Here the V pass runs up to eight query vectors
  * of a row at once (eight independent sums, one read of each V row), scores on a transposed page run eight query
  * vectors per key block, butterfly scores load each slice of q once for eight keys, the softmax sum sits in a
- * register (GCC keeps an OpenMP simd reduction in a stack array), and no loop divides by the group size.
+ * register (the generic loop's lane sums may live in a stack array), and no loop divides by the group size.
  * Scores are laid out (rows, query vectors of the row, keys) so one row's vectors are a fixed stride apart. */
 
 static inline f32x8 splat8(float x) { return (f32x8){x, x, x, x, x, x, x, x}; }
@@ -505,10 +519,9 @@ ALWAYS_INLINE float max_of(const float *s, int n) {
 }
 
 /* Softmax weights of one query vector's n raw scores, in place (scale or softcap, max, exp), and their sum, the
- * floats of attend_tile_two_pass's second pass. Its sum is an OpenMP simd reduction, which GCC runs as 8 lane
- * sums over the full 8-float blocks, the tail added to lane 0, then 0 + lane 0 + ... + lane 7 in order; this
- * spells that order out (the test against the generic loops checks it), with the lane sums in a register instead
- * of a stack array. */
+ * floats of attend_tile_two_pass's second pass. Both sum in the order attend_tile_two_pass spells out: 8 lane
+ * sums over the full 8-float blocks, the tail added to lane 0, then 0 + lane 0 + ... + lane 7 in order (the test
+ * against the generic loops checks it); here the lane sums sit in a register. */
 ALWAYS_INLINE float softmax_weights(float *s, int n, float scale, float softcap) {
     if (softcap > 0.f) {
         for (int j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] * scale / softcap);
