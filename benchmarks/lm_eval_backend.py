@@ -10,7 +10,7 @@ cbrun also gets ``num_threads=1``), tasks from ``tests/evals/tasks`` (``--includ
 (``HF_DATASETS_OFFLINE=1``). Backends:
 
 - ``hf``: ``cbrun lm-eval --model hf``, lm-eval's ``hf`` backend with its defaults (``batch_size=1``, float32 on
-  the CPU) through the same CLI as cbrun: lm-eval's CLI with its task index cached (``jobs.lm_eval_task_index``);
+  the CPU) through the same CLI as cbrun: lm-eval's CLI with its task index cached (``jobs.integrations.lm_eval_task_index``);
 - ``cbrun``: ``cbrun lm-eval --model cbrun`` with the backend's defaults;
 - ``hf (plain lm_eval)``: ``lm_eval --model hf``, lm-eval's own CLI as installed (every run indexes its ~14k
   built-in task configs), on the startup and multiple-choice rows only: what ``cbrun lm-eval`` saves any backend.

@@ -78,7 +78,7 @@ def load_backend(backend: str, model: str, timers: Timers):
         timers.wrap(HFLM, "_loglikelihood_tokens", "scoring")
         return lm
     import engine.lean_llama as lean_llama
-    import jobs.lm_eval_backend as backend_module
+    import jobs.integrations.lm_eval_backend as backend_module
     import kernels.cpu_attention
 
     lm = backend_module.CbrunLM(pretrained=model, num_threads=1)
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         from lm_eval.api.task import ConfigurableTask
         from lm_eval.tasks import TaskManager
 
-        import jobs.lm_eval_backend  # noqa: F401
-        from jobs.lm_eval_task_index import cached_builtin_task_index
+        import jobs.integrations.lm_eval_backend  # noqa: F401
+        from jobs.integrations.lm_eval_task_index import cached_builtin_task_index
     with timers.phase("task index"):
         with contextlib.nullcontext() if args.no_index_cache else cached_builtin_task_index():
             task_manager = TaskManager(include_path="tests/evals/tasks")

@@ -210,7 +210,7 @@ def run_one(name: str, description: str, input_path: Path, work: Path, *, sharin
     import torch
 
     from engine import LLMEngine
-    from jobs.job import run_job
+    from jobs.run.job import run_job
 
     torch.set_num_threads(1)
     config = EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=64, num_blocks=num_blocks,
@@ -303,7 +303,7 @@ def run_all(args, tokenizer) -> list[Result]:
 def check_outputs(results: list[Result], work: Path) -> None:
     """Sets ``same_outputs``: whether each run's completions, by row id, equal those of the first run on the same
     rows (the sorted mix holds the shuffled mix's rows in another order)."""
-    from jobs.writer import read_output
+    from jobs.output.writer import read_output
 
     first: dict[str, tuple[str, dict]] = {}
     for r in results:

@@ -9,7 +9,7 @@ Usage (from the repository root)::
 The workload is ``cbrun bench``'s gsm8k-long (stories260K on the first ``--rows`` GSM8K test questions as prompt
 ids, greedy, stop token 1, ``--max-new-tokens 256``) and the command is the bench's ``cbrun-command`` one: default
 settings, a fresh process. Each run starts this file as a script with ``PYTHONPATH`` set to the tree, so the tree's
-own ``jobs.cli`` runs (its exit included); the script wraps the job's steps (``jobs.job``'s setup functions, the
+own ``jobs.cli`` runs (its exit included); the script wraps the job's steps (``jobs.run.job``'s setup functions, the
 row loop, the writer's commits) with clocks, and counts the garbage collector's time (``gc.callbacks``) before and
 during generation. The parent times the process from spawn to exit. Trees run round-robin; each cell is the median
 over the repeats.
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: (phase, the mark it starts at (None: process spawn), the mark it ends at).
 PHASES = (
     ("interpreter start, import jobs.cli", None, "cli imported"),
-    ("import jobs.job (numpy, pyarrow), the CLI's logging setup (it imported transformers before the safetensors "
+    ("import jobs.run.job (numpy, pyarrow), the CLI's logging setup (it imported transformers before the safetensors "
      "loader)", "cli imported", "_quiet_transformers"),
     ("open the input", "_quiet_transformers", "open_reader"),
     ("check the model directory (before the safetensors loader: imports torch and transformers' AutoConfig)",
@@ -91,8 +91,8 @@ def child() -> None:
 
     mark("cli imported")
     clocked(cli, "_quiet_transformers")
-    # NOTE: jobs.job imported here rather than by the CLI: its import (numpy, pyarrow) lands in the next phase.
-    from jobs import job
+    # NOTE: jobs.run.job imported here rather than by the CLI: its import (numpy, pyarrow) lands in the next phase.
+    from jobs.run import job
 
     for name in ("open_reader", "check_model_dir", "load_engine"):
         clocked(job, name)

@@ -47,10 +47,10 @@ def cbrun(args: list[str], env: dict) -> tuple[float, int, str]:
 
 def count_parts(output: str, env: dict) -> int:
     if output.startswith("s3://"):
-        from jobs.commits import read_records
+        from jobs.output.commits import read_records
 
         return len(read_records(output))
-    from jobs.writer import committed_parts
+    from jobs.output.writer import committed_parts
 
     return len(committed_parts(output))
 
@@ -71,7 +71,7 @@ def measure(store: str, num_rows: int, model: Path, work: Path, env: dict, s3_pr
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert code == 0, tail
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    from jobs.object_output import output_owner
+    from jobs.output.object_output import output_owner
 
     stats = output_owner(output).read_stats()
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""What recording the run's timeline (``jobs.timeline``) costs: the time spent in the recorder, and paired runs.
+"""What recording the run's timeline (``jobs.observe.timeline``) costs: the time spent in the recorder, and paired runs.
 
 Two measurements on one engine, in one process, over the same job (stories260K, the CPU):
 
@@ -28,9 +28,9 @@ import pyarrow.parquet as pq
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.job import run_job
+from jobs.run.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
-from jobs.timeline import TimelineRecorder
+from jobs.observe.timeline import TimelineRecorder
 
 WORDS = "once upon a time there was a little girl named lily she liked to play with her dog in the park".split()  # noqa: SIM905
 

@@ -218,7 +218,7 @@ class EngineConfig:
 
     def _resolve_device_defaults(self) -> None:
         """Fill ``page_size``, ``max_requests_per_batch`` and ``max_batch_tokens`` left None with the device's
-        defaults. A job's manifest says device "auto" until ``jobs.resources.resolve_device`` picks one; those stay
+        defaults. A job's manifest says device "auto" until ``jobs.run.resources.resolve_device`` picks one; those stay
         None until then, so that ``dataclasses.replace(config, device=...)`` takes the defaults of the device the
         job runs on, not the CPU's."""
         if self.device == "auto":

@@ -125,7 +125,7 @@ class LLMEngine:
         #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
         self.step_observer: Callable[[list], None] | None = None
         #: Called at the end of each ``step`` with the batch tokens of the plan it launched (0: none) and the step's
-        #: wall seconds (None: nothing is called). Lets a job record its timeline (``jobs.timeline``).
+        #: wall seconds (None: nothing is called). Lets a job record its timeline (``jobs.observe.timeline``).
         self.step_listener: Callable[[int, float], None] | None = None
         self._grammar_compiler: GrammarCompiler | None = None  # built for the first constrained request
 

@@ -1,5 +1,5 @@
 """The ``cbrun`` command: ``run``, ``status``, ``export``, ``convert-llama2c``, ``demo`` and ``bench``. Thin: the
-work is in jobs.job, jobs.status, jobs.export and jobs.demo; ``bench`` is the command the benchmarks package
+work is in jobs.run.job, jobs.output.status, jobs.output.export and jobs.demo; ``bench`` is the command the benchmarks package
 registers in the ``cbrun.commands`` entry-point group (``COMMAND_ENTRY_POINTS``), so no runtime module imports it.
 
 Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # the benchmark parses its own options
         return _bench(argv[1:])
     if argv[:1] == ["lm-eval"]:  # lm-eval parses its own options
-        from jobs.lm_eval_backend import main as lm_eval_main
+        from jobs.integrations.lm_eval_backend import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
     args = parse_command_line(argv)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compact":
             return _compact(args)
         return _demo(args)
-    except KeyboardInterrupt as exc:  # jobs.signals.Interrupted: SIGINT or SIGTERM
+    except KeyboardInterrupt as exc:  # jobs.run.signals.Interrupted: SIGINT or SIGTERM
         signum = getattr(exc, "signum", signal.SIGINT)
         committed = getattr(exc, "num_committed_rows", None)
         done = "" if committed is None else f"; the {committed} output rows this run finished are committed"
@@ -304,18 +304,18 @@ def _quiet_transformers() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jobs.heap import collection_paused
+    from jobs.run.heap import collection_paused
 
     # NOTE: the setup (imports of torch and transformers, loading) runs with the collector paused; run_job turns it
-    # back on for generation, with the setup's objects frozen out of its way (jobs.heap).
+    # back on for generation, with the setup's objects frozen out of its way (jobs.run.heap).
     with collection_paused():
         return _run_job(args)
 
 
 def _run_job(args: argparse.Namespace) -> int:
-    from jobs.job import JobAborted, JobError, run_job
+    from jobs.run.job import JobAborted, JobError, run_job
     from jobs.manifest import cli_text, load_manifest
-    from jobs.signals import interrupt_on_stop_signals
+    from jobs.run.signals import interrupt_on_stop_signals
 
     overrides: dict[str, dict] = {}
     try:
@@ -343,7 +343,7 @@ def _flag_value(flag: str, value, cli_text):
 
 
 def _export(args: argparse.Namespace) -> int:
-    from jobs.export import ExportError, export
+    from jobs.output.export import ExportError, export
 
     try:
         path = export(args.output_dir, args.format, args.to)
@@ -355,7 +355,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from jobs.report import write_report
+    from jobs.observe.report import write_report
 
     if args.price_per_hour is not None and not args.price_per_hour >= 0:
         print(f"cbrun: error: --price-per-hour must be >= 0, got {args.price_per_hour}", file=sys.stderr)
@@ -370,7 +370,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from jobs.status import status_report
+    from jobs.output.status import status_report
 
     try:
         report, code = status_report(args.output_dir)
@@ -382,8 +382,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _compact(args: argparse.Namespace) -> int:
-    from jobs.compact import compact_output
-    from jobs.lock import OutputLocked
+    from jobs.output.compact import compact_output
+    from jobs.output.lock import OutputLocked
     from jobs.storage import StorageError
 
     try:
@@ -420,7 +420,7 @@ def _demo(args: argparse.Namespace) -> int:
     summary = run_demo(args.work_dir, output_dir=args.output, num_rows=args.num_rows, progress=not args.no_progress)
     print(summary.line())
     print(f"cbrun demo: output in {Path(summary.output_dir).resolve()} (part-*.parquet, _cbrun/stats.json); "
-          f"read it with jobs.writer.read_output(DIR)")
+          f"read it with jobs.output.writer.read_output(DIR)")
     return 0
 
 

@@ -116,7 +116,7 @@ def run_demo(work_dir: str | Path, *, output_dir: str | Path | None = None, num_
     Returns:
         The job's ``JobSummary``; its ``output_dir`` holds the parts.
     """
-    from jobs.job import run_job
+    from jobs.run.job import run_job
 
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ A manifest has six sections, all optional in the file (a key may come from ``--s
     [output]    path, commit_every_rows, commit_every_seconds, overwrite, format ("parts" or "openai-batch"),
                 keep_columns, max_error_fraction, timeline_interval_s, row_timings, compact, target_file_mb
     [cluster]   executor ("local" or "ray"), num_replicas, num_gpus_per_replica, num_cpus_per_replica, batch_size,
-                max_concurrent_batches, address (``jobs.ray_executor``)
+                max_concurrent_batches, address (``jobs.run.ray_executor``)
     [storage]   endpoint_url (an S3-compatible endpoint, over ``AWS_ENDPOINT_URL``; ``jobs.storage``)
 
 NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
@@ -48,7 +48,7 @@ SECTIONS = ("model", "input", "sampling", "engine", "output", "cluster", "storag
 #: ``get_diff_sampling_param`` list). The last four are not taken when the file says ``do_sample = false``.
 MODEL_DEFAULT_KEYS = ("max_new_tokens", "repetition_penalty", "temperature", "top_p", "top_k", "min_p")
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
-#: Boundary rules of score mode (``jobs.scoring``).
+#: Boundary rules of score mode (``jobs.modes.scoring``).
 BOUNDARY_RULES = ("exact",)
 PROMPT_SETTINGS_MESSAGE = (
     "give the prompt as exactly one of: input.prompt_column (optionally with input.template), input.template, "
@@ -79,24 +79,24 @@ class InputSettings:
         batch_size: rows per Parquet record batch read.
         order_window: prefix-aware ordering: rows are read this many ahead and each such window is submitted
             sorted by prompt token ids, so rows sharing a prompt prefix run together and hit the prefix cache
-            (``jobs.ordering``). It changes the order of work, never a row's output; 0 keeps input order.
+            (``jobs.modes.ordering``). It changes the order of work, never a row's output; 0 keeps input order.
         mode: "generate" (a completion per row) or "score" (the log-probability of each candidate continuation
-            of the row's prompt; see ``jobs.scoring``).
+            of the row's prompt; see ``jobs.modes.scoring``).
         candidates_column: score mode: a list<string> (or string) column of candidate continuations.
-        corruptions: score mode: names from ``jobs.scoring.CORRUPTIONS``; each derives one more candidate from
+        corruptions: score mode: names from ``jobs.modes.scoring.CORRUPTIONS``; each derives one more candidate from
             the first, e.g. "last_number_plus_one" (a wrong final answer to score against the reference).
-        chat: apply the tokenizer's chat template (see ``jobs.chat``) to the row's conversation.
+        chat: apply the tokenizer's chat template (see ``jobs.input.chat``) to the row's conversation.
         messages_column: chat: a list<struct<role, content>> column holding the conversation; without it the
             prompt text is one user turn.
         system_prompt: chat: a system turn put first (unless the conversation starts with one).
         per_row_settings: columns named like a sampling setting (or ``n``) override it per row; false reads no
             such column (a metadata column that happens to be called ``seed`` stays metadata).
         boundary: score mode: how the context / candidate boundary is tokenized; "exact" (the only rule here;
-            see ``jobs.scoring``): the scored tokens decode to exactly context + candidate.
-        format: "openai-batch" reads OpenAI batch request lines (``jobs.openai_batch``): each request's body gives
+            see ``jobs.modes.scoring``): the scored tokens decode to exactly context + candidate.
+        format: "openai-batch" reads OpenAI batch request lines (``jobs.input.openai_batch``): each request's body gives
             its prompt and sampling settings, so no prompt setting is given. "auto" (the default) does so when
             no prompt setting is given and the input's fields are ``custom_id``, ``method``, ``url``, ``body``.
-        shard: ``"I/N"``: this process runs shard I of N of the job (``jobs.sharding``); ``--shard`` overrides it.
+        shard: ``"I/N"``: this process runs shard I of N of the job (``jobs.run.sharding``); ``--shard`` overrides it.
 
     Raises:
         ValueError: when no prompt source or two prompt sources are given, a number is out of range, or the
@@ -135,7 +135,7 @@ class InputSettings:
         if not _is_int(self.batch_size) or self.batch_size < 1:
             raise ValueError(f"input.batch_size must be a positive integer, got {self.batch_size!r}")
         if self.shard is not None:
-            from jobs.lock import Shard
+            from jobs.output.lock import Shard
 
             Shard.parse(self.shard)
         if not _is_int(self.order_window) or self.order_window < 0:
@@ -161,7 +161,7 @@ def _check_input_format(inp: InputSettings, has_prompt_setting: bool) -> bool:
 
 def _check_modes(inp: InputSettings) -> None:
     """Raise ``ValueError`` when the mode, candidate and chat settings do not fit together."""
-    from jobs.scoring import CORRUPTIONS
+    from jobs.modes.scoring import CORRUPTIONS
 
     if inp.mode not in ("generate", "score"):
         raise ValueError(f"input.mode must be \"generate\" or \"score\", got {inp.mode!r}")
@@ -201,17 +201,17 @@ class OutputSettings:
             whenever a row finishes).
         overwrite: clear the directory's cbrun files when it holds a different job, instead of stopping.
         format: "openai-batch" also writes ``_results.jsonl`` (OpenAI batch output lines, in input order) beside
-            the parts when the job finishes (``jobs.openai_batch``); "parts" writes the parts alone.
-        keep_columns: input columns carried into every output row, with their Arrow types (``jobs.carry``).
+            the parts when the job finishes (``jobs.input.openai_batch``); "parts" writes the parts alone.
+        keep_columns: input columns carried into every output row, with their Arrow types (``jobs.input.carry``).
         max_error_fraction: the job exits with code 3 when more than this fraction of its output rows are error
             rows (and always when all are). The default, 0.1, lets a few bad rows through (an over-long prompt,
             a null field: the common case in real data) but stops a pipeline on a systematic fault (a wrong
             column or template, a model that fails every request), which fails most rows.
         timeline_interval_s: seconds between the records of the run's timeline, ``_cbrun/timeline-<run>.jsonl``
-            (``jobs.timeline``; ``cbrun report`` draws it); 0 records none.
+            (``jobs.observe.timeline``; ``cbrun report`` draws it); 0 records none.
         row_timings: fill the output's timing columns (``queue_s``, ``ttft_s``, ``decode_s``: seconds, per
             sample) in generate mode; off, they are null, so that two runs' outputs stay equal row for row.
-        compact: when the job finishes, merge its parts into files of about ``target_file_mb`` (``jobs.compact``).
+        compact: when the job finishes, merge its parts into files of about ``target_file_mb`` (``jobs.output.compact``).
         target_file_mb: the size of the merged files of ``compact`` and ``cbrun compact``, in MB.
     """
 
@@ -259,7 +259,7 @@ class OutputSettings:
 
 @dataclass
 class ClusterSettings:
-    """How the job's rows are spread over processes (``jobs.ray_executor``).
+    """How the job's rows are spread over processes (``jobs.run.ray_executor``).
 
     Attributes:
         executor: "local" (this process runs one engine) or "ray" (a Ray Data actor pool of engine replicas; the
@@ -269,7 +269,7 @@ class ClusterSettings:
         num_cpus_per_replica: CPUs each replica reserves; also its torch thread count (at least 1).
         batch_size: input rows per batch handed to a replica.
         max_concurrent_batches: batches a replica holds at once; its engine's continuous batching runs their rows
-            together, so its batch stays full while one batch ends and the next begins (``jobs.replica``).
+            together, so its batch stays full while one batch ends and the next begins (``jobs.run.replica``).
         address: the Ray cluster to join ("auto": the one ``ray start`` runs on this node; "ray://host:10001");
             None starts a local Ray instance.
     """
@@ -495,7 +495,7 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         sampling=sampling_params,
         seed=seed,
         n=n,
-        # NOTE: the device defaults to "auto" (CUDA when present); jobs.resources.resolve_device checks it first.
+        # NOTE: the device defaults to "auto" (CUDA when present); jobs.run.resources.resolve_device checks it first.
         engine=_build(EngineConfig, "engine", {"device": "auto", **raw.get("engine", {})}),
         output=_build(OutputSettings, "output", raw.get("output", {})),
         sampling_set=sampling_set,

@@ -263,7 +263,7 @@ def put_object(uri: str, body: bytes, *, create_only: bool = False, if_match: st
                                                              **conditions))
         fs.invalidate_cache(key)
         return reply.get("ETag")
-    # NOTE: other stores through fsspec: create-only where the store offers it, no ETag condition (see jobs.lease)
+    # NOTE: other stores through fsspec: create-only where the store offers it, no ETag condition (see jobs.output.lease)
     retried(f"writing {uri}", lambda: fs.pipe_file(key, body, **({"mode": "create"} if create_only else {})))
     fs.invalidate_cache(key)
     return None

@@ -68,9 +68,9 @@ def run_command(workload: Workload) -> RunResult:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from jobs.checkpoint import STATS_FILE
-    from jobs.lock import CBRUN_DIR
-    from jobs.writer import read_output
+    from jobs.output.checkpoint import STATS_FILE
+    from jobs.output.lock import CBRUN_DIR
+    from jobs.output.writer import read_output
 
     with tempfile.TemporaryDirectory(prefix="cbrun-bench-command-") as tmp:
         input_path, output_dir = Path(tmp) / "prompts.parquet", Path(tmp) / "out"

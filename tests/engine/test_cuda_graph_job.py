@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.cli import main
-from jobs.writer import read_output
+from jobs.output.writer import read_output
 
 NEW_TOKENS = 24
 

@@ -29,7 +29,7 @@ def test_job_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, tmp_p
     import pyarrow.parquet as pq
 
     from jobs.cli import main
-    from jobs.writer import read_output
+    from jobs.output.writer import read_output
 
     table = pa.table({
         "prompt_ids": [line["prompt_token_ids"] for line in reference_greedy],

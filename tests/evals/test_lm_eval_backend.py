@@ -21,7 +21,7 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from jobs.lm_eval_backend import CbrunLM, loglikelihood_request, scoring_order  # noqa: E402
+from jobs.integrations.lm_eval_backend import CbrunLM, loglikelihood_request, scoring_order  # noqa: E402
 from tests.conftest import REPO_ROOT  # noqa: E402
 
 TASKS_DIR = REPO_ROOT / "tests" / "evals" / "tasks"
@@ -294,11 +294,11 @@ def test_sliding_window_gqa_model_matches_hf(sliding_window_dir):
 @pytest.mark.slow
 def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys, tmp_path):
     """``cbrun lm-eval`` is lm-eval's own CLI with ``--model cbrun`` registered (lm-eval 0.4.13 loads no plugins),
-    with lm-eval's index of its built-in tasks cached (``jobs.lm_eval_task_index``)."""
+    with lm-eval's index of its built-in tasks cached (``jobs.integrations.lm_eval_task_index``)."""
     import sys
 
     from jobs.cli import main
-    from jobs.lm_eval_task_index import CACHE_DIR_ENV
+    from jobs.integrations.lm_eval_task_index import CACHE_DIR_ENV
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # main hands lm-eval its arguments through sys.argv
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
@@ -316,7 +316,7 @@ def test_tokenizer_is_the_one_auto_tokenizer_loads(model, stories260k_dir, slidi
     ``add_bos_token`` forced either way."""
     from transformers import AutoTokenizer
 
-    from jobs.lm_eval_backend import _load_tokenizer
+    from jobs.integrations.lm_eval_backend import _load_tokenizer
 
     path = str(stories260k_dir if model == "stories260k" else sliding_window_dir)
     texts = ["Once upon a time, there was a girl.", " a leading space", "", "Tom ran.\n\nThe end"]

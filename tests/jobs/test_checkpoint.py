@@ -13,10 +13,10 @@ import pytest
 
 from engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION, EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.checkpoint import Checkpoint, FingerprintMismatch
-from jobs.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
+from jobs.output.checkpoint import Checkpoint, FingerprintMismatch
+from jobs.output.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
-from jobs.writer import OutputRow, PartWriter, committed_parts, error_row, rows_to_table, write_part_atomically
+from jobs.output.writer import OutputRow, PartWriter, committed_parts, error_row, rows_to_table, write_part_atomically
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_fingerprint_sees_weights_chat_template_and_input_content(manifest, tmp_
 
 
 def test_big_files_are_sampled_not_read(tmp_path):
-    from jobs.fingerprint import NUM_SAMPLES, sampled_digest
+    from jobs.output.fingerprint import NUM_SAMPLES, sampled_digest
 
     path = tmp_path / "big.bin"
     data = bytearray(20 * SAMPLE_BYTES)

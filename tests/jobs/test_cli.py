@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.cli import main
-from jobs.writer import committed_parts
+from jobs.output.writer import committed_parts
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_RE = re.compile(r"^cbrun: (\d+) rows \((\d+) errors, (\d+) skipped\) \| \d+ prompt tokens \| \d+ generated "

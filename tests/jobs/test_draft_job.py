@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.cli import main
-from jobs.writer import read_output
+from jobs.output.writer import read_output
 
 
 def _short_goldens(reference_greedy):

@@ -17,9 +17,9 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import FastTokenizer, load_tokenizer
-from jobs.fingerprint import job_fingerprint
-from jobs.job import run_job
-from jobs.writer import read_output
+from jobs.output.fingerprint import job_fingerprint
+from jobs.run.job import run_job
+from jobs.output.writer import read_output
 from tests.conftest import REPO_ROOT
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=16, num_blocks=256,

@@ -10,10 +10,10 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.job import JobError, run_job
+from jobs.run.job import JobError, run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
-from jobs.reader import InputError, PromptReader, conform_batch, unify_schemas
-from jobs.writer import read_output
+from jobs.input.reader import InputError, PromptReader, conform_batch, unify_schemas
+from jobs.output.writer import read_output
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 

@@ -10,9 +10,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.generate import derive_seed
-from jobs.job import JobError, run_job
-from jobs.writer import committed_parts
+from jobs.modes.generate import derive_seed
+from jobs.run.job import JobError, run_job
+from jobs.output.writer import committed_parts
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=6, temperature=0.0), "commit_every_rows": 3}

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.sampling_params import SamplingParams
-from jobs.job import expected_requests, open_reader
+from jobs.run.job import expected_requests, open_reader
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 
 

@@ -12,11 +12,11 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from jobs.generate import derive_seed
-from jobs.job import run_job
+from jobs.modes.generate import derive_seed
+from jobs.run.job import run_job
 from jobs.manifest import manifest_from_dict
-from jobs.reader import PromptReader
-from jobs.writer import read_output
+from jobs.input.reader import PromptReader
+from jobs.output.writer import read_output
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 DEFAULTS = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)

@@ -14,10 +14,10 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.job import JobError, run_job
+from jobs.run.job import JobError, run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
-from jobs.reader import PromptReader
-from jobs.writer import committed_parts
+from jobs.input.reader import PromptReader
+from jobs.output.writer import committed_parts
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 LINES = [
@@ -158,7 +158,7 @@ def test_repeated_ids_are_counted_and_named(tiny_model_dir, engine, tmp_path, ca
 
 
 def test_clean_file_reads_with_pyarrow_and_the_same_rows_as_line_by_line(tmp_path, monkeypatch):
-    from jobs.jsonl_source import JsonlSource
+    from jobs.input.jsonl_source import JsonlSource
 
     lines = [{"id": f"r{i}", "prompt": f"p {i}", "day": "2024-01-0" + str(i % 9 + 1), "temperature": 0.5,
               "meta": {"k": [i]}} for i in range(7)]

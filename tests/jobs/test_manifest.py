@@ -126,6 +126,6 @@ def test_shipped_gsm8k_manifest_is_valid():
     data = REPO_ROOT / m.input.path  # relative to the repository root, where cbrun is meant to run
     if not data.is_file():
         pytest.skip(f"{data} not present")
-    from jobs.reader import PromptReader
+    from jobs.input.reader import PromptReader
 
     assert PromptReader(data, prompt_column=m.input.prompt_column, id_column=m.input.id_column).num_rows == 1319

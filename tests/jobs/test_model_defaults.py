@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.job import JobError, run_job
+from jobs.run.job import JobError, run_job
 from jobs.manifest import apply_model_defaults, load_manifest
-from jobs.prompts import encode_prompt
-from jobs.writer import read_output
+from jobs.input.prompts import encode_prompt
+from jobs.output.writer import read_output
 
 ENGINE_SETS = ["engine.page_size=16", "engine.num_blocks=64", "engine.max_batch_tokens=256"]
 

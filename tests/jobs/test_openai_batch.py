@@ -18,11 +18,11 @@ from openai.types.chat import ChatCompletion
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.job import JobError, run_job
+from jobs.run.job import JobError, run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
-from jobs.export import token_logprobs
-from jobs.openai_batch import parse_request
-from jobs.writer import read_output
+from jobs.output.export import token_logprobs
+from jobs.input.openai_batch import parse_request
+from jobs.output.writer import read_output
 from tests.jobs.test_chat import rendered_ids
 from tests.jobs.test_resume import cbrun_command, kill_after_first_commit
 
@@ -289,7 +289,7 @@ def test_completion_logprob_tokens_join_to_the_text(stories260k_dir):
     tokens join to the completion and every text_offset points at its token."""
     from transformers import AutoTokenizer
 
-    from jobs.export import _ResultFormatter
+    from jobs.output.export import _ResultFormatter
 
     tokenizer = AutoTokenizer.from_pretrained(str(stories260k_dir))
     ids = tokenizer.encode("Once upon a time, there was a little girl", add_special_tokens=False)[3:]

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.job import open_reader, run_job
-from jobs.ray_input import input_rows
-from jobs.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN, Replica
-from jobs.writer import read_output
+from jobs.run.job import open_reader, run_job
+from jobs.run.ray_input import input_rows
+from jobs.run.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN, Replica
+from jobs.output.writer import read_output
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64,
                              device="cpu")

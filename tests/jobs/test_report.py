@@ -1,4 +1,4 @@
-"""cbrun report (jobs.report*): the data behind each chart checked against the run's own stats; the page."""
+"""cbrun report (jobs.observe.report*): the data behind each chart checked against the run's own stats; the page."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.job import run_job
-from jobs.report_data import cost, error_cause, load_report_data
+from jobs.run.job import run_job
+from jobs.observe.report_data import cost, error_cause, load_report_data
 
 pytest.importorskip("matplotlib")
 

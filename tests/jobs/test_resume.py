@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.job import run_job
+from jobs.run.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
-from jobs.writer import committed_parts
+from jobs.output.writer import committed_parts
 
 NUM_ROWS = 12
 MAX_NEW_TOKENS = 8

@@ -9,11 +9,11 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.fingerprint import job_fingerprint
-from jobs.generate import derive_seed, sample_seeds
-from jobs.job import JobError, run_job
+from jobs.output.fingerprint import job_fingerprint
+from jobs.modes.generate import derive_seed, sample_seeds
+from jobs.run.job import JobError, run_job
 from jobs.manifest import load_manifest
-from jobs.writer import committed_parts
+from jobs.output.writer import committed_parts
 
 ENGINE_CONFIG = EngineConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=128)
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True), "seed": 3,

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from jobs.job import run_job
+from jobs.run.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
-from jobs.scoring import encode_pair
-from jobs.writer import read_output
+from jobs.modes.scoring import encode_pair
+from jobs.output.writer import read_output
 from tests.model_utils import _hf_model, random_llama_dir
 
 MERGES = [("d", "o"), ("do", "g"), ("dog", "s"), ("3", "0")]

@@ -14,12 +14,12 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.job import JobError, run_job
-from jobs.lock import OutputLock, Shard
-from jobs.reader import PromptReader
-from jobs.sharding import shard_ranges, unit_starts
-from jobs.status import output_progress
-from jobs.writer import committed_parts, part_name, read_output
+from jobs.run.job import JobError, run_job
+from jobs.output.lock import OutputLock, Shard
+from jobs.input.reader import PromptReader
+from jobs.run.sharding import shard_ranges, unit_starts
+from jobs.output.status import output_progress
+from jobs.output.writer import committed_parts, part_name, read_output
 from tests.jobs.test_resume import kill_after_first_commit, run_args
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
@@ -210,7 +210,7 @@ def test_a_shard_reads_only_its_row_groups(tiny_model_dir, tiny_engine, make_man
         return original(self, *args, row_groups=row_groups, **kwargs)
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
-    # NOTE: without an id column: the repeated-id check (jobs.row_ids) scans the id column of the whole input.
+    # NOTE: without an id column: the repeated-id check (jobs.output.row_ids) scans the id column of the whole input.
     run_job(make_manifest(tiny_model_dir, input_path, tmp_path / "out", shard="1/3", id_column=None),
             engine=tiny_engine, progress=False)
     assert read == [2, 3]  # rows 10..19, in row groups of 5

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.cli import main
-from jobs.writer import read_output
+from jobs.output.writer import read_output
 
 
 def test_job_with_ngram_speculation_reproduces_goldens(stories260k_dir, reference_greedy, tmp_path, capsys):

@@ -24,11 +24,11 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs import storage, storage_cache
 from jobs.cli import main
-from jobs.commits import CommitRecord, add_span, new_attempt, read_records
-from jobs.job import JobAborted, JobError, run_job
-from jobs.lease import Lease, LeaseLost
-from jobs.object_output import ObjectCheckpoint, commit_span
-from jobs.writer import OutputRow, read_output, rows_to_table
+from jobs.output.commits import CommitRecord, add_span, new_attempt, read_records
+from jobs.run.job import JobAborted, JobError, run_job
+from jobs.output.lease import Lease, LeaseLost
+from jobs.output.object_output import ObjectCheckpoint, commit_span
+from jobs.output.writer import OutputRow, read_output, rows_to_table
 from tests.jobs.s3_faults import FaultyProxy
 from tests.jobs.test_resume import cbrun_command
 

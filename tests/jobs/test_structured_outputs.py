@@ -15,10 +15,10 @@ from openai.types.chat import ChatCompletion
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from jobs.fingerprint import job_fingerprint
-from jobs.job import run_job
+from jobs.output.fingerprint import job_fingerprint
+from jobs.run.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
-from jobs.writer import read_output
+from jobs.output.writer import read_output
 from tests.jobs.test_openai_batch import CHAT, COMPLETIONS, read_results, request, write_jsonl
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=16, num_blocks=128)
@@ -125,7 +125,7 @@ def test_manifest_section_and_fingerprint(chat_model_dir, tmp_path):
                                            output=loaded.output), 1)["sampling"]
 
     with pytest.MonkeyPatch.context() as patch:  # content hashes of files this test does not write
-        patch.setattr("jobs.fingerprint.input_fingerprint", lambda path: [])
+        patch.setattr("jobs.output.fingerprint.input_fingerprint", lambda path: [])
         assert fingerprint(loaded.sampling) == fingerprint(as_dict)  # one schema, as text or as a table
         assert fingerprint(loaded.sampling)["structured_outputs"] == {"json": SCHEMA}
         assert fingerprint(regex) != fingerprint(loaded.sampling)

@@ -1,4 +1,4 @@
-"""The run's timeline (jobs.timeline), the per-row timing columns and the token ETA (jobs.progress)."""
+"""The run's timeline (jobs.observe.timeline), the per-row timing columns and the token ETA (jobs.observe.progress)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.job import run_job
-from jobs.lock import Shard
-from jobs.progress import MIN_FINISHED, TokenETA, format_eta
-from jobs.timeline import TIMELINE_GLOB, read_timeline, step_listeners
-from jobs.writer import read_output
+from jobs.run.job import run_job
+from jobs.output.lock import Shard
+from jobs.observe.progress import MIN_FINISHED, TokenETA, format_eta
+from jobs.observe.timeline import TIMELINE_GLOB, read_timeline, step_listeners
+from jobs.output.writer import read_output
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=64)
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=12, temperature=0.0), "commit_every_rows": 5}
@@ -167,7 +167,7 @@ def test_a_ray_replica_records_its_own_timeline(stories260k_dir, tmp_path, make_
     import asyncio
     import time
 
-    from jobs.replica import Replica
+    from jobs.run.replica import Replica
 
     manifest = make_manifest(stories260k_dir, write_prompts(tmp_path / "in.parquet"), tmp_path / "out")
     manifest.output.timeline_interval_s = 0.001

@@ -16,14 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import jobs.writer
+import jobs.output.writer
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.job import JobAborted, JobError, run_job
-from jobs.lock import OutputLock
+from jobs.run.job import JobAborted, JobError, run_job
+from jobs.output.lock import OutputLock
 from jobs.manifest import load_manifest
-from jobs.writer import committed_parts, read_output
+from jobs.output.writer import committed_parts, read_output
 from tests.jobs.test_resume import cbrun_command
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
@@ -79,7 +79,7 @@ def test_a_second_run_exits_2_naming_the_holder_and_a_dead_holder_never_blocks(t
     assert "shard 0/1" in err and not committed_parts(out)
 
     # a holder killed with SIGKILL leaves its lock file, but not its lock
-    code = f"from jobs.lock import OutputLock; OutputLock({str(out)!r}).acquire(); print('held', flush=True); " \
+    code = f"from jobs.output.lock import OutputLock; OutputLock({str(out)!r}).acquire(); print('held', flush=True); " \
            f"import time; time.sleep(120)"
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -129,7 +129,7 @@ def test_overlapping_run_is_refused_then_sigterm_and_resume_write_each_row_once(
     assert tokens(got) == tokens(rows_once(tmp_path / "reference"))
 
 
-COMMIT_PATH = {(jobs.writer.__file__, name) for name in ("commit", "rows_to_table", "write_part_atomically",
+COMMIT_PATH = {(jobs.output.writer.__file__, name) for name in ("commit", "rows_to_table", "write_part_atomically",
                                                           "_fsync_dir")}
 
 

@@ -10,12 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.fingerprint import job_fingerprint
+from jobs.output.fingerprint import job_fingerprint
 from jobs.cli import build_parser, main
-from jobs.job import run_job
+from jobs.run.job import run_job
 from jobs.manifest import cli_text, load_manifest, manifest_from_dict
-from jobs.reader import PromptReader
-from jobs.writer import read_output
+from jobs.input.reader import PromptReader
+from jobs.output.writer import read_output
 
 PATHS = {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}}
 ENGINE = "engine.page_size=16\nengine.num_blocks=64\nengine.max_batch_tokens=256"

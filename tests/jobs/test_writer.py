@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs import storage as storage_module
-from jobs import writer as writer_module
-from jobs.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts, part_name, read_output
+from jobs.output import writer as writer_module
+from jobs.output.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts, part_name, read_output
 
 
 def make_row(i: int, error: bool = False) -> OutputRow:
