@@ -63,17 +63,24 @@ def measure(threads: list[int], rows: list[int], repeats: int) -> list[dict]:
                     times["onednn"].append(time_call(onednn_linear, x, weight))
                 t, o = statistics.median(times["torch"]), statistics.median(times["onednn"])
                 auto = "onednn" if select_linear(weight, "auto") is onednn_linear else "torch"
-                results.append(dict(threads=num_threads, rows=m, k=k, n=n, what=what, torch_us=1e6 * t,
-                                    onednn_us=1e6 * o, auto=auto))
+                results.append(
+                    dict(
+                        threads=num_threads, rows=m, k=k, n=n, what=what, torch_us=1e6 * t, onednn_us=1e6 * o, auto=auto
+                    )
+                )
     return results
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| threads | rows | in x out | weight | torch us | oneDNN us | torch / oneDNN | auto picks |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| threads | rows | in x out | weight | torch us | oneDNN us | torch / oneDNN | auto picks |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['threads']} | {r['rows']} | {r['k']} x {r['n']} | {r['what']} | {r['torch_us']:.1f} | "
-                     f"{r['onednn_us']:.1f} | {r['torch_us'] / r['onednn_us']:.2f}x | {r['auto']} |")
+        lines.append(
+            f"| {r['threads']} | {r['rows']} | {r['k']} x {r['n']} | {r['what']} | {r['torch_us']:.1f} | "
+            f"{r['onednn_us']:.1f} | {r['torch_us'] / r['onednn_us']:.2f}x | {r['auto']} |"
+        )
     return "\n".join(lines)
 
 
@@ -89,18 +96,20 @@ def main() -> int:
     results = measure(threads, rows, args.repeats)
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
-    report = "\n".join([
-        "# Linear layers on the CPU: torch's GEMM against oneDNN's",
-        "",
-        f"`python -m benchmarks.cpu_linear --threads {args.threads} --rows {args.rows} --repeats {args.repeats}`; "
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, float32, load average at the "
-        f"end {load}. Median of {args.repeats} round-robin rounds per cell. `auto` is "
-        f"`engine.cpu_linear.select_linear(weight, 'auto')`: oneDNN from {ONEDNN_MIN_WEIGHT_ELEMENTS} weight "
-        f"elements.",
-        "",
-        table(results),
-        "",
-    ])
+    report = "\n".join(
+        [
+            "# Linear layers on the CPU: torch's GEMM against oneDNN's",
+            "",
+            f"`python -m benchmarks.cpu_linear --threads {args.threads} --rows {args.rows} --repeats {args.repeats}`; "
+            f"{platform.processor() or platform.machine()}, torch {torch.__version__}, float32, load average at the "
+            f"end {load}. Median of {args.repeats} round-robin rounds per cell. `auto` is "
+            f"`engine.cpu_linear.select_linear(weight, 'auto')`: oneDNN from {ONEDNN_MIN_WEIGHT_ELEMENTS} weight "
+            f"elements.",
+            "",
+            table(results),
+            "",
+        ]
+    )
     print(report)
     if args.out:
         with open(args.out, "w") as f:

@@ -32,8 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
-ENGINE_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)  # ~0.35B params
+ENGINE_MODEL = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+)  # ~0.35B params
 NO_CUDA_EXIT = 2
 
 #: name -> engine settings on top of the plain mode's. "swap" sizes the cache far below the batch's need.
@@ -66,13 +73,20 @@ class EngineRow:
 
     def cells(self) -> list[str]:
         frac = f"{self.bandwidth_fraction:.2f}" if self.bandwidth_fraction is not None else "-"
-        return [self.part, self.mode, self.dtype, f"{self.tokens_per_s:.0f}", f"{self.speedup:.2f}x",
-                f"{self.equal}/{self.total}", str(self.offloads), frac,
-                ("yes" if self.ok else "NO") if self.gate else "(info)"]
+        return [
+            self.part,
+            self.mode,
+            self.dtype,
+            f"{self.tokens_per_s:.0f}",
+            f"{self.speedup:.2f}x",
+            f"{self.equal}/{self.total}",
+            str(self.offloads),
+            frac,
+            ("yes" if self.ok else "NO") if self.gate else "(info)",
+        ]
 
 
-ENGINE_HEADER = ["engine part", "mode", "dtype", "tokens/s", "vs plain", "== plain", "swaps", "decode BW frac",
-                 "ok"]
+ENGINE_HEADER = ["engine part", "mode", "dtype", "tokens/s", "vs plain", "== plain", "swaps", "decode BW frac", "ok"]
 
 
 def _engine_workload(vocab_size: int, num_requests: int, max_prompt: int, max_new_tokens: int, seed: int = 0):
@@ -80,8 +94,14 @@ def _engine_workload(vocab_size: int, num_requests: int, max_prompt: int, max_ne
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(max_prompt // 16, max_prompt, (num_requests,), generator=g).tolist()
-    return [(i, torch.randint(3, vocab_size, (n,), generator=g).tolist(),
-             SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)) for i, n in enumerate(lengths)]
+    return [
+        (
+            i,
+            torch.randint(3, vocab_size, (n,), generator=g).tolist(),
+            SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _run_engine(model_dir: str, config, workload) -> tuple[float, dict, list[float], int]:
@@ -118,12 +138,22 @@ def _run_engine(model_dir: str, config, workload) -> tuple[float, dict, list[flo
     return stats.num_generated_tokens / elapsed, outputs, decode_bytes_per_s, stats.num_offloads
 
 
-def _compare(part: str, model_dir: str, dtype: str, modes: dict, base_settings: dict, workload,
-             copy_bandwidth: float | None, gate: bool) -> list[EngineRow]:
+def _compare(
+    part: str,
+    model_dir: str,
+    dtype: str,
+    modes: dict,
+    base_settings: dict,
+    workload,
+    copy_bandwidth: float | None,
+    gate: bool,
+) -> list[EngineRow]:
     from engine import EngineConfig
 
-    results = {name: _run_engine(model_dir, EngineConfig(**base_settings, **settings), workload)
-               for name, settings in modes.items()}
+    results = {
+        name: _run_engine(model_dir, EngineConfig(**base_settings, **settings), workload)
+        for name, settings in modes.items()
+    }
     base_tps, base_out, _, _ = results["plain"]
     rows = []
     for name, (tps, outputs, bandwidth, offloads) in results.items():
@@ -133,17 +163,30 @@ def _compare(part: str, model_dir: str, dtype: str, modes: dict, base_settings: 
     return rows
 
 
-def engine_checks(copy_bandwidth: float | None = None, device: str = "cuda", model: dict = ENGINE_MODEL,
-                  num_requests: int = 128, max_prompt: int = 1024, max_new_tokens: int = 128,
-                  check_requests: int = 32, check_new_tokens: int = 32) -> list[EngineRow]:
+def engine_checks(
+    copy_bandwidth: float | None = None,
+    device: str = "cuda",
+    model: dict = ENGINE_MODEL,
+    num_requests: int = 128,
+    max_prompt: int = 1024,
+    max_new_tokens: int = 128,
+    check_requests: int = 32,
+    check_new_tokens: int = 32,
+) -> list[EngineRow]:
     """The correctness part (float32, every mode against plain) and the speed part (bf16 on CUDA). Without CUDA
     only plain and swap run, in float32, and no speed part. Prints the table; returns its rows."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cuda = torch.device(device).type == "cuda"
     modes = {**(CUDA_MODES if cuda else {"plain": CUDA_MODES["plain"]}), **SWAP_MODE}
-    common = dict(device=device, page_size=16, max_batch_tokens=2048, model_impl="transformers",
-                  loader="transformers", **({} if cuda else {"max_memory_percent": 0.1}))
+    common = dict(
+        device=device,
+        page_size=16,
+        max_batch_tokens=2048,
+        model_impl="transformers",
+        loader="transformers",
+        **({} if cuda else {"max_memory_percent": 0.1}),
+    )
     check_workload = _engine_workload(model["vocab_size"], check_requests, max_prompt // 4, check_new_tokens)
     # NOTE: the swap mode's cache holds about a quarter of the batch at its longest, so requests are preempted.
     longest = max(len(prompt) for _, prompt, _ in check_workload) + check_new_tokens
@@ -153,17 +196,31 @@ def engine_checks(copy_bandwidth: float | None = None, device: str = "cuda", mod
     with tempfile.TemporaryDirectory(prefix="cbrun-gpu-check-") as model_dir:  # the model is removed afterwards
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**model)).to(torch.float32).save_pretrained(model_dir)
-        rows += _compare("correctness", model_dir, "float32", modes,
-                         dict(common, dtype="float32", max_requests_per_batch=check_requests), check_workload,
-                         None, gate=True)
+        rows += _compare(
+            "correctness",
+            model_dir,
+            "float32",
+            modes,
+            dict(common, dtype="float32", max_requests_per_batch=check_requests),
+            check_workload,
+            None,
+            gate=True,
+        )
     if cuda:
         workload = _engine_workload(model["vocab_size"], num_requests, max_prompt, max_new_tokens)
         with tempfile.TemporaryDirectory(prefix="cbrun-gpu-check-") as model_dir:
             torch.manual_seed(0)
             LlamaForCausalLM(LlamaConfig(**model)).to(torch.bfloat16).save_pretrained(model_dir)
-            rows += _compare("speed", model_dir, "bfloat16", CUDA_MODES,
-                             dict(common, dtype="auto", max_requests_per_batch=num_requests), workload,
-                             copy_bandwidth, gate=False)
+            rows += _compare(
+                "speed",
+                model_dir,
+                "bfloat16",
+                CUDA_MODES,
+                dict(common, dtype="auto", max_requests_per_batch=num_requests),
+                workload,
+                copy_bandwidth,
+                gate=False,
+            )
     from kernels.gpu_check import format_table
 
     print()

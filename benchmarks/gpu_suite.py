@@ -60,9 +60,11 @@ def environment() -> str:
     import triton
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return (f"{props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}), "
-            f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
-            f"Python {platform.python_version()}")
+    return (
+        f"{props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}), "
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def run_suite() -> tuple[list[tuple[list[str], bool]], float]:
@@ -94,10 +96,12 @@ def report(rows: list[tuple[list[str], bool]], seconds: float, env: str) -> str:
 
     failed = sum(not ok for _, ok in rows)
     verdict = "all checks matched" if not failed else f"{failed} check(s) FAILED"
-    return (f"# GPU suite\n\n`PYTHONPATH=. python -m benchmarks.gpu_suite` on {env}; {seconds:.0f} s; {verdict}.\n\n"
-            "roofline: kernels, the fraction of the measured copy bandwidth (memory-bound rows) or bf16 matmul "
-            "rate (prefill rows); engine, the median fraction of copy bandwidth decode-only steps reach.\n\n"
-            "```\n" + format_table(HEADER, [cells for cells, _ in rows]) + "\n```\n")
+    return (
+        f"# GPU suite\n\n`PYTHONPATH=. python -m benchmarks.gpu_suite` on {env}; {seconds:.0f} s; {verdict}.\n\n"
+        "roofline: kernels, the fraction of the measured copy bandwidth (memory-bound rows) or bf16 matmul "
+        "rate (prefill rows); engine, the median fraction of copy bandwidth decode-only steps reach.\n\n"
+        "```\n" + format_table(HEADER, [cells for cells, _ in rows]) + "\n```\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where to write the table")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
-        print("gpu_suite: no CUDA device here (torch.cuda.is_available() is False), nothing was run; run it on a "
-              "machine with an NVIDIA GPU and a CUDA build of torch. The CPU side is `pytest` (kernels in Triton's "
-              "interpreter, ahead-of-time compilation for sm_80/89/90).")
+        print(
+            "gpu_suite: no CUDA device here (torch.cuda.is_available() is False), nothing was run; run it on a "
+            "machine with an NVIDIA GPU and a CUDA build of torch. The CPU side is `pytest` (kernels in Triton's "
+            "interpreter, ahead-of-time compilation for sm_80/89/90)."
+        )
         return NO_CUDA_EXIT
     env = environment()
     print(f"gpu_suite on {env}")

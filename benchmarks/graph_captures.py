@@ -26,9 +26,18 @@ def _model_dir(path: str, max_len: int) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -36,14 +45,24 @@ def _model_dir(path: str, max_len: int) -> str:
 def _workload(num_requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """(prompt ids, max_new_tokens) per request: prompts of 1-200 tokens, outputs of 1-64."""
     rng = random.Random(seed)
-    return [([rng.randrange(VOCAB) for _ in range(rng.randint(1, 200))], rng.randint(1, 64))
-            for _ in range(num_requests)]
+    return [
+        ([rng.randrange(VOCAB) for _ in range(rng.randint(1, 200))], rng.randint(1, 64)) for _ in range(num_requests)
+    ]
 
 
 def _run(model_dir: str, workload, **config) -> tuple[dict, LLMEngine]:
-    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
-        loader="transformers", page_size=16, num_blocks=2048, max_requests_per_batch=256, max_batch_tokens=2048,
-        attention_backend="cpu", **config))
+    engine = LLMEngine.from_pretrained(
+        model_dir,
+        EngineConfig(
+            loader="transformers",
+            page_size=16,
+            num_blocks=2048,
+            max_requests_per_batch=256,
+            max_batch_tokens=2048,
+            attention_backend="cpu",
+            **config,
+        ),
+    )
     requests = ((i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n) in enumerate(workload))
     return {o.request_id: o.output_token_ids for o in engine.generate(requests)}, engine
 
@@ -61,10 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     stats = engine.stats
     buckets = engine.model_runner.graph_buckets
     bound = len(buckets.sizes) * buckets.max_query_len
-    print("requests | speculative | steps | graphed steps | captures | bound (buckets x query lengths) | "
-          "outputs == off")
-    print(f"{args.requests:8} | {args.speculative:11} | {stats.num_steps:5} | {stats.num_cuda_graph_replays:13} | "
-          f"{stats.num_cuda_graph_captures:8} | {bound:31} | {graphed == eager}")
+    print(
+        "requests | speculative | steps | graphed steps | captures | bound (buckets x query lengths) | outputs == off"
+    )
+    print(
+        f"{args.requests:8} | {args.speculative:11} | {stats.num_steps:5} | {stats.num_cuda_graph_replays:13} | "
+        f"{stats.num_cuda_graph_captures:8} | {bound:31} | {graphed == eager}"
+    )
     return 0 if graphed == eager else 1
 
 

@@ -50,11 +50,13 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
-TITLE = ("# lm-eval: `--model hf` against `--model cbrun`\n\n`python benchmarks/lm_eval_backend.py` (its docstring "
-         "defines every row and column). The stories260K model, the local GSM8K tasks of `tests/evals/tasks/`, "
-         "lm-eval's own CLI (both backends through `cbrun lm-eval`; plain `lm_eval` for reference), one thread "
-         "each, `hf` with its defaults (batch size 1). Target: cbrun at least 3x faster than `hf` end to end "
-         "(wall), equal metrics.\n\n")
+TITLE = (
+    "# lm-eval: `--model hf` against `--model cbrun`\n\n`python benchmarks/lm_eval_backend.py` (its docstring "
+    "defines every row and column). The stories260K model, the local GSM8K tasks of `tests/evals/tasks/`, "
+    "lm-eval's own CLI (both backends through `cbrun lm-eval`; plain `lm_eval` for reference), one thread "
+    "each, `hf` with its defaults (batch size 1). Target: cbrun at least 3x faster than `hf` end to end "
+    "(wall), equal metrics.\n\n"
+)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIT_RATE_RE = re.compile(r"hit rate ([0-9.]+)%")
 HF, CBRUN, PLAIN_HF = "hf", "cbrun", "hf (plain lm_eval)"
@@ -66,14 +68,40 @@ def command(backend: str, model: str, task: str, limit: int | None, output_dir: 
     """The argv of one lm-eval run: ``backend`` (``HF``, ``CBRUN`` or ``PLAIN_HF``) on ``task``, ``limit`` rows
     (``None``: all), results under ``output_dir``."""
     if backend == PLAIN_HF:
-        head = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-                f"pretrained={model},dtype=float32"]
+        head = [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "run",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={model},dtype=float32",
+        ]
     elif backend == HF:
-        head = [sys.executable, "-m", "jobs.cli", "lm-eval", "run", "--model", "hf", "--model_args",
-                f"pretrained={model},dtype=float32"]
+        head = [
+            sys.executable,
+            "-m",
+            "jobs.cli",
+            "lm-eval",
+            "run",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={model},dtype=float32",
+        ]
     else:
-        head = [sys.executable, "-m", "jobs.cli", "lm-eval", "run", "--model", "cbrun", "--model_args",
-                f"pretrained={model},num_threads=1"]
+        head = [
+            sys.executable,
+            "-m",
+            "jobs.cli",
+            "lm-eval",
+            "run",
+            "--model",
+            "cbrun",
+            "--model_args",
+            f"pretrained={model},num_threads=1",
+        ]
     tail = ["--device", "cpu", "--include_path", "tests/evals/tasks", "--tasks", task, "--output_path", output_dir]
     return head + tail + (["--limit", str(limit)] if limit else [])
 
@@ -81,25 +109,40 @@ def command(backend: str, model: str, task: str, limit: int | None, output_dir: 
 def run_once(backend: str, model: str, task: str, limit: int | None, extra_env: dict | None = None) -> dict:
     """One lm-eval process: wall and CPU seconds, the task's metrics, cbrun's hit rate, the 1-minute load average
     at its start."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           **(extra_env or {})}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        **(extra_env or {}),
+    }
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as output_dir:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        proc = subprocess.run(command(backend, model, task, limit, output_dir), cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            command(backend, model, task, limit, output_dir), cwd=REPO_ROOT, env=env, capture_output=True, text=True
+        )
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if proc.returncode != 0:
             raise RuntimeError(f"{backend} on {task} failed:\n{proc.stderr[-3000:]}")
         results = json.load(open(sorted(glob.glob(f"{output_dir}/**/results_*.json", recursive=True))[-1]))
-    metrics = {k: v for k, v in results["results"][task].items()
-               if "," in k and "stderr" not in k and isinstance(v, (int, float))}
+    metrics = {
+        k: v
+        for k, v in results["results"][task].items()
+        if "," in k and "stderr" not in k and isinstance(v, (int, float))
+    }
     hit = HIT_RATE_RE.findall(proc.stderr)
-    return {"wall": wall, "cpu": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            "metrics": metrics, "hit_rate": float(hit[-1]) if hit else None, "load": load}
+    return {
+        "wall": wall,
+        "cpu": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "metrics": metrics,
+        "hit_rate": float(hit[-1]) if hit else None,
+        "load": load,
+    }
 
 
 def cold_start(model: str) -> dict:
@@ -118,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-large-limit", type=int, default=400, help="a second generate_until row (0: none)")
     parser.add_argument("--out", default="benchmarks/results-lm-eval.md", help="the results file ('' for none)")
     args = parser.parse_args(argv)
-    runs = [("startup", "cbrun_gsm8k_mc", 1), ("cbrun_gsm8k_mc", "cbrun_gsm8k_mc", args.mc_limit),
-            (f"cbrun_gsm8k_gen {args.gen_limit}", "cbrun_gsm8k_gen", args.gen_limit)]
+    runs = [
+        ("startup", "cbrun_gsm8k_mc", 1),
+        ("cbrun_gsm8k_mc", "cbrun_gsm8k_mc", args.mc_limit),
+        (f"cbrun_gsm8k_gen {args.gen_limit}", "cbrun_gsm8k_gen", args.gen_limit),
+    ]
     if args.gen_large_limit:
         runs.append((f"cbrun_gsm8k_gen {args.gen_large_limit}", "cbrun_gsm8k_gen", args.gen_large_limit))
     run_once(CBRUN, args.model, "cbrun_gsm8k_mc", 1)  # warms the task index cache; not timed
@@ -136,8 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 result = run_once(backend, args.model, task, limit)
                 results.setdefault((name, backend), []).append(result)
-                print(f"repeat {repeat + 1} {name} {backend}: {result['wall']:.1f} s wall, {result['cpu']:.1f} s CPU, "
-                      f"{result['metrics']}, hit rate {result['hit_rate']}, load {result['load']:.1f}", file=sys.stderr, flush=True)
+                print(
+                    f"repeat {repeat + 1} {name} {backend}: {result['wall']:.1f} s wall, {result['cpu']:.1f} s CPU, "
+                    f"{result['metrics']}, hit rate {result['hit_rate']}, load {result['load']:.1f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     table = render(results, runs, args, cold)
     print(table)
     if args.out:
@@ -155,6 +205,7 @@ def render(results, runs, args, cold: dict) -> str:
         args: the parsed command line (repeats and limits, echoed as the command).
         cold: ``cold_start``'s result.
     """
+
     def median(name, backend, key="wall"):
         return statistics.median(r[key] for r in results[(name, backend)])
 
@@ -181,28 +232,33 @@ def render(results, runs, args, cold: dict) -> str:
             if backend == CBRUN:
                 ratios[:2] = [ratio(median(name, HF, key), median(name, CBRUN, key)) for key in ("wall", "cpu")]
                 if name != "startup":
-                    ratios[2:4] = [ratio(minus_startup(name, HF, key), minus_startup(name, CBRUN, key))
-                                   for key in ("wall", "cpu")]
+                    ratios[2:4] = [
+                        ratio(minus_startup(name, HF, key), minus_startup(name, CBRUN, key)) for key in ("wall", "cpu")
+                    ]
                 if (name, PLAIN_HF) in results:
                     ratios[4] = ratio(median(name, PLAIN_HF), median(name, CBRUN))
             shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in rs[0]["metrics"].items())
             walls = ", ".join(f"{r['wall']:.1f}" for r in rs)
-            lines.append(f"| {name.split(' ')[0]} | {limit or 'all'} | {backend} | {walls} | "
-                         f"{median(name, backend):.1f} | {median(name, backend, 'cpu'):.1f} | "
-                         f"{shown}{'' if equal else ' (DIFFER)'} | {'' if hit is None else f'{hit:.1f}%'} | "
-                         f"{' | '.join(ratios)} |")
+            lines.append(
+                f"| {name.split(' ')[0]} | {limit or 'all'} | {backend} | {walls} | "
+                f"{median(name, backend):.1f} | {median(name, backend, 'cpu'):.1f} | "
+                f"{shown}{'' if equal else ' (DIFFER)'} | {'' if hit is None else f'{hit:.1f}%'} | "
+                f"{' | '.join(ratios)} |"
+            )
     load = os.getloadavg()
     loads = [r["load"] for rs in results.values() for r in rs]
-    header = (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()} "
-              f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()}), model {args.model}, "
-              f"{args.repeats} interleaved repeats ({args.startup_repeats} of the startup row), one thread each; "
-              f"1-minute load average at the runs' starts {min(loads):.1f} to {max(loads):.1f}, at the end "
-              f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min).\n"
-              f"Command: `python benchmarks/lm_eval_backend.py --repeats {args.repeats} --startup-repeats "
-              f"{args.startup_repeats}{f' --mc-limit {args.mc_limit}' if args.mc_limit else ''} "
-              f"--gen-limit {args.gen_limit} --gen-large-limit {args.gen_large_limit}`\n\n"
-              f"A first run ever (cbrun, startup row, empty index cache: lm-eval's index built and written): "
-              f"{cold['wall']:.1f} s wall, {cold['cpu']:.1f} s CPU.\n\n")
+    header = (
+        f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()} "
+        f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()}), model {args.model}, "
+        f"{args.repeats} interleaved repeats ({args.startup_repeats} of the startup row), one thread each; "
+        f"1-minute load average at the runs' starts {min(loads):.1f} to {max(loads):.1f}, at the end "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min).\n"
+        f"Command: `python benchmarks/lm_eval_backend.py --repeats {args.repeats} --startup-repeats "
+        f"{args.startup_repeats}{f' --mc-limit {args.mc_limit}' if args.mc_limit else ''} "
+        f"--gen-limit {args.gen_limit} --gen-large-limit {args.gen_large_limit}`\n\n"
+        f"A first run ever (cbrun, startup row, empty index cache: lm-eval's index built and written): "
+        f"{cold['wall']:.1f} s wall, {cold['cpu']:.1f} s CPU.\n\n"
+    )
     return header + "\n".join(lines) + "\n"
 
 

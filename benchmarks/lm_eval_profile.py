@@ -96,15 +96,21 @@ def split(backend: str, timers: Timers, total: float) -> list[tuple[str, float]]
     """(phase, CPU seconds) rows, exclusive, in run order, summing to ``total``."""
     s = timers.seconds
     tokenization = s["loglikelihood"] - s["scoring"]
-    rows = [("imports", s["imports"]), ("task index (TaskManager)", s["task index"]),
-            ("model load", s["model load"]), ("lm-eval: building requests", s["build_all_requests"]),
-            ("tokenization", tokenization)]
+    rows = [
+        ("imports", s["imports"]),
+        ("task index (TaskManager)", s["task index"]),
+        ("model load", s["model load"]),
+        ("lm-eval: building requests", s["build_all_requests"]),
+        ("tokenization", tokenization),
+    ]
     if backend == "cbrun":
-        rows += [("scoring: attention kernel", s["attention kernel"]),
-                 ("scoring: linear layers", s["linear layers"]),
-                 ("scoring: rest of the forward pass", s["forward"] - s["attention kernel"] - s["linear layers"]),
-                 ("scoring: engine host work", s["engine step"] - s["forward"] + s["add_request"]),
-                 ("scoring: backend bookkeeping", s["scoring"] - s["engine step"] - s["add_request"])]
+        rows += [
+            ("scoring: attention kernel", s["attention kernel"]),
+            ("scoring: linear layers", s["linear layers"]),
+            ("scoring: rest of the forward pass", s["forward"] - s["attention kernel"] - s["linear layers"]),
+            ("scoring: engine host work", s["engine step"] - s["forward"] + s["add_request"]),
+            ("scoring: backend bookkeeping", s["scoring"] - s["engine step"] - s["add_request"]),
+        ]
     else:
         rows.append(("scoring (hf _loglikelihood_tokens)", s["scoring"]))
     rows.append(("lm-eval: process_results", s["process_results"]))
@@ -141,13 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     timers.wrap(ConfigurableTask, "build_all_requests", "build_all_requests")
     timers.wrap(ConfigurableTask, "process_results", "process_results")
     timers.wrap(type(lm) if args.backend == "cbrun" else TemplateLM, "loglikelihood", "loglikelihood")
-    results = lm_eval.evaluator.simple_evaluate(model=lm, tasks=[args.task], task_manager=task_manager,
-                                                limit=args.limit)
+    results = lm_eval.evaluator.simple_evaluate(
+        model=lm, tasks=[args.task], task_manager=task_manager, limit=args.limit
+    )
     total = time.process_time() - start
-    metrics = {k: round(v, 4) for k, v in results["results"][args.task].items()
-               if "," in k and "stderr" not in k and isinstance(v, float)}
-    print(f"{args.backend} on {args.task} ({args.limit or 'all'} rows), {metrics}; load average "
-          f"{os.getloadavg()[0]:.1f}\n")
+    metrics = {
+        k: round(v, 4)
+        for k, v in results["results"][args.task].items()
+        if "," in k and "stderr" not in k and isinstance(v, float)
+    }
+    print(
+        f"{args.backend} on {args.task} ({args.limit or 'all'} rows), {metrics}; load average "
+        f"{os.getloadavg()[0]:.1f}\n"
+    )
     print("| phase | CPU s | share |\n| --- | --- | --- |")
     for phase, seconds in split(args.backend, timers, total):
         print(f"| {phase} | {seconds:.2f} | {100 * seconds / total:.0f}% |")

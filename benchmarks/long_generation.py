@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,15 +59,31 @@ def prepare(scratch: Path, rows: int) -> tuple[Path, Path]:
 def run_cbrun(tree: str, sets: list[str], model_dir: Path, questions: Path, scratch: Path) -> dict:
     """The whole flags-only command in a fresh process with ``PYTHONPATH=tree``."""
     out = scratch / f"out-{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "jobs.cli", "run", "--model", str(model_dir), "--input", str(questions),
-               "--prompt-column", "question", "--output", str(out), "--max-new-tokens", str(MAX_NEW_TOKENS),
-               "--no-progress", *[a for s in sets for a in ("--set", s)]]
+    command = [
+        sys.executable,
+        "-m",
+        "jobs.cli",
+        "run",
+        "--model",
+        str(model_dir),
+        "--input",
+        str(questions),
+        "--prompt-column",
+        "question",
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        str(MAX_NEW_TOKENS),
+        "--no-progress",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     tree = Path(tree).resolve()
     cpu_start = _children_cpu_s()
     start = time.perf_counter()
     # cwd too: ``python -m`` puts the working directory first on sys.path.
-    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        command, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, capture_output=True, text=True
+    )
     wall = time.perf_counter() - start
     cpu = _children_cpu_s() - cpu_start
     if done.returncode != 0:
@@ -81,8 +96,16 @@ def run_cbrun(tree: str, sets: list[str], model_dir: Path, questions: Path, scra
     table = pq.read_table(sorted(out.glob("part-*.parquet"))).sort_by("row_index")
     outputs = table.column("completion_token_ids").to_pylist()
     log = [line for line in done.stderr.splitlines() if "num_threads" in line or "KV cache" in line]
-    return dict(whole_s=wall, cpu_s=cpu, generation_s=stats["generation_s"], generated=stats["num_generated_tokens"],
-                peak_mib=stats.get("peak_memory_mib"), outputs=outputs, summary=done.stdout.strip(), log=log)
+    return dict(
+        whole_s=wall,
+        cpu_s=cpu,
+        generation_s=stats["generation_s"],
+        generated=stats["num_generated_tokens"],
+        peak_mib=stats.get("peak_memory_mib"),
+        outputs=outputs,
+        summary=done.stdout.strip(),
+        log=log,
+    )
 
 
 def _children_cpu_s() -> float:
@@ -95,10 +118,18 @@ def _children_cpu_s() -> float:
 
 def run_hf(model_dir: Path, questions: Path, batch_size: int) -> dict:
     """transformers' padded generate in a fresh process (this checkout's code), torch's default threads."""
-    command = [sys.executable, "-m", "benchmarks.long_generation", "--hf-child", str(model_dir), str(questions),
-               str(batch_size)]
-    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True,
-                          text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.long_generation",
+        "--hf-child",
+        str(model_dir),
+        str(questions),
+        str(batch_size),
+    ]
+    done = subprocess.run(
+        command, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise RuntimeError(f"hf-generate failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.splitlines()[-1])
@@ -123,8 +154,17 @@ def hf_child(model_dir: str, questions: str, batch_size: int) -> None:
         generated, _, _ = _hf_generate_batch(model, prompts[rows], limits[rows], (1,))
         outputs += [cut_output(g, limit, (1,)) for g, limit in zip(generated, limits[rows])]
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    print(json.dumps(dict(generation_s=wall, generation_cpu_s=cpu, generated=sum(map(len, outputs)), threads=torch.get_num_threads(),
-                          outputs=outputs)))
+    print(
+        json.dumps(
+            dict(
+                generation_s=wall,
+                generation_cpu_s=cpu,
+                generated=sum(map(len, outputs)),
+                threads=torch.get_num_threads(),
+                outputs=outputs,
+            )
+        )
+    )
 
 
 def median_run(runs: list[dict], key: str) -> dict:
@@ -136,29 +176,37 @@ def report(results: dict[str, list[dict]], args, machine: str) -> str:
     hf = median_run(results["hf-generate"], "generation_s")
     hf_tps = hf["generated"] / hf["generation_s"]
     reference = hf["outputs"]
-    lines = [f"# The flags-only command vs transformers' padded generate (long-generation workload)", "",
-             f"{args.rows} GSM8K test questions, stories260K, greedy, stop token 1, max_new_tokens = min(256, 512 - "
-             f"prompt). {machine}. Median of {args.repeats} round-robin repeats (each in a fresh process); "
-             f"min-max in brackets. Command: `{shlex.join(['python', '-m', 'benchmarks.long_generation', *sys.argv[1:]])}`.",
-             "", "| run | whole command s | generation s | generated tokens | whole-command tok/s | generation tok/s "
-             "| vs generate (whole command) | CPU s | gen tok per CPU s | peak RSS MiB | outputs == generate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# The flags-only command vs transformers' padded generate (long-generation workload)",
+        "",
+        f"{args.rows} GSM8K test questions, stories260K, greedy, stop token 1, max_new_tokens = min(256, 512 - "
+        f"prompt). {machine}. Median of {args.repeats} round-robin repeats (each in a fresh process); "
+        f"min-max in brackets. Command: `{shlex.join(['python', '-m', 'benchmarks.long_generation', *sys.argv[1:]])}`.",
+        "",
+        "| run | whole command s | generation s | generated tokens | whole-command tok/s | generation tok/s "
+        "| vs generate (whole command) | CPU s | gen tok per CPU s | peak RSS MiB | outputs == generate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, runs in results.items():
         if label == "hf-generate":
             continue
         r = median_run(runs, "whole_s")
         whole = [x["generated"] / x["whole_s"] for x in runs]
         equal = sum(a == b for a, b in zip(r["outputs"], reference))
-        lines.append(f"| cbrun {label} | {r['whole_s']:.1f} | {r['generation_s']:.1f} | {r['generated']} | "
-                     f"{r['generated'] / r['whole_s']:.0f} [{min(whole):.0f}-{max(whole):.0f}] | "
-                     f"{r['generated'] / r['generation_s']:.0f} | {r['generated'] / r['whole_s'] / hf_tps:.2f}x | "
-                     f"{r['cpu_s']:.1f} (whole command) | {r['generated'] / r['cpu_s']:.0f} | {r['peak_mib']:.0f} | "
-                     f"{equal}/{len(reference)} |")
+        lines.append(
+            f"| cbrun {label} | {r['whole_s']:.1f} | {r['generation_s']:.1f} | {r['generated']} | "
+            f"{r['generated'] / r['whole_s']:.0f} [{min(whole):.0f}-{max(whole):.0f}] | "
+            f"{r['generated'] / r['generation_s']:.0f} | {r['generated'] / r['whole_s'] / hf_tps:.2f}x | "
+            f"{r['cpu_s']:.1f} (whole command) | {r['generated'] / r['cpu_s']:.0f} | {r['peak_mib']:.0f} | "
+            f"{equal}/{len(reference)} |"
+        )
     spread = [x["generated"] / x["generation_s"] for x in results["hf-generate"]]
-    lines.append(f"| hf-generate batch {args.batch_size}, {hf['threads']} threads (torch default) | n/a | "
-                 f"{hf['generation_s']:.1f} | {hf['generated']} | n/a | {hf_tps:.0f} [{min(spread):.0f}-"
-                 f"{max(spread):.0f}] | 1.00x (generation) | {hf['generation_cpu_s']:.1f} (generation) | "
-                 f"{hf['generated'] / hf['generation_cpu_s']:.0f} | n/a | reference |")
+    lines.append(
+        f"| hf-generate batch {args.batch_size}, {hf['threads']} threads (torch default) | n/a | "
+        f"{hf['generation_s']:.1f} | {hf['generated']} | n/a | {hf_tps:.0f} [{min(spread):.0f}-"
+        f"{max(spread):.0f}] | 1.00x (generation) | {hf['generation_cpu_s']:.1f} (generation) | "
+        f"{hf['generated'] / hf['generation_cpu_s']:.0f} | n/a | reference |"
+    )
     lines += ["", "Engine log lines of the median runs (thread choice, cache size):", ""]
     for label, runs in results.items():
         if label != "hf-generate":
@@ -195,27 +243,39 @@ def main(argv: list[str] | None = None) -> int:
             for label, (path, sets) in trees.items():
                 r = run_cbrun(path, sets, model_dir, questions, scratch)
                 results[label].append(r)
-                print(f"[{repeat + 1}] {label}: {r['generated'] / r['whole_s']:.0f} tok/s whole command, "
-                      f"{r['generated'] / r['generation_s']:.0f} generation, {r['generated'] / r['cpu_s']:.0f} per "
-                      f"CPU s; load {os.getloadavg()[0]:.2f}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{repeat + 1}] {label}: {r['generated'] / r['whole_s']:.0f} tok/s whole command, "
+                    f"{r['generated'] / r['generation_s']:.0f} generation, {r['generated'] / r['cpu_s']:.0f} per "
+                    f"CPU s; load {os.getloadavg()[0]:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if not args.no_hf:
                 r = run_hf(model_dir, questions, args.batch_size)
                 results["hf-generate"].append(r)
-                print(f"[{repeat + 1}] hf-generate: {r['generated'] / r['generation_s']:.0f} tok/s generation; "
-                      f"load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+                print(
+                    f"[{repeat + 1}] hf-generate: {r['generated'] / r['generation_s']:.0f} tok/s generation; "
+                    f"load {os.getloadavg()[0]:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if args.no_hf:
         for label, runs in results.items():
             r = median_run(runs, "whole_s")
-            print(f"{label}: {r['generated'] / r['whole_s']:.0f} tok/s whole, "
-                  f"{r['generated'] / r['generation_s']:.0f} generation, {r['generated'] / r['cpu_s']:.0f} per CPU s, "
-                  f"peak {r['peak_mib']:.0f} MiB")
+            print(
+                f"{label}: {r['generated'] / r['whole_s']:.0f} tok/s whole, "
+                f"{r['generated'] / r['generation_s']:.0f} generation, {r['generated'] / r['cpu_s']:.0f} per CPU s, "
+                f"peak {r['peak_mib']:.0f} MiB"
+            )
         return 0
     from benchmarks.cbrun_bench.measure import machine_info
 
     m = machine_info(0)
-    text = report(results, args, f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, commit {m['commit']}, "
-                                 f"{datetime.date.today()}")
+    text = report(
+        results,
+        args,
+        f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, commit {m['commit']}, {datetime.date.today()}",
+    )
     print(text)
     if args.markdown:
         args.markdown.write_text(text, encoding="utf-8")

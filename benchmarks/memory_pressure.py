@@ -33,8 +33,10 @@ def run(model_dir: str, prompts, config: EngineConfig, max_new_tokens: int) -> t
     engine = LLMEngine.from_pretrained(model_dir, config)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     start = time.perf_counter()
-    outputs = {o.request_id: (o.output_token_ids if o.error is None else None)
-               for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}
+    outputs = {
+        o.request_id: (o.output_token_ids if o.error is None else None)
+        for o in engine.generate((i, p, params) for i, p in enumerate(prompts))
+    }
     return outputs, time.perf_counter() - start, engine
 
 
@@ -49,8 +51,11 @@ def _cpu_name() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/stories260K")
-    parser.add_argument("--data", default=str(gsm8k_path("test")),
-                        help="GSM8K test parquet (default: from $CBRUN_SHARED, else shared/ beside the checkout)")
+    parser.add_argument(
+        "--data",
+        default=str(gsm8k_path("test")),
+        help="GSM8K test parquet (default: from $CBRUN_SHARED, else shared/ beside the checkout)",
+    )
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--blocks", type=int, nargs="+", default=[2048, 256, 96, 48, 24])
@@ -59,25 +64,31 @@ def main() -> None:
     prompts = load_prompts(args.model, args.data, args.rows)
     common = dict(page_size=16, max_batch_tokens=512, max_requests_per_batch=64, num_threads=1)
     reference, _, _ = run(args.model, prompts, EngineConfig(num_blocks=4096, **common), args.max_new_tokens)
-    print(f"machine: {_cpu_name()}, {torch.get_num_threads()} thread(s); "
-          f"{len(prompts)} GSM8K questions, stories260K, greedy, max_new_tokens {args.max_new_tokens}, page 16, "
-          f"max_batch_tokens 512, max_requests_per_batch 64")
+    print(
+        f"machine: {_cpu_name()}, {torch.get_num_threads()} thread(s); "
+        f"{len(prompts)} GSM8K questions, stories260K, greedy, max_new_tokens {args.max_new_tokens}, page 16, "
+        f"max_batch_tokens 512, max_requests_per_batch 64"
+    )
     print()
-    print("| scheduler | blocks (tokens) | CPU swap | gen tokens/s | steps | offloads | soft resets | too large "
-          "for the cache | other outputs equal |")
+    print(
+        "| scheduler | blocks (tokens) | CPU swap | gen tokens/s | steps | offloads | soft resets | too large "
+        "for the cache | other outputs equal |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for scheduler in ("fifo", "prefill_first"):
         for blocks in args.blocks:
-            for swap in ((0.0, 0.25) if blocks <= 96 else (0.0,)):
+            for swap in (0.0, 0.25) if blocks <= 96 else (0.0,):
                 config = EngineConfig(num_blocks=blocks, scheduler_type=scheduler, cpu_offload_space=swap, **common)
                 outputs, seconds, engine = run(args.model, prompts, config, args.max_new_tokens)
                 stats = engine.stats
                 failed = [i for i in outputs if outputs[i] is None]
                 equal = sum(outputs[i] == reference[i] for i in reference if outputs[i] is not None)
-                print(f"| {scheduler} | {blocks} ({blocks * 16}) | {'0.25 GiB' if swap else 'off'} | "
-                      f"{stats.num_generated_tokens / seconds:.0f} | {stats.num_steps} | {stats.num_offloads} | "
-                      f"{stats.num_soft_resets} | {len(failed)} | {equal}/{len(reference) - len(failed)} |",
-                      flush=True)
+                print(
+                    f"| {scheduler} | {blocks} ({blocks * 16}) | {'0.25 GiB' if swap else 'off'} | "
+                    f"{stats.num_generated_tokens / seconds:.0f} | {stats.num_steps} | {stats.num_offloads} | "
+                    f"{stats.num_soft_resets} | {len(failed)} | {equal}/{len(reference) - len(failed)} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 def run_once(workload, page_size: int) -> tuple[float, list[list[int]]]:
     """(generation wall seconds, output token ids in row order) of one run at ``page_size``."""
     engine = LLMEngine.from_pretrained(str(workload.model_dir), EngineConfig(page_size=page_size))
-    requests = [(i, prompt, SamplingParams(max_new_tokens=m, stop_token_ids=workload.stop_token_ids))
-                for i, (prompt, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
+    requests = [
+        (i, prompt, SamplingParams(max_new_tokens=m, stop_token_ids=workload.stop_token_ids))
+        for i, (prompt, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))
+    ]
     start = time.perf_counter()
     outputs = {o.request_id: o.output_token_ids for o in engine.generate(requests, max_in_flight=len(requests))}
     wall = time.perf_counter() - start
@@ -58,8 +60,7 @@ def main() -> int:
                 wall, tokens = run_once(workload, size)
                 walls[size].append(wall)
                 outputs.setdefault(size, tokens)
-                print(f"[page_size] repeat {repeat + 1}/{args.repeats} page_size {size}: {wall:.2f} s",
-                      file=sys.stderr)
+                print(f"[page_size] repeat {repeat + 1}/{args.repeats} page_size {size}: {wall:.2f} s", file=sys.stderr)
     num_tokens = sum(len(t) for t in outputs[sizes[0]])
     base = statistics.median(walls[sizes[0]])
     lines = [
@@ -78,8 +79,10 @@ def main() -> int:
     for size in sizes:
         median = statistics.median(walls[size])
         same = sum(a == b for a, b in zip(outputs[size], outputs[sizes[0]]))
-        lines.append(f"| {size} | {median:.2f} | {min(walls[size]):.2f}-{max(walls[size]):.2f} | "
-                     f"{num_tokens / median:.0f} | {median / base:.2f}x | {same}/{len(outputs[size])} |")
+        lines.append(
+            f"| {size} | {median:.2f} | {min(walls[size]):.2f}-{max(walls[size]):.2f} | "
+            f"{num_tokens / median:.0f} | {median / base:.2f}x | {same}/{len(outputs[size])} |"
+        )
     report = "\n".join(lines) + "\n"
     print(report)
     if args.markdown:

@@ -91,17 +91,24 @@ def measure_k(max_new_tokens: int, tokenizer) -> list[dict]:
         template = fewshot_template(exemplars(0, k))
         ids = [tokenizer.encode(template.format(question=q)) for q in questions]
         lengths = [len(i) for i in ids]
-        results.append({"k": k, "shared_prefix": len(commonprefix(ids)), "longest_prompt": max(lengths),
-                        "fit": sum(n + max_new_tokens <= limit for n in lengths),
-                        "cut_by_context": sum(n < limit < n + max_new_tokens for n in lengths),
-                        "too_long": sum(n >= limit for n in lengths)})
+        results.append(
+            {
+                "k": k,
+                "shared_prefix": len(commonprefix(ids)),
+                "longest_prompt": max(lengths),
+                "fit": sum(n + max_new_tokens <= limit for n in lengths),
+                "cut_by_context": sum(n < limit < n + max_new_tokens for n in lengths),
+                "too_long": sum(n >= limit for n in lengths),
+            }
+        )
     return results
 
 
 def write_manifest(k: int, max_new_tokens: int, tokenizer) -> None:
     rows = {r["k"]: r for r in measure_k(max_new_tokens, tokenizer)}
-    longest_question = max(len(tokenizer.encode(q)) for q in pq.read_table(TEST, columns=["question"]).column(0)
-                           .to_pylist())
+    longest_question = max(
+        len(tokenizer.encode(q)) for q in pq.read_table(TEST, columns=["question"]).column(0).to_pylist()
+    )
     template = fewshot_template(exemplars(0, k))
     r = rows[k]
     limit, prefix, fit = _max_model_len(), r["shared_prefix"], r["fit"]
@@ -114,7 +121,7 @@ def write_manifest(k: int, max_new_tokens: int, tokenizer) -> None:
 # (prompt + completion) and the longest test question alone is {longest_question} tokens, so no k >= 1 fits every
 # row. With k = {k} the shared prefix is {prefix} tokens; with max_new_tokens = {max_new_tokens}, {fit:,} of 1,319
 # rows fit whole, {cut} stop early at the {limit}-token context and {too_long} prompts are too long (error
-# rows; the job goes on). k = {k + 1} would make {rows[k + 1]['too_long']:,} prompts too long.
+# rows; the job goes on). k = {k + 1} would make {rows[k + 1]["too_long"]:,} prompts too long.
 #
 # Run from the repository root, after creating the model directory once with
 #   cbrun convert-llama2c ../shared/models/stories260K/stories260K.bin \\
@@ -192,8 +199,10 @@ def shared_prefix_lengths(tokenizer, templates: dict[str, str], questions: list[
     """Per template: the longest common prefix of the token ids of all its prompts (all test questions)."""
     from os.path import commonprefix
 
-    return {name: len(commonprefix(tokenizer([t.format(question=q) for q in questions])["input_ids"]))
-            for name, t in templates.items()}
+    return {
+        name: len(commonprefix(tokenizer([t.format(question=q) for q in questions])["input_ids"]))
+        for name, t in templates.items()
+    }
 
 
 def short_exemplar_templates(tokenizer, count: int) -> dict[str, str]:
@@ -204,8 +213,18 @@ def short_exemplar_templates(tokenizer, count: int) -> dict[str, str]:
     return {f"T{j}": fewshot_template([pool[i]]) for j, i in enumerate(chosen)}
 
 
-def run_one(name: str, description: str, input_path: Path, work: Path, *, sharing: bool, order_window: int,
-            max_new_tokens: int, num_blocks: int, prefix_of: dict[str, int]) -> Result:
+def run_one(
+    name: str,
+    description: str,
+    input_path: Path,
+    work: Path,
+    *,
+    sharing: bool,
+    order_window: int,
+    max_new_tokens: int,
+    num_blocks: int,
+    prefix_of: dict[str, int],
+) -> Result:
     """One job on a fresh engine; per-row cached tokens are read off the engine's finished requests."""
     import torch
 
@@ -213,8 +232,15 @@ def run_one(name: str, description: str, input_path: Path, work: Path, *, sharin
     from jobs.run.job import run_job
 
     torch.set_num_threads(1)
-    config = EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=64, num_blocks=num_blocks,
-                          allow_block_sharing=sharing, device="cpu", num_threads=1)
+    config = EngineConfig(
+        page_size=16,
+        max_batch_tokens=512,
+        max_requests_per_batch=64,
+        num_blocks=num_blocks,
+        allow_block_sharing=sharing,
+        device="cpu",
+        num_threads=1,
+    )
     engine = LLMEngine.from_pretrained(str(MODEL), config)
     cached_by_row: dict[int, int] = {}
     finish = engine._finish
@@ -243,9 +269,20 @@ def run_one(name: str, description: str, input_path: Path, work: Path, *, sharin
         shared = prefix_of[ids[row_index].split(":")[0]]
         exemplar_tokens += shared
         exemplar_computed += shared - min(cached, shared)
-    return Result(name, description, len(cached_by_row), stats.num_prompt_tokens, stats.num_cached_prompt_tokens,
-                  prefill, exemplar_tokens, exemplar_computed, stats.num_generated_tokens, stats.num_soft_resets,
-                  stats.num_evicted_blocks, wall)
+    return Result(
+        name,
+        description,
+        len(cached_by_row),
+        stats.num_prompt_tokens,
+        stats.num_cached_prompt_tokens,
+        prefill,
+        exemplar_tokens,
+        exemplar_computed,
+        stats.num_generated_tokens,
+        stats.num_soft_resets,
+        stats.num_evicted_blocks,
+        wall,
+    )
 
 
 def run_all(args, tokenizer) -> list[Result]:
@@ -253,8 +290,11 @@ def run_all(args, tokenizer) -> list[Result]:
     questions = [r["question"] for r in test]
     templates = {"A": fewshot_template(exemplars(0, args.k)), "B": fewshot_template(exemplars(args.k, args.k))}
     prefix_of = shared_prefix_lengths(tokenizer, templates, questions)
-    print(f"shared prefix: A (exemplars 0..{args.k - 1}) {prefix_of['A']} tokens, "
-          f"B (exemplars {args.k}..{2 * args.k - 1}) {prefix_of['B']} tokens", flush=True)
+    print(
+        f"shared prefix: A (exemplars 0..{args.k - 1}) {prefix_of['A']} tokens, "
+        f"B (exemplars {args.k}..{2 * args.k - 1}) {prefix_of['B']} tokens",
+        flush=True,
+    )
     rng = random.Random(0)
     mix = [rng.choice("AB") for _ in test]
     work = Path(tempfile.mkdtemp(prefix="cbrun-prefix-sharing-"))
@@ -264,15 +304,24 @@ def run_all(args, tokenizer) -> list[Result]:
     rng.shuffle(shuffled)
     by_template = sorted(shuffled, key=lambda row: row[2])  # stable: A rows, then B rows
     for name, rows in (("single", single), ("shuffled", shuffled), ("sorted", by_template)):
-        write_input(work / f"{name}.parquet", [q for _, q, _ in rows], [i for i, _, _ in rows],
-                    [templates[t] for _, _, t in rows])
+        write_input(
+            work / f"{name}.parquet",
+            [q for _, q, _ in rows],
+            [i for i, _, _ in rows],
+            [templates[t] for _, _, t in rows],
+        )
     plan = [
         ("a", "sharing off, arrival order, template A", "single", False, 0),
         ("b", "sharing on, arrival order, template A", "single", True, 0),
         ("b'", "sharing on, arrival order, shuffled A/B mix", "shuffled", True, 0),
         ("bs", "sharing on, arrival order, A/B mix sorted by template", "sorted", True, 0),
-        ("c", f"sharing on, prefix-aware order (window {args.order_window}), shuffled A/B mix", "shuffled", True,
-         args.order_window),
+        (
+            "c",
+            f"sharing on, prefix-aware order (window {args.order_window}), shuffled A/B mix",
+            "shuffled",
+            True,
+            args.order_window,
+        ),
     ]
     if args.templates:
         many = short_exemplar_templates(tokenizer, args.templates)
@@ -281,18 +330,34 @@ def run_all(args, tokenizer) -> list[Result]:
         names = sorted(many)
         rows = [(f"{t}:{r['id']}", r["question"], t) for r in test for t in [rng.choice(names)]]
         rng.shuffle(rows)
-        write_input(work / "many.parquet", [q for _, q, _ in rows], [i for i, _, _ in rows],
-                    [templates[t] for _, _, t in rows])
+        write_input(
+            work / "many.parquet", [q for _, q, _ in rows], [i for i, _, _ in rows], [templates[t] for _, _, t in rows]
+        )
         what = f"{args.templates}-template shuffled mix, {args.tight_blocks} blocks"
-        plan += [("d'", f"sharing on, arrival order, {what}", "many", True, 0),
-                 ("d", f"sharing on, prefix-aware order (window {args.order_window}), {what}", "many", True,
-                  args.order_window)]
+        plan += [
+            ("d'", f"sharing on, arrival order, {what}", "many", True, 0),
+            (
+                "d",
+                f"sharing on, prefix-aware order (window {args.order_window}), {what}",
+                "many",
+                True,
+                args.order_window,
+            ),
+        ]
     results = []
     for name, description, data, sharing, window in plan:
         num_blocks = args.tight_blocks if data == "many" else args.num_blocks
-        result = run_one(name.replace("'", "p"), description, work / f"{data}.parquet", work, sharing=sharing,
-                         order_window=window, max_new_tokens=args.max_new_tokens, num_blocks=num_blocks,
-                         prefix_of=prefix_of)
+        result = run_one(
+            name.replace("'", "p"),
+            description,
+            work / f"{data}.parquet",
+            work,
+            sharing=sharing,
+            order_window=window,
+            max_new_tokens=args.max_new_tokens,
+            num_blocks=num_blocks,
+            prefix_of=prefix_of,
+        )
         result.name, result.input_name = name, data
         results.append(result)
         print(f"  {name}: {result.wall_s:.1f} s", flush=True)
@@ -319,14 +384,18 @@ def check_outputs(results: list[Result], work: Path) -> None:
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| run | what | rows run | prompt tokens | prefill computed | exemplar computed (% of exemplar tokens) | "
-             "hit rate | gen tokens | gen tok/s | wall s | evicted blocks | same outputs |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| run | what | rows run | prompt tokens | prefill computed | exemplar computed (% of exemplar tokens) | "
+        "hit rate | gen tokens | gen tok/s | wall s | evicted blocks | same outputs |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in results:
         share = 100 * r.exemplar_computed / r.exemplar_tokens if r.exemplar_tokens else 0.0
-        lines.append(f"| {r.name} | {r.description} | {r.rows_run} | {r.prompt_tokens:,} | {r.prefill_computed:,} | "
-                     f"{r.exemplar_computed:,} ({share:.1f}%) | {r.hit_rate:.1%} | {r.generated:,} | "
-                     f"{r.generated / r.wall_s:,.0f} | {r.wall_s:.1f} | {r.evicted_blocks:,} | {r.same_outputs} |")
+        lines.append(
+            f"| {r.name} | {r.description} | {r.rows_run} | {r.prompt_tokens:,} | {r.prefill_computed:,} | "
+            f"{r.exemplar_computed:,} ({share:.1f}%) | {r.hit_rate:.1%} | {r.generated:,} | "
+            f"{r.generated / r.wall_s:,.0f} | {r.wall_s:.1f} | {r.evicted_blocks:,} | {r.same_outputs} |"
+        )
     return "\n".join(lines)
 
 
@@ -365,9 +434,12 @@ def main() -> None:
     if args.write_manifest:
         write_manifest(args.k, args.max_new_tokens, tokenizer)
         return
-    print(f"{platform.node()} | {platform.processor() or platform.machine()} | {os.cpu_count()} CPUs | "
-          f"torch {__import__('torch').__version__} | {time.strftime('%Y-%m-%d')} | rows {args.rows}, "
-          f"max_new_tokens {args.max_new_tokens}, k {args.k}, num_blocks {args.num_blocks}", flush=True)
+    print(
+        f"{platform.node()} | {platform.processor() or platform.machine()} | {os.cpu_count()} CPUs | "
+        f"torch {__import__('torch').__version__} | {time.strftime('%Y-%m-%d')} | rows {args.rows}, "
+        f"max_new_tokens {args.max_new_tokens}, k {args.k}, num_blocks {args.num_blocks}",
+        flush=True,
+    )
     results = run_all(args, tokenizer)
     print(table(results))
     for line in targets(results):

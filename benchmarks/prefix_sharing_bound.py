@@ -33,12 +33,18 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 
 def run_steps(workload, sharing: bool, page_size: int) -> tuple[float, np.ndarray]:
     """(wall seconds, (steps, 4) array of step seconds, prefill tokens, decode rows, decode context tokens)."""
-    config = EngineConfig(num_threads=1, page_size=page_size, allow_block_sharing=sharing,
-                          max_requests_per_batch=128, max_batch_tokens=512)
+    config = EngineConfig(
+        num_threads=1,
+        page_size=page_size,
+        allow_block_sharing=sharing,
+        max_requests_per_batch=128,
+        max_batch_tokens=512,
+    )
     engine = LLMEngine.from_pretrained(str(workload.model_dir), config)
     for request_id, (prompt, limit) in enumerate(zip(workload.prompts, workload.max_new_tokens)):
-        engine.add_request(request_id, prompt, SamplingParams(max_new_tokens=limit,
-                                                              stop_token_ids=workload.stop_token_ids))
+        engine.add_request(
+            request_id, prompt, SamplingParams(max_new_tokens=limit, stop_token_ids=workload.stop_token_ids)
+        )
     schedule, rows, plans = engine.scheduler.schedule, [], []
 
     def recording_schedule():
@@ -55,8 +61,14 @@ def run_steps(workload, sharing: bool, page_size: int) -> tuple[float, np.ndarra
         seconds = time.perf_counter() - step_start
         for plan in plans:
             decodes = [e for e in plan.scheduled if e.num_tokens == 1]
-            rows.append((seconds, sum(e.num_tokens for e in plan.scheduled if e.num_tokens > 1), len(decodes),
-                         sum(e.start + 1 for e in decodes)))
+            rows.append(
+                (
+                    seconds,
+                    sum(e.num_tokens for e in plan.scheduled if e.num_tokens > 1),
+                    len(decodes),
+                    sum(e.start + 1 for e in decodes),
+                )
+            )
     return time.perf_counter() - start, np.array(rows, dtype=float)
 
 
@@ -67,29 +79,47 @@ def fit(steps: np.ndarray) -> dict[str, float]:
     residual = steps[:, 0] - x @ coef
     total = steps[:, 0] - steps[:, 0].mean()
     parts = coef * x.sum(axis=0)
-    return {"fixed": parts[0], "prefill": parts[1], "decode": parts[2] + parts[3], "r2": 1 - residual @ residual /
-            (total @ total), "per_prefill_token_us": coef[1] * 1e6, "per_context_token_ns": coef[3] * 1e9,
-            "prefill_tokens": steps[:, 1].sum(), "decode_rows": steps[:, 2].sum(), "steps": len(steps)}
+    return {
+        "fixed": parts[0],
+        "prefill": parts[1],
+        "decode": parts[2] + parts[3],
+        "r2": 1 - residual @ residual / (total @ total),
+        "per_prefill_token_us": coef[1] * 1e6,
+        "per_context_token_ns": coef[3] * 1e9,
+        "prefill_tokens": steps[:, 1].sum(),
+        "decode_rows": steps[:, 2].sum(),
+        "steps": len(steps),
+    }
 
 
 def report(results: dict[bool, tuple[float, dict]], command: str, page_size: int) -> str:
-    lines = [f"# Workload 3: where the time goes with and without prefix sharing ({page_size}-token pages)", "",
-             f"`{command}`; one thread, 128 requests / 512 tokens per step; median run by wall time; "
-             f"{time.strftime('%Y-%m-%d %H:%M %Z')}.", "",
-             "| run | wall s | steps | prefill tokens | decode rows | fixed s | prefill s | decode s | "
-             "us per prefill token | ns per context token read | fit R^2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Workload 3: where the time goes with and without prefix sharing ({page_size}-token pages)",
+        "",
+        f"`{command}`; one thread, 128 requests / 512 tokens per step; median run by wall time; "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}.",
+        "",
+        "| run | wall s | steps | prefill tokens | decode rows | fixed s | prefill s | decode s | "
+        "us per prefill token | ns per context token read | fit R^2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for sharing, (wall, parts) in results.items():
-        lines.append(f"| {'sharing' if sharing else 'no sharing'} | {wall:.2f} | {parts['steps']} | "
-                     f"{parts['prefill_tokens']:.0f} | {parts['decode_rows']:.0f} | {parts['fixed']:.2f} | "
-                     f"{parts['prefill']:.2f} | {parts['decode']:.2f} | {parts['per_prefill_token_us']:.1f} | "
-                     f"{parts['per_context_token_ns']:.0f} | {parts['r2']:.3f} |")
+        lines.append(
+            f"| {'sharing' if sharing else 'no sharing'} | {wall:.2f} | {parts['steps']} | "
+            f"{parts['prefill_tokens']:.0f} | {parts['decode_rows']:.0f} | {parts['fixed']:.2f} | "
+            f"{parts['prefill']:.2f} | {parts['decode']:.2f} | {parts['per_prefill_token_us']:.1f} | "
+            f"{parts['per_context_token_ns']:.0f} | {parts['r2']:.3f} |"
+        )
     (ws, s), (wn, n) = results[True], results[False]
     measured = wn / ws
     prefill_free = (n["fixed"] + n["decode"]) / (s["fixed"] + s["decode"])
     decode_free = (n["fixed"] + n["prefill"]) / (s["fixed"] + s["prefill"])
-    lines += ["", f"Measured ratio (no sharing / sharing wall time): {measured:.2f}x. With the same kernels in both "
-              f"runs, a faster prefill moves it toward {prefill_free:.2f}x (prefill free in both), a faster decode "
-              f"toward {decode_free:.2f}x (decode free in both)."]
+    lines += [
+        "",
+        f"Measured ratio (no sharing / sharing wall time): {measured:.2f}x. With the same kernels in both "
+        f"runs, a faster prefill moves it toward {prefill_free:.2f}x (prefill free in both), a faster decode "
+        f"toward {decode_free:.2f}x (decode free in both).",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -38,8 +38,10 @@ PHASES = {
 
 def run(workload, config: EngineConfig) -> tuple[float, int, int]:
     engine = LLMEngine.from_pretrained(str(workload.model_dir), config)
-    requests = [(i, p, SamplingParams(max_new_tokens=m, stop_token_ids=workload.stop_token_ids))
-                for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
+    requests = [
+        (i, p, SamplingParams(max_new_tokens=m, stop_token_ids=workload.stop_token_ids))
+        for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))
+    ]
     start = time.perf_counter()
     tokens = sum(len(o.output_token_ids) for o in engine.generate(requests, max_in_flight=len(requests)))
     return time.perf_counter() - start, engine.stats.num_steps, tokens
@@ -56,13 +58,16 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_requests,
-                          num_threads=args.threads)
+    config = EngineConfig(
+        max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_requests, num_threads=args.threads
+    )
     with tempfile.TemporaryDirectory() as scratch:
         workload = build_workload(args.workload, args.rows, (16, 256), 0, args.model_dir, Path(scratch))
         wall, steps, tokens = run(workload, config)
-        print(f"unprofiled: {tokens} tokens, {steps} steps in {wall:.2f} s = {tokens / wall:.0f} tok/s, "
-              f"{1e3 * wall / steps:.1f} ms/step")
+        print(
+            f"unprofiled: {tokens} tokens, {steps} steps in {wall:.2f} s = {tokens / wall:.0f} tok/s, "
+            f"{1e3 * wall / steps:.1f} ms/step"
+        )
         profiler = cProfile.Profile(time.process_time)  # CPU time: robust to other processes on the machine
         profiler.enable()
         wall, steps, tokens = run(workload, config)

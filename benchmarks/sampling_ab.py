@@ -17,15 +17,24 @@ import torch
 from benchmarks.cbrun_bench.workloads import build_workload
 from engine import EngineConfig, LLMEngine, SamplingParams
 
-KINDS = {"greedy": {}, "temperature 0.8, top_p 0.95": {"temperature": 0.8, "top_p": 0.95},
-         "+ repetition_penalty 1.1, logprobs 5": {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1,
-                                                  "logprobs": 5}}
+KINDS = {
+    "greedy": {},
+    "temperature 0.8, top_p 0.95": {"temperature": 0.8, "top_p": 0.95},
+    "+ repetition_penalty 1.1, logprobs 5": {
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "repetition_penalty": 1.1,
+        "logprobs": 5,
+    },
+}
 
 
 def run(engine, workload, extra: dict) -> tuple[int, float]:
     """(generated tokens, wall seconds) of one ``generate`` over the workload's rows, row i seeded i."""
-    requests = [(i, p, SamplingParams(max_new_tokens=m, ignore_eos=True, **({**extra, "seed": i} if extra else {})))
-                for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
+    requests = [
+        (i, p, SamplingParams(max_new_tokens=m, ignore_eos=True, **({**extra, "seed": i} if extra else {})))
+        for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))
+    ]
     start = time.perf_counter()
     outputs = list(engine.generate(requests))
     return sum(len(o.output_token_ids) for o in outputs), time.perf_counter() - start
@@ -40,10 +49,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    workload = build_workload("random-llama-100m", args.rows, (args.new_tokens, args.new_tokens), 0, args.model_dir,
-                              args.model_dir.parent)
-    engine = LLMEngine.from_pretrained(str(workload.model_dir), EngineConfig(
-        max_requests_per_batch=256, max_batch_tokens=2048, num_threads=args.threads))
+    workload = build_workload(
+        "random-llama-100m", args.rows, (args.new_tokens, args.new_tokens), 0, args.model_dir, args.model_dir.parent
+    )
+    engine = LLMEngine.from_pretrained(
+        str(workload.model_dir),
+        EngineConfig(max_requests_per_batch=256, max_batch_tokens=2048, num_threads=args.threads),
+    )
     run(engine, workload, {})  # warm-up
     times = {kind: [] for kind in KINDS}
     for _ in range(args.rounds):
@@ -51,8 +63,10 @@ def main(argv=None) -> None:
             generated, seconds = run(engine, workload, extra)
             times[kind].append(seconds)
     base = min(times["greedy"])
-    print(f"{args.rows} rows, {workload.num_prompt_tokens} prompt tokens, {generated} generated tokens per run, "
-          f"{args.threads} threads, {args.rounds} rounds\n")
+    print(
+        f"{args.rows} rows, {workload.num_prompt_tokens} prompt tokens, {generated} generated tokens per run, "
+        f"{args.threads} threads, {args.rounds} rounds\n"
+    )
     print("| setting | best s | median s | generated tok/s (best) | vs greedy |")
     print("|---|---|---|---|---|")
     for kind, values in times.items():

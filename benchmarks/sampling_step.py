@@ -26,8 +26,9 @@ from engine.sampling_params import SamplingParams
 SETTINGS = {
     "greedy + logprobs 5": SamplingParams(logprobs=5),
     "temperature 0.8, top_p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
-    "+ repetition_penalty 1.1, logprobs 5": SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1,
-                                                           logprobs=5),
+    "+ repetition_penalty 1.1, logprobs 5": SamplingParams(
+        temperature=0.8, top_p=0.95, repetition_penalty=1.1, logprobs=5
+    ),
 }
 
 
@@ -61,8 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(1)
     noise = torch.randn(args.rows, args.vocab, generator=gen)
-    print(f"rows {args.rows}, vocab {args.vocab}, {args.threads} threads, device {args.device}, "
-          f"median of {args.repeats}\n")
+    print(
+        f"rows {args.rows}, vocab {args.vocab}, {args.threads} threads, device {args.device}, "
+        f"median of {args.repeats}\n"
+    )
     print("| setting | peaked logits (x4) ms | flat logits (x0.5) ms |")
     print("|---|---|---|")
     for name, params in SETTINGS.items():

@@ -30,8 +30,15 @@ import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
-NAMES = ["1 process", "2 shards", "ray 1 replica", "ray 2 replicas", "ray 1 replica, 1 batch at a time",
-         "1 process (small)", "ray 1 replica (small)"]
+NAMES = [
+    "1 process",
+    "2 shards",
+    "ray 1 replica",
+    "ray 2 replicas",
+    "ray 1 replica, 1 batch at a time",
+    "1 process (small)",
+    "ray 1 replica (small)",
+]
 #: Engine slots (``engine.max_requests_per_batch``) and Ray batch rows: a replica holding 2 batches fills its engine
 #: as the single process does, so the comparison is of the executors, not of how full the engine is.
 SLOTS = 16
@@ -40,11 +47,33 @@ SLOTS = 16
 def job_args(model: Path, data: Path, max_new_tokens: int) -> list[str]:
     # NOTE: no ignore_eos: rows end at different lengths, as real ones do, so a batch has a tail for the next
     # batch's rows to fill (what cluster.max_concurrent_batches is for).
-    return [sys.executable, "-m", "jobs.cli", "run", "--model", str(model), "--input", str(data),
-            "--prompt-column", "prompt", "--max-new-tokens", str(max_new_tokens), "--temperature", "0",
-            "--no-progress", "--set", "engine.device=cpu", "--set", "engine.num_threads=1",
-            "--set", f"engine.max_requests_per_batch={SLOTS}", "--set", f"cluster.batch_size={SLOTS}",
-            "--set", "cluster.num_cpus_per_replica=1"]
+    return [
+        sys.executable,
+        "-m",
+        "jobs.cli",
+        "run",
+        "--model",
+        str(model),
+        "--input",
+        str(data),
+        "--prompt-column",
+        "prompt",
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--temperature",
+        "0",
+        "--no-progress",
+        "--set",
+        "engine.device=cpu",
+        "--set",
+        "engine.num_threads=1",
+        "--set",
+        f"engine.max_requests_per_batch={SLOTS}",
+        "--set",
+        f"cluster.batch_size={SLOTS}",
+        "--set",
+        "cluster.num_cpus_per_replica=1",
+    ]
 
 
 def commands(name: str, base: list[str], small_rows: int) -> list[list[str]]:
@@ -55,8 +84,9 @@ def commands(name: str, base: list[str], small_rows: int) -> list[list[str]]:
         "2 shards": [base + ["--shard", "0/2"], base + ["--shard", "1/2"]],
         "ray 1 replica": [base + ray + ["--set", "cluster.num_replicas=1"]],
         "ray 2 replicas": [base + ray + ["--set", "cluster.num_replicas=2"]],
-        "ray 1 replica, 1 batch at a time": [base + ray + ["--set", "cluster.num_replicas=1",
-                                                           "--set", "cluster.max_concurrent_batches=1"]],
+        "ray 1 replica, 1 batch at a time": [
+            base + ray + ["--set", "cluster.num_replicas=1", "--set", "cluster.max_concurrent_batches=1"]
+        ],
         "1 process (small)": [base + small],
         "ray 1 replica (small)": [base + ray + small + ["--set", "cluster.num_replicas=1"]],
     }[name]
@@ -66,8 +96,12 @@ def run_config(name: str, base: list[str], out: Path, small_rows: int) -> float:
     """Wall seconds of one configuration (all its processes, started together)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
-    processes = [subprocess.Popen(c + ["--output", str(out)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for c in commands(name, base, small_rows)]
+    processes = [
+        subprocess.Popen(
+            c + ["--output", str(out)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for c in commands(name, base, small_rows)
+    ]
     for process in processes:
         _, stderr = process.communicate()
         assert process.returncode == 0, f"{name}: {stderr[-2000:]}"
@@ -83,15 +117,18 @@ def report(args, times: dict[str, list[float]]) -> str:
     median = {name: statistics.median(runs) for name, runs in times.items()}
     single = median["1 process"]
     lines = [
-        "# Scale-out on one machine: shards and Ray replicas", "",
-        (f"`PYTHONPATH=. python benchmarks/scale_out.py --rows {args.rows} --small-rows {args.small_rows} "
-        f"--max-new-tokens {args.max_new_tokens} --repeats {args.repeats}`: stories260K, greedy, one torch thread "
-        f"per engine, `engine.max_requests_per_batch = {SLOTS}`, Ray batches of {SLOTS} rows and the default "
-        f"`cluster.max_concurrent_batches` (2) unless named; rows end at EOS or the token limit; each "
-        f"configuration a whole `cbrun run` (process start, model load and, for Ray, starting a local Ray instance "
-        f"and its actors included); configurations interleaved round-robin, order rotated each repeat; "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average at the end "
-        f"{os.getloadavg()[0]:.1f}. Every configuration's outputs equal the single process's, token for token."),
+        "# Scale-out on one machine: shards and Ray replicas",
+        "",
+        (
+            f"`PYTHONPATH=. python benchmarks/scale_out.py --rows {args.rows} --small-rows {args.small_rows} "
+            f"--max-new-tokens {args.max_new_tokens} --repeats {args.repeats}`: stories260K, greedy, one torch thread "
+            f"per engine, `engine.max_requests_per_batch = {SLOTS}`, Ray batches of {SLOTS} rows and the default "
+            f"`cluster.max_concurrent_batches` (2) unless named; rows end at EOS or the token limit; each "
+            f"configuration a whole `cbrun run` (process start, model load and, for Ray, starting a local Ray instance "
+            f"and its actors included); configurations interleaved round-robin, order rotated each repeat; "
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average at the end "
+            f"{os.getloadavg()[0]:.1f}. Every configuration's outputs equal the single process's, token for token."
+        ),
         "",
         "| configuration | rows | wall s (median) | all runs s | rows/s | vs 1 process |",
         "|---|---|---|---|---|---|",
@@ -104,19 +141,26 @@ def report(args, times: dict[str, list[float]]) -> str:
     extra_rows = args.rows - args.small_rows
     per_row_single = (single - median["1 process (small)"]) / extra_rows
     per_row_ray = (median["ray 1 replica"] - median["ray 1 replica (small)"]) / extra_rows
-    fixed = ((median["ray 1 replica (small)"] - median["1 process (small)"])
-             - args.small_rows * (per_row_ray - per_row_single))
+    fixed = (median["ray 1 replica (small)"] - median["1 process (small)"]) - args.small_rows * (
+        per_row_ray - per_row_single
+    )
     lines += [
         "",
-        (f"- 2 replicas against 1 (the same Ray job): {median['ray 1 replica'] / median['ray 2 replicas']:.2f}x; "
-        f"2 concurrent shards against 1 process: {single / median['2 shards']:.2f}x; a replica holding 2 batches "
-        f"against 1 at a time: {median['ray 1 replica, 1 batch at a time'] / median['ray 1 replica']:.2f}x."),
-        (f"- Per row (the {args.rows}-row job minus the {args.small_rows}-row job, so start-up cancels): 1 process "
-        f"{1000 * per_row_single:.1f} ms, Ray 1 replica {1000 * per_row_ray:.1f} ms: Ray adds "
-        f"{1000 * (per_row_ray - per_row_single):.1f} ms per row."),
-        (f"- Ray's fixed cost (local instance, actor start, engine load in the actor, driver set-up) beyond the "
-        f"single process's start-up: {fixed:.1f} s per run; `--ray-address auto` on a running cluster skips the "
-        "instance start."),
+        (
+            f"- 2 replicas against 1 (the same Ray job): {median['ray 1 replica'] / median['ray 2 replicas']:.2f}x; "
+            f"2 concurrent shards against 1 process: {single / median['2 shards']:.2f}x; a replica holding 2 batches "
+            f"against 1 at a time: {median['ray 1 replica, 1 batch at a time'] / median['ray 1 replica']:.2f}x."
+        ),
+        (
+            f"- Per row (the {args.rows}-row job minus the {args.small_rows}-row job, so start-up cancels): 1 process "
+            f"{1000 * per_row_single:.1f} ms, Ray 1 replica {1000 * per_row_ray:.1f} ms: Ray adds "
+            f"{1000 * (per_row_ray - per_row_single):.1f} ms per row."
+        ),
+        (
+            f"- Ray's fixed cost (local instance, actor start, engine load in the actor, driver set-up) beyond the "
+            f"single process's start-up: {fixed:.1f} s per run; `--ray-address auto` on a running cluster skips the "
+            "instance start."
+        ),
         "",
     ]
     return "\n".join(lines)
@@ -137,8 +181,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="cbrun-scale-"))
     model = convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", work / "model")
     data = work / "in.parquet"
-    pq.write_table(pa.table({"prompt": [f"Once upon a time, {('Lily', 'Tom', 'Sue')[i % 3]} found {i} "
-                                        for i in range(args.rows)]}), data, row_group_size=32)
+    pq.write_table(
+        pa.table(
+            {"prompt": [f"Once upon a time, {('Lily', 'Tom', 'Sue')[i % 3]} found {i} " for i in range(args.rows)]}
+        ),
+        data,
+        row_group_size=32,
+    )
     base = job_args(model, data, args.max_new_tokens)
     times: dict[str, list[float]] = {n: [] for n in NAMES}
     got: dict[str, list] = {}
@@ -151,8 +200,9 @@ def main() -> None:
             print(f"repeat {repeat} {name}: {times[name][-1]:.1f} s", file=sys.stderr)
     reference = got["1 process #0"]
     for key, tokens in got.items():
-        assert tokens == reference[:len(tokens)] and len(tokens) in (args.rows, args.small_rows), \
+        assert tokens == reference[: len(tokens)] and len(tokens) in (args.rows, args.small_rows), (
             f"{key}: outputs differ from the single process's"
+        )
     text = report(args, times)
     args.output.write_text(text)
     print(text)

@@ -44,8 +44,8 @@ KS = (4, 8, 16)
 
 def _occurrences(seq: list[int], t: int, n: int) -> list[int]:
     """Ends (exclusive, < t) of the earlier occurrences of the n tokens before position t, oldest first."""
-    suffix = seq[t - n:t]
-    return [end for end in range(n, t) if seq[end - n:end] == suffix]
+    suffix = seq[t - n : t]
+    return [end for end in range(n, t) if seq[end - n : end] == suffix]
 
 
 def _accepted(seq: list[int], t: int, proposal: list[int], end: int) -> int:
@@ -63,8 +63,9 @@ def _by_length(low: int, high: int | None, pick):
             found = _occurrences(seq, t, n)
             if found:
                 end = pick(found)
-                return seq[end:end + k]
+                return seq[end : end + k]
         return []
+
     return rule
 
 
@@ -75,22 +76,27 @@ def _longest(seq, t, k):
         if not found:
             break
         best = found[-1]
-    return seq[best:best + k] if best is not None else []
+    return seq[best : best + k] if best is not None else []
 
 
 def _oracle(seq, t, k):
     best, most = [], -1
     for n in range(1, 5):
         for end in _occurrences(seq, t, n):
-            proposal = seq[end:end + k]
+            proposal = seq[end : end + k]
             accepted = _accepted(seq, t, proposal, len(seq))
             if accepted > most:
                 best, most = proposal, accepted
     return best
 
 
-RULES = {"latest": _by_length(2, 4, lambda f: f[-1]), "first": _by_length(2, 4, lambda f: f[0]),
-         "longest": _longest, "latest, n >= 1": _by_length(1, 4, lambda f: f[-1]), "oracle": _oracle}
+RULES = {
+    "latest": _by_length(2, 4, lambda f: f[-1]),
+    "first": _by_length(2, 4, lambda f: f[0]),
+    "longest": _longest,
+    "latest, n >= 1": _by_length(1, 4, lambda f: f[-1]),
+    "oracle": _oracle,
+}
 
 
 def decode_steps(prompt: list[int], output: list[int], rule, k: int) -> int:
@@ -133,10 +139,12 @@ def _header(args) -> str:
     command = f"python -m benchmarks.speculative_bound --workload {args.workload} --batches {args.batches}"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
     load = "/".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"# Speculation step bound: {args.workload} (verification free)\n\n"
-            f"Command: `{command} --out {args.out}` (`benchmarks/speculative_bound.py`; its docstring defines the "
-            f"rules and what the bound means). Commit {git_commit()}, {date}; load average {load} at the end "
-            f"(step counts do not depend on it). Each cell: steps of the run and off's steps over them.\n\n")
+    return (
+        f"# Speculation step bound: {args.workload} (verification free)\n\n"
+        f"Command: `{command} --out {args.out}` (`benchmarks/speculative_bound.py`; its docstring defines the "
+        f"rules and what the bound means). Commit {git_commit()}, {date}; load average {load} at the end "
+        f"(step counts do not depend on it). Each cell: steps of the run and off's steps over them.\n\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", type=Path)
     p.add_argument("--out", type=Path, help="also write the Markdown table here")
     args = p.parse_args(argv)
-    lines = ["| rule | k | " + " | ".join(f"steps at batch {b} (speed-up bound)" for b in map(int, args.batches.split(",")))
-             + " |", "|---|---|" + "---|" * len(args.batches.split(","))]
+    lines = [
+        "| rule | k | "
+        + " | ".join(f"steps at batch {b} (speed-up bound)" for b in map(int, args.batches.split(",")))
+        + " |",
+        "|---|---|" + "---|" * len(args.batches.split(",")),
+    ]
     off_row, rows = [], []
     for batch in map(int, args.batches.split(",")):
         n = num_requests(args.workload, batch)
@@ -161,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         outputs = greedy_outputs(requests, args.model_dir)
         off = fifo_steps([len(o) - 1 for o in outputs], batch)
         off_row.append(f"{off}")
-        for (name, rule) in RULES.items():
+        for name, rule in RULES.items():
             for k in KS:
                 steps = fifo_steps([decode_steps(r[1], o, rule, k) for r, o in zip(requests, outputs)], batch)
                 rows.append((name, k, batch, steps, off / steps))

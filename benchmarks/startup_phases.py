@@ -34,15 +34,28 @@ REPO = Path(__file__).resolve().parents[1]
 #: (phase, the mark it starts at (None: process spawn), the mark it ends at).
 PHASES = (
     ("interpreter start, import jobs.cli", None, "cli imported"),
-    ("import jobs.run.job (numpy, pyarrow), the CLI's logging setup (it imported transformers before the safetensors "
-     "loader)", "cli imported", "_quiet_transformers"),
+    (
+        "import jobs.run.job (numpy, pyarrow), the CLI's logging setup (it imported transformers before the safetensors "
+        "loader)",
+        "cli imported",
+        "_quiet_transformers",
+    ),
     ("open the input", "_quiet_transformers", "open_reader"),
-    ("check the model directory (before the safetensors loader: imports torch and transformers' AutoConfig)",
-     "open_reader", "check_model_dir"),
-    ("device (imports torch, unless imported already), tokenizer, fingerprint, output directory check",
-     "check_model_dir", "_Job.open"),
-    ("load the engine (model, tokenizer, KV cache; transformers' modeling imports where used)", "_Job.open",
-     "load_engine"),
+    (
+        "check the model directory (before the safetensors loader: imports torch and transformers' AutoConfig)",
+        "open_reader",
+        "check_model_dir",
+    ),
+    (
+        "device (imports torch, unless imported already), tokenizer, fingerprint, output directory check",
+        "check_model_dir",
+        "_Job.open",
+    ),
+    (
+        "load the engine (model, tokenizer, KV cache; transformers' modeling imports where used)",
+        "_Job.open",
+        "load_engine",
+    ),
     ("start the writer", "load_engine", "start_writer"),
     ("generation phase (read rows, generate, final commit)", "start_writer", "_JobRun.run"),
     ("finish (stats.json, _SUCCESS), summary line", "_JobRun.run", "main done"),
@@ -102,8 +115,9 @@ def child() -> None:
 
     def report() -> None:
         mark("main done")
-        Path(os.environ["MARKS_OUT"]).write_text(json.dumps({"marks": marks, "gc_s": gc_s,
-                                                             "transformers": "transformers" in sys.modules}))
+        Path(os.environ["MARKS_OUT"]).write_text(
+            json.dumps({"marks": marks, "gc_s": gc_s, "transformers": "transformers" in sys.modules})
+        )
 
     atexit.register(report)
     sys.exit(cli.main())
@@ -126,12 +140,32 @@ def run_once(tree: Path, model_dir: Path, prompts: Path, scratch: Path) -> dict:
     """One traced whole command in ``tree``: per-phase (wall s, CPU s), the GC's seconds, the stats."""
     out, marks_path = scratch / "out", scratch / "marks.json"
     shutil.rmtree(out, ignore_errors=True)
-    args = ["run", "--model", str(model_dir), "--input", str(prompts), "--prompt-ids-column", "prompt_token_ids",
-            "--output", str(out), "--max-new-tokens", "256", "--no-progress", "--set", "sampling.stop_token_ids=[1]"]
+    args = [
+        "run",
+        "--model",
+        str(model_dir),
+        "--input",
+        str(prompts),
+        "--prompt-ids-column",
+        "prompt_token_ids",
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "256",
+        "--no-progress",
+        "--set",
+        "sampling.stop_token_ids=[1]",
+    ]
     spawn = time.time()
     env = {**os.environ, "PYTHONPATH": str(tree), "MARKS_OUT": str(marks_path), "SPAWN_T": repr(spawn)}
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *args], check=False, cwd=tree,
-                          env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", *args],
+        check=False,
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.time() - spawn
     if done.returncode != 0:
         raise RuntimeError(f"cbrun run in {tree} exited {done.returncode}: {done.stderr[-3000:]}")
@@ -142,9 +176,15 @@ def run_once(tree: Path, model_dir: Path, prompts: Path, scratch: Path) -> dict:
         (t0, c0), (t1, c1) = marks[start] if start else (0.0, 0.0), marks[end]
         phases[phase] = (t1 - t0, None if c1 is None or c0 is None else c1 - c0)
     stats = json.loads((out / "_cbrun" / "stats.json").read_text())
-    return {"phases": phases, "wall_s": wall, "gc_s": traced["gc_s"], "generation_s": stats["generation_s"],
-            "transformers": traced.get("transformers"),
-            "peak_memory_mib": stats["peak_memory_mib"], "summary": done.stdout.strip().splitlines()[-1]}
+    return {
+        "phases": phases,
+        "wall_s": wall,
+        "gc_s": traced["gc_s"],
+        "generation_s": stats["generation_s"],
+        "transformers": traced.get("transformers"),
+        "peak_memory_mib": stats["peak_memory_mib"],
+        "summary": done.stdout.strip().splitlines()[-1],
+    }
 
 
 def format_table(results: dict[str, list[dict]]) -> str:
@@ -157,17 +197,23 @@ def format_table(results: dict[str, list[dict]]) -> str:
     head = "| phase | " + " | ".join(f"{t} wall s | {t} CPU s" for t in trees) + " |"
     lines = [head, "|---|" + "---:|---:|" * len(trees)]
     for phase, _, _ in PHASES:
-        cells = [c for t in trees for c in (med(r["phases"][phase][0] for r in results[t]),
-                                             med(r["phases"][phase][1] for r in results[t]))]
+        cells = [
+            c
+            for t in trees
+            for c in (med(r["phases"][phase][0] for r in results[t]), med(r["phases"][phase][1] for r in results[t]))
+        ]
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")
-    rows = (("**whole command**", lambda r: r["wall_s"], None),
-            ("of which outside the generation phase", lambda r: r["wall_s"] - r["generation_s"], None),
-            ("garbage collector, before generation", lambda r: r["gc_s"]["setup"], None),
-            ("garbage collector, during generation", lambda r: r["gc_s"]["generation"], None),
-            ("peak RSS MiB (the summary line's peak memory)", lambda r: r["peak_memory_mib"], None))
+    rows = (
+        ("**whole command**", lambda r: r["wall_s"], None),
+        ("of which outside the generation phase", lambda r: r["wall_s"] - r["generation_s"], None),
+        ("garbage collector, before generation", lambda r: r["gc_s"]["setup"], None),
+        ("garbage collector, during generation", lambda r: r["gc_s"]["generation"], None),
+        ("peak RSS MiB (the summary line's peak memory)", lambda r: r["peak_memory_mib"], None),
+    )
     for name, value, _ in rows:
-        lines.append(f"| {name} | " + " | ".join(c for t in trees for c in (med(value(r) for r in results[t]), ""))
-                     + " |")
+        lines.append(
+            f"| {name} | " + " | ".join(c for t in trees for c in (med(value(r) for r in results[t]), "")) + " |"
+        )
     imported = [", ".join(sorted({"yes" if r["transformers"] else "no" for r in results[t]})) for t in trees]
     lines.append("| transformers imported | " + " | ".join(c for i in imported for c in (i, "")) + " |")
     return "\n".join(lines)
@@ -175,8 +221,13 @@ def format_table(results: dict[str, list[dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree", action="append", required=True, metavar="LABEL=PATH",
-                   help="a checkout to run (repeatable), e.g. before=/tmp/old after=.")
+    p.add_argument(
+        "--tree",
+        action="append",
+        required=True,
+        metavar="LABEL=PATH",
+        help="a checkout to run (repeatable), e.g. before=/tmp/old after=.",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--markdown", type=Path, help="also write the report here")
@@ -191,16 +242,27 @@ def main(argv: list[str] | None = None) -> int:
             for label, tree in trees.items():
                 result = run_once(tree, model_dir, prompts, scratch)
                 results[label].append(result)
-                print(f"repeat {repeat + 1} {label}: {result['wall_s']:.2f} s whole, {result['generation_s']:.2f} s "
-                      f"generation", file=sys.stderr)
-    report = "\n".join([
-        (f"whole `cbrun run` command on gsm8k-long ({args.rows} rows, stories260K, default settings), per phase; "
-         f"median of {args.repeats} round-robin repeats; trees: "
-         + ", ".join(f"{label} = {tree}" for label, tree in trees.items())),
-        (f"machine: {os.cpu_count()} CPUs, {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
-         f"load average (1 min) at start {load_start[0]:.2f}, end {os.getloadavg()[0]:.2f}"),
-        f"command: python -m benchmarks.startup_phases {' '.join(argv if argv is not None else sys.argv[1:])}",
-        "", format_table(results)])
+                print(
+                    f"repeat {repeat + 1} {label}: {result['wall_s']:.2f} s whole, {result['generation_s']:.2f} s "
+                    f"generation",
+                    file=sys.stderr,
+                )
+    report = "\n".join(
+        [
+            (
+                f"whole `cbrun run` command on gsm8k-long ({args.rows} rows, stories260K, default settings), per phase; "
+                f"median of {args.repeats} round-robin repeats; trees: "
+                + ", ".join(f"{label} = {tree}" for label, tree in trees.items())
+            ),
+            (
+                f"machine: {os.cpu_count()} CPUs, {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; "
+                f"load average (1 min) at start {load_start[0]:.2f}, end {os.getloadavg()[0]:.2f}"
+            ),
+            f"command: python -m benchmarks.startup_phases {' '.join(argv if argv is not None else sys.argv[1:])}",
+            "",
+            format_table(results),
+        ]
+    )
     print(report)
     if args.markdown:
         args.markdown.write_text(report + "\n")

@@ -26,8 +26,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ENGINE_SETS = ("engine.max_requests_per_batch=256", "engine.max_batch_tokens=8192", "engine.page_size=16",
-               "sampling.ignore_eos=true")
+ENGINE_SETS = (
+    "engine.max_requests_per_batch=256",
+    "engine.max_batch_tokens=8192",
+    "engine.page_size=16",
+    "sampling.ignore_eos=true",
+)
 
 
 def write_input(path: Path, num_rows: int) -> None:
@@ -40,8 +44,9 @@ def write_input(path: Path, num_rows: int) -> None:
 def cbrun(args: list[str], env: dict) -> tuple[float, int, str]:
     """Run ``cbrun`` in a subprocess; returns (wall seconds, exit code, output tail)."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "jobs.cli", *args], env=env, capture_output=True, text=True,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", *args], env=env, capture_output=True, text=True, check=False
+    )
     return time.perf_counter() - start, done.returncode, (done.stdout + done.stderr)[-2000:]
 
 
@@ -63,9 +68,25 @@ def measure(store: str, num_rows: int, model: Path, work: Path, env: dict, s3_pr
 
         write_file(f"{s3_prefix}/in-{num_rows}.parquet", source.read_bytes())
         source = f"{s3_prefix}/in-{num_rows}.parquet"
-    args = ["run", "--model", str(model), "--input", str(source), "--output", output, "--prompt-column", "prompt",
-            "--id-column", "id", "--max-new-tokens", "1", "--temperature", "0", "--no-progress",
-            *[a for s in ENGINE_SETS for a in ("--set", s)]]
+    args = [
+        "run",
+        "--model",
+        str(model),
+        "--input",
+        str(source),
+        "--output",
+        output,
+        "--prompt-column",
+        "prompt",
+        "--id-column",
+        "id",
+        "--max-new-tokens",
+        "1",
+        "--temperature",
+        "0",
+        "--no-progress",
+        *[a for s in ENGINE_SETS for a in ("--set", s)],
+    ]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall, code, tail = cbrun(args, env)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -83,10 +104,20 @@ def measure(store: str, num_rows: int, model: Path, work: Path, env: dict, s3_pr
     parts_before = count_parts(output, env)
     compact_wall, code, tail = cbrun(["compact", output], env)
     assert code == 0, tail
-    return {"store": store, "rows": num_rows, "wall_s": wall, "rows_per_s": num_rows / wall,
-            "host_us_per_row": 1e6 * cpu / num_rows, "generation_s": stats.get("generation_s"),
-            "peak_rss_mib": stats.get("peak_memory_mib"), "resume_s": resume_wall, "read_state_s": read_state_s,
-            "parts_before": parts_before, "parts_after": count_parts(output, env), "compact_s": compact_wall}
+    return {
+        "store": store,
+        "rows": num_rows,
+        "wall_s": wall,
+        "rows_per_s": num_rows / wall,
+        "host_us_per_row": 1e6 * cpu / num_rows,
+        "generation_s": stats.get("generation_s"),
+        "peak_rss_mib": stats.get("peak_memory_mib"),
+        "resume_s": resume_wall,
+        "read_state_s": read_state_s,
+        "parts_before": parts_before,
+        "parts_after": count_parts(output, env),
+        "compact_s": compact_wall,
+    }
 
 
 def start_s3(env: dict) -> tuple[object, str]:
@@ -98,8 +129,12 @@ def start_s3(env: dict) -> tuple[object, str]:
         port = probe.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    aws = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    aws = {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
     env.update(aws)
     os.environ.update(aws)
     boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(Bucket="bench")
@@ -107,12 +142,17 @@ def start_s3(env: dict) -> tuple[object, str]:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| store | rows | wall s | rows/s | host us/row | peak RSS MiB | rerun s (done-state s) | "
-             "parts -> compacted | compact s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| store | rows | wall s | rows/s | host us/row | peak RSS MiB | rerun s (done-state s) | "
+        "parts -> compacted | compact s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['store']} | {r['rows']} | {r['wall_s']:.1f} | {r['rows_per_s']:.0f} | "
-                     f"{r['host_us_per_row']:.0f} | {r['peak_rss_mib']:.0f} | {r['resume_s']:.1f} ({r['read_state_s']:.2f}) | "
-                     f"{r['parts_before']} -> {r['parts_after']} | {r['compact_s']:.1f} |")
+        lines.append(
+            f"| {r['store']} | {r['rows']} | {r['wall_s']:.1f} | {r['rows_per_s']:.0f} | "
+            f"{r['host_us_per_row']:.0f} | {r['peak_rss_mib']:.0f} | {r['resume_s']:.1f} ({r['read_state_s']:.2f}) | "
+            f"{r['parts_before']} -> {r['parts_after']} | {r['compact_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 

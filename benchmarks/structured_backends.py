@@ -49,8 +49,15 @@ def xgrammar_run(tokenizer, vocab: int, eos: int, rows: int, steps: int) -> dict
         for i in live:
             matchers[i].fill_next_token_bitmask(bitmask, i)
 
-    times = _decode(fill, lambda i, t: matchers[i].accept_token(t), lambda i: matchers[i].is_terminated(),
-                    bitmask, vocab, rows, steps)
+    times = _decode(
+        fill,
+        lambda i, t: matchers[i].accept_token(t),
+        lambda i: matchers[i].is_terminated(),
+        bitmask,
+        vocab,
+        rows,
+        steps,
+    )
     return {"prepare_s": prepare, "compile_s": compile_s, "mask_ms": times}
 
 
@@ -63,7 +70,8 @@ def llguidance_run(tokenizer, vocab: int, eos: int, rows: int, steps: int, paral
     ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
     prepare = time.perf_counter() - start
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        SCHEMA, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        SCHEMA, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    )
     bitmask = lt.allocate_token_bitmask(rows, vocab)
     start = time.perf_counter()
     first = llguidance.LLMatcher(ll_tokenizer, grammar)
@@ -80,8 +88,9 @@ def llguidance_run(tokenizer, vocab: int, eos: int, rows: int, steps: int, paral
             for i in live:
                 lt.fill_next_token_bitmask(matchers[i], bitmask, i)
 
-    times = _decode(fill, lambda i, t: matchers[i].consume_token(t), lambda i: matchers[i].is_stopped(),
-                    bitmask, vocab, rows, steps)
+    times = _decode(
+        fill, lambda i, t: matchers[i].consume_token(t), lambda i: matchers[i].is_stopped(), bitmask, vocab, rows, steps
+    )
     return {"prepare_s": prepare, "compile_s": compile_s, "mask_ms": times}
 
 
@@ -114,15 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="cbrun-structured-")) / "model"
     tokenizer = build_model(model_dir)
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
-    results = {"xgrammar": xgrammar_run(tokenizer, vocab, eos, args.rows, args.steps),
-               "llguidance": llguidance_run(tokenizer, vocab, eos, args.rows, args.steps, parallel=False),
-               "llguidance (parallel fill)": llguidance_run(tokenizer, vocab, eos, args.rows, args.steps, True)}
+    results = {
+        "xgrammar": xgrammar_run(tokenizer, vocab, eos, args.rows, args.steps),
+        "llguidance": llguidance_run(tokenizer, vocab, eos, args.rows, args.steps, parallel=False),
+        "llguidance (parallel fill)": llguidance_run(tokenizer, vocab, eos, args.rows, args.steps, True),
+    }
     print(f"{args.rows} rows, up to {args.steps} steps, vocab {vocab}")
     print("| library | tokenizer prep s | schema compile s | mask ms/step (median) | mask ms/step (mean) | steps |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in results.items():
-        print(f"| {name} | {r['prepare_s']:.3f} | {r['compile_s']:.3f} | {statistics.median(r['mask_ms']):.2f} | "
-              f"{statistics.fmean(r['mask_ms']):.2f} | {len(r['mask_ms'])} |")
+        print(
+            f"| {name} | {r['prepare_s']:.3f} | {r['compile_s']:.3f} | {statistics.median(r['mask_ms']):.2f} | "
+            f"{statistics.fmean(r['mask_ms']):.2f} | {len(r['mask_ms'])} |"
+        )
     return 0
 
 

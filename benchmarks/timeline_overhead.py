@@ -28,9 +28,9 @@ import pyarrow.parquet as pq
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.run.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.observe.timeline import TimelineRecorder
+from jobs.run.job import run_job
 
 WORDS = "once upon a time there was a little girl named lily she liked to play with her dog in the park".split()  # noqa: SIM905
 
@@ -68,11 +68,13 @@ def write_input(path: Path, rows: int) -> None:
 
 
 def run_once(model: str, input_path: Path, out: Path, engine, interval_s: float, max_tokens: int):
-    manifest = JobManifest(model=ModelSettings(path=model), input=InputSettings(path=str(input_path),
-                                                                                 prompt_column="prompt"),
-                           sampling=SamplingParams(max_new_tokens=max_tokens, temperature=0.8, ignore_eos=True),
-                           engine=engine.config,
-                           output=OutputSettings(path=str(out), timeline_interval_s=interval_s, overwrite=True))
+    manifest = JobManifest(
+        model=ModelSettings(path=model),
+        input=InputSettings(path=str(input_path), prompt_column="prompt"),
+        sampling=SamplingParams(max_new_tokens=max_tokens, temperature=0.8, ignore_eos=True),
+        engine=engine.config,
+        output=OutputSettings(path=str(out), timeline_interval_s=interval_s, overwrite=True),
+    )
     clock = _Clock()
     steps_before = engine.stats.num_steps
     names = ("__init__", "on_step", "close")  # all of the recorder's work: record() runs inside on_step or close
@@ -104,24 +106,31 @@ def main(argv=None) -> None:
         tmp = Path(tmp)
         write_input(tmp / "in.parquet", args.rows)
         run_once(args.model, tmp / "in.parquet", tmp / "warm", engine, 1.0, args.max_tokens)  # warm-up
-        print("| interval_s | run | generation s | steps | recorder calls | recorder wall s | recorder CPU s | "
-              "recorder wall % of run | recorder CPU % of run | slowest call |")
+        print(
+            "| interval_s | run | generation s | steps | recorder calls | recorder wall s | recorder CPU s | "
+            "recorder wall % of run | recorder CPU % of run | slowest call |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         ratios = []
         for pair in range(args.pairs):
             seconds = {}
             for interval in (1.0, 0.0, 0.001):
-                summary, clock, steps = run_once(args.model, tmp / "in.parquet", tmp / f"out-{pair}", engine, interval,
-                                          args.max_tokens)
+                summary, clock, steps = run_once(
+                    args.model, tmp / "in.parquet", tmp / f"out-{pair}", engine, interval, args.max_tokens
+                )
                 seconds[interval] = summary.generation_s
-                print(f"| {interval:g} | {pair} | {summary.generation_s:.3f} | "
-                      f"{steps} | {clock.calls} | {clock.seconds:.5f} | {clock.cpu_seconds:.5f} | "
-                      f"{100 * clock.seconds / summary.generation_s:.3f} | "
-                      f"{100 * clock.cpu_seconds / summary.generation_s:.3f} | "
-                      f"{clock.slowest[1]} {1000 * clock.slowest[0]:.1f} ms |")
+                print(
+                    f"| {interval:g} | {pair} | {summary.generation_s:.3f} | "
+                    f"{steps} | {clock.calls} | {clock.seconds:.5f} | {clock.cpu_seconds:.5f} | "
+                    f"{100 * clock.seconds / summary.generation_s:.3f} | "
+                    f"{100 * clock.cpu_seconds / summary.generation_s:.3f} | "
+                    f"{clock.slowest[1]} {1000 * clock.slowest[0]:.1f} ms |"
+                )
             ratios.append(seconds[1.0] / seconds[0.0])
-        print(f"\npaired generation-time ratio, timeline every 1 s / none: median {statistics.median(ratios):.3f} "
-              f"(runs: {', '.join(f'{r:.3f}' for r in ratios)})")
+        print(
+            f"\npaired generation-time ratio, timeline every 1 s / none: median {statistics.median(ratios):.3f} "
+            f"(runs: {', '.join(f'{r:.3f}' for r in ratios)})"
+        )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ class StepHandle:
     _token_ids: list[int] | None = field(default=None, repr=False)
 
     @classmethod
-    def launch_readback(cls, logits: torch.Tensor, sampled: torch.Tensor, sample_row_of: dict[int, int]
-                        ) -> "StepHandle":
+    def launch_readback(
+        cls, logits: torch.Tensor, sampled: torch.Tensor, sample_row_of: dict[int, int]
+    ) -> "StepHandle":
         """Start copying ``sampled`` to the host without waiting (pinned buffer + event on CUDA)."""
         if sampled.device.type != "cuda":
             return cls(logits, sampled, sample_row_of, sampled)
@@ -102,7 +103,7 @@ class InputStager:
         host = self.host[k]
         offset = 0
         for t in tensors:
-            host[offset:offset + t.numel()].copy_(t.reshape(-1))
+            host[offset : offset + t.numel()].copy_(t.reshape(-1))
             offset += t.numel()
         compute = torch.cuda.current_stream()
         with torch.cuda.stream(self.copy_stream):
@@ -113,7 +114,7 @@ class InputStager:
         out, offset = [], 0
         for t in tensors:
             # A private copy on the compute stream, so the pair is free as soon as these copies ran.
-            out.append(self.device[k][offset:offset + t.numel()].view(t.shape).to(t.dtype, copy=True))
+            out.append(self.device[k][offset : offset + t.numel()].view(t.shape).to(t.dtype, copy=True))
             offset += t.numel()
         self.consumed[k].record(compute)
         return out

@@ -110,8 +110,9 @@ class AttentionMetadata:
         key = (group, sliding_window)
         plan = self._plans.get(key)
         if plan is None:
-            plan = build_gather_plan(self.groups[group].block_tables, self.cu_seqlens_q, self.seqlens_k,
-                                     self.page_size, sliding_window)
+            plan = build_gather_plan(
+                self.groups[group].block_tables, self.cu_seqlens_q, self.seqlens_k, self.page_size, sliding_window
+            )
             self._plans[key] = plan
         return plan
 
@@ -147,8 +148,10 @@ def paged_attention_forward(
         RuntimeError: when called without ``cbrun_metadata`` (the model was run outside the engine).
     """
     if cbrun_metadata is None:
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's cbrun_metadata; "
-                           "run the model through cbrun's LLMEngine")
+        raise RuntimeError(
+            f"{ATTN_IMPLEMENTATION} attention needs the engine's cbrun_metadata; "
+            "run the model through cbrun's LLMEngine"
+        )
     q = query[0].transpose(0, 1)  # (T, H, D)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
@@ -157,8 +160,16 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer_idx: int,
-                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    md: AttentionMetadata,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Write one layer's new K/V into the paged cache, then attend over it (reference, C or Triton, per ``md``).
 
     Args:
@@ -183,18 +194,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Atten
     if md.use_triton:
         from kernels.kv_cache_write import write_kv_cache_triton
         from kernels.paged_attention import paged_attention_triton
+
         write_kv_cache_triton(k, v, md.k_pages, md.v_pages, slot_mapping)
-        return paged_attention_triton(q, md.k_pages, md.v_pages, block_tables, md.cu_seqlens_q, md.seqlens_k,
-                                      scale, sliding_window=sliding_window, softcap=softcap,
-                                      max_seqlen_q=md.max_seqlen_q)
+        return paged_attention_triton(
+            q,
+            md.k_pages,
+            md.v_pages,
+            block_tables,
+            md.cu_seqlens_q,
+            md.seqlens_k,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_seqlen_q=md.max_seqlen_q,
+        )
     write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
-    return paged_attention_ref(q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap,
-                               page_offset=index)
+    return paged_attention_ref(
+        q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap, page_offset=index
+    )
 
 
-def _cpu_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, group: str,
-                          index: int, scale: float, sliding_window: int | None, softcap: float | None
-                          ) -> torch.Tensor:
+def _cpu_kernel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    md: AttentionMetadata,
+    group: str,
+    index: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """``paged_attention`` on the C kernels (``kernels.cpu_attention``): the K/V write and the attention each take
     the group's layer-0 slot mapping and block tables with the layer's page shift, applied in C, so no layer makes
     shifted copies of them (``GroupMetadata.for_layer``, which the other backends use), and the step's
@@ -202,12 +232,22 @@ def _cpu_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md:
     kernels = md.step_kernels()
     layer0 = md.groups[group]
     kernels.write_kv(k, v, layer0.slot_mapping, slot_address(index, 0, md.page_size))
-    return kernels.attention(q, layer0.block_tables, md.cu_seqlens_q, md.seqlens_k, scale, softcap, sliding_window,
-                             page_offset=index)
+    return kernels.attention(
+        q, layer0.block_tables, md.cu_seqlens_q, md.seqlens_k, scale, softcap, sliding_window, page_offset=index
+    )
 
 
-def _attention_as_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, group: str,
-                      index: int, scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+def _attention_as_ops(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    md: AttentionMetadata,
+    group: str,
+    index: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """``paged_attention`` through ``kernels.custom_ops``, each backend given what its direct call gets: the C
     kernel layer 0's slots and tables with the layer's shift, the reference the layer's slots and layer 0's
     tables with the shift, Triton the layer's own slots and tables (``GroupMetadata.for_layer``)."""
@@ -217,16 +257,33 @@ def _attention_as_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Att
     threads = md.cpu_kernel_threads or 0
     layer0 = md.groups[group]
     if md.use_cpu_kernel:
-        backend, slots, slot_offset, tables, page_offset = ("cpu", layer0.slot_mapping,
-                                                            slot_address(index, 0, md.page_size),
-                                                            layer0.block_tables, index)
+        backend, slots, slot_offset, tables, page_offset = (
+            "cpu",
+            layer0.slot_mapping,
+            slot_address(index, 0, md.page_size),
+            layer0.block_tables,
+            index,
+        )
     else:
         slots, layer_tables = layer0.for_layer(index, md.page_size)
         backend, slot_offset = ("triton" if md.use_triton else "torch"), 0
         tables, page_offset = (layer_tables, 0) if md.use_triton else (layer0.block_tables, index)
     ops.write_kv_cache(k, v, md.k_pages, md.v_pages, slots, slot_offset, backend, threads)
-    return ops.paged_attention(q, md.k_pages, md.v_pages, tables, md.cu_seqlens_q, md.seqlens_k, scale,
-                               sliding_window, softcap, md.max_seqlen_q, page_offset, backend, threads)
+    return ops.paged_attention(
+        q,
+        md.k_pages,
+        md.v_pages,
+        tables,
+        md.cu_seqlens_q,
+        md.seqlens_k,
+        scale,
+        sliding_window,
+        softcap,
+        md.max_seqlen_q,
+        page_offset,
+        backend,
+        threads,
+    )
 
 
 def register_with_transformers() -> str:

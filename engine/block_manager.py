@@ -75,8 +75,9 @@ class BlockManager:
     in ``num_hash_collisions`` and served as a miss, never as another prompt's KV.
     """
 
-    def __init__(self, spec: CacheSpec, enable_prefix_caching: bool = True,
-                 hash_fn: BlockHashFn = sha256_block_hash) -> None:
+    def __init__(
+        self, spec: CacheSpec, enable_prefix_caching: bool = True, hash_fn: BlockHashFn = sha256_block_hash
+    ) -> None:
         self.spec = spec
         self.layout = spec.layout
         self.page_size = spec.page_size
@@ -200,7 +201,8 @@ class BlockManager:
                 # Blocks filled since the last registration get hashed (``_register_full_blocks``); this check
                 # spares the call on the other steps.
                 if self.enable_prefix_caching and num_slots // self.page_size > len(
-                        self._request_hashes.get(request.index, ())):
+                    self._request_hashes.get(request.index, ())
+                ):
                     self._register_full_blocks(request, num_slots)
                 return True
         num_cached_tokens = len(cached_blocks) * self.page_size
@@ -265,11 +267,13 @@ class BlockManager:
             tokens = tuple(request.token_ids(i * self.page_size, (i + 1) * self.page_size))
             parent = self.hash_fn(parent, tokens)
             hashes.append(parent)
-            serials.append(self._register_block(request.block_table[i], parent, tokens,
-                                                serials[i - 1] if i else ROOT_SERIAL))
+            serials.append(
+                self._register_block(request.block_table[i], parent, tokens, serials[i - 1] if i else ROOT_SERIAL)
+            )
 
-    def _register_block(self, block: int, block_hash: bytes, tokens: tuple[int, ...],
-                        parent_serial: int | None) -> int | None:
+    def _register_block(
+        self, block: int, block_hash: bytes, tokens: tuple[int, ...], parent_serial: int | None
+    ) -> int | None:
         """Enter one full block in the prefix cache; returns the serial of the cached block holding its chain.
 
         The first block to hold a chain keeps the entry; a duplicate stays unhashed and links its successors to
@@ -339,8 +343,7 @@ class BlockManager:
     # ---- pages, for the model runner and offloading -----------------------------------------------------------
     def request_pages(self, request: Request) -> list[int]:
         """Every page the request holds: its full blocks' pages, then its sliding ring's."""
-        return (self.spec.pages_of(request.block_table, FULL)
-                + self.spec.pages_of(request.sliding_block_table, SLIDING))
+        return self.spec.pages_of(request.block_table, FULL) + self.spec.pages_of(request.sliding_block_table, SLIDING)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's pages to CPU slots and free its blocks on the device.
@@ -369,8 +372,9 @@ class BlockManager:
         num_ring = min(self.ring_blocks, cdiv(request.num_computed_tokens, self.page_size)) if self.sliding else 0
         if not self.allocate_slots(request, num_new_tokens):
             return None
-        pages = (self.spec.pages_of(request.block_table[:num_full], FULL)
-                 + self.spec.pages_of(request.sliding_block_table[:num_ring], SLIDING))
+        pages = self.spec.pages_of(request.block_table[:num_full], FULL) + self.spec.pages_of(
+            request.sliding_block_table[:num_ring], SLIDING
+        )
         assert len(pages) == len(request.cpu_pages)
         copies = list(zip(request.cpu_pages, pages))
         request.cpu_pages = []  # the slots stay taken until ``free_swap_slots`` runs after the copies

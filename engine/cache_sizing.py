@@ -73,18 +73,28 @@ def memory_budget_bytes(config: EngineConfig, model_config) -> tuple[int, str]:
         free, total = cuda_memory_bytes(config.device)
         graphs = graph_pool_bytes(config, model_config)
         budget = int(total * config.gpu_memory_utilization) - (total - free) - workspace - graphs
-        how = (f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.2f} GiB, less "
-               f"{(total - free) / 2**30:.2f} GiB in use (weights and other processes), "
-               f"{workspace / 2**30:.2f} GiB of step workspace and {graphs / 2**30:.2f} GiB of graph pool")
+        how = (
+            f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.2f} GiB, less "
+            f"{(total - free) / 2**30:.2f} GiB in use (weights and other processes), "
+            f"{workspace / 2**30:.2f} GiB of step workspace and {graphs / 2**30:.2f} GiB of graph pool"
+        )
         return budget, how
     free = available_memory_bytes(config.device)
-    return (int(free * config.max_memory_percent) - workspace,
-            f"max_memory_percent={config.max_memory_percent} of {free / 2**30:.2f} GiB available, less "
-            f"{workspace / 2**30:.2f} GiB of step workspace")
+    return (
+        int(free * config.max_memory_percent) - workspace,
+        f"max_memory_percent={config.max_memory_percent} of {free / 2**30:.2f} GiB available, less "
+        f"{workspace / 2**30:.2f} GiB of step workspace",
+    )
 
 
-def resolve_num_blocks(config: EngineConfig, max_model_len: int, bytes_per_block: int, model_config,
-                       expected_requests: int | None = None, expected_tokens: int | None = None) -> int:
+def resolve_num_blocks(
+    config: EngineConfig,
+    max_model_len: int,
+    bytes_per_block: int,
+    model_config,
+    expected_requests: int | None = None,
+    expected_tokens: int | None = None,
+) -> int:
     """The block pool's size.
 
     ``config.num_blocks`` when set. Otherwise what fits in the memory budget (``memory_budget_bytes``, measured
@@ -107,17 +117,26 @@ def resolve_num_blocks(config: EngineConfig, max_model_len: int, bytes_per_block
         budget, how = memory_budget_bytes(config, model_config)
         if budget < bytes_per_block:
             setting = "gpu_memory_utilization" if torch.device(config.device).type == "cuda" else "max_memory_percent"
-            raise ValueError(f"{how} leaves no room for a KV-cache block of {bytes_per_block} bytes; raise "
-                             f"{setting}, lower max_batch_tokens or max_requests_per_batch, or set engine.num_blocks")
-        num_blocks = min(budget // bytes_per_block,
-                         useful_blocks(config, max_model_len, expected_requests, expected_tokens))
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens of capacity, %.1f MiB", num_blocks, config.page_size,
-                num_blocks * config.page_size, num_blocks * bytes_per_block / 2**20)
+            raise ValueError(
+                f"{how} leaves no room for a KV-cache block of {bytes_per_block} bytes; raise "
+                f"{setting}, lower max_batch_tokens or max_requests_per_batch, or set engine.num_blocks"
+            )
+        num_blocks = min(
+            budget // bytes_per_block, useful_blocks(config, max_model_len, expected_requests, expected_tokens)
+        )
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens of capacity, %.1f MiB",
+        num_blocks,
+        config.page_size,
+        num_blocks * config.page_size,
+        num_blocks * bytes_per_block / 2**20,
+    )
     return num_blocks
 
 
-def useful_blocks(config: EngineConfig, max_model_len: int, expected_requests: int | None = None,
-                  expected_tokens: int | None = None) -> int:
+def useful_blocks(
+    config: EngineConfig, max_model_len: int, expected_requests: int | None = None, expected_tokens: int | None = None
+) -> int:
     """Most blocks the work could ever hold at once.
 
     Every request slot that can run together (``max_requests_per_batch``, or fewer when fewer requests are

@@ -51,8 +51,15 @@ class CacheSpec:
     num_cpu_pages: int = 0
 
     @classmethod
-    def build(cls, num_blocks: int, page_size: int, layout: KVLayout | None = None, num_cpu_blocks: int = 0,
-              max_chunk_tokens: int = 1, max_model_len: int | None = None) -> "CacheSpec":
+    def build(
+        cls,
+        num_blocks: int,
+        page_size: int,
+        layout: KVLayout | None = None,
+        num_cpu_blocks: int = 0,
+        max_chunk_tokens: int = 1,
+        max_model_len: int | None = None,
+    ) -> "CacheSpec":
         """The geometry of a pool of ``num_blocks`` blocks.
 
         Args:
@@ -92,4 +99,3 @@ class CacheSpec:
         """Every page of ``blocks`` of the ``kind`` allocator, block by block, layer by layer."""
         n = self.layers_per_block(kind)
         return [page_address(b, n, i) for b in blocks for i in range(n)]
-

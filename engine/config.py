@@ -240,8 +240,10 @@ class EngineConfig:
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise ValueError(f"draft_model must be a directory path, got {self.draft_model!r}")
         if self.draft_model is not None and self.speculative != "draft":  # silently unused otherwise
-            raise ValueError(f'draft_model is set but speculative = "{self.speculative}": set speculative = "draft" '
-                             "to use it, or leave draft_model unset")
+            raise ValueError(
+                f'draft_model is set but speculative = "{self.speculative}": set speculative = "draft" '
+                "to use it, or leave draft_model unset"
+            )
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch"):
             self._check_positive_int(name)
         row_cost = self.speculative_row_cost

@@ -72,8 +72,14 @@ class CudaGraphRunner:
             called through ``kernels.custom_ops`` so that they are recorded.
     """
 
-    def __init__(self, model: torch.nn.Module, buckets: GraphBuckets, group_layers: dict[str, int],
-                 setup: AttentionSetup, emulate: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buckets: GraphBuckets,
+        group_layers: dict[str, int],
+        setup: AttentionSetup,
+        emulate: bool = False,
+    ) -> None:
         device = next(model.parameters()).device
         self.model = model
         self.setup = setup
@@ -85,16 +91,25 @@ class CudaGraphRunner:
         self.seqlens_k = torch.zeros(top.num_requests, dtype=torch.int32, device=device)
         self.logits_indices = torch.zeros(top.num_logit_rows, dtype=torch.int64, device=device)
         self.slots = {g: torch.full((top.num_tokens,), -1, dtype=torch.int64, device=device) for g in group_layers}
-        self.tables = {g: torch.zeros((top.num_requests, top.num_kv_blocks), dtype=torch.int32, device=device)
-                       for g in group_layers}
+        self.tables = {
+            g: torch.zeros((top.num_requests, top.num_kv_blocks), dtype=torch.int32, device=device)
+            for g in group_layers
+        }
         self.group_layers = group_layers
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self._graphs: dict[PaddedShape, _Captured] = {}
         self.num_captures = 0
         self.num_replays = 0
 
-    def run(self, input_ids, positions, md: AttentionMetadata, logits_indices, shape: PaddedShape,
-            carry: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        input_ids,
+        positions,
+        md: AttentionMetadata,
+        logits_indices,
+        shape: PaddedShape,
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Copy the step's padded inputs into the static buffers and replay the shape's graph (captured first if
         this shape is new).
 
@@ -113,14 +128,14 @@ class CudaGraphRunner:
         if carry is not None:
             self.input_ids.index_copy_(0, carry[0], carry[1])
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.cu_seqlens_q[:b + 1].copy_(md.cu_seqlens_q, non_blocking=True)
+        self.cu_seqlens_q[: b + 1].copy_(md.cu_seqlens_q, non_blocking=True)
         self.seqlens_k[:b].copy_(md.seqlens_k, non_blocking=True)
-        self.logits_indices[:shape.num_logit_rows].copy_(logits_indices, non_blocking=True)
+        self.logits_indices[: shape.num_logit_rows].copy_(logits_indices, non_blocking=True)
         for name, group in md.groups.items():
             self.slots[name][:n].copy_(group.slot_mapping, non_blocking=True)
             # NOTE: only the step's columns: those past its longest context keep earlier steps' page ids (valid
             # pages), which no kernel reads: each reads only the blocks its request's context length covers.
-            self.tables[name][:b, :group.block_tables.shape[1]].copy_(group.block_tables, non_blocking=True)
+            self.tables[name][:b, : group.block_tables.shape[1]].copy_(group.block_tables, non_blocking=True)
         captured = self._graphs.get(shape)
         if captured is None:
             captured = self._graphs[shape] = self._capture(shape)
@@ -133,26 +148,49 @@ class CudaGraphRunner:
         """Views of the static buffers at ``shape``, and a new ``AttentionMetadata`` over them (a new one on each
         call: whatever a forward caches in it stays with that forward)."""
         n, b = shape.num_tokens, shape.num_requests
-        groups = {name: GroupMetadata(self.slots[name][:n], self.tables[name][:b], layers)
-                  for name, layers in self.group_layers.items()}
+        groups = {
+            name: GroupMetadata(self.slots[name][:n], self.tables[name][:b], layers)
+            for name, layers in self.group_layers.items()
+        }
         s = self.setup
-        md = AttentionMetadata(groups=groups, layer_groups=s.layer_groups, cu_seqlens_q=self.cu_seqlens_q[:b + 1],
-                               seqlens_k=self.seqlens_k[:b], max_seqlen_q=shape.query_len, page_size=s.page_size,
-                               k_pages=s.k_pages, v_pages=s.v_pages, use_triton=s.use_triton,
-                               use_cpu_kernel=s.use_cpu_kernel, cpu_kernel_threads=s.cpu_kernel_threads,
-                               kernels_as_ops=self.emulate)
-        return self.input_ids[:n], self.positions[:n], md, self.logits_indices[:shape.num_logit_rows]
+        md = AttentionMetadata(
+            groups=groups,
+            layer_groups=s.layer_groups,
+            cu_seqlens_q=self.cu_seqlens_q[: b + 1],
+            seqlens_k=self.seqlens_k[:b],
+            max_seqlen_q=shape.query_len,
+            page_size=s.page_size,
+            k_pages=s.k_pages,
+            v_pages=s.v_pages,
+            use_triton=s.use_triton,
+            use_cpu_kernel=s.use_cpu_kernel,
+            cpu_kernel_threads=s.cpu_kernel_threads,
+            kernels_as_ops=self.emulate,
+        )
+        return self.input_ids[:n], self.positions[:n], md, self.logits_indices[: shape.num_logit_rows]
 
     def _static_tensors(self) -> list[torch.Tensor]:
         """Every tensor a replay may read that the captured region does not make: the static input buffers, the
         model's weights and buffers, and the KV cache (the emulation checks that nothing else is read)."""
-        buffers = [self.input_ids, self.positions, self.cu_seqlens_q, self.seqlens_k, self.logits_indices,
-                   *self.slots.values(), *self.tables.values()]
+        buffers = [
+            self.input_ids,
+            self.positions,
+            self.cu_seqlens_q,
+            self.seqlens_k,
+            self.logits_indices,
+            *self.slots.values(),
+            *self.tables.values(),
+        ]
         return [*buffers, *self.model.parameters(), *self.model.buffers(), self.setup.k_pages, self.setup.v_pages]
 
     def _forward(self, input_ids, positions, md, logits_indices) -> torch.Tensor:
-        return self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                          logits_to_keep=logits_indices, cbrun_metadata=md).logits[0]
+        return self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=logits_indices,
+            cbrun_metadata=md,
+        ).logits[0]
 
     def _capture(self, shape: PaddedShape) -> _Captured:
         """Warm up eagerly (Triton compiles, the allocator settles), then capture a forward whose inputs, the

@@ -53,13 +53,23 @@ class DraftProposer:
         ValueError: for a draft with sliding-window layers, or with CPU swap configured in the target cache.
     """
 
-    def __init__(self, model: torch.nn.Module, target_spec: CacheSpec, vocab_size: int,
-                 eos_token_ids: frozenset[int], use_triton: bool, max_model_len: int, lean_model=None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        target_spec: CacheSpec,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        use_triton: bool,
+        max_model_len: int,
+        lean_model=None,
+    ) -> None:
         layout = draft_layout(model)
         if target_spec.num_cpu_pages:
-            raise ValueError('speculative = "draft" does not run with CPU swap yet (engine.cpu_offload_space > 0): '
-                             "the draft's pages are not swapped; set cpu_offload_space = 0 (preemption then soft "
-                             "resets) or use speculative = \"ngram\"")
+            raise ValueError(
+                'speculative = "draft" does not run with CPU swap yet (engine.cpu_offload_space > 0): '
+                "the draft's pages are not swapped; set cpu_offload_space = 0 (preemption then soft "
+                'resets) or use speculative = "ngram"'
+            )
         assert target_spec.layout.num_layers_of(SLIDING) == 0, "LLMEngine refuses sliding-window targets"
         # One full block per chunk in the target: chunk id == block id, so the draft spec with the same chunks
         # (one draft block per chunk, one page per draft layer) addresses the same block ids.
@@ -67,8 +77,9 @@ class DraftProposer:
         num_kv_heads, head_dim = kv_shape(model)
         param = next(model.parameters())
         self.kv_cache = KVCache(self.spec, num_kv_heads, head_dim, param.dtype, param.device, num_zeroed_pages=0)
-        self.runner = ModelRunner(model, self.kv_cache, use_triton=use_triton, max_model_len=max_model_len,
-                                  lean_model=lean_model)
+        self.runner = ModelRunner(
+            model, self.kv_cache, use_triton=use_triton, max_model_len=max_model_len, lean_model=lean_model
+        )
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
@@ -77,8 +88,9 @@ class DraftProposer:
         self.kv_cache.zero_pages_below(num_chunks * self.spec.chunk_pages)
 
     @torch.inference_mode()
-    def propose(self, plan: SchedulerOutput, requests: dict[int, Request]
-                ) -> tuple[SchedulerOutput, dict[int, torch.Tensor]]:
+    def propose(
+        self, plan: SchedulerOutput, requests: dict[int, Request]
+    ) -> tuple[SchedulerOutput, dict[int, torch.Tensor]]:
         """Run the draft over the plan and return it with every verify entry's proposals filled in.
 
         Args:
@@ -92,24 +104,35 @@ class DraftProposer:
         verify = [item for item in plan.scheduled if item.spec_token_ids]
         mirror = [_first_draft_entry(item) for item in plan.scheduled]
         # The released rows travel with the mirror: the draft's runner keeps its own persistent batch.
-        handle = self.runner.launch(SchedulerOutput(scheduled=mirror,
-                                                    released_request_indices=plan.released_request_indices))
+        handle = self.runner.launch(
+            SchedulerOutput(scheduled=mirror, released_request_indices=plan.released_request_indices)
+        )
         proposals: dict[int, list[int]] = {item.request_index: [] for item in verify}
         probs: dict[int, list[torch.Tensor]] = {item.request_index: [] for item in verify}
         for j in range(1, max((len(item.spec_token_ids) for item in verify), default=0) + 2):
             if j > 1:  # the last draft token in, at position P + j - 1
-                entries = [_next_draft_entry(item, j, proposals[item.request_index][-1]) for item in verify
-                           if len(item.spec_token_ids) >= j - 1]
+                entries = [
+                    _next_draft_entry(item, j, proposals[item.request_index][-1])
+                    for item in verify
+                    if len(item.spec_token_ids) >= j - 1
+                ]
                 handle = self.runner.launch(SchedulerOutput(scheduled=entries))
-            self._sample(handle, [item for item in verify if len(item.spec_token_ids) >= j], requests,
-                         proposals, probs)
-        filled = [_with_proposals(item, proposals[item.request_index]) if item.spec_token_ids else item
-                  for item in plan.scheduled]
+            self._sample(handle, [item for item in verify if len(item.spec_token_ids) >= j], requests, proposals, probs)
+        filled = [
+            _with_proposals(item, proposals[item.request_index]) if item.spec_token_ids else item
+            for item in plan.scheduled
+        ]
         draft_probs = {index: torch.stack(rows) for index, rows in probs.items() if rows}
         return replace(plan, scheduled=filled), draft_probs
 
-    def _sample(self, handle, items: list[ScheduledRequest], requests: dict[int, Request],
-                proposals: dict[int, list[int]], probs: dict[int, list[torch.Tensor]]) -> None:
+    def _sample(
+        self,
+        handle,
+        items: list[ScheduledRequest],
+        requests: dict[int, Request],
+        proposals: dict[int, list[int]],
+        probs: dict[int, list[torch.Tensor]],
+    ) -> None:
         """Append each item's next draft token (and q for sampled requests) from the step's logits."""
         if not items:
             return
@@ -140,8 +163,10 @@ def draft_layout(model: torch.nn.Module) -> KVLayout:
     """
     layout = KVLayout.from_model_config(_text_config(model))
     if layout.num_layers_of(SLIDING):
-        raise ValueError('speculative = "draft" does not support a draft model with sliding-window layers yet; '
-                         "choose a full-attention draft model")
+        raise ValueError(
+            'speculative = "draft" does not support a draft model with sliding-window layers yet; '
+            "choose a full-attention draft model"
+        )
     return layout
 
 
@@ -157,8 +182,9 @@ def kv_shape(model: torch.nn.Module) -> tuple[int, int]:
 def draft_bytes_per_block(model: torch.nn.Module, page_size: int) -> int:
     """Bytes of the draft's K and V for one block (``page_size`` tokens, every draft layer)."""
     num_kv_heads, head_dim = kv_shape(model)
-    return KVCache.bytes_per_block(len(draft_layout(model).layer_types), page_size, num_kv_heads, head_dim,
-                                   next(model.parameters()).dtype)
+    return KVCache.bytes_per_block(
+        len(draft_layout(model).layer_types), page_size, num_kv_heads, head_dim, next(model.parameters()).dtype
+    )
 
 
 def check_draft_vocab(target_vocab_size: int, draft_vocab_size: int, target_tokenizer, draft_tokenizer) -> None:
@@ -173,12 +199,16 @@ def check_draft_vocab(target_vocab_size: int, draft_vocab_size: int, target_toke
     """
     if target_tokenizer is not None and draft_tokenizer is not None:
         if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-            raise ValueError("the draft model's tokenizer differs from the target's (another vocabulary): "
-                             "speculative decoding needs a draft with the same tokenizer")
+            raise ValueError(
+                "the draft model's tokenizer differs from the target's (another vocabulary): "
+                "speculative decoding needs a draft with the same tokenizer"
+            )
         return
     if target_vocab_size != draft_vocab_size:
-        raise ValueError(f"the draft model's vocab_size {draft_vocab_size} differs from the target's "
-                         f"{target_vocab_size}: speculative decoding needs a draft with the same vocabulary")
+        raise ValueError(
+            f"the draft model's vocab_size {draft_vocab_size} differs from the target's "
+            f"{target_vocab_size}: speculative decoding needs a draft with the same vocabulary"
+        )
 
 
 def _text_config(model: torch.nn.Module):
@@ -199,9 +229,14 @@ def _first_draft_entry(item: ScheduledRequest) -> ScheduledRequest:
     """The entry as the draft's first forward runs it: a verify entry cut to its last known token (which samples);
     every other entry computed as planned for its KV only (no logit rows)."""
     if item.spec_token_ids:
-        return replace(item, num_tokens=item.num_tokens - len(item.spec_token_ids),
-                       token_ids=item.token_ids[:len(item.token_ids) - len(item.spec_token_ids)], spec_token_ids=(),
-                       needs_host_sampling=False, prompt_logprob_positions=range(0))
+        return replace(
+            item,
+            num_tokens=item.num_tokens - len(item.spec_token_ids),
+            token_ids=item.token_ids[: len(item.token_ids) - len(item.spec_token_ids)],
+            spec_token_ids=(),
+            needs_host_sampling=False,
+            prompt_logprob_positions=range(0),
+        )
     return replace(item, samples=False, needs_host_sampling=False, prompt_logprob_positions=range(0))
 
 
@@ -209,9 +244,17 @@ def _next_draft_entry(item: ScheduledRequest, j: int, token: int) -> ScheduledRe
     """Draft forward ``j`` (>= 2) of a verify entry: proposal ``j - 1`` in at its position; it samples proposal
     ``j`` unless all proposals are drawn (then only its KV is written)."""
     start = item.end - len(item.spec_token_ids) - 1 + j - 1
-    return replace(item, start=start, num_tokens=1, token_ids=[token], num_pending_inputs=0,
-                   samples=j <= len(item.spec_token_ids), needs_host_sampling=False,
-                   prompt_logprob_positions=range(0), spec_token_ids=())
+    return replace(
+        item,
+        start=start,
+        num_tokens=1,
+        token_ids=[token],
+        num_pending_inputs=0,
+        samples=j <= len(item.spec_token_ids),
+        needs_host_sampling=False,
+        prompt_logprob_positions=range(0),
+        spec_token_ids=(),
+    )
 
 
 def _with_proposals(item: ScheduledRequest, proposals: list[int]) -> ScheduledRequest:

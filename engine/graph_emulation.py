@@ -29,9 +29,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 #: Ops that allocate without computing: a graph replays nothing for them.
-_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
-                          torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default,
-                          torch.ops.aten.new_empty_strided.default})
+_ALLOCATIONS = frozenset(
+    {
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_empty_strided.default,
+    }
+)
 
 
 @dataclass
@@ -82,15 +88,20 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = [t for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if self.static is not None and func is not torch.ops.aten.lift_fresh.default and any(
-                t.numel() and _storage(t) not in self.made and _storage(t) not in self.static for t in inputs):
+        if (
+            self.static is not None
+            and func is not torch.ops.aten.lift_fresh.default
+            and any(t.numel() and _storage(t) not in self.made and _storage(t) not in self.static for t in inputs)
+        ):
             self.foreign.append(str(func))
         result = func(*args, **kwargs)
         outputs = _tensors(result)
         self.made.update(_storage(o) for o in outputs if isinstance(o, torch.Tensor))
         if any(not isinstance(o, torch.Tensor) for o in outputs):
-            raise RuntimeError(f"the captured region reads a tensor's value on the host ({func}): a CUDA graph "
-                               "cannot capture a device sync; its replay would keep the capture step's value")
+            raise RuntimeError(
+                f"the captured region reads a tensor's value on the host ({func}): a CUDA graph "
+                "cannot capture a device sync; its replay would keep the capture step's value"
+            )
         if _mutates(func):
             self.ops.append(_RecordedOp(func, args, kwargs, []))
         elif func not in _ALLOCATIONS:
@@ -137,9 +148,11 @@ class EmulatedGraph:
         with recorder:
             yield self
         if recorder.foreign:
-            raise RuntimeError(f"the captured region reads tensors computed outside it, neither static buffers nor "
-                               f"weights nor the cache (first in {recorder.foreign[0]}, {len(recorder.foreign)} "
-                               "ops in all): every replay would read the capture step's values")
+            raise RuntimeError(
+                f"the captured region reads tensors computed outside it, neither static buffers nor "
+                f"weights nor the cache (first in {recorder.foreign[0]}, {len(recorder.foreign)} "
+                "ops in all): every replay would read the capture step's values"
+            )
         self._ops = recorder.ops
 
     def replay(self) -> None:

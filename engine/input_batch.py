@@ -46,7 +46,7 @@ class BlockTableRows:
 
     def _grow(self, num_rows: int, width: int) -> None:
         ids = np.zeros((num_rows, width), dtype=np.int64)
-        ids[:self.ids.shape[0], :self.ids.shape[1]] = self.ids
+        ids[: self.ids.shape[0], : self.ids.shape[1]] = self.ids
         self.ids = ids
 
     def gather(self, rows: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
@@ -58,7 +58,7 @@ class BlockTableRows:
             tables = self.ids[rows, :width]  # a copy (an index array selects the rows)
         else:
             tables = np.zeros((len(rows), width), dtype=np.int64)
-            tables[:, :self.ids.shape[1]] = self.ids[rows]
+            tables[:, : self.ids.shape[1]] = self.ids[rows]
         tables[np.arange(width) >= lengths[:, None]] = 0
         return tables
 
@@ -90,8 +90,9 @@ class PersistentBatch:
             if row is not None:
                 self._free_rows.append(row)
 
-    def update(self, scheduled: list[ScheduledRequest], full: str | None, sliding: str | None
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def update(
+        self, scheduled: list[ScheduledRequest], full: str | None, sliding: str | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Apply a plan's table deltas; give each entry's row and its tables' lengths after this step.
 
         Args:
@@ -121,15 +122,18 @@ class PersistentBatch:
         lengths = np.array([s.block_table_start + len(s.new_block_ids) for s in scheduled], dtype=np.int64)
         sliding_lengths = None
         if sliding_rows is not None:
-            sliding_lengths = np.array([s.sliding_block_start + len(s.new_sliding_block_ids) for s in scheduled],
-                                       dtype=np.int64)
+            sliding_lengths = np.array(
+                [s.sliding_block_start + len(s.new_sliding_block_ids) for s in scheduled], dtype=np.int64
+            )
         return np.array(rows, dtype=np.int64), lengths, sliding_lengths
 
     def _join(self, item: ScheduledRequest) -> int:
         if item.block_table_start or item.sliding_block_start:
-            raise RuntimeError(f"request {item.request_id!r} is planned with blocks from "
-                               f"{item.block_table_start} / {item.sliding_block_start} on, but the model runner "
-                               "holds none of its earlier blocks: a plan was not launched")
+            raise RuntimeError(
+                f"request {item.request_id!r} is planned with blocks from "
+                f"{item.block_table_start} / {item.sliding_block_start} on, but the model runner "
+                "holds none of its earlier blocks: a plan was not launched"
+            )
         if not self._free_rows:
             self._free_rows.append(self._num_rows)
             self._num_rows += 1

@@ -28,8 +28,15 @@ class KVCache:
         num_zeroed_pages: pages zeroed at once (None: all of them).
     """
 
-    def __init__(self, spec: CacheSpec, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, num_zeroed_pages: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: CacheSpec,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_zeroed_pages: int | None = None,
+    ) -> None:
         self.spec = spec
         self.kv = torch.empty((2, spec.num_pages, spec.page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
         self._k_pages, self._v_pages = self.kv[0], self.kv[1]  # ``kv`` is only ever written in place
@@ -42,7 +49,7 @@ class KVCache:
     def zero_pages_below(self, num_pages: int) -> None:
         """Zero pages ``[num_zeroed_pages, num_pages)`` of K and V, so every page below ``num_pages`` is initialised."""
         if num_pages > self.num_zeroed_pages:
-            self.kv[:, self.num_zeroed_pages:num_pages].zero_()
+            self.kv[:, self.num_zeroed_pages : num_pages].zero_()
             self.num_zeroed_pages = num_pages
 
     @property
@@ -56,8 +63,7 @@ class KVCache:
         return self._v_pages
 
     @staticmethod
-    def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """K and V bytes of ``page_size`` tokens across all layers."""
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 

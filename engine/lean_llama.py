@@ -56,8 +56,10 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     rope_type = getattr(decoder.rotary_emb, "rope_type", None)
     if rope_type != "default":
         return f"rope_type {rope_type!r} (only the default RoPE is implemented)"
-    if getattr(config, "sliding_window", None) and (name == "MistralForCausalLM" or any(
-            getattr(layer.self_attn, "sliding_window", None) for layer in decoder.layers)):
+    if getattr(config, "sliding_window", None) and (
+        name == "MistralForCausalLM"
+        or any(getattr(layer.self_attn, "sliding_window", None) for layer in decoder.layers)
+    ):
         return f"sliding_window = {config.sliding_window} (sliding-window attention is not implemented)"
     if len(decoder.layers) != config.num_hidden_layers:
         return f"{len(decoder.layers)} decoder layers but num_hidden_layers = {config.num_hidden_layers}"
@@ -74,8 +76,15 @@ def _unsupported_layer(layer: torch.nn.Module) -> str | None:
     from transformers.activations import SiLUActivation
 
     attn, mlp = layer.self_attn, layer.mlp
-    linears = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj,
-               "gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj, "down_proj": mlp.down_proj}
+    linears = {
+        "q_proj": attn.q_proj,
+        "k_proj": attn.k_proj,
+        "v_proj": attn.v_proj,
+        "o_proj": attn.o_proj,
+        "gate_proj": mlp.gate_proj,
+        "up_proj": mlp.up_proj,
+        "down_proj": mlp.down_proj,
+    }
     for name, linear in linears.items():
         if type(linear) is not torch.nn.Linear:  # quantised or otherwise replaced projections
             return f"{name} is a {type(linear).__name__}, not a plain Linear"
@@ -122,8 +131,9 @@ class LeanLlama:
         ValueError: naming the reason when the model is not supported, or from ``select_linear``.
     """
 
-    def __init__(self, weights: LlamaWeights | torch.nn.Module, max_positions: int | None = None,
-                 linear_backend: str = "auto") -> None:
+    def __init__(
+        self, weights: LlamaWeights | torch.nn.Module, max_positions: int | None = None, linear_backend: str = "auto"
+    ) -> None:
         if isinstance(weights, torch.nn.Module):
             weights = weights_from_module(weights)
         self.head_dim = weights.head_dim
@@ -131,17 +141,27 @@ class LeanLlama:
         self.final_norm, self.final_eps = weights.final_norm, weights.final_eps
         self.lm_head = _projection(weights.lm_head, linear_backend)
         self.layers = [_layer_tensors(layer, linear_backend) for layer in weights.layers]
-        projections = [self.lm_head] + [p for layer in self.layers for p in (layer.q, layer.k, layer.v, layer.o,
-                                                                             layer.gate, layer.up, layer.down)]
+        projections = [self.lm_head] + [
+            p for layer in self.layers for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+        ]
         self.num_onednn_linears = sum(p[2] is onednn_linear for p in projections)
-        logger.info("linear layers: %d of %d on oneDNN, the rest on torch's GEMM (linear_backend = %s)",
-                    self.num_onednn_linears, len(projections), linear_backend)
-        self.cos, self.sin_signed = _rope_tables(weights.inv_freq, weights.attention_scaling,
-                                                 max_positions or weights.max_position_embeddings, self.embed.dtype)
+        logger.info(
+            "linear layers: %d of %d on oneDNN, the rest on torch's GEMM (linear_backend = %s)",
+            self.num_onednn_linears,
+            len(projections),
+            linear_backend,
+        )
+        self.cos, self.sin_signed = _rope_tables(
+            weights.inv_freq,
+            weights.attention_scaling,
+            max_positions or weights.max_position_embeddings,
+            self.embed.dtype,
+        )
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                 logits_indices: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
         """One step of the flattened batch.
 
         Args:
@@ -163,6 +183,7 @@ class LeanLlama:
 
             def rope(x: torch.Tensor) -> torch.Tensor:
                 return _rope(x, cos, sin)
+
         for index, layer in enumerate(self.layers):
             # In place: the same sums as ``h = h + ...``, without a new (T, hidden) tensor per add.
             h += self._attention(index, layer, _rms_norm(h, layer.input_norm, layer.input_eps), rope, md)
@@ -171,8 +192,14 @@ class LeanLlama:
         # but a GPU reduction may order its sums by the number of rows.
         return _linear(_rms_norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
 
-    def _attention(self, index: int, layer: _Layer, x: torch.Tensor, rope: Callable[[torch.Tensor], torch.Tensor],
-                   md: AttentionMetadata) -> torch.Tensor:
+    def _attention(
+        self,
+        index: int,
+        layer: _Layer,
+        x: torch.Tensor,
+        rope: Callable[[torch.Tensor], torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = rope(_linear(x, layer.q).view(num_tokens, -1, self.head_dim))
         k = rope(_linear(x, layer.k).view(num_tokens, -1, self.head_dim))
@@ -199,16 +226,33 @@ def weights_from_module(model: torch.nn.Module) -> LlamaWeights:
     layers = []
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        layers.append(LayerWeights(
-            input_norm=layer.input_layernorm.weight, input_eps=layer.input_layernorm.variance_epsilon,
-            post_norm=layer.post_attention_layernorm.weight, post_eps=layer.post_attention_layernorm.variance_epsilon,
-            q=linear(attn.q_proj), k=linear(attn.k_proj), v=linear(attn.v_proj), o=linear(attn.o_proj),
-            gate=linear(mlp.gate_proj), up=linear(mlp.up_proj), down=linear(mlp.down_proj), scale=attn.scaling))
-    return LlamaWeights(embed=decoder.embed_tokens.weight, layers=layers, final_norm=decoder.norm.weight,
-                        final_eps=decoder.norm.variance_epsilon, lm_head=linear(model.lm_head),
-                        head_dim=decoder.layers[0].self_attn.head_dim, inv_freq=rotary.inv_freq,
-                        attention_scaling=rotary.attention_scaling,
-                        max_position_embeddings=model.config.max_position_embeddings)
+        layers.append(
+            LayerWeights(
+                input_norm=layer.input_layernorm.weight,
+                input_eps=layer.input_layernorm.variance_epsilon,
+                post_norm=layer.post_attention_layernorm.weight,
+                post_eps=layer.post_attention_layernorm.variance_epsilon,
+                q=linear(attn.q_proj),
+                k=linear(attn.k_proj),
+                v=linear(attn.v_proj),
+                o=linear(attn.o_proj),
+                gate=linear(mlp.gate_proj),
+                up=linear(mlp.up_proj),
+                down=linear(mlp.down_proj),
+                scale=attn.scaling,
+            )
+        )
+    return LlamaWeights(
+        embed=decoder.embed_tokens.weight,
+        layers=layers,
+        final_norm=decoder.norm.weight,
+        final_eps=decoder.norm.variance_epsilon,
+        lm_head=linear(model.lm_head),
+        head_dim=decoder.layers[0].self_attn.head_dim,
+        inv_freq=rotary.inv_freq,
+        attention_scaling=rotary.attention_scaling,
+        max_position_embeddings=model.config.max_position_embeddings,
+    )
 
 
 def _projection(linear: Linear, backend: str) -> tuple[torch.Tensor, torch.Tensor | None, LinearFn]:
@@ -225,14 +269,25 @@ def _layer_tensors(layer: LayerWeights, backend: str) -> _Layer:
     def linear(weights: Linear):
         return _projection(weights, backend)
 
-    return _Layer(input_norm=layer.input_norm, input_eps=layer.input_eps, post_norm=layer.post_norm,
-                  post_eps=layer.post_eps, q=linear(layer.q), k=linear(layer.k), v=linear(layer.v),
-                  o=linear(layer.o), gate=linear(layer.gate), up=linear(layer.up), down=linear(layer.down),
-                  scale=layer.scale)
+    return _Layer(
+        input_norm=layer.input_norm,
+        input_eps=layer.input_eps,
+        post_norm=layer.post_norm,
+        post_eps=layer.post_eps,
+        q=linear(layer.q),
+        k=linear(layer.k),
+        v=linear(layer.v),
+        o=linear(layer.o),
+        gate=linear(layer.gate),
+        up=linear(layer.up),
+        down=linear(layer.down),
+        scale=layer.scale,
+    )
 
 
-def _rope_tables(inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(
+    inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(max_positions, head_dim) cos and sign-folded sin tables, from the model's own ``inv_freq``.
 
     Computed with transformers' default-RoPE operations (float32 angles ``position * inv_freq``, duplicated over
@@ -269,8 +324,9 @@ def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
     return _linear(gate.mul_(_linear(x, layer.up)), layer.down)
 
 
-def select_lean_model(model_impl: str, model, use_cuda_graphs: bool, max_model_len: int,
-                      linear_backend: str = "auto") -> LeanLlama | None:
+def select_lean_model(
+    model_impl: str, model, use_cuda_graphs: bool, max_model_len: int, linear_backend: str = "auto"
+) -> LeanLlama | None:
     """The lean forward pass when ``model_impl`` asks for it and it applies; None runs transformers' modules.
     A ``LeanModel`` (loaded without transformers) always gets it.
 
@@ -283,18 +339,23 @@ def select_lean_model(model_impl: str, model, use_cuda_graphs: bool, max_model_l
     """
     lean = _select_lean_model(model_impl, model, use_cuda_graphs, max_model_len, linear_backend)
     if lean is None and linear_backend == "onednn":
-        raise ValueError("linear_backend = onednn runs only on the lean forward pass, which this model does not "
-                         "use (see the log); use linear_backend = auto or torch")
+        raise ValueError(
+            "linear_backend = onednn runs only on the lean forward pass, which this model does not "
+            "use (see the log); use linear_backend = auto or torch"
+        )
     return lean
 
 
-def _select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs: bool, max_model_len: int,
-                       linear_backend: str) -> LeanLlama | None:
+def _select_lean_model(
+    model_impl: str, model: torch.nn.Module, use_cuda_graphs: bool, max_model_len: int, linear_backend: str
+) -> LeanLlama | None:
     if isinstance(model, LeanModel):  # loaded without transformers: the lean pass is its only forward pass
         if model_impl == "transformers" or use_cuda_graphs:
             setting = "model_impl = transformers" if model_impl == "transformers" else "CUDA graphs"
-            raise ValueError(f"{setting} needs transformers' modules, but the model was loaded without "
-                             "transformers (engine.safetensors_loader); load it with engine.loader = transformers")
+            raise ValueError(
+                f"{setting} needs transformers' modules, but the model was loaded without "
+                "transformers (engine.safetensors_loader); load it with engine.loader = transformers"
+            )
         logger.info("model implementation: lean (engine.lean_llama)")
         return LeanLlama(model.weights, max_model_len, linear_backend)
     if model_impl == "transformers":
@@ -303,9 +364,15 @@ def _select_lean_model(model_impl: str, model: torch.nn.Module, use_cuda_graphs:
     reason = unsupported_reason(model)
     if reason is None and use_cuda_graphs:
         reason = "CUDA graphs capture transformers' forward pass (set cuda_graphs = off to use the lean path)"
-    if not resolve_switch("model_impl", model_impl, reason, on="lean", off="transformers",
-                          off_log="model implementation: transformers (lean path not used: %s)",
-                          hint="; use model_impl = auto or transformers"):
+    if not resolve_switch(
+        "model_impl",
+        model_impl,
+        reason,
+        on="lean",
+        off="transformers",
+        off_log="model implementation: transformers (lean path not used: %s)",
+        hint="; use model_impl = auto or transformers",
+    ):
         return None
     logger.info("model implementation: lean (engine.lean_llama)")
     return LeanLlama(model, max_model_len, linear_backend)

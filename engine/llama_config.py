@@ -21,18 +21,57 @@ from pathlib import Path
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 #: Keys with no effect on a loaded model's outputs in eval mode (bookkeeping, training-only, cache flags).
-_INERT_KEYS = frozenset({"architectures", "model_type", "transformers_version", "_name_or_path", "initializer_range",
-                         "use_cache", "attention_dropout", "pad_token_id", "pretraining_tp"})
+_INERT_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "initializer_range",
+        "use_cache",
+        "attention_dropout",
+        "pad_token_id",
+        "pretraining_tp",
+    }
+)
 #: Keys read here, per family (the rest of a family's keys are refused).
-_READ_KEYS = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                        "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-                        "bos_token_id", "eos_token_id", "tie_word_embeddings", "rope_parameters", "rope_theta",
-                        "rope_scaling", "dtype", "torch_dtype"})
-_FAMILY_KEYS = {"llama": frozenset({"attention_bias", "mlp_bias"}), "mistral": frozenset({"sliding_window"}),
-                "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})}
+_READ_KEYS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "bos_token_id",
+        "eos_token_id",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "rope_theta",
+        "rope_scaling",
+        "dtype",
+        "torch_dtype",
+    }
+)
+_FAMILY_KEYS = {
+    "llama": frozenset({"attention_bias", "mlp_bias"}),
+    "mistral": frozenset({"sliding_window"}),
+    "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
+}
 #: Fields a config must state (transformers' defaults for them describe some 7B model, never this one).
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "max_position_embeddings", "rms_norm_eps")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+)
 #: transformers 5's defaults of the optional fields the engine reads, per family.
 _DEFAULTS = {
     "llama": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": None},
@@ -135,15 +174,24 @@ def parse_llama_config(raw: dict) -> tuple[LlamaConfig | None, str | None]:
     num_kv_heads = raw.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     config = LlamaConfig(
-        model_type=model_type, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        max_position_embeddings=raw["max_position_embeddings"], rms_norm_eps=raw["rms_norm_eps"], rope_theta=theta,
+        model_type=model_type,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=raw["max_position_embeddings"],
+        rms_norm_eps=raw["rms_norm_eps"],
+        rope_theta=theta,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", False)), mlp_bias=bool(raw.get("mlp_bias", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
         bos_token_id=raw.get("bos_token_id", defaults["bos_token_id"]),
         eos_token_id=raw.get("eos_token_id", defaults["eos_token_id"]),
-        dtype=raw.get("dtype") or raw.get("torch_dtype"))
+        dtype=raw.get("dtype") or raw.get("torch_dtype"),
+    )
     return _checked(config)
 
 
@@ -181,8 +229,16 @@ def _rope_theta(raw: dict) -> tuple[float | None, str | None]:
 
 def _checked(config: LlamaConfig) -> tuple[LlamaConfig | None, str | None]:
     """Refuse shapes transformers would refuse or read another way (it raises; the fallback shows its error)."""
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "max_position_embeddings"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return None, f"{name} = {value!r} is not a positive integer"

@@ -62,8 +62,9 @@ class LlamaWeights:
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every distinct weight and bias tensor once (a tied LM head is the embedding), as ``parameters()``."""
         seen: set[int] = set()
-        linears = [self.lm_head] + [p for layer in self.layers
-                                    for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)]
+        linears = [self.lm_head] + [
+            p for layer in self.layers for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+        ]
         norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         for tensor in [self.embed, *norms, *(t for linear in linears for t in linear if t is not None)]:
             if id(tensor) not in seen:

@@ -17,20 +17,20 @@ from engine.async_batching import StepHandle, use_async_batching
 from engine.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from engine.block_manager import BlockManager, truncated_block_hash
 from engine.cache_sizing import resolve_num_blocks
+from engine.cache_spec import CacheSpec
 from engine.config import EngineConfig, checkpoint_dtype
 from engine.device import select_device
 from engine.draft_proposer import DraftProposer, check_draft_vocab, draft_bytes_per_block
+from engine.kv_cache import KVCache
 from engine.kv_layout import SLIDING, KVLayout
 from engine.lean_llama import select_lean_model
-from engine.cache_spec import CacheSpec
-from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
-from engine.padding import GraphBuckets
 from engine.outputs import RequestOutput
+from engine.padding import GraphBuckets
+from engine.plan import SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling.step import LaunchedRows, StepSampler, VerifyEntry
 from engine.sampling_params import SamplingParams
-from engine.plan import SchedulerOutput
 from engine.scheduler import make_scheduler
 from engine.speculative import accept_greedy
 from engine.stats import EngineStats
@@ -57,9 +57,17 @@ class LLMEngine:
     Build it with ``from_pretrained``.
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, eos_token_ids: Iterable[int],
-                 max_model_len: int, tokenizer=None, expected_requests: int | None = None,
-                 expected_tokens: int | None = None, draft_model: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+        tokenizer=None,
+        expected_requests: int | None = None,
+        expected_tokens: int | None = None,
+        draft_model: torch.nn.Module | None = None,
+    ) -> None:
         self.config = config
         select_device(config.device)
         self.tokenizer = tokenizer
@@ -72,55 +80,82 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         layout = KVLayout.from_model_config(model_config)
         _check_speculative(config, layout)
-        bytes_per_block = KVCache.bytes_per_block(len(layout.layer_types), config.page_size, num_kv_heads,
-                                                  head_dim, dtype)
+        bytes_per_block = KVCache.bytes_per_block(
+            len(layout.layer_types), config.page_size, num_kv_heads, head_dim, dtype
+        )
         if config.speculative == "draft":
             if draft_model is None:
                 raise ValueError('speculative = "draft" needs a draft model (engine.draft_model)')
             bytes_per_block += draft_bytes_per_block(draft_model, config.page_size)  # one budget for both caches
-        self.num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block, model_config,
-                                             expected_requests, expected_tokens)
+        self.num_blocks = resolve_num_blocks(
+            config, max_model_len, bytes_per_block, model_config, expected_requests, expected_tokens
+        )
         #: The cache's geometry, the one source for the block manager, the KV cache, padding and the runner.
-        self.cache_spec = CacheSpec.build(self.num_blocks, config.page_size, layout,
-                                          num_cpu_blocks=int(config.cpu_offload_space * 2**30) // bytes_per_block,
-                                          max_chunk_tokens=config.max_batch_tokens, max_model_len=max_model_len)
-        self.block_manager = BlockManager(self.cache_spec, config.allow_block_sharing,
-                                          truncated_block_hash(config.prefix_hash_bits))
-        self.scheduler = make_scheduler(config, self.block_manager, max_model_len, self.eos_token_ids,
-                                        self._stop_matcher)
-        kv_cache = KVCache(self.cache_spec, num_kv_heads, head_dim, dtype, next(model.parameters()).device,
-                           num_zeroed_pages=self._num_touched_pages())
+        self.cache_spec = CacheSpec.build(
+            self.num_blocks,
+            config.page_size,
+            layout,
+            num_cpu_blocks=int(config.cpu_offload_space * 2**30) // bytes_per_block,
+            max_chunk_tokens=config.max_batch_tokens,
+            max_model_len=max_model_len,
+        )
+        self.block_manager = BlockManager(
+            self.cache_spec, config.allow_block_sharing, truncated_block_hash(config.prefix_hash_bits)
+        )
+        self.scheduler = make_scheduler(
+            config, self.block_manager, max_model_len, self.eos_token_ids, self._stop_matcher
+        )
+        kv_cache = KVCache(
+            self.cache_spec,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            next(model.parameters()).device,
+            num_zeroed_pages=self._num_touched_pages(),
+        )
         use_triton = _use_triton(config)
         use_graphs = _use_cuda_graphs(config, use_triton)
         #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
         self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)
-        self.model_runner = ModelRunner(model, kv_cache, use_triton=use_triton,
-                                        use_cpu_kernel=_use_cpu_kernel(config, dtype, use_triton),
-                                        cpu_kernel_threads=resolve_attention_threads(config.num_threads,
-                                                                                     config.device),
-                                        graph_buckets=_graph_buckets(config, max_model_len) if use_graphs else None,
-                                        emulate_graphs=config.cuda_graphs == "emulate",
-                                        max_model_len=max_model_len, async_batching=self.overlap_steps,
-                                        lean_model=select_lean_model(config.model_impl, model, use_graphs,
-                                                                     max_model_len, config.linear_backend),
-                                        max_requests=config.max_requests_per_batch,
-                                        max_batch_tokens=config.max_batch_tokens)
+        self.model_runner = ModelRunner(
+            model,
+            kv_cache,
+            use_triton=use_triton,
+            use_cpu_kernel=_use_cpu_kernel(config, dtype, use_triton),
+            cpu_kernel_threads=resolve_attention_threads(config.num_threads, config.device),
+            graph_buckets=_graph_buckets(config, max_model_len) if use_graphs else None,
+            emulate_graphs=config.cuda_graphs == "emulate",
+            max_model_len=max_model_len,
+            async_batching=self.overlap_steps,
+            lean_model=select_lean_model(config.model_impl, model, use_graphs, max_model_len, config.linear_backend),
+            max_requests=config.max_requests_per_batch,
+            max_batch_tokens=config.max_batch_tokens,
+        )
         #: Runs the draft model and fills each step's proposals (``speculative = "draft"``); its cache shares
         #: the block manager's block ids.
-        self.drafter = (DraftProposer(draft_model, self.cache_spec, model_config.vocab_size, self.eos_token_ids,
-                                      use_triton, max_model_len,
-                                      select_lean_model(config.model_impl, draft_model, False, max_model_len,
-                                                        config.linear_backend))
-                        if config.speculative == "draft" else None)
+        self.drafter = (
+            DraftProposer(
+                draft_model,
+                self.cache_spec,
+                model_config.vocab_size,
+                self.eos_token_ids,
+                use_triton,
+                max_model_len,
+                select_lean_model(config.model_impl, draft_model, False, max_model_len, config.linear_backend),
+            )
+            if config.speculative == "draft"
+            else None
+        )
         self._draft_probs: dict[int, torch.Tensor] = {}  # this step's draft distributions of sampled requests
         self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
         #: The step in flight (async batching): its plan, handle, and rows sampled at launch (or None).
         self._in_flight: tuple[SchedulerOutput, StepHandle, LaunchedRows | None] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
         #: Turns each step's logits into tokens on their device; owns the penalised requests' token counts.
-        self.sampler = StepSampler(model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids,
-                                   self.scheduler.fail_request)
+        self.sampler = StepSampler(
+            model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids, self.scheduler.fail_request
+        )
         #: Called by ``step`` with the request ids of the plan it launches (None: nothing is called). Lets a caller
         #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
         self.step_observer: Callable[[list], None] | None = None
@@ -134,21 +169,39 @@ class LLMEngine:
         """The engine's counters, with soft resets, offloads and generated tokens read from the scheduler and
         evictions from the block manager (their owners)."""
         speculator = self.scheduler.speculator
-        spec = dict(num_proposed_tokens=speculator.num_proposed_tokens,
-                    num_accepted_tokens=speculator.num_accepted_tokens,
-                    num_verify_steps=speculator.num_verify_steps) if speculator is not None else {}
+        spec = (
+            dict(
+                num_proposed_tokens=speculator.num_proposed_tokens,
+                num_accepted_tokens=speculator.num_accepted_tokens,
+                num_verify_steps=speculator.num_verify_steps,
+            )
+            if speculator is not None
+            else {}
+        )
         compile_seconds = self._grammar_compiler.compile_seconds if self._grammar_compiler is not None else 0.0
         captures, replays = self.model_runner.graph_counts
-        return replace(self._counters, num_cuda_graph_captures=captures, num_cuda_graph_replays=replays,
-                       num_soft_resets=self.scheduler.num_soft_resets,
-                       grammar_compile_seconds=compile_seconds,
-                       num_offloads=self.scheduler.num_offloads, num_generated_tokens=self.scheduler.num_generated_tokens,
-                       num_evicted_blocks=self.block_manager.num_evicted_blocks, **spec)
+        return replace(
+            self._counters,
+            num_cuda_graph_captures=captures,
+            num_cuda_graph_replays=replays,
+            num_soft_resets=self.scheduler.num_soft_resets,
+            grammar_compile_seconds=compile_seconds,
+            num_offloads=self.scheduler.num_offloads,
+            num_generated_tokens=self.scheduler.num_generated_tokens,
+            num_evicted_blocks=self.block_manager.num_evicted_blocks,
+            **spec,
+        )
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model_path: str, config: EngineConfig | None = None, *,
-                        expected_requests: int | None = None, expected_tokens: int | None = None) -> "LLMEngine":
+    def from_pretrained(
+        cls,
+        model_path: str,
+        config: EngineConfig | None = None,
+        *,
+        expected_requests: int | None = None,
+        expected_tokens: int | None = None,
+    ) -> "LLMEngine":
         """Load a causal LM from a local directory and build an engine around it.
 
         A Llama-family checkpoint in safetensors that the lean forward pass runs is read straight from its files,
@@ -179,16 +232,28 @@ class LLMEngine:
         draft_model = None
         if config.speculative == "draft":
             draft_model = _load_draft_model(config, model, tokenizer, max_model_len)
-        return cls(model, config, eos_token_ids(model_path, model.config), max_model_len, tokenizer,
-                   expected_requests=expected_requests, expected_tokens=expected_tokens, draft_model=draft_model)
+        return cls(
+            model,
+            config,
+            eos_token_ids(model_path, model.config),
+            max_model_len,
+            tokenizer,
+            expected_requests=expected_requests,
+            expected_tokens=expected_tokens,
+            draft_model=draft_model,
+        )
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def add_request(self, request_id, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
-                    ) -> None:
+    def add_request(
+        self, request_id, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
+    ) -> None:
         """Queue a request. A request that cannot run comes back failed from the next ``step``; nothing raises."""
         params = sampling_params or SamplingParams()
-        seed = params.seed if params.seed is not None else int(
-            torch.randint(0, 2**62, (1,), generator=self._seed_generator))
+        seed = (
+            params.seed
+            if params.seed is not None
+            else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
+        )
         request = Request(request_id, list(prompt_token_ids), params, seed=seed)
         error = self._validate(request)
         if error is None and params.structured_outputs is not None:
@@ -203,8 +268,9 @@ class LLMEngine:
         if not self.eos_token_ids:
             return "structured outputs need an EOS token to end the output, and the model states none"
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.get_text_config().vocab_size,
-                                                     self.eos_token_ids)
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.model.config.get_text_config().vocab_size, self.eos_token_ids
+            )
         params = request.sampling_params.structured_outputs
         request.structured = StructuredOutputRequest(params, self._grammar_compiler.submit(params))
         return None
@@ -218,8 +284,10 @@ class LLMEngine:
         if not request.prompt_token_ids:
             return "empty prompt: nothing to condition on"
         if request.num_prompt_tokens >= self.max_model_len:
-            return (f"prompt has {request.num_prompt_tokens} tokens; the model's maximum length is "
-                    f"{self.max_model_len}, so no token can be generated")
+            return (
+                f"prompt has {request.num_prompt_tokens} tokens; the model's maximum length is "
+                f"{self.max_model_len}, so no token can be generated"
+            )
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
@@ -262,8 +330,9 @@ class LLMEngine:
         if self.step_observer is not None and plan.scheduled:
             self.step_observer([self.scheduler.requests[s.request_index].request_id for s in plan.scheduled])
         at_launch = self._rows_sampled_at_launch(plan) if plan.scheduled else None
-        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None,
-                                          at_launch.sample if at_launch is not None else None)
+        handle = self.model_runner.launch(
+            plan, self._in_flight[1] if self._in_flight else None, at_launch.sample if at_launch is not None else None
+        )
         if handle is not None:
             self.scheduler.advance(plan)
         launched = (plan, handle, at_launch) if handle is not None else None
@@ -293,8 +362,12 @@ class LLMEngine:
         row, sample = 0, 0
         for item in plan.scheduled:
             # NOTE: a constrained row is sampled when the step is read, after its bitmask is built from its matcher
-            if (item.samples and item.needs_host_sampling and not item.spec_token_ids
-                    and self.scheduler.requests[item.request_index].structured is None):
+            if (
+                item.samples
+                and item.needs_host_sampling
+                and not item.spec_token_ids
+                and self.scheduler.requests[item.request_index].structured is None
+            ):
                 rows.requests.append(self.scheduler.requests[item.request_index])
                 rows.logit_rows.append(row + len(item.prompt_logprob_positions))
                 rows.sample_rows.append(sample)
@@ -333,8 +406,9 @@ class LLMEngine:
                 sample += 1
         return sampled
 
-    def _read_rows_of_plan(self, plan: SchedulerOutput, handle: StepHandle, token_ids: list[int]
-                           ) -> dict[int, int | list[int]]:
+    def _read_rows_of_plan(
+        self, plan: SchedulerOutput, handle: StepHandle, token_ids: list[int]
+    ) -> dict[int, int | list[int]]:
         """Any step: batched sampling, prompt log-probabilities and speculative verification where entries need them.
 
         Verify entries and prompt rows are gathered over the whole plan and handled in one batched call each
@@ -361,11 +435,15 @@ class LLMEngine:
                     prompt_rows.append((request, row, positions))
                 first = row + len(positions)
                 if item.spec_token_ids and item.needs_host_sampling:
-                    to_verify.append(VerifyEntry(request, list(item.spec_token_ids), first,
-                                                 self._draft_probs.get(item.request_index)))
+                    to_verify.append(
+                        VerifyEntry(
+                            request, list(item.spec_token_ids), first, self._draft_probs.get(item.request_index)
+                        )
+                    )
                 elif item.spec_token_ids:
-                    sampled[item.request_index] = accept_greedy(item.spec_token_ids,
-                                                                token_ids[sample:sample + num_sample_rows])
+                    sampled[item.request_index] = accept_greedy(
+                        item.spec_token_ids, token_ids[sample : sample + num_sample_rows]
+                    )
                 elif item.samples and item.needs_host_sampling and request.structured is not None:
                     to_sample.append(request)
                     sample_at.append(first)
@@ -397,16 +475,20 @@ class LLMEngine:
         if step is None:
             return None
         for index in step.blocked:
-            self.scheduler.fail_request(self.scheduler.requests[index], "structured outputs: the constraint allows "
-                                        "no token here (the tokenizer cannot express its next character)")
+            self.scheduler.fail_request(
+                self.scheduler.requests[index],
+                "structured outputs: the constraint allows "
+                "no token here (the tokenizer cannot express its next character)",
+            )
         bitmask = step.bitmask.to(logits.device, non_blocking=True)
         self._counters.num_grammar_mask_steps += 1
         self._counters.grammar_mask_seconds += time.perf_counter() - start
         return bitmask
 
     @staticmethod
-    def _masked_greedy(logits: torch.Tensor, bitmask: torch.Tensor, requests: list[Request], rows: list[int],
-                       sampled: dict) -> tuple[list[Request], list[int]]:
+    def _masked_greedy(
+        logits: torch.Tensor, bitmask: torch.Tensor, requests: list[Request], rows: list[int], sampled: dict
+    ) -> tuple[list[Request], list[int]]:
         """Take the greedy rows whose only processing is their grammar's mask (``masked_greedy``): their token is
         the argmax of their masked logits, all in one batched op (the sampler's own mask op). Returns the other
         rows and their logit rows, for the sampler; a row whose masked logits hold NaN or nothing goes there too,
@@ -440,13 +522,22 @@ class LLMEngine:
         has_tokens = request.first_token_time is not None and request.sampling_params.max_new_tokens > 0
         ttft = request.first_token_time - request.arrival_time if has_tokens else None
         return RequestOutput(
-            request.request_id, request.prompt_token_ids, request.output_token_ids, request.finish_reason,
-            request.error, ttft, request.arrival_time, request.finish_time or time.perf_counter(),
-            stop_reason=request.stop_reason, text=self._output_text(request),
+            request.request_id,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            request.finish_reason,
+            request.error,
+            ttft,
+            request.arrival_time,
+            request.finish_time or time.perf_counter(),
+            stop_reason=request.stop_reason,
+            text=self._output_text(request),
             logprobs=request.logprobs if request.sampling_params.logprobs is not None else None,
             prompt_logprobs=(request.prompt_logprobs if request.sampling_params.prompt_logprobs_from else None),
             prompt_greedy=(request.prompt_greedy if request.sampling_params.prompt_logprobs_from else None),
-            scheduled_time=request.scheduled_time, first_token_time=request.first_token_time if has_tokens else None)
+            scheduled_time=request.scheduled_time,
+            first_token_time=request.first_token_time if has_tokens else None,
+        )
 
     def _output_text(self, request: Request) -> str | None:
         """The output text when it is not simply the decoded ids: cut before a stop string, or without the text of
@@ -458,8 +549,9 @@ class LLMEngine:
             return None
         return self.tokenizer.decode(request.output_token_ids[:-1], skip_special_tokens=True)
 
-    def generate(self, requests: Iterable[tuple[object, list[int], SamplingParams]],
-                 max_in_flight: int = 1024) -> Iterator[RequestOutput]:
+    def generate(
+        self, requests: Iterable[tuple[object, list[int], SamplingParams]], max_in_flight: int = 1024
+    ) -> Iterator[RequestOutput]:
         """Run requests to completion, pulling them lazily, and yield outputs as they finish.
 
         Args:
@@ -502,18 +594,29 @@ def _check_causal_decoder(model: torch.nn.Module) -> None:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; cbrun runs decoder-only causal LMs")
     for name, module in model.named_modules():
         if getattr(module, "is_causal", True) is False:
-            raise ValueError(f"{type(model).__name__} has bidirectional (non-causal) attention in {name!r}; "
-                             "cbrun runs decoder-only causal LMs")
+            raise ValueError(
+                f"{type(model).__name__} has bidirectional (non-causal) attention in {name!r}; "
+                "cbrun runs decoder-only causal LMs"
+            )
 
 
 def _record_prompt_logprobs(entries: list[tuple[Request, int, range]], logits: torch.Tensor) -> None:
     """Log-probability of each next prompt token, and whether it was the argmax, for every entry of the step in
     one ``log_softmax``. entries: (request, its first row in ``logits``, its prompt positions); logits: (N, V)."""
-    rows = torch.tensor([r for _, first, positions in entries for r in range(first, first + len(positions))],
-                        dtype=torch.int64, device=logits.device)
-    targets = torch.tensor([t for request, _, positions in entries
-                            for t in request.prompt_token_ids[positions.start + 1:positions.stop + 1]],
-                           dtype=torch.int64, device=logits.device)
+    rows = torch.tensor(
+        [r for _, first, positions in entries for r in range(first, first + len(positions))],
+        dtype=torch.int64,
+        device=logits.device,
+    )
+    targets = torch.tensor(
+        [
+            t
+            for request, _, positions in entries
+            for t in request.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+        ],
+        dtype=torch.int64,
+        device=logits.device,
+    )
     chosen = logits[rows].float()
     logprobs = torch.log_softmax(chosen, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
     greedy = (chosen.argmax(dim=-1) == targets).tolist()
@@ -576,8 +679,9 @@ def _needs_transformers(config: EngineConfig) -> str | None:
         return "model_impl = transformers runs transformers' modules"
     if config.speculative == "draft":
         return "speculative = draft: the draft model runs beside transformers' target"
-    if config.cuda_graphs == "emulate" or (config.cuda_graphs != "off"
-                                           and _cuda_graphs_blocker(config, _use_triton(config)) is None):
+    if config.cuda_graphs == "emulate" or (
+        config.cuda_graphs != "off" and _cuda_graphs_blocker(config, _use_triton(config)) is None
+    ):
         return "CUDA graphs capture transformers' forward pass"
     return None
 
@@ -591,14 +695,14 @@ def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
     # NOTE: on CUDA the weights are read straight onto the device in ``dtype`` (one device, so no accelerate
     # dispatch): no host copy of the whole model. The CPU keeps transformers' default placement.
     placement = {"device_map": torch.device(config.device)} if torch.device(config.device).type == "cuda" else {}
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-                                                 local_files_only=True, **placement)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True, **placement
+    )
     _check_causal_decoder(model)
     return model.to(config.device).eval()
 
 
-def _load_draft_model(config: EngineConfig, target: torch.nn.Module, tokenizer, max_model_len: int
-                      ) -> torch.nn.Module:
+def _load_draft_model(config: EngineConfig, target: torch.nn.Module, tokenizer, max_model_len: int) -> torch.nn.Module:
     """The draft model of ``config.draft_model``, checked against the target.
 
     Raises:
@@ -606,11 +710,17 @@ def _load_draft_model(config: EngineConfig, target: torch.nn.Module, tokenizer, 
         ValueError: for another vocabulary (``check_draft_vocab``) or a shorter maximum length than the target's.
     """
     draft = _load_model(config.draft_model, config)
-    check_draft_vocab(target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size,
-                      tokenizer, _load_tokenizer(config.draft_model, config.loader))
+    check_draft_vocab(
+        target.config.get_text_config().vocab_size,
+        draft.config.get_text_config().vocab_size,
+        tokenizer,
+        _load_tokenizer(config.draft_model, config.loader),
+    )
     if _max_model_len(draft.config) < max_model_len:
-        raise ValueError(f"the draft model's maximum length {_max_model_len(draft.config)} is below the target's "
-                         f"{max_model_len}: it could not propose near the end of long requests")
+        raise ValueError(
+            f"the draft model's maximum length {_max_model_len(draft.config)} is below the target's "
+            f"{max_model_len}: it could not propose near the end of long requests"
+        )
     return draft
 
 
@@ -658,8 +768,9 @@ def _use_cuda_graphs(config: EngineConfig, use_triton: bool) -> bool:
     """Whether to replay decode steps from CUDA graphs, real or emulated; says why not, once, when it cannot."""
     if config.cuda_graphs == "emulate":  # on any device and backend
         return True
-    return resolve_switch("cuda_graphs", config.cuda_graphs, _cuda_graphs_blocker(config, use_triton),
-                          off_log="CUDA graphs off: %s")
+    return resolve_switch(
+        "cuda_graphs", config.cuda_graphs, _cuda_graphs_blocker(config, use_triton), off_log="CUDA graphs off: %s"
+    )
 
 
 def _cuda_graphs_blocker(config: EngineConfig, use_triton: bool) -> str | None:
@@ -673,8 +784,9 @@ def _cuda_graphs_blocker(config: EngineConfig, use_triton: bool) -> str | None:
 
 def _graph_buckets(config: EngineConfig, max_model_len: int) -> GraphBuckets:
     """The shapes decode (and, with speculation, uniform verify) steps are graphed at."""
-    max_batch_size = min(config.cuda_graph_max_batch_size or config.max_requests_per_batch,
-                         config.max_requests_per_batch)
+    max_batch_size = min(
+        config.cuda_graph_max_batch_size or config.max_requests_per_batch, config.max_requests_per_batch
+    )
     max_query_len = 1 + config.num_speculative_tokens if config.speculative != "off" else 1
     return GraphBuckets(max_batch_size, max_query_len, max_model_len, config.page_size)
 
@@ -689,11 +801,15 @@ def _check_speculative(config: EngineConfig, layout: KVLayout) -> None:
     if config.speculative == "off":
         return
     if config.speculative == "draft" and SLIDING in layout.layer_types:
-        raise ValueError('speculative = "draft" does not support sliding-window target models yet (the draft\'s '
-                         'cache pages follow the target\'s full-attention blocks); use speculative = "ngram"')
+        raise ValueError(
+            'speculative = "draft" does not support sliding-window target models yet (the draft\'s '
+            'cache pages follow the target\'s full-attention blocks); use speculative = "ngram"'
+        )
     if config.async_batching == "on":
-        raise ValueError(f"speculative = {config.speculative!r} does not run with async_batching = \"on\" yet "
-                         "(a verify step's tokens must be read before the next plan); set one of them to \"off\"")
+        raise ValueError(
+            f'speculative = {config.speculative!r} does not run with async_batching = "on" yet '
+            '(a verify step\'s tokens must be read before the next plan); set one of them to "off"'
+        )
 
 
 def _use_cpu_kernel(config: EngineConfig, dtype: torch.dtype, use_triton: bool) -> bool:
@@ -715,8 +831,15 @@ def _use_cpu_kernel(config: EngineConfig, dtype: torch.dtype, use_triton: bool) 
 
         failure = unavailable_reason()
         reason = f"the CPU attention kernel is unavailable ({failure})" if failure else None
-    return resolve_switch("attention_backend", config.attention_backend, reason, on="cpu", off="torch",
-                          off_log="attention: PyTorch reference (%s)", hint="; use attention_backend = torch")
+    return resolve_switch(
+        "attention_backend",
+        config.attention_backend,
+        reason,
+        on="cpu",
+        off="torch",
+        off_log="attention: PyTorch reference (%s)",
+        hint="; use attention_backend = torch",
+    )
 
 
 def _use_triton(config: EngineConfig) -> bool:

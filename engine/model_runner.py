@@ -66,11 +66,21 @@ class ModelRunner:
         max_batch_tokens: the scheduler's token budget (sizes the async input staging).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, use_triton: bool = False,
-                 use_cpu_kernel: bool = False, cpu_kernel_threads: int | None = None,
-                 graph_buckets: GraphBuckets | None = None, emulate_graphs: bool = False, max_model_len: int = 0,
-                 async_batching: bool = False, lean_model=None, max_requests: int = 64,
-                 max_batch_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        use_triton: bool = False,
+        use_cpu_kernel: bool = False,
+        cpu_kernel_threads: int | None = None,
+        graph_buckets: GraphBuckets | None = None,
+        emulate_graphs: bool = False,
+        max_model_len: int = 0,
+        async_batching: bool = False,
+        lean_model=None,
+        max_requests: int = 64,
+        max_batch_tokens: int = 0,
+    ) -> None:
         use_cuda_graphs = graph_buckets is not None
         assert not use_cuda_graphs or use_triton or emulate_graphs, "CUDA graphs need the Triton kernels"
         assert not async_batching or use_cuda_graphs, "async batching needs CUDA graphs"
@@ -94,8 +104,11 @@ class ModelRunner:
         self.layer_groups = [(kind, layout.index_in_group(i)) for i, kind in enumerate(layout.layer_types)]
         self.layers_per_block = {kind: spec.layers_per_block(kind) for kind in (FULL, SLIDING)}
         self.async_batching = async_batching
-        self.stager = (InputStager(self._max_input_elements(max_requests, max_batch_tokens), self.device)
-                       if async_batching else None)
+        self.stager = (
+            InputStager(self._max_input_elements(max_requests, max_batch_tokens), self.device)
+            if async_batching
+            else None
+        )
         groups = [kind for kind, n in self.layers_per_block.items() if n]
         self.input_batch = PersistentBatch(groups, max_requests, cdiv(max_model_len, self.page_size))
 
@@ -122,8 +135,12 @@ class ModelRunner:
         return handle.logits if handle is not None else None
 
     @torch.inference_mode()
-    def launch(self, plan: SchedulerOutput, previous: StepHandle | None = None,
-               sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> StepHandle | None:
+    def launch(
+        self,
+        plan: SchedulerOutput,
+        previous: StepHandle | None = None,
+        sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> StepHandle | None:
         """Make the plan's offload copies, then enqueue one forward pass and the argmax of its sample rows.
 
         Args:
@@ -150,13 +167,13 @@ class ModelRunner:
             if self._graph_runner is None:
                 self._graph_runner = self._make_graph_runner()
             logits = self._graph_runner.run(input_ids, positions, md, logits_indices, inputs.shape, carry)
-            logits = logits[:inputs.num_rows]
+            logits = logits[: inputs.num_rows]
             if self.async_batching and inputs.needs_host_logits:  # the next replay overwrites the static output
                 logits = logits.clone()
         else:
             if carry is not None:
                 input_ids[carry[0]] = carry[1]
-            logits = self._forward(input_ids, positions, md, logits_indices)[:inputs.num_rows]
+            logits = self._forward(input_ids, positions, md, logits_indices)[: inputs.num_rows]
         sample_logits = logits if sample_rows is None else logits[sample_rows]
         sampled = sample_logits.argmax(dim=-1)
         if sample is not None:
@@ -167,8 +184,13 @@ class ModelRunner:
         """(rows of ``logits_indices``, vocab) logits of one eager forward pass: the lean path or transformers'."""
         if self.lean_model is not None:
             return self.lean_model(input_ids, positions, md, logits_indices)
-        output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                            logits_to_keep=logits_indices, cbrun_metadata=md)
+        output = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=logits_indices,
+            cbrun_metadata=md,
+        )
         return output.logits[0]
 
     @property
@@ -178,10 +200,22 @@ class ModelRunner:
         return (runner.num_captures, runner.num_replays) if runner is not None else (0, 0)
 
     def _make_graph_runner(self) -> CudaGraphRunner:
-        setup = AttentionSetup(self.layer_groups, self.page_size, self.kv_cache.k_pages, self.kv_cache.v_pages,
-                               self.use_triton, self.use_cpu_kernel, self.cpu_kernel_threads)
-        return CudaGraphRunner(self.model, self.graph_buckets, {k: n for k, n in self.layers_per_block.items() if n},
-                               setup, emulate=self.emulate_graphs)
+        setup = AttentionSetup(
+            self.layer_groups,
+            self.page_size,
+            self.kv_cache.k_pages,
+            self.kv_cache.v_pages,
+            self.use_triton,
+            self.use_cpu_kernel,
+            self.cpu_kernel_threads,
+        )
+        return CudaGraphRunner(
+            self.model,
+            self.graph_buckets,
+            {k: n for k, n in self.layers_per_block.items() if n},
+            setup,
+            emulate=self.emulate_graphs,
+        )
 
     def _graph_shape(self, scheduled: list[ScheduledRequest], num_tokens: int, num_rows: int) -> PaddedShape | None:
         """The padded shape of a step that replays a graph, or None when it runs eagerly: graphed are steps where
@@ -190,13 +224,16 @@ class ModelRunner:
         if self.graph_buckets is None or num_rows != num_tokens:
             return None
         query_len = scheduled[0].num_tokens
-        if any(s.num_tokens != query_len or s.num_sample_rows != query_len or not s.samples
-               or s.prompt_logprob_positions for s in scheduled):
+        if any(
+            s.num_tokens != query_len or s.num_sample_rows != query_len or not s.samples or s.prompt_logprob_positions
+            for s in scheduled
+        ):
             return None
         return self.graph_buckets.shape(len(scheduled), query_len)
 
-    def _prepare(self, scheduled: list[ScheduledRequest], previous: StepHandle | None,
-                 plain_greedy: bool = False) -> _StepInputs:
+    def _prepare(
+        self, scheduled: list[ScheduledRequest], previous: StepHandle | None, plain_greedy: bool = False
+    ) -> _StepInputs:
         """The step's inputs as host tensors (padded to the step's shape when padding is on).
 
         ``plain_greedy``: the plan's ``SchedulerOutput.plain_greedy`` (logit rows are then the sampling entries'
@@ -221,8 +258,9 @@ class ModelRunner:
             seqlens_k = starts + 1
             max_seqlen_q = 1
         else:
-            token_ids = np.fromiter(chain.from_iterable([s.token_ids for s in scheduled]), dtype=np.int64,
-                                    count=num_tokens)
+            token_ids = np.fromiter(
+                chain.from_iterable([s.token_ids for s in scheduled]), dtype=np.int64, count=num_tokens
+            )
             q_lens = np.array(q_lens, dtype=np.int64)
             cu_seqlens_q = np.zeros(num_requests + 1, dtype=np.int64)
             np.cumsum(q_lens, out=cu_seqlens_q[1:])
@@ -249,15 +287,24 @@ class ModelRunner:
         groups = {}
         for kind, lengths in ((full, num_blocks), (sliding, num_sliding)):
             if kind is not None:
-                groups[kind] = self._group_metadata(kind, rows, lengths, positions[:num_tokens], request_of_token,
-                                                    max_blocks, num_table_rows, num_slots)
+                groups[kind] = self._group_metadata(
+                    kind, rows, lengths, positions[:num_tokens], request_of_token, max_blocks, num_table_rows, num_slots
+                )
         return _StepInputs(
-            input_ids=torch.from_numpy(token_ids), positions=torch.from_numpy(positions),
+            input_ids=torch.from_numpy(token_ids),
+            positions=torch.from_numpy(positions),
             cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)),
-            seqlens_k=torch.from_numpy(seqlens_k.astype(np.int32)), max_seqlen_q=max_seqlen_q,
-            logits_indices=torch.from_numpy(logits_indices), groups=groups, shape=shape, num_rows=num_rows,
-            sample_row_of=sample_row_of, sample_rows=sample_rows, carry=carry,
-            needs_host_logits=needs_host_logits)
+            seqlens_k=torch.from_numpy(seqlens_k.astype(np.int32)),
+            max_seqlen_q=max_seqlen_q,
+            logits_indices=torch.from_numpy(logits_indices),
+            groups=groups,
+            shape=shape,
+            num_rows=num_rows,
+            sample_row_of=sample_row_of,
+            sample_rows=sample_rows,
+            carry=carry,
+            needs_host_logits=needs_host_logits,
+        )
 
     @staticmethod
     def _logit_rows(scheduled: list[ScheduledRequest], cu_seqlens_q: np.ndarray, plain_greedy: bool):
@@ -286,20 +333,29 @@ class ModelRunner:
         for item, offset in zip(scheduled, cu_seqlens_q.tolist()):
             positions = item.prompt_logprob_positions
             if positions:
-                logits_indices.extend(range(offset + positions.start - item.start,
-                                            offset + positions.stop - item.start))
+                logits_indices.extend(
+                    range(offset + positions.start - item.start, offset + positions.stop - item.start)
+                )
             if item.samples:  # one row, or one per verified position (speculative decoding)
                 end = offset + item.num_tokens
                 for row in range(end - item.num_sample_rows, end):
                     sample_rows.append(len(logits_indices))
                     logits_indices.append(row)
         num_rows = len(logits_indices)
-        return (np.array(logits_indices, dtype=np.int64),
-                None if len(sample_rows) == num_rows else torch.tensor(sample_rows, dtype=torch.int64),
-                sample_row_of, needs_host_sampling or num_rows > len(sample_rows))
+        return (
+            np.array(logits_indices, dtype=np.int64),
+            None if len(sample_rows) == num_rows else torch.tensor(sample_rows, dtype=torch.int64),
+            sample_row_of,
+            needs_host_sampling or num_rows > len(sample_rows),
+        )
 
-    def _carry(self, scheduled: list[ScheduledRequest], cu_seqlens_q: np.ndarray, previous: StepHandle | None,
-               token_ids: np.ndarray):
+    def _carry(
+        self,
+        scheduled: list[ScheduledRequest],
+        cu_seqlens_q: np.ndarray,
+        previous: StepHandle | None,
+        token_ids: np.ndarray,
+    ):
         """(input rows, sampled rows, device tokens) of inputs the step in flight sampled (async batching), or None.
 
         Their host ids (``PENDING_TOKEN``) are set to 0 in ``token_ids``: a real id for the host copy, which the
@@ -313,17 +369,22 @@ class ModelRunner:
             item = scheduled[i]
             self._carry_pending(item, int(cu_seqlens_q[i]), previous, carry_dst, carry_src)
         token_ids[carry_dst] = 0
-        return (torch.tensor(carry_dst, dtype=torch.int64), torch.tensor(carry_src, dtype=torch.int64),
-                previous.sampled)
+        return (
+            torch.tensor(carry_dst, dtype=torch.int64),
+            torch.tensor(carry_src, dtype=torch.int64),
+            previous.sampled,
+        )
 
     @staticmethod
-    def _carry_pending(item: ScheduledRequest, offset: int, previous: StepHandle | None, carry_dst: list[int],
-                       carry_src: list[int]) -> None:
+    def _carry_pending(
+        item: ScheduledRequest, offset: int, previous: StepHandle | None, carry_dst: list[int], carry_src: list[int]
+    ) -> None:
         """Record that the entry's last input (at ``offset + num_tokens - 1``) comes from the device."""
         row = previous.sample_row_of.get(item.request_index) if previous is not None else None
         if row is None or item.num_pending_inputs != 1:
-            raise RuntimeError(f"request {item.request_id!r} is scheduled with an input token that the step in "
-                               "flight did not sample")
+            raise RuntimeError(
+                f"request {item.request_id!r} is scheduled with an input token that the step in flight did not sample"
+            )
         carry_dst.append(offset + item.num_tokens - 1)
         carry_src.append(row)
 
@@ -349,22 +410,39 @@ class ModelRunner:
         input_ids, positions, cu_seqlens_q, seqlens_k, logits_indices = tensors[:5]
         groups = {}
         for i, name in enumerate(names):
-            slots, tables = tensors[5 + 2 * i:7 + 2 * i]
-            groups[name] = GroupMetadata(slot_mapping=slots, block_tables=tables,
-                                         layers_per_block=self.layers_per_block[name])
-        rest = tensors[5 + 2 * len(names):]
+            slots, tables = tensors[5 + 2 * i : 7 + 2 * i]
+            groups[name] = GroupMetadata(
+                slot_mapping=slots, block_tables=tables, layers_per_block=self.layers_per_block[name]
+            )
+        rest = tensors[5 + 2 * len(names) :]
         sample_rows = rest.pop(0) if inputs.sample_rows is not None else None
         carry = (rest[0], inputs.carry[2][rest[1]]) if inputs.carry is not None else None
         md = AttentionMetadata(
-            groups=groups, layer_groups=self.layer_groups, cu_seqlens_q=cu_seqlens_q, seqlens_k=seqlens_k,
-            max_seqlen_q=inputs.max_seqlen_q, page_size=self.page_size, k_pages=self.kv_cache.k_pages,
-            v_pages=self.kv_cache.v_pages, use_triton=self.use_triton, use_cpu_kernel=self.use_cpu_kernel,
-            cpu_kernel_threads=self.cpu_kernel_threads)
+            groups=groups,
+            layer_groups=self.layer_groups,
+            cu_seqlens_q=cu_seqlens_q,
+            seqlens_k=seqlens_k,
+            max_seqlen_q=inputs.max_seqlen_q,
+            page_size=self.page_size,
+            k_pages=self.kv_cache.k_pages,
+            v_pages=self.kv_cache.v_pages,
+            use_triton=self.use_triton,
+            use_cpu_kernel=self.use_cpu_kernel,
+            cpu_kernel_threads=self.cpu_kernel_threads,
+        )
         return input_ids, positions, md, logits_indices, sample_rows, carry
 
-    def _group_metadata(self, kind: str, rows: np.ndarray, lengths: np.ndarray, positions: np.ndarray,
-                        request_of_token: np.ndarray, num_logical_blocks: int, num_rows: int,
-                        num_slots: int) -> GroupMetadata:
+    def _group_metadata(
+        self,
+        kind: str,
+        rows: np.ndarray,
+        lengths: np.ndarray,
+        positions: np.ndarray,
+        request_of_token: np.ndarray,
+        num_logical_blocks: int,
+        num_rows: int,
+        num_slots: int,
+    ) -> GroupMetadata:
         """Block tables (in pages of the group's first layer) and slot mapping of one allocator's layers.
 
         Args:
@@ -394,14 +472,16 @@ class ModelRunner:
             slot_mapping = slots
         else:
             slot_mapping = np.full(num_slots, -1, dtype=np.int64)
-            slot_mapping[:len(slots)] = slots
-        return GroupMetadata(slot_mapping=torch.from_numpy(slot_mapping),
-                             block_tables=torch.from_numpy(pages.astype(np.int32)),
-                             layers_per_block=self.layers_per_block[kind])
+            slot_mapping[: len(slots)] = slots
+        return GroupMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping),
+            block_tables=torch.from_numpy(pages.astype(np.int32)),
+            layers_per_block=self.layers_per_block[kind],
+        )
 
 
 def _pad(values: np.ndarray, size: int) -> np.ndarray:
     """``values`` followed by zeros up to ``size``."""
     out = np.zeros(size, dtype=values.dtype)
-    out[:len(values)] = values
+    out[: len(values)] = values
     return out

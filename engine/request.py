@@ -119,14 +119,14 @@ class Request:
             return self.prompt_token_ids[start:end]
         known = num_prompt + len(self.output_token_ids)
         if start >= num_prompt and end <= known:  # a decode
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
         pending = [PENDING_TOKEN] * (end - max(start, known)) if end > known else []
         end = min(end, known)
         if start >= end:
             return pending
         if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt] + pending
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt] + pending
+            return self.output_token_ids[start - num_prompt : end - num_prompt] + pending
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt] + pending
 
     @property
     def is_finished(self) -> bool:

@@ -29,8 +29,15 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Each decoder layer's projections, by their names under ``model.layers.{i}.``.
-_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj")
+_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 class LeanModel:
@@ -85,8 +92,10 @@ def load_plan(model_dir: str | Path, dtype: str) -> tuple[LoadPlan | None, str |
     expected = expected_shapes(config)
     if set(files) != set(expected):
         missing, extra = sorted(set(expected) - set(files)), sorted(set(files) - set(expected))
-        return None, (f"the checkpoint's tensor names are not the {config.architecture} names this loader reads "
-                      f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        return None, (
+            f"the checkpoint's tensor names are not the {config.architecture} names this loader reads "
+            f"(missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     return LoadPlan(model_dir, config, _DTYPES[config.dtype if dtype == "auto" else dtype], files), None
 
 
@@ -104,8 +113,10 @@ def load(plan: LoadPlan, device: str) -> LeanModel:
             for name in handle.keys():
                 shape = tuple(handle.get_slice(name).get_shape())
                 if shape != shapes[name]:
-                    raise RuntimeError(f"tensor {name} in {path.name} has shape {list(shape)}, but config.json "
-                                       f"implies {list(shapes[name])}")
+                    raise RuntimeError(
+                        f"tensor {name} in {path.name} has shape {list(shape)}, but config.json "
+                        f"implies {list(shapes[name])}"
+                    )
                 tensors[name] = handle.get_tensor(name).to(device=device, dtype=plan.dtype)
     return LeanModel(config, _weights(config, tensors, device))
 
@@ -114,10 +125,15 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name a transformers checkpoint of this config holds, with its shape."""
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
     q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    features = {"self_attn.q_proj": (hidden, q_out, config.qkv_bias), "self_attn.k_proj": (hidden, kv_out,
-                config.qkv_bias), "self_attn.v_proj": (hidden, kv_out, config.qkv_bias),
-                "self_attn.o_proj": (q_out, hidden, config.o_bias), "mlp.gate_proj": (hidden, inter, config.mlp_bias),
-                "mlp.up_proj": (hidden, inter, config.mlp_bias), "mlp.down_proj": (inter, hidden, config.mlp_bias)}
+    features = {
+        "self_attn.q_proj": (hidden, q_out, config.qkv_bias),
+        "self_attn.k_proj": (hidden, kv_out, config.qkv_bias),
+        "self_attn.v_proj": (hidden, kv_out, config.qkv_bias),
+        "self_attn.o_proj": (q_out, hidden, config.o_bias),
+        "mlp.gate_proj": (hidden, inter, config.mlp_bias),
+        "mlp.up_proj": (hidden, inter, config.mlp_bias),
+        "mlp.down_proj": (inter, hidden, config.mlp_bias),
+    }
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
@@ -160,7 +176,7 @@ def _tensor_files(model_dir: Path) -> tuple[dict[str, Path] | None, str | None]:
 
 def _weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str) -> LlamaWeights:
     """The loaded tensors as ``LlamaWeights``, with transformers' epsilons, softmax scale and RoPE frequencies."""
-    eps, scale = config.rms_norm_eps, config.head_dim ** -0.5
+    eps, scale = config.rms_norm_eps, config.head_dim**-0.5
 
     def linear(name: str):
         return tensors[name + ".weight"], tensors.get(name + ".bias")
@@ -169,12 +185,32 @@ def _weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         q, k, v, o, gate, up, down = (linear(p + name) for name in _PROJECTIONS)
-        layers.append(LayerWeights(input_norm=tensors[p + "input_layernorm.weight"], input_eps=eps,
-                                   post_norm=tensors[p + "post_attention_layernorm.weight"], post_eps=eps,
-                                   q=q, k=k, v=v, o=o, gate=gate, up=up, down=down, scale=scale))
+        layers.append(
+            LayerWeights(
+                input_norm=tensors[p + "input_layernorm.weight"],
+                input_eps=eps,
+                post_norm=tensors[p + "post_attention_layernorm.weight"],
+                post_eps=eps,
+                q=q,
+                k=k,
+                v=v,
+                o=o,
+                gate=gate,
+                up=up,
+                down=down,
+                scale=scale,
+            )
+        )
     embed = tensors["model.embed_tokens.weight"]
     lm_head = (embed, None) if config.tie_word_embeddings else linear("lm_head")
-    return LlamaWeights(embed=embed, layers=layers, final_norm=tensors["model.norm.weight"], final_eps=eps,
-                        lm_head=lm_head, head_dim=config.head_dim,
-                        inv_freq=default_rope_inv_freq(config.rope_theta, config.head_dim, device),
-                        attention_scaling=1.0, max_position_embeddings=config.max_position_embeddings)
+    return LlamaWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=tensors["model.norm.weight"],
+        final_eps=eps,
+        lm_head=lm_head,
+        head_dim=config.head_dim,
+        inv_freq=default_rope_inv_freq(config.rope_theta, config.head_dim, device),
+        attention_scaling=1.0,
+        max_position_embeddings=config.max_position_embeddings,
+    )

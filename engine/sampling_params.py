@@ -13,10 +13,26 @@ from engine.structured_output.params import StructuredOutputsParams, coerce_stru
 #: Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
 
-SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                   "ignore_eos", "stop_token_ids", "stop", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "logprobs", "prompt_logprobs_from", "include_stop_str_in_output",
-                   "logprobs_mode", "structured_outputs")
+SAMPLING_FIELDS = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "ignore_eos",
+    "stop_token_ids",
+    "stop",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "prompt_logprobs_from",
+    "include_stop_str_in_output",
+    "logprobs_mode",
+    "structured_outputs",
+)
 
 #: vLLM ``SamplingParams`` names that differ from ours -> our (canonical) name. Every other vLLM name we support
 #: (temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, the penalties, logprobs, n,
@@ -106,32 +122,64 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that is out of range."""
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "an integer >= 0",
-               self.max_new_tokens)
-        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens", "an integer >= 0",
-               self.min_new_tokens)
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a finite number >= 0",
-               self.temperature)
+        _check(
+            _is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
+            "max_new_tokens",
+            "an integer >= 0",
+            self.max_new_tokens,
+        )
+        _check(
+            _is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
+            "min_new_tokens",
+            "an integer >= 0",
+            self.min_new_tokens,
+        )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "a finite number >= 0",
+            self.temperature,
+        )
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1 disables it)", self.top_k)
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
         _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               "a number > 0", self.repetition_penalty)
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "a number > 0",
+            self.repetition_penalty,
+        )
         _check(_is_number(self.presence_penalty), "presence_penalty", "a finite number", self.presence_penalty)
         _check(_is_number(self.frequency_penalty), "frequency_penalty", "a finite number", self.frequency_penalty)
-        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
-               "an integer >= 0 or None", self.logprobs)
-        _check(self.prompt_logprobs_from is None or (_is_int(self.prompt_logprobs_from)
-                                                     and self.prompt_logprobs_from >= 1),
-               "prompt_logprobs_from", "an integer >= 1 or None", self.prompt_logprobs_from)
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs",
+            "an integer >= 0 or None",
+            self.logprobs,
+        )
+        _check(
+            self.prompt_logprobs_from is None
+            or (_is_int(self.prompt_logprobs_from) and self.prompt_logprobs_from >= 1),
+            "prompt_logprobs_from",
+            "an integer >= 1 or None",
+            self.prompt_logprobs_from,
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
-        _check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "true or false",
-               self.include_stop_str_in_output)
+        _check(
+            isinstance(self.include_stop_str_in_output, bool),
+            "include_stop_str_in_output",
+            "true or false",
+            self.include_stop_str_in_output,
+        )
         if self.structured_outputs is not None:
             coerce_structured_outputs("structured_outputs", self.structured_outputs)
-        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", " or ".join(map(repr, LOGPROBS_MODES)),
-               self.logprobs_mode)
+        _check(
+            self.logprobs_mode in LOGPROBS_MODES,
+            "logprobs_mode",
+            " or ".join(map(repr, LOGPROBS_MODES)),
+            self.logprobs_mode,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -142,9 +190,15 @@ class SamplingParams:
     @property
     def needs_processing(self) -> bool:
         """True when the logits row needs more than a batched argmax."""
-        return (not self.greedy or self.min_new_tokens > 0 or self.repetition_penalty != 1.0
-                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.logprobs is not None
-                or self.structured_outputs is not None)
+        return (
+            not self.greedy
+            or self.min_new_tokens > 0
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.logprobs is not None
+            or self.structured_outputs is not None
+        )
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with ``changes`` applied; unknown names raise ``ValueError``."""
@@ -212,8 +266,13 @@ def _as_strings(name: str, value: Any) -> tuple[str, ...]:
 
 #: A field's annotation (without ``| None``) -> the coercion of a per-row value into it.
 _COERCIONS: dict[str, Callable[[str, Any], Any]] = {
-    "int": _as_int, "float": _as_float, "bool": _as_bool, "str": _as_text, "tuple[int, ...]": _as_token_ids,
-    "tuple[str, ...]": _as_strings, "StructuredOutputsParams": coerce_structured_outputs,
+    "int": _as_int,
+    "float": _as_float,
+    "bool": _as_bool,
+    "str": _as_text,
+    "tuple[int, ...]": _as_token_ids,
+    "tuple[str, ...]": _as_strings,
+    "StructuredOutputsParams": coerce_structured_outputs,
 }
 #: SamplingParams field name -> its annotation, e.g. "int", "float | None", "tuple[int, ...]".
 SAMPLING_FIELD_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}

@@ -47,8 +47,14 @@ class FIFOScheduler:
         stop_matcher: finds stop strings (None without a tokenizer).
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), stop_matcher: StopStringMatcher | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        stop_matcher: StopStringMatcher | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -145,12 +151,12 @@ class FIFOScheduler:
             num_tokens = min(to_compute, plan.token_budget)
             if num_tokens == 0:
                 return
-            if speculate and to_compute == 1 and not pending and self._schedule_speculative(request, plan,
-                                                                                             num_known):
+            if speculate and to_compute == 1 and not pending and self._schedule_speculative(request, plan, num_known):
                 continue
             block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
-            if (self.block_manager.allocate_slots(request, num_tokens)
-                    or self._allocate_or_preempt(request, num_tokens, plan, out)):
+            if self.block_manager.allocate_slots(request, num_tokens) or self._allocate_or_preempt(
+                request, num_tokens, plan, out
+            ):
                 plan.add(request, num_tokens, (), block_start, sliding_start)
             elif not plan.scheduled and not self._others_running(request):
                 self._fail(request, self._cache_too_small_message(request))
@@ -251,8 +257,9 @@ class FIFOScheduler:
         plan.add(request, num_tokens)
         return True
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: "_PlanBuilder",
-                             out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(
+        self, request: Request, num_tokens: int, plan: "_PlanBuilder", out: SchedulerOutput
+    ) -> bool:
         while not self.block_manager.allocate_slots(request, num_tokens):
             victim = self._pick_victim(request, plan)
             if victim is None:
@@ -307,9 +314,11 @@ class FIFOScheduler:
     def _cache_too_small_message(self, request: Request) -> str:
         bm = self.block_manager
         needed = cdiv(request.num_tokens + 1, bm.page_size)
-        return (f"request needs {needed} KV-cache blocks of {bm.page_size} tokens for {request.num_tokens} tokens, "
-                f"but the whole cache has {bm.num_blocks}; raise engine.num_blocks or max_memory_percent, "
-                f"or shorten the prompt / max_new_tokens")
+        return (
+            f"request needs {needed} KV-cache blocks of {bm.page_size} tokens for {request.num_tokens} tokens, "
+            f"but the whole cache has {bm.num_blocks}; raise engine.num_blocks or max_memory_percent, "
+            f"or shorten the prompt / max_new_tokens"
+        )
 
     def fail_request(self, request: Request, message: str) -> None:
         """Fail one unfinished request whose own row raised during a step; the others go on.
@@ -400,8 +409,11 @@ class FIFOScheduler:
         counts = request.sampling_params.max_new_tokens > 0
         for token in tokens:
             if request.structured is not None and counts and not request.structured.accept(token):
-                self.fail_request(request, f"structured outputs: token {token} is not allowed by the constraint "
-                                           "(the sampler's mask was not applied)")
+                self.fail_request(
+                    request,
+                    f"structured outputs: token {token} is not allowed by the constraint "
+                    "(the sampler's mask was not applied)",
+                )
                 return False
             request.output_token_ids.append(token)
             self.num_generated_tokens += counts
@@ -443,8 +455,8 @@ class FIFOScheduler:
         self.requests.pop(request.index, None)
         self.block_manager.free(request)
         request.num_pending_tokens = 0  # a token planned after this one is never read
-        del request.output_token_ids[stop.num_output_tokens:]  # a stop string cut the output, or an echo-only run
-        del request.logprobs[stop.num_output_tokens:]
+        del request.output_token_ids[stop.num_output_tokens :]  # a stop string cut the output, or an echo-only run
+        del request.logprobs[stop.num_output_tokens :]
         request.status = RequestStatus.FINISHED
         request.finish_reason = stop.finish_reason
         request.stop_reason = stop.stop_reason
@@ -477,8 +489,14 @@ class _PlanBuilder:
             return 0
         return min(num_tokens, self.token_budget)
 
-    def add(self, request: Request, num_tokens: int, spec_token_ids: tuple[int, ...] = (), block_start: int = 0,
-            sliding_start: int = 0) -> None:
+    def add(
+        self,
+        request: Request,
+        num_tokens: int,
+        spec_token_ids: tuple[int, ...] = (),
+        block_start: int = 0,
+        sliding_start: int = 0,
+    ) -> None:
         """Plan ``num_tokens`` of the request, after its blocks for them are allocated.
 
         Args:
@@ -497,8 +515,9 @@ class _PlanBuilder:
         return request.index in self._indices
 
 
-def _plan_entry(request: Request, num_tokens: int, spec_token_ids: tuple[int, ...], block_start: int,
-                sliding_start: int) -> ScheduledRequest:
+def _plan_entry(
+    request: Request, num_tokens: int, spec_token_ids: tuple[int, ...], block_start: int, sliding_start: int
+) -> ScheduledRequest:
     """The request's share of the step as values, after its blocks for this step are allocated.
 
     ``num_tokens`` counts the proposals ``spec_token_ids``, which follow the request's own tokens. Its block tables
@@ -509,7 +528,7 @@ def _plan_entry(request: Request, num_tokens: int, spec_token_ids: tuple[int, ..
     num_prompt = len(request.prompt_token_ids)
     num_known = num_prompt + len(request.output_token_ids)
     if num_prompt <= start and end <= num_known:  # a decode (``Request.token_ids``' case, without the call)
-        token_ids = request.output_token_ids[start - num_prompt:end - num_prompt]
+        token_ids = request.output_token_ids[start - num_prompt : end - num_prompt]
     else:
         token_ids = request.token_ids(start, end)
     if spec_token_ids:
@@ -517,14 +536,21 @@ def _plan_entry(request: Request, num_tokens: int, spec_token_ids: tuple[int, ..
     blocks, ring = request.block_table, request.sliding_block_table
     # Positional: this runs per request per step, and keyword construction costs about three times more.
     return ScheduledRequest(
-        request.index, request.request_id, start, num_tokens, token_ids,
+        request.index,
+        request.request_id,
+        start,
+        num_tokens,
+        token_ids,
         end - num_known if end > num_known else 0,  # num_pending_inputs
         end == num_known + request.num_pending_tokens,  # samples
         request.needs_host_sampling,
         _prompt_logprob_positions(request, start, end) if request.sampling_params.prompt_logprobs_from else _NONE,
-        block_start, blocks[block_start:] if len(blocks) > block_start else _NO_BLOCKS,
-        sliding_start, ring[sliding_start:] if len(ring) > sliding_start else _NO_BLOCKS,
-        spec_token_ids)
+        block_start,
+        blocks[block_start:] if len(blocks) > block_start else _NO_BLOCKS,
+        sliding_start,
+        ring[sliding_start:] if len(ring) > sliding_start else _NO_BLOCKS,
+        spec_token_ids,
+    )
 
 
 _NONE = range(0)  # no prompt log-probability positions
@@ -541,9 +567,13 @@ def _prompt_logprob_positions(request: Request, start: int, end: int) -> range:
     return range(lo, max(lo, hi))
 
 
-def make_scheduler(config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None,
-                   eos_token_ids: frozenset[int] = frozenset(), stop_matcher: StopStringMatcher | None = None
-                   ) -> FIFOScheduler:
+def make_scheduler(
+    config: EngineConfig,
+    block_manager: BlockManager,
+    max_model_len: int | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
+    stop_matcher: StopStringMatcher | None = None,
+) -> FIFOScheduler:
     """The scheduler named by ``config.scheduler_type``."""
     cls = PrefillFirstScheduler if config.scheduler_type == "prefill_first" else FIFOScheduler
     return cls(config, block_manager, max_model_len, eos_token_ids, stop_matcher)

@@ -64,7 +64,7 @@ class NgramIndex:
         if k <= 0:
             return []
         end, n = self.lookup()
-        return self.token_ids[end:end + k] if n else []
+        return self.token_ids[end : end + k] if n else []
 
     def lookup(self) -> tuple[int, int]:
         """``(end, n)``: the longest suffix n-gram (``ngram_max`` down to ``ngram_min``) that occurred earlier, and
@@ -77,7 +77,7 @@ class NgramIndex:
             self._index_through(num_tokens - 1)
         latest = self._latest
         for n in range(min(self.ngram_max, num_tokens - 1), low - 1, -1):
-            end = latest[n - low].get(tuple(tokens[num_tokens - n:]))
+            end = latest[n - low].get(tuple(tokens[num_tokens - n :]))
             if end is not None:
                 return end, n
         return 0, 0
@@ -88,11 +88,11 @@ class NgramIndex:
         pairs = list(enumerate(self._latest, low))  # (n, its map)
         for end in range(self._num_indexed + 1, stop + 1):
             if end < high:  # the sequence's first tokens: n-grams no longer than the prefix
-                for n, latest in pairs[:end - low + 1]:
-                    latest[tuple(tokens[end - n:end])] = end
+                for n, latest in pairs[: end - low + 1]:
+                    latest[tuple(tokens[end - n : end])] = end
             else:
                 for n, latest in pairs:
-                    latest[tuple(tokens[end - n:end])] = end
+                    latest[tuple(tokens[end - n : end])] = end
         self._num_indexed = max(self._num_indexed, stop)
 
 
@@ -142,7 +142,7 @@ def accept_greedy(proposals: Sequence[int], target_argmax: list[int]) -> list[in
     accepted = 0
     while accepted < len(proposals) and proposals[accepted] == target_argmax[accepted]:
         accepted += 1
-    return target_argmax[:accepted + 1]
+    return target_argmax[: accepted + 1]
 
 
 #: What a request's verify entry costs beyond its proposals' rows, in rows: the host's per-entry work (proposals,
@@ -284,8 +284,12 @@ class Speculator:
         switched = active != self._active and (self._active is not None or not active)
         if switched and active not in self._logged:
             self._logged.add(active)
-            logger.info("speculative decoding %s: %d requests running (speculative_max_batch = %d)",
-                        "resumed" if active else "paused, decoding plainly", num_running, self.max_batch)
+            logger.info(
+                "speculative decoding %s: %d requests running (speculative_max_batch = %d)",
+                "resumed" if active else "paused, decoding plainly",
+                num_running,
+                self.max_batch,
+            )
         self._active = active
         self.threshold = verify_threshold(self.row_cost, num_running, num_running)
         return active
@@ -320,21 +324,25 @@ class Speculator:
         threshold = self.threshold if state.greedy else self._solo_threshold
         accepted, trials = state.accepted[kind], state.trials[kind]
         # Backed off: the first test is the cheap one (no proposal pays its row), the length's the exact one.
-        length = 0 if accepted <= threshold * trials else proposal_length(accepted / trials, threshold,
-                                                                            min(self.k, max_tokens))
+        length = (
+            0
+            if accepted <= threshold * trials
+            else proposal_length(accepted / trials, threshold, min(self.k, max_tokens))
+        )
         if not length:
             state.skip(kind)
             return []
         state.verifying = kind
         if index is None:
             return [DRAFT_PLACEHOLDER] * length
-        return index.token_ids[end:end + length]
+        return index.token_ids[end : end + length]
 
     def _new_state(self, request: Request) -> _RequestSpeculation:
         if self.proposer is None:
             return _RequestSpeculation(None, request.sampling_params.greedy, 1)
-        return _RequestSpeculation(self.proposer.new_index(), request.sampling_params.greedy,
-                                   self.proposer.ngram_max - self.ngram_min + 1)
+        return _RequestSpeculation(
+            self.proposer.new_index(), request.sampling_params.greedy, self.proposer.ngram_max - self.ngram_min + 1
+        )
 
     @staticmethod
     def _lookup(index: NgramIndex, request: Request) -> tuple[int, int]:
@@ -344,7 +352,7 @@ class Speculator:
         if num_indexed < num_prompt:
             tokens += request.prompt_token_ids[num_indexed:]
             num_indexed = num_prompt
-        tokens += output[num_indexed - num_prompt:]
+        tokens += output[num_indexed - num_prompt :]
         assert len(tokens) == num_prompt + len(output), "a request's known tokens shrank while it ran"
         return index.lookup()
 

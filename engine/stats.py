@@ -66,5 +66,9 @@ class EngineStats:
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate, "acceptance_rate": self.acceptance_rate,
-                "mean_tokens_per_verify_step": self.mean_tokens_per_verify_step}
+        return {
+            **asdict(self),
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_tokens_per_verify_step": self.mean_tokens_per_verify_step,
+        }

@@ -62,7 +62,7 @@ def check_stop(request: Request, conditions: StopConditions) -> Stop | None:
         text, kept_ids, stop = matcher.cut(output, params.stop, params.include_stop_str_in_output)
         return Stop("stop", len(kept_ids), stop_reason=stop, output_text=text)
     if len(output) >= params.max_new_tokens or (  # (``Request.num_known_tokens`` inline: this runs per token)
-            conditions.max_model_len is not None
-            and len(request.prompt_token_ids) + len(output) >= conditions.max_model_len):
+        conditions.max_model_len is not None and len(request.prompt_token_ids) + len(output) >= conditions.max_model_len
+    ):
         return Stop("length", len(output))
     return None

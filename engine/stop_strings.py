@@ -26,8 +26,9 @@ class StopStringMatcher:
         tail = self._decode(output_token_ids[-tail_tokens:])
         return next((s for s in stops if s in tail), None)
 
-    def cut(self, output_token_ids: list[int], stops: tuple[str, ...], include: bool = False
-            ) -> tuple[str, list[int], str]:
+    def cut(
+        self, output_token_ids: list[int], stops: tuple[str, ...], include: bool = False
+    ) -> tuple[str, list[int], str]:
         """Cut the output exactly before the earliest stop string (after it, with ``include``).
 
         Returns:
@@ -39,7 +40,7 @@ class StopStringMatcher:
         text = self._decode(output_token_ids)
         index, stop = min((text.find(s), s) for s in stops if s in text)
         if include:
-            kept_text = text[:index + len(stop)]
+            kept_text = text[: index + len(stop)]
             for n in range(1, len(output_token_ids) + 1):
                 if self._decode(output_token_ids[:n]).startswith(kept_text):
                     return kept_text, output_token_ids[:n], stop

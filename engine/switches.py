@@ -7,8 +7,16 @@ import logging
 logger = logging.getLogger("cbrun.engine")
 
 
-def resolve_switch(name: str, setting: str, blocker: str | None, *, on: str = "on", off: str = "off",
-                   off_log: str | None = None, hint: str = "") -> bool:
+def resolve_switch(
+    name: str,
+    setting: str,
+    blocker: str | None,
+    *,
+    on: str = "on",
+    off: str = "off",
+    off_log: str | None = None,
+    hint: str = "",
+) -> bool:
     """Whether a feature runs: ``off`` never; ``auto`` unless something blocks it here; ``on`` or an error.
 
     Args:

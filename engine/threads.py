@@ -66,6 +66,7 @@ def resolve_num_threads(setting: int | str | None, num_params: int, device: str)
     if torch.device(device).type != "cpu":
         return None
     threads = 1 if num_params < TINY_MODEL_PARAMS else physical_cores()
-    logger.info("num_threads auto: %d (%.1fM parameters, %d physical cores)", threads, num_params / 1e6,
-                physical_cores())
+    logger.info(
+        "num_threads auto: %d (%.1fM parameters, %d physical cores)", threads, num_params / 1e6, physical_cores()
+    )
     return threads

@@ -38,11 +38,29 @@ BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 #: config.json model types whose tokenizer_config class AutoTokenizer takes as given (Qwen2's it replaces).
 MODEL_TYPES = ("llama",)
 #: tokenizer_config.json keys with no effect on encode / decode here (bookkeeping, padding, the chat template).
-_INERT_KEYS = frozenset({"tokenizer_class", "backend", "model_max_length", "legacy", "add_prefix_space",
-                         "add_bos_token", "add_eos_token", "chat_template", "model_input_names", "name_or_path",
-                         "processor_class", "padding_side", "truncation_side", "clean_up_tokenization_spaces",
-                         "split_special_tokens", "added_tokens_decoder", "additional_special_tokens",
-                         "extra_special_tokens", *NAMED_SPECIAL_TOKENS})
+_INERT_KEYS = frozenset(
+    {
+        "tokenizer_class",
+        "backend",
+        "model_max_length",
+        "legacy",
+        "add_prefix_space",
+        "add_bos_token",
+        "add_eos_token",
+        "chat_template",
+        "model_input_names",
+        "name_or_path",
+        "processor_class",
+        "padding_side",
+        "truncation_side",
+        "clean_up_tokenization_spaces",
+        "split_special_tokens",
+        "added_tokens_decoder",
+        "additional_special_tokens",
+        "extra_special_tokens",
+        *NAMED_SPECIAL_TOKENS,
+    }
+)
 _ADDED_TOKEN_FLAGS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 _LOGGED: set[tuple[str, str]] = set()
 
@@ -59,8 +77,14 @@ class FastTokenizer:
         bos_token, eos_token, unk_token, pad_token, ...: the named special tokens' text, or None; ``*_id``: the id.
     """
 
-    def __init__(self, backend, name_or_path: str, special_tokens: dict[str, str | None],
-                 extra_special_tokens: list[str], split_special_tokens: bool) -> None:
+    def __init__(
+        self,
+        backend,
+        name_or_path: str,
+        special_tokens: dict[str, str | None],
+        extra_special_tokens: list[str],
+        split_special_tokens: bool,
+    ) -> None:
         from tokenizers import processors
 
         self._backend = backend
@@ -72,8 +96,7 @@ class FastTokenizer:
         backend.no_padding()
         backend.encode_special_tokens = split_special_tokens
         if backend.post_processor is None:  # TokenizersBackend.update_post_processor, no BOS or EOS added
-            backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1",
-                                                                   special_tokens=[])
+            backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
 
     def __getattr__(self, name: str):
         """``bos_token``, ``eos_token_id``, ...: a named special token's text, or its id (None when unset); any
@@ -91,8 +114,10 @@ class FastTokenizer:
         if self._transformers is None:
             from transformers import AutoTokenizer
 
-            logger.info("tokenizer: loading transformers' AutoTokenizer of %s for a call engine.tokenizer does not "
-                        "make itself", self.name_or_path)
+            logger.info(
+                "tokenizer: loading transformers' AutoTokenizer of %s for a call engine.tokenizer does not make itself",
+                self.name_or_path,
+            )
             self._transformers = AutoTokenizer.from_pretrained(self.name_or_path, local_files_only=True)
         return self._transformers
 
@@ -268,8 +293,11 @@ def _added_tokens_differ(backend, settings: dict) -> str | None:
     for index, token in (settings.get("added_tokens_decoder") or {}).items():
         have = added.get(int(index))
         # NOTE: transformers re-adds every entry; tokenizers then replaces a token whose flags differ in any way
-        if not isinstance(token, dict) or have is None or any(
-                getattr(have, flag) != token.get(flag) for flag in _ADDED_TOKEN_FLAGS):
+        if (
+            not isinstance(token, dict)
+            or have is None
+            or any(getattr(have, flag) != token.get(flag) for flag in _ADDED_TOKEN_FLAGS)
+        ):
             return f"added_tokens_decoder entry {index} differs from tokenizer.json's added tokens"
     special_added = {t.content for t in added.values() if t.special}
     names = [_content(settings.get(name)) for name in NAMED_SPECIAL_TOKENS]

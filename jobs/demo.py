@@ -16,8 +16,14 @@ BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 NUM_BYTES = 256
 
 DEMO_TOPICS = (
-    "a lighthouse keeper", "a lost kitten", "the first snow", "a robot gardener", "an old map", "a quiet library",
-    "a brave little boat", "the moon festival",
+    "a lighthouse keeper",
+    "a lost kitten",
+    "the first snow",
+    "a robot gardener",
+    "an old map",
+    "a quiet library",
+    "a brave little boat",
+    "the moon festival",
 )
 
 
@@ -63,9 +69,16 @@ def build_demo_model(out_dir: str | Path, *, seed: int = 0, max_position_embeddi
     out_dir = Path(out_dir)
     tokenizer = build_byte_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
     with torch.random.fork_rng(devices=[]):
@@ -91,7 +104,6 @@ def demo_manifest(work_dir: str | Path, *, output_dir: str | Path | None = None)
     """The manifest of the demo job over a model and prompts already written to ``work_dir``."""
     from engine.config import EngineConfig
     from engine.sampling_params import SamplingParams
-
     from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 
     work_dir = Path(work_dir)
@@ -99,14 +111,12 @@ def demo_manifest(work_dir: str | Path, *, output_dir: str | Path | None = None)
         model=ModelSettings(path=str(work_dir / "model")),
         input=InputSettings(path=str(work_dir / "prompts.parquet"), prompt_column="prompt", id_column="id"),
         sampling=SamplingParams(max_new_tokens=32, temperature=0.0),
-        engine=EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=32, device="cpu",
-                            num_threads=1),
+        engine=EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=32, device="cpu", num_threads=1),
         output=OutputSettings(path=str(output_dir or work_dir / "output"), commit_every_rows=16, overwrite=True),
     )
 
 
-def run_demo(work_dir: str | Path, *, output_dir: str | Path | None = None, num_rows: int = 64,
-             progress: bool = True):
+def run_demo(work_dir: str | Path, *, output_dir: str | Path | None = None, num_rows: int = 64, progress: bool = True):
     """Build the demo model and prompts in ``work_dir`` and run the demo job into ``output_dir``.
 
     Args:

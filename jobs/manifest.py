@@ -53,7 +53,7 @@ BOUNDARY_RULES = ("exact",)
 PROMPT_SETTINGS_MESSAGE = (
     "give the prompt as exactly one of: input.prompt_column (optionally with input.template), input.template, "
     "input.prompt_ids_column, or input.messages_column (with input.chat = true); or give OpenAI batch request "
-    "lines (input.format = \"openai-batch\")"
+    'lines (input.format = "openai-batch")'
 )
 
 
@@ -139,23 +139,26 @@ class InputSettings:
 
             Shard.parse(self.shard)
         if not _is_int(self.order_window) or self.order_window < 0:
-            raise ValueError(f"input.order_window must be an integer >= 0 (0 keeps input order), "
-                             f"got {self.order_window!r}")
+            raise ValueError(
+                f"input.order_window must be an integer >= 0 (0 keeps input order), got {self.order_window!r}"
+            )
 
 
 def _check_input_format(inp: InputSettings, has_prompt_setting: bool) -> bool:
     """Whether the prompts come from OpenAI batch request bodies (or may, for format "auto" without a prompt
     setting); raise ``ValueError`` for an unknown format or settings that do not fit OpenAI batch input."""
     if inp.format not in ("auto", "openai-batch"):
-        raise ValueError(f"input.format must be \"auto\" or \"openai-batch\", got {inp.format!r}")
+        raise ValueError(f'input.format must be "auto" or "openai-batch", got {inp.format!r}')
     if inp.format == "auto":
         if not has_prompt_setting and inp.mode != "generate":
             raise ValueError(PROMPT_SETTINGS_MESSAGE)
         return not has_prompt_setting
     if has_prompt_setting or inp.chat or inp.mode != "generate" or inp.system_prompt is not None:
-        raise ValueError("input.format = \"openai-batch\" takes each prompt from its request's body: leave out "
-                         "input.prompt_column, template, prompt_ids_column, messages_column, chat, system_prompt "
-                         "and mode")
+        raise ValueError(
+            'input.format = "openai-batch" takes each prompt from its request\'s body: leave out '
+            "input.prompt_column, template, prompt_ids_column, messages_column, chat, system_prompt "
+            "and mode"
+        )
     return True
 
 
@@ -164,30 +167,34 @@ def _check_modes(inp: InputSettings) -> None:
     from jobs.modes.scoring import CORRUPTIONS
 
     if inp.mode not in ("generate", "score"):
-        raise ValueError(f"input.mode must be \"generate\" or \"score\", got {inp.mode!r}")
+        raise ValueError(f'input.mode must be "generate" or "score", got {inp.mode!r}')
     if not isinstance(inp.per_row_settings, bool):
         raise ValueError(f"input.per_row_settings must be true or false, got {inp.per_row_settings!r}")
     if inp.boundary not in BOUNDARY_RULES:
-        raise ValueError(f"input.boundary must be one of {', '.join(map(repr, BOUNDARY_RULES))}, "
-                         f"got {inp.boundary!r}")
+        raise ValueError(f"input.boundary must be one of {', '.join(map(repr, BOUNDARY_RULES))}, got {inp.boundary!r}")
     if not isinstance(inp.chat, bool):
         raise ValueError(f"input.chat must be true or false, got {inp.chat!r}")
     if not isinstance(inp.corruptions, list) or not all(c in CORRUPTIONS for c in inp.corruptions):
-        raise ValueError(f"input.corruptions must be a list of names from: {', '.join(CORRUPTIONS)}; "
-                         f"got {inp.corruptions!r}")
+        raise ValueError(
+            f"input.corruptions must be a list of names from: {', '.join(CORRUPTIONS)}; got {inp.corruptions!r}"
+        )
     if inp.mode == "score":
         if inp.candidates_column is None:
-            raise ValueError("input.mode = \"score\" needs input.candidates_column (the candidate continuations)")
+            raise ValueError('input.mode = "score" needs input.candidates_column (the candidate continuations)')
         if inp.chat or inp.prompt_ids_column is not None:
-            raise ValueError("input.mode = \"score\" needs a text context (input.prompt_column or input.template); "
-                             "input.chat and input.prompt_ids_column are for generate mode")
+            raise ValueError(
+                'input.mode = "score" needs a text context (input.prompt_column or input.template); '
+                "input.chat and input.prompt_ids_column are for generate mode"
+            )
     elif inp.candidates_column is not None or inp.corruptions:
-        raise ValueError("input.candidates_column and input.corruptions need input.mode = \"score\"")
+        raise ValueError('input.candidates_column and input.corruptions need input.mode = "score"')
     if not inp.chat and (inp.messages_column is not None or inp.system_prompt is not None):
         raise ValueError("input.messages_column and input.system_prompt need input.chat = true")
     if inp.chat and inp.prompt_ids_column is not None:
-        raise ValueError("input.chat = true needs a text prompt or input.messages_column, not input.prompt_ids_column "
-                         "(token ids are used as given)")
+        raise ValueError(
+            "input.chat = true needs a text prompt or input.messages_column, not input.prompt_ids_column "
+            "(token ids are used as given)"
+        )
 
 
 @dataclass
@@ -228,32 +235,45 @@ class OutputSettings:
     target_file_mb: float = 256.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.timeline_interval_s, bool) or not isinstance(self.timeline_interval_s, int | float) \
-                or self.timeline_interval_s < 0:
-            raise ValueError(f"output.timeline_interval_s must be >= 0 (0: no timeline), got "
-                             f"{self.timeline_interval_s!r}")
+        if (
+            isinstance(self.timeline_interval_s, bool)
+            or not isinstance(self.timeline_interval_s, int | float)
+            or self.timeline_interval_s < 0
+        ):
+            raise ValueError(
+                f"output.timeline_interval_s must be >= 0 (0: no timeline), got {self.timeline_interval_s!r}"
+            )
         if not isinstance(self.row_timings, bool):
             raise ValueError(f"output.row_timings must be true or false, got {self.row_timings!r}")
         if self.format not in ("parts", "openai-batch"):
-            raise ValueError(f"output.format must be \"parts\" or \"openai-batch\", got {self.format!r}")
+            raise ValueError(f'output.format must be "parts" or "openai-batch", got {self.format!r}')
         if isinstance(self.keep_columns, str):
             self.keep_columns = [self.keep_columns]
         if not isinstance(self.keep_columns, list) or not all(isinstance(c, str) and c for c in self.keep_columns):
             raise ValueError(f"output.keep_columns must be a list of column names, got {self.keep_columns!r}")
         if not _is_int(self.commit_every_rows) or self.commit_every_rows < 1:
             raise ValueError(f"output.commit_every_rows must be a positive integer, got {self.commit_every_rows!r}")
-        if isinstance(self.commit_every_seconds, bool) or not isinstance(self.commit_every_seconds, int | float) \
-                or self.commit_every_seconds <= 0:
+        if (
+            isinstance(self.commit_every_seconds, bool)
+            or not isinstance(self.commit_every_seconds, int | float)
+            or self.commit_every_seconds <= 0
+        ):
             raise ValueError(f"output.commit_every_seconds must be > 0, got {self.commit_every_seconds!r}")
         if not isinstance(self.overwrite, bool):
             raise ValueError(f"output.overwrite must be true or false, got {self.overwrite!r}")
-        if isinstance(self.max_error_fraction, bool) or not isinstance(self.max_error_fraction, int | float) \
-                or not 0 <= self.max_error_fraction <= 1:
+        if (
+            isinstance(self.max_error_fraction, bool)
+            or not isinstance(self.max_error_fraction, int | float)
+            or not 0 <= self.max_error_fraction <= 1
+        ):
             raise ValueError(f"output.max_error_fraction must be in [0, 1], got {self.max_error_fraction!r}")
         if not isinstance(self.compact, bool):
             raise ValueError(f"output.compact must be true or false, got {self.compact!r}")
-        if isinstance(self.target_file_mb, bool) or not isinstance(self.target_file_mb, int | float) \
-                or self.target_file_mb <= 0:
+        if (
+            isinstance(self.target_file_mb, bool)
+            or not isinstance(self.target_file_mb, int | float)
+            or self.target_file_mb <= 0
+        ):
             raise ValueError(f"output.target_file_mb must be a number > 0 (MB), got {self.target_file_mb!r}")
 
 
@@ -284,7 +304,7 @@ class ClusterSettings:
 
     def __post_init__(self) -> None:
         if self.executor not in ("local", "ray"):
-            raise ValueError(f"cluster.executor must be \"local\" or \"ray\", got {self.executor!r}")
+            raise ValueError(f'cluster.executor must be "local" or "ray", got {self.executor!r}')
         if not _is_int(self.num_replicas) or self.num_replicas < 1:
             raise ValueError(f"cluster.num_replicas must be a positive integer, got {self.num_replicas!r}")
         for name in ("batch_size", "max_concurrent_batches"):
@@ -295,8 +315,7 @@ class ClusterSettings:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
                 raise ValueError(f"cluster.{name} must be a number >= 0, got {value!r}")
         if self.address is not None and not isinstance(self.address, str):
-            raise ValueError(f"cluster.address must be a string (\"auto\", \"ray://HOST:PORT\"), "
-                             f"got {self.address!r}")
+            raise ValueError(f'cluster.address must be a string ("auto", "ray://HOST:PORT"), got {self.address!r}')
 
 
 @dataclass
@@ -345,15 +364,18 @@ class JobManifest:
     def __post_init__(self) -> None:
         if self.sampling_set is None:
             default = SamplingParams()
-            self.sampling_set = frozenset(f.name for f in fields(SamplingParams)
-                                          if getattr(self.sampling, f.name) != getattr(default, f.name))
+            self.sampling_set = frozenset(
+                f.name for f in fields(SamplingParams) if getattr(self.sampling, f.name) != getattr(default, f.name)
+            )
         if not isinstance(self.model_defaults, bool):
             raise ValueError(f"sampling.model_defaults must be true or false, got {self.model_defaults!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"sampling.n (samples per row) must be a positive integer, got {self.n!r}")
         if self.n > 1 and self.input.mode == "score":
-            raise ValueError("sampling.n > 1 needs input.mode = \"generate\": score mode computes one score per "
-                             "candidate, and ignores the n column")
+            raise ValueError(
+                'sampling.n > 1 needs input.mode = "generate": score mode computes one score per '
+                "candidate, and ignores the n column"
+            )
 
     def check_required(self) -> None:
         """Raise ``ValueError`` when a path the job needs is missing."""
@@ -406,20 +428,22 @@ def cli_text(text: str) -> str:
             out.append(char)
             i += 1
             continue
-        code = text[i + 1:i + 2]
+        code = text[i + 1 : i + 2]
         if code in _ESCAPES:
             out.append(_ESCAPES[code])
             i += 2
         elif code in ("u", "U"):
             width = 4 if code == "u" else 8
-            digits = text[i + 2:i + 2 + width]
+            digits = text[i + 2 : i + 2 + width]
             if len(digits) != width or any(c not in "0123456789abcdefABCDEF" for c in digits):
                 raise ValueError(f"bad escape \\{code}{digits} in {text!r}: \\{code} takes {width} hex digits")
             out.append(chr(int(digits, 16)))
             i += 2 + width
         else:
-            raise ValueError(f"unknown escape \\{code} in {text!r}: command-line text takes TOML's escapes "
-                             f"(\\n, \\t, \\\\, \\\", \\uXXXX); write \\\\ for a backslash")
+            raise ValueError(
+                f"unknown escape \\{code} in {text!r}: command-line text takes TOML's escapes "
+                f'(\\n, \\t, \\\\, \\", \\uXXXX); write \\\\ for a backslash'
+            )
     return "".join(out)
 
 
@@ -486,8 +510,13 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         raise ValueError(f"sampling.seed (the job seed) must be an integer, got {seed!r}")
     n = sampling.pop("n", 1)
     _expand_prompt_logprobs(sampling)
-    sampling_params = _build(SamplingParams, "sampling", sampling, exclude={"seed"},
-                             extra={"seed", "n", "prompt_logprobs", "model_defaults", *VLLM_ALIASES})
+    sampling_params = _build(
+        SamplingParams,
+        "sampling",
+        sampling,
+        exclude={"seed"},
+        extra={"seed", "n", "prompt_logprobs", "model_defaults", *VLLM_ALIASES},
+    )
     sampling_params.validate()
     return JobManifest(
         model=_build(ModelSettings, "model", raw.get("model", {})),
@@ -511,10 +540,13 @@ def _canonical_sampling(values: dict[str, Any]) -> dict[str, Any]:
     for key, value in values.items():
         name = canonical_name(key)
         if name in out:
-            raise ValueError(f"sampling.{name} is given twice (as {name} and as its vLLM name "
-                             f"{next(k for k, v in VLLM_ALIASES.items() if v == name)}); keep one")
+            raise ValueError(
+                f"sampling.{name} is given twice (as {name} and as its vLLM name "
+                f"{next(k for k, v in VLLM_ALIASES.items() if v == name)}); keep one"
+            )
         out[name] = value
     return out
+
 
 def _expand_prompt_logprobs(sampling: dict[str, Any]) -> None:
     """Turn ``sampling.prompt_logprobs = true`` into ``prompt_logprobs_from = 1`` (every prompt token but the first,
@@ -525,8 +557,10 @@ def _expand_prompt_logprobs(sampling: dict[str, Any]) -> None:
     if _is_int(wanted) and wanted == 0:  # vLLM's spelling: 0 extra top log-probabilities, the token's own only
         wanted = True
     if not isinstance(wanted, bool):
-        raise ValueError(f"sampling.prompt_logprobs must be true or false (or vLLM's 0), got {wanted!r}: only each "
-                         f"prompt token's own log-probability is returned, not the top ones")
+        raise ValueError(
+            f"sampling.prompt_logprobs must be true or false (or vLLM's 0), got {wanted!r}: only each "
+            f"prompt token's own log-probability is returned, not the top ones"
+        )
     if wanted:
         if sampling.get("prompt_logprobs_from") is not None:
             raise ValueError("give sampling.prompt_logprobs = true or sampling.prompt_logprobs_from, not both")
@@ -545,11 +579,10 @@ def _build(cls, section: str, values: dict[str, Any], exclude: set[str] = frozen
 
 
 def unknown_setting_message(section: str, key: str, known: set[str]) -> str:
-    """"unknown setting SECTION.KEY ...; did you mean ...?" with the closest known name (``difflib``), then all."""
+    """ "unknown setting SECTION.KEY ...; did you mean ...?" with the closest known name (``difflib``), then all."""
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     hint = f"; did you mean {section}.{close[0]}?" if close else ""
-    return (f"unknown setting {section}.{key} (manifest or --set){hint} [{section}] accepts: "
-            f"{', '.join(sorted(known))}")
+    return f"unknown setting {section}.{key} (manifest or --set){hint} [{section}] accepts: {', '.join(sorted(known))}"
 
 
 def apply_model_defaults(manifest: JobManifest) -> dict[str, Any]:
@@ -585,6 +618,10 @@ def apply_model_defaults(manifest: JobManifest) -> dict[str, Any]:
     except ValueError as exc:
         raise ValueError(f"{str(path)!r}: {exc} (set it in [sampling], or sampling.model_defaults = false)") from None
     manifest.sampling = sampling
-    logger.info("sampling defaults from %s: %s (set them in [sampling] to change; sampling.model_defaults = false "
-                "ignores the file)", path, ", ".join(f"{k} = {v!r}" for k, v in taken.items()))
+    logger.info(
+        "sampling defaults from %s: %s (set them in [sampling] to change; sampling.model_defaults = false "
+        "ignores the file)",
+        path,
+        ", ".join(f"{k} = {v!r}" for k, v in taken.items()),
+    )
     return taken

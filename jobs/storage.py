@@ -60,7 +60,7 @@ def is_uri(path: str | Path) -> bool:
 def local_path(path: str | Path) -> str | Path:
     """``path`` with a ``file://`` scheme removed; any other path unchanged."""
     if isinstance(path, str) and path.startswith("file://"):
-        return path[len("file://"):]
+        return path[len("file://") :]
     return path
 
 
@@ -121,9 +121,8 @@ def retried(what: str, call: Callable[[], T]) -> T:
             if _is_precondition_failure(exc):
                 raise PreconditionFailed(str(exc)) from None
             if attempt == NUM_RETRIES:
-                raise StorageError(f"{what} failed after {NUM_RETRIES + 1} tries: {type(exc).__name__}: {exc}") \
-                    from exc
-            delay = RETRY_BASE_S * 2 ** attempt * (0.5 + random.random())
+                raise StorageError(f"{what} failed after {NUM_RETRIES + 1} tries: {type(exc).__name__}: {exc}") from exc
+            delay = RETRY_BASE_S * 2**attempt * (0.5 + random.random())
             logger.warning("cbrun: %s failed (%s: %s); retrying in %.1f s", what, type(exc).__name__, exc, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
@@ -209,8 +208,9 @@ def read_files(uris: list[str]) -> dict[str, bytes]:
     fs, _ = filesystem(uris[0])
     scheme = uris[0].split("://", 1)[0]
     keys = [filesystem(uri)[1] for uri in uris]
-    found = retried(f"reading {len(uris)} objects of {uris[0].rsplit('/', 1)[0]}",
-                    lambda: fs.cat(keys, on_error="omit"))
+    found = retried(
+        f"reading {len(uris)} objects of {uris[0].rsplit('/', 1)[0]}", lambda: fs.cat(keys, on_error="omit")
+    )
     return {f"{scheme}://{key.removeprefix(scheme + '://')}": data for key, data in found.items()}
 
 
@@ -259,8 +259,9 @@ def put_object(uri: str, body: bytes, *, create_only: bool = False, if_match: st
             conditions["IfNoneMatch"] = "*"
         if if_match is not None:
             conditions["IfMatch"] = if_match
-        reply = retried(f"writing {uri}", lambda: fs.call_s3("put_object", Bucket=bucket, Key=name, Body=body,
-                                                             **conditions))
+        reply = retried(
+            f"writing {uri}", lambda: fs.call_s3("put_object", Bucket=bucket, Key=name, Body=body, **conditions)
+        )
         fs.invalidate_cache(key)
         return reply.get("ETag")
     # NOTE: other stores through fsspec: create-only where the store offers it, no ETag condition (see jobs.output.lease)
@@ -304,8 +305,12 @@ def object_digest(uri: str, tail: int = 0) -> str:
     if info is None:
         raise FileNotFoundError(uri)
     size = int(info.get("size") or 0)
-    tag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or str(info.get("LastModified")
-                                                                                 or info.get("mtime") or "")
+    tag = (
+        info.get("ETag")
+        or info.get("etag")
+        or info.get("md5Hash")
+        or str(info.get("LastModified") or info.get("mtime") or "")
+    )
     digest = hashlib.sha256(f"{size}\0{tag}\0".encode())
     if tail and size:
         fs, key = filesystem(uri)

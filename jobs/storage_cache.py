@@ -71,7 +71,7 @@ def local_model(path: str) -> str:
     if not objects:
         raise FileNotFoundError(f"model {path!r} holds no files")
     root = path.rstrip("/")
-    source = {uri[len(root) + 1:]: _object_tag(uri) for uri in objects}
+    source = {uri[len(root) + 1 :]: _object_tag(uri) for uri in objects}
     target = model_cache_dir() / hashlib.sha256(root.encode()).hexdigest()[:16]
     marker = target / ".cbrun-source.json"
     if marker.is_file() and json.loads(marker.read_text()) == {"uri": root, "objects": source}:

@@ -99,17 +99,33 @@ class Fit:
         return self.shared <= self.shared_limit and self.stack <= self.stack_limit
 
 
-def engine_launches(capability: int, models=MODELS, dtypes=DTYPES, max_seqlen_qs=MAX_SEQLEN_Q,
-                    page_size: int = 16, windows: bool = True, kv_write: bool = True) -> list[Launch]:
+def engine_launches(
+    capability: int,
+    models=MODELS,
+    dtypes=DTYPES,
+    max_seqlen_qs=MAX_SEQLEN_Q,
+    page_size: int = 16,
+    windows: bool = True,
+    kv_write: bool = True,
+) -> list[Launch]:
     """Every distinct launch the engine makes on ``capability`` for ``models`` x ``dtypes`` x batch kinds
     (``windows``: also the sliding-window variant of models with one; ``kv_write``: also the KV-cache write)."""
     launches: dict[tuple, Launch] = {}
     for model in models:
         for dtype in dtypes:
-            for window in ((False, True) if model.window and windows else (False,)):
+            for window in (False, True) if model.window and windows else (False,):
                 for max_q in max_seqlen_qs:
-                    config = attention_launch_config(dtype, model.num_heads, model.num_kv_heads, model.head_dim,
-                                                     page_size, max_q, window, False, capability)
+                    config = attention_launch_config(
+                        dtype,
+                        model.num_heads,
+                        model.num_kv_heads,
+                        model.head_dim,
+                        page_size,
+                        max_q,
+                        window,
+                        False,
+                        capability,
+                    )
                     launch = Launch("paged_attention", dtype, config, f"{model.name} max_q={max_q}")
                     launches.setdefault(launch.key(), launch)
             if kv_write:
@@ -129,8 +145,11 @@ def compile_launch(launch: Launch, capability: int) -> Fit:
     constexprs = launch.config.constexprs
     signature, attrs = _signature(kernel, launch.dtype, constexprs)
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                              options=dict(num_warps=launch.config.num_warps, num_stages=launch.config.num_stages))
+    compiled = triton.compile(
+        source,
+        target=GPUTarget("cuda", capability, 32),
+        options=dict(num_warps=launch.config.num_warps, num_stages=launch.config.num_stages),
+    )
     registers, stack = _resource_usage(compiled.asm["cubin"])
     return Fit(launch, capability, int(compiled.metadata.shared), registers, stack)
 
@@ -164,8 +183,9 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     match = re.search(r"REG:(\d+) STACK:(\d+)", text)
     if match is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{text}")
@@ -175,18 +195,28 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
 def format_fit(fit: Fit) -> str:
     """One table line for ``fit``."""
     c = fit.launch.config.constexprs
-    tile = (f"D={c.get('HEAD_DIM')} M={c['BLOCK_M']} N={c['BLOCK_N']}" if "BLOCK_M" in c
-            else f"H={c['NUM_KV_HEADS']} D={c['HEAD_DIM']}")
-    return (f"sm_{fit.capability} | {fit.launch.kernel} | {_DTYPE_NAMES[fit.launch.dtype]} | {tile} "
-            f"w={fit.launch.config.num_warps} | {fit.shared // 1024} KiB / {fit.shared_limit // 1024} | "
-            f"{fit.registers} | {fit.stack} | {'ok' if fit.ok else 'NO'} | {fit.launch.example}")
+    tile = (
+        f"D={c.get('HEAD_DIM')} M={c['BLOCK_M']} N={c['BLOCK_N']}"
+        if "BLOCK_M" in c
+        else f"H={c['NUM_KV_HEADS']} D={c['HEAD_DIM']}"
+    )
+    return (
+        f"sm_{fit.capability} | {fit.launch.kernel} | {_DTYPE_NAMES[fit.launch.dtype]} | {tile} "
+        f"w={fit.launch.config.num_warps} | {fit.shared // 1024} KiB / {fit.shared_limit // 1024} | "
+        f"{fit.registers} | {fit.stack} | {'ok' if fit.ok else 'NO'} | {fit.launch.example}"
+    )
 
 
 #: A representative subset, for the default test run (7 binaries per architecture): Llama-3-8B (head_dim 128) and
 #: Gemma-3 (head_dim 256), bf16 and float32, the decode and the prefill tile: the largest tiles, and the dtypes and
 #: head dims that were hardest to fit.
-SUBSET = dict(models=tuple(m for m in MODELS if m.name in ("Llama-3-8B", "Gemma-3-4B")),
-              dtypes=(torch.bfloat16, torch.float32), max_seqlen_qs=(1, 8192), windows=False, kv_write=False)
+SUBSET = dict(
+    models=tuple(m for m in MODELS if m.name in ("Llama-3-8B", "Gemma-3-4B")),
+    dtypes=(torch.bfloat16, torch.float32),
+    max_seqlen_qs=(1, 8192),
+    windows=False,
+    kv_write=False,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,8 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     functions that cannot be compiled for a GPU.
     """
     parser = argparse.ArgumentParser(prog="python -m kernels.aot_fit", description=__doc__.split("\n")[0])
-    parser.add_argument("--capability", type=int, action="append", choices=sorted(SHARED_MEMORY_LIMITS),
-                        help="architecture(s) to compile for, e.g. 90 (default: 80, 89 and 90)")
+    parser.add_argument(
+        "--capability",
+        type=int,
+        action="append",
+        choices=sorted(SHARED_MEMORY_LIMITS),
+        help="architecture(s) to compile for, e.g. 90 (default: 80, 89 and 90)",
+    )
     parser.add_argument("--subset", action="store_true", help="only the representative subset (SUBSET)")
     parser.add_argument("--json", type=Path, help="also write every launch's figures here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -213,9 +248,23 @@ def main(argv: list[str] | None = None) -> int:
     bad = [f for f in fits if not f.ok]
     print(f"{len(fits) - len(bad)} of {len(fits)} launches fit")
     if args.json:
-        args.json.write_text(json.dumps([dict(capability=f.capability, kernel=f.launch.kernel, shared=f.shared,
-                                              shared_limit=f.shared_limit, registers=f.registers, stack=f.stack,
-                                              ok=f.ok, line=format_fit(f)) for f in fits]))
+        args.json.write_text(
+            json.dumps(
+                [
+                    dict(
+                        capability=f.capability,
+                        kernel=f.launch.kernel,
+                        shared=f.shared,
+                        shared_limit=f.shared_limit,
+                        registers=f.registers,
+                        stack=f.stack,
+                        ok=f.ok,
+                        line=format_fit(f),
+                    )
+                    for f in fits
+                ]
+            )
+        )
     return 1 if bad else 0
 
 

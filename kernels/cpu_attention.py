@@ -40,8 +40,7 @@ CACHE_ENV = "CBRUN_KERNEL_CACHE"
 # -ffp-contract=off: no fused multiply-adds. The kernel's 8-lane loops and its generic loops must give the same
 # floats, and RoPE the floats of PyTorch's separate ops, on any CPU; -std=c11 already implies it, spelled out so a
 # change of dialect (gnu11 contracts by default) cannot bring contraction back on FMA targets.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fno-trapping-math", "-std=c11", "-shared",
-         "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fno-trapping-math", "-std=c11", "-shared", "-fPIC")
 
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
@@ -53,10 +52,19 @@ def unavailable_reason() -> str | None:
     return _failure
 
 
-def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor,
-                        scale: float, softcap: float | None = None, sliding_window: int | None = None,
-                        page_offset: int = 0, num_threads: int | None = None) -> torch.Tensor:
+def paged_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    page_offset: int = 0,
+    num_threads: int | None = None,
+) -> torch.Tensor:
     """Attention of a flattened varlen batch over a paged KV cache, read in place (float32, CPU).
 
     Same contract as ``kernels.paged_attention.paged_attention_triton`` and the reference.
@@ -79,12 +87,19 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         RuntimeError: when the kernel is unavailable (see ``unavailable_reason``) or runs out of memory.
         ValueError: for a dtype, device or shape the kernel does not take.
     """
-    return StepKernels(k_cache, v_cache, num_threads).attention(query, block_tables, cu_seqlens_q, seqlens_k, scale,
-                                                                softcap, sliding_window, page_offset)
+    return StepKernels(k_cache, v_cache, num_threads).attention(
+        query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset
+    )
 
 
-def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, slot_offset: int = 0) -> None:
+def write_kv_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    slot_offset: int = 0,
+) -> None:
     """Store this step's keys and values in the paged cache, in place, in C: one call, no per-call tensor ops.
 
     The same bits as ``kernels.reference.write_kv_cache_ref`` (a copy), which costs a mask, a host sync and two
@@ -106,8 +121,9 @@ def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     StepKernels(k_cache, v_cache).write_kv(key, value, slot_mapping, slot_offset)
 
 
-def rope_cpu(x: torch.Tensor, cos_table: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
-             ) -> torch.Tensor:
+def rope_cpu(
+    x: torch.Tensor, cos_table: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """RoPE in place, in C: ``x * cos + roll(x, head_dim / 2) * sin_signed`` per row's position, the same floats as
     those three PyTorch ops (``engine.lean_llama._rope``), in one call instead of four ops and their tensors.
 
@@ -150,8 +166,13 @@ class StepKernels:
         ValueError: for a cache the kernels do not take.
     """
 
-    def __init__(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
-                 num_threads: int | None = None, library: ctypes.CDLL | None = None) -> None:
+    def __init__(
+        self,
+        k_cache: torch.Tensor | None,
+        v_cache: torch.Tensor | None,
+        num_threads: int | None = None,
+        library: ctypes.CDLL | None = None,
+    ) -> None:
         self._library = library or _loaded()
         if k_cache is not None:
             _check_cache(k_cache, v_cache)
@@ -167,9 +188,18 @@ class StepKernels:
         """An instance without a cache, for ``rope``."""
         return cls(None, None)
 
-    def attention(self, query: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                  seqlens_k: torch.Tensor, scale: float, softcap: float | None = None,
-                  sliding_window: int | None = None, page_offset: int = 0, lane_loops: bool = True) -> torch.Tensor:
+    def attention(
+        self,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seqlens_k: torch.Tensor,
+        scale: float,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+        page_offset: int = 0,
+        lane_loops: bool = True,
+    ) -> torch.Tensor:
         """``paged_attention_cpu`` over this instance's cache: (T, num_heads, head_dim) float32.
 
         ``lane_loops = False`` makes tiles with head_dim % 8 == 0 take the kernel's generic loops instead of its
@@ -188,35 +218,66 @@ class StepKernels:
         if num_rows < num_tokens:
             out[num_rows:] = 0
         status = self._library.cbrun_paged_attention_f32(
-            query.data_ptr(), self._k_ptr, self._v_ptr, tables.data_ptr(), tables.shape[1], page_offset,
-            cu.data_ptr(), seqlens.data_ptr(), seqlens.shape[0], num_heads, num_kv_heads, head_dim, page_size,
-            scale, softcap or 0.0, sliding_window or 0, out.data_ptr(), self._num_threads, int(lane_loops))
+            query.data_ptr(),
+            self._k_ptr,
+            self._v_ptr,
+            tables.data_ptr(),
+            tables.shape[1],
+            page_offset,
+            cu.data_ptr(),
+            seqlens.data_ptr(),
+            seqlens.shape[0],
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            scale,
+            softcap or 0.0,
+            sliding_window or 0,
+            out.data_ptr(),
+            self._num_threads,
+            int(lane_loops),
+        )
         if status:
             raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
         return out
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                 slot_offset: int = 0) -> None:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, slot_offset: int = 0
+    ) -> None:
         """``write_kv_cache_cpu`` into this instance's cache."""
         _check_float32_cpu(key=key, value=value)
         num_pages, page_size, num_kv_heads, head_dim = self._cache_shape
         if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (num_kv_heads, head_dim):
-            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not fit the cache "
-                             f"{self._cache_shape}")
+            raise ValueError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} do not fit the cache {self._cache_shape}"
+            )
         slots = self._converted(slot_mapping, _int64_vector)
         if slots.shape[0] != key.shape[0]:
-            raise ValueError(f"slot_mapping must be int64 of shape ({key.shape[0]},), got {slot_mapping.dtype} "
-                             f"{tuple(slot_mapping.shape)}")
+            raise ValueError(
+                f"slot_mapping must be int64 of shape ({key.shape[0]},), got {slot_mapping.dtype} "
+                f"{tuple(slot_mapping.shape)}"
+            )
         key, value = key.contiguous(), value.contiguous()
-        status = self._library.cbrun_write_kv_f32(key.data_ptr(), value.data_ptr(), self._k_ptr, self._v_ptr,
-                                                  slots.data_ptr(), slots.shape[0], num_kv_heads * head_dim,
-                                                  slot_offset, num_pages * page_size)
+        status = self._library.cbrun_write_kv_f32(
+            key.data_ptr(),
+            value.data_ptr(),
+            self._k_ptr,
+            self._v_ptr,
+            slots.data_ptr(),
+            slots.shape[0],
+            num_kv_heads * head_dim,
+            slot_offset,
+            num_pages * page_size,
+        )
         if status:
-            raise ValueError(f"a slot of slot_mapping (+ {slot_offset}) lies outside the cache's "
-                             f"{num_pages * page_size} slots")
+            raise ValueError(
+                f"a slot of slot_mapping (+ {slot_offset}) lies outside the cache's {num_pages * page_size} slots"
+            )
 
-    def rope(self, x: torch.Tensor, cos_table: torch.Tensor, sin_signed: torch.Tensor,
-             positions: torch.Tensor) -> torch.Tensor:
+    def rope(
+        self, x: torch.Tensor, cos_table: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """``rope_cpu``: ``x`` rotated in place."""
         _check_float32_cpu(x=x)
         if not x.is_contiguous() or x.dim() != 3:
@@ -227,14 +288,25 @@ class StepKernels:
             tables = self._rope_tables = (cos_table, sin_signed, _rope_table_positions(cos_table, sin_signed))
         num_positions = tables[2]
         if cos_table.shape[1] != head_dim:
-            raise ValueError(f"x {tuple(x.shape)} does not fit the RoPE tables {tuple(cos_table.shape)} "
-                             f"and {tuple(sin_signed.shape)} (an even head_dim)")
+            raise ValueError(
+                f"x {tuple(x.shape)} does not fit the RoPE tables {tuple(cos_table.shape)} "
+                f"and {tuple(sin_signed.shape)} (an even head_dim)"
+            )
         pos = self._converted(positions, _int64_vector)
         if pos.shape[0] != num_rows:
-            raise ValueError(f"positions must be int64 of shape ({num_rows},), got {positions.dtype} "
-                             f"{tuple(positions.shape)}")
-        status = self._library.cbrun_rope_f32(x.data_ptr(), cos_table.data_ptr(), sin_signed.data_ptr(),
-                                              pos.data_ptr(), num_rows, num_heads, head_dim, num_positions)
+            raise ValueError(
+                f"positions must be int64 of shape ({num_rows},), got {positions.dtype} {tuple(positions.shape)}"
+            )
+        status = self._library.cbrun_rope_f32(
+            x.data_ptr(),
+            cos_table.data_ptr(),
+            sin_signed.data_ptr(),
+            pos.data_ptr(),
+            num_rows,
+            num_heads,
+            head_dim,
+            num_positions,
+        )
         if status:
             raise ValueError(f"a position lies outside the RoPE tables' {num_positions} positions")
         return x
@@ -269,8 +341,10 @@ def _rope_table_positions(cos_table: torch.Tensor, sin_signed: torch.Tensor) -> 
     if not (cos_table.is_contiguous() and sin_signed.is_contiguous()):
         raise ValueError("x, cos_table and sin_signed must be contiguous")
     if cos_table.shape != sin_signed.shape or cos_table.dim() != 2 or cos_table.shape[1] % 2:
-        raise ValueError(f"the RoPE tables {tuple(cos_table.shape)} and {tuple(sin_signed.shape)} must be one "
-                         "(num_positions, head_dim) shape with an even head_dim")
+        raise ValueError(
+            f"the RoPE tables {tuple(cos_table.shape)} and {tuple(sin_signed.shape)} must be one "
+            "(num_positions, head_dim) shape with an even head_dim"
+        )
     return cos_table.shape[0]
 
 
@@ -295,10 +369,22 @@ def load_source(source: Path) -> Callable[..., torch.Tensor]:
     """
     library = load_library(source)
 
-    def attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, softcap=None,
-                  sliding_window=None, page_offset=0, num_threads=None):
+    def attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seqlens_k,
+        scale,
+        softcap=None,
+        sliding_window=None,
+        page_offset=0,
+        num_threads=None,
+    ):
         return StepKernels(k_cache, v_cache, num_threads, library).attention(
-            query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset)
+            query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset
+        )
 
     return attention
 
@@ -369,12 +455,14 @@ def _build(source: Path = SOURCE) -> Path:
     logger.info("compiling the CPU attention kernel (first use, about 20 s) into %s", cache)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True,
-                                text=True, timeout=300)
+        result = subprocess.run(
+            [compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True, timeout=300
+        )
         if result.returncode:
             output = (result.stderr.strip() or result.stdout.strip())[-2000:] or "no output"
-            raise RuntimeError(f"compiling {source.name} with {compiler} failed (exit code {result.returncode}): "
-                               f"{output}")
+            raise RuntimeError(
+                f"compiling {source.name} with {compiler} failed (exit code {result.returncode}): {output}"
+            )
         os.replace(built, target)
     return target
 

@@ -19,8 +19,16 @@ BACKENDS = ("torch", "triton", "cpu")
 
 
 @torch.library.custom_op("cbrun::write_kv_cache", mutates_args=("k_cache", "v_cache"))
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, slot_offset: int, backend: str, num_threads: int) -> None:
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    slot_offset: int,
+    backend: str,
+    num_threads: int,
+) -> None:
     """Store one layer's keys and values in the paged cache, in place.
 
     Args:
@@ -51,10 +59,21 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 @torch.library.custom_op("cbrun::paged_attention", mutates_args=())
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, scale: float,
-                    sliding_window: int | None, softcap: float | None, max_seqlen_q: int, page_offset: int,
-                    backend: str, num_threads: int) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_seqlen_q: int,
+    page_offset: int,
+    backend: str,
+    num_threads: int,
+) -> torch.Tensor:
     """Attention of a flattened varlen batch over the paged cache.
 
     Args:
@@ -75,14 +94,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         from kernels.cpu_attention import StepKernels
 
         return StepKernels(k_cache, v_cache, num_threads or None).attention(
-            query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset=page_offset)
+            query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset=page_offset
+        )
     _check_backend(backend)
     if backend == "triton":
         from kernels.paged_attention import paged_attention_triton
 
         assert page_offset == 0, "the Triton kernel takes the layer's own block tables"
-        return paged_attention_triton(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale,
-                                      sliding_window=sliding_window, softcap=softcap, max_seqlen_q=max_seqlen_q)
+        return paged_attention_triton(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            cu_seqlens_q,
+            seqlens_k,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_seqlen_q=max_seqlen_q,
+        )
     plan = build_gather_plan(block_tables, cu_seqlens_q, seqlens_k, k_cache.shape[1], sliding_window)
     return paged_attention_ref(query, k_cache, v_cache, plan, scale, softcap, page_offset=page_offset)
 

@@ -70,7 +70,8 @@ REALISTIC_CASES = (
 DECODE_TILE_CASES = tuple(
     (AttentionCase("decode tile", 128, 4096, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim), dtype)
     for dtype in (torch.bfloat16, torch.float32)
-    for head_dim, heads, kv_heads in ((128, 32, 8), (256, 8, 4)))
+    for head_dim, heads, kv_heads in ((128, 32, 8), (256, 8, 4))
+)
 KV_WRITE_TOKENS = (64, 8192)
 
 
@@ -91,9 +92,18 @@ class Row:
         seconds = self.ms * 1e-3
         gbps, tflops = self.bytes_moved / seconds / 1e9, self.flops / seconds / 1e12
         achieved = self.flops / seconds if self.flops else self.bytes_moved / seconds
-        return [self.kernel, self.dtype, self.shape, self.tile, f"{self.max_err:.2e}", "yes" if self.ok else "NO",
-                f"{self.ms:.3f}", f"{gbps:.0f}", f"{tflops:.1f}" if self.flops else "-",
-                f"{achieved / self.ceiling:.2f}"]
+        return [
+            self.kernel,
+            self.dtype,
+            self.shape,
+            self.tile,
+            f"{self.max_err:.2e}",
+            "yes" if self.ok else "NO",
+            f"{self.ms:.3f}",
+            f"{gbps:.0f}",
+            f"{tflops:.1f}" if self.flops else "-",
+            f"{achieved / self.ceiling:.2f}",
+        ]
 
 
 def make_attention_batch(case: AttentionCase, dtype: torch.dtype, device: str, seed: int = 0):
@@ -110,7 +120,7 @@ def make_attention_batch(case: AttentionCase, dtype: torch.dtype, device: str, s
     block_tables = torch.zeros(len(pages), max(pages), dtype=torch.int32, device=device)
     start = 0
     for b, n in enumerate(pages):
-        block_tables[b, :n] = perm[start:start + n]
+        block_tables[b, :n] = perm[start : start + n]
         start += n
     shape = (num_blocks, case.page_size, case.num_kv_heads, case.head_dim)
     k_cache = torch.randn(shape, device=device, generator=gen).to(dtype)
@@ -138,13 +148,24 @@ def check_attention(case: AttentionCase, dtype: torch.dtype, device: str, bench:
     from kernels.paged_attention import attention_launch_config, device_capability, paged_attention_triton
 
     query, k_cache, v_cache, block_tables, cu, seqlens_k = make_attention_batch(case, dtype, device)
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     max_q = max(case.q_lens)
     out = torch.full_like(query, float("nan"))
 
     def run():
-        paged_attention_triton(query, k_cache, v_cache, block_tables, cu, seqlens_k, scale, case.sliding_window,
-                               case.softcap, max_seqlen_q=max_q, out=out)
+        paged_attention_triton(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            cu,
+            seqlens_k,
+            scale,
+            case.sliding_window,
+            case.softcap,
+            max_seqlen_q=max_q,
+            out=out,
+        )
 
     run()
     plan = build_gather_plan(block_tables, cu, seqlens_k, case.page_size, case.sliding_window)
@@ -157,19 +178,47 @@ def check_attention(case: AttentionCase, dtype: torch.dtype, device: str, bench:
     bytes_moved, flops = attention_work(case, query.element_size())
     extras = f" win={case.sliding_window}" if case.sliding_window else ""
     extras += f" cap={case.softcap}" if case.softcap else ""
-    shape = (f"B={len(case.q_lens)} T={query.shape[0]} ctx={max(case.k_lens)} H={case.num_heads}/{case.num_kv_heads} "
-             f"D={case.head_dim} p={case.page_size}{extras}")
-    launch = attention_launch_config(dtype, case.num_heads, case.num_kv_heads, case.head_dim, case.page_size, max_q,
-                                     case.sliding_window is not None, case.softcap is not None,
-                                     device_capability(query.device))
+    shape = (
+        f"B={len(case.q_lens)} T={query.shape[0]} ctx={max(case.k_lens)} H={case.num_heads}/{case.num_kv_heads} "
+        f"D={case.head_dim} p={case.page_size}{extras}"
+    )
+    launch = attention_launch_config(
+        dtype,
+        case.num_heads,
+        case.num_kv_heads,
+        case.head_dim,
+        case.page_size,
+        max_q,
+        case.sliding_window is not None,
+        case.softcap is not None,
+        device_capability(query.device),
+    )
     c = launch.constexprs
     tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{launch.num_warps}"
-    return Row(f"attention {case.name}", dtype_name(dtype), shape, tile, max_err, ok, ms, bytes_moved,
-               0.0 if case.memory_bound else flops, ceilings[0] if case.memory_bound else ceilings[1])
+    return Row(
+        f"attention {case.name}",
+        dtype_name(dtype),
+        shape,
+        tile,
+        max_err,
+        ok,
+        ms,
+        bytes_moved,
+        0.0 if case.memory_bound else flops,
+        ceilings[0] if case.memory_bound else ceilings[1],
+    )
 
 
-def check_kv_write(num_tokens: int, dtype: torch.dtype, device: str, bench: Callable, ceilings,
-                   num_kv_heads: int = 8, head_dim: int = 128, page_size: int = 16) -> Row:
+def check_kv_write(
+    num_tokens: int,
+    dtype: torch.dtype,
+    device: str,
+    bench: Callable,
+    ceilings,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    page_size: int = 16,
+) -> Row:
     from kernels.kv_cache_write import write_kv_cache_triton
 
     num_blocks = 2 * -(-num_tokens // page_size)
@@ -182,13 +231,24 @@ def check_kv_write(num_tokens: int, dtype: torch.dtype, device: str, bench: Call
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     write_kv_cache_ref(key, value, k_expected, v_expected, slots)
     write_kv_cache_triton(key, value, k_cache, v_cache, slots)
-    same = all(torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0))
-               for a, b in ((k_cache, k_expected), (v_cache, v_expected)))
+    same = all(
+        torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0)) for a, b in ((k_cache, k_expected), (v_cache, v_expected))
+    )
     ms = bench(lambda: write_kv_cache_triton(key, value, k_cache, v_cache, slots))
     written = int((slots >= 0).sum())
     bytes_moved = 4 * written * num_kv_heads * head_dim * key.element_size()  # read k, v; write k, v
-    return Row("kv_cache_write", dtype_name(dtype), f"T={num_tokens} Hkv={num_kv_heads} D={head_dim} p={page_size}",
-               "-", 0.0 if same else math.inf, same, ms, bytes_moved, 0.0, ceilings[0])
+    return Row(
+        "kv_cache_write",
+        dtype_name(dtype),
+        f"T={num_tokens} Hkv={num_kv_heads} D={head_dim} p={page_size}",
+        "-",
+        0.0 if same else math.inf,
+        same,
+        ms,
+        bytes_moved,
+        0.0,
+        ceilings[0],
+    )
 
 
 def measure_ceilings(device: str, bench: Callable) -> tuple[float, float]:
@@ -210,9 +270,15 @@ def _matmul_rate(device: str, bench: Callable, n: int = 8192) -> float:
     return 2 * n**3 / (bench(lambda: torch.matmul(a, b, out=c)) * 1e-3)
 
 
-def run_checks(device: str, bench: Callable, cases=REALISTIC_CASES, kv_write_tokens=KV_WRITE_TOKENS,
-               dtype: torch.dtype = torch.bfloat16, decode_tile_cases=DECODE_TILE_CASES,
-               ceilings: tuple[float, float] | None = None) -> list[Row]:
+def run_checks(
+    device: str,
+    bench: Callable,
+    cases=REALISTIC_CASES,
+    kv_write_tokens=KV_WRITE_TOKENS,
+    dtype: torch.dtype = torch.bfloat16,
+    decode_tile_cases=DECODE_TILE_CASES,
+    ceilings: tuple[float, float] | None = None,
+) -> list[Row]:
     """Every kernel against its reference on ``device``, timed with ``bench(fn) -> ms``; prints the table.
 
     ``cases`` run in ``dtype``, ``decode_tile_cases`` in their own dtypes; ``ceilings`` are measured when None.
@@ -257,8 +323,10 @@ def cuda_bench(fn: Callable) -> float:
 def main() -> int:
     """Check and time the kernels on the current CUDA device: 0 all correct, 1 any mismatch, 2 without CUDA."""
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here, nothing was checked (the kernels' CPU tests are "
-              "tests/kernels/test_kernels.py)")
+        print(
+            "gpu_check: no CUDA device here, nothing was checked (the kernels' CPU tests are "
+            "tests/kernels/test_kernels.py)"
+        )
         return NO_CUDA_EXIT
     import triton
 

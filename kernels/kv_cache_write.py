@@ -55,8 +55,9 @@ def kv_cache_write_kernel(
 
     key = tl.load(key_ptr + token * stride_key_t + heads[:, None] * stride_key_h + dims[None, :], mask=mask)
     value = tl.load(value_ptr + token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :], mask=mask)
-    cache_offsets = (block * stride_cache_block + offset * stride_cache_offset
-                     + heads[:, None] * stride_cache_head + dims[None, :])
+    cache_offsets = (
+        block * stride_cache_block + offset * stride_cache_offset + heads[:, None] * stride_cache_head + dims[None, :]
+    )
     tl.store(k_cache_ptr + cache_offsets, key, mask=mask)
     tl.store(v_cache_ptr + cache_offsets, value, mask=mask)
 
@@ -89,11 +90,22 @@ def write_kv_cache_triton(
         return
     launch = kv_write_launch_config(num_kv_heads, head_dim, page_size)
     kv_cache_write_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
         num_blocks * page_size,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **launch.constexprs,
     )
 
 
@@ -101,23 +113,34 @@ def write_kv_cache_triton(
 def kv_write_launch_config(num_kv_heads: int, head_dim: int, page_size: int) -> LaunchConfig:
     """The constexprs and launch options of one ``kv_cache_write_kernel`` launch (``kernels.aot_fit`` compiles
     exactly this): one token's (num_kv_heads, head_dim) tile per program, 4 warps once it has 1024 elements."""
-    constexprs = dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-                      BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+    constexprs = dict(
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
     return LaunchConfig(constexprs, 4 if num_kv_heads * head_dim >= 1024 else 1, 2)
+
 
 def _check_write_args(key, value, k_cache, v_cache, slot_mapping) -> None:
     if key.dim() != 3 or value.shape != key.shape:
-        raise ValueError(f"key and value must both be (T, num_kv_heads, head_dim), got {tuple(key.shape)} and "
-                         f"{tuple(value.shape)}")
+        raise ValueError(
+            f"key and value must both be (T, num_kv_heads, head_dim), got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be (num_blocks, page_size, num_kv_heads, head_dim), got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must both be (num_blocks, page_size, num_kv_heads, head_dim), got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if tuple(k_cache.shape[2:]) != tuple(key.shape[1:]):
-        raise ValueError(f"cache (num_kv_heads, head_dim) = {tuple(k_cache.shape[2:])} does not match key's "
-                         f"{tuple(key.shape[1:])}")
+        raise ValueError(
+            f"cache (num_kv_heads, head_dim) = {tuple(k_cache.shape[2:])} does not match key's {tuple(key.shape[1:])}"
+        )
     if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must be ({key.shape[0]},) (one slot per token), got "
-                         f"{tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be ({key.shape[0]},) (one slot per token), got {tuple(slot_mapping.shape)}"
+        )
     if key.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"key dtype must be one of {_FLOAT_DTYPES}, got {key.dtype}")
     for name, tensor in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -129,8 +152,9 @@ def _check_write_args(key, value, k_cache, v_cache, slot_mapping) -> None:
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (head_dim), got strides {tensor.stride()}")
     if v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache and v_cache must have identical strides, got {k_cache.stride()} and "
-                         f"{v_cache.stride()}")
+        raise ValueError(
+            f"k_cache and v_cache must have identical strides, got {k_cache.stride()} and {v_cache.stride()}"
+        )
     if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
         raise ValueError(f"slot_mapping must be contiguous, got stride {slot_mapping.stride()}")
     devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}

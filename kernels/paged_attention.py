@@ -107,8 +107,11 @@ def paged_attention_kernel(
     row_ok = (q_idx < q_len) & (rows % GROUP_PADDED < GROUP) & (token < num_tokens)
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM_PADDED)
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_M, HEAD_DIM_PADDED)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     q_pos = context_len + q_idx  # (BLOCK_M,) absolute position of each row
@@ -133,12 +136,15 @@ def paged_attention_kernel(
         kv_pos = n_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         kv_ok = (kv_pos >= kv_begin) & (kv_pos < kv_end) & (kv_pos // PAGE_SIZE < max_blocks)
         page = tl.load(block_table_row + kv_pos // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        kv_offsets = page * stride_cache_block + (kv_pos % PAGE_SIZE) * stride_cache_offset \
-            + kv_head * stride_cache_head  # (BLOCK_N,)
-        k = tl.load(k_cache_ptr + kv_offsets[None, :] + dims[:, None],
-                    mask=kv_ok[None, :] & dim_ok[:, None], other=0.0)  # (HEAD_DIM_PADDED, BLOCK_N)
-        v = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :],
-                    mask=kv_ok[:, None] & dim_ok[None, :], other=0.0)  # (BLOCK_N, HEAD_DIM_PADDED)
+        kv_offsets = (
+            page * stride_cache_block + (kv_pos % PAGE_SIZE) * stride_cache_offset + kv_head * stride_cache_head
+        )  # (BLOCK_N,)
+        k = tl.load(
+            k_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=kv_ok[None, :] & dim_ok[:, None], other=0.0
+        )  # (HEAD_DIM_PADDED, BLOCK_N)
+        v = tl.load(
+            v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_ok[:, None] & dim_ok[None, :], other=0.0
+        )  # (BLOCK_N, HEAD_DIM_PADDED)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -165,8 +171,11 @@ def paged_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
 
 def paged_attention_triton(
@@ -207,8 +216,7 @@ def paged_attention_triton(
         ValueError: naming the argument whose shape, dtype, stride, device or value is wrong, or an unsupported
             head_dim (> 256).
     """
-    _check_attention_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap,
-                          out)
+    _check_attention_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     num_requests = seqlens_k.shape[0]
@@ -219,17 +227,44 @@ def paged_attention_triton(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
 
-    launch = attention_launch_config(query.dtype, num_heads, num_kv_heads, head_dim, page_size, int(max_seqlen_q),
-                                     sliding_window is not None, softcap is not None, device_capability(query.device),
-                                     dot_in_fp32=query.is_cpu and query.dtype == torch.bfloat16)
+    launch = attention_launch_config(
+        query.dtype,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        int(max_seqlen_q),
+        sliding_window is not None,
+        softcap is not None,
+        device_capability(query.device),
+        dot_in_fp32=query.is_cpu and query.dtype == torch.bfloat16,
+    )
     grid = (num_tokens // launch.constexprs["BLOCK_Q"] + num_requests, num_kv_heads)
     paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k,
-        float(scale), float(softcap or 0.0), int(sliding_window or 0),
-        num_tokens, num_requests, block_tables.shape[1],
-        out.stride(0), out.stride(1), query.stride(0), query.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs,
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seqlens_k,
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        num_tokens,
+        num_requests,
+        block_tables.shape[1],
+        out.stride(0),
+        out.stride(1),
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **launch.constexprs,
     )
     return out
 
@@ -248,9 +283,18 @@ class LaunchConfig:
 
 
 @functools.lru_cache(maxsize=1024)
-def attention_launch_config(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                            max_seqlen_q: int, use_window: bool, use_softcap: bool, capability: int,
-                            dot_in_fp32: bool = False) -> LaunchConfig:
+def attention_launch_config(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    max_seqlen_q: int,
+    use_window: bool,
+    use_softcap: bool,
+    capability: int,
+    dot_in_fp32: bool = False,
+) -> LaunchConfig:
     """The constexprs, ``num_warps`` and ``num_stages`` of one ``paged_attention_kernel`` launch.
 
     ``paged_attention_triton`` launches with exactly this; ``kernels.aot_fit`` compiles it ahead of time for each
@@ -266,12 +310,21 @@ def attention_launch_config(dtype: torch.dtype, num_heads: int, num_kv_heads: in
     group = num_heads // num_kv_heads
     group_padded = triton.next_power_of_2(group)
     head_dim_padded = max(triton.next_power_of_2(head_dim), 16)
-    tile = pick_attention_tile(capability, dtype.itemsize, head_dim_padded,
-                               group_padded, max(max_seqlen_q, 1))
-    constexprs = dict(GROUP=group, GROUP_PADDED=group_padded, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-                      PAGE_SIZE=page_size, BLOCK_M=tile.block_m, BLOCK_Q=tile.block_q(group_padded),
-                      BLOCK_N=tile.block_n, USE_SOFTCAP=use_softcap, USE_WINDOW=use_window,
-                      DOT_PRECISION="ieee" if dtype == torch.float32 else None, DOT_IN_FP32=dot_in_fp32)
+    tile = pick_attention_tile(capability, dtype.itemsize, head_dim_padded, group_padded, max(max_seqlen_q, 1))
+    constexprs = dict(
+        GROUP=group,
+        GROUP_PADDED=group_padded,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        PAGE_SIZE=page_size,
+        BLOCK_M=tile.block_m,
+        BLOCK_Q=tile.block_q(group_padded),
+        BLOCK_N=tile.block_n,
+        USE_SOFTCAP=use_softcap,
+        USE_WINDOW=use_window,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+        DOT_IN_FP32=dot_in_fp32,
+    )
     return LaunchConfig(constexprs, tile.num_warps, tile.num_stages)
 
 
@@ -284,20 +337,25 @@ def device_capability(device: torch.device) -> int:
     return major * 10 + minor
 
 
-def _check_attention_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap,
-                          out) -> None:
+def _check_attention_args(
+    query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out
+) -> None:
     if query.dim() != 3:
         raise ValueError(f"query must be (T, num_heads, head_dim), got shape {tuple(query.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be (num_blocks, page_size, num_kv_heads, head_dim), got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must both be (num_blocks, page_size, num_kv_heads, head_dim), got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"cache head_dim {k_cache.shape[3]} differs from query head_dim {head_dim}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim} is not supported: the Triton kernel handles 1..{MAX_HEAD_DIM}; "
-                         f"use the PyTorch reference (attention_backend='torch') for this model")
+        raise ValueError(
+            f"head_dim {head_dim} is not supported: the Triton kernel handles 1..{MAX_HEAD_DIM}; "
+            f"use the PyTorch reference (attention_backend='torch') for this model"
+        )
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if query.dtype not in _FLOAT_DTYPES:
@@ -311,8 +369,9 @@ def _check_attention_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, s
         if tensor is not None and tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (head_dim), got strides {tensor.stride()}")
     if v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache and v_cache must have identical strides, got {k_cache.stride()} and "
-                         f"{v_cache.stride()}")
+        raise ValueError(
+            f"k_cache and v_cache must have identical strides, got {k_cache.stride()} and {v_cache.stride()}"
+        )
     _check_index_args(block_tables, cu_seqlens_q, seqlens_k)
     tensors = (query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k) + ((out,) if out is not None else ())
     devices = {t.device for t in tensors}
@@ -329,12 +388,15 @@ def _check_index_args(block_tables, cu_seqlens_q, seqlens_k) -> None:
         if tensor.dtype not in _INDEX_DTYPES:
             raise ValueError(f"{name} dtype must be int32 or int64, got {tensor.dtype}")
     if seqlens_k.dim() != 1 or cu_seqlens_q.dim() != 1:
-        raise ValueError(f"seqlens_k and cu_seqlens_q must be 1-D, got shapes {tuple(seqlens_k.shape)} and "
-                         f"{tuple(cu_seqlens_q.shape)}")
+        raise ValueError(
+            f"seqlens_k and cu_seqlens_q must be 1-D, got shapes {tuple(seqlens_k.shape)} and "
+            f"{tuple(cu_seqlens_q.shape)}"
+        )
     num_requests = seqlens_k.shape[0]
     if cu_seqlens_q.shape[0] != num_requests + 1:
-        raise ValueError(f"cu_seqlens_q must have B + 1 = {num_requests + 1} entries (B from seqlens_k), got "
-                         f"{cu_seqlens_q.shape[0]}")
+        raise ValueError(
+            f"cu_seqlens_q must have B + 1 = {num_requests + 1} entries (B from seqlens_k), got {cu_seqlens_q.shape[0]}"
+        )
     if block_tables.dim() != 2 or block_tables.shape[0] != num_requests:
         raise ValueError(f"block_tables must be (B={num_requests}, max_blocks), got {tuple(block_tables.shape)}")
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 #: Decodes per padded group: fewer wastes less padding on mixed context lengths, more launches fewer ops.
 DECODE_BUCKET_SIZE = 32
 #: Query rows per prefill tile: smaller tiles skip more of the causal upper triangle but make more, smaller calls
@@ -109,17 +108,27 @@ def build_gather_plan(
     decodes = decodes[torch.argsort(seqlens_k[decodes], stable=True)]
     # NOTE: split() of an empty index gives one empty piece; requests with no query rows (padding) have no group.
     for idx in decodes.split(DECODE_BUCKET_SIZE) if decodes.numel() else ():
-        groups.append(_build_group(block_tables[idx].long(), cu[:-1][idx], q_lens[idx], seqlens_k[idx], page_size,
-                                   sliding_window))
+        groups.append(
+            _build_group(block_tables[idx].long(), cu[:-1][idx], q_lens[idx], seqlens_k[idx], page_size, sliding_window)
+        )
     owner, q_starts, tile_lens, tile_seqlens_k = _prefill_tiles(cu, q_lens, seqlens_k)
     for idx in torch.argsort(tile_seqlens_k, stable=True).split(PREFILL_BUCKET_SIZE) if owner.numel() else ():
-        groups.append(_build_group(block_tables[owner[idx]].long(), q_starts[idx], tile_lens[idx],
-                                   tile_seqlens_k[idx], page_size, sliding_window))
+        groups.append(
+            _build_group(
+                block_tables[owner[idx]].long(),
+                q_starts[idx],
+                tile_lens[idx],
+                tile_seqlens_k[idx],
+                page_size,
+                sliding_window,
+            )
+        )
     return GatherPlan(groups=groups, num_tokens=int(cu[-1]))
 
 
-def _prefill_tiles(cu: torch.Tensor, q_lens: torch.Tensor, seqlens_k: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _prefill_tiles(
+    cu: torch.Tensor, q_lens: torch.Tensor, seqlens_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cut every request of more than one query row into tiles of at most ``PREFILL_TILE`` rows.
 
     Tile t of request b holds its query rows ``t * PREFILL_TILE`` onward and sees the context up to its own last
@@ -157,8 +166,13 @@ def _build_group(block_tables, q_starts, q_lens, seqlens_k, page_size, sliding_w
     # Padded query rows attend to slot 0 so their softmax stays finite; their outputs are dropped.
     mask[..., 0] |= ~q_valid
     flat_valid = q_valid.flatten()
-    return _Group(q_index=q_index, blocks=blocks, mask=mask[:, None],
-                  out_rows=q_index.flatten()[flat_valid], out_select=flat_valid.nonzero().flatten())
+    return _Group(
+        q_index=q_index,
+        blocks=blocks,
+        mask=mask[:, None],
+        out_rows=q_index.flatten()[flat_valid],
+        out_select=flat_valid.nonzero().flatten(),
+    )
 
 
 def paged_attention_ref(
@@ -201,8 +215,9 @@ def paged_attention_ref(
         k = k_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
         v = v_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
         if softcap is None:
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=g.head_mask(group_size, q.dtype),
-                                                                 scale=scale)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=g.head_mask(group_size, q.dtype), scale=scale
+            )
         else:
             o = _softcapped_attention(q, k, v, g.head_mask(group_size), scale, softcap)
         o = o.view(batch, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)

@@ -49,8 +49,9 @@ def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-def pick_attention_tile(capability: int, elem_bytes: int, head_dim_padded: int, group_padded: int,
-                        max_seqlen_q: int) -> AttentionTile:
+def pick_attention_tile(
+    capability: int, elem_bytes: int, head_dim_padded: int, group_padded: int, max_seqlen_q: int
+) -> AttentionTile:
     """The tile of one paged-attention launch.
 
     Args:

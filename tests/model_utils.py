@@ -19,9 +19,18 @@ WEIGHT_SCALE = 3.0
 def random_llama_dir(vocab_size: int = 128, num_kv_heads: int = 2, max_len: int = 256, seed: int = 0) -> Path:
     """A random Llama with grouped-query attention (4 query heads), saved once per session to a temp dir."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=max_len,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_len,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for param in model.parameters():
@@ -37,13 +46,24 @@ def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> P
     perturbed, saved once per session (safetensors); ``overrides`` are config fields."""
     import transformers
 
-    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }
     config_class, model_class = classes[model_type]
-    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None)
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if model_type == "mistral":
         fields["sliding_window"] = None
     torch.manual_seed(seed)
@@ -79,10 +99,15 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     """transformers ``generate`` on one prompt, greedy, exactly ``max_new_tokens`` new tokens."""
     model = _hf_model(model_dir)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def run_engine(model_dir: Path, prompts, config, params) -> dict:

@@ -40,21 +40,32 @@ from pathlib import Path
 import torch
 
 from benchmarks.cbrun_bench.command_backend import run_command
-from benchmarks.cbrun_bench.measure import (RunResult, current_rss_mib, git_commit, peak_rss_mib, reset_peak_rss,
-                                            timed)
+from benchmarks.cbrun_bench.measure import RunResult, current_rss_mib, git_commit, peak_rss_mib, reset_peak_rss, timed
 from benchmarks.cbrun_bench.vllm_backend import VllmOptions, run_vllm
 from benchmarks.cbrun_bench.workloads import Workload, cut_output
 
-BACKENDS = ("cbrun", "cbrun-defaults", "cbrun-budgets", "cbrun-command", "cbrun-nosharing", "cbrun-static",
-            "hf-generate", "hf-cb", "vllm", "cbrun-sampled", "cbrun-sampled-full")
+BACKENDS = (
+    "cbrun",
+    "cbrun-defaults",
+    "cbrun-budgets",
+    "cbrun-command",
+    "cbrun-nosharing",
+    "cbrun-static",
+    "hf-generate",
+    "hf-cb",
+    "vllm",
+    "cbrun-sampled",
+    "cbrun-sampled-full",
+)
 #: The sampling settings of ``cbrun-sampled`` and ``cbrun-sampled-full`` (each row also gets seed = its index).
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 SAMPLED_FULL = {**SAMPLED, "repetition_penalty": 1.1, "logprobs": 5}
 SAMPLING_BACKENDS = {"cbrun-sampled": SAMPLED, "cbrun-sampled-full": SAMPLED_FULL}
 
 
-def run_cbrun(workload: Workload, engine_config, backend: str = "cbrun", setting: str = "",
-              sampling: dict | None = None) -> RunResult:
+def run_cbrun(
+    workload: Workload, engine_config, backend: str = "cbrun", setting: str = "", sampling: dict | None = None
+) -> RunResult:
     """Continuous batching: every row handed to ``LLMEngine.generate`` at once.
 
     Args:
@@ -68,10 +79,16 @@ def run_cbrun(workload: Workload, engine_config, backend: str = "cbrun", setting
 
     engine = LLMEngine.from_pretrained(str(workload.model_dir), engine_config)
     n = len(workload.prompts)
-    requests = [(i, p, _sampling_params(workload, m, sampling, seed=i))
-                for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
-    result = timed(backend, setting, lambda: _collect_cbrun(engine.generate(requests, max_in_flight=n), n),
-                   lambda: engine.stats.num_computed_tokens)
+    requests = [
+        (i, p, _sampling_params(workload, m, sampling, seed=i))
+        for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))
+    ]
+    result = timed(
+        backend,
+        setting,
+        lambda: _collect_cbrun(engine.generate(requests, max_in_flight=n), n),
+        lambda: engine.stats.num_computed_tokens,
+    )
     result.info = _engine_info(engine)
     return result
 
@@ -82,16 +99,18 @@ def _sampling_params(workload: Workload, max_new_tokens: int, sampling: dict | N
     from engine import SamplingParams
 
     extra = {**sampling, "seed": seed} if sampling else {}
-    return SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=workload.stop_token_ids,
-                          ignore_eos=workload.ignore_eos, **extra)
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, stop_token_ids=workload.stop_token_ids, ignore_eos=workload.ignore_eos, **extra
+    )
 
 
 def run_cbrun_static(workload: Workload, engine_config, batch_size: int) -> RunResult:
     """Static batching on cbrun's engine: admit ``batch_size`` rows, step until all finish, then the next rows."""
     from engine import LLMEngine
 
-    engine = LLMEngine.from_pretrained(str(workload.model_dir), replace(engine_config,
-                                                                        max_requests_per_batch=batch_size))
+    engine = LLMEngine.from_pretrained(
+        str(workload.model_dir), replace(engine_config, max_requests_per_batch=batch_size)
+    )
 
     def run():
         results = []
@@ -134,8 +153,9 @@ def run_hf_generate(workload: Workload, batch_size: int) -> RunResult:
         ids, first, finish = [], [], []
         for start in range(0, len(workload.prompts), batch_size):
             rows = slice(start, start + batch_size)
-            out, step_times, tokens = _hf_generate_batch(model, workload.prompts[rows], workload.max_new_tokens[rows],
-                                                         workload.stop_token_ids)
+            out, step_times, tokens = _hf_generate_batch(
+                model, workload.prompts[rows], workload.max_new_tokens[rows], workload.stop_token_ids
+            )
             computed[0] += tokens
             for generated, limit in zip(out, workload.max_new_tokens[rows]):
                 kept = cut_output(generated, limit, workload.stop_token_ids)
@@ -174,11 +194,16 @@ def _hf_generate_batch(model, prompts: list[list[int]], limits: list[int], stop_
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     clock = _StepClock(limits, width)
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(limits), eos_token_id=list(stop_token_ids),
-                              pad_token_id=pad)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(limits), eos_token_id=list(stop_token_ids), pad_token_id=pad
+    )
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config,
-                             stopping_criteria=StoppingCriteriaList([clock]))
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([clock]),
+        )
     steps = out.shape[1] - width
     return out[:, width:].tolist(), clock.times, len(prompts) * (width + steps - 1)
 
@@ -188,14 +213,20 @@ def run_hf_cb(workload: Workload, engine_config, num_blocks: int) -> RunResult:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model = _load_hf_model(workload.model_dir)
-    generation_config = GenerationConfig(do_sample=False, eos_token_id=list(workload.stop_token_ids),
-                                         max_new_tokens=max(workload.max_new_tokens))
+    generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=list(workload.stop_token_ids), max_new_tokens=max(workload.max_new_tokens)
+    )
     cb_config = ContinuousBatchingConfig(
-        page_size=engine_config.page_size, num_blocks=num_blocks, max_batch_tokens=engine_config.max_batch_tokens,
+        page_size=engine_config.page_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=engine_config.max_batch_tokens,
         max_requests_per_batch=engine_config.max_requests_per_batch,
-        allow_block_sharing=engine_config.allow_block_sharing, scheduler_type=engine_config.scheduler_type)
-    with model.continuous_batching_context_manager(generation_config=generation_config,
-                                                   continuous_batching_config=cb_config, block=True) as manager:
+        allow_block_sharing=engine_config.allow_block_sharing,
+        scheduler_type=engine_config.scheduler_type,
+    )
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=cb_config, block=True
+    ) as manager:
         return timed("hf-cb", "", lambda: _hf_cb_run(manager, workload), lambda: None)
 
 
@@ -225,8 +256,9 @@ def _hf_cb_run(manager, workload: Workload):
 def _load_hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
-                                                local_files_only=True).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+    ).eval()
 
 
 @dataclass
@@ -289,21 +321,29 @@ def warm_up() -> None:
     engine), so no backend pays one-time costs (imports, lazy initialisation, first kernel calls) in its time or
     memory."""
     import transformers.generation.continuous_batching  # noqa: F401
-    from engine import EngineConfig, LLMEngine, SamplingParams
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
     with tempfile.TemporaryDirectory(prefix="cbrun-bench-warmup-") as tmp:
-        LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                     eos_token_id=0)).save_pretrained(tmp)
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=64,
+                eos_token_id=0,
+            )
+        ).save_pretrained(tmp)
         _hf_generate_batch(_load_hf_model(Path(tmp)), [[1, 2, 3], [4, 5]], [2, 2], (0,))
         # num_threads=None: the warm-up leaves the process's thread count as the backend set it.
         engine = LLMEngine.from_pretrained(tmp, EngineConfig(max_requests_per_batch=2, num_threads=None))
         list(engine.generate([(0, [1, 2, 3], SamplingParams(max_new_tokens=2))]))
     del engine
     gc.collect()
-
-
 
 
 def quiet_transformers() -> None:

@@ -42,16 +42,32 @@ def command_skip_reason(workload: Workload) -> str | None:
     limit = max(workload.max_new_tokens)
     expected = [min(limit, workload.max_model_len - len(p)) for p in workload.prompts]
     if expected != list(workload.max_new_tokens):
-        return (f"cbrun run takes one --max-new-tokens for every row; workload {workload.name} draws a limit per "
-                f"row (run it on gsm8k-long)")
+        return (
+            f"cbrun run takes one --max-new-tokens for every row; workload {workload.name} draws a limit per "
+            f"row (run it on gsm8k-long)"
+        )
     return None
 
 
 def command_line(workload: Workload, input_path: Path, output_dir: Path) -> list[str]:
     """The flags-only ``cbrun run`` command for ``workload``: no engine setting, sampling as the workload says."""
-    command = [sys.executable, "-m", "jobs.cli", "run", "--model", str(workload.model_dir), "--input", str(input_path),
-               "--prompt-ids-column", PROMPT_IDS_COLUMN, "--output", str(output_dir),
-               "--max-new-tokens", str(max(workload.max_new_tokens)), "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "jobs.cli",
+        "run",
+        "--model",
+        str(workload.model_dir),
+        "--input",
+        str(input_path),
+        "--prompt-ids-column",
+        PROMPT_IDS_COLUMN,
+        "--output",
+        str(output_dir),
+        "--max-new-tokens",
+        str(max(workload.max_new_tokens)),
+        "--no-progress",
+    ]
     if workload.stop_token_ids:
         command += ["--set", f"sampling.stop_token_ids={list(workload.stop_token_ids)}"]
     if workload.ignore_eos:
@@ -79,8 +95,9 @@ def run_command(workload: Workload) -> RunResult:
         load_before, cpu_before = os.getloadavg()[0], _children_cpu_s()
         start = time.perf_counter()
         # cwd and PYTHONPATH: ``python -m`` then imports this checkout, not an installed cbrun.
-        done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True
+        )
         wall = time.perf_counter() - start
         cpu = _children_cpu_s() - cpu_before
         if done.returncode != 0:
@@ -91,13 +108,28 @@ def run_command(workload: Workload) -> RunResult:
     ids = table.column("completion_token_ids").to_pylist()
     outputs = [cut_output(o or [], m, workload.stop_token_ids) for o, m in zip(ids, workload.max_new_tokens)]
     n = len(outputs)
-    info = {"generation_s": stats.get("generation_s"), "job_elapsed_s": stats.get("elapsed_s"),
-            "peak_memory_mib": stats.get("peak_memory_mib"),
-            "summary": done.stdout.strip().splitlines()[-1:], "command": "cbrun " + " ".join(command[3:]),
-            "peak_rss_method": "the job's own peak_memory_mib (stats.json)"}
-    return RunResult("cbrun-command", "", outputs, wall, cpu, [None] * n, [None] * n, None,
-                     rss_peak_mib=stats.get("peak_memory_mib"), rss_base_mib=0.0,
-                     load_avg=(load_before, os.getloadavg()[0]), info=info)
+    info = {
+        "generation_s": stats.get("generation_s"),
+        "job_elapsed_s": stats.get("elapsed_s"),
+        "peak_memory_mib": stats.get("peak_memory_mib"),
+        "summary": done.stdout.strip().splitlines()[-1:],
+        "command": "cbrun " + " ".join(command[3:]),
+        "peak_rss_method": "the job's own peak_memory_mib (stats.json)",
+    }
+    return RunResult(
+        "cbrun-command",
+        "",
+        outputs,
+        wall,
+        cpu,
+        [None] * n,
+        [None] * n,
+        None,
+        rss_peak_mib=stats.get("peak_memory_mib"),
+        rss_base_mib=0.0,
+        load_avg=(load_before, os.getloadavg()[0]),
+        info=info,
+    )
 
 
 def _children_cpu_s() -> float:

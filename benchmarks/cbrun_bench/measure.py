@@ -111,7 +111,6 @@ def measure_matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e9
 
 
-
 def timed(backend: str, setting: str, run, computed_tokens) -> RunResult:
     """Run ``run() -> (ids, absolute first times, absolute finish times)`` under the wall and CPU clocks."""
     load_before = os.getloadavg()[0]
@@ -119,10 +118,17 @@ def timed(backend: str, setting: str, run, computed_tokens) -> RunResult:
     ids, first, finish = run()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     rel = lambda times: [t - start if t is not None else None for t in times]  # noqa: E731
-    return RunResult(backend, setting, ids, wall, cpu, rel(first), rel(finish), computed_tokens(),
-                     load_avg=(load_before, os.getloadavg()[0]))
-
-
+    return RunResult(
+        backend,
+        setting,
+        ids,
+        wall,
+        cpu,
+        rel(first),
+        rel(finish),
+        computed_tokens(),
+        load_avg=(load_before, os.getloadavg()[0]),
+    )
 
 
 @dataclass
@@ -156,8 +162,6 @@ class ModelCost:
         return flops
 
 
-
-
 def machine_info(threads: int) -> dict:
     model = platform.processor() or "unknown"
     try:
@@ -167,21 +171,32 @@ def machine_info(threads: int) -> dict:
         pass
     import transformers
 
-    return dict(cpu=model, cores=os.cpu_count(), torch_threads=threads, torch=torch.__version__,
-                transformers=transformers.__version__, python=platform.python_version(), commit=git_commit(),
-                date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+    return dict(
+        cpu=model,
+        cores=os.cpu_count(),
+        torch_threads=threads,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        commit=git_commit(),
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    )
 
 
 def git_commit() -> str | None:
     """The repo's HEAD commit, with "+dirty" when tracked files changed (None outside a git checkout)."""
     repo = Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+dirty" if dirty else "")
-
-

@@ -46,12 +46,26 @@ from pathlib import Path
 import torch
 
 #: The near-free model: one layer, tiny hidden size and vocabulary.
-OVERHEAD_MODEL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None)
+OVERHEAD_MODEL = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=1024,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 #: The timed phases: table name -> (object path from the engine, method name).
-PHASES = {"schedule": ("scheduler", "schedule"), "prepare": ("model_runner", "_prepare"),
-          "upload": ("model_runner", "_upload"), "forward": ("model_runner", "_forward"), "read": ("", "_resolve")}
+PHASES = {
+    "schedule": ("scheduler", "schedule"),
+    "prepare": ("model_runner", "_prepare"),
+    "upload": ("model_runner", "_upload"),
+    "forward": ("model_runner", "_forward"),
+    "read": ("", "_resolve"),
+}
 
 
 #: The clock of every measurement: CPU seconds of the calling thread (see the module docstring).
@@ -68,8 +82,10 @@ class PhaseTimer:
             target = getattr(engine, owner) if owner else engine
             method = getattr(target, name, None)
             if method is None:
-                raise RuntimeError(f"engine-overhead: {type(target).__name__}.{name} is gone; update "
-                                   f"benchmarks.cbrun_bench.overhead.PHASES")
+                raise RuntimeError(
+                    f"engine-overhead: {type(target).__name__}.{name} is gone; update "
+                    f"benchmarks.cbrun_bench.overhead.PHASES"
+                )
             setattr(target, name, self._timed(phase, method))
 
     def _timed(self, phase: str, method):
@@ -80,6 +96,7 @@ class PhaseTimer:
             if phase == "schedule":
                 self.scheduled = len(result.scheduled)
             return result
+
         return wrapper
 
     def take(self) -> tuple[dict[str, float], int]:
@@ -110,7 +127,7 @@ def measure(model_dir: Path, running: int, args) -> dict:
         prompt = torch.randint(0, OVERHEAD_MODEL["vocab_size"], (args.prompt_len,), generator=g).tolist()
         engine.add_request(i, prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     steps = _run_timed(engine, lambda: engine.has_unfinished_requests())
-    return _summarize(steps[args.skip:], running, "mixed")
+    return _summarize(steps[args.skip :], running, "mixed")
 
 
 def measure_decode(model_dir: Path, running: int, args) -> dict:
@@ -138,8 +155,9 @@ def measure_decode(model_dir: Path, running: int, args) -> dict:
 def _engine(model_dir: Path, running: int, args):
     from engine import EngineConfig, LLMEngine
 
-    config = EngineConfig(max_requests_per_batch=running, max_batch_tokens=running + args.prefill_tokens,
-                          num_threads=1, page_size=16)
+    config = EngineConfig(
+        max_requests_per_batch=running, max_batch_tokens=running + args.prefill_tokens, num_threads=1, page_size=16
+    )
     return LLMEngine.from_pretrained(str(model_dir), config)
 
 
@@ -166,9 +184,17 @@ def _summarize(steps, running: int, scenario: str) -> dict:
     phase["prepare"] = [a + b for a, b in zip(phase["prepare"], phase.pop("upload"))]
     host = [t - p["forward"] for t, p, _ in steps]
     scheduled = sum(n for _, _, n in steps)
-    row = dict(scenario=scenario, running=running, steps=len(steps), step_us=mean(totals),
-               forward_us=mean(phase["forward"]), schedule_us=mean(phase["schedule"]),
-               prepare_us=mean(phase["prepare"]), read_us=mean(phase["read"]), host_us=mean(host))
+    row = dict(
+        scenario=scenario,
+        running=running,
+        steps=len(steps),
+        step_us=mean(totals),
+        forward_us=mean(phase["forward"]),
+        schedule_us=mean(phase["schedule"]),
+        prepare_us=mean(phase["prepare"]),
+        read_us=mean(phase["read"]),
+        host_us=mean(host),
+    )
     row["other_us"] = row["host_us"] - row["schedule_us"] - row["prepare_us"] - row["read_us"]
     row["scheduled_per_step"] = scheduled / len(steps)
     row["host_us_per_request"] = sum(host) * us / scheduled
@@ -191,17 +217,38 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    columns = ("scenario", "running", "steps", "sched. req/step", "step us", "forward us", "host us", "schedule us",
-               "prepare inputs us", "read results us", "other us", "host us / sched. req",
-               "per req.: schedule / prepare / read us")
+    columns = (
+        "scenario",
+        "running",
+        "steps",
+        "sched. req/step",
+        "step us",
+        "forward us",
+        "host us",
+        "schedule us",
+        "prepare inputs us",
+        "read results us",
+        "other us",
+        "host us / sched. req",
+        "per req.: schedule / prepare / read us",
+    )
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        cells = [r["scenario"], r["running"], r["steps"], f"{r['scheduled_per_step']:.0f}", f"{r['step_us']:.0f}",
-                 f"{r['forward_us']:.0f}", f"{r['host_us']:.0f}", f"{r['schedule_us']:.0f}",
-                 f"{r['prepare_us']:.0f}", f"{r['read_us']:.0f}", f"{r['other_us']:.0f}",
-                 f"{r['host_us_per_request']:.1f}",
-                 f"{r['schedule_us_per_request']:.1f} / {r['prepare_us_per_request']:.1f} / "
-                 f"{r['read_us_per_request']:.1f}"]
+        cells = [
+            r["scenario"],
+            r["running"],
+            r["steps"],
+            f"{r['scheduled_per_step']:.0f}",
+            f"{r['step_us']:.0f}",
+            f"{r['forward_us']:.0f}",
+            f"{r['host_us']:.0f}",
+            f"{r['schedule_us']:.0f}",
+            f"{r['prepare_us']:.0f}",
+            f"{r['read_us']:.0f}",
+            f"{r['other_us']:.0f}",
+            f"{r['host_us_per_request']:.1f}",
+            f"{r['schedule_us_per_request']:.1f} / {r['prepare_us_per_request']:.1f} / {r['read_us_per_request']:.1f}",
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -212,15 +259,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenarios", default="mixed,decode", help="comma-separated, from " + ", ".join(SCENARIOS))
     p.add_argument("--waves", type=int, default=3, help="mixed: requests = waves x running")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
-    p.add_argument("--new-tokens", type=int, default=64,
-                   help="mixed: generated tokens per request, drawn in [n/2, n]")
+    p.add_argument("--new-tokens", type=int, default=64, help="mixed: generated tokens per request, drawn in [n/2, n]")
     p.add_argument("--decode-steps", type=int, default=60, help="decode: steps timed")
     p.add_argument("--prefill-tokens", type=int, default=256, help="max_batch_tokens beyond one decode per slot")
     p.add_argument("--skip", type=int, default=5, help="first steps left out (warm-up)")
-    p.add_argument("--repeats", type=int, default=1, metavar="R",
-                   help="run every (scenario, running) pair R times round-robin; each cell is the median")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                   help="cpu: this thread's CPU time (default, steady on a shared machine); wall: perf_counter")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="run every (scenario, running) pair R times round-robin; each cell is the median",
+    )
+    p.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu: this thread's CPU time (default, steady on a shared machine); wall: perf_counter",
+    )
     p.add_argument("--json", type=Path, help="also write the rows (medians and every run) as JSON to this path")
     p.add_argument("--output", type=Path, help="also write the table, command and machine as Markdown here")
     return p
@@ -253,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     command = "cbrun bench --workload engine-overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
     if args.json:
-        args.json.write_text(json.dumps(dict(command=command, rows=rows, runs=runs), indent=2) + "\n",
-                             encoding="utf-8")
+        args.json.write_text(json.dumps(dict(command=command, rows=rows, runs=runs), indent=2) + "\n", encoding="utf-8")
     if args.output:
         args.output.write_text(_markdown(command, table, load_start, os.getloadavg(), args), encoding="utf-8")
     return 0
@@ -263,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
 def _markdown(command: str, table: str, load_start, load_end, args) -> str:
     """The results file: what ran, where, the table, and how to read it."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     clock = "this thread's CPU time (`time.thread_time`)" if args.clock == "cpu" else "wall time"

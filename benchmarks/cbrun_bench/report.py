@@ -20,28 +20,46 @@ from benchmarks.cbrun_bench.measure import ModelCost, RunResult
 from benchmarks.cbrun_bench.workloads import Workload
 
 
-def summarize(result: RunResult, workload: Workload, reference: RunResult | None, cost: ModelCost,
-              matmul_gflops: float) -> dict:
+def summarize(
+    result: RunResult, workload: Workload, reference: RunResult | None, cost: ModelCost, matmul_gflops: float
+) -> dict:
     """The JSON record of one run (a table row when it is its backend's median run)."""
     generated = sum(len(o) for o in result.outputs)
     total = generated + workload.num_prompt_tokens
     ttft = [t for t in result.first_token_s if t is not None]
-    itl = [(f - s) / (len(o) - 1) for s, f, o in zip(result.first_token_s, result.finish_s, result.outputs)
-           if s is not None and f is not None and len(o) >= 2]
+    itl = [
+        (f - s) / (len(o) - 1)
+        for s, f, o in zip(result.first_token_s, result.finish_s, result.outputs)
+        if s is not None and f is not None and len(o) >= 2
+    ]
     flops = cost.useful_flops(workload.prompts, result.outputs) / result.wall_s
-    row = dict(backend=result.backend, setting=result.setting, repeat=result.repeat, rows=len(result.outputs),
-               prompt_tokens=workload.num_prompt_tokens, generated_tokens=generated, wall_s=result.wall_s,
-               cpu_s=result.cpu_s, generated_tok_s=generated / result.wall_s, total_tok_s=total / result.wall_s,
-               # None when the run took less CPU time than its clock resolves (a subprocess's /proc times tick
-               # at 10 ms): a short run on a fast machine can read 0.
-               generated_tok_per_cpu_s=generated / result.cpu_s if result.cpu_s > 0 else None,
-               computed_tokens=result.computed_tokens,
-               cached_prompt_tokens=result.info.get("num_cached_prompt_tokens"),
-               prefix_hit_rate=result.info.get("prefix_hit_rate"),
-               ttft_s=_percentiles(ttft), itl_s=_percentiles(itl),
-               rss_peak_mib=result.rss_peak_mib, rss_base_mib=result.rss_base_mib,
-               useful_gflop_s=flops / 1e9, fraction_of_matmul_ceiling=flops / 1e9 / matmul_gflops,
-               load_avg_before=result.load_avg[0], load_avg_after=result.load_avg[1], info=result.info)
+    row = dict(
+        backend=result.backend,
+        setting=result.setting,
+        repeat=result.repeat,
+        rows=len(result.outputs),
+        prompt_tokens=workload.num_prompt_tokens,
+        generated_tokens=generated,
+        wall_s=result.wall_s,
+        cpu_s=result.cpu_s,
+        generated_tok_s=generated / result.wall_s,
+        total_tok_s=total / result.wall_s,
+        # None when the run took less CPU time than its clock resolves (a subprocess's /proc times tick
+        # at 10 ms): a short run on a fast machine can read 0.
+        generated_tok_per_cpu_s=generated / result.cpu_s if result.cpu_s > 0 else None,
+        computed_tokens=result.computed_tokens,
+        cached_prompt_tokens=result.info.get("num_cached_prompt_tokens"),
+        prefix_hit_rate=result.info.get("prefix_hit_rate"),
+        ttft_s=_percentiles(ttft),
+        itl_s=_percentiles(itl),
+        rss_peak_mib=result.rss_peak_mib,
+        rss_base_mib=result.rss_base_mib,
+        useful_gflop_s=flops / 1e9,
+        fraction_of_matmul_ceiling=flops / 1e9 / matmul_gflops,
+        load_avg_before=result.load_avg[0],
+        load_avg_after=result.load_avg[1],
+        info=result.info,
+    )
     row.update(compare_outputs(result.outputs, reference.outputs if reference else None))
     return row
 
@@ -58,8 +76,16 @@ def compare_outputs(outputs: list[list[int]], reference: list[list[int]] | None)
     if reference is None:
         return {"rows_equal": None, "rows_differing": None, "first_differences": []}
     differing = [i for i, (a, b) in enumerate(zip(outputs, reference)) if a != b]
-    first = [{"row": i, "token": next((k for k, (a, b) in enumerate(zip(outputs[i], reference[i])) if a != b),
-                                      min(len(outputs[i]), len(reference[i])))} for i in differing[:10]]
+    first = [
+        {
+            "row": i,
+            "token": next(
+                (k for k, (a, b) in enumerate(zip(outputs[i], reference[i])) if a != b),
+                min(len(outputs[i]), len(reference[i])),
+            ),
+        }
+        for i in differing[:10]
+    ]
     return {"rows_equal": len(outputs) - len(differing), "rows_differing": len(differing), "first_differences": first}
 
 
@@ -77,10 +103,18 @@ def median_runs(runs: list[dict]) -> list[dict]:
     for group in groups.values():
         by_wall = sorted(group, key=lambda run: run["wall_s"])
         speeds = [run["generated_tok_s"] for run in group]
-        rows.append({**by_wall[(len(group) - 1) // 2], "repeats": len(group),
-                     "generated_tok_s_range": [min(speeds), max(speeds)],
-                     "repeats_differing": [{"repeat": run["repeat"], "rows_differing": run["rows_differing"]}
-                                           for run in group if run["rows_differing"]]})
+        rows.append(
+            {
+                **by_wall[(len(group) - 1) // 2],
+                "repeats": len(group),
+                "generated_tok_s_range": [min(speeds), max(speeds)],
+                "repeats_differing": [
+                    {"repeat": run["repeat"], "rows_differing": run["rows_differing"]}
+                    for run in group
+                    if run["rows_differing"]
+                ],
+            }
+        )
     return rows
 
 
@@ -91,9 +125,23 @@ def add_ratios(rows: list[dict]) -> None:
         row["vs_cbrun"] = row["generated_tok_s"] / base if base else None
 
 
-TABLE_COLUMNS = ("backend", "rows", "prompt tok", "cached prompt tok (hit rate)", "gen tok", "wall s", "CPU s",
-                 "gen tok/s", "total tok/s", "vs cbrun", "TTFT p50/p99 s", "ITL p50/p99 ms",
-                 "peak RSS MiB (+ over base)", "useful GFLOP/s (% ceiling)", "outputs == cbrun")
+TABLE_COLUMNS = (
+    "backend",
+    "rows",
+    "prompt tok",
+    "cached prompt tok (hit rate)",
+    "gen tok",
+    "wall s",
+    "CPU s",
+    "gen tok/s",
+    "total tok/s",
+    "vs cbrun",
+    "TTFT p50/p99 s",
+    "ITL p50/p99 ms",
+    "peak RSS MiB (+ over base)",
+    "useful GFLOP/s (% ceiling)",
+    "outputs == cbrun",
+)
 #: The extra column when backends ran more than once, after "gen tok/s".
 SPREAD_COLUMN = "gen tok/s min-max"
 
@@ -109,10 +157,23 @@ def format_table(rows: list[dict]) -> str:
         name = f"{r['backend']} ({r['setting']})" if r["setting"] else r["backend"]
         ttft = f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f}" if r["ttft_s"] else "n/a"
         itl = f"{r['itl_s']['p50'] * 1e3:.1f} / {r['itl_s']['p99'] * 1e3:.1f}" if r["itl_s"] else "n/a"
-        cells = [name, r["rows"], r["prompt_tokens"], _cached_cell(r), r["generated_tokens"], f"{r['wall_s']:.1f}",
-                 f"{r['cpu_s']:.1f}", f"{r['generated_tok_s']:.0f}", f"{r['total_tok_s']:.0f}",
-                 f"{r['vs_cbrun']:.2f}x" if r["vs_cbrun"] else "n/a", ttft, itl, _memory_cell(r),
-                 f"{r['useful_gflop_s']:.2f} ({100 * r['fraction_of_matmul_ceiling']:.1f}%)", _outputs_cell(r)]
+        cells = [
+            name,
+            r["rows"],
+            r["prompt_tokens"],
+            _cached_cell(r),
+            r["generated_tokens"],
+            f"{r['wall_s']:.1f}",
+            f"{r['cpu_s']:.1f}",
+            f"{r['generated_tok_s']:.0f}",
+            f"{r['total_tok_s']:.0f}",
+            f"{r['vs_cbrun']:.2f}x" if r["vs_cbrun"] else "n/a",
+            ttft,
+            itl,
+            _memory_cell(r),
+            f"{r['useful_gflop_s']:.2f} ({100 * r['fraction_of_matmul_ceiling']:.1f}%)",
+            _outputs_cell(r),
+        ]
         if repeated:
             low, high = r["generated_tok_s_range"]
             cells.insert(columns.index(SPREAD_COLUMN), f"{low:.0f}-{high:.0f}")
@@ -149,11 +210,13 @@ def sharing_summary(rows: list[dict]) -> str | None:
     shared, unshared = by_backend.get("cbrun"), by_backend.get("cbrun-nosharing")
     if shared is None or unshared is None:
         return None
-    return (f"prefix sharing: cbrun served {shared['cached_prompt_tokens']} of {shared['prompt_tokens']} prompt "
-            f"tokens from its prefix cache ({100 * shared['prefix_hit_rate']:.1f}%) and ran "
-            f"{shared['computed_tokens']} tokens through the model against {unshared['computed_tokens']} without "
-            f"sharing; generated tok/s {shared['generated_tok_s'] / unshared['generated_tok_s']:.2f}x of "
-            f"cbrun-nosharing's")
+    return (
+        f"prefix sharing: cbrun served {shared['cached_prompt_tokens']} of {shared['prompt_tokens']} prompt "
+        f"tokens from its prefix cache ({100 * shared['prefix_hit_rate']:.1f}%) and ran "
+        f"{shared['computed_tokens']} tokens through the model against {unshared['computed_tokens']} without "
+        f"sharing; generated tok/s {shared['generated_tok_s'] / unshared['generated_tok_s']:.2f}x of "
+        f"cbrun-nosharing's"
+    )
 
 
 def _memory_cell(row: dict) -> str:
@@ -177,16 +240,21 @@ def vllm_summary(rows: list[dict]) -> str | None:
         return None
     best = max(tuned, key=lambda r: r["generated_tok_s"])
     name = f"{best['backend']} ({best['setting']})" if best["setting"] else f"{best['backend']} (reference)"
-    equal = "rows equal to cbrun's: " + (f"{vllm['rows_equal']}/{vllm['rows']}" if vllm["rows_equal"] is not None
-                                         else "n/a")
+    equal = "rows equal to cbrun's: " + (
+        f"{vllm['rows_equal']}/{vllm['rows']}" if vllm["rows_equal"] is not None else "n/a"
+    )
     version = vllm["info"].get("versions", {}).get("vllm", "")
-    line = (f"vs vLLM's CPU backend {version}: vLLM {vllm['generated_tok_s']:.0f} generated tok/s (engine start "
-            f"{vllm['info'].get('init_s', 0):.1f} s, not in its wall time); cbrun's best, {name}, "
-            f"{best['generated_tok_s']:.0f} = {best['generated_tok_s'] / vllm['generated_tok_s']:.2f}x")
+    line = (
+        f"vs vLLM's CPU backend {version}: vLLM {vllm['generated_tok_s']:.0f} generated tok/s (engine start "
+        f"{vllm['info'].get('init_s', 0):.1f} s, not in its wall time); cbrun's best, {name}, "
+        f"{best['generated_tok_s']:.0f} = {best['generated_tok_s'] / vllm['generated_tok_s']:.2f}x"
+    )
     defaults = next((r for r in rows if r["backend"] == "cbrun-defaults"), None)
     if defaults:
-        line += (f"; cbrun-defaults {defaults['generated_tok_s']:.0f} = "
-                 f"{defaults['generated_tok_s'] / vllm['generated_tok_s']:.2f}x")
+        line += (
+            f"; cbrun-defaults {defaults['generated_tok_s']:.0f} = "
+            f"{defaults['generated_tok_s'] / vllm['generated_tok_s']:.2f}x"
+        )
     return line + f"; vLLM {equal}"
 
 
@@ -197,14 +265,17 @@ def command_summary(rows: list[dict]) -> str | None:
     generate = [r for r in rows if r["backend"] == "hf-generate"]
     if command is None or not generate:
         return None
-    ratios = ", ".join(f"{command['generated_tok_s'] / r['generated_tok_s']:.2f}x hf-generate {r['setting']} at "
-                       f"{r['info'].get('threads', '?')} thread(s) ({r['generated_tok_s']:.0f} tok/s, generation only)"
-                       for r in generate)
+    ratios = ", ".join(
+        f"{command['generated_tok_s'] / r['generated_tok_s']:.2f}x hf-generate {r['setting']} at "
+        f"{r['info'].get('threads', '?')} thread(s) ({r['generated_tok_s']:.0f} tok/s, generation only)"
+        for r in generate
+    )
     generation_s = command["info"].get("generation_s")
-    phase = (f", {command['generated_tokens'] / generation_s:.0f} over its generation phase" if generation_s
-             else "")
-    return (f"whole command (cbrun run, default settings, process start to exit): "
-            f"{command['generated_tok_s']:.0f} generated tok/s{phase} = {ratios}{_command_split(command)}")
+    phase = f", {command['generated_tokens'] / generation_s:.0f} over its generation phase" if generation_s else ""
+    return (
+        f"whole command (cbrun run, default settings, process start to exit): "
+        f"{command['generated_tok_s']:.0f} generated tok/s{phase} = {ratios}{_command_split(command)}"
+    )
 
 
 def _command_split(command: dict) -> str:
@@ -215,11 +286,11 @@ def _command_split(command: dict) -> str:
     generation_s, job_s = info.get("generation_s"), info.get("job_elapsed_s")
     if not generation_s or not job_s:
         return ""
-    return (f"; its {command['wall_s']:.1f} s: generation {generation_s:.1f} s, job setup and finish "
-            f"{job_s - generation_s:.1f} s, interpreter start, imports before the job and exit "
-            f"{command['wall_s'] - job_s:.1f} s; peak RSS {command['rss_peak_mib']:.0f} MiB")
-
-
+    return (
+        f"; its {command['wall_s']:.1f} s: generation {generation_s:.1f} s, job setup and finish "
+        f"{job_s - generation_s:.1f} s, interpreter start, imports before the job and exit "
+        f"{command['wall_s'] - job_s:.1f} s; peak RSS {command['rss_peak_mib']:.0f} MiB"
+    )
 
 
 def format_report(report: dict) -> str:
@@ -233,7 +304,10 @@ def format_report(report: dict) -> str:
         f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
         f"commit {m['commit']}, {m['date']}; "
         f"load average (1/5/15 min) at start {_load(report['load_avg_start'])}, end {_load(report['load_avg_end'])}",
-        *_repeats_note(report["repeats"]), "", format_table(report["results"])]
+        *_repeats_note(report["repeats"]),
+        "",
+        format_table(report["results"]),
+    ]
     skipped = [f"- {s['backend']}: skipped: {s['reason']}" for s in report.get("skipped", [])]
     if skipped:
         lines += ["", *skipped]
@@ -248,11 +322,11 @@ def _repeats_note(repeats: int) -> list[str]:
     if repeats == 1:
         return []
     even = " (of an even count, the faster middle run)" if repeats % 2 == 0 else ""
-    return [f"each row: the backend's median run by wall time of {repeats} round-robin repeats{even}; ratios use "
-            f"those runs; min-max: generated tok/s over the repeats; outputs compared with cbrun's first run"]
+    return [
+        f"each row: the backend's median run by wall time of {repeats} round-robin repeats{even}; ratios use "
+        f"those runs; min-max: generated tok/s over the repeats; outputs compared with cbrun's first run"
+    ]
 
 
 def _load(values) -> str:
     return "/".join(f"{v:.2f}" for v in values)
-
-

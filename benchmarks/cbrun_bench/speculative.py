@@ -141,8 +141,16 @@ def run_once(model_dir: Path, config, requests) -> Run:
     outputs = {o.request_id: o.output_token_ids for o in engine.generate(triples, max_in_flight=len(triples))}
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     stats = engine.stats
-    return Run(wall, cpu, sum(len(t) for t in outputs.values()), stats.num_generated_tokens, stats.num_steps,
-               stats.acceptance_rate, stats.mean_tokens_per_verify_step, outputs)
+    return Run(
+        wall,
+        cpu,
+        sum(len(t) for t in outputs.values()),
+        stats.num_generated_tokens,
+        stats.num_steps,
+        stats.acceptance_rate,
+        stats.mean_tokens_per_verify_step,
+        outputs,
+    )
 
 
 def run_all(args, model_dir: Path, scratch: Path) -> tuple[dict, dict]:
@@ -156,8 +164,11 @@ def run_all(args, model_dir: Path, scratch: Path) -> tuple[dict, dict]:
     for workload in args.workloads:
         for batch in args.batches:
             n = num_requests(workload, batch)
-            requests[workload, batch] = (story_repeat_requests(n, args.shared) if workload == "story-repeat" else
-                                         gsm8k_requests(n, model_dir, scratch, args.shared))
+            requests[workload, batch] = (
+                story_repeat_requests(n, args.shared)
+                if workload == "story-repeat"
+                else gsm8k_requests(n, model_dir, scratch, args.shared)
+            )
     unavailable = {}
     for mode in args.modes:
         try:
@@ -172,9 +183,12 @@ def run_all(args, model_dir: Path, scratch: Path) -> tuple[dict, dict]:
                     continue
                 run = run_once(model_dir, mode_config(mode, batch, args.draft_model or model_dir, args.settings), reqs)
                 runs.setdefault((workload, batch, mode), []).append(run)
-                print(f"[speculative] {workload} batch {batch} {mode} (repeat {repeat}/{args.repeats}): "
-                      f"{run.generated} tokens in {run.wall_s:.1f} s ({run.tok_s:.0f} tok/s), {run.steps} steps",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[speculative] {workload} batch {batch} {mode} (repeat {repeat}/{args.repeats}): "
+                    f"{run.generated} tokens in {run.wall_s:.1f} s ({run.tok_s:.0f} tok/s), {run.steps} steps",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return runs, unavailable
 
 
@@ -193,24 +207,41 @@ def summarize(runs: dict, unavailable: dict, args) -> list[dict]:
                 tok_s = statistics.median(r.tok_s for r in group)
                 cpu_tok_s = statistics.median(r.generated / r.cpu_s for r in group)
                 first = group[0]
-                row.update(requests=len(first.outputs), generated=first.generated, tok_s=tok_s,
-                           tok_s_range=[min(r.tok_s for r in group), max(r.tok_s for r in group)],
-                           cpu_tok_s=cpu_tok_s, steps=first.steps, acceptance=first.acceptance,
-                           tokens_per_verify=first.tokens_per_verify)
+                row.update(
+                    requests=len(first.outputs),
+                    generated=first.generated,
+                    tok_s=tok_s,
+                    tok_s_range=[min(r.tok_s for r in group), max(r.tok_s for r in group)],
+                    cpu_tok_s=cpu_tok_s,
+                    steps=first.steps,
+                    acceptance=first.acceptance,
+                    tokens_per_verify=first.tokens_per_verify,
+                )
                 if off:
                     reference = off[0]
                     row["vs_off"] = tok_s / statistics.median(r.tok_s for r in off)
                     row["cpu_vs_off"] = cpu_tok_s / statistics.median(r.generated / r.cpu_s for r in off)
                     row["outputs_equal"] = all(r.outputs == reference.outputs for r in group)
-                    row["counts_equal"] = all(r.num_generated_tokens == reference.num_generated_tokens
-                                              for r in group)
+                    row["counts_equal"] = all(r.num_generated_tokens == reference.num_generated_tokens for r in group)
                 rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    columns = ("workload", "batch", "requests", "mode", "gen tok/s", "min-max", "vs off", "vs off (CPU time)",
-               "steps", "acceptance", "tokens per verify step", "outputs (and token counts) == off")
+    columns = (
+        "workload",
+        "batch",
+        "requests",
+        "mode",
+        "gen tok/s",
+        "min-max",
+        "vs off",
+        "vs off (CPU time)",
+        "steps",
+        "acceptance",
+        "tokens per verify step",
+        "outputs (and token counts) == off",
+    )
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         if "unavailable" in r:
@@ -218,30 +249,48 @@ def format_table(rows: list[dict]) -> str:
             cells += [""] * (len(columns) - len(cells))
         else:
             spec = r["mode"] != "off"
-            equal = ("reference" if not spec else
-                     "yes" if r.get("outputs_equal") and r.get("counts_equal") else "NO")
-            cells = [r["workload"], r["batch"], r["requests"], r["mode"], f"{r['tok_s']:.0f}",
-                     f"{r['tok_s_range'][0]:.0f}-{r['tok_s_range'][1]:.0f}", f"{r.get('vs_off', 1):.2f}x",
-                     f"{r.get('cpu_vs_off', 1):.2f}x", r["steps"],
-                     f"{100 * r['acceptance']:.1f}%" if spec else "", f"{r['tokens_per_verify']:.2f}" if spec else "",
-                     equal]
+            equal = "reference" if not spec else "yes" if r.get("outputs_equal") and r.get("counts_equal") else "NO"
+            cells = [
+                r["workload"],
+                r["batch"],
+                r["requests"],
+                r["mode"],
+                f"{r['tok_s']:.0f}",
+                f"{r['tok_s_range'][0]:.0f}-{r['tok_s_range'][1]:.0f}",
+                f"{r.get('vs_off', 1):.2f}x",
+                f"{r.get('cpu_vs_off', 1):.2f}x",
+                r["steps"],
+                f"{100 * r['acceptance']:.1f}%" if spec else "",
+                f"{r['tokens_per_verify']:.2f}" if spec else "",
+                equal,
+            ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
 def format_report(rows: list[dict], args, argv: list[str], load_start, load_end) -> str:
     m = machine_info(1)
-    return "\n".join([
-        "# Speculative decoding: off / ngram / draft on stories260K (`cbrun bench --workload speculative`)", "",
-        f"Command: `cbrun bench --workload speculative {' '.join(argv)}`".rstrip() + "", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}; commit "
-        f"{git_commit()}; {m['date']}; load average (1/5/15 min) at start "
-        f"{'/'.join(f'{v:.2f}' for v in load_start)}, end {'/'.join(f'{v:.2f}' for v in load_end)}.", "",
-        "One CPU thread; engine defaults otherwise (" + _settings_text(args.settings) + "). Each row: the median of "
-        f"{args.repeats} round-robin runs by generated tokens/s (wall time); \"vs off\" divides the medians; "
-        "\"vs off (CPU time)\" does the same with process CPU time, steadier on a shared machine. Workloads and "
-        "method: `benchmarks/cbrun_bench/speculative.py`.", "",
-        format_table(rows), ""])
+    return "\n".join(
+        [
+            "# Speculative decoding: off / ngram / draft on stories260K (`cbrun bench --workload speculative`)",
+            "",
+            f"Command: `cbrun bench --workload speculative {' '.join(argv)}`".rstrip() + "",
+            "",
+            f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}; commit "
+            f"{git_commit()}; {m['date']}; load average (1/5/15 min) at start "
+            f"{'/'.join(f'{v:.2f}' for v in load_start)}, end {'/'.join(f'{v:.2f}' for v in load_end)}.",
+            "",
+            "One CPU thread; engine defaults otherwise ("
+            + _settings_text(args.settings)
+            + "). Each row: the median of "
+            f'{args.repeats} round-robin runs by generated tokens/s (wall time); "vs off" divides the medians; '
+            '"vs off (CPU time)" does the same with process CPU time, steadier on a shared machine. Workloads and '
+            "method: `benchmarks/cbrun_bench/speculative.py`.",
+            "",
+            format_table(rows),
+            "",
+        ]
+    )
 
 
 def _settings_text(settings: dict) -> str:
@@ -259,8 +308,11 @@ def write_readme_table(readme: Path, rows: list[dict]) -> None:
     """Replace the README block between ``README_START`` and ``README_END`` with the short table."""
     text = readme.read_text(encoding="utf-8")
     start, end = text.index(README_START) + len(README_START), text.index(README_END)
-    lines = ["", "| workload | batch | mode | off tok/s | mode tok/s | vs off | acceptance | tokens per verify step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "| workload | batch | mode | off tok/s | mode tok/s | vs off | acceptance | tokens per verify step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     by_key = {(r["workload"], r["batch"], r["mode"]): r for r in rows}
     for (workload, batch, mode), r in by_key.items():
         off = by_key.get((workload, batch, "off"))
@@ -269,8 +321,10 @@ def write_readme_table(readme: Path, rows: list[dict]) -> None:
         if "unavailable" in r:
             lines.append(f"| {workload} | {batch} | {mode} | {off['tok_s']:.0f} | not available | | | |")
             continue
-        lines.append(f"| {workload} | {batch} | {mode} | {off['tok_s']:.0f} | {r['tok_s']:.0f} | {r['vs_off']:.2f}x | "
-                     f"{100 * r['acceptance']:.1f}% | {r['tokens_per_verify']:.2f} |")
+        lines.append(
+            f"| {workload} | {batch} | {mode} | {off['tok_s']:.0f} | {r['tok_s']:.0f} | {r['vs_off']:.2f}x | "
+            f"{100 * r['acceptance']:.1f}% | {r['tokens_per_verify']:.2f} |"
+        )
     readme.write_text(text[:start] + "\n".join(lines) + "\n" + text[end:], encoding="utf-8")
 
 
@@ -286,8 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="write the Markdown report here (e.g. benchmarks/results-speculative.md)")
     p.add_argument("--readme", type=Path, help=f"rewrite the table between {README_START} and {README_END} here")
     p.add_argument("--json", type=Path, help="also write the rows as JSON to this path")
-    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
-                   help="an EngineConfig setting for every run, e.g. speculative_row_cost=0.03 (repeatable)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an EngineConfig setting for every run, e.g. speculative_row_cost=0.03 (repeatable)",
+    )
     return p
 
 
@@ -321,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         write_readme_table(args.readme, rows)
     if args.json:
-        args.json.write_text(json.dumps(dict(date=datetime.datetime.now().isoformat(), rows=rows), indent=2) + "\n",
-                             encoding="utf-8")
+        args.json.write_text(
+            json.dumps(dict(date=datetime.datetime.now().isoformat(), rows=rows), indent=2) + "\n", encoding="utf-8"
+        )
     return 0
 
 

@@ -43,17 +43,26 @@ SCHEMA = {
         "answer": {"type": "integer", "minimum": 0, "maximum": 100000},
         "unit": {"enum": ["dollars", "items", "hours", "people", "other"]},
         "steps": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 3},
-        "check": {"type": "object", "properties": {"confident": {"type": "boolean"},
-                                                   "note": {"type": "string", "maxLength": 16}},
-                  "required": ["confident", "note"], "additionalProperties": False},
+        "check": {
+            "type": "object",
+            "properties": {"confident": {"type": "boolean"}, "note": {"type": "string", "maxLength": 16}},
+            "required": ["confident", "note"],
+            "additionalProperties": False,
+        },
     },
     "required": ["answer", "unit", "steps", "check"],
     "additionalProperties": False,
 }
 VOCAB = RANDOM_LLAMA["vocab_size"]
 #: The benchmark's model: ``RANDOM_LLAMA``'s vocabulary on a smaller body.
-STRUCTURED_LLAMA = {**RANDOM_LLAMA, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-                    "num_key_value_heads": 2, "intermediate_size": 704}
+STRUCTURED_LLAMA = {
+    **RANDOM_LLAMA,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 704,
+}
 RESULTS = Path(__file__).resolve().parents[1] / "results-structured-outputs.md"
 
 
@@ -69,8 +78,12 @@ def build_tokenizer(out_dir: Path, shared: Path | None = None):
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out_dir)
@@ -95,19 +108,30 @@ def run(engine_config, model_dir: Path, prompts: list[list[int]], params: list) 
     engine = LLMEngine.from_pretrained(str(model_dir), engine_config)
     forward = _time_forward(engine)
     start = time.perf_counter()
-    outputs = sorted(engine.generate((i, p, q) for i, (p, q) in enumerate(zip(prompts, params))),
-                     key=lambda o: o.request_id)
+    outputs = sorted(
+        engine.generate((i, p, q) for i, (p, q) in enumerate(zip(prompts, params))), key=lambda o: o.request_id
+    )
     wall = time.perf_counter() - start
     stats = engine.stats
-    texts = [engine.tokenizer.decode(o.output_token_ids, skip_special_tokens=True) if o.text is None else o.text
-             for o in outputs]
-    return {"wall_s": wall, "forward_s": forward[0], "host_s": wall - forward[0],
-            "tokens": stats.num_generated_tokens, "tok_s": stats.num_generated_tokens / wall,
-            "steps": stats.num_steps, "compile_s": stats.grammar_compile_seconds,
-            "mask_steps": stats.num_grammar_mask_steps, "mask_s": stats.grammar_mask_seconds,
-            "stop": sum(o.finish_reason == "stop" for o in outputs), "texts": texts,
-            "lengths": [len(o.output_token_ids) for o in outputs],
-            "errors": sum(o.finish_reason == "error" for o in outputs)}
+    texts = [
+        engine.tokenizer.decode(o.output_token_ids, skip_special_tokens=True) if o.text is None else o.text
+        for o in outputs
+    ]
+    return {
+        "wall_s": wall,
+        "forward_s": forward[0],
+        "host_s": wall - forward[0],
+        "tokens": stats.num_generated_tokens,
+        "tok_s": stats.num_generated_tokens / wall,
+        "steps": stats.num_steps,
+        "compile_s": stats.grammar_compile_seconds,
+        "mask_steps": stats.num_grammar_mask_steps,
+        "mask_s": stats.grammar_mask_seconds,
+        "stop": sum(o.finish_reason == "stop" for o in outputs),
+        "texts": texts,
+        "lengths": [len(o.output_token_ids) for o in outputs],
+        "errors": sum(o.finish_reason == "error" for o in outputs),
+    }
 
 
 def _time_forward(engine) -> list[float]:
@@ -147,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="cbrun-structured-")) / "model"
     tokenizer = build_model(model_dir, args.shared)
     prompts = tokenizer(gsm8k_questions(args.rows, args.shared))["input_ids"]
-    config = EngineConfig(device=args.device, num_threads=args.threads, max_requests_per_batch=args.rows,
-                          max_batch_tokens=4096)
+    config = EngineConfig(
+        device=args.device, num_threads=args.threads, max_requests_per_batch=args.rows, max_batch_tokens=4096
+    )
     free = SamplingParams(max_new_tokens=args.max_new_tokens)
     constraint = StructuredOutputsParams(json=SCHEMA)
     constrained = [free.replace(structured_outputs=constraint)] * len(prompts)
@@ -170,29 +195,45 @@ def main(argv: list[str] | None = None) -> int:
 def _report(args, runs: dict, valid: int) -> str:
     base, json_run = runs["unconstrained, same lengths"], runs["json schema"]
     mask_ms = 1000 * json_run["mask_s"] / max(1, json_run["mask_steps"])
-    lines = [f"# cbrun bench --workload structured ({datetime.date.today()}, commit {git_commit()})", "",
-             f"Machine: {machine_info(args.threads)['cpu']}, {args.device}; shared with other jobs while measured. "
-             f"{args.rows} rows, max_new_tokens {args.max_new_tokens}, greedy, {args.threads} threads, one run each. "
-             "Model: random Llama (hidden 256, 4 layers, vocab 32000) with a 32000-token byte-level BPE tokenizer "
-             "trained on GSM8K train.", "",
-             "| run | generated tokens | steps | wall s | forward s | host s (rest) | tok/s | vs same lengths | "
-             "rows ended by stop |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# cbrun bench --workload structured ({datetime.date.today()}, commit {git_commit()})",
+        "",
+        f"Machine: {machine_info(args.threads)['cpu']}, {args.device}; shared with other jobs while measured. "
+        f"{args.rows} rows, max_new_tokens {args.max_new_tokens}, greedy, {args.threads} threads, one run each. "
+        "Model: random Llama (hidden 256, 4 layers, vocab 32000) with a 32000-token byte-level BPE tokenizer "
+        "trained on GSM8K train.",
+        "",
+        "| run | generated tokens | steps | wall s | forward s | host s (rest) | tok/s | vs same lengths | "
+        "rows ended by stop |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in runs.items():
-        lines.append(f"| {name} | {r['tokens']} | {r['steps']} | {r['wall_s']:.1f} | {r['forward_s']:.1f} | "
-                     f"{r['host_s']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
-                     f"{r['stop']} / {args.rows} |")
+        lines.append(
+            f"| {name} | {r['tokens']} | {r['steps']} | {r['wall_s']:.1f} | {r['forward_s']:.1f} | "
+            f"{r['host_s']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
+            f"{r['stop']} / {args.rows} |"
+        )
     # The forward passes are the same work in both runs; their time swings with the machine's load. With the
     # unconstrained run's forward time in both, the ratio is the host time's alone.
     same_forward = (base["forward_s"] + base["host_s"]) / (base["forward_s"] + json_run["host_s"])
-    lines += ["", f"- ratio with equal forward time (the unconstrained run's {base['forward_s']:.1f} s in both): "
-              f"{same_forward:.2f}x; grammar host time per step: "
-              f"{1000 * (json_run['host_s'] - base['host_s']) / json_run['steps']:.1f} ms",
-              f"- grammar compile (one schema, on the compile thread): {json_run['compile_s']:.3f} s",
-              f"- bitmask fill + upload per step at up to {args.rows} constrained rows: {mask_ms:.2f} ms "
-              f"({json_run['mask_steps']} steps, {json_run['mask_s']:.2f} s in all, "
-              f"{100 * json_run['mask_s'] / json_run['wall_s']:.1f}% of the run)",
-              f"- rows that parse and validate (jsonschema): {valid} / {args.rows}; errors: {json_run['errors']}",
-              "", "Schema:", "", "```json", json.dumps(SCHEMA, indent=1), "```", ""]
+    lines += [
+        "",
+        f"- ratio with equal forward time (the unconstrained run's {base['forward_s']:.1f} s in both): "
+        f"{same_forward:.2f}x; grammar host time per step: "
+        f"{1000 * (json_run['host_s'] - base['host_s']) / json_run['steps']:.1f} ms",
+        f"- grammar compile (one schema, on the compile thread): {json_run['compile_s']:.3f} s",
+        f"- bitmask fill + upload per step at up to {args.rows} constrained rows: {mask_ms:.2f} ms "
+        f"({json_run['mask_steps']} steps, {json_run['mask_s']:.2f} s in all, "
+        f"{100 * json_run['mask_s'] / json_run['wall_s']:.1f}% of the run)",
+        f"- rows that parse and validate (jsonschema): {valid} / {args.rows}; errors: {json_run['errors']}",
+        "",
+        "Schema:",
+        "",
+        "```json",
+        json.dumps(SCHEMA, indent=1),
+        "```",
+        "",
+    ]
     return "\n".join(lines)
 
 

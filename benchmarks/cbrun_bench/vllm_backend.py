@@ -43,8 +43,18 @@ from benchmarks.cbrun_bench.workloads import Workload, cut_output
 #: The script ``--vllm-python`` executes.
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 #: Keys the runner's result must have (kept equal to ``vllm_runner.RESULT_KEYS``; a test checks it).
-RESULT_KEYS = ("outputs", "wall_s", "cpu_s", "init_s", "first_token_s", "finish_s", "rss_base_mib", "rss_peak_mib",
-               "versions", "config")
+RESULT_KEYS = (
+    "outputs",
+    "wall_s",
+    "cpu_s",
+    "init_s",
+    "first_token_s",
+    "finish_s",
+    "rss_base_mib",
+    "rss_peak_mib",
+    "versions",
+    "config",
+)
 #: Why the backend did not run when ``--vllm-python`` is absent.
 SKIPPED_REASON = "no --vllm-python PATH given (vLLM runs in its own virtual environment; see benchmarks/README.md)"
 
@@ -63,8 +73,12 @@ class VllmOptions:
         cores = "0" if self.threads == 1 else f"0-{self.threads - 1}"
         # NOTE: VLLM_USE_AOT_COMPILE=0 keeps the same inductor compile but caches it the older way, which vLLM
         # 0.32 loads back here (its AOT cache does not), so every run after the first starts in seconds, not minutes.
-        return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib),
-                "VLLM_USE_AOT_COMPILE": "0"}
+        return {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": cores,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib),
+            "VLLM_USE_AOT_COMPILE": "0",
+        }
 
 
 def parse_vllm_arg(assignment: str) -> tuple[str, object]:
@@ -89,8 +103,9 @@ def vllm_version(python: str) -> str:
         ValueError: when the interpreter cannot be run or cannot import vllm (a setup error, said before any run).
     """
     try:
-        done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run(
+            [python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=600
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ValueError(f"--vllm-python {python}: cannot run it ({e})") from e
     if done.returncode != 0:
@@ -101,9 +116,15 @@ def vllm_version(python: str) -> str:
 
 def build_request(workload: Workload, seed: int, llm_kwargs: dict) -> dict:
     """The runner's request for ``workload`` (see ``vllm_runner``)."""
-    return {"model_dir": str(Path(workload.model_dir).resolve()), "prompts": workload.prompts,
-            "max_tokens": workload.max_new_tokens, "ignore_eos": workload.ignore_eos,
-            "stop_token_ids": list(workload.stop_token_ids), "seed": seed, "llm_kwargs": llm_kwargs}
+    return {
+        "model_dir": str(Path(workload.model_dir).resolve()),
+        "prompts": workload.prompts,
+        "max_tokens": workload.max_new_tokens,
+        "ignore_eos": workload.ignore_eos,
+        "stop_token_ids": list(workload.stop_token_ids),
+        "seed": seed,
+        "llm_kwargs": llm_kwargs,
+    }
 
 
 def run_vllm(workload: Workload, options: VllmOptions, seed: int = 0) -> RunResult:
@@ -119,8 +140,12 @@ def run_vllm(workload: Workload, options: VllmOptions, seed: int = 0) -> RunResu
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(build_request(workload, seed, options.llm_kwargs)), encoding="utf-8")
         load_before, start = os.getloadavg()[0], time.perf_counter()
-        done = subprocess.run([options.python, str(RUNNER), str(request_path), str(result_path)], env=options.env(),
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [options.python, str(RUNNER), str(request_path), str(result_path)],
+            env=options.env(),
+            capture_output=True,
+            text=True,
+        )
         process_s = time.perf_counter() - start
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-15:])
@@ -137,12 +162,31 @@ def result_to_run(result: dict, workload: Workload, process_s: float, load_avg: 
     """
     missing = [k for k in RESULT_KEYS if k not in result]
     if missing or len(result["outputs"]) != len(workload.prompts):
-        raise RuntimeError(f"the vLLM runner's result breaks the contract: missing keys {missing}, "
-                           f"{len(result.get('outputs', []))} output rows for {len(workload.prompts)} prompts")
-    outputs = [cut_output(list(o), m, workload.stop_token_ids)
-               for o, m in zip(result["outputs"], workload.max_new_tokens)]
-    info = {"init_s": result["init_s"], "process_s": process_s, "versions": result["versions"],
-            **result["config"], "peak_rss_method": "sum of VmHWM over vLLM's process tree"}
-    return RunResult("vllm", "", outputs, result["wall_s"], result["cpu_s"], result["first_token_s"],
-                     result["finish_s"], None, rss_base_mib=result["rss_base_mib"],
-                     rss_peak_mib=result["rss_peak_mib"], load_avg=load_avg, info=info)
+        raise RuntimeError(
+            f"the vLLM runner's result breaks the contract: missing keys {missing}, "
+            f"{len(result.get('outputs', []))} output rows for {len(workload.prompts)} prompts"
+        )
+    outputs = [
+        cut_output(list(o), m, workload.stop_token_ids) for o, m in zip(result["outputs"], workload.max_new_tokens)
+    ]
+    info = {
+        "init_s": result["init_s"],
+        "process_s": process_s,
+        "versions": result["versions"],
+        **result["config"],
+        "peak_rss_method": "sum of VmHWM over vLLM's process tree",
+    }
+    return RunResult(
+        "vllm",
+        "",
+        outputs,
+        result["wall_s"],
+        result["cpu_s"],
+        result["first_token_s"],
+        result["finish_s"],
+        None,
+        rss_base_mib=result["rss_base_mib"],
+        rss_peak_mib=result["rss_peak_mib"],
+        load_avg=load_avg,
+        info=info,
+    )

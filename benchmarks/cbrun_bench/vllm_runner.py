@@ -37,11 +37,27 @@ import sys
 import time
 
 #: Keys every result file has (``benchmarks.cbrun_bench.vllm_backend`` checks them).
-RESULT_KEYS = ("outputs", "wall_s", "cpu_s", "init_s", "first_token_s", "finish_s", "rss_base_mib", "rss_peak_mib",
-               "versions", "config")
+RESULT_KEYS = (
+    "outputs",
+    "wall_s",
+    "cpu_s",
+    "init_s",
+    "first_token_s",
+    "finish_s",
+    "rss_base_mib",
+    "rss_peak_mib",
+    "versions",
+    "config",
+)
 #: Environment variables copied into the result, so the JSON says how vLLM was set up.
-REPORTED_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU",
-                "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_AOT_COMPILE")
+REPORTED_ENV = (
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "OMP_NUM_THREADS",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_USE_AOT_COMPILE",
+)
 
 
 def _process_tree() -> list[int]:
@@ -104,20 +120,41 @@ def run(request: dict) -> dict:
 
     rss_base = tree_rss_mib(peak=False)
     init_start = time.perf_counter()
-    llm = LLM(model=request["model_dir"], dtype="float32", seed=request["seed"], skip_tokenizer_init=True,
-              **request.get("llm_kwargs", {}))
+    llm = LLM(
+        model=request["model_dir"],
+        dtype="float32",
+        seed=request["seed"],
+        skip_tokenizer_init=True,
+        **request.get("llm_kwargs", {}),
+    )
     init_s = time.perf_counter() - init_start
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=request["ignore_eos"],
-                             stop_token_ids=request["stop_token_ids"] or None, detokenize=False)
-              for m in request["max_tokens"]]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=m,
+            ignore_eos=request["ignore_eos"],
+            stop_token_ids=request["stop_token_ids"] or None,
+            detokenize=False,
+        )
+        for m in request["max_tokens"]
+    ]
     prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
     cpu_start, start, start_monotonic = tree_cpu_s(), time.perf_counter(), time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall_s, cpu_s = time.perf_counter() - start, tree_cpu_s() - cpu_start
     times = [_request_times(o, start_monotonic) for o in outputs]
-    return dict(outputs=[list(o.outputs[0].token_ids) for o in outputs], wall_s=wall_s, cpu_s=cpu_s, init_s=init_s,
-                first_token_s=[t[0] for t in times], finish_s=[t[1] for t in times], rss_base_mib=rss_base,
-                rss_peak_mib=tree_rss_mib(peak=True), versions=_versions(vllm), config=_config(llm))
+    return dict(
+        outputs=[list(o.outputs[0].token_ids) for o in outputs],
+        wall_s=wall_s,
+        cpu_s=cpu_s,
+        init_s=init_s,
+        first_token_s=[t[0] for t in times],
+        finish_s=[t[1] for t in times],
+        rss_base_mib=rss_base,
+        rss_peak_mib=tree_rss_mib(peak=True),
+        versions=_versions(vllm),
+        config=_config(llm),
+    )
 
 
 def _versions(vllm) -> dict:
@@ -130,9 +167,11 @@ def _versions(vllm) -> dict:
 def _config(llm) -> dict:
     """The scheduler limits vLLM chose (its defaults unless ``llm_kwargs`` set them) and the CPU environment."""
     scheduler = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
-    return {"max_num_seqs": getattr(scheduler, "max_num_seqs", None),
-            "max_num_batched_tokens": getattr(scheduler, "max_num_batched_tokens", None),
-            "env": {k: os.environ[k] for k in REPORTED_ENV if k in os.environ}}
+    return {
+        "max_num_seqs": getattr(scheduler, "max_num_seqs", None),
+        "max_num_batched_tokens": getattr(scheduler, "max_num_batched_tokens", None),
+        "env": {k: os.environ[k] for k in REPORTED_ENV if k in os.environ},
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -47,24 +47,52 @@ FEWSHOT_EXEMPLARS = 1
 #: ``gsm8k-long``: each row generates up to this many tokens, capped by the context.
 LONG_MAX_NEW_TOKENS = 256
 
-WORKLOADS = ("gsm8k-stories260k", "gsm8k-long", "random-llama-30m", "gsm8k-fewshot", "vllm-random-llama",
-             "random-llama-100m")
+WORKLOADS = (
+    "gsm8k-stories260k",
+    "gsm8k-long",
+    "random-llama-30m",
+    "gsm8k-fewshot",
+    "vllm-random-llama",
+    "random-llama-100m",
+)
 #: Rows per workload when --rows is not given, chosen so every backend ends in a few minutes on 2 CPU cores.
-DEFAULT_ROWS = {"gsm8k-stories260k": 512, "gsm8k-long": 256, "random-llama-30m": 64, "gsm8k-fewshot": 512,
-                "vllm-random-llama": 128, "random-llama-100m": 256}
+DEFAULT_ROWS = {
+    "gsm8k-stories260k": 512,
+    "gsm8k-long": 256,
+    "random-llama-30m": 64,
+    "gsm8k-fewshot": 512,
+    "vllm-random-llama": 128,
+    "random-llama-100m": 256,
+}
 
 #: Shape of the random Llama of the ``random-llama-30m`` workload (about 40M parameters with tied embeddings).
-RANDOM_LLAMA = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                    intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=True,
-                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+RANDOM_LLAMA = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1408,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 #: Shape of the ``vllm-random-llama`` workload's model: ``RANDOM_LLAMA`` with a 512-token vocabulary (head_dim 64).
 VLLM_RANDOM_LLAMA = {**RANDOM_LLAMA, "vocab_size": 512}
 #: ``vllm-random-llama``: prompt lengths are drawn uniformly from this range (inclusive).
 VLLM_PROMPT_LENGTHS = (40, 300)
 #: Shape of the ``random-llama-100m`` workload's model (about 100M parameters with tied embeddings).
-RANDOM_LLAMA_100M = {**RANDOM_LLAMA, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-                     "num_key_value_heads": 4, "intermediate_size": 2048}
+RANDOM_LLAMA_100M = {
+    **RANDOM_LLAMA,
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2048,
+}
 #: ``random-llama-100m``: prompt lengths are drawn uniformly from this range (inclusive).
 SAMPLER_PROMPT_LENGTHS = (16, 48)
 
@@ -119,8 +147,15 @@ class Workload:
         return sum(len(p) for p in self.prompts)
 
 
-def build_workload(name: str, rows: int, new_tokens: tuple[int, int], seed: int, model_dir: Path | None,
-                   scratch: Path, shared: Path | None = None) -> Workload:
+def build_workload(
+    name: str,
+    rows: int,
+    new_tokens: tuple[int, int],
+    seed: int,
+    model_dir: Path | None,
+    scratch: Path,
+    shared: Path | None = None,
+) -> Workload:
     """Build a workload by name.
 
     Args:
@@ -139,8 +174,16 @@ def build_workload(name: str, rows: int, new_tokens: tuple[int, int], seed: int,
     if name == "vllm-random-llama":
         return _vllm_random_llama_workload(rows, new_tokens, seed, model_dir or scratch / "vllm-random-llama")
     if name == "random-llama-100m":
-        return _random_ids_workload(name, RANDOM_LLAMA_100M, SAMPLER_PROMPT_LENGTHS, rows, new_tokens, seed,
-                                    model_dir or scratch / name, "issue 30's sampler workload")
+        return _random_ids_workload(
+            name,
+            RANDOM_LLAMA_100M,
+            SAMPLER_PROMPT_LENGTHS,
+            rows,
+            new_tokens,
+            seed,
+            model_dir or scratch / name,
+            "issue 30's sampler workload",
+        )
     shared = shared_dir(shared)
     if name == "gsm8k-stories260k":
         return _stories_workload(rows, new_tokens, seed, model_dir or scratch / "stories260k", shared)
@@ -163,8 +206,9 @@ def gsm8k_questions(rows: int, shared: Path | None = None) -> list[str]:
     return questions[:rows]
 
 
-def draw_max_new_tokens(prompts: list[list[int]], new_tokens: tuple[int, int], max_model_len: int,
-                        seed: int) -> list[int]:
+def draw_max_new_tokens(
+    prompts: list[list[int]], new_tokens: tuple[int, int], max_model_len: int, seed: int
+) -> list[int]:
     """Per row, uniform in ``new_tokens`` (inclusive) from ``seed``, capped so prompt + completion fit the model."""
     rng = random.Random(seed)
     low, high = new_tokens
@@ -184,6 +228,7 @@ def fewshot_template(exemplars: list[dict]) -> str:
     Braces in the exemplar text are doubled so that only ``{question}`` is a field. With GSM8K train row 0 it is
     manifests/gsm8k-fewshot.toml's ``input.template``.
     """
+
     def escape(text: str) -> str:
         return text.replace("{", "{{").replace("}", "}}")
 
@@ -194,9 +239,15 @@ def fewshot_template(exemplars: list[dict]) -> str:
 def _stories_workload(rows: int, new_tokens: tuple[int, int], seed: int, model_dir: Path, shared: Path) -> Workload:
     tokenizer = _stories_model(model_dir, shared)
     prompts = tokenizer(gsm8k_questions(rows, shared))["input_ids"]
-    return Workload("gsm8k-stories260k", model_dir, prompts,
-                    draw_max_new_tokens(prompts, new_tokens, STORIES_CONTEXT, seed), (1,), STORIES_CONTEXT,
-                    f"stories260K on the first {rows} GSM8K test questions, {_stories_limits(new_tokens, seed)}")
+    return Workload(
+        "gsm8k-stories260k",
+        model_dir,
+        prompts,
+        draw_max_new_tokens(prompts, new_tokens, STORIES_CONTEXT, seed),
+        (1,),
+        STORIES_CONTEXT,
+        f"stories260K on the first {rows} GSM8K test questions, {_stories_limits(new_tokens, seed)}",
+    )
 
 
 def _long_workload(rows: int, model_dir: Path, shared: Path) -> Workload:
@@ -204,28 +255,44 @@ def _long_workload(rows: int, model_dir: Path, shared: Path) -> Workload:
     tokenizer = _stories_model(model_dir, shared)
     prompts = tokenizer(gsm8k_questions(rows, shared))["input_ids"]
     limits = [min(LONG_MAX_NEW_TOKENS, STORIES_CONTEXT - len(p)) for p in prompts]
-    return Workload("gsm8k-long", model_dir, prompts, limits, (1,), STORIES_CONTEXT,
-                    f"stories260K on the first {rows} GSM8K test questions, greedy, stop token 1, max_new_tokens = "
-                    f"min({LONG_MAX_NEW_TOKENS}, {STORIES_CONTEXT} - prompt)")
+    return Workload(
+        "gsm8k-long",
+        model_dir,
+        prompts,
+        limits,
+        (1,),
+        STORIES_CONTEXT,
+        f"stories260K on the first {rows} GSM8K test questions, greedy, stop token 1, max_new_tokens = "
+        f"min({LONG_MAX_NEW_TOKENS}, {STORIES_CONTEXT} - prompt)",
+    )
 
 
 def _fewshot_workload(rows: int, new_tokens: tuple[int, int], seed: int, model_dir: Path, shared: Path) -> Workload:
     tokenizer = _stories_model(model_dir, shared)
     template = fewshot_template(gsm8k_exemplars(FEWSHOT_EXEMPLARS, shared))
     # verbose=False: prompts longer than the context are expected here and dropped just below.
-    encoded = tokenizer([template.format(question=q) for q in gsm8k_questions(rows, shared)],
-                        verbose=False)["input_ids"]
+    encoded = tokenizer([template.format(question=q) for q in gsm8k_questions(rows, shared)], verbose=False)[
+        "input_ids"
+    ]
     prompts = [p for p in encoded if len(p) < STORIES_CONTEXT]  # a full-context prompt leaves no room to generate
     if not prompts:
-        raise ValueError(f"no gsm8k-fewshot prompt of the first {rows} questions fits the {STORIES_CONTEXT}-token "
-                         f"context; raise --rows")
+        raise ValueError(
+            f"no gsm8k-fewshot prompt of the first {rows} questions fits the {STORIES_CONTEXT}-token "
+            f"context; raise --rows"
+        )
     num_shared = len(os.path.commonprefix(prompts))
-    return Workload("gsm8k-fewshot", model_dir, prompts,
-                    draw_max_new_tokens(prompts, new_tokens, STORIES_CONTEXT, seed), (1,), STORIES_CONTEXT,
-                    f"stories260K on the first {rows} GSM8K test questions, each after the same 1-shot exemplar "
-                    f"(GSM8K train row 0, as manifests/gsm8k-fewshot.toml): {num_shared} shared prompt tokens; "
-                    f"{rows - len(prompts)} rows left out (prompt of >= {STORIES_CONTEXT} tokens, no room to "
-                    f"generate), {len(prompts)} run; {_stories_limits(new_tokens, seed)}")
+    return Workload(
+        "gsm8k-fewshot",
+        model_dir,
+        prompts,
+        draw_max_new_tokens(prompts, new_tokens, STORIES_CONTEXT, seed),
+        (1,),
+        STORIES_CONTEXT,
+        f"stories260K on the first {rows} GSM8K test questions, each after the same 1-shot exemplar "
+        f"(GSM8K train row 0, as manifests/gsm8k-fewshot.toml): {num_shared} shared prompt tokens; "
+        f"{rows - len(prompts)} rows left out (prompt of >= {STORIES_CONTEXT} tokens, no room to "
+        f"generate), {len(prompts)} run; {_stories_limits(new_tokens, seed)}",
+    )
 
 
 def _stories_model(model_dir: Path, shared: Path):
@@ -241,12 +308,15 @@ def _stories_model(model_dir: Path, shared: Path):
 
 
 def _stories_limits(new_tokens: tuple[int, int], seed: int) -> str:
-    return (f"stop token 1, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]} (seed {seed}), capped by the "
-            f"{STORIES_CONTEXT}-token context")
+    return (
+        f"stop token 1, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]} (seed {seed}), capped by the "
+        f"{STORIES_CONTEXT}-token context"
+    )
 
 
-def _random_llama_workload(rows: int, new_tokens: tuple[int, int], seed: int, model_dir: Path,
-                           shared: Path) -> Workload:
+def _random_llama_workload(
+    rows: int, new_tokens: tuple[int, int], seed: int, model_dir: Path, shared: Path
+) -> Workload:
     if not (model_dir / "config.json").is_file():
         build_random_llama(model_dir, seed)
     lengths = [len(ids) for ids in _stories_tokenizer(shared)(gsm8k_questions(rows, shared))["input_ids"]]
@@ -254,17 +324,25 @@ def _random_llama_workload(rows: int, new_tokens: tuple[int, int], seed: int, mo
     vocab = RANDOM_LLAMA["vocab_size"]
     prompts = [[1] + torch.randint(3, vocab, (n - 1,), generator=g).tolist() for n in lengths]
     max_len = RANDOM_LLAMA["max_position_embeddings"]
-    return Workload("random-llama-30m", model_dir, prompts, draw_max_new_tokens(prompts, new_tokens, max_len, seed),
-                    (RANDOM_LLAMA["eos_token_id"],), max_len,
-                    f"random-init Llama ({_shape_text(RANDOM_LLAMA)}) on {rows} prompts of random ids with the "
-                    f"stories260K token lengths of the first {rows} GSM8K test questions, stop token 2, "
-                    f"max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]} (seed {seed})")
+    return Workload(
+        "random-llama-30m",
+        model_dir,
+        prompts,
+        draw_max_new_tokens(prompts, new_tokens, max_len, seed),
+        (RANDOM_LLAMA["eos_token_id"],),
+        max_len,
+        f"random-init Llama ({_shape_text(RANDOM_LLAMA)}) on {rows} prompts of random ids with the "
+        f"stories260K token lengths of the first {rows} GSM8K test questions, stop token 2, "
+        f"max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]} (seed {seed})",
+    )
 
 
 def _shape_text(c: dict) -> str:
-    return (f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads, "
-            f"{c['num_key_value_heads']} kv heads, intermediate {c['intermediate_size']}, vocab {c['vocab_size']}, "
-            f"tied embeddings")
+    return (
+        f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads, "
+        f"{c['num_key_value_heads']} kv heads, intermediate {c['intermediate_size']}, vocab {c['vocab_size']}, "
+        f"tied embeddings"
+    )
 
 
 def _stories_tokenizer(shared: Path):
@@ -283,15 +361,30 @@ def _vllm_random_llama_workload(rows: int, new_tokens: tuple[int, int], seed: in
     vocab = VLLM_RANDOM_LLAMA["vocab_size"]
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     max_len = VLLM_RANDOM_LLAMA["max_position_embeddings"]
-    return Workload("vllm-random-llama", model_dir, prompts, draw_max_new_tokens(prompts, new_tokens, max_len, seed),
-                    (), max_len,
-                    f"random-init Llama ({_shape_text(VLLM_RANDOM_LLAMA)}) on {rows} prompts of random ids, "
-                    f"{low}..{high} tokens, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]}, ignore_eos "
-                    f"(seed {seed}): issue 19's vLLM CPU comparison", ignore_eos=True)
+    return Workload(
+        "vllm-random-llama",
+        model_dir,
+        prompts,
+        draw_max_new_tokens(prompts, new_tokens, max_len, seed),
+        (),
+        max_len,
+        f"random-init Llama ({_shape_text(VLLM_RANDOM_LLAMA)}) on {rows} prompts of random ids, "
+        f"{low}..{high} tokens, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]}, ignore_eos "
+        f"(seed {seed}): issue 19's vLLM CPU comparison",
+        ignore_eos=True,
+    )
 
 
-def _random_ids_workload(name: str, shape: dict, prompt_lengths: tuple[int, int], rows: int,
-                         new_tokens: tuple[int, int], seed: int, model_dir: Path, purpose: str) -> Workload:
+def _random_ids_workload(
+    name: str,
+    shape: dict,
+    prompt_lengths: tuple[int, int],
+    rows: int,
+    new_tokens: tuple[int, int],
+    seed: int,
+    model_dir: Path,
+    purpose: str,
+) -> Workload:
     """Random prompt ids of random lengths on a random Llama of ``shape``, per-row limits, ``ignore_eos``."""
     if not (model_dir / "config.json").is_file():
         build_random_llama(model_dir, seed, shape)
@@ -300,10 +393,18 @@ def _random_ids_workload(name: str, shape: dict, prompt_lengths: tuple[int, int]
     lengths = torch.randint(low, high + 1, (rows,), generator=g).tolist()
     prompts = [torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist() for n in lengths]
     max_len = shape["max_position_embeddings"]
-    return Workload(name, model_dir, prompts, draw_max_new_tokens(prompts, new_tokens, max_len, seed), (), max_len,
-                    f"random-init Llama ({_shape_text(shape)}) on {rows} prompts of random ids, {low}..{high} "
-                    f"tokens, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]}, ignore_eos (seed {seed}): "
-                    f"{purpose}", ignore_eos=True)
+    return Workload(
+        name,
+        model_dir,
+        prompts,
+        draw_max_new_tokens(prompts, new_tokens, max_len, seed),
+        (),
+        max_len,
+        f"random-init Llama ({_shape_text(shape)}) on {rows} prompts of random ids, {low}..{high} "
+        f"tokens, max_new_tokens uniform {new_tokens[0]}..{new_tokens[1]}, ignore_eos (seed {seed}): "
+        f"{purpose}",
+        ignore_eos=True,
+    )
 
 
 def build_random_llama(out_dir: Path, seed: int = 0, shape: dict | None = None) -> Path:
@@ -330,6 +431,5 @@ def cut_output(tokens: list[int], max_new_tokens: int, stop_token_ids: tuple[int
     tokens = tokens[:max_new_tokens]
     for i, token in enumerate(tokens):
         if token in stop_token_ids:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens
-

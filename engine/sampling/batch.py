@@ -75,8 +75,9 @@ class SamplingBatch:
         return len(self.num_logprobs)
 
 
-def build_batch(rows: list[SamplingRow], token_counts: TokenCounts, eos_token_ids: frozenset[int],
-                device: torch.device | str) -> SamplingBatch:
+def build_batch(
+    rows: list[SamplingRow], token_counts: TokenCounts, eos_token_ids: frozenset[int], device: torch.device | str
+) -> SamplingBatch:
     """The per-row tensors of ``rows`` (one host-to-device copy per tensor; penalised rows' counts gathered).
 
     Args:
@@ -87,12 +88,14 @@ def build_batch(rows: list[SamplingRow], token_counts: TokenCounts, eos_token_id
     """
     params = [row.request.sampling_params for row in rows]
     greedy = [p.greedy for p in params]
-    penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty
-                 or p.frequency_penalty]
+    penalised = [
+        i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+    ]
     count_rows = seen = extra_counts = None
     if penalised:
-        count_rows, seen, extra_counts = token_counts.gather([rows[i].request for i in penalised],
-                                                             [rows[i].extra_tokens for i in penalised])
+        count_rows, seen, extra_counts = token_counts.gather(
+            [rows[i].request for i in penalised], [rows[i].extra_tokens for i in penalised]
+        )
 
     def floats(values):
         return torch.tensor(values, dtype=torch.float32, device=device)
@@ -100,18 +103,26 @@ def build_batch(rows: list[SamplingRow], token_counts: TokenCounts, eos_token_id
     def ints(values):
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    stop_pairs = [(i, t) for i, (row, p) in enumerate(zip(rows, params)) if row.position < p.min_new_tokens
-                  for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))]
+    stop_pairs = [
+        (i, t)
+        for i, (row, p) in enumerate(zip(rows, params))
+        if row.position < p.min_new_tokens
+        for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
+    ]
     any_sampled = not all(greedy)
     return SamplingBatch(
         greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
         temperature=floats([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
-        top_k=ints([p.top_k for p in params]), top_p=floats([p.top_p for p in params]),
+        top_k=ints([p.top_k for p in params]),
+        top_p=floats([p.top_p for p in params]),
         min_p=floats([p.min_p for p in params]),
         seeds=ints([random_stream.stream_key(row.request.seed) for row in rows]),
         positions=ints([row.position for row in rows]),
-        penalty_rows=ints(penalised) if penalised else None, count_rows=count_rows, seen=seen,
-        extra_counts=extra_counts, token_counts=token_counts,
+        penalty_rows=ints(penalised) if penalised else None,
+        count_rows=count_rows,
+        seen=seen,
+        extra_counts=extra_counts,
+        token_counts=token_counts,
         repetition=floats([params[i].repetition_penalty for i in penalised]) if penalised else None,
         presence=floats([params[i].presence_penalty for i in penalised]) if penalised else None,
         frequency=floats([params[i].frequency_penalty for i in penalised]) if penalised else None,
@@ -119,6 +130,7 @@ def build_batch(rows: list[SamplingRow], token_counts: TokenCounts, eos_token_id
         stop_tokens=ints([t for _, t in stop_pairs]) if stop_pairs else None,
         num_logprobs=[p.logprobs for p in params],
         processed_logprobs=[p.logprobs_mode == "processed_logprobs" for p in params],
-        greedy_rows=greedy, any_sampled=any_sampled,
-        any_filtered=any(not g and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
-                         for g, p in zip(greedy, params)))
+        greedy_rows=greedy,
+        any_sampled=any_sampled,
+        any_filtered=any(not g and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for g, p in zip(greedy, params)),
+    )

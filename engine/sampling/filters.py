@@ -53,8 +53,14 @@ def kth_largest(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return kth
 
 
-def draw_filtered(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                  seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def draw_filtered(
+    probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     """One token per row from p restricted to its top-k / top-p / min-p set, by rejection with pivots.
 
     Args:
@@ -93,13 +99,13 @@ def draw_filtered(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         pivot = px[rejected]
         pending = pending[rejected]
     rest = filtered_probs(probs[pending], top_k[pending], top_p[pending], min_p[pending])
-    tokens[pending] = inverse_cdf(rest, random_stream.uniform(seeds[pending], positions[pending],
-                                                              random_stream.PLAIN + MAX_ROUNDS))
+    tokens[pending] = inverse_cdf(
+        rest, random_stream.uniform(seeds[pending], positions[pending], random_stream.PLAIN + MAX_ROUNDS)
+    )
     return tokens
 
 
-def filtered_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-                   ) -> torch.Tensor:
+def filtered_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """The filtered distribution itself: p restricted to the set ``draw_filtered`` accepts, renormalised.
 
     Args:

@@ -10,8 +10,10 @@ import torch
 
 #: Per-row error codes (``SamplingBatch`` rows that cannot give a token fail alone).
 OK, NAN_LOGITS, NOTHING_LEFT = 0, 1, 2
-ERROR_MESSAGES = {NAN_LOGITS: "the logits hold NaN (after penalties)",
-                  NOTHING_LEFT: "no token is left to sample: penalties and filters ruled out every one"}
+ERROR_MESSAGES = {
+    NAN_LOGITS: "the logits hold NaN (after penalties)",
+    NOTHING_LEFT: "no token is left to sample: penalties and filters ruled out every one",
+}
 
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
@@ -65,9 +67,17 @@ def apply_stop_mask(scores: torch.Tensor, rows: torch.Tensor | None, tokens: tor
         scores[rows, tokens] = float("-inf")
 
 
-def apply_penalties(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, count_rows: torch.Tensor,
-                    seen: torch.Tensor, extra_counts: torch.Tensor | None, repetition: torch.Tensor,
-                    presence: torch.Tensor, frequency: torch.Tensor) -> None:
+def apply_penalties(
+    scores: torch.Tensor,
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    count_rows: torch.Tensor,
+    seen: torch.Tensor,
+    extra_counts: torch.Tensor | None,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> None:
     """Repetition (prompt and output tokens, CTRL: Keskar et al. 2019), presence and frequency penalties (output
     tokens, OpenAI's), in place on ``scores[rows]``.
 

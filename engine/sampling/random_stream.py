@@ -65,15 +65,17 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, draws: torch.Tensor | 
         (R,) float64 on the seeds' device, ``(top 53 bits + 0.5) / 2**53``, never 0 or 1.
     """
     h = mix64(mix64(mix64(seeds) + positions) + draws)
-    return (_shr(h, 11).double() + 0.5) * 2.0 ** -53
+    return (_shr(h, 11).double() + 0.5) * 2.0**-53
 
 
 def reference_uniform(seed: int, position: int, draw: int) -> float:
     """``uniform`` for one row in plain Python integers (the oracle of the tests)."""
+
     def mix(x: int) -> int:
         z = (x + 0x9E3779B97F4A7C15) & _MASK64
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         return z ^ (z >> 31)
+
     h = mix((mix((mix(seed & _MASK64) + position) & _MASK64) + draw) & _MASK64)
-    return ((h >> 11) + 0.5) * 2.0 ** -53
+    return ((h >> 11) + 0.5) * 2.0**-53

@@ -54,8 +54,9 @@ class SamplerOutput:
         return tokens, errors, logprobs
 
 
-def process(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None,
-            in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def process(
+    logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None, in_place: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Scores of every row before temperature and filters.
 
     Args:
@@ -73,16 +74,25 @@ def process(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Ten
     scores = logits.to(torch.float32, copy=not in_place)
     if token_bitmask is not None:
         processing.apply_token_bitmask(scores, token_bitmask)
-    raw_rows = [i for i, (n, p) in enumerate(zip(batch.num_logprobs, batch.processed_logprobs))
-                if n is not None and not p]
+    raw_rows = [
+        i for i, (n, p) in enumerate(zip(batch.num_logprobs, batch.processed_logprobs)) if n is not None and not p
+    ]
     raw = None
     if raw_rows:  # only the rows that ask, before the penalties change them
         raw = scores.clone() if len(raw_rows) == len(batch) else scores[_index(raw_rows, scores.device)]
     processing.apply_stop_mask(scores, batch.stop_rows, batch.stop_tokens)
     if batch.penalty_rows is not None:
-        processing.apply_penalties(scores, batch.penalty_rows, batch.token_counts.counts, batch.count_rows,
-                                   batch.seen, batch.extra_counts, batch.repetition, batch.presence,
-                                   batch.frequency)
+        processing.apply_penalties(
+            scores,
+            batch.penalty_rows,
+            batch.token_counts.counts,
+            batch.count_rows,
+            batch.seen,
+            batch.extra_counts,
+            batch.repetition,
+            batch.presence,
+            batch.frequency,
+        )
     errors = processing.settle_infinities(scores)
     if bool(errors.any()):  # a failed row is dropped by its caller; zeros keep the batched ops below free of NaN
         scores.masked_fill_((errors != 0)[:, None], 0.0)
@@ -98,8 +108,9 @@ def _index(rows: list[int], device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-def sampled_probs(scores: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | None = None,
-                  filtered: bool = True) -> torch.Tensor:
+def sampled_probs(
+    scores: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | None = None, filtered: bool = True
+) -> torch.Tensor:
     """softmax(scores / temperature) of ``rows`` (all when None), filtered when ``filtered`` (``filtered_probs``)."""
     temperature = batch.temperature if rows is None else batch.temperature[rows]
     probs = torch.softmax(scores / temperature[:, None], dim=1)
@@ -109,8 +120,9 @@ def sampled_probs(scores: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor
     return filtered_probs(probs, pick(batch.top_k), pick(batch.top_p), pick(batch.min_p))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None,
-           in_place: bool = False) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None, in_place: bool = False
+) -> SamplerOutput:
     """Choose one token per row, greedy and sampled rows together.
 
     Args:
@@ -141,8 +153,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tens
     return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
 
 
-def with_logprobs(out: SamplerOutput, scores: torch.Tensor, raw: torch.Tensor | None, batch: SamplingBatch
-                  ) -> SamplerOutput:
+def with_logprobs(
+    out: SamplerOutput, scores: torch.Tensor, raw: torch.Tensor | None, batch: SamplingBatch
+) -> SamplerOutput:
     """Fill the log-probabilities asked for: one ``log_softmax`` per kind of row, then one ``topk``.
 
     Args:
@@ -165,8 +178,11 @@ def with_logprobs(out: SamplerOutput, scores: torch.Tensor, raw: torch.Tensor | 
             values = torch.log_softmax(raw, dim=1)
         else:
             at = _index([rows[j] for j in js], scores.device)
-            values = (torch.log_softmax(scores[at], dim=1) if kind == "greedy"
-                      else torch.log(sampled_probs(scores[at], batch, at)))
+            values = (
+                torch.log_softmax(scores[at], dim=1)
+                if kind == "greedy"
+                else torch.log(sampled_probs(scores[at], batch, at))
+            )
         parts.append((js, values))
     if len(parts) == 1:
         logprobs = parts[0][1]

@@ -37,8 +37,14 @@ class VerifyOutput:
     sampled: SamplerOutput
 
 
-def verify(logits: torch.Tensor, batch: SamplingBatch, proposals: torch.Tensor, draft_probs: torch.Tensor | None,
-           has_draft: torch.Tensor | None, token_bitmask: torch.Tensor | None = None) -> VerifyOutput:
+def verify(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    proposals: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    has_draft: torch.Tensor | None,
+    token_bitmask: torch.Tensor | None = None,
+) -> VerifyOutput:
     """Accept or replace each row's proposal.
 
     Args:
@@ -82,8 +88,9 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, proposals: torch.Tensor, 
     return VerifyOutput(accepted, out)
 
 
-def sample_draft(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[int],
-                 output_token_ids: list[int]) -> tuple[int, torch.Tensor]:
+def sample_draft(
+    logits: torch.Tensor, request: Request, eos_token_ids: frozenset[int], output_token_ids: list[int]
+) -> tuple[int, torch.Tensor]:
     """Draw a draft model's proposal for a sampled request, and the distribution q it was drawn from.
 
     The draft row is processed as the request's target rows are (penalties over ``output_token_ids``, then
@@ -102,7 +109,7 @@ def sample_draft(logits: torch.Tensor, request: Request, eos_token_ids: frozense
     Raises:
         SamplingError: when the row holds NaN or every token is ruled out.
     """
-    row = SamplingRow(request, list(output_token_ids[len(request.output_token_ids):]))
+    row = SamplingRow(request, list(output_token_ids[len(request.output_token_ids) :]))
     batch = build_batch([row], TokenCounts(logits.shape[-1], logits.device), eos_token_ids, logits.device)
     scores, _, errors = process(logits[None], batch)
     message = ERROR_MESSAGES.get(int(errors[0]))

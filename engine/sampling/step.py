@@ -87,8 +87,13 @@ class StepSampler:
         fail: called with (request, message) for a request whose own row failed.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int],
-                 fail: Callable[[Request, str], None]) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: frozenset[int],
+        fail: Callable[[Request, str], None],
+    ) -> None:
         self.token_counts = TokenCounts(vocab_size, device)
         self.eos_token_ids = eos_token_ids
         self.fail = fail
@@ -101,8 +106,9 @@ class StepSampler:
         self.token_counts.release_all()
 
     @torch.inference_mode()
-    def sample_on_device(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
-                         token_bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, LaunchedSample]:
+    def sample_on_device(
+        self, logits: torch.Tensor, requests: list[Request], rows: list[int], token_bitmask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, LaunchedSample]:
         """Sample the rows as the step is launched, leaving the tokens on the device (async batching feeds them to
         the next step as the device argmax is fed).
 
@@ -123,15 +129,17 @@ class StepSampler:
         except Exception as error:
             if not is_request_fault(error):
                 raise
-        results = self._isolated(lambda at: self._sample(logits, requests, rows, at, token_bitmask), requests,
-                                 fail=False)
+        results = self._isolated(
+            lambda at: self._sample(logits, requests, rows, at, token_bitmask), requests, fail=False
+        )
         tokens = [r[0] if r is not None and not isinstance(r, Exception) else 0 for r in results]
         launched = LaunchedSample(requests, None, [_launched_result(r) for r in results])
         return torch.tensor(tokens, dtype=torch.int64, device=logits.device), launched
 
     @torch.inference_mode()
-    def read_launched(self, launched: LaunchedSample, tokens: list[int], unfinished: dict[int, Request]
-                      ) -> dict[int, int]:
+    def read_launched(
+        self, launched: LaunchedSample, tokens: list[int], unfinished: dict[int, Request]
+    ) -> dict[int, int]:
         """Finish rows sampled at launch: fail those that failed, append log-probabilities.
 
         Args:
@@ -159,8 +167,9 @@ class StepSampler:
         return sampled
 
     @torch.inference_mode()
-    def sample_rows(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
-                    token_bitmask: torch.Tensor | None = None) -> dict[int, int]:
+    def sample_rows(
+        self, logits: torch.Tensor, requests: list[Request], rows: list[int], token_bitmask: torch.Tensor | None = None
+    ) -> dict[int, int]:
         """One token for each request, from its logit row, when the step is read (constrained rows, whose
         bitmask needs their matcher past the previous token).
 
@@ -190,8 +199,9 @@ class StepSampler:
         return sampled
 
     @torch.inference_mode()
-    def verify_entries(self, logits: torch.Tensor, entries: list[VerifyEntry],
-                       token_bitmask: torch.Tensor | None = None) -> dict[int, list[int]]:
+    def verify_entries(
+        self, logits: torch.Tensor, entries: list[VerifyEntry], token_bitmask: torch.Tensor | None = None
+    ) -> dict[int, list[int]]:
         """The tokens each verify entry commits: its accepted proposals, then a replacement or the bonus token.
 
         Args:
@@ -205,8 +215,10 @@ class StepSampler:
         """
         if not entries:
             return {}
-        results = self._isolated(lambda at: self._verify(logits, [entries[i] for i in at], token_bitmask),
-                                 [entry.request for entry in entries])
+        results = self._isolated(
+            lambda at: self._verify(logits, [entries[i] for i in at], token_bitmask),
+            [entry.request for entry in entries],
+        )
         committed = {}
         for entry, result in zip(entries, results):
             if result is None:
@@ -241,8 +253,12 @@ class StepSampler:
         return results
 
     def _sample(self, logits, requests, rows, at, token_bitmask):
-        batch = build_batch([SamplingRow(requests[i], [], requests[i].num_pending_tokens) for i in at],
-                            self.token_counts, self.eos_token_ids, logits.device)
+        batch = build_batch(
+            [SamplingRow(requests[i], [], requests[i].num_pending_tokens) for i in at],
+            self.token_counts,
+            self.eos_token_ids,
+            logits.device,
+        )
         index = torch.tensor([rows[i] for i in at], dtype=torch.int64, device=logits.device)
         mask = token_bitmask[torch.tensor(at, device=token_bitmask.device)] if token_bitmask is not None else None
         tokens, errors, logprobs = sample(logits[index], batch, mask).to_host()
@@ -264,11 +280,18 @@ class StepSampler:
             draft_probs = torch.zeros(len(rows), logits.shape[1], dtype=torch.float32, device=device)
             at = [j for j, d in enumerate(drafted) if d]
             draft_probs[torch.tensor(at, device=device)] = torch.cat(
-                [e.draft_probs for e in entries if e.draft_probs is not None]).to(device, torch.float32)
+                [e.draft_probs for e in entries if e.draft_probs is not None]
+            ).to(device, torch.float32)
             has_draft = torch.tensor(drafted, device=device)
         index = torch.tensor(logit_rows, device=device)
-        out = verify(logits[index], batch, torch.tensor(proposals, dtype=torch.int64, device=device), draft_probs,
-                     has_draft, token_bitmask[index] if token_bitmask is not None else None)
+        out = verify(
+            logits[index],
+            batch,
+            torch.tensor(proposals, dtype=torch.int64, device=device),
+            draft_probs,
+            has_draft,
+            token_bitmask[index] if token_bitmask is not None else None,
+        )
         accepted = out.accepted.tolist()
         tokens, errors, logprobs = out.sampled.to_host()
         results, j = [], 0

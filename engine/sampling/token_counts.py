@@ -36,8 +36,9 @@ class TokenCounts:
     def __len__(self) -> int:
         return len(self._row_of)
 
-    def gather(self, requests: list[Request], extra_tokens: list[list[int]]
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def gather(
+        self, requests: list[Request], extra_tokens: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The rows of ``requests``, brought up to date with their output, plus each entry's extra tokens.
 
         Args:
@@ -58,8 +59,9 @@ class TokenCounts:
             return index, seen, None
         at = torch.tensor(extra, dtype=torch.int64, device=self.device)
         extra_counts = torch.zeros(seen.shape, dtype=torch.int32, device=self.device)
-        extra_counts.index_put_((at[:, 0], at[:, 1]), torch.ones(len(extra), dtype=torch.int32, device=self.device),
-                                accumulate=True)
+        extra_counts.index_put_(
+            (at[:, 0], at[:, 1]), torch.ones(len(extra), dtype=torch.int32, device=self.device), accumulate=True
+        )
         seen[at[:, 0], at[:, 1]] = True
         return index, seen, extra_counts
 
@@ -108,7 +110,8 @@ class TokenCounts:
                 counted[request.index] = done + len(new)
         if rows:
             at = torch.tensor([rows, tokens], dtype=torch.int64, device=self.device)
-            self.counts.index_put_((at[0], at[1]), torch.ones(len(rows), dtype=torch.int32, device=self.device),
-                                   accumulate=True)
+            self.counts.index_put_(
+                (at[0], at[1]), torch.ones(len(rows), dtype=torch.int32, device=self.device), accumulate=True
+            )
             self.seen[at[0], at[1]] = True
         self._num_counted.update(counted)  # only once counted: a failed update is redone by the next call

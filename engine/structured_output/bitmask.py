@@ -28,8 +28,7 @@ class StepBitmask:
         self.blocked: set[int] = set()
 
 
-def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, vocab_size: int
-                       ) -> StepBitmask | None:
+def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, vocab_size: int) -> StepBitmask | None:
     """The bitmask of a step's logit rows (None when no planned request is constrained).
 
     Rows follow the plan as the engine reads them: per entry, its prompt log-probability rows, then its sample rows
@@ -75,9 +74,15 @@ def _fill_entry(step: StepBitmask, state, row: int, proposals: tuple[int, ...], 
 def masked_greedy(params: SamplingParams) -> bool:
     """Whether a row's only processing is its constraint's mask: greedy, no penalties, no ``min_new_tokens``, no
     log-probabilities. Its token is then the argmax of its masked logits (``masked_argmax``)."""
-    return (params.structured_outputs is not None and params.greedy and params.min_new_tokens == 0
-            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.logprobs is None)
+    return (
+        params.structured_outputs is not None
+        and params.greedy
+        and params.min_new_tokens == 0
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.logprobs is None
+    )
 
 
 def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int | None]:

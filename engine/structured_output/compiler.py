@@ -46,8 +46,9 @@ class GrammarCompiler:
             includes reading the tokenizer's vocabulary).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_threads: int = 2,
-                 max_cached: int = 1024) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_threads: int = 2, max_cached: int = 1024
+    ) -> None:
         self.max_cached = max_cached
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -119,8 +120,9 @@ def _tokenizer_info(xgr, tokenizer, vocab_size: int | None, stop_token_ids):
     grammar may end."""
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
-                if getattr(t, "special", False)}
+    special |= {
+        i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if getattr(t, "special", False)
+    }
     special -= set(info.stop_token_ids)
     if not special:
         return info
@@ -129,16 +131,21 @@ def _tokenizer_info(xgr, tokenizer, vocab_size: int | None, stop_token_ids):
     for token, index in tokenizer.get_vocab().items():
         if index < size and index not in special:
             encoded[index] = token
-    return xgr.TokenizerInfo(encoded, vocab_type=info.vocab_type, vocab_size=size,
-                             stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=info.vocab_type,
+        vocab_size=size,
+        stop_token_ids=info.stop_token_ids,
+        add_prefix_space=info.add_prefix_space,
+    )
 
 
 #: xgrammar 0.2.9's JSON string characters: a length-bounded string's (``maxLength``/``minLength``) lets raw
 #: control characters through, and both let UTF-8-encoded surrogates (U+D800..U+DFFF) through, which no JSON text
 #: holds (RFC 8259 sections 7 and 8.1; a byte-level tokenizer can spell them). Both become ``_JSON_STRING_CHAR``, so
 #: every output decodes as UTF-8 and parses with a strict JSON parser.
-_LOOSE_STRING_CHARS = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+_LOOSE_STRING_CHARS = (r"[^\0-\x1f\"\\\r\n]", r"[^\"\\\r\n]")
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
 
 
 def _strict_json_strings(ebnf: str) -> str:

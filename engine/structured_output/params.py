@@ -40,8 +40,9 @@ class StructuredOutputsParams:
         """Raise ``ValueError`` for none or several constraints, or a value of the wrong type."""
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
-                             f"{', '.join(set_kinds) or 'none'}")
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(KINDS)}; got {', '.join(set_kinds) or 'none'}"
+            )
         kind = set_kinds[0]
         value = getattr(self, kind)
         if kind == "json" and isinstance(value, str):
@@ -112,8 +113,9 @@ def coerce_structured_outputs(name: str, value: Any) -> StructuredOutputsParams 
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):
-            raise ValueError(f"{name} must be an object holding one of {', '.join(KINDS)} (or its JSON text), "
-                             f"got {value!r}")
+            raise ValueError(
+                f"{name} must be an object holding one of {', '.join(KINDS)} (or its JSON text), got {value!r}"
+            )
         return coerce_structured_outputs(name, parsed)
     else:
         raise ValueError(f"{name} must be an object holding one of {', '.join(KINDS)}, got {value!r}")

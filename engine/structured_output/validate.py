@@ -49,7 +49,11 @@ def _matcher(kind: str, text_of_constraint: str):
     import xgrammar as xgr
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), max_threads=1, cache_enabled=False)
-    compiled = (compiler.compile_regex(text_of_constraint) if kind == "regex"
-                else compiler.compile_grammar(text_of_constraint) if "::=" in text_of_constraint
-                else compiler.compile_lark(text_of_constraint))
+    compiled = (
+        compiler.compile_regex(text_of_constraint)
+        if kind == "regex"
+        else compiler.compile_grammar(text_of_constraint)
+        if "::=" in text_of_constraint
+        else compiler.compile_lark(text_of_constraint)
+    )
     return xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)

@@ -18,5 +18,9 @@ def is_binary_type(kind: pa.DataType) -> bool:
 
 def is_list_type(kind: pa.DataType) -> bool:
     """Whether ``kind`` is a variable-size list: ``list``, ``large_list``, ``list_view`` or ``large_list_view``."""
-    return (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_list_view(kind)
-            or pa.types.is_large_list_view(kind))
+    return (
+        pa.types.is_list(kind)
+        or pa.types.is_large_list(kind)
+        or pa.types.is_list_view(kind)
+        or pa.types.is_large_list_view(kind)
+    )

@@ -30,7 +30,7 @@ def keep_roles(columns: list[str]) -> dict[str, str]:
 
 def carried_values(row: InputRow) -> dict[str, Any]:
     """{column: value} of a row's carried columns, read from its ``extra``."""
-    return {role[len(KEEP_ROLE):]: value for role, value in row.extra.items() if role.startswith(KEEP_ROLE)}
+    return {role[len(KEEP_ROLE) :]: value for role, value in row.extra.items() if role.startswith(KEEP_ROLE)}
 
 
 def check_kept_columns(columns: list[str], input_columns: list[str] | None) -> None:
@@ -38,12 +38,15 @@ def check_kept_columns(columns: list[str], input_columns: list[str] | None) -> N
     (``input_columns`` None: the input names no column, being empty, so only the clashes are checked)."""
     clashes = [name for name in columns if name in OUTPUT_SCHEMA.names]
     if clashes:
-        raise InputError(f"output.keep_columns {clashes[0]!r} clashes with the output column of the same name; "
-                         f"output columns: {', '.join(OUTPUT_SCHEMA.names)}")
+        raise InputError(
+            f"output.keep_columns {clashes[0]!r} clashes with the output column of the same name; "
+            f"output columns: {', '.join(OUTPUT_SCHEMA.names)}"
+        )
     for name in columns:
         if input_columns is not None and name not in input_columns:
-            raise InputError(f"output.keep_columns {name!r} is not an input column; input columns: "
-                             f"{', '.join(input_columns)}")
+            raise InputError(
+                f"output.keep_columns {name!r} is not an input column; input columns: {', '.join(input_columns)}"
+            )
 
 
 def carried_fields(columns: list[str], schema: pa.Schema, derived: list[pa.Field] = ()) -> list[pa.Field]:

@@ -21,10 +21,12 @@ def check_chat_template(tokenizer, model_path: str) -> None:
     """Raise ``ValueError`` naming the fix when the tokenizer has no chat template."""
     if getattr(tokenizer, "chat_template", None):
         return
-    raise ValueError(f"input.chat = true, but the tokenizer in {model_path!r} has no chat template; use a chat "
-                     f"(instruction-tuned) model whose tokenizer has one (tokenizer_config.json 'chat_template' or "
-                     f"chat_template.jinja), e.g. --model PATH, or set input.chat = false and write the prompt "
-                     f"format with input.template")
+    raise ValueError(
+        f"input.chat = true, but the tokenizer in {model_path!r} has no chat template; use a chat "
+        f"(instruction-tuned) model whose tokenizer has one (tokenizer_config.json 'chat_template' or "
+        f"chat_template.jinja), e.g. --model PATH, or set input.chat = false and write the prompt "
+        f"format with input.template"
+    )
 
 
 def check_messages_column(schema: pa.Schema, column: str, path: str) -> None:
@@ -32,13 +34,15 @@ def check_messages_column(schema: pa.Schema, column: str, path: str) -> None:
     kind = schema.field(column).type
     ok = is_list_type(kind) and pa.types.is_struct(kind.value_type)
     if ok:
-        names = {kind.value_type.field(i).name: kind.value_type.field(i).type
-                 for i in range(kind.value_type.num_fields)}
-        ok = all(name in names and is_text_type(names[name])
-                 for name in ("role", "content"))
+        names = {
+            kind.value_type.field(i).name: kind.value_type.field(i).type for i in range(kind.value_type.num_fields)
+        }
+        ok = all(name in names and is_text_type(names[name]) for name in ("role", "content"))
     if not ok:
-        raise InputError(f"input.messages_column {column!r} of {path!r} must be a list of structs with text fields "
-                         f"role and content, but its type is {kind}")
+        raise InputError(
+            f"input.messages_column {column!r} of {path!r} must be a list of structs with text fields "
+            f"role and content, but its type is {kind}"
+        )
 
 
 def read_messages(value: Any) -> list[dict[str, str]]:
@@ -59,8 +63,9 @@ def read_messages(value: Any) -> list[dict[str, str]]:
     return messages
 
 
-def conversation(prompt: str | None, messages_value: Any, has_messages_column: bool,
-                 system_prompt: str | None) -> list[dict[str, str]]:
+def conversation(
+    prompt: str | None, messages_value: Any, has_messages_column: bool, system_prompt: str | None
+) -> list[dict[str, str]]:
     """The row's conversation: its messages, or its prompt as one user turn; the system prompt put first."""
     messages = read_messages(messages_value) if has_messages_column else [{"role": "user", "content": prompt}]
     if system_prompt is not None and messages[0]["role"] != "system":
@@ -71,8 +76,7 @@ def conversation(prompt: str | None, messages_value: Any, has_messages_column: b
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Prompt ids of a conversation with the generation prompt (the assistant turn's header) appended."""
     try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     except Exception as exc:  # NOTE: a template may raise anything (jinja errors, its own raise_exception)
         raise ValueError(f"the chat template cannot be applied: {type(exc).__name__}: {exc}") from None
     return list(encoded["input_ids"])

@@ -157,8 +157,9 @@ class _FieldTypes:
             self.nested[name] = kind
             return
         try:
-            unified = pa.unify_schemas([pa.schema([(name, current)]), pa.schema([(name, kind)])],
-                                       promote_options="permissive")
+            unified = pa.unify_schemas(
+                [pa.schema([(name, current)]), pa.schema([(name, kind)])], promote_options="permissive"
+            )
             self.nested[name] = unified.field(name).type
         except (pa.ArrowException, TypeError):
             pass  # the first type stays; rows of the other fail at conversion
@@ -211,14 +212,16 @@ class JsonlSource:
     def _arrow_scan(self) -> bool:
         """Count rows and take the schema with pyarrow's reader; False when some block does not read."""
         try:
-            reader = pa_json.open_json(self._arrow_stream(), read_options=pa_json.ReadOptions(
-                block_size=ARROW_BLOCK_SIZE))
+            reader = pa_json.open_json(
+                self._arrow_stream(), read_options=pa_json.ReadOptions(block_size=ARROW_BLOCK_SIZE)
+            )
             self.num_rows = sum(batch.num_rows for batch in reader)
         except (pa.ArrowException, OSError, EOFError, ValueError):
             return False
         # NOTE: pyarrow reads a column of date-like strings as timestamps; a prompt or id is text, so read as text
-        self.schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_timestamp(f.type) else f
-                                 for f in reader.schema])
+        self.schema = pa.schema(
+            [pa.field(f.name, pa.string()) if pa.types.is_timestamp(f.type) else f for f in reader.schema]
+        )
         return True
 
     def _line_scan(self) -> None:
@@ -233,11 +236,11 @@ class JsonlSource:
                     types.add(record)
         except (OSError, EOFError) as exc:
             raise InputError(f"input file {str(self.path)!r} is not a readable JSON Lines file: {exc}") from None
-        self.schema = pa.schema([(name, types.arrow_type(name, name in self.json_text_fields))
-                                 for name in types.kinds])
+        self.schema = pa.schema([(name, types.arrow_type(name, name in self.json_text_fields)) for name in types.kinds])
 
-    def iter_batches(self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
-                     ) -> Iterator[tuple[int, pa.RecordBatch]]:
+    def iter_batches(
+        self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
         """Yield (row index of the batch's first row, batch) over contiguous runs of ``batch_size`` rows.
 
         Each batch holds ``columns`` and ``ROW_ERROR_COLUMN``. Batches whose rows are all in ``skip`` are not
@@ -262,16 +265,19 @@ class JsonlSource:
         if any(item is not None for item in pending):
             yield first_row + start, self._batch(pending, columns)
 
-    def _arrow_batches(self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
-                       ) -> Iterator[tuple[int, pa.RecordBatch]]:
-        reader = pa_json.open_json(self._arrow_stream(),
-                                   read_options=pa_json.ReadOptions(block_size=ARROW_BLOCK_SIZE),
-                                   parse_options=pa_json.ParseOptions(explicit_schema=self.schema))
+    def _arrow_batches(
+        self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        reader = pa_json.open_json(
+            self._arrow_stream(),
+            read_options=pa_json.ReadOptions(block_size=ARROW_BLOCK_SIZE),
+            parse_options=pa_json.ParseOptions(explicit_schema=self.schema),
+        )
         local = 0
         for block in reader:
             for start in range(0, block.num_rows, batch_size):
                 batch = block.slice(start, batch_size)
-                if skip is None or not skip[local:local + batch.num_rows].all():
+                if skip is None or not skip[local : local + batch.num_rows].all():
                     arrays = [batch.column(name) for name in columns]
                     arrays.append(pa.nulls(batch.num_rows, pa.string()))
                     yield first_row + local, pa.RecordBatch.from_arrays(arrays, names=[*columns, ROW_ERROR_COLUMN])
@@ -288,8 +294,9 @@ class JsonlSource:
         arrays.append(pa.array(errors, type=pa.string()))
         return pa.RecordBatch.from_arrays(arrays, names=[*columns, ROW_ERROR_COLUMN])
 
-    def _column(self, name: str, records: list[dict | None], errors: list[str | None],
-                lines: list[tuple[int, bytes] | None]) -> pa.Array:
+    def _column(
+        self, name: str, records: list[dict | None], errors: list[str | None], lines: list[tuple[int, bytes] | None]
+    ) -> pa.Array:
         """The field's values as an array of its schema type; a value that does not fit is null + a row error."""
         kind = self.schema.field(name).type
         as_text = name in self.json_text_fields
@@ -308,9 +315,11 @@ class JsonlSource:
             except (pa.ArrowException, ValueError, TypeError, OverflowError):
                 fitted.append(None)
                 if errors[i] is None:
-                    errors[i] = (f"field {name!r} on line {lines[i][0]} of {self.path.name} holds "
-                                 f"{_article(_kind(value))} ({_short(value)}), but the column's type (from "
-                                 f"the other lines) is {kind}")
+                    errors[i] = (
+                        f"field {name!r} on line {lines[i][0]} of {self.path.name} holds "
+                        f"{_article(_kind(value))} ({_short(value)}), but the column's type (from "
+                        f"the other lines) is {kind}"
+                    )
         return pa.array(fitted, type=kind)
 
 
@@ -320,4 +329,4 @@ def _article(kind: str) -> str:
 
 def _short(value: Any, limit: int = 40) -> str:
     text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -46,30 +46,55 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 REQUEST_FIELDS = ("custom_id", "method", "url", "body")
 #: Columns every output row of an OpenAI batch job carries (see ``jobs.input.carry``).
-OPENAI_FIELDS = [pa.field("custom_id", pa.string()), pa.field("url", pa.string()), pa.field("model", pa.string()),
-                 pa.field("top_logprobs", pa.int32())]
+OPENAI_FIELDS = [
+    pa.field("custom_id", pa.string()),
+    pa.field("url", pa.string()),
+    pa.field("model", pa.string()),
+    pa.field("top_logprobs", pa.int32()),
+]
 #: Body field -> SamplingParams field it sets (vLLM's extra fields included).
 BODY_FIELDS = {
-    "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
-    "stop": "stop", "stop_token_ids": "stop_token_ids", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-    "ignore_eos": "ignore_eos", "structured_outputs": "structured_outputs",
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "structured_outputs": "structured_outputs",
 }
 #: Body fields that change nothing cbrun computes.
 IGNORED_FIELDS = ("model", "user", "metadata", "store", "service_tier", "stream_options")
 #: Body fields accepted only with these values (their neutral values: they ask for nothing).
-NEUTRAL_VALUES = {"stream": (False,), "echo": (False,), "best_of": (1,), "logit_bias": ({},), "tools": ([],),
-                  "parallel_tool_calls": (True, False),
-                  "skip_special_tokens": (True,), "include_stop_str_in_output": (False,)}
+NEUTRAL_VALUES = {
+    "stream": (False,),
+    "echo": (False,),
+    "best_of": (1,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "parallel_tool_calls": (True, False),
+    "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+}
 
 
 def is_openai_batch_input(inp) -> bool:
     """Whether the job's prompts come from OpenAI batch requests: ``input.format = "openai-batch"``, or "auto"
     with no prompt setting (the input must then have the request shape; ``OpenAIBatchReader`` checks)."""
-    return inp.format == "openai-batch" or (inp.format == "auto" and inp.prompt_column is None
-                                            and inp.template is None and inp.prompt_ids_column is None
-                                            and inp.messages_column is None)
+    return inp.format == "openai-batch" or (
+        inp.format == "auto"
+        and inp.prompt_column is None
+        and inp.template is None
+        and inp.prompt_ids_column is None
+        and inp.messages_column is None
+    )
 
 
 def input_fields(path: str | Path) -> list[str]:
@@ -122,7 +147,7 @@ def parse_request(method: Any, url: Any, body: Any) -> BatchRequest:
             prompt or messages, a bad sampling value, or a body field cbrun cannot honour.
     """
     if method is not None and str(method).upper() != "POST":
-        raise ValueError(f"method {method!r} is not supported: use \"POST\"")
+        raise ValueError(f'method {method!r} is not supported: use "POST"')
     if url not in (CHAT_URL, COMPLETIONS_URL):
         raise ValueError(f"url {url!r} is not supported: cbrun serves {CHAT_URL!r} and {COMPLETIONS_URL!r}")
     fields_ = {name: value for name, value in _body_object(body).items() if value is not None}
@@ -159,13 +184,18 @@ def response_format(value: Any) -> StructuredOutputsParams | None:
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
     if kind != "json_schema":
-        raise ValueError(f"body.response_format = {json.dumps(value)} is not supported: its type must be "
-                         '"text", "json_object" or "json_schema"')
+        raise ValueError(
+            f"body.response_format = {json.dumps(value)} is not supported: its type must be "
+            '"text", "json_object" or "json_schema"'
+        )
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise ValueError("body.response_format.json_schema.schema must be a JSON schema object")
-    return _field(lambda v: coerce_structured_outputs("structured_outputs", {"json": v}),
-                  "response_format.json_schema.schema", spec["schema"])
+    return _field(
+        lambda v: coerce_structured_outputs("structured_outputs", {"json": v}),
+        "response_format.json_schema.schema",
+        spec["schema"],
+    )
 
 
 def _body_object(body: Any) -> dict[str, Any]:
@@ -184,8 +214,11 @@ def _body_object(body: Any) -> dict[str, Any]:
 
 def _sampling_overrides(fields_: dict[str, Any]) -> dict[str, Any]:
     """SamplingParams values from the remaining body fields; a field cbrun cannot honour raises, naming it."""
-    if "max_tokens" in fields_ and "max_completion_tokens" in fields_ \
-            and fields_["max_tokens"] != fields_["max_completion_tokens"]:
+    if (
+        "max_tokens" in fields_
+        and "max_completion_tokens" in fields_
+        and fields_["max_tokens"] != fields_["max_completion_tokens"]
+    ):
         raise ValueError("body.max_tokens and body.max_completion_tokens differ: give one of them")
     overrides = {}
     for name, value in fields_.items():
@@ -193,8 +226,10 @@ def _sampling_overrides(fields_: dict[str, Any]) -> dict[str, Any]:
             target = BODY_FIELDS[name]
             overrides[target] = _field(lambda v: coerce_sampling_value(target, v), name, value)
         elif name in NEUTRAL_VALUES and value not in NEUTRAL_VALUES[name]:
-            raise ValueError(f"body.{name} = {json.dumps(value)} is not supported by cbrun (only "
-                             f"{' or '.join(json.dumps(v) for v in NEUTRAL_VALUES[name])})")
+            raise ValueError(
+                f"body.{name} = {json.dumps(value)} is not supported by cbrun (only "
+                f"{' or '.join(json.dumps(v) for v in NEUTRAL_VALUES[name])})"
+            )
         elif name not in NEUTRAL_VALUES and name not in IGNORED_FIELDS:
             raise ValueError(f"body field {name!r} is not supported by cbrun; remove it from the request")
     return overrides
@@ -224,8 +259,9 @@ def _top_logprobs(fields_: dict[str, Any], chat: bool) -> int | None:
         if logprobs is None:
             return None
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
-            raise ValueError(f"body.logprobs must be an integer >= 0 (top log-probabilities per token), "
-                             f"got {logprobs!r}")
+            raise ValueError(
+                f"body.logprobs must be an integer >= 0 (top log-probabilities per token), got {logprobs!r}"
+            )
         return logprobs
     if logprobs is not None and not isinstance(logprobs, bool):
         raise ValueError(f"body.logprobs must be true or false, got {logprobs!r}")
@@ -257,11 +293,13 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
 def _message_content(content: Any, k: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise ValueError(f"body.messages[{k}].content must be text (a string or a list of text parts), got "
-                     f"{json.dumps(content)[:60]}")
+    raise ValueError(
+        f"body.messages[{k}].content must be text (a string or a list of text parts), got {json.dumps(content)[:60]}"
+    )
 
 
 def completion_prompt(value: Any) -> tuple[str | None, list[int] | None]:
@@ -304,16 +342,31 @@ class OpenAIBatchReader:
             (naming them).
     """
 
-    def __init__(self, path: str | Path, *, limit: int | None = None, batch_size: int = 1024,
-                 keep_columns: list[str] = (), default_model: str = ""):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        limit: int | None = None,
+        batch_size: int = 1024,
+        keep_columns: list[str] = (),
+        default_model: str = "",
+    ):
         names = input_fields(path)
         missing = [name for name in REQUEST_FIELDS if name not in names]
         if missing:
-            raise InputError(f"input {str(path)!r} is read as OpenAI batch requests, but its first line has no "
-                             f"{', '.join(missing)} (fields: {', '.join(names) or 'none'})")
-        self.rows = PromptReader(path, id_column="custom_id", limit=limit, batch_size=batch_size,
-                                 extra_columns={name: name for name in REQUEST_FIELDS}, per_row_settings=False,
-                                 json_text_fields=("body",))
+            raise InputError(
+                f"input {str(path)!r} is read as OpenAI batch requests, but its first line has no "
+                f"{', '.join(missing)} (fields: {', '.join(names) or 'none'})"
+            )
+        self.rows = PromptReader(
+            path,
+            id_column="custom_id",
+            limit=limit,
+            batch_size=batch_size,
+            extra_columns={name: name for name in REQUEST_FIELDS},
+            per_row_settings=False,
+            json_text_fields=("body",),
+        )
         check_kept_columns(list(keep_columns), self.rows.column_names)
         self.rows.add_extra_columns(keep_roles(list(keep_columns)))
         self.sources = self.rows.sources
@@ -338,8 +391,10 @@ class OpenAIBatchReader:
         if repeated:
             named = ", ".join(f"{custom_id!r} ({n} lines)" for custom_id, n in repeated[:5])
             more = f" and {len(repeated) - 5} more" if len(repeated) > 5 else ""
-            raise InputError(f"custom_id values repeat in {str(self.rows.sources[0].path)!r}: {named}{more}; "
-                             f"each request needs its own custom_id")
+            raise InputError(
+                f"custom_id values repeat in {str(self.rows.sources[0].path)!r}: {named}{more}; "
+                f"each request needs its own custom_id"
+            )
         return num_chat
 
     def bind_tokenizer(self, tokenizer, model_path: str) -> None:
@@ -349,9 +404,11 @@ class OpenAIBatchReader:
             ValueError: when the batch has chat requests and the tokenizer has no chat template.
         """
         if self.num_chat_requests and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"the batch has {self.num_chat_requests} {CHAT_URL} requests, but the tokenizer in "
-                             f"{model_path!r} has no chat template; use a chat (instruction-tuned) model, or send "
-                             f"{COMPLETIONS_URL} requests")
+            raise ValueError(
+                f"the batch has {self.num_chat_requests} {CHAT_URL} requests, but the tokenizer in "
+                f"{model_path!r} has no chat template; use a chat (instruction-tuned) model, or send "
+                f"{COMPLETIONS_URL} requests"
+            )
         self.tokenizer = tokenizer
 
     def iter_rows(self, done: np.ndarray | None = None) -> Iterator[InputRow]:

@@ -33,8 +33,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.sampling_params import (SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, canonical_name, coerce_num_samples,
-                                    coerce_sampling_value)
+from engine.sampling_params import (
+    SAMPLING_FIELD_TYPES,
+    SAMPLING_FIELDS,
+    canonical_name,
+    coerce_num_samples,
+    coerce_sampling_value,
+)
 from jobs.input.arrow_types import is_binary_type, is_list_type, is_text_type
 from jobs.input.errors import InputError
 from jobs.input.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, ROW_ERROR_COLUMN, JsonlSource, holds_json_lines
@@ -85,8 +90,10 @@ class _Undecodable:
 #: Parquet files start (and end) with these 4 bytes.
 PARQUET_MAGIC = b"PAR1"
 #: What ``input_file_format`` reads, for error messages.
-SUPPORTED_INPUTS = (".parquet, .jsonl, .jsonl.gz, .json or .json.gz holding JSON Lines (any letter case), a Parquet "
-                    "file of any name (e.g. Hive's 000000_0), or a datasets save_to_disk directory")
+SUPPORTED_INPUTS = (
+    ".parquet, .jsonl, .jsonl.gz, .json or .json.gz holding JSON Lines (any letter case), a Parquet "
+    "file of any name (e.g. Hive's 000000_0), or a datasets save_to_disk directory"
+)
 #: Files of a directory that are documentation, not data: ignored (a Hugging Face data set's README.md).
 DOC_SUFFIXES = (".md", ".rst")
 
@@ -114,9 +121,11 @@ def input_file_format(path: Path) -> str | None:
                 return "jsonl"
         except OSError as exc:
             raise InputError(f"input file {str(path)!r} cannot be read: {exc}") from None
-        raise InputError(f"input file {str(path)!r} is JSON but not JSON Lines (its first line is not one whole JSON "
-                         f"object: a JSON array, or a document printed over many lines); cbrun reads "
-                         f"{SUPPORTED_INPUTS}. Convert an array, e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl")
+        raise InputError(
+            f"input file {str(path)!r} is JSON but not JSON Lines (its first line is not one whole JSON "
+            f"object: a JSON array, or a document printed over many lines); cbrun reads "
+            f"{SUPPORTED_INPUTS}. Convert an array, e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl"
+        )
     try:
         with open(path, "rb") as f:
             return "parquet" if f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC else None
@@ -152,33 +161,38 @@ def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
         return "parquet", list_object_files(str(path))
     path = Path(local_path(path))
     if not path.exists():
-        raise InputError(f"input {str(path)!r} not found: give a Parquet or JSON Lines file, or a directory of "
-                         f"them")
+        raise InputError(f"input {str(path)!r} not found: give a Parquet or JSON Lines file, or a directory of them")
     if path.is_file():
         if input_file_format(path) is None:
             raise InputError(f"input file {str(path)!r} is not a format cbrun reads; cbrun reads {SUPPORTED_INPUTS}")
         return "parquet", [path]
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-        raise InputError(f"input {str(path)!r} is a DatasetDict; point the input at one split, e.g. "
-                         f"{str(path / (splits[0] if splits else 'train'))!r}")
+        raise InputError(
+            f"input {str(path)!r} is a DatasetDict; point the input at one split, e.g. "
+            f"{str(path / (splits[0] if splits else 'train'))!r}"
+        )
     if (path / "state.json").is_file():
         data_files = json.loads((path / "state.json").read_text()).get("_data_files", [])
         files = [path / f["filename"] for f in data_files]
         if files:
             return "arrow", files
-    candidates = sorted(p for p in path.rglob("*") if p.is_file() and not _is_hidden(p.relative_to(path))
-                        and not _is_doc(p))
+    candidates = sorted(
+        p for p in path.rglob("*") if p.is_file() and not _is_hidden(p.relative_to(path)) and not _is_doc(p)
+    )
     unreadable = [p for p in candidates if input_file_format(p) is None]
     if unreadable:
         names = ", ".join(repr(p.relative_to(path).as_posix()) for p in unreadable[:10])
         more = f" and {len(unreadable) - 10} more" if len(unreadable) > 10 else ""
-        raise InputError(f"input directory {str(path)!r} holds files cbrun cannot read: {names}{more}; cbrun reads "
-                         f"{SUPPORTED_INPUTS} (names starting with '.' or '_' are ignored). Move them out, or point "
-                         f"--input at the files to read")
+        raise InputError(
+            f"input directory {str(path)!r} holds files cbrun cannot read: {names}{more}; cbrun reads "
+            f"{SUPPORTED_INPUTS} (names starting with '.' or '_' are ignored). Move them out, or point "
+            f"--input at the files to read"
+        )
     if not candidates:
-        raise InputError(f"input directory {str(path)!r} holds no .parquet files, no .jsonl files and no saved "
-                         f"data set")
+        raise InputError(
+            f"input directory {str(path)!r} holds no .parquet files, no .jsonl files and no saved data set"
+        )
     return "parquet", candidates
 
 
@@ -204,15 +218,18 @@ def list_object_files(uri: str) -> list[str]:
     except (ImportError, StorageError) as exc:
         raise InputError(f"input {uri!r} cannot be listed: {exc}") from None
     root = uri.rstrip("/")
-    relative = {o: o[len(root) + 1:] if o != root else basename(o) for o in objects}
+    relative = {o: o[len(root) + 1 :] if o != root else basename(o) for o in objects}
     candidates = [o for o in objects if not _is_hidden(Path(relative[o])) and not _is_doc(Path(relative[o]))]
     if not candidates:
-        raise InputError(f"input {uri!r} not found: no objects there (give a Parquet or JSON Lines object, or a "
-                         f"prefix of them)")
+        raise InputError(
+            f"input {uri!r} not found: no objects there (give a Parquet or JSON Lines object, or a prefix of them)"
+        )
     unreadable = [relative[o] for o in candidates if object_file_format(o) is None]
     if unreadable:
-        raise InputError(f"input {uri!r} holds objects cbrun cannot read: {', '.join(map(repr, unreadable[:10]))}; "
-                         f"in an object store cbrun reads .parquet, .jsonl and .json(.gz) objects")
+        raise InputError(
+            f"input {uri!r} holds objects cbrun cannot read: {', '.join(map(repr, unreadable[:10]))}; "
+            f"in an object store cbrun reads .parquet, .jsonl and .json(.gz) objects"
+        )
     return candidates
 
 
@@ -230,8 +247,9 @@ class _ParquetSource:
         self.row_group_sizes = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
         self.num_rows = metadata.num_rows
 
-    def iter_batches(self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
-                     ) -> Iterator[tuple[int, pa.RecordBatch]]:
+    def iter_batches(
+        self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
         """Yield (row index of the batch's first row, batch), not reading row groups whose rows are all in ``skip``.
 
         Args:
@@ -239,8 +257,9 @@ class _ParquetSource:
             skip: bool array over this file's rows, True where the row needs no reading; None reads all.
         """
         offsets = np.cumsum([0] + self.row_group_sizes)
-        wanted = [g for g in range(len(self.row_group_sizes))
-                  if skip is None or not skip[offsets[g]:offsets[g + 1]].all()]
+        wanted = [
+            g for g in range(len(self.row_group_sizes)) if skip is None or not skip[offsets[g] : offsets[g + 1]].all()
+        ]
         # NOTE: consecutive wanted row groups are read as one run so batches keep their full size; the run's first
         # row fixes the row index of every batch in it.
         for run in _consecutive_runs(wanted):
@@ -262,15 +281,16 @@ class _ArrowStreamSource:
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(f"input file {str(path)!r} is not a readable Arrow stream: {exc}") from None
 
-    def iter_batches(self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
-                     ) -> Iterator[tuple[int, pa.RecordBatch]]:
+    def iter_batches(
+        self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
         row = first_row
         with pa.ipc.open_stream(pa.memory_map(str(self.path))) as reader:
             for stored in reader:
                 for start in range(0, stored.num_rows, batch_size):
                     batch = stored.slice(start, batch_size)
                     local = row - first_row
-                    if skip is None or not skip[local:local + batch.num_rows].all():
+                    if skip is None or not skip[local : local + batch.num_rows].all():
                         yield row, batch.select(columns)
                     row += batch.num_rows
 
@@ -331,8 +351,12 @@ def unify_schemas(sources: list, columns: list[str] | None = None) -> pa.Schema:
     Raises:
         InputError: when a column's types cannot be unified, naming the column, the files and their types.
     """
-    schemas = [pa.schema([pa.field(f.name, _plain_type(f.type)) for f in source.schema
-                          if columns is None or f.name in columns]) for source in sources]
+    schemas = [
+        pa.schema(
+            [pa.field(f.name, _plain_type(f.type)) for f in source.schema if columns is None or f.name in columns]
+        )
+        for source in sources
+    ]
     try:
         return pa.unify_schemas(schemas, promote_options="permissive")
     except (pa.ArrowTypeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -345,10 +369,13 @@ def unify_schemas(sources: list, columns: list[str] | None = None) -> pa.Schema:
         try:
             pa.unify_schemas([pa.schema([pa.field(name, kind)]) for kind in by_type], promote_options="permissive")
         except (pa.ArrowTypeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            listed = "; ".join(f"{kind} in {', '.join(repr(p) for p in paths[:3])}{' ...' if len(paths) > 3 else ''}"
-                               for kind, paths in by_type.items())
-            raise InputError(f"column {name!r} has types that cannot be read as one across the input's files: "
-                             f"{listed}") from None
+            listed = "; ".join(
+                f"{kind} in {', '.join(repr(p) for p in paths[:3])}{' ...' if len(paths) > 3 else ''}"
+                for kind, paths in by_type.items()
+            )
+            raise InputError(
+                f"column {name!r} has types that cannot be read as one across the input's files: {listed}"
+            ) from None
     raise InputError("the input files' schemas cannot be unified")
 
 
@@ -409,10 +436,20 @@ class PromptReader:
             columns whose types cannot be unified across files.
     """
 
-    def __init__(self, path: str | Path, *, prompt_column: str | None = None, prompt_ids_column: str | None = None,
-                 id_column: str | None = None, template: str | None = None, limit: int | None = None,
-                 batch_size: int = 1024, extra_columns: dict[str, str] | None = None,
-                 per_row_settings: bool = True, json_text_fields: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        prompt_column: str | None = None,
+        prompt_ids_column: str | None = None,
+        id_column: str | None = None,
+        template: str | None = None,
+        limit: int | None = None,
+        batch_size: int = 1024,
+        extra_columns: dict[str, str] | None = None,
+        per_row_settings: bool = True,
+        json_text_fields: tuple[str, ...] = (),
+    ):
         self.path = str(path)
         self.prompt_column = prompt_column
         self.prompt_ids_column = prompt_ids_column
@@ -430,26 +467,44 @@ class PromptReader:
         self.template_columns = template_fields(template) if template is not None else []
         self.setting_of_column = _setting_columns(self.column_names) if per_row_settings else {}
         self.sampling_columns = list(self.setting_of_column)
-        self.samples_column = (NUM_SAMPLES_COLUMN if per_row_settings and NUM_SAMPLES_COLUMN in self.column_names
-                               else None)
-        self.columns = list(dict.fromkeys(
-            c for c in [id_column, prompt_column, prompt_ids_column, *self.template_columns, *self.sampling_columns,
-                        self.samples_column, *self.extra_columns.values()]
-            if c is not None
-        ))
+        self.samples_column = (
+            NUM_SAMPLES_COLUMN if per_row_settings and NUM_SAMPLES_COLUMN in self.column_names else None
+        )
+        self.columns = list(
+            dict.fromkeys(
+                c
+                for c in [
+                    id_column,
+                    prompt_column,
+                    prompt_ids_column,
+                    *self.template_columns,
+                    *self.sampling_columns,
+                    self.samples_column,
+                    *self.extra_columns.values(),
+                ]
+                if c is not None
+            )
+        )
         self._check_columns()
         self.schema = self._unified_schema()
         self._check_types()
         named = [*self.sampling_columns, *([self.samples_column] if self.samples_column else [])]
         if named:
-            logger.info("per-row settings from columns: %s (input.per_row_settings = false reads them as data)",
-                        ", ".join(named))
+            logger.info(
+                "per-row settings from columns: %s (input.per_row_settings = false reads them as data)",
+                ", ".join(named),
+            )
         for column in named:
             setting = self.setting_of_column.get(column, NUM_SAMPLES_COLUMN)
             kind = self.schema.field(column).type
             if not _type_fits(SAMPLING_FIELD_TYPES.get(setting, "int"), kind):
-                logger.warning("column %r sets %s per row but holds %s: each of its non-null values will be a row "
-                               "error; if it is data, set input.per_row_settings = false", column, setting, kind)
+                logger.warning(
+                    "column %r sets %s per row but holds %s: each of its non-null values will be a row "
+                    "error; if it is data, set input.per_row_settings = false",
+                    column,
+                    setting,
+                    kind,
+                )
 
     def add_extra_columns(self, extra_columns: dict[str, str]) -> None:
         """Also read ``extra_columns`` ({role: column}) into ``InputRow.extra``, e.g. ``output.keep_columns``.
@@ -482,15 +537,22 @@ class PromptReader:
         if self.no_columns_known:
             return
         names = self.column_names
-        for role, column in (("id_column", self.id_column), ("prompt_column", self.prompt_column),
-                             ("prompt_ids_column", self.prompt_ids_column), *self.extra_columns.items()):
+        for role, column in (
+            ("id_column", self.id_column),
+            ("prompt_column", self.prompt_column),
+            ("prompt_ids_column", self.prompt_ids_column),
+            *self.extra_columns.items(),
+        ):
             if column is not None and column not in names:
-                raise InputError(f"input.{role} {column!r} is not a column of {self._where()}; "
-                                 f"its columns are: {', '.join(names)}")
+                raise InputError(
+                    f"input.{role} {column!r} is not a column of {self._where()}; its columns are: {', '.join(names)}"
+                )
         for column in self.template_columns:
             if column not in names:
-                raise InputError(f"input.template field {{{column}}} is not a column of {self._where()}; "
-                                 f"its columns are: {', '.join(names)}")
+                raise InputError(
+                    f"input.template field {{{column}}} is not a column of {self._where()}; "
+                    f"its columns are: {', '.join(names)}"
+                )
 
     def _check_types(self) -> None:
         schema = self.schema
@@ -500,10 +562,11 @@ class PromptReader:
                 raise InputError(f"input.prompt_column {self.prompt_column!r} must hold text, but its type is {kind}")
         if self.prompt_ids_column is not None:
             kind = schema.field(self.prompt_ids_column).type
-            if not pa.types.is_null(kind) and (not is_list_type(kind)
-                                               or not pa.types.is_integer(kind.value_type)):
-                raise InputError(f"input.prompt_ids_column {self.prompt_ids_column!r} must be a list of integers, "
-                                 f"but its type is {kind}")
+            if not pa.types.is_null(kind) and (not is_list_type(kind) or not pa.types.is_integer(kind.value_type)):
+                raise InputError(
+                    f"input.prompt_ids_column {self.prompt_ids_column!r} must be a list of integers, "
+                    f"but its type is {kind}"
+                )
 
     def iter_rows(self, done: np.ndarray | None = None) -> Iterator[InputRow]:
         """Yield the rows not marked done, in input order.
@@ -518,12 +581,12 @@ class PromptReader:
                 return
             end = min(first_row + source.num_rows, self.num_rows)
             skip = np.ones(source.num_rows, dtype=bool)
-            skip[:end - first_row] = False if done is None else done[first_row:end]
+            skip[: end - first_row] = False if done is None else done[first_row:end]
             if not skip.all():
                 present = [c for c in self.columns if c in source.schema.names]
                 for row, batch in source.iter_batches(present, self.batch_size, first_row, skip):
                     batch = _with_row_errors(conform_batch(batch, self.schema, self.columns), batch)
-                    yield from self._batch_rows(row, batch, skip[row - first_row:row - first_row + batch.num_rows])
+                    yield from self._batch_rows(row, batch, skip[row - first_row : row - first_row + batch.num_rows])
             first_row += source.num_rows
 
     def read_span(self, start: int, end: int) -> Iterator[pa.RecordBatch]:
@@ -538,21 +601,25 @@ class PromptReader:
             last_row = first_row + source.num_rows
             if first_row < end and start < last_row:
                 skip = np.ones(source.num_rows, dtype=bool)
-                skip[max(start - first_row, 0):end - first_row] = False
+                skip[max(start - first_row, 0) : end - first_row] = False
                 present = [c for c in self.columns if c in source.schema.names]
                 for row, batch in source.iter_batches(present, self.batch_size, first_row, skip):
-                    wanted = np.flatnonzero(~skip[row - first_row:row - first_row + batch.num_rows])
+                    wanted = np.flatnonzero(~skip[row - first_row : row - first_row + batch.num_rows])
                     if len(wanted):  # a contiguous run: the span is one range
                         yield self._span_batch(batch.slice(int(wanted[0]), len(wanted)), row + int(wanted[0]))
             first_row = last_row
 
     def _span_batch(self, read: pa.RecordBatch, first_row: int) -> pa.RecordBatch:
         conformed = conform_batch(read, self.schema, self.columns)
-        errors = (read.column(ROW_ERROR_COLUMN) if ROW_ERROR_COLUMN in read.schema.names
-                  else pa.nulls(read.num_rows, pa.string()))
+        errors = (
+            read.column(ROW_ERROR_COLUMN)
+            if ROW_ERROR_COLUMN in read.schema.names
+            else pa.nulls(read.num_rows, pa.string())
+        )
         indices = pa.array(np.arange(first_row, first_row + read.num_rows), pa.int64())
-        return pa.RecordBatch.from_arrays([*conformed.columns, errors, indices],
-                                          names=[*self.columns, ROW_ERROR_COLUMN, ROW_INDEX_COLUMN])
+        return pa.RecordBatch.from_arrays(
+            [*conformed.columns, errors, indices], names=[*self.columns, ROW_ERROR_COLUMN, ROW_INDEX_COLUMN]
+        )
 
     def rows_of(self, batch: pa.RecordBatch | pa.Table) -> Iterator[InputRow]:
         """The input rows of a batch from ``read_span`` (any rows, in any order: each carries its row index)."""
@@ -588,16 +655,22 @@ class PromptReader:
                 row.extra[role] = values[column]
             for column, name in self.setting_of_column.items():
                 if values[column] is not None:
-                    row.sampling_overrides[name] = coerce_sampling_value(name, _readable(column, values[column]),
-                                                                         column)
+                    row.sampling_overrides[name] = coerce_sampling_value(
+                        name, _readable(column, values[column]), column
+                    )
             if self.samples_column is not None and values[self.samples_column] is not None:
-                row.num_samples = coerce_num_samples(_readable(f"{NUM_SAMPLES_COLUMN} (samples per row)",
-                                                               values[self.samples_column]), NUM_SAMPLES_COLUMN)
+                row.num_samples = coerce_num_samples(
+                    _readable(f"{NUM_SAMPLES_COLUMN} (samples per row)", values[self.samples_column]),
+                    NUM_SAMPLES_COLUMN,
+                )
         except ValueError as exc:
             row.error = f"row {row_index} (id {row.id!r}): {exc}"
             # NOTE: an error row still carries its readable extra columns (e.g. output.keep_columns)
-            row.extra = {role: values[column] for role, column in self.extra_columns.items()
-                         if not isinstance(values[column], _Undecodable)}
+            row.extra = {
+                role: values[column]
+                for role, column in self.extra_columns.items()
+                if not isinstance(values[column], _Undecodable)
+            }
         return row
 
     @staticmethod
@@ -687,8 +760,10 @@ def _setting_columns(names: list[str]) -> dict[str, str]:
             continue
         other = next((c for c, s in found.items() if s == setting), None)
         if other is not None:
-            raise InputError(f"columns {other!r} and {name!r} both set {setting} per row; keep one, or set "
-                             f"input.per_row_settings = false")
+            raise InputError(
+                f"columns {other!r} and {name!r} both set {setting} per row; keep one, or set "
+                f"input.per_row_settings = false"
+            )
         found[name] = setting
     return found
 
@@ -702,7 +777,11 @@ def _type_fits(annotation: str, kind: pa.DataType) -> bool:
     number = pa.types.is_integer(kind) or pa.types.is_floating(kind)
     text = is_text_type(kind)
     is_list = is_list_type(kind)
-    return {"int": number, "float": number, "bool": pa.types.is_boolean(kind), "str": text,
-            "tuple[int, ...]": is_list and pa.types.is_integer(kind.value_type),
-            "tuple[str, ...]": text or (is_list and is_text_type(kind.value_type))
-            }.get(annotation, True)
+    return {
+        "int": number,
+        "float": number,
+        "bool": pa.types.is_boolean(kind),
+        "str": text,
+        "tuple[int, ...]": is_list and pa.types.is_integer(kind.value_type),
+        "tuple[str, ...]": text or (is_list and is_text_type(kind.value_type)),
+    }.get(annotation, True)

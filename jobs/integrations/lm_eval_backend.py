@@ -40,8 +40,13 @@ from typing import Iterable, Iterator
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import (handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
-                                  postprocess_generated_text, resolve_max_length)
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+    resolve_max_length,
+)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
@@ -52,8 +57,16 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("cbrun.lm_eval")
 
 #: ``gen_kwargs`` keys that map onto ``SamplingParams`` fields of the same name.
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty", "seed")
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
 #: Engine settings of this backend where they differ from ``EngineConfig``'s: scoring requests finish at the end of
 #: their prefill, so larger steps only amortise per-step work, and smaller pages leave less of a shared context
 #: (its last, partial page) to recompute per choice (measured on stories260K, one thread: 2048 tokens and 8-token
@@ -81,8 +94,7 @@ class LoglikelihoodRequest:
         return len(self.prompt_token_ids) - self.prompt_logprobs_from
 
 
-def loglikelihood_request(context_enc: list[int], continuation_enc: list[int], max_length: int
-                          ) -> LoglikelihoodRequest:
+def loglikelihood_request(context_enc: list[int], continuation_enc: list[int], max_length: int) -> LoglikelihoodRequest:
     """The engine request that scores ``continuation_enc`` after ``context_enc`` exactly as ``hf`` does.
 
     ``HFLM._loglikelihood_tokens`` (lm-eval 0.4.13) feeds ``(context_enc + continuation_enc)[-(max_length + 1):][:-1]``
@@ -95,11 +107,13 @@ def loglikelihood_request(context_enc: list[int], continuation_enc: list[int], m
             (``hf`` asserts the same).
     """
     if not context_enc or not continuation_enc:
-        raise ValueError(f"context ({len(context_enc)} tokens) and continuation ({len(continuation_enc)} tokens) "
-                         "must both encode to at least one token")
+        raise ValueError(
+            f"context ({len(context_enc)} tokens) and continuation ({len(continuation_enc)} tokens) "
+            "must both encode to at least one token"
+        )
     if len(continuation_enc) > max_length:
         raise ValueError(f"the continuation has {len(continuation_enc)} tokens, more than max_length = {max_length}")
-    window = tuple(context_enc + continuation_enc)[-(max_length + 1):]
+    window = tuple(context_enc + continuation_enc)[-(max_length + 1) :]
     return LoglikelihoodRequest(window, len(window) - len(continuation_enc))
 
 
@@ -121,8 +135,12 @@ def pair_encode_keys(pairs: Iterable[tuple[str, str]]) -> Iterator[tuple[str, bo
 
 def rolling_windows(token_ids: list[int], prefix_token_id: int, max_length: int) -> list[tuple[list[int], list[int]]]:
     """``(context_enc, continuation_enc)`` windows that score every token of a text once, as ``hf`` makes them."""
-    return [make_disjoint_window(w) for w in get_rolling_token_windows(
-        token_list=token_ids, prefix_token=prefix_token_id, max_seq_len=max_length, context_len=1)]
+    return [
+        make_disjoint_window(w)
+        for w in get_rolling_token_windows(
+            token_list=token_ids, prefix_token=prefix_token_id, max_seq_len=max_length, context_len=1
+        )
+    ]
 
 
 def scoring_order(requests, wave_size: int = 256) -> list[LoglikelihoodRequest]:
@@ -136,11 +154,11 @@ def scoring_order(requests, wave_size: int = 256) -> list[LoglikelihoodRequest]:
     """
     groups: dict[tuple[int, ...], list[LoglikelihoodRequest]] = {}
     for request in sorted(requests, key=lambda r: r.prompt_token_ids):
-        groups.setdefault(request.prompt_token_ids[:request.prompt_logprobs_from], []).append(request)
+        groups.setdefault(request.prompt_token_ids[: request.prompt_logprobs_from], []).append(request)
     contexts = sorted(groups, key=lambda c: (-len(c), c))
     order = []
     for start in range(0, len(contexts), wave_size):
-        wave = contexts[start:start + wave_size]
+        wave = contexts[start : start + wave_size]
         order += [groups[c][0] for c in wave]
         order += [r for c in wave for r in groups[c][1:]]
     return order
@@ -173,16 +191,28 @@ class CbrunLM(TemplateLM):
         ValueError: for an unknown argument or a bad engine setting, naming it.
     """
 
-    def __init__(self, pretrained: str, dtype: str = "auto", max_length: int | None = None,
-                 add_bos_token: bool | None = None, prefix_token_id: int | None = None, max_gen_toks: int = 256,
-                 device: str | None = None, tokenizer: str | None = None, seed: int = 1234, **kwargs) -> None:
+    def __init__(
+        self,
+        pretrained: str,
+        dtype: str = "auto",
+        max_length: int | None = None,
+        add_bos_token: bool | None = None,
+        prefix_token_id: int | None = None,
+        max_gen_toks: int = 256,
+        device: str | None = None,
+        tokenizer: str | None = None,
+        seed: int = 1234,
+        **kwargs,
+    ) -> None:
         super().__init__()
         engine_fields = [f.name for f in dataclasses.fields(EngineConfig)]
         unknown = sorted(set(kwargs) - set(_IGNORED_ARGS) - set(engine_fields))
         if unknown:
-            raise ValueError(f"unknown cbrun model argument(s) {unknown}; accepted: pretrained, dtype, max_length, "
-                             f"add_bos_token, prefix_token_id, max_gen_toks, device, tokenizer, seed and the "
-                             f"engine settings {engine_fields}")
+            raise ValueError(
+                f"unknown cbrun model argument(s) {unknown}; accepted: pretrained, dtype, max_length, "
+                f"add_bos_token, prefix_token_id, max_gen_toks, device, tokenizer, seed and the "
+                f"engine settings {engine_fields}"
+            )
         engine_settings = {k: v for k, v in kwargs.items() if k in engine_fields}
         device = _resolve_device(device)
         dtype = str(dtype).removeprefix("torch.")  # a torch.dtype from Python callers, as hf accepts
@@ -226,8 +256,9 @@ class CbrunLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return self.tokenizer.name_or_path.replace("/", "__")
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs
+    ) -> list[int]:
         """Token ids of ``string`` by ``HFLM.tok_encode``'s rule: an explicit ``add_special_tokens`` wins, then
         ``add_bos_token``; with neither, the tokenizer's default, except no BOS is added to a text that already
         starts with the prefix token's text."""
@@ -261,8 +292,12 @@ class CbrunLM(TemplateLM):
             batches.setdefault(tuple(self._special_tokens(*key).items()), []).append(key)
         encodings = {}
         for special, batch in batches.items():
-            ids = self.tokenizer([string for string, _ in batch], **dict(special), return_attention_mask=False,
-                                 return_token_type_ids=False)["input_ids"]
+            ids = self.tokenizer(
+                [string for string, _ in batch],
+                **dict(special),
+                return_attention_mask=False,
+                return_token_type_ids=False,
+            )["input_ids"]
             encodings.update(zip(batch, ids))
         self._encodings = encodings
         try:
@@ -274,9 +309,12 @@ class CbrunLM(TemplateLM):
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
 
     # ---- loglikelihood ----------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -300,14 +338,16 @@ class CbrunLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", cache_key, answer)
         return answers
 
-    def _score(self, requests: list[LoglikelihoodRequest], disable_tqdm: bool
-               ) -> dict[LoglikelihoodRequest, tuple[float, bool]]:
+    def _score(
+        self, requests: list[LoglikelihoodRequest], disable_tqdm: bool
+    ) -> dict[LoglikelihoodRequest, tuple[float, bool]]:
         """Run the distinct requests on the engine in ``scoring_order``."""
         unique = scoring_order(set(requests))
         work = ((r, list(r.prompt_token_ids), _score_params(r)) for r in unique)
         results = {}
-        for output in tqdm(self.engine.generate(work), total=len(unique), disable=disable_tqdm,
-                           desc="cbrun: loglikelihood requests"):
+        for output in tqdm(
+            self.engine.generate(work), total=len(unique), disable=disable_tqdm, desc="cbrun: loglikelihood requests"
+        ):
             request = output.request_id
             _raise_on_error(output, f"scoring a {len(request.prompt_token_ids)}-token window")
             assert len(output.prompt_logprobs) == request.num_continuation_tokens
@@ -346,8 +386,9 @@ class CbrunLM(TemplateLM):
                 work.append((index, prompt, params))
                 untils.append(until)
         texts = [""] * len(requests)
-        for output in tqdm(self.engine.generate(work), total=len(work), disable=disable_tqdm,
-                           desc="cbrun: generate_until requests"):
+        for output in tqdm(
+            self.engine.generate(work), total=len(work), disable=disable_tqdm, desc="cbrun: generate_until requests"
+        ):
             index = output.request_id
             _raise_on_error(output, f"generating for request {index}")
             text = output.text if output.text is not None else self.tok_decode(output.output_token_ids)
@@ -356,8 +397,9 @@ class CbrunLM(TemplateLM):
         self._log_stats("generate_until", len(requests))
         return texts
 
-    def _generation_request(self, context: str, gen_kwargs: dict, eos_text: str, index: int
-                            ) -> tuple[list[int], SamplingParams, list[str]]:
+    def _generation_request(
+        self, context: str, gen_kwargs: dict, eos_text: str, index: int
+    ) -> tuple[list[int], SamplingParams, list[str]]:
         """(prompt ids, sampling params, stop strings) by ``HFLM.generate_until``'s rules.
 
         A sampled request's seed derives from (``gen_kwargs["seed"]`` or the backend's ``seed``, its index in the
@@ -369,15 +411,18 @@ class CbrunLM(TemplateLM):
         max_gen_toks = kwargs.pop("max_gen_toks")
         max_context = self.max_length - max_gen_toks
         if max_context <= 0:
-            raise ValueError(f"max_gen_toks = {max_gen_toks} leaves no room for a context in max_length = "
-                             f"{self.max_length} tokens")
+            raise ValueError(
+                f"max_gen_toks = {max_gen_toks} leaves no room for a context in max_length = {self.max_length} tokens"
+            )
         do_sample = kwargs.pop("do_sample", False)
         if kwargs.pop("num_beams", 1) != 1:
             raise ValueError("cbrun does not implement beam search (num_beams > 1)")
         unknown = sorted(set(kwargs) - set(_SAMPLING_KEYS))
         if unknown:
-            raise ValueError(f"generation kwargs {unknown} are not supported by cbrun; supported: do_sample, "
-                             f"until, max_gen_toks, num_beams=1, {', '.join(_SAMPLING_KEYS)}")
+            raise ValueError(
+                f"generation kwargs {unknown} are not supported by cbrun; supported: do_sample, "
+                f"until, max_gen_toks, num_beams=1, {', '.join(_SAMPLING_KEYS)}"
+            )
         sampling = {k: kwargs[k] for k in _SAMPLING_KEYS if k in kwargs}
         sampling["seed"] = _request_seed(int(sampling.get("seed", self.seed)), index)
         if not do_sample:
@@ -388,10 +433,17 @@ class CbrunLM(TemplateLM):
     # ---- reporting --------------------------------------------------------------------------------------------
     def _log_stats(self, kind: str, num_requests: int) -> None:
         stats = self.engine.stats
-        logger.info("cbrun: %d %s requests done; engine so far: %d prompt tokens, %d from the prefix cache "
-                    "(hit rate %.1f%%), %d generated, %d steps", num_requests, kind, stats.num_prompt_tokens,
-                    stats.num_cached_prompt_tokens, 100 * stats.prefix_hit_rate, stats.num_generated_tokens,
-                    stats.num_steps)
+        logger.info(
+            "cbrun: %d %s requests done; engine so far: %d prompt tokens, %d from the prefix cache "
+            "(hit rate %.1f%%), %d generated, %d steps",
+            num_requests,
+            kind,
+            stats.num_prompt_tokens,
+            stats.num_cached_prompt_tokens,
+            100 * stats.prefix_hit_rate,
+            stats.num_generated_tokens,
+            stats.num_steps,
+        )
 
 
 def _score_params(request: LoglikelihoodRequest) -> SamplingParams:
@@ -439,8 +491,10 @@ def _generic_tokenizer_class(path: str):
     (``MistralCommonBackend``): those, and anything else, go to ``AutoTokenizer``.
     """
     try:
-        from transformers.models.auto.tokenization_auto import (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
-                                                                TOKENIZER_MAPPING_NAMES)
+        from transformers.models.auto.tokenization_auto import (
+            MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+            TOKENIZER_MAPPING_NAMES,
+        )
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers layout: its AutoTokenizer decides
         return None

@@ -73,8 +73,9 @@ def _merge(index: dict, entries: dict, root: Path) -> None:
     """lm-eval's merge of one directory's entries into the index (``TaskIndex.build``): later paths win."""
     for name, entry in entries.items():
         if name in index:
-            logger.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
-                           index[name].yaml_path)
+            logger.warning(
+                "Task '%s' from %s overrides existing task from %s", name, entry.yaml_path, index[name].yaml_path
+            )
         index[name] = entry
 
 
@@ -111,7 +112,7 @@ def _key(root: Path) -> str:
 
 
 def _file_stats(directory: str, relative: str) -> Iterator[str]:
-    """"path size mtime" of every file under ``directory``, in sorted order, paths relative to the root."""
+    """ "path size mtime" of every file under ``directory``, in sorted order, paths relative to the root."""
     with os.scandir(directory) as scan:
         entries = sorted(scan, key=lambda e: e.name)
     for entry in entries:

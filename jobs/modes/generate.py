@@ -14,9 +14,9 @@ import logging
 from engine.structured_output import StructuredOutputsParams
 from engine.structured_output.validate import is_valid_output
 from jobs.input.chat import conversation, encode_chat
-from jobs.modes.ordering import RowWork, SampleGroups
 from jobs.input.prompts import encode_prompt
 from jobs.input.reader import InputRow
+from jobs.modes.ordering import RowWork, SampleGroups
 from jobs.output.writer import OutputRow, error_row
 
 logger = logging.getLogger("cbrun.job")
@@ -87,9 +87,14 @@ class GenerateMode:
         num_samples = row.num_samples or self.manifest.n
         if num_samples > 1 and params.greedy and not self.warned_identical_samples:
             self.warned_identical_samples = True
-            logger.warning("row %d (id %r) asks for %d samples with greedy decoding (temperature 0 or top_k 1): "
-                           "its samples are identical; set sampling.temperature > 0 for different ones "
-                           "(warned once)", row.row_index, row.id, num_samples)
+            logger.warning(
+                "row %d (id %r) asks for %d samples with greedy decoding (temperature 0 or top_k 1): "
+                "its samples are identical; set sampling.temperature > 0 for different ones "
+                "(warned once)",
+                row.row_index,
+                row.id,
+                num_samples,
+            )
         seeds = sample_seeds(self.manifest.seed, row.id, num_samples, row.sampling_overrides.get("seed"))
         self.in_flight.start(row.row_index, row.id, num_samples)
         if params.structured_outputs is not None:
@@ -110,19 +115,21 @@ class GenerateMode:
         inp = self.manifest.input
         if not inp.chat:
             return encode_prompt(self.tokenizer, row.prompt)
-        messages = conversation(row.prompt, row.extra.get("messages_column"), inp.messages_column is not None,
-                                inp.system_prompt)
+        messages = conversation(
+            row.prompt, row.extra.get("messages_column"), inp.messages_column is not None, inp.system_prompt
+        )
         return encode_chat(self.tokenizer, messages)
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt encodes to no tokens")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but the model's maximum length is "
-                             f"{self.max_model_len} tokens (prompt + completion)")
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but the model's maximum length is "
+                f"{self.max_model_len} tokens (prompt + completion)"
+            )
         if self.vocab_size is not None and max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"token id {max(prompt_token_ids)} is out of the model's vocabulary of "
-                             f"{self.vocab_size}")
+            raise ValueError(f"token id {max(prompt_token_ids)} is out of the model's vocabulary of {self.vocab_size}")
 
     def _output_row(self, row_id: str, output) -> OutputRow:
         row_index, sample_index = output.request_id
@@ -133,9 +140,16 @@ class GenerateMode:
         # NOTE: when a stop string ended the request the engine hands back the text cut before it.
         text = output.text if output.text is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
         row = OutputRow(
-            id=row_id, row_index=row_index, sample_index=sample_index, completion=text, completion_token_ids=ids,
-            num_prompt_tokens=output.num_prompt_tokens, num_completion_tokens=len(ids),
-            finish_reason=output.finish_reason, logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
+            id=row_id,
+            row_index=row_index,
+            sample_index=sample_index,
+            completion=text,
+            completion_token_ids=ids,
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_completion_tokens=len(ids),
+            finish_reason=output.finish_reason,
+            logprobs=output.logprobs,
+            prompt_logprobs=output.prompt_logprobs,
             prompt_greedy=output.prompt_greedy,
             stop_reason=None if output.stop_reason is None else str(output.stop_reason),
             structured_output_valid=is_valid_output(text, self._constraints.get(row_index)),

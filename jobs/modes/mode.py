@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jobs.modes.ordering import RowWork
 from jobs.input.reader import InputRow
+from jobs.modes.ordering import RowWork
 from jobs.output.writer import OutputRow
 
 

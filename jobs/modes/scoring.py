@@ -44,9 +44,9 @@ import pyarrow as pa
 
 from engine.sampling_params import SamplingParams
 from jobs.input.arrow_types import is_list_type, is_text_type
-from jobs.modes.ordering import RowWork
 from jobs.input.prompts import encode_prompt
 from jobs.input.reader import InputError, InputRow
+from jobs.modes.ordering import RowWork
 from jobs.output.writer import OutputRow, error_row
 
 _NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
@@ -66,7 +66,7 @@ def last_number_plus_one(text: str) -> str:
     match = matches[-1]
     value = Decimal(match.group().replace(",", "")) + 1
     new = format(value, ",") if "," in match.group() else str(value)
-    return text[:match.start()] + new + text[match.end():]
+    return text[: match.start()] + new + text[match.end() :]
 
 
 #: ``input.corruptions`` names -> deterministic transformation of the first candidate into one more candidate.
@@ -79,8 +79,10 @@ def check_candidates_column(schema: pa.Schema, column: str, path: str) -> None:
     if is_list_type(kind):
         kind = kind.value_type
     if not is_text_type(kind):
-        raise InputError(f"input.candidates_column {column!r} of {path!r} must hold text or a list of text, but its "
-                         f"type is {schema.field(column).type}")
+        raise InputError(
+            f"input.candidates_column {column!r} of {path!r} must hold text or a list of text, but its "
+            f"type is {schema.field(column).type}"
+        )
 
 
 def read_candidates(value: Any, corruptions: list[str]) -> list[str]:
@@ -117,16 +119,18 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
         ValueError: when the continuation cannot be tokenized so that the ids decode to context + continuation.
     """
     stripped = context.rstrip()
-    continuation = context[len(stripped):] + continuation
+    continuation = context[len(stripped) :] + continuation
     context_ids = encode_prompt(tokenizer, stripped)
     whole = encode_prompt(tokenizer, stripped + continuation)
-    if len(whole) > len(context_ids) and whole[:len(context_ids)] == context_ids:
-        return context_ids, whole[len(context_ids):]
+    if len(whole) > len(context_ids) and whole[: len(context_ids)] == context_ids:
+        return context_ids, whole[len(context_ids) :]
     ids = _encode_alone(tokenizer, continuation)
     joined = tokenizer.decode(context_ids + ids, skip_special_tokens=True)
     if joined != tokenizer.decode(context_ids, skip_special_tokens=True) + continuation:
-        raise ValueError(f"{continuation!r} cannot be tokenized after the context so that the tokens decode to "
-                         f"exactly context + candidate (a token of the joined text straddles the boundary)")
+        raise ValueError(
+            f"{continuation!r} cannot be tokenized after the context so that the tokens decode to "
+            f"exactly context + candidate (a token of the joined text straddles the boundary)"
+        )
     return context_ids, ids
 
 
@@ -134,8 +138,8 @@ def _encode_alone(tokenizer, text: str) -> list[int]:
     """``text``'s ids as if it continued a text: encoded after ``_SENTINEL``, whose ids are then dropped."""
     prefix = tokenizer.encode(_SENTINEL, add_special_tokens=False)
     ids = tokenizer.encode(_SENTINEL + text, add_special_tokens=False)
-    if prefix and ids[:len(prefix)] == prefix:
-        return ids[len(prefix):]
+    if prefix and ids[: len(prefix)] == prefix:
+        return ids[len(prefix) :]
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -207,9 +211,14 @@ class Scorer:
         except ValueError as exc:
             return error_row(row.id, row.row_index, f"{where}: {exc}", generated=False)
         context_ids = pairs[0][0]
-        self.pending[row.row_index] = _PendingRow(row.id, row.row_index, len(context_ids),
-                                                  [len(ids) for _, ids in pairs],
-                                                  [None] * len(pairs), [None] * len(pairs))
+        self.pending[row.row_index] = _PendingRow(
+            row.id,
+            row.row_index,
+            len(context_ids),
+            [len(ids) for _, ids in pairs],
+            [None] * len(pairs),
+            [None] * len(pairs),
+        )
         params = score_params(len(context_ids))
         return [((row.row_index, k), context_ids + ids, params) for k, (_, ids) in enumerate(pairs)]
 
@@ -222,11 +231,15 @@ class Scorer:
                 raise ValueError(f"candidate {k} encodes to no tokens")
             total = len(context_ids) + len(ids)
             if total >= self.max_model_len:
-                raise ValueError(f"candidate {k}: context + candidate have {total} tokens, but the model's maximum "
-                                 f"length is {self.max_model_len} tokens (one more token is computed)")
+                raise ValueError(
+                    f"candidate {k}: context + candidate have {total} tokens, but the model's maximum "
+                    f"length is {self.max_model_len} tokens (one more token is computed)"
+                )
             if self.vocab_size is not None and max(context_ids + ids) >= self.vocab_size:
-                raise ValueError(f"candidate {k}: token id {max(context_ids + ids)} is out of the model's "
-                                 f"vocabulary of {self.vocab_size}")
+                raise ValueError(
+                    f"candidate {k}: token id {max(context_ids + ids)} is out of the model's "
+                    f"vocabulary of {self.vocab_size}"
+                )
 
     def collect(self, output) -> list[OutputRow] | None:
         """Record one candidate's ``RequestOutput``; returns the row (a list of one) once all its candidates are in."""
@@ -245,7 +258,17 @@ class Scorer:
         if pending.errors:
             message = f"row {row_index} (id {pending.row_id!r}): {'; '.join(sorted(pending.errors))}"
             return [error_row(pending.row_id, row_index, message, pending.num_context_tokens, generated=False)]
-        return [OutputRow(id=pending.row_id, row_index=row_index, completion=None, completion_token_ids=None,
-                          num_prompt_tokens=pending.num_context_tokens, num_completion_tokens=None,
-                          finish_reason=None, candidate_logprobs=pending.logprobs,
-                          candidate_num_tokens=pending.num_tokens, candidate_is_greedy=pending.is_greedy)]
+        return [
+            OutputRow(
+                id=pending.row_id,
+                row_index=row_index,
+                completion=None,
+                completion_token_ids=None,
+                num_prompt_tokens=pending.num_context_tokens,
+                num_completion_tokens=None,
+                finish_reason=None,
+                candidate_logprobs=pending.logprobs,
+                candidate_num_tokens=pending.num_tokens,
+                candidate_is_greedy=pending.is_greedy,
+            )
+        ]

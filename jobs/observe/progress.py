@@ -132,8 +132,14 @@ class JobProgress:
         self.last_postfix = 0.0
         # A log file (no terminal) gets a line every 30 s rather than a redraw per row.
         interval = 0.5 if sys.stderr.isatty() else 30.0
-        self.bar = tqdm(total=num_rows, disable=not enabled, desc="cbrun", dynamic_ncols=True, mininterval=interval,
-                        bar_format=BAR_FORMAT)
+        self.bar = tqdm(
+            total=num_rows,
+            disable=not enabled,
+            desc="cbrun",
+            dynamic_ncols=True,
+            mininterval=interval,
+            bar_format=BAR_FORMAT,
+        )
 
     def __enter__(self) -> Self:
         return self

@@ -18,7 +18,9 @@ from typing import Any
 
 from jobs.observe.report_data import ReportData, load_report_data
 
-REPORT_EXTRA_MESSAGE = "cbrun report draws its charts with matplotlib, which is not installed: pip install 'cbrun[report]'"
+REPORT_EXTRA_MESSAGE = (
+    "cbrun report draws its charts with matplotlib, which is not installed: pip install 'cbrun[report]'"
+)
 
 _STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 960px;
@@ -42,8 +44,7 @@ def check_matplotlib() -> None:
         raise ImportError(REPORT_EXTRA_MESSAGE) from None
 
 
-def write_report(output_dir: str | Path, out: str | Path | None = None,
-                 price_per_hour: float | None = None) -> Path:
+def write_report(output_dir: str | Path, out: str | Path | None = None, price_per_hour: float | None = None) -> Path:
     """Write the report of ``output_dir`` (a finished or running job's output) and its charts' PNG copies.
 
     Args:
@@ -87,7 +88,7 @@ def render_charts(data: ReportData, png_dir: Path) -> list[str]:
             buffer = io.StringIO()
             fig.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None})
             text = buffer.getvalue()
-            svgs.append(text[text.index("<svg"):])  # NOTE: inline SVG takes no XML declaration or DOCTYPE
+            svgs.append(text[text.index("<svg") :])  # NOTE: inline SVG takes no XML declaration or DOCTYPE
     return svgs
 
 
@@ -96,28 +97,35 @@ def summary_rows(data: ReportData) -> list[tuple[str, str]]:
     rows, stats, timelines = data.rows, data.stats or {}, data.timelines
     seconds = sum(tl.duration_s for tl in timelines)
     generated = data.generated_tokens
-    table = [("status", "finished (_SUCCESS)" if (data.output_dir / "_SUCCESS").is_file() else "not finished"),
-             ("output rows", f"{rows.num_rows:,}"), ("error rows", f"{rows.num_error_rows:,}"),
-             ("prompt tokens (rows without errors)", f"{sum(rows.prompt_tokens):,}"),
-             ("generated tokens (rows without errors)", f"{sum(rows.completion_tokens):,}"),
-             ("runs recorded (timelines)", f"{len(timelines)}"),
-             ("generation time over the runs", f"{seconds:,.1f} s"),
-             ("generated tokens over the runs", f"{generated:,}")]
+    table = [
+        ("status", "finished (_SUCCESS)" if (data.output_dir / "_SUCCESS").is_file() else "not finished"),
+        ("output rows", f"{rows.num_rows:,}"),
+        ("error rows", f"{rows.num_error_rows:,}"),
+        ("prompt tokens (rows without errors)", f"{sum(rows.prompt_tokens):,}"),
+        ("generated tokens (rows without errors)", f"{sum(rows.completion_tokens):,}"),
+        ("runs recorded (timelines)", f"{len(timelines)}"),
+        ("generation time over the runs", f"{seconds:,.1f} s"),
+        ("generated tokens over the runs", f"{generated:,}"),
+    ]
     if seconds:
         table.append(("generated tokens per second", f"{generated / seconds:,.0f}"))
     if data.rows.ttft_s:
         table.append(("median time to first token", f"{_median(rows.ttft_s):.3f} s"))
     if timelines:
+
         def total(key: str) -> int:
             return sum(tl.final(key) for tl in timelines)
 
         prompt, proposed = total("prompt_tokens"), total("spec_proposed")
         hit_rate = total("cached_prompt_tokens") / prompt if prompt else 0.0
-        table += [("prefix-cache hit rate (of prompt tokens)", f"{100 * hit_rate:.1f}%"),
-                  ("offloads / soft resets", f"{total('offloads')} / {total('soft_resets')}")]
+        table += [
+            ("prefix-cache hit rate (of prompt tokens)", f"{100 * hit_rate:.1f}%"),
+            ("offloads / soft resets", f"{total('offloads')} / {total('soft_resets')}"),
+        ]
         if proposed:
-            table.append(("speculative proposals accepted",
-                          f"{100 * total('spec_accepted') / proposed:.1f}% of {proposed:,}"))
+            table.append(
+                ("speculative proposals accepted", f"{100 * total('spec_accepted') / proposed:.1f}% of {proposed:,}")
+            )
     if stats.get("peak_memory_mib"):
         table.append(("peak memory (last run)", f"{stats['peak_memory_mib']:,.0f} MiB"))
     return table
@@ -129,11 +137,13 @@ def cost_rows(data: ReportData) -> list[tuple[str, str]]:
     if cost is None:
         return []
     per_million, per_billion = cost.usd_per_million_tokens, cost.gpu_hours_per_billion_tokens
-    return [("price", f"{cost.price_per_hour:g} USD per GPU-hour"),
-            ("GPU-hours (generation, summed over runs, shards and replicas)", f"{cost.gpu_hours:.4f}"),
-            ("cost of the generation", f"{cost.usd:.4f} USD"),
-            ("USD per million generated tokens", "n/a" if per_million is None else f"{per_million:.4f}"),
-            ("GPU-hours per billion generated tokens", "n/a" if per_billion is None else f"{per_billion:,.1f}")]
+    return [
+        ("price", f"{cost.price_per_hour:g} USD per GPU-hour"),
+        ("GPU-hours (generation, summed over runs, shards and replicas)", f"{cost.gpu_hours:.4f}"),
+        ("cost of the generation", f"{cost.usd:.4f} USD"),
+        ("USD per million generated tokens", "n/a" if per_million is None else f"{per_million:.4f}"),
+        ("GPU-hours per billion generated tokens", "n/a" if per_billion is None else f"{per_billion:,.1f}"),
+    ]
 
 
 def settings_rows(data: ReportData) -> list[tuple[str, str]]:
@@ -142,8 +152,11 @@ def settings_rows(data: ReportData) -> list[tuple[str, str]]:
         return []
     header = data.timelines[-1].header
     engine = header.get("engine") or {}
-    return [("run", str(header.get("run"))), ("started", str(header.get("started_at"))),
-            ("KV-cache blocks", str(header.get("kv_blocks_total")))] + [(k, str(v)) for k, v in engine.items()]
+    return [
+        ("run", str(header.get("run"))),
+        ("started", str(header.get("started_at"))),
+        ("KV-cache blocks", str(header.get("kv_blocks_total"))),
+    ] + [(k, str(v)) for k, v in engine.items()]
 
 
 def fingerprint_rows(data: ReportData) -> list[tuple[str, str]]:
@@ -163,16 +176,30 @@ def fingerprint_rows(data: ReportData) -> list[tuple[str, str]]:
 def render_html(data: ReportData, charts: list[str]) -> str:
     """The page: title, tables, then the charts (inline SVG)."""
     title = f"cbrun report: {data.output_dir.name}"
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
-             f"<h1>{html.escape(title)}</h1>",
-             f'<div class="sub">{html.escape(str(data.output_dir.resolve()))}</div>',
-             '<div class="cols"><div>', "<h2>Summary</h2>", _table(summary_rows(data))]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f'<div class="sub">{html.escape(str(data.output_dir.resolve()))}</div>',
+        '<div class="cols"><div>',
+        "<h2>Summary</h2>",
+        _table(summary_rows(data)),
+    ]
     if data.cost is not None:
         parts += ["<h2>Cost</h2>", _table(cost_rows(data))]
-    parts += ["</div><div>", "<h2>Model and input</h2>", _table(fingerprint_rows(data)), "</div></div>",
-              '<h2>Over time</h2><div class="charts">', *charts, "</div>",
-              "<h2>Engine settings that ran</h2>", _table(settings_rows(data)), "</body></html>"]
+    parts += [
+        "</div><div>",
+        "<h2>Model and input</h2>",
+        _table(fingerprint_rows(data)),
+        "</div></div>",
+        '<h2>Over time</h2><div class="charts">',
+        *charts,
+        "</div>",
+        "<h2>Engine settings that ran</h2>",
+        _table(settings_rows(data)),
+        "</body></html>",
+    ]
     return "\n".join(parts) + "\n"
 
 

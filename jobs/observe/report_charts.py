@@ -65,8 +65,9 @@ def requests_in_engine(data: ReportData):
 
 
 def kv_cache_occupancy(data: ReportData):
-    return _over_time(data, "KV-cache occupancy", "% of blocks in use",
-                      lambda tl: (tl.times(), [100 * v for v in tl.kv_occupancy()]))
+    return _over_time(
+        data, "KV-cache occupancy", "% of blocks in use", lambda tl: (tl.times(), [100 * v for v in tl.kv_occupancy()])
+    )
 
 
 def prefix_cache_hit_rate(data: ReportData):
@@ -74,16 +75,23 @@ def prefix_cache_hit_rate(data: ReportData):
         t, y = timeline.ratio("cached_prompt_tokens", "prompt_tokens")
         return t, [100 * v for v in y]
 
-    return _over_time(data, "Prefix-cache hit rate (prompt tokens of the requests finished in each interval)",
-                      "% of prompt tokens", series)
+    return _over_time(
+        data,
+        "Prefix-cache hit rate (prompt tokens of the requests finished in each interval)",
+        "% of prompt tokens",
+        series,
+    )
 
 
 def distributions(data: ReportData):
     """Histograms of prompt and completion lengths, time to first token and per-row decode time."""
     rows = data.rows
-    panels = [("Prompt length", "tokens", rows.prompt_tokens), ("Completion length", "tokens",
-                                                                 rows.completion_tokens),
-              ("Time to first token", "seconds", rows.ttft_s), ("Decode time per row", "seconds", rows.decode_s)]
+    panels = [
+        ("Prompt length", "tokens", rows.prompt_tokens),
+        ("Completion length", "tokens", rows.completion_tokens),
+        ("Time to first token", "seconds", rows.ttft_s),
+        ("Decode time per row", "seconds", rows.decode_s),
+    ]
     if not any(values for _, _, values in panels):
         return None
     fig = _figure((9.0, 5.0))
@@ -108,12 +116,18 @@ def errors_by_cause(data: ReportData):
     ax.barh(range(len(causes)), [count for _, count in errors][::-1], color="C3")
     ax.set_yticks(range(len(causes)), causes, fontsize=8)
     ax.set_xlabel("error rows")
-    ax.set_title(f"Error rows by cause ({data.rows.num_error_rows} of {data.rows.num_rows} output rows)",
-                 loc="left", fontsize=11)
+    ax.set_title(
+        f"Error rows by cause ({data.rows.num_error_rows} of {data.rows.num_rows} output rows)", loc="left", fontsize=11
+    )
     return fig
 
 
 #: (file stem, chart function), in page order.
-CHARTS = [("tokens_per_s", generated_tokens_per_s), ("requests", requests_in_engine),
-          ("kv_cache", kv_cache_occupancy), ("prefix_cache", prefix_cache_hit_rate),
-          ("distributions", distributions), ("errors", errors_by_cause)]
+CHARTS = [
+    ("tokens_per_s", generated_tokens_per_s),
+    ("requests", requests_in_engine),
+    ("kv_cache", kv_cache_occupancy),
+    ("prefix_cache", prefix_cache_hit_rate),
+    ("distributions", distributions),
+    ("errors", errors_by_cause),
+]

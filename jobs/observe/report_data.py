@@ -18,8 +18,7 @@ from jobs.observe.timeline import TIMELINE_GLOB, read_timeline
 from jobs.output.writer import committed_parts, read_output
 
 #: Output columns the report reads.
-ROW_COLUMNS = ["num_prompt_tokens", "num_completion_tokens", "finish_reason", "error", "ttft_s", "decode_s",
-               "queue_s"]
+ROW_COLUMNS = ["num_prompt_tokens", "num_completion_tokens", "finish_reason", "error", "ttft_s", "decode_s", "queue_s"]
 _ROW_PREFIX = re.compile(r"^row \d+ \(id .*?\): ")
 _NUMBER = re.compile(r"\d+")
 
@@ -180,8 +179,11 @@ class Cost:
 
 def cost(timelines: list[Timeline], price_per_hour: float) -> Cost:
     """The ``Cost`` of the runs these timelines recorded."""
-    return Cost(price_per_hour, sum(tl.duration_s for tl in timelines) / 3600,
-                sum(tl.final("generated_tokens") for tl in timelines))
+    return Cost(
+        price_per_hour,
+        sum(tl.duration_s for tl in timelines) / 3600,
+        sum(tl.final("generated_tokens") for tl in timelines),
+    )
 
 
 @dataclass
@@ -212,8 +214,13 @@ def load_report_data(output_dir: str | Path, price_per_hour: float | None = None
     if not cbrun_dir.is_dir():
         raise FileNotFoundError(f"{output_dir} is not a cbrun output directory (it has no _cbrun/ folder)")
     timelines = load_timelines(cbrun_dir)
-    data = ReportData(output_dir, timelines, load_rows(output_dir), read_json(cbrun_dir / "stats.json"),
-                      read_json(cbrun_dir / "job.json"))
+    data = ReportData(
+        output_dir,
+        timelines,
+        load_rows(output_dir),
+        read_json(cbrun_dir / "stats.json"),
+        read_json(cbrun_dir / "job.json"),
+    )
     if price_per_hour is not None:
         data.cost = cost(timelines, price_per_hour)
     return data

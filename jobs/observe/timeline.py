@@ -68,14 +68,21 @@ class TimelineRecorder:
         header: extra keys for the header line (shard, model, engine settings; dataclasses become dicts).
     """
 
-    def __init__(self, path: str | Path, engine, rows: Callable[[], tuple[int, int]], interval_s: float = 1.0,
-                 header: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        engine,
+        rows: Callable[[], tuple[int, int]],
+        interval_s: float = 1.0,
+        header: dict[str, Any] | None = None,
+    ):
         assert interval_s > 0, interval_s
         # NOTE: an object store has no append: the timeline is written to a local file and uploaded whole (one
         # PUT) every UPLOAD_EVERY_S seconds and at close, so a killed run loses at most that much of it there.
         self.remote = str(path) if storage.is_uri(path) else None
-        self.path = Path(tempfile.gettempdir(), "cbrun-timelines", storage.basename(path)) if self.remote \
-            else Path(path)
+        self.path = (
+            Path(tempfile.gettempdir(), "cbrun-timelines", storage.basename(path)) if self.remote else Path(path)
+        )
         self.next_upload = time.perf_counter() + UPLOAD_EVERY_S
         self.engine = engine
         self.rows = rows
@@ -87,8 +94,12 @@ class TimelineRecorder:
         self._reset_window()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by ``close``)
-        head = {"kind": "run", "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "interval_s": interval_s, "kv_blocks_total": engine.block_manager.num_blocks}
+        head = {
+            "kind": "run",
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "interval_s": interval_s,
+            "kv_blocks_total": engine.block_manager.num_blocks,
+        }
         for key, value in (header or {}).items():
             head[key] = asdict(value) if is_dataclass(value) else value
         self._write(head)
@@ -153,20 +164,28 @@ class TimelineRecorder:
             return stats[key] - start[key]
 
         record = {
-            "kind": "sample", "t": round(time.perf_counter() - self.started, 4), "rows_done": done,
-            "rows_errors": errors, "prompt_tokens": since_start("num_prompt_tokens"),
+            "kind": "sample",
+            "t": round(time.perf_counter() - self.started, 4),
+            "rows_done": done,
+            "rows_errors": errors,
+            "prompt_tokens": since_start("num_prompt_tokens"),
             "cached_prompt_tokens": since_start("num_cached_prompt_tokens"),
             "generated_tokens": since_start("num_generated_tokens"),
             "computed_tokens": since_start("num_computed_tokens"),
-            "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+            "running": len(engine.scheduler.running),
+            "waiting": len(engine.scheduler.waiting),
             "kv_blocks_used": engine.block_manager.num_blocks - engine.block_manager.num_free_blocks,
-            "steps": since_start("num_steps"), "offloads": since_start("num_offloads"),
-            "soft_resets": since_start("num_soft_resets"), "spec_proposed": since_start("num_proposed_tokens"),
+            "steps": since_start("num_steps"),
+            "offloads": since_start("num_offloads"),
+            "soft_resets": since_start("num_soft_resets"),
+            "spec_proposed": since_start("num_proposed_tokens"),
             "spec_accepted": since_start("num_accepted_tokens"),
             "failed_requests": since_start("num_failed_requests"),
-            "interval_steps": steps, "batch_tokens_mean": round(self.window_tokens / steps, 2) if steps else 0.0,
+            "interval_steps": steps,
+            "batch_tokens_mean": round(self.window_tokens / steps, 2) if steps else 0.0,
             "batch_tokens_max": self.window_max_tokens,
-            "step_s_mean": round(self.window_seconds / steps, 6) if steps else None, "device_s_mean": None,
+            "step_s_mean": round(self.window_seconds / steps, 6) if steps else None,
+            "device_s_mean": None,
         }
         if final:
             record["final"] = True
@@ -183,9 +202,18 @@ class TimelineRecorder:
 
 
 #: The ``EngineStats`` counters a sample reads.
-_COUNTERS = ("num_prompt_tokens", "num_cached_prompt_tokens", "num_generated_tokens", "num_computed_tokens",
-             "num_steps", "num_offloads", "num_soft_resets", "num_proposed_tokens", "num_accepted_tokens",
-             "num_failed_requests")
+_COUNTERS = (
+    "num_prompt_tokens",
+    "num_cached_prompt_tokens",
+    "num_generated_tokens",
+    "num_computed_tokens",
+    "num_steps",
+    "num_offloads",
+    "num_soft_resets",
+    "num_proposed_tokens",
+    "num_accepted_tokens",
+    "num_failed_requests",
+)
 
 
 def _counters(stats) -> dict[str, int]:

@@ -35,9 +35,17 @@ import pyarrow.parquet as pq
 
 from jobs.output.fingerprint import fingerprint_differences
 from jobs.output.lock import CBRUN_DIR, OutputLock, Shard
+from jobs.output.writer import (
+    PART_RE,
+    TEMP_RE,
+    PartWriter,
+    committed_parts,
+    conform_table,
+    part_name,
+    part_shard,
+    write_part_atomically,
+)
 from jobs.storage import read_json, write_file, write_json
-from jobs.output.writer import (PART_RE, TEMP_RE, PartWriter, committed_parts, conform_table, part_name, part_shard,
-                         write_part_atomically)
 
 logger = logging.getLogger("cbrun")
 
@@ -113,16 +121,21 @@ class Checkpoint:
                 f"output directory {str(self.output_dir)!r} holds a job split into {old['shards']['count']} "
                 f"shard(s), but this run splits it into {fingerprint['shards']['count']} (--shard I/N, or none: 1); "
                 f"continue it with the same N, or rerun with --overwrite to discard its results"
-                + (f" (also changed: {', '.join(c for c in changed if c != 'shards.count')})"
-                   if len(changed) > 1 else ""))
+                + (
+                    f" (also changed: {', '.join(c for c in changed if c != 'shards.count')})"
+                    if len(changed) > 1
+                    else ""
+                )
+            )
         if changed:
             raise FingerprintMismatch(
                 f"output directory {str(self.output_dir)!r} holds the results of a different job (changed: "
                 f"{', '.join(changed)}); rerun with --overwrite to discard them, or choose another --output"
             )
 
-    def open(self, fingerprint: dict[str, Any], num_rows: int, *, overwrite: bool = False,
-             retry_errors: bool = False) -> OutputState:
+    def open(
+        self, fingerprint: dict[str, Any], num_rows: int, *, overwrite: bool = False, retry_errors: bool = False
+    ) -> OutputState:
         """Check that the directory may take this job and read which of its rows are done. Needs the lock.
 
         Args:
@@ -144,7 +157,8 @@ class Checkpoint:
         if self._read_job_file() is None and committed_parts(self.output_dir):
             raise FingerprintMismatch(
                 f"output directory {str(self.output_dir)!r} holds part files but no job.json; rerun with "
-                f"--overwrite to discard them, or choose another --output")
+                f"--overwrite to discard them, or choose another --output"
+            )
         num_duplicates = self.remove_duplicates()
         state = self.read_state(num_rows)
         state.num_duplicates = num_duplicates
@@ -204,10 +218,13 @@ class Checkpoint:
         if not later:
             return 0
         removed = sum(self._rewrite_without(part, rows) for part, rows in later.items())
-        logger.warning("cbrun: %s held %d rows written more than once (by an older cbrun, or by two runs at once); "
-                       "kept each row's copy in its earliest part and removed the later copies from %s",
-                       self.output_dir, len(np.unique(np.concatenate(list(later.values())))),
-                       ", ".join(p.name for p in later))
+        logger.warning(
+            "cbrun: %s held %d rows written more than once (by an older cbrun, or by two runs at once); "
+            "kept each row's copy in its earliest part and removed the later copies from %s",
+            self.output_dir,
+            len(np.unique(np.concatenate(list(later.values())))),
+            ", ".join(p.name for p in later),
+        )
         return removed
 
     def remove_rows(self, row_indices: np.ndarray) -> int:
@@ -227,14 +244,26 @@ class Checkpoint:
             part.unlink()
         return table.num_rows - kept.num_rows
 
-    def start(self, fingerprint: dict[str, Any], commit_every_rows: int, commit_every_seconds: float, *,
-              overwrite: bool = False, carried_fields: Sequence[pa.Field] = ()) -> PartWriter:
+    def start(
+        self,
+        fingerprint: dict[str, Any],
+        commit_every_rows: int,
+        commit_every_seconds: float,
+        *,
+        overwrite: bool = False,
+        carried_fields: Sequence[pa.Field] = (),
+    ) -> PartWriter:
         """Make the directory ready to take rows (``prepare``, the finished marker removed); returns its appender
         (``carried_fields``: the input columns its rows carry, ``jobs.input.carry``)."""
         self.prepare(fingerprint, overwrite=overwrite)
         self.clear_finished()
-        return PartWriter(self.output_dir, commit_every_rows, commit_every_seconds, carried_fields=carried_fields,
-                          shard=self.lock.shard)
+        return PartWriter(
+            self.output_dir,
+            commit_every_rows,
+            commit_every_seconds,
+            carried_fields=carried_fields,
+            shard=self.lock.shard,
+        )
 
     def prepare(self, fingerprint: dict[str, Any], *, overwrite: bool = False) -> None:
         """Check, create the directory, clear it when ``overwrite``, remove stray temporary files, write job.json
@@ -257,8 +286,11 @@ class Checkpoint:
     def clear(self) -> None:
         """Remove every cbrun file of the directory (other files are left alone; the lock stays)."""
         for path in self.output_dir.iterdir():
-            if path.name in (JOB_FILE, SUCCESS_FILE, STATS_FILE) or PART_RE.match(path.name) \
-                    or TEMP_RE.match(path.name):
+            if (
+                path.name in (JOB_FILE, SUCCESS_FILE, STATS_FILE)
+                or PART_RE.match(path.name)
+                or TEMP_RE.match(path.name)
+            ):
                 path.unlink()
         for name in (JOB_FILE, STATS_FILE, "shards.json"):
             (self.cbrun_dir / name).unlink(missing_ok=True)
@@ -270,11 +302,19 @@ class Checkpoint:
         """Delete the half-written files a killed run left behind; returns them."""
         # NOTE: a shard of a sharded run removes its own temporary files only: the others may be being written.
         shard = self.lock.shard
-        stray = [p for p in self.output_dir.iterdir() if (m := TEMP_RE.match(p.name))
-                 and (shard.count == 1 or part_shard(m) == shard)]
+        stray = [
+            p
+            for p in self.output_dir.iterdir()
+            if (m := TEMP_RE.match(p.name)) and (shard.count == 1 or part_shard(m) == shard)
+        ]
         # NOTE: ``.NAME.tmp`` from older versions, ``.NAME.PID.tmp`` from ``jobs.storage.write_file``
-        stray += [p for d in (self.output_dir, self.cbrun_dir) for name in (JOB_FILE, STATS_FILE)
-                  for p in d.glob(f".{name}*.tmp") if p.is_file()]
+        stray += [
+            p
+            for d in (self.output_dir, self.cbrun_dir)
+            for name in (JOB_FILE, STATS_FILE)
+            for p in d.glob(f".{name}*.tmp")
+            if p.is_file()
+        ]
         for path in stray:
             path.unlink()
         return stray

@@ -71,8 +71,15 @@ class CommitRecord:
         done[row_indices - first] = True
         errors = np.zeros(end - first, dtype=bool)
         errors[row_indices[is_error] - first] = True
-        return cls(part, first, end, np.packbits(done).tobytes(), np.packbits(errors).tobytes(),
-                   len(row_indices), int(is_error.sum()))
+        return cls(
+            part,
+            first,
+            end,
+            np.packbits(done).tobytes(),
+            np.packbits(errors).tobytes(),
+            len(row_indices),
+            int(is_error.sum()),
+        )
 
     def rows(self) -> np.ndarray:
         """The row indices the part holds (int64, ascending)."""
@@ -85,16 +92,28 @@ class CommitRecord:
         return np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=self.end_row - self.first_row).astype(bool)
 
     def to_json(self) -> bytes:
-        value = {"part": self.part, "rows": [self.first_row, self.end_row],
-                 "done": base64.b64encode(self.done).decode(), "errors": base64.b64encode(self.errors).decode(),
-                 "num_output_rows": self.num_output_rows, "num_error_rows": self.num_error_rows}
+        value = {
+            "part": self.part,
+            "rows": [self.first_row, self.end_row],
+            "done": base64.b64encode(self.done).decode(),
+            "errors": base64.b64encode(self.errors).decode(),
+            "num_output_rows": self.num_output_rows,
+            "num_error_rows": self.num_error_rows,
+        }
         return (json.dumps(value) + "\n").encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> CommitRecord:
         value = json.loads(data)
-        return cls(value["part"], value["rows"][0], value["rows"][1], base64.b64decode(value["done"]),
-                   base64.b64decode(value["errors"]), value["num_output_rows"], value["num_error_rows"])
+        return cls(
+            value["part"],
+            value["rows"][0],
+            value["rows"][1],
+            base64.b64decode(value["done"]),
+            base64.b64decode(value["errors"]),
+            value["num_output_rows"],
+            value["num_error_rows"],
+        )
 
 
 def record_name(part: str) -> str:
@@ -114,11 +133,12 @@ def add_span(target: np.ndarray, record: CommitRecord, bits: bytes, within: np.n
     end = min(record.end_row, len(target))
     if end <= record.first_row:
         return
-    span = np.unpackbits(np.frombuffer(bits, dtype=np.uint8),
-                         count=record.end_row - record.first_row)[:end - record.first_row].astype(bool)
+    span = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=record.end_row - record.first_row)[
+        : end - record.first_row
+    ].astype(bool)
     if within is not None:
-        span &= within[record.first_row:end]
-    target[record.first_row:end] |= span
+        span &= within[record.first_row : end]
+    target[record.first_row : end] |= span
 
 
 def read_records(output: str) -> list[CommitRecord]:
@@ -126,6 +146,5 @@ def read_records(output: str) -> list[CommitRecord]:
     root = str(output).rstrip("/")
     uris = list_files(str(join(root, COMMITS_DIR)))
     found = read_files(uris)  # NOTE: concurrently: resume reads one small object per part
-    records = [replace(CommitRecord.from_json(found[uri]), name=uri[len(root) + 1:]) for uri in uris
-               if uri in found]
+    records = [replace(CommitRecord.from_json(found[uri]), name=uri[len(root) + 1 :]) for uri in uris if uri in found]
     return sorted(records, key=lambda r: r.part)

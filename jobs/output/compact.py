@@ -23,8 +23,6 @@ import pyarrow.parquet as pq
 from jobs.output.checkpoint import Checkpoint
 from jobs.output.lock import Shard
 from jobs.output.object_output import ObjectCheckpoint, ObjectPartWriter, output_owner
-from jobs.run.sharding import read_shards_file
-from jobs.storage import join, object_info, open_input, remove, write_file
 from jobs.output.writer import (
     PART_RE,
     PartWriter,
@@ -33,6 +31,8 @@ from jobs.output.writer import (
     part_name,
     part_shard,
 )
+from jobs.run.sharding import read_shards_file
+from jobs.storage import join, object_info, open_input, remove, write_file
 
 logger = logging.getLogger("cbrun")
 
@@ -71,8 +71,9 @@ def read_parts(parts: list[str | Path]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="default")
 
 
-def compact_output(output: str | Path, target_file_mb: float = DEFAULT_TARGET_FILE_MB, *,
-                   locked: bool = False) -> Compaction:
+def compact_output(
+    output: str | Path, target_file_mb: float = DEFAULT_TARGET_FILE_MB, *, locked: bool = False
+) -> Compaction:
     """Merge the committed parts of ``output`` (a directory or an object-store URI) into files of about
     ``target_file_mb`` MB.
 

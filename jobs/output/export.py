@@ -37,10 +37,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.output.checkpoint import Checkpoint
 from jobs.input.openai_batch import CHAT_URL, COMPLETIONS_URL
-from jobs.storage import write_file
+from jobs.output.checkpoint import Checkpoint
 from jobs.output.writer import committed_parts
+from jobs.storage import write_file
 
 RESULTS_FILE = "_results.jsonl"  # "_": data-set readers skip it
 ROWS_FILE = "_output.jsonl"
@@ -103,8 +103,10 @@ def export_openai_batch(output_dir: str | Path, to: str | Path | None = None, to
     output_dir = Path(output_dir)
     rows = read_rows(output_dir)
     if any(row.get("candidate_logprobs") is not None for row in rows):
-        raise ExportError(f"{str(output_dir)!r} holds a score-mode job, which has no completions to write as OpenAI "
-                          f"batch output; use --format jsonl")
+        raise ExportError(
+            f"{str(output_dir)!r} holds a score-mode job, which has no completions to write as OpenAI "
+            f"batch output; use --format jsonl"
+        )
     job_bytes = Checkpoint(output_dir).job_file.read_bytes()
     model_path = json.loads(job_bytes).get("model", {}).get("path", "")
     default_model = Path(model_path).name or "cbrun"
@@ -161,8 +163,11 @@ class _ResultFormatter:
         choices = []
         for row in rows:
             logprobs = None if row.get("logprobs") is None else self.logprobs(row, top, chat)
-            choice: dict[str, Any] = {"index": row["sample_index"], "finish_reason": row["finish_reason"],
-                                      "logprobs": logprobs}
+            choice: dict[str, Any] = {
+                "index": row["sample_index"],
+                "finish_reason": row["finish_reason"],
+                "logprobs": logprobs,
+            }
             if chat:
                 choice["message"] = {"role": "assistant", "content": row["completion"]}
             else:
@@ -175,8 +180,11 @@ class _ResultFormatter:
             "created": first["_created"],
             "model": first.get("model") or self.default_model,
             "choices": choices,
-            "usage": {"prompt_tokens": first["num_prompt_tokens"], "completion_tokens": completion_tokens,
-                      "total_tokens": first["num_prompt_tokens"] + completion_tokens},
+            "usage": {
+                "prompt_tokens": first["num_prompt_tokens"],
+                "completion_tokens": completion_tokens,
+                "total_tokens": first["num_prompt_tokens"] + completion_tokens,
+            },
         }
 
     def logprobs(self, row: dict[str, Any], top: int | None, chat: bool) -> dict[str, Any]:
@@ -189,16 +197,24 @@ class _ResultFormatter:
             tokens.append((token_id, candidates.get(token_id, MISSING_LOGPROB), best if top is None else best[:top]))
         ids = [token_id for token_id, _, _ in tokens]
         if chat:
-            content = [{**self.token(ids[:i], token_id, logprob),
-                        "top_logprobs": [self.token(ids[:i], alt, lp) for alt, lp in best]}
-                       for i, (token_id, logprob, best) in enumerate(tokens)]
+            content = [
+                {
+                    **self.token(ids[:i], token_id, logprob),
+                    "top_logprobs": [self.token(ids[:i], alt, lp) for alt, lp in best],
+                }
+                for i, (token_id, logprob, best) in enumerate(tokens)
+            ]
             return {"content": content, "refusal": None}
         texts = [self.text(ids[:i], token_id) for i, token_id in enumerate(ids)]
         offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-        return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in tokens],
-                "top_logprobs": [{self.text(ids[:i], alt): lp for alt, lp in best}
-                                 for i, (_, _, best) in enumerate(tokens)],
-                "text_offset": offsets}
+        return {
+            "tokens": texts,
+            "token_logprobs": [lp for _, lp, _ in tokens],
+            "top_logprobs": [
+                {self.text(ids[:i], alt): lp for alt, lp in best} for i, (_, _, best) in enumerate(tokens)
+            ],
+            "text_offset": offsets,
+        }
 
     def text(self, previous_ids: list[int], token_id: int) -> str:
         """The text ``token_id`` adds after ``previous_ids``, decoded in context (as vLLM's incremental
@@ -206,7 +222,7 @@ class _ResultFormatter:
         Falls back to the token decoded alone when the context's text is not a prefix (a split character)."""
         before = self.tokenizer.decode(previous_ids)
         after = self.tokenizer.decode([*previous_ids, token_id])
-        return after[len(before):] if after.startswith(before) else self.tokenizer.decode([token_id])
+        return after[len(before) :] if after.startswith(before) else self.tokenizer.decode([token_id])
 
     def token(self, previous_ids: list[int], token_id: int, logprob: float) -> dict[str, Any]:
         text = self.text(previous_ids, token_id)
@@ -232,8 +248,11 @@ def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
 def _byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE table, reversed: printable stand-in character -> byte (Radford et al. 2019,
     openai/gpt-2 ``encoder.py``)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     stand_ins = list(printable)
     extra = 0
     for byte in range(256):

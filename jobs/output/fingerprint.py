@@ -41,10 +41,21 @@ from engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION
 from jobs.storage import basename, is_uri, object_digest, parquet_footer_size
 
 #: Files of the model directory whose bytes define the model's outputs besides the weights (hashed whole).
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-               "chat_template.jinja", "chat_template.json", "model.safetensors.index.json",
-               "pytorch_model.bin.index.json")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLE_BYTES = 64 * 1024
 NUM_SAMPLES = 4
@@ -108,8 +119,9 @@ def model_fingerprint(model_path: str | Path) -> dict[str, Any]:
     files, weights = {}, {}
     if not model_path.is_dir():
         return {"files": files, "weights": weights}
-    names = list(MODEL_FILES) + sorted(p.relative_to(model_path).as_posix()
-                                       for p in model_path.glob("additional_chat_templates/*.jinja"))
+    names = list(MODEL_FILES) + sorted(
+        p.relative_to(model_path).as_posix() for p in model_path.glob("additional_chat_templates/*.jinja")
+    )
     for name in names:
         path = model_path / name
         if path.is_file():
@@ -150,7 +162,7 @@ def object_fingerprints(root: str, uris: list[str]) -> dict[str, str]:
     root = root.rstrip("/")
     digests = {}
     for uri in uris:
-        name = uri[len(root) + 1:] if uri != root else basename(uri)
+        name = uri[len(root) + 1 :] if uri != root else basename(uri)
         tail = parquet_footer_size(uri) if uri.lower().endswith(".parquet") else 0
         digests[name] = object_digest(uri, tail)
     return digests
@@ -161,8 +173,9 @@ def _resolved(path: str | Path) -> str:
     return str(path).rstrip("/") if is_uri(path) else str(Path(path).resolve())
 
 
-def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
-                    engine_dtype: str | None = None, may_sample: bool = True) -> dict[str, Any]:
+def job_fingerprint(
+    manifest, num_input_rows: int, num_shards: int = 1, engine_dtype: str | None = None, may_sample: bool = True
+) -> dict[str, Any]:
     """The settings and content that determine a job's outputs, as a JSON-ready dict.
 
     Args:
@@ -187,15 +200,29 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
     model = model_fingerprint(manifest.model.path)
     fingerprint = {
         "cbrun_version": cbrun_version(),
-        "model": {"path": _resolved(manifest.model.path), "files": model["files"],
-                  "weights": model["weights"], "dtype": engine_dtype or manifest.engine.dtype},
-        "input": {"path": _resolved(inp.path), "num_rows": num_input_rows,
-                  "files": input_fingerprint(inp.path),
-                  "prompt_column": inp.prompt_column, "prompt_ids_column": inp.prompt_ids_column,
-                  "id_column": inp.id_column, "template": inp.template, "mode": inp.mode,
-                  "candidates_column": inp.candidates_column, "corruptions": inp.corruptions, "chat": inp.chat,
-                  "messages_column": inp.messages_column, "system_prompt": inp.system_prompt,
-                  "per_row_settings": inp.per_row_settings, "boundary": inp.boundary},
+        "model": {
+            "path": _resolved(manifest.model.path),
+            "files": model["files"],
+            "weights": model["weights"],
+            "dtype": engine_dtype or manifest.engine.dtype,
+        },
+        "input": {
+            "path": _resolved(inp.path),
+            "num_rows": num_input_rows,
+            "files": input_fingerprint(inp.path),
+            "prompt_column": inp.prompt_column,
+            "prompt_ids_column": inp.prompt_ids_column,
+            "id_column": inp.id_column,
+            "template": inp.template,
+            "mode": inp.mode,
+            "candidates_column": inp.candidates_column,
+            "corruptions": inp.corruptions,
+            "chat": inp.chat,
+            "messages_column": inp.messages_column,
+            "system_prompt": inp.system_prompt,
+            "per_row_settings": inp.per_row_settings,
+            "boundary": inp.boundary,
+        },
         "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n},
         "shards": {"count": num_shards},
     }
@@ -209,14 +236,21 @@ def job_fingerprint(manifest, num_input_rows: int, num_shards: int = 1,
     engine = manifest.engine
     if engine.speculative != "off":
         fingerprint["speculative"] = {
-            "mode": engine.speculative, "num_speculative_tokens": engine.num_speculative_tokens,
-            "ngram_min": engine.ngram_min, "ngram_max": engine.ngram_max,
+            "mode": engine.speculative,
+            "num_speculative_tokens": engine.num_speculative_tokens,
+            "ngram_min": engine.ngram_min,
+            "ngram_max": engine.ngram_max,
             "speculative_max_batch": engine.speculative_max_batch,
-            "speculative_row_cost": engine.speculative_row_cost, "rule": SPECULATION_RULE_VERSION}
+            "speculative_row_cost": engine.speculative_row_cost,
+            "rule": SPECULATION_RULE_VERSION,
+        }
     if manifest.engine.speculative == "draft":  # its proposals and q enter every sampled row's draws
         draft = model_fingerprint(manifest.engine.draft_model)
-        fingerprint["draft_model"] = {"path": str(Path(manifest.engine.draft_model).resolve()),
-                                      "files": draft["files"], "weights": draft["weights"]}
+        fingerprint["draft_model"] = {
+            "path": str(Path(manifest.engine.draft_model).resolve()),
+            "files": draft["files"],
+            "weights": draft["weights"],
+        }
     # NOTE: a JSON round trip (tuples become lists) so it compares equal to the job.json it is written to.
     return json.loads(json.dumps(fingerprint))
 

@@ -77,8 +77,14 @@ class Lease:
 
     def _record(self) -> tuple[bytes, float]:
         expires = time.time() + self.ttl_s
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "shard": str(self.shard), "token": self.token,
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "expires": expires}
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "shard": str(self.shard),
+            "token": self.token,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "expires": expires,
+        }
         return json.dumps(record).encode(), expires
 
     def acquire(self) -> None:
@@ -97,17 +103,21 @@ class Lease:
         current = read_holder(self.uri)
         if info is not None and current.get("expires", 0) > time.time() and not _holder_died_here(current):
             left = current["expires"] - time.time()
-            raise OutputLocked(f"output {self.uri.rsplit('/_cbrun/', 1)[0]!r} is in use by another cbrun run "
-                               f"({describe_holder(current)}, shard {self.shard}; its lease expires in {left:.0f} s "
-                               f"unless renewed); wait for it to end, or stop it, then rerun (lease: {self.uri})")
+            raise OutputLocked(
+                f"output {self.uri.rsplit('/_cbrun/', 1)[0]!r} is in use by another cbrun run "
+                f"({describe_holder(current)}, shard {self.shard}; its lease expires in {left:.0f} s "
+                f"unless renewed); wait for it to end, or stop it, then rerun (lease: {self.uri})"
+            )
         try:
             if info is None:
                 self._etag = put_object(self.uri, body, create_only=True)
             else:
                 self._etag = put_object(self.uri, body, if_match=info.get("ETag"))
         except PreconditionFailed:
-            raise OutputLocked(f"output {self.uri.rsplit('/_cbrun/', 1)[0]!r}: another cbrun run took its expired "
-                               f"lease first (shard {self.shard}); rerun once it ends") from None
+            raise OutputLocked(
+                f"output {self.uri.rsplit('/_cbrun/', 1)[0]!r}: another cbrun run took its expired "
+                f"lease first (shard {self.shard}); rerun once it ends"
+            ) from None
         if current:
             logger.warning("cbrun: took over the expired lease of %s (%s)", self.uri, describe_holder(current))
 
@@ -141,8 +151,7 @@ class Lease:
             if self._lost is None and read_holder(self.uri).get("token") == self.token:
                 remove(self.uri)
         except StorageError as exc:  # NOTE: it expires on its own
-            logger.warning("cbrun: could not delete the lease %s (it expires in %.0f s): %s", self.uri, self.ttl_s,
-                           exc)
+            logger.warning("cbrun: could not delete the lease %s (it expires in %.0f s): %s", self.uri, self.ttl_s, exc)
 
     def __enter__(self) -> Lease:
         self.acquire()

@@ -60,8 +60,10 @@ class Shard:
                 raise ValueError
             shard = cls(int(index), int(count))
         except ValueError:
-            raise ValueError(f"shard must be INDEX/COUNT with 0 <= INDEX < COUNT (e.g. 3/8, as in "
-                             f"$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT), got {text!r}") from None
+            raise ValueError(
+                f"shard must be INDEX/COUNT with 0 <= INDEX < COUNT (e.g. 3/8, as in "
+                f"$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT), got {text!r}"
+            ) from None
         return shard
 
 
@@ -99,12 +101,18 @@ class OutputLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise OutputLocked(f"output directory {str(self.path.parent.parent)!r} is in use by another cbrun run "
-                               f"({holder}, shard {self.shard}); wait for it to end, or stop it, then rerun "
-                               f"(lock file: {self.path})") from None
+            raise OutputLocked(
+                f"output directory {str(self.path.parent.parent)!r} is in use by another cbrun run "
+                f"({holder}, shard {self.shard}); wait for it to end, or stop it, then rerun "
+                f"(lock file: {self.path})"
+            ) from None
         # NOTE: the holder's identity is for messages only; the flock itself is the lock.
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "shard": str(self.shard),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "shard": str(self.shard),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         self._fd = fd
@@ -179,8 +187,9 @@ def held_locks(output_dir: str | Path) -> dict[str, dict] | None:
     """
     try:
         with open("/proc/locks") as f:
-            held = {_lock_key(fields) for fields in (line.split() for line in f) if len(fields) > 5
-                    and fields[1] == "FLOCK"}
+            held = {
+                _lock_key(fields) for fields in (line.split() for line in f) if len(fields) > 5 and fields[1] == "FLOCK"
+            }
     except OSError:
         return None
     found: dict[str, dict] = {}

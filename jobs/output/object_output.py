@@ -50,6 +50,7 @@ from jobs.output.commits import (
 from jobs.output.fingerprint import fingerprint_differences
 from jobs.output.lease import Lease, read_holder
 from jobs.output.lock import CBRUN_DIR, Shard
+from jobs.output.writer import PartWriter, _Batch, conform_table, rows_to_table
 from jobs.storage import (
     PreconditionFailed,
     is_uri,
@@ -63,7 +64,6 @@ from jobs.storage import (
     remove,
     write_json,
 )
-from jobs.output.writer import PartWriter, _Batch, conform_table, rows_to_table
 
 logger = logging.getLogger("cbrun")
 
@@ -89,7 +89,7 @@ class ObjectCheckpoint:
         return read_json(self.job_file)
 
     def _name(self, uri: str) -> str:
-        return uri[len(self.output_dir) + 1:]
+        return uri[len(self.output_dir) + 1 :]
 
     def records(self) -> list[CommitRecord]:
         """Every commit record, in part-name order (the order the parts were written)."""
@@ -109,10 +109,12 @@ class ObjectCheckpoint:
         if old is not None and (changed := fingerprint_differences(old, fingerprint)):
             raise FingerprintMismatch(
                 f"output {self.output_dir!r} holds the results of a different job (changed: {', '.join(changed)}); "
-                f"rerun with --overwrite to discard them, or choose another --output")
+                f"rerun with --overwrite to discard them, or choose another --output"
+            )
 
-    def open(self, fingerprint: dict[str, Any], num_rows: int, *, overwrite: bool = False,
-             retry_errors: bool = False) -> OutputState:
+    def open(
+        self, fingerprint: dict[str, Any], num_rows: int, *, overwrite: bool = False, retry_errors: bool = False
+    ) -> OutputState:
         """Check the output, delete uncommitted parts, and read which rows are done (``Checkpoint.open``)."""
         assert self.lock.held, "open the output under its lease"
         self.check(fingerprint, overwrite=overwrite)
@@ -120,8 +122,10 @@ class ObjectCheckpoint:
             return OutputState(done=np.zeros(num_rows, dtype=bool))
         records = self.records()
         if self._read_job_file() is None and records:
-            raise FingerprintMismatch(f"output {self.output_dir!r} holds commit records but no _cbrun/job.json; "
-                                      f"rerun with --overwrite to discard them, or choose another --output")
+            raise FingerprintMismatch(
+                f"output {self.output_dir!r} holds commit records but no _cbrun/job.json; "
+                f"rerun with --overwrite to discard them, or choose another --output"
+            )
         self.remove_garbage({r.part for r in records})
         num_duplicates = self.remove_duplicates(records)
         state = self.read_state(num_rows)
@@ -134,17 +138,20 @@ class ObjectCheckpoint:
 
     def remove_garbage(self, committed: set[str]) -> list[str]:
         """Delete the parts that have no commit record (a run killed between its part and its record)."""
-        garbage = [uri for uri in list_files(self.output_dir)
-                   if "/" not in self._name(uri) and OBJECT_PART_RE.match(self._name(uri))
-                   and self._name(uri) not in committed]
+        garbage = [
+            uri
+            for uri in list_files(self.output_dir)
+            if "/" not in self._name(uri) and OBJECT_PART_RE.match(self._name(uri)) and self._name(uri) not in committed
+        ]
         for uri in garbage:
             remove(uri)
         if garbage:
             logger.info("cbrun: deleted %d uncommitted parts of %s", len(garbage), self.output_dir)
         return garbage
 
-    def read_state(self, num_rows: int, within: np.ndarray | None = None,
-                   records: list[CommitRecord] | None = None) -> OutputState:
+    def read_state(
+        self, num_rows: int, within: np.ndarray | None = None, records: list[CommitRecord] | None = None
+    ) -> OutputState:
         """The done bitmap and error counts of rows 0..num_rows-1, from the commit records."""
         done = np.zeros(num_rows, dtype=bool)
         failed = np.zeros(num_rows, dtype=bool)
@@ -185,14 +192,19 @@ class ObjectCheckpoint:
             if len(repeated):
                 removed += self._rewrite_without(record, repeated)
         if removed:
-            logger.warning("cbrun: %s held %d output rows written twice (a run that kept writing after its lease "
-                           "was taken over); kept each row's earliest copy", self.output_dir, removed)
+            logger.warning(
+                "cbrun: %s held %d output rows written twice (a run that kept writing after its lease "
+                "was taken over); kept each row's earliest copy",
+                self.output_dir,
+                removed,
+            )
         return removed
 
     def remove_rows(self, row_indices: np.ndarray) -> int:
         """Take rows (all their output rows) out of the committed parts; returns the output rows removed."""
-        return sum(self._rewrite_without(r, row_indices) for r in self.records()
-                   if np.isin(r.rows(), row_indices).any())
+        return sum(
+            self._rewrite_without(r, row_indices) for r in self.records() if np.isin(r.rows(), row_indices).any()
+        )
 
     def _rewrite_without(self, record: CommitRecord, row_indices: np.ndarray) -> int:
         """Replace a part by one without the given rows: the new part and its record first, then the old record,
@@ -208,13 +220,21 @@ class ObjectCheckpoint:
         remove(str(join(self.output_dir, record.part)))
         return table.num_rows - kept.num_rows
 
-    def start(self, fingerprint: dict[str, Any], commit_every_rows: int, commit_every_seconds: float, *,
-              overwrite: bool = False, carried_fields: Sequence[pa.Field] = ()) -> ObjectPartWriter:
+    def start(
+        self,
+        fingerprint: dict[str, Any],
+        commit_every_rows: int,
+        commit_every_seconds: float,
+        *,
+        overwrite: bool = False,
+        carried_fields: Sequence[pa.Field] = (),
+    ) -> ObjectPartWriter:
         """Make the output ready to take rows; returns its appender (``Checkpoint.start``)."""
         self.prepare(fingerprint, overwrite=overwrite)
         self.clear_finished()
-        return ObjectPartWriter(self.output_dir, commit_every_rows, commit_every_seconds,
-                                carried_fields=carried_fields, lease=self.lock)
+        return ObjectPartWriter(
+            self.output_dir, commit_every_rows, commit_every_seconds, carried_fields=carried_fields, lease=self.lock
+        )
 
     def prepare(self, fingerprint: dict[str, Any], *, overwrite: bool = False) -> None:
         """Check, clear when ``overwrite``, write job.json when it differs."""
@@ -228,8 +248,12 @@ class ObjectCheckpoint:
         """Delete every cbrun object of the output (parts, records, job files); the lease stays."""
         for uri in list_files(self.output_dir):
             name = self._name(uri)
-            if (OBJECT_PART_RE.match(name) or name.startswith(COMMITS_DIR + "/") or name == SUCCESS_FILE
-                    or name in (f"{CBRUN_DIR}/{JOB_FILE}", f"{CBRUN_DIR}/{STATS_FILE}", f"{CBRUN_DIR}/shards.json")):
+            if (
+                OBJECT_PART_RE.match(name)
+                or name.startswith(COMMITS_DIR + "/")
+                or name == SUCCESS_FILE
+                or name in (f"{CBRUN_DIR}/{JOB_FILE}", f"{CBRUN_DIR}/{STATS_FILE}", f"{CBRUN_DIR}/shards.json")
+            ):
                 remove(uri)
 
     def write_meta(self, name: str, value: dict[str, Any]) -> None:
@@ -289,9 +313,15 @@ class ObjectPartWriter(PartWriter):
         (the others: ``PartWriter``'s).
     """
 
-    def __init__(self, output: str, commit_every_rows: int = 1000, commit_every_seconds: float = 30.0,
-                 carried_fields: Sequence[pa.Field] = (), schema: pa.Schema | None = None,
-                 lease: Lease | None = None):
+    def __init__(
+        self,
+        output: str,
+        commit_every_rows: int = 1000,
+        commit_every_seconds: float = 30.0,
+        carried_fields: Sequence[pa.Field] = (),
+        schema: pa.Schema | None = None,
+        lease: Lease | None = None,
+    ):
         super().__init__(output, commit_every_rows, commit_every_seconds, carried_fields)
         self.output_dir = output.rstrip("/")
         if schema is not None:
@@ -322,14 +352,15 @@ class ObjectPartWriter(PartWriter):
         if self.lease is not None:
             self.lease.check()
         indices = table.column("row_index").to_numpy()
-        is_error = pc.fill_null(pc.equal(table.column("finish_reason"), "error"), False).to_numpy(
-            zero_copy_only=False)
+        is_error = pc.fill_null(pc.equal(table.column("finish_reason"), "error"), False).to_numpy(zero_copy_only=False)
         name = object_part_name(self.attempt, seq, int(indices.min()) if len(indices) else 0)
         buffer = io.BytesIO()
         pq.write_table(table, buffer)
         uri = str(join(self.output_dir, name))
         _put_once(uri, buffer.getvalue())
-        _put_once(str(join(self.output_dir, record_name(name))), CommitRecord.of_rows(name, indices, is_error).to_json())
+        _put_once(
+            str(join(self.output_dir, record_name(name))), CommitRecord.of_rows(name, indices, is_error).to_json()
+        )
         return uri
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from jobs.input.reader import iter_column_batches
 from jobs.output.checkpoint import Checkpoint
 from jobs.output.lock import DirectoryLock
-from jobs.input.reader import iter_column_batches
 
 logger = logging.getLogger("cbrun")
 #: How many repeated ids the warning names.
@@ -83,6 +83,11 @@ def warn_repeated_ids(reader, output_dir: str | Path | None = None, input_finger
     if num_repeated:
         examples = ", ".join(f"{value!r} ({count} rows)" for value, count in named)
         more = f" and {num_repeated - len(named)} more" if num_repeated > len(named) else ""
-        logger.warning("input.id_column %r repeats values: %s%s; rows are keyed by row_index, so resume is "
-                       "unaffected, but a join on id matches several rows", reader.id_column, examples, more)
+        logger.warning(
+            "input.id_column %r repeats values: %s%s; rows are keyed by row_index, so resume is "
+            "unaffected, but a join on id matches several rows",
+            reader.id_column,
+            examples,
+            more,
+        )
     return num_repeated

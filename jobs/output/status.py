@@ -57,8 +57,9 @@ class ShardProgress:
     def line(self) -> str:
         where = "" if self.name == "total" else f" (input rows {self.rows[0]}..{self.rows[1] - 1})"
         state = "complete" if self.complete else "not complete"
-        return (f"{self.name}: {self.num_done}/{self.num_rows} rows done{where}, {self.num_error_rows} error rows, "
-                f"{state}")
+        return (
+            f"{self.name}: {self.num_done}/{self.num_rows} rows done{where}, {self.num_error_rows} error rows, {state}"
+        )
 
 
 def output_progress(output_dir: str | Path) -> list[ShardProgress]:
@@ -84,8 +85,12 @@ def _read_progress(output_dir: str | Path) -> tuple[list[ShardProgress], OutputS
     failed = np.zeros(split["num_rows"], dtype=bool)
     failed[state.error_rows] = True
     count = split["count"]
-    progress = [ShardProgress(f"shard {i}/{count}", (start, end), int(state.done[start:end].sum()),
-                              int(failed[start:end].sum())) for i, (start, end) in enumerate(split["ranges"])]
+    progress = [
+        ShardProgress(
+            f"shard {i}/{count}", (start, end), int(state.done[start:end].sum()), int(failed[start:end].sum())
+        )
+        for i, (start, end) in enumerate(split["ranges"])
+    ]
     progress.append(ShardProgress("total", (0, split["num_rows"]), int(state.done.sum()), int(failed.sum())))
     return progress, state
 
@@ -105,8 +110,10 @@ def _running_lines(output_dir: str | Path, progress: list[ShardProgress], comple
     idle = [name for name in unfinished if name not in held]
     if len(shards) > 1 and idle:
         flags = ", ".join(f"--shard {name}" for name in idle)
-        lines.append(f"no cbrun run holds shard{'s' if len(idle) > 1 else ''} {', '.join(idle)} now: run the job "
-                     f"with {flags} (one run per shard) to resume {'them' if len(idle) > 1 else 'it'}")
+        lines.append(
+            f"no cbrun run holds shard{'s' if len(idle) > 1 else ''} {', '.join(idle)} now: run the job "
+            f"with {flags} (one run per shard) to resume {'them' if len(idle) > 1 else 'it'}"
+        )
     elif not held:
         lines.append("no cbrun run holds this output now: rerun the same command to resume it")
     return lines
@@ -140,11 +147,15 @@ def status_report(output_dir: str | Path) -> tuple[str, int]:
     if not errors:
         lines.append("job complete (_SUCCESS written)")
         return "\n".join(lines), 0
-    where = (f"{errors} of {state.num_output_rows} output rows are error rows (finish_reason = 'error'; their error "
-             f"column says why; rerun them with cbrun run ... --retry-errors)")
+    where = (
+        f"{errors} of {state.num_output_rows} output rows are error rows (finish_reason = 'error'; their error "
+        f"column says why; rerun them with cbrun run ... --retry-errors)"
+    )
     if too_many_errors(state.num_output_rows, errors, fraction):
-        lines.append(f"job complete (_SUCCESS written), but too many errors (exit code 3): {where}, above "
-                     f"output.max_error_fraction = {fraction:g}")
+        lines.append(
+            f"job complete (_SUCCESS written), but too many errors (exit code 3): {where}, above "
+            f"output.max_error_fraction = {fraction:g}"
+        )
         return "\n".join(lines), 3
     lines.append(f"job complete (_SUCCESS written): {where}")
     return "\n".join(lines), 0

@@ -34,40 +34,42 @@ PART_RE = re.compile(r"^part-(?:s(?P<index>\d{4,})of(?P<count>\d{4,})-)?(?P<numb
 TEMP_RE = re.compile(r"^\.part-(?:s(?P<index>\d{4,})of(?P<count>\d{4,})-)?(?P<number>\d{6,})\.parquet(?:\.\d+)?\.tmp$")
 
 #: The one schema of every part file.
-OUTPUT_SCHEMA = pa.schema([
-    pa.field("id", pa.string(), nullable=False),
-    pa.field("row_index", pa.int64(), nullable=False),
-    pa.field("completion", pa.string()),
-    pa.field("completion_token_ids", pa.list_(pa.int32())),
-    pa.field("num_prompt_tokens", pa.int64(), nullable=False),
-    # Generation columns: null in score mode (nothing is generated; finish_reason "error" on an error row).
-    pa.field("num_completion_tokens", pa.int64()),
-    pa.field("finish_reason", pa.string()),
-    pa.field("error", pa.string()),
-    # Null unless the job asks for them (sampling.logprobs; sampling.prompt_logprobs = true or prompt_logprobs_from):
-    # prompt_logprobs[i] is the log-probability of prompt token prompt_logprobs_from + i (from 1: all but the first).
-    # logprobs[i] lists token i's top candidates (and the chosen token) as {token_id, logprob} structs: lists of
-    # structs, not maps, so that every common reader (datasets, pandas, duckdb, polars) holds the column.
-    pa.field("logprobs", pa.list_(pa.list_(LOGPROB_TYPE))),
-    pa.field("prompt_logprobs", pa.list_(pa.float32())),
-    pa.field("prompt_greedy", pa.list_(pa.bool_())),
-    # What ended a "stop" row: the stop string, or the stop (or EOS) token id as text; null otherwise.
-    pa.field("stop_reason", pa.string()),
-    # Score mode (input.mode = "score") only, one entry per candidate; null in generate mode (see jobs.modes.scoring):
-    pa.field("candidate_logprobs", pa.list_(pa.float64())),
-    pa.field("candidate_num_tokens", pa.list_(pa.int32())),
-    pa.field("candidate_is_greedy", pa.list_(pa.bool_())),
-    # Which of the row's samples this is (sampling.n or the row's n column): 0 .. n-1; 0 for one sample per row.
-    pa.field("sample_index", pa.int32(), nullable=False),
-    # Generate mode's per-request timings in seconds (``engine.outputs.RequestOutput``) when output.row_timings is
-    # on; null otherwise, on error rows and in score mode. They differ from run to run (``TIMING_COLUMNS``).
-    pa.field("queue_s", pa.float64()),  # arrival in the engine -> first admission into the batch
-    pa.field("ttft_s", pa.float64()),  # arrival in the engine -> first generated token
-    pa.field("decode_s", pa.float64()),  # first generated token -> finished
-    # Whether the completion satisfies the row's structured_outputs constraint (JSON parsed and checked with
-    # jsonschema); null for a row without one, and for error rows.
-    pa.field("structured_output_valid", pa.bool_()),
-])
+OUTPUT_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("row_index", pa.int64(), nullable=False),
+        pa.field("completion", pa.string()),
+        pa.field("completion_token_ids", pa.list_(pa.int32())),
+        pa.field("num_prompt_tokens", pa.int64(), nullable=False),
+        # Generation columns: null in score mode (nothing is generated; finish_reason "error" on an error row).
+        pa.field("num_completion_tokens", pa.int64()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("error", pa.string()),
+        # Null unless the job asks for them (sampling.logprobs; sampling.prompt_logprobs = true or prompt_logprobs_from):
+        # prompt_logprobs[i] is the log-probability of prompt token prompt_logprobs_from + i (from 1: all but the first).
+        # logprobs[i] lists token i's top candidates (and the chosen token) as {token_id, logprob} structs: lists of
+        # structs, not maps, so that every common reader (datasets, pandas, duckdb, polars) holds the column.
+        pa.field("logprobs", pa.list_(pa.list_(LOGPROB_TYPE))),
+        pa.field("prompt_logprobs", pa.list_(pa.float32())),
+        pa.field("prompt_greedy", pa.list_(pa.bool_())),
+        # What ended a "stop" row: the stop string, or the stop (or EOS) token id as text; null otherwise.
+        pa.field("stop_reason", pa.string()),
+        # Score mode (input.mode = "score") only, one entry per candidate; null in generate mode (see jobs.modes.scoring):
+        pa.field("candidate_logprobs", pa.list_(pa.float64())),
+        pa.field("candidate_num_tokens", pa.list_(pa.int32())),
+        pa.field("candidate_is_greedy", pa.list_(pa.bool_())),
+        # Which of the row's samples this is (sampling.n or the row's n column): 0 .. n-1; 0 for one sample per row.
+        pa.field("sample_index", pa.int32(), nullable=False),
+        # Generate mode's per-request timings in seconds (``engine.outputs.RequestOutput``) when output.row_timings is
+        # on; null otherwise, on error rows and in score mode. They differ from run to run (``TIMING_COLUMNS``).
+        pa.field("queue_s", pa.float64()),  # arrival in the engine -> first admission into the batch
+        pa.field("ttft_s", pa.float64()),  # arrival in the engine -> first generated token
+        pa.field("decode_s", pa.float64()),  # first generated token -> finished
+        # Whether the completion satisfies the row's structured_outputs constraint (JSON parsed and checked with
+        # jsonschema); null for a row without one, and for error rows.
+        pa.field("structured_output_valid", pa.bool_()),
+    ]
+)
 
 #: The output columns that are timings (``OUTPUT_SCHEMA``), not results.
 TIMING_COLUMNS = ("queue_s", "ttft_s", "decode_s")
@@ -111,22 +113,37 @@ class OutputRow:
     carried: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        assert self.finish_reason in FINISH_REASONS or (self.finish_reason is None and self.candidate_logprobs
-                                                        is not None), self.finish_reason
+        assert self.finish_reason in FINISH_REASONS or (
+            self.finish_reason is None and self.candidate_logprobs is not None
+        ), self.finish_reason
         assert (self.error is None) == (self.finish_reason != "error"), (self.finish_reason, self.error)
 
 
-def error_row(row_id: str, row_index: int, message: str, num_prompt_tokens: int = 0, sample_index: int = 0, *,
-              generated: bool = True) -> OutputRow:
+def error_row(
+    row_id: str,
+    row_index: int,
+    message: str,
+    num_prompt_tokens: int = 0,
+    sample_index: int = 0,
+    *,
+    generated: bool = True,
+) -> OutputRow:
     """The output row of a row that cannot run, or of a request the engine failed (every mode builds them here).
 
     A row that fails before reaching the engine writes one error row, sample 0; ``message`` names the row and the
     cause. ``generated=False`` (score mode) leaves the generation columns null, as in every row of that mode.
     """
-    return OutputRow(id=row_id, row_index=row_index, completion=None,
-                     completion_token_ids=[] if generated else None, num_prompt_tokens=num_prompt_tokens,
-                     num_completion_tokens=0 if generated else None, finish_reason="error", error=message,
-                     sample_index=sample_index)
+    return OutputRow(
+        id=row_id,
+        row_index=row_index,
+        completion=None,
+        completion_token_ids=[] if generated else None,
+        num_prompt_tokens=num_prompt_tokens,
+        num_completion_tokens=0 if generated else None,
+        finish_reason="error",
+        error=message,
+        sample_index=sample_index,
+    )
 
 
 def part_name(number: int, shard: Shard = Shard()) -> str:
@@ -200,8 +217,14 @@ class PartWriter:
             (``part_name``) and are numbered on their own.
     """
 
-    def __init__(self, output_dir: str | Path, commit_every_rows: int = 1000, commit_every_seconds: float = 30.0,
-                 carried_fields: Sequence[pa.Field] = (), shard: Shard = Shard()):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        commit_every_rows: int = 1000,
+        commit_every_seconds: float = 30.0,
+        carried_fields: Sequence[pa.Field] = (),
+        shard: Shard = Shard(),
+    ):
         self.output_dir = Path(output_dir)
         self.schema = pa.schema([*OUTPUT_SCHEMA, *carried_fields])
         self.commit_every_rows = commit_every_rows
@@ -272,9 +295,10 @@ def rows_to_table(rows: list[OutputRow], schema: pa.Schema = OUTPUT_SCHEMA) -> p
     """``OutputRow``s as a table of ``schema``: ``OUTPUT_SCHEMA`` (logprobs dicts become {token_id, logprob} lists),
     then the carried input columns (``OutputRow.carried``), if any."""
     columns = {name: [getattr(row, name) for row in rows] for name in OUTPUT_SCHEMA.names}
-    columns["logprobs"] = [None if steps is None else [_logprob_entries(step) for step in steps]
-                           for steps in columns["logprobs"]]
-    for name in schema.names[len(OUTPUT_SCHEMA):]:
+    columns["logprobs"] = [
+        None if steps is None else [_logprob_entries(step) for step in steps] for steps in columns["logprobs"]
+    ]
+    for name in schema.names[len(OUTPUT_SCHEMA) :]:
         columns[name] = [row.carried.get(name) for row in rows]
     return pa.Table.from_pydict(columns, schema=schema)
 

@@ -31,28 +31,28 @@ from engine.config import checkpoint_dtype
 from jobs import storage
 from jobs.input.carry import carried_values
 from jobs.input.chat import check_chat_template
-from jobs.output.compact import compact_output
-from jobs.output.checkpoint import Checkpoint, FingerprintMismatch
-from jobs.output.lease import LeaseLost
-from jobs.output.fingerprint import fingerprint_differences, job_fingerprint
-from jobs.run.heap import frozen_heap
-from jobs.output.lock import DirectoryLock, OutputLocked, Shard
-from jobs.run.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
+from jobs.input.openai_batch import OpenAIBatchReader
+from jobs.input.reader import InputError, PromptReader
 from jobs.manifest import JobManifest, apply_model_defaults
 from jobs.modes.mode import JobMode
-from jobs.output.object_output import output_owner
-from jobs.input.openai_batch import OpenAIBatchReader
 from jobs.modes.ordering import order_by_prefix
 from jobs.observe.progress import JobProgress
-from jobs.input.reader import InputError, PromptReader
-from jobs.run.resources import JobAborted, JobError, check_model_dir, load_engine, load_tokenizer, resolve_device
+from jobs.observe.timeline import TimelineRecorder, run_id, step_listeners, timeline_path
+from jobs.output.checkpoint import Checkpoint, FingerprintMismatch
+from jobs.output.compact import compact_output
+from jobs.output.fingerprint import fingerprint_differences, job_fingerprint
+from jobs.output.lease import LeaseLost
+from jobs.output.lock import DirectoryLock, OutputLocked, Shard
+from jobs.output.object_output import output_owner
 from jobs.output.row_ids import warn_repeated_ids
-from jobs.run.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.output.status import too_many_errors
+from jobs.output.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts
+from jobs.run.heap import frozen_heap
+from jobs.run.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
+from jobs.run.resources import JobAborted, JobError, check_model_dir, load_engine, load_tokenizer, resolve_device
+from jobs.run.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from jobs.storage import StorageError, is_uri
 from jobs.storage_cache import local_model
-from jobs.observe.timeline import TimelineRecorder, run_id, step_listeners, timeline_path
-from jobs.output.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts
 
 
 @dataclass
@@ -121,53 +121,71 @@ class JobSummary:
     def line(self) -> str:
         """The one summary line the CLI prints."""
         if self.empty_input:
-            return (f"cbrun: warning: the input has no rows to run (an empty input, or --limit 0): nothing "
-                    f"generated; {self.output_dir} holds the finished job with no output rows")
+            return (
+                f"cbrun: warning: the input has no rows to run (an empty input, or --limit 0): nothing "
+                f"generated; {self.output_dir} holds the finished job with no output rows"
+            )
         if self.already_finished:
-            return (f"cbrun: job already finished: all {self.num_skipped} rows of this input are in {self.output_dir} "
-                    f"(see _cbrun/stats.json); nothing to do (use --overwrite to recompute)"
-                    f"{self._errors()}")
+            return (
+                f"cbrun: job already finished: all {self.num_skipped} rows of this input are in {self.output_dir} "
+                f"(see _cbrun/stats.json); nothing to do (use --overwrite to recompute)"
+                f"{self._errors()}"
+            )
         gpu = "" if self.peak_gpu_memory_mib is None else f" | peak GPU memory {self.peak_gpu_memory_mib:.0f} MiB"
         if self.num_candidates:
-            return (self._score_line() + f" | peak memory {self.peak_memory_mib:.0f} MiB{gpu}"
-                    f"{self._engine_counters()}{self._errors()}")
+            return (
+                self._score_line() + f" | peak memory {self.peak_memory_mib:.0f} MiB{gpu}"
+                f"{self._engine_counters()}{self._errors()}"
+            )
         samples = f" | {self.num_output_rows} samples" if self.num_output_rows != self.num_rows else ""
         if self.num_repeated_ids:
             samples += f" | {self.num_repeated_ids} repeated ids"
-        return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped){samples} | "
-                f"{self.num_prompt_tokens} prompt tokens | {self.num_generated_tokens} generated tokens | "
-                f"{self.elapsed_s:.1f} s | {self.generated_tokens_per_s:.0f} tokens/s generated | "
-                f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}{self._errors()}")
+        return (
+            f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped){samples} | "
+            f"{self.num_prompt_tokens} prompt tokens | {self.num_generated_tokens} generated tokens | "
+            f"{self.elapsed_s:.1f} s | {self.generated_tokens_per_s:.0f} tokens/s generated | "
+            f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}{self._errors()}"
+        )
 
     def _errors(self) -> str:
         """Where the error rows are, when there are any; what exit code 3 means, when it applies."""
         if not self.total_error_rows:
             return ""
-        where = (f"{self.total_error_rows} of {self.total_output_rows} output rows in {self.output_dir} are error "
-                 f"rows (finish_reason = 'error'; their error column says why; rerun them with --retry-errors)")
+        where = (
+            f"{self.total_error_rows} of {self.total_output_rows} output rows in {self.output_dir} are error "
+            f"rows (finish_reason = 'error'; their error column says why; rerun them with --retry-errors)"
+        )
         if self.too_many_errors:
-            return (f"\ncbrun: too many errors (exit code 3): {where}, above output.max_error_fraction = "
-                    f"{self.max_error_fraction:g}")
+            return (
+                f"\ncbrun: too many errors (exit code 3): {where}, above output.max_error_fraction = "
+                f"{self.max_error_fraction:g}"
+            )
         return f"\ncbrun: {where}"
 
     def _score_line(self) -> str:
         """Score mode's throughput: candidates/s, and tokens/s over context + candidate tokens."""
         seconds = max(self.generation_s or self.elapsed_s, 1e-9)
-        return (f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped) | "
-                f"{self.num_candidates} candidates | {self.num_prompt_tokens} context tokens | "
-                f"{self.num_scored_tokens} candidate tokens | {self.elapsed_s:.1f} s | "
-                f"{self.num_candidates / seconds:.1f} candidates/s, "
-                f"{(self.num_prompt_tokens + self.num_scored_tokens) / seconds:.0f} tokens/s scored")
+        return (
+            f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped) | "
+            f"{self.num_candidates} candidates | {self.num_prompt_tokens} context tokens | "
+            f"{self.num_scored_tokens} candidate tokens | {self.elapsed_s:.1f} s | "
+            f"{self.num_candidates / seconds:.1f} candidates/s, "
+            f"{(self.num_prompt_tokens + self.num_scored_tokens) / seconds:.0f} tokens/s scored"
+        )
 
     def _engine_counters(self) -> str:
         stats = self.engine_stats
         if not stats:
             return ""
-        line = (f" | prefix cache hit rate {100 * stats['prefix_hit_rate']:.1f}% | {stats['num_offloads']} offloads, "
-                f"{stats['num_soft_resets']} soft resets")
+        line = (
+            f" | prefix cache hit rate {100 * stats['prefix_hit_rate']:.1f}% | {stats['num_offloads']} offloads, "
+            f"{stats['num_soft_resets']} soft resets"
+        )
         if stats.get("num_verify_steps"):  # speculative decoding ran
-            line += (f" | speculative: {100 * stats['acceptance_rate']:.1f}% of {stats['num_proposed_tokens']} "
-                     f"proposals accepted, {stats['mean_tokens_per_verify_step']:.2f} tokens per verify step")
+            line += (
+                f" | speculative: {100 * stats['acceptance_rate']:.1f}% of {stats['num_proposed_tokens']} "
+                f"proposals accepted, {stats['mean_tokens_per_verify_step']:.2f} tokens per verify step"
+            )
         return line
 
     def as_dict(self) -> dict[str, Any]:
@@ -184,8 +202,10 @@ def check_output_apart_from_input(input_path: str | Path, output_path: str | Pat
     if is_uri(input_path) or is_uri(output_path):
         inp, out = str(input_path).rstrip("/"), str(output_path).rstrip("/")
         if out == inp or out.startswith(inp + "/") or inp.startswith(out + "/"):
-            raise InputError(f"output {str(output_path)!r} overlaps the input {str(input_path)!r}: its part files "
-                             f"would be read back as input; give an --output outside the input")
+            raise InputError(
+                f"output {str(output_path)!r} overlaps the input {str(input_path)!r}: its part files "
+                f"would be read back as input; give an --output outside the input"
+            )
         return
     inp, out = Path(input_path).resolve(), Path(output_path).resolve()
     if out == inp:
@@ -196,12 +216,15 @@ def check_output_apart_from_input(input_path: str | Path, output_path: str | Pat
         where = "holds the input"
     else:
         return
-    raise InputError(f"output directory {str(output_path)!r} {where} {str(input_path)!r}: its part files would be "
-                     f"read back as input; give an --output outside the input")
+    raise InputError(
+        f"output directory {str(output_path)!r} {where} {str(input_path)!r}: its part files would be "
+        f"read back as input; give an --output outside the input"
+    )
 
 
-def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_errors: bool = False,
-            shard: Shard | None = None) -> JobSummary:
+def run_job(
+    manifest: JobManifest, *, progress: bool = True, engine=None, retry_errors: bool = False, shard: Shard | None = None
+) -> JobSummary:
     """Run (or resume, or recognise as finished) the job a manifest describes, holding the output's lock throughout.
 
     Args:
@@ -269,14 +292,19 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
     checkpoint = output_owner(manifest.output.path, shard)
     try:
         # NOTE: dtype "auto" means bf16 on a GPU and float32 on the CPU: the fingerprint records the one this run uses
-        fingerprint = job_fingerprint(manifest, reader.num_input_rows, shard.count,
-                                      engine_dtype=engine_config.resolve_dtype(checkpoint_dtype(manifest.model.path)),
-                                      may_sample=_may_sample(manifest, reader))
+        fingerprint = job_fingerprint(
+            manifest,
+            reader.num_input_rows,
+            shard.count,
+            engine_dtype=engine_config.resolve_dtype(checkpoint_dtype(manifest.model.path)),
+            may_sample=_may_sample(manifest, reader),
+        )
     except StorageError as exc:
         raise JobError(str(exc)) from None
     # NOTE: a refused run leaves no output directory it made (see _remove_refused_output); a shard's may be shared
-    created_output = (shard.count == 1 and isinstance(checkpoint, Checkpoint)
-                      and not Path(checkpoint.output_dir).exists())
+    created_output = (
+        shard.count == 1 and isinstance(checkpoint, Checkpoint) and not Path(checkpoint.output_dir).exists()
+    )
     try:
         checkpoint.check(fingerprint, overwrite=manifest.output.overwrite)  # before creating anything
         checkpoint.lock.acquire()
@@ -290,8 +318,10 @@ def run_job(manifest: JobManifest, *, progress: bool = True, engine=None, retry_
             job = _ShardJob(manifest, reader, checkpoint, fingerprint, start)
         return job.run(engine, engine_config, tokenizer, progress, retry_errors)
     except (StorageError, LeaseLost) as exc:  # NOTE: in setup or at the finish; the row loop's are JobAborted
-        raise JobAborted(f"the output store failed: {exc}; the rows committed so far are kept in "
-                         f"{manifest.output.path}; rerun the same command to resume") from exc
+        raise JobAborted(
+            f"the output store failed: {exc}; the rows committed so far are kept in "
+            f"{manifest.output.path}; rerun the same command to resume"
+        ) from exc
     except JobError:
         if created_output:
             _remove_refused_output(checkpoint.output_dir)
@@ -310,11 +340,15 @@ def check_object_store_output(manifest: JobManifest, shard: Shard | None) -> Non
     if not is_uri(manifest.output.path):
         return
     if shard is not None and shard.count > 1 or manifest.input.shard not in (None, "0/1"):
-        raise ValueError(f"--shard is not supported for an object-store output ({manifest.output.path}) yet; use "
-                         f"--executor ray to spread one job over machines, or a shared file system")
+        raise ValueError(
+            f"--shard is not supported for an object-store output ({manifest.output.path}) yet; use "
+            f"--executor ray to spread one job over machines, or a shared file system"
+        )
     if manifest.output.format == "openai-batch":
-        raise ValueError(f"output.format = \"openai-batch\" is not supported for an object-store output "
-                         f"({manifest.output.path}) yet; write the parts, then run cbrun export on a local copy")
+        raise ValueError(
+            f'output.format = "openai-batch" is not supported for an object-store output '
+            f"({manifest.output.path}) yet; write the parts, then run cbrun export on a local copy"
+        )
 
 
 def _remove_refused_output(output_dir: Path) -> None:
@@ -327,8 +361,9 @@ def _remove_refused_output(output_dir: Path) -> None:
 class _Job:
     """One run of a job under the output directory's lock: open the output, run the rows not done, finish."""
 
-    def __init__(self, manifest: JobManifest, reader: PromptReader, checkpoint: Checkpoint, fingerprint: dict,
-                 start: float):
+    def __init__(
+        self, manifest: JobManifest, reader: PromptReader, checkpoint: Checkpoint, fingerprint: dict, start: float
+    ):
         self.manifest = manifest
         self.reader = reader
         self.checkpoint = checkpoint
@@ -340,17 +375,22 @@ class _Job:
 
     def open(self, retry_errors: bool):
         """Open the output and read which rows are done. Returns the ``OutputState``."""
-        state = self.checkpoint.open(self.fingerprint, self.reader.num_rows,
-                                     overwrite=self.manifest.output.overwrite, retry_errors=retry_errors)
+        state = self.checkpoint.open(
+            self.fingerprint, self.reader.num_rows, overwrite=self.manifest.output.overwrite, retry_errors=retry_errors
+        )
         self.write_shards_file()
         return state
 
     def start_writer(self) -> PartWriter:
         """The output's ``PartWriter``, the directory made ready (``Checkpoint.start``); a stale results file gone."""
         out = self.manifest.output
-        writer = self.checkpoint.start(self.fingerprint, out.commit_every_rows, out.commit_every_seconds,
-                                       overwrite=self.clears_at_start(),
-                                       carried_fields=output_carried_fields(self.manifest, self.reader))
+        writer = self.checkpoint.start(
+            self.fingerprint,
+            out.commit_every_rows,
+            out.commit_every_seconds,
+            overwrite=self.clears_at_start(),
+            carried_fields=output_carried_fields(self.manifest, self.reader),
+        )
         self.write_shards_file()  # again: --overwrite cleared the directory's cbrun files
         remove_stale_results(self.manifest)
         return writer
@@ -371,23 +411,34 @@ class _Job:
         if not interval:
             return None
         run = run_id()
-        header = {"run": run, "part": self.timeline_part or "whole job", "model": self.manifest.model.path,
-                  "engine": engine_config}
-        return TimelineRecorder(timeline_path(self.checkpoint.cbrun_dir, run, self.timeline_part), engine,
-                                lambda: (summary.num_rows, summary.num_errors), interval, header)
+        header = {
+            "run": run,
+            "part": self.timeline_part or "whole job",
+            "model": self.manifest.model.path,
+            "engine": engine_config,
+        }
+        return TimelineRecorder(
+            timeline_path(self.checkpoint.cbrun_dir, run, self.timeline_part),
+            engine,
+            lambda: (summary.num_rows, summary.num_errors),
+            interval,
+            header,
+        )
 
     def finish(self, summary: JobSummary, tokenizer=None) -> None:
         """Write _results.jsonl (``output.format = "openai-batch"``), stats.json and _SUCCESS: the whole job is in
         the output."""
         self.checkpoint.prepare(self.fingerprint)
         # NOTE: an output with no rows still holds one part, so that readers see its columns (pandas, duckdb)
-        self.checkpoint.write_empty_part_if_none(pa.schema([*OUTPUT_SCHEMA,
-                                                            *output_carried_fields(self.manifest, self.reader)]))
+        self.checkpoint.write_empty_part_if_none(
+            pa.schema([*OUTPUT_SCHEMA, *output_carried_fields(self.manifest, self.reader)])
+        )
         write_results_file(self.manifest, tokenizer)
         if self.manifest.output.compact:
             compact_output(self.checkpoint.output_dir, self.manifest.output.target_file_mb, locked=True)
-        self.checkpoint.mark_finished(self.fingerprint, {**summary.as_dict(),
-                                                         "num_rows_in_output": summary.num_skipped + summary.num_rows})
+        self.checkpoint.mark_finished(
+            self.fingerprint, {**summary.as_dict(), "num_rows_in_output": summary.num_skipped + summary.num_rows}
+        )
 
     def run(self, engine, engine_config, tokenizer, progress: bool, retry_errors: bool) -> JobSummary:
         manifest, checkpoint, overwrite = self.manifest, self.checkpoint, self.manifest.output.overwrite
@@ -396,9 +447,13 @@ class _Job:
         except ValueError as exc:  # FingerprintMismatch included
             raise JobError(str(exc)) from None
         done = state.done if self.within is None else state.done | ~self.within
-        summary = JobSummary(output_dir=str(manifest.output.path), num_skipped=int(state.done.sum()),
-                             total_output_rows=state.num_output_rows, total_error_rows=state.num_error_rows,
-                             max_error_fraction=manifest.output.max_error_fraction)
+        summary = JobSummary(
+            output_dir=str(manifest.output.path),
+            num_skipped=int(state.done.sum()),
+            total_output_rows=state.num_output_rows,
+            total_error_rows=state.num_error_rows,
+            max_error_fraction=manifest.output.max_error_fraction,
+        )
         if isinstance(self.reader, PromptReader) and manifest.input.id_column is not None:
             recorded_in = None if is_uri(self.checkpoint.output_dir) else self.checkpoint.output_dir
             summary.num_repeated_ids = warn_repeated_ids(self.reader, recorded_in, self.fingerprint["input"])
@@ -420,14 +475,22 @@ class _Job:
             engine = load_engine(manifest.model.path, engine_config, expected_requests(manifest, self.reader, done))
         out = manifest.output
         writer = self.start_writer()
-        mode = MODES[manifest.input.mode](manifest, tokenizer, engine.max_model_len,
-                                          model_vocab_size(manifest.model.path))
+        mode = MODES[manifest.input.mode](
+            manifest, tokenizer, engine.max_model_len, model_vocab_size(manifest.model.path)
+        )
         generation_start = time.perf_counter()
         max_in_flight = 4 * engine_config.max_requests_per_batch
         try:
             with frozen_heap():  # the imports' and the model's objects, out of the collector's way (jobs.run.heap)
-                _JobRun(mode, engine, writer, summary, manifest.input.order_window, max_in_flight,
-                        self.open_timeline(engine, engine_config, summary)).run(self.reader, done, progress)
+                _JobRun(
+                    mode,
+                    engine,
+                    writer,
+                    summary,
+                    manifest.input.order_window,
+                    max_in_flight,
+                    self.open_timeline(engine, engine_config, summary),
+                ).run(self.reader, done, progress)
         except KeyboardInterrupt as exc:  # jobs.run.signals.Interrupted (SIGINT, SIGTERM) included
             exc.num_committed_rows = writer.num_committed_rows
             raise
@@ -435,7 +498,8 @@ class _Job:
             raise JobAborted(
                 f"the job stopped on a fault that is not one row's: {type(exc).__name__}: {exc}; the "
                 f"{writer.num_committed_rows} output rows this run finished are committed in {out.path}; rerun the "
-                f"same command to resume") from exc
+                f"same command to resume"
+            ) from exc
         summary.generation_s = time.perf_counter() - generation_start
         summary.elapsed_s = time.perf_counter() - self.start
         summary.peak_memory_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -460,8 +524,14 @@ class _Job:
                 # NOTE: on an object store each replica commits its own parts; the driver only counts their rows
                 commit_output = self.checkpoint.output_dir if is_uri(self.checkpoint.output_dir) else None
                 on_rows = counter.tally if commit_output else counter.count
-                summary.replica_stats = run_on_ray(self.manifest, engine_config, done, writer,
-                                                   lambda rows: (on_rows(rows), bar.row_finished(rows)), commit_output)
+                summary.replica_stats = run_on_ray(
+                    self.manifest,
+                    engine_config,
+                    done,
+                    writer,
+                    lambda rows: (on_rows(rows), bar.row_finished(rows)),
+                    commit_output,
+                )
         except KeyboardInterrupt as exc:
             writer.commit()
             exc.num_committed_rows = writer.num_committed_rows
@@ -471,7 +541,8 @@ class _Job:
             raise JobAborted(
                 f"the job stopped on a fault that is not one row's: {type(exc).__name__}: {exc}; the "
                 f"{writer.num_committed_rows} output rows this run finished are committed in {out.path}; rerun the "
-                f"same command to resume") from exc
+                f"same command to resume"
+            ) from exc
         writer.commit()
         summary.generation_s = time.perf_counter() - generation_start
         summary.elapsed_s = time.perf_counter() - self.start
@@ -486,8 +557,9 @@ class _ShardJob(_Job):
     """One run of shard I of N (``jobs.run.sharding``): its rows only, under its own lock; the steps that touch the
     whole directory under ``DirectoryLock``; ``_SUCCESS`` only once every shard's rows are committed."""
 
-    def __init__(self, manifest: JobManifest, reader: PromptReader, checkpoint: Checkpoint, fingerprint: dict,
-                 start: float):
+    def __init__(
+        self, manifest: JobManifest, reader: PromptReader, checkpoint: Checkpoint, fingerprint: dict, start: float
+    ):
         super().__init__(manifest, reader, checkpoint, fingerprint, start)
         self.shard = checkpoint.lock.shard
         self.ranges = shard_ranges(unit_starts(reader), reader.num_rows, self.shard.count)
@@ -535,22 +607,30 @@ class _ShardJob(_Job):
             whole = checkpoint.read_state(num_rows)
             if not whole.done.all() or checkpoint.is_finished():
                 return
-            shards = [checkpoint.read_meta(f"stats-{i}-of-{self.shard.count}.json")
-                      for i in range(self.shard.count)]
+            shards = [checkpoint.read_meta(f"stats-{i}-of-{self.shard.count}.json") for i in range(self.shard.count)]
             write_results_file(self.manifest, tokenizer)
-            checkpoint.mark_finished(self.fingerprint, {
-                "output_dir": str(checkpoint.output_dir), "num_rows_in_output": num_rows,
-                "total_output_rows": whole.num_output_rows, "total_error_rows": whole.num_error_rows,
-                "num_shards": self.shard.count, "shards": shards,
-                "max_error_fraction": self.manifest.output.max_error_fraction,
-            })
+            checkpoint.mark_finished(
+                self.fingerprint,
+                {
+                    "output_dir": str(checkpoint.output_dir),
+                    "num_rows_in_output": num_rows,
+                    "total_output_rows": whole.num_output_rows,
+                    "total_error_rows": whole.num_error_rows,
+                    "num_shards": self.shard.count,
+                    "shards": shards,
+                    "max_error_fraction": self.manifest.output.max_error_fraction,
+                },
+            )
 
 
 def _may_sample(manifest: JobManifest, reader) -> bool:
     """Whether any row of the job may be sampled: the job's own settings, a per-row setting column, or an OpenAI
     batch file (each body carries its settings)."""
-    return (not manifest.sampling.greedy or bool(getattr(reader, "setting_of_column", None))
-            or isinstance(reader, OpenAIBatchReader))
+    return (
+        not manifest.sampling.greedy
+        or bool(getattr(reader, "setting_of_column", None))
+        or isinstance(reader, OpenAIBatchReader)
+    )
 
 
 def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: bool = False) -> None:
@@ -574,8 +654,7 @@ def expected_requests(manifest: JobManifest, reader, done: np.ndarray) -> int | 
     """Requests this run will add to the engine: rows to do times ``n``; None when a row can add more than that
     (score mode's candidates, a per-row ``n`` column or OpenAI request body). Lets the engine size its default
     cache to the job."""
-    if (manifest.input.mode == "score" or not isinstance(reader, PromptReader)
-            or reader.samples_column is not None):
+    if manifest.input.mode == "score" or not isinstance(reader, PromptReader) or reader.samples_column is not None:
         return None
     return int((~done).sum()) * manifest.n
 
@@ -592,8 +671,16 @@ class _JobRun:
     """The row loop of one run: rows through the job's mode into the engine, outputs back through it to the writer,
     counting as it goes."""
 
-    def __init__(self, mode: JobMode, engine, writer: PartWriter, summary: JobSummary, order_window: int,
-                 max_in_flight: int, timeline: TimelineRecorder | None = None):
+    def __init__(
+        self,
+        mode: JobMode,
+        engine,
+        writer: PartWriter,
+        summary: JobSummary,
+        order_window: int,
+        max_in_flight: int,
+        timeline: TimelineRecorder | None = None,
+    ):
         self.mode = mode
         self.timeline = timeline
         self.engine = engine
@@ -627,13 +714,14 @@ class _JobRun:
     def _tokens(self) -> tuple[int, int]:
         """Tokens processed (prefilled, decoded, prefix-cache hits) and generated since the run's start."""
         stats = self.engine.stats
-        return (stats.num_computed_tokens + stats.num_cached_prompt_tokens - self.processed_at_start,
-                stats.num_generated_tokens - self.generated_at_start)
+        return (
+            stats.num_computed_tokens + stats.num_cached_prompt_tokens - self.processed_at_start,
+            stats.num_generated_tokens - self.generated_at_start,
+        )
 
     def _requests(self, reader: PromptReader, done: np.ndarray):
         """The requests of the rows not done, in prefix-aware order (``input.order_window``), a row's together."""
-        work = order_by_prefix(self._row_work(reader, done), key=lambda w: w.prompt_token_ids,
-                               window=self.order_window)
+        work = order_by_prefix(self._row_work(reader, done), key=lambda w: w.prompt_token_ids, window=self.order_window)
         for item in work:
             yield from item.requests
 
@@ -646,8 +734,9 @@ class _JobRun:
                 self.progress.eta.add_error_row()
                 self._finish([work])
             else:
-                self.progress.eta.add_row([len(r[1]) for r in work.requests],
-                                          [r[2].max_new_tokens for r in work.requests])
+                self.progress.eta.add_row(
+                    [len(r[1]) for r in work.requests], [r[2].max_new_tokens for r in work.requests]
+                )
                 yield work
 
     def _finish(self, rows: list[OutputRow]) -> None:
@@ -677,4 +766,3 @@ class _JobRun:
                 if row.candidate_num_tokens is not None:
                     summary.num_candidates += len(row.candidate_num_tokens)
                     summary.num_scored_tokens += sum(row.candidate_num_tokens)
-

@@ -8,10 +8,16 @@ from pathlib import Path
 
 from jobs.input.carry import carried_fields, check_kept_columns, keep_roles
 from jobs.input.chat import check_messages_column
-from jobs.modes.generate import GenerateMode
-from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest
-from jobs.input.openai_batch import OPENAI_FIELDS, REQUEST_FIELDS, OpenAIBatchReader, input_fields, is_openai_batch_input
+from jobs.input.openai_batch import (
+    OPENAI_FIELDS,
+    REQUEST_FIELDS,
+    OpenAIBatchReader,
+    input_fields,
+    is_openai_batch_input,
+)
 from jobs.input.reader import InputError, PromptReader
+from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest
+from jobs.modes.generate import GenerateMode
 from jobs.modes.scoring import Scorer, check_candidates_column
 
 
@@ -35,14 +41,27 @@ def open_reader(manifest: JobManifest) -> PromptReader | OpenAIBatchReader:
     if is_openai_batch_input(inp):
         if inp.format == "auto" and not set(REQUEST_FIELDS) <= set(input_fields(inp.path)):
             raise InputError(PROMPT_SETTINGS_MESSAGE)
-        return OpenAIBatchReader(inp.path, limit=inp.limit, batch_size=inp.batch_size, keep_columns=keep,
-                                 default_model=Path(manifest.model.path).name)
-    extra_columns = {role: getattr(inp, role) for role in ("candidates_column", "messages_column")
-                     if getattr(inp, role) is not None}
-    reader = PromptReader(inp.path, prompt_column=inp.prompt_column, prompt_ids_column=inp.prompt_ids_column,
-                          id_column=inp.id_column, template=inp.template, limit=inp.limit, batch_size=inp.batch_size,
-                          extra_columns=extra_columns,
-                          per_row_settings=inp.per_row_settings and inp.mode == "generate")
+        return OpenAIBatchReader(
+            inp.path,
+            limit=inp.limit,
+            batch_size=inp.batch_size,
+            keep_columns=keep,
+            default_model=Path(manifest.model.path).name,
+        )
+    extra_columns = {
+        role: getattr(inp, role) for role in ("candidates_column", "messages_column") if getattr(inp, role) is not None
+    }
+    reader = PromptReader(
+        inp.path,
+        prompt_column=inp.prompt_column,
+        prompt_ids_column=inp.prompt_ids_column,
+        id_column=inp.id_column,
+        template=inp.template,
+        limit=inp.limit,
+        batch_size=inp.batch_size,
+        extra_columns=extra_columns,
+        per_row_settings=inp.per_row_settings and inp.mode == "generate",
+    )
     if inp.candidates_column is not None and not reader.no_columns_known:
         check_candidates_column(reader.schema, inp.candidates_column, inp.path)
     if inp.messages_column is not None and not reader.no_columns_known:

@@ -35,14 +35,16 @@ import pyarrow as pa
 
 __all__ = ["RAY_EXTRA_MESSAGE", "check_ray_installed", "pending_spans", "run_on_ray"]
 
+from jobs.output.writer import OUTPUT_SCHEMA, OutputRow
 from jobs.run.ray_input import pending_spans
 from jobs.run.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN
-from jobs.output.writer import OUTPUT_SCHEMA, OutputRow
 
 logger = logging.getLogger("cbrun")
 
-RAY_EXTRA_MESSAGE = ("--executor ray (cluster.executor = \"ray\") needs Ray Data, which is not installed: "
-                     "pip install 'cbrun[ray]' (the extra installs ray[data])")
+RAY_EXTRA_MESSAGE = (
+    '--executor ray (cluster.executor = "ray") needs Ray Data, which is not installed: '
+    "pip install 'cbrun[ray]' (the extra installs ray[data])"
+)
 
 
 def check_ray_installed() -> None:
@@ -84,8 +86,9 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
     ray.init(**kwargs, log_to_driver=False, include_dashboard=False, configure_logging=False)
 
 
-def output_batches(manifest, engine_config, spans: list[tuple[int, int]], commit_output: str | None = None
-                   ) -> Iterator[pa.Table]:
+def output_batches(
+    manifest, engine_config, spans: list[tuple[int, int]], commit_output: str | None = None
+) -> Iterator[pa.Table]:
     """Run the spans through ``cluster.num_replicas`` replicas; yield their output tables as they stream back."""
     import ray.data
 
@@ -101,24 +104,37 @@ def output_batches(manifest, engine_config, spans: list[tuple[int, int]], commit
     context.enable_progress_bars = False
     # NOTE: one block per span (no splitting), and reads reserve no CPU: they are light, and a replica per CPU
     # (2 replicas on 2 CPUs) must not leave the reads unschedulable.
-    rows = ray.data.read_datasource(PendingRowsDatasource(manifest, spans), override_num_blocks=max(1, len(spans)),
-                                    num_cpus=0)
+    rows = ray.data.read_datasource(
+        PendingRowsDatasource(manifest, spans), override_num_blocks=max(1, len(spans)), num_cpus=0
+    )
     # NOTE: max_concurrent_batches calls run at once in a replica (its async __call__ awaits the engine thread),
     # and Ray Data keeps that many tasks queued at each replica so the next batch is there when one finishes.
     per_replica = cluster.max_concurrent_batches
     outputs = rows.map_batches(
-        Replica, batch_size=cluster.batch_size, batch_format="pyarrow", num_gpus=num_gpus,
+        Replica,
+        batch_size=cluster.batch_size,
+        batch_format="pyarrow",
+        num_gpus=num_gpus,
         num_cpus=cluster.num_cpus_per_replica,
-        compute=ray.data.ActorPoolStrategy(size=cluster.num_replicas, max_concurrent_calls_per_actor=per_replica,
-                                           max_tasks_in_flight_per_actor=per_replica),
-        fn_constructor_kwargs={"manifest": manifest, "engine_config": engine_config, "num_threads": num_threads,
-                               "max_concurrent_batches": per_replica, "commit_output": commit_output},
+        compute=ray.data.ActorPoolStrategy(
+            size=cluster.num_replicas,
+            max_concurrent_calls_per_actor=per_replica,
+            max_tasks_in_flight_per_actor=per_replica,
+        ),
+        fn_constructor_kwargs={
+            "manifest": manifest,
+            "engine_config": engine_config,
+            "num_threads": num_threads,
+            "max_concurrent_batches": per_replica,
+            "commit_output": commit_output,
+        },
     )
     yield from outputs.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
 
 
-def run_on_ray(manifest, engine_config, done: np.ndarray, writer, on_group, commit_output: str | None = None
-               ) -> dict[str, int]:
+def run_on_ray(
+    manifest, engine_config, done: np.ndarray, writer, on_group, commit_output: str | None = None
+) -> dict[str, int]:
     """Compute the rows not ``done`` on Ray replicas and hand each row's output rows to ``on_group`` once.
 
     Args:

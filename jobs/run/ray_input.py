@@ -61,14 +61,19 @@ class PendingRowsDatasource(Datasource):
     def estimate_inmemory_data_size(self) -> int | None:
         return None
 
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                       data_context=None) -> list[ReadTask]:
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context=None
+    ) -> list[ReadTask]:
         """One task per span whatever ``parallelism`` asks: a span is already one batch of a replica."""
         manifest = self.manifest
-        return [ReadTask(functools.partial(_read_span, manifest, start, end),
-                         BlockMetadata(num_rows=end - start, size_bytes=None, input_files=None, exec_stats=None),
-                         per_task_row_limit=per_task_row_limit)
-                for start, end in self.spans]
+        return [
+            ReadTask(
+                functools.partial(_read_span, manifest, start, end),
+                BlockMetadata(num_rows=end - start, size_bytes=None, input_files=None, exec_stats=None),
+                per_task_row_limit=per_task_row_limit,
+            )
+            for start, end in self.spans
+        ]
 
     def get_name(self) -> str:
         return "CbrunInput"

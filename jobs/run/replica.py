@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 import pyarrow as pa
 
 from jobs.input.carry import carried_values
-from jobs.modes.ordering import order_by_prefix
 from jobs.input.reader import InputRow
+from jobs.modes.ordering import order_by_prefix
 from jobs.output.writer import OUTPUT_SCHEMA, OutputRow, rows_to_table
 
 logger = logging.getLogger("cbrun")
@@ -220,8 +220,9 @@ class Replica:
             the rows, and the driver writes them.
     """
 
-    def __init__(self, manifest, engine_config, num_threads: int, max_concurrent_batches: int,
-                 commit_output: str | None = None):
+    def __init__(
+        self, manifest, engine_config, num_threads: int, max_concurrent_batches: int, commit_output: str | None = None
+    ):
         import torch
 
         from jobs import storage
@@ -242,8 +243,9 @@ class Replica:
             return MODES[manifest.input.mode](manifest, tokenizer, engine.max_model_len, vocab_size)
 
         schema = pa.schema([*OUTPUT_SCHEMA, *output_carried_fields(manifest, self.reader)])
-        self.loop = BatchLoop(engine, make_mode, schema, manifest.input.order_window,
-                              4 * engine_config.max_requests_per_batch)
+        self.loop = BatchLoop(
+            engine, make_mode, schema, manifest.input.order_window, 4 * engine_config.max_requests_per_batch
+        )
         self.max_concurrent_batches = max_concurrent_batches
         self._slots: asyncio.Semaphore | None = None
         storage.configure(manifest.storage.endpoint_url)
@@ -265,9 +267,13 @@ class Replica:
             return None
         run, part = run_id(), f"replica-{os.getpid()}"
         loop = self.loop
-        recorder = TimelineRecorder(timeline_path(storage.join(manifest.output.path, "_cbrun"), run, part), engine,
-                                    lambda: (loop.num_rows_done, loop.num_error_rows), interval,
-                                    {"run": run, "part": part, "model": manifest.model.path, "engine": engine_config})
+        recorder = TimelineRecorder(
+            timeline_path(storage.join(manifest.output.path, "_cbrun"), run, part),
+            engine,
+            lambda: (loop.num_rows_done, loop.num_error_rows),
+            interval,
+            {"run": run, "part": part, "model": manifest.model.path, "engine": engine_config},
+        )
         engine.step_listener = recorder.on_step
         loop.on_idle = lambda: recorder.record(flush=True)
         return recorder
@@ -292,8 +298,17 @@ class Replica:
 
 
 #: The columns a replica that commits its own parts still returns: what the driver's counts and summary need.
-SLIM_COLUMNS = ("id", "row_index", "num_prompt_tokens", "num_completion_tokens", "finish_reason", "error",
-                "candidate_num_tokens", "sample_index", "stop_reason")
+SLIM_COLUMNS = (
+    "id",
+    "row_index",
+    "num_prompt_tokens",
+    "num_completion_tokens",
+    "finish_reason",
+    "error",
+    "candidate_num_tokens",
+    "sample_index",
+    "stop_reason",
+)
 
 
 def slim_table(table: pa.Table) -> pa.Table:

@@ -34,8 +34,10 @@ def check_model_dir(model_path: str) -> None:
     path = Path(model_path)
     if not (path / "config.json").is_file():
         what = "not found" if not path.exists() else "has no config.json"
-        raise JobError(f"model directory {model_path!r} {what}: give a Hugging Face model directory, e.g. one "
-                       f"made by `cbrun convert-llama2c CHECKPOINT TOKENIZER OUT_DIR`")
+        raise JobError(
+            f"model directory {model_path!r} {what}: give a Hugging Face model directory, e.g. one "
+            f"made by `cbrun convert-llama2c CHECKPOINT TOKENIZER OUT_DIR`"
+        )
     try:
         config, _ = parse_llama_config(read_config_json(path))
         if config is None:
@@ -61,21 +63,22 @@ def resolve_device(device: str) -> str:
     try:
         parsed = torch.device(device)
     except (RuntimeError, ValueError) as exc:
-        raise JobError(f"engine.device {device!r} is not a device name ({exc}); use \"auto\", \"cpu\" or "
-                       f"\"cuda\"") from None
+        raise JobError(f'engine.device {device!r} is not a device name ({exc}); use "auto", "cpu" or "cuda"') from None
     if parsed.type == "cpu":
         return device
     if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise JobError(f"engine.device = {device!r}, but this machine has no usable CUDA device "
-                           f"(torch.cuda.is_available() is False); set engine.device = \"auto\" or \"cpu\"")
+            raise JobError(
+                f"engine.device = {device!r}, but this machine has no usable CUDA device "
+                f'(torch.cuda.is_available() is False); set engine.device = "auto" or "cpu"'
+            )
         if parsed.index is not None and parsed.index >= count:
             raise JobError(f"engine.device = {device!r}, but this machine has {count} CUDA device(s)")
         return device
     if parsed.type == "mps" and torch.backends.mps.is_available():
         return device
-    raise JobError(f"engine.device = {device!r} is not available here; use \"auto\", \"cpu\" or \"cuda\"")
+    raise JobError(f'engine.device = {device!r} is not available here; use "auto", "cpu" or "cuda"')
 
 
 def load_engine(model_path: str, config, expected_requests: int | None = None):
@@ -97,8 +100,10 @@ def load_engine(model_path: str, config, expected_requests: int | None = None):
     except (ValueError, OSError) as exc:
         raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
     except (SafetensorError, pickle.UnpicklingError, RuntimeError) as exc:
-        raise JobError(f"cannot load the model's weights from {model_path!r} (a corrupt or truncated weight file, "
-                       f"or weights that do not match config.json?): {type(exc).__name__}: {exc}") from None
+        raise JobError(
+            f"cannot load the model's weights from {model_path!r} (a corrupt or truncated weight file, "
+            f"or weights that do not match config.json?): {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def load_tokenizer(model_path: str, *, loader: str = "auto"):

@@ -65,7 +65,7 @@ def shard_ranges(starts: list[int], num_rows: int, count: int) -> list[tuple[int
 def shard_mask(num_rows: int, row_range: tuple[int, int]) -> np.ndarray:
     """Bool over rows ``0 .. num_rows-1``: True for the rows of ``row_range``."""
     mask = np.zeros(num_rows, dtype=bool)
-    mask[row_range[0]:row_range[1]] = True
+    mask[row_range[0] : row_range[1]] = True
     return mask
 
 

@@ -49,8 +49,11 @@ def interrupt_on_stop_signals() -> Iterator[None]:
     def handler(signum, frame):
         nonlocal raised
         if raised:
-            print(f"cbrun: {signal.Signals(signum).name} again: still committing the finished rows (SIGKILL stops at "
-                  f"once; rows it loses are recomputed on resume)", file=sys.stderr)
+            print(
+                f"cbrun: {signal.Signals(signum).name} again: still committing the finished rows (SIGKILL stops at "
+                f"once; rows it loses are recomputed on resume)",
+                file=sys.stderr,
+            )
             return
         raised = True
         raise Interrupted(signum)

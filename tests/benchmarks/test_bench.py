@@ -18,15 +18,32 @@ def run_bench(args: list[str], model_dir: Path, tmp_path: Path, capsys) -> tuple
 
 
 def test_bench_tiny_workload_writes_table_and_json(stories260k_dir, tmp_path, capsys):
-    table, report = run_bench(["--workload", "gsm8k-stories260k", "--rows", "8", "--max-new-tokens", "4:12",
-                               "--backends", "cbrun,cbrun-static,hf-generate", "--batch-sizes", "4"],
-                              stories260k_dir, tmp_path, capsys)
+    table, report = run_bench(
+        [
+            "--workload",
+            "gsm8k-stories260k",
+            "--rows",
+            "8",
+            "--max-new-tokens",
+            "4:12",
+            "--backends",
+            "cbrun,cbrun-static,hf-generate",
+            "--batch-sizes",
+            "4",
+        ],
+        stories260k_dir,
+        tmp_path,
+        capsys,
+    )
     assert "| backend |" in table and "outputs == cbrun" in table
     assert "yes (8/8)" in table and "NO:" not in table
 
     rows = report["results"]
     assert [(r["backend"], r["setting"]) for r in rows] == [
-        ("cbrun", ""), ("cbrun-static", "batch 4"), ("hf-generate", "batch 4")]
+        ("cbrun", ""),
+        ("cbrun-static", "batch 4"),
+        ("hf-generate", "batch 4"),
+    ]
     for row in rows:
         assert row["rows"] == 8 and row["generated_tokens"] > 0 and row["wall_s"] > 0
         assert row["ttft_s"] is not None and row["vs_cbrun"] > 0
@@ -56,20 +73,33 @@ def test_fewshot_workload_shares_the_exemplar_prefix_and_fits_the_context(storie
     # 27 of the 1,319 test prompts are too long for the 512-token context, as the manifest's comment counts.
     assert len(workload.prompts) == len(workload.max_new_tokens) == 1319 - 27
     assert "27 rows left out" in workload.description
-    exemplar = template[:template.index("Question: {question}")]
+    exemplar = template[: template.index("Question: {question}")]
     exemplar_ids = AutoTokenizer.from_pretrained(stories260k_dir)(exemplar)["input_ids"]
     assert len(exemplar_ids) > 200
-    assert all(p[:len(exemplar_ids)] == exemplar_ids for p in workload.prompts)
+    assert all(p[: len(exemplar_ids)] == exemplar_ids for p in workload.prompts)
     assert all(len(p) < 512 and 1 <= m <= 512 - len(p) for p, m in zip(workload.prompts, workload.max_new_tokens))
 
 
 def test_median_run_is_chosen_by_wall_time_and_spread_kept():
     def run(backend, repeat, wall_s, rows_differing=0):
-        return dict(backend=backend, setting="", repeat=repeat, wall_s=wall_s, generated_tok_s=100 / wall_s,
-                    rows_differing=rows_differing)
+        return dict(
+            backend=backend,
+            setting="",
+            repeat=repeat,
+            wall_s=wall_s,
+            generated_tok_s=100 / wall_s,
+            rows_differing=rows_differing,
+        )
 
-    runs = [run("cbrun", 1, 3.0, None), run("hf-cb", 1, 4.0), run("cbrun", 2, 1.0), run("hf-cb", 2, 2.0, 5),
-            run("cbrun", 3, 2.0), run("hf-cb", 3, 1.0), run("hf-cb", 4, 3.0)]
+    runs = [
+        run("cbrun", 1, 3.0, None),
+        run("hf-cb", 1, 4.0),
+        run("cbrun", 2, 1.0),
+        run("hf-cb", 2, 2.0, 5),
+        run("cbrun", 3, 2.0),
+        run("hf-cb", 3, 1.0),
+        run("hf-cb", 4, 3.0),
+    ]
     cbrun, hf_cb = report.median_runs(runs)
     assert (cbrun["repeat"], cbrun["repeats"], cbrun["generated_tok_s_range"]) == (3, 3, [100 / 3, 100.0])
     assert cbrun["repeats_differing"] == []
@@ -79,15 +109,30 @@ def test_median_run_is_chosen_by_wall_time_and_spread_kept():
 
 
 def test_repeats_with_and_without_sharing_on_the_fewshot_workload(stories260k_dir, tmp_path, capsys):
-    table, report = run_bench(["--workload", "gsm8k-fewshot", "--rows", "6", "--max-new-tokens", "4:8",
-                               "--backends", "cbrun,cbrun-nosharing", "--repeats", "3"], stories260k_dir, tmp_path,
-                              capsys)
+    table, report = run_bench(
+        [
+            "--workload",
+            "gsm8k-fewshot",
+            "--rows",
+            "6",
+            "--max-new-tokens",
+            "4:8",
+            "--backends",
+            "cbrun,cbrun-nosharing",
+            "--repeats",
+            "3",
+        ],
+        stories260k_dir,
+        tmp_path,
+        capsys,
+    )
     assert "gen tok/s min-max" in table and "yes (6/6, all 3 repeats)" in table and "NO:" not in table
     assert "prefix sharing: cbrun served" in table
 
     runs, rows = report["runs"], report["results"]
     assert [(r["backend"], r["repeat"]) for r in runs] == [
-        (b, k) for k in (1, 2, 3) for b in ("cbrun", "cbrun-nosharing")]
+        (b, k) for k in (1, 2, 3) for b in ("cbrun", "cbrun-nosharing")
+    ]
     assert all(r["rows_differing"] == 0 for r in runs[1:])  # every run equals cbrun's first, token for token
     for row in rows:
         walls = sorted(r["wall_s"] for r in runs if r["backend"] == row["backend"])
@@ -103,8 +148,12 @@ def test_long_workload_beside_the_default_configuration(stories260k_dir, tmp_pat
     assert workload.max_new_tokens == [min(256, 512 - len(p)) for p in workload.prompts]
     assert workload.stop_token_ids == (1,) and len(workload.prompts) == 4
 
-    table, report = run_bench(["--workload", "gsm8k-long", "--rows", "4", "--backends", "cbrun,cbrun-defaults"],
-                              stories260k_dir, tmp_path, capsys)
+    table, report = run_bench(
+        ["--workload", "gsm8k-long", "--rows", "4", "--backends", "cbrun,cbrun-defaults"],
+        stories260k_dir,
+        tmp_path,
+        capsys,
+    )
     assert "| cbrun-defaults |" in table and "yes (4/4)" in table
     tuned, defaults = report["results"]
     assert (tuned["backend"], defaults["backend"]) == ("cbrun", "cbrun-defaults")
@@ -112,15 +161,23 @@ def test_long_workload_beside_the_default_configuration(stories260k_dir, tmp_pat
 
 
 def test_command_summary_splits_the_whole_command_around_generation():
-    command = {"backend": "cbrun-command", "setting": "", "generated_tokens": 4000, "generated_tok_s": 200.0,
-               "wall_s": 20.0, "rss_peak_mib": 700.4,
-               "info": {"generation_s": 12.0, "job_elapsed_s": 17.5}}
+    command = {
+        "backend": "cbrun-command",
+        "setting": "",
+        "generated_tokens": 4000,
+        "generated_tok_s": 200.0,
+        "wall_s": 20.0,
+        "rss_peak_mib": 700.4,
+        "info": {"generation_s": 12.0, "job_elapsed_s": 17.5},
+    }
     generate = {"backend": "hf-generate", "setting": "batch 64", "generated_tok_s": 400.0, "info": {"threads": 2}}
     line = report.command_summary([command, generate])
-    assert line == ("whole command (cbrun run, default settings, process start to exit): 200 generated tok/s, 333 "
-                    "over its generation phase = 0.50x hf-generate batch 64 at 2 thread(s) (400 tok/s, generation "
-                    "only); its 20.0 s: generation 12.0 s, job setup and finish 5.5 s, interpreter start, imports "
-                    "before the job and exit 2.5 s; peak RSS 700 MiB")
+    assert line == (
+        "whole command (cbrun run, default settings, process start to exit): 200 generated tok/s, 333 "
+        "over its generation phase = 0.50x hf-generate batch 64 at 2 thread(s) (400 tok/s, generation "
+        "only); its 20.0 s: generation 12.0 s, job setup and finish 5.5 s, interpreter start, imports "
+        "before the job and exit 2.5 s; peak RSS 700 MiB"
+    )
     del command["info"]["job_elapsed_s"]  # a result file from before the split: the line without it
     assert report.command_summary([command, generate]).endswith("(400 tok/s, generation only)")
 

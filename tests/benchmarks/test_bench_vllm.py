@@ -13,7 +13,7 @@ from benchmarks.cbrun_bench import cli, vllm_backend, vllm_runner, workloads
 #: A stand-in for vLLM with the names the runner uses: ``LLM(model, dtype, seed, skip_tokenizer_init, **kwargs)``,
 #: ``LLM.generate(prompts, params, use_tqdm)``, ``SamplingParams``, ``llm.llm_engine.vllm_config.scheduler_config``.
 #: Greedy ``generate`` per row, so its outputs equal cbrun's; ``FAKE_VLLM_SHIFT`` set: every token + 1 (wrong).
-FAKE_VLLM = '''
+FAKE_VLLM = """
 import os
 from types import SimpleNamespace
 
@@ -49,7 +49,7 @@ class LLM:
             tokens = [t + shift for t in out[0, ids.shape[1]:].tolist()]
             outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)], metrics=None))
         return outputs
-'''
+"""
 
 
 @pytest.fixture
@@ -65,8 +65,9 @@ def fake_vllm(tmp_path, monkeypatch):
 def bench(args, model_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     markdown = tmp_path / "bench.md"
-    code = cli.main([*args, "--model-dir", str(model_dir), "--json", str(out), "--markdown", str(markdown),
-                     "--no-isolate"])
+    code = cli.main(
+        [*args, "--model-dir", str(model_dir), "--json", str(out), "--markdown", str(markdown), "--no-isolate"]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert markdown.read_text() == table  # --markdown writes what was printed
@@ -78,9 +79,27 @@ def test_runner_and_backend_agree_on_the_result_keys():
 
 
 def test_vllm_backend_runs_the_runner_and_checks_outputs(stories260k_dir, tmp_path, capsys, fake_vllm):
-    table, report = bench(["--workload", "gsm8k-stories260k", "--rows", "3", "--max-new-tokens", "3:6",
-                           "--backends", "cbrun,vllm", "--vllm-python", fake_vllm, "--vllm-kvcache-gib", "3",
-                           "--vllm-arg", "max_num_seqs=7"], stories260k_dir, tmp_path, capsys)
+    table, report = bench(
+        [
+            "--workload",
+            "gsm8k-stories260k",
+            "--rows",
+            "3",
+            "--max-new-tokens",
+            "3:6",
+            "--backends",
+            "cbrun,vllm",
+            "--vllm-python",
+            fake_vllm,
+            "--vllm-kvcache-gib",
+            "3",
+            "--vllm-arg",
+            "max_num_seqs=7",
+        ],
+        stories260k_dir,
+        tmp_path,
+        capsys,
+    )
     cbrun, vllm = report["results"]
     assert (cbrun["backend"], vllm["backend"]) == ("cbrun", "vllm")
     assert vllm["rows_equal"] == 3 and vllm["generated_tokens"] == cbrun["generated_tokens"]
@@ -88,25 +107,48 @@ def test_vllm_backend_runs_the_runner_and_checks_outputs(stories260k_dir, tmp_pa
     assert report["skipped"] == []
     info = vllm["info"]
     assert info["versions"]["vllm"] == "0.0.fake" and info["max_num_seqs"] == 7  # --vllm-arg reached vllm.LLM
-    assert info["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "3",  # --threads 1
-                           "VLLM_USE_AOT_COMPILE": "0"}
+    assert info["env"] == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "3",  # --threads 1
+        "VLLM_USE_AOT_COMPILE": "0",
+    }
     assert info["init_s"] > 0 and info["process_s"] > vllm["wall_s"] > 0
     assert vllm["rss_peak_mib"] > 0 and vllm["ttft_s"] is None  # no per-request metrics: "n/a", not made up
 
 
 def test_vllm_outputs_that_differ_are_reported(stories260k_dir, tmp_path, capsys, fake_vllm, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_SHIFT", "1")
-    table, report = bench(["--workload", "gsm8k-stories260k", "--rows", "1", "--max-new-tokens", "3:3",
-                           "--backends", "cbrun,vllm", "--vllm-python", fake_vllm, "--threads", "2"],
-                          stories260k_dir, tmp_path, capsys)
+    table, report = bench(
+        [
+            "--workload",
+            "gsm8k-stories260k",
+            "--rows",
+            "1",
+            "--max-new-tokens",
+            "3:3",
+            "--backends",
+            "cbrun,vllm",
+            "--vllm-python",
+            fake_vllm,
+            "--threads",
+            "2",
+        ],
+        stories260k_dir,
+        tmp_path,
+        capsys,
+    )
     vllm = report["results"][1]
     assert vllm["rows_differing"] == 1 and "NO: 1/1 rows differ" in table
     assert vllm["info"]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
 
 def test_vllm_without_its_python_is_skipped_not_faked(stories260k_dir, tmp_path, capsys):
-    table, report = bench(["--workload", "gsm8k-stories260k", "--rows", "2", "--max-new-tokens", "2:2",
-                           "--backends", "cbrun,vllm"], stories260k_dir, tmp_path, capsys)
+    table, report = bench(
+        ["--workload", "gsm8k-stories260k", "--rows", "2", "--max-new-tokens", "2:2", "--backends", "cbrun,vllm"],
+        stories260k_dir,
+        tmp_path,
+        capsys,
+    )
     assert [r["backend"] for r in report["results"]] == ["cbrun"]
     assert report["skipped"] == [{"backend": "vllm", "reason": vllm_backend.SKIPPED_REASON}]
     assert "- vllm: skipped: no --vllm-python PATH given" in table
@@ -114,8 +156,23 @@ def test_vllm_without_its_python_is_skipped_not_faked(stories260k_dir, tmp_path,
 
 def test_a_python_without_vllm_is_a_setup_error(stories260k_dir, capsys):
     # This interpreter has no vllm package (the suite never needs one).
-    assert cli.main(["--workload", "gsm8k-stories260k", "--rows", "2", "--backends", "cbrun,vllm",
-                     "--vllm-python", sys.executable, "--model-dir", str(stories260k_dir)]) == 2
+    assert (
+        cli.main(
+            [
+                "--workload",
+                "gsm8k-stories260k",
+                "--rows",
+                "2",
+                "--backends",
+                "cbrun,vllm",
+                "--vllm-python",
+                sys.executable,
+                "--model-dir",
+                str(stories260k_dir),
+            ]
+        )
+        == 2
+    )
     assert "cannot import vllm" in capsys.readouterr().err
 
 
@@ -123,8 +180,18 @@ def test_runner_contract_breach_is_an_error(tmp_path):
     workload = workloads.Workload("w", tmp_path, [[1, 2], [3]], [2, 2], (), 64, "two rows", ignore_eos=True)
     with pytest.raises(RuntimeError, match="missing keys"):
         vllm_backend.result_to_run({"outputs": [[5, 6], [7, 8]]}, workload, 1.0, (0.0, 0.0))
-    good = dict(outputs=[[5, 6, 9], [7]], wall_s=1.0, cpu_s=1.0, init_s=2.0, first_token_s=[None, None],
-                finish_s=[None, None], rss_base_mib=1.0, rss_peak_mib=2.0, versions={}, config={"env": {}})
+    good = dict(
+        outputs=[[5, 6, 9], [7]],
+        wall_s=1.0,
+        cpu_s=1.0,
+        init_s=2.0,
+        first_token_s=[None, None],
+        finish_s=[None, None],
+        rss_base_mib=1.0,
+        rss_peak_mib=2.0,
+        versions={},
+        config={"env": {}},
+    )
     run = vllm_backend.result_to_run(good, workload, 3.0, (0.0, 0.0))
     assert run.outputs == [[5, 6], [7]] and run.info["process_s"] == 3.0  # cut at each row's limit, as cbrun's
     with pytest.raises(RuntimeError, match="1 output rows for 2 prompts"):
@@ -144,8 +211,13 @@ def test_vllm_random_llama_workload_is_seeded_and_ignores_eos(tmp_path):
     assert all(40 <= len(p) <= 300 and all(0 <= t < 512 for t in p) for p in first.prompts)
     assert all(16 <= m <= 256 for m in first.max_new_tokens)
     config = json.loads((model_dir / "config.json").read_text())
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["vocab_size"]) == (512, 8, 8, 4, 512)
+    assert (
+        config["hidden_size"],
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["vocab_size"],
+    ) == (512, 8, 8, 4, 512)
     assert config["hidden_size"] // config["num_attention_heads"] == 64  # head_dim vLLM's CPU attention supports
     args = cli._parse_args(["--workload", "vllm-random-llama"])
     assert args.backends == ["cbrun", "cbrun-defaults", "cbrun-budgets", "vllm"] and args.budgets == [(256, 2048)]
@@ -158,8 +230,21 @@ def test_whole_command_beside_generate_on_the_long_workload(stories260k_dir, tmp
     assert args.backends == ["cbrun", "cbrun-defaults", "cbrun-command", "hf-generate"]
     assert (args.batch_sizes, args.hf_threads) == ([64], None)  # generate at batch 64, torch's default threads
 
-    table, report = bench(["--workload", "gsm8k-long", "--rows", "3", "--backends", "cbrun,cbrun-command,hf-generate",
-                           "--batch-sizes", "3"], stories260k_dir, tmp_path, capsys)
+    table, report = bench(
+        [
+            "--workload",
+            "gsm8k-long",
+            "--rows",
+            "3",
+            "--backends",
+            "cbrun,cbrun-command,hf-generate",
+            "--batch-sizes",
+            "3",
+        ],
+        stories260k_dir,
+        tmp_path,
+        capsys,
+    )
     cbrun, command, generate = report["results"]
     assert command["backend"] == "cbrun-command" and command["rows_equal"] == 3
     assert generate["rows_equal"] == 3 and command["generated_tokens"] == cbrun["generated_tokens"]
@@ -169,7 +254,20 @@ def test_whole_command_beside_generate_on_the_long_workload(stories260k_dir, tmp
 
 
 def test_whole_command_is_skipped_where_rows_have_their_own_limits(stories260k_dir, tmp_path, capsys):
-    table, report = bench(["--workload", "gsm8k-stories260k", "--rows", "4", "--max-new-tokens", "2:9",
-                           "--backends", "cbrun,cbrun-command"], stories260k_dir, tmp_path, capsys)
+    table, report = bench(
+        [
+            "--workload",
+            "gsm8k-stories260k",
+            "--rows",
+            "4",
+            "--max-new-tokens",
+            "2:9",
+            "--backends",
+            "cbrun,cbrun-command",
+        ],
+        stories260k_dir,
+        tmp_path,
+        capsys,
+    )
     assert [r["backend"] for r in report["results"]] == ["cbrun"]
     assert report["skipped"][0]["backend"] == "cbrun-command" and "- cbrun-command: skipped:" in table

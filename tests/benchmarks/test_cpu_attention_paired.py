@@ -6,8 +6,9 @@ from benchmarks.cpu_attention import paired_seconds
 from kernels.cpu_attention import SOURCE, unavailable_reason
 from tests.conftest import require_stories260k
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
-                                reason=f"CPU attention kernel unavailable: {unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=f"CPU attention kernel unavailable: {unavailable_reason()}"
+)
 
 
 def test_paired_harness_times_the_calls_the_engine_makes(tmp_path, monkeypatch):

@@ -18,8 +18,15 @@ def test_gpu_check_engine_checks_run_on_a_tiny_cpu_model(capsys, tmp_path, monke
     from benchmarks.gpu_engine_check import engine_checks
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256)
+    tiny = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     rows = engine_checks(None, device="cpu", model=tiny, max_prompt=64, check_requests=6, check_new_tokens=8)
     assert [(row.part, row.mode) for row in rows] == [("correctness", "plain"), ("correctness", "swap")]
     assert all(row.ok and row.equal == row.total == 6 and row.tokens_per_s > 0 for row in rows)
@@ -40,9 +47,14 @@ def test_engine_row_fails_only_a_gated_mismatch():
 @pytest.mark.parametrize("module", ["benchmarks.gpu_suite", "benchmarks.gpu_engine_check", "kernels.gpu_check"])
 def test_gpu_scripts_refuse_without_cuda(module, tmp_path):
     """Without CUDA each GPU script says so and exits 2 (nothing was checked), writing no results file."""
-    result = subprocess.run([sys.executable, "-m", module, "--results", str(tmp_path / "r.md")], cwd=ROOT,
-                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--results", str(tmp_path / "r.md")],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "no CUDA device" in result.stdout
     assert not (tmp_path / "r.md").exists()
@@ -54,8 +66,9 @@ def test_gpu_suite_table_from_both_parts(monkeypatch):
     from benchmarks import gpu_engine_check, gpu_suite
     from kernels import gpu_check
 
-    kernel = gpu_check.Row("attention decode tile", "float32", "B=128 D=256", "16x32 w8", 1e-6, True, 0.5, 2e9, 0.0,
-                           4e12)
+    kernel = gpu_check.Row(
+        "attention decode tile", "float32", "B=128 D=256", "16x32 w8", 1e-6, True, 0.5, 2e9, 0.0, 4e12
+    )
     bad = gpu_engine_check.EngineRow("correctness", "graphs", "float32", 900.0, 1.5, 31, 32, 0, None, gate=True)
     monkeypatch.setattr(gpu_check, "run_checks", lambda *args, **kwargs: [kernel])
     monkeypatch.setattr(gpu_engine_check, "engine_checks", lambda *args, **kwargs: [bad])

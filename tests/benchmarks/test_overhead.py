@@ -9,9 +9,35 @@ from benchmarks.cbrun_bench import cli
 
 def test_engine_overhead_table_and_json(tmp_path, capsys):
     out, md = tmp_path / "overhead.json", tmp_path / "overhead.md"
-    assert cli.main(["--workload", "engine-overhead", "--running", "4,8", "--waves", "2", "--new-tokens", "4",
-                     "--prompt-len", "20", "--prefill-tokens", "16", "--skip", "1", "--decode-steps", "3",
-                     "--repeats", "2", "--json", str(out), "--output", str(md)]) == 0
+    assert (
+        cli.main(
+            [
+                "--workload",
+                "engine-overhead",
+                "--running",
+                "4,8",
+                "--waves",
+                "2",
+                "--new-tokens",
+                "4",
+                "--prompt-len",
+                "20",
+                "--prefill-tokens",
+                "16",
+                "--skip",
+                "1",
+                "--decode-steps",
+                "3",
+                "--repeats",
+                "2",
+                "--json",
+                str(out),
+                "--output",
+                str(md),
+            ]
+        )
+        == 0
+    )
     assert "| scenario | running | steps |" in capsys.readouterr().out
     report = json.loads(out.read_text())
     rows = report["rows"]

@@ -11,9 +11,31 @@ def test_speculative_bench_writes_report_json_and_readme(stories260k_dir, tmp_pa
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{speculative.README_START}\nold table\n{speculative.README_END}\nafter\n")
     out, data = tmp_path / "results.md", tmp_path / "rows.json"
-    assert cli.main(["--workload", "speculative", "--batches", "2", "--workloads", "story-repeat", "--repeats", "1",
-                     "--modes", "off,ngram,draft", "--model-dir", str(stories260k_dir), "--out", str(out),
-                     "--readme", str(readme), "--json", str(data)]) == 0
+    assert (
+        cli.main(
+            [
+                "--workload",
+                "speculative",
+                "--batches",
+                "2",
+                "--workloads",
+                "story-repeat",
+                "--repeats",
+                "1",
+                "--modes",
+                "off,ngram,draft",
+                "--model-dir",
+                str(stories260k_dir),
+                "--out",
+                str(out),
+                "--readme",
+                str(readme),
+                "--json",
+                str(data),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| story-repeat | 2 | 2 | ngram |" in printed and out.read_text().strip() == printed.strip()
     rows = {r["mode"]: r for r in json.loads(data.read_text())["rows"]}

@@ -13,8 +13,8 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.cache_spec import CacheSpec
-from engine.request import PENDING_TOKEN, Request, RequestStatus
 from engine.plan import SchedulerOutput
+from engine.request import PENDING_TOKEN, Request, RequestStatus
 from engine.scheduler import FIFOScheduler
 from tests.model_utils import assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
@@ -71,6 +71,7 @@ def test_requests_finishing_in_flight_drop_their_extra_token(prompts, stop_token
 def test_sampled_and_processed_requests_match_the_synchronous_run(prompts, stop_token):
     """Seeded sampling and log-probabilities are drawn on the device at launch and take part in the overlap;
     penalised rows wait for their token. Outputs equal the synchronous run's."""
+
     def params(i):
         kind = i % 4
         if kind == 0:
@@ -80,6 +81,7 @@ def test_sampled_and_processed_requests_match_the_synchronous_run(prompts, stop_
         if kind == 2:
             return SamplingParams(max_new_tokens=12, stop_token_ids=[stop_token], min_new_tokens=3)
         return SamplingParams(max_new_tokens=12, prompt_logprobs_from=1)
+
     sync, _ = run(prompts, params, overlap=False)
     overlapped, _ = run(prompts, params, overlap=True)
     for i in range(len(prompts)):
@@ -143,8 +145,9 @@ def test_scheduler_runs_a_pending_request_only_when_its_token_can_stay_on_the_de
     s = make_scheduler()
     greedy = Request("greedy", [1, 2, 3], SamplingParams(max_new_tokens=5))
     sampled = Request("sampled", [1, 2, 3], SamplingParams(max_new_tokens=5, temperature=1.0))
-    penalised = Request("penalised", [1, 2, 3], SamplingParams(max_new_tokens=5, temperature=1.0,
-                                                                repetition_penalty=1.2))
+    penalised = Request(
+        "penalised", [1, 2, 3], SamplingParams(max_new_tokens=5, temperature=1.0, repetition_penalty=1.2)
+    )
     last = Request("last", [1, 2, 3], SamplingParams(max_new_tokens=1))
     at_limit = Request("at_limit", [1] * 11, SamplingParams(max_new_tokens=5))  # 11 + 1 pending = max length
     for r in (greedy, sampled, penalised, last, at_limit):

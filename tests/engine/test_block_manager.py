@@ -110,8 +110,7 @@ def test_hash_collision_never_serves_other_tokens():
 def test_hybrid_pool_tiles_full_and_sliding_blocks_and_admits_only_when_both_fit():
     # 2 full + 1 sliding layers: a chunk is lcm(2, 1) = 2 pages = 1 full block or 2 sliding blocks.
     layout = KVLayout(("full", "sliding", "full"), sliding_window=4)
-    bm = BlockManager(CacheSpec.build(num_blocks=4, page_size=2, layout=layout, max_chunk_tokens=2,
-                                      max_model_len=64))
+    bm = BlockManager(CacheSpec.build(num_blocks=4, page_size=2, layout=layout, max_chunk_tokens=2, max_model_len=64))
     assert bm.spec.chunk_pages == 2 and bm.pool.num_usable_chunks == 6  # 4 blocks x 3 layers / 2 pages
     assert bm.ring_blocks == 4  # ceil((4 - 1 + 2) / 2) + 1
     r = make_request(range(20))
@@ -130,8 +129,7 @@ def test_hybrid_pool_tiles_full_and_sliding_blocks_and_admits_only_when_both_fit
 
 def test_prefix_sharing_is_off_with_sliding_layers():
     layout = KVLayout(("sliding", "sliding"), sliding_window=8)
-    bm = BlockManager(CacheSpec.build(num_blocks=16, page_size=4, layout=layout, max_chunk_tokens=4,
-                                      max_model_len=64))
+    bm = BlockManager(CacheSpec.build(num_blocks=16, page_size=4, layout=layout, max_chunk_tokens=4, max_model_len=64))
     assert not bm.enable_prefix_caching
     a = make_request(range(12))
     admit(bm, a)

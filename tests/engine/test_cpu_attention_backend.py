@@ -28,16 +28,24 @@ def test_cpu_kernel_tokens_equal_reference():
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     config._attn_implementation = register_with_transformers()
     return transformers.LlamaForCausalLM(config).eval().to(dtype)
 
 
 def test_cpu_kernel_refused_for_bfloat16_and_auto_falls_back():
     with pytest.raises(ValueError, match="attention_backend = cpu, but .*float32 only"):
-        LLMEngine(_model(torch.bfloat16), EngineConfig(**ENGINE_CONFIG, dtype="bfloat16",
-                                                       attention_backend="cpu"), (), 64)
+        LLMEngine(
+            _model(torch.bfloat16), EngineConfig(**ENGINE_CONFIG, dtype="bfloat16", attention_backend="cpu"), (), 64
+        )
     engine = LLMEngine(_model(torch.bfloat16), EngineConfig(**ENGINE_CONFIG, dtype="bfloat16"), (), 64)
     assert not engine.model_runner.use_cpu_kernel
     engine = LLMEngine(_model(torch.float32), EngineConfig(**ENGINE_CONFIG), (), 64)

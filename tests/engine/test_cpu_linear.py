@@ -14,12 +14,15 @@ from engine.cpu_linear import ONEDNN_MIN_WEIGHT_ELEMENTS, onednn_linear, onednn_
 from engine.lean_llama import LeanLlama
 from tests.engine.test_lean_llama import ENGINE_CONFIG, _random_model
 
-pytestmark = pytest.mark.skipif(onednn_unavailable_reason(torch.zeros(1, 1)) is not None,
-                                reason="this torch build has no oneDNN linear op")
+pytestmark = pytest.mark.skipif(
+    onednn_unavailable_reason(torch.zeros(1, 1)) is not None, reason="this torch build has no oneDNN linear op"
+)
 
 
-@pytest.mark.parametrize("rows,in_features,out_features,bias,strided", [
-    (1, 64, 32, False, False), (17, 96, 130, True, False), (64, 512, 1408, True, False), (9, 64, 40, True, True)])
+@pytest.mark.parametrize(
+    "rows,in_features,out_features,bias,strided",
+    [(1, 64, 32, False, False), (17, 96, 130, True, False), (64, 512, 1408, True, False), (9, 64, 40, True, True)],
+)
 def test_onednn_linear_equals_f_linear_up_to_rounding(rows, in_features, out_features, bias, strided):
     torch.manual_seed(0)
     x = torch.randn(rows, 2 * in_features)[:, ::2] if strided else torch.randn(rows, in_features)
@@ -59,5 +62,9 @@ def test_the_lean_model_puts_each_projection_on_the_backend_its_size_picks(caplo
 def test_onednn_needs_the_lean_path():
     model = _random_model()
     with pytest.raises(ValueError, match="linear_backend = onednn runs only on the lean forward pass"):
-        LLMEngine(model, EngineConfig(**ENGINE_CONFIG, model_impl="transformers", linear_backend="onednn"), (),
-                  model.config.max_position_embeddings)
+        LLMEngine(
+            model,
+            EngineConfig(**ENGINE_CONFIG, model_impl="transformers", linear_backend="onednn"),
+            (),
+            model.config.max_position_embeddings,
+        )

@@ -13,8 +13,12 @@ from tests.model_utils import assert_pool_balanced, random_model_dir, random_pro
 VOCAB = 128
 #: Full attention, every layer sliding (one allocator of ring blocks), and full and sliding layers mixed (two
 #: allocators, so two sets of static slot mappings and block tables).
-MODELS = {"llama": {}, "qwen2": {}, "mistral-window": {"sliding_window": 6},
-          "qwen2-mixed": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}}
+MODELS = {
+    "llama": {},
+    "qwen2": {},
+    "mistral-window": {"sliding_window": 6},
+    "qwen2-mixed": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+}
 
 
 def model_dir(name: str):
@@ -25,8 +29,7 @@ def generate(model: str, prompts, *, new_tokens: int = 8, **config) -> tuple[lis
     config = {"page_size": 4, "num_blocks": 128, "max_batch_tokens": 24, "max_requests_per_batch": 8, **config}
     engine = LLMEngine.from_pretrained(str(model_dir(model)), EngineConfig(loader="transformers", **config))
     params = SamplingParams(max_new_tokens=new_tokens)
-    outputs = {o.request_id: o.output_token_ids for o in engine.generate(
-        (i, p, params) for i, p in enumerate(prompts))}
+    outputs = {o.request_id: o.output_token_ids for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}
     assert_pool_balanced(engine)
     return [outputs[i] for i in range(len(prompts))], engine
 
@@ -59,8 +62,15 @@ def test_emulated_graphs_equal_eager_over_mixed_steps_and_prefix_sharing(model, 
 @pytest.mark.parametrize("swap_gib", [0.0, 0.001])
 def test_emulated_graphs_equal_eager_under_preemption(swap_gib):
     prompts = random_prompts(8, VOCAB, 1, 12, seed=5)
-    engine = assert_emulation_equals_eager("llama", prompts, new_tokens=16, num_blocks=10, cpu_offload_space=swap_gib,
-                                           allow_block_sharing=False, attention_backend="cpu")
+    engine = assert_emulation_equals_eager(
+        "llama",
+        prompts,
+        new_tokens=16,
+        num_blocks=10,
+        cpu_offload_space=swap_gib,
+        allow_block_sharing=False,
+        attention_backend="cpu",
+    )
     stats = engine.stats
     assert (stats.num_offloads > 0) if swap_gib else (stats.num_soft_resets > 0 and stats.num_offloads == 0)
 
@@ -68,9 +78,15 @@ def test_emulated_graphs_equal_eager_under_preemption(swap_gib):
 def test_emulated_graphs_equal_eager_with_speculation():
     pattern = random_prompts(1, VOCAB, 5, 5, seed=9)[0]
     prompts = [pattern * 4, pattern[:3] * 5]
-    engine = assert_emulation_equals_eager("qwen2", prompts, new_tokens=16, speculative="ngram",
-                                           num_speculative_tokens=3, attention_backend="cpu",
-                                           speculative_row_cost=0.0)
+    engine = assert_emulation_equals_eager(
+        "qwen2",
+        prompts,
+        new_tokens=16,
+        speculative="ngram",
+        num_speculative_tokens=3,
+        attention_backend="cpu",
+        speculative_row_cost=0.0,
+    )
     assert engine.stats.num_verify_steps > 0
     shapes = engine.model_runner._graph_runner._graphs
     assert any(shape.query_len > 1 for shape in shapes)  # uniform verify steps were graphed too
@@ -80,10 +96,14 @@ def test_emulated_graphs_keep_seeded_sampled_rows():
     prompts = random_prompts(7, VOCAB, 2, 20, seed=23)
     outputs = {}
     for mode in ("off", "emulate"):
-        engine = LLMEngine.from_pretrained(str(model_dir("qwen2")), EngineConfig(
-            loader="transformers", page_size=4, num_blocks=128, max_batch_tokens=24, cuda_graphs=mode))
-        requests = ((i, p, SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=100 + i))
-                    for i, p in enumerate(prompts))
+        engine = LLMEngine.from_pretrained(
+            str(model_dir("qwen2")),
+            EngineConfig(loader="transformers", page_size=4, num_blocks=128, max_batch_tokens=24, cuda_graphs=mode),
+        )
+        requests = (
+            (i, p, SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=100 + i))
+            for i, p in enumerate(prompts)
+        )
         outputs[mode] = {o.request_id: o.output_token_ids for o in engine.generate(requests)}
     assert engine.stats.num_cuda_graph_replays > 0
     assert outputs["emulate"] == outputs["off"]
@@ -96,15 +116,20 @@ def test_emulated_graphs_with_async_batching_bookkeeping():
     prompts = random_prompts(7, VOCAB, 2, 20, seed=29)
 
     def params(i):
-        return SamplingParams(max_new_tokens=10, temperature=0.8, seed=i) if i % 2 else SamplingParams(max_new_tokens=10)
+        return (
+            SamplingParams(max_new_tokens=10, temperature=0.8, seed=i) if i % 2 else SamplingParams(max_new_tokens=10)
+        )
 
     outputs = {}
     for mode, overlap in (("off", False), ("emulate", True)):
-        engine = LLMEngine.from_pretrained(str(model_dir("llama")), EngineConfig(
-            loader="transformers", page_size=4, num_blocks=128, max_batch_tokens=24, cuda_graphs=mode))
+        engine = LLMEngine.from_pretrained(
+            str(model_dir("llama")),
+            EngineConfig(loader="transformers", page_size=4, num_blocks=128, max_batch_tokens=24, cuda_graphs=mode),
+        )
         engine.overlap_steps = engine.model_runner.async_batching = overlap
-        outputs[mode] = {o.request_id: o.output_token_ids for o in engine.generate(
-            (i, p, params(i)) for i, p in enumerate(prompts))}
+        outputs[mode] = {
+            o.request_id: o.output_token_ids for o in engine.generate((i, p, params(i)) for i, p in enumerate(prompts))
+        }
     assert engine.stats.num_cuda_graph_replays > 0
     assert outputs["emulate"] == outputs["off"]
 
@@ -112,8 +137,9 @@ def test_emulated_graphs_with_async_batching_bookkeeping():
 def test_emulated_graphs_equal_eager_with_a_draft_model():
     prompts = random_prompts(3, VOCAB, 2, 10, seed=21)
     draft = str(model_dir("llama"))  # the target itself: every proposal is accepted, so verify steps are uniform
-    engine = assert_emulation_equals_eager("llama", prompts, speculative="draft", draft_model=draft,
-                                           num_speculative_tokens=3, speculative_row_cost=0.0)
+    engine = assert_emulation_equals_eager(
+        "llama", prompts, speculative="draft", draft_model=draft, num_speculative_tokens=3, speculative_row_cost=0.0
+    )
     assert engine.stats.num_accepted_tokens > 0
     assert any(shape.query_len == 4 for shape in engine.model_runner._graph_runner._graphs)
 
@@ -174,8 +200,13 @@ def test_emulated_capture_refuses_tensors_computed_outside_it(monkeypatch):
 
     monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
     with pytest.raises(RuntimeError, match="computed outside"):
-        generate("llama", random_prompts(2, VOCAB, 2, 6, seed=3), cuda_graphs="emulate", new_tokens=3,
-                 attention_backend="torch")
+        generate(
+            "llama",
+            random_prompts(2, VOCAB, 2, 6, seed=3),
+            cuda_graphs="emulate",
+            new_tokens=3,
+            attention_backend="torch",
+        )
 
 
 def test_emulated_graph_replays_recorded_work_over_new_values():

@@ -27,8 +27,14 @@ def test_cuda_graphs_equal_eager(model):
 def test_cuda_graphs_equal_eager_with_speculation_and_async_off():
     pattern = random_prompts(1, VOCAB, 5, 5, seed=9)[0]
     prompts = [pattern * 4, pattern[:3] * 5]
-    config = {"new_tokens": 16, "speculative": "ngram", "num_speculative_tokens": 3, "speculative_row_cost": 0.0,
-              "async_batching": "off", **CUDA}
+    config = {
+        "new_tokens": 16,
+        "speculative": "ngram",
+        "num_speculative_tokens": 3,
+        "speculative_row_cost": 0.0,
+        "async_batching": "off",
+        **CUDA,
+    }
     eager, _ = generate("qwen2", prompts, cuda_graphs="off", **config)
     graphed, engine = generate("qwen2", prompts, cuda_graphs="on", **config)
     assert graphed == eager and engine.stats.num_cuda_graph_replays > 0

@@ -119,7 +119,7 @@ def test_untouched_pages_may_hold_anything_outputs_equal_transformers():
     engine = LLMEngine.from_pretrained(str(model_dir), EngineConfig(page_size=4, max_requests_per_batch=4))
     cache = engine.model_runner.kv_cache
     assert cache.num_zeroed_pages < cache.kv.shape[1]  # the pool was not zero-filled
-    cache.kv[:, cache.num_zeroed_pages:].fill_(float("nan"))
+    cache.kv[:, cache.num_zeroed_pages :].fill_(float("nan"))
     prompts = random_prompts(6, 128, min_len=3, max_len=9)
     params = SamplingParams(max_new_tokens=6)
     outputs = {o.request_id: o.output_token_ids for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}

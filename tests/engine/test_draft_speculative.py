@@ -19,8 +19,13 @@ import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.draft_proposer import check_draft_vocab
-from tests.engine.test_speculative import (_chi_square_p, _generate, _markov_model_dir, _random_model_dir,
-                                           _repetitive_prompts)
+from tests.engine.test_speculative import (
+    _chi_square_p,
+    _generate,
+    _markov_model_dir,
+    _random_model_dir,
+    _repetitive_prompts,
+)
 from tests.model_utils import assert_same_outputs_and_logprobs, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128
@@ -34,8 +39,9 @@ def _random_draft_dir(vocab: int = VOCAB, max_len: int = 256):
 def _off_and_draft(model_dir, draft_dir, requests, **config):
     results = []
     for speculative, draft in (("off", None), ("draft", str(draft_dir))):
-        engine = LLMEngine.from_pretrained(str(model_dir), EngineConfig(speculative=speculative, draft_model=draft,
-                                                                        **config))
+        engine = LLMEngine.from_pretrained(
+            str(model_dir), EngineConfig(speculative=speculative, draft_model=draft, **config)
+        )
         results.append((_generate(engine, requests), engine.stats))
     return results
 
@@ -49,8 +55,10 @@ def test_config_needs_a_draft_model():
 
 def test_draft_with_another_vocabulary_is_refused():
     with pytest.raises(ValueError, match="vocab_size 96 differs from the target's 128"):
-        LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(
-            speculative="draft", draft_model=str(random_llama_dir(96)), num_blocks=64))
+        LLMEngine.from_pretrained(
+            str(random_llama_dir(VOCAB)),
+            EngineConfig(speculative="draft", draft_model=str(random_llama_dir(96)), num_blocks=64),
+        )
     tokenizer = SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
     other = SimpleNamespace(get_vocab=lambda: {"a": 1, "b": 0})
     with pytest.raises(ValueError, match="tokenizer differs"):
@@ -61,22 +69,32 @@ def test_draft_with_another_vocabulary_is_refused():
 def test_draft_refuses_swap_shorter_draft_and_sliding_targets(tmp_path):
     target = str(random_llama_dir(VOCAB))
     with pytest.raises(ValueError, match="CPU swap"):
-        LLMEngine.from_pretrained(target, EngineConfig(speculative="draft", draft_model=target, num_blocks=64,
-                                                       cpu_offload_space=0.01))
+        LLMEngine.from_pretrained(
+            target, EngineConfig(speculative="draft", draft_model=target, num_blocks=64, cpu_offload_space=0.01)
+        )
     with pytest.raises(ValueError, match="maximum length 64 is below the target's 256"):
-        LLMEngine.from_pretrained(target, EngineConfig(speculative="draft", draft_model=str(random_llama_dir(
-            VOCAB, max_len=64)), num_blocks=64))
-    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=256, sliding_window=6, bos_token_id=None,
-                                        eos_token_id=None, pad_token_id=None)
+        LLMEngine.from_pretrained(
+            target,
+            EngineConfig(speculative="draft", draft_model=str(random_llama_dir(VOCAB, max_len=64)), num_blocks=64),
+        )
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="sliding-window"):
-        LLMEngine.from_pretrained(str(tmp_path), EngineConfig(speculative="draft", draft_model=target,
-                                                              num_blocks=64))
+        LLMEngine.from_pretrained(str(tmp_path), EngineConfig(speculative="draft", draft_model=target, num_blocks=64))
     with pytest.raises(ValueError, match="sliding-window"):  # as the draft
-        LLMEngine.from_pretrained(target, EngineConfig(speculative="draft", draft_model=str(tmp_path),
-                                                       num_blocks=64))
+        LLMEngine.from_pretrained(target, EngineConfig(speculative="draft", draft_model=str(tmp_path), num_blocks=64))
 
 
 # ---- exactness -------------------------------------------------------------------------------------------------
@@ -84,8 +102,9 @@ def test_draft_equal_to_target_accepts_every_proposal():
     model_dir = random_llama_dir(VOCAB)
     prompts = random_prompts(6, VOCAB, 1, 20, seed=7)
     requests = [(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(prompts)]
-    (off, _), (draft, stats) = _off_and_draft(model_dir, model_dir, requests, page_size=4, num_blocks=256,
-                                              num_speculative_tokens=4)
+    (off, _), (draft, stats) = _off_and_draft(
+        model_dir, model_dir, requests, page_size=4, num_blocks=256, num_speculative_tokens=4
+    )
     for i, prompt in enumerate(prompts):
         assert draft[i].output_token_ids == off[i].output_token_ids == hf_greedy(model_dir, prompt, 20), i
     assert stats.num_proposed_tokens > 0 and stats.acceptance_rate == 1.0
@@ -97,8 +116,14 @@ def test_draft_equal_to_target_accepts_every_proposal():
 def test_random_draft_equals_transformers_generate(arch):
     model_dir = _random_model_dir(arch)
     prompts = _repetitive_prompts(4) + random_prompts(4, VOCAB, 1, 20, seed=7)
-    config = EngineConfig(page_size=4, max_batch_tokens=16, num_blocks=256, speculative="draft",
-                          draft_model=str(_random_draft_dir()), num_speculative_tokens=3)
+    config = EngineConfig(
+        page_size=4,
+        max_batch_tokens=16,
+        num_blocks=256,
+        speculative="draft",
+        draft_model=str(_random_draft_dir()),
+        num_speculative_tokens=3,
+    )
     engine = LLMEngine.from_pretrained(str(model_dir), config)
     outputs = _generate(engine, [(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
@@ -122,12 +147,22 @@ def stories_random_draft(stories260k_dir):
 def test_draft_reproduces_llama2c_goldens(stories260k_dir, stories_random_draft, reference_greedy, draft):
     draft_dir = stories260k_dir if draft == "itself" else stories_random_draft
     # A wide token budget: every request verifies in each step (a random draft's k + 1 forwards stay few).
-    config = EngineConfig(page_size=4, max_batch_tokens=128, speculative="draft", draft_model=str(draft_dir),
-                          num_speculative_tokens=4 if draft == "itself" else 2)
+    config = EngineConfig(
+        page_size=4,
+        max_batch_tokens=128,
+        speculative="draft",
+        draft_model=str(draft_dir),
+        num_speculative_tokens=4 if draft == "itself" else 2,
+    )
     engine = LLMEngine.from_pretrained(str(stories260k_dir), config)
-    requests = [(i, line["prompt_token_ids"],
-                 SamplingParams(max_new_tokens=line["max_positions"] - len(line["prompt_token_ids"]) + 1))
-                for i, line in enumerate(reference_greedy)]
+    requests = [
+        (
+            i,
+            line["prompt_token_ids"],
+            SamplingParams(max_new_tokens=line["max_positions"] - len(line["prompt_token_ids"]) + 1),
+        )
+        for i, line in enumerate(reference_greedy)
+    ]
     outputs = _generate(engine, requests)
     for i, line in enumerate(reference_greedy):
         assert outputs[i].output_token_ids == line["output_token_ids"], f"line {i}: {line['prompt']!r}"
@@ -139,10 +174,14 @@ def test_draft_reproduces_llama2c_goldens(stories260k_dir, stories_random_draft,
         assert stats.acceptance_rate < 0.5
 
 
-@pytest.mark.parametrize("config", [
-    dict(page_size=4, max_batch_tokens=24, num_blocks=12, safety_margin=0.0),  # tight: soft resets happen
-    dict(page_size=4, max_batch_tokens=32, num_blocks=256, allow_block_sharing=True),  # shared prefixes
-], ids=["tight-cache", "prefix-sharing"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(page_size=4, max_batch_tokens=24, num_blocks=12, safety_margin=0.0),  # tight: soft resets happen
+        dict(page_size=4, max_batch_tokens=32, num_blocks=256, allow_block_sharing=True),  # shared prefixes
+    ],
+    ids=["tight-cache", "prefix-sharing"],
+)
 @pytest.mark.parametrize("draft", ["itself", "random"])
 def test_draft_equals_off_under_pressure_and_sharing(config, draft):
     model_dir = random_llama_dir(VOCAB)
@@ -150,8 +189,9 @@ def test_draft_equals_off_under_pressure_and_sharing(config, draft):
     prompts = [shared + p[:6] for p in _repetitive_prompts(6)] + random_prompts(4, VOCAB, 4, 20, seed=5)
     requests = [(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)]
     draft_dir = model_dir if draft == "itself" else _random_draft_dir()
-    (off, off_stats), (spec, spec_stats) = _off_and_draft(model_dir, draft_dir, requests, num_speculative_tokens=4,
-                                                          **config)
+    (off, off_stats), (spec, spec_stats) = _off_and_draft(
+        model_dir, draft_dir, requests, num_speculative_tokens=4, **config
+    )
     for i in range(len(prompts)):
         assert spec[i].output_token_ids == off[i].output_token_ids, f"prompt {i}"
         assert spec[i].finish_reason == off[i].finish_reason
@@ -181,7 +221,10 @@ def test_draft_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
     for name, *_ in requests:
         assert spec[name].output_token_ids == off[name].output_token_ids, name
         assert (spec[name].finish_reason, spec[name].stop_reason, spec[name].text) == (
-            off[name].finish_reason, off[name].stop_reason, off[name].text), name
+            off[name].finish_reason,
+            off[name].stop_reason,
+            off[name].text,
+        ), name
     assert off["length"].finish_reason == "length" and len(off["length"].output_token_ids) > 40
     assert stats.acceptance_rate == 1.0
 
@@ -190,10 +233,17 @@ def test_host_processed_greedy_rows_equal_off():
     """Penalties, min_new_tokens and log-probabilities see the accepted tokens before each verified position."""
     model_dir = random_llama_dir(VOCAB)
     prompts = _repetitive_prompts(6)
-    params = [SamplingParams(max_new_tokens=16, repetition_penalty=1.3),
-              SamplingParams(max_new_tokens=16, presence_penalty=0.5, frequency_penalty=0.3, logprobs=2),
-              SamplingParams(max_new_tokens=16, min_new_tokens=5, stop_token_ids=(3, 7, 11), logprobs=0,
-                             logprobs_mode="processed_logprobs")]
+    params = [
+        SamplingParams(max_new_tokens=16, repetition_penalty=1.3),
+        SamplingParams(max_new_tokens=16, presence_penalty=0.5, frequency_penalty=0.3, logprobs=2),
+        SamplingParams(
+            max_new_tokens=16,
+            min_new_tokens=5,
+            stop_token_ids=(3, 7, 11),
+            logprobs=0,
+            logprobs_mode="processed_logprobs",
+        ),
+    ]
     requests = [(i, p, params[i % 3]) for i, p in enumerate(prompts)]
     (off, _), (spec, stats) = _off_and_draft(model_dir, model_dir, requests, num_blocks=256, page_size=4)
     assert_same_outputs_and_logprobs(spec, off)
@@ -231,8 +281,16 @@ def test_sampling_with_a_draft_keeps_the_target_distribution(tmp_path):
     model_dir = _markov_model_dir(target.float(), tmp_path / "target")
     draft_dir = _markov_model_dir(draft.float(), tmp_path / "draft")
     prompt = list(range(vocab)) * 2
-    config = EngineConfig(speculative="draft", draft_model=draft_dir, num_speculative_tokens=2, num_blocks=512,
-                          page_size=4, max_batch_tokens=512, max_requests_per_batch=128, speculative_max_batch=128)
+    config = EngineConfig(
+        speculative="draft",
+        draft_model=draft_dir,
+        num_speculative_tokens=2,
+        num_blocks=512,
+        page_size=4,
+        max_batch_tokens=512,
+        max_requests_per_batch=128,
+        speculative_max_batch=128,
+    )
     engine = LLMEngine.from_pretrained(model_dir, config)
     requests = [(i, prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=i)) for i in range(num_draws)]
     outputs = _generate(engine, requests)

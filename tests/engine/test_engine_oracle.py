@@ -42,10 +42,18 @@ def test_chunked_prefill_equals_one_shot(page_size):
     lengths = [page_size, 2 * page_size, 3 * page_size, 3 * page_size + 1, 5 * page_size - 1]
     prompts = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in lengths]
     params = SamplingParams(max_new_tokens=10)
-    one_shot = run_engine(model_dir, prompts, EngineConfig(page_size=page_size, max_batch_tokens=512,
-                                                          num_blocks=64, allow_block_sharing=False), params)
+    one_shot = run_engine(
+        model_dir,
+        prompts,
+        EngineConfig(page_size=page_size, max_batch_tokens=512, num_blocks=64, allow_block_sharing=False),
+        params,
+    )
     for chunk in (page_size, 2 * page_size, page_size + 1, 3):
-        chunked = run_engine(model_dir, prompts, EngineConfig(page_size=page_size, max_batch_tokens=chunk,
-                                                              num_blocks=64, allow_block_sharing=False), params)
+        chunked = run_engine(
+            model_dir,
+            prompts,
+            EngineConfig(page_size=page_size, max_batch_tokens=chunk, num_blocks=64, allow_block_sharing=False),
+            params,
+        )
         for i in range(len(prompts)):
             assert chunked[i].output_token_ids == one_shot[i].output_token_ids, (chunk, lengths[i])

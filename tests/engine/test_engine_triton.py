@@ -15,6 +15,7 @@ def test_triton_backend_matches_torch_backend():
     outputs = {}
     for backend in ("torch", "triton"):
         config = EngineConfig(page_size=4, num_blocks=64, max_batch_tokens=16, attention_backend=backend)
-        outputs[backend] = [o.output_token_ids for _, o in sorted(run_engine(model_dir, prompts, config,
-                                                                             params).items())]
+        outputs[backend] = [
+            o.output_token_ids for _, o in sorted(run_engine(model_dir, prompts, config, params).items())
+        ]
     assert outputs["triton"] == outputs["torch"]

@@ -12,9 +12,14 @@ def test_engine_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, pa
     config = EngineConfig(page_size=page_size, max_batch_tokens=16)
     # llama2.c runs positions 0 .. max_positions - 1, so it generates at most max_positions - len(prompt) + 1 tokens.
     engine = LLMEngine.from_pretrained(str(stories260k_dir), config)
-    requests = [(i, line["prompt_token_ids"],
-                 SamplingParams(max_new_tokens=line["max_positions"] - len(line["prompt_token_ids"]) + 1))
-                for i, line in enumerate(reference_greedy)]
+    requests = [
+        (
+            i,
+            line["prompt_token_ids"],
+            SamplingParams(max_new_tokens=line["max_positions"] - len(line["prompt_token_ids"]) + 1),
+        )
+        for i, line in enumerate(reference_greedy)
+    ]
     outputs = {o.request_id: o for o in engine.generate(requests)}
     for i, line in enumerate(reference_greedy):
         assert outputs[i].output_token_ids == line["output_token_ids"], f"line {i}: {line['prompt']!r}"
@@ -31,15 +36,35 @@ def test_job_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, tmp_p
     from jobs.cli import main
     from jobs.output.writer import read_output
 
-    table = pa.table({
-        "prompt_ids": [line["prompt_token_ids"] for line in reference_greedy],
-        "max_new_tokens": [line["max_positions"] - len(line["prompt_token_ids"]) + 1 for line in reference_greedy],
-    })
+    table = pa.table(
+        {
+            "prompt_ids": [line["prompt_token_ids"] for line in reference_greedy],
+            "max_new_tokens": [line["max_positions"] - len(line["prompt_token_ids"]) + 1 for line in reference_greedy],
+        }
+    )
     pq.write_table(table, tmp_path / "goldens.parquet")
     out = tmp_path / f"out-{page_size}"
-    assert main(["run", "--no-progress", "--model", str(stories260k_dir), "--input", str(tmp_path / "goldens.parquet"),
-                 "--prompt-ids-column", "prompt_ids", "--output", str(out), "--set", f"engine.page_size={page_size}",
-                 "--set", "engine.max_batch_tokens=16"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--no-progress",
+                "--model",
+                str(stories260k_dir),
+                "--input",
+                str(tmp_path / "goldens.parquet"),
+                "--prompt-ids-column",
+                "prompt_ids",
+                "--output",
+                str(out),
+                "--set",
+                f"engine.page_size={page_size}",
+                "--set",
+                "engine.max_batch_tokens=16",
+            ]
+        )
+        == 0
+    )
     rows = sorted(read_output(out).to_pylist(), key=lambda r: r["row_index"])
     assert [r["row_index"] for r in rows] == list(range(len(reference_greedy)))
     for row, line in zip(rows, reference_greedy):

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import cache_sizing, device as device_module
+from engine import cache_sizing
+from engine import device as device_module
 from engine.config import EngineConfig, checkpoint_dtype
 from engine.kv_cache import device_to_host
 from engine.llm_engine import resolve_engine_dtype
@@ -18,14 +19,17 @@ GiB = 2**30
 MODEL = SimpleNamespace(hidden_size=4096, intermediate_size=14336, vocab_size=128256)  # Llama-3-8B
 
 
-@pytest.mark.parametrize("device, setting, checkpoint, expected", [
-    ("cuda", "auto", "bfloat16", "bfloat16"),
-    ("cuda:1", "auto", "float16", "float16"),
-    ("cuda", "auto", None, "float32"),
-    ("cpu", "auto", "bfloat16", "float32"),
-    ("cuda", "float32", "bfloat16", "float32"),
-    ("cpu", "bfloat16", "float32", "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "device, setting, checkpoint, expected",
+    [
+        ("cuda", "auto", "bfloat16", "bfloat16"),
+        ("cuda:1", "auto", "float16", "float16"),
+        ("cuda", "auto", None, "float32"),
+        ("cpu", "auto", "bfloat16", "float32"),
+        ("cuda", "float32", "bfloat16", "float32"),
+        ("cpu", "bfloat16", "float32", "bfloat16"),
+    ],
+)
 def test_dtype_auto(device, setting, checkpoint, expected):
     assert EngineConfig(device=device, dtype=setting).resolve_dtype(checkpoint) == expected
 
@@ -44,16 +48,21 @@ def test_dtype_auto_is_the_default_and_reads_config_json(tmp_path):
 def _cuda_blocks(monkeypatch, free, total, bytes_per_block=2 * GiB // 1024, **settings):
     monkeypatch.setattr(cache_sizing, "cuda_memory_bytes", lambda device: (free, total))
     config = EngineConfig(device="cuda", **settings)
-    return cache_sizing.resolve_num_blocks(config, max_model_len=10**7, bytes_per_block=bytes_per_block,
-                                           model_config=MODEL), config
+    return cache_sizing.resolve_num_blocks(
+        config, max_model_len=10**7, bytes_per_block=bytes_per_block, model_config=MODEL
+    ), config
 
 
 def test_cuda_cache_is_a_fraction_of_total_memory(monkeypatch):
     """80 GiB device, 16 GiB in use (weights): the cache gets 0.9 * 80 - 16 GiB less the step's workspace and the
     graph pool, whatever the free memory's 0.5 used to give."""
     blocks, config = _cuda_blocks(monkeypatch, free=64 * GiB, total=80 * GiB)
-    budget = (int(80 * GiB * 0.9) - 16 * GiB - cache_sizing.step_workspace_bytes(config, MODEL)
-              - cache_sizing.graph_pool_bytes(config, MODEL))
+    budget = (
+        int(80 * GiB * 0.9)
+        - 16 * GiB
+        - cache_sizing.step_workspace_bytes(config, MODEL)
+        - cache_sizing.graph_pool_bytes(config, MODEL)
+    )
     assert blocks == budget // (2 * GiB // 1024)
     assert blocks * 2 * GiB // 1024 > 50 * GiB
     assert cache_sizing.graph_pool_bytes(config, MODEL) >= 256 * MODEL.vocab_size * 4  # the logits of 256 rows
@@ -128,16 +137,23 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
 def test_job_fingerprint_records_the_resolved_dtype(tmp_path):
     """dtype "auto" is float32 on the CPU and the checkpoint's on CUDA: a run records the one it uses, so an
     output started on a GPU in bf16 is not continued on the CPU in float32 (the fingerprints differ)."""
-    from jobs.output.fingerprint import job_fingerprint
     from jobs.manifest import manifest_from_dict
+    from jobs.output.fingerprint import job_fingerprint
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
     (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
-    manifest = manifest_from_dict({"model": {"path": str(tmp_path)}, "input": {"path": str(tmp_path / "in.jsonl")},
-                                   "output": {"path": str(tmp_path / "out")}})
+    manifest = manifest_from_dict(
+        {
+            "model": {"path": str(tmp_path)},
+            "input": {"path": str(tmp_path / "in.jsonl")},
+            "output": {"path": str(tmp_path / "out")},
+        }
+    )
     assert manifest.engine.dtype == "auto"
-    on = {device: EngineConfig(device=device).resolve_dtype(checkpoint_dtype(str(tmp_path))) for device in
-          ("cuda", "cpu")}
-    prints = {device: job_fingerprint(manifest, 1, engine_dtype=dtype)["model"]["dtype"]
-              for device, dtype in on.items()}
+    on = {
+        device: EngineConfig(device=device).resolve_dtype(checkpoint_dtype(str(tmp_path))) for device in ("cuda", "cpu")
+    }
+    prints = {
+        device: job_fingerprint(manifest, 1, engine_dtype=dtype)["model"]["dtype"] for device, dtype in on.items()
+    }
     assert prints == {"cuda": "bfloat16", "cpu": "float32"}

@@ -1,6 +1,5 @@
 """The model runner's persistent batch: rows patched from plan deltas always equal the block manager's tables."""
 
-import numpy as np
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -13,8 +12,21 @@ VOCAB = 128
 
 
 def entry(index: int, block_start: int, new_blocks, sliding_start: int = 0, new_sliding=()) -> ScheduledRequest:
-    return ScheduledRequest(index, f"r{index}", 0, 1, [5], 0, True, False, range(0), block_start, list(new_blocks),
-                            sliding_start, list(new_sliding))
+    return ScheduledRequest(
+        index,
+        f"r{index}",
+        0,
+        1,
+        [5],
+        0,
+        True,
+        False,
+        range(0),
+        block_start,
+        list(new_blocks),
+        sliding_start,
+        list(new_sliding),
+    )
 
 
 def test_rows_join_grow_and_are_released_and_reused():
@@ -45,11 +57,14 @@ def test_a_delta_for_a_request_the_batch_never_saw_is_refused():
     assert batch.tables["sliding"].gather(rows, sliding, 3).tolist() == [[6, 7, 0]]
 
 
-@pytest.mark.parametrize("config", [
-    dict(num_blocks=16, max_batch_tokens=32),  # soft resets, chunked prefill, prefix sharing
-    dict(num_blocks=16, max_batch_tokens=32, cpu_offload_space=0.001, scheduler_type="prefill_first"),  # swaps
-    dict(num_blocks=64, max_batch_tokens=40, speculative="ngram"),  # rejected proposals trim tables
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(num_blocks=16, max_batch_tokens=32),  # soft resets, chunked prefill, prefix sharing
+        dict(num_blocks=16, max_batch_tokens=32, cpu_offload_space=0.001, scheduler_type="prefill_first"),  # swaps
+        dict(num_blocks=64, max_batch_tokens=40, speculative="ngram"),  # rejected proposals trim tables
+    ],
+)
 def test_runner_tables_equal_the_block_managers_at_every_step(config):
     engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(page_size=4, **config))
     runner, requests = engine.model_runner, engine.scheduler.requests
@@ -61,8 +76,8 @@ def test_runner_tables_equal_the_block_managers_at_every_step(config):
         tables = inputs.groups["full"].block_tables.numpy()
         for i, item in enumerate(scheduled):
             blocks = requests[item.request_index].block_table
-            assert tables[i, :len(blocks)].tolist() == [page_address(b, layers) for b in blocks]  # layer 0's pages
-            assert not tables[i, len(blocks):].any()
+            assert tables[i, : len(blocks)].tolist() == [page_address(b, layers) for b in blocks]  # layer 0's pages
+            assert not tables[i, len(blocks) :].any()
             assert item.num_blocks == len(blocks)
         checked.append(len(scheduled))
         return inputs

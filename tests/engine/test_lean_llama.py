@@ -23,13 +23,23 @@ from tests.model_utils import WEIGHT_SCALE, hf_greedy, random_llama_dir, random_
 VOCAB = 128
 NEW_TOKENS = 8
 ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)
-_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
-             pad_token_id=None)
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
-def _random_model(config_class=transformers.LlamaConfig, model_class=transformers.LlamaForCausalLM,
-                  dtype=torch.float32, **overrides) -> torch.nn.Module:
+def _random_model(
+    config_class=transformers.LlamaConfig, model_class=transformers.LlamaForCausalLM, dtype=torch.float32, **overrides
+) -> torch.nn.Module:
     """A small random model on the engine's attention; every weight, bias and norm scale perturbed."""
     torch.manual_seed(0)
     config = config_class(**dict(_BASE, **overrides))
@@ -51,14 +61,20 @@ class _BothForwards:
         self.num_steps = self.num_mixed_steps = 0
 
     def __call__(self, input_ids, position_ids, logits_to_keep, cbrun_metadata, **kwargs):
-        expected = self.model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep,
-                              cbrun_metadata=cbrun_metadata, **kwargs)
+        expected = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            logits_to_keep=logits_to_keep,
+            cbrun_metadata=cbrun_metadata,
+            **kwargs,
+        )
         got = self.lean(input_ids[0], position_ids[0], cbrun_metadata, logits_to_keep)
         if self.exact:
             assert torch.equal(got, expected.logits[0]), f"step {self.num_steps}: logits differ"
         else:
-            torch.testing.assert_close(got, expected.logits[0], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"step {self.num_steps}: {m}")
+            torch.testing.assert_close(
+                got, expected.logits[0], rtol=1e-5, atol=1e-5, msg=lambda m: f"step {self.num_steps}: {m}"
+            )
         q_lens = cbrun_metadata.cu_seqlens_q.diff()
         self.num_steps += 1
         self.num_mixed_steps += bool((q_lens == 1).any() and (q_lens > 1).any())
@@ -76,14 +92,18 @@ def _check_every_step(model: torch.nn.Module, linear_backend: str = "torch") -> 
     return both
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(),  # GQA, untied embeddings
-    dict(num_key_value_heads=4, tie_word_embeddings=True),  # MHA, tied
-    dict(num_key_value_heads=1, head_dim=32, attention_bias=True, mlp_bias=True),  # MQA, wide heads, biases
-    dict(dtype=torch.bfloat16),
-    dict(config_class=transformers.Qwen2Config, model_class=transformers.Qwen2ForCausalLM),  # q/k/v biases
-    dict(config_class=transformers.MistralConfig, model_class=transformers.MistralForCausalLM, sliding_window=None),
-], ids=["llama-gqa-untied", "llama-mha-tied", "llama-mqa-bias", "llama-bf16", "qwen2", "mistral-no-window"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),  # GQA, untied embeddings
+        dict(num_key_value_heads=4, tie_word_embeddings=True),  # MHA, tied
+        dict(num_key_value_heads=1, head_dim=32, attention_bias=True, mlp_bias=True),  # MQA, wide heads, biases
+        dict(dtype=torch.bfloat16),
+        dict(config_class=transformers.Qwen2Config, model_class=transformers.Qwen2ForCausalLM),  # q/k/v biases
+        dict(config_class=transformers.MistralConfig, model_class=transformers.MistralForCausalLM, sliding_window=None),
+    ],
+    ids=["llama-gqa-untied", "llama-mha-tied", "llama-mqa-bias", "llama-bf16", "qwen2", "mistral-no-window"],
+)
 def test_lean_logits_equal_transformers_every_step(kwargs):
     model = _random_model(**kwargs)
     assert unsupported_reason(model) is None
@@ -91,10 +111,14 @@ def test_lean_logits_equal_transformers_every_step(kwargs):
     assert both.num_mixed_steps > 0, "no step mixed prefill and decode"
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(),
-    dict(config_class=transformers.Qwen2Config, model_class=transformers.Qwen2ForCausalLM),  # q/k/v biases
-], ids=["llama-gqa-untied", "qwen2"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(config_class=transformers.Qwen2Config, model_class=transformers.Qwen2ForCausalLM),  # q/k/v biases
+    ],
+    ids=["llama-gqa-untied", "qwen2"],
+)
 def test_lean_logits_on_onednn_match_transformers_every_step(kwargs):
     if onednn_unavailable_reason(torch.zeros(1, 1)):
         pytest.skip("this torch build has no oneDNN linear op")
@@ -123,14 +147,22 @@ class _SubclassedLlama(transformers.LlamaForCausalLM):
     pass
 
 
-@pytest.mark.parametrize("kwargs,reason", [
-    (dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0)), "rope_type 'linear'"),
-    (dict(hidden_act="gelu"), "activation"),
-    (dict(config_class=transformers.MistralConfig, model_class=transformers.MistralForCausalLM, sliding_window=8),
-     "sliding_window = 8"),
-    (dict(model_class=_SubclassedLlama), "_SubclassedLlama is not one of"),
-    (dict(config_class=transformers.Qwen3Config, model_class=transformers.Qwen3ForCausalLM), "Qwen3ForCausalLM"),
-], ids=["rope-linear", "gelu", "mistral-window", "subclass", "qwen3"])
+@pytest.mark.parametrize(
+    "kwargs,reason",
+    [
+        (dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0)), "rope_type 'linear'"),
+        (dict(hidden_act="gelu"), "activation"),
+        (
+            dict(
+                config_class=transformers.MistralConfig, model_class=transformers.MistralForCausalLM, sliding_window=8
+            ),
+            "sliding_window = 8",
+        ),
+        (dict(model_class=_SubclassedLlama), "_SubclassedLlama is not one of"),
+        (dict(config_class=transformers.Qwen3Config, model_class=transformers.Qwen3ForCausalLM), "Qwen3ForCausalLM"),
+    ],
+    ids=["rope-linear", "gelu", "mistral-window", "subclass", "qwen3"],
+)
 def test_unsupported_model_refused_with_reason(kwargs, reason, caplog):
     model = _random_model(**kwargs)
     assert reason in unsupported_reason(model)

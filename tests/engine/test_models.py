@@ -26,8 +26,16 @@ PROMPTS = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in PROMPT_LENGTHS]
 ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)
 
 _NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-_DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, **_NO_SPECIAL_TOKENS)
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    **_NO_SPECIAL_TOKENS,
+)
 _HYBRID = ["sliding_attention", "full_attention", "sliding_attention"]
 
 
@@ -54,23 +62,48 @@ SPECS = {
     "llama": ModelSpec(transformers.LlamaConfig, transformers.LlamaForCausalLM, _DECODER),
     "qwen2": ModelSpec(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, _DECODER),
     "qwen3": ModelSpec(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(_DECODER, head_dim=16)),
-    "mistral": ModelSpec(transformers.MistralConfig, transformers.MistralForCausalLM,
-                         dict(_DECODER, sliding_window=WINDOW), feature_off=[dict(sliding_window=1024)]),
+    "mistral": ModelSpec(
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(_DECODER, sliding_window=WINDOW),
+        feature_off=[dict(sliding_window=1024)],
+    ),
     # NOTE: final_logit_softcapping is monotonic, so it cannot change a greedy token; attn softcapping can.
-    "gemma2": ModelSpec(transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
-                        dict(_DECODER, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=1,
-                             sliding_window=WINDOW, layer_types=_HYBRID, attn_logit_softcapping=3.0,
-                             final_logit_softcapping=10.0),
-                        hf_attn="eager",  # Gemma2PreTrainedModel._supports_sdpa is False (no softcap in SDPA)
-                        feature_off=[dict(sliding_window=1024), dict(attn_logit_softcapping=None)]),
-    "gemma3": ModelSpec(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-                        dict(_DECODER, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16,
-                             sliding_window=WINDOW, layer_types=_HYBRID),
-                        feature_off=[dict(sliding_window=1024)]),
+    "gemma2": ModelSpec(
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            _DECODER,
+            num_hidden_layers=3,
+            head_dim=16,
+            query_pre_attn_scalar=1,
+            sliding_window=WINDOW,
+            layer_types=_HYBRID,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=10.0,
+        ),
+        hf_attn="eager",  # Gemma2PreTrainedModel._supports_sdpa is False (no softcap in SDPA)
+        feature_off=[dict(sliding_window=1024), dict(attn_logit_softcapping=None)],
+    ),
+    "gemma3": ModelSpec(
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            _DECODER,
+            num_hidden_layers=3,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            layer_types=_HYBRID,
+        ),
+        feature_off=[dict(sliding_window=1024)],
+    ),
     "phi3": ModelSpec(transformers.Phi3Config, transformers.Phi3ForCausalLM, _DECODER),
-    "gpt2": ModelSpec(transformers.GPT2Config, transformers.GPT2LMHeadModel,
-                      dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                           **_NO_SPECIAL_TOKENS)),
+    "gpt2": ModelSpec(
+        transformers.GPT2Config,
+        transformers.GPT2LMHeadModel,
+        dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, **_NO_SPECIAL_TOKENS),
+    ),
 }
 
 
@@ -90,10 +123,15 @@ def _hf_greedy_all(model_dir: str, attn: str, **config_overrides) -> list[list[i
     outputs = []
     with torch.no_grad():
         for prompt in PROMPTS:
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
 
@@ -115,35 +153,48 @@ def oracle(tmp_path_factory):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_greedy_matches_transformers(oracle, name):
     model_dir, expected = oracle(name)
-    outputs = run_engine(model_dir, PROMPTS, EngineConfig(**ENGINE_CONFIG),
-                         SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    outputs = run_engine(
+        model_dir, PROMPTS, EngineConfig(**ENGINE_CONFIG), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    )
     for i, want in enumerate(expected):
         assert outputs[i].error is None, outputs[i].error
         assert outputs[i].output_token_ids == want, f"{name}: prompt {i} (len {len(PROMPTS[i])})"
 
 
-@pytest.mark.parametrize("name,feature_off", [
-    pytest.param(name, off, id=f"{name}-{'-'.join(off)}") for name, spec in SPECS.items() for off in spec.feature_off])
+@pytest.mark.parametrize(
+    "name,feature_off",
+    [pytest.param(name, off, id=f"{name}-{'-'.join(off)}") for name, spec in SPECS.items() for off in spec.feature_off],
+)
 def test_oracle_applies_the_feature(oracle, name, feature_off):
     """transformers' generate really applies the window / soft-capping: switching it off changes its outputs."""
     model_dir, expected = oracle(name)
     assert _hf_greedy_all(model_dir, SPECS[name].hf_attn, **feature_off) != expected
 
 
-_SMALL_ENCODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2)
+_SMALL_ENCODER = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+)
 
 
-@pytest.mark.parametrize("config_class,model_class,config_kwargs", [
-    pytest.param(transformers.T5Config, transformers.T5ForConditionalGeneration,
-                 dict(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=16, num_layers=1, num_heads=2),
-                 id="t5-encoder-decoder"),
-    # bert loads as BertLMHeadModel, whose layers are not causal unless config.is_decoder is set.
-    pytest.param(transformers.BertConfig, transformers.BertForMaskedLM, _SMALL_ENCODER, id="bert-encoder"),
-    pytest.param(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-                 dict(_SMALL_ENCODER, head_dim=16, use_bidirectional_attention=True, **_NO_SPECIAL_TOKENS),
-                 id="gemma3-bidirectional"),
-])
+@pytest.mark.parametrize(
+    "config_class,model_class,config_kwargs",
+    [
+        pytest.param(
+            transformers.T5Config,
+            transformers.T5ForConditionalGeneration,
+            dict(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=16, num_layers=1, num_heads=2),
+            id="t5-encoder-decoder",
+        ),
+        # bert loads as BertLMHeadModel, whose layers are not causal unless config.is_decoder is set.
+        pytest.param(transformers.BertConfig, transformers.BertForMaskedLM, _SMALL_ENCODER, id="bert-encoder"),
+        pytest.param(
+            transformers.Gemma3TextConfig,
+            transformers.Gemma3ForCausalLM,
+            dict(_SMALL_ENCODER, head_dim=16, use_bidirectional_attention=True, **_NO_SPECIAL_TOKENS),
+            id="gemma3-bidirectional",
+        ),
+    ],
+)
 def test_non_causal_model_is_rejected_at_load(tmp_path, config_class, model_class, config_kwargs):
     model_class(config_class(**config_kwargs)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="(?i)causal|decoder"):
@@ -176,21 +227,36 @@ REPEATING_PROMPTS = [(p * 8)[:12] for p in PROMPTS[2:8]]
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma3"])
-@pytest.mark.parametrize("cache", [dict(), dict(safety_margin=0.0), dict(safety_margin=0.0, cpu_offload_space=0.01)],
-                         ids=["roomy", "soft-resets", "swap"])
+@pytest.mark.parametrize(
+    "cache",
+    [dict(), dict(safety_margin=0.0), dict(safety_margin=0.0, cpu_offload_space=0.01)],
+    ids=["roomy", "soft-resets", "swap"],
+)
 def test_ngram_speculation_matches_transformers_on_sliding_windows(oracle, name, cache):
     """Rejected proposals' slots in a sliding ring are rolled back (``BlockManager.trim``): outputs stay exact,
     under preemption too (soft reset and CPU swap of a trimmed ring)."""
     model_dir, _ = oracle(name)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=SPECS[name].hf_attn).eval()
     with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                   do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0
-                                   )[0, len(p):].tolist() for p in REPEATING_PROMPTS]
+        expected = [
+            model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=24,
+                min_new_tokens=24,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p in REPEATING_PROMPTS
+        ]
     # A tight pool: room for about one request's ring (Mistral) or its full blocks and ring (Gemma 3) at a time.
     num_blocks = {"mistral": 8, "gemma3": 12}[name] if cache else 256
-    config = EngineConfig(**{**ENGINE_CONFIG, **cache, "num_blocks": num_blocks}, speculative="ngram", ngram_min=1,
-                          num_speculative_tokens=3)
+    config = EngineConfig(
+        **{**ENGINE_CONFIG, **cache, "num_blocks": num_blocks},
+        speculative="ngram",
+        ngram_min=1,
+        num_speculative_tokens=3,
+    )
     engine = LLMEngine.from_pretrained(model_dir, config)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(REPEATING_PROMPTS))}

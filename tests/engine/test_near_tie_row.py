@@ -34,15 +34,21 @@ from kernels.cpu_attention import unavailable_reason
 from tests.model_utils import hf_greedy
 
 # GSM8K test split, row 597 (id gsm8k_test-00597): 120 prompt tokens with stories260K's tokenizer.
-QUESTION = ("The three angles in a triangle add up to 180 degrees. One angle is twice the smallest angle, and one "
-            "angle is three times the smallest angle. What is the measure of the largest angle in the triangle, in "
-            "degrees?")
+QUESTION = (
+    "The three angles in a triangle add up to 180 degrees. One angle is twice the smallest angle, and one "
+    "angle is three times the smallest angle. What is the measure of the largest angle in the triangle, in "
+    "degrees?"
+)
 TIE_STEP, WINNER, RUNNER_UP = 46, 262, 352
 NUM_TOKENS = TIE_STEP + 2
 # The README job's engine settings (manifests/gsm8k-stories260k.toml).
 JOB_ENGINE = dict(page_size=64, max_batch_tokens=512, max_requests_per_batch=64, num_threads=1)
-BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(unavailable_reason() is not None,
-                                                                 reason=f"CPU kernel: {unavailable_reason()}"))]
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(unavailable_reason() is not None, reason=f"CPU kernel: {unavailable_reason()}")
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +93,7 @@ def test_row_at_a_step_end_differs_only_at_the_tie(stories260k_dir, prompt, orac
     # Three 1-token prompts first: the row's prefill ends a 123-token step, whose 123 x 172 MLP tensor leaves 4
     # elements to F.silu's scalar tail (the README job's step held 183 tokens). The cpu backend of 264b778
     # picked 352 here, that of 6f13c1a picks 262: either is within float32 rounding of the tie.
-    others = [(f"other-{i}", [1], SamplingParams(max_new_tokens=NUM_TOKENS + 8, ignore_eos=True))
-              for i in range(3)]
+    others = [(f"other-{i}", [1], SamplingParams(max_new_tokens=NUM_TOKENS + 8, ignore_eos=True)) for i in range(3)]
     row = ("row", prompt, SamplingParams(max_new_tokens=NUM_TOKENS, ignore_eos=True))
     tokens = _cbrun(stories260k_dir, others + [row], backend)["row"]
     assert tokens[:TIE_STEP] == oracle[:TIE_STEP]

@@ -43,8 +43,14 @@ def unconstrained(prompts):
 @pytest.mark.parametrize("swap_gib", [0.0, 0.001])
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 def test_tight_cache_matches_unconstrained(prompts, unconstrained, scheduler_type, swap_gib, mode):
-    config = EngineConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=32, scheduler_type=scheduler_type,
-                          cpu_offload_space=swap_gib, allow_block_sharing=False)
+    config = EngineConfig(
+        page_size=PAGE,
+        num_blocks=16,
+        max_batch_tokens=32,
+        scheduler_type=scheduler_type,
+        cpu_offload_space=swap_gib,
+        allow_block_sharing=False,
+    )
     outputs, stats = run(config, prompts, greedy if mode == "greedy" else seeded)
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in unconstrained[mode]]
     if swap_gib:
@@ -55,8 +61,13 @@ def test_tight_cache_matches_unconstrained(prompts, unconstrained, scheduler_typ
 
 def test_swap_too_small_falls_back_to_soft_reset(prompts, unconstrained):
     # One CPU slot holds a single block: most offloads cannot swap and soft reset instead.
-    config = EngineConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=32, cpu_offload_space=2 * 2 * 64 * PAGE
-                          * 2 * 4 / 2**30, allow_block_sharing=False)
+    config = EngineConfig(
+        page_size=PAGE,
+        num_blocks=16,
+        max_batch_tokens=32,
+        cpu_offload_space=2 * 2 * 64 * PAGE * 2 * 4 / 2**30,
+        allow_block_sharing=False,
+    )
     outputs, stats = run(config, prompts, greedy)
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in unconstrained["greedy"]]
     assert stats.num_soft_resets > 0
@@ -64,8 +75,9 @@ def test_swap_too_small_falls_back_to_soft_reset(prompts, unconstrained):
 
 def test_cache_fits_one_request_at_a_time_without_deadlock(prompts, unconstrained):
     # Every request needs up to ceil((24 + 64) / 8) = 11 blocks; 11 blocks hold exactly one of the longest.
-    config = EngineConfig(page_size=PAGE, num_blocks=11, max_batch_tokens=64, safety_margin=0.0,
-                          allow_block_sharing=False)
+    config = EngineConfig(
+        page_size=PAGE, num_blocks=11, max_batch_tokens=64, safety_margin=0.0, allow_block_sharing=False
+    )
     start = time.monotonic()
     outputs, _ = run(config, prompts, greedy)
     assert time.monotonic() - start < 120
@@ -82,8 +94,9 @@ def test_request_larger_than_cache_fails_alone(prompts, unconstrained):
 
 
 def test_stopping_generate_early_aborts_and_frees_everything(prompts):
-    config = EngineConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=32, cpu_offload_space=0.001,
-                          allow_block_sharing=False)
+    config = EngineConfig(
+        page_size=PAGE, num_blocks=16, max_batch_tokens=32, cpu_offload_space=0.001, allow_block_sharing=False
+    )
     engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config)
     stream = engine.generate((i, p, greedy(i)) for i, p in enumerate(prompts))
     next(stream)

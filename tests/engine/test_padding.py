@@ -36,8 +36,10 @@ def test_bucket_shapes():
 
 
 def test_padded_slots_never_write_into_a_request_cache():
-    engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(
-        page_size=4, num_blocks=32, cuda_graphs="emulate", loader="transformers", attention_backend="cpu"))
+    engine = LLMEngine.from_pretrained(
+        str(random_llama_dir(VOCAB)),
+        EngineConfig(page_size=4, num_blocks=32, cuda_graphs="emulate", loader="transformers", attention_backend="cpu"),
+    )
     for i, p in enumerate(random_prompts(3, VOCAB, 5, 9, seed=42)):
         engine.add_request(i, p, SamplingParams(max_new_tokens=4))
     engine.step()
@@ -48,8 +50,11 @@ def test_padded_slots_never_write_into_a_request_cache():
     assert shape is not None and shape.num_requests == 4 and shape.query_len == 1  # 3 decodes in bucket 4
     slots = inputs.groups["full"].slot_mapping
     assert slots.shape[0] == 4 and slots[3] == -1  # the padded token writes nowhere
-    real_pages = {page for s in plan.scheduled
-                  for page in engine.block_manager.request_pages(engine.scheduler.requests[s.request_index])}
+    real_pages = {
+        page
+        for s in plan.scheduled
+        for page in engine.block_manager.request_pages(engine.scheduler.requests[s.request_index])
+    }
     assert set((slots[:3] // 4).tolist()) <= real_pages
     assert (inputs.groups["full"].block_tables[3:] == 0).all()  # the padded request reads the padding chunk
     assert inputs.cu_seqlens_q.tolist() == [0, 1, 2, 3, 3] and inputs.seqlens_k[3] == 0
@@ -65,19 +70,23 @@ def test_padded_slots_never_write_into_a_request_cache():
 
 def _entry(num_tokens: int, proposals: int = 0, samples: bool = True, logprobs: range = range(0)):
     """A plan entry with only the fields ``_graph_shape`` reads set meaningfully."""
-    return ScheduledRequest(0, "r", 10, num_tokens, [1] * num_tokens, 0, samples, False, logprobs, 0, (), 0, (),
-                            tuple([1] * proposals))
+    return ScheduledRequest(
+        0, "r", 10, num_tokens, [1] * num_tokens, 0, samples, False, logprobs, 0, (), 0, (), tuple([1] * proposals)
+    )
 
 
-@pytest.mark.parametrize("entries,query_len", [
-    ([_entry(1)] * 3, 1),  # decode: graphed, bucket 4
-    ([_entry(3, 2)] * 2, 3),  # a uniform verify step: graphed
-    ([_entry(3, 2), _entry(2, 1)], None),  # uneven proposals: eager
-    ([_entry(1), _entry(5)], None),  # a prefill chunk beside a decode: eager
-    ([_entry(1), _entry(1, samples=False)], None),  # a chunk that samples nothing: eager
-    ([_entry(1, logprobs=range(10, 11))], None),  # a step scoring prompt tokens: eager
-    ([_entry(1)] * 9, None),  # more requests than the largest bucket: eager
-])
+@pytest.mark.parametrize(
+    "entries,query_len",
+    [
+        ([_entry(1)] * 3, 1),  # decode: graphed, bucket 4
+        ([_entry(3, 2)] * 2, 3),  # a uniform verify step: graphed
+        ([_entry(3, 2), _entry(2, 1)], None),  # uneven proposals: eager
+        ([_entry(1), _entry(5)], None),  # a prefill chunk beside a decode: eager
+        ([_entry(1), _entry(1, samples=False)], None),  # a chunk that samples nothing: eager
+        ([_entry(1, logprobs=range(10, 11))], None),  # a step scoring prompt tokens: eager
+        ([_entry(1)] * 9, None),  # more requests than the largest bucket: eager
+    ],
+)
 def test_only_decode_and_uniform_verify_steps_are_graphed(entries, query_len):
     runner = SimpleNamespace(graph_buckets=GraphBuckets(8, 3, 64, 4))
     num_tokens = sum(e.num_tokens for e in entries)

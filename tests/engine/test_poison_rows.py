@@ -23,7 +23,7 @@ def nan_logits_hook(engine: LLMEngine) -> None:
 
     def poisoned(input_ids, positions, md, logits_indices):
         logits = forward(input_ids, positions, md, logits_indices)
-        rows = logits_indices[:logits.shape[0]]
+        rows = logits_indices[: logits.shape[0]]
         bad = (input_ids[rows] == POISON_TOKEN) & (positions[rows] == POISON_POSITION)
         return logits.masked_fill(bad[:, None], float("nan"))
 
@@ -34,8 +34,11 @@ def good_rows():
     """Greedy, host-greedy and seeded sampled rows; prompts longer than POISON_POSITION + 1, so no good row ever
     has a logit row at that position."""
     prompts = random_prompts(8, VOCAB, POISON_POSITION + 2, 30, seed=21)
-    kinds = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, repetition_penalty=1.2),
-             SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)]
+    kinds = [
+        SamplingParams(max_new_tokens=12),
+        SamplingParams(max_new_tokens=12, repetition_penalty=1.2),
+        SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3),
+    ]
     return [(f"good{i}", p, kinds[i % 3]) for i, p in enumerate(prompts)]
 
 
@@ -49,15 +52,26 @@ def bad_rows():
         ("huge_temperature", prompt, SamplingParams(max_new_tokens=6, temperature=1e300, seed=1), None),
         ("plus_inf_penalty", prompt, SamplingParams(max_new_tokens=6, frequency_penalty=-1e308, temperature=1.0), None),
         ("minus_inf_penalty", prompt, SamplingParams(max_new_tokens=6, presence_penalty=1e308, temperature=1.0), None),
-        ("tiny_repetition_penalty", prompt, SamplingParams(max_new_tokens=6, repetition_penalty=1e-300,
-                                                          temperature=1.0), None),
-        ("tiny_top_p_min_p_1", prompt, SamplingParams(max_new_tokens=6, top_p=1e-12, min_p=1.0, temperature=2.0),
-         None),
+        (
+            "tiny_repetition_penalty",
+            prompt,
+            SamplingParams(max_new_tokens=6, repetition_penalty=1e-300, temperature=1.0),
+            None,
+        ),
+        ("tiny_top_p_min_p_1", prompt, SamplingParams(max_new_tokens=6, top_p=1e-12, min_p=1.0, temperature=2.0), None),
         ("huge_top_k", prompt, SamplingParams(max_new_tokens=6, top_k=10**9, temperature=1.0), None),
-        ("nothing_left_sampled", prompt, SamplingParams(max_new_tokens=6, min_new_tokens=3,
-                                                        stop_token_ids=every_token, temperature=1.0), "no token"),
-        ("nothing_left_greedy", prompt, SamplingParams(max_new_tokens=6, min_new_tokens=3,
-                                                       stop_token_ids=every_token), "no token"),
+        (
+            "nothing_left_sampled",
+            prompt,
+            SamplingParams(max_new_tokens=6, min_new_tokens=3, stop_token_ids=every_token, temperature=1.0),
+            "no token",
+        ),
+        (
+            "nothing_left_greedy",
+            prompt,
+            SamplingParams(max_new_tokens=6, min_new_tokens=3, stop_token_ids=every_token),
+            "no token",
+        ),
         ("nan_sampled", poisoned, SamplingParams(max_new_tokens=6, temperature=1.0), "NaN"),
         ("nan_host_greedy", poisoned, SamplingParams(max_new_tokens=6, repetition_penalty=1.1), "NaN"),
     ]
@@ -78,7 +92,7 @@ def test_poison_rows_fail_alone_and_good_rows_equal_a_clean_run(overlap):
     bad = bad_rows()
     mixed = []  # good and bad rows interleaved, so they share steps
     for i in range(max(len(good), len(bad))):
-        mixed += good[i:i + 1] + [row[:3] for row in bad[i:i + 1]]
+        mixed += good[i : i + 1] + [row[:3] for row in bad[i : i + 1]]
     outputs = run(engine, mixed)
     for name, _, _ in good:
         assert outputs[name].output_token_ids == clean[name].output_token_ids
@@ -110,8 +124,10 @@ def test_a_row_that_raises_fails_alone_and_device_faults_propagate(monkeypatch):
     monkeypatch.setattr(step, "build_batch", build_batch)
     sampled = SamplingParams(max_new_tokens=5, temperature=1.0, seed=1)
     prompts = random_prompts(3, VOCAB, 3, 9, seed=24)
-    outputs = run(engine_for(False), [("a", prompts[0], sampled), ("bad", prompts[1], sampled),
-                                      ("c", prompts[2], SamplingParams(max_new_tokens=5))])
+    outputs = run(
+        engine_for(False),
+        [("a", prompts[0], sampled), ("bad", prompts[1], sampled), ("c", prompts[2], SamplingParams(max_new_tokens=5))],
+    )
     assert outputs["bad"].finish_reason == "error" and outputs["bad"].error == "sampling failed: RuntimeError: boom"
     assert [outputs[n].finish_reason for n in "ac"] == ["length", "length"]
     engine = engine_for(False)

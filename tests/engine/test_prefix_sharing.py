@@ -10,14 +10,21 @@ PAGE = 4
 
 
 def make_engine(sharing: bool, num_blocks: int = 256, max_batch_tokens: int = 64, **settings) -> LLMEngine:
-    config = EngineConfig(page_size=PAGE, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                          allow_block_sharing=sharing, **settings)
+    config = EngineConfig(
+        page_size=PAGE,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
+        allow_block_sharing=sharing,
+        **settings,
+    )
     return LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config)
 
 
 def generate(engine: LLMEngine, prompts) -> list[list[int]]:
-    outputs = {o.request_id: o.output_token_ids for o in engine.generate(
-        (i, p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(prompts))}
+    outputs = {
+        o.request_id: o.output_token_ids
+        for o in engine.generate((i, p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(prompts))
+    }
     assert_pool_balanced(engine)
     return [outputs[i] for i in range(len(prompts))]
 
@@ -35,9 +42,9 @@ def shared_prefix_prompts() -> list[list[int]]:
     prompts = []
     for length in (0, 1, PAGE, PAGE + 1, 3 * PAGE, 9 * PAGE):  # shared prefix lengths
         prompts += [base[:length] + tails[len(prompts)], base[:length] + tails[len(prompts) + 1]]
-    prompts.append(base[:2 * PAGE])  # a whole prompt that is cached (exact multiple of the page size)
-    prompts.append(base[:2 * PAGE])
-    prompts.append(base[:PAGE + 2] + [5])  # diverges inside a block
+    prompts.append(base[: 2 * PAGE])  # a whole prompt that is cached (exact multiple of the page size)
+    prompts.append(base[: 2 * PAGE])
+    prompts.append(base[: PAGE + 2] + [5])  # diverges inside a block
     return prompts
 
 
@@ -114,8 +121,9 @@ def test_cached_block_from_another_chain_is_never_served():
     prompts = chain_collision_prompts(page)
     config = dict(page_size=page, num_blocks=64, max_batch_tokens=64)
     off = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(allow_block_sharing=False, **config))
-    on = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)),
-                                   EngineConfig(allow_block_sharing=True, prefix_hash_bits=8, **config))
+    on = LLMEngine.from_pretrained(
+        str(random_llama_dir(VOCAB)), EngineConfig(allow_block_sharing=True, prefix_hash_bits=8, **config)
+    )
     expected = generate(off, prompts[:2]) + generate(off, prompts[2:])
     assert generate(on, prompts[:2]) + generate(on, prompts[2:]) == expected
     assert on.block_manager.num_hash_collisions == 1  # the Z block's hit, refused

@@ -54,9 +54,19 @@ def _assert_config_equals_auto_config(path):
     config, reason = parse_llama_config(read_config_json(path))
     assert reason is None
     auto = AutoConfig.from_pretrained(path)
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-                 "bos_token_id", "eos_token_id"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert getattr(config, name) == getattr(auto, name), name
     assert config.sliding_window is getattr(auto, "sliding_window", None) is None
     assert config.head_dim == (getattr(auto, "head_dim", None) or auto.hidden_size // auto.num_attention_heads)
@@ -76,20 +86,53 @@ def test_config_defaults_and_legacy_keys_equal_auto_config(stories260k_dir, tiny
     _assert_config_equals_auto_config(stories260k_dir)
     _assert_config_equals_auto_config(tiny_model_dir)
     llama, qwen2, mistral = _case_dir("llama-gqa-untied"), _case_dir("qwen2"), _case_dir("mistral-no-window")
-    optional = dict(num_key_value_heads=None, head_dim=None, tie_word_embeddings=None, bos_token_id=None,
-                    eos_token_id=None, rope_parameters=None, attention_bias=None, mlp_bias=None)
+    optional = dict(
+        num_key_value_heads=None,
+        head_dim=None,
+        tie_word_embeddings=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_parameters=None,
+        attention_bias=None,
+        mlp_bias=None,
+    )
     _assert_config_equals_auto_config(_edited_copy(llama, tmp_path / "llama-defaults", **optional))
-    _assert_config_equals_auto_config(_edited_copy(qwen2, tmp_path / "qwen2-defaults", **{
-        k: None for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id",
-                          "rope_parameters", "layer_types", "use_sliding_window", "max_window_layers")}))
-    _assert_config_equals_auto_config(_edited_copy(mistral, tmp_path / "mistral-defaults", bos_token_id=None,
-                                                   eos_token_id=None, rope_parameters=None))
+    _assert_config_equals_auto_config(
+        _edited_copy(
+            qwen2,
+            tmp_path / "qwen2-defaults",
+            **{
+                k: None
+                for k in (
+                    "tie_word_embeddings",
+                    "bos_token_id",
+                    "eos_token_id",
+                    "rope_parameters",
+                    "layer_types",
+                    "use_sliding_window",
+                    "max_window_layers",
+                )
+            },
+        )
+    )
+    _assert_config_equals_auto_config(
+        _edited_copy(mistral, tmp_path / "mistral-defaults", bos_token_id=None, eos_token_id=None, rope_parameters=None)
+    )
     # Qwen2's and Mistral's default KV heads (32, 8) do not divide these 4 heads: refused, not guessed
-    for path in (_edited_copy(qwen2, tmp_path / "qwen2-kv", num_key_value_heads=None),
-                 _edited_copy(mistral, tmp_path / "mistral-kv", num_key_value_heads=None)):
+    for path in (
+        _edited_copy(qwen2, tmp_path / "qwen2-kv", num_key_value_heads=None),
+        _edited_copy(mistral, tmp_path / "mistral-kv", num_key_value_heads=None),
+    ):
         assert "multiple of num_key_value_heads" in parse_llama_config(read_config_json(path))[1]
-    legacy = _edited_copy(llama, tmp_path / "legacy", rope_parameters=None, rope_theta=1_000_000, rope_scaling=None,
-                          dtype=None, torch_dtype="float32")
+    legacy = _edited_copy(
+        llama,
+        tmp_path / "legacy",
+        rope_parameters=None,
+        rope_theta=1_000_000,
+        rope_scaling=None,
+        dtype=None,
+        torch_dtype="float32",
+    )
     _assert_config_equals_auto_config(legacy)
     config, _ = parse_llama_config(read_config_json(legacy))
     assert config.dtype == "float32"
@@ -104,8 +147,13 @@ class _Compare:
         self.num_steps = 0
 
     def __call__(self, input_ids, position_ids, logits_to_keep, cbrun_metadata, **kwargs):
-        expected = self.model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep,
-                              cbrun_metadata=cbrun_metadata, **kwargs)
+        expected = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            logits_to_keep=logits_to_keep,
+            cbrun_metadata=cbrun_metadata,
+            **kwargs,
+        )
         got = self.fast(input_ids[0], position_ids[0], cbrun_metadata, logits_to_keep)
         assert torch.equal(got, expected.logits[0]), f"step {self.num_steps}: fast-loaded logits differ"
         assert torch.equal(got, self.lean(input_ids[0], position_ids[0], cbrun_metadata, logits_to_keep))
@@ -125,12 +173,14 @@ def _check_every_step(path, dtype: str = "float32") -> int:
     for got_tensor, want_tensor in zip(fast.weights.tensors(), want.tensors(), strict=True):
         assert torch.equal(got_tensor, want_tensor) and got_tensor.dtype == want_tensor.dtype
     assert torch.equal(fast.weights.inv_freq, want.inv_freq)
-    compare = _Compare(model, LeanLlama(fast.weights, engine.max_model_len, "torch"),
-                       LeanLlama(model, engine.max_model_len, "torch"))
+    compare = _Compare(
+        model, LeanLlama(fast.weights, engine.max_model_len, "torch"), LeanLlama(model, engine.max_model_len, "torch")
+    )
     engine.model_runner.model = compare
     prompts = random_prompts(10, fast.config.vocab_size, 1, 30)
-    outputs = list(engine.generate((i, p, SamplingParams(max_new_tokens=8, ignore_eos=True))
-                                   for i, p in enumerate(prompts)))
+    outputs = list(
+        engine.generate((i, p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for i, p in enumerate(prompts))
+    )
     assert len(outputs) == len(prompts)
     return compare.num_steps
 
@@ -171,24 +221,39 @@ def test_engine_loads_without_transformers_by_default_and_equals_the_transformer
     assert "model loader: transformers (engine.loader = transformers)" in caplog.text
     assert isinstance(slow.model, torch.nn.Module)
     assert sum(p.numel() for p in fast.model.parameters()) == sum(p.numel() for p in slow.model.parameters())
-    assert (fast.max_model_len, fast.eos_token_ids, fast.num_blocks) == (slow.max_model_len, slow.eos_token_ids,
-                                                                         slow.num_blocks)
+    assert (fast.max_model_len, fast.eos_token_ids, fast.num_blocks) == (
+        slow.max_model_len,
+        slow.eos_token_ids,
+        slow.num_blocks,
+    )
     got = {o.request_id: o.output_token_ids for o in fast.generate((i, p, params) for i, p in enumerate(prompts))}
     want = {o.request_id: o.output_token_ids for o in slow.generate((i, p, params) for i, p in enumerate(prompts))}
     assert got == want
 
 
-@pytest.mark.parametrize("change,reason", [
-    (dict(quantization_config={"quant_method": "bitsandbytes"}), "sets quantization_config"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "RoPE parameters"),
-    (dict(rope_scaling={"type": "dynamic"}), "rope_type 'dynamic'"),
-    (dict(hidden_act="gelu"), "activation 'gelu'"),
-    (dict(tie_word_embeddings=True), "unexpected ['lm_head.weight']"),
-    (dict(model_type="gemma"), "model_type 'gemma'"),
-    (dict(hidden_size=None), "does not state hidden_size"),
-    (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
-], ids=["quantized", "rope-linear", "rope-dynamic-legacy", "gelu", "tied-with-lm-head", "gemma", "no-hidden",
-        "bad-heads"])
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (dict(quantization_config={"quant_method": "bitsandbytes"}), "sets quantization_config"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "RoPE parameters"),
+        (dict(rope_scaling={"type": "dynamic"}), "rope_type 'dynamic'"),
+        (dict(hidden_act="gelu"), "activation 'gelu'"),
+        (dict(tie_word_embeddings=True), "unexpected ['lm_head.weight']"),
+        (dict(model_type="gemma"), "model_type 'gemma'"),
+        (dict(hidden_size=None), "does not state hidden_size"),
+        (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
+    ],
+    ids=[
+        "quantized",
+        "rope-linear",
+        "rope-dynamic-legacy",
+        "gelu",
+        "tied-with-lm-head",
+        "gemma",
+        "no-hidden",
+        "bad-heads",
+    ],
+)
 def test_what_it_does_not_read_is_left_to_transformers(change, reason, tmp_path):
     path = _edited_copy(_case_dir("llama-gqa-untied"), tmp_path / "m", **change)
     plan, got = load_plan(path, "float32")
@@ -218,14 +283,19 @@ def test_window_weights_format_and_dtype_refusals(tmp_path, caplog):
     assert engine.model_runner.lean_model is not None  # transformers-loaded, lean forward as before
 
 
-@pytest.mark.parametrize("settings,reason", [
-    (dict(model_impl="transformers"), "model_impl = transformers"),
-    (dict(loader="transformers"), "engine.loader = transformers"),
-], ids=["model-impl", "loader"])
+@pytest.mark.parametrize(
+    "settings,reason",
+    [
+        (dict(model_impl="transformers"), "model_impl = transformers"),
+        (dict(loader="transformers"), "engine.loader = transformers"),
+    ],
+    ids=["model-impl", "loader"],
+)
 def test_settings_that_need_transformers_modules_load_with_transformers(settings, reason, caplog):
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
-        engine = LLMEngine.from_pretrained(str(_case_dir("llama-gqa-untied")), EngineConfig(**ENGINE_CONFIG,
-                                                                                           **settings))
+        engine = LLMEngine.from_pretrained(
+            str(_case_dir("llama-gqa-untied")), EngineConfig(**ENGINE_CONFIG, **settings)
+        )
     assert isinstance(engine.model, torch.nn.Module)
     assert f"model loader: transformers ({reason}" in caplog.text
 

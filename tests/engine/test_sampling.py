@@ -30,25 +30,41 @@ PROMPTS = random_prompts(32, VOCAB, 1, 30, seed=21)
 
 def test_greedy_equivalents():
     base = run([(i, p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(PROMPTS[:6])])
-    for params in (SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1, seed=3),
-                   SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1e-9, seed=3)):
+    for params in (
+        SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1, seed=3),
+        SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1e-9, seed=3),
+    ):
         out = run([(i, p, params) for i, p in enumerate(PROMPTS[:6])])
         assert [out[i].output_token_ids for i in range(6)] == [base[i].output_token_ids for i in range(6)]
 
 
 def test_max_new_tokens_zero_and_one():
-    out = run([("zero", PROMPTS[0], SamplingParams(max_new_tokens=0)),
-               ("one", PROMPTS[0], SamplingParams(max_new_tokens=1))])
+    out = run(
+        [("zero", PROMPTS[0], SamplingParams(max_new_tokens=0)), ("one", PROMPTS[0], SamplingParams(max_new_tokens=1))]
+    )
     assert out["zero"].output_token_ids == [] and out["zero"].finish_reason == "length"
     assert len(out["one"].output_token_ids) == 1 and out["one"].finish_reason == "length"
 
 
-@pytest.mark.parametrize("setting,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 2.0),
-                                           ("repetition_penalty", 0.0), ("max_new_tokens", -1),
-                                           ("logprobs", -1)])
+@pytest.mark.parametrize(
+    "setting,value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0.0),
+        ("max_new_tokens", -1),
+        ("logprobs", -1),
+    ],
+)
 def test_invalid_value_is_a_request_error_naming_the_setting(setting, value):
-    out = run([("bad", PROMPTS[0], SamplingParams(**{setting: value})),
-               ("good", PROMPTS[1], SamplingParams(max_new_tokens=2))])
+    out = run(
+        [
+            ("bad", PROMPTS[0], SamplingParams(**{setting: value})),
+            ("good", PROMPTS[1], SamplingParams(max_new_tokens=2)),
+        ]
+    )
     assert out["bad"].finish_reason == "error" and setting in out["bad"].error
     assert out["good"].finish_reason == "length"
 
@@ -58,9 +74,11 @@ def seeded(i: int) -> SamplingParams:
 
 
 def neighbour(i: int) -> SamplingParams:
-    kinds = [SamplingParams(max_new_tokens=12),
-             SamplingParams(max_new_tokens=5, temperature=0.7),  # unseeded
-             SamplingParams(max_new_tokens=9, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2)]
+    kinds = [
+        SamplingParams(max_new_tokens=12),
+        SamplingParams(max_new_tokens=5, temperature=0.7),  # unseeded
+        SamplingParams(max_new_tokens=9, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+    ]
     return kinds[i % 3]
 
 
@@ -76,8 +94,9 @@ def test_seeded_sampling_is_batch_invariant():
         assert {i: out[i].output_token_ids for i in rows} == alone
     # Across forced offloads (a tight cache), with and without CPU swap.
     for swap in (0.0, 0.01):
-        requests = [(i, PROMPTS[i], seeded(i)) for i in rows] + [(f"n{j}", PROMPTS[j], neighbour(j))
-                                                                 for j in range(8, 24)]
+        requests = [(i, PROMPTS[i], seeded(i)) for i in rows] + [
+            (f"n{j}", PROMPTS[j], neighbour(j)) for j in range(8, 24)
+        ]
         out = run(requests, num_blocks=24, max_batch_tokens=16, cpu_offload_space=swap, allow_block_sharing=False)
         assert {i: out[i].output_token_ids for i in rows} == alone
 
@@ -95,17 +114,27 @@ def test_repetition_penalty_matches_transformers():
     model = _hf_model(random_llama_dir(VOCAB))
     for i in range(4):
         prompt = PROMPTS[i]
-        want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              do_sample=False, max_new_tokens=10, min_new_tokens=10, repetition_penalty=1.5,
-                              pad_token_id=0)[0, len(prompt):].tolist()
+        want = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=10,
+            min_new_tokens=10,
+            repetition_penalty=1.5,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         got = run([(0, prompt, SamplingParams(max_new_tokens=10, repetition_penalty=1.5))])[0].output_token_ids
         assert got == want
 
 
 def test_min_new_tokens_masks_stop_tokens():
     first = hf_greedy(random_llama_dir(VOCAB), PROMPTS[0], 1)[0]
-    out = run([("stop", PROMPTS[0], SamplingParams(max_new_tokens=6, stop_token_ids=(first,))),
-               ("min", PROMPTS[0], SamplingParams(max_new_tokens=6, stop_token_ids=(first,), min_new_tokens=3))])
+    out = run(
+        [
+            ("stop", PROMPTS[0], SamplingParams(max_new_tokens=6, stop_token_ids=(first,))),
+            ("min", PROMPTS[0], SamplingParams(max_new_tokens=6, stop_token_ids=(first,), min_new_tokens=3)),
+        ]
+    )
     assert out["stop"].output_token_ids == [first] and out["stop"].finish_reason == "stop"
     assert len(out["min"].output_token_ids) >= 3 and out["min"].output_token_ids[0] != first
 
@@ -123,8 +152,10 @@ def test_prompt_logprobs_equal_a_direct_forward_pass(page_size, max_batch_tokens
     model = _hf_model(random_llama_dir(VOCAB))
     context = PROMPTS[3] + PROMPTS[4]
     candidates = [PROMPTS[5][:4], PROMPTS[6][:7], hf_greedy(random_llama_dir(VOCAB), context, 3)]
-    requests = [(j, context + c, SamplingParams(max_new_tokens=1, prompt_logprobs_from=len(context)))
-                for j, c in enumerate(candidates)]
+    requests = [
+        (j, context + c, SamplingParams(max_new_tokens=1, prompt_logprobs_from=len(context)))
+        for j, c in enumerate(candidates)
+    ]
     out = run(requests, page_size=page_size, max_batch_tokens=max_batch_tokens)
     for j, cand in enumerate(candidates):
         ids = torch.tensor([context + cand])
@@ -146,7 +177,7 @@ def test_stop_strings_cut_exactly(stories260k_dir):
     stop = text[25:31]  # six characters somewhere inside the story, spanning tokens
     out = list(eng.generate([(0, prompt, SamplingParams(max_new_tokens=60, stop=(stop,)))]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == text[:text.index(stop)]
+    assert out.text == text[: text.index(stop)]
     assert text.startswith(tok.decode(out.output_token_ids, skip_special_tokens=True))
     assert out.text.startswith(tok.decode(out.output_token_ids, skip_special_tokens=True))
 
@@ -159,7 +190,7 @@ def test_stop_string_matcher_with_multibyte_characters(stories260k_dir):
     ids = tok("Le café 😀 est chaud", add_special_tokens=False)["input_ids"]
     # Checked after every token, as the engine does: found at the token that completes the emoji's 4 bytes.
     first = next(n for n in range(1, len(ids) + 1) if matcher.find(ids[:n], ("😀",)))
-    assert tok.decode(ids[:first]).endswith("😀") and not tok.decode(ids[:first - 1]).endswith("😀")
+    assert tok.decode(ids[:first]).endswith("😀") and not tok.decode(ids[: first - 1]).endswith("😀")
     text, kept, stop = matcher.cut(ids, ("é 😀",))
     assert text == "Le caf" and stop == "é 😀"
     assert tok.decode(kept) == "Le caf"

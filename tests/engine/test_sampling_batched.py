@@ -33,8 +33,8 @@ def pack(allowed: torch.Tensor) -> torch.Tensor:
     """(R, V) bool -> (R, ceil(V / 32)) int32 in xgrammar's layout."""
     words = -(-allowed.shape[1] // 32)
     padded = torch.zeros(allowed.shape[0], words * 32, dtype=torch.int64)
-    padded[:, :allowed.shape[1]] = allowed.long()
-    weights = (1 << torch.arange(32, dtype=torch.int64))
+    padded[:, : allowed.shape[1]] = allowed.long()
+    weights = 1 << torch.arange(32, dtype=torch.int64)
     packed = (padded.view(allowed.shape[0], words, 32) * weights).sum(dim=2)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
@@ -44,21 +44,27 @@ def test_random_stream_matches_its_python_reference():
     keys = torch.tensor([random_stream.stream_key(s) for s in seeds])
     positions = torch.tensor([0, 1, 2, 1000, 77, 5])
     got = random_stream.uniform(keys, positions, random_stream.RESIDUAL).tolist()
-    assert got == [random_stream.reference_uniform(s, int(p), random_stream.RESIDUAL)
-                   for s, p in zip(seeds, positions.tolist())]
+    assert got == [
+        random_stream.reference_uniform(s, int(p), random_stream.RESIDUAL) for s, p in zip(seeds, positions.tolist())
+    ]
     assert all(0.0 < u < 1.0 for u in got)
 
 
 def test_bitmask_unpacks_in_xgrammars_layout():
     allowed = torch.rand(3, VOCAB, generator=torch.Generator().manual_seed(0)) < 0.3
     assert torch.equal(allowed_tokens(pack(allowed), VOCAB), allowed)
-    word = torch.tensor([[-2**31, 1, 0]], dtype=torch.int32)  # bit 31 of word 0, bit 0 of word 1
+    word = torch.tensor([[-(2**31), 1, 0]], dtype=torch.int32)  # bit 31 of word 0, bit 0 of word 1
     assert allowed_tokens(word, VOCAB)[0].nonzero()[:, 0].tolist() == [31, 32]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=1),
-                                    SamplingParams(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.5,
-                                                   logprobs=3)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.5, logprobs=3),
+    ],
+)
 def test_token_bitmask_restricts_every_row_to_its_allowed_tokens(params):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, VOCAB, generator=gen) * 3
@@ -95,14 +101,17 @@ def test_nan_row_fails_alone_and_inf_takes_all_the_mass():
 def test_rows_do_not_depend_on_their_batch():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(8, VOCAB, generator=gen)
-    kinds = [SamplingParams(temperature=0.9, top_p=0.8, seed=1), SamplingParams(),
-             SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.2, seed=2),
-             SamplingParams(temperature=1.0, top_k=5, logprobs=2, seed=3)]
+    kinds = [
+        SamplingParams(temperature=0.9, top_p=0.8, seed=1),
+        SamplingParams(),
+        SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.2, seed=2),
+        SamplingParams(temperature=1.0, top_k=5, logprobs=2, seed=3),
+    ]
     params = [kinds[i % 4] for i in range(8)]
     outputs = {i: [i, 7, 7] for i in range(8)}
     together = run(logits, params, seeds=list(range(8)), outputs=outputs)
     for i in range(8):
-        alone = run(logits[i:i + 1], [params[i]], seeds=[i], outputs={0: outputs[i]})
+        alone = run(logits[i : i + 1], [params[i]], seeds=[i], outputs={0: outputs[i]})
         assert (alone[0][0], alone[2][0]) == (together[0][i], together[2][i])
 
 

@@ -9,12 +9,33 @@ from engine.structured_output import StructuredOutputsParams
 
 
 def test_every_field_has_a_coercion_and_wrong_types_are_refused():
-    good = {"int": 3.0, "float": 2, "bool": True, "str": "x", "tuple[int, ...]": [1, 2], "tuple[str, ...]": "END",
-            "StructuredOutputsParams": {"regex": "a+", "json": None}}  # a Parquet struct: unset fields are null
-    want = {"int": 3, "float": 2.0, "bool": True, "str": "x", "tuple[int, ...]": (1, 2), "tuple[str, ...]": ("END",),
-            "StructuredOutputsParams": StructuredOutputsParams(regex="a+")}
-    bad = {"int": "3", "float": "0.5", "bool": 1, "str": 1, "tuple[int, ...]": [1, -2], "tuple[str, ...]": [1],
-           "StructuredOutputsParams": 5}
+    good = {
+        "int": 3.0,
+        "float": 2,
+        "bool": True,
+        "str": "x",
+        "tuple[int, ...]": [1, 2],
+        "tuple[str, ...]": "END",
+        "StructuredOutputsParams": {"regex": "a+", "json": None},
+    }  # a Parquet struct: unset fields are null
+    want = {
+        "int": 3,
+        "float": 2.0,
+        "bool": True,
+        "str": "x",
+        "tuple[int, ...]": (1, 2),
+        "tuple[str, ...]": ("END",),
+        "StructuredOutputsParams": StructuredOutputsParams(regex="a+"),
+    }
+    bad = {
+        "int": "3",
+        "float": "0.5",
+        "bool": 1,
+        "str": 1,
+        "tuple[int, ...]": [1, -2],
+        "tuple[str, ...]": [1],
+        "StructuredOutputsParams": 5,
+    }
     for name, kind in SAMPLING_FIELD_TYPES.items():
         kind = kind.removesuffix(" | None")
         value = coerce_sampling_value(name, good[kind])

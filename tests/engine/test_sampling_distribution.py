@@ -71,10 +71,8 @@ CASES = {
     "top_p": SamplingParams(temperature=1.0, top_p=0.75),
     "min_p": SamplingParams(temperature=1.2, min_p=0.2),
     "all_filters": SamplingParams(temperature=1.3, top_k=7, top_p=0.9, min_p=0.05),
-    "penalties": SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.4,
-                                frequency_penalty=0.3),
-    "penalties_and_filters": SamplingParams(temperature=0.8, top_p=0.8, repetition_penalty=0.7,
-                                            frequency_penalty=-0.2),
+    "penalties": SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.4, frequency_penalty=0.3),
+    "penalties_and_filters": SamplingParams(temperature=0.8, top_p=0.8, repetition_penalty=0.7, frequency_penalty=-0.2),
 }
 
 
@@ -88,9 +86,15 @@ def test_sampled_rows_follow_the_exact_distribution(name):
 
 
 def test_min_p_one_keeps_only_the_top_token():
-    out = sample(LOGITS.expand(64, VOCAB), build_batch(
-        [SamplingRow(Request(i, [1], SamplingParams(temperature=5.0, min_p=1.0), seed=i), []) for i in range(64)],
-        TokenCounts(VOCAB, "cpu"), frozenset(), "cpu"))
+    out = sample(
+        LOGITS.expand(64, VOCAB),
+        build_batch(
+            [SamplingRow(Request(i, [1], SamplingParams(temperature=5.0, min_p=1.0), seed=i), []) for i in range(64)],
+            TokenCounts(VOCAB, "cpu"),
+            frozenset(),
+            "cpu",
+        ),
+    )
     assert set(out.tokens.tolist()) == {0}
 
 
@@ -103,8 +107,13 @@ def test_speculative_rule_keeps_the_target_distribution(name, proposal):
     q = torch.softmax(torch.randn(VOCAB, generator=gen) * 1.5, dim=0)
     if proposal == "draft":  # proposals drawn from q
         proposals = torch.multinomial(q, NUM_DRAWS, replacement=True, generator=gen)
-        out = verify(LOGITS.expand(NUM_DRAWS, VOCAB), batch, proposals, q.expand(NUM_DRAWS, VOCAB).float(),
-                     torch.ones(NUM_DRAWS, dtype=torch.bool))
+        out = verify(
+            LOGITS.expand(NUM_DRAWS, VOCAB),
+            batch,
+            proposals,
+            q.expand(NUM_DRAWS, VOCAB).float(),
+            torch.ones(NUM_DRAWS, dtype=torch.bool),
+        )
     else:  # a fixed n-gram proposal (the most likely token), or the bonus position
         fixed = int(exact(params).argmax()) if proposal == "point_mass" else -1
         out = verify(LOGITS.expand(NUM_DRAWS, VOCAB), batch, torch.full((NUM_DRAWS,), fixed), None, None)
@@ -112,8 +121,9 @@ def test_speculative_rule_keeps_the_target_distribution(name, proposal):
     assert set(errors) == {None}
     assert p_value(tokens, exact(params)) > 1e-3
     accepted = out.accepted.tolist()
-    assert all(t == int(x) for t, x, a in zip(tokens, proposals if proposal == "draft" else [fixed] * NUM_DRAWS,
-                                               accepted) if a)
+    assert all(
+        t == int(x) for t, x, a in zip(tokens, proposals if proposal == "draft" else [fixed] * NUM_DRAWS, accepted) if a
+    )
 
 
 def test_greedy_verify_rows_accept_only_the_argmax():

@@ -39,8 +39,9 @@ def test_fifo_decodes_first_then_prefills_then_new_with_chunking():
 
 
 def test_prefill_first_finishes_prefills_before_decodes():
-    config = EngineConfig(page_size=4, num_blocks=64, max_batch_tokens=6, scheduler_type="prefill_first",
-                          allow_block_sharing=False)
+    config = EngineConfig(
+        page_size=4, num_blocks=64, max_batch_tokens=6, scheduler_type="prefill_first", allow_block_sharing=False
+    )
     s, _ = make(config, PrefillFirstScheduler)
     s.add_request(req("a", 2))
     s.add_request(req("b", 9))
@@ -57,8 +58,9 @@ def test_request_limit():
 
 
 def test_safety_margin_holds_back_new_prefills():
-    config = EngineConfig(page_size=4, num_blocks=10, max_batch_tokens=100, safety_margin=0.5,
-                          allow_block_sharing=False)
+    config = EngineConfig(
+        page_size=4, num_blocks=10, max_batch_tokens=100, safety_margin=0.5, allow_block_sharing=False
+    )
     s, bm = make(config)
     s.add_request(req("a", 24))  # 6 blocks: free falls to 4 of 10, under the margin
     s.add_request(req("b", 4))
@@ -70,8 +72,7 @@ def test_safety_margin_holds_back_new_prefills():
 
 
 def test_preemption_frees_newest_and_it_resumes_later():
-    config = EngineConfig(page_size=2, num_blocks=4, max_batch_tokens=100, safety_margin=0.0,
-                          allow_block_sharing=False)
+    config = EngineConfig(page_size=2, num_blocks=4, max_batch_tokens=100, safety_margin=0.0, allow_block_sharing=False)
     s, bm = make(config)
     s.add_request(req("a", 4))  # 2 blocks
     s.add_request(req("b", 4))  # 2 blocks: pool full
@@ -98,8 +99,9 @@ def test_request_larger_than_cache_fails_alone():
 
 def test_running_requests_never_exceed_the_request_limit():
     """Admitting more than one batch can serve would hold blocks without decoding (and force preemptions)."""
-    config = EngineConfig(page_size=4, num_blocks=512, max_batch_tokens=64, max_requests_per_batch=3,
-                          scheduler_type="prefill_first")
+    config = EngineConfig(
+        page_size=4, num_blocks=512, max_batch_tokens=64, max_requests_per_batch=3, scheduler_type="prefill_first"
+    )
     s, _ = make(config, PrefillFirstScheduler)
     for i in range(8):
         s.add_request(req(f"r{i}", 5))

@@ -13,8 +13,15 @@ import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.speculative import NgramIndex, NgramProposer, accept_greedy
-from tests.model_utils import (WEIGHT_SCALE, assert_pool_balanced, assert_same_outputs_and_logprobs, hf_greedy,
-                               random_llama_dir, random_prompts, session_tmp_dir)
+from tests.model_utils import (
+    WEIGHT_SCALE,
+    assert_pool_balanced,
+    assert_same_outputs_and_logprobs,
+    hf_greedy,
+    random_llama_dir,
+    random_prompts,
+    session_tmp_dir,
+)
 
 VOCAB = 128
 
@@ -56,17 +63,17 @@ def test_ngram_index_grown_token_by_token_proposes_as_a_fresh_lookup():
     for low, high in ((1, 3), (2, 4)):
         index = NgramIndex(low, high)
         for length in range(len(tokens)):
-            index.extend(tokens[length:length + 1])
+            index.extend(tokens[length : length + 1])
             for k in (1, 5):
-                assert index.propose(k) == _scan_propose(tokens[:length + 1], low, high, k), (low, high, length)
+                assert index.propose(k) == _scan_propose(tokens[: length + 1], low, high, k), (low, high, length)
 
 
 def _scan_propose(tokens: list[int], low: int, high: int, k: int) -> list[int]:
     """Prompt lookup by a full scan: the tokens after the latest earlier match of the longest suffix n-gram."""
     for n in range(min(high, len(tokens) - 1), low - 1, -1):
-        starts = [j for j in range(len(tokens) - n) if tokens[j:j + n] == tokens[-n:]]
+        starts = [j for j in range(len(tokens) - n) if tokens[j : j + n] == tokens[-n:]]
         if starts:
-            return tokens[starts[-1] + n:starts[-1] + n + k]
+            return tokens[starts[-1] + n : starts[-1] + n + k]
     return []
 
 
@@ -91,19 +98,31 @@ def test_config_refuses_unsupported_settings():
 
 def test_engine_refuses_async_batching():
     with pytest.raises(ValueError, match="async_batching"):
-        LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(speculative="ngram",
-                                                                             async_batching="on", num_blocks=64))
+        LLMEngine.from_pretrained(
+            str(random_llama_dir(VOCAB)), EngineConfig(speculative="ngram", async_batching="on", num_blocks=64)
+        )
 
 
 # ---- exactness -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_ngram_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, page_size):
-    config = EngineConfig(page_size=page_size, max_batch_tokens=16, speculative="ngram", num_speculative_tokens=5,
-                          ngram_min=1, ngram_max=3)
+    config = EngineConfig(
+        page_size=page_size,
+        max_batch_tokens=16,
+        speculative="ngram",
+        num_speculative_tokens=5,
+        ngram_min=1,
+        ngram_max=3,
+    )
     engine = LLMEngine.from_pretrained(str(stories260k_dir), config)
-    requests = [(i, line["prompt_token_ids"],
-                 SamplingParams(max_new_tokens=line["max_positions"] - len(line["prompt_token_ids"]) + 1))
-                for i, line in enumerate(reference_greedy)]
+    requests = [
+        (
+            i,
+            line["prompt_token_ids"],
+            SamplingParams(max_new_tokens=line["max_positions"] - len(line["prompt_token_ids"]) + 1),
+        )
+        for i, line in enumerate(reference_greedy)
+    ]
     outputs = _generate(engine, requests)
     for i, line in enumerate(reference_greedy):
         assert outputs[i].output_token_ids == line["output_token_ids"], f"line {i}: {line['prompt']!r}"
@@ -119,9 +138,18 @@ def _random_model_dir(arch: str):
     import torch
 
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = transformers.Qwen2ForCausalLM(config)
     with torch.no_grad():
         for param in model.parameters():
@@ -135,8 +163,15 @@ def _random_model_dir(arch: str):
 def test_ngram_equals_transformers_generate(arch):
     model_dir = _random_model_dir(arch)
     prompts = _repetitive_prompts(6) + random_prompts(4, VOCAB, 1, 20, seed=7)
-    config = EngineConfig(page_size=4, max_batch_tokens=16, num_blocks=256, speculative="ngram",
-                          num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+    config = EngineConfig(
+        page_size=4,
+        max_batch_tokens=16,
+        num_blocks=256,
+        speculative="ngram",
+        num_speculative_tokens=4,
+        ngram_min=1,
+        ngram_max=3,
+    )
     engine = LLMEngine.from_pretrained(str(model_dir), config)
     params = SamplingParams(max_new_tokens=20)
     outputs = _generate(engine, [(i, p, params) for i, p in enumerate(prompts)])
@@ -153,17 +188,22 @@ def _off_and_ngram(model_dir, requests, **config):
     return results
 
 
-@pytest.mark.parametrize("config", [
-    dict(page_size=4, max_batch_tokens=24, num_blocks=12, safety_margin=0.0),  # tight: soft resets happen
-    dict(page_size=4, max_batch_tokens=32, num_blocks=256, allow_block_sharing=True),  # shared prefixes
-], ids=["tight-cache", "prefix-sharing"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(page_size=4, max_batch_tokens=24, num_blocks=12, safety_margin=0.0),  # tight: soft resets happen
+        dict(page_size=4, max_batch_tokens=32, num_blocks=256, allow_block_sharing=True),  # shared prefixes
+    ],
+    ids=["tight-cache", "prefix-sharing"],
+)
 def test_ngram_equals_off_under_pressure_and_sharing(config):
     model_dir = random_llama_dir(VOCAB)
     shared = _repetitive_prompts(1, seed=11)[0][:16]
     prompts = [shared + p[:6] for p in _repetitive_prompts(6)] + _repetitive_prompts(4, seed=5)
     requests = [(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)]
-    (off, off_stats), (ngram, ngram_stats) = _off_and_ngram(model_dir, requests, num_speculative_tokens=4,
-                                                            ngram_min=1, ngram_max=3, **config)
+    (off, off_stats), (ngram, ngram_stats) = _off_and_ngram(
+        model_dir, requests, num_speculative_tokens=4, ngram_min=1, ngram_max=3, **config
+    )
     for i in range(len(prompts)):
         assert ngram[i].output_token_ids == off[i].output_token_ids, f"prompt {i}"
         assert ngram[i].finish_reason == off[i].finish_reason
@@ -193,7 +233,10 @@ def test_ngram_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
     for name, *_ in requests:
         assert ngram[name].output_token_ids == off[name].output_token_ids, name
         assert (ngram[name].finish_reason, ngram[name].stop_reason, ngram[name].text) == (
-            off[name].finish_reason, off[name].stop_reason, off[name].text), name
+            off[name].finish_reason,
+            off[name].stop_reason,
+            off[name].text,
+        ), name
     assert off["token"].stop_reason == stop_token and off["string"].stop_reason == stop_text
     assert off["length"].finish_reason == "length" and len(off["length"].output_token_ids) > 40
     assert stats.num_accepted_tokens > 0
@@ -204,8 +247,9 @@ def test_switch_to_plain_decoding_above_speculative_max_batch(caplog):
     prompts = _repetitive_prompts(8)
     requests = [(i, p, SamplingParams(max_new_tokens=8 + 4 * i)) for i, p in enumerate(prompts)]
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
-        (off, _), (ngram, stats) = _off_and_ngram(model_dir, requests, num_blocks=256, page_size=4,
-                                                  speculative_max_batch=3, ngram_min=1)
+        (off, _), (ngram, stats) = _off_and_ngram(
+            model_dir, requests, num_blocks=256, page_size=4, speculative_max_batch=3, ngram_min=1
+        )
     assert all(ngram[i].output_token_ids == off[i].output_token_ids for i in range(len(prompts)))
     assert stats.num_verify_steps > 0  # the tail (3 or fewer left) speculated
     messages = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
@@ -217,10 +261,17 @@ def test_host_processed_greedy_rows_equal_off():
     """Penalties, min_new_tokens and log-probabilities see the accepted tokens before each verified position."""
     model_dir = random_llama_dir(VOCAB)
     prompts = _repetitive_prompts(6)
-    params = [SamplingParams(max_new_tokens=16, repetition_penalty=1.3),
-              SamplingParams(max_new_tokens=16, presence_penalty=0.5, frequency_penalty=0.3, logprobs=2),
-              SamplingParams(max_new_tokens=16, min_new_tokens=5, stop_token_ids=(3, 7, 11), logprobs=0,
-                             logprobs_mode="processed_logprobs")]
+    params = [
+        SamplingParams(max_new_tokens=16, repetition_penalty=1.3),
+        SamplingParams(max_new_tokens=16, presence_penalty=0.5, frequency_penalty=0.3, logprobs=2),
+        SamplingParams(
+            max_new_tokens=16,
+            min_new_tokens=5,
+            stop_token_ids=(3, 7, 11),
+            logprobs=0,
+            logprobs_mode="processed_logprobs",
+        ),
+    ]
     requests = [(i, p, params[i % 3]) for i, p in enumerate(prompts)]
     (off, _), (ngram, stats) = _off_and_ngram(model_dir, requests, num_blocks=256, page_size=4, ngram_min=1)
     assert_same_outputs_and_logprobs(ngram, off)
@@ -247,10 +298,19 @@ def _markov_model_dir(transitions, path) -> str:
     import torch
 
     vocab, hidden = transitions.shape[0], 64
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                                      pad_token_id=None)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -259,7 +319,7 @@ def _markov_model_dir(transitions, path) -> str:
         model.model.embed_tokens.weight.zero_()
         model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
         model.lm_head.weight.zero_()
-        model.lm_head.weight[:, :vocab] = torch.log(transitions).T / hidden ** 0.5
+        model.lm_head.weight[:, :vocab] = torch.log(transitions).T / hidden**0.5
     model.save_pretrained(path)
     return str(path)
 
@@ -291,8 +351,17 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
     transitions[torch.arange(vocab), (torch.arange(vocab) + 1) % vocab] = 0.6
     model_dir = _markov_model_dir(transitions.float(), tmp_path / "markov")
     prompt = list(range(vocab)) * 2  # n-gram lookup proposes each token's successor
-    config = EngineConfig(speculative="ngram", ngram_min=1, ngram_max=2, num_speculative_tokens=2, num_blocks=512,
-                          page_size=4, max_batch_tokens=512, max_requests_per_batch=128, speculative_max_batch=128)
+    config = EngineConfig(
+        speculative="ngram",
+        ngram_min=1,
+        ngram_max=2,
+        num_speculative_tokens=2,
+        num_blocks=512,
+        page_size=4,
+        max_batch_tokens=512,
+        max_requests_per_batch=128,
+        speculative_max_batch=128,
+    )
     engine = LLMEngine.from_pretrained(model_dir, config)
     requests = [(i, prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=i)) for i in range(num_draws)]
     outputs = _generate(engine, requests)
@@ -317,8 +386,9 @@ def test_verify_step_rolls_back_rejected_slots_and_never_caches_them():
     from engine.request import Request
     from engine.scheduler import FIFOScheduler
 
-    config = EngineConfig(page_size=4, num_blocks=64, max_batch_tokens=32, speculative="ngram", ngram_min=1,
-                          num_speculative_tokens=6)
+    config = EngineConfig(
+        page_size=4, num_blocks=64, max_batch_tokens=32, speculative="ngram", ngram_min=1, num_speculative_tokens=6
+    )
     bm = BlockManager(CacheSpec.build(config.num_blocks, config.page_size), True)
     scheduler = FIFOScheduler(config, bm)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]  # 10 tokens; "6" recurs, so 7 8 9 10 11 12 is proposed
@@ -354,22 +424,29 @@ def test_generated_token_count_equals_off_when_a_stop_cuts_an_accepted_run(stori
     line = reference_greedy[7]  # after 120 tokens of its golden output, stories260K repeats itself: all accepted
     prompt = line["prompt_token_ids"] + line["output_token_ids"][:120]
     off_engine = LLMEngine.from_pretrained(str(stories260k_dir), EngineConfig())
-    plain = _generate(off_engine, [("p", prompt, SamplingParams(max_new_tokens=512 - len(prompt), ignore_eos=True))]
-                      )["p"].output_token_ids
+    plain = _generate(off_engine, [("p", prompt, SamplingParams(max_new_tokens=512 - len(prompt), ignore_eos=True))])[
+        "p"
+    ].output_token_ids
     near_the_end = prompt + plain[:-10]  # greedy continues with plain[-10:], then the model length stops it
     # The stop token and string: a token 6 or more tokens in, new to the output (and its text new to the output's
     # text) but in the prompt, so that n-gram lookup can propose it and more after it.
-    at = next(i for i in range(6, len(plain)) if plain[i] not in plain[:i] and plain[i] in prompt and
-              tokenizer.decode(plain[i:i + 1]).strip() not in tokenizer.decode(plain[:i]))
+    at = next(
+        i
+        for i in range(6, len(plain))
+        if plain[i] not in plain[:i]
+        and plain[i] in prompt
+        and tokenizer.decode(plain[i : i + 1]).strip() not in tokenizer.decode(plain[:i])
+    )
     requests = [
         ("max", prompt, SamplingParams(max_new_tokens=11)),
         ("token", prompt, SamplingParams(max_new_tokens=24, stop_token_ids=(plain[at],))),
-        ("string", prompt, SamplingParams(max_new_tokens=24, stop=(tokenizer.decode(plain[at:at + 1]).strip(),))),
+        ("string", prompt, SamplingParams(max_new_tokens=24, stop=(tokenizer.decode(plain[at : at + 1]).strip(),))),
         ("length", near_the_end, SamplingParams(max_new_tokens=40, ignore_eos=True)),
     ]
     for name, *rest in requests:  # each alone, so its count is its own
-        (off, off_stats), (ngram, stats) = _off_and_ngram(stories260k_dir, [(name, *rest)],
-                                                          num_speculative_tokens=8, ngram_min=1)
+        (off, off_stats), (ngram, stats) = _off_and_ngram(
+            stories260k_dir, [(name, *rest)], num_speculative_tokens=8, ngram_min=1
+        )
         assert ngram[name].output_token_ids == off[name].output_token_ids, name
         assert stats.num_accepted_tokens > 0, name  # a verify step ran, so a run could overshoot the stop
         assert stats.num_generated_tokens == off_stats.num_generated_tokens, name
@@ -384,5 +461,7 @@ def test_the_switch_logs_each_way_also_when_a_run_starts_above_it(caplog):
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
         assert [speculator.active(n) for n in (5, 4, 2, 1, 3)] == [False, False, True, True, False]
     messages = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
-    assert messages == ["speculative decoding paused, decoding plainly: 5 requests running (speculative_max_batch = 2)",
-                        "speculative decoding resumed: 2 requests running (speculative_max_batch = 2)"]
+    assert messages == [
+        "speculative decoding paused, decoding plainly: 5 requests running (speculative_max_batch = 2)",
+        "speculative decoding resumed: 2 requests running (speculative_max_batch = 2)",
+    ]

@@ -17,17 +17,20 @@ def test_verify_threshold_is_the_plain_steps_tokens_per_unit_of_cost_times_a_row
     assert verify_threshold(0.03, 40, 8) == pytest.approx(0.24 / 2.2)  # prefill rows dilute the fixed cost
 
 
-@pytest.mark.parametrize("acceptance, threshold, k, expected", [
-    (1.0, 0.5, 4, 4),  # always accepted: all k
-    (1.0, 0.9, 4, 0),  # always accepted, yet 4 tokens do not pay for 4 rows and the entry at 0.9 each
-    (0.5, 0.2, 4, 2),  # 0.5 and 0.25 clear 0.2, 0.125 does not
-    (0.5, 0.2, 1, 1),  # capped by k (or by the room left)
-    (0.9, 0.6, 8, 4),  # 0.9 ** 4 = 0.656, 0.9 ** 5 = 0.59
-    (0.2, 0.2, 4, 0),  # not above the threshold: plain decoding
-    (0.0, 0.0, 4, 0),  # never accepted
-    (0.3, 0.0, 4, 4),  # free rows
-    (0.3, 0.2, 4, 0),  # its one row would pay (0.3 > 0.2), not with the verify entry's cost (0.3 < 2 * 0.2)
-])
+@pytest.mark.parametrize(
+    "acceptance, threshold, k, expected",
+    [
+        (1.0, 0.5, 4, 4),  # always accepted: all k
+        (1.0, 0.9, 4, 0),  # always accepted, yet 4 tokens do not pay for 4 rows and the entry at 0.9 each
+        (0.5, 0.2, 4, 2),  # 0.5 and 0.25 clear 0.2, 0.125 does not
+        (0.5, 0.2, 1, 1),  # capped by k (or by the room left)
+        (0.9, 0.6, 8, 4),  # 0.9 ** 4 = 0.656, 0.9 ** 5 = 0.59
+        (0.2, 0.2, 4, 0),  # not above the threshold: plain decoding
+        (0.0, 0.0, 4, 0),  # never accepted
+        (0.3, 0.0, 4, 4),  # free rows
+        (0.3, 0.2, 4, 0),  # its one row would pay (0.3 > 0.2), not with the verify entry's cost (0.3 < 2 * 0.2)
+    ],
+)
 def test_proposal_length(acceptance, threshold, k, expected):
     assert proposal_length(acceptance, threshold, k) == expected
 
@@ -48,7 +51,7 @@ def test_the_rule_never_makes_a_step_slower_than_plain_decoding_under_its_cost_m
         for mix in itertools.combinations_with_replacement(rates, 3):
             alphas = [mix[i % 3] for i in range(batch)]
             lengths = [proposal_length(a, threshold, k) for a in alphas]
-            tokens = batch + sum(sum(a ** i for i in range(1, j + 1)) for a, j in zip(alphas, lengths))
+            tokens = batch + sum(sum(a**i for i in range(1, j + 1)) for a, j in zip(alphas, lengths))
             cost = 1 + row_cost * (batch + sum(lengths) + VERIFY_ENTRY_ROWS * sum(1 for j in lengths if j))
             assert tokens / cost >= plain * (1 - 1e-12), (row_cost, batch, k, mix)
             # ...and it speculates where a row clearly pays: a near-certain proposal pays its row and the entry.
@@ -62,8 +65,17 @@ def _repeating_request(sampling_params: SamplingParams | None = None) -> Request
 
 
 def _speculator(**config) -> Speculator:
-    return Speculator(EngineConfig(speculative="ngram", ngram_min=1, ngram_max=2, num_speculative_tokens=4,
-                                   speculative_max_batch=256, speculative_row_cost=0.03, **config))
+    return Speculator(
+        EngineConfig(
+            speculative="ngram",
+            ngram_min=1,
+            ngram_max=2,
+            num_speculative_tokens=4,
+            speculative_max_batch=256,
+            speculative_row_cost=0.03,
+            **config,
+        )
+    )
 
 
 def _step(speculator: Speculator, request: Request, num_running: int, num_accepted: int) -> int:
@@ -73,8 +85,9 @@ def _step(speculator: Speculator, request: Request, num_running: int, num_accept
     if proposals:
         accepted = proposals[:num_accepted]
         speculator.record(request, len(proposals), len(accepted))
-        request.output_token_ids.extend(accepted + [proposals[len(accepted)] if len(accepted) < len(proposals)
-                                                    else 1 + (proposals[-1] % 4)])
+        request.output_token_ids.extend(
+            accepted + [proposals[len(accepted)] if len(accepted) < len(proposals) else 1 + (proposals[-1] % 4)]
+        )
     else:
         request.output_token_ids.append(1 + (request.output_token_ids[-1] % 4) if request.output_token_ids else 1)
     return len(proposals)
@@ -143,8 +156,8 @@ def test_ngram_index_equals_a_rescan_of_the_whole_sequence():
             return []
         for n in range(min(high, len(tokens) - 1), low - 1, -1):
             for end in range(len(tokens) - 1, n - 1, -1):
-                if tokens[end - n:end] == tokens[len(tokens) - n:]:
-                    return tokens[end:end + k]
+                if tokens[end - n : end] == tokens[len(tokens) - n :]:
+                    return tokens[end : end + k]
         return []
 
     rng = random.Random(0)
@@ -159,5 +172,5 @@ def test_ngram_index_equals_a_rescan_of_the_whole_sequence():
             k = rng.randint(0, 5)
             assert index.propose(k) == rescan(tokens, low, high, k), (low, high, tokens, k)
             end, n = index.lookup()
-            assert n == 0 or (tokens[end - n:end] == tokens[len(tokens) - n:] and end < len(tokens))
+            assert n == 0 or (tokens[end - n : end] == tokens[len(tokens) - n :] and end < len(tokens))
             assert (n == 0) == (rescan(tokens, low, high, 1) == [])

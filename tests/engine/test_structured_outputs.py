@@ -25,9 +25,15 @@ SCHEMA = {
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "color": {"enum": ["red", "green", "blue"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"zip": {"type": "integer", "minimum": 0, "maximum": 99999},
-                                                     "city": {"type": "string", "maxLength": 6}},
-                    "required": ["zip", "city"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {
+                "zip": {"type": "integer", "minimum": 0, "maximum": 99999},
+                "city": {"type": "string", "maxLength": 6},
+            },
+            "required": ["zip", "city"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "age", "color", "tags", "address"],
     "additionalProperties": False,
@@ -55,26 +61,34 @@ def engine(model_dir):
 
 def _prompts(n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
-    return [[256] + torch.randint(0, 256, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        [256] + torch.randint(0, 256, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def _run(engine, params_list, prompts=None) -> dict:
     prompts = prompts or _prompts(len(params_list))
-    return {o.request_id: o for o in engine.generate((i, p, params) for i, (p, params)
-                                                     in enumerate(zip(prompts, params_list)))}
+    return {
+        o.request_id: o
+        for o in engine.generate((i, p, params) for i, (p, params) in enumerate(zip(prompts, params_list)))
+    }
 
 
 def _text(engine, output) -> str:
-    return output.text if output.text is not None else engine.tokenizer.decode(output.output_token_ids,
-                                                                               skip_special_tokens=True)
+    return (
+        output.text
+        if output.text is not None
+        else engine.tokenizer.decode(output.output_token_ids, skip_special_tokens=True)
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_json_schema_rows_all_end_by_stop_and_validate(engine, temperature):
     so = StructuredOutputsParams(json=SCHEMA)
-    params = [SamplingParams(max_new_tokens=300, temperature=temperature, seed=i, structured_outputs=so)
-              for i in range(12)]
+    params = [
+        SamplingParams(max_new_tokens=300, temperature=temperature, seed=i, structured_outputs=so) for i in range(12)
+    ]
     outputs = _run(engine, params)
     for output in outputs.values():
         assert output.finish_reason == "stop", output.error
@@ -83,23 +97,33 @@ def test_json_schema_rows_all_end_by_stop_and_validate(engine, temperature):
 
 def test_json_rows_cut_by_max_tokens_finish_by_length(engine):
     so = StructuredOutputsParams(json=json.dumps(SCHEMA))
-    outputs = _run(engine, [SamplingParams(max_new_tokens=10, temperature=1.0, seed=i, structured_outputs=so)
-                            for i in range(4)])
+    outputs = _run(
+        engine, [SamplingParams(max_new_tokens=10, temperature=1.0, seed=i, structured_outputs=so) for i in range(4)]
+    )
     for output in outputs.values():
         assert output.finish_reason == "length" and len(output.output_token_ids) == 10
         assert _text(engine, output).startswith('{"name": "')
 
 
-@pytest.mark.parametrize("so, matches", [
-    (StructuredOutputsParams(regex=REGEX), lambda t: re.fullmatch(REGEX, t)),
-    (StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES),
-    (StructuredOutputsParams(grammar=EBNF), lambda t: re.fullmatch(EBNF_REGEX, t)),
-    (StructuredOutputsParams(grammar=LARK), lambda t: re.fullmatch(r"\[[a-z]{1,6}\]", t)),
-    (StructuredOutputsParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
-], ids=["regex", "choice", "ebnf", "lark", "json_object"])
+@pytest.mark.parametrize(
+    "so, matches",
+    [
+        (StructuredOutputsParams(regex=REGEX), lambda t: re.fullmatch(REGEX, t)),
+        (StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES),
+        (StructuredOutputsParams(grammar=EBNF), lambda t: re.fullmatch(EBNF_REGEX, t)),
+        (StructuredOutputsParams(grammar=LARK), lambda t: re.fullmatch(r"\[[a-z]{1,6}\]", t)),
+        (StructuredOutputsParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+    ],
+    ids=["regex", "choice", "ebnf", "lark", "json_object"],
+)
 def test_regex_choice_and_grammars_match(engine, so, matches):
-    outputs = _run(engine, [SamplingParams(max_new_tokens=120, temperature=t, seed=i, structured_outputs=so)
-                            for i, t in enumerate([0.0, 0.7, 1.0, 1.0, 1.0, 1.0])])
+    outputs = _run(
+        engine,
+        [
+            SamplingParams(max_new_tokens=120, temperature=t, seed=i, structured_outputs=so)
+            for i, t in enumerate([0.0, 0.7, 1.0, 1.0, 1.0, 1.0])
+        ],
+    )
     for output in outputs.values():
         if so.json_object and output.finish_reason == "length":
             continue  # an object of any size: a noise model may not close it
@@ -114,8 +138,11 @@ def test_greedy_equals_masked_argmax_oracle(engine, model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = _prompts(3)
-    outputs = _run(engine, [SamplingParams(max_new_tokens=20, structured_outputs=StructuredOutputsParams(
-        regex=REGEX))] * 3, prompts)
+    outputs = _run(
+        engine,
+        [SamplingParams(max_new_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX))] * 3,
+        prompts,
+    )
     compiled = engine._grammar_compiler.submit(StructuredOutputsParams(regex=REGEX)).result()
     for i, prompt in enumerate(prompts):
         matcher, ids = xgr.GrammarMatcher(compiled), list(prompt)
@@ -128,7 +155,7 @@ def test_greedy_equals_masked_argmax_oracle(engine, model_dir):
             token = int(logits.argmax())
             assert matcher.accept_token(token)
             ids.append(token)
-        assert outputs[i].output_token_ids == ids[len(prompt):]
+        assert outputs[i].output_token_ids == ids[len(prompt) :]
 
 
 def test_seeded_rows_are_independent_of_their_batch_and_n(engine):
@@ -136,8 +163,12 @@ def test_seeded_rows_are_independent_of_their_batch_and_n(engine):
     params = SamplingParams(max_new_tokens=300, temperature=1.0, seed=7, structured_outputs=so)
     prompt = _prompts(1)[0]
     alone = _run(engine, [params], [prompt])[0].output_token_ids
-    others = [SamplingParams(max_new_tokens=40, temperature=1.0, seed=i, structured_outputs=StructuredOutputsParams(
-        regex=REGEX)) for i in range(5)]
+    others = [
+        SamplingParams(
+            max_new_tokens=40, temperature=1.0, seed=i, structured_outputs=StructuredOutputsParams(regex=REGEX)
+        )
+        for i in range(5)
+    ]
     batch = _run(engine, [*others, params, params.replace(seed=8)], [*_prompts(5), prompt, prompt])
     assert batch[5].output_token_ids == alone
     assert batch[6].output_token_ids != alone  # a second sample of the same row (n = 2) differs
@@ -158,8 +189,10 @@ def test_speculation_and_async_batching_keep_outputs(model_dir, engine, speculat
     from dataclasses import replace
 
     so = StructuredOutputsParams(json=SCHEMA)
-    params = [SamplingParams(max_new_tokens=300, temperature=t, seed=i, structured_outputs=so)
-              for i, t in enumerate([0.0, 0.0, 0.0, 1.0, 1.0])]
+    params = [
+        SamplingParams(max_new_tokens=300, temperature=t, seed=i, structured_outputs=so)
+        for i, t in enumerate([0.0, 0.0, 0.0, 1.0, 1.0])
+    ]
     params.append(SamplingParams(max_new_tokens=30))  # free text beside them
     want = _run(engine, params)
     config = replace(CONFIG, speculative="ngram", num_speculative_tokens=4) if speculative else CONFIG
@@ -176,8 +209,11 @@ def test_speculation_and_async_batching_keep_outputs(model_dir, engine, speculat
 
 
 def test_bad_constraints_fail_their_row_only(engine):
-    bad = [StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}),
-           StructuredOutputsParams(regex="(ab"), StructuredOutputsParams(grammar="root ::= missing_rule")]
+    bad = [
+        StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}),
+        StructuredOutputsParams(regex="(ab"),
+        StructuredOutputsParams(grammar="root ::= missing_rule"),
+    ]
     params = [SamplingParams(max_new_tokens=20, structured_outputs=so) for so in bad]
     params.append(SamplingParams(max_new_tokens=20, structured_outputs=StructuredOutputsParams(choice=CHOICES)))
     outputs = _run(engine, params)
@@ -242,7 +278,7 @@ def test_the_samplers_bitmask_kernel_equals_the_unpacked_mask():
 
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(5, 70, generator=g)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (5, 3), dtype=torch.int32, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 3), dtype=torch.int32, generator=g)
     want = scores.masked_fill(~processing.allowed_tokens(bitmask, 70), float("-inf"))
     assert torch.equal(processing.apply_token_bitmask(scores.clone(), bitmask), want)
 
@@ -266,8 +302,9 @@ def test_special_tokens_never_match_a_grammar_that_their_text_spells(engine):
     """``<unk>`` (id 258) and ``<s>`` (256) spell ``"<" [a-z]+ ">"`` as written, but decode to nothing: no row may
     draw them, whatever its seed (the byte tokenizer must spell the letters one by one)."""
     so = StructuredOutputsParams(grammar='root ::= "<" [a-z]{1,4} ">"')
-    outputs = _run(engine, [SamplingParams(max_new_tokens=20, temperature=1.0, seed=i, structured_outputs=so)
-                            for i in range(24)])
+    outputs = _run(
+        engine, [SamplingParams(max_new_tokens=20, temperature=1.0, seed=i, structured_outputs=so) for i in range(24)]
+    )
     for output in outputs.values():
         assert output.finish_reason == "stop", output.error
         assert not {256, 258} & set(output.output_token_ids), output.output_token_ids

@@ -16,16 +16,67 @@ from transformers import AutoTokenizer
 from engine.tokenizer import FastTokenizer, fast_tokenizer_reason, load_tokenizer
 
 TEXTS = [
-    "", " ", "  ", "\n", "\t", "a", "Hello, world!", "Once upon a time, there was a little girl named Lily.",
-    " leading space", "trailing space ", "two  spaces   three", "line one\nline two\n\n", "tab\tseparated\tvalues",
+    "",
+    " ",
+    "  ",
+    "\n",
+    "\t",
+    "a",
+    "Hello, world!",
+    "Once upon a time, there was a little girl named Lily.",
+    " leading space",
+    "trailing space ",
+    "two  spaces   three",
+    "line one\nline two\n\n",
+    "tab\tseparated\tvalues",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
-    "0", "12", "123456789", "3.14159", "-42", "1,000,000", "2024-12-01", "x=30", "dogs 30 dog 3 0",
-    "héllo wörld", "naïve café", "日本語のテキスト", "中文", "한국어", "Ελληνικά", "русский текст", "עברית", "العربية",
-    "emoji 🙂🎉👍🏽", "🙂", "e\u0301 combining", "\u200bzero width", "\x00nul", "\x7fdel", "ÿþ", "\ufffd",
-    "<s>", "</s>", "<unk>", "<s> Once", "Once</s>", "a<s>b</s>c", " <s>", "<s><s>",
+    "0",
+    "12",
+    "123456789",
+    "3.14159",
+    "-42",
+    "1,000,000",
+    "2024-12-01",
+    "x=30",
+    "dogs 30 dog 3 0",
+    "héllo wörld",
+    "naïve café",
+    "日本語のテキスト",
+    "中文",
+    "한국어",
+    "Ελληνικά",
+    "русский текст",
+    "עברית",
+    "العربية",
+    "emoji 🙂🎉👍🏽",
+    "🙂",
+    "e\u0301 combining",
+    "\u200bzero width",
+    "\x00nul",
+    "\x7fdel",
+    "ÿþ",
+    "\ufffd",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<s> Once",
+    "Once</s>",
+    "a<s>b</s>c",
+    " <s>",
+    "<s><s>",
     "<|user|>\nhi\n<|assistant|>\n",
-    "<0x41>", "<<s>>", "s>", "<s", "The dog" + "s ran", "ALL CAPS", "MiXeD cAsE", "punctuation?!.,;:'\"()[]{}",
-    "don't won't it's", " . , ! ?", "a" * 300, "word " * 60,
+    "<0x41>",
+    "<<s>>",
+    "s>",
+    "<s",
+    "The dog" + "s ran",
+    "ALL CAPS",
+    "MiXeD cAsE",
+    "punctuation?!.,;:'\"()[]{}",
+    "don't won't it's",
+    " . , ! ?",
+    "a" * 300,
+    "word " * 60,
 ]
 
 
@@ -77,25 +128,53 @@ def tokenizer_dirs(stories260k_dir, tiny_model_dir, tmp_path_factory) -> dict[st
     dirs["stories260K-no-split"] = _edit_config(_copy(stories260k_dir, root / "s1"), split_special_tokens=False)
     dirs["demo-split"] = _edit_config(_copy(tiny_model_dir, root / "d1"), split_special_tokens=True)
     # add_bos_token / add_eos_token are dropped with a tokenizer.json: its post-processor (BOS) stands
-    dirs["demo-add-bos-false"] = _edit_config(_copy(tiny_model_dir, root / "d2"), add_bos_token=False,
-                                              add_eos_token=True)
-    dirs["demo-cleanup-legacy"] = _edit_config(_copy(tiny_model_dir, root / "d3"), clean_up_tokenization_spaces=True,
-                                               legacy=False, add_prefix_space=True, padding_side="left",
-                                               tokenizer_class="PreTrainedTokenizerFast")
+    dirs["demo-add-bos-false"] = _edit_config(
+        _copy(tiny_model_dir, root / "d2"), add_bos_token=False, add_eos_token=True
+    )
+    dirs["demo-cleanup-legacy"] = _edit_config(
+        _copy(tiny_model_dir, root / "d3"),
+        clean_up_tokenization_spaces=True,
+        legacy=False,
+        add_prefix_space=True,
+        padding_side="left",
+        tokenizer_class="PreTrainedTokenizerFast",
+    )
     demo = AutoTokenizer.from_pretrained(tiny_model_dir)
-    decoder = {str(i): {"content": t.content, "single_word": t.single_word, "lstrip": t.lstrip, "rstrip": t.rstrip,
-                        "normalized": t.normalized, "special": t.special}
-               for i, t in demo.added_tokens_decoder.items()}
-    dirs["demo-added-tokens-extra"] = _edit_config(_copy(tiny_model_dir, root / "d4"), added_tokens_decoder=decoder,
-                                                   pad_token="</s>", extra_special_tokens=["<unk>"],
-                                                   bos_token={"__type": "AddedToken", "content": "<s>"})
+    decoder = {
+        str(i): {
+            "content": t.content,
+            "single_word": t.single_word,
+            "lstrip": t.lstrip,
+            "rstrip": t.rstrip,
+            "normalized": t.normalized,
+            "special": t.special,
+        }
+        for i, t in demo.added_tokens_decoder.items()
+    }
+    dirs["demo-added-tokens-extra"] = _edit_config(
+        _copy(tiny_model_dir, root / "d4"),
+        added_tokens_decoder=decoder,
+        pad_token="</s>",
+        extra_special_tokens=["<unk>"],
+        bos_token={"__type": "AddedToken", "content": "<s>"},
+    )
     dirs["demo-no-post-processor"] = _no_post_processor_dir(_copy(tiny_model_dir, root / "d5"))
     dirs["demo-chat-template"] = _edit_config(_copy(tiny_model_dir, root / "d6"), chat_template=CHAT_TEMPLATE)
     return dirs
 
 
-NAMES = ["stories260K", "demo", "merging-bpe", "stories260K-no-split", "demo-split", "demo-add-bos-false",
-         "demo-cleanup-legacy", "demo-added-tokens-extra", "demo-no-post-processor", "demo-chat-template"]
+NAMES = [
+    "stories260K",
+    "demo",
+    "merging-bpe",
+    "stories260K-no-split",
+    "demo-split",
+    "demo-add-bos-false",
+    "demo-cleanup-legacy",
+    "demo-added-tokens-extra",
+    "demo-no-post-processor",
+    "demo-chat-template",
+]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -107,15 +186,27 @@ def test_fast_tokenizer_equals_auto_tokenizer(name, tokenizer_dirs):
     assert type(auto).__name__ == "TokenizersBackend"  # the class FastTokenizer stands for
     for text in TEXTS:
         for special in (True, False):
-            assert fast.encode(text, add_special_tokens=special) == auto.encode(text, add_special_tokens=special), \
-                (text, special)
+            assert fast.encode(text, add_special_tokens=special) == auto.encode(text, add_special_tokens=special), (
+                text,
+                special,
+            )
         assert fast.encode(text) == auto.encode(text)
         ids = auto.encode(text)
         for skip in (True, False):
-            assert fast.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip), \
-                (text, skip)
-    for name_ in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id",
-                  "unk_token_id", "pad_token_id"):
+            assert fast.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip), (
+                text,
+                skip,
+            )
+    for name_ in (
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "bos_token_id",
+        "eos_token_id",
+        "unk_token_id",
+        "pad_token_id",
+    ):
         assert getattr(fast, name_) == getattr(auto, name_), name_
     assert fast.get_vocab() == auto.get_vocab()
     assert len(fast) == len(auto) and fast.vocab_size == auto.vocab_size
@@ -126,8 +217,9 @@ def test_fast_tokenizer_equals_auto_tokenizer(name, tokenizer_dirs):
     assert fast(TEXTS[:9], add_special_tokens=False)["input_ids"] == batch
     vocab_ids = list(range(len(auto)))
     assert [fast.convert_ids_to_tokens(i) for i in vocab_ids] == [auto.convert_ids_to_tokens(i) for i in vocab_ids]
-    assert fast.convert_ids_to_tokens(vocab_ids, skip_special_tokens=True) == \
-        auto.convert_ids_to_tokens(vocab_ids, skip_special_tokens=True)
+    assert fast.convert_ids_to_tokens(vocab_ids, skip_special_tokens=True) == auto.convert_ids_to_tokens(
+        vocab_ids, skip_special_tokens=True
+    )
 
 
 @pytest.mark.parametrize("name", ["stories260K", "demo", "merging-bpe", "stories260K-no-split", "demo-split"])
@@ -138,8 +230,9 @@ def test_fast_tokenizer_decodes_any_ids_as_auto_tokenizer(name, tokenizer_dirs):
     path = tokenizer_dirs[name]
     fast, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path, local_files_only=True)
     rng = random.Random(0)
-    sequences = [[i] for i in range(len(auto))] + [[rng.randrange(len(auto)) for _ in range(rng.randrange(1, 40))]
-                                                  for _ in range(300)]
+    sequences = [[i] for i in range(len(auto))] + [
+        [rng.randrange(len(auto)) for _ in range(rng.randrange(1, 40))] for _ in range(300)
+    ]
     for ids in sequences:
         for skip in (True, False):
             assert fast.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip), ids
@@ -154,20 +247,47 @@ def test_stories260k_byte_fallback_and_special_text_are_exercised(tokenizer_dirs
     assert load_tokenizer(tokenizer_dirs["stories260K-no-split"]).encode("<s>").count(fast.bos_token_id) == 2
 
 
-@pytest.mark.parametrize("change,reason", [
-    (dict(tokenizer_class="LlamaTokenizer"), "tokenizer_class 'LlamaTokenizer'"),
-    (dict(fix_mistral_regex=True), "sets fix_mistral_regex"),
-    (dict(sep_token="<sep>"), "special token '<sep>' is not a special added token"),
-    (dict(added_tokens_decoder={"256": {"content": "<s>", "single_word": False, "lstrip": True, "rstrip": False,
-                                        "normalized": False, "special": True}}), "added_tokens_decoder entry 256"),
-    (dict(auto_map={"AutoTokenizer": ["x", "y"]}), "sets auto_map"),
-    (dict(extra_special_tokens={"image_token": "<s>"}), "extra_special_tokens is a dict"),
-    (dict(image_token="<s>"), "sets image_token"),
-    (dict(padding_side="middle"), "padding_side = 'middle'"),
-    (dict(bos_token={"content": "<s>"}), "special token {'content': '<s>'} is not a special added token"),
-    (dict(added_tokens_decoder=["<s>"]), "holds a value not read here"),
-], ids=["llama-class", "unknown-key", "missing-special", "added-token-flags", "auto-map", "named-extras",
-        "model-specific-token", "bad-padding-side", "untyped-token-dict", "decoder-list"])
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (dict(tokenizer_class="LlamaTokenizer"), "tokenizer_class 'LlamaTokenizer'"),
+        (dict(fix_mistral_regex=True), "sets fix_mistral_regex"),
+        (dict(sep_token="<sep>"), "special token '<sep>' is not a special added token"),
+        (
+            dict(
+                added_tokens_decoder={
+                    "256": {
+                        "content": "<s>",
+                        "single_word": False,
+                        "lstrip": True,
+                        "rstrip": False,
+                        "normalized": False,
+                        "special": True,
+                    }
+                }
+            ),
+            "added_tokens_decoder entry 256",
+        ),
+        (dict(auto_map={"AutoTokenizer": ["x", "y"]}), "sets auto_map"),
+        (dict(extra_special_tokens={"image_token": "<s>"}), "extra_special_tokens is a dict"),
+        (dict(image_token="<s>"), "sets image_token"),
+        (dict(padding_side="middle"), "padding_side = 'middle'"),
+        (dict(bos_token={"content": "<s>"}), "special token {'content': '<s>'} is not a special added token"),
+        (dict(added_tokens_decoder=["<s>"]), "holds a value not read here"),
+    ],
+    ids=[
+        "llama-class",
+        "unknown-key",
+        "missing-special",
+        "added-token-flags",
+        "auto-map",
+        "named-extras",
+        "model-specific-token",
+        "bad-padding-side",
+        "untyped-token-dict",
+        "decoder-list",
+    ],
+)
 def test_configs_it_does_not_reproduce_load_transformers_tokenizer(change, reason, tiny_model_dir, tmp_path):
     path = _edit_config(_copy(tiny_model_dir, tmp_path / "t"), **change)
     assert reason in fast_tokenizer_reason(path)
@@ -197,8 +317,9 @@ def test_calls_it_does_not_make_go_to_transformers_tokenizer(tokenizer_dirs):
     assert fast._transformers is None
     messages = [{"role": "user", "content": "Hi <s> there"}]
     assert fast.chat_template == auto.chat_template is not None
-    assert fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=True) == \
-        auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=True) == auto.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
     assert type(fast.transformers_tokenizer()).__name__ == "TokenizersBackend"
     assert load_tokenizer(tokenizer_dirs["demo"]).chat_template is None
     with pytest.raises(AttributeError):

@@ -59,7 +59,7 @@ def multiple_choice_rows(rows: list[dict], num_rows: int, seed: int = 0) -> list
 def text_rows(rows: list[dict], num_texts: int, rows_per_text: int) -> list[dict]:
     texts = []
     for t in range(num_texts):
-        part = rows[t * rows_per_text:(t + 1) * rows_per_text]
+        part = rows[t * rows_per_text : (t + 1) * rows_per_text]
         texts.append({"text": "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in part)})
     return texts
 

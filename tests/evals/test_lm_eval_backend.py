@@ -39,8 +39,15 @@ def _offline_from_repo_root(monkeypatch):
 
 def evaluate(model, model_args, tasks, limit, **kwargs) -> dict:
     task_manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
-    return simple_evaluate(model=model, model_args=model_args, tasks=tasks, limit=limit, task_manager=task_manager,
-                           log_samples=True, **kwargs)
+    return simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=tasks,
+        limit=limit,
+        task_manager=task_manager,
+        log_samples=True,
+        **kwargs,
+    )
 
 
 def responses(results: dict, task: str) -> list:
@@ -106,8 +113,10 @@ def stories_runs(stories260k_dir):
     ppl = evaluate(cbrun, None, [PPL], limit=24)
     scoring["cbrun"]["samples"][PPL], scoring["cbrun"]["results"][PPL] = ppl["samples"][PPL], ppl["results"][PPL]
     scoring["hf"] = evaluate("hf", hf_args, [MC, PPL], limit=24)
-    generation = {"cbrun": evaluate(cbrun, None, [GEN], limit=12, gen_kwargs="max_gen_toks=48"),
-                  "hf": evaluate("hf", hf_args, [GEN], limit=12, gen_kwargs="max_gen_toks=48")}
+    generation = {
+        "cbrun": evaluate(cbrun, None, [GEN], limit=12, gen_kwargs="max_gen_toks=48"),
+        "hf": evaluate("hf", hf_args, [GEN], limit=12, gen_kwargs="max_gen_toks=48"),
+    }
     return cbrun, scoring, generation, mc_stats
 
 
@@ -122,8 +131,9 @@ def test_multiple_choice_matches_hf(stories_runs):
 def test_rolling_perplexity_matches_hf(stories_runs):
     _, scoring, _, _ = stories_runs
     assert_same_results(scoring["cbrun"], scoring["hf"], PPL)
-    assert {"word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"} <= metrics(scoring["cbrun"],
-                                                                                           PPL).keys()
+    assert {"word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"} <= metrics(
+        scoring["cbrun"], PPL
+    ).keys()
 
 
 def test_rolling_texts_exceed_the_context(stories_runs):
@@ -143,14 +153,17 @@ def test_sampled_generation_is_seeded_and_stops(stories260k_dir, stories_runs):
 
     cbrun = stories_runs[0]
     gen_kwargs = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "until": ["."], "max_gen_toks": 20}
-    requests = [Instance("generate_until", {}, (prompt, dict(gen_kwargs)), 0)
-                for prompt in ("Once upon a time", "Tom had a dog", "The sun")]
+    requests = [
+        Instance("generate_until", {}, (prompt, dict(gen_kwargs)), 0)
+        for prompt in ("Once upon a time", "Tom had a dog", "The sun")
+    ]
     first = cbrun.generate_until(requests, disable_tqdm=True)
     again = CbrunLM(pretrained=str(stories260k_dir), num_threads=1).generate_until(requests, disable_tqdm=True)
     assert first == again  # each request's seed derives from the backend's seed and its index, not the history
     assert all("." not in text and len(cbrun.tok_encode(text, add_special_tokens=False)) <= 21 for text in first)
-    other_seed = CbrunLM(pretrained=str(stories260k_dir), num_threads=1, seed=7).generate_until(requests,
-                                                                                             disable_tqdm=True)
+    other_seed = CbrunLM(pretrained=str(stories260k_dir), num_threads=1, seed=7).generate_until(
+        requests, disable_tqdm=True
+    )
     assert other_seed != first
     with pytest.raises(ValueError, match="not supported by cbrun"):
         cbrun.generate_until([Instance("generate_until", {}, ("Hi", {"typical_p": 0.5}), 0)], disable_tqdm=True)
@@ -171,19 +184,21 @@ def test_continuation_on_page_and_chunk_boundaries(stories260k_dir):
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    small = CbrunLM(pretrained=str(stories260k_dir), num_threads=1, page_size=4, max_batch_tokens=8,
-                    max_requests_per_batch=1)
+    small = CbrunLM(
+        pretrained=str(stories260k_dir), num_threads=1, page_size=4, max_batch_tokens=8, max_requests_per_batch=1
+    )
     words = "She liked to play in the park with her red ball every day".split(" ")
-    requests = [Instance("loglikelihood", {}, (context, " " + " ".join(words[:n])), 0)
-                for context in ("Once upon a time, there was a little girl named Lily.", "One day, Tom")
-                for n in range(1, len(words))]
+    requests = [
+        Instance("loglikelihood", {}, (context, " " + " ".join(words[:n])), 0)
+        for context in ("Once upon a time, there was a little girl named Lily.", "One day, Tom")
+        for n in range(1, len(words))
+    ]
     pairs = [small._encode_pair(*r.args) for r in requests]
     windows = [loglikelihood_request(ctx, cont, small.max_length) for ctx, cont in pairs]
     assert {len(w.prompt_token_ids) % 4 == 0 for w in windows} == {True, False}
     assert {w.prompt_logprobs_from % 8 == 0 for w in windows} == {True, False}
     ours = small.loglikelihood(requests, disable_tqdm=True)
-    hf = HFLM(pretrained=str(stories260k_dir), device="cpu", dtype="float32").loglikelihood(requests,
-                                                                                           disable_tqdm=True)
+    hf = HFLM(pretrained=str(stories260k_dir), device="cpu", dtype="float32").loglikelihood(requests, disable_tqdm=True)
     for (a, greedy_a), (b, greedy_b) in zip(ours, hf):
         assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
 
@@ -197,8 +212,11 @@ def test_tokenization_matches_hf(stories260k_dir, stories_runs):
         assert cbrun.tok_encode(text) == hf.tok_encode(text)
     for context, continuation in (("Question: why?\nAnswer: ", "because"), ("Lily ", " ran"), ("A", "B")):
         assert cbrun._encode_pair(context, continuation) == hf._encode_pair(context, continuation)
-    assert (cbrun.prefix_token_id, cbrun.eot_token_id, cbrun.max_length) == (hf.prefix_token_id, hf.eot_token_id,
-                                                                             hf.max_length)
+    assert (cbrun.prefix_token_id, cbrun.eot_token_id, cbrun.max_length) == (
+        hf.prefix_token_id,
+        hf.eot_token_id,
+        hf.max_length,
+    )
 
 
 def test_loglikelihood_encodes_every_string_in_one_batch(stories_runs, monkeypatch):
@@ -208,12 +226,22 @@ def test_loglikelihood_encodes_every_string_in_one_batch(stories_runs, monkeypat
     from lm_eval.api.model import TemplateLM
 
     cbrun = stories_runs[0]
-    pairs = [("Question: why?\nAnswer: ", "because"), ("Lily  ", " ran"), ("", "Once upon"), ("<s>A", "B"),
-             ("Question: why?\nAnswer: ", "so")]
+    pairs = [
+        ("Question: why?\nAnswer: ", "because"),
+        ("Lily  ", " ran"),
+        ("", "Once upon"),
+        ("<s>A", "B"),
+        ("Question: why?\nAnswer: ", "so"),
+    ]
     requests = [Instance("loglikelihood", {}, pair, 0) for pair in pairs]
     seen = []
-    monkeypatch.setattr(type(cbrun), "_loglikelihood_tokens", lambda self, reqs, disable_tqdm=False: seen.append(
-        [(ctx, cont) for _, ctx, cont in reqs]) or [(0.0, True)] * len(reqs))
+    monkeypatch.setattr(
+        type(cbrun),
+        "_loglikelihood_tokens",
+        lambda self, reqs, disable_tqdm=False: (
+            seen.append([(ctx, cont) for _, ctx, cont in reqs]) or [(0.0, True)] * len(reqs)
+        ),
+    )
     TemplateLM.loglikelihood(cbrun, requests, disable_tqdm=True)  # string by string
     encode = type(cbrun.tokenizer).encode
     calls = []
@@ -224,8 +252,10 @@ def test_loglikelihood_encodes_every_string_in_one_batch(stories_runs, monkeypat
 
 
 def test_model_args(stories260k_dir):
-    lm = CbrunLM.create_from_arg_string(f"pretrained={stories260k_dir},page_size=8,max_length=256,num_threads=1",
-                                        {"batch_size": 16, "max_batch_size": 64, "device": "cuda:0"})
+    lm = CbrunLM.create_from_arg_string(
+        f"pretrained={stories260k_dir},page_size=8,max_length=256,num_threads=1",
+        {"batch_size": 16, "max_batch_size": 64, "device": "cuda:0"},
+    )
     assert lm.engine.config.page_size == 8 and lm.max_length == 256 and lm.engine.config.num_threads == 1
     assert lm.engine.config.device == ("cuda:0" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="unknown cbrun model argument"):
@@ -245,10 +275,13 @@ def test_default_model_args_load_and_score_as_one_thread(stories260k_dir, storie
         assert lm.engine.config.num_threads == "auto"
         assert torch.get_num_threads() == 1  # a tiny model keeps one thread (engine.threads.resolve_num_threads)
         assert type(lm.engine.model).__name__ == "LeanModel"
-        requests = [Instance("loglikelihood", {}, ("Once upon a time", " there was a girl"), 0),
-                    Instance("loglikelihood", {}, ("Tom had a dog.", " The dog was big"), 1)]
-        assert lm.loglikelihood(requests, disable_tqdm=True) == cbrun_one_thread.loglikelihood(requests,
-                                                                                               disable_tqdm=True)
+        requests = [
+            Instance("loglikelihood", {}, ("Once upon a time", " there was a girl"), 0),
+            Instance("loglikelihood", {}, ("Tom had a dog.", " The dog was big"), 1),
+        ]
+        assert lm.loglikelihood(requests, disable_tqdm=True) == cbrun_one_thread.loglikelihood(
+            requests, disable_tqdm=True
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -262,10 +295,19 @@ def sliding_window_dir(tmp_path_factory):
     from jobs.demo import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer()
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-                           sliding_window=24, bos_token_id=tokenizer.bos_token_id,
-                           eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+        sliding_window=24,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
     out = tmp_path_factory.mktemp("mistral_sliding")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -302,8 +344,27 @@ def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # main hands lm-eval its arguments through sys.argv
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
-    assert main(["lm-eval", "run", "--model", "cbrun", "--model_args", f"pretrained={stories260k_dir},num_threads=1",
-                 "--device", "cpu", "--include_path", str(TASKS_DIR), "--tasks", MC, "--limit", "2"]) == 0
+    assert (
+        main(
+            [
+                "lm-eval",
+                "run",
+                "--model",
+                "cbrun",
+                "--model_args",
+                f"pretrained={stories260k_dir},num_threads=1",
+                "--device",
+                "cpu",
+                "--include_path",
+                str(TASKS_DIR),
+                "--tasks",
+                MC,
+                "--limit",
+                "2",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "cbrun (" in table and "|cbrun_gsm8k_mc|" in table.replace(" ", "") and "acc_norm" in table
     assert [p.name.startswith("task-index-") for p in (tmp_path / "lm_eval").iterdir()] == [True]
@@ -325,7 +386,12 @@ def test_tokenizer_is_the_one_auto_tokenizer_loads(model, stories260k_dir, slidi
         ours, auto = _load_tokenizer(path, add_bos_token), AutoTokenizer.from_pretrained(path, **kwargs)
         assert type(ours) is type(auto)
         for special in (True, False):
-            assert ours(texts, add_special_tokens=special)["input_ids"] == auto(texts, add_special_tokens=special)[
-                "input_ids"]
-        assert (ours.bos_token_id, ours.eos_token_id, ours.name_or_path) == (auto.bos_token_id, auto.eos_token_id,
-                                                                            auto.name_or_path)
+            assert (
+                ours(texts, add_special_tokens=special)["input_ids"]
+                == auto(texts, add_special_tokens=special)["input_ids"]
+            )
+        assert (ours.bos_token_id, ours.eos_token_id, ours.name_or_path) == (
+            auto.bos_token_id,
+            auto.eos_token_id,
+            auto.name_or_path,
+        )

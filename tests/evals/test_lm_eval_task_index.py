@@ -69,8 +69,9 @@ def test_task_manager_through_the_cache(dirs):
     plain = TaskManager(include_path=str(include), include_defaults=False)
     with cached_builtin_task_index(builtin):
         cached = TaskManager(include_path=[str(builtin), str(include)], include_defaults=False)
-    assert cached.task_index == TaskManager(include_path=[str(builtin), str(include)],
-                                            include_defaults=False).task_index
+    assert (
+        cached.task_index == TaskManager(include_path=[str(builtin), str(include)], include_defaults=False).task_index
+    )
     assert cached.task_index != plain.task_index and "both" in cached.all_groups
 
 

@@ -40,17 +40,24 @@ def make_manifest(request):
         commit_every_rows = settings.pop("commit_every_rows", 1000)
         if not any(settings.get(name) is not None for name in _PROMPT_SOURCES) and "prompt_column" not in settings:
             settings["prompt_column"] = "prompt"
-        return JobManifest(model=ModelSettings(path=str(model_dir)),
-                           input=InputSettings(path=str(input_path), **settings),
-                           sampling=sampling, seed=seed, n=n, engine=request.module.ENGINE_CONFIG,
-                           output=OutputSettings(path=str(output_dir), commit_every_rows=commit_every_rows))
+        return JobManifest(
+            model=ModelSettings(path=str(model_dir)),
+            input=InputSettings(path=str(input_path), **settings),
+            sampling=sampling,
+            seed=seed,
+            n=n,
+            engine=request.module.ENGINE_CONFIG,
+            output=OutputSettings(path=str(output_dir), commit_every_rows=commit_every_rows),
+        )
 
     return make
 
 
 #: A simple chat template for the tiny byte-tokenizer model (saved with it: nothing is downloaded).
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="session")

@@ -66,9 +66,13 @@ def _moto_server():
 @pytest.fixture
 def s3(_moto_server, monkeypatch):
     """A moto S3 server with a new empty bucket; the AWS environment points at it."""
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": _moto_server.endpoint}.items():
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": _moto_server.endpoint,
+    }.items():
         monkeypatch.setenv(name, value)
     _moto_server.bucket = f"cbrun-test-{next(_bucket_numbers)}"
     _moto_server.client().create_bucket(Bucket=_moto_server.bucket)

@@ -11,9 +11,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.run.job import JobError, run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
 from jobs.output.writer import read_output
+from jobs.run.job import JobError, run_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
@@ -31,10 +31,13 @@ def chat_manifest(model_dir, input_path, output_dir, **input_settings) -> JobMan
     input_settings = {"chat": True, **input_settings}
     if "messages_column" not in input_settings and "template" not in input_settings:
         input_settings.setdefault("prompt_column", "prompt")
-    return JobManifest(model=ModelSettings(path=str(model_dir)),
-                       input=InputSettings(path=str(input_path), **input_settings),
-                       sampling=SamplingParams(max_new_tokens=4), engine=ENGINE_CONFIG,
-                       output=OutputSettings(path=str(output_dir)))
+    return JobManifest(
+        model=ModelSettings(path=str(model_dir)),
+        input=InputSettings(path=str(input_path), **input_settings),
+        sampling=SamplingParams(max_new_tokens=4),
+        engine=ENGINE_CONFIG,
+        output=OutputSettings(path=str(output_dir)),
+    )
 
 
 def by_index(output_dir) -> dict[int, dict]:
@@ -54,8 +57,11 @@ def greedy(engine, ids: list[int]) -> list[int]:
 def test_prompt_column_becomes_one_user_turn_after_the_system_prompt(chat_model_dir, chat_engine, tmp_path):
     tok = chat_engine.tokenizer
     pq.write_table(pa.table({"prompt": ["hello", "what is 2+2?"]}), tmp_path / "in.parquet")
-    run_job(chat_manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", system_prompt="Be brief."),
-            progress=False, engine=chat_engine)
+    run_job(
+        chat_manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", system_prompt="Be brief."),
+        progress=False,
+        engine=chat_engine,
+    )
     out = by_index(tmp_path / "out")
     for i, prompt in enumerate(["hello", "what is 2+2?"]):
         ids = rendered_ids(tok, [("system", "Be brief."), ("user", prompt)])
@@ -66,23 +72,38 @@ def test_prompt_column_becomes_one_user_turn_after_the_system_prompt(chat_model_
 def test_messages_column(chat_model_dir, chat_engine, tmp_path):
     tok = chat_engine.tokenizer
     conversations = [
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-         {"role": "user", "content": "bye"}],
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"},
+        ],
         [{"role": "system", "content": "Own system."}, {"role": "user", "content": "x"}],
         None,
         [],
         [{"role": "user", "content": None}],
     ]
-    pq.write_table(pa.table({"id": [f"c{i}" for i in range(5)], "messages": pa.array(conversations, MESSAGES_TYPE)}),
-                   tmp_path / "in.parquet")
-    summary = run_job(chat_manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", id_column="id",
-                                    messages_column="messages", system_prompt="Default system."),
-                      progress=False, engine=chat_engine)
+    pq.write_table(
+        pa.table({"id": [f"c{i}" for i in range(5)], "messages": pa.array(conversations, MESSAGES_TYPE)}),
+        tmp_path / "in.parquet",
+    )
+    summary = run_job(
+        chat_manifest(
+            chat_model_dir,
+            tmp_path / "in.parquet",
+            tmp_path / "out",
+            id_column="id",
+            messages_column="messages",
+            system_prompt="Default system.",
+        ),
+        progress=False,
+        engine=chat_engine,
+    )
     assert (summary.num_rows, summary.num_errors) == (5, 3)
     out = by_index(tmp_path / "out")
-    want = [rendered_ids(tok, [("system", "Default system."), ("user", "hi"), ("assistant", "hello"),
-                               ("user", "bye")]),
-            rendered_ids(tok, [("system", "Own system."), ("user", "x")])]  # a system turn is not doubled
+    want = [
+        rendered_ids(tok, [("system", "Default system."), ("user", "hi"), ("assistant", "hello"), ("user", "bye")]),
+        rendered_ids(tok, [("system", "Own system."), ("user", "x")]),
+    ]  # a system turn is not doubled
     for i in (0, 1):
         assert out[i]["num_prompt_tokens"] == len(want[i])
         assert out[i]["completion_token_ids"] == greedy(chat_engine, want[i])
@@ -97,8 +118,22 @@ def test_tokenizer_without_chat_template_is_a_setup_error(tiny_model_dir, tmp_pa
     pq.write_table(pa.table({"prompt": ["hello"]}), tmp_path / "in.parquet")
     with pytest.raises(JobError, match="has no chat template; use a chat .* --model PATH"):
         run_job(chat_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out"), progress=False)
-    code = main(["run", "--model", str(tiny_model_dir), "--input", str(tmp_path / "in.parquet"), "--output",
-                 str(tmp_path / "out"), "--prompt-column", "prompt", "--set", "input.chat=true", "--no-progress"])
+    code = main(
+        [
+            "run",
+            "--model",
+            str(tiny_model_dir),
+            "--input",
+            str(tmp_path / "in.parquet"),
+            "--output",
+            str(tmp_path / "out"),
+            "--prompt-column",
+            "prompt",
+            "--set",
+            "input.chat=true",
+            "--no-progress",
+        ]
+    )
     assert code == 2 and "has no chat template" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -112,17 +147,25 @@ def test_chat_settings_are_checked(chat_model_dir, tmp_path):
         InputSettings(path="in", prompt_ids_column="ids", chat=True)
     pq.write_table(pa.table({"messages": [["just text"]]}), tmp_path / "in.parquet")
     with pytest.raises(JobError, match="messages_column 'messages' .* must be a list of structs"):
-        run_job(chat_manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", messages_column="messages"),
-                progress=False)
+        run_job(
+            chat_manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", messages_column="messages"),
+            progress=False,
+        )
 
 
-def test_mt_bench_manifest_first_turn_through_the_template(chat_model_dir, chat_engine, shared_dir, tmp_path,
-                                                           monkeypatch):
+def test_mt_bench_manifest_first_turn_through_the_template(
+    chat_model_dir, chat_engine, shared_dir, tmp_path, monkeypatch
+):
     monkeypatch.chdir(REPO_ROOT)  # the manifest's relative paths are written for the repository root
-    manifest = load_manifest(REPO_ROOT / "manifests" / "mt-bench-chat.toml",
-                             sets=["sampling.max_new_tokens=3", "engine.device=cpu", "engine.dtype=float32"],
-                             overrides={"model": {"path": str(chat_model_dir)}, "input": {"limit": 2},
-                                        "output": {"path": str(tmp_path / "out")}})
+    manifest = load_manifest(
+        REPO_ROOT / "manifests" / "mt-bench-chat.toml",
+        sets=["sampling.max_new_tokens=3", "engine.device=cpu", "engine.dtype=float32"],
+        overrides={
+            "model": {"path": str(chat_model_dir)},
+            "input": {"limit": 2},
+            "output": {"path": str(tmp_path / "out")},
+        },
+    )
     inp = manifest.input
     assert (inp.template, inp.chat, inp.id_column) == ("{turns[0]}", True, "question_id")
     summary = run_job(manifest, progress=False, engine=chat_engine)

@@ -13,9 +13,9 @@ import pytest
 
 from engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION, EngineConfig
 from engine.sampling_params import SamplingParams
+from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.output.checkpoint import Checkpoint, FingerprintMismatch
 from jobs.output.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.output.writer import OutputRow, PartWriter, committed_parts, error_row, rows_to_table, write_part_atomically
 
 
@@ -35,8 +35,18 @@ def manifest(tmp_path):
 
 
 def rows(*indices):
-    return [OutputRow(id=str(i), row_index=i, completion="x", completion_token_ids=[1], num_prompt_tokens=1,
-                      num_completion_tokens=1, finish_reason="stop") for i in indices]
+    return [
+        OutputRow(
+            id=str(i),
+            row_index=i,
+            completion="x",
+            completion_token_ids=[1],
+            num_prompt_tokens=1,
+            num_completion_tokens=1,
+            finish_reason="stop",
+        )
+        for i in indices
+    ]
 
 
 def locked(path) -> Checkpoint:
@@ -60,7 +70,11 @@ def test_fingerprint_changes_with_outputs_settings(manifest):
     manifest.seed = 3
     Path(manifest.model.path, "tokenizer.json").write_text('{"a": 1}')
     assert fingerprint_differences(base, job_fingerprint(manifest, 101)) == [
-        "input.num_rows", "model.files.tokenizer.json", "sampling.job_seed", "sampling.max_new_tokens"]
+        "input.num_rows",
+        "model.files.tokenizer.json",
+        "sampling.job_seed",
+        "sampling.max_new_tokens",
+    ]
 
 
 def test_fingerprint_records_speculation_only_when_on(manifest):
@@ -71,7 +85,9 @@ def test_fingerprint_records_speculation_only_when_on(manifest):
     ngram = job_fingerprint(manifest, 100)
     assert fingerprint_differences(off, ngram) == ["speculative"]
     assert ngram["speculative"]["mode"] == "ngram" and ngram["speculative"]["num_speculative_tokens"] == 8
-    assert ngram["speculative"]["rule"] == SPECULATION_RULE_VERSION  # a new proposal rule changes sampled rows' draws too
+    assert (
+        ngram["speculative"]["rule"] == SPECULATION_RULE_VERSION
+    )  # a new proposal rule changes sampled rows' draws too
     manifest.engine = EngineConfig(page_size=16, max_batch_tokens=256, speculative="ngram", num_speculative_tokens=2)
     assert fingerprint_differences(ngram, job_fingerprint(manifest, 100)) == ["speculative.num_speculative_tokens"]
 
@@ -187,8 +203,19 @@ def test_duplicates_are_reported_and_the_earliest_copy_kept(manifest, tmp_path, 
     fingerprint = job_fingerprint(manifest, 100)
     checkpoint.prepare(fingerprint)
     # parts as two unlocked runs (or an older cbrun's interrupted commit) left them: rows 1, 2 twice, 3 three times
-    two_samples = [OutputRow(id="3", row_index=3, completion=f"s{k}", completion_token_ids=[1], num_prompt_tokens=1,
-                             num_completion_tokens=1, finish_reason="stop", sample_index=k) for k in range(2)]
+    two_samples = [
+        OutputRow(
+            id="3",
+            row_index=3,
+            completion=f"s{k}",
+            completion_token_ids=[1],
+            num_prompt_tokens=1,
+            num_completion_tokens=1,
+            finish_reason="stop",
+            sample_index=k,
+        )
+        for k in range(2)
+    ]
     for i, part in enumerate([rows(0, 1, 2), rows(1, 2) + two_samples, two_samples, rows(4)]):
         write_part_atomically(out / f"part-{i:06d}.parquet", rows_to_table(part))
     with caplog.at_level("WARNING", logger="cbrun"):
@@ -198,8 +225,11 @@ def test_duplicates_are_reported_and_the_earliest_copy_kept(manifest, tmp_path, 
     table = pa.concat_tables(pq.read_table(p) for p in committed_parts(out))
     keys = sorted(zip(table.column("row_index").to_pylist(), table.column("sample_index").to_pylist()))
     assert keys == [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (4, 0)]
-    assert [p.name for p in committed_parts(out)] == ["part-000000.parquet", "part-000001.parquet",
-                                                      "part-000003.parquet"]  # part 2 held only copies
+    assert [p.name for p in committed_parts(out)] == [
+        "part-000000.parquet",
+        "part-000001.parquet",
+        "part-000003.parquet",
+    ]  # part 2 held only copies
     assert checkpoint.remove_duplicates() == 0  # idempotent
 
 

@@ -16,9 +16,12 @@ from jobs.cli import main
 from jobs.output.writer import committed_parts
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SUMMARY_RE = re.compile(r"^cbrun: (\d+) rows \((\d+) errors, (\d+) skipped\) \| \d+ prompt tokens \| \d+ generated "
-                        r"tokens \| [\d.]+ s \| \d+ tokens/s generated \| peak memory \d+ MiB \| prefix cache "
-                        r"hit rate [\d.]+% \| \d+ offloads, \d+ soft resets$", re.M)
+SUMMARY_RE = re.compile(
+    r"^cbrun: (\d+) rows \((\d+) errors, (\d+) skipped\) \| \d+ prompt tokens \| \d+ generated "
+    r"tokens \| [\d.]+ s \| \d+ tokens/s generated \| peak memory \d+ MiB \| prefix cache "
+    r"hit rate [\d.]+% \| \d+ offloads, \d+ soft resets$",
+    re.M,
+)
 
 
 @pytest.fixture
@@ -29,23 +32,39 @@ def prompts(tmp_path):
 
 
 def output_rows(output_dir) -> list[dict]:
-    return sorted((r for p in committed_parts(output_dir) for r in pq.read_table(p).to_pylist()),
-                  key=lambda r: r["row_index"])
+    return sorted(
+        (r for p in committed_parts(output_dir) for r in pq.read_table(p).to_pylist()), key=lambda r: r["row_index"]
+    )
 
 
 def test_setup_problems_exit_2_with_a_message(tmp_path, prompts, tiny_model_dir, capsys):
     base = ["run", "--no-progress", "--output", str(tmp_path / "out")]
     cases = [
-        (["--model", str(tiny_model_dir), "--input", str(tmp_path / "none.parquet"), "--prompt-column", "text"],
-         "input .*none.parquet' not found"),
-        (["--model", str(tiny_model_dir), "--input", str(prompts), "--prompt-column", "question"],
-         "input.prompt_column 'question' is not a column .*key, text"),
+        (
+            ["--model", str(tiny_model_dir), "--input", str(tmp_path / "none.parquet"), "--prompt-column", "text"],
+            "input .*none.parquet' not found",
+        ),
+        (
+            ["--model", str(tiny_model_dir), "--input", str(prompts), "--prompt-column", "question"],
+            "input.prompt_column 'question' is not a column .*key, text",
+        ),
         (["--model", str(tmp_path), "--input", str(prompts), "--prompt-column", "text"], "has no config.json"),
         (["--model", str(tiny_model_dir), "--input", str(prompts)], "exactly one of"),
         ([str(tmp_path / "missing.toml")], "manifest .* not found"),
         (["--input", str(prompts), "--prompt-column", "text"], "model.path is required"),
-        (["--model", str(tiny_model_dir), "--input", str(prompts), "--prompt-column", "text",
-          "--set", "engine.pagesize=4"], "unknown setting engine.pagesize"),
+        (
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--input",
+                str(prompts),
+                "--prompt-column",
+                "text",
+                "--set",
+                "engine.pagesize=4",
+            ],
+            "unknown setting engine.pagesize",
+        ),
     ]
     for args, message in cases:
         assert main(base + args) == 2, args
@@ -55,12 +74,23 @@ def test_setup_problems_exit_2_with_a_message(tmp_path, prompts, tiny_model_dir,
 
 
 def test_an_unknown_option_is_reported_by_its_command_with_the_nearest_name(tmp_path, capsys):
-    cases = [(["run", "--modle", "m", "--output", str(tmp_path / "out")], "usage: cbrun run ",
-              "cbrun run: error: unrecognized arguments: --modle (did you mean --model?)"),
-             (["run", "--temprature=0.5"], "usage: cbrun run ",
-              "unrecognized arguments: --temprature=0.5 (did you mean --temperature?)"),
-             (["status", str(tmp_path), "--zzz"], "usage: cbrun status ",
-              "cbrun status: error: unrecognized arguments: --zzz\n")]
+    cases = [
+        (
+            ["run", "--modle", "m", "--output", str(tmp_path / "out")],
+            "usage: cbrun run ",
+            "cbrun run: error: unrecognized arguments: --modle (did you mean --model?)",
+        ),
+        (
+            ["run", "--temprature=0.5"],
+            "usage: cbrun run ",
+            "unrecognized arguments: --temprature=0.5 (did you mean --temperature?)",
+        ),
+        (
+            ["status", str(tmp_path), "--zzz"],
+            "usage: cbrun status ",
+            "cbrun status: error: unrecognized arguments: --zzz\n",
+        ),
+    ]
     for args, usage, message in cases:
         with pytest.raises(SystemExit) as exited:
             main(args)
@@ -82,10 +112,23 @@ max_new_tokens = 50
 [engine]
 max_requests_per_batch = 4
 [output]
-path = "{tmp_path / 'out'}"
+path = "{tmp_path / "out"}"
 """)
-    args = ["run", str(manifest), "--id-column", "key", "--max-new-tokens", "4", "--limit", "4",
-            "--set", "output.commit_every_rows=2", "--set", "engine.max_batch_tokens=64", "--no-progress"]
+    args = [
+        "run",
+        str(manifest),
+        "--id-column",
+        "key",
+        "--max-new-tokens",
+        "4",
+        "--limit",
+        "4",
+        "--set",
+        "output.commit_every_rows=2",
+        "--set",
+        "engine.max_batch_tokens=64",
+        "--no-progress",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert SUMMARY_RE.search(out).groups() == ("4", "0", "0"), out
@@ -119,8 +162,19 @@ def test_gsm8k_manifest_on_stories260k(stories260k_dir, tmp_path, monkeypatch, c
     if not (REPO_ROOT / "../shared/data/gsm8k_test.parquet").is_file():
         pytest.skip("gsm8k_test.parquet not present")
     monkeypatch.chdir(REPO_ROOT)  # the manifest's relative paths are written for the repository root
-    args = ["run", "manifests/gsm8k-stories260k.toml", "--set", f"model.path={stories260k_dir}", "--output",
-            str(tmp_path / "out"), "--limit", "6", "--max-new-tokens", "12", "--no-progress"]
+    args = [
+        "run",
+        "manifests/gsm8k-stories260k.toml",
+        "--set",
+        f"model.path={stories260k_dir}",
+        "--output",
+        str(tmp_path / "out"),
+        "--limit",
+        "6",
+        "--max-new-tokens",
+        "12",
+        "--no-progress",
+    ]
     assert main(args) == 0
     assert SUMMARY_RE.search(capsys.readouterr().out).groups() == ("6", "0", "0")
     rows = output_rows(tmp_path / "out")
@@ -140,15 +194,24 @@ def test_convert_llama2c_command(shared_dir, tmp_path, capsys):
 
 
 def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_code():
-    code = ("import atexit, sys\n"
-            "from jobs.cli import exit_process\n"
-            "atexit.register(lambda: print('atexit handler ran'))\n"
-            "print('summary line', end='')\n"
-            "sys.stderr.write('a warning')\n"
-            "exit_process(3)\n"
-            "print('not reached')\n")
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
-                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    code = (
+        "import atexit, sys\n"
+        "from jobs.cli import exit_process\n"
+        "atexit.register(lambda: print('atexit handler ran'))\n"
+        "print('summary line', end='')\n"
+        "sys.stderr.write('a warning')\n"
+        "exit_process(3)\n"
+        "print('not reached')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert done.returncode == 3
     assert done.stdout == "summary lineatexit handler ran\n"
     assert done.stderr == "a warning"
@@ -156,15 +219,24 @@ def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_cod
 
 def test_exit_process_returns_while_a_non_daemon_thread_runs():
     # In a subprocess: were it to exit here, it would end the test run with it.
-    code = ("import threading\n"
-            "from jobs.cli import exit_process\n"
-            "release = threading.Event()\n"
-            "threading.Thread(target=release.wait, daemon=False).start()\n"
-            "exit_process(3)\n"
-            "print('returned')\n"
-            "release.set()\n")
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
-                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    code = (
+        "import threading\n"
+        "from jobs.cli import exit_process\n"
+        "release = threading.Event()\n"
+        "threading.Thread(target=release.wait, daemon=False).start()\n"
+        "exit_process(3)\n"
+        "print('returned')\n"
+        "release.set()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert (done.returncode, done.stdout) == (0, "returned\n"), done.stderr
 
 
@@ -185,8 +257,11 @@ def test_bench_is_the_command_the_benchmarks_register(monkeypatch, capsys):
             return lambda argv: calls.append(argv) or 0
 
     registered = Registered()
-    monkeypatch.setattr(importlib.metadata, "entry_points",
-                        lambda group, name: [registered] if (group, name) == (COMMAND_ENTRY_POINTS, "bench") else [])
+    monkeypatch.setattr(
+        importlib.metadata,
+        "entry_points",
+        lambda group, name: [registered] if (group, name) == (COMMAND_ENTRY_POINTS, "bench") else [],
+    )
     assert main(["bench", "--workload", "x"]) == 0 and calls == [["--workload", "x"]]
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group, name: [])
     assert main(["bench"]) == 2

@@ -17,13 +17,16 @@ from jobs import storage
 from jobs.cli import main
 from jobs.output.commits import read_records
 from jobs.output.compact import compact_output, groups_by_size
-from jobs.run.job import run_job
 from jobs.output.writer import committed_parts, read_output
+from jobs.run.job import run_job
 from tests.jobs.test_storage_s3 import rows_once, upload_input
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
-MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
-                     "commit_every_rows": 2, "id_column": "id"}
+MANIFEST_DEFAULTS = {
+    "sampling": SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+    "commit_every_rows": 2,
+    "id_column": "id",
+}
 NUM_ROWS = 12
 
 
@@ -37,8 +40,12 @@ def local_target(out) -> float:
 
 
 def write_input(path, num_rows: int = NUM_ROWS):
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(num_rows)],
-                             "prompt": [f"a prompt for row {i}" for i in range(num_rows)]}), path)
+    pq.write_table(
+        pa.table(
+            {"id": [f"r{i}" for i in range(num_rows)], "prompt": [f"a prompt for row {i}" for i in range(num_rows)]}
+        ),
+        path,
+    )
     return path
 
 
@@ -67,7 +74,8 @@ def test_compact_a_local_output(tiny_model_dir, tiny_engine, make_manifest, tmp_
 
 
 def test_a_compaction_killed_before_removing_the_old_parts_loses_and_doubles_nothing(
-        tiny_model_dir, tiny_engine, make_manifest, tmp_path, monkeypatch):
+    tiny_model_dir, tiny_engine, make_manifest, tmp_path, monkeypatch
+):
     manifest = make_manifest(tiny_model_dir, write_input(tmp_path / "in.parquet"), tmp_path / "out")
     run_job(manifest, progress=False, engine=tiny_engine)
     before = rows_once(tmp_path / "out")
@@ -95,10 +103,13 @@ def test_output_compact_at_finish(tiny_model_dir, tiny_engine, make_manifest, tm
     assert sorted(rows_once(tmp_path / "out")) == list(range(NUM_ROWS))
 
 
-def test_compact_an_s3_output_killed_between_its_steps(s3, tiny_model_dir, tiny_engine, make_manifest,
-                                                       monkeypatch):
-    source = upload_input(s3, pa.table({"id": [f"r{i}" for i in range(NUM_ROWS)],
-                                        "prompt": [f"a prompt for row {i}" for i in range(NUM_ROWS)]}))
+def test_compact_an_s3_output_killed_between_its_steps(s3, tiny_model_dir, tiny_engine, make_manifest, monkeypatch):
+    source = upload_input(
+        s3,
+        pa.table(
+            {"id": [f"r{i}" for i in range(NUM_ROWS)], "prompt": [f"a prompt for row {i}" for i in range(NUM_ROWS)]}
+        ),
+    )
     out = s3.uri("out")
     manifest = make_manifest(tiny_model_dir, source, out)
     run_job(manifest, progress=False, engine=tiny_engine)
@@ -126,8 +137,7 @@ def test_compact_an_s3_output_killed_between_its_steps(s3, tiny_model_dir, tiny_
     assert run_job(manifest, progress=False, engine=tiny_engine).already_finished
 
 
-def test_an_empty_job_writes_one_empty_part_with_every_column(tiny_model_dir, tiny_engine, make_manifest,
-                                                              tmp_path):
+def test_an_empty_job_writes_one_empty_part_with_every_column(tiny_model_dir, tiny_engine, make_manifest, tmp_path):
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}), path)
     manifest = make_manifest(tiny_model_dir, path, tmp_path / "out")

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.conftest import require_stories260k
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jobs.convert_llama2c import _merges, _rope_pairs_to_halves, convert_llama2c, read_tokenizer
+from tests.conftest import require_stories260k
 
 EXTRA_STRINGS = [
     "", " ", "   ", "a", "Once", "café 😀", " leading space", "trailing space ", "multiple   spaces  here",

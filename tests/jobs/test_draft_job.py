@@ -18,10 +18,12 @@ def _short_goldens(reference_greedy):
 
 def _goldens_input(reference_greedy, tmp_path):
     lines = _short_goldens(reference_greedy)
-    table = pa.table({
-        "prompt_ids": [line["prompt_token_ids"] for line in lines],
-        "max_new_tokens": [line["max_positions"] - len(line["prompt_token_ids"]) + 1 for line in lines],
-    })
+    table = pa.table(
+        {
+            "prompt_ids": [line["prompt_token_ids"] for line in lines],
+            "max_new_tokens": [line["max_positions"] - len(line["prompt_token_ids"]) + 1 for line in lines],
+        }
+    )
     pq.write_table(table, tmp_path / "goldens.parquet")
     return tmp_path / "goldens.parquet"
 
@@ -29,9 +31,24 @@ def _goldens_input(reference_greedy, tmp_path):
 def test_job_with_a_draft_model(stories260k_dir, reference_greedy, tmp_path, capsys):
     source = _goldens_input(reference_greedy, tmp_path)
     out = tmp_path / "out"
-    args = ["run", "--no-progress", "--model", str(stories260k_dir), "--input", str(source),
-            "--prompt-ids-column", "prompt_ids", "--output", str(out), "--set", "engine.speculative=draft",
-            "--set", f"engine.draft_model={stories260k_dir}", "--set", "engine.max_batch_tokens=64"]
+    args = [
+        "run",
+        "--no-progress",
+        "--model",
+        str(stories260k_dir),
+        "--input",
+        str(source),
+        "--prompt-ids-column",
+        "prompt_ids",
+        "--output",
+        str(out),
+        "--set",
+        "engine.speculative=draft",
+        "--set",
+        f"engine.draft_model={stories260k_dir}",
+        "--set",
+        "engine.max_batch_tokens=64",
+    ]
     assert main(args) == 0
     rows = sorted(read_output(out).to_pylist(), key=lambda r: r["row_index"])
     assert len(rows) == len(_short_goldens(reference_greedy)) == 3
@@ -59,8 +76,26 @@ def test_job_with_a_draft_model(stories260k_dir, reference_greedy, tmp_path, cap
 
 def test_missing_draft_model_is_refused_before_work(stories260k_dir, reference_greedy, tmp_path, capsys):
     source = _goldens_input(reference_greedy, tmp_path)
-    assert main(["run", "--no-progress", "--model", str(stories260k_dir), "--input", str(source),
-                 "--prompt-ids-column", "prompt_ids", "--output", str(tmp_path / "out"),
-                 "--set", "engine.speculative=draft", "--set", f"engine.draft_model={tmp_path / 'nope'}"]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--no-progress",
+                "--model",
+                str(stories260k_dir),
+                "--input",
+                str(source),
+                "--prompt-ids-column",
+                "prompt_ids",
+                "--output",
+                str(tmp_path / "out"),
+                "--set",
+                "engine.speculative=draft",
+                "--set",
+                f"engine.draft_model={tmp_path / 'nope'}",
+            ]
+        )
+        == 2
+    )
     assert "engine.draft_model: model directory" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("part-*"))

@@ -55,8 +55,23 @@ def test_directory_with_unreadable_files_is_refused_naming_them(mixed_dir, tmp_p
     with pytest.raises(InputError, match=r"cannot read: 'c\.csv', 'notes\.txt'; cbrun reads \.parquet, \.jsonl"):
         list_input_files(mixed_dir)
     out = tmp_path / "out"
-    assert main(["run", "--no-progress", "--model", str(tiny_model_dir), "--input", str(mixed_dir),
-                 "--prompt-column", "prompt", "--output", str(out)]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--no-progress",
+                "--model",
+                str(tiny_model_dir),
+                "--input",
+                str(mixed_dir),
+                "--prompt-column",
+                "prompt",
+                "--output",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "c.csv" in capsys.readouterr().err
     assert not out.exists()
 
@@ -86,14 +101,28 @@ def test_output_overlapping_the_input_is_refused(tmp_path, tiny_model_dir, capsy
     pq.write_table(pa.table({"prompt": ["a"]}), data / "in.parquet")
     inp, out = {"same": (data, data), "inside": (data, data / "out"), "holds": (data / "in.parquet", tmp_path)}[where]
     before = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
-    assert main(["run", "--no-progress", "--model", str(tiny_model_dir), "--input", str(inp),
-                 "--prompt-column", "prompt", "--output", str(out)]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--no-progress",
+                "--model",
+                str(tiny_model_dir),
+                "--input",
+                str(inp),
+                "--prompt-column",
+                "prompt",
+                "--output",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert re.search(r"cbrun: error: output directory .* would be read back as input", capsys.readouterr().err)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == before  # nothing created
 
 
-def test_a_run_refused_after_taking_the_lock_leaves_no_output_directory(tmp_path, tiny_model_dir, capsys,
-                                                                       monkeypatch):
+def test_a_run_refused_after_taking_the_lock_leaves_no_output_directory(tmp_path, tiny_model_dir, capsys, monkeypatch):
     import jobs.run.job
     from jobs.run.resources import JobError
 
@@ -103,8 +132,7 @@ def test_a_run_refused_after_taking_the_lock_leaves_no_output_directory(tmp_path
     monkeypatch.setattr(jobs.run.job, "load_engine", unloadable)
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["a"]}), path)
-    args = ["run", "--no-progress", "--model", str(tiny_model_dir), "--input", str(path), "--prompt-column",
-            "prompt"]
+    args = ["run", "--no-progress", "--model", str(tiny_model_dir), "--input", str(path), "--prompt-column", "prompt"]
     assert main(args + ["--output", str(tmp_path / "new")]) == 2
     assert "broken weights" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
@@ -117,8 +145,18 @@ def test_a_run_refused_after_taking_the_lock_leaves_no_output_directory(tmp_path
 def test_empty_input_is_said_plainly(tmp_path, tiny_model_dir, capsys, limit):
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": pa.array([] if limit is None else ["a"], pa.string())}), path)
-    args = ["run", "--no-progress", "--model", str(tiny_model_dir), "--input", str(path), "--prompt-column",
-            "prompt", "--output", str(tmp_path / "out")] + ([] if limit is None else ["--limit", str(limit)])
+    args = [
+        "run",
+        "--no-progress",
+        "--model",
+        str(tiny_model_dir),
+        "--input",
+        str(path),
+        "--prompt-column",
+        "prompt",
+        "--output",
+        str(tmp_path / "out"),
+    ] + ([] if limit is None else ["--limit", str(limit)])
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "cbrun: warning: the input has no rows to run" in out
@@ -128,8 +166,18 @@ def test_empty_input_is_said_plainly(tmp_path, tiny_model_dir, capsys, limit):
 def test_status_reports_error_rows_with_the_run_exit_code(tmp_path, tiny_model_dir, capsys):
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["a", None, "b", None]}), path)  # null prompts: error rows
-    base = ["run", "--no-progress", "--model", str(tiny_model_dir), "--input", str(path), "--prompt-column",
-            "prompt", "--max-new-tokens", "2"]
+    base = [
+        "run",
+        "--no-progress",
+        "--model",
+        str(tiny_model_dir),
+        "--input",
+        str(path),
+        "--prompt-column",
+        "prompt",
+        "--max-new-tokens",
+        "2",
+    ]
     assert main(base + ["--output", str(tmp_path / "bad")]) == 3
     capsys.readouterr()
     assert main(["status", str(tmp_path / "bad")]) == 3

@@ -10,10 +10,10 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.run.job import JobError, run_job
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.input.reader import InputError, PromptReader, conform_batch, unify_schemas
+from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.output.writer import read_output
+from jobs.run.job import JobError, run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 
@@ -26,10 +26,13 @@ def tiny_engine(tiny_model_dir):
 
 
 def job(model_dir, input_path, output_dir, **input_settings) -> JobManifest:
-    return JobManifest(model=ModelSettings(path=str(model_dir)),
-                       input=InputSettings(path=str(input_path), **{"prompt_column": "p", **input_settings}),
-                       sampling=SamplingParams(max_new_tokens=5), engine=ENGINE_CONFIG,
-                       output=OutputSettings(path=str(output_dir)))
+    return JobManifest(
+        model=ModelSettings(path=str(model_dir)),
+        input=InputSettings(path=str(input_path), **{"prompt_column": "p", **input_settings}),
+        sampling=SamplingParams(max_new_tokens=5),
+        engine=ENGINE_CONFIG,
+        output=OutputSettings(path=str(output_dir)),
+    )
 
 
 def rows_of(output_dir) -> list[dict]:
@@ -42,10 +45,15 @@ def test_a_pandas_categorical_column_is_text(tmp_path):
     assert pa.types.is_dictionary(pq.read_schema(tmp_path / "cat.parquet").field("p").type)
     reader = PromptReader(tmp_path / "cat.parquet", template="{p}/{tag}")
     assert [(r.prompt, r.error) for r in reader.iter_rows()] == [
-        ("red/x", None), ("blue/x", None), ("red/x", None), (None, "row 3 (id '3'): template field {p} is null")]
+        ("red/x", None),
+        ("blue/x", None),
+        ("red/x", None),
+        (None, "row 3 (id '3'): template field {p} is null"),
+    ]
     reader = PromptReader(tmp_path / "cat.parquet", prompt_column="p", id_column="tag")
-    assert [r.prompt for r in reader.iter_rows()][:3] == ["red", "blue", "red"] and reader.schema.field("p").type \
-        == pa.string()
+    assert [r.prompt for r in reader.iter_rows()][:3] == ["red", "blue", "red"] and reader.schema.field(
+        "p"
+    ).type == pa.string()
 
 
 @pytest.mark.parametrize("per_row_file_first", [True, False])
@@ -71,8 +79,11 @@ def test_types_that_cannot_unify_name_the_files(tmp_path):
     directory.mkdir()
     pq.write_table(pa.table({"p": ["a"], "id": ["x"], "note": ["n"]}), directory / "a.parquet")
     pq.write_table(pa.table({"p": ["b"], "id": [7], "note": [1]}), directory / "b.parquet")
-    with pytest.raises(InputError, match=r"column 'id' has types that cannot be read as one across the input's "
-                                         r"files: string in '.*a.parquet'; int64 in '.*b.parquet'"):
+    with pytest.raises(
+        InputError,
+        match=r"column 'id' has types that cannot be read as one across the input's "
+        r"files: string in '.*a.parquet'; int64 in '.*b.parquet'",
+    ):
         PromptReader(directory, prompt_column="p", id_column="id")
     # columns the job does not read may clash: they are never read
     assert [r.prompt for r in PromptReader(directory, prompt_column="p").iter_rows()] == ["a", "b"]
@@ -82,8 +93,9 @@ def test_widened_types_read_as_one(tmp_path):
     directory = tmp_path / "in"
     directory.mkdir()
     pq.write_table(pa.table({"p": ["a"], "top_k": pa.array([1], pa.int32())}), directory / "a.parquet")
-    pq.write_table(pa.table({"p": pa.array(["b"], pa.large_string()), "top_k": pa.array([2], pa.int64())}),
-                   directory / "b.parquet")
+    pq.write_table(
+        pa.table({"p": pa.array(["b"], pa.large_string()), "top_k": pa.array([2], pa.int64())}), directory / "b.parquet"
+    )
     reader = PromptReader(directory, prompt_column="p")
     assert reader.schema.field("top_k").type == pa.int64()
     assert [(r.prompt, r.sampling_overrides) for r in reader.iter_rows()] == [("a", {"top_k": 1}), ("b", {"top_k": 2})]

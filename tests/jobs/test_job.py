@@ -11,8 +11,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.modes.generate import derive_seed
-from jobs.run.job import JobError, run_job
 from jobs.output.writer import committed_parts
+from jobs.run.job import JobError, run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=6, temperature=0.0), "commit_every_rows": 3}
@@ -40,8 +40,12 @@ def write_prompts(path, n: int, **extra):
 def test_bad_rows_are_error_rows_and_the_job_goes_on(tiny_model_dir, tiny_engine, tokenizer, tmp_path, make_manifest):
     prompts = ["hello", None, "", "x" * 300, "bad temperature", "world"]
     temperature = [None, None, None, None, -1.0, 0.0]
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": prompts,
-                             "temperature": pa.array(temperature, pa.float64())}), tmp_path / "in.parquet")
+    pq.write_table(
+        pa.table(
+            {"id": [f"r{i}" for i in range(6)], "prompt": prompts, "temperature": pa.array(temperature, pa.float64())}
+        ),
+        tmp_path / "in.parquet",
+    )
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", id_column="id")
     summary = run_job(manifest, progress=False, engine=tiny_engine)
     assert (summary.num_rows, summary.num_errors, summary.num_skipped) == (6, 4, 0)
@@ -69,8 +73,9 @@ def test_bad_rows_are_error_rows_and_the_job_goes_on(tiny_model_dir, tiny_engine
 def test_prompt_ids_column_is_not_re_encoded(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     ids = pa.array([[10, 20, 30], [99], [5000]], pa.list_(pa.int64()))
     pq.write_table(pa.table({"ids": ids}), tmp_path / "ids.parquet")
-    manifest = make_manifest(tiny_model_dir, tmp_path / "ids.parquet", tmp_path / "out",
-                             prompt_column=None, prompt_ids_column="ids")
+    manifest = make_manifest(
+        tiny_model_dir, tmp_path / "ids.parquet", tmp_path / "out", prompt_column=None, prompt_ids_column="ids"
+    )
     run_job(manifest, progress=False, engine=tiny_engine)
     out = read_output(tmp_path / "out")
     assert [out[i]["num_prompt_tokens"] for i in (0, 1)] == [3, 1]
@@ -91,8 +96,9 @@ def test_resume_extends_and_finished_job_does_nothing(tiny_model_dir, tiny_engin
     assert (summary.num_rows, summary.num_skipped) == (6, 4)
     assert not (tmp_path / "out" / ".part-000009.parquet.tmp").exists()
     out = read_output(tmp_path / "out")
-    assert {i: r["completion_token_ids"] for i, r in out.items()} == \
-        {i: r["completion_token_ids"] for i, r in reference.items()}
+    assert {i: r["completion_token_ids"] for i, r in out.items()} == {
+        i: r["completion_token_ids"] for i, r in reference.items()
+    }
 
     again = run_job(part, progress=False, engine=tiny_engine)
     assert again.already_finished and again.num_rows == 0 and again.num_skipped == 10
@@ -112,12 +118,15 @@ def test_changed_fingerprint_refuses_unless_overwrite(tiny_model_dir, tiny_engin
     assert all(r["num_completion_tokens"] <= 3 for r in read_output(tmp_path / "out").values())
 
 
-def test_seeded_sampling_is_reproducible_and_seed_column_overrides(tiny_model_dir, tiny_engine, tmp_path,
-                                                                   make_manifest):
+def test_seeded_sampling_is_reproducible_and_seed_column_overrides(
+    tiny_model_dir, tiny_engine, tmp_path, make_manifest
+):
     assert derive_seed(0, "a") == derive_seed(0, "a") != derive_seed(1, "a") != derive_seed(0, "b")
     assert 0 <= derive_seed(123, "row") < 2**63
-    pq.write_table(pa.table({"prompt": ["same prompt"] * 4, "seed": pa.array([None, None, 42, 42], pa.int64())}),
-                   tmp_path / "in.parquet")
+    pq.write_table(
+        pa.table({"prompt": ["same prompt"] * 4, "seed": pa.array([None, None, 42, 42], pa.int64())}),
+        tmp_path / "in.parquet",
+    )
     outputs = []
     for name in ("a", "b"):
         manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / name)

@@ -5,17 +5,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.sampling_params import SamplingParams
-from jobs.run.job import expected_requests, open_reader
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.run.job import expected_requests, open_reader
 
 
 def manifest(tmp_path, columns: dict, n: int = 1, mode: str = "generate") -> JobManifest:
     pq.write_table(pa.table(columns), tmp_path / "in.parquet")
     extra = {"candidates_column": "candidates"} if mode == "score" else {}
-    return JobManifest(model=ModelSettings(path=str(tmp_path)),
-                       input=InputSettings(path=str(tmp_path / "in.parquet"), prompt_column="prompt", mode=mode,
-                                           **extra),
-                       sampling=SamplingParams(max_new_tokens=4), n=n, output=OutputSettings(path=str(tmp_path / "o")))
+    return JobManifest(
+        model=ModelSettings(path=str(tmp_path)),
+        input=InputSettings(path=str(tmp_path / "in.parquet"), prompt_column="prompt", mode=mode, **extra),
+        sampling=SamplingParams(max_new_tokens=4),
+        n=n,
+        output=OutputSettings(path=str(tmp_path / "o")),
+    )
 
 
 def test_rows_to_do_times_n(tmp_path):

@@ -12,11 +12,11 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from jobs.modes.generate import derive_seed
-from jobs.run.job import run_job
-from jobs.manifest import manifest_from_dict
 from jobs.input.reader import PromptReader
+from jobs.manifest import manifest_from_dict
+from jobs.modes.generate import derive_seed
 from jobs.output.writer import read_output
+from jobs.run.job import run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 DEFAULTS = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)
@@ -33,14 +33,32 @@ def direct(engine, prompt: str, params: SamplingParams):
 
 
 def test_every_sampling_field_is_a_manifest_setting():
-    values = {"max_new_tokens": 7, "min_new_tokens": 2, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.1,
-              "stop_token_ids": [4, 5], "stop": ["\n\n", "END"], "ignore_eos": True, "repetition_penalty": 1.2,
-              "presence_penalty": 0.1, "frequency_penalty": 0.2, "logprobs": 2, "prompt_logprobs_from": 3,
-              "include_stop_str_in_output": True, "logprobs_mode": "processed_logprobs",
-              "structured_outputs": {"regex": "a+"}}
+    values = {
+        "max_new_tokens": 7,
+        "min_new_tokens": 2,
+        "temperature": 0.5,
+        "top_k": 3,
+        "top_p": 0.9,
+        "min_p": 0.1,
+        "stop_token_ids": [4, 5],
+        "stop": ["\n\n", "END"],
+        "ignore_eos": True,
+        "repetition_penalty": 1.2,
+        "presence_penalty": 0.1,
+        "frequency_penalty": 0.2,
+        "logprobs": 2,
+        "prompt_logprobs_from": 3,
+        "include_stop_str_in_output": True,
+        "logprobs_mode": "processed_logprobs",
+        "structured_outputs": {"regex": "a+"},
+    }
     assert set(values) | {"seed"} == {f.name for f in fields(SamplingParams)} == set(SAMPLING_FIELDS)
-    raw = {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"},
-           "sampling": {**values, "seed": 11}}
+    raw = {
+        "model": {"path": "m"},
+        "input": {"path": "i", "prompt_column": "p"},
+        "output": {"path": "o"},
+        "sampling": {**values, "seed": 11},
+    }
     m = manifest_from_dict(raw)
     expected = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     expected["structured_outputs"] = StructuredOutputsParams(regex="a+")
@@ -61,32 +79,64 @@ def test_prompt_logprobs_setting_is_shorthand_for_prompt_logprobs_from_1():
 def test_every_sampling_field_is_a_row_column_of_its_arrow_type(tmp_path):
     columns = {
         "prompt": pa.array(["a", "b"]),
-        "max_new_tokens": pa.array([3, None], pa.int32()), "min_new_tokens": pa.array([1.0, None]),  # int as float
+        "max_new_tokens": pa.array([3, None], pa.int32()),
+        "min_new_tokens": pa.array([1.0, None]),  # int as float
         "temperature": pa.array([0, None], pa.int64()),  # a number as an int
-        "top_k": pa.array([2, None], pa.int16()), "top_p": pa.array([0.5, None], pa.float32()),
-        "min_p": pa.array([0.25, None]), "seed": pa.array([2**62, None], pa.int64()),
-        "ignore_eos": pa.array([True, None]), "stop_token_ids": pa.array([[1, 2], None], pa.list_(pa.int64())),
-        "stop": pa.array(["END", None]), "repetition_penalty": pa.array([1.5, None]),
-        "presence_penalty": pa.array([-0.5, None]), "frequency_penalty": pa.array([0.5, None]),
-        "logprobs": pa.array([0, None], pa.int8()), "prompt_logprobs_from": pa.array([1, None], pa.int64()),
-        "include_stop_str_in_output": pa.array([True, None]), "logprobs_mode": pa.array(["raw_logprobs", None]),
-        "structured_outputs": pa.array([{"choice": ["x", "y"], "regex": None}, None],
-                                       pa.struct([("choice", pa.list_(pa.string())), ("regex", pa.string())])),
+        "top_k": pa.array([2, None], pa.int16()),
+        "top_p": pa.array([0.5, None], pa.float32()),
+        "min_p": pa.array([0.25, None]),
+        "seed": pa.array([2**62, None], pa.int64()),
+        "ignore_eos": pa.array([True, None]),
+        "stop_token_ids": pa.array([[1, 2], None], pa.list_(pa.int64())),
+        "stop": pa.array(["END", None]),
+        "repetition_penalty": pa.array([1.5, None]),
+        "presence_penalty": pa.array([-0.5, None]),
+        "frequency_penalty": pa.array([0.5, None]),
+        "logprobs": pa.array([0, None], pa.int8()),
+        "prompt_logprobs_from": pa.array([1, None], pa.int64()),
+        "include_stop_str_in_output": pa.array([True, None]),
+        "logprobs_mode": pa.array(["raw_logprobs", None]),
+        "structured_outputs": pa.array(
+            [{"choice": ["x", "y"], "regex": None}, None],
+            pa.struct([("choice", pa.list_(pa.string())), ("regex", pa.string())]),
+        ),
     }
     pq.write_table(pa.table(columns), tmp_path / "in.parquet")
     reader = PromptReader(tmp_path / "in.parquet", prompt_column="prompt")
     assert sorted(reader.sampling_columns) == sorted(SAMPLING_FIELDS)
     first, second = reader.iter_rows()
     assert first.sampling_overrides == {
-        "max_new_tokens": 3, "min_new_tokens": 1, "temperature": 0.0, "top_k": 2, "top_p": 0.5, "min_p": 0.25,
-        "seed": 2**62, "ignore_eos": True, "stop_token_ids": (1, 2), "stop": ("END",), "repetition_penalty": 1.5,
-        "presence_penalty": -0.5, "frequency_penalty": 0.5, "logprobs": 0, "prompt_logprobs_from": 1,
-        "include_stop_str_in_output": True, "logprobs_mode": "raw_logprobs",
-        "structured_outputs": StructuredOutputsParams(choice=("x", "y"))}
-    python_types = {"int": int, "float": float, "bool": bool, "tuple[int, ...]": tuple, "tuple[str, ...]": tuple,
-                    "str": str, "StructuredOutputsParams": StructuredOutputsParams}
-    assert {k: type(v) for k, v in first.sampling_overrides.items()} == \
-        {k: python_types[SAMPLING_FIELD_TYPES[k].replace(" | None", "")] for k in SAMPLING_FIELDS}
+        "max_new_tokens": 3,
+        "min_new_tokens": 1,
+        "temperature": 0.0,
+        "top_k": 2,
+        "top_p": 0.5,
+        "min_p": 0.25,
+        "seed": 2**62,
+        "ignore_eos": True,
+        "stop_token_ids": (1, 2),
+        "stop": ("END",),
+        "repetition_penalty": 1.5,
+        "presence_penalty": -0.5,
+        "frequency_penalty": 0.5,
+        "logprobs": 0,
+        "prompt_logprobs_from": 1,
+        "include_stop_str_in_output": True,
+        "logprobs_mode": "raw_logprobs",
+        "structured_outputs": StructuredOutputsParams(choice=("x", "y")),
+    }
+    python_types = {
+        "int": int,
+        "float": float,
+        "bool": bool,
+        "tuple[int, ...]": tuple,
+        "tuple[str, ...]": tuple,
+        "str": str,
+        "StructuredOutputsParams": StructuredOutputsParams,
+    }
+    assert {k: type(v) for k, v in first.sampling_overrides.items()} == {
+        k: python_types[SAMPLING_FIELD_TYPES[k].replace(" | None", "")] for k in SAMPLING_FIELDS
+    }
     SamplingParams().replace(**first.sampling_overrides).validate()
     assert second.sampling_overrides == {} and second.error is None  # null cells keep the job's defaults
 
@@ -97,11 +147,18 @@ def test_every_sampling_field_is_a_row_column_of_its_arrow_type(tmp_path):
 
 
 def test_wrong_typed_row_values_are_row_errors_naming_the_setting(tmp_path):
-    pq.write_table(pa.table({"prompt": ["a", "b", "c", "d"], "top_k": [1.0, 2.5, None, None],
-                             "ignore_eos": pa.array([None, None, None, None], pa.bool_()),
-                             "stop_token_ids": pa.array([None, None, [-1], None], pa.list_(pa.int64())),
-                             "stop": pa.array([None, None, None, ["x", None]], pa.list_(pa.string()))}),
-                   tmp_path / "in.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": ["a", "b", "c", "d"],
+                "top_k": [1.0, 2.5, None, None],
+                "ignore_eos": pa.array([None, None, None, None], pa.bool_()),
+                "stop_token_ids": pa.array([None, None, [-1], None], pa.list_(pa.int64())),
+                "stop": pa.array([None, None, None, ["x", None]], pa.list_(pa.string())),
+            }
+        ),
+        tmp_path / "in.parquet",
+    )
     rows = list(PromptReader(tmp_path / "in.parquet", prompt_column="prompt").iter_rows())
     assert rows[0].error is None and rows[0].sampling_overrides == {"top_k": 1}
     assert rows[1].error == "row 1 (id '1'): top_k must be an integer, got 2.5"
@@ -113,26 +170,35 @@ def test_per_row_overrides_reach_the_engine(tiny_model_dir, tiny_engine, tmp_pat
     prompts = [f"row {i} says" for i in range(9)]
     greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
     first_token = direct(tiny_engine, prompts[4], greedy).output_token_ids[0]
-    long_text = tiny_engine.tokenizer.decode(direct(tiny_engine, prompts[5], greedy.replace(max_new_tokens=16))
-                                             .output_token_ids)
-    cut = next(k for k in range(1, len(long_text)) if long_text[k].isprintable() and long_text[k] not in
-               long_text[:k] and long_text[k] != "\ufffd")
+    long_text = tiny_engine.tokenizer.decode(
+        direct(tiny_engine, prompts[5], greedy.replace(max_new_tokens=16)).output_token_ids
+    )
+    cut = next(
+        k
+        for k in range(1, len(long_text))
+        if long_text[k].isprintable() and long_text[k] not in long_text[:k] and long_text[k] != "\ufffd"
+    )
     none = [None] * 9
-    table = pa.table({
-        "id": [f"r{i}" for i in range(9)], "prompt": prompts,
-        "temperature": pa.array([0.0, None, None, None, 0.0, 0.0, None, 0.0, 0.0]),
-        "max_new_tokens": pa.array([None, 0, 1, None, None, 16, None, None, None], pa.int64()),
-        "top_p": pa.array([None, None, None, 0.0, None, None, None, None, None]),
-        "stop_token_ids": pa.array([None, None, None, None, [first_token], None, None, None, None],
-                                   pa.list_(pa.int64())),
-        "stop": pa.array([None] * 5 + [long_text[cut]] + [None] * 3, pa.string()),
-        "logprobs": pa.array([None] * 7 + [2, None], pa.int64()),
-        "repetition_penalty": pa.array([None] * 8 + [1.5]),
-        "ignore_eos": pa.array(none, pa.bool_()),
-    })
+    table = pa.table(
+        {
+            "id": [f"r{i}" for i in range(9)],
+            "prompt": prompts,
+            "temperature": pa.array([0.0, None, None, None, 0.0, 0.0, None, 0.0, 0.0]),
+            "max_new_tokens": pa.array([None, 0, 1, None, None, 16, None, None, None], pa.int64()),
+            "top_p": pa.array([None, None, None, 0.0, None, None, None, None, None]),
+            "stop_token_ids": pa.array(
+                [None, None, None, None, [first_token], None, None, None, None], pa.list_(pa.int64())
+            ),
+            "stop": pa.array([None] * 5 + [long_text[cut]] + [None] * 3, pa.string()),
+            "logprobs": pa.array([None] * 7 + [2, None], pa.int64()),
+            "repetition_penalty": pa.array([None] * 8 + [1.5]),
+            "ignore_eos": pa.array(none, pa.bool_()),
+        }
+    )
     pq.write_table(table, tmp_path / "in.parquet", row_group_size=4)
-    summary = run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out"), progress=False,
-                      engine=tiny_engine)
+    summary = run_job(
+        make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out"), progress=False, engine=tiny_engine
+    )
     assert (summary.num_rows, summary.num_errors) == (9, 1)
     out = by_index(tmp_path / "out")
 
@@ -145,11 +211,17 @@ def test_per_row_overrides_reach_the_engine(tiny_model_dir, tiny_engine, tmp_pat
     assert out[3]["error"] == "row 3 (id 'r3'): top_p must be in (0, 1], got 0.0"
     assert all(out[i]["error"] is None for i in out if i != 3)
     # a stop token id: finish "stop", the id kept in the output and named in stop_reason
-    assert (out[4]["completion_token_ids"], out[4]["finish_reason"], out[4]["stop_reason"]) == \
-        ([first_token], "stop", str(first_token))
+    assert (out[4]["completion_token_ids"], out[4]["finish_reason"], out[4]["stop_reason"]) == (
+        [first_token],
+        "stop",
+        str(first_token),
+    )
     # a stop string: the completion cut before it, stop_reason the string
-    assert (out[5]["completion"], out[5]["finish_reason"], out[5]["stop_reason"]) == \
-        (long_text[:cut], "stop", long_text[cut])
+    assert (out[5]["completion"], out[5]["finish_reason"], out[5]["stop_reason"]) == (
+        long_text[:cut],
+        "stop",
+        long_text[cut],
+    )
     # all-null overrides: the job's defaults, with the row's derived seed
     want = direct(tiny_engine, prompts[6], DEFAULTS.replace(seed=derive_seed(0, "r6"))).output_token_ids
     assert out[6]["completion_token_ids"] == want and out[6]["stop_reason"] is None
@@ -163,11 +235,19 @@ def test_prompt_logprobs_reach_the_output(tiny_model_dir, tiny_engine, tmp_path,
     from transformers import AutoModelForCausalLM
 
     pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["hello there", "x"]}), tmp_path / "in.parquet")
-    sampling = manifest_from_dict({"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
-                                   "output": {"path": "o"},
-                                   "sampling": {"prompt_logprobs": True, "max_new_tokens": 2}}).sampling
-    run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", sampling=sampling), progress=False,
-            engine=tiny_engine)
+    sampling = manifest_from_dict(
+        {
+            "model": {"path": "m"},
+            "input": {"path": "i", "prompt_column": "p"},
+            "output": {"path": "o"},
+            "sampling": {"prompt_logprobs": True, "max_new_tokens": 2},
+        }
+    ).sampling
+    run_job(
+        make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", sampling=sampling),
+        progress=False,
+        engine=tiny_engine,
+    )
     out = by_index(tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     for i, prompt in enumerate(["hello there", "x"]):

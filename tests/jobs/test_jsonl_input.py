@@ -14,17 +14,17 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.run.job import JobError, run_job
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.input.reader import PromptReader
+from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.output.writer import committed_parts
+from jobs.run.job import JobError, run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 LINES = [
     {"id": "a", "prompt": "hello", "temperature": 0, "meta": {"k": [1, 2]}},
     "",
     {"id": "b", "prompt": 5, "temperature": 0.5},
-    "{\"id\": \"c\", \"prompt\": \"broken",
+    '{"id": "c", "prompt": "broken',
     [1, 2],
     {"id": "d", "prompt": "world", "meta": {"k": [3], "j": "x"}},
 ]
@@ -49,10 +49,13 @@ def write_jsonl(path, lines, compress=False) -> str:
 
 def manifest(model_dir, input_path, output_dir, keep=(), **input_settings) -> JobManifest:
     input_settings.setdefault("prompt_column", "prompt")
-    return JobManifest(model=ModelSettings(path=str(model_dir)),
-                       input=InputSettings(path=str(input_path), **input_settings),
-                       sampling=SamplingParams(max_new_tokens=3), engine=ENGINE_CONFIG,
-                       output=OutputSettings(path=str(output_dir), keep_columns=list(keep)))
+    return JobManifest(
+        model=ModelSettings(path=str(model_dir)),
+        input=InputSettings(path=str(input_path), **input_settings),
+        sampling=SamplingParams(max_new_tokens=3),
+        engine=ENGINE_CONFIG,
+        output=OutputSettings(path=str(output_dir), keep_columns=list(keep)),
+    )
 
 
 def output_rows(output_dir) -> dict[int, dict]:
@@ -73,11 +76,18 @@ def test_broken_line_and_mixed_types_are_row_errors(tmp_path, compress):
     assert reader.num_rows == 5  # the blank line is not a row
     rows = list(reader.iter_rows())
     name = "in.jsonl.gz" if compress else "in.jsonl"
-    assert [(r.row_index, r.id, r.prompt) for r in rows] == [(0, "a", "hello"), (1, "b", None), (2, "2", None),
-                                                            (3, "3", None), (4, "d", "world")]
+    assert [(r.row_index, r.id, r.prompt) for r in rows] == [
+        (0, "a", "hello"),
+        (1, "b", None),
+        (2, "2", None),
+        (3, "3", None),
+        (4, "d", "world"),
+    ]
     assert rows[0].sampling_overrides == {"temperature": 0.0} and rows[0].error is None
-    assert rows[1].error == (f"row 1 (id 'b'): field 'prompt' on line 3 of {name} holds an integer (5), but the "
-                             f"column's type (from the other lines) is string")
+    assert rows[1].error == (
+        f"row 1 (id 'b'): field 'prompt' on line 3 of {name} holds an integer (5), but the "
+        f"column's type (from the other lines) is string"
+    )
     assert rows[2].error.startswith(f"row 2 (id '2'): line 4 of {name} is not valid JSON: Unterminated string")
     assert rows[3].error == f"row 3 (id '3'): line 5 of {name} is not a JSON object (it is an array)"
     # A field the job does not read never makes a row an error; done rows are not read.
@@ -90,8 +100,9 @@ def test_jsonl_job_and_a_directory_mixing_parquet_and_jsonl(tiny_model_dir, engi
     (tmp_path / "in").mkdir()
     pq.write_table(pa.table({"id": ["p0", "p1"], "prompt": ["one", "two"]}), tmp_path / "in" / "a.parquet")
     write_jsonl(tmp_path / "in" / "b.jsonl", LINES)
-    summary = run_job(manifest(tiny_model_dir, tmp_path / "in", tmp_path / "out", id_column="id"), progress=False,
-                      engine=engine)
+    summary = run_job(
+        manifest(tiny_model_dir, tmp_path / "in", tmp_path / "out", id_column="id"), progress=False, engine=engine
+    )
     assert (summary.num_rows, summary.num_errors) == (7, 3)
     rows = output_rows(tmp_path / "out")
     assert [rows[i]["id"] for i in range(7)] == ["p0", "p1", "a", "b", "4", "5", "d"]
@@ -115,16 +126,29 @@ def test_empty_jsonl_is_an_empty_input(tiny_model_dir, engine, tmp_path, text):
 
 def test_parquet_input_keeps_an_answer_column(tiny_model_dir, engine, tmp_path):
     struct = pa.struct([("source", pa.string()), ("page", pa.int16())])
-    pq.write_table(pa.table({"prompt": ["2+2=", None, "3+3="], "answer": pa.array([4, 5, None], pa.int8()),
-                             "meta": pa.array([{"source": "s1", "page": 1}, None, {"source": "s3", "page": 3}],
-                                              struct)}), tmp_path / "in.parquet")
-    run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", keep=["answer", "meta"]),
-            progress=False, engine=engine)
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": ["2+2=", None, "3+3="],
+                "answer": pa.array([4, 5, None], pa.int8()),
+                "meta": pa.array([{"source": "s1", "page": 1}, None, {"source": "s3", "page": 3}], struct),
+            }
+        ),
+        tmp_path / "in.parquet",
+    )
+    run_job(
+        manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", keep=["answer", "meta"]),
+        progress=False,
+        engine=engine,
+    )
     table = pq.read_table(committed_parts(tmp_path / "out")[0])
     assert table.schema.field("answer").type == pa.int8() and table.schema.field("meta").type == struct
     rows = sorted(table.to_pylist(), key=lambda r: r["row_index"])
-    assert [(r["answer"], r["meta"]) for r in rows] == [(4, {"source": "s1", "page": 1}), (5, None), (None,
-                                                         {"source": "s3", "page": 3})]
+    assert [(r["answer"], r["meta"]) for r in rows] == [
+        (4, {"source": "s1", "page": 1}),
+        (5, None),
+        (None, {"source": "s3", "page": 3}),
+    ]
     assert rows[1]["finish_reason"] == "error"  # an error row keeps its columns too
     recorded = json.loads((tmp_path / "out" / "_cbrun" / "job.json").read_text())
     assert recorded["output"] == {"keep_columns": ["answer", "meta"]}
@@ -133,25 +157,29 @@ def test_parquet_input_keeps_an_answer_column(tiny_model_dir, engine, tmp_path):
 def test_kept_column_that_clashes_or_is_missing_is_refused_before_any_work(tiny_model_dir, tmp_path):
     pq.write_table(pa.table({"prompt": ["x"], "completion": ["y"]}), tmp_path / "in.parquet")
     with pytest.raises(JobError, match="output.keep_columns 'completion' clashes with the output column"):
-        run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", keep=["completion"]),
-                progress=False)
-    with pytest.raises(JobError, match="output.keep_columns 'answer' is not an input column; input columns: "
-                                       "prompt, completion"):
-        run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", keep=["answer"]),
-                progress=False)
+        run_job(
+            manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", keep=["completion"]), progress=False
+        )
+    with pytest.raises(
+        JobError, match="output.keep_columns 'answer' is not an input column; input columns: prompt, completion"
+    ):
+        run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", keep=["answer"]), progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_repeated_ids_are_counted_and_named(tiny_model_dir, engine, tmp_path, caplog):
     ids = ["a", "b", "a", "c", "b", "a", None]
-    pq.write_table(pa.table({"id": ids, "prompt": [f"p{i}" for i in range(7)]}), tmp_path / "in.parquet",
-                   row_group_size=3)
+    pq.write_table(
+        pa.table({"id": ids, "prompt": [f"p{i}" for i in range(7)]}), tmp_path / "in.parquet", row_group_size=3
+    )
     with caplog.at_level(logging.WARNING, logger="cbrun"):
-        summary = run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", id_column="id"),
-                          progress=False, engine=engine)
+        summary = run_job(
+            manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", id_column="id"),
+            progress=False,
+            engine=engine,
+        )
     assert summary.num_repeated_ids == 2 and "| 2 repeated ids" in summary.line()
-    assert "input.id_column 'id' repeats values: 'a' (3 rows), 'b' (2 rows); rows are keyed by row_index" \
-        in caplog.text
+    assert "input.id_column 'id' repeats values: 'a' (3 rows), 'b' (2 rows); rows are keyed by row_index" in caplog.text
     assert len(output_rows(tmp_path / "out")) == 7  # every row written once, keyed by row_index
     limited = manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out2", id_column="id", limit=2)
     assert run_job(limited, progress=False, engine=engine).num_repeated_ids == 0
@@ -160,12 +188,13 @@ def test_repeated_ids_are_counted_and_named(tiny_model_dir, engine, tmp_path, ca
 def test_clean_file_reads_with_pyarrow_and_the_same_rows_as_line_by_line(tmp_path, monkeypatch):
     from jobs.input.jsonl_source import JsonlSource
 
-    lines = [{"id": f"r{i}", "prompt": f"p {i}", "day": "2024-01-0" + str(i % 9 + 1), "temperature": 0.5,
-              "meta": {"k": [i]}} for i in range(7)]
+    lines = [
+        {"id": f"r{i}", "prompt": f"p {i}", "day": "2024-01-0" + str(i % 9 + 1), "temperature": 0.5, "meta": {"k": [i]}}
+        for i in range(7)
+    ]
     lines.insert(3, "   ")
     path = write_jsonl(tmp_path / "in.jsonl", lines)
-    columns = dict(prompt_column="prompt", id_column="id", extra_columns={"day": "day", "meta": "meta"},
-                   batch_size=3)
+    columns = dict(prompt_column="prompt", id_column="id", extra_columns={"day": "day", "meta": "meta"}, batch_size=3)
     fast = PromptReader(path, **columns)
     assert fast.sources[0].arrow_readable and fast.num_rows == 7
     assert fast.sources[0].schema.field("day").type == pa.string()  # dates stay text
@@ -176,5 +205,8 @@ def test_clean_file_reads_with_pyarrow_and_the_same_rows_as_line_by_line(tmp_pat
     for mask in (None, done):
         rows = list(fast.iter_rows(mask))
         assert rows == list(slow.iter_rows(mask))
-    assert [(r.row_index, r.id, r.extra["meta"]) for r in rows] == [(0, "r0", {"k": [0]}), (4, "r4", {"k": [4]}),
-                                                                     (6, "r6", {"k": [6]})]
+    assert [(r.row_index, r.id, r.extra["meta"]) for r in rows] == [
+        (0, "r0", {"k": [0]}),
+        (4, "r4", {"k": [4]}),
+        (6, "r6", {"k": [6]}),
+    ]

@@ -57,13 +57,16 @@ def test_loads_sections_into_dataclasses(manifest_file):
     assert (m.output.commit_every_rows, m.output.commit_every_seconds, m.output.overwrite) == (50, 30.0, False)
 
 
-@pytest.mark.parametrize("section, key, message", [
-    ("modle", "path", r"unknown manifest section \[modle\]"),
-    ("input", "prompt_colum", r"unknown setting input.prompt_colum"),
-    ("engine", "pagesize", r"unknown setting engine.pagesize.*page_size"),
-    ("sampling", "temprature", r"unknown setting sampling.temprature"),
-    ("output", "every", r"unknown setting output.every"),
-])
+@pytest.mark.parametrize(
+    "section, key, message",
+    [
+        ("modle", "path", r"unknown manifest section \[modle\]"),
+        ("input", "prompt_colum", r"unknown setting input.prompt_colum"),
+        ("engine", "pagesize", r"unknown setting engine.pagesize.*page_size"),
+        ("sampling", "temprature", r"unknown setting sampling.temprature"),
+        ("output", "every", r"unknown setting output.every"),
+    ],
+)
 def test_unknown_sections_and_keys_are_named(manifest_file, section, key, message):
     with pytest.raises(ValueError, match=message):
         load_manifest(manifest_file, [f"{section}.{key}=1"])
@@ -103,8 +106,11 @@ def test_parse_set_reads_toml_values_with_string_fallback():
 
 
 def test_set_and_flags_override_in_order(manifest_file):
-    m = load_manifest(manifest_file, ["sampling.max_new_tokens=5", "engine.device=cpu", "input.limit=3"],
-                      {"sampling": {"max_new_tokens": 9, "temperature": None}, "input": {"path": "other.parquet"}})
+    m = load_manifest(
+        manifest_file,
+        ["sampling.max_new_tokens=5", "engine.device=cpu", "input.limit=3"],
+        {"sampling": {"max_new_tokens": 9, "temperature": None}, "input": {"path": "other.parquet"}},
+    )
     assert m.sampling.max_new_tokens == 9 and m.sampling.temperature == 0.0  # None flags do not override
     assert m.input.path == "other.parquet" and m.input.limit == 3 and m.engine.device == "cpu"
     with pytest.raises(ValueError, match="unknown setting engine.bogus"):
@@ -112,8 +118,9 @@ def test_set_and_flags_override_in_order(manifest_file):
 
 
 def test_flags_alone_make_a_manifest_and_paths_are_required():
-    m = load_manifest(None, [], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
-                                 "output": {"path": "o"}})
+    m = load_manifest(
+        None, [], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}}
+    )
     assert replace(m.engine, device="cpu").page_size == 64 and m.sampling.max_new_tokens == 128
     with pytest.raises(ValueError, match=r"model.path is required.*--model"):
         manifest_from_dict({"input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}})

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.run.job import JobError, run_job
-from jobs.manifest import apply_model_defaults, load_manifest
 from jobs.input.prompts import encode_prompt
+from jobs.manifest import apply_model_defaults, load_manifest
 from jobs.output.writer import read_output
+from jobs.run.job import JobError, run_job
 
 ENGINE_SETS = ["engine.page_size=16", "engine.num_blocks=64", "engine.max_batch_tokens=256"]
 
@@ -33,9 +33,15 @@ def model_copy(tiny_model_dir, tmp_path):
 
 
 def manifest(model_dir, input_path, output_dir, sets=()):
-    return load_manifest(None, [*ENGINE_SETS, *sets], {"model": {"path": str(model_dir)},
-                                                      "input": {"path": str(input_path), "prompt_column": "p"},
-                                                      "output": {"path": str(output_dir)}})
+    return load_manifest(
+        None,
+        [*ENGINE_SETS, *sets],
+        {
+            "model": {"path": str(model_dir)},
+            "input": {"path": str(input_path), "prompt_column": "p"},
+            "output": {"path": str(output_dir)},
+        },
+    )
 
 
 def rows_of(output_dir) -> list[dict]:
@@ -50,8 +56,10 @@ def test_a_prompt_that_begins_with_bos_gets_no_second_one(tiny_model_dir, tokeni
     pq.write_table(pa.table({"p": ["<s>Once", "Once", "<s>The dog"]}), tmp_path / "in.parquet")
     caplog.clear()  # the calls above logged it for the fixture's tokenizer; the job loads its own
     with caplog.at_level(logging.INFO, logger="cbrun"):
-        run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", ["sampling.max_new_tokens=3"]),
-                progress=False)
+        run_job(
+            manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", ["sampling.max_new_tokens=3"]),
+            progress=False,
+        )
     rows = rows_of(tmp_path / "out")
     assert rows[0]["num_prompt_tokens"] == rows[1]["num_prompt_tokens"] == len(tokenizer.encode("Once"))
     assert rows[0]["completion_token_ids"] == rows[1]["completion_token_ids"]
@@ -68,8 +76,13 @@ def test_generation_config_defaults_apply_where_the_job_is_silent(model_copy, tm
     with caplog.at_level(logging.INFO, logger="cbrun"):
         taken = apply_model_defaults(m)
     assert taken == {"max_new_tokens": 3, "repetition_penalty": 1.1, "temperature": 0.7, "top_p": 0.9}
-    assert (m.sampling.temperature, m.sampling.top_k, m.sampling.top_p, m.sampling.max_new_tokens,
-            m.sampling.repetition_penalty) == (0.7, 2, 0.9, 3, 1.1)  # top_k: the job's own
+    assert (
+        m.sampling.temperature,
+        m.sampling.top_k,
+        m.sampling.top_p,
+        m.sampling.max_new_tokens,
+        m.sampling.repetition_penalty,
+    ) == (0.7, 2, 0.9, 3, 1.1)  # top_k: the job's own
     assert "sampling defaults from" in caplog.text and "temperature = 0.7" in caplog.text
 
     off = manifest(model_copy, tmp_path / "in.parquet", tmp_path / "off", ["sampling.model_defaults=false"])
@@ -97,26 +110,60 @@ def test_generation_config_defaults_apply_where_the_job_is_silent(model_copy, tm
 
 def test_stop_token_text_is_not_in_the_completion(tiny_model_dir, tokenizer, tmp_path):
     pq.write_table(pa.table({"p": ["Once upon a time"]}), tmp_path / "in.parquet")
-    run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "base",
-                     ["sampling.max_new_tokens=12", "sampling.ignore_eos=true"]), progress=False)
+    run_job(
+        manifest(
+            tiny_model_dir,
+            tmp_path / "in.parquet",
+            tmp_path / "base",
+            ["sampling.max_new_tokens=12", "sampling.ignore_eos=true"],
+        ),
+        progress=False,
+    )
     base = rows_of(tmp_path / "base")[0]["completion_token_ids"]
     k = next(i for i in range(1, len(base)) if base[i] not in base[:i] and tokenizer.decode([base[i]]).strip())
     for include, out in ((False, "cut"), (True, "kept")):
-        run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / out,
-                         ["sampling.max_new_tokens=12", f"sampling.stop_token_ids=[{base[k]}]",
-                          f"sampling.include_stop_str_in_output={str(include).lower()}"]), progress=False)
+        run_job(
+            manifest(
+                tiny_model_dir,
+                tmp_path / "in.parquet",
+                tmp_path / out,
+                [
+                    "sampling.max_new_tokens=12",
+                    f"sampling.stop_token_ids=[{base[k]}]",
+                    f"sampling.include_stop_str_in_output={str(include).lower()}",
+                ],
+            ),
+            progress=False,
+        )
         row = rows_of(tmp_path / out)[0]
-        assert (row["completion_token_ids"], row["finish_reason"], row["stop_reason"]) == \
-            (base[:k + 1], "stop", str(base[k]))
-        assert row["completion"] == tokenizer.decode(base[:k + 1 if include else k], skip_special_tokens=True)
+        assert (row["completion_token_ids"], row["finish_reason"], row["stop_reason"]) == (
+            base[: k + 1],
+            "stop",
+            str(base[k]),
+        )
+        assert row["completion"] == tokenizer.decode(base[: k + 1 if include else k], skip_special_tokens=True)
 
 
 def test_zero_new_tokens_with_prompt_logprobs_returns_the_prompts(tiny_model_dir, tokenizer, tmp_path):
     pq.write_table(pa.table({"p": ["Once upon a time", "The dog"]}), tmp_path / "in.parquet")
-    run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "echo",
-                     ["sampling.max_tokens=0", "sampling.prompt_logprobs=true"]), progress=False)
-    run_job(manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "one",
-                     ["sampling.max_tokens=1", "sampling.prompt_logprobs=true"]), progress=False)
+    run_job(
+        manifest(
+            tiny_model_dir,
+            tmp_path / "in.parquet",
+            tmp_path / "echo",
+            ["sampling.max_tokens=0", "sampling.prompt_logprobs=true"],
+        ),
+        progress=False,
+    )
+    run_job(
+        manifest(
+            tiny_model_dir,
+            tmp_path / "in.parquet",
+            tmp_path / "one",
+            ["sampling.max_tokens=1", "sampling.prompt_logprobs=true"],
+        ),
+        progress=False,
+    )
     for echo, one in zip(rows_of(tmp_path / "echo"), rows_of(tmp_path / "one")):
         assert (echo["completion"], echo["completion_token_ids"], echo["finish_reason"]) == ("", [], "length")
         assert len(echo["prompt_logprobs"]) == echo["num_prompt_tokens"] - 1 > 0

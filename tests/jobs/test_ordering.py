@@ -15,17 +15,21 @@ import jobs.run.job
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.run.job import run_job
+from jobs.input.reader import template_fields
 from jobs.manifest import load_manifest
 from jobs.modes.ordering import order_by_prefix, prompt_sort_key
-from jobs.input.reader import template_fields
 from jobs.output.writer import committed_parts
+from jobs.run.job import run_job
 from tests.jobs.test_resume import kill_after_first_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=128)
-MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True), "seed": 7,
-                     "commit_every_rows": 3, "id_column": "id"}
+MANIFEST_DEFAULTS = {
+    "sampling": SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True),
+    "seed": 7,
+    "commit_every_rows": 3,
+    "id_column": "id",
+}
 PREFIXES = ["The quick brown fox jumps over the dog. ", "Once upon a time there was a cat. ", "Q: 2 + 2 = ? A: "]
 
 
@@ -33,8 +37,9 @@ def write_shared_prefix_input(path, num_rows: int, seed: int = 0, **extra) -> li
     """Rows whose prompts are one of three shared prefixes plus a short tail, in shuffled order."""
     rng = random.Random(seed)
     prompts = [rng.choice(PREFIXES) + f"row {i}" for i in range(num_rows)]
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(num_rows)], "prompt": prompts, **extra}), path,
-                   row_group_size=8)
+    pq.write_table(
+        pa.table({"id": [f"r{i}" for i in range(num_rows)], "prompt": prompts, **extra}), path, row_group_size=8
+    )
     return prompts
 
 
@@ -74,8 +79,9 @@ def test_window_bounds_the_items_pulled_ahead():
     assert out == [5, 4, 3, 2, 1, 0, 11, 10, 9, 8, 7, 6, 17, 16, 15, 14, 13, 12, 19, 18]
 
 
-def test_ordering_changes_the_order_of_work_never_a_row(tiny_model_dir, tiny_engine, tmp_path, monkeypatch,
-                                                       make_manifest):
+def test_ordering_changes_the_order_of_work_never_a_row(
+    tiny_model_dir, tiny_engine, tmp_path, monkeypatch, make_manifest
+):
     prompts = write_shared_prefix_input(tmp_path / "in.parquet", 24)
     submitted = []
     generate = tiny_engine.generate
@@ -85,14 +91,16 @@ def test_ordering_changes_the_order_of_work_never_a_row(tiny_model_dir, tiny_eng
             for request in requests:
                 submitted.append(request)
                 yield request
+
         return generate(tap(), **kwargs)
 
     monkeypatch.setattr(tiny_engine, "generate", recording_generate)
     outputs = {}
     for window in (0, 10):
         submitted.clear()
-        manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / f"w{window}",
-                                 order_window=window, n=2)
+        manifest = make_manifest(
+            tiny_model_dir, tmp_path / "in.parquet", tmp_path / f"w{window}", order_window=window, n=2
+        )
         summary = run_job(manifest, progress=False, engine=tiny_engine)
         assert (summary.num_rows, summary.num_output_rows, summary.num_errors) == (24, 48, 0)
         outputs[window] = output_rows(tmp_path / f"w{window}")
@@ -104,8 +112,8 @@ def test_ordering_changes_the_order_of_work_never_a_row(tiny_model_dir, tiny_eng
             assert sorted(rows_in_order) == list(range(24)) and rows_in_order != list(range(24))
             prompt_ids = [ids for _, ids, _ in submitted[::2]]
             for start in (0, 10, 20):
-                assert set(rows_in_order[start:start + 10]) == set(range(start, min(start + 10, 24)))
-                assert prompt_ids[start:start + 10] == sorted(prompt_ids[start:start + 10])
+                assert set(rows_in_order[start : start + 10]) == set(range(start, min(start + 10, 24)))
+                assert prompt_ids[start : start + 10] == sorted(prompt_ids[start : start + 10])
             # rows sharing a prefix now run back to back within each window
             firsts = [PREFIXES.index(next(p for p in PREFIXES if prompts[r].startswith(p))) for r in rows_in_order]
             assert sum(a != b for a, b in zip(firsts, firsts[1:])) <= 3 * 3 - 1
@@ -133,8 +141,9 @@ class _CountingReader:
 
 
 @pytest.mark.parametrize("window", [0, 8])
-def test_the_window_bounds_rows_read_ahead_of_the_writer(tiny_model_dir, tiny_engine, tmp_path, monkeypatch,
-                                                         window, make_manifest):
+def test_the_window_bounds_rows_read_ahead_of_the_writer(
+    tiny_model_dir, tiny_engine, tmp_path, monkeypatch, window, make_manifest
+):
     write_shared_prefix_input(tmp_path / "in.parquet", 40)
     written: list[int] = []
     readers = []
@@ -145,8 +154,9 @@ def test_the_window_bounds_rows_read_ahead_of_the_writer(tiny_model_dir, tiny_en
             super().add_group(rows)
 
     open_reader = jobs.run.job.open_reader
-    monkeypatch.setattr(jobs.run.job, "open_reader", lambda m: readers.append(_CountingReader(open_reader(m), written))
-                        or readers[-1])
+    monkeypatch.setattr(
+        jobs.run.job, "open_reader", lambda m: readers.append(_CountingReader(open_reader(m), written)) or readers[-1]
+    )
     monkeypatch.setattr(jobs.output.checkpoint, "PartWriter", CountingWriter)
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", order_window=window)
     run_job(manifest, progress=False, engine=tiny_engine)
@@ -159,17 +169,40 @@ def test_the_window_bounds_rows_read_ahead_of_the_writer(tiny_model_dir, tiny_en
 
 def test_killed_ordered_run_with_samples_resumes_exactly(tiny_model_dir, tmp_path, capsys, make_manifest):
     num_rows = 12
-    write_shared_prefix_input(tmp_path / "in.parquet", num_rows,
-                              n=pa.array([1, 3, None, 2] * (num_rows // 4), pa.int64()))
+    write_shared_prefix_input(
+        tmp_path / "in.parquet", num_rows, n=pa.array([1, 3, None, 2] * (num_rows // 4), pa.int64())
+    )
     expected_samples = {i: [1, 3, 2, 2][i % 4] for i in range(num_rows)}  # null: the job's n = 2
     out = tmp_path / "out"
-    sets = ["input.order_window=5", "sampling.n=2", "sampling.seed=7", "sampling.temperature=1.0",
-            "sampling.ignore_eos=true", "output.commit_every_rows=2",
-            *[f"engine.{k}={v}" for k, v in (("page_size", 4), ("max_batch_tokens", 64),
-                                              ("max_requests_per_batch", 2), ("num_blocks", 128))]]
-    args = ["run", "--model", str(tiny_model_dir), "--input", str(tmp_path / "in.parquet"), "--output", str(out),
-            "--prompt-column", "prompt", "--id-column", "id", "--max-new-tokens", "6", "--no-progress",
-            *[arg for s in sets for arg in ("--set", s)]]
+    sets = [
+        "input.order_window=5",
+        "sampling.n=2",
+        "sampling.seed=7",
+        "sampling.temperature=1.0",
+        "sampling.ignore_eos=true",
+        "output.commit_every_rows=2",
+        *[
+            f"engine.{k}={v}"
+            for k, v in (("page_size", 4), ("max_batch_tokens", 64), ("max_requests_per_batch", 2), ("num_blocks", 128))
+        ],
+    ]
+    args = [
+        "run",
+        "--model",
+        str(tiny_model_dir),
+        "--input",
+        str(tmp_path / "in.parquet"),
+        "--output",
+        str(out),
+        "--prompt-column",
+        "prompt",
+        "--id-column",
+        "id",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+        *[arg for s in sets for arg in ("--set", s)],
+    ]
 
     kill_after_first_commit(args, out)
     killed = output_rows(out)
@@ -195,6 +228,7 @@ def test_fewshot_manifest_puts_the_first_exemplar_before_each_question(shared_di
     template = manifest.input.template
     assert template_fields(template) == ["question"] and template.endswith("Question: {question}\nAnswer:")
     first = pq.read_table(shared_dir / "data" / "gsm8k_train.parquet").slice(0, 1).to_pylist()[0]
-    assert template.format(question="Q?") == (f"Question: {first['question']}\nAnswer: {first['answer']}\n\n"
-                                              "Question: Q?\nAnswer:")
+    assert template.format(question="Q?") == (
+        f"Question: {first['question']}\nAnswer: {first['answer']}\n\nQuestion: Q?\nAnswer:"
+    )
     assert manifest.input.order_window > 0 and manifest.engine.allow_block_sharing

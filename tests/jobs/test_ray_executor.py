@@ -16,17 +16,20 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import build_parser, main
-from jobs.run.job import run_job
 from jobs.manifest import ClusterSettings, load_manifest
-from jobs.run.ray_executor import QUIET_RAY_ENV, RAY_EXTRA_MESSAGE, pending_spans, quiet_ray_logs
 from jobs.output.writer import read_output
+from jobs.run.job import run_job
+from jobs.run.ray_executor import QUIET_RAY_ENV, RAY_EXTRA_MESSAGE, pending_spans, quiet_ray_logs
 from tests.jobs.test_resume import kill_after_first_commit, run_args
 
-ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64,
-                             device="cpu")
-MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
-                     "id_column": "id", "commit_every_rows": 32}
+ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64, device="cpu")
+MANIFEST_DEFAULTS = {
+    "sampling": SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+    "id_column": "id",
+    "commit_every_rows": 32,
+}
 NUM_ROWS = 200
+
 
 @pytest.fixture(scope="module")
 def local_ray():
@@ -52,30 +55,65 @@ def test_pending_spans_cover_the_rows_not_done_in_batches():
 
 
 def test_cluster_settings_from_flags_and_sets():
-    manifest = load_manifest(None, ["cluster.num_replicas=2", "cluster.num_gpus_per_replica=1",
-                                    "cluster.max_concurrent_batches=3",
-                                    "cluster.num_cpus_per_replica=4", "cluster.batch_size=64"],
-                             {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
-                              "output": {"path": "o"}, "cluster": {"executor": "ray", "address": "auto"}})
-    assert manifest.cluster == ClusterSettings(executor="ray", num_replicas=2, num_gpus_per_replica=1,
-                                               num_cpus_per_replica=4, batch_size=64, max_concurrent_batches=3,
-                                               address="auto")
+    manifest = load_manifest(
+        None,
+        [
+            "cluster.num_replicas=2",
+            "cluster.num_gpus_per_replica=1",
+            "cluster.max_concurrent_batches=3",
+            "cluster.num_cpus_per_replica=4",
+            "cluster.batch_size=64",
+        ],
+        {
+            "model": {"path": "m"},
+            "input": {"path": "i", "prompt_column": "p"},
+            "output": {"path": "o"},
+            "cluster": {"executor": "ray", "address": "auto"},
+        },
+    )
+    assert manifest.cluster == ClusterSettings(
+        executor="ray",
+        num_replicas=2,
+        num_gpus_per_replica=1,
+        num_cpus_per_replica=4,
+        batch_size=64,
+        max_concurrent_batches=3,
+        address="auto",
+    )
     args = build_parser().parse_args(["run", "--executor", "ray", "--ray-address", "auto", "--shard", "1/4"])
     assert (args.executor, args.ray_address, args.shard) == ("ray", "auto", "1/4")
-    for bad, message in (("cluster.executor=\"spark\"", "cluster.executor"), ("cluster.num_replicas=0",
-                                                                              "num_replicas"),
-                         ("cluster.batch_size=1.5", "batch_size"), ("cluster.num_gpus_per_replica=-1", "num_gpus"),
-                         ("cluster.max_concurrent_batches=0", "max_concurrent_batches")):
+    for bad, message in (
+        ('cluster.executor="spark"', "cluster.executor"),
+        ("cluster.num_replicas=0", "num_replicas"),
+        ("cluster.batch_size=1.5", "batch_size"),
+        ("cluster.num_gpus_per_replica=-1", "num_gpus"),
+        ("cluster.max_concurrent_batches=0", "max_concurrent_batches"),
+    ):
         with pytest.raises(ValueError, match=message):
-            load_manifest(None, [bad], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
-                                        "output": {"path": "o"}})
+            load_manifest(
+                None,
+                [bad],
+                {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}},
+            )
 
 
 def test_missing_ray_exits_2_naming_the_extra(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)
     pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "in.parquet")
-    args = ["run", "--model", str(tiny_model_dir), "--input", str(tmp_path / "in.parquet"), "--output",
-            str(tmp_path / "out"), "--prompt-column", "prompt", "--executor", "ray", "--no-progress"]
+    args = [
+        "run",
+        "--model",
+        str(tiny_model_dir),
+        "--input",
+        str(tmp_path / "in.parquet"),
+        "--output",
+        str(tmp_path / "out"),
+        "--prompt-column",
+        "prompt",
+        "--executor",
+        "ray",
+        "--no-progress",
+    ]
     assert main(args) == 2
     assert "pip install 'cbrun[ray]'" in capsys.readouterr().err and RAY_EXTRA_MESSAGE.endswith("ray[data])")
     assert not (tmp_path / "out").exists()
@@ -86,10 +124,17 @@ def test_two_replicas_equal_the_single_process_run(local_ray, stories260k_dir, m
     path = tmp_path / "in.parquet"
     # Every third row is sampled (its temperature column) with a seed derived from the row id alone.
     temperature = [0.8 if i % 3 == 0 else None for i in range(NUM_ROWS)]
-    pq.write_table(pa.table({"id": [f"s{i}" for i in range(NUM_ROWS)],
-                             "prompt": [f"Once upon a time, {'Lily' if i % 2 else 'Tom'} saw {i}"
-                                        for i in range(NUM_ROWS)],
-                             "temperature": pa.array(temperature, pa.float64())}), path, row_group_size=50)
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"s{i}" for i in range(NUM_ROWS)],
+                "prompt": [f"Once upon a time, {'Lily' if i % 2 else 'Tom'} saw {i}" for i in range(NUM_ROWS)],
+                "temperature": pa.array(temperature, pa.float64()),
+            }
+        ),
+        path,
+        row_group_size=50,
+    )
     single = make_manifest(stories260k_dir, path, tmp_path / "single")
     single.seed = 5
     run_job(single, progress=False)
@@ -107,8 +152,9 @@ def test_two_replicas_equal_the_single_process_run(local_ray, stories260k_dir, m
 @pytest.mark.ray
 def test_a_replica_runs_the_rows_of_two_batches_in_one_step(local_ray, stories260k_dir, make_manifest, tmp_path):
     path = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [f"b{i}" for i in range(20)], "prompt": [f"Tom had {i} cats" for i in range(20)]}),
-                   path)
+    pq.write_table(
+        pa.table({"id": [f"b{i}" for i in range(20)], "prompt": [f"Tom had {i} cats" for i in range(20)]}), path
+    )
     single = make_manifest(stories260k_dir, path, tmp_path / "single")
     run_job(single, progress=False)
     on_ray = make_manifest(stories260k_dir, path, tmp_path / "ray")
@@ -124,11 +170,20 @@ def test_a_replica_runs_the_rows_of_two_batches_in_one_step(local_ray, stories26
 @pytest.mark.slow
 def test_killed_driver_resumes_every_row_once(local_ray, tiny_model_dir, tmp_path, capsys):
     path = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(60)], "prompt": [f"row {i} says" for i in range(60)]}),
-                   path, row_group_size=10)
+    pq.write_table(
+        pa.table({"id": [f"r{i}" for i in range(60)], "prompt": [f"row {i} says" for i in range(60)]}),
+        path,
+        row_group_size=10,
+    )
     out = tmp_path / "out"
-    args = run_args(tiny_model_dir, path, out) + ["--executor", "ray", "--set", "cluster.batch_size=4",
-                                                  "--set", "cluster.num_replicas=1"]
+    args = run_args(tiny_model_dir, path, out) + [
+        "--executor",
+        "ray",
+        "--set",
+        "cluster.batch_size=4",
+        "--set",
+        "cluster.num_replicas=1",
+    ]
     kill_after_first_commit(args, out, timeout_s=240)  # the Ray instance the driver started dies with it
     killed = read_output(out).column("row_index").to_pylist()
     assert 0 < len(killed) < 60
@@ -140,8 +195,9 @@ def test_killed_driver_resumes_every_row_once(local_ray, tiny_model_dir, tmp_pat
     assert main(run_args(tiny_model_dir, path, single)) == 0
     got = rows(out)
     assert [r["row_index"] for r in got] == list(range(60))
-    assert [(r["id"], r["completion_token_ids"]) for r in got] == \
-        [(r["id"], r["completion_token_ids"]) for r in rows(single)]
+    assert [(r["id"], r["completion_token_ids"]) for r in got] == [
+        (r["id"], r["completion_token_ids"]) for r in rows(single)
+    ]
 
 
 def kill_one_replica_once(output_dir, killed: list[int], stop) -> None:
@@ -162,14 +218,22 @@ def kill_one_replica_once(output_dir, killed: list[int], stop) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_killed_replica_is_restarted_and_its_rows_are_written_once(local_ray, stories260k_dir, make_manifest,
-                                                                     tmp_path):
+def test_a_killed_replica_is_restarted_and_its_rows_are_written_once(
+    local_ray, stories260k_dir, make_manifest, tmp_path
+):
     import threading
 
     path = tmp_path / "in.parquet"
     num_rows = 400
-    pq.write_table(pa.table({"id": [f"k{i}" for i in range(num_rows)],
-                             "prompt": [f"Once upon a time, Lily saw {i}" for i in range(num_rows)]}), path)
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"k{i}" for i in range(num_rows)],
+                "prompt": [f"Once upon a time, Lily saw {i}" for i in range(num_rows)],
+            }
+        ),
+        path,
+    )
     single = make_manifest(stories260k_dir, path, tmp_path / "single", commit_every_rows=16)
     run_job(single, progress=False)
     on_ray = make_manifest(stories260k_dir, path, tmp_path / "ray", commit_every_rows=16)

@@ -18,12 +18,15 @@ def write(path, columns: dict, row_group_size: int = 3):
 @pytest.fixture
 def questions(tmp_path):
     n = 10
-    return write(tmp_path / "q.parquet", {
-        "id": [f"q{i}" for i in range(n)],
-        "question": [f"question {i}" for i in range(n)],
-        "answer": [f"answer {i}" for i in range(n)],
-        "unused": list(range(n)),
-    })
+    return write(
+        tmp_path / "q.parquet",
+        {
+            "id": [f"q{i}" for i in range(n)],
+            "question": [f"question {i}" for i in range(n)],
+            "answer": [f"answer {i}" for i in range(n)],
+            "unused": list(range(n)),
+        },
+    )
 
 
 def test_streams_every_row_in_order_over_row_groups_and_batches(questions, monkeypatch):
@@ -87,19 +90,27 @@ def test_prompt_ids_column_is_used_as_given(tmp_path):
 
 
 def test_sampling_columns_override_per_row(tmp_path):
-    path = write(tmp_path / "s.parquet", {
-        "p": ["a", "b", "c", "d"],
-        "temperature": [0.5, None, 1.0, 0.0],
-        "max_new_tokens": pa.array([3, 4, None, 2], pa.int64()),
-        "stop_token_ids": pa.array([[1, 2], None, [], [3]], pa.list_(pa.int64())),
-        "ignore_eos": [True, None, False, None],
-        "top_k": pa.array([1.0, 2.5, None, None], pa.float64()),
-    })
+    path = write(
+        tmp_path / "s.parquet",
+        {
+            "p": ["a", "b", "c", "d"],
+            "temperature": [0.5, None, 1.0, 0.0],
+            "max_new_tokens": pa.array([3, 4, None, 2], pa.int64()),
+            "stop_token_ids": pa.array([[1, 2], None, [], [3]], pa.list_(pa.int64())),
+            "ignore_eos": [True, None, False, None],
+            "top_k": pa.array([1.0, 2.5, None, None], pa.float64()),
+        },
+    )
     reader = PromptReader(path, prompt_column="p")
     assert set(reader.sampling_columns) == {"temperature", "max_new_tokens", "stop_token_ids", "ignore_eos", "top_k"}
     rows = list(reader.iter_rows())
-    assert rows[0].sampling_overrides == {"temperature": 0.5, "max_new_tokens": 3, "stop_token_ids": (1, 2),
-                                          "ignore_eos": True, "top_k": 1}
+    assert rows[0].sampling_overrides == {
+        "temperature": 0.5,
+        "max_new_tokens": 3,
+        "stop_token_ids": (1, 2),
+        "ignore_eos": True,
+        "top_k": 1,
+    }
     assert rows[1].error == "row 1 (id '1'): top_k must be an integer, got 2.5"
     assert rows[2].sampling_overrides == {"temperature": 1.0, "stop_token_ids": (), "ignore_eos": False}
     assert rows[3].sampling_overrides == {"temperature": 0.0, "max_new_tokens": 2, "stop_token_ids": (3,)}
@@ -110,8 +121,7 @@ def test_stop_strings_column(tmp_path):
     rows = list(PromptReader(path, prompt_column="p").iter_rows())
     assert [r.sampling_overrides for r in rows] == [{"stop": ("\n", "END")}, {"stop": ()}, {}]
     path = write(tmp_path / "t.parquet", {"p": ["a", "b"], "stop": ["\n", None]})
-    assert [r.sampling_overrides for r in PromptReader(path, prompt_column="p").iter_rows()] == \
-        [{"stop": ("\n",)}, {}]
+    assert [r.sampling_overrides for r in PromptReader(path, prompt_column="p").iter_rows()] == [{"stop": ("\n",)}, {}]
 
 
 def test_bad_per_row_value_type_is_a_row_error(tmp_path):
@@ -121,8 +131,10 @@ def test_bad_per_row_value_type_is_a_row_error(tmp_path):
 
 
 def test_null_empty_and_undecodable_prompts_are_row_errors(tmp_path):
-    path = write(tmp_path / "p.parquet", {"id": ["a", "b", "c", None],
-                                          "p": pa.array([b"ok", None, b"", b"\xff\xfe bad"], pa.binary())})
+    path = write(
+        tmp_path / "p.parquet",
+        {"id": ["a", "b", "c", None], "p": pa.array([b"ok", None, b"", b"\xff\xfe bad"], pa.binary())},
+    )
     rows = list(PromptReader(path, prompt_column="p", id_column="id").iter_rows())
     assert rows[0].prompt == "ok" and rows[0].error is None
     assert rows[1].error == "row 1 (id 'b'): prompt column 'p' is null"
@@ -166,8 +178,11 @@ def test_directory_input_numbers_rows_across_files(tmp_path):
     done = np.zeros(6, dtype=bool)
     done[[0, 1, 3]] = True  # file a entirely done
     assert [(r.row_index, r.prompt) for r in reader.iter_rows(done)] == [(2, "b0"), (4, "b2"), (5, "b3")]
-    assert [r.prompt for r in PromptReader(tmp_path / "d", prompt_column="p", limit=3).iter_rows()] == \
-        ["a0", "a1", "b0"]
+    assert [r.prompt for r in PromptReader(tmp_path / "d", prompt_column="p", limit=3).iter_rows()] == [
+        "a0",
+        "a1",
+        "b0",
+    ]
 
 
 def test_saved_datasets_directory(tmp_path):
@@ -189,11 +204,14 @@ def test_saved_datasets_directory(tmp_path):
 @pytest.mark.parametrize("text", [pa.string(), pa.large_string(), pa.string_view()])
 def test_every_arrow_text_type_is_a_prompt_and_setting_column(tmp_path, text):
     # Newer pyarrow, polars and duckdb write string_view; it must read as string does.
-    path = write(tmp_path / "v.parquet", {
-        "p": pa.array(["a", "b", None], text),
-        "stop": pa.array([["END"], None, []], pa.list_(text)),
-        "logprobs_mode": pa.array(["processed_logprobs", None, None], text),
-    })
+    path = write(
+        tmp_path / "v.parquet",
+        {
+            "p": pa.array(["a", "b", None], text),
+            "stop": pa.array([["END"], None, []], pa.list_(text)),
+            "logprobs_mode": pa.array(["processed_logprobs", None, None], text),
+        },
+    )
     assert pq.read_schema(path).field("p").type == text
     rows = list(PromptReader(path, prompt_column="p").iter_rows())
     assert [r.prompt for r in rows[:2]] == ["a", "b"] and rows[2].error is not None

@@ -6,31 +6,35 @@ from __future__ import annotations
 import asyncio
 
 import pyarrow as pa
-import pytest
 import pyarrow.parquet as pq
+import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
+from jobs.output.writer import read_output
 from jobs.run.job import open_reader, run_job
 from jobs.run.ray_input import input_rows
 from jobs.run.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN, Replica
-from jobs.output.writer import read_output
 
-ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64,
-                             device="cpu")
-MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
-                     "id_column": "id"}
+ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64, device="cpu")
+MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), "id_column": "id"}
 NUM_ROWS = 40
 KEY = ("row_index", "sample_index", "id", "completion_token_ids", "finish_reason")
 
 
 def write_input(path) -> None:
     # Every third row is sampled (its temperature column) with a seed derived from the row id alone.
-    pq.write_table(pa.table({"id": [f"s{i}" for i in range(NUM_ROWS)],
-                             "prompt": [f"Once upon a time, {'Lily' if i % 2 else 'Tom'} saw {i}"
-                                        for i in range(NUM_ROWS)],
-                             "temperature": pa.array([0.8 if i % 3 == 0 else None for i in range(NUM_ROWS)])}),
-                   path, row_group_size=7)
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"s{i}" for i in range(NUM_ROWS)],
+                "prompt": [f"Once upon a time, {'Lily' if i % 2 else 'Tom'} saw {i}" for i in range(NUM_ROWS)],
+                "temperature": pa.array([0.8 if i % 3 == 0 else None for i in range(NUM_ROWS)]),
+            }
+        ),
+        path,
+        row_group_size=7,
+    )
 
 
 def test_read_span_keeps_exact_row_indices_across_row_groups(stories260k_dir, make_manifest, tmp_path):
@@ -42,16 +46,21 @@ def test_read_span_keeps_exact_row_indices_across_row_groups(stories260k_dir, ma
     assert rows[1].sampling_overrides == {"temperature": 0.8} and rows[0].sampling_overrides == {}
 
 
-def test_two_batches_share_the_engine_steps_and_equal_the_single_process_run(stories260k_dir, make_manifest,
-                                                                              tmp_path):
+def test_two_batches_share_the_engine_steps_and_equal_the_single_process_run(stories260k_dir, make_manifest, tmp_path):
     write_input(tmp_path / "in.parquet")
     single = make_manifest(stories260k_dir, tmp_path / "in.parquet", tmp_path / "single", seed=5)
     run_job(single, progress=False)
-    expected = {(r["row_index"], r["sample_index"]): tuple(r[k] for k in KEY)
-                for r in read_output(tmp_path / "single").to_pylist()}
+    expected = {
+        (r["row_index"], r["sample_index"]): tuple(r[k] for k in KEY)
+        for r in read_output(tmp_path / "single").to_pylist()
+    }
 
-    replica = Replica(make_manifest(stories260k_dir, tmp_path / "in.parquet", tmp_path / "ray", seed=5),
-                      ENGINE_CONFIG, num_threads=1, max_concurrent_batches=2)
+    replica = Replica(
+        make_manifest(stories260k_dir, tmp_path / "in.parquet", tmp_path / "ray", seed=5),
+        ENGINE_CONFIG,
+        num_threads=1,
+        max_concurrent_batches=2,
+    )
     batches = [pa.Table.from_batches(list(replica.reader.read_span(start, start + 20))) for start in (0, 20)]
 
     async def both():
@@ -69,8 +78,12 @@ def test_two_batches_share_the_engine_steps_and_equal_the_single_process_run(sto
 
 def test_a_fault_fails_the_batches_held_and_the_loop_serves_the_next(stories260k_dir, make_manifest, tmp_path):
     write_input(tmp_path / "in.parquet")
-    replica = Replica(make_manifest(stories260k_dir, tmp_path / "in.parquet", tmp_path / "ray"), ENGINE_CONFIG,
-                      num_threads=1, max_concurrent_batches=2)
+    replica = Replica(
+        make_manifest(stories260k_dir, tmp_path / "in.parquet", tmp_path / "ray"),
+        ENGINE_CONFIG,
+        num_threads=1,
+        max_concurrent_batches=2,
+    )
     batch = pa.Table.from_batches(list(replica.reader.read_span(0, 4)))
     step = replica.loop.engine.step
     replica.loop.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))

@@ -12,8 +12,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.run.job import run_job
 from jobs.observe.report_data import cost, error_cause, load_report_data
+from jobs.run.job import run_job
 
 pytest.importorskip("matplotlib")
 
@@ -85,10 +85,13 @@ def test_the_page_is_self_contained(finished_output, capsys):
     page = (out / "_cbrun" / "report.html").read_text()
     assert page.count("<svg") == 6  # tokens/s, requests, KV cache, prefix cache, distributions, errors
     assert "<script" not in page.lower() and not re.search(r"""(src|href)=["']?(https?:)?//""", page)
-    assert "USD per million generated tokens" in page and "prompt column 'prompt' is null" in page  # the errors chart's label
+    assert (
+        "USD per million generated tokens" in page and "prompt column 'prompt' is null" in page
+    )  # the errors chart's label
     pngs = sorted(p.name for p in (out / "_cbrun" / "report").iterdir())
-    assert pngs == sorted(f"{name}.png" for name in ("tokens_per_s", "requests", "kv_cache", "prefix_cache",
-                                                       "distributions", "errors"))
+    assert pngs == sorted(
+        f"{name}.png" for name in ("tokens_per_s", "requests", "kv_cache", "prefix_cache", "distributions", "errors")
+    )
     assert all((out / "_cbrun" / "report" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
@@ -103,8 +106,9 @@ def test_report_out_and_errors(finished_output, tmp_path, capsys):
 
 
 def test_error_causes_fall_together():
-    assert error_cause("row 4 (id 'r4'): the prompt has 301 tokens, but the model's maximum length is 256") == \
-        error_cause("row 9 (id 'x'): the prompt has 999 tokens, but the model's maximum length is 256")
+    assert error_cause(
+        "row 4 (id 'r4'): the prompt has 301 tokens, but the model's maximum length is 256"
+    ) == error_cause("row 9 (id 'x'): the prompt has 999 tokens, but the model's maximum length is 256")
     assert error_cause(None) == "(no message)"
     assert len(error_cause("row 1 (id 'a'): " + "x" * 200)) == 90
 
@@ -116,4 +120,4 @@ def test_an_output_without_timelines_still_has_its_rows_charts(finished_output):
     assert main(["report", str(out)]) == 0
     page = (out / "_cbrun" / "report.html").read_text()
     assert page.count("<svg") == 2  # distributions and errors: the charts over time need a timeline
-    assert "Engine settings that ran</h2>\n<p class=\"sub\">not recorded</p>" in page
+    assert 'Engine settings that ran</h2>\n<p class="sub">not recorded</p>' in page

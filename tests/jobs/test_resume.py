@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.run.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.output.writer import committed_parts
+from jobs.run.job import run_job
 
 NUM_ROWS = 12
 MAX_NEW_TOKENS = 8
@@ -31,9 +31,25 @@ def cbrun_command() -> list[str]:
 
 def run_args(model_dir, input_path, output_dir) -> list[str]:
     sets = [f"engine.{k}={v}" for k, v in ENGINE.items()] + ["sampling.ignore_eos=true", "output.commit_every_rows=2"]
-    return ["run", "--model", str(model_dir), "--input", str(input_path), "--output", str(output_dir),
-            "--prompt-column", "prompt", "--id-column", "id", "--max-new-tokens", str(MAX_NEW_TOKENS),
-            "--temperature", "0", "--no-progress", *[arg for s in sets for arg in ("--set", s)]]
+    return [
+        "run",
+        "--model",
+        str(model_dir),
+        "--input",
+        str(input_path),
+        "--output",
+        str(output_dir),
+        "--prompt-column",
+        "prompt",
+        "--id-column",
+        "id",
+        "--max-new-tokens",
+        str(MAX_NEW_TOKENS),
+        "--temperature",
+        "0",
+        "--no-progress",
+        *[arg for s in sets for arg in ("--set", s)],
+    ]
 
 
 def rows_by_index(output_dir) -> dict[int, list[int]]:
@@ -48,8 +64,9 @@ def kill_after_first_commit(args: list[str], out: Path, timeout_s: float = 120) 
 
     The process runs in a session of its own, and whatever it started (a local Ray instance, say) is killed with it
     through that session's process group."""
-    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + timeout_s
         while not committed_parts(out):
@@ -69,8 +86,12 @@ def kill_after_first_commit(args: list[str], out: Path, timeout_s: float = 120) 
 
 def test_killed_run_resumes_without_duplicates_or_losses(tiny_model_dir, tmp_path, capsys):
     input_path = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(NUM_ROWS)],
-                             "prompt": [f"a prompt for row {i}" for i in range(NUM_ROWS)]}), input_path)
+    pq.write_table(
+        pa.table(
+            {"id": [f"r{i}" for i in range(NUM_ROWS)], "prompt": [f"a prompt for row {i}" for i in range(NUM_ROWS)]}
+        ),
+        input_path,
+    )
     out = tmp_path / "out"
     args = run_args(tiny_model_dir, input_path, out)
 

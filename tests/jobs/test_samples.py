@@ -9,21 +9,32 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.output.fingerprint import job_fingerprint
-from jobs.modes.generate import derive_seed, sample_seeds
-from jobs.run.job import JobError, run_job
 from jobs.manifest import load_manifest
+from jobs.modes.generate import derive_seed, sample_seeds
+from jobs.output.fingerprint import job_fingerprint
 from jobs.output.writer import committed_parts
+from jobs.run.job import JobError, run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=128)
-MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True), "seed": 3,
-                     "commit_every_rows": 1, "id_column": "id"}
+MANIFEST_DEFAULTS = {
+    "sampling": SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True),
+    "seed": 3,
+    "commit_every_rows": 1,
+    "id_column": "id",
+}
 
 
 def write_input(path, num_rows: int, **extra):
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(num_rows)],
-                             "prompt": [f"a shared opening line, then row {i}" for i in range(num_rows)], **extra}),
-                   path)
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"r{i}" for i in range(num_rows)],
+                "prompt": [f"a shared opening line, then row {i}" for i in range(num_rows)],
+                **extra,
+            }
+        ),
+        path,
+    )
     return path
 
 
@@ -52,8 +63,11 @@ def test_n_samples_are_separate_rows_that_differ_and_reproduce(tiny_model_dir, t
     write_input(tmp_path / "in.parquet", 4)
     runs = []
     for name in ("a", "b"):
-        summary = run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / name, n=3),
-                          progress=False, engine=tiny_engine)
+        summary = run_job(
+            make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / name, n=3),
+            progress=False,
+            engine=tiny_engine,
+        )
         assert (summary.num_rows, summary.num_output_rows, summary.num_errors) == (4, 12, 0)
         assert "| 12 samples |" in summary.line()
         runs.append(samples(tmp_path / name))
@@ -62,8 +76,9 @@ def test_n_samples_are_separate_rows_that_differ_and_reproduce(tiny_model_dir, t
         assert [r["sample_index"] for r in rows] == [0, 1, 2]
         assert {r["id"] for r in rows} == {f"r{row_index}"}
         assert len({tuple(r["completion_token_ids"]) for r in rows}) == 3  # seeds differ across samples
-    one = run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "one"), progress=False,
-                  engine=tiny_engine)
+    one = run_job(
+        make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "one"), progress=False, engine=tiny_engine
+    )
     assert "samples" not in one.line()
     single = samples(tmp_path / "one")
     assert {i: rows[0] for i, rows in runs[0].items()} == {i: rows[0] for i, rows in single.items()}
@@ -73,8 +88,11 @@ def test_n_samples_are_separate_rows_that_differ_and_reproduce(tiny_model_dir, t
 def test_per_row_n_column_and_bad_values(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     n_column = pa.array([1, 4, None, 2, 0, 1.5], pa.float64())
     write_input(tmp_path / "in.parquet", 6, n=n_column)
-    summary = run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2),
-                      progress=False, engine=tiny_engine)
+    summary = run_job(
+        make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2),
+        progress=False,
+        engine=tiny_engine,
+    )
     out = samples(tmp_path / "out")
     assert {i: len(rows) for i, rows in out.items()} == {0: 1, 1: 4, 2: 2, 3: 2, 4: 1, 5: 1}
     assert (summary.num_rows, summary.num_output_rows, summary.num_errors) == (6, 11, 2)
@@ -86,13 +104,19 @@ def test_per_row_n_column_and_bad_values(tiny_model_dir, tiny_engine, tmp_path, 
 
 def test_seed_column_seeds_sample_zero_and_the_others_differ(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     write_input(tmp_path / "in.parquet", 2, seed=pa.array([11, 11], pa.int64()))
-    run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2), progress=False,
-            engine=tiny_engine)
+    run_job(
+        make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2),
+        progress=False,
+        engine=tiny_engine,
+    )
     out = samples(tmp_path / "out")
-    pq.write_table(pa.table({"id": ["x"], "prompt": ["a shared opening line, then row 0"],
-                             "seed": pa.array([11], pa.int64())}), tmp_path / "one.parquet")
-    run_job(make_manifest(tiny_model_dir, tmp_path / "one.parquet", tmp_path / "one"), progress=False,
-            engine=tiny_engine)
+    pq.write_table(
+        pa.table({"id": ["x"], "prompt": ["a shared opening line, then row 0"], "seed": pa.array([11], pa.int64())}),
+        tmp_path / "one.parquet",
+    )
+    run_job(
+        make_manifest(tiny_model_dir, tmp_path / "one.parquet", tmp_path / "one"), progress=False, engine=tiny_engine
+    )
     assert out[0][0]["completion_token_ids"] == samples(tmp_path / "one")[0][0]["completion_token_ids"]
     assert out[0][0]["completion_token_ids"] != out[0][1]["completion_token_ids"]
 
@@ -102,18 +126,23 @@ def test_samples_of_a_row_share_its_prompt_blocks(tiny_model_dir, tmp_path, make
 
     engine = LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)  # a fresh, empty prefix cache
     pq.write_table(pa.table({"id": ["a"], "prompt": ["x" * 40]}), tmp_path / "in.parquet")
-    run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=4), progress=False,
-            engine=engine)
+    run_job(
+        make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=4), progress=False, engine=engine
+    )
     # 41 prompt tokens (BOS + 40): samples 1..3 each take the 10 full blocks below the last token from the cache.
     assert engine.stats.num_prompt_tokens == 4 * 41
     assert engine.stats.num_cached_prompt_tokens == 3 * 40
 
 
-def test_interrupted_run_commits_whole_rows_and_resumes_exactly(tiny_model_dir, tiny_engine, tmp_path,
-                                                                monkeypatch, make_manifest):
+def test_interrupted_run_commits_whole_rows_and_resumes_exactly(
+    tiny_model_dir, tiny_engine, tmp_path, monkeypatch, make_manifest
+):
     write_input(tmp_path / "in.parquet", 8, n=pa.array([3, 1, 2, 3, None, 2, 3, 1], pa.int64()))
-    run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "reference", n=2), progress=False,
-            engine=tiny_engine)
+    run_job(
+        make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "reference", n=2),
+        progress=False,
+        engine=tiny_engine,
+    )
     expected = samples(tmp_path / "reference")
 
     from engine import LLMEngine
@@ -160,8 +189,14 @@ def test_n_setting_is_validated_and_part_of_the_fingerprint(tmp_path):
 
 def test_changing_n_refuses_to_resume(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     write_input(tmp_path / "in.parquet", 2)
-    run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2), progress=False,
-            engine=tiny_engine)
+    run_job(
+        make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2),
+        progress=False,
+        engine=tiny_engine,
+    )
     with pytest.raises(JobError, match="sampling.n"):
-        run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=3), progress=False,
-                engine=tiny_engine)
+        run_job(
+            make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=3),
+            progress=False,
+            engine=tiny_engine,
+        )

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from jobs.run.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.modes.scoring import encode_pair
 from jobs.output.writer import read_output
+from jobs.run.job import run_job
 from tests.model_utils import _hf_model, random_llama_dir
 
 MERGES = [("d", "o"), ("do", "g"), ("dog", "s"), ("3", "0")]
@@ -47,8 +47,10 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("context, candidate, scored", [("The dog", "s ran", "s ran"), ("3", "0", "0"),
-                                                        ("The dog ", "s", " s"), ("The cat", " sat", " sat")])
+@pytest.mark.parametrize(
+    "context, candidate, scored",
+    [("The dog", "s ran", "s ran"), ("3", "0", "0"), ("The dog ", "s", " s"), ("The cat", " sat", " sat")],
+)
 def test_scored_tokens_decode_to_exactly_context_plus_candidate(context, candidate, scored):
     tok = merging_tokenizer()
     context_ids, ids = encode_pair(tok, context, candidate)
@@ -60,31 +62,44 @@ def test_scored_tokens_decode_to_exactly_context_plus_candidate(context, candida
 def test_the_fault_the_rule_fixes():
     tok = merging_tokenizer()
     context_ids, whole = tok.encode("The dog"), tok.encode("The dogs ran")
-    assert whole[:len(context_ids)] != context_ids  # " dogs" straddles the cut
-    assert tok.decode(whole[len(context_ids):]) == " ran"  # cutting the joined ids at the context's length drops "s"
+    assert whole[: len(context_ids)] != context_ids  # " dogs" straddles the cut
+    assert tok.decode(whole[len(context_ids) :]) == " ran"  # cutting the joined ids at the context's length drops "s"
 
 
 def test_score_rows_are_exact_and_have_null_generation_columns(model_dir, tmp_path):
-    pq.write_table(pa.table({"context": ["The dog", "3"], "candidates": [["s ran", " sat"], ["0", "1"]]}),
-                   tmp_path / "in.parquet")
-    manifest = JobManifest(model=ModelSettings(path=str(model_dir)),
-                           input=InputSettings(path=str(tmp_path / "in.parquet"), prompt_column="context",
-                                               mode="score", candidates_column="candidates", boundary="exact"),
-                           engine=EngineConfig(page_size=4, num_blocks=128, max_batch_tokens=64),
-                           output=OutputSettings(path=str(tmp_path / "out")))
+    pq.write_table(
+        pa.table({"context": ["The dog", "3"], "candidates": [["s ran", " sat"], ["0", "1"]]}), tmp_path / "in.parquet"
+    )
+    manifest = JobManifest(
+        model=ModelSettings(path=str(model_dir)),
+        input=InputSettings(
+            path=str(tmp_path / "in.parquet"),
+            prompt_column="context",
+            mode="score",
+            candidates_column="candidates",
+            boundary="exact",
+        ),
+        engine=EngineConfig(page_size=4, num_blocks=128, max_batch_tokens=64),
+        output=OutputSettings(path=str(tmp_path / "out")),
+    )
     summary = run_job(manifest, progress=False)
     rows = read_output(tmp_path / "out").sort_by("row_index").to_pylist()
     tok = merging_tokenizer()
     model = _hf_model(random_llama_dir(len(tok)))
     for row, context, candidates in zip(rows, ["The dog", "3"], [["s ran", " sat"], ["0", "1"]]):
-        assert (row["completion"], row["completion_token_ids"], row["num_completion_tokens"],
-                row["finish_reason"], row["error"]) == (None, None, None, None, None)
+        assert (
+            row["completion"],
+            row["completion_token_ids"],
+            row["num_completion_tokens"],
+            row["finish_reason"],
+            row["error"],
+        ) == (None, None, None, None, None)
         want_logprobs, want_tokens = [], []
         for candidate in candidates:
             context_ids, ids = encode_pair(tok, context, candidate)
             with torch.no_grad():
                 logprobs = torch.log_softmax(model(torch.tensor([context_ids + ids])).logits[0].float(), dim=-1)
-            rows_ = logprobs[len(context_ids) - 1:-1]
+            rows_ = logprobs[len(context_ids) - 1 : -1]
             want_logprobs.append(float(rows_.gather(1, torch.tensor(ids)[:, None]).sum()))
             want_tokens.append(len(ids))
         assert row["candidate_logprobs"] == pytest.approx(want_logprobs, abs=1e-4)

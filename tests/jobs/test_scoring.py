@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from jobs.run.job import JobError, run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
 from jobs.modes.scoring import encode_pair, last_number_plus_one, read_candidates
 from jobs.output.writer import read_output
+from jobs.run.job import JobError, run_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=128, max_requests_per_batch=8, num_blocks=128)
@@ -34,18 +34,26 @@ def oracle(model_dir, tokenizer, context: str, continuation: str) -> tuple[float
     ids = torch.tensor([context_ids + continuation_ids])
     with torch.no_grad():
         logprobs = torch.log_softmax(hf_model(str(model_dir))(ids).logits[0].float(), dim=-1)
-    rows = logprobs[len(context_ids) - 1:-1]  # the positions that predict the continuation tokens
+    rows = logprobs[len(context_ids) - 1 : -1]  # the positions that predict the continuation tokens
     targets = torch.tensor(continuation_ids)
     total = float(rows.gather(1, targets[:, None]).sum())
     return total, len(continuation_ids), bool((rows.argmax(dim=-1) == targets).all())
 
 
 def score_manifest(model_dir, input_path, output_dir, **input_settings) -> JobManifest:
-    input_settings = {"prompt_column": "context", "id_column": "id", "mode": "score",
-                      "candidates_column": "candidates", **input_settings}
-    return JobManifest(model=ModelSettings(path=str(model_dir)),
-                       input=InputSettings(path=str(input_path), **input_settings),
-                       engine=ENGINE_CONFIG, output=OutputSettings(path=str(output_dir), commit_every_rows=2))
+    input_settings = {
+        "prompt_column": "context",
+        "id_column": "id",
+        "mode": "score",
+        "candidates_column": "candidates",
+        **input_settings,
+    }
+    return JobManifest(
+        model=ModelSettings(path=str(model_dir)),
+        input=InputSettings(path=str(input_path), **input_settings),
+        engine=ENGINE_CONFIG,
+        output=OutputSettings(path=str(output_dir), commit_every_rows=2),
+    )
 
 
 def by_index(output_dir) -> dict[int, dict]:
@@ -67,8 +75,12 @@ def test_last_number_plus_one():
 def test_read_candidates():
     assert read_candidates("a 1", ["last_number_plus_one"]) == ["a 1", "a 2"]
     assert read_candidates(["x", "y"], []) == ["x", "y"]
-    for value, message in ((None, "null"), ([], "no candidates"), (["x", None], "candidate 1 is null"),
-                           ([""], "candidate 0 is empty")):
+    for value, message in (
+        (None, "null"),
+        ([], "no candidates"),
+        (["x", None], "candidate 1 is null"),
+        ([""], "candidate 0 is empty"),
+    ):
         with pytest.raises(ValueError, match=message):
             read_candidates(value, [])
     with pytest.raises(ValueError, match="corruption 'last_number_plus_one' cannot apply"):
@@ -92,13 +104,15 @@ def test_scores_equal_a_direct_forward_pass_on_the_tiny_model(tiny_model_dir, ti
     context_ids = tok.encode(contexts[0])
     greedy = list(tiny_engine.generate([(0, context_ids, tiny_engine_params(3))]))[0].output_token_ids
     greedy_text = tok.decode(greedy)
-    assert tok.encode(contexts[0] + greedy_text)[len(context_ids):] == greedy, "pick another context"
+    assert tok.encode(contexts[0] + greedy_text)[len(context_ids) :] == greedy, "pick another context"
     candidates[0].append(greedy_text)
-    table = pa.table({"id": ["a", "b", "c"], "context": contexts,
-                      "candidates": pa.array(candidates, pa.list_(pa.string()))})
+    table = pa.table(
+        {"id": ["a", "b", "c"], "context": contexts, "candidates": pa.array(candidates, pa.list_(pa.string()))}
+    )
     pq.write_table(table, tmp_path / "in.parquet")
-    manifest = score_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out",
-                              corruptions=["last_number_plus_one"])
+    manifest = score_manifest(
+        tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", corruptions=["last_number_plus_one"]
+    )
     cached_before = tiny_engine.stats.num_cached_prompt_tokens
     summary = run_job(manifest, progress=False, engine=tiny_engine)
     # row 0 (4 candidates, no number) cannot take the corruption: a row error naming it
@@ -109,8 +123,11 @@ def test_scores_equal_a_direct_forward_pass_on_the_tiny_model(tiny_model_dir, ti
     manifest = score_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "plain")
     run_job(manifest, progress=False, engine=tiny_engine)
     plain = by_index(tmp_path / "plain")
-    scored = {0: (plain[0], candidates[0]), 1: (out[1], ["18", "19 apples", "19"]),
-              2: (out[2], [" 4 #### 4", " 4 #### 5"])}
+    scored = {
+        0: (plain[0], candidates[0]),
+        1: (out[1], ["18", "19 apples", "19"]),
+        2: (out[2], [" 4 #### 4", " 4 #### 5"]),
+    }
     for i, (row, cands) in scored.items():
         want = [oracle(tiny_model_dir, tok, contexts[i], c) for c in cands]
         assert row["candidate_logprobs"] == pytest.approx([w[0] for w in want], abs=1e-3)
@@ -132,8 +149,13 @@ def tiny_engine_params(n: int):
 def test_bad_rows_and_resume(tiny_model_dir, tiny_engine, tmp_path):
     contexts = ["one", "two", None, "four", "five " * 60, "six", "seven"]
     candidates = [["a"], [" b", " c"], ["x"], None, ["y"], [], ["z 1"]]
-    table = pa.table({"id": [f"r{i}" for i in range(7)], "context": contexts,
-                      "candidates": pa.array(candidates, pa.list_(pa.string()))})
+    table = pa.table(
+        {
+            "id": [f"r{i}" for i in range(7)],
+            "context": contexts,
+            "candidates": pa.array(candidates, pa.list_(pa.string())),
+        }
+    )
     pq.write_table(table, tmp_path / "in.parquet", row_group_size=3)
     full = score_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "full")
     run_job(full, progress=False, engine=tiny_engine)
@@ -151,8 +173,9 @@ def test_bad_rows_and_resume(tiny_model_dir, tiny_engine, tmp_path):
     assert (summary.num_rows, summary.num_skipped) == (4, 3)
     out = by_index(tmp_path / "out")
     columns = ("candidate_num_tokens", "candidate_is_greedy", "error")
-    assert {i: [r[c] for c in columns] for i, r in out.items()} == \
-        {i: [r[c] for c in columns] for i, r in reference.items()}
+    assert {i: [r[c] for c in columns] for i, r in out.items()} == {
+        i: [r[c] for c in columns] for i, r in reference.items()
+    }
     for i in (0, 1, 6):  # batched differently, so equal up to float rounding
         assert out[i]["candidate_logprobs"] == pytest.approx(reference[i]["candidate_logprobs"], abs=1e-4)
     assert run_job(part, progress=False, engine=tiny_engine).already_finished
@@ -163,27 +186,35 @@ def test_score_settings_are_checked_before_any_work(tiny_model_dir, tmp_path):
     with pytest.raises(JobError, match="candidates_column 'candidates' .* must hold text"):
         run_job(score_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out"), progress=False)
     with pytest.raises(JobError, match="input.candidates_column 'answers' is not a column"):
-        run_job(score_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out",
-                               candidates_column="answers"), progress=False)
+        run_job(
+            score_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", candidates_column="answers"),
+            progress=False,
+        )
     assert not (tmp_path / "out").exists()
-    for settings, message in (({"candidates_column": None}, "needs input.candidates_column"),
-                              ({"mode": "rank"}, "input.mode must be"),
-                              ({"corruptions": ["shuffle"]}, "input.corruptions must be a list of names"),
-                              ({"chat": True}, "needs a text context")):
+    for settings, message in (
+        ({"candidates_column": None}, "needs input.candidates_column"),
+        ({"mode": "rank"}, "input.mode must be"),
+        ({"corruptions": ["shuffle"]}, "input.corruptions must be a list of names"),
+        ({"chat": True}, "needs a text context"),
+    ):
         with pytest.raises(ValueError, match=message):
             score_manifest(tiny_model_dir, "in", "out", **settings)
     with pytest.raises(ValueError, match="need input.mode"):
         InputSettings(path="in", prompt_column="p", candidates_column="c")
 
 
-def test_gsm8k_manifest_on_stories260k_equals_a_forward_pass(stories260k_dir, shared_dir, tmp_path,
-                                                             monkeypatch):
+def test_gsm8k_manifest_on_stories260k_equals_a_forward_pass(stories260k_dir, shared_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
     monkeypatch.chdir(REPO_ROOT)  # the manifest's relative paths are written for the repository root
-    manifest = load_manifest(REPO_ROOT / "manifests" / "gsm8k-score-stories260k.toml",
-                             overrides={"model": {"path": str(stories260k_dir)}, "input": {"limit": 3},
-                                        "output": {"path": str(tmp_path / "out")}})
+    manifest = load_manifest(
+        REPO_ROOT / "manifests" / "gsm8k-score-stories260k.toml",
+        overrides={
+            "model": {"path": str(stories260k_dir)},
+            "input": {"limit": 3},
+            "output": {"path": str(tmp_path / "out")},
+        },
+    )
     inp = manifest.input
     assert (inp.mode, inp.candidates_column, inp.corruptions) == ("score", "answer", ["last_number_plus_one"])
     summary = run_job(manifest, progress=False)
@@ -211,8 +242,9 @@ def test_stories260k_greedy_continuation_is_recognised(stories260k_dir, tmp_path
     context = "Once upon a time"
     greedy = list(engine.generate([(0, tok.encode(context), SamplingParams(max_new_tokens=8))]))[0]
     text = tok.decode(greedy.output_token_ids, skip_special_tokens=True)
-    pq.write_table(pa.table({"context": [context], "candidates": [[text, " there was a dragon"]]}),
-                   tmp_path / "in.parquet")
+    pq.write_table(
+        pa.table({"context": [context], "candidates": [[text, " there was a dragon"]]}), tmp_path / "in.parquet"
+    )
     manifest = score_manifest(stories260k_dir, tmp_path / "in.parquet", tmp_path / "out", id_column=None)
     run_job(manifest, progress=False, engine=engine)
     row = by_index(tmp_path / "out")[0]

@@ -14,25 +14,29 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.run.job import JobError, run_job
-from jobs.output.lock import OutputLock, Shard
 from jobs.input.reader import PromptReader
-from jobs.run.sharding import shard_ranges, unit_starts
+from jobs.output.lock import OutputLock, Shard
 from jobs.output.status import output_progress
 from jobs.output.writer import committed_parts, part_name, read_output
+from jobs.run.job import JobError, run_job
+from jobs.run.sharding import shard_ranges, unit_starts
 from tests.jobs.test_resume import kill_after_first_commit, run_args
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
-MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
-                     "id_column": "id", "commit_every_rows": 4}
+MANIFEST_DEFAULTS = {
+    "sampling": SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+    "id_column": "id",
+    "commit_every_rows": 4,
+}
 NUM_ROWS = 30
 
 
 @pytest.fixture
 def input_path(tmp_path):
     path = tmp_path / "in.parquet"
-    table = pa.table({"id": [f"r{i}" for i in range(NUM_ROWS)], "prompt": [f"prompt {i} " * (1 + i % 4)
-                                                                          for i in range(NUM_ROWS)]})
+    table = pa.table(
+        {"id": [f"r{i}" for i in range(NUM_ROWS)], "prompt": [f"prompt {i} " * (1 + i % 4) for i in range(NUM_ROWS)]}
+    )
     pq.write_table(table, path, row_group_size=5)
     return path
 
@@ -73,18 +77,26 @@ def test_shard_parse():
             Shard.parse(bad)
 
 
-@pytest.mark.parametrize("sampling", [None, SamplingParams(max_new_tokens=6, temperature=0.9, top_k=20,
-                                                           ignore_eos=True)], ids=["greedy", "seeded"])
-def test_shards_one_after_another_equal_the_single_process_run(tiny_model_dir, tiny_engine, make_manifest,
-                                                                input_path, tmp_path, sampling):
+@pytest.mark.parametrize(
+    "sampling",
+    [None, SamplingParams(max_new_tokens=6, temperature=0.9, top_k=20, ignore_eos=True)],
+    ids=["greedy", "seeded"],
+)
+def test_shards_one_after_another_equal_the_single_process_run(
+    tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path, sampling
+):
     settings = {} if sampling is None else {"sampling": sampling, "seed": 7}
-    run_job(make_manifest(tiny_model_dir, input_path, tmp_path / "single", **settings), engine=tiny_engine,
-            progress=False)
+    run_job(
+        make_manifest(tiny_model_dir, input_path, tmp_path / "single", **settings), engine=tiny_engine, progress=False
+    )
     out = tmp_path / "sharded"
     for index in range(3):
         assert not (out / "_SUCCESS").exists()
-        summary = run_job(make_manifest(tiny_model_dir, input_path, out, shard=f"{index}/3", **settings),
-                          engine=tiny_engine, progress=False)
+        summary = run_job(
+            make_manifest(tiny_model_dir, input_path, out, shard=f"{index}/3", **settings),
+            engine=tiny_engine,
+            progress=False,
+        )
         assert summary.num_rows == 10 and summary.num_skipped == 0
     assert rows(out) == rows(tmp_path / "single")
     assert (out / "_SUCCESS").is_file()
@@ -98,21 +110,26 @@ def test_shards_one_after_another_equal_the_single_process_run(tiny_model_dir, t
         row_index = pq.read_table(part).column("row_index").to_numpy()
         assert ((row_index >= 10 * index) & (row_index < 10 * index + 10)).all()
     # A shard rerun finds its rows done.
-    again = run_job(make_manifest(tiny_model_dir, input_path, out, shard="1/3", **settings), engine=tiny_engine,
-                    progress=False)
+    again = run_job(
+        make_manifest(tiny_model_dir, input_path, out, shard="1/3", **settings), engine=tiny_engine, progress=False
+    )
     assert again.already_finished and again.num_skipped == 10
 
 
-def test_success_only_after_every_shard_and_status_per_shard(tiny_model_dir, tiny_engine, make_manifest,
-                                                             input_path, tmp_path, capsys):
+def test_success_only_after_every_shard_and_status_per_shard(
+    tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path, capsys
+):
     out = tmp_path / "out"
     run_job(make_manifest(tiny_model_dir, input_path, out, shard="2/3"), engine=tiny_engine, progress=False)
     run_job(make_manifest(tiny_model_dir, input_path, out, shard="0/3"), engine=tiny_engine, progress=False)
     assert not (out / "_SUCCESS").exists() and not (out / "_cbrun" / "stats.json").exists()
     progress = output_progress(out)
     assert [(p.name, p.rows, p.num_done, p.complete) for p in progress] == [
-        ("shard 0/3", (0, 10), 10, True), ("shard 1/3", (10, 20), 0, False), ("shard 2/3", (20, 30), 10, True),
-        ("total", (0, 30), 20, False)]
+        ("shard 0/3", (0, 10), 10, True),
+        ("shard 1/3", (10, 20), 0, False),
+        ("shard 2/3", (20, 30), 10, True),
+        ("total", (0, 30), 20, False),
+    ]
     assert main(["status", str(out)]) == 1
     printed = capsys.readouterr().out
     assert "shard 1/3: 0/10 rows done (input rows 10..19), 0 error rows, not complete" in printed
@@ -124,15 +141,18 @@ def test_success_only_after_every_shard_and_status_per_shard(tiny_model_dir, tin
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the host's lock table is Linux's /proc/locks")
-def test_status_says_which_shards_a_live_run_holds(tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path,
-                                                   capsys):
+def test_status_says_which_shards_a_live_run_holds(
+    tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path, capsys
+):
     out = tmp_path / "out"
     run_job(make_manifest(tiny_model_dir, input_path, out, shard="0/3"), engine=tiny_engine, progress=False)
     assert main(["status", str(out)]) == 1
     printed = capsys.readouterr().out
     # Shards that never started need their own flag, not "the same command".
-    assert ("no cbrun run holds shards 1/3, 2/3 now: run the job with --shard 1/3, --shard 2/3 (one run per shard) "
-            "to resume them") in printed
+    assert (
+        "no cbrun run holds shards 1/3, 2/3 now: run the job with --shard 1/3, --shard 2/3 (one run per shard) "
+        "to resume them"
+    ) in printed
     assert "running now" not in printed
     with OutputLock(out, Shard(1, 3)):  # a live run of shard 1, as the host's lock table shows it
         assert main(["status", str(out)]) == 1
@@ -144,8 +164,9 @@ def test_status_says_which_shards_a_live_run_holds(tiny_model_dir, tiny_engine, 
     assert "no cbrun run holds shards 1/3, 2/3 now" in capsys.readouterr().out
 
 
-def test_overwrite_of_one_shard_keeps_the_others_and_status_stays_true(tiny_model_dir, tiny_engine, make_manifest,
-                                                                        input_path, tmp_path, capsys):
+def test_overwrite_of_one_shard_keeps_the_others_and_status_stays_true(
+    tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path, capsys
+):
     out = tmp_path / "out"
     for shard in ("0/3", "1/3", "2/3"):
         run_job(make_manifest(tiny_model_dir, input_path, out, shard=shard), engine=tiny_engine, progress=False)
@@ -161,14 +182,18 @@ def test_overwrite_of_one_shard_keeps_the_others_and_status_stays_true(tiny_mode
     assert main(["status", str(tmp_path / "plain")]) == 0  # --overwrite keeps the shards file it writes
 
 
-def test_another_shard_count_is_refused_unless_overwrite(tiny_model_dir, tiny_engine, make_manifest, input_path,
-                                                         tmp_path):
+def test_another_shard_count_is_refused_unless_overwrite(
+    tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path
+):
     out = tmp_path / "out"
     run_job(make_manifest(tiny_model_dir, input_path, out, shard="0/3"), engine=tiny_engine, progress=False)
     before = sorted(p.name for p in out.iterdir())
     for other in ("0/2", "1/4", None):
-        with pytest.raises(JobError, match=r"split into 3 shard\(s\), but this run splits it into "
-                                           rf"{other[-1] if other else 1} .*same N.*--overwrite"):
+        with pytest.raises(
+            JobError,
+            match=r"split into 3 shard\(s\), but this run splits it into "
+            rf"{other[-1] if other else 1} .*same N.*--overwrite",
+        ):
             run_job(make_manifest(tiny_model_dir, input_path, out, shard=other), engine=tiny_engine, progress=False)
     assert sorted(p.name for p in out.iterdir()) == before
     manifest = make_manifest(tiny_model_dir, input_path, out, shard="1/2")
@@ -180,8 +205,7 @@ def test_another_shard_count_is_refused_unless_overwrite(tiny_model_dir, tiny_en
 
 
 @pytest.mark.slow
-def test_killed_shard_resumes_and_the_shards_equal_the_single_process_run(tiny_model_dir, input_path, tmp_path,
-                                                                        capsys):
+def test_killed_shard_resumes_and_the_shards_equal_the_single_process_run(tiny_model_dir, input_path, tmp_path, capsys):
     out = tmp_path / "out"
     args = run_args(tiny_model_dir, input_path, out)
     kill_after_first_commit(args + ["--shard", "1/2"], out)
@@ -196,12 +220,14 @@ def test_killed_shard_resumes_and_the_shards_equal_the_single_process_run(tiny_m
     assert main(run_args(tiny_model_dir, input_path, single)) == 0
     got, expected = rows(out), rows(single)
     assert [r["row_index"] for r in got] == list(range(NUM_ROWS))
-    assert [(r["id"], r["completion_token_ids"]) for r in got] == \
-        [(r["id"], r["completion_token_ids"]) for r in expected]
+    assert [(r["id"], r["completion_token_ids"]) for r in got] == [
+        (r["id"], r["completion_token_ids"]) for r in expected
+    ]
 
 
-def test_a_shard_reads_only_its_row_groups(tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path,
-                                           monkeypatch):
+def test_a_shard_reads_only_its_row_groups(
+    tiny_model_dir, tiny_engine, make_manifest, input_path, tmp_path, monkeypatch
+):
     read = []
     original = pq.ParquetFile.iter_batches
 
@@ -211,7 +237,10 @@ def test_a_shard_reads_only_its_row_groups(tiny_model_dir, tiny_engine, make_man
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
     # NOTE: without an id column: the repeated-id check (jobs.output.row_ids) scans the id column of the whole input.
-    run_job(make_manifest(tiny_model_dir, input_path, tmp_path / "out", shard="1/3", id_column=None),
-            engine=tiny_engine, progress=False)
+    run_job(
+        make_manifest(tiny_model_dir, input_path, tmp_path / "out", shard="1/3", id_column=None),
+        engine=tiny_engine,
+        progress=False,
+    )
     assert read == [2, 3]  # rows 10..19, in row groups of 5
     assert sorted(read_output(tmp_path / "out").column("row_index").to_pylist()) == list(range(10, 20))

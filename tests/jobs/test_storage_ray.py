@@ -7,16 +7,19 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.output.commits import read_records
-from jobs.run.job import run_job
 from jobs.manifest import ClusterSettings
+from jobs.output.commits import read_records
 from jobs.output.object_output import ObjectCheckpoint
 from jobs.output.status import status_report
+from jobs.run.job import run_job
 from tests.jobs.test_storage_s3 import rows_once, upload_input
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=64)
-MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
-                     "commit_every_rows": 4, "id_column": "id"}
+MANIFEST_DEFAULTS = {
+    "sampling": SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+    "commit_every_rows": 4,
+    "id_column": "id",
+}
 NUM_ROWS = 24
 
 
@@ -25,14 +28,16 @@ NUM_ROWS = 24
 def test_two_replicas_commit_their_own_parts_to_s3(s3, tiny_model_dir, make_manifest, tmp_path):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
-    table = pa.table({"id": [f"r{i}" for i in range(NUM_ROWS)],
-                      "prompt": [f"a prompt for row {i}" for i in range(NUM_ROWS)]})
+    table = pa.table(
+        {"id": [f"r{i}" for i in range(NUM_ROWS)], "prompt": [f"a prompt for row {i}" for i in range(NUM_ROWS)]}
+    )
     source = upload_input(s3, table, row_group_size=6)
     local = make_manifest(tiny_model_dir, source, tmp_path / "local")
     run_job(local, progress=False)
     env = {name: value for name, value in __import__("os").environ.items() if name.startswith("AWS_")}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": env})
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env={"env_vars": env}
+    )
     try:
         out = s3.uri("ray-out")
         on_ray = make_manifest(tiny_model_dir, source, out)

@@ -25,22 +25,26 @@ from engine.sampling_params import SamplingParams
 from jobs import storage, storage_cache
 from jobs.cli import main
 from jobs.output.commits import CommitRecord, add_span, new_attempt, read_records
-from jobs.run.job import JobAborted, JobError, run_job
 from jobs.output.lease import Lease, LeaseLost
 from jobs.output.object_output import ObjectCheckpoint, commit_span
 from jobs.output.writer import OutputRow, read_output, rows_to_table
+from jobs.run.job import JobAborted, JobError, run_job
 from tests.jobs.s3_faults import FaultyProxy
 from tests.jobs.test_resume import cbrun_command
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
-MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True),
-                     "commit_every_rows": 2, "id_column": "id"}
+MANIFEST_DEFAULTS = {
+    "sampling": SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True),
+    "commit_every_rows": 2,
+    "id_column": "id",
+}
 NUM_ROWS = 14
 
 
 def input_table(num_rows: int = NUM_ROWS) -> pa.Table:
-    return pa.table({"id": [f"r{i}" for i in range(num_rows)],
-                     "prompt": [f"a prompt for row {i}" for i in range(num_rows)]})
+    return pa.table(
+        {"id": [f"r{i}" for i in range(num_rows)], "prompt": [f"a prompt for row {i}" for i in range(num_rows)]}
+    )
 
 
 def upload_input(s3, table: pa.Table, key: str = "in/prompts.parquet", row_group_size: int = 4) -> str:
@@ -67,10 +71,13 @@ def local_rows(tiny_model_dir, tiny_engine, tmp_path_factory, request):
     pq.write_table(input_table(), tmp / "in.parquet", row_group_size=4)
     from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 
-    manifest = JobManifest(model=ModelSettings(path=str(tiny_model_dir)),
-                           input=InputSettings(path=str(tmp / "in.parquet"), prompt_column="prompt", id_column="id"),
-                           sampling=MANIFEST_DEFAULTS["sampling"], engine=ENGINE_CONFIG,
-                           output=OutputSettings(path=str(tmp / "out"), commit_every_rows=2))
+    manifest = JobManifest(
+        model=ModelSettings(path=str(tiny_model_dir)),
+        input=InputSettings(path=str(tmp / "in.parquet"), prompt_column="prompt", id_column="id"),
+        sampling=MANIFEST_DEFAULTS["sampling"],
+        engine=ENGINE_CONFIG,
+        output=OutputSettings(path=str(tmp / "out"), commit_every_rows=2),
+    )
     run_job(manifest, progress=False, engine=tiny_engine)
     rows = rows_once(tmp / "out")
     assert len(rows) == NUM_ROWS
@@ -88,8 +95,9 @@ def test_s3_input_and_output_equal_a_local_run(s3, tiny_model_dir, tiny_engine, 
     assert checkpoint._read_job_file()["input"]["path"] == source
     # one commit record per part, and nothing else written beside the parts
     records = read_records(out)
-    names = {k["Key"].removeprefix("out/") for k in s3.client().list_objects_v2(Bucket=s3.bucket,
-                                                                               Prefix="out/")["Contents"]}
+    names = {
+        k["Key"].removeprefix("out/") for k in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="out/")["Contents"]
+    }
     assert {r.part for r in records} == {n for n in names if n.startswith("part-")}
     assert sum(len(r.rows()) for r in records) == NUM_ROWS
     # a finished job is recognised as such, without loading the model
@@ -98,8 +106,9 @@ def test_s3_input_and_output_equal_a_local_run(s3, tiny_model_dir, tiny_engine, 
     # standard readers read the output as a data set (cbrun's own _cbrun/ and _SUCCESS are skipped)
     import pyarrow.fs as pafs
 
-    fs = pafs.S3FileSystem(endpoint_override=s3.endpoint, access_key="testing", secret_key="testing",
-                           region="us-east-1")
+    fs = pafs.S3FileSystem(
+        endpoint_override=s3.endpoint, access_key="testing", secret_key="testing", region="us-east-1"
+    )
     table = pq.read_table(f"{s3.bucket}/out", filesystem=fs)
     assert sorted(table.column("row_index").to_pylist()) == list(range(NUM_ROWS))
 
@@ -118,16 +127,42 @@ def test_sigkill_at_random_moments_then_resume(s3, tiny_model_dir, local_rows):
     """Kill ``cbrun run`` (S3 in, S3 out) with SIGKILL at random moments, three times, then let it finish."""
     source = upload_input(s3, input_table())
     out = s3.uri("out")
-    args = ["run", "--model", str(tiny_model_dir), "--input", source, "--output", out, "--prompt-column", "prompt",
-            "--id-column", "id", "--max-new-tokens", "5", "--temperature", "0", "--no-progress",
-            *[a for s in ("engine.max_requests_per_batch=2", "engine.max_batch_tokens=64", "engine.num_blocks=64",
-                          "engine.page_size=8", "sampling.ignore_eos=true", "output.commit_every_rows=2")
-              for a in ("--set", s)]]
+    args = [
+        "run",
+        "--model",
+        str(tiny_model_dir),
+        "--input",
+        source,
+        "--output",
+        out,
+        "--prompt-column",
+        "prompt",
+        "--id-column",
+        "id",
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "0",
+        "--no-progress",
+        *[
+            a
+            for s in (
+                "engine.max_requests_per_batch=2",
+                "engine.max_batch_tokens=64",
+                "engine.num_blocks=64",
+                "engine.page_size=8",
+                "sampling.ignore_eos=true",
+                "output.commit_every_rows=2",
+            )
+            for a in ("--set", s)
+        ],
+    ]
     rng = random.Random(31)
     kills = 0
     for _ in range(3):
-        process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             before = len(read_records(out))
             deadline = time.monotonic() + 120
@@ -165,8 +200,23 @@ def test_second_run_refuses_while_the_lease_is_live(s3, tiny_model_dir, tiny_eng
     try:
         with pytest.raises(JobError, match="in use by another cbrun run .*pid"):
             run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine)
-        assert main(["run", "--model", str(tiny_model_dir), "--input", source, "--output", out,
-                     "--prompt-column", "prompt", "--no-progress"]) == 2
+        assert (
+            main(
+                [
+                    "run",
+                    "--model",
+                    str(tiny_model_dir),
+                    "--input",
+                    source,
+                    "--output",
+                    out,
+                    "--prompt-column",
+                    "prompt",
+                    "--no-progress",
+                ]
+            )
+            == 2
+        )
         assert "in use by another cbrun run" in capsys.readouterr().err
     finally:
         holder.release()
@@ -235,8 +285,9 @@ def test_5xx_on_put_is_retried(s3, tiny_model_dir, tiny_engine, make_manifest, l
     assert rows_once(out) == local_rows
 
 
-def test_a_store_that_keeps_failing_stops_the_job_with_exit_1(s3, tiny_model_dir, tiny_engine, make_manifest,
-                                                               local_rows, monkeypatch):
+def test_a_store_that_keeps_failing_stops_the_job_with_exit_1(
+    s3, tiny_model_dir, tiny_engine, make_manifest, local_rows, monkeypatch
+):
     """PUTs of parts fail for good after the first two parts: the run stops (JobAborted, exit 1); the two parts
     stay committed, and a rerun against a healthy store completes the job with every row once."""
     monkeypatch.setattr(storage, "NUM_RETRIES", 1)
@@ -270,9 +321,20 @@ def test_commit_record_round_trip_holds_rows_and_error_rows():
 
 def test_only_one_attempt_at_a_span_wins(s3):
     out = s3.uri("out")
-    table = rows_to_table([OutputRow(id=f"r{i}", row_index=i, completion="x", completion_token_ids=[1],
-                                     num_prompt_tokens=1, num_completion_tokens=1, finish_reason="stop")
-                           for i in range(4, 8)])
+    table = rows_to_table(
+        [
+            OutputRow(
+                id=f"r{i}",
+                row_index=i,
+                completion="x",
+                completion_token_ids=[1],
+                num_prompt_tokens=1,
+                num_completion_tokens=1,
+                finish_reason="stop",
+            )
+            for i in range(4, 8)
+        ]
+    )
     assert commit_span(out, table, new_attempt(), 0)
     assert commit_span(out, table, "t0000000000000x00000001", 0) is False  # a retried batch: its part is deleted
     parts = [k["Key"] for k in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="out/part-")["Contents"]]
@@ -309,21 +371,22 @@ def test_retry_errors_and_overwrite_on_s3(s3, tiny_model_dir, tiny_engine, make_
     first = run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine)
     assert first.num_errors == 1 and rows_once(out)[2][1] == "error"
     parts_before = {r.part for r in read_records(out)}
-    retried = run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine,
-                      retry_errors=True)
+    retried = run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine, retry_errors=True)
     assert retried.num_rows == 1 and retried.num_skipped == 5
     assert sorted(rows_once(out)) == list(range(6)) and rows_once(out)[2][1] == "error"
     assert {r.part for r in read_records(out)} != parts_before  # the part that held row 2 was rewritten
-    manifest = make_manifest(tiny_model_dir, source, out, sampling=SamplingParams(max_new_tokens=2,
-                                                                                  temperature=0.0, ignore_eos=True))
+    manifest = make_manifest(
+        tiny_model_dir, source, out, sampling=SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    )
     manifest.output.overwrite = True
     summary = run_job(manifest, progress=False, engine=tiny_engine)
     assert summary.num_skipped == 0 and summary.num_rows == 6
     assert all(len(ids) == 2 for i, (ids, _) in rows_once(out).items() if i != 2)
 
 
-def test_a_model_on_s3_is_downloaded_once_into_the_cache(s3, tiny_model_dir, make_manifest, local_rows, tmp_path,
-                                                          monkeypatch):
+def test_a_model_on_s3_is_downloaded_once_into_the_cache(
+    s3, tiny_model_dir, make_manifest, local_rows, tmp_path, monkeypatch
+):
     monkeypatch.setenv("CBRUN_CACHE", str(tmp_path / "cache"))
     for path in tiny_model_dir.rglob("*"):
         if path.is_file():

@@ -15,21 +15,30 @@ from openai.types.chat import ChatCompletion
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from jobs.output.fingerprint import job_fingerprint
-from jobs.run.job import run_job
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
+from jobs.output.fingerprint import job_fingerprint
 from jobs.output.writer import read_output
+from jobs.run.job import run_job
 from tests.jobs.test_openai_batch import CHAT, COMPLETIONS, read_results, request, write_jsonl
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=16, num_blocks=128)
 #: Nested object, enum, bounded integer, bounded array and strings: its longest form fits the 256-token model.
-SCHEMA = {"type": "object",
-          "properties": {"label": {"enum": ["spam", "ham"]}, "score": {"type": "integer", "minimum": 0,
-                                                                       "maximum": 9},
-                         "words": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
-                         "meta": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-                                  "additionalProperties": False}},
-          "required": ["label", "score", "words", "meta"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["spam", "ham"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+        "words": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+        "meta": {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["label", "score", "words", "meta"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +49,42 @@ def engine(chat_model_dir):
 
 
 def manifest(model_dir, input_path, output_dir, sampling: SamplingParams, **output) -> JobManifest:
-    return JobManifest(model=ModelSettings(path=str(model_dir)),
-                       input=InputSettings(path=str(input_path), prompt_column="prompt"), sampling=sampling,
-                       engine=ENGINE_CONFIG, output=OutputSettings(path=str(output_dir), **output))
+    return JobManifest(
+        model=ModelSettings(path=str(model_dir)),
+        input=InputSettings(path=str(input_path), prompt_column="prompt"),
+        sampling=sampling,
+        engine=ENGINE_CONFIG,
+        output=OutputSettings(path=str(output_dir), **output),
+    )
 
 
 def test_job_constraint_and_per_row_column(chat_model_dir, engine, tmp_path):
     """The job's schema for most rows; a struct column gives others a regex, a choice, a grammar or a bad schema."""
-    per_row = [None, None, {"regex": r"[0-9]{3}"}, {"choice": ["a", "bb"]},
-               {"grammar": 'root ::= "<" [a-z]{1,4} ">"'}, {"json": json.dumps({"type": "nonsense"})}, None, None]
-    column = pa.array(per_row, pa.struct([("json", pa.string()), ("regex", pa.string()),
-                                          ("choice", pa.list_(pa.string())), ("grammar", pa.string())]))
-    pq.write_table(pa.table({"prompt": [f"Row {i}:" for i in range(8)], "structured_outputs": column}),
-                   tmp_path / "in.parquet")
-    sampling = SamplingParams(max_new_tokens=200, temperature=1.0, structured_outputs=StructuredOutputsParams(
-        json=SCHEMA))
-    summary = run_job(manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", sampling), progress=False,
-                      engine=engine)
+    per_row = [
+        None,
+        None,
+        {"regex": r"[0-9]{3}"},
+        {"choice": ["a", "bb"]},
+        {"grammar": 'root ::= "<" [a-z]{1,4} ">"'},
+        {"json": json.dumps({"type": "nonsense"})},
+        None,
+        None,
+    ]
+    column = pa.array(
+        per_row,
+        pa.struct(
+            [("json", pa.string()), ("regex", pa.string()), ("choice", pa.list_(pa.string())), ("grammar", pa.string())]
+        ),
+    )
+    pq.write_table(
+        pa.table({"prompt": [f"Row {i}:" for i in range(8)], "structured_outputs": column}), tmp_path / "in.parquet"
+    )
+    sampling = SamplingParams(
+        max_new_tokens=200, temperature=1.0, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    summary = run_job(
+        manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", sampling), progress=False, engine=engine
+    )
     rows = sorted(read_output(tmp_path / "out").to_pylist(), key=lambda r: r["row_index"])
     assert summary.num_errors == 1 and "Unsupported type" in rows[5]["error"]
     assert rows[5]["structured_output_valid"] is None
@@ -68,10 +96,17 @@ def test_job_constraint_and_per_row_column(chat_model_dir, engine, tmp_path):
 
 
 def test_length_cut_rows_are_marked_invalid_and_free_rows_null(chat_model_dir, engine, tmp_path):
-    pq.write_table(pa.table({"prompt": ["a", "b"], "max_tokens": [5, 20],
-                             "structured_outputs": [json.dumps({"json": SCHEMA}), None]}), tmp_path / "in.parquet")
-    run_job(manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", SamplingParams()), progress=False,
-            engine=engine)
+    pq.write_table(
+        pa.table(
+            {"prompt": ["a", "b"], "max_tokens": [5, 20], "structured_outputs": [json.dumps({"json": SCHEMA}), None]}
+        ),
+        tmp_path / "in.parquet",
+    )
+    run_job(
+        manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", SamplingParams()),
+        progress=False,
+        engine=engine,
+    )
     rows = sorted(read_output(tmp_path / "out").to_pylist(), key=lambda r: r["row_index"])
     assert rows[0]["finish_reason"] == "length" and rows[0]["structured_output_valid"] is False
     assert rows[1]["structured_output_valid"] is None
@@ -79,20 +114,53 @@ def test_length_cut_rows_are_marked_invalid_and_free_rows_null(chat_model_dir, e
 
 def test_openai_batch_response_format_bodies_validate(chat_model_dir, engine, tmp_path):
     json_schema = {"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA, "strict": True}}
-    lines = [request(f"chat-{i}", CHAT, {"messages": [{"role": "user", "content": f"Review {i}"}],
-                                         "max_tokens": 200, "temperature": 1.0, "seed": i, "n": 2,
-                                         "response_format": json_schema}) for i in range(3)]
-    lines.append(request("cmpl", COMPLETIONS, {"prompt": "Label:", "max_tokens": 200,
-                                               "response_format": json_schema}))
-    lines.append(request("object", CHAT, {"messages": [{"role": "user", "content": "Any"}], "max_tokens": 200,
-                                          "response_format": {"type": "json_object"}}))
-    lines.append(request("text", CHAT, {"messages": [{"role": "user", "content": "Free"}], "max_tokens": 3,
-                                        "response_format": {"type": "text"}}))
+    lines = [
+        request(
+            f"chat-{i}",
+            CHAT,
+            {
+                "messages": [{"role": "user", "content": f"Review {i}"}],
+                "max_tokens": 200,
+                "temperature": 1.0,
+                "seed": i,
+                "n": 2,
+                "response_format": json_schema,
+            },
+        )
+        for i in range(3)
+    ]
+    lines.append(request("cmpl", COMPLETIONS, {"prompt": "Label:", "max_tokens": 200, "response_format": json_schema}))
+    lines.append(
+        request(
+            "object",
+            CHAT,
+            {
+                "messages": [{"role": "user", "content": "Any"}],
+                "max_tokens": 200,
+                "response_format": {"type": "json_object"},
+            },
+        )
+    )
+    lines.append(
+        request(
+            "text",
+            CHAT,
+            {"messages": [{"role": "user", "content": "Free"}], "max_tokens": 3, "response_format": {"type": "text"}},
+        )
+    )
     path = write_jsonl(tmp_path / "batch.jsonl", lines)
     out = tmp_path / "out"
-    run_job(JobManifest(model=ModelSettings(path=str(chat_model_dir)), input=InputSettings(path=str(path)),
-                        sampling=SamplingParams(max_new_tokens=4), engine=ENGINE_CONFIG,
-                        output=OutputSettings(path=str(out), format="openai-batch")), progress=False, engine=engine)
+    run_job(
+        JobManifest(
+            model=ModelSettings(path=str(chat_model_dir)),
+            input=InputSettings(path=str(path)),
+            sampling=SamplingParams(max_new_tokens=4),
+            engine=ENGINE_CONFIG,
+            output=OutputSettings(path=str(out), format="openai-batch"),
+        ),
+        progress=False,
+        engine=engine,
+    )
     results = {line["custom_id"]: line for line in read_results(out)}
     assert all(line["error"] is None for line in results.values())
     for custom_id in ["chat-0", "chat-1", "chat-2", "object"]:
@@ -111,9 +179,11 @@ def test_openai_batch_response_format_bodies_validate(chat_model_dir, engine, tm
 
 def test_manifest_section_and_fingerprint(chat_model_dir, tmp_path):
     toml = tmp_path / "job.toml"
-    toml.write_text(f'[model]\npath = "{chat_model_dir}"\n[input]\npath = "in.parquet"\nprompt_column = "p"\n'
-                    f'[output]\npath = "out"\n[sampling]\nmax_tokens = 8\n'
-                    f"[sampling.structured_outputs]\njson = '{json.dumps(SCHEMA)}'\n")
+    toml.write_text(
+        f'[model]\npath = "{chat_model_dir}"\n[input]\npath = "in.parquet"\nprompt_column = "p"\n'
+        f'[output]\npath = "out"\n[sampling]\nmax_tokens = 8\n'
+        f"[sampling.structured_outputs]\njson = '{json.dumps(SCHEMA)}'\n"
+    )
     loaded = load_manifest(toml)
     assert loaded.sampling.structured_outputs == StructuredOutputsParams(json=json.dumps(SCHEMA))
     as_dict = loaded.sampling.replace(structured_outputs=StructuredOutputsParams(json=SCHEMA))
@@ -121,8 +191,9 @@ def test_manifest_section_and_fingerprint(chat_model_dir, tmp_path):
     free = loaded.sampling.replace(structured_outputs=None)
 
     def fingerprint(sampling):
-        return job_fingerprint(JobManifest(model=loaded.model, input=loaded.input, sampling=sampling,
-                                           output=loaded.output), 1)["sampling"]
+        return job_fingerprint(
+            JobManifest(model=loaded.model, input=loaded.input, sampling=sampling, output=loaded.output), 1
+        )["sampling"]
 
     with pytest.MonkeyPatch.context() as patch:  # content hashes of files this test does not write
         patch.setattr("jobs.output.fingerprint.input_fingerprint", lambda path: [])

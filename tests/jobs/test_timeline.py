@@ -10,16 +10,26 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.run.job import run_job
-from jobs.output.lock import Shard
 from jobs.observe.progress import MIN_FINISHED, TokenETA, format_eta
 from jobs.observe.timeline import TIMELINE_GLOB, read_timeline, step_listeners
+from jobs.output.lock import Shard
 from jobs.output.writer import read_output
+from jobs.run.job import run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=64)
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=12, temperature=0.0), "commit_every_rows": 5}
-CUMULATIVE = ("rows_done", "rows_errors", "prompt_tokens", "cached_prompt_tokens", "generated_tokens",
-              "computed_tokens", "steps", "offloads", "soft_resets", "failed_requests")
+CUMULATIVE = (
+    "rows_done",
+    "rows_errors",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "generated_tokens",
+    "computed_tokens",
+    "steps",
+    "offloads",
+    "soft_resets",
+    "failed_requests",
+)
 
 
 def write_prompts(path, n: int = 24):
@@ -96,7 +106,8 @@ def test_a_resumed_run_records_its_own_timeline(tiny_model_dir, tiny_engine, tmp
     timelines = [read_timeline(p) for p in sorted((tmp_path / "out" / "_cbrun").glob(TIMELINE_GLOB))]
     assert len(timelines) == 2
     assert sorted(s[-1]["generated_tokens"] for _, s in timelines) == sorted(
-        [first.num_generated_tokens, second.num_generated_tokens])
+        [first.num_generated_tokens, second.num_generated_tokens]
+    )
     assert sum(s[-1]["rows_done"] for _, s in timelines) == 24
 
 
@@ -106,15 +117,22 @@ def test_each_shard_records_its_own_timeline(tiny_model_dir, tiny_engine, tmp_pa
         _, summary = run(make_manifest, tiny_model_dir, tmp_path, tiny_engine, shard=Shard(index, 2))
         totals += summary.num_generated_tokens
     paths = sorted((tmp_path / "out" / "_cbrun").glob(TIMELINE_GLOB))
-    assert [p.name.endswith(f"-shard-{i}-of-2.jsonl") for i, p in enumerate(sorted(
-        paths, key=lambda p: p.name[-15:]))] == [True, True]
+    assert [
+        p.name.endswith(f"-shard-{i}-of-2.jsonl") for i, p in enumerate(sorted(paths, key=lambda p: p.name[-15:]))
+    ] == [True, True]
     assert sum(read_timeline(p)[1][-1]["generated_tokens"] for p in paths) == totals
 
 
 def test_overwrite_removes_the_old_timelines(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     run(make_manifest, tiny_model_dir, tmp_path, tiny_engine)
-    run(make_manifest, tiny_model_dir, tmp_path, tiny_engine, overwrite=True,
-        sampling=SamplingParams(max_new_tokens=5, temperature=0.0))
+    run(
+        make_manifest,
+        tiny_model_dir,
+        tmp_path,
+        tiny_engine,
+        overwrite=True,
+        sampling=SamplingParams(max_new_tokens=5, temperature=0.0),
+    )
     assert len(list((tmp_path / "out" / "_cbrun").glob(TIMELINE_GLOB))) == 1
 
 
@@ -157,8 +175,9 @@ def test_the_eta_rate_forgets_old_history():
     eta = TokenETA(num_rows=1)
     eta.add_row([10], [10])
     for second in range(100):  # slow at first, then fast
-        eta.observe(second * (10 if second < 50 else 0) + max(0, second - 50) * 1000 + 500 * (second >= 50),
-                    now=float(second))
+        eta.observe(
+            second * (10 if second < 50 else 0) + max(0, second - 50) * 1000 + 500 * (second >= 50), now=float(second)
+        )
     assert eta.tokens_per_s() > 900
     assert format_eta(None) == "ETA ?" and format_eta(65) == "ETA 01:05" and format_eta(7384) == "ETA 2:03:04"
 
@@ -190,8 +209,9 @@ def test_a_ray_replica_records_its_own_timeline(stories260k_dir, tmp_path, make_
     assert last["running"] == last["waiting"] == 0
 
 
-@pytest.mark.parametrize(("field", "value"), [("timeline_interval_s", -1), ("timeline_interval_s", True),
-                                              ("row_timings", "yes")])
+@pytest.mark.parametrize(
+    ("field", "value"), [("timeline_interval_s", -1), ("timeline_interval_s", True), ("row_timings", "yes")]
+)
 def test_bad_output_settings_are_refused(field, value):
     from jobs.manifest import OutputSettings
 

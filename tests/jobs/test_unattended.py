@@ -20,20 +20,31 @@ import jobs.output.writer
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.run.job import JobAborted, JobError, run_job
-from jobs.output.lock import OutputLock
 from jobs.manifest import load_manifest
+from jobs.output.lock import OutputLock
 from jobs.output.writer import committed_parts, read_output
+from jobs.run.job import JobAborted, JobError, run_job
 from tests.jobs.test_resume import cbrun_command
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
-MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True),
-                     "commit_every_rows": 2, "id_column": "id"}
+MANIFEST_DEFAULTS = {
+    "sampling": SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True),
+    "commit_every_rows": 2,
+    "id_column": "id",
+}
 
 
 def write_input(path, num_rows: int, **extra):
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(num_rows)],
-                             "prompt": [f"a prompt for row {i}" for i in range(num_rows)], **extra}), path)
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"r{i}" for i in range(num_rows)],
+                "prompt": [f"a prompt for row {i}" for i in range(num_rows)],
+                **extra,
+            }
+        ),
+        path,
+    )
     return path
 
 
@@ -50,23 +61,48 @@ def tokens(rows: dict) -> dict:
 
 
 def cli_args(model_dir, input_path, out, *extra) -> list[str]:
-    sets = ["engine.max_requests_per_batch=2", "engine.max_batch_tokens=64", "engine.num_blocks=64",
-            "sampling.ignore_eos=true"]
-    return ["run", "--model", str(model_dir), "--input", str(input_path), "--output", str(out), "--prompt-column",
-            "prompt", "--id-column", "id", "--max-new-tokens", "6", "--temperature", "0", "--no-progress",
-            *[a for s in sets for a in ("--set", s)], *extra]
+    sets = [
+        "engine.max_requests_per_batch=2",
+        "engine.max_batch_tokens=64",
+        "engine.num_blocks=64",
+        "sampling.ignore_eos=true",
+    ]
+    return [
+        "run",
+        "--model",
+        str(model_dir),
+        "--input",
+        str(input_path),
+        "--output",
+        str(out),
+        "--prompt-column",
+        "prompt",
+        "--id-column",
+        "id",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--no-progress",
+        *[a for s in sets for a in ("--set", s)],
+        *extra,
+    ]
 
 
 @pytest.fixture
 def reference(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     """A clean run over 9 rows, 2 samples each: {(row_index, sample_index): (token ids, finish reason)}."""
     write_input(tmp_path / "in.parquet", 9)
-    run_job(make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "reference", n=2), progress=False,
-            engine=tiny_engine)
+    run_job(
+        make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "reference", n=2),
+        progress=False,
+        engine=tiny_engine,
+    )
     return tokens(rows_once(tmp_path / "reference"))
 
 
 # --- 1. one writer per output ---------------------------------------------------------------------------------
+
 
 def test_a_second_run_exits_2_naming_the_holder_and_a_dead_holder_never_blocks(tiny_model_dir, tmp_path, capsys):
     write_input(tmp_path / "in.parquet", 3)
@@ -79,10 +115,13 @@ def test_a_second_run_exits_2_naming_the_holder_and_a_dead_holder_never_blocks(t
     assert "shard 0/1" in err and not committed_parts(out)
 
     # a holder killed with SIGKILL leaves its lock file, but not its lock
-    code = f"from jobs.output.lock import OutputLock; OutputLock({str(out)!r}).acquire(); print('held', flush=True); " \
-           f"import time; time.sleep(120)"
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    code = (
+        f"from jobs.output.lock import OutputLock; OutputLock({str(out)!r}).acquire(); print('held', flush=True); "
+        f"import time; time.sleep(120)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
     assert holder.stdout.readline().strip() == "held"
     assert main(args) == 2 and f"pid {holder.pid}" in capsys.readouterr().err
     holder.kill()
@@ -92,6 +131,7 @@ def test_a_second_run_exits_2_naming_the_holder_and_a_dead_holder_never_blocks(t
 
 
 # --- 4. signals, and 14.6: a commit interrupted at any line -------------------------------------------------
+
 
 @pytest.mark.slow
 def test_overlapping_run_is_refused_then_sigterm_and_resume_write_each_row_once(tiny_model_dir, tmp_path, capsys):
@@ -114,8 +154,10 @@ def test_overlapping_run_is_refused_then_sigterm_and_resume_write_each_row_once(
     if process.returncode == 0:
         pytest.skip("the job finished before SIGTERM arrived")
     assert process.returncode == 143, err
-    assert "interrupted by SIGTERM: stopped admitting rows; the " in err and "output rows this run finished are " \
-        "committed" in err
+    assert (
+        "interrupted by SIGTERM: stopped admitting rows; the " in err
+        and "output rows this run finished are committed" in err
+    )
     assert not (out / "_SUCCESS").exists()
     after_signal = rows_once(out)
     for name, table in before.items():  # rows committed before the signal are kept as they were
@@ -129,8 +171,9 @@ def test_overlapping_run_is_refused_then_sigterm_and_resume_write_each_row_once(
     assert tokens(got) == tokens(rows_once(tmp_path / "reference"))
 
 
-COMMIT_PATH = {(jobs.output.writer.__file__, name) for name in ("commit", "rows_to_table", "write_part_atomically",
-                                                          "_fsync_dir")}
+COMMIT_PATH = {
+    (jobs.output.writer.__file__, name) for name in ("commit", "rows_to_table", "write_part_atomically", "_fsync_dir")
+}
 
 
 def interrupt_at_line(k: int | None):
@@ -154,8 +197,9 @@ def interrupt_at_line(k: int | None):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # a ParquetWriter cut off mid-way
-def test_an_interrupt_at_any_line_of_the_commit_leaves_every_row_once(tiny_model_dir, tiny_engine, tmp_path,
-                                                                      make_manifest, reference):
+def test_an_interrupt_at_any_line_of_the_commit_leaves_every_row_once(
+    tiny_model_dir, tiny_engine, tmp_path, make_manifest, reference
+):
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "count", n=2)
     tracer, seen = interrupt_at_line(None)
     sys.settrace(tracer)
@@ -182,6 +226,7 @@ def test_an_interrupt_at_any_line_of_the_commit_leaves_every_row_once(tiny_model
 
 # --- 3. exit codes and --retry-errors; 5. per-row and whole-job faults ----------------------------------------
 
+
 class _FaultyEngine:
     """The tiny engine, failing chosen requests alone (as the engine does for a per-request fault), or raising a
     whole-engine fault after a number of outputs."""
@@ -197,20 +242,26 @@ class _FaultyEngine:
             if count == self.raise_after:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
             if output.request_id in self.fail:
-                output = dataclasses.replace(output, output_token_ids=[], finish_reason="error",
-                                             error="probability tensor contains either inf, nan or element < 0")
+                output = dataclasses.replace(
+                    output,
+                    output_token_ids=[],
+                    finish_reason="error",
+                    error="probability tensor contains either inf, nan or element < 0",
+                )
             yield output
 
 
-def test_a_failed_request_is_its_row_error_and_retry_errors_replaces_it(tiny_model_dir, tiny_engine, tmp_path,
-                                                                        make_manifest, reference):
+def test_a_failed_request_is_its_row_error_and_retry_errors_replaces_it(
+    tiny_model_dir, tiny_engine, tmp_path, make_manifest, reference
+):
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2)
     flaky = _FaultyEngine(tiny_engine, fail={(3, 1), (5, 0)})
     summary = run_job(manifest, progress=False, engine=flaky)
     got = rows_once(tmp_path / "out")
     assert got[(3, 1)]["error"] == "row 3 (id 'r3'): probability tensor contains either inf, nan or element < 0"
-    assert {k: v for k, v in tokens(got).items() if k not in {(3, 1), (5, 0)}} == \
-        {k: v for k, v in reference.items() if k not in {(3, 1), (5, 0)}}  # the other rows are unaffected
+    assert {k: v for k, v in tokens(got).items() if k not in {(3, 1), (5, 0)}} == {
+        k: v for k, v in reference.items() if k not in {(3, 1), (5, 0)}
+    }  # the other rows are unaffected
     assert (summary.total_error_rows, summary.total_output_rows, summary.exit_code) == (2, 18, 3)  # 11% > 10%
     assert "too many errors (exit code 3): 2 of 18 output rows in" in summary.line()
     manifest.output.max_error_fraction = 0.2
@@ -223,21 +274,22 @@ def test_a_failed_request_is_its_row_error_and_retry_errors_replaces_it(tiny_mod
 
 
 def test_all_rows_failing_is_exit_3_whatever_the_budget(tiny_model_dir, tmp_path, capsys):
-    pq.write_table(pa.table({"id": ["a", "b"], "prompt": pa.array([None, None], pa.string())}),
-                   tmp_path / "in.parquet")
-    args = cli_args(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "--set",
-                    "output.max_error_fraction=1.0")
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": pa.array([None, None], pa.string())}), tmp_path / "in.parquet")
+    args = cli_args(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", "--set", "output.max_error_fraction=1.0")
     assert main(args) == 3
     assert "too many errors (exit code 3): 2 of 2 output rows" in capsys.readouterr().out
     assert main(args) == 3  # and again when it finds the job finished
 
 
-def test_a_fault_that_is_not_one_rows_stops_the_job_with_finished_rows_committed(tiny_model_dir, tiny_engine,
-                                                                                  tmp_path, make_manifest,
-                                                                                  reference):
+def test_a_fault_that_is_not_one_rows_stops_the_job_with_finished_rows_committed(
+    tiny_model_dir, tiny_engine, tmp_path, make_manifest, reference
+):
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", n=2)
-    with pytest.raises(JobAborted, match=r"not one row's: RuntimeError: CUDA error.*the 8 output rows this run "
-                                         r"finished are committed") as caught:
+    with pytest.raises(
+        JobAborted,
+        match=r"not one row's: RuntimeError: CUDA error.*the 8 output rows this run "
+        r"finished are committed",
+    ) as caught:
         run_job(manifest, progress=False, engine=_FaultyEngine(tiny_engine, raise_after=8))
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert len(rows_once(tmp_path / "out")) == 8 and not (tmp_path / "out" / "_SUCCESS").exists()
@@ -247,8 +299,10 @@ def test_a_fault_that_is_not_one_rows_stops_the_job_with_finished_rows_committed
 
 # --- 6. output that standard tools read -------------------------------------------------------------------------
 
-def test_the_output_folder_loads_with_pyarrow_pandas_datasets_and_duckdb(tiny_model_dir, tiny_engine, tmp_path,
-                                                                         make_manifest):
+
+def test_the_output_folder_loads_with_pyarrow_pandas_datasets_and_duckdb(
+    tiny_model_dir, tiny_engine, tmp_path, make_manifest
+):
     import datasets
     import pandas as pd
 
@@ -256,14 +310,19 @@ def test_the_output_folder_loads_with_pyarrow_pandas_datasets_and_duckdb(tiny_mo
 
     write_input(tmp_path / "in.parquet", 5)
     for name, logprobs in (("plain", None), ("logprobs", 2)):
-        manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / name,
-                                 sampling=SamplingParams(max_new_tokens=3, logprobs=logprobs))
+        manifest = make_manifest(
+            tiny_model_dir,
+            tmp_path / "in.parquet",
+            tmp_path / name,
+            sampling=SamplingParams(max_new_tokens=3, logprobs=logprobs),
+        )
         run_job(manifest, progress=False, engine=tiny_engine)
         out = str(tmp_path / name)
         assert sorted(pq.read_table(out).column("row_index").to_pylist()) == list(range(5))
         assert sorted(pd.read_parquet(out)["row_index"]) == list(range(5))
-        loaded = datasets.load_dataset("parquet", data_files=out + "/part-*.parquet", split="train",
-                                       cache_dir=str(tmp_path / "hf-cache"))
+        loaded = datasets.load_dataset(
+            "parquet", data_files=out + "/part-*.parquet", split="train", cache_dir=str(tmp_path / "hf-cache")
+        )
         assert sorted(loaded["row_index"]) == list(range(5))
         count = duckdb.sql(f"select count(*) from read_parquet('{out}/*.parquet')").fetchall()[0][0]
         assert count == 5
@@ -274,14 +333,17 @@ def test_the_output_folder_loads_with_pyarrow_pandas_datasets_and_duckdb(tiny_mo
 
 # --- 7. setup errors --------------------------------------------------------------------------------------------
 
+
 def test_device_defaults_to_auto_and_an_absent_device_is_a_setup_error(tiny_model_dir, tmp_path, capsys):
     write_input(tmp_path / "in.parquet", 2)
     args = cli_args(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out")
-    manifest = load_manifest(None, [], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"},
-                                        "output": {"path": "o"}})
+    manifest = load_manifest(
+        None, [], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}}
+    )
     assert manifest.engine.device == "auto"
-    for device, message in [("meta", "is not available here"), ("nonsense", "is not a device name")] + \
-            ([] if torch.cuda.is_available() else [("cuda", "has no usable CUDA device")]):
+    for device, message in [("meta", "is not available here"), ("nonsense", "is not a device name")] + (
+        [] if torch.cuda.is_available() else [("cuda", "has no usable CUDA device")]
+    ):
         assert main(args + ["--set", f"engine.device={device}"]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -298,6 +360,15 @@ def test_setup_error_for_an_output_that_is_a_file(tiny_model_dir, tmp_path):
     write_input(tmp_path / "in.parquet", 2)
     (tmp_path / "out").write_text("x")
     with pytest.raises(JobError, match="exists and is not a directory"):
-        run_job(load_manifest(None, [], {"model": {"path": str(tiny_model_dir)},
-                                         "input": {"path": str(tmp_path / "in.parquet"), "prompt_column": "prompt"},
-                                         "output": {"path": str(tmp_path / "out")}}), progress=False)
+        run_job(
+            load_manifest(
+                None,
+                [],
+                {
+                    "model": {"path": str(tiny_model_dir)},
+                    "input": {"path": str(tmp_path / "in.parquet"), "prompt_column": "prompt"},
+                    "output": {"path": str(tmp_path / "out")},
+                },
+            ),
+            progress=False,
+        )

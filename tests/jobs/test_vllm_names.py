@@ -10,12 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.output.fingerprint import job_fingerprint
 from jobs.cli import build_parser, main
-from jobs.run.job import run_job
-from jobs.manifest import cli_text, load_manifest, manifest_from_dict
 from jobs.input.reader import PromptReader
+from jobs.manifest import cli_text, load_manifest, manifest_from_dict
+from jobs.output.fingerprint import job_fingerprint
 from jobs.output.writer import read_output
+from jobs.run.job import run_job
 
 PATHS = {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}}
 ENGINE = "engine.page_size=16\nengine.num_blocks=64\nengine.max_batch_tokens=256"
@@ -55,9 +55,15 @@ def test_per_row_columns_take_vllm_names(tmp_path):
         PromptReader(path, prompt_column="p")
 
 
-@pytest.mark.parametrize("key, suggestion", [("temprature", "sampling.temperature"),
-                                             ("max_token", "sampling.max_tokens"), ("max_new_token", "sampling.max_new_tokens"),
-                                             ("top_pp", "sampling.top_p")])
+@pytest.mark.parametrize(
+    "key, suggestion",
+    [
+        ("temprature", "sampling.temperature"),
+        ("max_token", "sampling.max_tokens"),
+        ("max_new_token", "sampling.max_new_tokens"),
+        ("top_pp", "sampling.top_p"),
+    ],
+)
 def test_unknown_setting_suggests_the_closest_name(key, suggestion):
     with pytest.raises(ValueError, match=f"unknown setting sampling.{key} .*did you mean {suggestion}\\?"):
         manifest({key: 1})
@@ -66,10 +72,17 @@ def test_unknown_setting_suggests_the_closest_name(key, suggestion):
 
 
 def test_flags_match_whole_words_only():
-    args = build_parser().parse_args(["run", "job.toml", "--n", "2", "--max-tokens", "5", "--stop", "a\\n",
-                                      "--stop", "END", "--num-threads", "1"])
-    assert (args.manifest, args.n, args.max_new_tokens, args.stop, args.num_threads, args.no_progress) == \
-        ("job.toml", 2, 5, ["a\\n", "END"], 1, False)
+    args = build_parser().parse_args(
+        ["run", "job.toml", "--n", "2", "--max-tokens", "5", "--stop", "a\\n", "--stop", "END", "--num-threads", "1"]
+    )
+    assert (args.manifest, args.n, args.max_new_tokens, args.stop, args.num_threads, args.no_progress) == (
+        "job.toml",
+        2,
+        5,
+        ["a\\n", "END"],
+        1,
+        False,
+    )
     with pytest.raises(SystemExit):  # a prefix of --no-progress is not --no-progress
         build_parser().parse_args(["run", "--no-prog"])
     assert build_parser().parse_args(["run", "--max-new-tokens", "4"]).max_new_tokens == 4
@@ -84,21 +97,41 @@ def test_command_line_text_reads_a_manifest_strings_escapes():
 
 def test_template_flag_and_manifest_give_the_same_prompt(tiny_model_dir, tmp_path, capsys):
     pq.write_table(pa.table({"question": ["2+2?", "3+3?"]}), tmp_path / "in.parquet")
-    (tmp_path / "job.toml").write_text(f'[model]\npath = "{tiny_model_dir}"\n[input]\npath = "{tmp_path}/in.parquet"\n'
-                                       f'template = "Q: {{question}}\\nA:"\n[sampling]\nmax_new_tokens = 2\n'
-                                       f'[output]\npath = "{tmp_path}/a"\n')
+    (tmp_path / "job.toml").write_text(
+        f'[model]\npath = "{tiny_model_dir}"\n[input]\npath = "{tmp_path}/in.parquet"\n'
+        f'template = "Q: {{question}}\\nA:"\n[sampling]\nmax_new_tokens = 2\n'
+        f'[output]\npath = "{tmp_path}/a"\n'
+    )
     assert load_manifest(tmp_path / "job.toml").input.template == "Q: {question}\nA:"
     engine_sets = [a for line in ENGINE.splitlines() for a in ("--set", line)]
     assert main(["run", str(tmp_path / "job.toml"), "--no-progress", *engine_sets]) == 0
-    assert main(["run", "--model", str(tiny_model_dir), "--input", str(tmp_path / "in.parquet"),
-                 "--template", r"Q: {question}\nA:", "--max-tokens", "2", "--output", str(tmp_path / "b"),
-                 "--no-progress", *engine_sets]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                str(tiny_model_dir),
+                "--input",
+                str(tmp_path / "in.parquet"),
+                "--template",
+                r"Q: {question}\nA:",
+                "--max-tokens",
+                "2",
+                "--output",
+                str(tmp_path / "b"),
+                "--no-progress",
+                *engine_sets,
+            ]
+        )
+        == 0
+    )
     a, b = (read_output(tmp_path / d).sort_by("row_index").to_pylist() for d in ("a", "b"))
     assert [r["num_prompt_tokens"] for r in a] == [r["num_prompt_tokens"] for r in b] == [len("Q: 2+2?\nA:") + 1] * 2
     assert [r["completion_token_ids"] for r in a] == [r["completion_token_ids"] for r in b]
     # both spellings are one job: the flag run's output directory accepts the manifest (resume finds it done)
-    assert main(["run", str(tmp_path / "job.toml"), "--output", str(tmp_path / "b"), "--no-progress",
-                 *engine_sets]) == 0
+    assert (
+        main(["run", str(tmp_path / "job.toml"), "--output", str(tmp_path / "b"), "--no-progress", *engine_sets]) == 0
+    )
     assert "job already finished" in capsys.readouterr().out
 
 
@@ -117,21 +150,30 @@ def test_per_row_setting_columns_are_named_and_can_be_turned_off(tiny_model_dir,
     assert "per-row settings" not in caplog.text
     assert reader.sampling_columns == [] and reader.samples_column is None
     assert [(r.error, r.sampling_overrides, r.num_samples) for r in reader.iter_rows()] == [(None, {}, None)] * 2
-    m = load_manifest(None, ["input.per_row_settings=false", "sampling.max_new_tokens=2",
-                             *ENGINE.splitlines()],
-                      {"model": {"path": str(tiny_model_dir)}, "input": {"path": str(tmp_path / "in.parquet"),
-                                                                        "prompt_column": "p"},
-                       "output": {"path": str(tmp_path / "out")}})
+    m = load_manifest(
+        None,
+        ["input.per_row_settings=false", "sampling.max_new_tokens=2", *ENGINE.splitlines()],
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "input": {"path": str(tmp_path / "in.parquet"), "prompt_column": "p"},
+            "output": {"path": str(tmp_path / "out")},
+        },
+    )
     summary = run_job(m, progress=False)
     assert (summary.num_rows, summary.num_output_rows, summary.num_errors) == (2, 2, 0)
 
 
 def test_greedy_samples_warn_once(tiny_model_dir, tmp_path, caplog):
     pq.write_table(pa.table({"p": ["a", "b", "c"]}), tmp_path / "in.parquet")
-    m = load_manifest(None, ["sampling.n=2", "sampling.max_new_tokens=2", *ENGINE.splitlines()],
-                      {"model": {"path": str(tiny_model_dir)}, "input": {"path": str(tmp_path / "in.parquet"),
-                                                                        "prompt_column": "p"},
-                       "output": {"path": str(tmp_path / "out")}})
+    m = load_manifest(
+        None,
+        ["sampling.n=2", "sampling.max_new_tokens=2", *ENGINE.splitlines()],
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "input": {"path": str(tmp_path / "in.parquet"), "prompt_column": "p"},
+            "output": {"path": str(tmp_path / "out")},
+        },
+    )
     with caplog.at_level(logging.WARNING, logger="cbrun"):
         summary = run_job(m, progress=False)
     assert summary.num_output_rows == 6

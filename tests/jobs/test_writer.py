@@ -14,10 +14,25 @@ from jobs.output.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_p
 
 def make_row(i: int, error: bool = False) -> OutputRow:
     if error:
-        return OutputRow(id=f"r{i}", row_index=i, completion=None, completion_token_ids=[], num_prompt_tokens=0,
-                         num_completion_tokens=0, finish_reason="error", error=f"row {i}: bad")
-    return OutputRow(id=f"r{i}", row_index=i, completion=f"text {i}", completion_token_ids=[i, i + 1],
-                     num_prompt_tokens=3, num_completion_tokens=2, finish_reason="length")
+        return OutputRow(
+            id=f"r{i}",
+            row_index=i,
+            completion=None,
+            completion_token_ids=[],
+            num_prompt_tokens=0,
+            num_completion_tokens=0,
+            finish_reason="error",
+            error=f"row {i}: bad",
+        )
+    return OutputRow(
+        id=f"r{i}",
+        row_index=i,
+        completion=f"text {i}",
+        completion_token_ids=[i, i + 1],
+        num_prompt_tokens=3,
+        num_completion_tokens=2,
+        finish_reason="length",
+    )
 
 
 def test_parts_have_the_schema_and_rows(tmp_path):
@@ -28,15 +43,43 @@ def test_parts_have_the_schema_and_rows(tmp_path):
     assert path.name == "part-000000.parquet"
     table = pq.read_table(path)
     assert table.schema.equals(OUTPUT_SCHEMA)
-    unset = {"logprobs": None, "prompt_logprobs": None, "prompt_greedy": None, "stop_reason": None,
-             "candidate_logprobs": None, "candidate_num_tokens": None, "candidate_is_greedy": None,
-             "sample_index": 0, "queue_s": None, "ttft_s": None, "decode_s": None,
-             "structured_output_valid": None}
+    unset = {
+        "logprobs": None,
+        "prompt_logprobs": None,
+        "prompt_greedy": None,
+        "stop_reason": None,
+        "candidate_logprobs": None,
+        "candidate_num_tokens": None,
+        "candidate_is_greedy": None,
+        "sample_index": 0,
+        "queue_s": None,
+        "ttft_s": None,
+        "decode_s": None,
+        "structured_output_valid": None,
+    }
     assert table.to_pylist() == [
-        {"id": "r0", "row_index": 0, "completion": "text 0", "completion_token_ids": [0, 1], "num_prompt_tokens": 3,
-         "num_completion_tokens": 2, "finish_reason": "length", "error": None, **unset},
-        {"id": "r1", "row_index": 1, "completion": None, "completion_token_ids": [], "num_prompt_tokens": 0,
-         "num_completion_tokens": 0, "finish_reason": "error", "error": "row 1: bad", **unset},
+        {
+            "id": "r0",
+            "row_index": 0,
+            "completion": "text 0",
+            "completion_token_ids": [0, 1],
+            "num_prompt_tokens": 3,
+            "num_completion_tokens": 2,
+            "finish_reason": "length",
+            "error": None,
+            **unset,
+        },
+        {
+            "id": "r1",
+            "row_index": 1,
+            "completion": None,
+            "completion_token_ids": [],
+            "num_prompt_tokens": 0,
+            "num_completion_tokens": 0,
+            "finish_reason": "error",
+            "error": "row 1: bad",
+            **unset,
+        },
     ]
     assert writer.commit() is None  # nothing buffered
 
@@ -75,8 +118,11 @@ def test_commit_every_rows(tmp_path):
     assert [p.name for p in committed_parts(tmp_path)] == [part_name(0), part_name(1)]
     assert len(writer.buffer) == 1 and writer.num_committed_rows == 6
     writer.commit()
-    assert [pq.read_table(p).column("row_index").to_pylist() for p in committed_parts(tmp_path)] == \
-        [[0, 1, 2], [3, 4, 5], [6]]
+    assert [pq.read_table(p).column("row_index").to_pylist() for p in committed_parts(tmp_path)] == [
+        [0, 1, 2],
+        [3, 4, 5],
+        [6],
+    ]
 
 
 def test_commit_every_seconds(tmp_path, monkeypatch):
@@ -94,8 +140,16 @@ def test_commit_every_seconds(tmp_path, monkeypatch):
 
 def test_output_row_checks_its_finish_reason():
     with pytest.raises(AssertionError):
-        OutputRow(id="x", row_index=0, completion="", completion_token_ids=[], num_prompt_tokens=1,
-                  num_completion_tokens=0, finish_reason="error", error=None)
+        OutputRow(
+            id="x",
+            row_index=0,
+            completion="",
+            completion_token_ids=[],
+            num_prompt_tokens=1,
+            num_completion_tokens=0,
+            finish_reason="error",
+            error=None,
+        )
 
 
 def test_read_output_reads_committed_parts_only(tmp_path):

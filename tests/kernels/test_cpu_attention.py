@@ -11,12 +11,20 @@ import pytest
 import torch
 
 from engine.lean_llama import _rope, _rope_tables
-from kernels.cpu_attention import (SOURCE, StepKernels, load_source, paged_attention_cpu, rope_cpu,
-                                   unavailable_reason, write_kv_cache_cpu)
+from kernels.cpu_attention import (
+    SOURCE,
+    StepKernels,
+    load_source,
+    paged_attention_cpu,
+    rope_cpu,
+    unavailable_reason,
+    write_kv_cache_cpu,
+)
 from kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
-                                reason=f"CPU attention kernel unavailable: {unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=f"CPU attention kernel unavailable: {unavailable_reason()}"
+)
 
 PAGE = 4
 # (query lengths, context lengths): decodes, a prefill of whole pages, a chunk after cached context, a request with
@@ -52,17 +60,18 @@ def reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap=None,
     return paged_attention_ref(query, torch.nan_to_num(k_cache), torch.nan_to_num(v_cache), plan, scale, softcap)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 8), (6, 6, 16), (8, 1, 64), (4, 2, 12),
-                                                             (6, 2, 24), (4, 4, 128)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(4, 2, 8), (6, 6, 16), (8, 1, 64), (4, 2, 12), (6, 2, 24), (4, 4, 128)]
+)
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
 def test_ragged_batch_matches_reference(num_heads, num_kv_heads, head_dim, window, softcap):
     query, k_cache, v_cache, tables, cu, seqlens = make_batch(*RAGGED, num_heads, num_kv_heads, head_dim)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
     expected = reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert (out[int(cu[-1]):] == 0).all()  # padding rows
+    assert (out[int(cu[-1]) :] == 0).all()  # padding rows
 
 
 @pytest.mark.parametrize("window", [None, 650, 300])
@@ -158,8 +167,10 @@ def test_step_kernels_reused_by_layers_match_the_one_call_functions_and_check_ea
     kernels = StepKernels(k_cache, v_cache, num_threads=1)
     for layer in range(3):  # as layers do: the same tables and lengths, a new query each time
         q = query * (layer + 1)
-        assert torch.equal(kernels.attention(q, tables, cu, seqlens, 0.3),
-                           paged_attention_cpu(q, k_cache, v_cache, tables, cu, seqlens, 0.3, num_threads=1))
+        assert torch.equal(
+            kernels.attention(q, tables, cu, seqlens, 0.3),
+            paged_attention_cpu(q, k_cache, v_cache, tables, cu, seqlens, 0.3, num_threads=1),
+        )
     with pytest.raises(ValueError, match="float32"):
         kernels.attention(query.double(), tables, cu, seqlens, 0.3)
     with pytest.raises(ValueError, match="does not fit"):
@@ -202,19 +213,22 @@ SHAPES = {
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 8), (6, 2, 8), (4, 4, 16), (4, 2, 24),
-                                                             (8, 4, 64), (2, 1, 128)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(8, 4, 8), (6, 2, 8), (4, 4, 16), (4, 2, 24), (8, 4, 64), (2, 1, 128)]
+)
 @pytest.mark.parametrize("page", [4, 8, 16])
 def test_lane_loops_give_the_generic_loops_floats(shape, num_heads, num_kv_heads, head_dim, page):
     """Same floats, not just close ones: the engine's greedy tokens must not depend on which loops ran (a float32
     near-tie such as tests/engine/test_near_tie_row.py's flips on one ulp)."""
-    query, k_cache, v_cache, tables, cu, seqlens = make_batch(*SHAPES[shape], num_heads, num_kv_heads, head_dim,
-                                                              seed=page + head_dim, page=page)
-    scale = head_dim ** -0.5
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(
+        *SHAPES[shape], num_heads, num_kv_heads, head_dim, seed=page + head_dim, page=page
+    )
+    scale = head_dim**-0.5
     for window, softcap in ((None, None), (6, None), (None, 2.0)):
         lanes = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
-        generic = StepKernels(k_cache, v_cache).attention(query, tables, cu, seqlens, scale, softcap, window,
-                                                          lane_loops=False)
+        generic = StepKernels(k_cache, v_cache).attention(
+            query, tables, cu, seqlens, scale, softcap, window, lane_loops=False
+        )
         assert torch.equal(lanes, generic)
         expected = reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
         torch.testing.assert_close(lanes, expected, rtol=1e-5, atol=1e-5)

@@ -14,8 +14,7 @@ def test_failed_compile_names_the_compiler_and_its_exit_code(tmp_path, monkeypat
         with pytest.raises(RuntimeError) as failure:
             cpu_attention._build()
     assert "compiling the CPU attention kernel (first use, about 20 s)" in caplog.text
-    assert str(failure.value) == ("compiling cpu_paged_attention.c with /bin/false failed (exit code 1): "
-                                  "no output")
+    assert str(failure.value) == ("compiling cpu_paged_attention.c with /bin/false failed (exit code 1): no output")
 
 
 def test_missing_compiler_is_named(monkeypatch, tmp_path):

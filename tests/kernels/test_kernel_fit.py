@@ -40,8 +40,14 @@ def _compile_all(tmp_path, *args: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), TRITON_DEFAULT_FP_FUSION="1")
     out = tmp_path / "fits.json"
-    result = subprocess.run([sys.executable, "-m", "kernels.aot_fit", *args, "--json", str(out)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=3000)
+    result = subprocess.run(
+        [sys.executable, "-m", "kernels.aot_fit", *args, "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     assert out.exists(), result.stdout[-5000:] + result.stderr[-5000:]
     fits = json.loads(out.read_text())
     bad = [fit["line"] for fit in fits if not fit["ok"]]
@@ -60,9 +66,11 @@ def test_representative_launches_fit(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
-                    reason="the full matrix takes ~10 minutes on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 (or run "
-                           "python -m kernels.aot_fit)")
+@pytest.mark.skipif(
+    not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
+    reason="the full matrix takes ~10 minutes on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 (or run "
+    "python -m kernels.aot_fit)",
+)
 @needs_toolchain
 @pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
 def test_every_engine_launch_fits(capability, tmp_path):

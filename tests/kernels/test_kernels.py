@@ -41,8 +41,10 @@ def _runs_in_this_process() -> bool:
 
 IN_PROCESS = _runs_in_this_process()
 _SUBPROCESS_FLAG = "CBRUN_KERNEL_TESTS_SUBPROCESS"
-in_process = pytest.mark.skipif(not IN_PROCESS, reason="Triton was imported before TRITON_INTERPRET was set; "
-                                                       "test_kernels_in_fresh_process runs these tests")
+in_process = pytest.mark.skipif(
+    not IN_PROCESS,
+    reason="Triton was imported before TRITON_INTERPRET was set; test_kernels_in_fresh_process runs these tests",
+)
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
@@ -50,8 +52,13 @@ def test_kernels_in_fresh_process():
     """Re-runs this file where TRITON_INTERPRET is set before Triton's first import."""
     assert not os.environ.get(_SUBPROCESS_FLAG), "TRITON_INTERPRET=1 did not take effect in a fresh process"
     env = {**os.environ, "TRITON_INTERPRET": "1", _SUBPROCESS_FLAG: "1"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
 
 
@@ -69,8 +76,7 @@ BATCH_MIXES = {
 }
 
 
-def make_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, index_dtype=torch.int32,
-               seed=0):
+def make_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, index_dtype=torch.int32, seed=0):
     """Random query and paged cache; pages shuffled; every cache slot outside a request's context is NaN.
 
     Block 0 stays finite and unowned (the reference points masked positions at slot 0); the spare last block is
@@ -94,8 +100,14 @@ def make_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, page_size, dty
     cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=index_dtype)
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
     to = dict(device=DEVICE)
-    return (query.to(dtype=dtype, **to), k_cache.to(dtype=dtype, **to), v_cache.to(dtype=dtype, **to),
-            block_tables.to(**to), cu_seqlens_q.to(**to), torch.tensor(k_lens, dtype=index_dtype, device=DEVICE))
+    return (
+        query.to(dtype=dtype, **to),
+        k_cache.to(dtype=dtype, **to),
+        v_cache.to(dtype=dtype, **to),
+        block_tables.to(**to),
+        cu_seqlens_q.to(**to),
+        torch.tensor(k_lens, dtype=index_dtype, device=DEVICE),
+    )
 
 
 def finite(cache: torch.Tensor) -> torch.Tensor:
@@ -104,17 +116,38 @@ def finite(cache: torch.Tensor) -> torch.Tensor:
     return cache.nan_to_num(0.0)
 
 
-def check_attention(q_lens, k_lens, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32,
-                    sliding_window=None, softcap=None, index_dtype=torch.int32):
+def check_attention(
+    q_lens,
+    k_lens,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    page_size=16,
+    dtype=torch.float32,
+    sliding_window=None,
+    softcap=None,
+    index_dtype=torch.int32,
+):
     query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k = make_batch(
-        q_lens, k_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, index_dtype)
-    scale = head_dim ** -0.5
+        q_lens, k_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, index_dtype
+    )
+    scale = head_dim**-0.5
     plan = build_gather_plan(block_tables, cu_seqlens_q, seqlens_k, page_size, sliding_window)
     expected = paged_attention_ref(query, finite(k_cache), finite(v_cache), plan, scale, softcap)
     out = torch.full_like(query, float("nan"))
     result = paged_attention.paged_attention_triton(
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, scale, sliding_window=sliding_window,
-        softcap=softcap, max_seqlen_q=max(q_lens), out=out)
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seqlens_k,
+        scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        max_seqlen_q=max(q_lens),
+        out=out,
+    )
     assert result is out
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
@@ -156,8 +189,9 @@ def test_attention_window_and_softcap(mix, sliding_window, softcap):
 
 @in_process
 def test_attention_softcap_low_precision_and_int64_indices():
-    check_attention(*BATCH_MIXES["mixed"], dtype=torch.bfloat16, sliding_window=5, softcap=30.0,
-                    index_dtype=torch.int64)
+    check_attention(
+        *BATCH_MIXES["mixed"], dtype=torch.bfloat16, sliding_window=5, softcap=30.0, index_dtype=torch.int64
+    )
 
 
 @in_process
@@ -169,50 +203,71 @@ def test_attention_head_dim_40_page_4():
 def test_attention_strided_query_and_padding_rows():
     """Query as a slice of a fused QKV tensor; rows past cu_seqlens_q[-1] (graph padding) stay untouched."""
     q_lens, k_lens = BATCH_MIXES["mixed"]
-    query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k = make_batch(q_lens, k_lens, 4, 2, 64, 16,
-                                                                                torch.float32)
+    query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k = make_batch(
+        q_lens, k_lens, 4, 2, 64, 16, torch.float32
+    )
     num_tokens, padded = query.shape[0], query.shape[0] + 3
     fused = torch.randn(padded, 4 + 2 * 2, 64, device=DEVICE)  # (T, H + 2 * Hkv, D): q | k | v
     fused[:num_tokens, :4] = query
     strided_query = fused[:, :4]
     plan = build_gather_plan(block_tables, cu_seqlens_q, seqlens_k, 16)
     expected = paged_attention_ref(query, finite(k_cache), finite(v_cache), plan, 0.125)
-    out = paged_attention.paged_attention_triton(strided_query, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                 seqlens_k, 0.125, out=torch.full_like(strided_query, float("nan")))
+    out = paged_attention.paged_attention_triton(
+        strided_query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seqlens_k,
+        0.125,
+        out=torch.full_like(strided_query, float("nan")),
+    )
     torch.testing.assert_close(out[:num_tokens], expected, atol=1e-4, rtol=1e-4)
     assert out[num_tokens:].isnan().all()
 
 
 @in_process
 def test_attention_max_seqlen_q_defaults_from_cu_seqlens():
-    query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k = make_batch([1, 5], [9, 5], 4, 2, 64, 16,
-                                                                                torch.float32)
+    query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k = make_batch(
+        [1, 5], [9, 5], 4, 2, 64, 16, torch.float32
+    )
     plan = build_gather_plan(block_tables, cu_seqlens_q, seqlens_k, 16)
     out = paged_attention.paged_attention_triton(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, 0.1)
-    torch.testing.assert_close(out, paged_attention_ref(query, finite(k_cache), finite(v_cache), plan, 0.1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        out, paged_attention_ref(query, finite(k_cache), finite(v_cache), plan, 0.1), atol=1e-4, rtol=1e-4
+    )
 
 
 def _attention_args(**overrides):
-    args = dict(zip(("query", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "seqlens_k"),
-                    make_batch([1, 3], [4, 3], 4, 2, 64, 4, torch.float32)))
+    args = dict(
+        zip(
+            ("query", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "seqlens_k"),
+            make_batch([1, 3], [4, 3], 4, 2, 64, 4, torch.float32),
+        )
+    )
     args["scale"] = 0.125
     args.update(overrides)
     return args
 
 
 @in_process
-@pytest.mark.parametrize("overrides,message", [
-    (dict(query=torch.zeros(4, 4, 512), k_cache=torch.zeros(3, 4, 2, 512), v_cache=torch.zeros(3, 4, 2, 512)),
-     "head_dim 512 is not supported"),
-    (dict(query=torch.zeros(4, 3, 64)), "multiple of num_kv_heads"),
-    (dict(query=torch.zeros(4, 4, 64, dtype=torch.float16)), "differs from query dtype"),
-    (dict(query=torch.zeros(4, 4, 128)[..., ::2]), "contiguous in its last dim"),
-    (dict(seqlens_k=torch.zeros(2)), "seqlens_k dtype must be int32 or int64"),
-    (dict(cu_seqlens_q=torch.zeros(2, dtype=torch.int32)), "B + 1 = 3 entries"),
-    (dict(block_tables=torch.zeros(3, 2, dtype=torch.int32)), "block_tables must be (B=2"),
-    (dict(sliding_window=0), "sliding_window must be a positive int"),
-    (dict(softcap=-1.0), "softcap must be > 0"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            dict(query=torch.zeros(4, 4, 512), k_cache=torch.zeros(3, 4, 2, 512), v_cache=torch.zeros(3, 4, 2, 512)),
+            "head_dim 512 is not supported",
+        ),
+        (dict(query=torch.zeros(4, 3, 64)), "multiple of num_kv_heads"),
+        (dict(query=torch.zeros(4, 4, 64, dtype=torch.float16)), "differs from query dtype"),
+        (dict(query=torch.zeros(4, 4, 128)[..., ::2]), "contiguous in its last dim"),
+        (dict(seqlens_k=torch.zeros(2)), "seqlens_k dtype must be int32 or int64"),
+        (dict(cu_seqlens_q=torch.zeros(2, dtype=torch.int32)), "B + 1 = 3 entries"),
+        (dict(block_tables=torch.zeros(3, 2, dtype=torch.int32)), "block_tables must be (B=2"),
+        (dict(sliding_window=0), "sliding_window must be a positive int"),
+        (dict(softcap=-1.0), "softcap must be > 0"),
+    ],
+)
 def test_attention_rejects_bad_input(overrides, message):
     args = _attention_args()
     overrides = {k: v.to(args["query"].device) if isinstance(v, torch.Tensor) else v for k, v in overrides.items()}
@@ -225,7 +280,7 @@ def make_kv_write(num_tokens, num_kv_heads, head_dim, page_size, dtype, slot_dty
     gen = torch.Generator().manual_seed(seed)
     num_blocks = -(-num_tokens // page_size) + 2
     fused = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
-    key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads:2 * num_kv_heads]
+    key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads : 2 * num_kv_heads]
     slots = torch.randperm(num_blocks * page_size, generator=gen)[:num_tokens]
     slots[torch.rand(num_tokens, generator=gen) < 0.25] = -1
     k_cache = torch.full((num_blocks, page_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
@@ -234,9 +289,15 @@ def make_kv_write(num_tokens, num_kv_heads, head_dim, page_size, dtype, slot_dty
 
 @in_process
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("num_kv_heads,head_dim,page_size,slot_dtype", [
-    (1, 64, 16, torch.int64), (2, 128, 4, torch.int32), (4, 80, 16, torch.int64), (3, 40, 4, torch.int32),
-])
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,page_size,slot_dtype",
+    [
+        (1, 64, 16, torch.int64),
+        (2, 128, 4, torch.int32),
+        (4, 80, 16, torch.int64),
+        (3, 40, 4, torch.int32),
+    ],
+)
 def test_kv_cache_write(num_kv_heads, head_dim, page_size, slot_dtype, dtype):
     key, value, k_cache, v_cache, slots = make_kv_write(23, num_kv_heads, head_dim, page_size, dtype, slot_dtype)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
@@ -248,17 +309,24 @@ def test_kv_cache_write(num_kv_heads, head_dim, page_size, slot_dtype, dtype):
 
 
 @in_process
-@pytest.mark.parametrize("overrides,message", [
-    (dict(slot_mapping=torch.zeros(5, dtype=torch.int64)), "slot_mapping must be (4,)"),
-    (dict(slot_mapping=torch.zeros(4)), "slot_mapping dtype must be int32 or int64"),
-    (dict(value=torch.zeros(4, 2, 64, dtype=torch.float16)), "value dtype"),
-    (dict(k_cache=torch.zeros(3, 4, 2, 32), v_cache=torch.zeros(3, 4, 2, 32)), "does not match key"),
-    (dict(key=torch.zeros(4, 2, 128)[..., ::2]), "contiguous in its last dim"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(slot_mapping=torch.zeros(5, dtype=torch.int64)), "slot_mapping must be (4,)"),
+        (dict(slot_mapping=torch.zeros(4)), "slot_mapping dtype must be int32 or int64"),
+        (dict(value=torch.zeros(4, 2, 64, dtype=torch.float16)), "value dtype"),
+        (dict(k_cache=torch.zeros(3, 4, 2, 32), v_cache=torch.zeros(3, 4, 2, 32)), "does not match key"),
+        (dict(key=torch.zeros(4, 2, 128)[..., ::2]), "contiguous in its last dim"),
+    ],
+)
 def test_kv_cache_write_rejects_bad_input(overrides, message):
-    args = dict(key=torch.zeros(4, 2, 64), value=torch.zeros(4, 2, 64), k_cache=torch.zeros(3, 4, 2, 64),
-                v_cache=torch.zeros(3, 4, 2, 64), slot_mapping=torch.arange(4))
+    args = dict(
+        key=torch.zeros(4, 2, 64),
+        value=torch.zeros(4, 2, 64),
+        k_cache=torch.zeros(3, 4, 2, 64),
+        v_cache=torch.zeros(3, 4, 2, 64),
+        slot_mapping=torch.arange(4),
+    )
     args = {k: v.to(DEVICE) for k, v in {**args, **overrides}.items()}
     with pytest.raises(ValueError, match=re.escape(message)):
         kv_cache_write.write_kv_cache_triton(**args)
-

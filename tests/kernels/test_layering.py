@@ -35,8 +35,8 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                package = name.split(".")[:None if path.name == "__init__.py" else -1]
-                package = package[:len(package) - node.level + 1]
+                package = name.split(".")[: None if path.name == "__init__.py" else -1]
+                package = package[: len(package) - node.level + 1]
                 base = ".".join([*package, *([node.module] if node.module else [])])
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
@@ -85,8 +85,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
     rank = {package: i for i, package in enumerate(layers)}
-    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
-                  if rank[b.split(".")[0]] > rank[a.split(".")[0]])
+    return sorted(
+        f"{a} -> {b}" for a, targets in graph.items() for b in targets if rank[b.split(".")[0]] > rank[a.split(".")[0]]
+    )
 
 
 def test_no_import_cycles():
@@ -109,7 +110,11 @@ def test_the_graph_sees_cycles_and_breaches_inside_functions(tmp_path):
     (tmp_path / "engine" / "b.py").write_text("from . import a\n\ndef g():\n    import jobs.c\n")
     (tmp_path / "jobs" / "c.py").write_text("from engine.a import f\n")
     graph = import_graph(tmp_path, ("engine", "jobs"))
-    assert graph == {"engine": set(), "engine.a": {"engine.b"}, "engine.b": {"engine.a", "jobs.c"},
-                     "jobs.c": {"engine.a"}}
+    assert graph == {
+        "engine": set(),
+        "engine.a": {"engine.b"},
+        "engine.b": {"engine.a", "jobs.c"},
+        "jobs.c": {"engine.a"},
+    }
     assert cycles(graph) == [["engine.a", "engine.b", "jobs.c"]]
     assert upward_imports(graph, ("engine", "jobs")) == ["engine.b -> jobs.c"]

@@ -19,8 +19,9 @@ def test_decode_buckets_equal_one_padded_group(monkeypatch):
     assert len(bucketed_plan.groups) == 4  # 32 + 32 + 6 decodes, 1 prefill group
     bucketed = ref.paged_attention_ref(query, k_cache, v_cache, bucketed_plan, 0.3)
     monkeypatch.setattr(ref, "DECODE_BUCKET_SIZE", 10**6)
-    single = ref.paged_attention_ref(query, k_cache, v_cache, ref.build_gather_plan(block_tables, cu, seqlens_k,
-                                                                                    page), 0.3)
+    single = ref.paged_attention_ref(
+        query, k_cache, v_cache, ref.build_gather_plan(block_tables, cu, seqlens_k, page), 0.3
+    )
     torch.testing.assert_close(bucketed, single, rtol=1e-5, atol=1e-6)
 
 
