@@ -12,7 +12,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from jobs.input.reader import InputError, InputRow
+from jobs.input.errors import InputError
+from jobs.input.reader import InputRow
 from jobs.output.writer import OUTPUT_SCHEMA
 
 KEEP_ROLE = "keep_column:"

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from jobs.input.arrow_types import is_list_type, is_text_type
-from jobs.input.reader import InputError
+from jobs.input.errors import InputError
 
 
 def check_chat_template(tokenizer, model_path: str) -> None:

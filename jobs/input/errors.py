@@ -1,4 +1,4 @@
-"""The input error every input reader raises (``jobs.input.reader`` and the sources it opens import it from here)."""
+"""The input error every input reader raises (``jobs.input.reader`` and the modules it uses import it from here)."""
 
 
 class InputError(ValueError):

@@ -3,7 +3,7 @@ one JSON object per line, read as Arrow record batches.
 
 A ``.json`` file is JSON Lines when its first non-blank line is one whole JSON object (data sets exported by
 ``datasets`` and the Hugging Face Hub use ``.json`` for JSON Lines); a ``.json`` file holding one JSON array or one
-object printed over many lines is refused by ``jobs.input.reader.input_file_format``.
+object printed over many lines is refused by ``jobs.input.discovery.input_file_format``.
 
 A ``JsonlSource`` looks like the reader's Parquet source (``path``, ``schema``, ``num_rows``, ``iter_batches``), so
 ``jobs.input.reader.PromptReader`` streams it with the same ``row_index``, resume and per-row error rules. Every non-blank

@@ -38,9 +38,12 @@ from engine.sampling_params import coerce_num_samples, coerce_sampling_value
 from engine.structured_output import StructuredOutputsParams, coerce_structured_outputs
 from jobs.input.carry import carried_values, check_kept_columns, keep_role, keep_roles
 from jobs.input.chat import encode_chat
+from jobs.input.discovery import list_input_files
+from jobs.input.errors import InputError
 from jobs.input.jsonl_source import is_jsonl, numbered_rows
 from jobs.input.prompts import encode_prompt
-from jobs.input.reader import InputError, InputRow, PromptReader, iter_column_batches, list_input_files
+from jobs.input.reader import InputRow, PromptReader
+from jobs.input.sources import iter_column_batches
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

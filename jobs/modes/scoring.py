@@ -44,8 +44,9 @@ import pyarrow as pa
 
 from engine.sampling_params import SamplingParams
 from jobs.input.arrow_types import is_list_type, is_text_type
+from jobs.input.errors import InputError
 from jobs.input.prompts import encode_prompt
-from jobs.input.reader import InputError, InputRow
+from jobs.input.reader import InputRow
 from jobs.modes.ordering import RowWork
 from jobs.output.writer import OutputRow, error_row
 

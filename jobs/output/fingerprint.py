@@ -136,7 +136,8 @@ def model_fingerprint(model_path: str | Path) -> dict[str, Any]:
 def input_fingerprint(input_path: str | Path) -> dict[str, str]:
     """{file name relative to the input path: sampled digest (Parquet: footer-led)} of the input's files; {} when
     the input cannot be listed."""
-    from jobs.input.reader import InputError, input_file_format, list_input_files
+    from jobs.input.discovery import input_file_format, list_input_files
+    from jobs.input.errors import InputError
 
     try:
         _, paths = list_input_files(input_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jobs.input.reader import iter_column_batches
+from jobs.input.sources import iter_column_batches
 from jobs.output.checkpoint import Checkpoint
 from jobs.output.lock import DirectoryLock
 

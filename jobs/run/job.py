@@ -31,8 +31,9 @@ from engine.config import checkpoint_dtype
 from jobs import storage
 from jobs.input.carry import carried_values
 from jobs.input.chat import check_chat_template
+from jobs.input.errors import InputError
 from jobs.input.openai_batch import OpenAIBatchReader
-from jobs.input.reader import InputError, PromptReader
+from jobs.input.reader import PromptReader
 from jobs.manifest import JobManifest, apply_model_defaults
 from jobs.modes.mode import JobMode
 from jobs.modes.ordering import order_by_prefix

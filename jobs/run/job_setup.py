@@ -8,6 +8,7 @@ from pathlib import Path
 
 from jobs.input.carry import carried_fields, check_kept_columns, keep_roles
 from jobs.input.chat import check_messages_column
+from jobs.input.errors import InputError
 from jobs.input.openai_batch import (
     OPENAI_FIELDS,
     REQUEST_FIELDS,
@@ -15,7 +16,7 @@ from jobs.input.openai_batch import (
     input_fields,
     is_openai_batch_input,
 )
-from jobs.input.reader import InputError, PromptReader
+from jobs.input.reader import PromptReader
 from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest
 from jobs.modes.generate import GenerateMode
 from jobs.modes.scoring import Scorer, check_candidates_column

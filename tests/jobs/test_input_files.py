@@ -13,7 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.cli import main
-from jobs.input.reader import InputError, PromptReader, list_input_files
+from jobs.input.discovery import list_input_files
+from jobs.input.errors import InputError
+from jobs.input.reader import PromptReader
 from jobs.output.writer import committed_parts
 
 

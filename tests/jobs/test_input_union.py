@@ -10,7 +10,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.input.reader import InputError, PromptReader, conform_batch, unify_schemas
+from jobs.input.errors import InputError
+from jobs.input.reader import PromptReader
+from jobs.input.schema_union import conform_batch, unify_schemas
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
 from jobs.output.writer import read_output
 from jobs.run.job import JobError, run_job
