@@ -47,7 +47,8 @@ import pyarrow.parquet as pq
 from benchmarks.cbrun_bench.workloads import fewshot_template, gsm8k_path
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.manifest import JobManifest
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 REPO = Path(__file__).resolve().parents[1]
 #: GSM8K from the shared folder ($CBRUN_SHARED, else shared/ beside the checkout).

@@ -28,9 +28,10 @@ import pyarrow.parquet as pq
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.manifest import JobManifest
 from jobs.observe.timeline import TimelineRecorder
 from jobs.run.job import run_job
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 WORDS = "once upon a time there was a little girl named lily she liked to play with her dog in the park".split()  # noqa: SIM905
 

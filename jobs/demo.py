@@ -104,7 +104,8 @@ def demo_manifest(work_dir: str | Path, *, output_dir: str | Path | None = None)
     """The manifest of the demo job over a model and prompts already written to ``work_dir``."""
     from engine.config import EngineConfig
     from engine.sampling_params import SamplingParams
-    from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+    from jobs.manifest import JobManifest
+    from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
     work_dir = Path(work_dir)
     return JobManifest(

@@ -19,7 +19,7 @@ from jobs.output.lock import describe_holder, held_locks
 from jobs.output.object_output import ObjectCheckpoint, output_owner
 from jobs.run.sharding import read_shards_file
 
-#: ``output.max_error_fraction``'s default (``jobs.manifest.OutputSettings``), for outputs whose stats lack it.
+#: ``output.max_error_fraction``'s default (``jobs.settings.OutputSettings``), for outputs whose stats lack it.
 DEFAULT_MAX_ERROR_FRACTION = 0.1
 
 

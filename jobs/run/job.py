@@ -34,7 +34,8 @@ from jobs.input.chat import check_chat_template
 from jobs.input.errors import InputError
 from jobs.input.openai_batch import OpenAIBatchReader
 from jobs.input.reader import PromptReader
-from jobs.manifest import JobManifest, apply_model_defaults
+from jobs.manifest import JobManifest
+from jobs.model_defaults import apply_model_defaults
 from jobs.modes.mode import JobMode
 from jobs.modes.ordering import order_by_prefix
 from jobs.observe.progress import JobProgress

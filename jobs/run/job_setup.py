@@ -17,9 +17,10 @@ from jobs.input.openai_batch import (
     is_openai_batch_input,
 )
 from jobs.input.reader import PromptReader
-from jobs.manifest import PROMPT_SETTINGS_MESSAGE, JobManifest
+from jobs.manifest import JobManifest
 from jobs.modes.generate import GenerateMode
 from jobs.modes.scoring import Scorer, check_candidates_column
+from jobs.settings import PROMPT_SETTINGS_MESSAGE
 
 
 def _score_mode(manifest: JobManifest, tokenizer, max_model_len: int, vocab_size: int | None) -> Scorer:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParams
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.manifest import JobManifest
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 from tests.jobs.s3_server import _moto_server, s3  # noqa: F401 - the object-store tests' S3 server fixtures
 
 _PROMPT_SOURCES = ("prompt_column", "prompt_ids_column", "template", "messages_column")

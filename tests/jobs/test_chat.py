@@ -11,9 +11,10 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
+from jobs.manifest import JobManifest, load_manifest
 from jobs.output.writer import read_output
 from jobs.run.job import JobError, run_job
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)

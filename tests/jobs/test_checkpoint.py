@@ -13,10 +13,11 @@ import pytest
 
 from engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION, EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.manifest import JobManifest
 from jobs.output.checkpoint import Checkpoint, FingerprintMismatch
 from jobs.output.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
 from jobs.output.writer import OutputRow, PartWriter, committed_parts, error_row, rows_to_table, write_part_atomically
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 
 @pytest.fixture

@@ -13,9 +13,10 @@ from engine.sampling_params import SamplingParams
 from jobs.input.errors import InputError
 from jobs.input.reader import PromptReader
 from jobs.input.schema_union import conform_batch, unify_schemas
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.manifest import JobManifest
 from jobs.output.writer import read_output
 from jobs.run.job import JobError, run_job
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 

@@ -5,8 +5,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.sampling_params import SamplingParams
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.manifest import JobManifest
 from jobs.run.job import expected_requests, open_reader
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 
 def manifest(tmp_path, columns: dict, n: int = 1, mode: str = "generate") -> JobManifest:

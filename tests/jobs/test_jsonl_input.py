@@ -15,9 +15,10 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.input.reader import PromptReader
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.manifest import JobManifest
 from jobs.output.writer import committed_parts
 from jobs.run.job import JobError, run_job
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 LINES = [

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.manifest import load_manifest, manifest_from_dict, parse_set
+from jobs.cli_values import parse_set
+from jobs.manifest import load_manifest, manifest_from_dict
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.input.prompts import encode_prompt
-from jobs.manifest import apply_model_defaults, load_manifest
+from jobs.manifest import load_manifest
+from jobs.model_defaults import apply_model_defaults
 from jobs.output.writer import read_output
 from jobs.run.job import JobError, run_job
 

@@ -19,10 +19,11 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
 from jobs.input.openai_batch import parse_request
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
+from jobs.manifest import JobManifest, load_manifest
 from jobs.output.export import token_logprobs
 from jobs.output.writer import read_output
 from jobs.run.job import JobError, run_job
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 from tests.jobs.test_chat import rendered_ids
 from tests.jobs.test_resume import cbrun_command, kill_after_first_commit
 

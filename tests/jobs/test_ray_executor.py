@@ -15,11 +15,13 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from jobs.cli import build_parser, main
-from jobs.manifest import ClusterSettings, load_manifest
+from jobs.cli import main
+from jobs.cli_parser import build_parser
+from jobs.manifest import load_manifest
 from jobs.output.writer import read_output
 from jobs.run.job import run_job
 from jobs.run.ray_executor import QUIET_RAY_ENV, RAY_EXTRA_MESSAGE, pending_spans, quiet_ray_logs
+from jobs.settings import ClusterSettings
 from tests.jobs.test_resume import kill_after_first_commit, run_args
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64, device="cpu")

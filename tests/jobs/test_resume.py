@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.manifest import JobManifest
 from jobs.output.writer import committed_parts
 from jobs.run.job import run_job
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 NUM_ROWS = 12
 MAX_NEW_TOKENS = 8

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+from jobs.manifest import JobManifest
 from jobs.modes.scoring import encode_pair
 from jobs.output.writer import read_output
 from jobs.run.job import run_job
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 from tests.model_utils import _hf_model, random_llama_dir
 
 MERGES = [("d", "o"), ("do", "g"), ("dog", "s"), ("3", "0")]

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
+from jobs.manifest import JobManifest, load_manifest
 from jobs.modes.scoring import encode_pair, last_number_plus_one, read_candidates
 from jobs.output.writer import read_output
 from jobs.run.job import JobError, run_job
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=128, max_requests_per_batch=8, num_blocks=128)

@@ -69,7 +69,8 @@ def local_rows(tiny_model_dir, tiny_engine, tmp_path_factory, request):
 
     tmp = tmp_path_factory.mktemp("local")
     pq.write_table(input_table(), tmp / "in.parquet", row_group_size=4)
-    from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
+    from jobs.manifest import JobManifest
+    from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
     manifest = JobManifest(
         model=ModelSettings(path=str(tiny_model_dir)),

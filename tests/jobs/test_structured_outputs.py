@@ -15,10 +15,11 @@ from openai.types.chat import ChatCompletion
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings, load_manifest
+from jobs.manifest import JobManifest, load_manifest
 from jobs.output.fingerprint import job_fingerprint
 from jobs.output.writer import read_output
 from jobs.run.job import run_job
+from jobs.settings import InputSettings, ModelSettings, OutputSettings
 from tests.jobs.test_openai_batch import CHAT, COMPLETIONS, read_results, request, write_jsonl
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=16, num_blocks=128)

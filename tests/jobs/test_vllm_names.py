@@ -10,9 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.cli import build_parser, main
+from jobs.cli import main
+from jobs.cli_parser import build_parser
+from jobs.cli_values import cli_text
 from jobs.input.reader import PromptReader
-from jobs.manifest import cli_text, load_manifest, manifest_from_dict
+from jobs.manifest import load_manifest, manifest_from_dict
 from jobs.output.fingerprint import job_fingerprint
 from jobs.output.writer import read_output
 from jobs.run.job import run_job
@@ -188,7 +190,8 @@ def test_greedy_samples_warn_once(tiny_model_dir, tmp_path, caplog):
 
 def test_settings_given_in_code_count_as_set_and_sections_get_suggestions():
     from engine.sampling_params import SamplingParams
-    from jobs.manifest import InputSettings, JobManifest
+    from jobs.manifest import JobManifest
+    from jobs.settings import InputSettings
 
     m = JobManifest(input=InputSettings(path="i", prompt_column="p"), sampling=SamplingParams(temperature=0.5))
     assert m.sampling_set == {"temperature"}  # so the model's generation_config.json does not replace it
