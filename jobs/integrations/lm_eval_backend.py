@@ -13,7 +13,7 @@ lm-eval 0.4.13), so the numbers agree with ``--model hf`` on the same model:
   an empty context becomes ``[prefix_token_id]``. ``tok_encode`` is ``HFLM.tok_encode``'s rule (``add_bos_token``,
   no second BOS when the text already starts with one).
 - truncation and scored positions: ``HFLM._loglikelihood_tokens`` runs ``(context_enc + continuation_enc)[-(max_length
-  + 1):][:-1]`` and scores the last ``len(continuation_enc)`` logits; see ``loglikelihood_request``.
+  + 1):][:-1]`` and scores the last ``len(continuation_enc)`` logits; see ``lm_eval_requests.loglikelihood_request``.
 - rolling windows: ``HFLM.loglikelihood_rolling``: lm-eval's ``get_rolling_token_windows`` over ``tok_encode(text)``
   with ``prefix_token_id``, ``max_seq_len = max_length``, ``context_len = 1``, then ``make_disjoint_window``.
 - ``generate_until``: ``HFLM.generate_until``: ``normalize_gen_kwargs``, the EOS text added to ``until``, the
@@ -23,18 +23,18 @@ lm-eval 0.4.13), so the numbers agree with ``--model hf`` on the same model:
 lm-eval 0.4.13 has no plugin mechanism for models, so ``cbrun lm-eval ...`` (``main``) registers this backend and
 hands its arguments to lm-eval's own CLI. The ``lm_eval.models`` entry point in pyproject.toml makes
 ``lm_eval --model cbrun`` work on lm-eval versions that load model entry points.
+
+This module owns the model class (``CbrunLM``, the entry point's target) and ``main``; the requests are built in
+``jobs.integrations.lm_eval_requests``, the device, tokenizer and engine loaded in
+``jobs.integrations.lm_eval_loading``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -47,12 +47,21 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
     resolve_max_length,
 )
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, eos_token_ids, load_model
+from engine.llm_engine import load_model
 from engine.sampling_params import SamplingParams
+from jobs.integrations.lm_eval_loading import build_engine, load_tokenizer, resolve_device
+from jobs.integrations.lm_eval_requests import (
+    LoglikelihoodRequest,
+    loglikelihood_request,
+    pair_encode_keys,
+    request_seed,
+    rolling_windows,
+    score_params,
+    scoring_order,
+)
 
 logger = logging.getLogger("cbrun.lm_eval")
 
@@ -74,94 +83,6 @@ _SAMPLING_KEYS = (
 ENGINE_DEFAULTS = {"max_batch_tokens": 2048, "max_requests_per_batch": 256, "page_size": 8}
 #: lm-eval passes these to every backend; they do not apply to a continuous-batching engine.
 _IGNORED_ARGS = ("batch_size", "max_batch_size", "trust_remote_code", "use_fast_tokenizer", "backend", "revision")
-
-
-@dataclass(frozen=True)
-class LoglikelihoodRequest:
-    """One scoring request as the engine runs it.
-
-    Attributes:
-        prompt_token_ids: the tokens ``hf`` feeds plus the last continuation token (``hf`` drops it from the input
-            because nothing predicts from it; the engine runs it, and drops what its last position samples).
-        prompt_logprobs_from: first position whose log-probability counts: ``len(prompt) - len(continuation)``.
-    """
-
-    prompt_token_ids: tuple[int, ...]
-    prompt_logprobs_from: int
-
-    @property
-    def num_continuation_tokens(self) -> int:
-        return len(self.prompt_token_ids) - self.prompt_logprobs_from
-
-
-def loglikelihood_request(context_enc: list[int], continuation_enc: list[int], max_length: int) -> LoglikelihoodRequest:
-    """The engine request that scores ``continuation_enc`` after ``context_enc`` exactly as ``hf`` does.
-
-    ``HFLM._loglikelihood_tokens`` (lm-eval 0.4.13) feeds ``(context_enc + continuation_enc)[-(max_length + 1):][:-1]``
-    (at most ``max_length`` tokens, the context cut from the left) and sums the log-probabilities the last
-    ``len(continuation_enc)`` positions give the continuation tokens. Here the same window is the prompt, with its
-    last token kept, and prompt log-probabilities start at the first continuation token.
-
-    Raises:
-        ValueError: for an empty context or continuation, or a continuation longer than ``max_length``
-            (``hf`` asserts the same).
-    """
-    if not context_enc or not continuation_enc:
-        raise ValueError(
-            f"context ({len(context_enc)} tokens) and continuation ({len(continuation_enc)} tokens) "
-            "must both encode to at least one token"
-        )
-    if len(continuation_enc) > max_length:
-        raise ValueError(f"the continuation has {len(continuation_enc)} tokens, more than max_length = {max_length}")
-    window = tuple(context_enc + continuation_enc)[-(max_length + 1) :]
-    return LoglikelihoodRequest(window, len(window) - len(continuation_enc))
-
-
-def pair_encode_keys(pairs: Iterable[tuple[str, str]]) -> Iterator[tuple[str, bool | None]]:
-    """The ``(string, add_special_tokens)`` arguments of every ``tok_encode`` call ``TemplateLM.loglikelihood``
-    makes for these ``(context, continuation)`` pairs (lm-eval 0.4.13): an empty context encodes the continuation
-    without special tokens; otherwise ``_encode_pair`` moves the context's trailing whitespace to the
-    continuation and encodes the whole text and the context. (A key missed here only costs an encode later.)"""
-    for context, continuation in pairs:
-        if context == "":
-            yield continuation, False
-            continue
-        n_spaces = len(context) - len(context.rstrip())
-        if n_spaces > 0:
-            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-        yield context + continuation, None
-        yield context, None
-
-
-def rolling_windows(token_ids: list[int], prefix_token_id: int, max_length: int) -> list[tuple[list[int], list[int]]]:
-    """``(context_enc, continuation_enc)`` windows that score every token of a text once, as ``hf`` makes them."""
-    return [
-        make_disjoint_window(w)
-        for w in get_rolling_token_windows(
-            token_list=token_ids, prefix_token=prefix_token_id, max_seq_len=max_length, context_len=1
-        )
-    ]
-
-
-def scoring_order(requests, wave_size: int = 256) -> list[LoglikelihoodRequest]:
-    """The order to submit scoring requests in, so that shared contexts are computed once and batches are even.
-
-    Requests are grouped by context (the tokens before ``prompt_logprobs_from``); contexts are sorted longest first
-    and taken ``wave_size`` at a time. A wave submits one request per context (it computes the context's blocks),
-    then the others of its contexts (they find those blocks in the prefix cache and compute only their last
-    partial block and continuation). A step thus holds requests of similar query lengths, which the CPU attention
-    pads least, and a wave's contexts stay cached until its followers ran.
-    """
-    groups: dict[tuple[int, ...], list[LoglikelihoodRequest]] = {}
-    for request in sorted(requests, key=lambda r: r.prompt_token_ids):
-        groups.setdefault(request.prompt_token_ids[: request.prompt_logprobs_from], []).append(request)
-    contexts = sorted(groups, key=lambda c: (-len(c), c))
-    order = []
-    for start in range(0, len(contexts), wave_size):
-        wave = contexts[start : start + wave_size]
-        order += [groups[c][0] for c in wave]
-        order += [r for c in wave for r in groups[c][1:]]
-    return order
 
 
 @register_model("cbrun")
@@ -214,17 +135,17 @@ class CbrunLM(TemplateLM):
                 f"engine settings {engine_fields}"
             )
         engine_settings = {k: v for k, v in kwargs.items() if k in engine_fields}
-        device = _resolve_device(device)
+        device = resolve_device(device)
         dtype = str(dtype).removeprefix("torch.")  # a torch.dtype from Python callers, as hf accepts
         config = EngineConfig(**{**ENGINE_DEFAULTS, "seed": seed, **engine_settings, "dtype": dtype, "device": device})
-        self.tokenizer = _load_tokenizer(tokenizer or pretrained, add_bos_token)
+        self.tokenizer = load_tokenizer(tokenizer or pretrained, add_bos_token)
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self._max_gen_toks = int(max_gen_toks)
         # As cbrun run loads it: the safetensors loader where it applies; torch's threads set ("auto" resolved).
         model = load_model(pretrained, config)
         self._max_length = int(max_length) if max_length else resolve_max_length(model.config, self.tokenizer)
-        self.engine = _build_engine(pretrained, model, config, self.tokenizer, self._max_length)
+        self.engine = build_engine(pretrained, model, config, self.tokenizer, self._max_length)
         self._device = torch.device(device)
         self.pretrained = pretrained
         self.seed = int(seed)
@@ -343,7 +264,7 @@ class CbrunLM(TemplateLM):
     ) -> dict[LoglikelihoodRequest, tuple[float, bool]]:
         """Run the distinct requests on the engine in ``scoring_order``."""
         unique = scoring_order(set(requests))
-        work = ((r, list(r.prompt_token_ids), _score_params(r)) for r in unique)
+        work = ((r, list(r.prompt_token_ids), score_params(r)) for r in unique)
         results = {}
         for output in tqdm(
             self.engine.generate(work), total=len(unique), disable=disable_tqdm, desc="cbrun: loglikelihood requests"
@@ -424,7 +345,7 @@ class CbrunLM(TemplateLM):
                 f"until, max_gen_toks, num_beams=1, {', '.join(_SAMPLING_KEYS)}"
             )
         sampling = {k: kwargs[k] for k in _SAMPLING_KEYS if k in kwargs}
-        sampling["seed"] = _request_seed(int(sampling.get("seed", self.seed)), index)
+        sampling["seed"] = request_seed(int(sampling.get("seed", self.seed)), index)
         if not do_sample:
             sampling["temperature"] = 0.0
         params = SamplingParams(max_new_tokens=max_gen_toks, stop=tuple(s for s in until if s), **sampling)
@@ -446,80 +367,9 @@ class CbrunLM(TemplateLM):
         )
 
 
-def _score_params(request: LoglikelihoodRequest) -> SamplingParams:
-    """Prompt log-probabilities from the first continuation token, nothing generated (the engine runs the whole
-    prompt and drops the greedy token its last position samples)."""
-    return SamplingParams(max_new_tokens=0, temperature=0.0, seed=0, prompt_logprobs_from=request.prompt_logprobs_from)
-
-
-def _request_seed(seed: int, index: int) -> int:
-    """A stable 63-bit seed for request ``index`` of a call under ``seed``."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
-
-
-def _resolve_device(device: str | None) -> str:
-    """The device to run on: lm-eval's CLI asks for "cuda:0" by default, so a CUDA device on a machine without one
-    falls back to the CPU (as ``hf`` does)."""
-    if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
-        if device is not None:
-            logger.info("cbrun: device %s is not available; running on the CPU", device)
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(device)
-
-
 def _raise_on_error(output, what: str) -> None:
     if output.finish_reason == "error":
         raise RuntimeError(f"cbrun engine failed {what}: {output.error}")
-
-
-def _load_tokenizer(path: str, add_bos_token: bool | None):
-    """The tokenizer ``AutoTokenizer`` loads; for a tokenizer saved as transformers' generic ``TokenizersBackend``
-    (a tokenizer.json, as ``cbrun convert-llama2c`` writes), that class directly (``_generic_tokenizer_class``)."""
-    from transformers import AutoTokenizer
-
-    kwargs = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
-    return (_generic_tokenizer_class(path) or AutoTokenizer).from_pretrained(path, local_files_only=True, **kwargs)
-
-
-def _generic_tokenizer_class(path: str):
-    """``TokenizersBackend`` where ``AutoTokenizer`` is known to pick it, else None (``AutoTokenizer`` decides).
-
-    ``AutoTokenizer`` first reads the model's config through transformers' configuration classes, whose imports
-    (model-loading and distributed modules this backend never uses) cost about a second per run. Where
-    ``tokenizer_config.json`` names ``TokenizersBackend`` and no remote code, its rules (transformers 5) end in that
-    class, except for model types it overrides (``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``) and Mistral's format
-    (``MistralCommonBackend``): those, and anything else, go to ``AutoTokenizer``.
-    """
-    try:
-        from transformers.models.auto.tokenization_auto import (
-            MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
-            TOKENIZER_MAPPING_NAMES,
-        )
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers layout: its AutoTokenizer decides
-        return None
-    try:
-        tokenizer_config = json.loads((Path(path) / "tokenizer_config.json").read_text(encoding="utf-8"))
-        model_type = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if tokenizer_config.get("tokenizer_class") != "TokenizersBackend" or "auto_map" in tokenizer_config:
-        return None
-    if model_type in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS or not (Path(path) / "tokenizer.json").is_file():
-        return None
-    if (TOKENIZER_MAPPING_NAMES.get(model_type) or "").removesuffix("Fast") == "MistralCommonBackend":
-        return None
-    return TokenizersBackend
-
-
-def _build_engine(path: str, model: torch.nn.Module, config: EngineConfig, tokenizer, max_length: int):
-    """An engine whose length limit admits a scoring window of ``max_length + 1`` tokens plus the sampled token.
-
-    ``hf`` runs ``max_length`` positions per window; the engine also runs the window's last token (positions up to
-    ``max_length``, one past them) because it samples after every prompt. Rotary models compute any position;
-    a model with learned position embeddings of exactly ``max_length`` rows needs ``max_length`` one lower.
-    """
-    return LLMEngine(model, config, eos_token_ids(path, model.config), max_length + 2, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

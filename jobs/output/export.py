@@ -37,7 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.input.openai_batch import CHAT_URL, COMPLETIONS_URL
+from jobs.input.openai_request import CHAT_URL, COMPLETIONS_URL
 from jobs.output.checkpoint import Checkpoint
 from jobs.output.writer import committed_parts
 from jobs.storage import write_file

@@ -21,7 +21,8 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from jobs.integrations.lm_eval_backend import CbrunLM, loglikelihood_request, scoring_order  # noqa: E402
+from jobs.integrations.lm_eval_backend import CbrunLM  # noqa: E402
+from jobs.integrations.lm_eval_requests import loglikelihood_request, scoring_order  # noqa: E402
 from tests.conftest import REPO_ROOT  # noqa: E402
 
 TASKS_DIR = REPO_ROOT / "tests" / "evals" / "tasks"
@@ -372,18 +373,18 @@ def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys, tmp_path):
 
 @pytest.mark.parametrize("model", ["stories260k", "mistral_sliding"])
 def test_tokenizer_is_the_one_auto_tokenizer_loads(model, stories260k_dir, sliding_window_dir):
-    """The backend's tokenizer (``TokenizersBackend`` built directly where ``_generic_tokenizer_class`` allows it)
+    """The backend's tokenizer (``TokenizersBackend`` built directly where ``generic_tokenizer_class`` allows it)
     is AutoTokenizer's: the same class, and the same ids with and without special tokens, and with
     ``add_bos_token`` forced either way."""
     from transformers import AutoTokenizer
 
-    from jobs.integrations.lm_eval_backend import _load_tokenizer
+    from jobs.integrations.lm_eval_loading import load_tokenizer
 
     path = str(stories260k_dir if model == "stories260k" else sliding_window_dir)
     texts = ["Once upon a time, there was a girl.", " a leading space", "", "Tom ran.\n\nThe end"]
     for add_bos_token in (None, True, False):
         kwargs = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
-        ours, auto = _load_tokenizer(path, add_bos_token), AutoTokenizer.from_pretrained(path, **kwargs)
+        ours, auto = load_tokenizer(path, add_bos_token), AutoTokenizer.from_pretrained(path, **kwargs)
         assert type(ours) is type(auto)
         for special in (True, False):
             assert (

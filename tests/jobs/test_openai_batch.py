@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletion
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from jobs.cli import main
-from jobs.input.openai_batch import parse_request
+from jobs.input.openai_request import parse_request
 from jobs.manifest import JobManifest, load_manifest
 from jobs.output.export import token_logprobs
 from jobs.output.writer import read_output
