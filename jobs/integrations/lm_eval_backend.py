@@ -51,7 +51,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, eos_token_ids, load_model
+from engine.llm_engine import LLMEngine
+from engine.loader import eos_token_ids, load_model
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("cbrun.lm_eval")
