@@ -50,7 +50,7 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import load_model
+from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from jobs.integrations.lm_eval_loading import build_engine, load_tokenizer, resolve_device
 from jobs.integrations.lm_eval_requests import (

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, eos_token_ids
+from engine.llm_engine import LLMEngine
+from engine.loader import eos_token_ids
 
 logger = logging.getLogger("cbrun.lm_eval")
 

@@ -13,7 +13,7 @@ from engine import cache_sizing
 from engine import device as device_module
 from engine.config import EngineConfig, checkpoint_dtype
 from engine.kv_cache import device_to_host
-from engine.llm_engine import resolve_engine_dtype
+from engine.loader import resolve_engine_dtype
 
 GiB = 2**30
 MODEL = SimpleNamespace(hidden_size=4096, intermediate_size=14336, vocab_size=128256)  # Llama-3-8B
@@ -112,7 +112,7 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
     """On CUDA the checkpoint is read onto the device in the engine's dtype (``device_map``), no host copy."""
     import transformers
 
-    from engine import llm_engine
+    from engine import loader
 
     calls = []
 
@@ -127,7 +127,7 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
         return Loaded()
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    llm_engine._load_model("unused", EngineConfig(device=device, dtype="bfloat16"))
+    loader._load_model("unused", EngineConfig(device=device, dtype="bfloat16"))
     assert calls[0]["dtype"] is torch.bfloat16
     assert ("device_map" in calls[0]) is placed
     if placed:
