@@ -27,12 +27,12 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 #: Functions whose cumulative time splits a step into phases.
 PHASES = {
     "schedule": ("scheduler.py", "schedule"),
-    "prepare inputs": ("model_runner.py", "_prepare"),
+    "prepare inputs": ("step_inputs.py", "prepare"),
     "upload inputs": ("model_runner.py", "_upload"),
     "model forward": ("model_runner.py", "_forward"),
     "  of which paged attention": ("attention.py", "paged_attention"),
     "read results": ("llm_engine.py", "_resolve"),
-    "scheduler resolve": ("scheduler.py", "resolve"),
+    "scheduler resolve": ("step_resolver.py", "resolve"),
 }
 
 

@@ -8,15 +8,16 @@ from collections import deque
 from engine.block_manager import BlockManager
 from engine.cache_spec import cdiv
 from engine.config import EngineConfig
-from engine.faults import is_request_fault, request_error_message
-from engine.plan import ScheduledRequest, SchedulerOutput
+from engine.plan import SchedulerOutput
+from engine.plan_builder import PlanBuilder
 from engine.request import Request, RequestStatus
 from engine.speculative import Speculator
-from engine.stop_check import Stop, StopConditions, check_stop
+from engine.step_resolver import StepResolver
+from engine.stop_check import StopConditions
 from engine.stop_strings import StopStringMatcher
 
 
-class FIFOScheduler:
+class FIFOScheduler(StepResolver):
     """Decodes first, then running prefills, then new requests in arrival order (transformers' FIFO scheduler).
 
     Each step is planned under ``max_batch_tokens`` and ``max_requests_per_batch``. A prompt that does not fit the
@@ -116,7 +117,7 @@ class FIFOScheduler:
     # ---- planning -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Never raises for a shortage: it preempts, stalls or fails requests instead."""
-        plan = _PlanBuilder(self.config)
+        plan = PlanBuilder(self.config)
         out = SchedulerOutput()
         self._schedule_phases(plan, out)
         out.scheduled = plan.scheduled
@@ -124,12 +125,12 @@ class FIFOScheduler:
         out.released_request_indices, self._released = self._released, []
         return out
 
-    def _schedule_phases(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
+    def _schedule_phases(self, plan: PlanBuilder, out: SchedulerOutput) -> None:
         self._schedule_running(plan, out, decodes=True)
         self._schedule_running(plan, out, decodes=False)
         self._schedule_waiting(plan, out)
 
-    def _schedule_running(self, plan: "_PlanBuilder", out: SchedulerOutput, decodes: bool) -> None:
+    def _schedule_running(self, plan: PlanBuilder, out: SchedulerOutput, decodes: bool) -> None:
         """Plan the running requests in steady decode (``decodes``) or with prompt tokens left, in running order.
 
         This loop runs for every running request every step, so it reads each request only as far as it must.
@@ -161,7 +162,7 @@ class FIFOScheduler:
             elif not plan.scheduled and not self._others_running(request):
                 self._fail(request, self._cache_too_small_message(request))
 
-    def _schedule_speculative(self, request: Request, plan: "_PlanBuilder", num_tokens: int) -> bool:
+    def _schedule_speculative(self, request: Request, plan: PlanBuilder, num_tokens: int) -> bool:
         """Plan a decode with proposals when the request has some and their slots are free; False otherwise.
 
         Called for a request in steady decode (its one token to compute is known on the host: nothing pending);
@@ -184,7 +185,7 @@ class FIFOScheduler:
         nothing else can run)."""
         return [r.structured.future for r in self.waiting if r.status is RequestStatus.WAITING_FOR_GRAMMAR]
 
-    def _schedule_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
+    def _schedule_waiting(self, plan: PlanBuilder, out: SchedulerOutput) -> None:
         """Admit waiting requests in order. One whose grammar is still compiling is stepped over and keeps its
         place (vLLM's WAITING_FOR_FSM): it never holds up the requests behind it."""
         compiling: list[Request] = []
@@ -205,7 +206,7 @@ class FIFOScheduler:
             self._fail(request, f"structured outputs: {request.structured.error}")
         return False
 
-    def _admit_waiting(self, plan: "_PlanBuilder", out: SchedulerOutput, compiling: list[Request]) -> None:
+    def _admit_waiting(self, plan: PlanBuilder, out: SchedulerOutput, compiling: list[Request]) -> None:
         while self.waiting:
             if self.running and self._below_safety_margin():
                 return
@@ -245,7 +246,7 @@ class FIFOScheduler:
             self.running.append(request)
             plan.add(request, num_tokens)
 
-    def _swap_in(self, request: Request, plan: "_PlanBuilder", out: SchedulerOutput) -> bool:
+    def _swap_in(self, request: Request, plan: PlanBuilder, out: SchedulerOutput) -> bool:
         num_tokens = plan.fit(request.num_tokens_to_compute)
         copies = self.block_manager.swap_in(request, num_tokens) if num_tokens else None
         if copies is None:
@@ -257,9 +258,7 @@ class FIFOScheduler:
         plan.add(request, num_tokens)
         return True
 
-    def _allocate_or_preempt(
-        self, request: Request, num_tokens: int, plan: "_PlanBuilder", out: SchedulerOutput
-    ) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: PlanBuilder, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_tokens):
             victim = self._pick_victim(request, plan)
             if victim is None:
@@ -268,7 +267,7 @@ class FIFOScheduler:
             out.num_preempted += 1
         return True
 
-    def _pick_victim(self, request: Request, plan: "_PlanBuilder") -> Request | None:
+    def _pick_victim(self, request: Request, plan: PlanBuilder) -> Request | None:
         for candidate in reversed(self.running):
             if candidate is not request and not plan.contains(candidate):
                 return candidate
@@ -348,223 +347,14 @@ class FIFOScheduler:
         request.finish_time = time.perf_counter()
         self._finished_unplanned.append(request)
 
-    # ---- after the forward pass -------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Request]:
-        """``advance`` then ``resolve``: the synchronous step, results read before the next plan."""
-        self.advance(out)
-        return self.resolve(out, sampled)
-
-    def advance(self, out: SchedulerOutput) -> None:
-        """Move the planned requests past this step once it is launched, before its tokens are read.
-
-        Each request counts its computed tokens; a request that samples gets one pending token, so the next
-        plan can schedule its decode while this step's token is still on the device (async batching).
-        """
-        requests, decoding = self.requests, RequestStatus.DECODING
-        for item in out.scheduled:
-            request = requests[item.request_index]
-            request.num_computed_tokens += item.num_tokens
-            if item.samples:
-                request.num_pending_tokens += 1
-                request.status = decoding
-
-    def resolve(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Request]:
-        """Turn a launched step's pending tokens into known ones and finish the requests that stop.
-
-        A verify step (an entry with ``spec_token_ids``) commits its accepted tokens and bonus token one at a
-        time, each through the stop check, so a stop inside the run cuts exactly where plain decoding would; the
-        slots of the rejected proposals are rolled back (``num_computed_tokens``, and blocks past it freed).
-
-        Args:
-            out: the step's plan (already ``advance``d).
-            sampled: ``Request.index -> token id`` for each planned request that sampled; for a verify step, the
-                list of tokens it commits (the accepted proposals, then the bonus token; ``accept_greedy``).
-
-        Returns:
-            The requests that finished (their blocks are already free). A request that finished in an earlier
-            step but was planned again before that was known is skipped: its extra token is dropped.
-        """
-        self.discard(out)
-        finished = []
-        requests = self.requests
-        for item in out.scheduled:
-            if not item.samples:
-                continue
-            request = requests.get(item.request_index)
-            if request is None:  # finished since this step was planned
-                continue
-            request.num_pending_tokens -= 1
-            tokens = sampled[request.index]
-            tokens = (tokens,) if isinstance(tokens, int) else tokens
-            if item.spec_token_ids:
-                self._roll_back_rejected(request, item, num_accepted=len(tokens) - 1)
-            if self._commit(request, tokens):
-                finished.append(request)
-            elif item.spec_token_ids and request.status is RequestStatus.DECODING:
-                self.block_manager.trim(request)
-        return finished
-
-    def _commit(self, request: Request, tokens: list[int]) -> bool:
-        """Append tokens one at a time, each through the stop check; True when the request finished."""
-        counts = request.sampling_params.max_new_tokens > 0
-        for token in tokens:
-            if request.structured is not None and counts and not request.structured.accept(token):
-                self.fail_request(
-                    request,
-                    f"structured outputs: token {token} is not allowed by the constraint "
-                    "(the sampler's mask was not applied)",
-                )
-                return False
-            request.output_token_ids.append(token)
-            self.num_generated_tokens += counts
-            if request.first_token_time is None:
-                request.first_token_time = time.perf_counter()
-            try:
-                stop = check_stop(request, self.stop_conditions)
-            except Exception as error:  # e.g. the tokenizer cannot decode the output for its stop strings
-                if not is_request_fault(error):
-                    raise
-                self.fail_request(request, request_error_message("stop check", error))
-                return False
-            if stop is not None:
-                self._finish(request, stop)
-                return True
-        return False
-
-    def _roll_back_rejected(self, request: Request, item: ScheduledRequest, num_accepted: int) -> None:
-        """Forget the KV of the proposals after the accepted ones: it was computed from rejected tokens."""
-        num_proposed = len(item.spec_token_ids)
-        request.num_computed_tokens -= num_proposed - num_accepted
-        self.speculator.record(request, num_proposed, num_accepted)
-
-    def discard(self, out: SchedulerOutput) -> None:
-        """Free the CPU slots a launched plan swapped in from (its copies ran); ``resolve`` calls it, and the
-        engine for a plan in flight whose results it drops."""
-        if out.swap_in:
-            self.block_manager.free_swap_slots([slot for slot, _ in out.swap_in])
-
-    def _finish(self, request: Request, stop: Stop) -> None:
-        # A request preempted while its last token was in flight may sit in ``waiting`` (even swapped out).
-        if request in self.running:
-            self.running.remove(request)
-            self._released.append(request.index)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-            if request.cpu_pages:
-                self.block_manager.release_swap_slots(request)
-        self.requests.pop(request.index, None)
-        self.block_manager.free(request)
-        request.num_pending_tokens = 0  # a token planned after this one is never read
-        del request.output_token_ids[stop.num_output_tokens :]  # a stop string cut the output, or an echo-only run
-        del request.logprobs[stop.num_output_tokens :]
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = stop.finish_reason
-        request.stop_reason = stop.stop_reason
-        request.output_text = stop.output_text
-        request.finish_time = time.perf_counter()
-
 
 class PrefillFirstScheduler(FIFOScheduler):
     """Finishes chunked prefills (running, then new) before resuming decodes; safety margin 0 by default."""
 
-    def _schedule_phases(self, plan: "_PlanBuilder", out: SchedulerOutput) -> None:
+    def _schedule_phases(self, plan: PlanBuilder, out: SchedulerOutput) -> None:
         self._schedule_running(plan, out, decodes=False)
         self._schedule_waiting(plan, out)
         self._schedule_running(plan, out, decodes=True)
-
-
-class _PlanBuilder:
-    """Tracks one step's token and request budgets while the scheduler fills it."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.token_budget = config.max_batch_tokens
-        self.request_budget = config.max_requests_per_batch
-        self.scheduled: list[ScheduledRequest] = []
-        self._indices: set[int] = set()  # ``Request.index`` of the planned requests
-        self.plain_greedy = True  # ``SchedulerOutput.plain_greedy``
-
-    def fit(self, num_tokens: int) -> int:
-        """How many of ``num_tokens`` fit the remaining budgets (0 when none or no request slot)."""
-        if self.request_budget == 0:
-            return 0
-        return min(num_tokens, self.token_budget)
-
-    def add(
-        self,
-        request: Request,
-        num_tokens: int,
-        spec_token_ids: tuple[int, ...] = (),
-        block_start: int = 0,
-        sliding_start: int = 0,
-    ) -> None:
-        """Plan ``num_tokens`` of the request, after its blocks for them are allocated.
-
-        Args:
-            block_start, sliding_start: lengths of its block tables before this step's allocation (0 for a request
-                (re)joining the batch: its whole tables go in the plan).
-        """
-        entry = _plan_entry(request, num_tokens, spec_token_ids, block_start, sliding_start)
-        if self.plain_greedy and (spec_token_ids or entry.needs_host_sampling or entry.prompt_logprob_positions):
-            self.plain_greedy = False
-        self.scheduled.append(entry)
-        self._indices.add(request.index)
-        self.token_budget -= num_tokens
-        self.request_budget -= 1
-
-    def contains(self, request: Request) -> bool:
-        return request.index in self._indices
-
-
-def _plan_entry(
-    request: Request, num_tokens: int, spec_token_ids: tuple[int, ...], block_start: int, sliding_start: int
-) -> ScheduledRequest:
-    """The request's share of the step as values, after its blocks for this step are allocated.
-
-    ``num_tokens`` counts the proposals ``spec_token_ids``, which follow the request's own tokens. Its block tables
-    go as deltas from ``block_start`` / ``sliding_start`` (see ``engine.plan``).
-    """
-    start = request.num_computed_tokens
-    end = start + num_tokens - len(spec_token_ids)  # one past the request's own tokens
-    num_prompt = len(request.prompt_token_ids)
-    num_known = num_prompt + len(request.output_token_ids)
-    if num_prompt <= start and end <= num_known:  # a decode (``Request.token_ids``' case, without the call)
-        token_ids = request.output_token_ids[start - num_prompt : end - num_prompt]
-    else:
-        token_ids = request.token_ids(start, end)
-    if spec_token_ids:
-        token_ids += spec_token_ids
-    blocks, ring = request.block_table, request.sliding_block_table
-    # Positional: this runs per request per step, and keyword construction costs about three times more.
-    return ScheduledRequest(
-        request.index,
-        request.request_id,
-        start,
-        num_tokens,
-        token_ids,
-        end - num_known if end > num_known else 0,  # num_pending_inputs
-        end == num_known + request.num_pending_tokens,  # samples
-        request.needs_host_sampling,
-        _prompt_logprob_positions(request, start, end) if request.sampling_params.prompt_logprobs_from else _NONE,
-        block_start,
-        blocks[block_start:] if len(blocks) > block_start else _NO_BLOCKS,
-        sliding_start,
-        ring[sliding_start:] if len(ring) > sliding_start else _NO_BLOCKS,
-        spec_token_ids,
-    )
-
-
-_NONE = range(0)  # no prompt log-probability positions
-_NO_BLOCKS = ()  # no new blocks (shared: plan values are never changed)
-
-
-def _prompt_logprob_positions(request: Request, start: int, end: int) -> range:
-    """Positions in ``start:end`` whose logits score the next prompt token and are not recorded yet."""
-    first = request.sampling_params.prompt_logprobs_from
-    if first is None:
-        return _NONE
-    lo = max(start, first - 1 + len(request.prompt_logprobs))
-    hi = min(end, request.num_prompt_tokens - 1)
-    return range(lo, max(lo, hi))
 
 
 def make_scheduler(

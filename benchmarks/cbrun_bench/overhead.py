@@ -16,7 +16,7 @@ Each phase is timed by wrapping the engine's own methods with ``CLOCK``: the CPU
 processes of a shared machine take from it; ``--clock wall`` uses ``time.perf_counter`` instead):
 
 - schedule: ``Scheduler.schedule`` (the plan: admissions, block allocation);
-- prepare inputs: ``ModelRunner._prepare`` plus ``ModelRunner._upload`` (flattened ids, positions, slot mapping,
+- prepare inputs: ``StepInputBuilder.prepare`` plus ``ModelRunner._upload`` (flattened ids, positions, slot mapping,
   block tables from the persistent batch, attention metadata);
 - forward: ``ModelRunner._forward`` (the model; near zero by construction, reported so it can be subtracted);
 - read results: ``LLMEngine._resolve`` (tokens to requests, stop checks, finished requests);
@@ -32,6 +32,7 @@ pair runs R times round-robin and each cell is the median of its R values.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -58,10 +59,10 @@ OVERHEAD_MODEL = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
-#: The timed phases: table name -> (object path from the engine, method name).
+#: The timed phases: table name -> (dotted object path from the engine, method name).
 PHASES = {
     "schedule": ("scheduler", "schedule"),
-    "prepare": ("model_runner", "_prepare"),
+    "prepare": ("model_runner.step_inputs", "prepare"),
     "upload": ("model_runner", "_upload"),
     "forward": ("model_runner", "_forward"),
     "read": ("", "_resolve"),
@@ -79,7 +80,7 @@ class PhaseTimer:
         self.current = dict.fromkeys(PHASES, 0.0)
         self.scheduled = 0  # requests in the last plan
         for phase, (owner, name) in PHASES.items():
-            target = getattr(engine, owner) if owner else engine
+            target = functools.reduce(getattr, owner.split("."), engine) if owner else engine
             method = getattr(target, name, None)
             if method is None:
                 raise RuntimeError(

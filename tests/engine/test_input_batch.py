@@ -69,7 +69,7 @@ def test_runner_tables_equal_the_block_managers_at_every_step(config):
     engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), EngineConfig(page_size=4, **config))
     runner, requests = engine.model_runner, engine.scheduler.requests
     layers = runner.layers_per_block["full"]
-    prepare, checked = runner._prepare, []
+    prepare, checked = runner.step_inputs.prepare, []
 
     def checking_prepare(scheduled, previous, plain_greedy=False):
         inputs = prepare(scheduled, previous, plain_greedy)
@@ -82,7 +82,7 @@ def test_runner_tables_equal_the_block_managers_at_every_step(config):
         checked.append(len(scheduled))
         return inputs
 
-    runner._prepare = checking_prepare
+    runner.step_inputs.prepare = checking_prepare
     prompts = random_prompts(16, VOCAB, 1, 24, seed=3)
     prompts += [p[:8] + q for p, q in zip(prompts[:4], random_prompts(4, VOCAB, 4, 8, seed=4))]  # shared prefixes
     outputs = list(engine.generate((i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)))

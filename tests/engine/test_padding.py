@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model_runner import ModelRunner
 from engine.padding import GraphBuckets, PaddedShape, capture_sizes
 from engine.plan import ScheduledRequest
+from engine.step_inputs import StepInputBuilder
 from tests.model_utils import random_llama_dir, random_prompts
 
 VOCAB = 128
@@ -45,7 +45,7 @@ def test_padded_slots_never_write_into_a_request_cache():
     engine.step()
     assert engine.stats.num_cuda_graph_replays == 0  # the prefill ran eagerly
     plan = engine.scheduler.schedule()
-    inputs = engine.model_runner._prepare(plan.scheduled, None, plan.plain_greedy)
+    inputs = engine.model_runner.step_inputs.prepare(plan.scheduled, None, plan.plain_greedy)
     shape = inputs.shape
     assert shape is not None and shape.num_requests == 4 and shape.query_len == 1  # 3 decodes in bucket 4
     slots = inputs.groups["full"].slot_mapping
@@ -91,7 +91,7 @@ def test_only_decode_and_uniform_verify_steps_are_graphed(entries, query_len):
     runner = SimpleNamespace(graph_buckets=GraphBuckets(8, 3, 64, 4))
     num_tokens = sum(e.num_tokens for e in entries)
     num_rows = sum(e.num_sample_rows + len(e.prompt_logprob_positions) for e in entries)
-    shape = ModelRunner._graph_shape(runner, entries, num_tokens, num_rows)
+    shape = StepInputBuilder._graph_shape(runner, entries, num_tokens, num_rows)
     assert (shape.query_len if shape else None) == query_len
     if shape is not None:
         assert shape.num_requests in (2, 4) and shape.num_tokens == shape.num_requests * query_len
