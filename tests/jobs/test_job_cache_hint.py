@@ -6,7 +6,8 @@ import pyarrow.parquet as pq
 
 from engine.sampling_params import SamplingParams
 from jobs.manifest import InputSettings, JobManifest, ModelSettings, OutputSettings
-from jobs.run.job import expected_requests, open_reader
+from jobs.run.job_setup import open_reader
+from jobs.run.locked_run import expected_requests
 
 
 def manifest(tmp_path, columns: dict, n: int = 1, mode: str = "generate") -> JobManifest:
