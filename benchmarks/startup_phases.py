@@ -107,11 +107,17 @@ def child() -> None:
     # NOTE: jobs.run.job imported here rather than by the CLI: its import (numpy, pyarrow) lands in the next phase.
     from jobs.run import job
 
-    for name in ("open_reader", "check_model_dir", "load_engine"):
+    try:
+        from jobs.run import locked_run, row_loop
+    except ImportError:  # NOTE: a tree from before the run under the lock and the row loop left jobs.run.job
+        locked_run = row_loop = job
+
+    for name in ("open_reader", "check_model_dir"):
         clocked(job, name)
-    clocked(job._Job, "open", "_Job.open")
-    clocked(job._Job, "start_writer")
-    clocked(job._JobRun, "run", "_JobRun.run", generation=True)
+    clocked(locked_run, "load_engine")
+    clocked(locked_run._Job, "open", "_Job.open")
+    clocked(locked_run._Job, "start_writer")
+    clocked(row_loop._JobRun, "run", "_JobRun.run", generation=True)
 
     def report() -> None:
         mark("main done")

@@ -125,13 +125,13 @@ def test_output_overlapping_the_input_is_refused(tmp_path, tiny_model_dir, capsy
 
 
 def test_a_run_refused_after_taking_the_lock_leaves_no_output_directory(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    import jobs.run.job
+    import jobs.run.locked_run
     from jobs.run.resources import JobError
 
     def unloadable(*args, **kwargs):
         raise JobError("cannot load the model: broken weights")
 
-    monkeypatch.setattr(jobs.run.job, "load_engine", unloadable)
+    monkeypatch.setattr(jobs.run.locked_run, "load_engine", unloadable)
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["a"]}), path)
     args = ["run", "--no-progress", "--model", str(tiny_model_dir), "--input", str(path), "--prompt-column", "prompt"]

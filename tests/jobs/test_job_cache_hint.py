@@ -6,7 +6,8 @@ import pyarrow.parquet as pq
 
 from engine.sampling_params import SamplingParams
 from jobs.manifest import JobManifest
-from jobs.run.job import expected_requests, open_reader
+from jobs.run.job_setup import open_reader
+from jobs.run.locked_run import expected_requests
 from jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 
