@@ -10,7 +10,7 @@ pytest.importorskip("lm_eval")
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.tasks._index import TaskIndex  # noqa: E402
 
-from jobs import lm_eval_task_index  # noqa: E402
+from jobs.integrations import lm_eval_task_index  # noqa: E402
 from jobs.integrations.lm_eval_task_index import cached_builtin_task_index  # noqa: E402
 
 
