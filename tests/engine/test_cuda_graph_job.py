@@ -4,47 +4,17 @@ from __future__ import annotations
 
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from jobs.cli import main
-from jobs.output.writer import read_output
+from tests.golden_job import run_golden_job
 
 NEW_TOKENS = 24
 
 
 def test_job_with_emulated_graphs_reproduces_goldens(stories260k_dir, reference_greedy, tmp_path):
     lines = reference_greedy[:3]
-    table = pa.table(
-        {
-            "prompt_ids": [line["prompt_token_ids"] for line in lines],
-            "max_new_tokens": [NEW_TOKENS] * len(lines),  # a greedy prefix of the golden, to keep the test short
-        }
-    )
-    pq.write_table(table, tmp_path / "goldens.parquet")
     out = tmp_path / "out"
-    assert (
-        main(
-            [
-                "run",
-                "--no-progress",
-                "--model",
-                str(stories260k_dir),
-                "--input",
-                str(tmp_path / "goldens.parquet"),
-                "--prompt-ids-column",
-                "prompt_ids",
-                "--output",
-                str(out),
-                "--set",
-                "engine.cuda_graphs=emulate",
-                "--set",
-                "engine.max_batch_tokens=32",
-            ]
-        )
-        == 0
-    )
-    rows = sorted(read_output(out).to_pylist(), key=lambda r: r["row_index"])
+    # a greedy prefix of each golden, to keep the test short
+    settings = ["engine.cuda_graphs=emulate", "engine.max_batch_tokens=32"]
+    rows = run_golden_job(stories260k_dir, lines, tmp_path, out, settings, max_new_tokens=NEW_TOKENS)
     for row, line in zip(rows, lines, strict=True):
         assert row["completion_token_ids"] == line["output_token_ids"][:NEW_TOKENS], line["prompt"]
     stats = json.loads((out / "_cbrun" / "stats.json").read_text())["engine_stats"]

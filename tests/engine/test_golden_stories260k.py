@@ -30,42 +30,10 @@ def test_engine_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, pa
 @pytest.mark.parametrize("page_size", [4, 16, 64])
 def test_job_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, tmp_path, page_size):
     """The whole job path (Parquet in, cbrun run, Parquet out), all prompts in one job, chunked prefill forced."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from tests.golden_job import run_golden_job
 
-    from jobs.cli import main
-    from jobs.output.writer import read_output
-
-    table = pa.table(
-        {
-            "prompt_ids": [line["prompt_token_ids"] for line in reference_greedy],
-            "max_new_tokens": [line["max_positions"] - len(line["prompt_token_ids"]) + 1 for line in reference_greedy],
-        }
-    )
-    pq.write_table(table, tmp_path / "goldens.parquet")
-    out = tmp_path / f"out-{page_size}"
-    assert (
-        main(
-            [
-                "run",
-                "--no-progress",
-                "--model",
-                str(stories260k_dir),
-                "--input",
-                str(tmp_path / "goldens.parquet"),
-                "--prompt-ids-column",
-                "prompt_ids",
-                "--output",
-                str(out),
-                "--set",
-                f"engine.page_size={page_size}",
-                "--set",
-                "engine.max_batch_tokens=16",
-            ]
-        )
-        == 0
-    )
-    rows = sorted(read_output(out).to_pylist(), key=lambda r: r["row_index"])
+    settings = [f"engine.page_size={page_size}", "engine.max_batch_tokens=16"]
+    rows = run_golden_job(stories260k_dir, reference_greedy, tmp_path, tmp_path / f"out-{page_size}", settings)
     assert [r["row_index"] for r in rows] == list(range(len(reference_greedy)))
     for row, line in zip(rows, reference_greedy):
         assert row["completion_token_ids"] == line["output_token_ids"], line["prompt"]

@@ -5,46 +5,13 @@ from __future__ import annotations
 
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from jobs.cli import main
-from jobs.output.writer import read_output
+from tests.golden_job import run_golden_job
 
 
 def test_job_with_ngram_speculation_reproduces_goldens(stories260k_dir, reference_greedy, tmp_path, capsys):
-    table = pa.table(
-        {
-            "prompt_ids": [line["prompt_token_ids"] for line in reference_greedy],
-            "max_new_tokens": [line["max_positions"] - len(line["prompt_token_ids"]) + 1 for line in reference_greedy],
-        }
-    )
-    pq.write_table(table, tmp_path / "goldens.parquet")
     out = tmp_path / "out"
-    assert (
-        main(
-            [
-                "run",
-                "--no-progress",
-                "--model",
-                str(stories260k_dir),
-                "--input",
-                str(tmp_path / "goldens.parquet"),
-                "--prompt-ids-column",
-                "prompt_ids",
-                "--output",
-                str(out),
-                "--set",
-                "engine.speculative=ngram",
-                "--set",
-                "engine.ngram_min=1",
-                "--set",
-                "engine.max_batch_tokens=32",
-            ]
-        )
-        == 0
-    )
-    rows = sorted(read_output(out).to_pylist(), key=lambda r: r["row_index"])
+    settings = ["engine.speculative=ngram", "engine.ngram_min=1", "engine.max_batch_tokens=32"]
+    rows = run_golden_job(stories260k_dir, reference_greedy, tmp_path, out, settings)
     for row, line in zip(rows, reference_greedy):
         assert row["completion_token_ids"] == line["output_token_ids"], line["prompt"]
     stats = json.loads((out / "_cbrun" / "stats.json").read_text())["engine_stats"]
