@@ -7,7 +7,8 @@ From a plain checkout on a CUDA machine (Python 3.12, torch with CUDA, triton, t
 
 It runs ``kernels.gpu_check`` (attention in realistic batches, the decode tile in bf16 and float32 at head_dim 128
 and 256 against the HBM roofline, the KV-cache write) and ``benchmarks.gpu_engine_check`` (CUDA graphs, async
-batching and swap preemption against the plain engine, token for token, then timed), prints one table and
+batching and swap preemption against the plain engine, token for token, then timed) and the grammar's masked
+argmax against the CPU kernel (``benchmarks.structured_mask.device_check``), prints one table and
 writes it, with the device and versions, to the results file. A part that raises is a row saying so, and the
 others still run. It takes about 2 to 4 minutes on an H100 (budget: under 8).
 
@@ -55,6 +56,19 @@ def engine_rows(copy_bandwidth: float) -> list[tuple[list[str], bool]]:
     return out
 
 
+def structured_rows() -> list[tuple[list[str], bool]]:
+    """The grammar's masked argmax on the GPU (``benchmarks.structured_mask.device_check``) as suite rows."""
+    from benchmarks import structured_mask
+    from kernels import gpu_check
+
+    out = []
+    for dtype, ok, ms in structured_mask.device_check("cuda", gpu_check.cuda_bench):
+        case = "256 x 32000, JSON-like bitmasks"
+        result = f"{ms:.3f} ms (with a copy of the rows), tokens {'==' if ok else '!='} the CPU kernel's"
+        out.append((["structured", "masked argmax", dtype, case, "-", "yes" if ok else "NO", result, "-"], ok))
+    return out
+
+
 def environment() -> str:
     """Device, driver-visible versions and the host, for the results file's header."""
     import triton
@@ -79,7 +93,11 @@ def run_suite() -> tuple[list[tuple[list[str], bool]], float]:
         traceback.print_exc()
         rows.append((["ceilings", "measure", "-", "-", "-", "NO", "raised (see log)", "-"], False))
         ceilings = None
-    parts = (("kernels", lambda: kernel_rows(ceilings)), ("engine", lambda: engine_rows(ceilings[0])))
+    parts = (
+        ("kernels", lambda: kernel_rows(ceilings)),
+        ("engine", lambda: engine_rows(ceilings[0])),
+        ("structured", structured_rows),
+    )
     for name, part in parts if ceilings else ():
         try:
             rows += part()

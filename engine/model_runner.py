@@ -123,7 +123,8 @@ class ModelRunner:
         previous: StepHandle | None = None,
         sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> StepHandle | None:
-        """Make the plan's offload copies, then enqueue one forward pass and the argmax of its sample rows.
+        """Make the plan's offload copies, then enqueue one forward pass and the argmax of its sample rows (zeros
+        when no entry reads it: ``StepInputs.needs_argmax``).
 
         Args:
             plan: the step's plan; each entry computes ``num_tokens`` tokens from its ``start``.
@@ -156,8 +157,12 @@ class ModelRunner:
             if carry is not None:
                 input_ids[carry[0]] = carry[1]
             logits = self._forward(input_ids, positions, md, logits_indices)[: inputs.num_rows]
-        sample_logits = logits if sample_rows is None else logits[sample_rows]
-        sampled = sample_logits.argmax(dim=-1)
+        if inputs.needs_argmax:
+            sample_logits = logits if sample_rows is None else logits[sample_rows]
+            sampled = sample_logits.argmax(dim=-1)
+        else:  # every sampled row is chosen by the sampler, a grammar's masked argmax or verification
+            num_sample_rows = logits.shape[0] if sample_rows is None else sample_rows.shape[0]
+            sampled = torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)
         if sample is not None:
             sampled = sample(logits, sampled)
         return StepHandle.launch_readback(logits, sampled, inputs.sample_row_of)

@@ -36,6 +36,9 @@ class StepInputs:
     sample_rows: torch.Tensor | None  # logit row of each sampling entry; None when every row samples
     carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (input rows, sampled rows, device tokens)
     needs_host_logits: bool  # prompt log-probabilities or host-side sampling read the logits after the step
+    # NOTE: False when every sampling entry is processed on the host (sampled at launch or when read, or verified
+    # there): none of them reads the device argmax, which at 256 rows of 32000 costs a few ms on a CPU.
+    needs_argmax: bool = True  # some sampling entry takes the device argmax as its token
 
 
 class StepInputBuilder:
@@ -150,6 +153,7 @@ class StepInputBuilder:
             sample_rows=sample_rows,
             carry=carry,
             needs_host_logits=needs_host_logits,
+            needs_argmax=plain_greedy or not all(s.needs_host_sampling for s in scheduled if s.samples),
         )
 
     @staticmethod

@@ -22,25 +22,18 @@ says why and the engine keeps the reference.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from kernels.c_build import build_library
+
 logger = logging.getLogger("cbrun.engine")
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-CACHE_ENV = "CBRUN_KERNEL_CACHE"
-# -ffp-contract=off: no fused multiply-adds. The kernel's 8-lane loops and its generic loops must give the same
-# floats, and RoPE the floats of PyTorch's separate ops, on any CPU; -std=c11 already implies it, spelled out so a
-# change of dialect (gnu11 contracts by default) cannot bring contraction back on FMA targets.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fno-trapping-math", "-std=c11", "-shared", "-fPIC")
 
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
@@ -435,46 +428,6 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _build(source: Path = SOURCE) -> Path:
-    """The compiled library's path, compiling it first unless the cache holds it for this source, compiler, CPU.
-
-    Raises:
-        RuntimeError: when no compiler is found or the compile fails (naming the compiler and its exit code).
-    """
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'gcc')!r} not found)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(source.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_flags())
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cbrun" / "kernels")
-    target = cache / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: concurrent first uses never load a half-written library.
+    """The compiled library's path (``kernels.c_build.build_library``; RuntimeError when it cannot be built)."""
     # NOTE: the compile takes 15 to 35 s on 2 cores (the tile loops are specialised per head size): say so first
-    logger.info("compiling the CPU attention kernel (first use, about 20 s) into %s", cache)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True, timeout=300
-        )
-        if result.returncode:
-            output = (result.stderr.strip() or result.stdout.strip())[-2000:] or "no output"
-            raise RuntimeError(
-                f"compiling {source.name} with {compiler} failed (exit code {result.returncode}): {output}"
-            )
-        os.replace(built, target)
-    return target
-
-
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags (``-march=native`` code is only valid on a CPU that has them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.encode()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor().encode()
+    return build_library(source, "the CPU attention kernel", "about 20 s")

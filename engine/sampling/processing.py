@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_token_mask
+
 #: Per-row error codes (``SamplingBatch`` rows that cannot give a token fail alone).
 OK, NAN_LOGITS, NOTHING_LEFT = 0, 1, 2
 ERROR_MESSAGES = {
@@ -44,12 +46,16 @@ def allowed_tokens(token_bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
 def apply_token_bitmask(scores: torch.Tensor, token_bitmask: torch.Tensor) -> torch.Tensor:
     """Set disallowed tokens to -inf in place. scores: (R, V) float; token_bitmask: (R, ceil(V / 32)) int32.
 
-    xgrammar's kernel (its C++ loop on the CPU, CUDA / Triton on a GPU) does it where it applies: the masks come
-    from xgrammar, so it is installed whenever there is a mask. It reads the packed words as they are, about 5x
-    faster than unpacking them into a boolean tensor (``allowed_tokens``, the fallback) at 256 rows of 32000.
+    On the CPU (float32) our C kernel does it (``kernels.cpu_token_mask``: fully allowed words are skipped);
+    elsewhere xgrammar's kernel (CUDA / Triton on a GPU), installed whenever there is a mask since the masks come
+    from xgrammar. Both read the packed words as they are, about 5x faster than unpacking them into a boolean
+    tensor (``allowed_tokens``, the fallback) at 256 rows of 32000.
     """
     if token_bitmask.shape[0] != scores.shape[0]:
         raise ValueError(f"token_bitmask has {token_bitmask.shape[0]} rows; the logits have {scores.shape[0]}")
+    if cpu_token_mask.supports(scores, token_bitmask):
+        cpu_token_mask.apply_token_bitmask_cpu(scores, list(range(scores.shape[0])), token_bitmask)
+        return scores
     if token_bitmask.shape[1] * 32 >= scores.shape[1] and token_bitmask.dtype == torch.int32:
         try:
             import xgrammar

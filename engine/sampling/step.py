@@ -261,7 +261,7 @@ class StepSampler:
         )
         index = torch.tensor([rows[i] for i in at], dtype=torch.int64, device=logits.device)
         mask = token_bitmask[torch.tensor(at, device=token_bitmask.device)] if token_bitmask is not None else None
-        tokens, errors, logprobs = sample(logits[index], batch, mask).to_host()
+        tokens, errors, logprobs = sample(logits[index], batch, mask, in_place=True).to_host()  # the index copied
         return list(zip(tokens, errors, logprobs))
 
     def _verify(self, logits, entries: list[VerifyEntry], token_bitmask=None):

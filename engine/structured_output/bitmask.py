@@ -8,6 +8,8 @@ import torch
 from engine.plan import SchedulerOutput
 from engine.sampling.processing import apply_token_bitmask
 from engine.sampling_params import SamplingParams
+from engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
+from kernels import cpu_token_mask
 
 #: Bits per bitmask word (xgrammar's layout: bit ``t % 32`` of word ``t // 32`` allows token t).
 WORD_BITS = 32
@@ -18,7 +20,7 @@ class StepBitmask:
 
     Attributes:
         bitmask: (num_logit_rows, ceil(vocab / 32)) int32 CPU; -1 (every token allowed) in unconstrained rows.
-        rows: the logit rows that are constrained.
+        rows: the logit rows that are constrained (a verify step's rows first, then the decoding ones).
         blocked: ``Request.index`` of requests whose grammar allows no token at a row of theirs.
     """
 
@@ -44,6 +46,7 @@ def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, voc
         vocab_size: the logits' width.
     """
     step: StepBitmask | None = None
+    decoding: list[tuple[StructuredOutputRequest, int, int]] = []  # (state, row, Request.index), filled at once
     row = 0
     for item in plan.scheduled:
         row += len(item.prompt_logprob_positions)
@@ -52,8 +55,16 @@ def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, voc
         if state is not None and state.ready() and state.error is None:
             if step is None:
                 step = StepBitmask(num_rows, vocab_size)
-            _fill_entry(step, state, row, item.spec_token_ids, request.index)
+            if item.spec_token_ids:
+                _fill_entry(step, state, row, item.spec_token_ids, request.index)
+            else:
+                decoding.append((state, row, request.index))
         row += item.num_sample_rows
+    if decoding:
+        rows = [row for _, row, _ in decoding]
+        allowed = fill_bitmasks([state for state, _, _ in decoding], step.bitmask, rows)
+        step.rows.extend(rows)
+        step.blocked.update(index for (_, _, index), ok in zip(decoding, allowed) if not ok)
     return step
 
 
@@ -88,8 +99,12 @@ def masked_greedy(params: SamplingParams) -> bool:
 def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int | None]:
     """The argmax of each row's logits with its disallowed tokens at -inf, in one batched op on the logits' device.
 
+    On the CPU (float32) the C kernel ``kernels.cpu_token_mask`` reads the packed words and the allowed logits
+    once, writing nothing; elsewhere the mask is applied (``apply_token_bitmask``) and the rows' maximum taken.
+    Both give the first index of the largest allowed logit.
+
     Args:
-        logits: (N, V) the step's logits; masked in place when ``rows`` are all of them, in order.
+        logits: (N, V) the step's logits; on a GPU masked in place when ``rows`` are all of them, in order.
         rows: the rows to read.
         bitmask: (N, ceil(V / 32)) int32 over the step's logit rows, on the logits' device.
 
@@ -97,6 +112,8 @@ def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
         Per row its token, or None where the masked logits hold NaN or allow nothing (the sampler then gives the
         row's error).
     """
+    if cpu_token_mask.supports(logits, bitmask):
+        return [t if t >= 0 else None for t in cpu_token_mask.masked_argmax_cpu(logits, rows, bitmask)]
     if rows == list(range(logits.shape[0])):  # every row of the step: masked in place, no copy (the mask is
         scores = apply_token_bitmask(logits, bitmask)  # applied first anyway, and again is the same)
     else:

@@ -61,9 +61,32 @@ class StructuredOutputRequest:
         """The structure is complete and its end (an EOS token) accepted: nothing more may be generated."""
         return self._matcher is not None and self._matcher.is_terminated()
 
+    @property
+    def matcher(self):
+        """The ``xgrammar.GrammarMatcher`` (None until ``ready`` has built it)."""
+        return self._matcher
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed next tokens into ``bitmask[row]`` (int32, bit ``t % 32`` of word ``t // 32`` set when
         token t is allowed: xgrammar's layout); False when no token at all is allowed (the tokenizer cannot
         express the constraint's next character)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
         return bool(bitmask[row].any())
+
+
+def fill_bitmasks(states: list[StructuredOutputRequest], bitmask: torch.Tensor, rows: list[int]) -> list[bool]:
+    """``fill_bitmask`` of many ready requests in one call (xgrammar's ``BatchGrammarMatcher``, its own threads):
+    ``states[i]`` fills ``bitmask[rows[i]]``. One call instead of one per request is most of a decode step's
+    grammar time at 256 rows.
+
+    Returns:
+        Per request, whether its row allows any token (``fill_bitmask``'s result).
+    """
+    if not states:
+        return []
+    import xgrammar as xgr
+
+    # NOTE: one per call (about 10 us to build): engines on other threads never share its thread pool
+    xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask([state.matcher for state in states], bitmask, rows)
+    index = torch.tensor(rows, dtype=torch.int64)
+    return (bitmask[index] != 0).any(dim=1).tolist()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
@@ -309,3 +310,25 @@ def test_special_tokens_never_match_a_grammar_that_their_text_spells(engine):
         assert output.finish_reason == "stop", output.error
         assert not {256, 258} & set(output.output_token_ids), output.output_token_ids
         assert re.fullmatch(r"<[a-z]{1,4}>", _text(engine, output)), output.output_token_ids
+
+
+def test_batched_fill_blocks_only_the_request_whose_tokenizer_cannot_go_on():
+    import xgrammar as xgr
+
+    from engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
+
+    info = xgr.TokenizerInfo(["a", "b", "</s>", "ab"], vocab_size=4, stop_token_ids=[2])
+    compiler = xgr.GrammarCompiler(info)
+
+    def state(regex: str) -> StructuredOutputRequest:
+        future = Future()
+        future.set_result(compiler.compile_regex(regex))
+        request = StructuredOutputRequest(StructuredOutputsParams(regex=regex), future)
+        assert request.ready()
+        return request
+
+    states = [state("ab+"), state("c"), state("a")]  # no token spells "c"
+    bitmask = torch.full((5, 1), -1, dtype=torch.int32)
+    assert fill_bitmasks(states, bitmask, [4, 0, 2]) == [True, False, True]
+    words = [w & 0b1111 for w in bitmask[:, 0].tolist()]  # the bits of the 4 tokens (the rest are unused)
+    assert words == [0, 0b1111, 0b0001, 0b1111, 0b1001]  # "a" / "a" or "ab" first; rows 1 and 3 untouched

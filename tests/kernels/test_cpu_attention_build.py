@@ -4,12 +4,12 @@ import logging
 
 import pytest
 
-from kernels import cpu_attention
+from kernels import c_build, cpu_attention
 
 
 def test_failed_compile_names_the_compiler_and_its_exit_code(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CC", "/bin/false")
-    monkeypatch.setenv(cpu_attention.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(c_build.CACHE_ENV, str(tmp_path))
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
         with pytest.raises(RuntimeError) as failure:
             cpu_attention._build()
@@ -19,6 +19,6 @@ def test_failed_compile_names_the_compiler_and_its_exit_code(tmp_path, monkeypat
 
 def test_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "no-such-cc-for-cbrun")
-    monkeypatch.setenv(cpu_attention.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(c_build.CACHE_ENV, str(tmp_path))
     with pytest.raises(RuntimeError, match="no C compiler \\('no-such-cc-for-cbrun' not found\\)"):
         cpu_attention._build()
