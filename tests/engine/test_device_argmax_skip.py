@@ -22,8 +22,9 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=12, top_k=8, temperature=1.2, seed=100 + i, logprobs=2)
 
 
-def _run(config: EngineConfig, params: list[SamplingParams], force_argmax: bool):
+def _run(config: EngineConfig, params: list[SamplingParams], force_argmax: bool, overlap: bool = False):
     engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config)
+    engine.overlap_steps = overlap
     prepare, seen = engine.model_runner.step_inputs.prepare, []
 
     def recording_prepare(scheduled, previous, plain_greedy=False):
@@ -40,12 +41,14 @@ def _run(config: EngineConfig, params: list[SamplingParams], force_argmax: bool)
     return [(o.output_token_ids, o.logprobs) for o in outputs], seen, prompts
 
 
-@pytest.mark.parametrize("speculative", ["off", "ngram"])
-def test_host_processed_steps_skip_the_argmax_with_the_same_outputs(speculative):
+@pytest.mark.parametrize("speculative,overlap", [("off", False), ("off", True), ("ngram", False)])
+def test_host_processed_steps_skip_the_argmax_with_the_same_outputs(speculative, overlap):
+    """``overlap``: the async path (pending tokens fed from the previous step's device tokens), synchronous on
+    the CPU."""
     config = EngineConfig(page_size=4, max_batch_tokens=64, speculative=speculative)
     params = [_params(i) for i in range(9)]
-    skipped, seen, _ = _run(config, params, force_argmax=False)
-    forced, _, _ = _run(config, params, force_argmax=True)
+    skipped, seen, _ = _run(config, params, force_argmax=False, overlap=overlap)
+    forced, _, _ = _run(config, params, force_argmax=True, overlap=overlap)
     assert skipped == forced
     assert seen and not any(needs for needs, _ in seen)  # every entry of every step is processed on the host
 
