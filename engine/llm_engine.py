@@ -30,6 +30,7 @@ from engine.scheduler import make_scheduler
 from engine.stats import EngineStats
 from engine.step_reader import StepReader
 from engine.stop_strings import StopStringMatcher
+from engine.structured_output.bitmask import StepBitmask
 from engine.structured_output.compiler import GrammarCompiler
 from engine.structured_output.request_state import StructuredOutputRequest
 from engine.threads import resolve_attention_threads
@@ -323,9 +324,12 @@ class LLMEngine:
         handle = self.model_runner.launch(
             plan, self._in_flight[1] if self._in_flight else None, at_launch.sample if at_launch is not None else None
         )
+        grammar = None
         if handle is not None:
             self.scheduler.advance(plan)
-        launched = (plan, handle, at_launch) if handle is not None else None
+            if self._grammar_compiler is not None:  # filled while the device computes the step
+                grammar = self._reader.fill_grammar_bitmask(plan, handle)
+        launched = (plan, handle, at_launch, grammar) if handle is not None else None
         if plan_tokens is not None and handle is not None:
             plan_tokens.append(plan.num_batch_tokens)
         if self.overlap_steps:  # read the step launched before this one; this one stays in flight
@@ -343,16 +347,16 @@ class LLMEngine:
         if futures:
             self._grammar_compiler.wait_any(futures, timeout)
 
-    def _resolve(self, plan: SchedulerOutput, handle: StepHandle, at_launch: LaunchedRows | None) -> list[Request]:
-        """Read a launched step's tokens, finish the rows sampled at launch, verify speculative entries, record
-        prompt log-probabilities, and advance the requests."""
+    def _resolve(
+        self, plan: SchedulerOutput, handle: StepHandle, at_launch: LaunchedRows | None, grammar: StepBitmask | None
+    ) -> list[Request]:
+        """Read a launched step's tokens, finish the rows sampled at launch, apply its grammar bitmask, verify
+        speculative entries, record prompt log-probabilities, and advance the requests."""
         token_ids = handle.token_ids()  # each sampling entry's token (argmax or sampled), in plan order
         if plan.plain_greedy:
             sampled = self._reader.read_greedy(plan, token_ids)
         else:
-            sampled = self._reader.read_rows_of_plan(
-                plan, handle, token_ids, self._draft_probs, self._grammar_compiler is not None
-            )
+            sampled = self._reader.read_rows_of_plan(plan, handle, token_ids, self._draft_probs, grammar)
             if at_launch is not None:
                 sampled.update(at_launch.read(token_ids, self.scheduler.requests))
         finished = self.scheduler.resolve(plan, sampled)  # counts the committed output tokens

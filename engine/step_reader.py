@@ -14,7 +14,7 @@ from engine.request import Request
 from engine.sampling.step import LaunchedRows, StepSampler, VerifyEntry
 from engine.speculative import accept_greedy
 from engine.stats import EngineStats
-from engine.structured_output.bitmask import build_step_bitmask, masked_argmax, masked_greedy
+from engine.structured_output.bitmask import StepBitmask, build_step_bitmask, masked_argmax, masked_greedy
 
 
 class StepReader:
@@ -74,7 +74,7 @@ class StepReader:
         handle: StepHandle,
         token_ids: list[int],
         draft_probs: dict[int, torch.Tensor],
-        constrained: bool,
+        grammar: StepBitmask | None,
     ) -> dict[int, int | list[int]]:
         """Any step: batched sampling, prompt log-probabilities and speculative verification where entries need them.
 
@@ -84,14 +84,13 @@ class StepReader:
 
         Args:
             draft_probs: this step's draft distributions of sampled requests, by ``Request.index``.
-            constrained: whether any request so far was constrained (the engine has a grammar compiler).
+            grammar: the step's token bitmask, filled when it was launched (``fill_grammar_bitmask``), or None.
 
         Returns:
             ``Request.index -> token``, or the tokens a verify step commits, of the unfinished requests.
         """
         sampled: dict[int, int | list[int]] = {}
-        # fails the requests whose grammar allows nothing
-        bitmask = self._grammar_bitmask(plan, handle.logits) if constrained else None
+        bitmask = self._settle_grammar(grammar) if grammar is not None else None  # fails the blocked requests
         prompt_rows: list[tuple[Request, int, range]] = []
         to_sample: list[Request] = []  # constrained rows (the others were sampled at launch)
         sample_at: list[int] = []
@@ -133,25 +132,40 @@ class StepReader:
         sampled.update(self.sampler.verify_entries(handle.logits, to_verify, bitmask))
         return sampled
 
-    def _grammar_bitmask(self, plan: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor | None:
-        """The step's token bitmask on the logits' device: (N logit rows, ceil(V / 32)) int32, every token allowed
-        in unconstrained rows; None when no planned request is constrained. The sampler applies it first, to every
-        row in the same pass. A request whose grammar allows no token at all fails here, alone (its tokenizer
-        cannot express the constraint's next character)."""
+    def fill_grammar_bitmask(self, plan: SchedulerOutput, handle: StepHandle) -> StepBitmask | None:
+        """The launched step's token bitmask, uploaded to the logits' device: (N logit rows, ceil(V / 32)) int32,
+        every token allowed in unconstrained rows; None when no planned request is constrained.
+
+        Called right after the step is launched: the requests' matchers are already past their previous token
+        (a constrained request never runs with a token still pending), and on a GPU the host fills the masks
+        while the device computes the forward pass (the upload is from pinned memory, so it does not wait). The
+        sampler applies it when the step is read, to every row in the same pass.
+        """
+        if plan.plain_greedy:  # a constrained request is never a plain greedy entry
+            return None
         start = time.perf_counter()
-        step = build_step_bitmask(plan, self.scheduler.requests, logits.shape[0], logits.shape[-1])
+        logits = handle.logits
+        pin = logits.device.type == "cuda"
+        step = build_step_bitmask(plan, self.scheduler.requests, logits.shape[0], logits.shape[-1], pin)
         if step is None:
             return None
-        for index in step.blocked:
-            self.scheduler.fail_request(
-                self.scheduler.requests[index],
-                "structured outputs: the constraint allows "
-                "no token here (the tokenizer cannot express its next character)",
-            )
-        bitmask = step.bitmask.to(logits.device, non_blocking=True)
+        step.on_device = step.bitmask.to(logits.device, non_blocking=True)
         self.counters.num_grammar_mask_steps += 1
         self.counters.grammar_mask_seconds += time.perf_counter() - start
-        return bitmask
+        return step
+
+    def _settle_grammar(self, grammar: StepBitmask) -> torch.Tensor:
+        """The bitmask on the device, after failing each request whose grammar allows no token at all (its
+        tokenizer cannot express the constraint's next character): it fails alone, when its step is read."""
+        for index in grammar.blocked:
+            request = self.scheduler.requests.get(index)
+            if request is not None:
+                self.scheduler.fail_request(
+                    request,
+                    "structured outputs: the constraint allows "
+                    "no token here (the tokenizer cannot express its next character)",
+                )
+        return grammar.on_device
 
     @staticmethod
     def _masked_greedy(

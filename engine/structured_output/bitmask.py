@@ -22,15 +22,22 @@ class StepBitmask:
         bitmask: (num_logit_rows, ceil(vocab / 32)) int32 CPU; -1 (every token allowed) in unconstrained rows.
         rows: the logit rows that are constrained (a verify step's rows first, then the decoding ones).
         blocked: ``Request.index`` of requests whose grammar allows no token at a row of theirs.
+        on_device: ``bitmask`` on the logits' device once uploaded (``StepReader.fill_grammar_bitmask``).
+
+    ``pin_memory``: page-locked host memory (on a CUDA machine), so the upload does not wait for the device.
     """
 
-    def __init__(self, num_rows: int, vocab_size: int) -> None:
-        self.bitmask = torch.full((num_rows, -(-vocab_size // WORD_BITS)), -1, dtype=torch.int32)
+    def __init__(self, num_rows: int, vocab_size: int, pin_memory: bool = False) -> None:
+        shape = (num_rows, -(-vocab_size // WORD_BITS))
+        self.bitmask = torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory)
         self.rows: list[int] = []
         self.blocked: set[int] = set()
+        self.on_device: torch.Tensor | None = None
 
 
-def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, vocab_size: int) -> StepBitmask | None:
+def build_step_bitmask(
+    plan: SchedulerOutput, requests: dict, num_rows: int, vocab_size: int, pin_memory: bool = False
+) -> StepBitmask | None:
     """The bitmask of a step's logit rows (None when no planned request is constrained).
 
     Rows follow the plan as the engine reads them: per entry, its prompt log-probability rows, then its sample rows
@@ -44,6 +51,7 @@ def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, voc
         requests: the scheduler's unfinished requests by ``Request.index``.
         num_rows: logit rows of the step.
         vocab_size: the logits' width.
+        pin_memory: see ``StepBitmask``.
     """
     step: StepBitmask | None = None
     decoding: list[tuple[StructuredOutputRequest, int, int]] = []  # (state, row, Request.index), filled at once
@@ -54,7 +62,7 @@ def build_step_bitmask(plan: SchedulerOutput, requests: dict, num_rows: int, voc
         state = request.structured if request is not None else None
         if state is not None and state.ready() and state.error is None:
             if step is None:
-                step = StepBitmask(num_rows, vocab_size)
+                step = StepBitmask(num_rows, vocab_size, pin_memory)
             if item.spec_token_ids:
                 _fill_entry(step, state, row, item.spec_token_ids, request.index)
             else:
@@ -120,5 +128,5 @@ def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
         index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
         scores = apply_token_bitmask(logits[index], bitmask[index])
     best, tokens = scores.max(dim=1)  # a row with a NaN has a NaN maximum
-    usable = ~(best.isnan() | (best == float("-inf")))
-    return [t if ok else None for t, ok in zip(tokens.tolist(), usable.tolist())]
+    tokens = tokens.masked_fill(best.isnan() | (best == float("-inf")), -1)  # one read back from the device
+    return [t if t >= 0 else None for t in tokens.tolist()]

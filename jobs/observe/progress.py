@@ -145,6 +145,9 @@ class JobProgress:
         return self
 
     def __exit__(self, *exc) -> None:
+        # NOTE: the postfix is refreshed at most every 0.5 s: the last rows' errors and the whole run's rate are
+        # written once more, so the final bar agrees with the summary line
+        self.bar.set_postfix_str(self.postfix(time.perf_counter()), refresh=False)
         self.bar.close()
 
     def row_finished(self, rows) -> None:

@@ -332,3 +332,38 @@ def test_batched_fill_blocks_only_the_request_whose_tokenizer_cannot_go_on():
     assert fill_bitmasks(states, bitmask, [4, 0, 2]) == [True, False, True]
     words = [w & 0b1111 for w in bitmask[:, 0].tolist()]  # the bits of the 4 tokens (the rest are unused)
     assert words == [0, 0b1111, 0b0001, 0b1111, 0b1001]  # "a" / "a" or "ab" first; rows 1 and 3 untouched
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_bitmask_is_filled_at_launch_before_the_step_is_read(model_dir, monkeypatch, overlap):
+    """On a GPU the host fills the masks while the device computes: each step's bitmask is built when it is
+    launched, before its tokens are waited for (and, with async batching, before the previous step is read)."""
+    from engine.async_batching import StepHandle
+
+    engine = LLMEngine.from_pretrained(str(model_dir), CONFIG)
+    engine.overlap_steps = overlap
+    events = []
+    fill, token_ids = engine._reader.fill_grammar_bitmask, StepHandle.token_ids
+
+    def recording_fill(plan, handle):
+        step = fill(plan, handle)
+        events.append(("fill", handle, step is not None))  # the handle itself: an id could be reused
+        return step
+
+    def recording_read(handle):
+        events.append(("read", handle, None))
+        return token_ids(handle)
+
+    engine._reader.fill_grammar_bitmask = recording_fill
+    monkeypatch.setattr(StepHandle, "token_ids", recording_read)
+    params = [SamplingParams(max_new_tokens=30, structured_outputs=StructuredOutputsParams(regex=REGEX))] * 3
+    outputs = _run(engine, params)
+    assert all(re.fullmatch(REGEX, _text(engine, o)) for o in outputs.values())
+    filled = [(i, handle) for i, (kind, handle, built) in enumerate(events) if kind == "fill" and built]
+    assert len(filled) >= 5
+    for i, handle in filled:
+        read = next(j for j, (kind, h, _) in enumerate(events) if kind == "read" and h is handle)
+        assert read > i  # read after its own fill
+    if overlap:  # the fill of step N comes before the read of step N - 1
+        reads = [i for i, (kind, *_) in enumerate(events) if kind == "read"]
+        assert any(reads[0] > i for i, _ in filled)

@@ -224,3 +224,21 @@ def test_the_bar_shows_rows_eta_rate_and_errors(tiny_model_dir, tiny_engine, tmp
     run_job(manifest, progress=True, engine=tiny_engine)
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert "24/24 rows [" in last and ", ETA " in last and " gen tok/s, 1 errors]" in last
+
+
+def test_the_final_bar_counts_every_error_row():
+    """Rows finishing within the postfix's 0.5 s refresh: the bar's last postfix still counts every error."""
+    from types import SimpleNamespace
+
+    from jobs.observe.progress import JobProgress
+
+    def row(reason):
+        return SimpleNamespace(
+            finish_reason=reason, num_completion_tokens=4, num_prompt_tokens=3, candidate_num_tokens=None
+        )
+
+    with JobProgress(3, None, enabled=False) as progress:
+        progress.row_finished([row("stop")])
+        progress.row_finished([row("error")])
+        progress.row_finished([row("error")])
+    assert progress.errors == 2 and progress.bar.postfix.endswith("2 errors")
