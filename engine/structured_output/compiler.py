@@ -90,7 +90,10 @@ class GrammarCompiler:
         except ImportError:
             raise GrammarCompileError("structured outputs need xgrammar: pip install 'cbrun[structured]'") from None
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses for bad input
-            raise GrammarCompileError(f"invalid {kind.replace('_', ' ')} constraint: {_first_line(exc)}") from None
+            reason = _first_line(exc)
+            if kind == "regex":  # a regex is translated to EBNF first; that text's line and column mean nothing here
+                reason = re.sub(r"^EBNF parser error at line \d+, column \d+: ", "", reason)
+            raise GrammarCompileError(f"invalid {kind.replace('_', ' ')} constraint: {reason}") from None
         finally:
             seconds = time.perf_counter() - start
             with self._lock:

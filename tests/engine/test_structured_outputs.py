@@ -214,6 +214,7 @@ def test_bad_constraints_fail_their_row_only(engine):
         StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}),
         StructuredOutputsParams(regex="(ab"),
         StructuredOutputsParams(grammar="root ::= missing_rule"),
+        StructuredOutputsParams(regex="a{2,1}"),  # xgrammar reports it from the EBNF it translates the regex to
     ]
     params = [SamplingParams(max_new_tokens=20, structured_outputs=so) for so in bad]
     params.append(SamplingParams(max_new_tokens=20, structured_outputs=StructuredOutputsParams(choice=CHOICES)))
@@ -221,8 +222,11 @@ def test_bad_constraints_fail_their_row_only(engine):
     assert "minimum greater than maximum" in outputs[0].error
     assert outputs[1].error.startswith("structured outputs: invalid regex constraint: Regex parsing error")
     assert "missing_rule" in outputs[2].error
-    assert all(outputs[i].finish_reason == "error" for i in range(3))
-    assert outputs[3].finish_reason == "stop" and _text(engine, outputs[3]) in CHOICES
+    assert outputs[3].error == (
+        "structured outputs: invalid regex constraint: Lower bound is larger than upper bound: 2 > 1"
+    )  # no line and column of an EBNF text the user never wrote
+    assert all(outputs[i].finish_reason == "error" for i in range(4))
+    assert outputs[4].finish_reason == "stop" and _text(engine, outputs[4]) in CHOICES
 
 
 def test_each_distinct_constraint_compiles_once(model_dir):
