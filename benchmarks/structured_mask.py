@@ -87,34 +87,41 @@ def measure(rows: int, vocab: int, repeats: int, check: bool) -> dict[str, float
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def device_check(device: str, bench, rows: int = 256, vocab: int = 32000) -> list[tuple[str, bool, float]]:
+def device_check(device: str, bench, rows: int = 256, vocab: int = 32000) -> list[tuple[str, bool, bool, float]]:
     """The engine's masked argmax (``engine.structured_output.bitmask.masked_argmax``) on ``device``, per dtype,
-    against the same function on the same values on the CPU (the C kernel there), token for token (the GPU
-    suite's structured part).
+    against the same function on the same values on the CPU (the C kernel there), row by row (the GPU suite's
+    structured part).
 
     Args:
         device: where the logits and bitmask live ("cuda" in the suite).
         bench: ``fn -> median ms`` (``kernels.gpu_check.cuda_bench`` on CUDA).
 
     Returns:
-        Per dtype: (dtype name, whether every row's token matched, median ms of a call, a copy of the rows
-        included since the call masks them in place).
+        Per dtype: (dtype name, whether every row's token is allowed and holds the row's largest allowed value
+        (bf16 rows tie often; a device may break a tie elsewhere), whether every token is the CPU's own, median ms
+        of a call, a copy of the rows included since the call masks them in place).
     """
+    from engine.sampling.processing import allowed_tokens
     from engine.structured_output.bitmask import masked_argmax
 
     base = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)) * 4
     bitmask = make_bitmask(rows, vocab)
+    allowed = allowed_tokens(bitmask, vocab)
     on_device = bitmask.to(device)
     every = list(range(rows))
     out = []
     for dtype in (torch.bfloat16, torch.float32):
         logits = base.to(device, dtype)
-        # the same values on the CPU: the C kernel where it builds, else the PyTorch path
-        oracle = masked_argmax(logits.float().cpu(), every, bitmask)
-        ok = masked_argmax(logits.clone(), every, on_device) == oracle
-        out.append(
-            (str(dtype).removeprefix("torch."), ok, bench(lambda: masked_argmax(logits.clone(), every, on_device)))
+        values = logits.float().cpu()
+        oracle = masked_argmax(values, every, bitmask)  # the C kernel where it builds, else the PyTorch path
+        got = masked_argmax(logits.clone(), every, on_device)
+        ok = all(
+            (g is None and o is None)
+            or (g is not None and o is not None and bool(allowed[r, g]) and values[r, g] == values[r, o])
+            for r, (g, o) in enumerate(zip(got, oracle))
         )
+        ms = bench(lambda: masked_argmax(logits.clone(), every, on_device))
+        out.append((str(dtype).removeprefix("torch."), ok, got == oracle, ms))
     return out
 
 

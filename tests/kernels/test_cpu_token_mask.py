@@ -137,4 +137,22 @@ def test_the_gpu_suites_structured_check_runs_on_the_cpu():
 
     calls = []
     rows = device_check("cpu", lambda fn: calls.append(fn()) or 1.5, rows=12, vocab=700)
-    assert rows == [("bfloat16", True, 1.5), ("float32", True, 1.5)] and len(calls) == 2
+    assert rows == [("bfloat16", True, True, 1.5), ("float32", True, True, 1.5)] and len(calls) == 2
+
+
+def test_the_gpu_suites_structured_check_fails_a_wrong_token(monkeypatch):
+    from benchmarks.structured_mask import device_check
+    from engine.structured_output import bitmask as bitmask_module
+
+    real, calls = bitmask_module.masked_argmax, []
+
+    def wrong_on_the_device(logits, rows, bitmask):
+        tokens = real(logits, rows, bitmask)
+        calls.append(1)
+        if len(calls) % 2 == 0:  # each dtype: the CPU's oracle first, then the "device" call
+            tokens[1] = next(t for t in range(logits.shape[1]) if not (int(bitmask[1, t // 32]) >> (t % 32)) & 1)
+        return tokens
+
+    monkeypatch.setattr(bitmask_module, "masked_argmax", wrong_on_the_device)
+    rows = device_check("cpu", lambda fn: 1.0, rows=6, vocab=700)
+    assert [(ok, exact) for _, ok, exact, _ in rows] == [(False, False), (False, False)]
