@@ -22,3 +22,24 @@ def select_device(device: str) -> None:
     if target.index >= count:
         raise ValueError(f"device {device!r}: this machine has {count} CUDA device(s)")
     torch.cuda.set_device(target)
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of host ``values`` (a list, or nested lists) on ``device``, without making the host wait.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronises the stream: called after a
+    forward pass is enqueued (the sampler at launch), the host would wait for that pass, and async batching would
+    lose its overlap. On CUDA the values go through page-locked memory with a non-blocking copy instead (the
+    caching host allocator keeps the buffer until the copy ran); elsewhere it is ``torch.tensor``.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+def waits_for_device(device: torch.device) -> bool:
+    """Whether reading a device value on the host (``bool(t.any())``) makes the host wait for queued work: true on
+    any accelerator, false on the CPU, where ops run when called. Code on the step's path skips such reads there
+    (branch-free ops instead); on the CPU the read is free and skipping work is worth it."""
+    return device.type != "cpu"

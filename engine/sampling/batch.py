@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import to_device
 from engine.request import Request
 from engine.sampling import random_stream
 from engine.sampling.token_counts import TokenCounts
@@ -46,6 +47,7 @@ class SamplingBatch:
         processed_logprobs: host list, per row whether ``logprobs_mode`` is "processed_logprobs".
         greedy_rows: host list of ``greedy``; any_sampled, any_filtered: host flags (skip work no row needs,
             without waiting for the device).
+        host_top_k, host_top_p, host_min_p: host lists of the filters (``filters.FilterHints``).
     """
 
     greedy: torch.Tensor
@@ -70,6 +72,9 @@ class SamplingBatch:
     greedy_rows: list[bool]
     any_sampled: bool
     any_filtered: bool
+    host_top_k: list[int]
+    host_top_p: list[float]
+    host_min_p: list[float]
 
     def __len__(self) -> int:
         return len(self.num_logprobs)
@@ -78,7 +83,8 @@ class SamplingBatch:
 def build_batch(
     rows: list[SamplingRow], token_counts: TokenCounts, eos_token_ids: frozenset[int], device: torch.device | str
 ) -> SamplingBatch:
-    """The per-row tensors of ``rows`` (one host-to-device copy per tensor; penalised rows' counts gathered).
+    """The per-row tensors of ``rows`` (one non-blocking host-to-device copy per tensor, ``to_device``; penalised
+    rows' counts gathered).
 
     Args:
         rows: the step's rows in logits order.
@@ -98,10 +104,10 @@ def build_batch(
         )
 
     def floats(values):
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return to_device(values, torch.float32, device)
 
     def ints(values):
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return to_device(values, torch.int64, device)
 
     stop_pairs = [
         (i, t)
@@ -111,7 +117,7 @@ def build_batch(
     ]
     any_sampled = not all(greedy)
     return SamplingBatch(
-        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        greedy=to_device(greedy, torch.bool, device),
         temperature=floats([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
         top_k=ints([p.top_k for p in params]),
         top_p=floats([p.top_p for p in params]),
@@ -133,4 +139,7 @@ def build_batch(
         greedy_rows=greedy,
         any_sampled=any_sampled,
         any_filtered=any(not g and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for g, p in zip(greedy, params)),
+        host_top_k=[p.top_k for p in params],
+        host_top_p=[p.top_p for p in params],
+        host_min_p=[p.min_p for p in params],
     )

@@ -14,6 +14,8 @@ proposals and processed log-probabilities.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.sampling import random_stream
@@ -40,11 +42,41 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
 
 
-def kth_largest(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """(R,) the ``top_k``-th largest probability of each row; 0 where top_k is 0 or at least V (off)."""
+@dataclass(frozen=True)
+class FilterHints:
+    """What the host knows of the rows' filters, so that ``draw_filtered`` reads nothing back from the device to
+    learn it (a read waits for the forward pass queued before the sampler: async batching would lose its overlap).
+
+    Attributes:
+        max_top_k: the largest ``top_k`` in (0, V) over the rows; 0 when no row has an active top-k.
+        any_top_p: some row has ``top_p < 1``; any_min_p: some row has ``min_p > 0``.
+    """
+
+    max_top_k: int
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def of(cls, top_k: list[int], top_p: list[float], min_p: list[float], vocab: int) -> FilterHints:
+        """The hints of rows with these host settings, for logits of width ``vocab``."""
+        return cls(max([k for k in top_k if 0 < k < vocab], default=0), any(p < 1.0 for p in top_p), any(min_p))
+
+
+def kth_largest(probs: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
+    """(R,) the ``top_k``-th largest probability of each row; 0 where top_k is 0 or at least V (off).
+
+    ``max_top_k``: ``FilterHints.max_top_k`` when the host knows it (nothing is read from the device then; the
+    rows without an active top-k join the one ``topk`` call); None reads it from ``top_k``.
+    """
     vocab = probs.shape[1]
     active = (top_k > 0) & (top_k < vocab)
     kth = torch.zeros(probs.shape[0], dtype=probs.dtype, device=probs.device)
+    if max_top_k is not None:
+        if max_top_k == 0:
+            return kth
+        values = torch.topk(probs, max_top_k, dim=1).values
+        picked = values.gather(1, (top_k.clamp(1, max_top_k) - 1)[:, None])[:, 0]
+        return torch.where(active, picked, kth)
     if not bool(active.any()):
         return kth
     k = int(top_k[active].max())
@@ -60,6 +92,7 @@ def draw_filtered(
     min_p: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    hints: FilterHints | None = None,
 ) -> torch.Tensor:
     """One token per row from p restricted to its top-k / top-p / min-p set, by rejection with pivots.
 
@@ -67,17 +100,22 @@ def draw_filtered(
         probs: (R, V) float32 softmax of the processed scores (rows sum to 1, finite).
         top_k: (R,) int64, 0 off; top_p: (R,) float32, 1 off; min_p: (R,) float32, 0 off.
         seeds, positions: (R,) int64, the rows' stream keys and output positions (``random_stream.uniform``).
+        hints: the host's view of the filters (the same tokens; fewer device reads); None reads the tensors.
+            Each round still reads one flag (whether a row was rejected).
 
     Returns:
         (R,) int64 tokens. Round r draws with ``uniform(seed, position, PLAIN + r)``.
     """
-    kth = kth_largest(probs, top_k)
-    with_k = kth > 0
-    mass_k = torch.where(probs >= kth[:, None], probs, 0.0).sum(dim=1) if bool(with_k.any()) else None
+    kth = kth_largest(probs, top_k, hints.max_top_k if hints is not None else None)
+    any_top_k = hints.max_top_k > 0 if hints is not None else bool((kth > 0).any())
+    mass_k = None  # per row the mass of its top-k set; 1 without one (not the row's float sum: batch-independent)
+    if any_top_k:
+        mass_k = torch.where(kth > 0, torch.where(probs >= kth[:, None], probs, 0.0).sum(dim=1), 1.0)
     # The top-k and min-p bounds in one: p(x) must reach both.
-    floor_p = torch.maximum(kth, min_p * probs.amax(dim=1)) if bool((min_p > 0).any()) else kth
+    any_min_p = hints.any_min_p if hints is not None else bool((min_p > 0).any())
+    floor_p = torch.maximum(kth, min_p * probs.amax(dim=1)) if any_min_p else kth
     nucleus = top_p < 1.0
-    any_nucleus = bool(nucleus.any())
+    any_nucleus = hints.any_top_p if hints is not None else bool(nucleus.any())
     tokens = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     pending = torch.arange(probs.shape[0], device=probs.device)
     pivot = None  # per pending row: tokens no more likely than this have been ruled out

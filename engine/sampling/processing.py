@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.device import waits_for_device
 from kernels import cpu_token_mask
 
 #: Per-row error codes (``SamplingBatch`` rows that cannot give a token fail alone).
@@ -123,7 +124,10 @@ def settle_infinities(scores: torch.Tensor) -> torch.Tensor:
     top = scores.amax(dim=1)  # NaN where the row holds NaN
     nan = top.isnan()
     inf_rows = top == float("inf")
-    if bool(inf_rows.any()):
+    if waits_for_device(scores.device):  # no host read of the device (it would wait for the forward pass)
+        settled = torch.where(scores == float("inf"), 0.0, float("-inf"))
+        scores.copy_(torch.where(inf_rows[:, None], settled, scores))
+    elif bool(inf_rows.any()):
         sub = scores[inf_rows]
         scores[inf_rows] = torch.where(sub == float("inf"), 0.0, float("-inf"))
     errors = torch.zeros(scores.shape[0], dtype=torch.int8, device=scores.device)

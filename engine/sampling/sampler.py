@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import to_device, waits_for_device
 from engine.sampling import processing, random_stream
 from engine.sampling.batch import SamplingBatch
-from engine.sampling.filters import draw_filtered, filtered_probs, inverse_cdf
+from engine.sampling.filters import FilterHints, draw_filtered, filtered_probs, inverse_cdf
 
 
 @dataclass
@@ -94,7 +95,9 @@ def process(
             batch.frequency,
         )
     errors = processing.settle_infinities(scores)
-    if bool(errors.any()):  # a failed row is dropped by its caller; zeros keep the batched ops below free of NaN
+    # A failed row is dropped by its caller; zeros keep the batched ops below free of NaN. On the CPU the check is
+    # free and skips a pass; on a device it would wait for the forward pass, so the fill is unconditional there.
+    if waits_for_device(scores.device) or bool(errors.any()):
         scores.masked_fill_((errors != 0)[:, None], 0.0)
     return scores, raw, errors
 
@@ -105,7 +108,7 @@ def sampled_rows(batch: SamplingBatch, device) -> torch.Tensor:
 
 
 def _index(rows: list[int], device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    return to_device(rows, torch.int64, device)
 
 
 def sampled_probs(
@@ -143,7 +146,15 @@ def sample(
         probs = sampled_probs(scores if rows is None else scores[rows], batch, rows, filtered=False)
         seeds, positions = pick(batch.seeds), pick(batch.positions)
         if batch.any_filtered:
-            drawn = draw_filtered(probs, pick(batch.top_k), pick(batch.top_p), pick(batch.min_p), seeds, positions)
+            at = [i for i, greedy in enumerate(batch.greedy_rows) if not greedy]
+            hints = FilterHints.of(
+                [batch.host_top_k[i] for i in at],
+                [batch.host_top_p[i] for i in at],
+                [batch.host_min_p[i] for i in at],
+                scores.shape[1],
+            )
+            top_k, top_p, min_p = pick(batch.top_k), pick(batch.top_p), pick(batch.min_p)
+            drawn = draw_filtered(probs, top_k, top_p, min_p, seeds, positions, hints)
         else:
             drawn = inverse_cdf(probs, random_stream.uniform(seeds, positions, random_stream.PLAIN))
         if rows is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import to_device
 from engine.faults import SamplingError, is_request_fault, request_error_message
 from engine.request import Request
 from engine.sampling.batch import SamplingRow, build_batch
@@ -55,7 +56,7 @@ class LaunchedRows:
     def sample(self, logits: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
         """The step's tokens: ``argmax`` (S,) with the sampled rows replaced."""
         tokens, self.launched = self.sampler.sample_on_device(logits, self.requests, self.logit_rows)
-        argmax[torch.tensor(self.sample_rows, dtype=torch.int64, device=argmax.device)] = tokens
+        argmax[to_device(self.sample_rows, torch.int64, argmax.device)] = tokens
         return argmax
 
     def read(self, token_ids: list[int], unfinished: dict[int, Request]) -> dict[int, int]:
@@ -121,7 +122,7 @@ class StepSampler:
             ((len(rows),) int64 tokens on the device, what ``read_launched`` reads once the step is done).
         """
         batch_rows = [SamplingRow(r, [], r.num_pending_tokens) for r in requests]
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        index = to_device(rows, torch.int64, logits.device)
         try:
             batch = build_batch(batch_rows, self.token_counts, self.eos_token_ids, logits.device)
             out = sample(logits[index], batch, token_bitmask, in_place=True)  # the index made a copy

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.device import to_device
 from engine.request import Request
 
 
@@ -52,12 +53,12 @@ class TokenCounts:
         """
         rows = [self._row(request) for request in requests]
         self._count_new_outputs(requests)
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        index = to_device(rows, torch.int64, self.device)
         seen = self.seen[index]
         extra = [(i, t) for i, tokens in enumerate(extra_tokens) for t in tokens]
         if not extra:
             return index, seen, None
-        at = torch.tensor(extra, dtype=torch.int64, device=self.device)
+        at = to_device(extra, torch.int64, self.device)
         extra_counts = torch.zeros(seen.shape, dtype=torch.int32, device=self.device)
         extra_counts.index_put_(
             (at[:, 0], at[:, 1]), torch.ones(len(extra), dtype=torch.int32, device=self.device), accumulate=True
@@ -86,7 +87,7 @@ class TokenCounts:
             self._row_of[request.index] = row
         self.counts[row] = 0
         self.seen[row] = False
-        self.seen[row, torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=self.device)] = True
+        self.seen[row, to_device(request.prompt_token_ids, torch.int64, self.device)] = True
         self._num_counted[request.index] = 0
         return row
 
@@ -109,7 +110,7 @@ class TokenCounts:
                 tokens += new
                 counted[request.index] = done + len(new)
         if rows:
-            at = torch.tensor([rows, tokens], dtype=torch.int64, device=self.device)
+            at = to_device([rows, tokens], torch.int64, self.device)
             self.counts.index_put_(
                 (at[0], at[1]), torch.ones(len(rows), dtype=torch.int32, device=self.device), accumulate=True
             )

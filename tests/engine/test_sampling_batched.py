@@ -23,10 +23,11 @@ def rows_of(params_list, seeds=None, outputs=None):
     return rows
 
 
-def run(logits, params_list, bitmask=None, seeds=None, outputs=None):
+def run(logits, params_list, bitmask=None, seeds=None, outputs=None, to_host=True):
     rows = rows_of(params_list, seeds, outputs)
     batch = build_batch(rows, TokenCounts(logits.shape[1], "cpu"), frozenset(), "cpu")
-    return sample(logits, batch, bitmask).to_host()
+    out = sample(logits, batch, bitmask)
+    return out.to_host() if to_host else out
 
 
 def pack(allowed: torch.Tensor) -> torch.Tensor:
