@@ -21,9 +21,10 @@ from engine.kv_cache import KVCache
 from engine.kv_layout import KVLayout
 from engine.lean_llama import select_lean_model
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, request_output
 from engine.plan import SchedulerOutput
 from engine.request import Request, RequestStatus
+from engine.request_checks import request_error
 from engine.sampling.step import LaunchedRows, StepSampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import make_scheduler
@@ -246,7 +247,8 @@ class LLMEngine:
             else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         )
         request = Request(request_id, list(prompt_token_ids), params, seed=seed)
-        error = self._validate(request)
+        vocab = self.model.config.get_text_config().vocab_size
+        error = request_error(request, vocab, self.max_model_len, self._stop_matcher is not None)
         if error is None and params.structured_outputs is not None:
             error = self._start_grammar(request)
         self.scheduler.add_request(request, error=error)
@@ -264,26 +266,6 @@ class LLMEngine:
             )
         params = request.sampling_params.structured_outputs
         request.structured = StructuredOutputRequest(params, self._grammar_compiler.submit(params))
-        return None
-
-    def _validate(self, request: Request) -> str | None:
-        try:
-            request.sampling_params.validate()
-        except ValueError as e:
-            return f"invalid sampling setting: {e}"
-        vocab = self.model.config.get_text_config().vocab_size
-        if not request.prompt_token_ids:
-            return "empty prompt: nothing to condition on"
-        if request.num_prompt_tokens >= self.max_model_len:
-            return (
-                f"prompt has {request.num_prompt_tokens} tokens; the model's maximum length is "
-                f"{self.max_model_len}, so no token can be generated"
-            )
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
-        if request.sampling_params.stop and self._stop_matcher is None:
-            return "stop strings need a tokenizer, and the model directory has none"
         return None
 
     def has_unfinished_requests(self) -> bool:
@@ -376,36 +358,7 @@ class LLMEngine:
         else:
             counters.num_prompt_tokens += request.num_prompt_tokens
             counters.num_cached_prompt_tokens += request.num_cached_tokens
-        # No TTFT for an echo-only request (max_new_tokens 0): its prompt ran for log-probabilities, no token is output.
-        has_tokens = request.first_token_time is not None and request.sampling_params.max_new_tokens > 0
-        ttft = request.first_token_time - request.arrival_time if has_tokens else None
-        return RequestOutput(
-            request.request_id,
-            request.prompt_token_ids,
-            request.output_token_ids,
-            request.finish_reason,
-            request.error,
-            ttft,
-            request.arrival_time,
-            request.finish_time or time.perf_counter(),
-            stop_reason=request.stop_reason,
-            text=self._output_text(request),
-            logprobs=request.logprobs if request.sampling_params.logprobs is not None else None,
-            prompt_logprobs=(request.prompt_logprobs if request.sampling_params.prompt_logprobs_from else None),
-            prompt_greedy=(request.prompt_greedy if request.sampling_params.prompt_logprobs_from else None),
-            scheduled_time=request.scheduled_time,
-            first_token_time=request.first_token_time if has_tokens else None,
-        )
-
-    def _output_text(self, request: Request) -> str | None:
-        """The output text when it is not simply the decoded ids: cut before a stop string, or without the text of
-        the stop token (EOS or ``stop_token_ids``) that ended the request, as vLLM's detokenizer does, unless
-        ``include_stop_str_in_output``. None: decode ``output_token_ids``."""
-        if request.output_text is not None or not isinstance(request.stop_reason, int):
-            return request.output_text
-        if request.sampling_params.include_stop_str_in_output or self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(request.output_token_ids[:-1], skip_special_tokens=True)
+        return request_output(request, self.tokenizer)
 
     def generate(
         self, requests: Iterable[tuple[object, list[int], SamplingParams]], max_in_flight: int = 1024

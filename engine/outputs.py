@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+from engine.request import Request
 
 
 @dataclass
@@ -55,3 +58,43 @@ class RequestOutput:
     def decode_s(self) -> float | None:
         """Seconds from its first generated token to its finish (None when no token was generated)."""
         return None if self.ttft_s is None else self.finish_time - self.first_token_time
+
+
+def request_output(request: Request, tokenizer) -> RequestOutput:
+    """The ``RequestOutput`` of a finished (or failed) request.
+
+    Args:
+        request: the request, finished.
+        tokenizer: the engine's tokenizer, or None (the text is then left to the caller: ``text`` None).
+    """
+    params = request.sampling_params
+    # No TTFT for an echo-only request (max_new_tokens 0): its prompt ran for log-probabilities, no token is output.
+    has_tokens = request.first_token_time is not None and params.max_new_tokens > 0
+    return RequestOutput(
+        request.request_id,
+        request.prompt_token_ids,
+        request.output_token_ids,
+        request.finish_reason,
+        request.error,
+        request.first_token_time - request.arrival_time if has_tokens else None,
+        request.arrival_time,
+        request.finish_time or time.perf_counter(),
+        stop_reason=request.stop_reason,
+        text=_output_text(request, tokenizer),
+        logprobs=request.logprobs if params.logprobs is not None else None,
+        prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs_from else None,
+        prompt_greedy=request.prompt_greedy if params.prompt_logprobs_from else None,
+        scheduled_time=request.scheduled_time,
+        first_token_time=request.first_token_time if has_tokens else None,
+    )
+
+
+def _output_text(request: Request, tokenizer) -> str | None:
+    """The output text when it is not simply the decoded ids: cut before a stop string, or without the text of the
+    stop token (EOS or ``stop_token_ids``) that ended the request, as vLLM's detokenizer does, unless
+    ``include_stop_str_in_output``. None: decode ``output_token_ids``."""
+    if request.output_text is not None or not isinstance(request.stop_reason, int):
+        return request.output_text
+    if request.sampling_params.include_stop_str_in_output or tokenizer is None:
+        return None
+    return tokenizer.decode(request.output_token_ids[:-1], skip_special_tokens=True)
