@@ -9,6 +9,7 @@ import torch
 from engine.device import to_device
 from engine.request import Request
 from engine.sampling import random_stream
+from engine.sampling.filters import FilterHints
 from engine.sampling.token_counts import TokenCounts
 
 
@@ -47,7 +48,7 @@ class SamplingBatch:
         processed_logprobs: host list, per row whether ``logprobs_mode`` is "processed_logprobs".
         greedy_rows: host list of ``greedy``; any_sampled, any_filtered: host flags (skip work no row needs,
             without waiting for the device).
-        host_top_k, host_top_p, host_min_p: host lists of the filters (``filters.FilterHints``).
+        filter_hints: what the host knows of the sampled rows' filters (``filters.FilterHints``).
     """
 
     greedy: torch.Tensor
@@ -72,9 +73,7 @@ class SamplingBatch:
     greedy_rows: list[bool]
     any_sampled: bool
     any_filtered: bool
-    host_top_k: list[int]
-    host_top_p: list[float]
-    host_min_p: list[float]
+    filter_hints: FilterHints
 
     def __len__(self) -> int:
         return len(self.num_logprobs)
@@ -116,6 +115,7 @@ def build_batch(
         for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
     ]
     any_sampled = not all(greedy)
+    sampled = [p for g, p in zip(greedy, params) if not g]
     return SamplingBatch(
         greedy=to_device(greedy, torch.bool, device),
         temperature=floats([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
@@ -139,7 +139,7 @@ def build_batch(
         greedy_rows=greedy,
         any_sampled=any_sampled,
         any_filtered=any(not g and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for g, p in zip(greedy, params)),
-        host_top_k=[p.top_k for p in params],
-        host_top_p=[p.top_p for p in params],
-        host_min_p=[p.min_p for p in params],
+        filter_hints=FilterHints.of(
+            [p.top_k for p in sampled], [p.top_p for p in sampled], [p.min_p for p in sampled], token_counts.vocab_size
+        ),
     )

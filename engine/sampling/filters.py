@@ -61,28 +61,31 @@ class FilterHints:
         """The hints of rows with these host settings, for logits of width ``vocab``."""
         return cls(max([k for k in top_k if 0 < k < vocab], default=0), any(p < 1.0 for p in top_p), any(min_p))
 
+    @classmethod
+    def read(cls, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab: int) -> FilterHints:
+        """The hints read back from the rows' device tensors (for callers without the host's settings)."""
+        active = (top_k > 0) & (top_k < vocab)
+        max_top_k = int(torch.where(active, top_k, 0).max()) if top_k.numel() else 0
+        return cls(max_top_k, bool((top_p < 1.0).any()), bool((min_p > 0).any()))
+
 
 def kth_largest(probs: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
     """(R,) the ``top_k``-th largest probability of each row; 0 where top_k is 0 or at least V (off).
 
-    ``max_top_k``: ``FilterHints.max_top_k`` when the host knows it (nothing is read from the device then; the
-    rows without an active top-k join the one ``topk`` call); None reads it from ``top_k``.
+    ``max_top_k``: ``FilterHints.max_top_k`` when the host knows it (nothing is read from the device then); None
+    reads it from ``top_k``. Rows without an active top-k join the one ``topk`` call and get 0.
     """
     vocab = probs.shape[1]
     active = (top_k > 0) & (top_k < vocab)
     kth = torch.zeros(probs.shape[0], dtype=probs.dtype, device=probs.device)
-    if max_top_k is not None:
-        if max_top_k == 0:
-            return kth
-        values = torch.topk(probs, max_top_k, dim=1).values
-        picked = values.gather(1, (top_k.clamp(1, max_top_k) - 1)[:, None])[:, 0]
-        return torch.where(active, picked, kth)
-    if not bool(active.any()):
+    if max_top_k is None:
+        max_top_k = int(torch.where(active, top_k, 0).max()) if top_k.numel() else 0
+    max_top_k = min(max_top_k, vocab - 1)  # active rows have top_k < V (a hint made for wider logits)
+    if max_top_k <= 0:
         return kth
-    k = int(top_k[active].max())
-    values = torch.topk(probs[active], k, dim=1).values
-    kth[active] = values.gather(1, (top_k[active] - 1)[:, None])[:, 0]
-    return kth
+    values = torch.topk(probs, max_top_k, dim=1).values
+    picked = values.gather(1, (top_k.clamp(1, max_top_k) - 1)[:, None])[:, 0]
+    return torch.where(active, picked, kth)
 
 
 def draw_filtered(
@@ -106,16 +109,16 @@ def draw_filtered(
     Returns:
         (R,) int64 tokens. Round r draws with ``uniform(seed, position, PLAIN + r)``.
     """
-    kth = kth_largest(probs, top_k, hints.max_top_k if hints is not None else None)
-    any_top_k = hints.max_top_k > 0 if hints is not None else bool((kth > 0).any())
+    if hints is None:
+        hints = FilterHints.read(top_k, top_p, min_p, probs.shape[1])
+    kth = kth_largest(probs, top_k, hints.max_top_k)
     mass_k = None  # per row the mass of its top-k set; 1 without one (not the row's float sum: batch-independent)
-    if any_top_k:
+    if hints.max_top_k:
         mass_k = torch.where(kth > 0, torch.where(probs >= kth[:, None], probs, 0.0).sum(dim=1), 1.0)
     # The top-k and min-p bounds in one: p(x) must reach both.
-    any_min_p = hints.any_min_p if hints is not None else bool((min_p > 0).any())
-    floor_p = torch.maximum(kth, min_p * probs.amax(dim=1)) if any_min_p else kth
+    floor_p = torch.maximum(kth, min_p * probs.amax(dim=1)) if hints.any_min_p else kth
     nucleus = top_p < 1.0
-    any_nucleus = hints.any_top_p if hints is not None else bool(nucleus.any())
+    any_nucleus = hints.any_top_p
     tokens = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     pending = torch.arange(probs.shape[0], device=probs.device)
     pivot = None  # per pending row: tokens no more likely than this have been ruled out

@@ -17,7 +17,7 @@ import torch
 from engine.device import to_device, waits_for_device
 from engine.sampling import processing, random_stream
 from engine.sampling.batch import SamplingBatch
-from engine.sampling.filters import FilterHints, draw_filtered, filtered_probs, inverse_cdf
+from engine.sampling.filters import draw_filtered, filtered_probs, inverse_cdf
 
 
 @dataclass
@@ -146,15 +146,8 @@ def sample(
         probs = sampled_probs(scores if rows is None else scores[rows], batch, rows, filtered=False)
         seeds, positions = pick(batch.seeds), pick(batch.positions)
         if batch.any_filtered:
-            at = [i for i, greedy in enumerate(batch.greedy_rows) if not greedy]
-            hints = FilterHints.of(
-                [batch.host_top_k[i] for i in at],
-                [batch.host_top_p[i] for i in at],
-                [batch.host_min_p[i] for i in at],
-                scores.shape[1],
-            )
             top_k, top_p, min_p = pick(batch.top_k), pick(batch.top_p), pick(batch.min_p)
-            drawn = draw_filtered(probs, top_k, top_p, min_p, seeds, positions, hints)
+            drawn = draw_filtered(probs, top_k, top_p, min_p, seeds, positions, batch.filter_hints)
         else:
             drawn = inverse_cdf(probs, random_stream.uniform(seeds, positions, random_stream.PLAIN))
         if rows is None:
