@@ -1,3 +1,3 @@
-"""cbrun's benchmarks: ``cbrun_bench`` (the ``cbrun bench`` command) and scripts run as ``python -m benchmarks.NAME``
-from the repository root. Not part of the runtime: nothing in engine/, jobs/ or kernels/ imports them (``cbrun
-bench`` imports ``cbrun_bench`` when it is called)."""
+"""cbrun's benchmark scripts, run as ``python -m benchmarks.NAME`` from the repository root; not installed. The
+``cbrun bench`` harness they share is ``cbrun.bench``. Nothing in cbrun's runtime packages imports either (``cbrun
+bench`` loads ``cbrun.bench`` through its entry point when it is called)."""

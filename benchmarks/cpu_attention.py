@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 
 BACKENDS = ("torch", "cpu")
 VLLM_LLAMA = dict(
@@ -74,7 +74,7 @@ def vllm_workload(model_dir: Path, rows: int = 128, seed: int = 0):
 
 
 def stories_workload(scratch: Path):
-    from benchmarks.cbrun_bench.workloads import build_workload
+    from cbrun.bench.workloads import build_workload
 
     w = build_workload("gsm8k-stories260k", 512, (16, 256), 0, None, scratch)
     requests = [
@@ -114,8 +114,8 @@ def kernel_case(requests, q_len, context, num_heads, num_kv_heads, head_dim, pag
 
 def kernel_table(repeats: int) -> str:
     """Markdown table: per shape, reference and C kernel milliseconds per call and their ratio."""
-    from kernels.cpu_attention import paged_attention_cpu
-    from kernels.reference import build_gather_plan, paged_attention_ref
+    from cbrun.kernels.cpu_attention import paged_attention_cpu
+    from cbrun.kernels.reference import build_gather_plan, paged_attention_ref
 
     calls = {}
     for name, shape in KERNEL_SHAPES.items():
@@ -187,8 +187,8 @@ def paired_seconds(old_source: Path, name: str, num_rows: int, budgets: tuple[in
 
     kind is "decode" (every request one query row) or "with prefill rows"; calls also counts "all".
     """
-    import kernels.cpu_attention as cpu_attention
-    from benchmarks.cbrun_bench.workloads import build_workload
+    import cbrun.kernels.cpu_attention as cpu_attention
+    from cbrun.bench.workloads import build_workload
 
     old_library = cpu_attention.load_library(old_source)
     new_attention = cpu_attention.StepKernels.attention

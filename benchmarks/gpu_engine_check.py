@@ -18,7 +18,7 @@ Two parts, each mode against the plain one (CUDA graphs off, async batching off)
 
 Exit status: 0 when everything matched, 1 on any kernel or engine mismatch, 2 without CUDA (nothing was run). It
 reads engine internals (the KV tensor, the scheduler's queues) to count bytes, which is why it lives here and not
-in ``kernels/``.
+in ``cbrun/kernels/``.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ ENGINE_HEADER = ["engine part", "mode", "dtype", "tokens/s", "vs plain", "== pla
 
 
 def _engine_workload(vocab_size: int, num_requests: int, max_prompt: int, max_new_tokens: int, seed: int = 0):
-    from engine.sampling_params import SamplingParams
+    from cbrun.engine.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(max_prompt // 16, max_prompt, (num_requests,), generator=g).tolist()
@@ -106,7 +106,7 @@ def _engine_workload(vocab_size: int, num_requests: int, max_prompt: int, max_ne
 
 def _run_engine(model_dir: str, config, workload) -> tuple[float, dict, list[float], int]:
     """Generated tokens/s, outputs, the bytes/s each decode-only step moved (weights + KV read), swaps."""
-    from engine import LLMEngine
+    from cbrun.engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(model_dir, config)
     param_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -148,7 +148,7 @@ def _compare(
     copy_bandwidth: float | None,
     gate: bool,
 ) -> list[EngineRow]:
-    from engine import EngineConfig
+    from cbrun.engine import EngineConfig
 
     results = {
         name: _run_engine(model_dir, EngineConfig(**base_settings, **settings), workload)
@@ -221,7 +221,7 @@ def engine_checks(
                 copy_bandwidth,
                 gate=False,
             )
-    from kernels.gpu_check import format_table
+    from cbrun.kernels.gpu_check import format_table
 
     print()
     print(format_table(ENGINE_HEADER, [row.cells() for row in rows]))
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_engine_check: no CUDA device here, nothing was run (the CPU tests cover the engine)")
         return NO_CUDA_EXIT
-    from kernels import gpu_check
+    from cbrun.kernels import gpu_check
 
     status = 0 if "--engine-only" in argv else gpu_check.main()
     rows = engine_checks(gpu_check._copy_bandwidth("cuda", gpu_check.cuda_bench))

@@ -5,7 +5,7 @@ From a plain checkout on a CUDA machine (Python 3.12, torch with CUDA, triton, t
     PYTHONPATH=. python -m benchmarks.gpu_suite                     # writes benchmarks/results-gpu-suite.md
     PYTHONPATH=. python -m benchmarks.gpu_suite --results /tmp/r.md
 
-It runs ``kernels.gpu_check`` (attention in realistic batches, the decode tile in bf16 and float32 at head_dim 128
+It runs ``cbrun.kernels.gpu_check`` (attention in realistic batches, the decode tile in bf16 and float32 at head_dim 128
 and 256 against the HBM roofline, the KV-cache write) and ``benchmarks.gpu_engine_check`` (CUDA graphs, async
 batching and swap preemption against the plain engine, token for token, then timed) and the grammar's masked
 argmax against the CPU kernel (``benchmarks.structured_mask.device_check``), prints one table and
@@ -33,7 +33,7 @@ NO_CUDA_EXIT = 2
 
 def kernel_rows(copy_bandwidth_and_matmul: tuple[float, float]) -> list[tuple[list[str], bool]]:
     """The kernel checks as suite rows: (cells, ok)."""
-    from kernels import gpu_check
+    from cbrun.kernels import gpu_check
 
     rows = gpu_check.run_checks("cuda", gpu_check.cuda_bench, ceilings=copy_bandwidth_and_matmul)
     out = []
@@ -59,7 +59,7 @@ def engine_rows(copy_bandwidth: float) -> list[tuple[list[str], bool]]:
 def structured_rows() -> list[tuple[list[str], bool]]:
     """The grammar's masked argmax on the GPU (``benchmarks.structured_mask.device_check``) as suite rows."""
     from benchmarks import structured_mask
-    from kernels import gpu_check
+    from cbrun.kernels import gpu_check
 
     out = []
     for dtype, ok, exact, ms in structured_mask.device_check("cuda", gpu_check.cuda_bench):
@@ -84,7 +84,7 @@ def environment() -> str:
 
 def run_suite() -> tuple[list[tuple[list[str], bool]], float]:
     """All parts; a part that raises becomes a failed row. Returns (rows, seconds)."""
-    from kernels import gpu_check
+    from cbrun.kernels import gpu_check
 
     start = time.perf_counter()
     rows: list[tuple[list[str], bool]] = []
@@ -111,7 +111,7 @@ def run_suite() -> tuple[list[tuple[list[str], bool]], float]:
 
 def report(rows: list[tuple[list[str], bool]], seconds: float, env: str) -> str:
     """The results file's text: header, the one table, the verdict."""
-    from kernels.gpu_check import format_table
+    from cbrun.kernels.gpu_check import format_table
 
     failed = sum(not ok for _, ok in rows)
     verdict = "all checks matched" if not failed else f"{failed} check(s) FAILED"

@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 
 VOCAB = 128
 

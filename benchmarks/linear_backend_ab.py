@@ -29,8 +29,8 @@ def one_run(threads: int, backend: str, model_dir: Path) -> dict:
     """One timed generate in this process; returns its figures."""
     import torch
 
-    from benchmarks.cbrun_bench.workloads import build_workload
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from cbrun.bench.workloads import build_workload
+    from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as scratch:

@@ -10,7 +10,7 @@ cbrun also gets ``num_threads=1``), tasks from ``tests/evals/tasks`` (``--includ
 (``HF_DATASETS_OFFLINE=1``). Backends:
 
 - ``hf``: ``cbrun lm-eval --model hf``, lm-eval's ``hf`` backend with its defaults (``batch_size=1``, float32 on
-  the CPU) through the same CLI as cbrun: lm-eval's CLI with its task index cached (``jobs.integrations.lm_eval_task_index``);
+  the CPU) through the same CLI as cbrun: lm-eval's CLI with its task index cached (``cbrun.jobs.integrations.lm_eval_task_index``);
 - ``cbrun``: ``cbrun lm-eval --model cbrun`` with the backend's defaults;
 - ``hf (plain lm_eval)``: ``lm_eval --model hf``, lm-eval's own CLI as installed (every run indexes its ~14k
   built-in task configs), on the startup and multiple-choice rows only: what ``cbrun lm-eval`` saves any backend.
@@ -82,7 +82,7 @@ def command(backend: str, model: str, task: str, limit: int | None, output_dir: 
         head = [
             sys.executable,
             "-m",
-            "jobs.cli",
+            "cbrun.jobs.cli",
             "lm-eval",
             "run",
             "--model",
@@ -94,7 +94,7 @@ def command(backend: str, model: str, task: str, limit: int | None, output_dir: 
         head = [
             sys.executable,
             "-m",
-            "jobs.cli",
+            "cbrun.jobs.cli",
             "lm-eval",
             "run",
             "--model",

@@ -77,16 +77,16 @@ def load_backend(backend: str, model: str, timers: Timers):
         lm = HFLM(pretrained=model, dtype="float32", device="cpu")
         timers.wrap(HFLM, "_loglikelihood_tokens", "scoring")
         return lm
-    import engine.lean_llama as lean_llama
-    import jobs.integrations.lm_eval_backend as backend_module
-    import kernels.cpu_attention
+    import cbrun.engine.lean_llama as lean_llama
+    import cbrun.jobs.integrations.lm_eval_backend as backend_module
+    import cbrun.kernels.cpu_attention
 
     lm = backend_module.CbrunLM(pretrained=model, num_threads=1)
     engine = lm.engine
     timers.wrap(backend_module.CbrunLM, "_loglikelihood_tokens", "scoring")
     timers.wrap(engine, "step", "engine step")
     timers.wrap(engine.model_runner, "_forward", "forward")
-    timers.wrap(kernels.cpu_attention.StepKernels, "attention", "attention kernel")
+    timers.wrap(cbrun.kernels.cpu_attention.StepKernels, "attention", "attention kernel")
     timers.wrap(lean_llama, "_linear", "linear layers")
     timers.wrap(engine, "add_request", "add_request")
     return lm
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         from lm_eval.api.task import ConfigurableTask
         from lm_eval.tasks import TaskManager
 
-        import jobs.integrations.lm_eval_backend  # noqa: F401
-        from jobs.integrations.lm_eval_task_index import cached_builtin_task_index
+        import cbrun.jobs.integrations.lm_eval_backend  # noqa: F401
+        from cbrun.jobs.integrations.lm_eval_task_index import cached_builtin_task_index
     with timers.phase("task index"):
         with contextlib.nullcontext() if args.no_index_cache else cached_builtin_task_index():
             task_manager = TaskManager(include_path="tests/evals/tasks")

@@ -12,7 +12,7 @@ the engine stops each row at the model's 512-token length.
 Runs, round-robin ``--repeats`` times, each in a fresh process:
 
 - per ``--tree LABEL=PATH[;SECTION.KEY=VALUE...]``: the whole command
-  ``python -m jobs.cli run --model M --input Q --prompt-column question --output O --max-new-tokens 256`` run in
+  ``python -m cbrun.jobs.cli run --model M --input Q --prompt-column question --output O --max-new-tokens 256`` run in
   PATH with ``PYTHONPATH=PATH`` (that checkout's code and defaults; the ``--set`` assignments after ``;`` if any),
   timed from process start to exit. Its generation-phase tokens/s and peak memory come from the job's stats.json.
 - ``hf-generate``: transformers ``generate`` on left-padded static batches of ``--batch-size`` (64) in input order,
@@ -46,8 +46,8 @@ def prepare(scratch: Path, rows: int) -> tuple[Path, Path]:
     """(stories260K converted to a transformers directory, a Parquet file of the first ``rows`` questions)."""
     import pyarrow.parquet as pq
 
-    from benchmarks.cbrun_bench.workloads import gsm8k_path, stories260k_path
-    from jobs.convert_llama2c import convert_llama2c
+    from cbrun.bench.workloads import gsm8k_path, stories260k_path
+    from cbrun.jobs.convert_llama2c import convert_llama2c
 
     source = stories260k_path()
     model_dir = convert_llama2c(source / "stories260K.bin", source / "tok512.bin", scratch / "stories260K")
@@ -62,7 +62,7 @@ def run_cbrun(tree: str, sets: list[str], model_dir: Path, questions: Path, scra
     command = [
         sys.executable,
         "-m",
-        "jobs.cli",
+        "cbrun.jobs.cli",
         "run",
         "--model",
         str(model_dir),
@@ -140,8 +140,8 @@ def hf_child(model_dir: str, questions: str, batch_size: int) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from benchmarks.cbrun_bench.backends import _hf_generate_batch, _load_hf_model
-    from benchmarks.cbrun_bench.workloads import cut_output
+    from cbrun.bench.backends import _hf_generate_batch, _load_hf_model
+    from cbrun.bench.workloads import cut_output
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = tokenizer(pq.read_table(questions).column("question").to_pylist())["input_ids"]
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"peak {r['peak_mib']:.0f} MiB"
             )
         return 0
-    from benchmarks.cbrun_bench.measure import machine_info
+    from cbrun.bench.measure import machine_info
 
     m = machine_info(0)
     text = report(

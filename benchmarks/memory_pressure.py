@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.cbrun_bench.workloads import gsm8k_path
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.bench.workloads import gsm8k_path
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def load_prompts(model_dir: str, data: str, rows: int) -> list[list[int]]:

@@ -8,7 +8,7 @@ Each repeat runs ``LLMEngine.generate`` over the workload once per page size, ro
 defaults otherwise (``EngineConfig(page_size=P)``: its budgets, "auto" threads, the C attention kernel), in this
 process. Reported per page size: the median generation wall time of the repeats, generated tokens/s, the ratio of
 that time to the first page size's, and whether the outputs equal the first page size's token for token. This is
-the measurement behind ``engine.config.DEFAULT_PAGE_SIZE["cpu"]``.
+the measurement behind ``cbrun.engine.config.DEFAULT_PAGE_SIZE["cpu"]``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.cbrun_bench.workloads import build_workload
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.bench.workloads import build_workload
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def run_once(workload, page_size: int) -> tuple[float, list[list[int]]]:

@@ -44,11 +44,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks.cbrun_bench.workloads import fewshot_template, gsm8k_path
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.manifest import JobManifest
-from jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.bench.workloads import fewshot_template, gsm8k_path
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 REPO = Path(__file__).resolve().parents[1]
 #: GSM8K from the shared folder ($CBRUN_SHARED, else shared/ beside the checkout).
@@ -229,8 +229,8 @@ def run_one(
     """One job on a fresh engine; per-row cached tokens are read off the engine's finished requests."""
     import torch
 
-    from engine import LLMEngine
-    from jobs.run.job import run_job
+    from cbrun.engine import LLMEngine
+    from cbrun.jobs.run.job import run_job
 
     torch.set_num_threads(1)
     config = EngineConfig(
@@ -369,7 +369,7 @@ def run_all(args, tokenizer) -> list[Result]:
 def check_outputs(results: list[Result], work: Path) -> None:
     """Sets ``same_outputs``: whether each run's completions, by row id, equal those of the first run on the same
     rows (the sorted mix holds the shuffled mix's rows in another order)."""
-    from jobs.output.writer import read_output
+    from cbrun.jobs.output.writer import read_output
 
     first: dict[str, tuple[str, dict]] = {}
     for r in results:

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.cbrun_bench.workloads import build_workload
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.bench.workloads import build_workload
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def run_steps(workload, sharing: bool, page_size: int) -> tuple[float, np.ndarray]:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cbrun_bench.workloads import build_workload
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.bench.workloads import build_workload
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 
 KINDS = {
     "greedy": {},

@@ -1,4 +1,4 @@
-"""The batched sampler's own time per step: ``engine.sampling.sampler.sample`` on (rows, vocab) logits.
+"""The batched sampler's own time per step: ``cbrun.engine.sampling.sampler.sample`` on (rows, vocab) logits.
 
 Three settings, as in ``cbrun bench --workload random-llama-100m``: greedy (through the sampler, e.g. a greedy row
 with a penalty or logprobs pays this; plain greedy rows take the device argmax instead), temperature 0.8 / top_p
@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from engine.request import Request
-from engine.sampling.batch import SamplingRow, build_batch
-from engine.sampling.sampler import sample
-from engine.sampling.token_counts import TokenCounts
-from engine.sampling_params import SamplingParams
+from cbrun.engine.request import Request
+from cbrun.engine.sampling.batch import SamplingRow, build_batch
+from cbrun.engine.sampling.sampler import sample
+from cbrun.engine.sampling.token_counts import TokenCounts
+from cbrun.engine.sampling_params import SamplingParams
 
 SETTINGS = {
     "greedy + logprobs 5": SamplingParams(logprobs=5),

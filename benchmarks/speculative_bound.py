@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.cbrun_bench.speculative import BOS, gsm8k_requests, num_requests, story_repeat_requests
+from cbrun.bench.speculative import BOS, gsm8k_requests, num_requests, story_repeat_requests
 
 KS = (4, 8, 16)
 
@@ -123,7 +123,7 @@ def greedy_outputs(requests, model_dir: Path) -> list[list[int]]:
     """Each request's greedy output with speculation off."""
     import torch
 
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(1)
     engine = LLMEngine.from_pretrained(str(model_dir), EngineConfig(max_requests_per_batch=128, num_threads=1))
@@ -134,7 +134,7 @@ def greedy_outputs(requests, model_dir: Path) -> list[list[int]]:
 
 def _header(args) -> str:
     """The results file's title, command, commit, date and load."""
-    from benchmarks.cbrun_bench.measure import git_commit
+    from cbrun.bench.measure import git_commit
 
     command = f"python -m benchmarks.speculative_bound --workload {args.workload} --batches {args.batches}"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")

@@ -9,7 +9,7 @@ Usage (from the repository root)::
 The workload is ``cbrun bench``'s gsm8k-long (stories260K on the first ``--rows`` GSM8K test questions as prompt
 ids, greedy, stop token 1, ``--max-new-tokens 256``) and the command is the bench's ``cbrun-command`` one: default
 settings, a fresh process. Each run starts this file as a script with ``PYTHONPATH`` set to the tree, so the tree's
-own ``jobs.cli`` runs (its exit included); the script wraps the job's steps (``jobs.run.job``'s setup functions, the
+own ``cbrun.jobs.cli`` runs (its exit included); the script wraps the job's steps (``cbrun.jobs.run.job``'s setup functions, the
 row loop, the writer's commits) with clocks, and counts the garbage collector's time (``gc.callbacks``) before and
 during generation. The parent times the process from spawn to exit. Trees run round-robin; each cell is the median
 over the repeats.
@@ -64,7 +64,7 @@ PHASES = (
 
 
 def child() -> None:
-    """Run ``jobs.cli.main()`` on this process's arguments with the job's steps clocked; marks go to $MARKS_OUT."""
+    """Run ``cbrun.jobs.cli.main()`` on this process's arguments with the job's steps clocked; marks go to $MARKS_OUT."""
     import atexit
     import functools
     import gc
@@ -100,15 +100,15 @@ def child() -> None:
         setattr(owner, name, wrapper)
 
     gc.callbacks.append(on_gc)
-    from jobs import cli
+    from cbrun.jobs import cli
 
     mark("cli imported")
     clocked(cli, "_quiet_transformers")
     # NOTE: jobs.run.job imported here rather than by the CLI: its import (numpy, pyarrow) lands in the next phase.
-    from jobs.run import job
+    from cbrun.jobs.run import job
 
     try:
-        from jobs.run import locked_run, row_loop
+        from cbrun.jobs.run import locked_run, row_loop
     except ImportError:  # NOTE: a tree from before the run under the lock and the row loop left jobs.run.job
         locked_run = row_loop = job
 
@@ -134,7 +134,7 @@ def prepare(scratch: Path, rows: int) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from benchmarks.cbrun_bench.workloads import build_workload
+    from cbrun.bench.workloads import build_workload
 
     workload = build_workload("gsm8k-long", rows, (16, 256), 0, None, scratch)
     prompts = scratch / "prompts.parquet"

@@ -45,17 +45,17 @@ def cbrun(args: list[str], env: dict) -> tuple[float, int, str]:
     """Run ``cbrun`` in a subprocess; returns (wall seconds, exit code, output tail)."""
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", *args], env=env, capture_output=True, text=True, check=False
+        [sys.executable, "-m", "cbrun.jobs.cli", *args], env=env, capture_output=True, text=True, check=False
     )
     return time.perf_counter() - start, done.returncode, (done.stdout + done.stderr)[-2000:]
 
 
 def count_parts(output: str, env: dict) -> int:
     if output.startswith("s3://"):
-        from jobs.output.commits import read_records
+        from cbrun.jobs.output.commits import read_records
 
         return len(read_records(output))
-    from jobs.output.writer import committed_parts
+    from cbrun.jobs.output.writer import committed_parts
 
     return len(committed_parts(output))
 
@@ -64,7 +64,7 @@ def measure(store: str, num_rows: int, model: Path, work: Path, env: dict, s3_pr
     source = work / "in.parquet"
     output = f"{s3_prefix}/out-{num_rows}" if store == "s3" else str(work / f"out-{store}-{num_rows}")
     if store == "s3":
-        from jobs.storage import write_file
+        from cbrun.jobs.storage import write_file
 
         write_file(f"{s3_prefix}/in-{num_rows}.parquet", source.read_bytes())
         source = f"{s3_prefix}/in-{num_rows}.parquet"
@@ -92,7 +92,7 @@ def measure(store: str, num_rows: int, model: Path, work: Path, env: dict, s3_pr
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert code == 0, tail
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    from jobs.output.object_output import output_owner
+    from cbrun.jobs.output.object_output import output_owner
 
     stats = output_owner(output).read_stats()
     start = time.perf_counter()
@@ -169,7 +169,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="cbrun-storage-scale-") as tmp:
             work = Path(tmp)
-            from jobs.demo import build_demo_model
+            from cbrun.jobs.demo import build_demo_model
 
             model = build_demo_model(work / "model")
             for num_rows in args.rows:

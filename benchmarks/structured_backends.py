@@ -1,14 +1,14 @@
 """xgrammar against llguidance on one workload: compile time and per-step mask time at 256 rows.
 
 Both libraries get the same tokenizer (``cbrun bench --workload structured``'s 32000-token byte-level BPE, trained
-on GSM8K train) and the same schema (``benchmarks.cbrun_bench.structured.SCHEMA``, compact separators ", " and
+on GSM8K train) and the same schema (``cbrun.bench.structured.SCHEMA``, compact separators ", " and
 ": ", no free whitespace). Per library:
 
 - compile: the tokenizer's one-time preparation (xgrammar ``TokenizerInfo``; llguidance ``LLTokenizer``), then the
   schema's grammar (xgrammar ``compile_grammar`` of the schema's EBNF; llguidance ``LLMatcher``, which compiles
   lazily, so its first mask is timed with it);
 - mask: 256 matchers decode together; each step fills every unfinished row's bitmask (xgrammar: a loop over
-  ``fill_next_token_bitmask``, as ``engine.structured_output.bitmask`` does; llguidance: the same loop, and its
+  ``fill_next_token_bitmask``, as ``cbrun.engine.structured_output.bitmask`` does; llguidance: the same loop, and its
   parallel ``fill_next_token_bitmask_par``), then each row takes a random allowed token (one seeded generator,
   uniform over the mask) and its matcher accepts it. The time per step is the fill alone, averaged over steps.
 
@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cbrun_bench.structured import SCHEMA, build_model
+from cbrun.bench.structured import SCHEMA, build_model
 
 
 def xgrammar_run(tokenizer, vocab: int, eos: int, rows: int, steps: int) -> dict:
     import xgrammar as xgr
 
-    from engine.structured_output.compiler import _strict_json_strings
+    from cbrun.engine.structured_output.compiler import _strict_json_strings
 
     start = time.perf_counter()
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=[eos])

@@ -3,7 +3,7 @@
 Two operations, each timed round-robin over ``--repeats`` rounds (median ms):
 
 - masked argmax (greedy rows under a grammar): PyTorch's path, a masked copy of the rows with xgrammar's
-  ``apply_token_bitmask_inplace`` then ``max``, against ``kernels.cpu_token_mask.masked_argmax_cpu`` (one read,
+  ``apply_token_bitmask_inplace`` then ``max``, against ``cbrun.kernels.cpu_token_mask.masked_argmax_cpu`` (one read,
   nothing written);
 - masking in place (sampled rows under a grammar): xgrammar's ``apply_token_bitmask_inplace`` against
   ``apply_token_bitmask_cpu``, on a fresh copy of the logits each time (the copy is timed apart and left out).
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kernels.cpu_token_mask import apply_token_bitmask_cpu, masked_argmax_cpu
+from cbrun.kernels.cpu_token_mask import apply_token_bitmask_cpu, masked_argmax_cpu
 
 
 def make_bitmask(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -88,21 +88,21 @@ def measure(rows: int, vocab: int, repeats: int, check: bool) -> dict[str, float
 
 
 def device_check(device: str, bench, rows: int = 256, vocab: int = 32000) -> list[tuple[str, bool, bool, float]]:
-    """The engine's masked argmax (``engine.structured_output.bitmask.masked_argmax``) on ``device``, per dtype,
+    """The engine's masked argmax (``cbrun.engine.structured_output.bitmask.masked_argmax``) on ``device``, per dtype,
     against the same function on the same values on the CPU (the C kernel there), row by row (the GPU suite's
     structured part).
 
     Args:
         device: where the logits and bitmask live ("cuda" in the suite).
-        bench: ``fn -> median ms`` (``kernels.gpu_check.cuda_bench`` on CUDA).
+        bench: ``fn -> median ms`` (``cbrun.kernels.gpu_check.cuda_bench`` on CUDA).
 
     Returns:
         Per dtype: (dtype name, whether every row's token is allowed and holds the row's largest allowed value
         (bf16 rows tie often; a device may break a tie elsewhere), whether every token is the CPU's own, median ms
         of a call, a copy of the rows included since the call masks them in place).
     """
-    from engine.sampling.processing import allowed_tokens
-    from engine.structured_output.bitmask import masked_argmax
+    from cbrun.engine.sampling.processing import allowed_tokens
+    from cbrun.engine.structured_output.bitmask import masked_argmax
 
     base = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)) * 4
     bitmask = make_bitmask(rows, vocab)

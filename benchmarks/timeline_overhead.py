@@ -1,4 +1,4 @@
-"""What recording the run's timeline (``jobs.observe.timeline``) costs: the time spent in the recorder, and paired runs.
+"""What recording the run's timeline (``cbrun.jobs.observe.timeline``) costs: the time spent in the recorder, and paired runs.
 
 Two measurements on one engine, in one process, over the same job (stories260K, the CPU):
 
@@ -26,12 +26,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.manifest import JobManifest
-from jobs.observe.timeline import TimelineRecorder
-from jobs.run.job import run_job
-from jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.observe.timeline import TimelineRecorder
+from cbrun.jobs.run.job import run_job
+from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 WORDS = "once upon a time there was a little girl named lily she liked to play with her dog in the park".split()  # noqa: SIM905
 
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from engine import LLMEngine
+    from cbrun.engine import LLMEngine
 
     config = EngineConfig(max_requests_per_batch=32, num_threads=1)
     engine = LLMEngine.from_pretrained(args.model, config)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.cli import main
-from jobs.output.writer import read_output
+from cbrun.jobs.cli import main
+from cbrun.jobs.output.writer import read_output
 
 
 def golden_max_new_tokens(line: dict) -> int:

@@ -112,7 +112,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
 
 def run_engine(model_dir: Path, prompts, config, params) -> dict:
     """Run every prompt through one engine; return ``{index: RequestOutput}`` and check block accounting."""
-    from engine import LLMEngine
+    from cbrun.engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(str(model_dir), config)
     outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}

@@ -5,7 +5,7 @@ import json
 import tomllib
 from pathlib import Path
 
-from benchmarks.cbrun_bench import cli, report, workloads
+from cbrun.bench import cli, report, workloads
 
 FEWSHOT_MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "gsm8k-fewshot.toml"
 
@@ -184,7 +184,7 @@ def test_command_summary_splits_the_whole_command_around_generation():
 
 def test_a_run_whose_cpu_time_reads_zero_reports_no_cpu_rate():
     """A subprocess backend reads its CPU time from /proc in 10 ms ticks; a short run on a fast machine reads 0."""
-    from benchmarks.cbrun_bench.measure import ModelCost, RunResult
+    from cbrun.bench.measure import ModelCost, RunResult
 
     workload = workloads.Workload("w", Path("."), [[1, 2, 3]], [2], (), 512, "")
     cost = ModelCost(decoder_params=100, lm_head_params=10, attention_per_position=4, total_params=110)

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from benchmarks.cbrun_bench import cli, vllm_backend, vllm_runner, workloads
+from cbrun.bench import cli, vllm_backend, vllm_runner, workloads
 
 #: A stand-in for vLLM with the names the runner uses: ``LLM(model, dtype, seed, skip_tokenizer_init, **kwargs)``,
 #: ``LLM.generate(prompts, params, use_tqdm)``, ``SamplingParams``, ``llm.llm_engine.vllm_config.scheduler_config``.

@@ -3,7 +3,7 @@
 import pytest
 
 from benchmarks.cpu_attention import paired_seconds
-from kernels.cpu_attention import SOURCE, unavailable_reason
+from cbrun.kernels.cpu_attention import SOURCE, unavailable_reason
 from tests.conftest import require_stories260k
 
 pytestmark = pytest.mark.skipif(

@@ -44,7 +44,7 @@ def test_engine_row_fails_only_a_gated_mismatch():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("module", ["benchmarks.gpu_suite", "benchmarks.gpu_engine_check", "kernels.gpu_check"])
+@pytest.mark.parametrize("module", ["benchmarks.gpu_suite", "benchmarks.gpu_engine_check", "cbrun.kernels.gpu_check"])
 def test_gpu_scripts_refuse_without_cuda(module, tmp_path):
     """Without CUDA each GPU script says so and exits 2 (nothing was checked), writing no results file."""
     result = subprocess.run(
@@ -64,7 +64,7 @@ def test_gpu_suite_table_from_both_parts(monkeypatch):
     """The suite's one table takes the kernel and engine rows as the GPU gives them (here faked) and fails on
     any failed row."""
     from benchmarks import gpu_engine_check, gpu_suite
-    from kernels import gpu_check
+    from cbrun.kernels import gpu_check
 
     kernel = gpu_check.Row(
         "attention decode tile", "float32", "B=128 D=256", "16x32 w8", 1e-6, True, 0.5, 2e9, 0.0, 4e12

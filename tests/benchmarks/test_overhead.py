@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.cbrun_bench import cli
+from cbrun.bench import cli
 
 
 def test_engine_overhead_table_and_json(tmp_path, capsys):

@@ -3,7 +3,7 @@ outputs and token counts equal off's, and so do draft's (the target as its own d
 
 import json
 
-from benchmarks.cbrun_bench import cli, speculative
+from cbrun.bench import cli, speculative
 
 
 def test_speculative_bench_writes_report_json_and_readme(stories260k_dir, tmp_path, capsys, monkeypatch):

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from benchmarks.cbrun_bench import structured
-from benchmarks.cbrun_bench.workloads import gsm8k_path
+from cbrun.bench import structured
+from cbrun.bench.workloads import gsm8k_path
 
 
 @pytest.mark.skipif(not gsm8k_path("train").is_file(), reason="needs ../shared/data/gsm8k_train.parquet")

@@ -10,12 +10,12 @@ import logging
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.block_manager import BlockManager
-from engine.cache_spec import CacheSpec
-from engine.plan import SchedulerOutput
-from engine.request import PENDING_TOKEN, Request, RequestStatus
-from engine.scheduler import FIFOScheduler
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.block_manager import BlockManager
+from cbrun.engine.cache_spec import CacheSpec
+from cbrun.engine.plan import SchedulerOutput
+from cbrun.engine.request import PENDING_TOKEN, Request, RequestStatus
+from cbrun.engine.scheduler import FIFOScheduler
 from tests.model_utils import assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128

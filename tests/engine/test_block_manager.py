@@ -2,11 +2,11 @@
 
 import pytest
 
-from engine.block_manager import ROOT_HASH, BlockManager, sha256_block_hash, truncated_block_hash
-from engine.cache_spec import CacheSpec
-from engine.kv_layout import KVLayout
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from cbrun.engine.block_manager import ROOT_HASH, BlockManager, sha256_block_hash, truncated_block_hash
+from cbrun.engine.cache_spec import CacheSpec
+from cbrun.engine.kv_layout import KVLayout
+from cbrun.engine.request import Request
+from cbrun.engine.sampling_params import SamplingParams
 
 
 def make_request(tokens, computed: int = 0) -> Request:

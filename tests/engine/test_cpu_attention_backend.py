@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.attention import register_with_transformers
-from kernels.cpu_attention import unavailable_reason
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.attention import register_with_transformers
+from cbrun.kernels.cpu_attention import unavailable_reason
 from tests.model_utils import random_llama_dir, random_prompts, run_engine
 
 needs_kernel = pytest.mark.skipif(unavailable_reason() is not None, reason=f"CPU kernel: {unavailable_reason()}")

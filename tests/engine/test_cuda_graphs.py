@@ -5,9 +5,9 @@ replay that reads tensors computed outside its capture."""
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import CudaGraphRunner, _Captured
-from engine.graph_emulation import EmulatedGraph
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.cuda_graphs import CudaGraphRunner, _Captured
+from cbrun.engine.graph_emulation import EmulatedGraph
 from tests.model_utils import assert_pool_balanced, random_model_dir, random_prompts
 
 VOCAB = 128

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.model_utils import hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128

@@ -17,8 +17,8 @@ import pytest
 import torch
 import transformers
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.draft_proposer import check_draft_vocab
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.draft_proposer import check_draft_vocab
 from tests.engine.test_speculative import (
     _chi_square_p,
     _generate,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
+from cbrun.engine import EngineConfig, SamplingParams
 from tests.model_utils import random_llama_dir, random_prompts, run_engine
 
 pytest.importorskip("triton")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.model_utils import assert_pool_balanced
 
 

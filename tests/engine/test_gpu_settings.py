@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import cache_sizing
-from engine import device as device_module
-from engine.config import EngineConfig, checkpoint_dtype
-from engine.kv_cache import device_to_host
-from engine.loader import resolve_engine_dtype
+from cbrun.engine import cache_sizing
+from cbrun.engine import device as device_module
+from cbrun.engine.config import EngineConfig, checkpoint_dtype
+from cbrun.engine.kv_cache import device_to_host
+from cbrun.engine.loader import resolve_engine_dtype
 
 GiB = 2**30
 MODEL = SimpleNamespace(hidden_size=4096, intermediate_size=14336, vocab_size=128256)  # Llama-3-8B
@@ -112,7 +112,7 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
     """On CUDA the checkpoint is read onto the device in the engine's dtype (``device_map``), no host copy."""
     import transformers
 
-    from engine import loader
+    from cbrun.engine import loader
 
     calls = []
 
@@ -137,8 +137,8 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
 def test_job_fingerprint_records_the_resolved_dtype(tmp_path):
     """dtype "auto" is float32 on the CPU and the checkpoint's on CUDA: a run records the one it uses, so an
     output started on a GPU in bf16 is not continued on the CPU in float32 (the fingerprints differ)."""
-    from jobs.manifest import manifest_from_dict
-    from jobs.output.fingerprint import job_fingerprint
+    from cbrun.jobs.manifest import manifest_from_dict
+    from cbrun.jobs.output.fingerprint import job_fingerprint
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
     (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')

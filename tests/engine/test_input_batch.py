@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cache_spec import page_address
-from engine.input_batch import PersistentBatch
-from engine.plan import ScheduledRequest
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.cache_spec import page_address
+from cbrun.engine.input_batch import PersistentBatch
+from cbrun.engine.plan import ScheduledRequest
 from tests.model_utils import assert_pool_balanced, random_llama_dir, random_prompts
 
 VOCAB = 128

@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.model_utils import WEIGHT_SCALE, assert_pool_balanced, random_prompts, run_engine
 
 VOCAB = 128

@@ -29,8 +29,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from kernels.cpu_attention import unavailable_reason
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.kernels.cpu_attention import unavailable_reason
 from tests.model_utils import hf_greedy
 
 # GSM8K test split, row 597 (id gsm8k_test-00597): 120 prompt tokens with stories260K's tokenizer.

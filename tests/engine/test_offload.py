@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.model_utils import assert_pool_balanced, random_llama_dir, random_prompts
 
 VOCAB = 128

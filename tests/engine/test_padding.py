@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.padding import GraphBuckets, PaddedShape, capture_sizes
-from engine.plan import ScheduledRequest
-from engine.step_inputs import StepInputBuilder
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.padding import GraphBuckets, PaddedShape, capture_sizes
+from cbrun.engine.plan import ScheduledRequest
+from cbrun.engine.step_inputs import StepInputBuilder
 from tests.model_utils import random_llama_dir, random_prompts
 
 VOCAB = 128

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampling import random_stream
-from engine.sampling.batch import SamplingRow, build_batch
-from engine.sampling.processing import allowed_tokens
-from engine.sampling.sampler import sample
-from engine.sampling.token_counts import TokenCounts
-from engine.sampling_params import SamplingParams
+from cbrun.engine.request import Request
+from cbrun.engine.sampling import random_stream
+from cbrun.engine.sampling.batch import SamplingRow, build_batch
+from cbrun.engine.sampling.processing import allowed_tokens
+from cbrun.engine.sampling.sampler import sample
+from cbrun.engine.sampling.token_counts import TokenCounts
+from cbrun.engine.sampling_params import SamplingParams
 
 VOCAB = 70  # not a multiple of 32: the bitmask's last word is partial
 

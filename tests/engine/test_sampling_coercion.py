@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SAMPLING_FIELD_TYPES, SamplingParams, coerce_num_samples, coerce_sampling_value
-from engine.structured_output import StructuredOutputsParams
+from cbrun.engine.sampling_params import SAMPLING_FIELD_TYPES, SamplingParams, coerce_num_samples, coerce_sampling_value
+from cbrun.engine.structured_output import StructuredOutputsParams
 
 
 def test_every_field_has_a_coercion_and_wrong_types_are_refused():

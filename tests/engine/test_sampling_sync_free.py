@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.sampling import filters, processing, sampler
-from engine.sampling.filters import FilterHints, draw_filtered, kth_largest
-from engine.sampling_params import SamplingParams
+from cbrun.engine.sampling import filters, processing, sampler
+from cbrun.engine.sampling.filters import FilterHints, draw_filtered, kth_largest
+from cbrun.engine.sampling_params import SamplingParams
 from tests.engine.test_sampling_batched import run
 
 VOCAB = 300

@@ -1,11 +1,11 @@
 """FIFO and PrefillFirst scheduling: order, budgets, chunked prefill, safety margin, preemption, failures."""
 
-from engine.block_manager import BlockManager
-from engine.cache_spec import CacheSpec
-from engine.config import EngineConfig
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import FIFOScheduler, PrefillFirstScheduler
+from cbrun.engine.block_manager import BlockManager
+from cbrun.engine.cache_spec import CacheSpec
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.request import Request, RequestStatus
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.engine.scheduler import FIFOScheduler, PrefillFirstScheduler
 
 
 def make(config: EngineConfig, cls=FIFOScheduler):

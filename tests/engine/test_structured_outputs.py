@@ -11,11 +11,11 @@ import jsonschema
 import pytest
 import torch
 
-from engine import LLMEngine
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutputsParams
-from engine.structured_output.bitmask import StepBitmask, _fill_entry
+from cbrun.engine import LLMEngine
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.engine.structured_output import StructuredOutputsParams
+from cbrun.engine.structured_output.bitmask import StepBitmask, _fill_entry
 
 #: Nested objects, an enum, bounded integers, a bounded array, bounded strings: its longest compact form is under
 #: 200 bytes, so 300 tokens of the byte tokenizer always reach the end.
@@ -50,7 +50,7 @@ CONFIG = EngineConfig(device="cpu", num_threads=1, page_size=16, max_batch_token
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from jobs.demo import build_demo_model
+    from cbrun.jobs.demo import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("structured") / "model", max_position_embeddings=512)
 
@@ -264,7 +264,7 @@ def test_params_validation_and_key():
 
 
 def test_compiled_constraints_are_cached_least_recently_used_first():
-    from engine.structured_output.compiler import GrammarCompiler
+    from cbrun.engine.structured_output.compiler import GrammarCompiler
 
     compiler = GrammarCompiler(tokenizer=None, vocab_size=8, eos_token_ids=frozenset({7}), max_cached=2)
     a, b, c = (StructuredOutputsParams(regex=r) for r in ("a", "b", "c"))
@@ -279,7 +279,7 @@ def test_compiled_constraints_are_cached_least_recently_used_first():
 
 
 def test_the_samplers_bitmask_kernel_equals_the_unpacked_mask():
-    from engine.sampling import processing
+    from cbrun.engine.sampling import processing
 
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(5, 70, generator=g)
@@ -289,7 +289,7 @@ def test_the_samplers_bitmask_kernel_equals_the_unpacked_mask():
 
 
 def test_masked_argmax_takes_the_best_allowed_token_and_leaves_bad_rows_to_the_sampler():
-    from engine.structured_output.bitmask import masked_argmax, masked_greedy
+    from cbrun.engine.structured_output.bitmask import masked_argmax, masked_greedy
 
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [9.0, 1.0, 0.0, 3.0], [float("nan"), 1.0, 2.0, 0.0]])
     bitmask = torch.tensor([[0b1101], [0b0000], [0b1111]], dtype=torch.int32)  # row 0: tokens 0, 2, 3
@@ -319,7 +319,7 @@ def test_special_tokens_never_match_a_grammar_that_their_text_spells(engine):
 def test_batched_fill_blocks_only_the_request_whose_tokenizer_cannot_go_on():
     import xgrammar as xgr
 
-    from engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
+    from cbrun.engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
 
     info = xgr.TokenizerInfo(["a", "b", "</s>", "ab"], vocab_size=4, stop_token_ids=[2])
     compiler = xgr.GrammarCompiler(info)
@@ -342,7 +342,7 @@ def test_batched_fill_blocks_only_the_request_whose_tokenizer_cannot_go_on():
 def test_the_bitmask_is_filled_at_launch_before_the_step_is_read(model_dir, monkeypatch, overlap):
     """On a GPU the host fills the masks while the device computes: each step's bitmask is built when it is
     launched, before its tokens are waited for (and, with async batching, before the previous step is read)."""
-    from engine.async_batching import StepHandle
+    from cbrun.engine.async_batching import StepHandle
 
     engine = LLMEngine.from_pretrained(str(model_dir), CONFIG)
     engine.overlap_steps = overlap

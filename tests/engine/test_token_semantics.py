@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.model_utils import _hf_model, random_llama_dir, random_prompts
 
 VOCAB = 128

@@ -21,8 +21,8 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from jobs.integrations.lm_eval_backend import CbrunLM  # noqa: E402
-from jobs.integrations.lm_eval_requests import loglikelihood_request, scoring_order  # noqa: E402
+from cbrun.jobs.integrations.lm_eval_backend import CbrunLM  # noqa: E402
+from cbrun.jobs.integrations.lm_eval_requests import loglikelihood_request, scoring_order  # noqa: E402
 from tests.conftest import REPO_ROOT  # noqa: E402
 
 TASKS_DIR = REPO_ROOT / "tests" / "evals" / "tasks"
@@ -293,7 +293,7 @@ def sliding_window_dir(tmp_path_factory):
     """A random Mistral (4 query heads, 2 KV heads, sliding window 24, 96 positions) with the byte tokenizer."""
     from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
 
-    from jobs.demo import build_byte_tokenizer
+    from cbrun.jobs.demo import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer()
     config = MistralConfig(
@@ -337,11 +337,11 @@ def test_sliding_window_gqa_model_matches_hf(sliding_window_dir):
 @pytest.mark.slow
 def test_cbrun_lm_eval_command(stories260k_dir, monkeypatch, capsys, tmp_path):
     """``cbrun lm-eval`` is lm-eval's own CLI with ``--model cbrun`` registered (lm-eval 0.4.13 loads no plugins),
-    with lm-eval's index of its built-in tasks cached (``jobs.integrations.lm_eval_task_index``)."""
+    with lm-eval's index of its built-in tasks cached (``cbrun.jobs.integrations.lm_eval_task_index``)."""
     import sys
 
-    from jobs.cli import main
-    from jobs.integrations.lm_eval_task_index import CACHE_DIR_ENV
+    from cbrun.jobs.cli import main
+    from cbrun.jobs.integrations.lm_eval_task_index import CACHE_DIR_ENV
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # main hands lm-eval its arguments through sys.argv
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
@@ -378,7 +378,7 @@ def test_tokenizer_is_the_one_auto_tokenizer_loads(model, stories260k_dir, slidi
     ``add_bos_token`` forced either way."""
     from transformers import AutoTokenizer
 
-    from jobs.integrations.lm_eval_loading import load_tokenizer
+    from cbrun.jobs.integrations.lm_eval_loading import load_tokenizer
 
     path = str(stories260k_dir if model == "stories260k" else sliding_window_dir)
     texts = ["Once upon a time, there was a girl.", " a leading space", "", "Tom ran.\n\nThe end"]

@@ -10,8 +10,8 @@ pytest.importorskip("lm_eval")
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.tasks._index import TaskIndex  # noqa: E402
 
-from jobs.integrations import lm_eval_task_index  # noqa: E402
-from jobs.integrations.lm_eval_task_index import cached_builtin_task_index  # noqa: E402
+from cbrun.jobs.integrations import lm_eval_task_index  # noqa: E402
+from cbrun.jobs.integrations.lm_eval_task_index import cached_builtin_task_index  # noqa: E402
 
 
 @pytest.fixture

@@ -9,12 +9,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.manifest import JobManifest, load_manifest
-from jobs.output.writer import read_output
-from jobs.run.job import JobError, run_job
-from jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.manifest import JobManifest, load_manifest
+from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.run.job import JobError, run_job
+from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
@@ -23,7 +23,7 @@ MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string
 
 @pytest.fixture(scope="module")
 def chat_engine(chat_model_dir):
-    from engine import LLMEngine
+    from cbrun.engine import LLMEngine
 
     return LLMEngine.from_pretrained(str(chat_model_dir), ENGINE_CONFIG)
 
@@ -114,7 +114,7 @@ def test_messages_column(chat_model_dir, chat_engine, tmp_path):
 
 
 def test_tokenizer_without_chat_template_is_a_setup_error(tiny_model_dir, tmp_path, capsys):
-    from jobs.cli import main
+    from cbrun.jobs.cli import main
 
     pq.write_table(pa.table({"prompt": ["hello"]}), tmp_path / "in.parquet")
     with pytest.raises(JobError, match="has no chat template; use a chat .* --model PATH"):

@@ -11,13 +11,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION, EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.manifest import JobManifest
-from jobs.output.checkpoint import Checkpoint, FingerprintMismatch
-from jobs.output.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
-from jobs.output.writer import OutputRow, PartWriter, committed_parts, error_row, rows_to_table, write_part_atomically
-from jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION, EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.output.checkpoint import Checkpoint, FingerprintMismatch
+from cbrun.jobs.output.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
+from cbrun.jobs.output.writer import (
+    OutputRow,
+    PartWriter,
+    committed_parts,
+    error_row,
+    rows_to_table,
+    write_part_atomically,
+)
+from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 
 @pytest.fixture
@@ -78,6 +85,18 @@ def test_fingerprint_changes_with_outputs_settings(manifest):
     ]
 
 
+def test_a_greedy_job_resumed_at_a_temperature_names_the_temperature_only(manifest):
+    """The sampler's version is recorded once a row may sample: derived from the temperature, never named beside it."""
+    greedy = job_fingerprint(manifest, 100, may_sample=False)
+    manifest.sampling = manifest.sampling.replace(temperature=0.7)
+    sampled = job_fingerprint(manifest, 100, may_sample=True)
+    assert "sampler" in sampled["sampling"] and "sampler" not in greedy["sampling"]
+    assert fingerprint_differences(greedy, sampled) == ["sampling.temperature"]
+    # alone (a per-row temperature column appeared), the derived key is what differs, and it is named
+    manifest.sampling = manifest.sampling.replace(temperature=0.0)
+    assert fingerprint_differences(greedy, job_fingerprint(manifest, 100, may_sample=True)) == ["sampling.sampler"]
+
+
 def test_fingerprint_records_speculation_only_when_on(manifest):
     """n-gram settings change sampled rows' draws, so a resume must not mix them; "off" keeps older fingerprints."""
     off = job_fingerprint(manifest, 100)
@@ -119,7 +138,7 @@ def test_fingerprint_sees_weights_chat_template_and_input_content(manifest, tmp_
 
 
 def test_big_files_are_sampled_not_read(tmp_path):
-    from jobs.output.fingerprint import NUM_SAMPLES, sampled_digest
+    from cbrun.jobs.output.fingerprint import NUM_SAMPLES, sampled_digest
 
     path = tmp_path / "big.bin"
     data = bytearray(20 * SAMPLE_BYTES)

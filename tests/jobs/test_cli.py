@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.cli import main
-from jobs.output.writer import committed_parts
+from cbrun.jobs.cli import main
+from cbrun.jobs.output.writer import committed_parts
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_RE = re.compile(
@@ -196,7 +196,7 @@ def test_convert_llama2c_command(shared_dir, tmp_path, capsys):
 def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_code():
     code = (
         "import atexit, sys\n"
-        "from jobs.cli import exit_process\n"
+        "from cbrun.jobs.cli import exit_process\n"
         "atexit.register(lambda: print('atexit handler ran'))\n"
         "print('summary line', end='')\n"
         "sys.stderr.write('a warning')\n"
@@ -221,7 +221,7 @@ def test_exit_process_returns_while_a_non_daemon_thread_runs():
     # In a subprocess: were it to exit here, it would end the test run with it.
     code = (
         "import threading\n"
-        "from jobs.cli import exit_process\n"
+        "from cbrun.jobs.cli import exit_process\n"
         "release = threading.Event()\n"
         "threading.Thread(target=release.wait, daemon=False).start()\n"
         "exit_process(3)\n"
@@ -244,8 +244,8 @@ def test_bench_is_the_command_the_benchmarks_register(monkeypatch, capsys):
     import importlib.metadata
     import tomllib
 
-    from benchmarks.cbrun_bench import cli as bench_cli
-    from jobs.cli import COMMAND_ENTRY_POINTS
+    from cbrun.bench import cli as bench_cli
+    from cbrun.jobs.cli import COMMAND_ENTRY_POINTS
 
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     target = pyproject["project"]["entry-points"][COMMAND_ENTRY_POINTS]["bench"]
@@ -265,4 +265,4 @@ def test_bench_is_the_command_the_benchmarks_register(monkeypatch, capsys):
     assert main(["bench", "--workload", "x"]) == 0 and calls == [["--workload", "x"]]
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group, name: [])
     assert main(["bench"]) == 2
-    assert "pip install -e ." in capsys.readouterr().err
+    assert "python -m cbrun.bench" in capsys.readouterr().err

@@ -10,15 +10,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import jobs.output.compact
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs import storage
-from jobs.cli import main
-from jobs.output.commits import read_records
-from jobs.output.compact import compact_output, groups_by_size
-from jobs.output.writer import committed_parts, read_output
-from jobs.run.job import run_job
+import cbrun.jobs.output.compact
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs import storage
+from cbrun.jobs.cli import main
+from cbrun.jobs.output.commits import read_records
+from cbrun.jobs.output.compact import compact_output, groups_by_size
+from cbrun.jobs.output.writer import committed_parts, read_output
+from cbrun.jobs.run.job import run_job
 from tests.jobs.test_storage_s3 import rows_once, upload_input
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
@@ -122,10 +122,10 @@ def test_compact_an_s3_output_killed_between_its_steps(s3, tiny_model_dir, tiny_
             raise KeyboardInterrupt
         real_remove(uri)
 
-    real_remove = jobs.output.compact.remove
+    real_remove = cbrun.jobs.output.compact.remove
     sizes = [int(storage.object_info(f"{out}/{r.part}")["size"]) for r in read_records(out)]
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
-        patch.setattr(jobs.output.compact, "remove", remove_then_die)
+        patch.setattr(cbrun.jobs.output.compact, "remove", remove_then_die)
         compact_output(out, target_mb(sizes))
     assert run_job(manifest, progress=False, engine=tiny_engine).num_skipped == NUM_ROWS
     assert rows_once(out) == before

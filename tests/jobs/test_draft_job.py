@@ -8,8 +8,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.cli import main
-from jobs.output.writer import read_output
+from cbrun.jobs.cli import main
+from cbrun.jobs.output.writer import read_output
 
 
 def _short_goldens(reference_greedy):
@@ -97,5 +97,5 @@ def test_missing_draft_model_is_refused_before_work(stories260k_dir, reference_g
         )
         == 2
     )
-    assert "engine.draft_model: model directory" in capsys.readouterr().err
+    assert "cbrun.engine.draft_model: model directory" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("part-*"))

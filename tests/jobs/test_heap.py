@@ -1,4 +1,4 @@
-"""jobs.run.heap: the collector paused for a job's setup, the setup's objects frozen out of its generation phase."""
+"""cbrun.jobs.run.heap: the collector paused for a job's setup, the setup's objects frozen out of its generation phase."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from jobs.run.heap import collection_paused, frozen_heap
+from cbrun.jobs.run.heap import collection_paused, frozen_heap
 
 
 @pytest.fixture(autouse=True)

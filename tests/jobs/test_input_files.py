@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.cli import main
-from jobs.input.discovery import list_input_files
-from jobs.input.errors import InputError
-from jobs.input.reader import PromptReader
-from jobs.output.writer import committed_parts
+from cbrun.jobs.cli import main
+from cbrun.jobs.input.discovery import list_input_files
+from cbrun.jobs.input.errors import InputError
+from cbrun.jobs.input.reader import PromptReader
+from cbrun.jobs.output.writer import committed_parts
 
 
 def write_jsonl(path, rows) -> None:
@@ -125,13 +125,13 @@ def test_output_overlapping_the_input_is_refused(tmp_path, tiny_model_dir, capsy
 
 
 def test_a_run_refused_after_taking_the_lock_leaves_no_output_directory(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    import jobs.run.locked_run
-    from jobs.run.resources import JobError
+    import cbrun.jobs.run.locked_run
+    from cbrun.jobs.run.resources import JobError
 
     def unloadable(*args, **kwargs):
         raise JobError("cannot load the model: broken weights")
 
-    monkeypatch.setattr(jobs.run.locked_run, "load_engine", unloadable)
+    monkeypatch.setattr(cbrun.jobs.run.locked_run, "load_engine", unloadable)
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["a"]}), path)
     args = ["run", "--no-progress", "--model", str(tiny_model_dir), "--input", str(path), "--prompt-column", "prompt"]

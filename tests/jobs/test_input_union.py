@@ -8,22 +8,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.input.errors import InputError
-from jobs.input.reader import PromptReader
-from jobs.input.schema_union import conform_batch, unify_schemas
-from jobs.manifest import JobManifest
-from jobs.output.writer import read_output
-from jobs.run.job import JobError, run_job
-from jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.input.errors import InputError
+from cbrun.jobs.input.reader import PromptReader
+from cbrun.jobs.input.schema_union import conform_batch, unify_schemas
+from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.run.job import JobError, run_job
+from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dir):
-    from engine import LLMEngine
+    from cbrun.engine import LLMEngine
 
     return LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)
 

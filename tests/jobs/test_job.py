@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.modes.generate import derive_seed
-from jobs.output.writer import committed_parts
-from jobs.run.job import JobError, run_job
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.modes.generate import derive_seed
+from cbrun.jobs.output.writer import committed_parts
+from cbrun.jobs.run.job import JobError, run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=6, temperature=0.0), "commit_every_rows": 3}

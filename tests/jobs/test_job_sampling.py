@@ -9,14 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
-from engine.structured_output import StructuredOutputsParams
-from jobs.input.reader import PromptReader
-from jobs.manifest import manifest_from_dict
-from jobs.modes.generate import derive_seed
-from jobs.output.writer import read_output
-from jobs.run.job import run_job
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
+from cbrun.engine.structured_output import StructuredOutputsParams
+from cbrun.jobs.input.reader import PromptReader
+from cbrun.jobs.manifest import manifest_from_dict
+from cbrun.jobs.modes.generate import derive_seed
+from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.run.job import run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 DEFAULTS = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)

@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.input.reader import PromptReader
-from jobs.manifest import JobManifest
-from jobs.output.writer import committed_parts
-from jobs.run.job import JobError, run_job
-from jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.input.reader import PromptReader
+from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.output.writer import committed_parts
+from cbrun.jobs.run.job import JobError, run_job
+from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 LINES = [
@@ -33,7 +33,7 @@ LINES = [
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from engine import LLMEngine
+    from cbrun.engine import LLMEngine
 
     return LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)
 
@@ -95,6 +95,18 @@ def test_broken_line_and_mixed_types_are_row_errors(tmp_path, compress):
     assert [r.error for r in PromptReader(path, prompt_column="id").iter_rows()][:2] == [None, None]
     done = np.array([True, True, False, True, False])
     assert [r.row_index for r in reader.iter_rows(done)] == [2, 4]
+
+
+def test_a_line_that_is_not_utf8_is_its_rows_error_named_by_line_number(tmp_path):
+    """pyarrow's JSON reader keeps bytes that are not UTF-8; the row's error must still name the line."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n\n{"prompt": "bad \xff\xfe here"}\n{"prompt": "fine"}\n')
+    rows = list(PromptReader(path, prompt_column="prompt").iter_rows())
+    assert [(r.prompt, r.error) for r in rows] == [
+        ("ok", None),
+        (None, "row 1 (id '1'): line 3 of in.jsonl is not UTF-8 text (byte 0xff at offset 16)"),
+        ("fine", None),
+    ]
 
 
 def test_jsonl_job_and_a_directory_mixing_parquet_and_jsonl(tiny_model_dir, engine, tmp_path):
@@ -187,7 +199,7 @@ def test_repeated_ids_are_counted_and_named(tiny_model_dir, engine, tmp_path, ca
 
 
 def test_clean_file_reads_with_pyarrow_and_the_same_rows_as_line_by_line(tmp_path, monkeypatch):
-    from jobs.input.jsonl_source import JsonlSource
+    from cbrun.jobs.input.jsonl_source import JsonlSource
 
     lines = [
         {"id": f"r{i}", "prompt": f"p {i}", "day": "2024-01-0" + str(i % 9 + 1), "temperature": 0.5, "meta": {"k": [i]}}

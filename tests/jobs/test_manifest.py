@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cli_values import parse_set
-from jobs.manifest import load_manifest, manifest_from_dict
+from cbrun.jobs.cli_values import parse_set
+from cbrun.jobs.manifest import load_manifest, manifest_from_dict
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,6 +134,6 @@ def test_shipped_gsm8k_manifest_is_valid():
     data = REPO_ROOT / m.input.path  # relative to the repository root, where cbrun is meant to run
     if not data.is_file():
         pytest.skip(f"{data} not present")
-    from jobs.input.reader import PromptReader
+    from cbrun.jobs.input.reader import PromptReader
 
     assert PromptReader(data, prompt_column=m.input.prompt_column, id_column=m.input.id_column).num_rows == 1319

@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.input.prompts import encode_prompt
-from jobs.manifest import load_manifest
-from jobs.model_defaults import apply_model_defaults
-from jobs.output.writer import read_output
-from jobs.run.job import JobError, run_job
+from cbrun.jobs.input.prompts import encode_prompt
+from cbrun.jobs.manifest import load_manifest
+from cbrun.jobs.model_defaults import apply_model_defaults
+from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.run.job import JobError, run_job
 
 ENGINE_SETS = ["engine.page_size=16", "engine.num_blocks=64", "engine.max_batch_tokens=256"]
 

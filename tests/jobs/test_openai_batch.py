@@ -15,15 +15,15 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.cli import main
-from jobs.input.openai_request import parse_request
-from jobs.manifest import JobManifest, load_manifest
-from jobs.output.export import token_logprobs
-from jobs.output.writer import read_output
-from jobs.run.job import JobError, run_job
-from jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.cli import main
+from cbrun.jobs.input.openai_request import parse_request
+from cbrun.jobs.manifest import JobManifest, load_manifest
+from cbrun.jobs.output.export import token_logprobs
+from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.run.job import JobError, run_job
+from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 from tests.jobs.test_chat import rendered_ids
 from tests.jobs.test_resume import cbrun_command, kill_after_first_commit
 
@@ -35,7 +35,7 @@ LINE_KEYS = {"id", "custom_id", "response", "error"}
 
 @pytest.fixture(scope="module")
 def engine(chat_model_dir):
-    from engine import LLMEngine
+    from cbrun.engine import LLMEngine
 
     return LLMEngine.from_pretrained(str(chat_model_dir), ENGINE_CONFIG)
 
@@ -471,7 +471,7 @@ def test_completion_logprob_tokens_join_to_the_text(stories260k_dir):
     tokens join to the completion and every text_offset points at its token."""
     from transformers import AutoTokenizer
 
-    from jobs.output.export import _ResultFormatter
+    from cbrun.jobs.output.export import _ResultFormatter
 
     tokenizer = AutoTokenizer.from_pretrained(str(stories260k_dir))
     ids = tokenizer.encode("Once upon a time, there was a little girl", add_special_tokens=False)[3:]

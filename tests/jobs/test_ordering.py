@@ -10,16 +10,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import jobs.output.checkpoint
-import jobs.run.job
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.cli import main
-from jobs.input.reader import template_fields
-from jobs.manifest import load_manifest
-from jobs.modes.ordering import order_by_prefix, prompt_sort_key
-from jobs.output.writer import committed_parts
-from jobs.run.job import run_job
+import cbrun.jobs.output.checkpoint
+import cbrun.jobs.run.job
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.cli import main
+from cbrun.jobs.input.reader import template_fields
+from cbrun.jobs.manifest import load_manifest
+from cbrun.jobs.modes.ordering import order_by_prefix, prompt_sort_key
+from cbrun.jobs.output.writer import committed_parts
+from cbrun.jobs.run.job import run_job
 from tests.jobs.test_resume import kill_after_first_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -148,16 +148,18 @@ def test_the_window_bounds_rows_read_ahead_of_the_writer(
     written: list[int] = []
     readers = []
 
-    class CountingWriter(jobs.output.checkpoint.PartWriter):
+    class CountingWriter(cbrun.jobs.output.checkpoint.PartWriter):
         def add_group(self, rows):
             written.append(rows[0].row_index)
             super().add_group(rows)
 
-    open_reader = jobs.run.job.open_reader
+    open_reader = cbrun.jobs.run.job.open_reader
     monkeypatch.setattr(
-        jobs.run.job, "open_reader", lambda m: readers.append(_CountingReader(open_reader(m), written)) or readers[-1]
+        cbrun.jobs.run.job,
+        "open_reader",
+        lambda m: readers.append(_CountingReader(open_reader(m), written)) or readers[-1],
     )
-    monkeypatch.setattr(jobs.output.checkpoint, "PartWriter", CountingWriter)
+    monkeypatch.setattr(cbrun.jobs.output.checkpoint, "PartWriter", CountingWriter)
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", order_window=window)
     run_job(manifest, progress=False, engine=tiny_engine)
     assert sorted(written) == list(range(40))

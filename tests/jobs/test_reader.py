@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.input.errors import InputError
-from jobs.input.reader import PromptReader, template_fields
+from cbrun.jobs.input.errors import InputError
+from cbrun.jobs.input.reader import PromptReader, template_fields
 
 
 def write(path, columns: dict, row_group_size: int = 3):

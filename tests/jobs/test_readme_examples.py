@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.structured_output.compiler import _compile_with
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.engine.structured_output.compiler import _compile_with
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -9,12 +9,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.output.writer import read_output
-from jobs.run.job import open_reader, run_job
-from jobs.run.ray_input import input_rows
-from jobs.run.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN, Replica
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.run.job import open_reader, run_job
+from cbrun.jobs.run.ray_input import input_rows
+from cbrun.jobs.run.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN, Replica
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64, device="cpu")
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), "id_column": "id"}

@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.cli import main
-from jobs.observe.report_data import cost, error_cause, load_report_data
-from jobs.run.job import run_job
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.cli import main
+from cbrun.jobs.observe.report_data import cost, error_cause, load_report_data
+from cbrun.jobs.run.job import run_job
 
 pytest.importorskip("matplotlib")
 
@@ -110,6 +110,11 @@ def test_error_causes_fall_together():
         "row 4 (id 'r4'): the prompt has 301 tokens, but the model's maximum length is 256"
     ) == error_cause("row 9 (id 'x'): the prompt has 999 tokens, but the model's maximum length is 256")
     assert error_cause(None) == "(no message)"
+    # numbers inside a word are part of the cause's name, not a count
+    assert error_cause("row 3 (id '3'): line 4 of in.jsonl is not UTF-8 text (byte 0xff at offset 16)") == (
+        "line N of in.jsonl is not UTF-8 text (byte 0xff at offset N)"
+    )
+    assert error_cause("row 1 (id '1'): a float32 value") == "a float32 value"
     assert len(error_cause("row 1 (id 'a'): " + "x" * 200)) == 90
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.cli import main
-from jobs.manifest import JobManifest
-from jobs.output.writer import committed_parts
-from jobs.run.job import run_job
-from jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.cli import main
+from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.output.writer import committed_parts
+from cbrun.jobs.run.job import run_job
+from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 NUM_ROWS = 12
 MAX_NEW_TOKENS = 8
@@ -27,7 +27,7 @@ ENGINE = {"max_requests_per_batch": 2, "max_batch_tokens": 64, "num_blocks": 32}
 
 def cbrun_command() -> list[str]:
     script = Path(sys.executable).with_name("cbrun")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "jobs.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "cbrun.jobs.cli"]
 
 
 def run_args(model_dir, input_path, output_dir) -> list[str]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.input.reader import PromptReader
-from jobs.output import row_ids
+from cbrun.jobs.input.reader import PromptReader
+from cbrun.jobs.output import row_ids
 
 
 def test_the_count_is_read_back_for_the_same_input_and_recounted_for_another(tmp_path, monkeypatch):

@@ -7,13 +7,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.manifest import load_manifest
-from jobs.modes.generate import derive_seed, sample_seeds
-from jobs.output.fingerprint import job_fingerprint
-from jobs.output.writer import committed_parts
-from jobs.run.job import JobError, run_job
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.manifest import load_manifest
+from cbrun.jobs.modes.generate import derive_seed, sample_seeds
+from cbrun.jobs.output.fingerprint import job_fingerprint
+from cbrun.jobs.output.writer import committed_parts
+from cbrun.jobs.run.job import JobError, run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=128)
 MANIFEST_DEFAULTS = {
@@ -122,7 +122,7 @@ def test_seed_column_seeds_sample_zero_and_the_others_differ(tiny_model_dir, tin
 
 
 def test_samples_of_a_row_share_its_prompt_blocks(tiny_model_dir, tmp_path, make_manifest):
-    from engine import LLMEngine
+    from cbrun.engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)  # a fresh, empty prefix cache
     pq.write_table(pa.table({"id": ["a"], "prompt": ["x" * 40]}), tmp_path / "in.parquet")
@@ -145,7 +145,7 @@ def test_interrupted_run_commits_whole_rows_and_resumes_exactly(
     )
     expected = samples(tmp_path / "reference")
 
-    from engine import LLMEngine
+    from cbrun.engine import LLMEngine
 
     # NOTE: its own engine: an interrupted generate leaves its requests in the engine, as in a killed process.
     engine = LLMEngine.from_pretrained(str(tiny_model_dir), ENGINE_CONFIG)

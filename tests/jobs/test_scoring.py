@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from jobs.manifest import JobManifest, load_manifest
-from jobs.modes.scoring import encode_pair, last_number_plus_one, read_candidates
-from jobs.output.writer import read_output
-from jobs.run.job import JobError, run_job
-from jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.engine.config import EngineConfig
+from cbrun.jobs.manifest import JobManifest, load_manifest
+from cbrun.jobs.modes.scoring import encode_pair, last_number_plus_one, read_candidates
+from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.run.job import JobError, run_job
+from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=128, max_requests_per_batch=8, num_blocks=128)
@@ -142,7 +142,7 @@ def test_scores_equal_a_direct_forward_pass_on_the_tiny_model(tiny_model_dir, ti
 
 
 def tiny_engine_params(n: int):
-    from engine.sampling_params import SamplingParams
+    from cbrun.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
@@ -235,8 +235,8 @@ def test_gsm8k_manifest_on_stories260k_equals_a_forward_pass(stories260k_dir, sh
 
 
 def test_stories260k_greedy_continuation_is_recognised(stories260k_dir, tmp_path):
-    from engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from cbrun.engine import LLMEngine
+    from cbrun.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_pretrained(str(stories260k_dir), EngineConfig(page_size=16, num_blocks=64))
     tok = engine.tokenizer

@@ -11,15 +11,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.cli import main
-from jobs.input.reader import PromptReader
-from jobs.output.lock import OutputLock, Shard
-from jobs.output.status import output_progress
-from jobs.output.writer import committed_parts, part_name, read_output
-from jobs.run.job import JobError, run_job
-from jobs.run.sharding import shard_ranges, unit_starts
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.cli import main
+from cbrun.jobs.input.reader import PromptReader
+from cbrun.jobs.output.lock import OutputLock, Shard
+from cbrun.jobs.output.status import output_progress
+from cbrun.jobs.output.writer import committed_parts, part_name, read_output
+from cbrun.jobs.run.job import JobError, run_job
+from cbrun.jobs.run.sharding import shard_ranges, unit_starts
 from tests.jobs.test_resume import kill_after_first_commit, run_args
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)

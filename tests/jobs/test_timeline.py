@@ -8,13 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.observe.progress import MIN_FINISHED, TokenETA, format_eta
-from jobs.observe.timeline import TIMELINE_GLOB, read_timeline, step_listeners
-from jobs.output.lock import Shard
-from jobs.output.writer import read_output
-from jobs.run.job import run_job
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.observe.progress import MIN_FINISHED, TokenETA, format_eta
+from cbrun.jobs.observe.timeline import TIMELINE_GLOB, read_timeline, step_listeners
+from cbrun.jobs.output.lock import Shard
+from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.run.job import run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=64)
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=12, temperature=0.0), "commit_every_rows": 5}
@@ -186,7 +186,7 @@ def test_a_ray_replica_records_its_own_timeline(stories260k_dir, tmp_path, make_
     import asyncio
     import time
 
-    from jobs.run.replica import Replica
+    from cbrun.jobs.run.replica import Replica
 
     manifest = make_manifest(stories260k_dir, write_prompts(tmp_path / "in.parquet"), tmp_path / "out")
     manifest.output.timeline_interval_s = 0.001
@@ -213,7 +213,7 @@ def test_a_ray_replica_records_its_own_timeline(stories260k_dir, tmp_path, make_
     ("field", "value"), [("timeline_interval_s", -1), ("timeline_interval_s", True), ("row_timings", "yes")]
 )
 def test_bad_output_settings_are_refused(field, value):
-    from jobs.settings import OutputSettings
+    from cbrun.jobs.settings import OutputSettings
 
     with pytest.raises(ValueError, match=f"output.{field}"):
         OutputSettings(path="out", **{field: value})
@@ -230,7 +230,7 @@ def test_the_final_bar_counts_every_error_row():
     """Rows finishing within the postfix's 0.5 s refresh: the bar's last postfix still counts every error."""
     from types import SimpleNamespace
 
-    from jobs.observe.progress import JobProgress
+    from cbrun.jobs.observe.progress import JobProgress
 
     def row(reason):
         return SimpleNamespace(

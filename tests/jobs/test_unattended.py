@@ -16,14 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import jobs.output.writer
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from jobs.cli import main
-from jobs.manifest import load_manifest
-from jobs.output.lock import OutputLock
-from jobs.output.writer import committed_parts, read_output
-from jobs.run.job import JobAborted, JobError, run_job
+import cbrun.jobs.output.writer
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.cli import main
+from cbrun.jobs.manifest import load_manifest
+from cbrun.jobs.output.lock import OutputLock
+from cbrun.jobs.output.writer import committed_parts, read_output
+from cbrun.jobs.run.job import JobAborted, JobError, run_job
 from tests.jobs.test_resume import cbrun_command
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
@@ -116,7 +116,7 @@ def test_a_second_run_exits_2_naming_the_holder_and_a_dead_holder_never_blocks(t
 
     # a holder killed with SIGKILL leaves its lock file, but not its lock
     code = (
-        f"from jobs.output.lock import OutputLock; OutputLock({str(out)!r}).acquire(); print('held', flush=True); "
+        f"from cbrun.jobs.output.lock import OutputLock; OutputLock({str(out)!r}).acquire(); print('held', flush=True); "
         f"import time; time.sleep(120)"
     )
     holder = subprocess.Popen(
@@ -172,7 +172,8 @@ def test_overlapping_run_is_refused_then_sigterm_and_resume_write_each_row_once(
 
 
 COMMIT_PATH = {
-    (jobs.output.writer.__file__, name) for name in ("commit", "rows_to_table", "write_part_atomically", "_fsync_dir")
+    (cbrun.jobs.output.writer.__file__, name)
+    for name in ("commit", "rows_to_table", "write_part_atomically", "_fsync_dir")
 }
 
 

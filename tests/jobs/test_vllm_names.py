@@ -10,14 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.cli import main
-from jobs.cli_parser import build_parser
-from jobs.cli_values import cli_text
-from jobs.input.reader import PromptReader
-from jobs.manifest import load_manifest, manifest_from_dict
-from jobs.output.fingerprint import job_fingerprint
-from jobs.output.writer import read_output
-from jobs.run.job import run_job
+from cbrun.jobs.cli import main
+from cbrun.jobs.cli_parser import build_parser
+from cbrun.jobs.cli_values import cli_text
+from cbrun.jobs.input.reader import PromptReader
+from cbrun.jobs.manifest import load_manifest, manifest_from_dict
+from cbrun.jobs.output.fingerprint import job_fingerprint
+from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.run.job import run_job
 
 PATHS = {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}}
 ENGINE = "engine.page_size=16\nengine.num_blocks=64\nengine.max_batch_tokens=256"
@@ -189,9 +189,9 @@ def test_greedy_samples_warn_once(tiny_model_dir, tmp_path, caplog):
 
 
 def test_settings_given_in_code_count_as_set_and_sections_get_suggestions():
-    from engine.sampling_params import SamplingParams
-    from jobs.manifest import JobManifest
-    from jobs.settings import InputSettings
+    from cbrun.engine.sampling_params import SamplingParams
+    from cbrun.jobs.manifest import JobManifest
+    from cbrun.jobs.settings import InputSettings
 
     m = JobManifest(input=InputSettings(path="i", prompt_column="p"), sampling=SamplingParams(temperature=0.5))
     assert m.sampling_set == {"temperature"}  # so the model's generation_config.json does not replace it

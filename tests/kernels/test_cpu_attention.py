@@ -1,4 +1,4 @@
-"""The C paged-attention kernel (``kernels.cpu_attention``) against the PyTorch reference on ragged batches.
+"""The C paged-attention kernel (``cbrun.kernels.cpu_attention``) against the PyTorch reference on ragged batches.
 
 Contexts end on, just before and just after page boundaries; pages are shuffled; every cache slot no request owns
 is NaN, so a kernel that reads past a request's context (or a masked slot) fails the comparison. The kernel's
@@ -10,8 +10,8 @@ every V-pass width.
 import pytest
 import torch
 
-from engine.lean_llama import _rope, _rope_tables
-from kernels.cpu_attention import (
+from cbrun.engine.lean_llama import _rope, _rope_tables
+from cbrun.kernels.cpu_attention import (
     SOURCE,
     StepKernels,
     load_source,
@@ -20,7 +20,7 @@ from kernels.cpu_attention import (
     unavailable_reason,
     write_kv_cache_cpu,
 )
-from kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
+from cbrun.kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason() is not None, reason=f"CPU attention kernel unavailable: {unavailable_reason()}"

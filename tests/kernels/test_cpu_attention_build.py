@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from kernels import c_build, cpu_attention
+from cbrun.kernels import c_build, cpu_attention
 
 
 def test_failed_compile_names_the_compiler_and_its_exit_code(tmp_path, monkeypatch, caplog):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling.processing import allowed_tokens
-from engine.structured_output.bitmask import masked_argmax
-from kernels import c_build, cpu_token_mask
-from kernels.cpu_token_mask import NAN_ALLOWED, NOTHING_ALLOWED, apply_token_bitmask_cpu, masked_argmax_cpu
+from cbrun.engine.sampling.processing import allowed_tokens
+from cbrun.engine.structured_output.bitmask import masked_argmax
+from cbrun.kernels import c_build, cpu_token_mask
+from cbrun.kernels.cpu_token_mask import NAN_ALLOWED, NOTHING_ALLOWED, apply_token_bitmask_cpu, masked_argmax_cpu
 
 pytestmark = pytest.mark.skipif(cpu_token_mask.unavailable_reason() is not None, reason="no C compiler here")
 
@@ -142,7 +142,7 @@ def test_the_gpu_suites_structured_check_runs_on_the_cpu():
 
 def test_the_gpu_suites_structured_check_fails_a_wrong_token(monkeypatch):
     from benchmarks.structured_mask import device_check
-    from engine.structured_output import bitmask as bitmask_module
+    from cbrun.engine.structured_output import bitmask as bitmask_module
 
     real, calls = bitmask_module.masked_argmax, []
 

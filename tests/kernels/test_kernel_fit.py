@@ -1,6 +1,6 @@
 """Every Triton launch the engine can make fits sm_80, sm_89 and sm_90: compiled ahead of time, no GPU needed.
 
-The full matrix (every model shape of ``kernels.aot_fit.MODELS`` x bf16/fp16/fp32 x decode/verify/prefill, three
+The full matrix (every model shape of ``cbrun.kernels.aot_fit.MODELS`` x bf16/fp16/fp32 x decode/verify/prefill, three
 architectures, 192 binaries after deduplication) takes about ten minutes on two cores, so it is marked slow and
 runs only with ``CBRUN_KERNEL_FIT_ALL=1`` (the suite runs slow tests by default); the default run compiles a
 representative subset (``aot_fit.SUBSET``, 21 binaries).
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from kernels import aot_fit  # noqa: E402
-from kernels.paged_attention import attention_launch_config  # noqa: E402
-from kernels.tile_policy import SHARED_MEMORY_LIMITS, pick_attention_tile  # noqa: E402
+from cbrun.kernels import aot_fit  # noqa: E402
+from cbrun.kernels.paged_attention import attention_launch_config  # noqa: E402
+from cbrun.kernels.tile_policy import SHARED_MEMORY_LIMITS, pick_attention_tile  # noqa: E402
 
 
 def _toolchain_present() -> bool:
@@ -35,13 +35,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _compile_all(tmp_path, *args: str) -> list[dict]:
-    """``python -m kernels.aot_fit`` in a fresh process: without TRITON_INTERPRET (the test session sets it, and
+    """``python -m cbrun.kernels.aot_fit`` in a fresh process: without TRITON_INTERPRET (the test session sets it, and
     interpreted kernels cannot be compiled for a GPU), with an empty Triton cache (nothing cached across runs)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), TRITON_DEFAULT_FP_FUSION="1")
     out = tmp_path / "fits.json"
     result = subprocess.run(
-        [sys.executable, "-m", "kernels.aot_fit", *args, "--json", str(out)],
+        [sys.executable, "-m", "cbrun.kernels.aot_fit", *args, "--json", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -69,7 +69,7 @@ def test_representative_launches_fit(tmp_path):
 @pytest.mark.skipif(
     not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
     reason="the full matrix takes ~10 minutes on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 (or run "
-    "python -m kernels.aot_fit)",
+    "python -m cbrun.kernels.aot_fit)",
 )
 @needs_toolchain
 @pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)

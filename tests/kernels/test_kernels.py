@@ -1,4 +1,4 @@
-"""Triton kernels against the PyTorch reference (``kernels.reference``) over a pruned parameter grid.
+"""Triton kernels against the PyTorch reference (``cbrun.kernels.reference``) over a pruned parameter grid.
 
 Without a GPU the kernels run in Triton's CPU interpreter. ``TRITON_INTERPRET=1`` only takes effect if it is set
 before Triton is first imported (``triton.language``'s own helpers are decorated then), which this module does at
@@ -28,8 +28,8 @@ DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 
 triton = pytest.importorskip("triton")
 
-from kernels import kv_cache_write, paged_attention  # noqa: E402
-from kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref  # noqa: E402
+from cbrun.kernels import kv_cache_write, paged_attention  # noqa: E402
+from cbrun.kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref  # noqa: E402
 
 
 def _runs_in_this_process() -> bool:
@@ -165,7 +165,7 @@ def test_attention_batch_mixes(mix, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_attention_tiles_of_each_architecture(capability, dtype, head_dim, monkeypatch):
-    """The tiles ``kernels.tile_policy`` picks for each GPU part (decode and prefill rows, BLOCK_N 32 or 64)
+    """The tiles ``cbrun.kernels.tile_policy`` picks for each GPU part (decode and prefill rows, BLOCK_N 32 or 64)
     compute the reference's attention: the batch mixes a long chunk (several KV tiles) with a decode."""
     monkeypatch.setattr(paged_attention, "device_capability", lambda device: capability)
     check_attention([24, 1], [130, 40], head_dim=head_dim, dtype=dtype)

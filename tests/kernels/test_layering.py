@@ -1,20 +1,20 @@
-"""The module import graph of engine/, jobs/, kernels/ and benchmarks/, built with ``ast``: no cycles and no import
-of a higher layer (benchmarks -> jobs -> engine -> kernels), counting imports inside functions, which a cycle or a
-layer breach would otherwise hide behind."""
+"""The module import graph of cbrun/kernels/, cbrun/engine/, cbrun/jobs/, cbrun/bench/ and benchmarks/, built with
+``ast``: no cycles and no import of a higher layer (benchmarks -> bench -> jobs -> engine -> kernels), counting imports
+inside functions, which a cycle or a layer breach would otherwise hide behind."""
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 #: Lowest first: a module may import its own layer's modules and the layers before it.
-LAYERS = ("kernels", "engine", "jobs", "benchmarks")
+LAYERS = ("cbrun.kernels", "cbrun.engine", "cbrun.jobs", "cbrun.bench", "benchmarks")
 
 
 def find_modules(root: Path, packages=LAYERS) -> dict[str, Path]:
     """{dotted module name: file} of every module of ``packages`` under ``root`` (a package is its __init__)."""
     found = {}
     for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
+        for path in sorted((root / package.replace(".", "/")).rglob("*.py")):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -83,38 +83,43 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def layer_rank(module: str, layers=LAYERS) -> int:
+    """The index in ``layers`` of the layer holding ``module`` (its longest dotted prefix among them)."""
+    return max(i for i, layer in enumerate(layers) if module == layer or module.startswith(layer + "."))
+
+
 def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
-    rank = {package: i for i, package in enumerate(layers)}
     return sorted(
-        f"{a} -> {b}" for a, targets in graph.items() for b in targets if rank[b.split(".")[0]] > rank[a.split(".")[0]]
+        f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_rank(b, layers) > layer_rank(a, layers)
     )
 
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert len(graph) > 100 and "jobs.cli" in graph and "benchmarks.cbrun_bench.cli" in graph
+    assert len(graph) > 100 and "cbrun.jobs.cli" in graph and "cbrun.bench.cli" in graph
     assert cycles(graph) == []
 
 
 def test_no_layer_imports_a_higher_one():
-    # kernels/ imports nothing above it; engine/, jobs/ and kernels/ never import benchmarks/ (``cbrun bench`` is
-    # registered by the benchmarks package as an entry point, see jobs.cli.COMMAND_ENTRY_POINTS)
+    # cbrun.kernels imports nothing above it; no runtime package imports cbrun.bench or benchmarks/ (``cbrun bench`` is
+    # registered as an entry point, see cbrun.jobs.cli.COMMAND_ENTRY_POINTS)
     assert upward_imports(import_graph()) == []
 
 
 def test_the_graph_sees_cycles_and_breaches_inside_functions(tmp_path):
-    (tmp_path / "engine").mkdir()
-    (tmp_path / "jobs").mkdir()
-    (tmp_path / "engine" / "__init__.py").write_text("")
-    (tmp_path / "engine" / "a.py").write_text("import torch\n\ndef f():\n    from engine.b import g\n")
-    (tmp_path / "engine" / "b.py").write_text("from . import a\n\ndef g():\n    import jobs.c\n")
-    (tmp_path / "jobs" / "c.py").write_text("from engine.a import f\n")
-    graph = import_graph(tmp_path, ("engine", "jobs"))
+    (tmp_path / "pkg" / "engine").mkdir(parents=True)
+    (tmp_path / "pkg" / "jobs").mkdir()
+    (tmp_path / "pkg" / "engine" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "engine" / "a.py").write_text("import torch\n\ndef f():\n    from pkg.engine.b import g\n")
+    (tmp_path / "pkg" / "engine" / "b.py").write_text("from . import a\n\ndef g():\n    import pkg.jobs.c\n")
+    (tmp_path / "pkg" / "jobs" / "c.py").write_text("from pkg.engine.a import f\n")
+    layers = ("pkg.engine", "pkg.jobs")
+    graph = import_graph(tmp_path, layers)
     assert graph == {
-        "engine": set(),
-        "engine.a": {"engine.b"},
-        "engine.b": {"engine.a", "jobs.c"},
-        "jobs.c": {"engine.a"},
+        "pkg.engine": set(),
+        "pkg.engine.a": {"pkg.engine.b"},
+        "pkg.engine.b": {"pkg.engine.a", "pkg.jobs.c"},
+        "pkg.jobs.c": {"pkg.engine.a"},
     }
-    assert cycles(graph) == [["engine.a", "engine.b", "jobs.c"]]
-    assert upward_imports(graph, ("engine", "jobs")) == ["engine.b -> jobs.c"]
+    assert cycles(graph) == [["pkg.engine.a", "pkg.engine.b", "pkg.jobs.c"]]
+    assert upward_imports(graph, layers) == ["pkg.engine.b -> pkg.jobs.c"]

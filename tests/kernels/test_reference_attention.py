@@ -2,7 +2,7 @@
 
 import torch
 
-import kernels.reference as ref
+import cbrun.kernels.reference as ref
 
 
 def test_decode_buckets_equal_one_padded_group(monkeypatch):

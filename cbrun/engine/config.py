@@ -1,0 +1,272 @@
+"""Engine settings, validated in one place."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
+SWITCHES = ("auto", "on", "off")
+#: ``cuda_graphs``' values: a switch, or "emulate" (the graph path on any device, ``cbrun.engine.graph_emulation``).
+CUDA_GRAPH_MODES = SWITCHES + ("emulate",)
+MODEL_IMPLS = ("auto", "transformers", "lean")
+LOADERS = ("auto", "transformers")
+#: Default (max_requests_per_batch, max_batch_tokens) per device type, for throughput. CUDA: vLLM's offline (``LLM``)
+#: defaults, 256 sequences and 8k batched tokens. CPU: measured on the gsm8k-long bench workload (stories260K, one
+#: thread, 2-core machine): benchmarks/results-defaults.md.
+DEFAULT_BATCH_LIMITS = {"cpu": (256, 1024), "cuda": (256, 8192)}
+#: Default ``page_size`` per device type. CPU: 64, because the C attention kernel streams a page's rows from memory
+#: and then jumps to the next page wherever it lies: longer pages mean fewer jumps and less per-page work. On the
+#: gsm8k-long bench workload (stories260K, 2-core machine) the generation phase took 0.89x the time of 16-token
+#: pages at 32, 0.86x at 64 and 0.82x at 128, within each other's spread from 64 up (benchmarks/results-page-size.md);
+#: 64 keeps prefix sharing finer than 128 (only whole blocks are shared). CUDA: 16, the page the Triton kernels are
+#: tuned for (vLLM's default block size on GPUs).
+DEFAULT_PAGE_SIZE = {"cpu": 64, "cuda": 16}
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+#: Version of the rule that decides a request's proposals (``cbrun.engine.speculative.Speculator.propose``). A sampled
+#: row's draws depend on its proposals, so a job's fingerprint records it: bump it whenever a change alters which
+#: proposals a request makes under the same settings. 2: evidence kept per n-gram match length, and a verify entry's
+#: own cost. (Here, not in ``cbrun.engine.speculative``, so the job layer reads it without importing torch.)
+SPECULATION_RULE_VERSION = 2
+#: Version of the sampler's random stream and draw rule (``cbrun.engine.sampling``). A sampled row's tokens depend on it,
+#: so a job's fingerprint records it: bump it whenever a change alters which token a seeded row draws. 2: the
+#: counter-based stream (``cbrun.engine.sampling.random_stream``) drawn by inverse CDF with pivots; 1 (unrecorded): one
+#: ``torch.Generator`` per request on the host.
+SAMPLER_VERSION = 2
+
+
+@dataclass
+class EngineConfig:
+    """Settings of the continuous-batching engine.
+
+    Attributes:
+        page_size: tokens per KV-cache block (page); None (the default) takes the device's default from
+            ``DEFAULT_PAGE_SIZE`` (CPU 64, CUDA 16). Prefix sharing reuses whole blocks only, so smaller pages share
+            more of a common prefix.
+        num_blocks: blocks in the KV-cache pool; None sizes the pool from free memory (``max_memory_percent``).
+        max_batch_tokens: token budget of one forward pass (decode tokens plus prefill chunk tokens); None (the
+            default) takes the device's throughput default from ``DEFAULT_BATCH_LIMITS`` (CPU 1024, CUDA 8192).
+        max_requests_per_batch: most requests in one forward pass; None (the default) takes the device's default
+            from ``DEFAULT_BATCH_LIMITS`` (256).
+        scheduler_type: "fifo" or "prefill_first".
+        safety_margin: fraction of the block pool kept free before new prefills are admitted; None takes the
+            scheduler's default (FIFO 0.15, PrefillFirst 0.0); 0 disables it.
+        max_memory_percent: on the CPU, the fraction of available memory (MemAvailable, read after the model is
+            loaded) the KV cache and one step's workspace may use when ``num_blocks`` is None.
+        gpu_memory_utilization: on CUDA, the fraction of the device's total memory this engine may hold in all
+            (vLLM's name): weights, the CUDA-graph pool, one step's activations and logits, and the KV cache,
+            which gets what is left (``cbrun.engine.cache_sizing``). Memory other processes hold counts against it.
+        allow_block_sharing: reuse KV blocks of identical prompt prefixes (prefix caching).
+        cpu_offload_space: GiB of CPU swap space for offloaded requests; 0 falls back to soft reset.
+        dtype: model and KV-cache dtype: "float32", "bfloat16", "float16", or "auto" (the default): the
+            checkpoint's ``torch_dtype`` (``dtype``) on CUDA, float32 on the CPU (``resolve_dtype``). Weights load
+            straight to the device in that dtype.
+        device: torch device string, e.g. "cpu", "cuda" or "cuda:1"; "auto" (a job manifest's default) leaves the
+            device defaults above None until the job resolves the device and replaces it. A CUDA device with an
+            index becomes the process's current device when the engine is built, so every stream, event, graph
+            pool and kernel launch lands on it.
+        attention_backend: "torch" (the PyTorch reference: gathers the pages, then SDPA), "triton" (kernels),
+            "cpu" (``cbrun.kernels.cpu_attention``: a C/OpenMP kernel that reads pages in place, compiled at first use;
+            float32 on the CPU only, else a ValueError), or "auto": triton on CUDA, else cpu where it applies
+            (float32, the kernel builds), else torch.
+        seed: seed of the engine's generator for requests without a seed of their own.
+        cuda_graphs: replay decode and uniform verify steps from CUDA graphs, padded to batch-size buckets
+            (``cbrun.engine.padding``); other steps run eagerly. "auto" (on for CUDA with the Triton backend), "on",
+            "off", or "emulate": the same graph path recorded and replayed op by op on any device and backend
+            (``cbrun.engine.graph_emulation``; for tests: slower than "off").
+        cuda_graph_max_batch_size: the largest batch-size bucket (SGLang's ``cuda_graph_max_bs``); decode steps
+            with more requests run eagerly. None (the default) takes ``max_requests_per_batch``.
+        async_batching: "auto" (on with CUDA graphs on a CUDA device), "on" or "off": plan and upload step N+1
+            while the device computes step N (see ``cbrun.engine.async_batching``).
+        num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide): a positive int,
+            "auto" (the default: 1 thread for a model under 10M parameters, whose ops are too small to split,
+            else every physical core; torch's default on CUDA; see ``cbrun.engine.threads.resolve_num_threads``), or None
+            (keep the process's current setting). The C attention kernel takes the same count, except under
+            "auto", where it uses every physical core (``cbrun.engine.threads.resolve_attention_threads``).
+        prefix_hash_bits: width of the prefix cache's block hash (SHA-256 cut to a multiple of 8 bits, default the
+            full 256). Narrow widths exist for tests that force collisions; a collision is never served.
+        model_impl: the forward pass. "lean" runs Llama-family models (Llama, Mistral and Qwen2 without sliding
+            windows, default RoPE) through ``cbrun.engine.lean_llama``: the same math and attention without transformers'
+            per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
+            "transformers" always runs the transformers modules; "auto" takes lean where it applies.
+        loader: who loads the model and tokenizer. "auto" (the default) reads a Llama-family checkpoint that the
+            lean path runs straight from its files without importing transformers (``cbrun.engine.safetensors_loader``,
+            ``cbrun.engine.tokenizer``: config.json, safetensors weights, tokenizer.json) and leaves everything else to
+            transformers, as does "transformers" always. The log says which loader ran and why.
+        linear_backend: the GEMM of the lean path's linear layers (``cbrun.engine.cpu_linear``): "torch" (``F.linear``;
+            logits bit-identical to transformers'), "onednn" (oneDNN's matmul, float32 on the CPU only, else a
+            ValueError), or "auto": oneDNN for float32 CPU weights of at least 2^18 elements, where it is faster,
+            torch's for the rest. The transformers modules always use torch's.
+        speculative: speculative decoding (see ``cbrun.engine.speculative``): "off", "ngram" (prompt lookup: proposals
+            copied from the request's own prompt and output) or "draft" (a small model with the same tokenizer,
+            ``draft_model``, proposes; see ``cbrun.engine.draft_proposer``). Greedy outputs equal "off" token for
+            token; sampled ones keep the distribution.
+        draft_model: the draft model's directory (a transformers causal LM with the target's tokenizer), needed
+            by ``speculative = "draft"``; its KV cache takes its share of every block of the same pool.
+        num_speculative_tokens: most tokens proposed (and verified) per request per step (k); the cost rule
+            proposes fewer where they do not pay. Default 8: on ``cbrun bench --workload speculative``'s
+            story-repeat requests at batch 1, k = 4 took 9% more steps (399 against 366); 12 and 16 saved
+            under 2% more and verified more rows.
+        ngram_min, ngram_max: the n-gram lookup matches the last n tokens, longest n in [ngram_min, ngram_max] first.
+            ngram_min default 1: single-token matches keep their own acceptance evidence (the cost rule gates
+            them apart from longer ones); on story-repeat at batch 1 they took 340 steps against 368 with
+            ngram_min 2 (``benchmarks/results-speculative-bound.md`` bounds both).
+        speculative_max_batch: speculation runs only while at most this many requests are running; above it the
+            engine decodes plainly (one token per request per step), where verification would cost more than it
+            saves.
+        speculative_row_cost: the cost of one more query row in a step, as a fraction of a step's fixed cost; the
+            speculator proposes a token only when its chance of being accepted pays for its row
+            (``cbrun.engine.speculative.verify_threshold``). 0 always proposes ``num_speculative_tokens``. The default
+            is stories260K's: its step time grew by about 3% of a one-row step per extra query row on a 2-core
+            CPU, one thread, with the C attention kernel; values from 0.03 to 0.06 ran equally fast in
+            ``cbrun bench --workload speculative --engine speculative_row_cost=X``. A model whose per-row compute
+            weighs more (a bigger model on a CPU) warrants a higher value, a GPU at small batches a lower one.
+
+    Raises:
+        ValueError: naming the setting and the reason, for any out-of-range value.
+    """
+
+    page_size: int | None = None
+    num_blocks: int | None = None
+    max_batch_tokens: int | None = None
+    max_requests_per_batch: int | None = None
+    scheduler_type: str = "fifo"
+    safety_margin: float | None = None
+    max_memory_percent: float = 0.5
+    gpu_memory_utilization: float = 0.9
+    allow_block_sharing: bool = True
+    cpu_offload_space: float = 0.0
+    dtype: str = "auto"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    seed: int = 0
+    cuda_graphs: str = "auto"
+    cuda_graph_max_batch_size: int | None = None
+    async_batching: str = "auto"
+    num_threads: int | str | None = "auto"
+    model_impl: str = "auto"
+    loader: str = "auto"
+    linear_backend: str = "auto"
+    prefix_hash_bits: int = 256
+    speculative: str = "off"
+    draft_model: str | None = None
+    num_speculative_tokens: int = 8
+    ngram_min: int = 1
+    ngram_max: int = 4
+    speculative_max_batch: int = 16
+    speculative_row_cost: float = 0.03
+
+    def __post_init__(self) -> None:
+        self._resolve_device_defaults()
+        for name in ("page_size", "max_batch_tokens", "max_requests_per_batch"):
+            if getattr(self, name) is not None:  # None only while the device is "auto"
+                self._check_positive_int(name)
+        if self.num_blocks is not None:
+            self._check_positive_int("num_blocks")
+        if self.scheduler_type not in SCHEDULER_TYPES:
+            raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
+        if self.safety_margin is None:
+            self.safety_margin = 0.15 if self.scheduler_type == "fifo" else 0.0
+        if not 0.0 <= self.safety_margin < 1.0:
+            raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
+        if not 0.0 < self.max_memory_percent <= 1.0:
+            raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.cpu_offload_space < 0:
+            raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.async_batching not in SWITCHES:
+            raise ValueError(f"async_batching must be one of {SWITCHES}, got {self.async_batching!r}")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
+        if self.cuda_graph_max_batch_size is not None:
+            self._check_positive_int("cuda_graph_max_batch_size")
+        if self.num_threads not in (None, "auto"):
+            if isinstance(self.num_threads, str):
+                raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
+            self._check_positive_int("num_threads")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.prefix_hash_bits % 8 or not 8 <= self.prefix_hash_bits <= 256:
+            raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {self.prefix_hash_bits!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.loader not in LOADERS:
+            raise ValueError(f"loader must be one of {LOADERS}, got {self.loader!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        self._check_speculative()
+
+    def resolve_dtype(self, checkpoint: str | None) -> str:
+        """The dtype the engine runs in: ``dtype`` unless "auto", which is ``checkpoint`` on CUDA (float32
+        when the checkpoint states none) and float32 on the CPU (its kernels and GEMMs are float32).
+
+        Args:
+            checkpoint: config.json's ``dtype`` / ``torch_dtype`` as a name ("bfloat16"), or None.
+        """
+        if self.dtype != "auto":
+            return self.dtype
+        if self.device.startswith("cuda") and checkpoint in ("float32", "bfloat16", "float16"):
+            return checkpoint
+        return "float32"
+
+    def _resolve_device_defaults(self) -> None:
+        """Fill ``page_size``, ``max_requests_per_batch`` and ``max_batch_tokens`` left None with the device's
+        defaults. A job's manifest says device "auto" until ``cbrun.jobs.run.resources.resolve_device`` picks one; those stay
+        None until then, so that ``dataclasses.replace(config, device=...)`` takes the defaults of the device the
+        job runs on, not the CPU's."""
+        if self.device == "auto":
+            return
+        device_type = "cuda" if self.device.startswith("cuda") else "cpu"
+        default_requests, default_tokens = DEFAULT_BATCH_LIMITS[device_type]
+        if self.page_size is None:
+            self.page_size = DEFAULT_PAGE_SIZE[device_type]
+        if self.max_requests_per_batch is None:
+            self.max_requests_per_batch = default_requests
+        if self.max_batch_tokens is None:
+            self.max_batch_tokens = default_tokens
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError('speculative = "draft" needs a draft model: set engine.draft_model to its directory')
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise ValueError(f"draft_model must be a directory path, got {self.draft_model!r}")
+        if self.draft_model is not None and self.speculative != "draft":  # silently unused otherwise
+            raise ValueError(
+                f'draft_model is set but speculative = "{self.speculative}": set speculative = "draft" '
+                "to use it, or leave draft_model unset"
+            )
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch"):
+            self._check_positive_int(name)
+        row_cost = self.speculative_row_cost
+        if isinstance(row_cost, bool) or not isinstance(row_cost, (int, float)) or not 0 <= row_cost < float("inf"):
+            raise ValueError(f"speculative_row_cost must be a number >= 0, got {row_cost!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+
+    def _check_positive_int(self, name: str) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def checkpoint_dtype(model_path: str | Path) -> str | None:
+    """config.json's ``dtype`` (transformers 5) or ``torch_dtype`` (older files), or its text config's; None when
+    it states none or cannot be read (the loader reports a missing or bad config.json itself)."""
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (raw, raw.get("text_config") or {}):
+        value = section.get("dtype") or section.get("torch_dtype")
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None

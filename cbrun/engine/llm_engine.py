@@ -1,0 +1,399 @@
+"""The engine's front: requests in, finished outputs out, one scheduled forward pass per ``step``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from cbrun.engine import backends, loader
+from cbrun.engine.async_batching import StepHandle, use_async_batching
+from cbrun.engine.block_manager import BlockManager, truncated_block_hash
+from cbrun.engine.cache_sizing import resolve_num_blocks
+from cbrun.engine.cache_spec import CacheSpec
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.device import select_device
+from cbrun.engine.draft_proposer import DraftProposer, draft_bytes_per_block
+from cbrun.engine.kv_cache import KVCache
+from cbrun.engine.kv_layout import KVLayout
+from cbrun.engine.lean_llama import select_lean_model
+from cbrun.engine.model_runner import ModelRunner
+from cbrun.engine.outputs import RequestOutput, request_output
+from cbrun.engine.plan import SchedulerOutput
+from cbrun.engine.request import Request, RequestStatus
+from cbrun.engine.request_checks import request_error
+from cbrun.engine.sampling.step import LaunchedRows, StepSampler
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.engine.scheduler import make_scheduler
+from cbrun.engine.stats import EngineStats
+from cbrun.engine.step_reader import StepReader
+from cbrun.engine.stop_strings import StopStringMatcher
+from cbrun.engine.structured_output.bitmask import StepBitmask
+from cbrun.engine.structured_output.compiler import GrammarCompiler
+from cbrun.engine.structured_output.request_state import StructuredOutputRequest
+from cbrun.engine.threads import resolve_attention_threads
+
+
+class LLMEngine:
+    """Continuous batching over one causal LM: iteration-level scheduling, paged KV cache, chunked prefill.
+
+    Each ``step`` asks the scheduler for a plan, has the model runner execute it, samples, and returns the
+    requests that finished. A finished request frees its blocks at once and a waiting one takes them at the next
+    step (Orca, Yu et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
+
+    Build it with ``from_pretrained``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+        tokenizer=None,
+        expected_requests: int | None = None,
+        expected_tokens: int | None = None,
+        draft_model: torch.nn.Module | None = None,
+    ) -> None:
+        self.config = config
+        select_device(config.device)
+        self.tokenizer = tokenizer
+        self._stop_matcher = StopStringMatcher(tokenizer) if tokenizer is not None else None
+        self.model = model
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_model_len = max_model_len
+        model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        num_kv_heads, head_dim = loader.kv_shape(model_config)
+        dtype = next(model.parameters()).dtype
+        layout = KVLayout.from_model_config(model_config)
+        backends.check_speculative(config, layout)
+        bytes_per_block = KVCache.bytes_per_block(
+            len(layout.layer_types), config.page_size, num_kv_heads, head_dim, dtype
+        )
+        if config.speculative == "draft":
+            if draft_model is None:
+                raise ValueError('speculative = "draft" needs a draft model (engine.draft_model)')
+            bytes_per_block += draft_bytes_per_block(draft_model, config.page_size)  # one budget for both caches
+        self.num_blocks = resolve_num_blocks(
+            config, max_model_len, bytes_per_block, model_config, expected_requests, expected_tokens
+        )
+        #: The cache's geometry, the one source for the block manager, the KV cache, padding and the runner.
+        self.cache_spec = CacheSpec.build(
+            self.num_blocks,
+            config.page_size,
+            layout,
+            num_cpu_blocks=int(config.cpu_offload_space * 2**30) // bytes_per_block,
+            max_chunk_tokens=config.max_batch_tokens,
+            max_model_len=max_model_len,
+        )
+        self.block_manager = BlockManager(
+            self.cache_spec, config.allow_block_sharing, truncated_block_hash(config.prefix_hash_bits)
+        )
+        self.scheduler = make_scheduler(
+            config, self.block_manager, max_model_len, self.eos_token_ids, self._stop_matcher
+        )
+        kv_cache = KVCache(
+            self.cache_spec,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            next(model.parameters()).device,
+            num_zeroed_pages=self._num_touched_pages(),
+        )
+        use_triton = backends.use_triton(config)
+        use_graphs = backends.use_cuda_graphs(config, use_triton)
+        #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
+        #: same bookkeeping runs when this is set by hand, which is how the tests check it.
+        self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)
+        self.model_runner = ModelRunner(
+            model,
+            kv_cache,
+            use_triton=use_triton,
+            use_cpu_kernel=backends.use_cpu_kernel(config, dtype, use_triton),
+            cpu_kernel_threads=resolve_attention_threads(config.num_threads, config.device),
+            graph_buckets=backends.graph_buckets(config, max_model_len) if use_graphs else None,
+            emulate_graphs=config.cuda_graphs == "emulate",
+            max_model_len=max_model_len,
+            async_batching=self.overlap_steps,
+            lean_model=select_lean_model(config.model_impl, model, use_graphs, max_model_len, config.linear_backend),
+            max_requests=config.max_requests_per_batch,
+            max_batch_tokens=config.max_batch_tokens,
+        )
+        #: Runs the draft model and fills each step's proposals (``speculative = "draft"``); its cache shares
+        #: the block manager's block ids.
+        self.drafter = (
+            DraftProposer(
+                draft_model,
+                self.cache_spec,
+                model_config.vocab_size,
+                self.eos_token_ids,
+                use_triton,
+                max_model_len,
+                select_lean_model(config.model_impl, draft_model, False, max_model_len, config.linear_backend),
+            )
+            if config.speculative == "draft"
+            else None
+        )
+        self._draft_probs: dict[int, torch.Tensor] = {}  # this step's draft distributions of sampled requests
+        self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
+        #: The step in flight (async batching): its plan, handle, and rows sampled at launch (or None).
+        self._in_flight: tuple[SchedulerOutput, StepHandle, LaunchedRows | None] | None = None
+        self._seed_generator = torch.Generator().manual_seed(config.seed)
+        #: Turns each step's logits into tokens on their device; owns the penalised requests' token counts.
+        self.sampler = StepSampler(
+            model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids, self.scheduler.fail_request
+        )
+        #: Called by ``step`` with the request ids of the plan it launches (None: nothing is called). Lets a caller
+        #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
+        self.step_observer: Callable[[list], None] | None = None
+        #: Called at the end of each ``step`` with the batch tokens of the plan it launched (0: none) and the step's
+        #: wall seconds (None: nothing is called). Lets a job record its timeline (``cbrun.jobs.observe.timeline``).
+        self.step_listener: Callable[[int, float], None] | None = None
+        self._grammar_compiler: GrammarCompiler | None = None  # built for the first constrained request
+        #: Reads each launched step's logits and tokens into its requests' tokens (``cbrun.engine.step_reader``).
+        self._reader = StepReader(self.scheduler, self.sampler, self._counters)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters, with soft resets, offloads and generated tokens read from the scheduler and
+        evictions from the block manager (their owners)."""
+        speculator = self.scheduler.speculator
+        spec = (
+            dict(
+                num_proposed_tokens=speculator.num_proposed_tokens,
+                num_accepted_tokens=speculator.num_accepted_tokens,
+                num_verify_steps=speculator.num_verify_steps,
+            )
+            if speculator is not None
+            else {}
+        )
+        compile_seconds = self._grammar_compiler.compile_seconds if self._grammar_compiler is not None else 0.0
+        captures, replays = self.model_runner.graph_counts
+        return replace(
+            self._counters,
+            num_cuda_graph_captures=captures,
+            num_cuda_graph_replays=replays,
+            num_soft_resets=self.scheduler.num_soft_resets,
+            grammar_compile_seconds=compile_seconds,
+            num_offloads=self.scheduler.num_offloads,
+            num_generated_tokens=self.scheduler.num_generated_tokens,
+            num_evicted_blocks=self.block_manager.num_evicted_blocks,
+            **spec,
+        )
+
+    # ---- construction -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str,
+        config: EngineConfig | None = None,
+        *,
+        expected_requests: int | None = None,
+        expected_tokens: int | None = None,
+    ) -> "LLMEngine":
+        """Load a causal LM from a local directory and build an engine around it.
+
+        A Llama-family checkpoint in safetensors that the lean forward pass runs is read straight from its files,
+        without importing transformers (``cbrun.engine.safetensors_loader``, ``cbrun.engine.tokenizer``), unless
+        ``config.loader = "transformers"`` or the engine needs transformers' modules (``model_impl =
+        "transformers"``, CUDA graphs, a draft model); everything else loads through transformers. The log says
+        which loader ran and why (logger "cbrun.engine", INFO).
+
+        Args:
+            model_path: a directory with config.json and weights (nothing is downloaded).
+            config: engine settings; defaults to ``EngineConfig()``. ``num_threads = "auto"`` is resolved here,
+                from the loaded model's parameter count (``cbrun.engine.threads.resolve_num_threads``).
+            expected_requests: how many requests the caller will add in all, when known (a job: its rows to do
+                times ``n``). Caps the default KV cache (``num_blocks`` unset) at what that many requests can fill.
+            expected_tokens: the sum over those requests of prompt plus ``max_new_tokens``, when known. Caps the
+                default KV cache further (``cbrun.engine.cache_sizing.resolve_num_blocks``).
+
+        Raises:
+            OSError: when the directory is missing or unreadable.
+            ValueError: when the model type is not a decoder-only causal LM transformers can load.
+            RuntimeError: a tensor's shape does not match config.json (safetensors loader).
+            safetensors.SafetensorError: a corrupt or truncated safetensors file.
+        """
+        config = loader.resolve_engine_dtype(model_path, config or EngineConfig())
+        model = loader.load_model(model_path, config)
+        tokenizer = loader.load_tokenizer_or_none(model_path, config.loader)
+        max_model_len = loader.model_max_len(model.config)
+        draft_model = None
+        if config.speculative == "draft":
+            draft_model = loader.load_draft_model(config, model, tokenizer, max_model_len)
+        return cls(
+            model,
+            config,
+            loader.eos_token_ids(model_path, model.config),
+            max_model_len,
+            tokenizer,
+            expected_requests=expected_requests,
+            expected_tokens=expected_tokens,
+            draft_model=draft_model,
+        )
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def add_request(
+        self, request_id, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request. A request that cannot run comes back failed from the next ``step``; nothing raises."""
+        params = sampling_params or SamplingParams()
+        seed = (
+            params.seed
+            if params.seed is not None
+            else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
+        )
+        request = Request(request_id, list(prompt_token_ids), params, seed=seed)
+        vocab = self.model.config.get_text_config().vocab_size
+        error = request_error(request, vocab, self.max_model_len, self._stop_matcher is not None)
+        if error is None and params.structured_outputs is not None:
+            error = self._start_grammar(request)
+        self.scheduler.add_request(request, error=error)
+
+    def _start_grammar(self, request: Request) -> str | None:
+        """Give a constrained request its grammar state, its grammar compiling off the step loop (or cached);
+        the reason it cannot have one, else None."""
+        if self.tokenizer is None:
+            return "structured outputs need a tokenizer, and the model directory has none"
+        if not self.eos_token_ids:
+            return "structured outputs need an EOS token to end the output, and the model states none"
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.model.config.get_text_config().vocab_size, self.eos_token_ids
+            )
+        params = request.sampling_params.structured_outputs
+        request.structured = StructuredOutputRequest(params, self._grammar_compiler.submit(params))
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+
+    # ---- stepping -----------------------------------------------------------------------------------------------
+    def _num_touched_pages(self) -> int:
+        """Cache pages the block manager has handed out at least once (the padding pages included)."""
+        return self.block_manager.pool.num_touched_chunks * self.cache_spec.chunk_pages
+
+    def step(self) -> list[RequestOutput]:
+        """Plan and launch one forward pass; return the requests that finished (failed ones included).
+
+        Synchronous by default: the step's tokens are read before it returns. With ``overlap_steps`` the step is
+        left in flight and the previous one is read instead, after this one was launched (async batching).
+        """
+        if self.step_listener is None:
+            return self._step()
+        start = time.perf_counter()
+        plan_tokens: list[int] = []
+        outputs = self._step(plan_tokens)
+        self.step_listener(plan_tokens[0] if plan_tokens else 0, time.perf_counter() - start)
+        return outputs
+
+    def _step(self, plan_tokens: list[int] | None = None) -> list[RequestOutput]:
+        """``step``'s work; appends the launched plan's batch tokens to ``plan_tokens`` when given."""
+        plan = self.scheduler.schedule()
+        finished = self.scheduler.pop_finished()
+        if not plan.scheduled and self._in_flight is None and not finished:
+            self._wait_for_grammars()
+        self.model_runner.kv_cache.zero_pages_below(self._num_touched_pages())  # pages this plan uses first
+        if self.drafter is not None and plan.scheduled:
+            self.drafter.zero_chunks_below(self.block_manager.pool.num_touched_chunks)
+            plan, self._draft_probs = self.drafter.propose(plan, self.scheduler.requests)
+        if self.step_observer is not None and plan.scheduled:
+            self.step_observer([self.scheduler.requests[s.request_index].request_id for s in plan.scheduled])
+        at_launch = self._reader.rows_sampled_at_launch(plan) if plan.scheduled else None
+        handle = self.model_runner.launch(
+            plan, self._in_flight[1] if self._in_flight else None, at_launch.sample if at_launch is not None else None
+        )
+        grammar = None
+        if handle is not None:
+            self.scheduler.advance(plan)
+            if self._grammar_compiler is not None:  # filled while the device computes the step
+                grammar = self._reader.fill_grammar_bitmask(plan, handle)
+        launched = (plan, handle, at_launch, grammar) if handle is not None else None
+        if plan_tokens is not None and handle is not None:
+            plan_tokens.append(plan.num_batch_tokens)
+        if self.overlap_steps:  # read the step launched before this one; this one stays in flight
+            to_read, self._in_flight = self._in_flight, launched
+        else:
+            to_read = launched
+        if to_read is not None:
+            finished.extend(self._resolve(*to_read))
+            finished.extend(self.scheduler.pop_finished())  # requests whose own row raised while read
+        return [self._finish(r) for r in finished]
+
+    def _wait_for_grammars(self, timeout: float = 0.05) -> None:
+        """Nothing could run: block briefly until a waiting request's grammar is compiled, instead of spinning."""
+        futures = self.scheduler.grammar_futures()
+        if futures:
+            self._grammar_compiler.wait_any(futures, timeout)
+
+    def _resolve(
+        self, plan: SchedulerOutput, handle: StepHandle, at_launch: LaunchedRows | None, grammar: StepBitmask | None
+    ) -> list[Request]:
+        """Read a launched step's tokens, finish the rows sampled at launch, apply its grammar bitmask, verify
+        speculative entries, record prompt log-probabilities, and advance the requests."""
+        token_ids = handle.token_ids()  # each sampling entry's token (argmax or sampled), in plan order
+        if plan.plain_greedy:
+            sampled = self._reader.read_greedy(plan, token_ids)
+        else:
+            sampled = self._reader.read_rows_of_plan(plan, handle, token_ids, self._draft_probs, grammar)
+            if at_launch is not None:
+                sampled.update(at_launch.read(token_ids, self.scheduler.requests))
+        finished = self.scheduler.resolve(plan, sampled)  # counts the committed output tokens
+        self._count_step(plan)
+        return finished
+
+    def _count_step(self, plan) -> None:
+        self._counters.num_steps += 1
+        self._counters.num_computed_tokens += plan.num_batch_tokens
+
+    def _finish(self, request: Request) -> RequestOutput:
+        self.sampler.release(request)
+        counters = self._counters
+        counters.num_requests += 1
+        if request.status is RequestStatus.FAILED:
+            counters.num_failed_requests += 1
+        else:
+            counters.num_prompt_tokens += request.num_prompt_tokens
+            counters.num_cached_prompt_tokens += request.num_cached_tokens
+        return request_output(request, self.tokenizer)
+
+    def generate(
+        self, requests: Iterable[tuple[object, list[int], SamplingParams]], max_in_flight: int = 1024
+    ) -> Iterator[RequestOutput]:
+        """Run requests to completion, pulling them lazily, and yield outputs as they finish.
+
+        Args:
+            requests: ``(request_id, prompt_token_ids, sampling_params)`` triples; consumed at most
+                ``max_in_flight`` ahead of the finished ones, so an endless iterable is fine.
+            max_in_flight: bound on queued plus running requests.
+
+        Yields:
+            ``RequestOutput`` in finish order. When the caller stops early (or an error escapes), the requests
+            still in the engine are aborted, so a reused engine starts clean.
+        """
+        source = iter(requests)
+        in_flight = 0
+        try:
+            while True:
+                for request_id, prompt, params in itertools.islice(source, max(0, max_in_flight - in_flight)):
+                    self.add_request(request_id, prompt, params)
+                    in_flight += 1
+                if not self.has_unfinished_requests():
+                    return
+                for output in self.step():
+                    in_flight -= 1
+                    yield output
+        finally:
+            if self.has_unfinished_requests():
+                self.abort_all_requests()
+
+    def abort_all_requests(self) -> int:
+        """Drop every queued and running request, freeing its cache; returns how many were dropped."""
+        if self._in_flight is not None:  # its results are not needed; its blocks are freed below
+            self.scheduler.discard(self._in_flight[0])
+        self._in_flight = None
+        self.sampler.release_all()
+        return len(self.scheduler.abort_all())

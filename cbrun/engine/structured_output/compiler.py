@@ -1,0 +1,181 @@
+"""Grammars compiled once per distinct constraint, on a thread pool, with xgrammar.
+
+Why xgrammar (measured against llguidance 1.9.1 on one workload: ``benchmarks/structured_backends.py``, results in
+``benchmarks/results-structured-outputs.md``): its masks are the int32 bitmask layout the batched sampler takes,
+it compiles JSON schema, regex, EBNF and Lark, it caches the token-level work per grammar so the per-step mask is
+a lookup over a few states, and it is vLLM's and SGLang's default, so its JSON-schema coverage is what users meet
+elsewhere. We never write a schema compiler: every constraint becomes an xgrammar ``CompiledGrammar``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+from cbrun.engine.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger("cbrun.engine")
+
+
+class GrammarCompileError(ValueError):
+    """A constraint xgrammar cannot compile (an invalid schema, regex or grammar): the request's own fault."""
+
+
+class GrammarCompiler:
+    """Compiles each distinct constraint once (a cache keyed by ``StructuredOutputsParams.key``), off the step loop.
+
+    ``submit`` returns at once with a future; the scheduler keeps a request waiting until it is done
+    (``RequestStatus.WAITING_FOR_GRAMMAR``), and the other requests go on. The tokenizer's vocabulary is read once,
+    in the pool, on the first submit.
+
+    Args:
+        tokenizer: the model's tokenizer (``cbrun.engine.tokenizer.FastTokenizer`` or a transformers one).
+        vocab_size: the model's logits width (may exceed the tokenizer's vocabulary: padded ids are never allowed).
+        eos_token_ids: the model's EOS ids: the only tokens allowed once a structure is complete.
+        max_threads: compile threads.
+        max_cached: compiled constraints kept, least recently used dropped first (a job whose rows each bring
+            their own schema would otherwise hold them all).
+
+    Attributes:
+        num_compiled: distinct constraints compiled (failures included).
+        compile_seconds: seconds spent compiling them, summed over the compile threads (the first compile
+            includes reading the tokenizer's vocabulary).
+    """
+
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_threads: int = 2, max_cached: int = 1024
+    ) -> None:
+        self.max_cached = max_cached
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="cbrun-grammar")
+        self._lock = threading.Lock()
+        self._xgr_compiler = None
+        self._cache: dict[tuple[str, str], Future] = {}
+        self.num_compiled = 0
+        self.compile_seconds = 0.0
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """A future of the constraint's ``xgrammar.CompiledGrammar`` (the cached one for a constraint seen before).
+
+        The future raises ``GrammarCompileError`` for a constraint xgrammar refuses.
+        """
+        key = params.key
+        future = self._cache.get(key)
+        if future is None:
+            future = self._cache[key] = self._pool.submit(self._compile, key)
+            if len(self._cache) > self.max_cached:  # the oldest goes; requests keep their own future
+                del self._cache[next(iter(self._cache))]
+        else:
+            self._cache[key] = self._cache.pop(key)  # most recently used last
+        return future
+
+    def wait_any(self, futures: list[Future], timeout: float) -> None:
+        """Block until one of ``futures`` is done or ``timeout`` seconds pass (an idle engine waiting on grammars)."""
+        wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, key: tuple[str, str]):
+        start = time.perf_counter()
+        kind, text = key
+        try:
+            compiled = _compile_with(self._compiler(), kind, text)
+        except ImportError:
+            raise GrammarCompileError("structured outputs need xgrammar: pip install 'cbrun[structured]'") from None
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses for bad input
+            reason = _first_line(exc)
+            if kind == "regex":  # a regex is translated to EBNF first; that text's line and column mean nothing here
+                reason = re.sub(r"^EBNF parser error at line \d+, column \d+: ", "", reason)
+            raise GrammarCompileError(f"invalid {kind.replace('_', ' ')} constraint: {reason}") from None
+        finally:
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self.num_compiled += 1
+                self.compile_seconds += seconds
+        logger.info("structured outputs: compiled a %s constraint in %.3f s", kind, seconds)
+        return compiled
+
+    def _compiler(self):
+        """xgrammar's compiler over the tokenizer, built on first use (reading the vocabulary takes a while)."""
+        with self._lock:
+            if self._xgr_compiler is None:
+                import xgrammar as xgr
+
+                tokenizer = self._tokenizer
+                if hasattr(tokenizer, "transformers_tokenizer"):  # engine.tokenizer.FastTokenizer
+                    tokenizer = tokenizer.transformers_tokenizer()
+                info = _tokenizer_info(xgr, tokenizer, self.vocab_size, self._eos_token_ids)
+                self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._xgr_compiler
+
+
+def _tokenizer_info(xgr, tokenizer, vocab_size: int | None, stop_token_ids):
+    """xgrammar's view of the vocabulary, with every special token (BOS, UNK, chat markers, ...) spelled as no
+    text, so no grammar can match it: xgrammar takes a token's text as written, and ``<unk>`` would otherwise
+    satisfy a grammar such as ``"<" [a-z]+ ">"`` while decoding to nothing. The stop tokens stay allowed where the
+    grammar may end."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special |= {
+        i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if getattr(t, "special", False)
+    }
+    special -= set(info.stop_token_ids)
+    if not special:
+        return info
+    size = info.vocab_size
+    encoded = [""] * size
+    for token, index in tokenizer.get_vocab().items():
+        if index < size and index not in special:
+            encoded[index] = token
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=info.vocab_type,
+        vocab_size=size,
+        stop_token_ids=info.stop_token_ids,
+        add_prefix_space=info.add_prefix_space,
+    )
+
+
+#: xgrammar 0.2.9's JSON string characters: a length-bounded string's (``maxLength``/``minLength``) lets raw
+#: control characters through, and both let UTF-8-encoded surrogates (U+D800..U+DFFF) through, which no JSON text
+#: holds (RFC 8259 sections 7 and 8.1; a byte-level tokenizer can spell them). Both become ``_JSON_STRING_CHAR``, so
+#: every output decodes as UTF-8 and parses with a strict JSON parser.
+_LOOSE_STRING_CHARS = (r"[^\0-\x1f\"\\\r\n]", r"[^\"\\\r\n]")
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
+
+
+def _strict_json_strings(ebnf: str) -> str:
+    for loose in _LOOSE_STRING_CHARS:
+        ebnf = ebnf.replace(loose, _JSON_STRING_CHAR)
+    return ebnf
+
+
+def _compile_with(compiler, kind: str, text: str):
+    """One constraint's ``CompiledGrammar``. JSON is compact (no free whitespace), so a bounded schema has a
+    bounded longest form and a weak model cannot pad its output with blanks until ``max_tokens``."""
+    if kind in ("json", "json_object"):
+        import xgrammar as xgr
+
+        ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True))
+        return compiler.compile_grammar(_strict_json_strings(ebnf))
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "choice":
+        alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in json.loads(text))
+        return compiler.compile_grammar(f"root ::= {alternatives}")
+    if "::=" in text:  # EBNF (xgrammar's GBNF dialect); Lark writes its rules "name: ..."
+        return compiler.compile_grammar(text)
+    return compiler.compile_lark(text)
+
+
+def _first_line(exc: Exception) -> str:
+    """The library's message without its log prefix ("[12:00:00] /project/cpp/file.cc:94: ")."""
+    text = str(exc).strip() or type(exc).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text.splitlines()[0])[:300]

@@ -1,0 +1,160 @@
+"""Find the files of an input and say how each is read: Parquet, JSON Lines, or a ``datasets`` save_to_disk data set.
+
+An input is one file, a directory of them (searched recursively, in sorted order) or an object-store prefix. A
+directory never skips a file silently: names starting with "." or "_" (Spark and Hive's ``_SUCCESS``, ``.crc``) and
+``.md`` / ``.rst`` documents are ignored, and any other file that is not a format cbrun reads is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cbrun.jobs.input.errors import InputError
+from cbrun.jobs.input.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, holds_json_lines
+from cbrun.jobs.storage import StorageError, basename, is_uri, list_files, local_path
+
+#: Parquet files start (and end) with these 4 bytes.
+PARQUET_MAGIC = b"PAR1"
+#: What ``input_file_format`` reads, for error messages.
+SUPPORTED_INPUTS = (
+    ".parquet, .jsonl, .jsonl.gz, .json or .json.gz holding JSON Lines (any letter case), a Parquet "
+    "file of any name (e.g. Hive's 000000_0), or a datasets save_to_disk directory"
+)
+#: Files of a directory that are documentation, not data: ignored (a Hugging Face data set's README.md).
+DOC_SUFFIXES = (".md", ".rst")
+
+
+def input_file_format(path: Path) -> str | None:
+    """How one input file is read: "parquet", "jsonl", or None (not a format cbrun reads).
+
+    By name, letter case ignored: ``.parquet``; ``.jsonl`` / ``.jsonl.gz``; ``.json`` / ``.json.gz`` whose first
+    line is one whole JSON object (JSON Lines, ``cbrun.jobs.input.jsonl_source.holds_json_lines``). Any other name is Parquet
+    when the file starts with Parquet's magic bytes (Hive and some Spark writers leave Parquet files without a
+    suffix).
+
+    Raises:
+        InputError: for a ``.json`` file that holds a JSON document (one array, or an object printed over many
+            lines) rather than JSON Lines, or one that cannot be read.
+    """
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(JSON_SUFFIXES):
+        try:
+            if holds_json_lines(path):
+                return "jsonl"
+        except OSError as exc:
+            raise InputError(f"input file {str(path)!r} cannot be read: {exc}") from None
+        raise InputError(
+            f"input file {str(path)!r} is JSON but not JSON Lines (its first line is not one whole JSON "
+            f"object: a JSON array, or a document printed over many lines); cbrun reads "
+            f"{SUPPORTED_INPUTS}. Convert an array, e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl"
+        )
+    try:
+        with open(path, "rb") as f:
+            return "parquet" if f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC else None
+    except OSError:
+        return None
+
+
+def _is_hidden(relative: Path) -> bool:
+    """Spark/Hive's rule: a path part starting with "." or "_" (``_SUCCESS``, ``.part-0.crc``) is not data."""
+    return any(part.startswith((".", "_")) for part in relative.parts)
+
+
+def _is_doc(path: Path) -> bool:
+    return path.suffix.lower() in DOC_SUFFIXES
+
+
+def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
+    """Find the files of an input: one Parquet or JSON Lines file, a directory of them (mixed or not, searched
+    recursively), or a ``save_to_disk`` data set. What a file is read as: ``input_file_format``.
+
+    In a directory, files and folders whose name starts with "." or "_" are ignored, as Spark and Hive do
+    (``_SUCCESS``, ``.crc`` files, ``_cbrun/``), and so are ``.md`` / ``.rst`` documents (a data set's README.md);
+    any other file that is not a format cbrun reads is refused, so that no rows are left out unseen.
+
+    Returns:
+        ("parquet" (Parquet and JSON Lines files, see ``open_source``) or "arrow", files in reading order).
+
+    Raises:
+        InputError: when the path does not exist, holds nothing readable, is a file of a format cbrun does not
+            read, or is a directory that holds such files (named, with the formats cbrun reads).
+    """
+    if is_uri(path):
+        return "parquet", list_object_files(str(path))
+    path = Path(local_path(path))
+    if not path.exists():
+        raise InputError(f"input {str(path)!r} not found: give a Parquet or JSON Lines file, or a directory of them")
+    if path.is_file():
+        if input_file_format(path) is None:
+            raise InputError(f"input file {str(path)!r} is not a format cbrun reads; cbrun reads {SUPPORTED_INPUTS}")
+        return "parquet", [path]
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise InputError(
+            f"input {str(path)!r} is a DatasetDict; point the input at one split, e.g. "
+            f"{str(path / (splits[0] if splits else 'train'))!r}"
+        )
+    if (path / "state.json").is_file():
+        data_files = json.loads((path / "state.json").read_text()).get("_data_files", [])
+        files = [path / f["filename"] for f in data_files]
+        if files:
+            return "arrow", files
+    candidates = sorted(
+        p for p in path.rglob("*") if p.is_file() and not _is_hidden(p.relative_to(path)) and not _is_doc(p)
+    )
+    unreadable = [p for p in candidates if input_file_format(p) is None]
+    if unreadable:
+        names = ", ".join(repr(p.relative_to(path).as_posix()) for p in unreadable[:10])
+        more = f" and {len(unreadable) - 10} more" if len(unreadable) > 10 else ""
+        raise InputError(
+            f"input directory {str(path)!r} holds files cbrun cannot read: {names}{more}; cbrun reads "
+            f"{SUPPORTED_INPUTS} (names starting with '.' or '_' are ignored). Move them out, or point "
+            f"--input at the files to read"
+        )
+    if not candidates:
+        raise InputError(
+            f"input directory {str(path)!r} holds no .parquet files, no .jsonl files and no saved data set"
+        )
+    return "parquet", candidates
+
+
+def object_file_format(uri: str) -> str | None:
+    """How one input object is read, by its name alone (``input_file_format``'s rules without opening it)."""
+    name = basename(uri).lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES + JSON_SUFFIXES):
+        return "jsonl"
+    return None
+
+
+def list_object_files(uri: str) -> list[str]:
+    """The input objects under an object-store URI (one object, or every object below a prefix, in name order),
+    with ``list_input_files``'s rules: names starting with "." or "_" and documents skipped, others refused.
+
+    Raises:
+        InputError: when nothing is there, or an object is not ``.parquet`` / ``.jsonl`` / ``.json``(``.gz``).
+    """
+    try:
+        objects = list_files(uri)
+    except (ImportError, StorageError) as exc:
+        raise InputError(f"input {uri!r} cannot be listed: {exc}") from None
+    root = uri.rstrip("/")
+    relative = {o: o[len(root) + 1 :] if o != root else basename(o) for o in objects}
+    candidates = [o for o in objects if not _is_hidden(Path(relative[o])) and not _is_doc(Path(relative[o]))]
+    if not candidates:
+        raise InputError(
+            f"input {uri!r} not found: no objects there (give a Parquet or JSON Lines object, or a prefix of them)"
+        )
+    unreadable = [relative[o] for o in candidates if object_file_format(o) is None]
+    if unreadable:
+        raise InputError(
+            f"input {uri!r} holds objects cbrun cannot read: {', '.join(map(repr, unreadable[:10]))}; "
+            f"in an object store cbrun reads .parquet, .jsonl and .json(.gz) objects"
+        )
+    return candidates

@@ -1,0 +1,183 @@
+"""The Ray Data executor (``cluster.executor = "ray"``): a job's rows through a pool of engine replicas.
+
+The driver (the ``cbrun run`` process) holds the output's lock, its ``PartWriter`` and the done bitmap, exactly as
+a single-process run does; only the reading and the engine work move out::
+
+    read_datasource(PendingRowsDatasource)       one read task per span of pending rows (jobs.run.ray_input): only
+        |                                        their row groups are read; each row keeps its exact row_index
+    map_batches(Replica, ActorPoolStrategy(num_replicas), up to max_concurrent_batches batches per replica)
+        |                                        each replica: one engine, loaded once, whose continuous batching
+        |                                        runs the rows of all its batches together (jobs.run.replica)
+    iter_batches --> driver: PartWriter.add_group per input row (temp file + rename, as ever)
+
+On an object-store output the replicas commit their own parts instead (``cbrun.jobs.output.object_output.commit_span``: the part
+under the replica's attempt name, then the span's commit record, create-only, so one attempt per span wins) and send
+the driver only the rows' counts; the driver hands out spans, holds the lease, counts, and writes ``_SUCCESS``.
+
+Each row's seeds derive from (job seed, row id), not from the replica or the batch, so outputs equal the
+single-process run's. Ray restarts a dead replica and retries its batches (Ray Data's actor pools default to
+``max_restarts=-1``, ``max_task_retries=-1``); a retried batch's rows reach the driver once, since a task's output
+is returned only when it completes, and the driver drops any row it has already written. A killed driver loses only
+its uncommitted rows: the rerun reads the spans of the rows not in a committed part.
+
+Ray Data's pattern for stateful batch inference (an actor pool of callable classes, the model loaded in
+``__init__``): https://docs.ray.io/en/latest/data/batch_inference.html
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = ["RAY_EXTRA_MESSAGE", "check_ray_installed", "pending_spans", "run_on_ray"]
+
+from cbrun.jobs.output.writer import OUTPUT_SCHEMA, OutputRow
+from cbrun.jobs.run.ray_input import pending_spans
+from cbrun.jobs.run.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN
+
+logger = logging.getLogger("cbrun")
+
+RAY_EXTRA_MESSAGE = (
+    '--executor ray (cluster.executor = "ray") needs Ray Data, which is not installed: '
+    "pip install 'cbrun[ray]' (the extra installs ray[data])"
+)
+
+
+def check_ray_installed() -> None:
+    """Raise ``ImportError`` with ``RAY_EXTRA_MESSAGE`` when Ray Data cannot be imported; Ray's logs are quieted
+    first (``quiet_ray_logs``: Ray Data reads its level when imported)."""
+    quiet_ray_logs()
+    try:
+        import ray  # noqa: F401
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise ImportError(RAY_EXTRA_MESSAGE) from None
+
+
+#: Ray's log levels unless the environment sets them: its Python and Ray Data loggers print warnings and above; its
+#: C++ core prints fatal errors only, because Ray Data's actor pool always makes it print a harmless ERROR line
+#: (``core_worker.cc``: the replicas' constructor arguments sit in the object store and ``max_restarts > 0``).
+#: Errors that matter reach cbrun as Python exceptions.
+QUIET_RAY_ENV = {"RAY_BACKEND_LOG_LEVEL": "fatal", "RAY_DATA_LOG_LEVEL": "WARNING", "RAY_LOGGER_LEVEL": "warning"}
+
+
+def quiet_ray_logs() -> None:
+    """Quiet Ray's logs to warnings (``QUIET_RAY_ENV``), keeping any level the user's environment sets."""
+    for name, level in QUIET_RAY_ENV.items():
+        os.environ.setdefault(name, level)
+    logging.getLogger("ray").setLevel(os.environ["RAY_LOGGER_LEVEL"].upper())
+    # NOTE: Ray Data reads its variable when first imported (jobs.run.ray_input may have imported it): set it here too
+    logging.getLogger("ray.data").setLevel(os.environ["RAY_DATA_LOG_LEVEL"].upper())
+
+
+def connect(address: str | None, num_cpus: int | None = None) -> None:
+    """Join the Ray cluster at ``address`` ("auto", "ray://..."), or start a local instance when None; Ray's logs
+    are quieted first (``quiet_ray_logs``)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    quiet_ray_logs()
+    kwargs = {"address": address} if address else {"num_cpus": num_cpus}
+    ray.init(**kwargs, log_to_driver=False, include_dashboard=False, configure_logging=False)
+
+
+def output_batches(
+    manifest, engine_config, spans: list[tuple[int, int]], commit_output: str | None = None
+) -> Iterator[pa.Table]:
+    """Run the spans through ``cluster.num_replicas`` replicas; yield their output tables as they stream back."""
+    import ray.data
+
+    from cbrun.jobs.run.ray_input import PendingRowsDatasource
+    from cbrun.jobs.run.replica import Replica
+
+    cluster = manifest.cluster
+    num_gpus = cluster.num_gpus_per_replica
+    if num_gpus is None:
+        num_gpus = 1 if engine_config.device.startswith("cuda") else 0
+    num_threads = max(1, int(cluster.num_cpus_per_replica))
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    # NOTE: one block per span (no splitting), and reads reserve no CPU: they are light, and a replica per CPU
+    # (2 replicas on 2 CPUs) must not leave the reads unschedulable.
+    rows = ray.data.read_datasource(
+        PendingRowsDatasource(manifest, spans), override_num_blocks=max(1, len(spans)), num_cpus=0
+    )
+    # NOTE: max_concurrent_batches calls run at once in a replica (its async __call__ awaits the engine thread),
+    # and Ray Data keeps that many tasks queued at each replica so the next batch is there when one finishes.
+    per_replica = cluster.max_concurrent_batches
+    outputs = rows.map_batches(
+        Replica,
+        batch_size=cluster.batch_size,
+        batch_format="pyarrow",
+        num_gpus=num_gpus,
+        num_cpus=cluster.num_cpus_per_replica,
+        compute=ray.data.ActorPoolStrategy(
+            size=cluster.num_replicas,
+            max_concurrent_calls_per_actor=per_replica,
+            max_tasks_in_flight_per_actor=per_replica,
+        ),
+        fn_constructor_kwargs={
+            "manifest": manifest,
+            "engine_config": engine_config,
+            "num_threads": num_threads,
+            "max_concurrent_batches": per_replica,
+            "commit_output": commit_output,
+        },
+    )
+    yield from outputs.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
+
+
+def run_on_ray(
+    manifest, engine_config, done: np.ndarray, writer, on_group, commit_output: str | None = None
+) -> dict[str, int]:
+    """Compute the rows not ``done`` on Ray replicas and hand each row's output rows to ``on_group`` once.
+
+    Args:
+        manifest: the job.
+        engine_config: the resolved ``EngineConfig`` (each replica loads its own engine with it).
+        done: bool over the job's rows, True for rows this run must not compute (committed, or another shard's).
+        writer: the run's ``PartWriter`` (its time threshold is checked as batches come back).
+        on_group: called with each input row's output rows, in the order they come back.
+        commit_output: an object-store output: each replica commits its batches' parts there itself
+            (``cbrun.jobs.run.replica``), and ``on_group`` gets the rows without their completions, to count them.
+
+    Returns:
+        The replicas' counters: ``num_row_steps_shared_across_batches``, the forward passes of the rows written in
+        which a row ran beside rows of another batch (``cbrun.jobs.run.replica``), summed over the rows.
+    """
+    connect(manifest.cluster.address, num_cpus=os.cpu_count())
+    written = done.copy()
+    waiting: dict[int, list[dict]] = {}
+    num_shared = 0
+    spans = pending_spans(done, manifest.cluster.batch_size)
+    for table in output_batches(manifest, engine_config, spans, commit_output):
+        sizes = table.column(GROUP_SIZE_COLUMN).to_pylist()
+        shared = table.column(SHARED_STEPS_COLUMN).to_pylist()
+        records = table.drop_columns([GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN]).to_pylist()
+        for record, size, row_shared in zip(records, sizes, shared):
+            row_index = record["row_index"]
+            if written[row_index]:
+                continue  # NOTE: a retried batch's row that already came back; never written twice
+            group = waiting.setdefault(row_index, [])
+            group.append(record)
+            if len(group) == size:
+                del waiting[row_index]
+                written[row_index] = True
+                num_shared += row_shared
+                on_group([_output_row(r) for r in sorted(group, key=lambda r: r["sample_index"])])
+        writer.maybe_commit()
+    assert not waiting, f"{len(waiting)} rows came back without all their samples"
+    return {"num_row_steps_shared_across_batches": num_shared}
+
+
+def _output_row(record: dict) -> OutputRow:
+    """An output row read back from a replica's table: ``OUTPUT_SCHEMA``'s columns, then the carried ones."""
+    fields = {name: record.pop(name) for name in OUTPUT_SCHEMA.names}
+    if fields["logprobs"] is not None:
+        fields["logprobs"] = [{e["token_id"]: e["logprob"] for e in step} for step in fields["logprobs"]]
+    return OutputRow(**fields, carried=record)

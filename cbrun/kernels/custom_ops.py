@@ -1,0 +1,122 @@
+"""The paged-attention kernels as ``torch.library`` custom ops: ``torch.ops.cbrun.write_kv_cache`` and
+``torch.ops.cbrun.paged_attention``.
+
+A Triton launch or a C call is not a torch op, so a ``TorchDispatchMode`` (the CUDA-graph emulation,
+``cbrun.engine.graph_emulation``) would not see it. Wrapped as custom ops, each call is dispatched as one op whose tensor
+arguments are all it reads or writes, so a recorder can replay it over the same tensors. The ops only forward to
+the existing entry points: Triton (``cbrun.kernels.paged_attention``, ``cbrun.kernels.kv_cache_write``), the C kernels
+(``cbrun.kernels.cpu_attention``) or the PyTorch reference (``cbrun.kernels.reference``), picked by ``backend``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cbrun.kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
+
+#: The ``backend`` argument's values.
+BACKENDS = ("torch", "triton", "cpu")
+
+
+@torch.library.custom_op("cbrun::write_kv_cache", mutates_args=("k_cache", "v_cache"))
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    slot_offset: int,
+    backend: str,
+    num_threads: int,
+) -> None:
+    """Store one layer's keys and values in the paged cache, in place.
+
+    Args:
+        key, value: (T, num_kv_heads, head_dim) in the cache's dtype.
+        k_cache, v_cache: (num_pages, page_size, num_kv_heads, head_dim), written in place.
+        slot_mapping: (T,) int64 slots; a negative slot (padding) writes nowhere.
+        slot_offset: added to every non-negative slot (the C backend shifts layer 0's slots to the layer's);
+            must be 0 for the other backends, which take the layer's own slots.
+        backend: one of ``BACKENDS``.
+        num_threads: the C kernel's threads; 0 for torch's count.
+
+    Raises:
+        ValueError: for an unknown backend, or as the backend's entry point raises.
+    """
+    if backend == "cpu":
+        from cbrun.kernels.cpu_attention import StepKernels
+
+        StepKernels(k_cache, v_cache, num_threads or None).write_kv(key, value, slot_mapping, slot_offset)
+        return
+    _check_backend(backend)
+    assert slot_offset == 0, "the Triton and reference writes take the layer's own slots"
+    if backend == "triton":
+        from cbrun.kernels.kv_cache_write import write_kv_cache_triton
+
+        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+@torch.library.custom_op("cbrun::paged_attention", mutates_args=())
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_seqlen_q: int,
+    page_offset: int,
+    backend: str,
+    num_threads: int,
+) -> torch.Tensor:
+    """Attention of a flattened varlen batch over the paged cache.
+
+    Args:
+        query: (T, num_heads, head_dim); rows past ``cu_seqlens_q[-1]`` are padding.
+        k_cache, v_cache: (num_pages, page_size, num_kv_heads, head_dim).
+        block_tables: (B, max_blocks) int32 pages; Triton takes the layer's own pages (``page_offset`` 0), the C
+            kernel and the reference take layer 0's and add ``page_offset``.
+        cu_seqlens_q: (B + 1,) int32; seqlens_k: (B,) int32.
+        scale, sliding_window, softcap: as ``cbrun.kernels.paged_attention.paged_attention_triton``.
+        max_seqlen_q: the longest query (picks Triton's tile).
+        backend: one of ``BACKENDS``.
+        num_threads: the C kernel's threads; 0 for torch's count.
+
+    Returns:
+        (T, num_heads, head_dim) in ``query.dtype``, a new tensor.
+    """
+    if backend == "cpu":
+        from cbrun.kernels.cpu_attention import StepKernels
+
+        return StepKernels(k_cache, v_cache, num_threads or None).attention(
+            query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset=page_offset
+        )
+    _check_backend(backend)
+    if backend == "triton":
+        from cbrun.kernels.paged_attention import paged_attention_triton
+
+        assert page_offset == 0, "the Triton kernel takes the layer's own block tables"
+        return paged_attention_triton(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            cu_seqlens_q,
+            seqlens_k,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_seqlen_q=max_seqlen_q,
+        )
+    plan = build_gather_plan(block_tables, cu_seqlens_q, seqlens_k, k_cache.shape[1], sliding_window)
+    return paged_attention_ref(query, k_cache, v_cache, plan, scale, softcap, page_offset=page_offset)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

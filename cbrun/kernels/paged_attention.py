@@ -1,0 +1,406 @@
+"""Triton paged attention over a flattened varlen batch that mixes prefill chunks and decodes.
+
+Same contract as ``cbrun.kernels.reference.paged_attention_ref`` (see that module for the cache layout and positions).
+One kernel serves every mix: the batch is cut into query tiles, each tile belonging to one request, and each
+program handles one (query tile, KV head) pair: the tile's BLOCK_Q query tokens times the GROUP query heads
+that share the KV head, so every K/V tile it loads feeds all heads of the GQA group at once::
+
+    rows of one program (BLOCK_M = BLOCK_Q * GROUP_PADDED), GROUP = 4 shown:
+
+    row:    0    1    2    3    4    5    6    7  ...
+    token:  t0   t0   t0   t0   t1   t1   t1   t1 ...   (t = q_tile * BLOCK_Q + row // GROUP_PADDED)
+    head:   g0   g1   g2   g3   g0   g1   g2   g3 ...   (head = kv_head * GROUP + row % GROUP_PADDED)
+
+    program loop over its request's context, BLOCK_N positions at a time (only the causal / window range):
+      block_tables[req, pos // PAGE_SIZE] -> page -> K (HEAD_DIM, BLOCK_N), V (BLOCK_N, HEAD_DIM)
+      S = Q K * scale (fp32) -> softcap -> mask -> online softmax -> acc += P V
+
+Tiles are numbered without a host sync: request b's tiles start at ``cu_seqlens_q[b] // BLOCK_Q + b``, so the
+grid ``num_tokens // BLOCK_Q + num_requests`` covers every tile of every request; a program finds its request
+by binary search over ``cu_seqlens_q`` and exits at once when its tile lies past its request's query rows.
+The launch shape thus depends on tensor shapes only (CUDA-graph friendly).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from cbrun.kernels.tile_policy import DEFAULT_CAPABILITY, pick_attention_tile
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_HEAD_DIM = 256  # NOTE: larger head dims would not fit a (BLOCK_M, HEAD_DIM) fp32 accumulator in registers.
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+
+
+@triton.jit
+def _find_request(cu_seqlens_q_ptr, tile, num_requests, BLOCK_Q: tl.constexpr):
+    """Largest b with ``cu_seqlens_q[b] // BLOCK_Q + b <= tile``: the request that owns query tile ``tile``."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_requests
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,  # (T, H, HEAD_DIM), strides (stride_out_t, stride_out_h, 1)
+    query_ptr,  # (T, H, HEAD_DIM), strides (stride_q_t, stride_q_h, 1)
+    k_cache_ptr,  # (num_blocks, PAGE_SIZE, Hkv, HEAD_DIM), strides (stride_cache_block, _offset, _head, 1)
+    v_cache_ptr,  # (num_blocks, PAGE_SIZE, Hkv, HEAD_DIM), same strides as k_cache
+    block_tables_ptr,  # (B, max_blocks) int32/int64, strides (stride_block_table, 1)
+    cu_seqlens_q_ptr,  # (B + 1,) int32/int64 cumulative query lengths
+    seqlens_k_ptr,  # (B,) int32/int64 context length of each request, this step's tokens included
+    scale,  # fp32 multiplier of q.k
+    softcap,  # fp32 soft-cap of the scores; used only if USE_SOFTCAP
+    sliding_window,  # int window length (self included); used only if USE_WINDOW
+    num_tokens,  # T: rows past it are never read or written
+    num_requests,  # B
+    max_blocks,  # block_tables.shape[1]
+    stride_out_t,
+    stride_out_h,
+    stride_q_t,
+    stride_q_h,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_block_table,
+    GROUP: tl.constexpr,  # query heads per KV head, H // Hkv
+    GROUP_PADDED: tl.constexpr,  # next power of two >= GROUP
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,  # next power of two >= max(HEAD_DIM, 16)
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program, BLOCK_Q * GROUP_PADDED, >= 16
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # context positions per loop step, >= 16
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), else None (the default)
+    DOT_IN_FP32: tl.constexpr,  # upcast bf16 dot operands (exactly): the CPU interpreter multiplies raw bf16 bits
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(cu_seqlens_q_ptr, tile, num_requests, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + req).to(tl.int32)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1).to(tl.int32) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + req)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seqlens_k_ptr + req).to(tl.int32)
+    context_len = seq_len - q_len  # tokens cached before this step
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PADDED  # (BLOCK_M,) query token within the request
+    head = kv_head * GROUP + rows % GROUP_PADDED  # (BLOCK_M,) query head
+    token = (q_start + q_idx).to(tl.int64)  # (BLOCK_M,) flat query row
+    row_ok = (q_idx < q_len) & (rows % GROUP_PADDED < GROUP) & (token < num_tokens)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_M, HEAD_DIM_PADDED)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    q_pos = context_len + q_idx  # (BLOCK_M,) absolute position of each row
+
+    # Context range any row of this tile may see: causal end of its last token, window start of its first.
+    tile_first_pos = context_len + q_tile * BLOCK_Q
+    kv_end = tl.minimum(tile_first_pos + BLOCK_Q, seq_len)
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(tile_first_pos - sliding_window + 1, 0)
+
+    # Scores live in the log2 domain (exp2 is cheaper than exp); softcap is applied before the conversion.
+    qk_scale = scale
+    if not USE_SOFTCAP:
+        qk_scale = scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
+
+    for n_start in range((kv_begin // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
+        kv_pos = n_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        kv_ok = (kv_pos >= kv_begin) & (kv_pos < kv_end) & (kv_pos // PAGE_SIZE < max_blocks)
+        page = tl.load(block_table_row + kv_pos // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        kv_offsets = (
+            page * stride_cache_block + (kv_pos % PAGE_SIZE) * stride_cache_offset + kv_head * stride_cache_head
+        )  # (BLOCK_N,)
+        k = tl.load(
+            k_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=kv_ok[None, :] & dim_ok[:, None], other=0.0
+        )  # (HEAD_DIM_PADDED, BLOCK_N)
+        v = tl.load(
+            v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_ok[:, None] & dim_ok[None, :], other=0.0
+        )  # (BLOCK_N, HEAD_DIM_PADDED)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+        if USE_SOFTCAP:
+            # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 when exp overflows.
+            s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * LOG2E / softcap)) + 1.0))
+            s = s * LOG2E
+        visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+
+        # Online softmax; a row with nothing visible yet keeps m = -inf, so subtract 0 instead (no NaN).
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # P is rounded to the cache dtype before P @ V (the second cast is a no-op unless DOT_IN_FP32).
+        p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seqlen_q: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a flattened varlen batch (prefill chunks and decodes mixed) over a paged KV cache (Triton).
+
+    Args:
+        query: (T, num_heads, head_dim) fp16/bf16/fp32, last dim contiguous; request b owns rows
+            ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``. Rows past ``cu_seqlens_q[-1]`` (padding) are not written.
+        k_cache, v_cache: (num_blocks, page_size, num_kv_heads, head_dim), query's dtype, identical strides, last
+            dim contiguous; num_heads % num_kv_heads == 0 (GQA). head_dim may be any value up to 256 (padded and
+            masked inside the kernel).
+        block_tables: (B, max_blocks) int32/int64, block ids of each request's pages in position order.
+        cu_seqlens_q: (B + 1,) int32/int64 cumulative query lengths, ``cu_seqlens_q[-1] <= T``.
+        seqlens_k: (B,) int32/int64 context length of each request, this step's tokens included.
+        scale: multiplier of q.k (usually head_dim ** -0.5).
+        sliding_window: attend only to the last ``sliding_window`` positions (self included); None for full.
+        softcap: if set, scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
+        max_seqlen_q: longest query length in the batch; picks the tile shape only. None reads it from
+            ``cu_seqlens_q`` (one device sync): pass it when known, e.g. under CUDA-graph capture.
+        out: optional (T, num_heads, head_dim) output buffer in query's dtype (last dim contiguous).
+
+    Returns:
+        (T, num_heads, head_dim) in ``query.dtype`` (``out`` when given). Softmax runs in float32.
+
+    Raises:
+        ValueError: naming the argument whose shape, dtype, stride, device or value is wrong, or an unsupported
+            head_dim (> 256).
+    """
+    _check_attention_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    num_requests = seqlens_k.shape[0]
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+
+    launch = attention_launch_config(
+        query.dtype,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        int(max_seqlen_q),
+        sliding_window is not None,
+        softcap is not None,
+        device_capability(query.device),
+        dot_in_fp32=query.is_cpu and query.dtype == torch.bfloat16,
+    )
+    grid = (num_tokens // launch.constexprs["BLOCK_Q"] + num_requests, num_kv_heads)
+    paged_attention_kernel[grid](
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seqlens_k,
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        num_tokens,
+        num_requests,
+        block_tables.shape[1],
+        out.stride(0),
+        out.stride(1),
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **launch.constexprs,
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything of a launch that selects a compiled kernel: the constexprs and the launch options."""
+
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    def key(self) -> tuple:
+        """Hashable identity: two launches with equal keys run the same binary."""
+        return tuple(sorted(self.constexprs.items())) + (self.num_warps, self.num_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def attention_launch_config(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    max_seqlen_q: int,
+    use_window: bool,
+    use_softcap: bool,
+    capability: int,
+    dot_in_fp32: bool = False,
+) -> LaunchConfig:
+    """The constexprs, ``num_warps`` and ``num_stages`` of one ``paged_attention_kernel`` launch.
+
+    ``paged_attention_triton`` launches with exactly this; ``cbrun.kernels.aot_fit`` compiles it ahead of time for each
+    GPU architecture. The tile comes from ``cbrun.kernels.tile_policy.pick_attention_tile``. Cached: every layer of a
+    step asks the same question, so the answer is computed once (callers must not change the returned dict).
+
+    Args:
+        dtype: query and cache dtype. num_heads, num_kv_heads, head_dim, page_size: the model's and cache's shape.
+        max_seqlen_q: longest query (tokens) in the batch. use_window, use_softcap: whether those are set.
+        capability: compute capability, major * 10 + minor (``device_capability``).
+        dot_in_fp32: upcast bf16 dot operands (the CPU interpreter only).
+    """
+    group = num_heads // num_kv_heads
+    group_padded = triton.next_power_of_2(group)
+    head_dim_padded = max(triton.next_power_of_2(head_dim), 16)
+    tile = pick_attention_tile(capability, dtype.itemsize, head_dim_padded, group_padded, max(max_seqlen_q, 1))
+    constexprs = dict(
+        GROUP=group,
+        GROUP_PADDED=group_padded,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        PAGE_SIZE=page_size,
+        BLOCK_M=tile.block_m,
+        BLOCK_Q=tile.block_q(group_padded),
+        BLOCK_N=tile.block_n,
+        USE_SOFTCAP=use_softcap,
+        USE_WINDOW=use_window,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+        DOT_IN_FP32=dot_in_fp32,
+    )
+    return LaunchConfig(constexprs, tile.num_warps, tile.num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(device: torch.device) -> int:
+    """Compute capability of ``device`` as major * 10 + minor; ``DEFAULT_CAPABILITY`` off CUDA (interpreter)."""
+    if device.type != "cuda":
+        return DEFAULT_CAPABILITY
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def _check_attention_args(
+    query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out
+) -> None:
+    if query.dim() != 3:
+        raise ValueError(f"query must be (T, num_heads, head_dim), got shape {tuple(query.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be (num_blocks, page_size, num_kv_heads, head_dim), got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} differs from query head_dim {head_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim {head_dim} is not supported: the Triton kernel handles 1..{MAX_HEAD_DIM}; "
+            f"use the PyTorch reference (attention_backend='torch') for this model"
+        )
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"query dtype must be one of {_FLOAT_DTYPES}, got {query.dtype}")
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)) + ((("out", out),) if out is not None else ()):
+        if tensor.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} differs from query dtype {query.dtype}")
+    if out is not None and out.shape != query.shape:
+        raise ValueError(f"out must have query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+    for name, tensor in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if tensor is not None and tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (head_dim), got strides {tensor.stride()}")
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache must have identical strides, got {k_cache.stride()} and {v_cache.stride()}"
+        )
+    _check_index_args(block_tables, cu_seqlens_q, seqlens_k)
+    tensors = (query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k) + ((out,) if out is not None else ())
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must share one device, got {devices}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+
+
+def _check_index_args(block_tables, cu_seqlens_q, seqlens_k) -> None:
+    for name, tensor in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q), ("seqlens_k", seqlens_k)):
+        if tensor.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"{name} dtype must be int32 or int64, got {tensor.dtype}")
+    if seqlens_k.dim() != 1 or cu_seqlens_q.dim() != 1:
+        raise ValueError(
+            f"seqlens_k and cu_seqlens_q must be 1-D, got shapes {tuple(seqlens_k.shape)} and "
+            f"{tuple(cu_seqlens_q.shape)}"
+        )
+    num_requests = seqlens_k.shape[0]
+    if cu_seqlens_q.shape[0] != num_requests + 1:
+        raise ValueError(
+            f"cu_seqlens_q must have B + 1 = {num_requests + 1} entries (B from seqlens_k), got {cu_seqlens_q.shape[0]}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_requests:
+        raise ValueError(f"block_tables must be (B={num_requests}, max_blocks), got {tuple(block_tables.shape)}")
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables rows must be contiguous, got strides {block_tables.stride()}")
+    for name, tensor in (("cu_seqlens_q", cu_seqlens_q), ("seqlens_k", seqlens_k)):
+        if tensor.shape[0] > 1 and tensor.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {tensor.stride()}")
