@@ -77,7 +77,7 @@ def load_backend(backend: str, model: str, timers: Timers):
         lm = HFLM(pretrained=model, dtype="float32", device="cpu")
         timers.wrap(HFLM, "_loglikelihood_tokens", "scoring")
         return lm
-    import cbrun.engine.lean_llama as lean_llama
+    import cbrun.engine.model.lean_llama as lean_llama
     import cbrun.jobs.integrations.lm_eval_backend as backend_module
     import cbrun.kernels.cpu_attention
 

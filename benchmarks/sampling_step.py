@@ -1,4 +1,4 @@
-"""The batched sampler's own time per step: ``cbrun.engine.sampling.sampler.sample`` on (rows, vocab) logits.
+"""The batched sampler's own time per step: ``cbrun.engine.sample.sampler.sample`` on (rows, vocab) logits.
 
 Three settings, as in ``cbrun bench --workload random-llama-100m``: greedy (through the sampler, e.g. a greedy row
 with a penalty or logprobs pays this; plain greedy rows take the device argmax instead), temperature 0.8 / top_p
@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from cbrun.engine.request import Request
-from cbrun.engine.sampling.batch import SamplingRow, build_batch
-from cbrun.engine.sampling.sampler import sample
-from cbrun.engine.sampling.token_counts import TokenCounts
+from cbrun.engine.core.request import Request
+from cbrun.engine.sample.batch import SamplingRow, build_batch
+from cbrun.engine.sample.sampler import sample
+from cbrun.engine.sample.token_counts import TokenCounts
 from cbrun.engine.sampling_params import SamplingParams
 
 SETTINGS = {

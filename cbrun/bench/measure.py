@@ -21,7 +21,7 @@
   served from a prefix cache are counted (the same numerator for every backend), so on ``gsm8k-fewshot`` sharing
   shows as more useful FLOP/s than the model ran. The ceiling is the best of a few fp32 ``torch.matmul`` of
   2048 x 2048 at the same thread count.
-- Cached prompt tokens (hit rate): the cbrun backends' ``cbrun.engine.stats.num_cached_prompt_tokens`` and its share of
+- Cached prompt tokens (hit rate): the cbrun backends' ``cbrun.engine.core.stats.num_cached_prompt_tokens`` and its share of
   ``num_prompt_tokens``; "n/a" for transformers.
 """
 

@@ -133,7 +133,7 @@ def measure(model_dir: Path, running: int, args) -> dict:
 def measure_decode(model_dir: Path, running: int, args) -> dict:
     """The decode scenario: ``running`` requests, timed over ``args.decode_steps`` steps once all decode."""
     from cbrun.engine import SamplingParams
-    from cbrun.engine.request import RequestStatus
+    from cbrun.engine.core.request import RequestStatus
 
     engine = _engine(model_dir, running, args)
     g = torch.Generator().manual_seed(running)

@@ -10,11 +10,11 @@ import importlib
 
 _EXPORTS = {
     "EngineConfig": "cbrun.engine.config",
-    "EngineStats": "cbrun.engine.stats",
+    "EngineStats": "cbrun.engine.core.stats",
     "LLMEngine": "cbrun.engine.llm_engine",
-    "Request": "cbrun.engine.request",
+    "Request": "cbrun.engine.core.request",
     "RequestOutput": "cbrun.engine.outputs",
-    "RequestStatus": "cbrun.engine.request",
+    "RequestStatus": "cbrun.engine.core.request",
     "SamplingParams": "cbrun.engine.sampling_params",
 }
 

@@ -11,7 +11,7 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 SWITCHES = ("auto", "on", "off")
-#: ``cuda_graphs``' values: a switch, or "emulate" (the graph path on any device, ``cbrun.engine.graph_emulation``).
+#: ``cuda_graphs``' values: a switch, or "emulate" (the graph path on any device, ``cbrun.engine.worker.graph_emulation``).
 CUDA_GRAPH_MODES = SWITCHES + ("emulate",)
 MODEL_IMPLS = ("auto", "transformers", "lean")
 LOADERS = ("auto", "transformers")
@@ -27,14 +27,14 @@ DEFAULT_BATCH_LIMITS = {"cpu": (256, 1024), "cuda": (256, 8192)}
 #: tuned for (vLLM's default block size on GPUs).
 DEFAULT_PAGE_SIZE = {"cpu": 64, "cuda": 16}
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
-#: Version of the rule that decides a request's proposals (``cbrun.engine.speculative.Speculator.propose``). A sampled
+#: Version of the rule that decides a request's proposals (``cbrun.engine.spec_decode.speculative.Speculator.propose``). A sampled
 #: row's draws depend on its proposals, so a job's fingerprint records it: bump it whenever a change alters which
 #: proposals a request makes under the same settings. 2: evidence kept per n-gram match length, and a verify entry's
-#: own cost. (Here, not in ``cbrun.engine.speculative``, so the job layer reads it without importing torch.)
+#: own cost. (Here, not in ``cbrun.engine.spec_decode.speculative``, so the job layer reads it without importing torch.)
 SPECULATION_RULE_VERSION = 2
-#: Version of the sampler's random stream and draw rule (``cbrun.engine.sampling``). A sampled row's tokens depend on it,
+#: Version of the sampler's random stream and draw rule (``cbrun.engine.sample``). A sampled row's tokens depend on it,
 #: so a job's fingerprint records it: bump it whenever a change alters which token a seeded row draws. 2: the
-#: counter-based stream (``cbrun.engine.sampling.random_stream``) drawn by inverse CDF with pivots; 1 (unrecorded): one
+#: counter-based stream (``cbrun.engine.sample.random_stream``) drawn by inverse CDF with pivots; 1 (unrecorded): one
 #: ``torch.Generator`` per request on the host.
 SAMPLER_VERSION = 2
 
@@ -59,7 +59,7 @@ class EngineConfig:
             loaded) the KV cache and one step's workspace may use when ``num_blocks`` is None.
         gpu_memory_utilization: on CUDA, the fraction of the device's total memory this engine may hold in all
             (vLLM's name): weights, the CUDA-graph pool, one step's activations and logits, and the KV cache,
-            which gets what is left (``cbrun.engine.cache_sizing``). Memory other processes hold counts against it.
+            which gets what is left (``cbrun.engine.core.cache_sizing``). Memory other processes hold counts against it.
         allow_block_sharing: reuse KV blocks of identical prompt prefixes (prefix caching).
         cpu_offload_space: GiB of CPU swap space for offloaded requests; 0 falls back to soft reset.
         dtype: model and KV-cache dtype: "float32", "bfloat16", "float16", or "auto" (the default): the
@@ -75,35 +75,35 @@ class EngineConfig:
             (float32, the kernel builds), else torch.
         seed: seed of the engine's generator for requests without a seed of their own.
         cuda_graphs: replay decode and uniform verify steps from CUDA graphs, padded to batch-size buckets
-            (``cbrun.engine.padding``); other steps run eagerly. "auto" (on for CUDA with the Triton backend), "on",
+            (``cbrun.engine.worker.padding``); other steps run eagerly. "auto" (on for CUDA with the Triton backend), "on",
             "off", or "emulate": the same graph path recorded and replayed op by op on any device and backend
-            (``cbrun.engine.graph_emulation``; for tests: slower than "off").
+            (``cbrun.engine.worker.graph_emulation``; for tests: slower than "off").
         cuda_graph_max_batch_size: the largest batch-size bucket (SGLang's ``cuda_graph_max_bs``); decode steps
             with more requests run eagerly. None (the default) takes ``max_requests_per_batch``.
         async_batching: "auto" (on with CUDA graphs on a CUDA device), "on" or "off": plan and upload step N+1
-            while the device computes step N (see ``cbrun.engine.async_batching``).
+            while the device computes step N (see ``engine.async_batching``).
         num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide): a positive int,
             "auto" (the default: 1 thread for a model under 10M parameters, whose ops are too small to split,
-            else every physical core; torch's default on CUDA; see ``cbrun.engine.threads.resolve_num_threads``), or None
+            else every physical core; torch's default on CUDA; see ``cbrun.engine.worker.threads.resolve_num_threads``), or None
             (keep the process's current setting). The C attention kernel takes the same count, except under
-            "auto", where it uses every physical core (``cbrun.engine.threads.resolve_attention_threads``).
+            "auto", where it uses every physical core (``cbrun.engine.worker.threads.resolve_attention_threads``).
         prefix_hash_bits: width of the prefix cache's block hash (SHA-256 cut to a multiple of 8 bits, default the
             full 256). Narrow widths exist for tests that force collisions; a collision is never served.
         model_impl: the forward pass. "lean" runs Llama-family models (Llama, Mistral and Qwen2 without sliding
-            windows, default RoPE) through ``cbrun.engine.lean_llama``: the same math and attention without transformers'
+            windows, default RoPE) through ``cbrun.engine.model.lean_llama``: the same math and attention without transformers'
             per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
             "transformers" always runs the transformers modules; "auto" takes lean where it applies.
         loader: who loads the model and tokenizer. "auto" (the default) reads a Llama-family checkpoint that the
-            lean path runs straight from its files without importing transformers (``cbrun.engine.safetensors_loader``,
-            ``cbrun.engine.tokenizer``: config.json, safetensors weights, tokenizer.json) and leaves everything else to
+            lean path runs straight from its files without importing transformers (``cbrun.engine.model.safetensors_loader``,
+            ``cbrun.engine.core.tokenizer``: config.json, safetensors weights, tokenizer.json) and leaves everything else to
             transformers, as does "transformers" always. The log says which loader ran and why.
-        linear_backend: the GEMM of the lean path's linear layers (``cbrun.engine.cpu_linear``): "torch" (``F.linear``;
+        linear_backend: the GEMM of the lean path's linear layers (``cbrun.engine.model.cpu_linear``): "torch" (``F.linear``;
             logits bit-identical to transformers'), "onednn" (oneDNN's matmul, float32 on the CPU only, else a
             ValueError), or "auto": oneDNN for float32 CPU weights of at least 2^18 elements, where it is faster,
             torch's for the rest. The transformers modules always use torch's.
-        speculative: speculative decoding (see ``cbrun.engine.speculative``): "off", "ngram" (prompt lookup: proposals
+        speculative: speculative decoding (see ``cbrun.engine.spec_decode.speculative``): "off", "ngram" (prompt lookup: proposals
             copied from the request's own prompt and output) or "draft" (a small model with the same tokenizer,
-            ``draft_model``, proposes; see ``cbrun.engine.draft_proposer``). Greedy outputs equal "off" token for
+            ``draft_model``, proposes; see ``cbrun.engine.spec_decode.draft_proposer``). Greedy outputs equal "off" token for
             token; sampled ones keep the distribution.
         draft_model: the draft model's directory (a transformers causal LM with the target's tokenizer), needed
             by ``speculative = "draft"``; its KV cache takes its share of every block of the same pool.
@@ -120,7 +120,7 @@ class EngineConfig:
             saves.
         speculative_row_cost: the cost of one more query row in a step, as a fraction of a step's fixed cost; the
             speculator proposes a token only when its chance of being accepted pays for its row
-            (``cbrun.engine.speculative.verify_threshold``). 0 always proposes ``num_speculative_tokens``. The default
+            (``cbrun.engine.spec_decode.speculative.verify_threshold``). 0 always proposes ``num_speculative_tokens``. The default
             is stories260K's: its step time grew by about 3% of a one-row step per extra query row on a 2-core
             CPU, one thread, with the C attention kernel; values from 0.03 to 0.06 ran equally fast in
             ``cbrun bench --workload speculative --engine speculative_row_cost=X``. A model whose per-row compute

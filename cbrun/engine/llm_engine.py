@@ -9,32 +9,33 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from cbrun.engine import backends, loader
-from cbrun.engine.async_batching import StepHandle, use_async_batching
-from cbrun.engine.block_manager import BlockManager, truncated_block_hash
-from cbrun.engine.cache_sizing import resolve_num_blocks
-from cbrun.engine.cache_spec import CacheSpec
 from cbrun.engine.config import EngineConfig
-from cbrun.engine.device import select_device
-from cbrun.engine.draft_proposer import DraftProposer, draft_bytes_per_block
-from cbrun.engine.kv_cache import KVCache
-from cbrun.engine.kv_layout import KVLayout
-from cbrun.engine.lean_llama import select_lean_model
-from cbrun.engine.model_runner import ModelRunner
+from cbrun.engine.core.block_manager import BlockManager, truncated_block_hash
+from cbrun.engine.core.cache_sizing import resolve_num_blocks
+from cbrun.engine.core.cache_spec import CacheSpec
+from cbrun.engine.core.kv_layout import KVLayout
+from cbrun.engine.core.plan import SchedulerOutput
+from cbrun.engine.core.request import Request, RequestStatus
+from cbrun.engine.core.request_checks import request_error
+from cbrun.engine.core.scheduler import make_scheduler
+from cbrun.engine.core.stats import EngineStats
+from cbrun.engine.core.stop_strings import StopStringMatcher
+from cbrun.engine.model import loader
+from cbrun.engine.model.lean_llama import select_lean_model
 from cbrun.engine.outputs import RequestOutput, request_output
-from cbrun.engine.plan import SchedulerOutput
-from cbrun.engine.request import Request, RequestStatus
-from cbrun.engine.request_checks import request_error
-from cbrun.engine.sampling.step import LaunchedRows, StepSampler
+from cbrun.engine.sample.step import LaunchedRows, StepSampler
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.engine.scheduler import make_scheduler
-from cbrun.engine.stats import EngineStats
-from cbrun.engine.step_reader import StepReader
-from cbrun.engine.stop_strings import StopStringMatcher
+from cbrun.engine.spec_decode.draft_proposer import DraftProposer, draft_bytes_per_block
 from cbrun.engine.structured_output.bitmask import StepBitmask
 from cbrun.engine.structured_output.compiler import GrammarCompiler
 from cbrun.engine.structured_output.request_state import StructuredOutputRequest
-from cbrun.engine.threads import resolve_attention_threads
+from cbrun.engine.worker import backends
+from cbrun.engine.worker.async_batching import StepHandle, use_async_batching
+from cbrun.engine.worker.device import select_device
+from cbrun.engine.worker.kv_cache import KVCache
+from cbrun.engine.worker.model_runner import ModelRunner
+from cbrun.engine.worker.step_reader import StepReader
+from cbrun.engine.worker.threads import resolve_attention_threads
 
 
 class LLMEngine:
@@ -153,7 +154,7 @@ class LLMEngine:
         #: wall seconds (None: nothing is called). Lets a job record its timeline (``cbrun.jobs.observe.timeline``).
         self.step_listener: Callable[[int, float], None] | None = None
         self._grammar_compiler: GrammarCompiler | None = None  # built for the first constrained request
-        #: Reads each launched step's logits and tokens into its requests' tokens (``cbrun.engine.step_reader``).
+        #: Reads each launched step's logits and tokens into its requests' tokens (``cbrun.engine.worker.step_reader``).
         self._reader = StepReader(self.scheduler, self.sampler, self._counters)
 
     @property
@@ -197,7 +198,7 @@ class LLMEngine:
         """Load a causal LM from a local directory and build an engine around it.
 
         A Llama-family checkpoint in safetensors that the lean forward pass runs is read straight from its files,
-        without importing transformers (``cbrun.engine.safetensors_loader``, ``cbrun.engine.tokenizer``), unless
+        without importing transformers (``cbrun.engine.model.safetensors_loader``, ``cbrun.engine.core.tokenizer``), unless
         ``config.loader = "transformers"`` or the engine needs transformers' modules (``model_impl =
         "transformers"``, CUDA graphs, a draft model); everything else loads through transformers. The log says
         which loader ran and why (logger "cbrun.engine", INFO).
@@ -205,11 +206,11 @@ class LLMEngine:
         Args:
             model_path: a directory with config.json and weights (nothing is downloaded).
             config: engine settings; defaults to ``EngineConfig()``. ``num_threads = "auto"`` is resolved here,
-                from the loaded model's parameter count (``cbrun.engine.threads.resolve_num_threads``).
+                from the loaded model's parameter count (``cbrun.engine.worker.threads.resolve_num_threads``).
             expected_requests: how many requests the caller will add in all, when known (a job: its rows to do
                 times ``n``). Caps the default KV cache (``num_blocks`` unset) at what that many requests can fill.
             expected_tokens: the sum over those requests of prompt plus ``max_new_tokens``, when known. Caps the
-                default KV cache further (``cbrun.engine.cache_sizing.resolve_num_blocks``).
+                default KV cache further (``cbrun.engine.core.cache_sizing.resolve_num_blocks``).
 
         Raises:
             OSError: when the directory is missing or unreadable.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from cbrun.engine.request import Request
+from cbrun.engine.core.request import Request
 
 
 @dataclass

@@ -58,7 +58,7 @@ class SamplingParams:
     Logits are processed in this order (as in transformers' logits processors and vLLM's sampler): min_new_tokens
     (stop tokens masked), repetition penalty (prompt and output tokens), presence and frequency penalties (output
     tokens); ``logprobs`` are read here; then temperature, top-k, top-p, min-p and a draw from the request's own
-    counter-based random stream (``cbrun.engine.sampling``). A row's result depends only on its own logits, settings,
+    counter-based random stream (``cbrun.engine.sample``). A row's result depends only on its own logits, settings,
     seed and output position, so its output never depends on its batch.
 
     Attributes:
@@ -68,7 +68,7 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 disables it (1 is greedy).
         top_p: nucleus sampling (Holtzman et al. 2019), keep the smallest set reaching this mass; (0, 1].
         min_p: drop tokens whose probability is under ``min_p`` times the top token's; [0, 1].
-        seed: key of the request's own random stream (``cbrun.engine.sampling.random_stream``); None draws one from the
+        seed: key of the request's own random stream (``cbrun.engine.sample.random_stream``); None draws one from the
             engine's seed generator.
         stop_token_ids: extra token ids that end the request (the emitted stop token is kept in the output ids;
             its text is not in the output text unless ``include_stop_str_in_output``).

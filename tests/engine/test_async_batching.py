@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.block_manager import BlockManager
-from cbrun.engine.cache_spec import CacheSpec
-from cbrun.engine.plan import SchedulerOutput
-from cbrun.engine.request import PENDING_TOKEN, Request, RequestStatus
-from cbrun.engine.scheduler import FIFOScheduler
+from cbrun.engine.core.block_manager import BlockManager
+from cbrun.engine.core.cache_spec import CacheSpec
+from cbrun.engine.core.plan import SchedulerOutput
+from cbrun.engine.core.request import PENDING_TOKEN, Request, RequestStatus
+from cbrun.engine.core.scheduler import FIFOScheduler
 from tests.model_utils import assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128

@@ -2,10 +2,10 @@
 
 import pytest
 
-from cbrun.engine.block_manager import ROOT_HASH, BlockManager, sha256_block_hash, truncated_block_hash
-from cbrun.engine.cache_spec import CacheSpec
-from cbrun.engine.kv_layout import KVLayout
-from cbrun.engine.request import Request
+from cbrun.engine.core.block_manager import ROOT_HASH, BlockManager, sha256_block_hash, truncated_block_hash
+from cbrun.engine.core.cache_spec import CacheSpec
+from cbrun.engine.core.kv_layout import KVLayout
+from cbrun.engine.core.request import Request
 from cbrun.engine.sampling_params import SamplingParams
 
 

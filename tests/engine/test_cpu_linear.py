@@ -1,4 +1,4 @@
-"""The lean path's linear layers on oneDNN (``cbrun.engine.cpu_linear``): the per-weight choice, the op against
+"""The lean path's linear layers on oneDNN (``cbrun.engine.model.cpu_linear``): the per-weight choice, the op against
 ``F.linear``, and whole runs with every projection forced onto oneDNN against transformers."""
 
 from __future__ import annotations
@@ -10,8 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from cbrun.engine import EngineConfig, LLMEngine
-from cbrun.engine.cpu_linear import ONEDNN_MIN_WEIGHT_ELEMENTS, onednn_linear, onednn_unavailable_reason, select_linear
-from cbrun.engine.lean_llama import LeanLlama
+from cbrun.engine.model.cpu_linear import (
+    ONEDNN_MIN_WEIGHT_ELEMENTS,
+    onednn_linear,
+    onednn_unavailable_reason,
+    select_linear,
+)
+from cbrun.engine.model.lean_llama import LeanLlama
 from tests.engine.test_lean_llama import ENGINE_CONFIG, _random_model
 
 pytestmark = pytest.mark.skipif(

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.cuda_graphs import CudaGraphRunner, _Captured
-from cbrun.engine.graph_emulation import EmulatedGraph
+from cbrun.engine.worker.cuda_graphs import CudaGraphRunner, _Captured
+from cbrun.engine.worker.graph_emulation import EmulatedGraph
 from tests.model_utils import assert_pool_balanced, random_model_dir, random_prompts
 
 VOCAB = 128

@@ -8,11 +8,16 @@ import pytest
 import torch
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.cache_pool import NUM_RESERVED_CHUNKS, CachePool
-from cbrun.engine.cache_sizing import useful_blocks
 from cbrun.engine.config import DEFAULT_BATCH_LIMITS, DEFAULT_PAGE_SIZE
-from cbrun.engine.kv_cache import KVCache
-from cbrun.engine.threads import TINY_MODEL_PARAMS, physical_cores, resolve_attention_threads, resolve_num_threads
+from cbrun.engine.core.cache_pool import NUM_RESERVED_CHUNKS, CachePool
+from cbrun.engine.core.cache_sizing import useful_blocks
+from cbrun.engine.worker.kv_cache import KVCache
+from cbrun.engine.worker.threads import (
+    TINY_MODEL_PARAMS,
+    physical_cores,
+    resolve_attention_threads,
+    resolve_num_threads,
+)
 from tests.model_utils import hf_greedy, random_llama_dir, random_prompts
 
 

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.draft_proposer import check_draft_vocab
+from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
 from tests.engine.test_speculative import (
     _chi_square_p,
     _generate,

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cbrun.engine import cache_sizing
-from cbrun.engine import device as device_module
 from cbrun.engine.config import EngineConfig, checkpoint_dtype
-from cbrun.engine.kv_cache import device_to_host
-from cbrun.engine.loader import resolve_engine_dtype
+from cbrun.engine.core import cache_sizing
+from cbrun.engine.model.loader import resolve_engine_dtype
+from cbrun.engine.worker import device as device_module
+from cbrun.engine.worker.kv_cache import device_to_host
 
 GiB = 2**30
 MODEL = SimpleNamespace(hidden_size=4096, intermediate_size=14336, vocab_size=128256)  # Llama-3-8B
@@ -112,7 +112,7 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
     """On CUDA the checkpoint is read onto the device in the engine's dtype (``device_map``), no host copy."""
     import transformers
 
-    from cbrun.engine import loader
+    from cbrun.engine.model import loader
 
     calls = []
 

@@ -3,9 +3,9 @@
 import pytest
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.cache_spec import page_address
-from cbrun.engine.input_batch import PersistentBatch
-from cbrun.engine.plan import ScheduledRequest
+from cbrun.engine.core.cache_spec import page_address
+from cbrun.engine.core.plan import ScheduledRequest
+from cbrun.engine.worker.input_batch import PersistentBatch
 from tests.model_utils import assert_pool_balanced, random_llama_dir, random_prompts
 
 VOCAB = 128

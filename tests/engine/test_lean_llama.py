@@ -15,9 +15,9 @@ import torch
 import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.attention import register_with_transformers
-from cbrun.engine.cpu_linear import onednn_unavailable_reason
-from cbrun.engine.lean_llama import LeanLlama, unsupported_reason
+from cbrun.engine.model.attention import register_with_transformers
+from cbrun.engine.model.cpu_linear import onednn_unavailable_reason
+from cbrun.engine.model.lean_llama import LeanLlama, unsupported_reason
 from tests.model_utils import WEIGHT_SCALE, hf_greedy, random_llama_dir, random_prompts, run_engine
 
 VOCAB = 128

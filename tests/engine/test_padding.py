@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.padding import GraphBuckets, PaddedShape, capture_sizes
-from cbrun.engine.plan import ScheduledRequest
-from cbrun.engine.step_inputs import StepInputBuilder
+from cbrun.engine.core.plan import ScheduledRequest
+from cbrun.engine.worker.padding import GraphBuckets, PaddedShape, capture_sizes
+from cbrun.engine.worker.step_inputs import StepInputBuilder
 from tests.model_utils import random_llama_dir, random_prompts
 
 VOCAB = 128

@@ -110,7 +110,7 @@ def test_poison_rows_fail_alone_and_good_rows_equal_a_clean_run(overlap):
 
 def test_a_row_that_raises_fails_alone_and_device_faults_propagate(monkeypatch):
     """A batched call that raises is redone row by row: only the row that raises alone fails."""
-    from cbrun.engine.sampling import step
+    from cbrun.engine.sample import step
 
     real_build_batch = step.build_batch
     faults = {"bad": RuntimeError("boom"), "oom": torch.OutOfMemoryError("CUDA out of memory")}

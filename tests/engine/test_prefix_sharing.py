@@ -103,7 +103,7 @@ def chain_collision_prompts(page: int) -> list[list[int]]:
     Under 8-bit block hashes, P2's blocks X, Y and Z each find a cached block holding the same tokens, but the Z
     block was computed after X alone, not after X+Y: only a check of the block's place in the chain refuses it.
     """
-    from cbrun.engine.block_manager import ROOT_HASH, truncated_block_hash
+    from cbrun.engine.core.block_manager import ROOT_HASH, truncated_block_hash
 
     hash_fn = truncated_block_hash(8)
     x, y = (random_prompts(1, VOCAB, page, page, seed=s)[0] for s in (21, 22))

@@ -1,4 +1,4 @@
-"""The transformers-free load path (``cbrun.engine.safetensors_loader``, ``cbrun.engine.llama_config``): config fields equal
+"""The transformers-free load path (``cbrun.engine.model.safetensors_loader``, ``cbrun.engine.model.llama_config``): config fields equal
 transformers' ``AutoConfig``, tensors equal the transformers model's, and the lean pass over them gives logits
 ``torch.equal`` to transformers' forward and to the lean pass over the transformers-loaded model, step by step; the
 engine takes it by default and falls back to transformers, saying why, for what it does not read."""
@@ -15,9 +15,9 @@ from safetensors import SafetensorError
 from transformers import AutoConfig
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.lean_llama import LeanLlama, weights_from_module
-from cbrun.engine.llama_config import parse_llama_config, read_config_json
-from cbrun.engine.safetensors_loader import LeanModel, load, load_plan
+from cbrun.engine.model.lean_llama import LeanLlama, weights_from_module
+from cbrun.engine.model.llama_config import parse_llama_config, read_config_json
+from cbrun.engine.model.safetensors_loader import LeanModel, load, load_plan
 from tests.model_utils import random_model_dir, random_prompts
 
 ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.stop_strings import StopStringMatcher
+from cbrun.engine.core.stop_strings import StopStringMatcher
 from tests.model_utils import _hf_model, assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128

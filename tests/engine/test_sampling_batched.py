@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from cbrun.engine.request import Request
-from cbrun.engine.sampling import random_stream
-from cbrun.engine.sampling.batch import SamplingRow, build_batch
-from cbrun.engine.sampling.processing import allowed_tokens
-from cbrun.engine.sampling.sampler import sample
-from cbrun.engine.sampling.token_counts import TokenCounts
+from cbrun.engine.core.request import Request
+from cbrun.engine.sample import random_stream
+from cbrun.engine.sample.batch import SamplingRow, build_batch
+from cbrun.engine.sample.processing import allowed_tokens
+from cbrun.engine.sample.sampler import sample
+from cbrun.engine.sample.token_counts import TokenCounts
 from cbrun.engine.sampling_params import SamplingParams
 
 VOCAB = 70  # not a multiple of 32: the bitmask's last word is partial

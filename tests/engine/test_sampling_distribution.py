@@ -5,12 +5,12 @@ positions) form one batch, so one call draws the whole sample; the test is deter
 import pytest
 import torch
 
-from cbrun.engine.request import Request
-from cbrun.engine.sampling.batch import SamplingRow, build_batch
-from cbrun.engine.sampling.sampler import sample
-from cbrun.engine.sampling.speculative_rule import verify
-from cbrun.engine.sampling.token_counts import TokenCounts
+from cbrun.engine.core.request import Request
+from cbrun.engine.sample.batch import SamplingRow, build_batch
+from cbrun.engine.sample.sampler import sample
+from cbrun.engine.sample.token_counts import TokenCounts
 from cbrun.engine.sampling_params import SamplingParams
+from cbrun.engine.spec_decode.speculative_rule import verify
 
 VOCAB = 12
 NUM_DRAWS = 10000

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cbrun.engine.sampling import filters, processing, sampler
-from cbrun.engine.sampling.filters import FilterHints, draw_filtered, kth_largest
+from cbrun.engine.sample import filters, processing, sampler
+from cbrun.engine.sample.filters import FilterHints, draw_filtered, kth_largest
 from cbrun.engine.sampling_params import SamplingParams
 from tests.engine.test_sampling_batched import run
 

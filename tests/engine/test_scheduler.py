@@ -1,11 +1,11 @@
 """FIFO and PrefillFirst scheduling: order, budgets, chunked prefill, safety margin, preemption, failures."""
 
-from cbrun.engine.block_manager import BlockManager
-from cbrun.engine.cache_spec import CacheSpec
 from cbrun.engine.config import EngineConfig
-from cbrun.engine.request import Request, RequestStatus
+from cbrun.engine.core.block_manager import BlockManager
+from cbrun.engine.core.cache_spec import CacheSpec
+from cbrun.engine.core.request import Request, RequestStatus
+from cbrun.engine.core.scheduler import FIFOScheduler, PrefillFirstScheduler
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.engine.scheduler import FIFOScheduler, PrefillFirstScheduler
 
 
 def make(config: EngineConfig, cls=FIFOScheduler):

@@ -12,7 +12,7 @@ import pytest
 import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.speculative import NgramIndex, NgramProposer, accept_greedy
+from cbrun.engine.spec_decode.speculative import NgramIndex, NgramProposer, accept_greedy
 from tests.model_utils import (
     WEIGHT_SCALE,
     assert_pool_balanced,
@@ -381,10 +381,10 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
 
 # ---- scheduling and rollback, without a model -------------------------------------------------------------------
 def test_verify_step_rolls_back_rejected_slots_and_never_caches_them():
-    from cbrun.engine.block_manager import BlockManager
-    from cbrun.engine.cache_spec import CacheSpec
-    from cbrun.engine.request import Request
-    from cbrun.engine.scheduler import FIFOScheduler
+    from cbrun.engine.core.block_manager import BlockManager
+    from cbrun.engine.core.cache_spec import CacheSpec
+    from cbrun.engine.core.request import Request
+    from cbrun.engine.core.scheduler import FIFOScheduler
 
     config = EngineConfig(
         page_size=4, num_blocks=64, max_batch_tokens=32, speculative="ngram", ngram_min=1, num_speculative_tokens=6
@@ -455,7 +455,7 @@ def test_generated_token_count_equals_off_when_a_stop_cuts_an_accepted_run(stori
 
 
 def test_the_switch_logs_each_way_also_when_a_run_starts_above_it(caplog):
-    from cbrun.engine.speculative import Speculator
+    from cbrun.engine.spec_decode.speculative import Speculator
 
     speculator = Speculator(EngineConfig(speculative="ngram", speculative_max_batch=2))
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):

@@ -1,12 +1,12 @@
-"""The speculation cost rule (``cbrun.engine.speculative``): how many tokens a request proposes, decided without timing."""
+"""The speculation cost rule (``cbrun.engine.spec_decode.speculative``): how many tokens a request proposes, decided without timing."""
 
 import itertools
 
 import pytest
 
 from cbrun.engine import EngineConfig, SamplingParams
-from cbrun.engine.request import Request
-from cbrun.engine.speculative import VERIFY_ENTRY_ROWS, Speculator, proposal_length, verify_threshold
+from cbrun.engine.core.request import Request
+from cbrun.engine.spec_decode.speculative import VERIFY_ENTRY_ROWS, Speculator, proposal_length, verify_threshold
 
 
 def test_verify_threshold_is_the_plain_steps_tokens_per_unit_of_cost_times_a_rows_cost():
@@ -149,7 +149,7 @@ def test_ngram_index_equals_a_rescan_of_the_whole_sequence():
     """The incremental index proposes what a scan for the latest earlier occurrence of the suffix proposes."""
     import random
 
-    from cbrun.engine.speculative import NgramIndex
+    from cbrun.engine.spec_decode.speculative import NgramIndex
 
     def rescan(tokens, low, high, k):
         if k <= 0 or len(tokens) <= low:

@@ -279,7 +279,7 @@ def test_compiled_constraints_are_cached_least_recently_used_first():
 
 
 def test_the_samplers_bitmask_kernel_equals_the_unpacked_mask():
-    from cbrun.engine.sampling import processing
+    from cbrun.engine.sample import processing
 
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(5, 70, generator=g)
@@ -342,7 +342,7 @@ def test_batched_fill_blocks_only_the_request_whose_tokenizer_cannot_go_on():
 def test_the_bitmask_is_filled_at_launch_before_the_step_is_read(model_dir, monkeypatch, overlap):
     """On a GPU the host fills the masks while the device computes: each step's bitmask is built when it is
     launched, before its tokens are waited for (and, with async batching, before the previous step is read)."""
-    from cbrun.engine.async_batching import StepHandle
+    from cbrun.engine.worker.async_batching import StepHandle
 
     engine = LLMEngine.from_pretrained(str(model_dir), CONFIG)
     engine.overlap_steps = overlap

@@ -1,4 +1,4 @@
-"""The transformers-free tokenizer (``cbrun.engine.tokenizer``) equals transformers' ``AutoTokenizer``: encode with and
+"""The transformers-free tokenizer (``cbrun.engine.core.tokenizer``) equals transformers' ``AutoTokenizer``: encode with and
 without special tokens, decode with and without skipping them, special tokens, pieces and vocabulary, over many
 strings, for every tokenizer the repository builds (stories260K's, the demo model's, the scoring tests' merging
 BPE, the chat model's) and for tokenizer_config.json variants; and configs it does not reproduce load
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from cbrun.engine.tokenizer import FastTokenizer, fast_tokenizer_reason, load_tokenizer
+from cbrun.engine.core.tokenizer import FastTokenizer, fast_tokenizer_reason, load_tokenizer
 
 TEXTS = [
     "",

@@ -97,5 +97,5 @@ def test_missing_draft_model_is_refused_before_work(stories260k_dir, reference_g
         )
         == 2
     )
-    assert "cbrun.engine.draft_model: model directory" in capsys.readouterr().err
+    assert "engine.draft_model: model directory" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("part-*"))

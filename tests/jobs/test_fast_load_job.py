@@ -1,5 +1,5 @@
-"""A job on the transformers-free load path (``cbrun.engine.loader = "auto"``) writes the same output parts as on
-transformers' (``cbrun.engine.loader = "transformers"``), with the same fingerprint, so each resumes the other's output;
+"""A job on the transformers-free load path (``engine.loader = "auto"``) writes the same output parts as on
+transformers' (``engine.loader = "transformers"``), with the same fingerprint, so each resumes the other's output;
 and the whole ``cbrun run`` command on stories260K never imports transformers, unless the job needs it."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from cbrun.engine.config import EngineConfig
+from cbrun.engine.core.tokenizer import FastTokenizer, load_tokenizer
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.engine.tokenizer import FastTokenizer, load_tokenizer
 from cbrun.jobs.output.fingerprint import job_fingerprint
 from cbrun.jobs.output.writer import read_output
 from cbrun.jobs.run.job import run_job
@@ -119,7 +119,7 @@ def test_cbrun_run_on_stories260k_never_imports_transformers(stories260k_dir, tm
     done, modules = _imported_modules(args, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{len(PROMPTS)} rows (0 errors" in done.stdout
-    assert {"torch", "tokenizers", "safetensors", "cbrun.engine.lean_llama"} <= modules
+    assert {"torch", "tokenizers", "safetensors", "cbrun.engine.model.lean_llama"} <= modules
     assert not {m for m in modules if m.split(".")[0] in ("transformers", "huggingface_hub")}
     # ... and one that needs transformers' modules loads them, lazily, only then
     done, modules = _imported_modules(

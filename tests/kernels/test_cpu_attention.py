@@ -10,7 +10,7 @@ every V-pass width.
 import pytest
 import torch
 
-from cbrun.engine.lean_llama import _rope, _rope_tables
+from cbrun.engine.model.lean_llama import _rope, _rope_tables
 from cbrun.kernels.cpu_attention import (
     SOURCE,
     StepKernels,

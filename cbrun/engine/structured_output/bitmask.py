@@ -1,12 +1,12 @@
 """A step's token bitmask: one int32 row of ceil(vocab / 32) words per logit row, filled from the requests'
-grammar matchers; the batched sampler applies it to every row first (``cbrun.engine.sampling.sampler.process``)."""
+grammar matchers; the batched sampler applies it to every row first (``cbrun.engine.sample.sampler.process``)."""
 
 from __future__ import annotations
 
 import torch
 
-from cbrun.engine.plan import SchedulerOutput
-from cbrun.engine.sampling.processing import apply_token_bitmask
+from cbrun.engine.core.plan import SchedulerOutput
+from cbrun.engine.sample.processing import apply_token_bitmask
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
 from cbrun.kernels import cpu_token_mask

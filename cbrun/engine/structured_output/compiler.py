@@ -33,7 +33,7 @@ class GrammarCompiler:
     in the pool, on the first submit.
 
     Args:
-        tokenizer: the model's tokenizer (``cbrun.engine.tokenizer.FastTokenizer`` or a transformers one).
+        tokenizer: the model's tokenizer (``cbrun.engine.core.tokenizer.FastTokenizer`` or a transformers one).
         vocab_size: the model's logits width (may exceed the tokenizer's vocabulary: padded ids are never allowed).
         eos_token_ids: the model's EOS ids: the only tokens allowed once a structure is complete.
         max_threads: compile threads.

@@ -50,7 +50,7 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from cbrun.engine.config import EngineConfig
-from cbrun.engine.loader import load_model
+from cbrun.engine.model.loader import load_model
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.integrations.lm_eval_loading import build_engine, load_tokenizer, resolve_device
 from cbrun.jobs.integrations.lm_eval_requests import (

@@ -17,7 +17,7 @@ import torch
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.llm_engine import LLMEngine
-from cbrun.engine.loader import eos_token_ids
+from cbrun.engine.model.loader import eos_token_ids
 
 logger = logging.getLogger("cbrun.lm_eval")
 

@@ -56,7 +56,7 @@ def timeline_path(cbrun_dir: str | Path, run: str, part: str = "") -> str | Path
 class TimelineRecorder:
     """Samples one engine and one run's row counts into a timeline file every ``interval_s`` seconds.
 
-    Owns the file and the counts of the steps since its last sample; reads the engine's counters (``cbrun.engine.stats``,
+    Owns the file and the counts of the steps since its last sample; reads the engine's counters (``cbrun.engine.core.stats``,
     the scheduler's queues, the block manager's free blocks) and never changes them.
 
     Args:

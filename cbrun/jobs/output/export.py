@@ -111,7 +111,7 @@ def export_openai_batch(output_dir: str | Path, to: str | Path | None = None, to
     model_path = json.loads(job_bytes).get("model", {}).get("path", "")
     default_model = Path(model_path).name or "cbrun"
     if tokenizer is None and any(row.get("logprobs") is not None for row in rows):
-        from cbrun.engine.tokenizer import load_tokenizer
+        from cbrun.engine.core.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_path)
     formatter = _ResultFormatter(hashlib.sha256(job_bytes).hexdigest(), default_model, tokenizer)

@@ -119,7 +119,7 @@ def run_job(
         try:
             check_model_dir(manifest.engine.draft_model)
         except JobError as exc:
-            raise JobError(f"cbrun.engine.draft_model: {exc}") from None
+            raise JobError(f"engine.draft_model: {exc}") from None
     try:
         apply_model_defaults(manifest)  # NOTE: before the fingerprint, which records the settings used
     except ValueError as exc:

@@ -26,10 +26,10 @@ def check_model_dir(model_path: str) -> None:
     """Raise ``JobError`` unless ``model_path`` is a Hugging Face model directory with a readable config and weights.
 
     Reads the config alone (no weights), so a finished job is recognised without loading the model. A
-    Llama-family config that ``cbrun.engine.llama_config`` reads is checked there, without importing transformers; any
+    Llama-family config that ``cbrun.engine.model.llama_config`` reads is checked there, without importing transformers; any
     other goes through transformers' ``AutoConfig``.
     """
-    from cbrun.engine.llama_config import parse_llama_config, read_config_json
+    from cbrun.engine.model.llama_config import parse_llama_config, read_config_json
 
     path = Path(model_path)
     if not (path / "config.json").is_file():
@@ -107,15 +107,15 @@ def load_engine(model_path: str, config, expected_requests: int | None = None):
 
 
 def load_tokenizer(model_path: str, *, loader: str = "auto"):
-    """The model's tokenizer (``cbrun.engine.tokenizer.load_tokenizer``: without transformers where that is exact).
+    """The model's tokenizer (``cbrun.engine.core.tokenizer.load_tokenizer``: without transformers where that is exact).
 
     Args:
-        loader: ``cbrun.engine.loader``.
+        loader: ``cbrun.engine.model.loader``.
 
     Raises:
         JobError: the directory has no usable tokenizer.
     """
-    from cbrun.engine.tokenizer import load_tokenizer as load
+    from cbrun.engine.core.tokenizer import load_tokenizer as load
 
     try:
         return load(model_path, loader=loader)

@@ -1,0 +1,369 @@
+"""Iteration-level scheduling: which requests run in the next forward pass, and how many tokens each."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from cbrun.engine.config import EngineConfig
+from cbrun.engine.core.block_manager import BlockManager
+from cbrun.engine.core.cache_spec import cdiv
+from cbrun.engine.core.plan import SchedulerOutput
+from cbrun.engine.core.plan_builder import PlanBuilder
+from cbrun.engine.core.request import Request, RequestStatus
+from cbrun.engine.core.step_resolver import StepResolver
+from cbrun.engine.core.stop_check import StopConditions
+from cbrun.engine.core.stop_strings import StopStringMatcher
+from cbrun.engine.spec_decode.speculative import Speculator
+
+
+class FIFOScheduler(StepResolver):
+    """Decodes first, then running prefills, then new requests in arrival order (transformers' FIFO scheduler).
+
+    Each step is planned under ``max_batch_tokens`` and ``max_requests_per_batch``. A prompt that does not fit the
+    remaining budget is split (chunked prefill) and continued in later steps. New requests are admitted only while
+    fewer than ``max_requests_per_batch`` run and the free fraction of the block pool is at least
+    ``safety_margin`` (or nothing is running).
+
+    Offloading is demand-driven: when a running request cannot get the block it needs next, the newest running
+    requests not yet in this step's plan are offloaded, one at a time, until it can; the request asking is never
+    offloaded, so the last active request always keeps its cache. An offloaded request is swapped to CPU memory
+    when the swap pool has room (resumed later without recomputing) and soft reset otherwise (blocks freed, its
+    prompt and generated tokens recomputed on readmission; its seed and token counts are kept). Either way
+    it is requeued at the front of ``waiting``.
+
+    The scheduler alone changes a request's status, its tokens (``output_token_ids``, ``num_computed_tokens``,
+    ``num_pending_tokens``) and its finish fields, and moves requests between ``waiting`` and ``running``; after
+    each appended token it runs the stop check (``cbrun.engine.core.stop_check``), as vLLM's ``update_from_output`` does.
+
+    With speculative decoding on (``config.speculative``), a request in steady decode gets proposals
+    from its ``Speculator`` and is planned with ``1 + k`` tokens under the same budgets; ``resolve`` commits the
+    accepted tokens one at a time through the stop check and rolls the rejected ones' slots back.
+
+    Args:
+        config: the engine settings (budgets, safety margin).
+        block_manager: the KV-cache bookkeeping it allocates from.
+        max_model_len: the model's maximum length; None for no limit.
+        eos_token_ids: the model's EOS ids.
+        stop_matcher: finds stop strings (None without a tokenizer).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        stop_matcher: StopStringMatcher | None = None,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.stop_conditions = StopConditions(frozenset(eos_token_ids), max_model_len, stop_matcher)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        #: Unfinished requests (waiting or running) by ``Request.index``.
+        self.requests: dict[int, Request] = {}
+        self._finished_unplanned: list[Request] = []  # finished outside ``resolve``: rejected or failed
+        self._released: list[int] = []  # ``Request.index`` of requests that left ``running`` since the last plan
+        self.num_soft_resets = 0
+        self.num_offloads = 0  # swaps to CPU
+        #: Output tokens committed (a verify step's accepted run counts only up to a stop inside it, so the count
+        #: equals plain decoding's); an echo-only request's token is not an output.
+        self.num_generated_tokens = 0
+        self.speculator = Speculator(config) if config.speculative != "off" else None
+
+    def add_request(self, request: Request, error: str | None = None) -> None:
+        """Queue a request; one with an ``error`` (bad input) fails at once, one with ``max_new_tokens = 0``
+        finishes at once (an empty completion, no forward pass) unless it asks for prompt log-probabilities. Either
+        comes back from ``pop_finished``."""
+        params = request.sampling_params
+        if error is not None:
+            self._set_failed(request, error)
+        elif params.max_new_tokens == 0 and not params.prompt_logprobs_from:
+            request.status, request.finish_reason = RequestStatus.FINISHED, "length"
+            request.finish_time = time.perf_counter()
+            self._finished_unplanned.append(request)
+        else:
+            request.needs_host_sampling = params.needs_processing
+            if request.structured is not None:  # admitted once its grammar is ready; failed if it cannot be
+                request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.requests[request.index] = request
+            self.waiting.append(request)
+
+    def pop_finished(self) -> list[Request]:
+        """The requests that finished outside ``resolve`` since the last call (rejected or failed), in order."""
+        finished, self._finished_unplanned = self._finished_unplanned, []
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_unplanned)
+
+    def abort_all(self) -> list[Request]:
+        """Drop every unfinished request, freeing its blocks and swap slots; returns them (status FAILED)."""
+        aborted = list(self.running) + list(self.waiting)
+        self._released.extend(r.index for r in self.running)
+        for request in aborted:
+            self.block_manager.free(request)
+            if request.cpu_pages:
+                self.block_manager.release_swap_slots(request)
+            request.status, request.finish_reason, request.error = RequestStatus.FAILED, "error", "aborted"
+        self.running.clear()
+        self.waiting.clear()
+        self.requests.clear()
+        self._finished_unplanned.clear()
+        return aborted
+
+    # ---- planning -------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step. Never raises for a shortage: it preempts, stalls or fails requests instead."""
+        plan = PlanBuilder(self.config)
+        out = SchedulerOutput()
+        self._schedule_phases(plan, out)
+        out.scheduled = plan.scheduled
+        out.plain_greedy = plan.plain_greedy
+        out.released_request_indices, self._released = self._released, []
+        return out
+
+    def _schedule_phases(self, plan: PlanBuilder, out: SchedulerOutput) -> None:
+        self._schedule_running(plan, out, decodes=True)
+        self._schedule_running(plan, out, decodes=False)
+        self._schedule_waiting(plan, out)
+
+    def _schedule_running(self, plan: PlanBuilder, out: SchedulerOutput, decodes: bool) -> None:
+        """Plan the running requests in steady decode (``decodes``) or with prompt tokens left, in running order.
+
+        This loop runs for every running request every step, so it reads each request only as far as it must.
+        """
+        speculate = decodes and self.speculator is not None and self.speculator.active(len(self.running))
+        status = RequestStatus.DECODING if decodes else RequestStatus.PREFILLING
+        # A status never changes between PREFILLING and DECODING while planning, so the other pass (and requests
+        # admitted this step, which are PREFILLING and planned) never meet this filter twice.
+        for request in [r for r in self.running if r.status is status]:
+            if request.status is not status:
+                continue  # preempted earlier in this step
+            pending = request.num_pending_tokens
+            if pending and not self._next_input_ready(request):
+                continue
+            if plan.request_budget == 0:  # ``plan.fit``, inline: this loop runs per request per step
+                return
+            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            to_compute = num_known + pending - request.num_computed_tokens  # ``Request.num_tokens_to_compute``
+            num_tokens = min(to_compute, plan.token_budget)
+            if num_tokens == 0:
+                return
+            if speculate and to_compute == 1 and not pending and self._schedule_speculative(request, plan, num_known):
+                continue
+            block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
+            if self.block_manager.allocate_slots(request, num_tokens) or self._allocate_or_preempt(
+                request, num_tokens, plan, out
+            ):
+                plan.add(request, num_tokens, (), block_start, sliding_start)
+            elif not plan.scheduled and not self._others_running(request):
+                self._fail(request, self._cache_too_small_message(request))
+
+    def _schedule_speculative(self, request: Request, plan: PlanBuilder, num_tokens: int) -> bool:
+        """Plan a decode with proposals when the request has some and their slots are free; False otherwise.
+
+        Called for a request in steady decode (its one token to compute is known on the host: nothing pending);
+        ``num_tokens`` is its ``Request.num_tokens``. Proposals stop where the request must: the bonus token after
+        them may be its last (``max_new_tokens``), and no position reaches the model's length. Their slots never
+        preempt anyone: without room, the request decodes plainly.
+        """
+        room = min(request.sampling_params.max_new_tokens - len(request.output_token_ids) - 1, plan.token_budget - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - num_tokens)
+        proposals = self.speculator.propose(request, room)
+        block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
+        if not proposals or not self.block_manager.allocate_slots(request, 1 + len(proposals)):
+            return False
+        plan.add(request, 1 + len(proposals), tuple(proposals), block_start, sliding_start)
+        return True
+
+    def grammar_futures(self) -> list:
+        """The compile futures of the waiting requests whose grammar is not ready (the engine waits on them when
+        nothing else can run)."""
+        return [r.structured.future for r in self.waiting if r.status is RequestStatus.WAITING_FOR_GRAMMAR]
+
+    def _schedule_waiting(self, plan: PlanBuilder, out: SchedulerOutput) -> None:
+        """Admit waiting requests in order. One whose grammar is still compiling is stepped over and keeps its
+        place (vLLM's WAITING_FOR_FSM): it never holds up the requests behind it."""
+        compiling: list[Request] = []
+        try:
+            self._admit_waiting(plan, out, compiling)
+        finally:
+            self.waiting.extendleft(reversed(compiling))
+
+    def _grammar_pending(self, request: Request) -> bool:
+        """Whether the request still waits for its grammar; a grammar that failed to compile fails it."""
+        if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
+            return False
+        if not request.structured.ready():
+            return True
+        request.status = RequestStatus.PENDING
+        if request.structured.error is not None:
+            self.waiting.remove(request)
+            self._fail(request, f"structured outputs: {request.structured.error}")
+        return False
+
+    def _admit_waiting(self, plan: PlanBuilder, out: SchedulerOutput, compiling: list[Request]) -> None:
+        while self.waiting:
+            if self.running and self._below_safety_margin():
+                return
+            # A request beyond what one batch can serve would hold blocks without decoding every step.
+            if len(self.running) >= self.config.max_requests_per_batch:
+                return
+            request = self.waiting[0]
+            if self._grammar_pending(request):
+                compiling.append(self.waiting.popleft())
+                continue
+            if request.is_finished:  # its grammar failed to compile
+                continue
+            if not self._next_input_ready(request):
+                return  # FIFO: its token comes back with the step in flight
+            if request.cpu_pages:
+                if not self._swap_in(request, plan, out):
+                    return
+                continue
+            if not self.block_manager.can_ever_fit(request.num_tokens):
+                self.waiting.popleft()
+                self._fail(request, self._cache_too_small_message(request))
+                continue
+            cached_blocks = self.block_manager.find_cached_prefix(request)
+            num_cached_tokens = len(cached_blocks) * self.block_manager.page_size
+            num_tokens = plan.fit(request.num_tokens - num_cached_tokens)
+            if num_tokens == 0:
+                return
+            if not self.block_manager.allocate_slots(request, num_tokens, cached_blocks):
+                return  # FIFO: the head waits for blocks; later arrivals do not overtake it
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached_tokens
+            if not request.output_token_ids:
+                request.num_cached_tokens = num_cached_tokens
+            request.status = RequestStatus.PREFILLING
+            if request.scheduled_time is None:  # its time in the queue ends at its first admission
+                request.scheduled_time = time.perf_counter()
+            self.running.append(request)
+            plan.add(request, num_tokens)
+
+    def _swap_in(self, request: Request, plan: PlanBuilder, out: SchedulerOutput) -> bool:
+        num_tokens = plan.fit(request.num_tokens_to_compute)
+        copies = self.block_manager.swap_in(request, num_tokens) if num_tokens else None
+        if copies is None:
+            return False
+        self.waiting.popleft()
+        out.swap_in.extend(copies)
+        request.status = RequestStatus.PREFILLING
+        self.running.append(request)
+        plan.add(request, num_tokens)
+        return True
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: PlanBuilder, out: SchedulerOutput) -> bool:
+        while not self.block_manager.allocate_slots(request, num_tokens):
+            victim = self._pick_victim(request, plan)
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            out.num_preempted += 1
+        return True
+
+    def _pick_victim(self, request: Request, plan: PlanBuilder) -> Request | None:
+        for candidate in reversed(self.running):
+            if candidate is not request and not plan.contains(candidate):
+                return candidate
+        return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Offload to CPU swap when it has room, else soft reset; requeue at the front either way."""
+        self.running.remove(request)
+        self._released.append(request.index)
+        copies = self.block_manager.swap_out(request) if self.block_manager.swap_pool.enabled else None
+        if copies is not None:
+            out.swap_out.extend(copies)
+            self.num_offloads += 1
+        else:
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
+            self.num_soft_resets += 1
+        request.status = RequestStatus.PENDING
+        self.waiting.appendleft(request)
+
+    def _next_input_ready(self, request: Request) -> bool:
+        """Whether the request may run now. With async batching its last token may still be on the device: it
+        runs again only if the model runner can feed that token from the device (the argmax, or a token the
+        sampler drew at launch; not a penalised row, whose token counts need the token on the host) and that token
+        is not its last one (``max_new_tokens`` or the model's length reached)."""
+        if not request.num_pending_tokens:
+            return True
+        params = request.sampling_params
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            return False
+        if request.structured is not None:  # its next mask needs its matcher past that token, on the host
+            return False
+        if len(request.output_token_ids) + request.num_pending_tokens >= params.max_new_tokens:
+            return False
+        return self.max_model_len is None or request.num_tokens < self.max_model_len
+
+    def _others_running(self, request: Request) -> bool:
+        return any(r is not request for r in self.running)
+
+    def _below_safety_margin(self) -> bool:
+        return self.block_manager.free_fraction < self.config.safety_margin
+
+    def _cache_too_small_message(self, request: Request) -> str:
+        bm = self.block_manager
+        needed = cdiv(request.num_tokens + 1, bm.page_size)
+        return (
+            f"request needs {needed} KV-cache blocks of {bm.page_size} tokens for {request.num_tokens} tokens, "
+            f"but the whole cache has {bm.num_blocks}; raise engine.num_blocks or max_memory_percent, "
+            f"or shorten the prompt / max_new_tokens"
+        )
+
+    def fail_request(self, request: Request, message: str) -> None:
+        """Fail one unfinished request whose own row raised during a step; the others go on.
+
+        Its blocks and swap pages are freed; a token already planned for it is dropped when read. It comes back
+        from ``pop_finished``.
+        """
+        if request in self.waiting:  # preempted while its token was in flight
+            self.waiting.remove(request)
+            if request.cpu_pages:
+                self.block_manager.release_swap_slots(request)
+        request.num_pending_tokens = 0
+        self._fail(request, message)
+
+    def _fail(self, request: Request, message: str) -> None:
+        if request in self.running:
+            self.running.remove(request)
+            self._released.append(request.index)
+        self.requests.pop(request.index, None)
+        self.block_manager.free(request)
+        self._set_failed(request, message)
+
+    def _set_failed(self, request: Request, message: str) -> None:
+        request.status = RequestStatus.FAILED
+        request.finish_reason = "error"
+        request.error = message
+        request.finish_time = time.perf_counter()
+        self._finished_unplanned.append(request)
+
+
+class PrefillFirstScheduler(FIFOScheduler):
+    """Finishes chunked prefills (running, then new) before resuming decodes; safety margin 0 by default."""
+
+    def _schedule_phases(self, plan: PlanBuilder, out: SchedulerOutput) -> None:
+        self._schedule_running(plan, out, decodes=False)
+        self._schedule_waiting(plan, out)
+        self._schedule_running(plan, out, decodes=True)
+
+
+def make_scheduler(
+    config: EngineConfig,
+    block_manager: BlockManager,
+    max_model_len: int | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
+    stop_matcher: StopStringMatcher | None = None,
+) -> FIFOScheduler:
+    """The scheduler named by ``config.scheduler_type``."""
+    cls = PrefillFirstScheduler if config.scheduler_type == "prefill_first" else FIFOScheduler
+    return cls(config, block_manager, max_model_len, eos_token_ids, stop_matcher)

@@ -1,0 +1,1 @@
+"""Model families and loading: the lean forward pass over shared layers, configs, weights, loaders."""

@@ -1,0 +1,253 @@
+"""A Llama-family ``config.json`` read without transformers, for the safetensors loader.
+
+``read_llama_config`` reads the fields the engine and the lean forward pass use and refuses (returns a reason)
+anything whose meaning it does not reproduce exactly as transformers 5 does: another ``model_type``, a key it does
+not know (``quantization_config``, ``partial_rotary_factor``, ...), a RoPE type other than the default, a sliding
+window, an activation other than SiLU, a missing shape field. Refused configs load through transformers, as
+before. Defaults for keys a config may leave out are transformers 5.24's (``LlamaConfig``, ``MistralConfig``,
+``Qwen2Config``); ``tests/engine/test_safetensors_loader.py`` checks every parsed field against ``AutoConfig``.
+
+The result answers the attribute names the engine reads from a transformers config (``num_hidden_layers``,
+``num_key_value_heads``, ``get_text_config()``, ...), so the engine reads either kind the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+#: model_type -> the transformers class ``AutoModelForCausalLM`` builds for it (the lean path's families).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+#: Keys with no effect on a loaded model's outputs in eval mode (bookkeeping, training-only, cache flags).
+_INERT_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "initializer_range",
+        "use_cache",
+        "attention_dropout",
+        "pad_token_id",
+        "pretraining_tp",
+    }
+)
+#: Keys read here, per family (the rest of a family's keys are refused).
+_READ_KEYS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "bos_token_id",
+        "eos_token_id",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "rope_theta",
+        "rope_scaling",
+        "dtype",
+        "torch_dtype",
+    }
+)
+_FAMILY_KEYS = {
+    "llama": frozenset({"attention_bias", "mlp_bias"}),
+    "mistral": frozenset({"sliding_window"}),
+    "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
+}
+#: Fields a config must state (transformers' defaults for them describe some 7B model, never this one).
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+)
+#: transformers 5's defaults of the optional fields the engine reads, per family.
+_DEFAULTS = {
+    "llama": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": None},
+    "mistral": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"bos_token_id": None, "eos_token_id": None, "num_key_value_heads": 32},
+}
+DEFAULT_ROPE_THETA = 10_000.0  # transformers' ``RotaryEmbeddingConfigMixin.default_theta``
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The fields of a Llama-family config that the engine and ``cbrun.engine.model.lean_llama`` read.
+
+    Attributes:
+        model_type: "llama", "mistral" or "qwen2" (``ARCHITECTURES``).
+        vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+            head_dim: the shapes (``head_dim`` defaults to hidden_size // num_attention_heads).
+        max_position_embeddings: the model's maximum length in tokens.
+        rms_norm_eps: every RMSNorm's epsilon.
+        rope_theta: the default RoPE's base.
+        tie_word_embeddings: the LM head is the embedding matrix.
+        attention_bias: q/k/v/o projections have biases (Llama's ``attention_bias``); Qwen2's q/k/v always do.
+        mlp_bias: gate/up/down projections have biases (Llama's ``mlp_bias``).
+        bos_token_id, eos_token_id: as in the file (an int, a list or None), else the family's default.
+        dtype: the checkpoint's dtype name ("float32", "bfloat16", "float16"), or None when the file states none.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    bos_token_id: int | list[int] | None
+    eos_token_id: int | list[int] | None
+    dtype: str | None
+    #: No layer slides a window (configs with one are refused), so the cache is all full attention.
+    sliding_window = None
+    layer_types = None
+    is_encoder_decoder = False
+
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.model_type]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.model_type == "llama" and self.attention_bias
+
+    def get_text_config(self) -> "LlamaConfig":
+        """Itself (a transformers config's text part, for code that reads either kind)."""
+        return self
+
+
+def read_config_json(model_dir: str | Path) -> dict:
+    """The model directory's config.json as a dict.
+
+    Raises:
+        OSError: when it is missing or unreadable.
+        ValueError: when it is not a JSON object.
+    """
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise ValueError("config.json is not a JSON object")
+    return raw
+
+
+def parse_llama_config(raw: dict) -> tuple[LlamaConfig | None, str | None]:
+    """``(config, None)`` for a config this module reads exactly as transformers does, else ``(None, why not)``."""
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        return None, f"model_type {model_type!r} is not one of {', '.join(ARCHITECTURES)}"
+    unknown = sorted(set(raw) - _INERT_KEYS - _READ_KEYS - _FAMILY_KEYS[model_type])
+    if unknown:
+        return None, f"config.json sets {', '.join(unknown)}, which the safetensors loader does not read"
+    missing = [key for key in _REQUIRED if raw.get(key) is None]
+    if missing:
+        return None, f"config.json does not state {', '.join(missing)}"
+    reason = _unsupported_value(raw, model_type)
+    if reason:
+        return None, reason
+    theta, reason = _rope_theta(raw)
+    if reason:
+        return None, reason
+    defaults = _DEFAULTS[model_type]
+    heads = raw["num_attention_heads"]
+    num_kv_heads = raw.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    config = LlamaConfig(
+        model_type=model_type,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=raw["max_position_embeddings"],
+        rms_norm_eps=raw["rms_norm_eps"],
+        rope_theta=theta,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        bos_token_id=raw.get("bos_token_id", defaults["bos_token_id"]),
+        eos_token_id=raw.get("eos_token_id", defaults["eos_token_id"]),
+        dtype=raw.get("dtype") or raw.get("torch_dtype"),
+    )
+    return _checked(config)
+
+
+def _unsupported_value(raw: dict, model_type: str) -> str | None:
+    """Why a stated value is outside what the lean path runs (the same limits as ``lean_llama.unsupported_reason``)."""
+    if raw.get("hidden_act", "silu") != "silu":
+        return f"activation {raw['hidden_act']!r} (only SiLU is implemented)"
+    if model_type == "mistral" and raw.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"]) is not None:
+        return f"sliding_window = {raw.get('sliding_window', 4096)} (sliding-window attention is not implemented)"
+    if model_type == "qwen2":
+        if "head_dim" in raw and raw["head_dim"] is None:  # Qwen2's attention would take the None as its width
+            return "head_dim = null"
+        if raw.get("use_sliding_window"):
+            return "use_sliding_window = true (sliding-window attention is not implemented)"
+        layer_types = raw.get("layer_types")
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            return "layer_types other than full_attention"
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        return f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}"
+    return None
+
+
+def _rope_theta(raw: dict) -> tuple[float | None, str | None]:
+    """The default RoPE's base, resolved as transformers' ``convert_rope_params_to_dict`` does: ``rope_scaling``
+    (legacy) or ``rope_parameters``, whose ``rope_theta`` wins over a top-level ``rope_theta``, else 10000."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict) or set(params) - {"rope_type", "type", "rope_theta"}:
+        return None, f"RoPE parameters {params!r} (only the default RoPE is implemented)"
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        return None, f"rope_type {rope_type!r} (only the default RoPE is implemented)"
+    return params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)), None
+
+
+def _checked(config: LlamaConfig) -> tuple[LlamaConfig | None, str | None]:
+    """Refuse shapes transformers would refuse or read another way (it raises; the fallback shows its error)."""
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return None, f"{name} = {value!r} is not a positive integer"
+    if config.model_type == "llama" and config.hidden_size % config.num_attention_heads:
+        return None, "hidden_size is not a multiple of num_attention_heads"
+    if config.num_attention_heads % config.num_key_value_heads or config.head_dim % 2:
+        return None, "num_attention_heads is not a multiple of num_key_value_heads, or head_dim is odd"
+    if isinstance(config.rms_norm_eps, bool) or not isinstance(config.rms_norm_eps, (int, float)):
+        return None, f"rms_norm_eps = {config.rms_norm_eps!r} is not a number"
+    if isinstance(config.rope_theta, bool) or not isinstance(config.rope_theta, (int, float)):
+        return None, f"rope_theta = {config.rope_theta!r} is not a number"
+    return config, None

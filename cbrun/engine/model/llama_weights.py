@@ -1,0 +1,79 @@
+"""The tensors of a Llama-family model, as the lean forward pass reads them: one structure for both loaders.
+
+``cbrun.engine.model.lean_llama.weights_from_module`` fills it from a transformers model (its own tensors, nothing copied);
+``cbrun.engine.model.safetensors_loader`` fills it from the checkpoint's files without transformers. ``LeanLlama`` takes
+either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+#: (weight (out_features, in_features), bias (out_features,) or None) of one linear layer.
+Linear = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer: RMSNorm weights (hidden,) and epsilons, the seven projections, the softmax scale."""
+
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    gate: Linear
+    up: Linear
+    down: Linear
+    scale: float
+
+
+@dataclass
+class LlamaWeights:
+    """A whole model's tensors and the few numbers its forward pass needs.
+
+    Attributes:
+        embed: (vocab, hidden) token embeddings.
+        layers: the decoder layers, in order.
+        final_norm: (hidden,) the last RMSNorm's weight; final_eps its epsilon.
+        lm_head: the output projection; its weight is ``embed`` itself when the embeddings are tied.
+        head_dim: width of one attention head.
+        inv_freq: (head_dim / 2,) float32 RoPE inverse frequencies.
+        attention_scaling: the factor on RoPE's cos and sin (1.0 for the default RoPE).
+        max_position_embeddings: positions the model was configured for (the RoPE table's default length).
+    """
+
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    final_eps: float
+    lm_head: Linear
+    head_dim: int
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    max_position_embeddings: int
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every distinct weight and bias tensor once (a tied LM head is the embedding), as ``parameters()``."""
+        seen: set[int] = set()
+        linears = [self.lm_head] + [
+            p for layer in self.layers for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+        ]
+        norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        for tensor in [self.embed, *norms, *(t for linear in linears for t in linear if t is not None)]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield tensor
+
+
+def default_rope_inv_freq(rope_theta: float, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(head_dim / 2,) float32 inverse frequencies of the default RoPE (Su et al. 2021), computed with the same
+    operations as transformers' ``compute_default_rope_parameters``: ``1 / theta ** (arange(0, d, 2) / d)``."""
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    return inv_freq.to(device)  # computed on the CPU, as transformers does before moving the model

@@ -1,0 +1,173 @@
+"""Loading a model directory for the engine: which loader runs (the safetensors loader, without transformers, or
+transformers), the target and draft models, the tokenizer, and what the engine reads from the model's config
+(maximum length, EOS ids, KV heads and head size)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from cbrun.engine.config import EngineConfig, checkpoint_dtype
+from cbrun.engine.core.tokenizer import load_tokenizer
+from cbrun.engine.model import safetensors_loader
+from cbrun.engine.model.attention import ATTN_IMPLEMENTATION, register_with_transformers
+from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
+from cbrun.engine.worker.backends import cuda_graphs_blocker, use_triton
+from cbrun.engine.worker.device import select_device
+from cbrun.engine.worker.threads import resolve_num_threads
+
+logger = logging.getLogger("cbrun.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(model_path: str, config: EngineConfig):
+    """The causal LM of a local directory as ``LLMEngine.from_pretrained`` loads it, torch's threads set first.
+
+    Read by ``cbrun.engine.model.safetensors_loader`` where it applies (a ``LeanModel``, transformers not imported), else by
+    transformers with cbrun's attention. ``config.num_threads``: an int is set before loading, "auto" is resolved
+    after it from the model's parameter count (``cbrun.engine.worker.threads.resolve_num_threads``), None leaves torch's.
+
+    Raises:
+        as ``LLMEngine.from_pretrained``.
+    """
+    config = resolve_engine_dtype(model_path, config)
+    select_device(config.device)
+    if isinstance(config.num_threads, int):
+        torch.set_num_threads(config.num_threads)
+    model = _load_target_model(model_path, config)
+    if config.num_threads == "auto":
+        threads = resolve_num_threads("auto", sum(p.numel() for p in model.parameters()), config.device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+    return model
+
+
+def resolve_engine_dtype(model_path: str, config: EngineConfig) -> EngineConfig:
+    """``config`` with ``dtype = "auto"`` replaced by the dtype it means for this checkpoint and device
+    (``EngineConfig.resolve_dtype``: config.json's ``dtype`` / ``torch_dtype`` on CUDA, float32 on the CPU)."""
+    if config.dtype != "auto":
+        return config
+    return replace(config, dtype=config.resolve_dtype(checkpoint_dtype(model_path)))
+
+
+def _load_target_model(model_path: str, config: EngineConfig):
+    """The model, read by ``cbrun.engine.model.safetensors_loader`` where it applies (a ``LeanModel``), else by transformers."""
+    reason = _needs_transformers(config)
+    plan = None
+    if reason is None:
+        plan, reason = safetensors_loader.load_plan(model_path, config.dtype)
+    if plan is not None:
+        logger.info("model loader: safetensors, without transformers (engine.safetensors_loader)")
+        return safetensors_loader.load(plan, config.device)
+    logger.info("model loader: transformers (%s)", reason)
+    return _load_model(model_path, config)
+
+
+def _needs_transformers(config: EngineConfig) -> str | None:
+    """Why this engine needs transformers' modules whatever the checkpoint (None: the lean pass may run alone)."""
+    if config.loader == "transformers":
+        return "engine.loader = transformers"
+    if config.model_impl == "transformers":
+        return "model_impl = transformers runs transformers' modules"
+    if config.speculative == "draft":
+        return "speculative = draft: the draft model runs beside transformers' target"
+    if config.cuda_graphs == "emulate" or (
+        config.cuda_graphs != "off" and cuda_graphs_blocker(config, use_triton(config)) is None
+    ):
+        return "CUDA graphs capture transformers' forward pass"
+    return None
+
+
+def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
+    """A local transformers causal LM with cbrun's attention, in ``config.dtype`` on ``config.device``."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
+    register_with_transformers()
+    # NOTE: on CUDA the weights are read straight onto the device in ``dtype`` (one device, so no accelerate
+    # dispatch): no host copy of the whole model. The CPU keeps transformers' default placement.
+    placement = {"device_map": torch.device(config.device)} if torch.device(config.device).type == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True, **placement
+    )
+    _check_causal_decoder(model)
+    return model.to(config.device).eval()
+
+
+def _check_causal_decoder(model: torch.nn.Module) -> None:
+    """Refuse models whose attention is not causal: the paged cache serves decoder-only generation only."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; cbrun runs decoder-only causal LMs")
+    for name, module in model.named_modules():
+        if getattr(module, "is_causal", True) is False:
+            raise ValueError(
+                f"{type(model).__name__} has bidirectional (non-causal) attention in {name!r}; "
+                "cbrun runs decoder-only causal LMs"
+            )
+
+
+def load_draft_model(config: EngineConfig, target: torch.nn.Module, tokenizer, max_model_len: int) -> torch.nn.Module:
+    """The draft model of ``config.draft_model``, checked against the target.
+
+    Raises:
+        OSError: when the directory is missing or unreadable.
+        ValueError: for another vocabulary (``check_draft_vocab``) or a shorter maximum length than the target's.
+    """
+    draft = _load_model(config.draft_model, config)
+    check_draft_vocab(
+        target.config.get_text_config().vocab_size,
+        draft.config.get_text_config().vocab_size,
+        tokenizer,
+        load_tokenizer_or_none(config.draft_model, config.loader),
+    )
+    if model_max_len(draft.config) < max_model_len:
+        raise ValueError(
+            f"the draft model's maximum length {model_max_len(draft.config)} is below the target's "
+            f"{max_model_len}: it could not propose near the end of long requests"
+        )
+    return draft
+
+
+def load_tokenizer_or_none(model_path: str, loader: str = "auto"):
+    """The model directory's tokenizer (``cbrun.engine.core.tokenizer.load_tokenizer``), or None when it has none (stop
+    strings are then unavailable)."""
+    try:
+        return load_tokenizer(model_path, loader=loader)
+    except (OSError, ValueError, TypeError):
+        logger.info("no tokenizer in %s: stop strings are unavailable", model_path)
+        return None
+
+
+def kv_shape(model_config) -> tuple[int, int]:
+    num_heads = model_config.num_attention_heads
+    num_kv_heads = getattr(model_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads
+    return num_kv_heads, head_dim
+
+
+def model_max_len(model_config) -> int:
+    text_config = model_config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text_config, name, None)
+        if value:
+            return int(value)
+    raise ValueError("the model config states no maximum length (max_position_embeddings / n_positions)")
+
+
+def eos_token_ids(model_path: str, model_config) -> set[int]:
+    """generation_config.json's ``eos_token_id`` (what transformers' ``GenerationConfig`` reads), else the model
+    config's; a missing or unreadable file counts as stating none."""
+    try:
+        eos = json.loads((Path(model_path) / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        eos = None
+    if eos is None:
+        eos = model_config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}

@@ -1,0 +1,216 @@
+"""Load a Llama-family model straight from its safetensors files, without importing transformers.
+
+Importing transformers and building its modules costs a few seconds of a short job (``import transformers``, its
+config and modeling imports, ``from_pretrained``'s checkpoint conversion), while the lean forward pass
+(``cbrun.engine.model.lean_llama``) needs only the tensors. This loader reads ``config.json`` (``cbrun.engine.model.llama_config``) and the
+weights with safetensors' own API (``safe_open``: the header is parsed and the file memory-mapped), checks every
+tensor's name and shape against the config, casts to the engine's dtype and builds ``LlamaWeights``: the same
+tensors transformers would hold, so the lean pass computes the same logits (``tests/engine/
+test_safetensors_loader.py`` checks them ``torch.equal``).
+
+``load_plan`` says whether a directory can be loaded this way; anything else (another architecture, ``.bin``
+weights, tensor names transformers would rename or ignore, a config key not read here) is left to transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from cbrun.engine.model.llama_config import LlamaConfig, parse_llama_config, read_config_json
+from cbrun.engine.model.llama_weights import LayerWeights, LlamaWeights, default_rope_inv_freq
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Each decoder layer's projections, by their names under ``model.layers.{i}.``.
+_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+class LeanModel:
+    """A Llama-family model loaded without transformers: its config and tensors. It has no forward pass of its
+    own: the engine runs it through ``cbrun.engine.model.lean_llama.LeanLlama``.
+
+    It answers what the engine reads from a model: ``config`` (a ``LlamaConfig``) and ``parameters()``.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights) -> None:
+        self.config = config
+        self.weights = weights
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """Every distinct tensor once, the embedding first (its dtype and device are the model's)."""
+        return self.weights.tensors()
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What ``load`` reads: the parsed config, the dtype to load in, and which file holds each tensor."""
+
+    model_dir: Path
+    config: LlamaConfig
+    dtype: torch.dtype
+    files: dict[str, Path]  # tensor name -> safetensors file
+
+
+def load_plan(model_dir: str | Path, dtype: str) -> tuple[LoadPlan | None, str | None]:
+    """``(plan, None)`` when this loader reads the directory exactly as transformers would, else ``(None, why)``.
+
+    Args:
+        model_dir: the model directory.
+        dtype: the engine's dtype setting ("float32", "bfloat16", "float16" or "auto": the config's).
+
+    Raises:
+        safetensors.SafetensorError: a weight file's header is corrupt or the file is truncated.
+    """
+    model_dir = Path(model_dir)
+    try:
+        raw = read_config_json(model_dir)
+    except (OSError, ValueError) as exc:
+        return None, f"config.json is unreadable ({exc})"
+    config, reason = parse_llama_config(raw)
+    if config is None:
+        return None, reason
+    if dtype == "auto" and config.dtype is None:
+        return None, "dtype = auto, and config.json states no dtype"
+    files, reason = _tensor_files(model_dir)
+    if files is None:
+        return None, reason
+    expected = expected_shapes(config)
+    if set(files) != set(expected):
+        missing, extra = sorted(set(expected) - set(files)), sorted(set(files) - set(expected))
+        return None, (
+            f"the checkpoint's tensor names are not the {config.architecture} names this loader reads "
+            f"(missing {missing[:3]}, unexpected {extra[:3]})"
+        )
+    return LoadPlan(model_dir, config, _DTYPES[config.dtype if dtype == "auto" else dtype], files), None
+
+
+def load(plan: LoadPlan, device: str) -> LeanModel:
+    """Read the plan's tensors onto ``device`` in its dtype.
+
+    Raises:
+        RuntimeError: a tensor's shape is not the one config.json implies.
+        safetensors.SafetensorError: a weight file is corrupt.
+    """
+    config, shapes = plan.config, expected_shapes(plan.config)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(set(plan.files.values())):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                shape = tuple(handle.get_slice(name).get_shape())
+                if shape != shapes[name]:
+                    raise RuntimeError(
+                        f"tensor {name} in {path.name} has shape {list(shape)}, but config.json "
+                        f"implies {list(shapes[name])}"
+                    )
+                tensors[name] = handle.get_tensor(name).to(device=device, dtype=plan.dtype)
+    return LeanModel(config, _weights(config, tensors, device))
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a transformers checkpoint of this config holds, with its shape."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    features = {
+        "self_attn.q_proj": (hidden, q_out, config.qkv_bias),
+        "self_attn.k_proj": (hidden, kv_out, config.qkv_bias),
+        "self_attn.v_proj": (hidden, kv_out, config.qkv_bias),
+        "self_attn.o_proj": (q_out, hidden, config.o_bias),
+        "mlp.gate_proj": (hidden, inter, config.mlp_bias),
+        "mlp.up_proj": (hidden, inter, config.mlp_bias),
+        "mlp.down_proj": (inter, hidden, config.mlp_bias),
+    }
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+        for name in _PROJECTIONS:
+            in_features, out_features, bias = features[name]
+            shapes[f"{prefix}{name}.weight"] = (out_features, in_features)
+            if bias:
+                shapes[f"{prefix}{name}.bias"] = (out_features,)
+    return shapes
+
+
+def _tensor_files(model_dir: Path) -> tuple[dict[str, Path] | None, str | None]:
+    """Tensor name -> file, from ``model.safetensors`` or else the index's shards (transformers' order)."""
+    single, index = model_dir / WEIGHTS_NAME, model_dir / WEIGHTS_INDEX_NAME
+    if single.is_file():
+        paths = [single]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            paths = sorted({model_dir / name for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return None, f"{WEIGHTS_INDEX_NAME} is unreadable ({exc})"
+        if not all(p.is_file() for p in paths):
+            return None, f"a shard named in {WEIGHTS_INDEX_NAME} is missing"
+    else:
+        return None, f"no {WEIGHTS_NAME} (or {WEIGHTS_INDEX_NAME}): the weights are in another format"
+    files: dict[str, Path] = {}
+    for path in paths:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if name in files:
+                    return None, f"tensor {name} is in two files"
+                files[name] = path
+    return files, None
+
+
+def _weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str) -> LlamaWeights:
+    """The loaded tensors as ``LlamaWeights``, with transformers' epsilons, softmax scale and RoPE frequencies."""
+    eps, scale = config.rms_norm_eps, config.head_dim**-0.5
+
+    def linear(name: str):
+        return tensors[name + ".weight"], tensors.get(name + ".bias")
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q, k, v, o, gate, up, down = (linear(p + name) for name in _PROJECTIONS)
+        layers.append(
+            LayerWeights(
+                input_norm=tensors[p + "input_layernorm.weight"],
+                input_eps=eps,
+                post_norm=tensors[p + "post_attention_layernorm.weight"],
+                post_eps=eps,
+                q=q,
+                k=k,
+                v=v,
+                o=o,
+                gate=gate,
+                up=up,
+                down=down,
+                scale=scale,
+            )
+        )
+    embed = tensors["model.embed_tokens.weight"]
+    lm_head = (embed, None) if config.tie_word_embeddings else linear("lm_head")
+    return LlamaWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=tensors["model.norm.weight"],
+        final_eps=eps,
+        lm_head=lm_head,
+        head_dim=config.head_dim,
+        inv_freq=default_rope_inv_freq(config.rope_theta, config.head_dim, device),
+        attention_scaling=1.0,
+        max_position_embeddings=config.max_position_embeddings,
+    )

@@ -1,0 +1,200 @@
+"""The step's sampler: every sampled row of a step in one pass of tensor ops on the logits' device.
+
+Per row, in order (vLLM's sampler and transformers' logits processors use the same order): the token bitmask
+(structured output), ``min_new_tokens`` (stop tokens masked), repetition penalty, presence and frequency
+penalties; the inf/NaN rules; raw log-probabilities are read before the penalties, processed ones after the
+filters. Greedy rows then take the argmax; sampled rows divide by their temperature, take the softmax and draw
+from their top-k / top-p / min-p set (``filters.draw_filtered``) with their own counter-based random stream. Only
+the tokens, the per-row error codes and the log-probabilities asked for ever leave the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cbrun.engine.sample import processing, random_stream
+from cbrun.engine.sample.batch import SamplingBatch
+from cbrun.engine.sample.filters import draw_filtered, filtered_probs, inverse_cdf
+from cbrun.engine.worker.device import to_device, waits_for_device
+
+
+@dataclass
+class SamplerOutput:
+    """One step's results on the device.
+
+    Attributes:
+        tokens: (R,) int64, the chosen token of each row (meaningless where ``errors`` is not 0).
+        errors: (R,) int8 codes (``processing.OK``, ``NAN_LOGITS``, ``NOTHING_LEFT``).
+        logprob_rows: host list of the L rows that asked for log-probabilities.
+        chosen: (L,) float32 log-probability of each such row's token.
+        top_values, top_indices: (L, max logprobs) float32 / int64, the top log-probabilities.
+    """
+
+    tokens: torch.Tensor
+    errors: torch.Tensor
+    logprob_rows: list[int]
+    num_logprobs: list[int]
+    chosen: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_indices: torch.Tensor | None = None
+
+    def to_host(self) -> tuple[list[int], list[str | None], list[dict[int, float] | None]]:
+        """(tokens, per-row error message or None, per-row log-probabilities or None), read in one go."""
+        tokens = self.tokens.tolist()
+        errors = [processing.ERROR_MESSAGES.get(code) for code in self.errors.tolist()]
+        logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+        if self.logprob_rows:
+            chosen = self.chosen.tolist()
+            values, indices = self.top_values.tolist(), self.top_indices.tolist()
+            for j, (row, num) in enumerate(zip(self.logprob_rows, self.num_logprobs)):
+                entry = {tokens[row]: chosen[j]}
+                entry.update(zip(indices[j][:num], values[j][:num]))
+                logprobs[row] = entry
+        return tokens, errors, logprobs
+
+
+def process(
+    logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None, in_place: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Scores of every row before temperature and filters.
+
+    Args:
+        logits: (R, V) any float dtype, on any device.
+        batch: the rows' settings.
+        token_bitmask: (R, ceil(V / 32)) int32 in xgrammar's layout (bit j of word i: token 32 i + j allowed), or
+            None when no row is constrained. Disallowed tokens become -inf before anything else.
+        in_place: ``logits`` is the caller's own copy (float32 logits are then processed in place, one pass
+            fewer).
+
+    Returns:
+        (scores (R, V) float32 after penalties, finite or -inf except on failed rows; raw (L, V) float32 scores
+        of the L rows that ask for raw log-probabilities, in row order, or None; (R,) int8 error codes).
+    """
+    scores = logits.to(torch.float32, copy=not in_place)
+    if token_bitmask is not None:
+        processing.apply_token_bitmask(scores, token_bitmask)
+    raw_rows = [
+        i for i, (n, p) in enumerate(zip(batch.num_logprobs, batch.processed_logprobs)) if n is not None and not p
+    ]
+    raw = None
+    if raw_rows:  # only the rows that ask, before the penalties change them
+        raw = scores.clone() if len(raw_rows) == len(batch) else scores[_index(raw_rows, scores.device)]
+    processing.apply_stop_mask(scores, batch.stop_rows, batch.stop_tokens)
+    if batch.penalty_rows is not None:
+        processing.apply_penalties(
+            scores,
+            batch.penalty_rows,
+            batch.token_counts.counts,
+            batch.count_rows,
+            batch.seen,
+            batch.extra_counts,
+            batch.repetition,
+            batch.presence,
+            batch.frequency,
+        )
+    errors = processing.settle_infinities(scores)
+    # A failed row is dropped by its caller; zeros keep the batched ops below free of NaN. On the CPU the check is
+    # free and skips a pass; on a device it would wait for the forward pass, so the fill is unconditional there.
+    if waits_for_device(scores.device) or bool(errors.any()):
+        scores.masked_fill_((errors != 0)[:, None], 0.0)
+    return scores, raw, errors
+
+
+def sampled_rows(batch: SamplingBatch, device) -> torch.Tensor:
+    """(S,) int64 indices of the batch's sampled (not greedy) rows, built on the host (no device sync)."""
+    return _index([i for i, greedy in enumerate(batch.greedy_rows) if not greedy], device)
+
+
+def _index(rows: list[int], device) -> torch.Tensor:
+    return to_device(rows, torch.int64, device)
+
+
+def sampled_probs(
+    scores: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | None = None, filtered: bool = True
+) -> torch.Tensor:
+    """softmax(scores / temperature) of ``rows`` (all when None), filtered when ``filtered`` (``filtered_probs``)."""
+    temperature = batch.temperature if rows is None else batch.temperature[rows]
+    probs = torch.softmax(scores / temperature[:, None], dim=1)
+    if not filtered:
+        return probs
+    pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+    return filtered_probs(probs, pick(batch.top_k), pick(batch.top_p), pick(batch.min_p))
+
+
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, token_bitmask: torch.Tensor | None = None, in_place: bool = False
+) -> SamplerOutput:
+    """Choose one token per row, greedy and sampled rows together.
+
+    Args:
+        logits: (R, V) logits of any float dtype on the device; R == len(batch).
+        batch: the rows' settings (``build_batch``).
+        token_bitmask, in_place: see ``process``.
+
+    Returns:
+        The device-side results (``SamplerOutput.to_host`` reads them). A row with NaN logits, or with every token
+        ruled out, gets an error code; the other rows are unaffected.
+    """
+    scores, raw, errors = process(logits, batch, token_bitmask, in_place)
+    all_sampled = not any(batch.greedy_rows)
+    tokens = None if all_sampled else scores.argmax(dim=1)
+    if batch.any_sampled:
+        rows = None if all_sampled else sampled_rows(batch, scores.device)
+        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+        probs = sampled_probs(scores if rows is None else scores[rows], batch, rows, filtered=False)
+        seeds, positions = pick(batch.seeds), pick(batch.positions)
+        if batch.any_filtered:
+            top_k, top_p, min_p = pick(batch.top_k), pick(batch.top_p), pick(batch.min_p)
+            drawn = draw_filtered(probs, top_k, top_p, min_p, seeds, positions, batch.filter_hints)
+        else:
+            drawn = inverse_cdf(probs, random_stream.uniform(seeds, positions, random_stream.PLAIN))
+        if rows is None:
+            tokens = drawn
+        else:
+            tokens[rows] = drawn
+    return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
+
+
+def with_logprobs(
+    out: SamplerOutput, scores: torch.Tensor, raw: torch.Tensor | None, batch: SamplingBatch
+) -> SamplerOutput:
+    """Fill the log-probabilities asked for: one ``log_softmax`` per kind of row, then one ``topk``.
+
+    Args:
+        out: the chosen tokens and error codes.
+        scores, raw: ``process``'s.
+        batch: the rows' settings.
+    """
+    rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
+    if not rows:
+        return out
+    greedy = batch.greedy_rows
+    kinds = ["raw" if not batch.processed_logprobs[i] else "greedy" if greedy[i] else "sampled" for i in rows]
+    parts = []
+    for kind in ("raw", "greedy", "sampled"):
+        js = [j for j, k in enumerate(kinds) if k == kind]
+        if not js:
+            continue
+        if kind == "raw":
+            processing.settle_infinities(raw)
+            values = torch.log_softmax(raw, dim=1)
+        else:
+            at = _index([rows[j] for j in js], scores.device)
+            values = (
+                torch.log_softmax(scores[at], dim=1)
+                if kind == "greedy"
+                else torch.log(sampled_probs(scores[at], batch, at))
+            )
+        parts.append((js, values))
+    if len(parts) == 1:
+        logprobs = parts[0][1]
+    else:
+        logprobs = torch.empty(len(rows), scores.shape[1], dtype=torch.float32, device=scores.device)
+        for js, values in parts:
+            logprobs[_index(js, scores.device)] = values
+    num = [batch.num_logprobs[i] for i in rows]
+    top = torch.topk(logprobs, min(max(num), logprobs.shape[1]), dim=1)
+    chosen = logprobs.gather(1, out.tokens[_index(rows, scores.device)][:, None])[:, 0]
+    return SamplerOutput(out.tokens, out.errors, rows, num, chosen, top.values, top.indices)
