@@ -24,6 +24,7 @@ EXIT_CODES = (
 #: CLI flag -> (manifest section, key).
 RUN_FLAGS = {
     "model": ("model", "path"),
+    "revision": ("model", "revision"),
     "input": ("input", "path"),
     "output": ("output", "path"),
     "prompt_column": ("input", "prompt_column"),
@@ -71,7 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("manifest", nargs="?", help="TOML manifest ([model] [input] [sampling] [engine] [output])")
-    run.add_argument("--model", help="Hugging Face model directory")
+    run.add_argument(
+        "--model",
+        help="Hugging Face model directory, or a Hub id (ORG/NAME) read from the Hugging Face cache "
+        "(HF_HOME, HF_HUB_CACHE) or downloaded into it; HF_HUB_OFFLINE=1 never downloads",
+    )
+    run.add_argument(
+        "--revision", help="a Hub model's branch, tag or commit (default: main); the job records the commit it runs"
+    )
     run.add_argument(
         "--input",
         help="Parquet or JSON Lines (.jsonl, .jsonl.gz, or .json holding JSON Lines; any "

@@ -2,7 +2,7 @@
 
 A manifest has six sections, all optional in the file (a key may come from ``--set`` or a flag instead)::
 
-    [model]     path
+    [model]     path (a directory, a URI or a Hub id ORG/NAME), revision (a Hub model's branch, tag or commit)
     [input]     path, prompt_column, prompt_ids_column, id_column, template, limit, batch_size, order_window,
                 mode ("generate" or "score"), candidates_column, corruptions, chat, messages_column, system_prompt,
                 format ("auto" or "openai-batch"), shard ("I/N")
@@ -164,7 +164,7 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
     )
     sampling_params.validate()
     return JobManifest(
-        model=_build(ModelSettings, "model", raw.get("model", {})),
+        model=_build(ModelSettings, "model", raw.get("model", {}), exclude={"source"}),
         input=_build(InputSettings, "input", raw.get("input", {})),
         sampling=sampling_params,
         seed=seed,

@@ -8,7 +8,10 @@ loads a manifest into all of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cbrun.jobs.model_source import ModelSource
 
 #: Boundary rules of score mode (``cbrun.jobs.modes.scoring``).
 BOUNDARY_RULES = ("exact",)
@@ -21,9 +24,24 @@ PROMPT_SETTINGS_MESSAGE = (
 
 @dataclass
 class ModelSettings:
-    """Where the model is: a Hugging Face model directory (config.json, weights, tokenizer files)."""
+    """Where the model is.
+
+    Attributes:
+        path: a Hugging Face model directory (config.json, weights, tokenizer files), an object-store URI of one,
+            or a Hugging Face Hub repo id (``ORG/NAME``) read from the Hugging Face cache or downloaded into it
+            (``cbrun.jobs.model_source``).
+        revision: a Hub model's branch, tag or commit sha (vLLM's ``revision``); None is ``main``. The commit it
+            resolves to when the job starts is recorded, and the job runs that commit to its end.
+        source: set by the job when it resolves ``path`` (not a manifest setting): the ``ModelSource``.
+    """
 
     path: str = ""
+    revision: str | None = None
+    source: ModelSource | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+            raise ValueError(f"model.revision must be a branch, tag or commit name, got {self.revision!r}")
 
 
 @dataclass

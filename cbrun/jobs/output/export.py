@@ -108,12 +108,14 @@ def export_openai_batch(output_dir: str | Path, to: str | Path | None = None, to
             f"batch output; use --format jsonl"
         )
     job_bytes = Checkpoint(output_dir).job_file.read_bytes()
-    model_path = json.loads(job_bytes).get("model", {}).get("path", "")
-    default_model = Path(model_path).name or "cbrun"
+    model = json.loads(job_bytes).get("model", {})
+    # NOTE: a Hub model (a recorded commit) by its repo id, a directory by its name
+    default_model = (model.get("path") if model.get("commit") else Path(model.get("path", "")).name) or "cbrun"
     if tokenizer is None and any(row.get("logprobs") is not None for row in rows):
         from cbrun.engine.core.tokenizer import load_tokenizer
+        from cbrun.jobs.model_source import recorded_model_path
 
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = load_tokenizer(recorded_model_path(model))
     formatter = _ResultFormatter(hashlib.sha256(job_bytes).hexdigest(), default_model, tokenizer)
     to = Path(to) if to is not None else output_dir / RESULTS_FILE
     _write_lines(to, (json.dumps(formatter.line(group), ensure_ascii=False) for group in _row_groups(rows)))

@@ -13,6 +13,8 @@ What it reads:
     bytes; nothing else is read);
   - each input file: its size, its Parquet footer (schema, row groups and their column statistics: min, max, null
     count) or first 64 KiB (Arrow), and the same sampled byte ranges;
+  - a Hub model (``cbrun.jobs.model_source``): its repo id as the path, the revision asked for and the commit sha it
+    resolved to (a resume asking for the same revision runs that commit: ``cbrun.jobs.run.job.resolve_job_model``);
   - the settings that change a row's output (prompt, mode, sampling, seed, n, dtype), the cbrun version and the
     sampler's version (``cbrun.engine.config.SAMPLER_VERSION``: which token a seeded row draws);
   - with speculation on, its settings (mode, k, n-gram range, switch and row cost: they decide which proposals a
@@ -228,6 +230,9 @@ def job_fingerprint(
         "shards": {"count": num_shards},
     }
     # NOTE: added only when set, so the jobs of earlier versions keep their fingerprint
+    source = manifest.model.source
+    if source is not None:  # a Hub model: its repo id, revision and commit (``ModelSource.fingerprint_fields``)
+        fingerprint["model"].update(source.fingerprint_fields())
     if may_sample:  # the random stream decides a sampled row's tokens, never a greedy row's
         fingerprint["sampling"]["sampler"] = SAMPLER_VERSION
     if inp.format != "auto":

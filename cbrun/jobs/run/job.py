@@ -33,6 +33,7 @@ from cbrun.jobs.input.errors import InputError
 from cbrun.jobs.input.openai_batch import OpenAIBatchReader
 from cbrun.jobs.manifest import JobManifest
 from cbrun.jobs.model_defaults import apply_model_defaults
+from cbrun.jobs.model_source import ModelSource, is_hub_id, recorded_commit, resolve_model
 from cbrun.jobs.output.checkpoint import Checkpoint, FingerprintMismatch
 from cbrun.jobs.output.fingerprint import job_fingerprint
 from cbrun.jobs.output.lease import LeaseLost
@@ -43,8 +44,7 @@ from cbrun.jobs.run.job_setup import open_reader
 from cbrun.jobs.run.locked_run import _Job, _ShardJob
 from cbrun.jobs.run.resources import JobAborted, JobError, check_model_dir, load_tokenizer, resolve_device
 from cbrun.jobs.run.summary import JobSummary
-from cbrun.jobs.storage import StorageError, is_uri
-from cbrun.jobs.storage_cache import local_model
+from cbrun.jobs.storage import StorageError, is_uri, read_json
 
 
 def check_output_apart_from_input(input_path: str | Path, output_path: str | Path) -> None:
@@ -110,7 +110,8 @@ def run_job(
         manifest.check_required()
         check_output_apart_from_input(manifest.input.path, manifest.output.path)
         check_object_store_output(manifest, shard)
-        manifest.model.path = local_model(manifest.model.path)
+        manifest.model.source = resolve_job_model(manifest, progress)
+        manifest.model.path = manifest.model.source.local_path
         reader = open_reader(manifest)
     except (InputError, ValueError, ImportError, FileNotFoundError, StorageError) as exc:
         raise JobError(str(exc)) from None
@@ -183,6 +184,28 @@ def run_job(
         raise
     finally:
         checkpoint.lock.release()
+
+
+def resolve_job_model(manifest: JobManifest, progress: bool = True) -> ModelSource:
+    """The job's model on this machine (``cbrun.jobs.model_source``): a Hub model at the commit the output's
+    recorded job started at when it asked for the same revision (a resume, a later shard), so that one output
+    never mixes two commits of a repo whose branch moved on; ``--overwrite`` resolves the revision afresh.
+
+    Raises:
+        ModelSourceError: as ``resolve_model`` (a ``ValueError``).
+    """
+    name, revision = manifest.model.path, manifest.model.revision
+    earlier = manifest.model.source
+    if earlier is not None and name == earlier.local_path:  # NOTE: a manifest this function resolved before
+        name = earlier.name
+    pinned = None
+    if is_hub_id(name) and not manifest.output.overwrite:
+        try:
+            recorded = read_json(output_owner(manifest.output.path).job_file)
+        except (OSError, ValueError):  # NOTE: an unreadable output is reported by the output's own checks
+            recorded = None
+        pinned = recorded_commit(recorded, name, revision)
+    return resolve_model(name, revision, pinned_commit=pinned, progress=progress)
 
 
 def check_object_store_output(manifest: JobManifest, shard: Shard | None) -> None:

@@ -48,7 +48,7 @@ def open_reader(manifest: JobManifest) -> PromptReader | OpenAIBatchReader:
             limit=inp.limit,
             batch_size=inp.batch_size,
             keep_columns=keep,
-            default_model=Path(manifest.model.path).name,
+            default_model=source.display_name if (source := manifest.model.source) else Path(manifest.model.path).name,
         )
     extra_columns = {
         role: getattr(inp, role) for role in ("candidates_column", "messages_column") if getattr(inp, role) is not None

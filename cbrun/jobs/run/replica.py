@@ -226,11 +226,14 @@ class Replica:
         import torch
 
         from cbrun.jobs import storage
+        from cbrun.jobs.model_source import worker_model_path
         from cbrun.jobs.output.commits import new_attempt
         from cbrun.jobs.run.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
         from cbrun.jobs.run.resources import load_engine, load_tokenizer
 
         torch.set_num_threads(num_threads)
+        # NOTE: a Hub model at the commit the driver resolved, from this machine's cache when the driver's is not here
+        manifest.model.path = worker_model_path(manifest.model.source, manifest.model.path)
         self.reader = open_reader(manifest)
         # NOTE: the replica's CPUs set its threads; engine.num_threads ("auto": every core) would oversubscribe them
         engine = load_engine(manifest.model.path, replace(engine_config, num_threads=num_threads))
