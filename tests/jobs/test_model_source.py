@@ -288,6 +288,35 @@ def test_a_replica_without_the_drivers_folder_resolves_the_drivers_commit(models
     assert worker_model_path(ModelSource("s3://models/m", str(first)), str(first)) == str(first)
 
 
+def test_a_replica_on_a_machine_without_the_drivers_folder_runs_the_drivers_commit(
+    models, hub_cache, prompts, tmp_path
+):
+    import asyncio
+
+    from cbrun.jobs.manifest import load_manifest
+    from cbrun.jobs.run.replica import Replica
+
+    assert run(models["first"], prompts, tmp_path / "first") == 0
+    add_to_hub_cache(hub_cache, REPO, models["first"], C1)
+    add_to_hub_cache(hub_cache, REPO, models["second"], C2)  # main moved on after the driver resolved it
+    driver_folder = "/driver/hf/hub/models--acme--tiny-llama/snapshots/" + C1
+    manifest = load_manifest(
+        None,
+        ["sampling.ignore_eos=true", "engine.device=cpu"],
+        {
+            "model": {"path": driver_folder},
+            "input": {"path": str(prompts), "prompt_column": "prompt"},
+            "sampling": {"max_new_tokens": 6, "temperature": 0.0},
+            "output": {"path": str(tmp_path / "ray")},
+        },
+    )
+    manifest.model.source = ModelSource(REPO, driver_folder, REPO, "main", C1)
+    replica = Replica(manifest, manifest.engine, num_threads=1, max_concurrent_batches=1)
+    table = asyncio.run(replica(pa.Table.from_batches(list(replica.reader.read_span(0, 6)))))
+    got = {r["row_index"]: (r["completion"], tuple(r["completion_token_ids"])) for r in table.to_pylist()}
+    assert got == completions(tmp_path / "first")
+
+
 def test_which_names_are_hub_ids(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "local").mkdir(parents=True)
