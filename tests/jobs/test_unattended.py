@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,7 +24,7 @@ from cbrun.jobs.manifest import load_manifest
 from cbrun.jobs.output.lock import OutputLock
 from cbrun.jobs.output.writer import committed_parts, read_output
 from cbrun.jobs.run.job import JobAborted, JobError, run_job
-from tests.jobs.test_resume import cbrun_command
+from tests.jobs.held_cbrun import HELD_LINE
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
 MANIFEST_DEFAULTS = {
@@ -139,20 +139,27 @@ def test_overlapping_run_is_refused_then_sigterm_and_resume_write_each_row_once(
     write_input(tmp_path / "in.parquet", 60)
     out = tmp_path / "out"
     args = cli_args(tiny_model_dir, tmp_path / "in.parquet", out, "--set", "output.commit_every_rows=20")
-    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not committed_parts(out):
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.005)
+    # the job holds after 30 of its 60 rows (one part of 20 committed) until a signal ends it
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.jobs.held_cbrun", "30", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    err_lines = []
+    while HELD_LINE.format(30) not in (line := process.stderr.readline()):
+        assert line, f"the job ended before it held: {process.wait()} {''.join(err_lines)}"
+        err_lines.append(line)
+    assert committed_parts(out)
     before = {p.name: pq.read_table(p) for p in committed_parts(out)}
     overlapping = cli_args(tiny_model_dir, tmp_path / "in.parquet", out, "--set", "output.commit_every_rows=13")
     assert main(overlapping) == 2
     assert f"pid {process.pid}, started " in capsys.readouterr().err
 
+    assert process.poll() is None, "the job was not running when signalled"
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
-    if process.returncode == 0:
-        pytest.skip("the job finished before SIGTERM arrived")
     assert process.returncode == 143, err
     assert (
         "interrupted by SIGTERM: stopped admitting rows; the " in err
