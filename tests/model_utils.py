@@ -42,14 +42,17 @@ def random_llama_dir(vocab_size: int = 128, num_kv_heads: int = 2, max_len: int 
 
 @functools.lru_cache(maxsize=None)
 def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A small random model of ``model_type`` ("llama", "qwen2", "mistral"), every weight, bias and norm scale
-    perturbed, saved once per session (safetensors); ``overrides`` are config fields."""
+    """A small random model of ``model_type`` ("llama", "qwen2", "mistral", "qwen3_moe", "mixtral": 4 experts,
+    2 per token), every weight, bias and norm scale perturbed, saved once per session (safetensors);
+    ``overrides`` are config fields."""
     import transformers
 
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_class, model_class = classes[model_type]
     fields = dict(
@@ -64,10 +67,15 @@ def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> P
         eos_token_id=None,
         pad_token_id=None,
     )
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         fields["sliding_window"] = None
+    if model_type in ("qwen3_moe", "mixtral"):
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        if model_type == "mixtral":
+            del fields["moe_intermediate_size"]
     torch.manual_seed(seed)
-    model = model_class(config_class(**{**fields, **overrides})).eval()
+    lists = {key: list(value) for key, value in overrides.items() if isinstance(value, tuple)}  # hashable here
+    model = model_class(config_class(**{**fields, **overrides, **lists})).eval()
     with torch.no_grad():
         for param in model.parameters():  # biases start at zero and norms at one: make them matter
             param.mul_(WEIGHT_SCALE).add_(0.05 * torch.randn_like(param))

@@ -29,6 +29,8 @@ CASES = {
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "mistral-no-window": ("mistral", {}),
+    "qwen3-moe-dense-layer": ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=(1,))),
+    "mixtral": ("mixtral", {}),
 }
 
 
@@ -193,6 +195,11 @@ def test_fast_loaded_logits_equal_transformers_every_step(name):
 def test_fast_loaded_logits_equal_transformers_stories260k_and_bfloat16(stories260k_dir):
     assert _check_every_step(stories260k_dir) > 10
     assert _check_every_step(_case_dir("qwen2"), dtype="bfloat16") > 10  # saved float32, both cast on load
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "mixtral"])
+def test_fast_loaded_moe_logits_equal_transformers_in_bfloat16(name):
+    assert _check_every_step(_case_dir(name), dtype="bfloat16") > 10  # the routing weights' dtype differs
 
 
 def test_sharded_checkpoint_loads_the_same_tensors(tmp_path):

@@ -18,7 +18,8 @@ Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
     x = rms_norm(h);  h = h + down_proj(silu(gate_proj(x)) * up_proj(x))
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` without a sliding window, ``Qwen2ForCausalLM`` without
-sliding layers; default RoPE only; linear biases as the checkpoint has them; tied or untied embeddings.
+sliding layers, and the mixtures of experts ``Qwen3MoeForCausalLM`` (per-head q/k RMSNorm) and
+``MixtralForCausalLM``, whose MLP is ``cbrun.engine.model.moe.SparseMoE``; default RoPE only; linear biases as the checkpoint has them; tied or untied embeddings.
 ``unsupported_reason`` says why anything else is refused (``cbrun.engine.model.llama_config`` keeps the same limits for the
 transformers-free loader). Fusing q/k/v or gate/up into one matmul was measured
 and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden 896 with 128 KV features), and on
@@ -38,12 +39,19 @@ import torch.nn.functional as F
 from cbrun.engine.model.attention import AttentionMetadata, paged_attention
 from cbrun.engine.model.cpu_linear import LinearFn, onednn_linear, select_linear
 from cbrun.engine.model.llama_weights import LayerWeights, Linear, LlamaWeights
+from cbrun.engine.model.moe import SparseMoE, moe_weights_from_module, unsupported_moe_reason
 from cbrun.engine.model.safetensors_loader import LeanModel
 from cbrun.engine.switches import resolve_switch
 
 logger = logging.getLogger("cbrun.engine")
 
-_SUPPORTED_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_SUPPORTED_CLASSES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -57,7 +65,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if rope_type != "default":
         return f"rope_type {rope_type!r} (only the default RoPE is implemented)"
     if getattr(config, "sliding_window", None) and (
-        name == "MistralForCausalLM"
+        name in ("MistralForCausalLM", "MixtralForCausalLM")
         or any(getattr(layer.self_attn, "sliding_window", None) for layer in decoder.layers)
     ):
         return f"sliding_window = {config.sliding_window} (sliding-window attention is not implemented)"
@@ -76,21 +84,22 @@ def _unsupported_layer(layer: torch.nn.Module) -> str | None:
     from transformers.activations import SiLUActivation
 
     attn, mlp = layer.self_attn, layer.mlp
-    linears = {
-        "q_proj": attn.q_proj,
-        "k_proj": attn.k_proj,
-        "v_proj": attn.v_proj,
-        "o_proj": attn.o_proj,
-        "gate_proj": mlp.gate_proj,
-        "up_proj": mlp.up_proj,
-        "down_proj": mlp.down_proj,
-    }
+    dense = hasattr(mlp, "gate_proj")
+    linears = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj}
+    if dense:
+        linears.update(gate_proj=mlp.gate_proj, up_proj=mlp.up_proj, down_proj=mlp.down_proj)
+    else:
+        reason = unsupported_moe_reason(mlp)
+        if reason:
+            return reason
     for name, linear in linears.items():
         if type(linear) is not torch.nn.Linear:  # quantised or otherwise replaced projections
             return f"{name} is a {type(linear).__name__}, not a plain Linear"
-    if type(mlp.act_fn) not in (SiLUActivation, torch.nn.SiLU):
+    if dense and type(mlp.act_fn) not in (SiLUActivation, torch.nn.SiLU):
         return f"activation {type(mlp.act_fn).__name__} (only SiLU is implemented)"
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms += [getattr(attn, name) for name in ("q_norm", "k_norm") if hasattr(attn, name)]
+    for norm in norms:
         if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
             return f"norm {type(norm).__name__} is not the family's RMSNorm"
     return None
@@ -98,8 +107,8 @@ def _unsupported_layer(layer: torch.nn.Module) -> str | None:
 
 @dataclass
 class _Layer:
-    """One decoder layer's tensors: (weight, bias or None, the function that runs it) per projection, RMSNorm
-    weights and epsilons."""
+    """One decoder layer's tensors: (weight, bias or None, the function that runs it) per projection (gate, up
+    and down None in a MoE layer, whose MLP is ``moe``), RMSNorm weights and epsilons."""
 
     input_norm: torch.Tensor
     input_eps: float
@@ -109,10 +118,14 @@ class _Layer:
     k: tuple
     v: tuple
     o: tuple
-    gate: tuple
-    up: tuple
-    down: tuple
+    gate: tuple | None
+    up: tuple | None
+    down: tuple | None
     scale: float
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_norm_eps: float = 0.0
+    moe: SparseMoE | None = None
 
 
 class LeanLlama:
@@ -142,7 +155,10 @@ class LeanLlama:
         self.lm_head = _projection(weights.lm_head, linear_backend)
         self.layers = [_layer_tensors(layer, linear_backend) for layer in weights.layers]
         projections = [self.lm_head] + [
-            p for layer in self.layers for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+            p
+            for layer in self.layers
+            for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+            if p is not None
         ]
         self.num_onednn_linears = sum(p[2] is onednn_linear for p in projections)
         logger.info(
@@ -151,6 +167,12 @@ class LeanLlama:
             len(projections),
             linear_backend,
         )
+        moe = [layer.moe for layer in self.layers if layer.moe is not None]
+        if moe:
+            reason = moe[0].fallback_reason
+            logger.info(
+                "MoE layers: %d, experts on %s", len(moe), f"the reference ({reason})" if reason else "grouped GEMM"
+            )
         self.cos, self.sin_signed = _rope_tables(
             weights.inv_freq,
             weights.attention_scaling,
@@ -201,8 +223,11 @@ class LeanLlama:
         md: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = rope(_linear(x, layer.q).view(num_tokens, -1, self.head_dim))
-        k = rope(_linear(x, layer.k).view(num_tokens, -1, self.head_dim))
+        q = _linear(x, layer.q).view(num_tokens, -1, self.head_dim)
+        k = _linear(x, layer.k).view(num_tokens, -1, self.head_dim)
+        if layer.q_norm is not None:  # Qwen3's per-head norms, before RoPE
+            q, k = _rms_norm(q, layer.q_norm, layer.qk_norm_eps), _rms_norm(k, layer.k_norm, layer.qk_norm_eps)
+        q, k = rope(q), rope(k)
         v = _linear(x, layer.v).view(num_tokens, -1, self.head_dim)
         out = paged_attention(q, k, v, md, index, layer.scale)
         return _linear(out.reshape(num_tokens, -1), layer.o)
@@ -226,6 +251,8 @@ def weights_from_module(model: torch.nn.Module) -> LlamaWeights:
     layers = []
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        dense = hasattr(mlp, "gate_proj")
+        has_qk_norm = hasattr(attn, "q_norm")
         layers.append(
             LayerWeights(
                 input_norm=layer.input_layernorm.weight,
@@ -236,10 +263,14 @@ def weights_from_module(model: torch.nn.Module) -> LlamaWeights:
                 k=linear(attn.k_proj),
                 v=linear(attn.v_proj),
                 o=linear(attn.o_proj),
-                gate=linear(mlp.gate_proj),
-                up=linear(mlp.up_proj),
-                down=linear(mlp.down_proj),
+                gate=linear(mlp.gate_proj) if dense else None,
+                up=linear(mlp.up_proj) if dense else None,
+                down=linear(mlp.down_proj) if dense else None,
                 scale=attn.scaling,
+                q_norm=attn.q_norm.weight if has_qk_norm else None,
+                k_norm=attn.k_norm.weight if has_qk_norm else None,
+                qk_norm_eps=attn.q_norm.variance_epsilon if has_qk_norm else 0.0,
+                moe=None if dense else moe_weights_from_module(mlp),
             )
         )
     return LlamaWeights(
@@ -266,8 +297,8 @@ def _linear(x: torch.Tensor, projection: tuple[torch.Tensor, torch.Tensor | None
 
 
 def _layer_tensors(layer: LayerWeights, backend: str) -> _Layer:
-    def linear(weights: Linear):
-        return _projection(weights, backend)
+    def linear(weights: Linear | None):
+        return None if weights is None else _projection(weights, backend)
 
     return _Layer(
         input_norm=layer.input_norm,
@@ -282,6 +313,10 @@ def _layer_tensors(layer: LayerWeights, backend: str) -> _Layer:
         up=linear(layer.up),
         down=linear(layer.down),
         scale=layer.scale,
+        q_norm=layer.q_norm,
+        k_norm=layer.k_norm,
+        qk_norm_eps=layer.qk_norm_eps,
+        moe=None if layer.moe is None else SparseMoE(layer.moe),
     )
 
 
@@ -320,6 +355,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    if layer.moe is not None:
+        return layer.moe(x)
     gate = F.silu(_linear(x, layer.gate), inplace=True)  # in place: the same values, one (T, I) tensor fewer
     return _linear(gate.mul_(_linear(x, layer.up)), layer.down)
 

@@ -17,8 +17,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from cbrun.engine.model.moe import MoEConfig
+
 #: model_type -> the transformers class ``AutoModelForCausalLM`` builds for it (the lean path's families).
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 #: Keys with no effect on a loaded model's outputs in eval mode (bookkeeping, training-only, cache flags).
 _INERT_KEYS = frozenset(
@@ -32,6 +40,9 @@ _INERT_KEYS = frozenset(
         "attention_dropout",
         "pad_token_id",
         "pretraining_tp",
+        "output_router_logits",  # training outputs: the router's logits for the auxiliary loss
+        "router_aux_loss_coef",
+        "router_jitter_noise",  # Mixtral's training-only noise on the MoE input
     }
 )
 #: Keys read here, per family (the rest of a family's keys are refused).
@@ -61,6 +72,22 @@ _FAMILY_KEYS = {
     "llama": frozenset({"attention_bias", "mlp_bias"}),
     "mistral": frozenset({"sliding_window"}),
     "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
+    "qwen3_moe": frozenset(
+        {
+            "attention_bias",
+            "use_sliding_window",
+            "sliding_window",
+            "max_window_layers",
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+        }
+    ),
+    "mixtral": frozenset({"sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok"}),
 }
 #: Fields a config must state (transformers' defaults for them describe some 7B model, never this one).
 _REQUIRED = (
@@ -77,6 +104,13 @@ _DEFAULTS = {
     "llama": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": None},
     "mistral": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": 8, "sliding_window": 4096},
     "qwen2": {"bos_token_id": None, "eos_token_id": None, "num_key_value_heads": 32},
+    "qwen3_moe": {"bos_token_id": None, "eos_token_id": None, "num_key_value_heads": 4},
+    "mixtral": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": None},
+}
+#: transformers 5's defaults of the MoE fields (``Qwen3MoeConfig``, ``MixtralConfig``).
+_MOE_DEFAULTS = {
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+    "mixtral": {"num_experts": 8, "num_experts_per_tok": 2},
 }
 DEFAULT_ROPE_THETA = 10_000.0  # transformers' ``RotaryEmbeddingConfigMixin.default_theta``
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -98,6 +132,8 @@ class LlamaConfig:
         mlp_bias: gate/up/down projections have biases (Llama's ``mlp_bias``).
         bos_token_id, eos_token_id: as in the file (an int, a list or None), else the family's default.
         dtype: the checkpoint's dtype name ("float32", "bfloat16", "float16"), or None when the file states none.
+        qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3-MoE).
+        moe: the experts' settings of a MoE family, None for a dense one.
     """
 
     model_type: str
@@ -117,6 +153,8 @@ class LlamaConfig:
     bos_token_id: int | list[int] | None
     eos_token_id: int | list[int] | None
     dtype: str | None
+    qk_norm: bool = False
+    moe: MoEConfig | None = None
     #: No layer slides a window (configs with one are refused), so the cache is all full attention.
     sliding_window = None
     layer_types = None
@@ -132,7 +170,7 @@ class LlamaConfig:
 
     @property
     def o_bias(self) -> bool:
-        return self.model_type == "llama" and self.attention_bias
+        return self.model_type in ("llama", "qwen3_moe") and self.attention_bias
 
     def get_text_config(self) -> "LlamaConfig":
         """Itself (a transformers config's text part, for code that reads either kind)."""
@@ -191,8 +229,27 @@ def parse_llama_config(raw: dict) -> tuple[LlamaConfig | None, str | None]:
         bos_token_id=raw.get("bos_token_id", defaults["bos_token_id"]),
         eos_token_id=raw.get("eos_token_id", defaults["eos_token_id"]),
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        qk_norm=model_type == "qwen3_moe",
+        moe=_moe_config(raw, model_type),
     )
     return _checked(config)
+
+
+def _moe_config(raw: dict, model_type: str) -> MoEConfig | None:
+    """The experts' settings, with transformers 5's defaults and its rule for which layers are sparse
+    (``Qwen3MoeDecoderLayer``: not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``)."""
+    if model_type not in _MOE_DEFAULTS:
+        return None
+    defaults = _MOE_DEFAULTS[model_type]
+    num_experts = raw.get("num_experts", raw.get("num_local_experts", defaults["num_experts"]))
+    top_k = raw.get("num_experts_per_tok", defaults["num_experts_per_tok"])
+    layers = range(raw["num_hidden_layers"])
+    if model_type == "mixtral":
+        return MoEConfig(num_experts, top_k, raw["intermediate_size"], True, False, tuple(layers))
+    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    width = raw.get("moe_intermediate_size", defaults["moe_intermediate_size"])
+    return MoEConfig(num_experts, top_k, width, bool(raw.get("norm_topk_prob", False)), True, sparse)
 
 
 def _unsupported_value(raw: dict, model_type: str) -> str | None:
@@ -201,7 +258,15 @@ def _unsupported_value(raw: dict, model_type: str) -> str | None:
         return f"activation {raw['hidden_act']!r} (only SiLU is implemented)"
     if model_type == "mistral" and raw.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"]) is not None:
         return f"sliding_window = {raw.get('sliding_window', 4096)} (sliding-window attention is not implemented)"
-    if model_type == "qwen2":
+    if model_type == "mixtral" and raw.get("sliding_window") is not None:
+        return f"sliding_window = {raw['sliding_window']} (sliding-window attention is not implemented)"
+    if model_type == "qwen3_moe":
+        if raw.get("use_sliding_window"):
+            return "use_sliding_window = true (sliding-window attention is not implemented)"
+        step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1 or not isinstance(dense, list):
+            return f"decoder_sparse_step = {step!r} / mlp_only_layers = {dense!r} (a positive int and a list)"
+    if model_type in ("qwen2", "qwen3_moe"):
         if "head_dim" in raw and raw["head_dim"] is None:  # Qwen2's attention would take the None as its width
             return "head_dim = null"
         if raw.get("use_sliding_window"):
@@ -246,6 +311,14 @@ def _checked(config: LlamaConfig) -> tuple[LlamaConfig | None, str | None]:
         return None, "hidden_size is not a multiple of num_attention_heads"
     if config.num_attention_heads % config.num_key_value_heads or config.head_dim % 2:
         return None, "num_attention_heads is not a multiple of num_key_value_heads, or head_dim is odd"
+    moe = config.moe
+    if moe is not None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(moe, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                return None, f"the MoE's {name} = {value!r} is not a positive integer"
+        if moe.top_k > moe.num_experts:
+            return None, f"num_experts_per_tok = {moe.top_k} exceeds the {moe.num_experts} experts"
     if isinstance(config.rms_norm_eps, bool) or not isinstance(config.rms_norm_eps, (int, float)):
         return None, f"rms_norm_eps = {config.rms_norm_eps!r} is not a number"
     if isinstance(config.rope_theta, bool) or not isinstance(config.rope_theta, (int, float)):

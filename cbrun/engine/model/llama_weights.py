@@ -12,13 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
+from cbrun.engine.model.moe import MoEWeights
+
 #: (weight (out_features, in_features), bias (out_features,) or None) of one linear layer.
 Linear = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer: RMSNorm weights (hidden,) and epsilons, the seven projections, the softmax scale."""
+    """One decoder layer: RMSNorm weights (hidden,) and epsilons, the projections, the softmax scale.
+
+    A MoE layer (``moe`` set) has no dense gate/up/down (None). ``q_norm`` / ``k_norm``: (head_dim,) the
+    per-head RMSNorm weights on queries and keys before RoPE (Qwen3-MoE), with epsilon ``qk_norm_eps``.
+    """
 
     input_norm: torch.Tensor
     input_eps: float
@@ -28,10 +34,23 @@ class LayerWeights:
     k: Linear
     v: Linear
     o: Linear
-    gate: Linear
-    up: Linear
-    down: Linear
+    gate: Linear | None
+    up: Linear | None
+    down: Linear | None
     scale: float
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_norm_eps: float = 0.0
+    moe: MoEWeights | None = None
+
+    def linears(self) -> list[Linear]:
+        """The dense projections this layer has, in q, k, v, o, gate, up, down order."""
+        return [p for p in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down) if p is not None]
+
+    def extra_tensors(self) -> list[torch.Tensor]:
+        """The q/k norms and the experts' tensors, where the layer has them."""
+        norms = [n for n in (self.q_norm, self.k_norm) if n is not None]
+        return norms + (self.moe.tensors() if self.moe is not None else [])
 
 
 @dataclass
@@ -62,11 +81,10 @@ class LlamaWeights:
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every distinct weight and bias tensor once (a tied LM head is the embedding), as ``parameters()``."""
         seen: set[int] = set()
-        linears = [self.lm_head] + [
-            p for layer in self.layers for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
-        ]
+        linears = [self.lm_head] + [p for layer in self.layers for p in layer.linears()]
         norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
-        for tensor in [self.embed, *norms, *(t for linear in linears for t in linear if t is not None)]:
+        extra = [t for layer in self.layers for t in layer.extra_tensors()]
+        for tensor in [self.embed, *norms, *(t for linear in linears for t in linear if t is not None), *extra]:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 yield tensor

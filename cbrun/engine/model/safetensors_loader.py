@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from cbrun.engine.model.llama_config import LlamaConfig, parse_llama_config, read_config_json
 from cbrun.engine.model.llama_weights import LayerWeights, LlamaWeights, default_rope_inv_freq
+from cbrun.engine.model.moe import MoEWeights
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -38,6 +39,13 @@ _PROJECTIONS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
+_DENSE_MLP = _PROJECTIONS[4:]
+#: model_type -> the MoE block's name under ``model.layers.{i}.`` and each expert's (gate, up, down) names;
+#: the router is ``{block}.gate``, expert ``e``'s projections ``{block}.experts.{e}.{name}``.
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
 
 
 class LeanModel:
@@ -137,16 +145,55 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    sparse = set(config.moe.sparse_layers) if config.moe else set()
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
         shapes[prefix + "input_layernorm.weight"] = (hidden,)
         shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
-        for name in _PROJECTIONS:
+        if config.qk_norm:
+            shapes[prefix + "self_attn.q_norm.weight"] = (head_dim,)
+            shapes[prefix + "self_attn.k_norm.weight"] = (head_dim,)
+        for name in _PROJECTIONS[:4] if i in sparse else _PROJECTIONS:
             in_features, out_features, bias = features[name]
             shapes[f"{prefix}{name}.weight"] = (out_features, in_features)
             if bias:
                 shapes[f"{prefix}{name}.bias"] = (out_features,)
+        if i in sparse:
+            shapes.update(_expert_shapes(config, prefix))
     return shapes
+
+
+def _expert_shapes(config: LlamaConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's router and per-expert tensors, as the family's checkpoints name them."""
+    block, (gate, up, down) = _MOE_NAMES[config.model_type]
+    hidden, width = config.hidden_size, config.moe.intermediate_size
+    shapes = {f"{prefix}{block}.gate.weight": (config.moe.num_experts, hidden)}
+    for e in range(config.moe.num_experts):
+        expert = f"{prefix}{block}.experts.{e}."
+        shapes[f"{expert}{gate}.weight"] = (width, hidden)
+        shapes[f"{expert}{up}.weight"] = (width, hidden)
+        shapes[f"{expert}{down}.weight"] = (hidden, width)
+    return shapes
+
+
+def _moe_weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], prefix: str) -> MoEWeights:
+    """A MoE layer's per-expert tensors stacked as ``MoEWeights`` (each expert's gate rows, then its up rows),
+    the per-expert tensors dropped from ``tensors`` as they are stacked (one layer's experts held twice at most)."""
+    block, (gate, up, down) = _MOE_NAMES[config.model_type]
+    moe = config.moe
+    experts = [f"{prefix}{block}.experts.{e}." for e in range(moe.num_experts)]
+    gate_up = torch.stack(
+        [torch.cat((tensors.pop(e + gate + ".weight"), tensors.pop(e + up + ".weight"))) for e in experts]
+    )
+    down_proj = torch.stack([tensors.pop(e + down + ".weight") for e in experts])
+    return MoEWeights(
+        router=tensors[f"{prefix}{block}.gate.weight"],
+        gate_up=gate_up,
+        down=down_proj,
+        top_k=moe.top_k,
+        norm_topk_prob=moe.norm_topk_prob,
+        weights_in_model_dtype=moe.weights_in_model_dtype,
+    )
 
 
 def _tensor_files(model_dir: Path) -> tuple[dict[str, Path] | None, str | None]:
@@ -182,9 +229,11 @@ def _weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str)
         return tensors[name + ".weight"], tensors.get(name + ".bias")
 
     layers = []
+    sparse = set(config.moe.sparse_layers) if config.moe else set()
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        q, k, v, o, gate, up, down = (linear(p + name) for name in _PROJECTIONS)
+        q, k, v, o = (linear(p + name) for name in _PROJECTIONS[:4])
+        gate, up, down = (None, None, None) if i in sparse else (linear(p + name) for name in _DENSE_MLP)
         layers.append(
             LayerWeights(
                 input_norm=tensors[p + "input_layernorm.weight"],
@@ -199,6 +248,10 @@ def _weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str)
                 up=up,
                 down=down,
                 scale=scale,
+                q_norm=tensors.get(p + "self_attn.q_norm.weight"),
+                k_norm=tensors.get(p + "self_attn.k_norm.weight"),
+                qk_norm_eps=eps,
+                moe=_moe_weights(config, tensors, p) if i in sparse else None,
             )
         )
     embed = tensors["model.embed_tokens.weight"]

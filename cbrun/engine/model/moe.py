@@ -1,0 +1,232 @@
+"""The sparse mixture-of-experts block of the lean forward pass (Qwen3-MoE, Mixtral): a top-k router and the
+experts as one grouped operation, with no host read-back, so a step stays capturable.
+
+Per token ``x`` (hidden,), with ``E`` experts of width ``I`` and ``k`` experts per token (Shazeer et al. 2017,
+"Outrageously large neural networks"; Mixtral, Jiang et al. 2024)::
+
+    p = softmax(router @ x)                       # (E,) in float32
+    w, e = topk(p, k)                             # the k largest, in descending order
+    w = w / sum(w)                                # Mixtral always; Qwen3-MoE when norm_topk_prob
+    y = sum_j w_j * down[e_j] @ (silu(gate[e_j] @ x) * up[e_j] @ x)
+
+``sparse_moe`` computes the experts for all ``T * k`` (token, expert) pairs at once: the pairs are sorted by
+expert (a stable sort, a static shape), each expert's rows become one group of a grouped GEMM
+(``torch._grouped_mm``, whose group offsets are a device tensor, not host ints), then SiLU-and-multiply, the
+grouped down GEMM, the routing weights, and the per-token sum over its ``k`` slots. Every shape depends on ``T``
+only, never on which experts were chosen, so the step has nothing to read back. This is the dataflow of vLLM's
+and SGLang's ``fused_moe`` (tokens sorted by expert, then one GEMM per expert group) without their block padding,
+which a grouped GEMM over exact offsets does not need.
+
+``sparse_moe_reference`` is the plain PyTorch reference: every expert on every token, then the chosen ones
+gathered. It is also the fallback where the grouped GEMM cannot run (a device or dtype ``torch._grouped_mm``
+lacks, rows whose strides are not 16-byte multiples on the CPU).
+
+The summation order is transformers 5's (``integrations/moe.py``, ``grouped_mm``): each expert's output times
+its weight, in (token, slot) order, summed over the slots, so the lean path equals transformers' MoE block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class MoEWeights:
+    """One sparse MoE block's tensors and routing rule.
+
+    Attributes:
+        router: (E, hidden) the router's weight (no bias).
+        gate_up: (E, 2 * I, hidden) each expert's gate rows then its up rows, as transformers 5 stacks them.
+        down: (E, hidden, I) each expert's down projection.
+        top_k: experts per token (``num_experts_per_tok``).
+        norm_topk_prob: renormalise the k chosen probabilities to sum to 1.
+        weights_in_model_dtype: cast the routing weights to the model dtype before they scale the experts'
+            outputs (Qwen3-MoE); False keeps them float32 (Mixtral), so the product and the sum are float32.
+    """
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+    norm_topk_prob: bool
+    weights_in_model_dtype: bool
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.router, self.gate_up, self.down]
+
+
+def route(x: torch.Tensor, moe: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice for each token.
+
+    Args:
+        x: (T, hidden) the normed hidden states.
+        moe: the block.
+
+    Returns:
+        ``(weights, expert_ids)``: (T, k) routing weights (float32, or the model dtype where
+        ``moe.weights_in_model_dtype``) and (T, k) int64 expert ids, in descending probability.
+    """
+    logits = F.linear(x, moe.router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if moe.weights_in_model_dtype:
+        weights = weights.to(logits.dtype)
+    return weights, expert_ids
+
+
+def grouped_gemm_unavailable_reason(moe: MoEWeights) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run this block's experts (``sparse_moe`` then runs the reference), or None."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no torch._grouped_mm"
+    device = moe.gate_up.device
+    if device.type == "cuda":
+        if moe.gate_up.dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 0):
+            return "torch._grouped_mm on CUDA needs bfloat16 weights on sm80 or newer"
+        return None
+    if device.type != "cpu":
+        return f"torch._grouped_mm does not run on {device.type}"
+    width = moe.down.shape[-1]  # I
+    for name, tensor, row in (("gate_up", moe.gate_up, moe.gate_up.shape[-1]), ("down", moe.down, width)):
+        if (row * tensor.element_size()) % 16 or tensor.data_ptr() % 16:
+            return f"{name}'s rows are not 16-byte aligned (torch._grouped_mm on the CPU needs them)"
+    if (2 * width * moe.gate_up.element_size()) % 16:
+        return "2 * moe_intermediate_size is not a 16-byte multiple"
+    return None
+
+
+def sparse_moe(x: torch.Tensor, moe: MoEWeights, grouped: bool = True) -> torch.Tensor:
+    """The MoE block's output: route, then the experts as one grouped GEMM pair (see the module docstring).
+
+    Args:
+        x: (T, hidden) the normed hidden states, in the model dtype.
+        moe: the block.
+        grouped: use ``torch._grouped_mm``; False runs ``sparse_moe_reference`` (chosen once per model, by
+            ``grouped_gemm_unavailable_reason``).
+
+    Returns:
+        (T, hidden) in ``x``'s dtype.
+    """
+    weights, expert_ids = route(x, moe)
+    if not grouped:
+        return experts_reference(x, weights, expert_ids, moe)
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)  # (S,), S = T * k, in (token, slot) order
+    order = torch.argsort(flat_ids, stable=True)  # pairs sorted by expert
+    rows = x[order // top_k]  # (S, hidden)
+    counts = torch.zeros(moe.num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)  # (E,) each group's end row
+    gate_up = torch._grouped_mm(rows, moe.gate_up.transpose(1, 2), offs=offsets)  # (S, 2I)
+    width = gate_up.shape[-1] // 2
+    hidden = F.silu(gate_up[:, :width]) * gate_up[:, width:]  # (S, I)
+    out = torch._grouped_mm(hidden, moe.down.transpose(1, 2), offs=offsets)  # (S, hidden)
+    out = out * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out  # back to (token, slot) order
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def sparse_moe_reference(x: torch.Tensor, moe: MoEWeights) -> torch.Tensor:
+    """The MoE block by its definition (every expert on every token): the oracle of ``sparse_moe``."""
+    weights, expert_ids = route(x, moe)
+    return experts_reference(x, weights, expert_ids, moe)
+
+
+def experts_reference(
+    x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, moe: MoEWeights
+) -> torch.Tensor:
+    """Each token's weighted sum of its chosen experts, computing all E experts on all T tokens (static shapes,
+    E times the arithmetic of the grouped path).
+
+    Args:
+        x: (T, hidden); weights: (T, k) routing weights; expert_ids: (T, k) int64.
+
+    Returns:
+        (T, hidden) in ``x``'s dtype.
+    """
+    width = moe.down.shape[-1]
+    gate_up = torch.einsum("th,eoh->eto", x, moe.gate_up)  # (E, T, 2I)
+    hidden = F.silu(gate_up[..., :width]) * gate_up[..., width:]
+    every = torch.einsum("eti,ehi->eth", hidden, moe.down)  # (E, T, hidden)
+    tokens = torch.arange(x.shape[0], device=x.device)[:, None]
+    chosen = every[expert_ids, tokens]  # (T, k, hidden)
+    return (chosen * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A MoE family's expert settings, read from config.json (``cbrun.engine.model.llama_config``).
+
+    Attributes:
+        num_experts: E (``num_experts`` or ``num_local_experts``).
+        top_k: experts per token (``num_experts_per_tok``).
+        intermediate_size: each expert's width I (Qwen3-MoE's ``moe_intermediate_size``, Mixtral's
+            ``intermediate_size``).
+        norm_topk_prob: renormalise the chosen probabilities (always for Mixtral).
+        weights_in_model_dtype: as ``MoEWeights``.
+        sparse_layers: indices of the decoder layers whose MLP is the MoE block (the rest are dense MLPs).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    weights_in_model_dtype: bool
+    sparse_layers: tuple[int, ...]
+
+
+class SparseMoE:
+    """A MoE block ready to run: its weights and whether the grouped GEMM runs them (chosen once, at load).
+
+    Args:
+        weights: the block's tensors.
+    """
+
+    def __init__(self, weights: MoEWeights) -> None:
+        self.weights = weights
+        self.fallback_reason = grouped_gemm_unavailable_reason(weights)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden), as ``sparse_moe``."""
+        return sparse_moe(x, self.weights, grouped=self.fallback_reason is None)
+
+
+#: transformers 5's sparse MoE block classes the lean path runs, by name (transformers is not imported here).
+_TRANSFORMERS_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
+
+
+def unsupported_moe_reason(mlp: torch.nn.Module) -> str | None:
+    """Why a transformers MoE block cannot run as ``MoEWeights``, or None when it can."""
+    name = type(mlp).__name__
+    if name not in _TRANSFORMERS_BLOCKS:
+        return f"MoE block {name} is not one of {', '.join(_TRANSFORMERS_BLOCKS)}"
+    experts = mlp.experts
+    if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False):
+        return "the experts have biases or transposed weights"
+    if type(experts.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
+        return f"expert activation {type(experts.act_fn).__name__} (only SiLU is implemented)"
+    if getattr(mlp.gate, "bias", None) is not None:
+        return "the router has a bias"
+    return None
+
+
+def moe_weights_from_module(mlp: torch.nn.Module) -> MoEWeights:
+    """A transformers MoE block's own tensors (no copies), for a block ``unsupported_moe_reason`` accepts."""
+    mixtral = type(mlp).__name__ == "MixtralSparseMoeBlock"
+    return MoEWeights(
+        router=mlp.gate.weight,
+        gate_up=mlp.experts.gate_up_proj,
+        down=mlp.experts.down_proj,
+        top_k=mlp.gate.top_k,
+        norm_topk_prob=True if mixtral else bool(mlp.gate.norm_topk_prob),
+        weights_in_model_dtype=not mixtral,
+    )
