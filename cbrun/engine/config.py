@@ -101,6 +101,15 @@ class EngineConfig:
             logits bit-identical to transformers'), "onednn" (oneDNN's matmul, float32 on the CPU only, else a
             ValueError), or "auto": oneDNN for float32 CPU weights of at least 2^18 elements, where it is faster,
             torch's for the rest. The transformers modules always use torch's.
+        batch_invariant: "on" makes a row's logits the same bits whatever else is in its step, so that a seeded
+            row draws the same tokens and logprobs alone or in any batch, under preemption and prefix sharing
+            (docs/sampling.md, "Batch invariance"): linear layers through ``cpu_linear.batch_invariant_linear``, the
+            MLP's silu and every attention query row in C, row by row. It needs the lean forward pass on the CPU
+            with the C attention kernel (float32), ``linear_backend = "auto"``, ``speculative = "off"`` and no CUDA
+            graphs; anything else is a ValueError naming it. "off" runs the fastest kernels, whose bits may change
+            with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
+            sampled and it can run (``cbrun.jobs.run.job.resolve_batch_invariant``), off for greedy-only jobs; the
+            Python engine API takes "auto" as "off". Its logits differ from "off"'s by float32 rounding.
         speculative: speculative decoding (see ``cbrun.engine.spec_decode.speculative``): "off", "ngram" (prompt lookup: proposals
             copied from the request's own prompt and output) or "draft" (a small model with the same tokenizer,
             ``draft_model``, proposes; see ``cbrun.engine.spec_decode.draft_proposer``). Greedy outputs equal "off" token for
@@ -151,6 +160,7 @@ class EngineConfig:
     model_impl: str = "auto"
     loader: str = "auto"
     linear_backend: str = "auto"
+    batch_invariant: str = "auto"
     prefix_hash_bits: int = 256
     speculative: str = "off"
     draft_model: str | None = None
@@ -201,6 +211,8 @@ class EngineConfig:
             raise ValueError(f"loader must be one of {LOADERS}, got {self.loader!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        if self.batch_invariant not in SWITCHES:
+            raise ValueError(f"batch_invariant must be one of {SWITCHES}, got {self.batch_invariant!r}")
         self._check_speculative()
 
     def resolve_dtype(self, checkpoint: str | None) -> str:

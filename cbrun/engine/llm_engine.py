@@ -109,17 +109,22 @@ class LLMEngine:
         #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
         self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)
+        cpu_kernel = backends.use_cpu_kernel(config, dtype, use_triton)
+        batch_invariant = backends.use_batch_invariant(config, cpu_kernel, use_graphs)
+        lean_model = select_lean_model(
+            config.model_impl, model, use_graphs, max_model_len, config.linear_backend, batch_invariant
+        )
         self.model_runner = ModelRunner(
             model,
             kv_cache,
             use_triton=use_triton,
-            use_cpu_kernel=backends.use_cpu_kernel(config, dtype, use_triton),
+            use_cpu_kernel=cpu_kernel,
             cpu_kernel_threads=resolve_attention_threads(config.num_threads, config.device),
             graph_buckets=backends.graph_buckets(config, max_model_len) if use_graphs else None,
             emulate_graphs=config.cuda_graphs == "emulate",
             max_model_len=max_model_len,
             async_batching=self.overlap_steps,
-            lean_model=select_lean_model(config.model_impl, model, use_graphs, max_model_len, config.linear_backend),
+            lean_model=lean_model,
             max_requests=config.max_requests_per_batch,
             max_batch_tokens=config.max_batch_tokens,
         )

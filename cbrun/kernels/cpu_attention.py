@@ -57,6 +57,7 @@ def paged_attention_cpu(
     sliding_window: int | None = None,
     page_offset: int = 0,
     num_threads: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch over a paged KV cache, read in place (float32, CPU).
 
@@ -72,6 +73,8 @@ def paged_attention_cpu(
         sliding_window: attend only to the last ``sliding_window`` positions (self included); None for full.
         page_offset: added to every page of ``block_tables``.
         num_threads: OpenMP threads of the kernel; None uses torch's intra-op thread count.
+        batch_invariant: each query row attended on its own, as a decode row at its position: its floats then do
+            not depend on the other rows of the call or the thread count (see ``StepKernels``).
 
     Returns:
         (T, num_heads, head_dim) float32; rows past ``cu_seqlens_q[-1]`` are zero.
@@ -80,7 +83,7 @@ def paged_attention_cpu(
         RuntimeError: when the kernel is unavailable (see ``unavailable_reason``) or runs out of memory.
         ValueError: for a dtype, device or shape the kernel does not take.
     """
-    return StepKernels(k_cache, v_cache, num_threads).attention(
+    return StepKernels(k_cache, v_cache, num_threads, batch_invariant=batch_invariant).attention(
         query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset
     )
 
@@ -137,6 +140,29 @@ def rope_cpu(
     return StepKernels.rope_only().rope(x, cos_table, sin_signed, positions)
 
 
+def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` in C, in place in ``gate``, each row's floats independent of the number of rows.
+
+    PyTorch's ``F.silu`` runs a vector ``exp`` over most of a tensor and a scalar one, with other roundings, over
+    the last elements of the whole tensor and of each thread's share, so an element's bits depend on where it sits
+    in the batch. Here every element takes the same arithmetic (Cephes' exp polynomial, as the attention's
+    softmax), so the result is a function of the row alone: the batch-invariant MLP (``engine.batch_invariant``).
+    It is not bit-equal to ``F.silu(gate) * up`` (a different exp).
+
+    Args:
+        gate, up: (T, features) float32 CPU tensors, contiguous, of one shape.
+        num_threads: OpenMP threads (rows split whole); None uses torch's intra-op thread count.
+
+    Returns:
+        ``gate``, overwritten.
+
+    Raises:
+        RuntimeError: when the kernel is unavailable (see ``unavailable_reason``).
+        ValueError: for a dtype, device or shape the kernel does not take.
+    """
+    return StepKernels(None, None, num_threads).silu_mul(gate, up)
+
+
 class StepKernels:
     """The C kernels of one engine step, called by every layer: what depends on the step alone is checked and
     converted to C's types once, and each layer's call checks only its own tensors.
@@ -153,6 +179,9 @@ class StepKernels:
             for an instance that only applies RoPE (``rope_only``).
         num_threads: OpenMP threads of the attention; None uses torch's intra-op thread count.
         library: the loaded kernel library; None: this checkout's (``load_library`` loads another version's).
+        batch_invariant: attend every query row as a one-row tile over all KV heads, so that its floats do not
+            depend on the other rows of the step, its prefill chunk or the thread count (``engine.batch_invariant``;
+            see ``cbrun_paged_attention_f32`` in the C source).
 
     Raises:
         RuntimeError: when the kernel is unavailable (see ``unavailable_reason``).
@@ -165,8 +194,10 @@ class StepKernels:
         v_cache: torch.Tensor | None,
         num_threads: int | None = None,
         library: ctypes.CDLL | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self._library = library or _loaded()
+        self._batch_invariant = batch_invariant
         if k_cache is not None:
             _check_cache(k_cache, v_cache)
             self._k_cache, self._v_cache = k_cache, v_cache  # kept alive while C holds their pointers
@@ -230,6 +261,7 @@ class StepKernels:
             out.data_ptr(),
             self._num_threads,
             int(lane_loops),
+            int(self._batch_invariant),
         )
         if status:
             raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
@@ -303,6 +335,18 @@ class StepKernels:
         if status:
             raise ValueError(f"a position lies outside the RoPE tables' {num_positions} positions")
         return x
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu_mul_cpu`` with this instance's threads: ``gate``, overwritten with ``silu(gate) * up``."""
+        _check_float32_cpu(gate=gate, up=up)
+        if gate.shape != up.shape or gate.dim() != 2 or not (gate.is_contiguous() and up.is_contiguous()):
+            raise ValueError(
+                f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must be contiguous (T, features) of one shape"
+            )
+        self._library.cbrun_silu_mul_f32(
+            gate.data_ptr(), up.data_ptr(), gate.data_ptr(), gate.shape[0], gate.shape[1], self._num_threads
+        )
+        return gate
 
     def _converted(self, tensor: torch.Tensor, convert: Callable[[torch.Tensor], object]) -> object:
         """``convert(tensor)`` (checks it, gives its C form), once per tensor object for this instance."""
@@ -416,8 +460,12 @@ def _load() -> ctypes.CDLL | None:
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     fn = library.cbrun_paged_attention_f32
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i32, i32]
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i32, i32, i32]
     fn.restype = ctypes.c_int
+    if hasattr(library, "cbrun_silu_mul_f32"):  # another checkout's library (``load_library``) may predate it
+        silu_mul = library.cbrun_silu_mul_f32
+        silu_mul.argtypes = [ptr, ptr, ptr, i64, i64, i32]
+        silu_mul.restype = None
     write = library.cbrun_write_kv_f32
     write.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     write.restype = ctypes.c_int

@@ -834,9 +834,9 @@ static float *thread_scratch(size_t floats) {
 
 /* Work of one item in (query row, key) pairs per KV head: its rows times the keys its last row sees. */
 static int64_t item_cost(WorkItem it, const int32_t *cu_seqlens_q, const int32_t *seqlens_k,
-                         int32_t sliding_window) {
+                         int32_t sliding_window, int tile_rows) {
     const int q_len = cu_seqlens_q[it.request + 1] - cu_seqlens_q[it.request];
-    const int rows = q_len - it.row_start < TILE_Q ? q_len - it.row_start : TILE_Q;
+    const int rows = q_len - it.row_start < tile_rows ? q_len - it.row_start : tile_rows;
     int64_t keys = seqlens_k[it.request] - q_len + it.row_start + rows;
     if (sliding_window > 0 && keys > sliding_window + rows) keys = sliding_window + rows;
     return rows * keys * (it.kv_head_end - it.kv_head_begin);
@@ -849,25 +849,34 @@ static int by_cost_descending(const void *a, const void *b) {
 
 /* Returns 0, or -1 when scratch memory could not be allocated. Rows of requests with no query rows, and rows past
  * cu_seqlens_q[num_requests], are not written. lane_loops: 1 (the engine), or 0 for the generic loops only (tests;
- * see attend_tile_any). */
+ * see attend_tile_any).
+ *
+ * batch_invariant: 1 makes every query row a tile of its own, over all KV heads, attended exactly as a decode row
+ * at that position is (one query row, the context up to it): its floats then depend on its own query and keys
+ * only, never on the other rows of its tile, the step's other requests, how a prefill was chunked or the thread
+ * count. A tile of several rows picks its score method and its two-pass-or-online path by the tile's shape, and
+ * heads are split by the number of tiles and threads, so without it a row's floats can change with its batch.
+ * The cost: a prefill row reads its keys on its own instead of sharing them with its tile's 16 rows. */
 int cbrun_paged_attention_f32(const float *query, const float *k_cache, const float *v_cache,
                               const int32_t *block_tables, int64_t bt_stride, int32_t page_offset,
                               const int32_t *cu_seqlens_q, const int32_t *seqlens_k, int32_t num_requests,
                               int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t page_size,
                               float scale, float softcap, int32_t sliding_window, float *out, int32_t num_threads,
-                              int32_t lane_loops) {
+                              int32_t lane_loops, int32_t batch_invariant) {
     const int threads = num_threads > 0 ? num_threads : 1;
+    const int tile_rows = batch_invariant ? 1 : TILE_Q;
     int64_t num_tiles = 0;
     for (int b = 0; b < num_requests; b++) {
         const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-        num_tiles += (q_len + TILE_Q - 1) / TILE_Q;
+        num_tiles += (q_len + tile_rows - 1) / tile_rows;
     }
     if (num_tiles == 0) return 0;
     /* All KV heads in one item reads pages as contiguous streams, and gives the V pass up to 8 query vectors at
      * once (independent sums; with one head of a GQA group it has 2, and waits on each add); split heads only to
-     * give a second thread work. */
+     * give a second thread work (never under batch_invariant: the split decides a tile's path). */
     int head_splits = 1;
-    while (threads > 1 && head_splits < num_kv_heads && num_tiles * head_splits < 4 * threads) head_splits *= 2;
+    while (!batch_invariant && threads > 1 && head_splits < num_kv_heads && num_tiles * head_splits < 4 * threads)
+        head_splits *= 2;
     if (head_splits > num_kv_heads) head_splits = num_kv_heads;
     const int64_t num_items = num_tiles * head_splits;
     WorkItem *items = malloc(sizeof(WorkItem) * (size_t)num_items);
@@ -875,7 +884,7 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
     int64_t n = 0;
     for (int b = 0; b < num_requests; b++) {
         const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-        for (int row = 0; row < q_len; row += TILE_Q)
+        for (int row = 0; row < q_len; row += tile_rows)
             for (int split = 0; split < head_splits; split++)
                 items[n++] = (WorkItem){b, row, (int32_t)((int64_t)num_kv_heads * split / head_splits),
                                         (int32_t)((int64_t)num_kv_heads * (split + 1) / head_splits), 0};
@@ -884,7 +893,7 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
      * processing-time-first rule). Which thread runs an item never changes its floats. */
     if (threads > 1) {
         for (int64_t i = 0; i < num_items; i++)
-            items[i].cost = item_cost(items[i], cu_seqlens_q, seqlens_k, sliding_window);
+            items[i].cost = item_cost(items[i], cu_seqlens_q, seqlens_k, sliding_window, tile_rows);
         qsort(items, (size_t)num_items, sizeof(WorkItem), by_cost_descending);
     }
     const size_t scratch_floats = tile_scratch_floats(num_heads, head_dim, page_size)
@@ -902,10 +911,17 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
             if (!scratch) continue;
             const WorkItem it = items[i];
             const int32_t b = it.request;
-            attend_tile_any(query, k_cache, v_cache, block_tables + (int64_t)b * bt_stride, page_offset,
-                            cu_seqlens_q[b], cu_seqlens_q[b + 1] - cu_seqlens_q[b], seqlens_k[b], it.row_start,
-                            it.kv_head_begin, it.kv_head_end, num_heads, num_kv_heads, head_dim, page_size, scale,
-                            softcap, sliding_window, out, scratch, lane_loops);
+            int32_t q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+            int32_t seqlen_k = seqlens_k[b], row_start = it.row_start;
+            if (batch_invariant) { /* row r as a one-row request at its position: a decode row's call */
+                q_start += row_start;
+                seqlen_k -= q_len - row_start - 1;
+                q_len = 1;
+                row_start = 0;
+            }
+            attend_tile_any(query, k_cache, v_cache, block_tables + (int64_t)b * bt_stride, page_offset, q_start,
+                            q_len, seqlen_k, row_start, it.kv_head_begin, it.kv_head_end, num_heads, num_kv_heads,
+                            head_dim, page_size, scale, softcap, sliding_window, out, scratch, lane_loops);
         }
     }
     free(items);
@@ -960,3 +976,25 @@ int cbrun_rope_f32(float *x, const float *cos_table, const float *sin_signed, co
     return 0;
 }
 #pragma GCC pop_options
+
+/* out = silu(gate) * up, elementwise over (num_rows, cols) float32 rows, silu(x) = x * sigmoid(x), with sigmoid
+ * from exp_nonpositive(-|x|): 1 / (1 + e) for x >= 0, e / (1 + e) below. Every element takes the same arithmetic
+ * whatever its index (the vector lanes and any scalar remainder compute the same IEEE operations), and rows are
+ * split over threads whole, so a row's floats never depend on how many rows the call has. PyTorch's F.silu does
+ * not promise that: its vector loop leaves the last elements of the whole tensor (and of each thread's share) to
+ * a scalar exp with other roundings. out may alias gate or up. */
+void cbrun_silu_mul_f32(const float *gate, const float *up, float *out, int64_t num_rows, int64_t cols,
+                        int32_t num_threads) {
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static) if (num_rows * cols > 32768)
+    for (int64_t t = 0; t < num_rows; t++) {
+        const float *g = gate + t * cols, *u = up + t * cols;
+        float *o = out + t * cols;
+#pragma omp simd
+        for (int64_t j = 0; j < cols; j++) {
+            const float x = g[j];
+            const float e = exp_nonpositive(x < 0.f ? x : -x);
+            const float sigmoid = (x < 0.f ? e : 1.f) / (1.f + e);
+            o[j] = x * sigmoid * u[j];
+        }
+    }
+}

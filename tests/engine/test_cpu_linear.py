@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from cbrun.engine import EngineConfig, LLMEngine
 from cbrun.engine.model.cpu_linear import (
     ONEDNN_MIN_WEIGHT_ELEMENTS,
+    batch_invariant_linear,
+    fixed_tile_linear,
     onednn_linear,
     onednn_unavailable_reason,
     select_linear,
@@ -73,3 +75,29 @@ def test_onednn_needs_the_lean_path():
             (),
             model.config.max_position_embeddings,
         )
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (1408, 512), (512, 1408), (96, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_invariant_linear_rows_equal_for_every_row_count(shape, threads):
+    # Each row's bits alone equal its bits among 2..150 rows at any offset; the default GEMMs do not promise it
+    # (a 1-row call takes a GEMV: checked on torch's, so the test shows the difference it removes).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        weight, bias = torch.randn(shape, generator=gen), torch.randn(shape[0], generator=gen)
+        x = torch.randn(150, shape[1], generator=gen)
+        for run in (batch_invariant_linear(weight), fixed_tile_linear):
+            full = run(x, weight, bias)
+            for start, count in ((0, 1), (3, 1), (0, 2), (9, 17), (70, 65), (1, 149)):
+                assert torch.equal(run(x[start : start + count], weight, bias), full[start : start + count])
+        assert not torch.equal(F.linear(x[:1], weight, bias), F.linear(x[:64], weight, bias)[:1])
+        torch.testing.assert_close(full, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_batch_invariant_linear_is_onednn_here():
+    assert batch_invariant_linear(torch.zeros(64, 32)) is not fixed_tile_linear  # the check held on this machine
+    assert batch_invariant_linear(torch.zeros(64, 32, dtype=torch.float64)) is fixed_tile_linear

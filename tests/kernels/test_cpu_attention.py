@@ -17,6 +17,7 @@ from cbrun.kernels.cpu_attention import (
     load_source,
     paged_attention_cpu,
     rope_cpu,
+    silu_mul_cpu,
     unavailable_reason,
     write_kv_cache_cpu,
 )
@@ -251,3 +252,49 @@ def test_load_source_builds_a_kernel_of_the_same_contract(tmp_path):
     query, k_cache, v_cache, tables, cu, seqlens = make_batch(*RAGGED, 4, 2, 8, seed=2)
     other = load_source(copy)(query, k_cache, v_cache, tables, cu, seqlens, 0.3)
     assert torch.equal(other, paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.3))
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("window", [None, 5])
+def test_batch_invariant_rows_equal_their_one_row_calls_at_any_thread_count(head_dim, window):
+    # batch_invariant: every query row attends as a one-row request at its position (a decode row), so its floats
+    # are those of that call whatever its prefill tile, its batch or the thread count; and close to the reference.
+    q_lens, k_lens = [1, 8, 5, 1, 13, 20], [3, 8, 9, 40, 21, 300]
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(q_lens, k_lens, 8, 2, head_dim, seed=3)
+    args = (k_cache, v_cache, tables, cu, seqlens, 0.3)
+    out = paged_attention_cpu(query, *args, sliding_window=window, num_threads=1, batch_invariant=True)
+    for threads in (2, 3):
+        again = paged_attention_cpu(query, *args, sliding_window=window, num_threads=threads, batch_invariant=True)
+        assert torch.equal(again, out)
+    for b, (q_len, k_len) in enumerate(zip(q_lens, k_lens)):
+        for r in range(q_len):
+            row = int(cu[b]) + r
+            alone = paged_attention_cpu(
+                query[row : row + 1].clone(),
+                k_cache,
+                v_cache,
+                tables[b : b + 1],
+                torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([k_len - q_len + r + 1], dtype=torch.int32),
+                0.3,
+                sliding_window=window,
+                num_threads=1,
+                batch_invariant=True,
+            )
+            assert torch.equal(out[row], alone[0]), (b, r)
+    want = reference(query, k_cache, v_cache, tables, cu, seqlens, 0.3, window=window)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+
+
+def test_silu_mul_is_row_wise_and_close_to_torch():
+    gen = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(300, 172, generator=gen) * 6, torch.randn(300, 172, generator=gen)
+    gate[0, :3] = torch.tensor([-100.0, 0.0, 100.0])  # underflow, zero, saturation
+    want = torch.nn.functional.silu(gate) * up
+    out = silu_mul_cpu(gate.clone(), up, num_threads=2)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    for start, count in ((0, 1), (7, 2), (5, 33), (0, 300)):
+        part = silu_mul_cpu(gate[start : start + count].clone(), up[start : start + count], num_threads=1)
+        assert torch.equal(part, out[start : start + count])
+    with pytest.raises(ValueError, match="one shape"):
+        silu_mul_cpu(gate[:, :4].clone(), up[:, :5].clone())

@@ -77,6 +77,8 @@ class AttentionMetadata:
         use_triton: run the Triton kernels instead of the PyTorch reference.
         use_cpu_kernel: run ``cbrun.kernels.cpu_attention``'s C kernel (float32, CPU) instead of the PyTorch reference.
         cpu_kernel_threads: that kernel's threads (``cbrun.engine.worker.threads.resolve_attention_threads``); None for torch's.
+        batch_invariant: the C kernel attends every query row on its own (``engine.batch_invariant``), and the lean
+            path's MLP runs the C ``silu_mul``: a row's floats depend on the row alone, not on the step.
         kernels_as_ops: call the kernels through ``cbrun.kernels.custom_ops`` (one dispatched op per call, which the
             CUDA-graph emulation records) instead of directly.
     """
@@ -92,6 +94,7 @@ class AttentionMetadata:
     use_triton: bool = False
     use_cpu_kernel: bool = False
     cpu_kernel_threads: int | None = None
+    batch_invariant: bool = False
     kernels_as_ops: bool = False
     _plans: dict = field(default_factory=dict)
     _step_kernels: object = None
@@ -102,7 +105,9 @@ class AttentionMetadata:
         if self._step_kernels is None:
             from cbrun.kernels.cpu_attention import StepKernels
 
-            self._step_kernels = StepKernels(self.k_pages, self.v_pages, self.cpu_kernel_threads)
+            self._step_kernels = StepKernels(
+                self.k_pages, self.v_pages, self.cpu_kernel_threads, batch_invariant=self.batch_invariant
+            )
         return self._step_kernels
 
     def gather_plan(self, group: str, sliding_window: int | None) -> GatherPlan:

@@ -13,16 +13,31 @@ one thread and 1.28x at two (``python -m benchmarks.linear_backend_ab``), with t
 The two GEMMs sum in different orders: their outputs differ by float32 rounding (relative ~1e-6), like any two
 BLAS libraries, so the lean path's logits equal transformers' bit for bit only where every weight runs on torch's
 (``linear_backend = "torch"``, or a model whose weights are all under the threshold, e.g. stories260K).
+
+Batch invariance (``engine.batch_invariant``, ``batch_invariant_linear``): neither GEMM computes a row the same way
+for every number of rows. Measured on the same machine (float32, 1 and 2 threads, weights 64x128 to 32000x512,
+``tests/engine/test_cpu_linear.py``): torch's GEMM (MKL) gives a row other bits below 16 rows (3 for
+64-wide inputs), and at two threads for some shapes (1408 or 896 inputs) below 200 rows, where it splits the sum
+over threads; oneDNN gives a row the same bits for every row count from 2 to 1024 and at any row offset, at one
+and two threads, but another at 1 row (a GEMV). So the invariant linear is oneDNN with a single row padded to two,
+checked once per weight shape at load (``_onednn_rows_independent``); where oneDNN is unavailable or that check
+fails it runs fixed tiles of ``INVARIANT_TILE_ROWS`` rows (every call the same shape, the last tile padded),
+1.2-2x slower. This is Thinking Machines' batch-invariant matmul ("Defeating Nondeterminism in LLM Inference",
+2025: one reduction order whatever the batch) obtained from the libraries rather than written anew.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from cbrun.engine.config import LINEAR_BACKENDS
+
+logger = logging.getLogger("cbrun.engine")
 
 #: Weights with at least this many elements run on oneDNN under "auto" (see the module docstring).
 ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 18
@@ -55,7 +70,7 @@ def onednn_unavailable_reason(weight: torch.Tensor) -> str | None:
     return None
 
 
-def select_linear(weight: torch.Tensor, backend: str) -> LinearFn:
+def select_linear(weight: torch.Tensor, backend: str, batch_invariant: bool = False) -> LinearFn:
     """The function that runs ``weight``'s linear layer.
 
     Args:
@@ -63,12 +78,16 @@ def select_linear(weight: torch.Tensor, backend: str) -> LinearFn:
         backend: one of ``LINEAR_BACKENDS``: "torch" is ``F.linear``; "onednn" is ``onednn_linear``; "auto" is
             ``onednn_linear`` for a float32 CPU weight of at least ``ONEDNN_MIN_WEIGHT_ELEMENTS`` elements where
             oneDNN is available, else ``F.linear``.
+        batch_invariant: ``batch_invariant_linear(weight)`` instead, whatever ``backend`` is "auto" (the engine
+            refuses "torch" and "onednn" with it).
 
     Raises:
         ValueError: for an unknown backend, or "onednn" where ``onednn_unavailable_reason`` gives a reason.
     """
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    if batch_invariant:
+        return batch_invariant_linear(weight)
     if backend == "torch":
         return F.linear
     reason = onednn_unavailable_reason(weight)
@@ -77,3 +96,76 @@ def select_linear(weight: torch.Tensor, backend: str) -> LinearFn:
             raise ValueError(f"linear_backend = onednn cannot run: {reason}; use linear_backend = auto or torch")
         return onednn_linear
     return onednn_linear if reason is None and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS else F.linear
+
+
+#: Rows per GEMM call of the fixed-tile invariant linear (``batch_invariant_linear``'s fallback).
+INVARIANT_TILE_ROWS = 64
+#: Row counts the load-time check compares with one call of ``_PROBE_ROWS`` rows (starting at several offsets).
+_PROBE_COUNTS = (2, 3, 16, 17, 64, 129)
+_PROBE_ROWS = 256
+
+
+def batch_invariant_linear(weight: torch.Tensor) -> LinearFn:
+    """A linear function whose every output row is the same bits whatever the number of rows in the call and the
+    row's place among them (``engine.batch_invariant``; the measurements are in the module docstring).
+
+    Args:
+        weight: (out_features, in_features).
+
+    Returns:
+        ``onednn_linear`` with one row padded to two, for a float32 CPU weight where oneDNN is available and
+        ``_onednn_rows_independent`` holds for its shape at this thread count; else ``fixed_tile_linear``.
+    """
+    if onednn_unavailable_reason(weight) is None:
+        if _onednn_rows_independent(tuple(weight.shape), torch.get_num_threads()):
+            return onednn_two_rows_or_more
+        logger.warning(
+            "oneDNN's linear gives a row other bits with other row counts for a %s weight: batch-invariant linear "
+            "layers of that shape run fixed %d-row tiles instead (slower)",
+            tuple(weight.shape),
+            INVARIANT_TILE_ROWS,
+        )
+    return fixed_tile_linear
+
+
+def fixed_tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` called on tiles of exactly ``INVARIANT_TILE_ROWS`` rows (the last one zero-padded), so the GEMM
+    always sees one shape and a row's result does not depend on how many rows came with it.
+
+    Args:
+        x: (T, in_features); weight: (out_features, in_features); bias: (out_features,) or None.
+
+    Returns:
+        (T, out_features) in ``x.dtype``.
+    """
+    tile = INVARIANT_TILE_ROWS
+    num_rows = x.shape[0]
+    padded = -(-num_rows // tile) * tile
+    if padded != num_rows:
+        x = torch.cat([x, x.new_zeros(padded - num_rows, x.shape[1])])
+    out = torch.cat([F.linear(x[start : start + tile], weight, bias) for start in range(0, padded, tile)])
+    return out[:num_rows]
+
+
+def onednn_two_rows_or_more(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``onednn_linear``, a single row run as two (a zero row added): one row alone takes oneDNN's GEMV, which sums
+    in another order than its GEMM for two or more rows."""
+    if x.shape[0] == 1:
+        return onednn_linear(torch.cat([x, x.new_zeros(1, x.shape[1])]), weight, bias)[:1]
+    return onednn_linear(x, weight, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_rows_independent(shape: tuple[int, int], num_threads: int) -> bool:
+    """Whether oneDNN computes rows of a ``shape`` weight with the same bits in calls of ``_PROBE_COUNTS`` rows at
+    three offsets as in one call of ``_PROBE_ROWS`` rows, on random inputs, at ``num_threads`` torch threads (a
+    check of the measured behaviour on this machine's oneDNN, not a proof for every row count). Cached per shape."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=generator)
+    x = torch.randn(_PROBE_ROWS, shape[1], generator=generator)
+    full = onednn_linear(x, weight, None)
+    return all(
+        torch.equal(onednn_two_rows_or_more(x[start : start + count], weight, None), full[start : start + count])
+        for count in (1, *_PROBE_COUNTS)
+        for start in (0, 5, _PROBE_ROWS - count)
+    )

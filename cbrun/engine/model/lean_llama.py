@@ -37,7 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from cbrun.engine.model.attention import AttentionMetadata, paged_attention
-from cbrun.engine.model.cpu_linear import LinearFn, onednn_linear, select_linear
+from cbrun.engine.model.cpu_linear import (
+    LinearFn,
+    batch_invariant_linear,
+    onednn_linear,
+    onednn_two_rows_or_more,
+    select_linear,
+)
 from cbrun.engine.model.llama_weights import LayerWeights, Linear, LlamaWeights
 from cbrun.engine.model.moe import SparseMoE, moe_weights_from_module, unsupported_moe_reason
 from cbrun.engine.model.safetensors_loader import LeanModel
@@ -139,16 +145,32 @@ class LeanLlama:
             mode (its own tensors are used, nothing is copied).
         max_positions: positions the RoPE table covers; defaults to the config's ``max_position_embeddings``.
         linear_backend: which GEMM runs each projection (``cbrun.engine.model.cpu_linear.select_linear``).
+        batch_invariant: every row's logits the same bits whatever else is in the step (``engine.batch_invariant``):
+            the projections run ``cpu_linear.batch_invariant_linear`` and the MLP's ``silu(gate) * up`` the C
+            kernel's row-wise ``silu_mul`` (steps must then run the C attention kernel, with
+            ``AttentionMetadata.batch_invariant``); RMSNorm and the residual adds are row-wise already.
 
     Raises:
         ValueError: naming the reason when the model is not supported, or from ``select_linear``.
     """
 
     def __init__(
-        self, weights: LlamaWeights | torch.nn.Module, max_positions: int | None = None, linear_backend: str = "auto"
+        self,
+        weights: LlamaWeights | torch.nn.Module,
+        max_positions: int | None = None,
+        linear_backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         if isinstance(weights, torch.nn.Module):
             weights = weights_from_module(weights)
+        self.batch_invariant = batch_invariant
+        if batch_invariant and any(layer.moe is not None for layer in weights.layers):
+            raise ValueError(
+                "batch_invariant = on does not run MoE layers yet (the experts' grouped GEMM sums by each "
+                "expert's share of the step); set engine.batch_invariant = off"
+            )
+        if batch_invariant:  # one rule for every projection: the invariant linear
+            linear_backend = batch_invariant_linear
         self.head_dim = weights.head_dim
         self.embed = weights.embed
         self.final_norm, self.final_eps = weights.final_norm, weights.final_eps
@@ -160,12 +182,12 @@ class LeanLlama:
             for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
             if p is not None
         ]
-        self.num_onednn_linears = sum(p[2] is onednn_linear for p in projections)
+        self.num_onednn_linears = sum(p[2] in (onednn_linear, onednn_two_rows_or_more) for p in projections)
         logger.info(
-            "linear layers: %d of %d on oneDNN, the rest on torch's GEMM (linear_backend = %s)",
+            "linear layers: %d of %d on oneDNN, the rest on torch's GEMM (%s)",
             self.num_onednn_linears,
             len(projections),
-            linear_backend,
+            "batch-invariant" if batch_invariant else f"linear_backend = {linear_backend}",
         )
         moe = [layer.moe for layer in self.layers if layer.moe is not None]
         if moe:
@@ -206,10 +228,11 @@ class LeanLlama:
             def rope(x: torch.Tensor) -> torch.Tensor:
                 return _rope(x, cos, sin)
 
+        silu_mul = md.step_kernels().silu_mul if self.batch_invariant else _silu_mul
         for index, layer in enumerate(self.layers):
             # In place: the same sums as ``h = h + ...``, without a new (T, hidden) tensor per add.
             h += self._attention(index, layer, _rms_norm(h, layer.input_norm, layer.input_eps), rope, md)
-            h += _mlp(layer, _rms_norm(h, layer.post_norm, layer.post_eps))
+            h += _mlp(layer, _rms_norm(h, layer.post_norm, layer.post_eps), silu_mul)
         # NOTE: norm all rows, then keep some, as transformers does: norming only the kept rows is the same math,
         # but a GPU reduction may order its sums by the number of rows.
         return _linear(_rms_norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
@@ -286,9 +309,10 @@ def weights_from_module(model: torch.nn.Module) -> LlamaWeights:
     )
 
 
-def _projection(linear: Linear, backend: str) -> tuple[torch.Tensor, torch.Tensor | None, LinearFn]:
+def _projection(linear: Linear, backend) -> tuple[torch.Tensor, torch.Tensor | None, LinearFn]:
+    """(weight, bias, its function); ``backend`` a ``linear_backend`` name or a function of the weight."""
     weight, bias = linear
-    return weight, bias, select_linear(weight, backend)
+    return weight, bias, backend(weight) if callable(backend) else select_linear(weight, backend)
 
 
 def _linear(x: torch.Tensor, projection: tuple[torch.Tensor, torch.Tensor | None, LinearFn]) -> torch.Tensor:
@@ -296,7 +320,7 @@ def _linear(x: torch.Tensor, projection: tuple[torch.Tensor, torch.Tensor | None
     return run(x, weight, bias)
 
 
-def _layer_tensors(layer: LayerWeights, backend: str) -> _Layer:
+def _layer_tensors(layer: LayerWeights, backend) -> _Layer:
     def linear(weights: Linear | None):
         return None if weights is None else _projection(weights, backend)
 
@@ -354,15 +378,26 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+def _mlp(
+    layer: _Layer, x: torch.Tensor, silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     if layer.moe is not None:
         return layer.moe(x)
-    gate = F.silu(_linear(x, layer.gate), inplace=True)  # in place: the same values, one (T, I) tensor fewer
-    return _linear(gate.mul_(_linear(x, layer.up)), layer.down)
+    return _linear(silu_mul(_linear(x, layer.gate), _linear(x, layer.up)), layer.down)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, in place in ``gate``: the same values, one (T, I) tensor fewer."""
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 def select_lean_model(
-    model_impl: str, model, use_cuda_graphs: bool, max_model_len: int, linear_backend: str = "auto"
+    model_impl: str,
+    model,
+    use_cuda_graphs: bool,
+    max_model_len: int,
+    linear_backend: str = "auto",
+    batch_invariant: bool = False,
 ) -> LeanLlama | None:
     """The lean forward pass when ``model_impl`` asks for it and it applies; None runs transformers' modules.
     A ``LeanModel`` (loaded without transformers) always gets it.
@@ -372,19 +407,30 @@ def select_lean_model(
     Raises:
         ValueError: ``model_impl == "lean"`` with an unsupported model or with CUDA graphs on (graphs capture
             transformers' forward pass); ``linear_backend == "onednn"`` where the lean path does not run (the
-            transformers modules always use torch's GEMM) or cannot use oneDNN.
+            transformers modules always use torch's GEMM) or cannot use oneDNN; ``batch_invariant`` where the lean
+            path does not run.
     """
-    lean = _select_lean_model(model_impl, model, use_cuda_graphs, max_model_len, linear_backend)
+    lean = _select_lean_model(model_impl, model, use_cuda_graphs, max_model_len, linear_backend, batch_invariant)
     if lean is None and linear_backend == "onednn":
         raise ValueError(
             "linear_backend = onednn runs only on the lean forward pass, which this model does not "
             "use (see the log); use linear_backend = auto or torch"
         )
+    if lean is None and batch_invariant:
+        raise ValueError(
+            "batch_invariant = on runs only on the lean forward pass, which this model does not use (see the "
+            "log); set engine.batch_invariant = off"
+        )
     return lean
 
 
 def _select_lean_model(
-    model_impl: str, model: torch.nn.Module, use_cuda_graphs: bool, max_model_len: int, linear_backend: str
+    model_impl: str,
+    model: torch.nn.Module,
+    use_cuda_graphs: bool,
+    max_model_len: int,
+    linear_backend: str,
+    batch_invariant: bool,
 ) -> LeanLlama | None:
     if isinstance(model, LeanModel):  # loaded without transformers: the lean pass is its only forward pass
         if model_impl == "transformers" or use_cuda_graphs:
@@ -394,7 +440,7 @@ def _select_lean_model(
                 "transformers (engine.safetensors_loader); load it with engine.loader = transformers"
             )
         logger.info("model implementation: lean (engine.lean_llama)")
-        return LeanLlama(model.weights, max_model_len, linear_backend)
+        return LeanLlama(model.weights, max_model_len, linear_backend, batch_invariant)
     if model_impl == "transformers":
         logger.info("model implementation: transformers (model_impl = transformers)")
         return None
@@ -412,4 +458,4 @@ def _select_lean_model(
     ):
         return None
     logger.info("model implementation: lean (engine.lean_llama)")
-    return LeanLlama(model, max_model_len, linear_backend)
+    return LeanLlama(model, max_model_len, linear_backend, batch_invariant)

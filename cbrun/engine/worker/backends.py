@@ -96,3 +96,71 @@ def use_triton(config: EngineConfig) -> bool:
     if config.attention_backend == "auto":
         return torch.device(config.device).type == "cuda"
     return config.attention_backend == "triton"
+
+
+def batch_invariant_blocker(config: EngineConfig, cpu_kernel: bool, cuda_graphs: bool) -> str | None:
+    """Why ``batch_invariant`` cannot run in this engine, or None when it can (the lean path is checked when it is
+    chosen: ``cbrun.engine.model.lean_llama.select_lean_model``).
+
+    Args:
+        config: the engine's settings.
+        cpu_kernel: whether attention runs the C kernel (``use_cpu_kernel``).
+        cuda_graphs: whether CUDA graphs (real or emulated) run (``use_cuda_graphs``).
+    """
+    if torch.device(config.device).type != "cpu":
+        # NOTE: cuBLAS picks its GEMM kernel (and split-K) by the row count; no invariant GEMM runs there yet.
+        return f"the device is {config.device}; batch-invariant GEMMs run on the CPU only"
+    if not cpu_kernel:
+        return "attention does not run the C CPU kernel (it needs float32 and attention_backend = auto or cpu)"
+    if cuda_graphs:
+        return "CUDA graphs (emulated) capture transformers' forward pass, not the lean one"
+    if config.linear_backend != "auto":
+        return f"linear_backend = {config.linear_backend} (the invariant linear chooses its own GEMM)"
+    if config.speculative != "off":
+        # NOTE: whether a row speculates depends on the batch (speculative_max_batch), and so do its draws.
+        return f"speculative = {config.speculative} (a row's proposals depend on its batch)"
+    return None
+
+
+def use_batch_invariant(config: EngineConfig, cpu_kernel: bool, cuda_graphs: bool) -> bool:
+    """Whether the batch-invariant forward runs: only under "on" ("auto" is resolved by the job, which knows
+    whether its rows are sampled; the engine takes it as "off").
+
+    Raises:
+        ValueError: "on" where ``batch_invariant_blocker`` gives a reason.
+    """
+    if config.batch_invariant != "on":
+        return False
+    return resolve_switch(
+        "batch_invariant",
+        "on",
+        batch_invariant_blocker(config, cpu_kernel, cuda_graphs),
+        hint="; set engine.batch_invariant = off",
+    )
+
+
+def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -> str | None:
+    """``batch_invariant_blocker`` for an engine not built yet (a job resolving "auto"), from its settings and the
+    model's config.json: also why the lean path would not run (``model_impl = transformers``, or a config
+    ``cbrun.engine.model.llama_config`` does not read). None when "on" would run."""
+    from cbrun.engine.config import checkpoint_dtype
+    from cbrun.engine.model.llama_config import parse_llama_config, read_config_json
+
+    if config.model_impl == "transformers":
+        return "model_impl = transformers (it needs the lean forward pass)"
+    try:
+        parsed, reason = parse_llama_config(read_config_json(model_path))
+    except (OSError, ValueError) as exc:
+        parsed, reason = None, f"config.json cannot be read ({exc})"
+    if reason:
+        return f"the lean forward pass would not run: {reason}"
+    if parsed.moe is not None:
+        return "a MoE model (the experts' grouped GEMM sums by each expert's share of the step)"
+    dtype = config.resolve_dtype(checkpoint_dtype(model_path))
+    cpu_kernel = torch.device(config.device).type == "cpu" and dtype == "float32"
+    cpu_kernel = cpu_kernel and config.attention_backend in ("auto", "cpu")
+    if cpu_kernel:
+        from cbrun.kernels.cpu_attention import unavailable_reason
+
+        cpu_kernel = unavailable_reason() is None
+    return batch_invariant_blocker(config, cpu_kernel, config.cuda_graphs == "emulate")

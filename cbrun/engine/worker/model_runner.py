@@ -245,5 +245,7 @@ class ModelRunner:
             use_triton=self.use_triton,
             use_cpu_kernel=self.use_cpu_kernel,
             cpu_kernel_threads=self.cpu_kernel_threads,
+            # the lean pass asked for it (engine.batch_invariant): every query row attended on its own
+            batch_invariant=self.lean_model is not None and self.lean_model.batch_invariant,
         )
         return input_ids, positions, md, logits_indices, sample_rows, carry

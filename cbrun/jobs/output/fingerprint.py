@@ -177,7 +177,12 @@ def _resolved(path: str | Path) -> str:
 
 
 def job_fingerprint(
-    manifest, num_input_rows: int, num_shards: int = 1, engine_dtype: str | None = None, may_sample: bool = True
+    manifest,
+    num_input_rows: int,
+    num_shards: int = 1,
+    engine_dtype: str | None = None,
+    may_sample: bool = True,
+    batch_invariant: bool = False,
 ) -> dict[str, Any]:
     """The settings and content that determine a job's outputs, as a JSON-ready dict.
 
@@ -190,6 +195,9 @@ def job_fingerprint(
             device); None records ``manifest.engine.dtype`` as written.
         may_sample: whether any row may be sampled (the job's settings, per-row setting columns, OpenAI batch
             bodies): only then is the sampler's version recorded, so a greedy job of an earlier version resumes.
+        batch_invariant: whether the engine runs ``engine.batch_invariant`` (resolved): recorded with the sampler
+            when a row may be sampled, since a sampled row's tokens depend on it (an output is not continued in the
+            other mode).
     """
     sampling = asdict(manifest.sampling)
     sampling.pop("seed")
@@ -235,6 +243,7 @@ def job_fingerprint(
         fingerprint["model"].update(source.fingerprint_fields())
     if may_sample:  # the random stream decides a sampled row's tokens, never a greedy row's
         fingerprint["sampling"]["sampler"] = SAMPLER_VERSION
+        fingerprint["sampling"]["batch_invariant"] = batch_invariant
     if inp.format != "auto":
         fingerprint["input"]["format"] = inp.format
     if manifest.output.keep_columns:
@@ -263,12 +272,14 @@ def job_fingerprint(
 
 #: Keys that job.json files written by earlier cbrun versions lack (this version records them) or hold (this version
 #: no longer records them): such a key on one side only is not a difference, so those jobs still resume.
-CHANGED_KEYS = frozenset({"model.files", "model.weights", "input.files", "model.files_sha256"})
+CHANGED_KEYS = frozenset(
+    {"model.files", "model.weights", "input.files", "model.files_sha256", "sampling.batch_invariant"}
+)
 
 
 #: Keys derived from other settings: they differ only because a setting did, so they are named only when nothing
 #: else is (a greedy job resumed at a temperature gains ``sampling.sampler``; the temperature is what changed).
-DERIVED_KEYS = frozenset({"sampling.sampler"})
+DERIVED_KEYS = frozenset({"sampling.sampler", "sampling.batch_invariant"})
 
 
 def fingerprint_differences(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -21,12 +21,13 @@ summary it returns ``cbrun.jobs.run.summary``.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from cbrun.engine.config import checkpoint_dtype
+from cbrun.engine.config import EngineConfig, checkpoint_dtype
 from cbrun.jobs import storage
 from cbrun.jobs.input.chat import check_chat_template
 from cbrun.jobs.input.errors import InputError
@@ -45,6 +46,8 @@ from cbrun.jobs.run.locked_run import _Job, _ShardJob
 from cbrun.jobs.run.resources import JobAborted, JobError, check_model_dir, load_tokenizer, resolve_device
 from cbrun.jobs.run.summary import JobSummary
 from cbrun.jobs.storage import StorageError, is_uri, read_json
+
+logger = logging.getLogger("cbrun")
 
 
 def check_output_apart_from_input(input_path: str | Path, output_path: str | Path) -> None:
@@ -126,6 +129,7 @@ def run_job(
     except ValueError as exc:
         raise JobError(str(exc)) from None
     engine_config = replace(manifest.engine, device=resolve_device(manifest.engine.device))
+    engine_config = _resolve_batch_invariant(engine_config, manifest, reader)
     # NOTE: checked before any work, loading the model included
     tokenizer = load_tokenizer(manifest.model.path, loader=manifest.engine.loader)
     if manifest.input.chat or isinstance(reader, OpenAIBatchReader):
@@ -154,6 +158,7 @@ def run_job(
             shard.count,
             engine_dtype=engine_config.resolve_dtype(checkpoint_dtype(manifest.model.path)),
             may_sample=_may_sample(manifest, reader),
+            batch_invariant=engine_config.batch_invariant == "on",
         )
     except StorageError as exc:
         raise JobError(str(exc)) from None
@@ -244,3 +249,21 @@ def _may_sample(manifest: JobManifest, reader) -> bool:
         or bool(getattr(reader, "setting_of_column", None))
         or isinstance(reader, OpenAIBatchReader)
     )
+
+
+def _resolve_batch_invariant(engine_config: EngineConfig, manifest: JobManifest, reader) -> EngineConfig:
+    """``engine.batch_invariant`` for this run: "auto" becomes "on" when a row may be sampled (``_may_sample``)
+    and the engine can run it (``backends.batch_invariant_blocker_before_load``), else "off", saying why in the
+    log; "on" and "off" stay (the engine refuses an "on" it cannot run, by name)."""
+    if engine_config.batch_invariant != "auto":
+        return engine_config
+    reason = None if _may_sample(manifest, reader) else "no row is sampled (a greedy job)"
+    if reason is None:
+        from cbrun.engine.worker.backends import batch_invariant_blocker_before_load
+
+        reason = batch_invariant_blocker_before_load(engine_config, manifest.model.path)
+    if reason:
+        logger.info("batch_invariant off: %s", reason)
+        return replace(engine_config, batch_invariant="off")
+    logger.info("batch_invariant on: the job's rows are sampled")
+    return replace(engine_config, batch_invariant="on")
