@@ -134,3 +134,85 @@ def test_a_row_that_raises_fails_alone_and_device_faults_propagate(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         list(engine.generate([("a", prompts[0], sampled), ("oom", prompts[1], sampled)]))
     assert not engine.has_unfinished_requests()  # the engine is left clean for the job to stop
+
+
+#: The two overflowing rows of issue 39's bug replay: their scores overflow float32 once the temperature divides
+#: them (seen tokens' logits / 1e-38, or output tokens' logits + 1e33 x their count, / 1.5e-5). The sampler shifts
+#: each row by its maximum before dividing, so both have a finite distribution, their exact limit.
+OVERFLOWING = {
+    "repetition_1e-38": SamplingParams(max_new_tokens=20, repetition_penalty=1e-38, temperature=0.7, seed=5),
+    "frequency_-1e33": SamplingParams(max_new_tokens=20, frequency_penalty=-1e33, temperature=1.5e-5, seed=6),
+}
+HEALTHY = {
+    "greedy": SamplingParams(max_new_tokens=20),
+    "seeded": SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.9, seed=7),
+    "penalised": SamplingParams(max_new_tokens=20, repetition_penalty=1.3),
+}
+
+
+def solo(name, prompt, params, overlap):
+    return run(engine_for(overlap), [(name, prompt, params)])[name]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overflowing_penalties_finish_beside_healthy_rows(overlap):
+    """Before the fix the overflowing rows drew id V, the next step's embedding raised IndexError and the whole
+    engine stopped; now every row finishes, each exactly as when run alone."""
+    prompts = random_prompts(5, VOCAB, 10, 14, seed=31)
+    rows = [(name, p, params) for (name, params), p in zip({**OVERFLOWING, **HEALTHY}.items(), prompts)]
+    outputs = run(engine_for(overlap), rows)
+    for name, prompt, params in rows:
+        out = outputs[name]
+        assert out.finish_reason == "length" and len(out.output_token_ids) == 20, (name, out.error)
+        assert all(0 <= t < VOCAB for t in out.output_token_ids)
+        assert out.output_token_ids == solo(name, prompt, params, overlap).output_token_ids, name
+    # +1e33 per occurrence at temperature 1.5e-5: the first token wins every later draw.
+    frequency = outputs["frequency_-1e33"].output_token_ids
+    assert frequency == frequency[:1] * 20
+    # seen tokens' positive logits / 1e-38 dwarf every unseen one: each draw repeats a prompt or output token.
+    prompt, out = rows[0][1], outputs["repetition_1e-38"].output_token_ids
+    assert all(t in prompt + out[:i] for i, t in enumerate(out))
+
+
+def nan_probabilities_hook(monkeypatch, temperature: float) -> None:
+    """NaN probabilities for the sampled rows at ``temperature``: a sampler whose scores overflowed past every guard.
+    The inverse-CDF pick then has no finite distribution to draw from."""
+    from cbrun.engine.sample import sampler
+
+    real = sampler.sampled_probs
+
+    def poisoned(scores, batch, rows=None, filtered=True):
+        probs = real(scores, batch, rows, filtered)
+        temps = batch.temperature if rows is None else batch.temperature[rows]
+        return probs.masked_fill((temps == temperature)[:, None], float("nan"))
+
+    monkeypatch.setattr(sampler, "sampled_probs", poisoned)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_an_id_outside_the_vocabulary_fails_its_row_alone(monkeypatch, overlap, top_p):
+    """Every chosen id is checked on the device before it is committed or fed to the next step: the row whose
+    draw has no finite distribution fails, naming the cause; the rest of its batch is exactly a clean run."""
+    poison = 0.625  # exactly representable in float32
+    prompts = random_prompts(4, VOCAB, 8, 12, seed=32)
+    rows = [(name, p, params) for (name, params), p in zip(HEALTHY.items(), prompts)]
+    bad = SamplingParams(max_new_tokens=20, temperature=poison, top_p=top_p, seed=8)
+    clean = {name: solo(name, prompt, params, overlap) for name, prompt, params in rows}
+    nan_probabilities_hook(monkeypatch, poison)
+    outputs = run(engine_for(overlap), [("bad", prompts[3], bad), *rows])
+    assert outputs["bad"].finish_reason == "error"
+    assert "non-finite probabilities" in outputs["bad"].error and "outside the vocabulary" in outputs["bad"].error
+    for name, _, _ in rows:
+        assert outputs[name].output_token_ids == clean[name].output_token_ids, name
+    monkeypatch.undo()  # the rerun, without the fault, finishes
+    again = run(engine_for(overlap), [("bad", prompts[3], bad)])
+    assert again["bad"].finish_reason == "length" and len(again["bad"].output_token_ids) == 20
+
+
+def test_inverse_cdf_gives_v_for_a_row_without_a_finite_distribution():
+    from cbrun.engine.sample.filters import inverse_cdf
+
+    weights = torch.tensor([[0.2, 0.8, 0.0], [float("nan")] * 3, [0.0] * 3, [float("inf"), 1.0, 0.0]])
+    u = torch.full((4,), 0.5, dtype=torch.float64)
+    assert inverse_cdf(weights, u).tolist() == [1, 3, 3, 3]

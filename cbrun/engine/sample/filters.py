@@ -28,18 +28,23 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row drawn from unnormalised non-negative weights.
 
     Args:
-        weights: (R, V) float32, each row with a positive sum.
+        weights: (R, V) float32, non-negative.
         u: (R,) float64 uniform numbers in (0, 1).
 
     Returns:
-        (R,) int64: the first index whose cumulative weight exceeds ``u * total``; its weight is positive.
+        (R,) int64: the first index whose cumulative weight exceeds ``u * total``; its weight is positive. A row
+        whose total is not finite and positive (NaN weights: scores that overflowed float32) gets V, outside the
+        vocabulary, whatever ``searchsorted`` makes of NaN on the device; the sampler turns that into the row's
+        error (``processing.check_tokens``).
     """
     cumulative = weights.cumsum(dim=1)
     total = cumulative[:, -1]
     target = (u * total.double()).to(cumulative.dtype)
     # NOTE: rounding must not push the target to the total, past every token.
     target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+    drawn = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+    valid = torch.isfinite(total) & (total > 0)
+    return torch.where(valid, drawn, weights.shape[1])
 
 
 @dataclass(frozen=True)
@@ -127,12 +132,15 @@ def draw_filtered(
         weights = p if pivot is None else torch.where(p > pivot[:, None], p, 0.0)
         u = random_stream.uniform(seeds[pending], positions[pending], random_stream.PLAIN + round_)
         x = inverse_cdf(weights, u)
-        px = p.gather(1, x[:, None])[:, 0]
+        # NOTE: a row without a finite distribution drew V (``inverse_cdf``): it stops here, and its token fails it.
+        drawn = x < probs.shape[1]
+        px = p.gather(1, torch.where(drawn, x, 0)[:, None])[:, 0]
         keep = px >= floor_p[pending]
         if any_nucleus:
             above = torch.where(p > px[:, None], p, 0.0).sum(dim=1)
             budget = top_p[pending] * (mass_k[pending] if mass_k is not None else 1.0)
             keep &= ~nucleus[pending] | (above < budget)
+        keep |= ~drawn
         tokens[pending[keep]] = x[keep]
         rejected = ~keep
         if not bool(rejected.any()):

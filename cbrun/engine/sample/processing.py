@@ -12,10 +12,11 @@ from cbrun.engine.worker.device import waits_for_device
 from cbrun.kernels import cpu_token_mask
 
 #: Per-row error codes (``SamplingBatch`` rows that cannot give a token fail alone).
-OK, NAN_LOGITS, NOTHING_LEFT = 0, 1, 2
+OK, NAN_LOGITS, NOTHING_LEFT, OUT_OF_VOCAB = 0, 1, 2, 3
 ERROR_MESSAGES = {
-    NAN_LOGITS: "the logits hold NaN (after penalties)",
+    NAN_LOGITS: "non-finite logits after penalties: the scores hold NaN",
     NOTHING_LEFT: "no token is left to sample: penalties and filters ruled out every one",
+    OUT_OF_VOCAB: "non-finite probabilities after penalties and temperature: the sampled id is outside the vocabulary",
 }
 
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
@@ -133,3 +134,36 @@ def settle_infinities(scores: torch.Tensor) -> torch.Tensor:
     errors = torch.zeros(scores.shape[0], dtype=torch.int8, device=scores.device)
     errors.masked_fill_(top == float("-inf"), NOTHING_LEFT)
     return errors.masked_fill_(nan, NAN_LOGITS)
+
+
+def check_tokens(tokens: torch.Tensor, errors: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Every chosen id checked to lie in the vocabulary before anything commits it or feeds it to the next step.
+
+    In place, on the device (no host read): a row whose id is outside ``[0, vocab_size)`` gets ``OUT_OF_VOCAB``
+    unless it already failed, and every failed row's id becomes 0, so that a token fed to the next step's
+    embedding on the device (async batching) is always a valid index; the host drops the failed row's token.
+
+    Args:
+        tokens: (R,) int64 chosen ids.
+        errors: (R,) int8 codes, updated in place.
+        vocab_size: V.
+
+    Returns:
+        ``tokens``, with failed rows' ids 0.
+    """
+    outside = (tokens < 0) | (tokens >= vocab_size)
+    errors.masked_fill_(outside & (errors == OK), OUT_OF_VOCAB)
+    return tokens.masked_fill_(errors != OK, 0)
+
+
+def encode_errors(tokens: torch.Tensor, errors: torch.Tensor) -> torch.Tensor:
+    """(R,) int64: ``tokens`` with each failed row's id replaced by ``-1 - code``, so that ids and errors come back
+    to the host in one copy (``decode_error``)."""
+    return torch.where(errors != OK, -1 - errors.to(tokens.dtype), tokens)
+
+
+def decode_error(token: int) -> str | None:
+    """The error message of one read-back id of ``encode_errors`` (None for a real token)."""
+    if token >= 0:
+        return None
+    return ERROR_MESSAGES.get(-1 - token, f"sampling error code {-1 - token}")

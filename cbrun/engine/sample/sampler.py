@@ -25,8 +25,9 @@ class SamplerOutput:
     """One step's results on the device.
 
     Attributes:
-        tokens: (R,) int64, the chosen token of each row (meaningless where ``errors`` is not 0).
-        errors: (R,) int8 codes (``processing.OK``, ``NAN_LOGITS``, ``NOTHING_LEFT``).
+        tokens: (R,) int64, the chosen token of each row, always in ``[0, V)`` (0 where ``errors`` is not 0:
+            ``processing.check_tokens``).
+        errors: (R,) int8 codes (``processing.OK``, ``NAN_LOGITS``, ``NOTHING_LEFT``, ``OUT_OF_VOCAB``).
         logprob_rows: host list of the L rows that asked for log-probabilities.
         chosen: (L,) float32 log-probability of each such row's token.
         top_values, top_indices: (L, max logprobs) float32 / int64, the top log-probabilities.
@@ -40,10 +41,24 @@ class SamplerOutput:
     top_values: torch.Tensor | None = None
     top_indices: torch.Tensor | None = None
 
-    def to_host(self) -> tuple[list[int], list[str | None], list[dict[int, float] | None]]:
-        """(tokens, per-row error message or None, per-row log-probabilities or None), read in one go."""
-        tokens = self.tokens.tolist()
-        errors = [processing.ERROR_MESSAGES.get(code) for code in self.errors.tolist()]
+    def readback(self) -> torch.Tensor:
+        """(R,) int64 on the device: the tokens, with each failed row's error code folded in as a negative id
+        (``processing.encode_errors``), so one copy brings both to the host."""
+        return processing.encode_errors(self.tokens, self.errors)
+
+    def to_host(
+        self, read_back: list[int] | None = None
+    ) -> tuple[list[int], list[str | None], list[dict[int, float] | None]]:
+        """(tokens, per-row error message or None, per-row log-probabilities or None).
+
+        Args:
+            read_back: ``readback()`` as already copied to the host with the step's tokens; None reads it now
+                (one device read). The log-probabilities, when any row asked, are a further read.
+        """
+        if read_back is None:
+            read_back = self.readback().tolist()
+        errors = [processing.decode_error(t) for t in read_back]
+        tokens = [max(t, 0) for t in read_back]
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         if self.logprob_rows:
             chosen = self.chosen.tolist()
@@ -116,7 +131,11 @@ def sampled_probs(
 ) -> torch.Tensor:
     """softmax(scores / temperature) of ``rows`` (all when None), filtered when ``filtered`` (``filtered_probs``)."""
     temperature = batch.temperature if rows is None else batch.temperature[rows]
-    probs = torch.softmax(scores / temperature[:, None], dim=1)
+    # NOTE: the row's maximum comes off before the temperature divides: scores / temperature can overflow float32
+    # (penalised scores near 1e38, or a temperature near 1e-5), and softmax of an inf row is NaN. The shifted scores
+    # are <= 0, so the quotient is at worst -inf, and the distribution is the same (softmax is shift-invariant).
+    top = scores.amax(dim=1, keepdim=True)
+    probs = torch.softmax((scores - top) / temperature[:, None], dim=1)
     if not filtered:
         return probs
     pick = (lambda t: t) if rows is None else (lambda t: t[rows])
@@ -154,6 +173,7 @@ def sample(
             tokens = drawn
         else:
             tokens[rows] = drawn
+    processing.check_tokens(tokens, errors, scores.shape[1])
     return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
 
 

@@ -54,7 +54,8 @@ class LaunchedRows:
         self.launched: LaunchedSample | None = None
 
     def sample(self, logits: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-        """The step's tokens: ``argmax`` (S,) with the sampled rows replaced."""
+        """The step's read-back: ``argmax`` (S,) with the sampled rows replaced, a failed row's id negative (its
+        error code, ``processing.encode_errors``), so the one copy of the step's tokens brings the errors too."""
         tokens, self.launched = self.sampler.sample_on_device(logits, self.requests, self.logit_rows)
         argmax[to_device(self.sample_rows, torch.int64, argmax.device)] = tokens
         return argmax
@@ -119,14 +120,15 @@ class StepSampler:
             token_bitmask: (len(rows), ceil(V / 32)) int32 in xgrammar's layout, or None (``sampler.process``).
 
         Returns:
-            ((len(rows),) int64 tokens on the device, what ``read_launched`` reads once the step is done).
+            ((len(rows),) int64 tokens on the device, a failed row's negative (``SamplerOutput.readback``), what
+            ``read_launched`` reads once the step is done).
         """
         batch_rows = [SamplingRow(r, [], r.num_pending_tokens) for r in requests]
         index = to_device(rows, torch.int64, logits.device)
         try:
             batch = build_batch(batch_rows, self.token_counts, self.eos_token_ids, logits.device)
             out = sample(logits[index], batch, token_bitmask, in_place=True)  # the index made a copy
-            return out.tokens, LaunchedSample(requests, out)
+            return out.readback(), LaunchedSample(requests, out)
         except Exception as error:
             if not is_request_fault(error):
                 raise
@@ -145,7 +147,7 @@ class StepSampler:
 
         Args:
             launched: from ``sample_on_device``.
-            tokens: the rows' tokens as read back with the step.
+            tokens: the rows' tokens as read back with the step (a failed row's negative: its error code).
             unfinished: the engine's unfinished requests by ``Request.index`` (a request that finished while the
                 step was in flight is skipped: its token is dropped).
 
@@ -153,7 +155,7 @@ class StepSampler:
             ``Request.index -> token`` of the requests that did not fail and are still unfinished.
         """
         if launched.results is None:
-            _, errors, logprobs = launched.output.to_host()
+            _, errors, logprobs = launched.output.to_host(tokens)
             launched.results = [_launched_result((None, error, lp)) for error, lp in zip(errors, logprobs)]
         sampled: dict[int, int] = {}
         for request, token, (error, logprobs) in zip(launched.requests, tokens, launched.results):

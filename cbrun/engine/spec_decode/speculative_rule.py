@@ -19,7 +19,7 @@ import torch
 
 from cbrun.engine.core.faults import SamplingError
 from cbrun.engine.core.request import Request
-from cbrun.engine.sample import random_stream, sampler
+from cbrun.engine.sample import processing, random_stream, sampler
 from cbrun.engine.sample.batch import SamplingBatch, SamplingRow, build_batch
 from cbrun.engine.sample.filters import inverse_cdf
 from cbrun.engine.sample.processing import ERROR_MESSAGES
@@ -84,6 +84,8 @@ def verify(
         drawn = inverse_cdf(residual, random_stream.uniform(seeds, positions, random_stream.RESIDUAL))
         tokens[rows] = torch.where(accept, proposal, drawn)
         accepted[rows] = accept
+    processing.check_tokens(tokens, errors, scores.shape[1])
+    accepted &= errors == processing.OK
     out = with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
     return VerifyOutput(accepted, out)
 
@@ -116,5 +118,7 @@ def sample_draft(
     if message is not None:
         raise SamplingError(message)
     q = sampled_probs(scores, batch)
-    token = inverse_cdf(q, random_stream.uniform(batch.seeds, batch.positions, random_stream.DRAFT))
-    return int(token[0]), q[0]
+    token = int(inverse_cdf(q, random_stream.uniform(batch.seeds, batch.positions, random_stream.DRAFT))[0])
+    if not 0 <= token < logits.shape[-1]:
+        raise SamplingError(ERROR_MESSAGES[processing.OUT_OF_VOCAB])
+    return token, q[0]

@@ -48,19 +48,27 @@ class StepHandle:
 
     @classmethod
     def launch_readback(
-        cls, logits: torch.Tensor, sampled: torch.Tensor, sample_row_of: dict[int, int]
+        cls,
+        logits: torch.Tensor,
+        sampled: torch.Tensor,
+        sample_row_of: dict[int, int],
+        readback: torch.Tensor | None = None,
     ) -> "StepHandle":
-        """Start copying ``sampled`` to the host without waiting (pinned buffer + event on CUDA)."""
+        """Start copying ``readback`` (``sampled`` when None) to the host without waiting (pinned buffer + event
+        on CUDA). ``readback`` is ``sampled`` with each failed row's id negative, its error code
+        (``cbrun.engine.sample.processing.encode_errors``); ``sampled`` is what the next step reads."""
+        readback = sampled if readback is None else readback
         if sampled.device.type != "cuda":
-            return cls(logits, sampled, sample_row_of, sampled)
-        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-        host.copy_(sampled, non_blocking=True)
+            return cls(logits, sampled, sample_row_of, readback)
+        host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
+        host.copy_(readback, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return cls(logits, sampled, sample_row_of, host, done)
 
     def token_ids(self) -> list[int]:
-        """The sampled argmax ids in plan order; waits for the step (and its copy) to finish."""
+        """The read-back ids in plan order (a row failed by the sampler negative); waits for the step (and its
+        copy) to finish."""
         if self._token_ids is None:
             if self.done is not None:
                 self.done.synchronize()

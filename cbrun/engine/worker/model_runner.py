@@ -131,7 +131,8 @@ class ModelRunner:
             previous: the step still in flight (async batching). An input token that is pending on the host
                 (``PENDING_TOKEN``) is taken from ``previous.sampled`` on the device.
             sample: ``(logits, argmax) -> tokens``: the sampler, called on the device before the tokens are read
-                back (it replaces the rows it samples; ``cbrun.engine.sample.step``); None keeps the argmax.
+                back (it replaces the rows it samples; ``cbrun.engine.sample.step``); None keeps the argmax. A
+                row it fails has a negative id (its error code): read back as it is, fed to the next step as 0.
 
         Returns:
             The step's handle (nothing waited for on CUDA), or None when nothing is scheduled.
@@ -163,9 +164,11 @@ class ModelRunner:
         else:  # every sampled row is chosen by the sampler, a grammar's masked argmax or verification
             num_sample_rows = logits.shape[0] if sample_rows is None else sample_rows.shape[0]
             sampled = torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)
+        readback = sampled
         if sample is not None:
-            sampled = sample(logits, sampled)
-        return StepHandle.launch_readback(logits, sampled, inputs.sample_row_of)
+            readback = sample(logits, sampled)
+            sampled = readback.clamp(min=0)  # a valid embedding index for the next step; its row is dropped
+        return StepHandle.launch_readback(logits, sampled, inputs.sample_row_of, readback)
 
     def _forward(self, input_ids, positions, md: AttentionMetadata, logits_indices) -> torch.Tensor:
         """(rows of ``logits_indices``, vocab) logits of one eager forward pass: the lean path or transformers'."""
