@@ -134,6 +134,12 @@ class EngineConfig:
             CPU, one thread, with the C attention kernel; values from 0.03 to 0.06 ran equally fast in
             ``cbrun bench --workload speculative --engine speculative_row_cost=X``. A model whose per-row compute
             weighs more (a bigger model on a CPU) warrants a higher value, a GPU at small batches a lower one.
+        tensor_parallel_size: ranks one replica is split over (vLLM's name), each its own process on its own
+            device (``cuda:i`` from the given index on CUDA, NCCL; the CPU, gloo), started by the engine itself
+            (``cbrun.engine.worker.tp_group``): the lean path's weights split as Megatron-LM does
+            (``cbrun.engine.model.parallel``), one scheduler on rank 0 whose plan every rank executes on its own
+            slice of the KV cache. 1 (the default) runs one process. Above 1 it runs only the lean path loaded
+            from safetensors, without speculation or CUDA graphs: anything else is a ValueError naming it.
 
     Raises:
         ValueError: naming the setting and the reason, for any out-of-range value.
@@ -169,6 +175,7 @@ class EngineConfig:
     ngram_max: int = 4
     speculative_max_batch: int = 16
     speculative_row_cost: float = 0.03
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self._resolve_device_defaults()
@@ -214,6 +221,7 @@ class EngineConfig:
         if self.batch_invariant not in SWITCHES:
             raise ValueError(f"batch_invariant must be one of {SWITCHES}, got {self.batch_invariant!r}")
         self._check_speculative()
+        self._check_tensor_parallel()
 
     def resolve_dtype(self, checkpoint: str | None) -> str:
         """The dtype the engine runs in: ``dtype`` unless "auto", which is ``checkpoint`` on CUDA (float32
@@ -263,6 +271,27 @@ class EngineConfig:
             raise ValueError(f"speculative_row_cost must be a number >= 0, got {row_cost!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuse, by name, what a tensor-parallel replica does not run (the lean path is its only forward pass)."""
+        self._check_positive_int("tensor_parallel_size")
+        if self.tensor_parallel_size == 1:
+            return
+        unsupported = {
+            "speculative": self.speculative != "off",
+            "model_impl": self.model_impl == "transformers",
+            "loader": self.loader == "transformers",
+            "cuda_graphs": self.cuda_graphs in ("on", "emulate"),
+            "async_batching": self.async_batching == "on",
+        }
+        for name, refused in unsupported.items():
+            if refused:
+                raise ValueError(
+                    f"tensor_parallel_size = {self.tensor_parallel_size} does not run with {name} = "
+                    f"{getattr(self, name)!r} (a tensor-parallel replica runs only the lean path, loaded from "
+                    f"safetensors, without speculation or CUDA graphs); leave {name} at its default or set "
+                    "tensor_parallel_size = 1"
+                )
 
     def _check_positive_int(self, name: str) -> None:
         value = getattr(self, name)

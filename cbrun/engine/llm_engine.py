@@ -29,13 +29,14 @@ from cbrun.engine.spec_decode.draft_proposer import DraftProposer, draft_bytes_p
 from cbrun.engine.structured_output.bitmask import StepBitmask
 from cbrun.engine.structured_output.compiler import GrammarCompiler
 from cbrun.engine.structured_output.request_state import StructuredOutputRequest
-from cbrun.engine.worker import backends
+from cbrun.engine.worker import backends, tp_group
 from cbrun.engine.worker.async_batching import StepHandle, use_async_batching
 from cbrun.engine.worker.device import select_device
 from cbrun.engine.worker.kv_cache import KVCache
 from cbrun.engine.worker.model_runner import ModelRunner
 from cbrun.engine.worker.step_reader import StepReader
 from cbrun.engine.worker.threads import resolve_attention_threads
+from cbrun.engine.worker.tp_worker import local_cache_shape
 
 
 class LLMEngine:
@@ -58,8 +59,11 @@ class LLMEngine:
         expected_requests: int | None = None,
         expected_tokens: int | None = None,
         draft_model: torch.nn.Module | None = None,
+        tensor_parallel: tp_group.TensorParallelGroup | None = None,
     ) -> None:
         self.config = config
+        #: Rank 0's handle on the other ranks of a tensor-parallel replica (``tensor_parallel_size > 1``), or None.
+        self.tp_group = tensor_parallel
         select_device(config.device)
         self.tokenizer = tokenizer
         self._stop_matcher = StopStringMatcher(tokenizer) if tokenizer is not None else None
@@ -74,22 +78,30 @@ class LLMEngine:
         bytes_per_block = KVCache.bytes_per_block(
             len(layout.layer_types), config.page_size, num_kv_heads, head_dim, dtype
         )
+        ranks_per_memory = 1
+        if tensor_parallel is not None:  # this rank's KV heads; on the CPU the ranks share the host's memory
+            num_kv_heads, head_dim, bytes_per_block = local_cache_shape(model, tensor_parallel, config.page_size)
+            ranks_per_memory = tensor_parallel.ranks_per_memory
         if config.speculative == "draft":
             if draft_model is None:
                 raise ValueError('speculative = "draft" needs a draft model (engine.draft_model)')
             bytes_per_block += draft_bytes_per_block(draft_model, config.page_size)  # one budget for both caches
         self.num_blocks = resolve_num_blocks(
-            config, max_model_len, bytes_per_block, model_config, expected_requests, expected_tokens
+            config, max_model_len, bytes_per_block * ranks_per_memory, model_config, expected_requests, expected_tokens
         )
+        if tensor_parallel is not None:  # the fewest blocks any rank's memory holds
+            self.num_blocks = tensor_parallel.agree_num_blocks(self.num_blocks)
         #: The cache's geometry, the one source for the block manager, the KV cache, padding and the runner.
         self.cache_spec = CacheSpec.build(
             self.num_blocks,
             config.page_size,
             layout,
-            num_cpu_blocks=int(config.cpu_offload_space * 2**30) // bytes_per_block,
+            num_cpu_blocks=int(config.cpu_offload_space * 2**30) // (bytes_per_block * config.tensor_parallel_size),
             max_chunk_tokens=config.max_batch_tokens,
             max_model_len=max_model_len,
         )
+        if tensor_parallel is not None:
+            tensor_parallel.share_cache_spec(self.cache_spec)
         self.block_manager = BlockManager(
             self.cache_spec, config.allow_block_sharing, truncated_block_hash(config.prefix_hash_bits)
         )
@@ -224,7 +236,22 @@ class LLMEngine:
             safetensors.SafetensorError: a corrupt or truncated safetensors file.
         """
         config = loader.resolve_engine_dtype(model_path, config or EngineConfig())
-        model = loader.load_model(model_path, config)
+        group = None
+        if config.tensor_parallel_size > 1:
+            config = tp_group.per_rank_config(config)
+            plan = loader.tensor_parallel_plan(model_path, config)  # refuses by name before any rank starts
+            group = tp_group.start(model_path, config)
+        try:
+            model = loader.load_model(model_path, config, group.shard(plan.config) if group else None)
+            return cls._build(model_path, model, config, group, expected_requests, expected_tokens)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
+
+    @classmethod
+    def _build(cls, model_path, model, config, group, expected_requests, expected_tokens) -> "LLMEngine":
+        """``from_pretrained``'s engine around a loaded model (rank 0's shard under tensor parallelism)."""
         tokenizer = loader.load_tokenizer_or_none(model_path, config.loader)
         max_model_len = loader.model_max_len(model.config)
         draft_model = None
@@ -239,7 +266,14 @@ class LLMEngine:
             expected_requests=expected_requests,
             expected_tokens=expected_tokens,
             draft_model=draft_model,
+            tensor_parallel=group,
         )
+
+    def close(self) -> None:
+        """End the other ranks of a tensor-parallel replica (nothing to do for one process). The engine cannot
+        step afterwards."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(
@@ -309,6 +343,8 @@ class LLMEngine:
         if self.step_observer is not None and plan.scheduled:
             self.step_observer([self.scheduler.requests[s.request_index].request_id for s in plan.scheduled])
         at_launch = self._reader.rows_sampled_at_launch(plan) if plan.scheduled else None
+        if self.tp_group is not None:  # every rank executes the plan on its slice of the cache
+            self.tp_group.send_step(plan, self._num_touched_pages())
         handle = self.model_runner.launch(
             plan, self._in_flight[1] if self._in_flight else None, at_launch.sample if at_launch is not None else None
         )

@@ -36,6 +36,7 @@ RUN_FLAGS = {
     "n": ("sampling", "n"),
     "stop": ("sampling", "stop"),
     "num_threads": ("engine", "num_threads"),
+    "tensor_parallel_size": ("engine", "tensor_parallel_size"),
     "temperature": ("sampling", "temperature"),
     "top_p": ("sampling", "top_p"),
     "top_k": ("sampling", "top_k"),
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-threads",
         type=int,
         help="CPU threads (default: auto, 1 for a model under 10M parameters, else the physical cores)",
+    )
+    run.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="split each replica's model over this many ranks, one process and device each (default 1)",
     )
     run.add_argument("--temperature", type=float, help="0 is greedy")
     run.add_argument(

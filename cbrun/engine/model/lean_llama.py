@@ -183,6 +183,13 @@ class LeanLlama:
             if p is not None
         ]
         self.num_onednn_linears = sum(p[2] in (onednn_linear, onednn_two_rows_or_more) for p in projections)
+        self.parallel = weights.parallel  # tensor parallelism: the collectives wrap the split projections
+        if self.parallel is not None:
+            self.lm_head = self.parallel.gathered_head(self.lm_head)
+            for layer in self.layers:
+                layer.o = self.parallel.row_parallel(layer.o)
+                if layer.down is not None:  # a dense MLP (a MoE layer's experts are split by expert)
+                    layer.down = self.parallel.row_parallel(layer.down)
         logger.info(
             "linear layers: %d of %d on oneDNN, the rest on torch's GEMM (%s)",
             self.num_onednn_linears,
@@ -216,7 +223,7 @@ class LeanLlama:
         Returns:
             (N, vocab_size) logits in the model's dtype.
         """
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed) if self.parallel is None else self.parallel.embed(input_ids, self.embed)
         if md.use_cpu_kernel:  # the C kernels' RoPE: one call per tensor, reading the tables by position
             kernels = md.step_kernels()
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from cbrun.engine.model.moe import MoEWeights
+from cbrun.engine.model.parallel import TensorParallelWeights
 
 #: (weight (out_features, in_features), bias (out_features,) or None) of one linear layer.
 Linear = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -66,6 +67,8 @@ class LlamaWeights:
         inv_freq: (head_dim / 2,) float32 RoPE inverse frequencies.
         attention_scaling: the factor on RoPE's cos and sin (1.0 for the default RoPE).
         max_position_embeddings: positions the model was configured for (the RoPE table's default length).
+        parallel: this rank's share of a tensor-parallel group (``cbrun.engine.model.parallel``), the tensors
+            above being its slices; None for a whole model.
     """
 
     embed: torch.Tensor
@@ -77,6 +80,7 @@ class LlamaWeights:
     inv_freq: torch.Tensor
     attention_scaling: float
     max_position_embeddings: int
+    parallel: TensorParallelWeights | None = None
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every distinct weight and bias tensor once (a tied LM head is the embedding), as ``parameters()``."""

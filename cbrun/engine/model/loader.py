@@ -13,7 +13,7 @@ import torch
 
 from cbrun.engine.config import EngineConfig, checkpoint_dtype
 from cbrun.engine.core.tokenizer import load_tokenizer
-from cbrun.engine.model import safetensors_loader
+from cbrun.engine.model import parallel, safetensors_loader
 from cbrun.engine.model.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
 from cbrun.engine.worker.backends import cuda_graphs_blocker, use_triton
@@ -25,21 +25,26 @@ logger = logging.getLogger("cbrun.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(model_path: str, config: EngineConfig):
+def load_model(model_path: str, config: EngineConfig, shard: parallel.TensorParallelWeights | None = None):
     """The causal LM of a local directory as ``LLMEngine.from_pretrained`` loads it, torch's threads set first.
 
     Read by ``cbrun.engine.model.safetensors_loader`` where it applies (a ``LeanModel``, transformers not imported), else by
     transformers with cbrun's attention. ``config.num_threads``: an int is set before loading, "auto" is resolved
     after it from the model's parameter count (``cbrun.engine.worker.threads.resolve_num_threads``), None leaves torch's.
+    ``shard``: a tensor-parallel rank's share; only its slices are read (``tensor_parallel_plan`` must accept the
+    model).
 
     Raises:
-        as ``LLMEngine.from_pretrained``.
+        as ``LLMEngine.from_pretrained``; ``tensor_parallel_plan``'s ValueError with a shard.
     """
     config = resolve_engine_dtype(model_path, config)
     select_device(config.device)
     if isinstance(config.num_threads, int):
         torch.set_num_threads(config.num_threads)
-    model = _load_target_model(model_path, config)
+    if shard is not None:
+        model = safetensors_loader.load(tensor_parallel_plan(model_path, config), config.device, shard)
+    else:
+        model = _load_target_model(model_path, config)
     if config.num_threads == "auto":
         threads = resolve_num_threads("auto", sum(p.numel() for p in model.parameters()), config.device)
         if threads is not None:
@@ -53,6 +58,30 @@ def resolve_engine_dtype(model_path: str, config: EngineConfig) -> EngineConfig:
     if config.dtype != "auto":
         return config
     return replace(config, dtype=config.resolve_dtype(checkpoint_dtype(model_path)))
+
+
+def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_loader.LoadPlan:
+    """The safetensors load plan of a model a tensor-parallel replica can split (the lean path is the only one
+    split).
+
+    Raises:
+        ValueError: naming ``tensor_parallel_size`` and why, when the model would load through transformers or its
+            shapes do not split over the ranks (``cbrun.engine.model.parallel.unsupported_reason``).
+    """
+    size = config.tensor_parallel_size
+    reason = _needs_transformers(config)
+    plan = None
+    if reason is None:
+        plan, reason = safetensors_loader.load_plan(model_path, config.dtype)
+    if plan is None:
+        raise ValueError(
+            f"tensor_parallel_size = {size} runs only the lean path loaded from safetensors, and this model "
+            f"would load through transformers: {reason}; set tensor_parallel_size = 1"
+        )
+    reason = parallel.unsupported_reason(plan.config, size)
+    if reason is not None:
+        raise ValueError(f"tensor_parallel_size = {size} cannot split this model: {reason}")
+    return plan
 
 
 def _load_target_model(model_path: str, config: EngineConfig):

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from cbrun.engine.model.llama_config import LlamaConfig, parse_llama_config, read_config_json
 from cbrun.engine.model.llama_weights import LayerWeights, LlamaWeights, default_rope_inv_freq
 from cbrun.engine.model.moe import MoEWeights
+from cbrun.engine.model.parallel import TensorParallelWeights, read_shard
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -107,8 +108,14 @@ def load_plan(model_dir: str | Path, dtype: str) -> tuple[LoadPlan | None, str |
     return LoadPlan(model_dir, config, _DTYPES[config.dtype if dtype == "auto" else dtype], files), None
 
 
-def load(plan: LoadPlan, device: str) -> LeanModel:
+def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = None) -> LeanModel:
     """Read the plan's tensors onto ``device`` in its dtype.
+
+    Args:
+        plan: what to read (``load_plan``).
+        device: where the tensors go.
+        parallel: a tensor-parallel rank's share: only its slice of each split tensor is read
+            (``cbrun.engine.model.parallel.ShardLayout.split_of``); None reads the whole model.
 
     Raises:
         RuntimeError: a tensor's shape is not the one config.json implies.
@@ -125,8 +132,11 @@ def load(plan: LoadPlan, device: str) -> LeanModel:
                         f"tensor {name} in {path.name} has shape {list(shape)}, but config.json "
                         f"implies {list(shapes[name])}"
                     )
-                tensors[name] = handle.get_tensor(name).to(device=device, dtype=plan.dtype)
-    return LeanModel(config, _weights(config, tensors, device))
+                tensor = handle.get_tensor(name) if parallel is None else read_shard(handle, name, parallel.layout)
+                tensors[name] = tensor.to(device=device, dtype=plan.dtype)
+    weights = _weights(config, tensors, device)
+    weights.parallel = parallel
+    return LeanModel(config, weights)
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -25,6 +25,8 @@ def cuda_graphs_blocker(config: EngineConfig, use_triton: bool) -> str | None:
     """Why CUDA graphs cannot run in this engine, or None when they can."""
     if torch.device(config.device).type != "cuda":
         return f"the device is {config.device}, not CUDA"
+    if config.tensor_parallel_size > 1:
+        return "tensor_parallel_size > 1 runs the lean path, which graphs do not capture"
     if not use_triton:
         return "attention_backend = torch synchronises with the host, which a graph cannot hold"
     return None

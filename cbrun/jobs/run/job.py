@@ -141,6 +141,11 @@ def run_job(
         except ValueError as exc:
             raise JobError(str(exc)) from None
     if manifest.cluster.executor == "ray":
+        if engine_config.tensor_parallel_size > 1:
+            raise JobError(
+                f"--executor ray does not run engine.tensor_parallel_size = {engine_config.tensor_parallel_size} "
+                "yet (a replica is one process); use the local executor, or --shard I/N for more replicas"
+            )
         from cbrun.jobs.run.ray_executor import check_ray_installed
 
         try:

@@ -1,0 +1,122 @@
+"""Tensor parallelism over real gloo processes (``cbrun.engine.worker.tp_group``, ``cbrun.engine.model.parallel``):
+two ranks give exactly one rank's greedy tokens on random Llama and Qwen2 checkpoints (GQA, replicated KV heads,
+biases, tied and untied embeddings, a vocabulary that does not split evenly), each rank reads only its slices of
+the weights, and what a replica cannot run is refused by name before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.model import loader
+from cbrun.engine.model.parallel import ShardLayout, read_shard
+from cbrun.engine.model.safetensors_loader import load_plan
+from tests.model_utils import random_model_dir, random_prompts
+
+ENGINE = dict(page_size=4, max_batch_tokens=32, max_requests_per_batch=8, num_blocks=128, dtype="float32")
+CASES = {
+    # 4 query heads, 2 KV heads: one KV head per rank; biases on every projection (row-parallel biases once)
+    "llama-gqa-bias": ("llama", dict(attention_bias=True, mlp_bias=True, vocab_size=131)),
+    # 1 KV head over 2 ranks: replicated; tied embeddings: the LM head is the vocab-parallel embedding
+    "llama-mqa-tied": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen2": ("qwen2", {}),
+}
+
+
+def _greedy(path, tp: int, prompts, max_new_tokens: int = 12, **engine) -> dict:
+    config = EngineConfig(**{**ENGINE, **engine}, tensor_parallel_size=tp)
+    llm = LLMEngine.from_pretrained(str(path), config)
+    try:
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        return {o.request_id: o.output_token_ids for o in llm.generate((i, p, params) for i, p in enumerate(prompts))}
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_give_the_greedy_tokens_of_one(name):
+    model_type, overrides = CASES[name]
+    path = random_model_dir(model_type, **overrides)
+    # more prompts than requests per batch, longer than a step's token budget: chunked prefill and queueing
+    prompts = random_prompts(12, overrides.get("vocab_size", 128), max_len=40)
+    one = _greedy(path, 1, prompts)
+    two = _greedy(path, 2, prompts)
+    assert sorted(two) == list(range(len(prompts)))
+    assert two == one
+
+
+def test_the_cpu_attention_kernel_and_onednn_give_the_same_tokens_too():
+    path = random_model_dir("llama", intermediate_size=4096)  # (4096, 64) gate/up/down weights: oneDNN's size
+    prompts = random_prompts(4, 128, max_len=20, seed=3)
+    settings = dict(attention_backend="cpu", linear_backend="auto")
+    assert _greedy(path, 2, prompts, **settings) == _greedy(path, 1, prompts, **settings)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_rank_reads_its_slices_and_they_make_up_the_whole(world_size):
+    path = random_model_dir("llama", num_key_value_heads=2, vocab_size=131, attention_bias=True)
+    plan, _ = load_plan(path, "float32")
+    config = plan.config
+    with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
+        for name in handle.keys():
+            whole = handle.get_tensor(name)
+            parts = [read_shard(handle, name, ShardLayout.of(config, r, world_size)) for r in range(world_size)]
+            split = ShardLayout.of(config, 0, world_size).split_of(name)
+            if split is None:  # norms, row-parallel biases: every rank holds them whole
+                assert all(torch.equal(p, whole) for p in parts), name
+                continue
+            dim = split[0]
+            if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")) and world_size > 2:
+                # 2 KV heads over 4 ranks: each is replicated on 2 ranks, in order
+                parts = parts[:: world_size // config.num_key_value_heads]
+            joined = torch.cat(parts, dim=dim)
+            if "embed_tokens" in name or "lm_head" in name:  # padded to ranks x ceil(131 / ranks) rows
+                assert joined.shape[0] == world_size * -(-131 // world_size)
+                assert torch.count_nonzero(joined[131:]) == 0
+                joined = joined[:131]
+            assert torch.equal(joined, whole), name
+
+
+def test_what_a_replica_cannot_run_is_refused_by_name():
+    for setting, value in [("speculative", "ngram"), ("model_impl", "transformers"), ("cuda_graphs", "emulate")]:
+        with pytest.raises(ValueError, match=f"tensor_parallel_size = 2 does not run with {setting}"):
+            EngineConfig(tensor_parallel_size=2, **{setting: value})
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(tensor_parallel_size=0)
+    # 4 heads do not split over 3 ranks
+    path = random_model_dir("llama")
+    with pytest.raises(ValueError, match="tensor_parallel_size = 3 cannot split this model: num_attention_heads = 4"):
+        loader.tensor_parallel_plan(str(path), EngineConfig(tensor_parallel_size=3, dtype="float32"))
+    # a checkpoint the safetensors loader does not read loads through transformers, which is not split
+    windowed = random_model_dir("mistral", sliding_window=16)
+    with pytest.raises(ValueError, match="tensor_parallel_size = 2 runs only the lean path loaded from safetensors"):
+        loader.tensor_parallel_plan(str(windowed), EngineConfig(tensor_parallel_size=2, dtype="float32"))
+
+
+def test_a_rank_that_stops_answering_fails_the_step_within_the_timeout(monkeypatch):
+    import os
+    import signal
+    import time
+
+    from cbrun.engine.worker import tp_group
+
+    monkeypatch.setattr(tp_group, "STEP_TIMEOUT_S", 2.0)
+    path = random_model_dir("llama")
+    llm = LLMEngine.from_pretrained(str(path), EngineConfig(**ENGINE, tensor_parallel_size=2))
+    (rank,) = llm.tp_group.processes
+    try:
+        llm.add_request(0, [1, 2, 3], SamplingParams(max_new_tokens=4))
+        os.kill(rank.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(
+            tp_group.TensorParallelError, match=f"rank 1 \\(pid {rank.pid}\\) is alive but did not answer"
+        ):
+            while llm.has_unfinished_requests():
+                llm.step()
+        assert time.monotonic() - start < 30
+    finally:
+        os.kill(rank.pid, signal.SIGKILL)
+        llm.close()
+    assert rank.exitcode == -signal.SIGKILL

@@ -1,0 +1,98 @@
+"""``cbrun run --tensor-parallel-size 2`` for real: the output equals one rank's, each row written once; what a
+replica cannot run is exit 2 by name; killing a rank mid-job ends the run non-zero within 60 s, its committed rows
+kept, and a rerun finishes every row once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cbrun.engine.worker.tp_group import RANK_MODULE
+from cbrun.jobs.cli import main
+from cbrun.jobs.output.writer import committed_parts
+from tests.jobs.test_resume import cbrun_command, rows_by_index, run_args
+
+
+def _input(tmp_path: Path, num_rows: int) -> Path:
+    path = tmp_path / "in.parquet"
+    ids = [f"r{i}" for i in range(num_rows)]
+    pq.write_table(pa.table({"id": ids, "prompt": [f"row {i} says" for i in range(num_rows)]}), path)
+    return path
+
+
+def test_two_ranks_write_the_rows_of_one_once(tiny_model_dir, tmp_path):
+    input_path = _input(tmp_path, 12)
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    assert main(run_args(tiny_model_dir, input_path, one)) == 0
+    assert main(run_args(tiny_model_dir, input_path, two) + ["--tensor-parallel-size", "2"]) == 0
+    got = rows_by_index(two)  # asserts no row is written twice
+    assert sorted(got) == list(range(12))
+    assert got == rows_by_index(one)
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--set", 'engine.speculative="ngram"'], "tensor_parallel_size = 2 does not run with speculative"),
+        (["--executor", "ray"], "--executor ray does not run engine.tensor_parallel_size = 2"),
+        (["--set", 'engine.loader="transformers"'], "tensor_parallel_size = 2 does not run with loader"),
+    ],
+)
+def test_what_a_replica_cannot_run_is_exit_2_by_name(tiny_model_dir, tmp_path, capsys, extra, named):
+    args = run_args(tiny_model_dir, _input(tmp_path, 2), tmp_path / "out") + ["--tensor-parallel-size", "2", *extra]
+    assert main(args) == 2
+    assert named in capsys.readouterr().err
+    assert not committed_parts(tmp_path / "out") if (tmp_path / "out").exists() else True
+
+
+def _rank_pids(pid: int) -> list[int]:
+    """The pids of the tensor-parallel ranks ``pid`` started (its children running ``RANK_MODULE``)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    ranks = []
+    for child in children:
+        try:
+            if RANK_MODULE in Path(f"/proc/{child}/cmdline").read_bytes().decode():
+                ranks.append(int(child))
+        except OSError:
+            pass
+    return ranks
+
+
+def test_a_killed_rank_ends_the_run_within_60_s_and_a_rerun_finishes_every_row_once(tiny_model_dir, tmp_path):
+    num_rows = 150
+    input_path = _input(tmp_path, num_rows)
+    out = tmp_path / "out"
+    args = run_args(tiny_model_dir, input_path, out) + ["--tensor-parallel-size", "2"]
+    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not committed_parts(out):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "no part was committed in time"
+            time.sleep(0.01)
+        (rank,) = _rank_pids(process.pid)
+        os.kill(rank, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1, stderr
+    assert f"tensor-parallel replica stopped: rank 1 (pid {rank}) exited with code -{int(signal.SIGKILL)}" in stderr
+    committed = rows_by_index(out)
+    assert 0 < len(committed) < num_rows, "the job finished before the rank was killed"
+
+    resumed = subprocess.run(cbrun_command() + args, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{len(committed)} skipped" in resumed.stdout
+    got = rows_by_index(out)
+    assert sorted(got) == list(range(num_rows))
+    assert {i: got[i] for i in committed} == committed
