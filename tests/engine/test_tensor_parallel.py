@@ -120,3 +120,61 @@ def test_a_rank_that_stops_answering_fails_the_step_within_the_timeout(monkeypat
         os.kill(rank.pid, signal.SIGKILL)
         llm.close()
     assert rank.exitcode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [("qwen3_moe", {}), ("mixtral", {}), ("qwen3_moe", dict(mlp_only_layers=(0,)))],  # a dense layer among them
+)
+def test_moe_experts_split_over_two_ranks_give_the_greedy_tokens_of_one(model_type, overrides):
+    path = random_model_dir(model_type, **overrides)
+    prompts = random_prompts(8, 128, max_len=30, seed=5)
+    assert _greedy(path, 2, prompts) == _greedy(path, 1, prompts)
+
+
+def test_each_rank_reads_only_its_experts():
+    path = random_model_dir("qwen3_moe")
+    plan, _ = load_plan(path, "float32")
+    layouts = [ShardLayout.of(plan.config, r, 2) for r in range(2)]
+    assert [list(layout.local_experts) for layout in layouts] == [[0, 1], [2, 3]]
+    name = "model.layers.0.mlp.experts.{}.down_proj.weight"
+    assert [[layout.holds(name.format(e)) for e in range(4)] for layout in layouts] == [
+        [True, True, False, False],
+        [False, False, True, True],
+    ]
+    assert all(layout.holds("model.layers.0.mlp.gate.weight") for layout in layouts)  # the router, on every rank
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_ranks_local_experts_sum_to_the_whole_block(grouped):
+    from dataclasses import replace
+
+    from cbrun.engine.model.moe import MoEWeights, sparse_moe
+    from cbrun.engine.model.parallel import local_experts
+
+    g = torch.Generator().manual_seed(0)
+    num_experts, hidden, width = 8, 32, 16
+    whole = MoEWeights(
+        router=torch.randn(num_experts, hidden, generator=g),
+        gate_up=torch.randn(num_experts, 2 * width, hidden, generator=g),
+        down=torch.randn(num_experts, hidden, width, generator=g),
+        top_k=3,
+        norm_topk_prob=True,
+        weights_in_model_dtype=False,
+    )
+    x = torch.randn(11, hidden, generator=g)
+    per_rank = num_experts // 4
+    parts = [
+        local_experts(
+            x,
+            replace(
+                whole,
+                gate_up=whole.gate_up[r * per_rank : (r + 1) * per_rank],
+                down=whole.down[r * per_rank : (r + 1) * per_rank],
+            ),
+            r * per_rank,
+            grouped,
+        )
+        for r in range(4)
+    ]
+    torch.testing.assert_close(sum(parts), sparse_moe(x, whole), rtol=1e-5, atol=1e-4)

@@ -188,8 +188,10 @@ class LeanLlama:
             self.lm_head = self.parallel.gathered_head(self.lm_head)
             for layer in self.layers:
                 layer.o = self.parallel.row_parallel(layer.o)
-                if layer.down is not None:  # a dense MLP (a MoE layer's experts are split by expert)
+                if layer.down is not None:
                     layer.down = self.parallel.row_parallel(layer.down)
+                if layer.moe is not None:  # split by expert
+                    layer.moe = self.parallel.expert_parallel(layer.moe)
         logger.info(
             "linear layers: %d of %d on oneDNN, the rest on torch's GEMM (%s)",
             self.num_onednn_linears,

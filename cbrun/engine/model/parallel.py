@@ -15,6 +15,11 @@ The embedding and the LM head are split by vocabulary: rank r holds rows ``[r * 
 on the rank that holds it, the others give zeros, and one all-reduce sums them (exact: one non-zero term). The LM
 head computes each rank's V' logits and one all-gather joins them; the padded columns are cut off.
 
+MoE layers (Qwen3-MoE, Mixtral) split by expert instead: rank r holds experts ``[r * E / N, (r + 1) * E / N)``
+whole, and the router on every rank. Every rank routes every token (the same router on the same replicated
+hidden states gives the same choice), computes the (token, expert) pairs of its own experts with the grouped
+GEMM, zeros the others, and one all-reduce sums each token's experts over the ranks (``ExpertParallelMoE``).
+
 KV heads: with at least N of them each rank holds ``num_kv_heads / N``; with fewer (N a multiple of their number)
 each KV head is replicated over ``N / num_kv_heads`` ranks, rank r holding KV head ``r // (N / num_kv_heads)``,
 the one its query heads attend with (vLLM's ``QKVParallelLinear`` does the same).
@@ -35,6 +40,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from cbrun.engine.model.moe import MoEWeights, grouped_gemm_unavailable_reason, route
 
 #: (weight, bias or None, the function that runs it): a lean-path projection (``cbrun.engine.model.lean_llama``).
 Projection = tuple[torch.Tensor, "torch.Tensor | None", Callable]
@@ -60,6 +67,7 @@ class ShardLayout:
     Attributes:
         rank, world_size: this rank and the group's size.
         num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size: the whole model's shapes.
+        num_experts: experts per MoE layer (0 for a dense model).
     """
 
     rank: int
@@ -69,6 +77,7 @@ class ShardLayout:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    num_experts: int = 0
 
     @classmethod
     def of(cls, config, rank: int, world_size: int) -> "ShardLayout":
@@ -81,6 +90,7 @@ class ShardLayout:
             config.head_dim,
             config.intermediate_size,
             config.vocab_size,
+            config.moe.num_experts if getattr(config, "moe", None) is not None else 0,
         )
 
     @property
@@ -99,6 +109,17 @@ class ShardLayout:
         return self.rank // (self.world_size // self.num_kv_heads)
 
     @property
+    def local_experts(self) -> range:
+        """The MoE experts this rank holds (their ids in the whole model)."""
+        per_rank = self.num_experts // self.world_size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank reads checkpoint tensor ``name`` at all (another rank's experts it does not)."""
+        _, marker, rest = name.partition(".experts.")
+        return not marker or int(rest.split(".", 1)[0]) in self.local_experts
+
+    @property
     def vocab_per_rank(self) -> int:
         """V' = ceil(vocab / N): every rank's rows of the embedding and logits, padding included."""
         return -(-self.vocab_size // self.world_size)
@@ -113,6 +134,8 @@ class ShardLayout:
         ``stop`` may pass the tensor's end for the vocabulary split (the rest is padding, ``read_shard``).
         """
         head, inter = self.head_dim, self.intermediate_size // self.world_size
+        if ".experts." in name:  # an expert is held whole, by one rank (``holds``)
+            return None
         kind, _, field = name.rpartition(".")
         if kind.endswith(("embed_tokens", "lm_head")):
             return 0, self.vocab_start, self.vocab_start + self.vocab_per_rank
@@ -132,8 +155,9 @@ class ShardLayout:
 
 def unsupported_reason(config, world_size: int) -> str | None:
     """Why a Llama-family config cannot be split over ``world_size`` ranks, or None when it can."""
-    if getattr(config, "moe", None) is not None:
-        return "its MoE layers (experts split over ranks are not implemented yet)"
+    moe = getattr(config, "moe", None)
+    if moe is not None and moe.num_experts % world_size:
+        return f"{moe.num_experts} experts per MoE layer are not a multiple of tensor_parallel_size = {world_size}"
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
         return f"num_attention_heads = {heads} is not a multiple of tensor_parallel_size = {world_size}"
@@ -211,3 +235,71 @@ class TensorParallelWeights:
             return torch.cat(comm.all_gather(run(x, w, b).contiguous()), dim=-1)[:, :vocab_size]
 
         return weight, bias, gather
+
+    def expert_parallel(self, moe) -> "ExpertParallelMoE":
+        """A MoE layer (``cbrun.engine.model.moe.SparseMoE`` over this rank's experts) as ``ExpertParallelMoE``."""
+        return ExpertParallelMoE(moe.weights, self.layout.local_experts.start, self.comm)
+
+
+class ExpertParallelMoE:
+    """A MoE block over one rank's experts: every rank routes all tokens, computes its own experts' pairs, and one
+    all-reduce sums them (see the module docstring).
+
+    Args:
+        weights: the router (E, hidden), whole; ``gate_up`` (E / N, 2I, hidden) and ``down`` (E / N, hidden, I) of
+            this rank's experts.
+        expert_start: the id of this rank's first expert.
+        comm: the group's collectives.
+    """
+
+    def __init__(self, weights: MoEWeights, expert_start: int, comm: Communicator) -> None:
+        self.weights, self.expert_start, self.comm = weights, expert_start, comm
+        self.fallback_reason = grouped_gemm_unavailable_reason(weights)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden) in ``x``'s dtype: every rank's experts' share, summed over the ranks."""
+        y = local_experts(x, self.weights, self.expert_start, grouped=self.fallback_reason is None)
+        self.comm.all_reduce(y)
+        return y.to(x.dtype)
+
+
+def local_experts(x: torch.Tensor, moe: MoEWeights, expert_start: int, grouped: bool = True) -> torch.Tensor:
+    """Each token's weighted sum over those of its chosen experts this rank holds (zero where it holds none).
+
+    The pairs of other ranks' experts sort after the local ones (id ``E / N``) and are left out of the grouped
+    GEMM's groups; their rows, which it leaves unwritten, are zeroed by ``torch.where``.
+
+    Args:
+        x: (T, hidden) the normed hidden states.
+        moe: the router (E, hidden) and this rank's ``E / N`` experts.
+        expert_start: the id of the first local expert.
+        grouped: the grouped GEMM (``torch._grouped_mm``); False computes every local expert on every token.
+
+    Returns:
+        (T, hidden) in the experts' output dtype (float32 where the routing weights are, as ``sparse_moe``).
+    """
+    weights, expert_ids = route(x, moe)
+    num_local = moe.gate_up.shape[0]
+    local_ids = expert_ids - expert_start
+    is_local = (local_ids >= 0) & (local_ids < num_local)  # (T, k)
+    num_tokens, top_k = expert_ids.shape
+    width = moe.down.shape[-1]
+    if not grouped:
+        gate_up = torch.einsum("th,eoh->eto", x, moe.gate_up)  # (E / N, T, 2I)
+        every = torch.einsum("eti,ehi->eth", F.silu(gate_up[..., :width]) * gate_up[..., width:], moe.down)
+        tokens = torch.arange(num_tokens, device=x.device)[:, None]
+        chosen = every[local_ids.clamp(0, num_local - 1), tokens] * weights[..., None]  # (T, k, hidden)
+        return torch.where(is_local[..., None], chosen, 0.0).sum(dim=1)
+    flat = torch.where(is_local, local_ids, num_local).reshape(-1)  # (S,), S = T * k
+    order = torch.argsort(flat, stable=True)
+    rows = x[order // top_k]
+    counts = torch.zeros(num_local + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts[:num_local].cumsum(0, dtype=torch.int32)
+    gate_up = torch._grouped_mm(rows, moe.gate_up.transpose(1, 2), offs=offsets)  # (S, 2I), local rows only
+    hidden = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    out = torch._grouped_mm(hidden, moe.down.transpose(1, 2), offs=offsets) * weights.reshape(-1)[order, None]
+    out = torch.where(is_local.reshape(-1)[order, None], out, 0.0)
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1)

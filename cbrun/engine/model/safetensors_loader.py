@@ -126,6 +126,8 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
     for path in sorted(set(plan.files.values())):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
+                if parallel is not None and not parallel.layout.holds(name):  # another rank's expert
+                    continue
                 shape = tuple(handle.get_slice(name).get_shape())
                 if shape != shapes[name]:
                     raise RuntimeError(
@@ -134,7 +136,7 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
                     )
                 tensor = handle.get_tensor(name) if parallel is None else read_shard(handle, name, parallel.layout)
                 tensors[name] = tensor.to(device=device, dtype=plan.dtype)
-    weights = _weights(config, tensors, device)
+    weights = _weights(config, tensors, device, parallel.layout.local_experts if parallel is not None else None)
     weights.parallel = parallel
     return LeanModel(config, weights)
 
@@ -186,12 +188,16 @@ def _expert_shapes(config: LlamaConfig, prefix: str) -> dict[str, tuple[int, ...
     return shapes
 
 
-def _moe_weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], prefix: str) -> MoEWeights:
+def _moe_weights(
+    config: LlamaConfig, tensors: dict[str, torch.Tensor], prefix: str, expert_ids: range | None = None
+) -> MoEWeights:
     """A MoE layer's per-expert tensors stacked as ``MoEWeights`` (each expert's gate rows, then its up rows),
-    the per-expert tensors dropped from ``tensors`` as they are stacked (one layer's experts held twice at most)."""
+    the per-expert tensors dropped from ``tensors`` as they are stacked (one layer's experts held twice at most).
+    ``expert_ids``: the experts to stack (a tensor-parallel rank's), None for all; the router is always whole."""
     block, (gate, up, down) = _MOE_NAMES[config.model_type]
     moe = config.moe
-    experts = [f"{prefix}{block}.experts.{e}." for e in range(moe.num_experts)]
+    expert_ids = range(moe.num_experts) if expert_ids is None else expert_ids
+    experts = [f"{prefix}{block}.experts.{e}." for e in expert_ids]
     gate_up = torch.stack(
         [torch.cat((tensors.pop(e + gate + ".weight"), tensors.pop(e + up + ".weight"))) for e in experts]
     )
@@ -231,8 +237,11 @@ def _tensor_files(model_dir: Path) -> tuple[dict[str, Path] | None, str | None]:
     return files, None
 
 
-def _weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str) -> LlamaWeights:
-    """The loaded tensors as ``LlamaWeights``, with transformers' epsilons, softmax scale and RoPE frequencies."""
+def _weights(
+    config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str, experts: range | None = None
+) -> LlamaWeights:
+    """The loaded tensors as ``LlamaWeights``, with transformers' epsilons, softmax scale and RoPE frequencies;
+    ``experts``: the MoE experts loaded (a tensor-parallel rank's), None for all."""
     eps, scale = config.rms_norm_eps, config.head_dim**-0.5
 
     def linear(name: str):
@@ -261,7 +270,7 @@ def _weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str)
                 q_norm=tensors.get(p + "self_attn.q_norm.weight"),
                 k_norm=tensors.get(p + "self_attn.k_norm.weight"),
                 qk_norm_eps=eps,
-                moe=_moe_weights(config, tensors, p) if i in sparse else None,
+                moe=_moe_weights(config, tensors, p, experts) if i in sparse else None,
             )
         )
     embed = tensors["model.embed_tokens.weight"]
