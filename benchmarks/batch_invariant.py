@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SETTINGS = [(1, "off"), (1, "on"), (2, "off"), (2, "on")]
+MODES = ("off", "on")
 
 
 def one_run(workload_name: str, rows: int, threads: int, mode: str, model_dir: Path) -> dict:
@@ -65,6 +65,7 @@ def main() -> int:
     parser.add_argument("--workload", default="random-llama-30m", choices=("random-llama-30m", "vllm-random-llama"))
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     parser.add_argument("--model-dir", type=Path, help="where the random Llama is built (reused when it exists)")
     parser.add_argument("--jsonl", help="also write every run here, one JSON object per line")
     parser.add_argument("--one", nargs=2, metavar=("THREADS", "MODE"), help=argparse.SUPPRESS)
@@ -73,9 +74,10 @@ def main() -> int:
     if args.one:
         print(json.dumps(one_run(args.workload, args.rows, int(args.one[0]), args.one[1], model_dir)))
         return 0
+    settings = [(int(t), mode) for t in args.threads.split(",") for mode in MODES]
     runs = []
     for _ in range(args.rounds):
-        for threads, mode in SETTINGS:
+        for threads, mode in settings:
             command = [sys.executable, "-m", "benchmarks.batch_invariant", "--workload", args.workload]
             command += ["--rows", str(args.rows), "--model-dir", str(model_dir), "--one", str(threads), mode]
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
@@ -83,16 +85,23 @@ def main() -> int:
             print(json.dumps(runs[-1]), file=sys.stderr)
     if args.jsonl:
         Path(args.jsonl).write_text("".join(json.dumps(r) + "\n" for r in runs))
-    median = {s: statistics.median(r["tok_s"] for r in runs if (r["threads"], r["mode"]) == s) for s in SETTINGS}
+    tok_s = {s: sorted(r["tok_s"] for r in runs if (r["threads"], r["mode"]) == s) for s in settings}
+    median = {s: statistics.median(values) for s, values in tok_s.items()}
     print(f"{args.workload}, {args.rows} sampled rows (temperature 0.8, seeded), {args.rounds} rounds\n")
-    print("| threads | batch_invariant | generated tok/s (median) | on vs off, same threads | same tokens every run |")
-    print("|---|---|---|---|---|")
-    for threads, mode in SETTINGS:
-        tok_s = median[(threads, mode)]
+    print(
+        "| threads | batch_invariant | generated tok/s (median) | min - max | on vs off, same threads | same tokens every run |"
+    )
+    print("|---|---|---|---|---|---|")
+    for threads, mode in settings:
+        values = tok_s[(threads, mode)]
         same = len({r["outputs"] for r in runs if (r["threads"], r["mode"]) == (threads, mode)}) == 1
-        print(f"| {threads} | {mode} | {tok_s:.0f} | {tok_s / median[(threads, 'off')]:.2f}x | {same} |")
+        ratio = median[(threads, mode)] / median[(threads, "off")]
+        print(
+            f"| {threads} | {mode} | {median[(threads, mode)]:.0f} | {values[0]:.0f} - {values[-1]:.0f} | "
+            f"{ratio:.2f}x | {same} |"
+        )
     on = {r["outputs"] for r in runs if r["mode"] == "on"}
-    print(f"\n'on' drew {'the same tokens at 1 and 2 threads' if len(on) == 1 else 'other tokens at 1 and 2 threads'}")
+    print(f"\n'on' drew {'the same' if len(on) == 1 else 'other'} tokens at every thread count run ({args.threads})")
     return 0
 
 

@@ -190,6 +190,7 @@ def paged_attention_triton(
     softcap: float | None = None,
     max_seqlen_q: int | None = None,
     out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch (prefill chunks and decodes mixed) over a paged KV cache (Triton).
 
@@ -208,6 +209,9 @@ def paged_attention_triton(
         max_seqlen_q: longest query length in the batch; picks the tile shape only. None reads it from
             ``cu_seqlens_q`` (one device sync): pass it when known, e.g. under CUDA-graph capture.
         out: optional (T, num_heads, head_dim) output buffer in query's dtype (last dim contiguous).
+        batch_invariant: launch one tile for every batch (``INVARIANT_MAX_SEQLEN_Q``'s, the prefill tile) instead
+            of the tile ``max_seqlen_q`` picks, so that a row's program has the same shape whatever else is in the
+            step (the kernel has no split-KV; its KV loop runs in BLOCK_N steps from position 0 for every row).
 
     Returns:
         (T, num_heads, head_dim) in ``query.dtype`` (``out`` when given). Softmax runs in float32.
@@ -224,7 +228,9 @@ def paged_attention_triton(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0 or num_requests == 0:
         return out
-    if max_seqlen_q is None:
+    if batch_invariant:
+        max_seqlen_q = INVARIANT_MAX_SEQLEN_Q
+    elif max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
 
     launch = attention_launch_config(
@@ -267,6 +273,11 @@ def paged_attention_triton(
         **launch.constexprs,
     )
     return out
+
+
+#: The query length whose tile every ``batch_invariant`` launch uses: the largest tile the policy picks (a long
+#: prefill's), one of the launches ``cbrun.kernels.aot_fit`` compiles for sm_80/89/90 (its ``MAX_SEQLEN_Q``).
+INVARIANT_MAX_SEQLEN_Q = 8192
 
 
 @dataclass(frozen=True)

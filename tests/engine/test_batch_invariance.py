@@ -213,3 +213,24 @@ def test_on_refused_where_it_cannot_hold(setting, value, named):
 def test_bad_value_names_the_setting():
     with pytest.raises(ValueError, match="batch_invariant must be one of"):
         EngineConfig(batch_invariant="yes")
+
+
+def test_converted_stories260k_rows_equal_alone_and_in_a_batch(stories260k_dir):
+    # A trained model converted from llama2.c (head_dim 8, its real distributions), n = 2 per row, temperature 0.8.
+    prompts = random_prompts(24, 512, 2, 40, seed=2)
+    config = EngineConfig(page_size=16, num_blocks=256, max_batch_tokens=96, batch_invariant="on", num_threads=1)
+
+    def params(row: int, sample: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=24, temperature=0.8, seed=100 * row + sample, logprobs=1, ignore_eos=True)
+
+    targets = [((row, s), prompts[row], params(row, s)) for row in range(3) for s in range(2)]
+    engine = LLMEngine.from_pretrained(str(stories260k_dir), config)
+    want = {
+        rid: tokens_and_bits({o.request_id: o for o in engine.generate([(rid, p, sp)])}, [rid])[rid]
+        for rid, p, sp in targets
+    }
+    others = [(f"o{j}", prompts[j], params(j, 0)) for j in range(3, 24)]
+    batch = targets + others
+    random.Random(1).shuffle(batch)
+    got = tokens_and_bits({o.request_id: o for o in engine.generate(batch)}, want)
+    assert got == want

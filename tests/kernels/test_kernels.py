@@ -330,3 +330,51 @@ def test_kv_cache_write_rejects_bad_input(overrides, message):
     args = {k: v.to(DEVICE) for k, v in {**args, **overrides}.items()}
     with pytest.raises(ValueError, match=re.escape(message)):
         kv_cache_write.write_kv_cache_triton(**args)
+
+
+def test_batch_invariant_launch_is_one_tile_that_the_ahead_of_time_check_compiles():
+    # batch_invariant launches one tile whatever the batch's longest query: the prefill tile, which
+    # cbrun.kernels.aot_fit compiles (and checks for shared memory and spills) for sm_80, sm_89 and sm_90.
+    from cbrun.kernels import aot_fit
+
+    assert paged_attention.INVARIANT_MAX_SEQLEN_Q in aot_fit.MAX_SEQLEN_Q
+    assert paged_attention.INVARIANT_MAX_SEQLEN_Q in aot_fit.SUBSET["max_seqlen_qs"]
+    for capability in aot_fit.CAPABILITIES:
+        compiled = {launch.config.key() for launch in aot_fit.engine_launches(capability, kv_write=False)}
+        for model in aot_fit.MODELS:
+            for dtype in aot_fit.DTYPES:
+                invariant = paged_attention.attention_launch_config(
+                    dtype,
+                    model.num_heads,
+                    model.num_kv_heads,
+                    model.head_dim,
+                    16,
+                    paged_attention.INVARIANT_MAX_SEQLEN_Q,
+                    False,
+                    False,
+                    capability,
+                )
+                assert invariant.key() in compiled
+
+
+def test_batch_invariant_rows_equal_alone_and_in_a_mixed_batch():
+    # Under batch_invariant a row's program has one shape whatever else is in the step: a decode row alone
+    # and beside a long prefill (which would pick a larger tile) gives the same floats (the interpreter off CUDA).
+    q_lens, k_lens = [1, 40, 1, 7], [9, 40, 33, 20]
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(q_lens, k_lens, 8, 2, 32, 16, torch.float32)
+    batch = paged_attention.paged_attention_triton(
+        query, k_cache, v_cache, tables, cu, seqlens, 0.2, batch_invariant=True
+    )
+    for b in (0, 2, 3):
+        start, q_len = int(cu[b]), q_lens[b]
+        alone = paged_attention.paged_attention_triton(
+            query[start : start + q_len].clone(),
+            k_cache,
+            v_cache,
+            tables[b : b + 1],
+            torch.tensor([0, q_len], dtype=cu.dtype, device=cu.device),
+            seqlens[b : b + 1],
+            0.2,
+            batch_invariant=True,
+        )
+        assert torch.equal(alone, batch[start : start + q_len]), b

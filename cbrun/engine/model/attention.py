@@ -212,6 +212,7 @@ def paged_attention(
             sliding_window=sliding_window,
             softcap=softcap,
             max_seqlen_q=md.max_seqlen_q,
+            batch_invariant=md.batch_invariant,
         )
     write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
     return paged_attention_ref(

@@ -101,8 +101,11 @@ def select_linear(weight: torch.Tensor, backend: str, batch_invariant: bool = Fa
 #: Rows per GEMM call of the fixed-tile invariant linear (``batch_invariant_linear``'s fallback).
 INVARIANT_TILE_ROWS = 64
 #: Row counts the load-time check compares with one call of ``_PROBE_ROWS`` rows (starting at several offsets).
-_PROBE_COUNTS = (2, 3, 16, 17, 64, 129)
-_PROBE_ROWS = 256
+_PROBE_COUNTS = (2, 3, 16, 17, 65)
+_PROBE_ROWS = 130
+#: The check runs at most this many output features of a wider weight (an LM head's vocabulary), so that it costs
+#: about as much as one prefill step.
+_PROBE_MAX_FEATURES = 8192
 
 
 def batch_invariant_linear(weight: torch.Tensor) -> LinearFn:
@@ -117,7 +120,8 @@ def batch_invariant_linear(weight: torch.Tensor) -> LinearFn:
         ``_onednn_rows_independent`` holds for its shape at this thread count; else ``fixed_tile_linear``.
     """
     if onednn_unavailable_reason(weight) is None:
-        if _onednn_rows_independent(tuple(weight.shape), torch.get_num_threads()):
+        shape = (min(weight.shape[0], _PROBE_MAX_FEATURES), weight.shape[1])
+        if _onednn_rows_independent(shape, torch.get_num_threads()):
             return onednn_two_rows_or_more
         logger.warning(
             "oneDNN's linear gives a row other bits with other row counts for a %s weight: batch-invariant linear "
@@ -159,7 +163,8 @@ def onednn_two_rows_or_more(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def _onednn_rows_independent(shape: tuple[int, int], num_threads: int) -> bool:
     """Whether oneDNN computes rows of a ``shape`` weight with the same bits in calls of ``_PROBE_COUNTS`` rows at
     three offsets as in one call of ``_PROBE_ROWS`` rows, on random inputs, at ``num_threads`` torch threads (a
-    check of the measured behaviour on this machine's oneDNN, not a proof for every row count). Cached per shape."""
+    check of the measured behaviour on this machine's oneDNN, not a proof for every row count; a wider weight is
+    checked on its first ``_PROBE_MAX_FEATURES`` features). Cached per shape."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator)
     x = torch.randn(_PROBE_ROWS, shape[1], generator=generator)
