@@ -42,7 +42,7 @@ def random_llama_dir(vocab_size: int = 128, num_kv_heads: int = 2, max_len: int 
 
 @functools.lru_cache(maxsize=None)
 def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A small random model of ``model_type`` ("llama", "qwen2", "mistral", "qwen3_moe", "mixtral": 4 experts,
+    """A small random model of ``model_type`` ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral": 4 experts,
     2 per token), every weight, bias and norm scale perturbed, saved once per session (safetensors);
     ``overrides`` are config fields."""
     import transformers
@@ -51,6 +51,7 @@ def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> P
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }

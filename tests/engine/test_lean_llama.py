@@ -101,8 +101,15 @@ def _check_every_step(model: torch.nn.Module, linear_backend: str = "torch") -> 
         dict(dtype=torch.bfloat16),
         dict(config_class=transformers.Qwen2Config, model_class=transformers.Qwen2ForCausalLM),  # q/k/v biases
         dict(config_class=transformers.MistralConfig, model_class=transformers.MistralForCausalLM, sliding_window=None),
+        # per-head q/k RMSNorm, every projection biased, head_dim 32 != hidden / heads
+        dict(
+            config_class=transformers.Qwen3Config,
+            model_class=transformers.Qwen3ForCausalLM,
+            attention_bias=True,
+            head_dim=32,
+        ),
     ],
-    ids=["llama-gqa-untied", "llama-mha-tied", "llama-mqa-bias", "llama-bf16", "qwen2", "mistral-no-window"],
+    ids=["llama-gqa-untied", "llama-mha-tied", "llama-mqa-bias", "llama-bf16", "qwen2", "mistral-no-window", "qwen3"],
 )
 def test_lean_logits_equal_transformers_every_step(kwargs):
     model = _random_model(**kwargs)
@@ -159,9 +166,18 @@ class _SubclassedLlama(transformers.LlamaForCausalLM):
             "sliding_window = 8",
         ),
         (dict(model_class=_SubclassedLlama), "_SubclassedLlama is not one of"),
-        (dict(config_class=transformers.Qwen3Config, model_class=transformers.Qwen3ForCausalLM), "Qwen3ForCausalLM"),
+        (
+            dict(
+                config_class=transformers.Qwen3Config,
+                model_class=transformers.Qwen3ForCausalLM,
+                use_sliding_window=True,
+                sliding_window=8,
+                max_window_layers=1,
+            ),
+            "sliding_window = 8",
+        ),
     ],
-    ids=["rope-linear", "gelu", "mistral-window", "subclass", "qwen3"],
+    ids=["rope-linear", "gelu", "mistral-window", "subclass", "qwen3-window"],
 )
 def test_unsupported_model_refused_with_reason(kwargs, reason, caplog):
     model = _random_model(**kwargs)

@@ -29,6 +29,7 @@ CASES = {
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "mistral-no-window": ("mistral", {}),
+    "qwen3-bias": ("qwen3", dict(attention_bias=True)),
     "qwen3-moe-dense-layer": ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=(1,))),
     "mixtral": ("mixtral", {}),
 }
@@ -120,6 +121,10 @@ def test_config_defaults_and_legacy_keys_equal_auto_config(stories260k_dir, tiny
     _assert_config_equals_auto_config(
         _edited_copy(mistral, tmp_path / "mistral-defaults", bos_token_id=None, eos_token_id=None, rope_parameters=None)
     )
+    # Qwen3's head_dim defaults to 128, not hidden_size // num_attention_heads
+    qwen3 = _edited_copy(_case_dir("qwen3-bias"), tmp_path / "qwen3-defaults", head_dim=None, attention_bias=None)
+    _assert_config_equals_auto_config(qwen3)
+    assert parse_llama_config(read_config_json(qwen3))[0].head_dim == 128
     # Qwen2's and Mistral's default KV heads (32, 8) do not divide these 4 heads: refused, not guessed
     for path in (
         _edited_copy(qwen2, tmp_path / "qwen2-kv", num_key_value_heads=None),

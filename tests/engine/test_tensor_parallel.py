@@ -1,5 +1,5 @@
 """Tensor parallelism over real gloo processes (``cbrun.engine.worker.tp_group``, ``cbrun.engine.model.parallel``):
-two ranks give exactly one rank's greedy tokens on random Llama and Qwen2 checkpoints (GQA, replicated KV heads,
+two ranks give exactly one rank's greedy tokens on random Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral checkpoints (GQA, replicated KV heads,
 biases, tied and untied embeddings, a vocabulary that does not split evenly), each rank reads only its slices of
 the weights, and what a replica cannot run is refused by name before any rank starts."""
 
@@ -22,6 +22,8 @@ CASES = {
     # 1 KV head over 2 ranks: replicated; tied embeddings: the LM head is the vocab-parallel embedding
     "llama-mqa-tied": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "qwen2": ("qwen2", {}),
+    # per-head q/k RMSNorm (whole on every rank), head_dim 32 != hidden / heads
+    "qwen3": ("qwen3", dict(head_dim=32)),
 }
 
 

@@ -1,6 +1,6 @@
 """``cbrun run --tensor-parallel-size 2`` for real: the output equals one rank's, each row written once; what a
 replica cannot run is exit 2 by name; killing a rank mid-job ends the run non-zero within 60 s, its committed rows
-kept, and a rerun finishes every row once."""
+kept, and a rerun finishes every row once; killing the run itself takes its ranks with it (no orphan left)."""
 
 from __future__ import annotations
 
@@ -96,3 +96,38 @@ def test_a_killed_rank_ends_the_run_within_60_s_and_a_rerun_finishes_every_row_o
     got = rows_by_index(out)
     assert sorted(got) == list(range(num_rows))
     assert {i: got[i] for i in committed} == committed
+
+
+def _is_gone(pid: int) -> bool:
+    """The process has exited (no such pid, or a zombie its new parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_killing_the_run_ends_its_ranks(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    args = run_args(tiny_model_dir, _input(tmp_path, 150), out) + ["--tensor-parallel-size", "2"]
+    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rank = None
+    try:
+        deadline = time.monotonic() + 120
+        while not committed_parts(out):  # the ranks are serving steps
+            assert process.poll() is None and time.monotonic() < deadline, "no part was committed in time"
+            time.sleep(0.01)
+        (rank,) = _rank_pids(process.pid)
+        # a stuck rank (stopped: it cannot notice its closed connections) and a run killed outright (no atexit,
+        # no close): only the kernel's parent-death signal can end the rank
+        os.kill(rank, signal.SIGSTOP)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not _is_gone(rank):
+            assert time.monotonic() < deadline, f"rank 1 (pid {rank}) outlived the killed run"
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if rank is not None and not _is_gone(rank):  # the test failed: leave nothing behind either
+            os.kill(rank, signal.SIGKILL)

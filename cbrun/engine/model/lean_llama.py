@@ -18,7 +18,7 @@ Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
     x = rms_norm(h);  h = h + down_proj(silu(gate_proj(x)) * up_proj(x))
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` without a sliding window, ``Qwen2ForCausalLM`` without
-sliding layers, and the mixtures of experts ``Qwen3MoeForCausalLM`` (per-head q/k RMSNorm) and
+sliding layers, ``Qwen3ForCausalLM`` (per-head q/k RMSNorm) without sliding layers, and the mixtures of experts ``Qwen3MoeForCausalLM`` (per-head q/k RMSNorm) and
 ``MixtralForCausalLM``, whose MLP is ``cbrun.engine.model.moe.SparseMoE``; default RoPE only; linear biases as the checkpoint has them; tied or untied embeddings.
 ``unsupported_reason`` says why anything else is refused (``cbrun.engine.model.llama_config`` keeps the same limits for the
 transformers-free loader). Fusing q/k/v or gate/up into one matmul was measured
@@ -55,6 +55,7 @@ _SUPPORTED_CLASSES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
 )

@@ -5,7 +5,7 @@ anything whose meaning it does not reproduce exactly as transformers 5 does: ano
 not know (``quantization_config``, ``partial_rotary_factor``, ...), a RoPE type other than the default, a sliding
 window, an activation other than SiLU, a missing shape field. Refused configs load through transformers, as
 before. Defaults for keys a config may leave out are transformers 5.24's (``LlamaConfig``, ``MistralConfig``,
-``Qwen2Config``); ``tests/engine/test_safetensors_loader.py`` checks every parsed field against ``AutoConfig``.
+``Qwen2Config``, ``Qwen3Config``, ...); ``tests/engine/test_safetensors_loader.py`` checks every parsed field against ``AutoConfig``.
 
 The result answers the attribute names the engine reads from a transformers config (``num_hidden_layers``,
 ``num_key_value_heads``, ``get_text_config()``, ...), so the engine reads either kind the same way.
@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
@@ -72,6 +73,7 @@ _FAMILY_KEYS = {
     "llama": frozenset({"attention_bias", "mlp_bias"}),
     "mistral": frozenset({"sliding_window"}),
     "qwen2": frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
+    "qwen3": frozenset({"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
     "qwen3_moe": frozenset(
         {
             "attention_bias",
@@ -104,6 +106,8 @@ _DEFAULTS = {
     "llama": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": None},
     "mistral": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": 8, "sliding_window": 4096},
     "qwen2": {"bos_token_id": None, "eos_token_id": None, "num_key_value_heads": 32},
+    # Qwen3Config's head_dim defaults to 128 (not hidden_size // num_attention_heads)
+    "qwen3": {"bos_token_id": None, "eos_token_id": None, "num_key_value_heads": 32, "head_dim": 128},
     "qwen3_moe": {"bos_token_id": None, "eos_token_id": None, "num_key_value_heads": 4},
     "mixtral": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": None},
 }
@@ -121,7 +125,7 @@ class LlamaConfig:
     """The fields of a Llama-family config that the engine and ``cbrun.engine.model.lean_llama`` read.
 
     Attributes:
-        model_type: "llama", "mistral" or "qwen2" (``ARCHITECTURES``).
+        model_type: one of ``ARCHITECTURES``' keys.
         vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
             head_dim: the shapes (``head_dim`` defaults to hidden_size // num_attention_heads).
         max_position_embeddings: the model's maximum length in tokens.
@@ -132,7 +136,7 @@ class LlamaConfig:
         mlp_bias: gate/up/down projections have biases (Llama's ``mlp_bias``).
         bos_token_id, eos_token_id: as in the file (an int, a list or None), else the family's default.
         dtype: the checkpoint's dtype name ("float32", "bfloat16", "float16"), or None when the file states none.
-        qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3-MoE).
+        qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3, Qwen3-MoE).
         moe: the experts' settings of a MoE family, None for a dense one.
     """
 
@@ -170,7 +174,7 @@ class LlamaConfig:
 
     @property
     def o_bias(self) -> bool:
-        return self.model_type in ("llama", "qwen3_moe") and self.attention_bias
+        return self.model_type in ("llama", "qwen3", "qwen3_moe") and self.attention_bias
 
     def get_text_config(self) -> "LlamaConfig":
         """Itself (a transformers config's text part, for code that reads either kind)."""
@@ -210,7 +214,7 @@ def parse_llama_config(raw: dict) -> tuple[LlamaConfig | None, str | None]:
     defaults = _DEFAULTS[model_type]
     heads = raw["num_attention_heads"]
     num_kv_heads = raw.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    head_dim = raw.get("head_dim") or defaults.get("head_dim") or raw["hidden_size"] // heads
     config = LlamaConfig(
         model_type=model_type,
         vocab_size=raw["vocab_size"],
@@ -229,7 +233,7 @@ def parse_llama_config(raw: dict) -> tuple[LlamaConfig | None, str | None]:
         bos_token_id=raw.get("bos_token_id", defaults["bos_token_id"]),
         eos_token_id=raw.get("eos_token_id", defaults["eos_token_id"]),
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        qk_norm=model_type == "qwen3_moe",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         moe=_moe_config(raw, model_type),
     )
     return _checked(config)
@@ -266,7 +270,7 @@ def _unsupported_value(raw: dict, model_type: str) -> str | None:
         step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
         if isinstance(step, bool) or not isinstance(step, int) or step < 1 or not isinstance(dense, list):
             return f"decoder_sparse_step = {step!r} / mlp_only_layers = {dense!r} (a positive int and a list)"
-    if model_type in ("qwen2", "qwen3_moe"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if "head_dim" in raw and raw["head_dim"] is None:  # Qwen2's attention would take the None as its width
             return "head_dim = null"
         if raw.get("use_sliding_window"):
