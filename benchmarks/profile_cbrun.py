@@ -31,8 +31,8 @@ PHASES = {
     "upload inputs": ("model_runner.py", "_upload"),
     "model forward": ("model_runner.py", "_forward"),
     "  of which paged attention": ("attention.py", "paged_attention"),
-    "read results": ("llm_engine.py", "_resolve"),
-    "scheduler resolve": ("step_resolver.py", "resolve"),
+    "read results": ("model_runner.py", "read"),
+    "scheduler update": ("scheduler.py", "update_from_output"),
 }
 
 

@@ -23,7 +23,7 @@ from cbrun.engine.core.stop_strings import StopStringMatcher
 from cbrun.engine.model import loader
 from cbrun.engine.model.lean_llama import select_lean_model
 from cbrun.engine.outputs import RequestOutput, request_output
-from cbrun.engine.sample.step import LaunchedRows, StepSampler
+from cbrun.engine.sample.step import StepSampler
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.spec_decode.draft_proposer import DraftProposer, draft_bytes_per_block
 from cbrun.engine.structured_output.bitmask import StepBitmask
@@ -34,7 +34,6 @@ from cbrun.engine.worker.async_batching import StepHandle, use_async_batching
 from cbrun.engine.worker.device import select_device
 from cbrun.engine.worker.kv_cache import KVCache
 from cbrun.engine.worker.model_runner import ModelRunner
-from cbrun.engine.worker.step_reader import StepReader
 from cbrun.engine.worker.threads import resolve_attention_threads
 from cbrun.engine.worker.tp_worker import local_cache_shape
 
@@ -126,6 +125,9 @@ class LLMEngine:
         lean_model = select_lean_model(
             config.model_impl, model, use_graphs, max_model_len, config.linear_backend, batch_invariant
         )
+        #: Turns each step's logits into its ``StepOutput`` on their device (the model runner calls it); owns the
+        #: penalised requests' token counts.
+        self.sampler = StepSampler(model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids)
         self.model_runner = ModelRunner(
             model,
             kv_cache,
@@ -139,6 +141,7 @@ class LLMEngine:
             lean_model=lean_model,
             max_requests=config.max_requests_per_batch,
             max_batch_tokens=config.max_batch_tokens,
+            sampler=self.sampler,
         )
         #: Runs the draft model and fills each step's proposals (``speculative = "draft"``); its cache shares
         #: the block manager's block ids.
@@ -157,13 +160,9 @@ class LLMEngine:
         )
         self._draft_probs: dict[int, torch.Tensor] = {}  # this step's draft distributions of sampled requests
         self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
-        #: The step in flight (async batching): its plan, handle, and rows sampled at launch (or None).
-        self._in_flight: tuple[SchedulerOutput, StepHandle, LaunchedRows | None] | None = None
+        #: The step in flight (async batching): its plan, handle and grammar bitmask (or None).
+        self._in_flight: tuple[SchedulerOutput, StepHandle, StepBitmask | None] | None = None
         self._seed_generator = torch.Generator().manual_seed(config.seed)
-        #: Turns each step's logits into tokens on their device; owns the penalised requests' token counts.
-        self.sampler = StepSampler(
-            model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids, self.scheduler.fail_request
-        )
         #: Called by ``step`` with the request ids of the plan it launches (None: nothing is called). Lets a caller
         #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
         self.step_observer: Callable[[list], None] | None = None
@@ -171,8 +170,6 @@ class LLMEngine:
         #: wall seconds (None: nothing is called). Lets a job record its timeline (``cbrun.jobs.observe.timeline``).
         self.step_listener: Callable[[int, float], None] | None = None
         self._grammar_compiler: GrammarCompiler | None = None  # built for the first constrained request
-        #: Reads each launched step's logits and tokens into its requests' tokens (``cbrun.engine.worker.step_reader``).
-        self._reader = StepReader(self.scheduler, self.sampler, self._counters)
 
     @property
     def stats(self) -> EngineStats:
@@ -339,21 +336,18 @@ class LLMEngine:
         self.model_runner.kv_cache.zero_pages_below(self._num_touched_pages())  # pages this plan uses first
         if self.drafter is not None and plan.scheduled:
             self.drafter.zero_chunks_below(self.block_manager.pool.num_touched_chunks)
-            plan, self._draft_probs = self.drafter.propose(plan, self.scheduler.requests)
+            plan, self._draft_probs = self.drafter.propose(plan)
         if self.step_observer is not None and plan.scheduled:
-            self.step_observer([self.scheduler.requests[s.request_index].request_id for s in plan.scheduled])
-        at_launch = self._reader.rows_sampled_at_launch(plan) if plan.scheduled else None
-        if self.tp_group is not None:  # every rank executes the plan on its slice of the cache
-            self.tp_group.send_step(plan, self._num_touched_pages())
-        handle = self.model_runner.launch(
-            plan, self._in_flight[1] if self._in_flight else None, at_launch.sample if at_launch is not None else None
-        )
+            self.step_observer([s.request_id for s in plan.scheduled])
+        if self.tp_group is not None:  # every rank executes the plan on its slice of the cache (and samples nothing)
+            self.tp_group.send_step(replace(plan, sampling={}), self._num_touched_pages())
+        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
         grammar = None
         if handle is not None:
             self.scheduler.advance(plan)
             if self._grammar_compiler is not None:  # filled while the device computes the step
-                grammar = self._reader.fill_grammar_bitmask(plan, handle)
-        launched = (plan, handle, at_launch, grammar) if handle is not None else None
+                grammar = self._fill_grammar_bitmask(plan, handle)
+        launched = (plan, handle, grammar) if handle is not None else None
         if plan_tokens is not None and handle is not None:
             plan_tokens.append(plan.num_batch_tokens)
         if self.overlap_steps:  # read the step launched before this one; this one stays in flight
@@ -361,9 +355,18 @@ class LLMEngine:
         else:
             to_read = launched
         if to_read is not None:
-            finished.extend(self._resolve(*to_read))
-            finished.extend(self.scheduler.pop_finished())  # requests whose own row raised while read
+            finished.extend(self._update(*to_read))
+            finished.extend(self.scheduler.pop_finished())  # requests whose own row failed
         return [self._finish(r) for r in finished]
+
+    def _fill_grammar_bitmask(self, plan: SchedulerOutput, handle: StepHandle) -> StepBitmask | None:
+        """The launched step's grammar bitmask (``StepSampler.fill_grammar_bitmask``), its time counted."""
+        start = time.perf_counter()
+        grammar = self.sampler.fill_grammar_bitmask(plan, handle.logits)
+        if grammar is not None:
+            self._counters.num_grammar_mask_steps += 1
+            self._counters.grammar_mask_seconds += time.perf_counter() - start
+        return grammar
 
     def _wait_for_grammars(self, timeout: float = 0.05) -> None:
         """Nothing could run: block briefly until a waiting request's grammar is compiled, instead of spinning."""
@@ -371,19 +374,11 @@ class LLMEngine:
         if futures:
             self._grammar_compiler.wait_any(futures, timeout)
 
-    def _resolve(
-        self, plan: SchedulerOutput, handle: StepHandle, at_launch: LaunchedRows | None, grammar: StepBitmask | None
-    ) -> list[Request]:
-        """Read a launched step's tokens, finish the rows sampled at launch, apply its grammar bitmask, verify
-        speculative entries, record prompt log-probabilities, and advance the requests."""
-        token_ids = handle.token_ids()  # each sampling entry's token (argmax or sampled), in plan order
-        if plan.plain_greedy:
-            sampled = self._reader.read_greedy(plan, token_ids)
-        else:
-            sampled = self._reader.read_rows_of_plan(plan, handle, token_ids, self._draft_probs, grammar)
-            if at_launch is not None:
-                sampled.update(at_launch.read(token_ids, self.scheduler.requests))
-        finished = self.scheduler.resolve(plan, sampled)  # counts the committed output tokens
+    def _update(self, plan: SchedulerOutput, handle: StepHandle, grammar: StepBitmask | None) -> list[Request]:
+        """Read a launched step's ``StepOutput`` from the model runner and apply it (the scheduler's
+        ``update_from_output``); returns the requests that finished."""
+        output = self.model_runner.read(plan, handle, grammar, self._draft_probs)
+        finished = self.scheduler.update_from_output(plan, output)  # counts the committed output tokens
         self._count_step(plan)
         return finished
 
@@ -392,7 +387,7 @@ class LLMEngine:
         self._counters.num_computed_tokens += plan.num_batch_tokens
 
     def _finish(self, request: Request) -> RequestOutput:
-        self.sampler.release(request)
+        self.sampler.release(request.index)
         counters = self._counters
         counters.num_requests += 1
         if request.status is RequestStatus.FAILED:

@@ -187,17 +187,39 @@ class SamplingParams:
         logits by it would overflow; vLLM draws the same line)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    # NOTE: the row predicates below are the one definition the scheduler, the sampler's batch metadata
+    # (``cbrun.engine.sample.batch.SamplingBatch``), the bitmask and the draft read.
+    @property
+    def penalised(self) -> bool:
+        """True when a repetition, presence or frequency penalty applies (the row needs its token counts)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def filtered(self) -> bool:
+        """True for a sampled row with a top-k, top-p or min-p filter."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
     @property
     def needs_processing(self) -> bool:
         """True when the logits row needs more than a batched argmax."""
         return (
             not self.greedy
             or self.min_new_tokens > 0
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
+            or self.penalised
             or self.logprobs is not None
             or self.structured_outputs is not None
+        )
+
+    @property
+    def masked_greedy(self) -> bool:
+        """True when the row's only processing is its constraint's mask: greedy, no penalties, no
+        ``min_new_tokens``, no log-probabilities (its token is the argmax of its masked logits)."""
+        return (
+            self.structured_outputs is not None
+            and self.greedy
+            and self.min_new_tokens == 0
+            and not self.penalised
+            and self.logprobs is None
         )
 
     def replace(self, **changes) -> "SamplingParams":

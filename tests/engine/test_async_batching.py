@@ -13,7 +13,7 @@ import torch
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.core.block_manager import BlockManager
 from cbrun.engine.core.cache_spec import CacheSpec
-from cbrun.engine.core.plan import SchedulerOutput
+from cbrun.engine.core.plan import SchedulerOutput, StepOutput
 from cbrun.engine.core.request import PENDING_TOKEN, Request, RequestStatus
 from cbrun.engine.core.scheduler import FIFOScheduler
 from tests.model_utils import assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
@@ -159,7 +159,9 @@ def test_scheduler_runs_a_pending_request_only_when_its_token_can_stay_on_the_de
     # Sampled rows are drawn on the device at launch, like the argmax; a penalised row waits for its counts.
     assert [item.request_id for item in second.scheduled] == ["greedy", "sampled"]
     s.advance(second)
-    finished = s.resolve(first, {r.index: 9 for r in (greedy, sampled, penalised, last, at_limit)})
+    finished = s.update_from_output(
+        first, StepOutput({r.index: [9] for r in (greedy, sampled, penalised, last, at_limit)})
+    )
     assert {r.request_id for r in finished} == {"last", "at_limit"}  # max_new_tokens; the model's length
     assert greedy.output_token_ids == [9] and greedy.num_pending_tokens == 1
     assert sampled.output_token_ids == [9] and sampled.num_pending_tokens == 1

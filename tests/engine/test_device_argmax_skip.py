@@ -27,9 +27,9 @@ def _run(config: EngineConfig, params: list[SamplingParams], force_argmax: bool,
     engine.overlap_steps = overlap
     prepare, seen = engine.model_runner.step_inputs.prepare, []
 
-    def recording_prepare(scheduled, previous, plain_greedy=False):
-        inputs = prepare(scheduled, previous, plain_greedy)
-        plain = any(s.samples and not s.needs_host_sampling for s in scheduled)
+    def recording_prepare(plan, previous):
+        inputs = prepare(plan, previous)
+        plain = any(s.samples and not s.needs_host_sampling for s in plan.scheduled)
         seen.append((inputs.needs_argmax, plain))
         return dataclasses.replace(inputs, needs_argmax=True) if force_argmax else inputs
 

@@ -71,8 +71,9 @@ def test_runner_tables_equal_the_block_managers_at_every_step(config):
     layers = runner.layers_per_block["full"]
     prepare, checked = runner.step_inputs.prepare, []
 
-    def checking_prepare(scheduled, previous, plain_greedy=False):
-        inputs = prepare(scheduled, previous, plain_greedy)
+    def checking_prepare(plan, previous):
+        inputs = prepare(plan, previous)
+        scheduled = plan.scheduled
         tables = inputs.groups["full"].block_tables.numpy()
         for i, item in enumerate(scheduled):
             blocks = requests[item.request_index].block_table

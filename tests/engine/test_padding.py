@@ -45,7 +45,7 @@ def test_padded_slots_never_write_into_a_request_cache():
     engine.step()
     assert engine.stats.num_cuda_graph_replays == 0  # the prefill ran eagerly
     plan = engine.scheduler.schedule()
-    inputs = engine.model_runner.step_inputs.prepare(plan.scheduled, None, plan.plain_greedy)
+    inputs = engine.model_runner.step_inputs.prepare(plan, None)
     shape = inputs.shape
     assert shape is not None and shape.num_requests == 4 and shape.query_len == 1  # 3 decodes in bucket 4
     slots = inputs.groups["full"].slot_mapping

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.core.request import Request
 from cbrun.engine.sample import random_stream
 from cbrun.engine.sample.batch import SamplingRow, build_batch
@@ -19,7 +20,7 @@ def rows_of(params_list, seeds=None, outputs=None):
     for i, params in enumerate(params_list):
         request = Request(f"r{i}", [1, 2, 3], params, seed=(seeds or list(range(len(params_list))))[i])
         request.output_token_ids = list((outputs or {}).get(i, []))
-        rows.append(SamplingRow(request, []))
+        rows.append(SamplingRow(RowSampling.of(request), []))
     return rows
 
 
@@ -120,13 +121,13 @@ def test_token_counts_follow_the_output_and_a_released_row_starts_clean():
     counts = TokenCounts(VOCAB, "cpu")
     first = Request("a", [3, 4], SamplingParams(repetition_penalty=1.2))
     first.output_token_ids = [5, 5]
-    rows, seen, extra = counts.gather([first, first], [[], [6, 5]])
+    rows, seen, extra = counts.gather([RowSampling.of(first)] * 2, [[], [6, 5]])
     assert seen[:, [3, 4, 5]].all() and seen[:, 6].tolist() == [False, True]
     assert counts.counts[rows[0], 5] == 2 and extra[1, 5] == 1 and extra[0].sum() == 0
     first.output_token_ids.append(7)  # the next step counts only the new token
-    rows, seen, _ = counts.gather([first], [[]])
+    rows, seen, _ = counts.gather([RowSampling.of(first)], [[]])
     assert counts.counts[rows[0], 5] == 2 and counts.counts[rows[0], 7] == 1
     counts.release(first.index)
     second = Request("b", [9], SamplingParams(repetition_penalty=1.2))
-    rows, seen, _ = counts.gather([second], [[]])  # reuses the freed row
+    rows, seen, _ = counts.gather([RowSampling.of(second)], [[]])  # reuses the freed row
     assert seen[0].nonzero()[:, 0].tolist() == [9] and counts.counts[rows[0]].sum() == 0

@@ -5,6 +5,7 @@ positions) form one batch, so one call draws the whole sample; the test is deter
 import pytest
 import torch
 
+from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.core.request import Request
 from cbrun.engine.sample.batch import SamplingRow, build_batch
 from cbrun.engine.sample.sampler import sample
@@ -59,7 +60,7 @@ def batch_of(params: SamplingParams, extra=None):
     for i in range(NUM_DRAWS):
         request = Request(i, list(PROMPT), params, seed=1000 + i)
         request.output_token_ids = list(OUTPUT)
-        rows.append(SamplingRow(request, list(extra or [])))
+        rows.append(SamplingRow(RowSampling.of(request), list(extra or [])))
     batch = build_batch(rows, TokenCounts(VOCAB, "cpu"), frozenset(), "cpu")
     batch.positions = torch.arange(NUM_DRAWS) % 7 + len(OUTPUT)  # other positions draw other numbers too
     return batch
@@ -89,7 +90,10 @@ def test_min_p_one_keeps_only_the_top_token():
     out = sample(
         LOGITS.expand(64, VOCAB),
         build_batch(
-            [SamplingRow(Request(i, [1], SamplingParams(temperature=5.0, min_p=1.0), seed=i), []) for i in range(64)],
+            [
+                SamplingRow(RowSampling.of(Request(i, [1], SamplingParams(temperature=5.0, min_p=1.0), seed=i)), [])
+                for i in range(64)
+            ],
             TokenCounts(VOCAB, "cpu"),
             frozenset(),
             "cpu",

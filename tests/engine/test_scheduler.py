@@ -3,6 +3,7 @@
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.block_manager import BlockManager
 from cbrun.engine.core.cache_spec import CacheSpec
+from cbrun.engine.core.plan import StepOutput
 from cbrun.engine.core.request import Request, RequestStatus
 from cbrun.engine.core.scheduler import FIFOScheduler, PrefillFirstScheduler
 from cbrun.engine.sampling_params import SamplingParams
@@ -19,8 +20,8 @@ def req(name: str, n: int) -> Request:
 
 def run_step(scheduler, token=7):
     out = scheduler.schedule()
-    sampled = {s.request_index: token for s in out.scheduled if s.samples}
-    scheduler.update(out, sampled)
+    scheduler.advance(out)
+    scheduler.update_from_output(out, StepOutput({s.request_index: [token] for s in out.scheduled if s.samples}))
     return [(s.request_id, s.num_tokens) for s in out.scheduled], out
 
 

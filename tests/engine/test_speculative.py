@@ -383,6 +383,7 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
 def test_verify_step_rolls_back_rejected_slots_and_never_caches_them():
     from cbrun.engine.core.block_manager import BlockManager
     from cbrun.engine.core.cache_spec import CacheSpec
+    from cbrun.engine.core.plan import StepOutput
     from cbrun.engine.core.request import Request
     from cbrun.engine.core.scheduler import FIFOScheduler
 
@@ -396,14 +397,18 @@ def test_verify_step_rolls_back_rejected_slots_and_never_caches_them():
     scheduler.add_request(request)
     out = scheduler.schedule()  # the prefill
     assert [s.spec_token_ids for s in out.scheduled] == [()]
-    scheduler.update(out, {request.index: 7})  # output [7]: "6 7" recurs, 8 9 10 11 12 5 follow it
+    scheduler.advance(out)
+    scheduler.update_from_output(
+        out, StepOutput({request.index: [7]})
+    )  # output [7]: "6 7" recurs, 8 9 10 11 12 5 follow it
     out = scheduler.schedule()
     (item,) = out.scheduled
     assert item.spec_token_ids == (8, 9, 10, 11, 12, 5) and item.num_tokens == 7
     assert item.token_ids == [7, 8, 9, 10, 11, 12, 5] and item.start == 10 and item.num_sample_rows == 7
     assert len(request.block_table) == 5  # 17 slots: positions 0 .. 16
     # The model accepts 8 and 9, then says 3: three tokens committed, four proposals rejected.
-    scheduler.update(out, {request.index: [8, 9, 3]})
+    scheduler.advance(out)
+    scheduler.update_from_output(out, StepOutput({request.index: [8, 9, 3]}))
     assert request.output_token_ids == [7, 8, 9, 3]
     assert request.num_computed_tokens == 13  # positions 0 .. 12 (up to the accepted 9) hold valid KV
     assert len(request.block_table) == 4  # the block of positions 16.. is freed

@@ -289,7 +289,7 @@ def test_the_samplers_bitmask_kernel_equals_the_unpacked_mask():
 
 
 def test_masked_argmax_takes_the_best_allowed_token_and_leaves_bad_rows_to_the_sampler():
-    from cbrun.engine.structured_output.bitmask import masked_argmax, masked_greedy
+    from cbrun.engine.structured_output.bitmask import masked_argmax
 
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [9.0, 1.0, 0.0, 3.0], [float("nan"), 1.0, 2.0, 0.0]])
     bitmask = torch.tensor([[0b1101], [0b0000], [0b1111]], dtype=torch.int32)  # row 0: tokens 0, 2, 3
@@ -297,10 +297,10 @@ def test_masked_argmax_takes_the_best_allowed_token_and_leaves_bad_rows_to_the_s
     assert logits[0, 1] == 5.0  # a subset of the rows: the step's logits are not changed
     assert masked_argmax(logits, [0, 1, 2], bitmask) == [3, None, None]
     so = StructuredOutputsParams(choice=CHOICES)
-    assert masked_greedy(SamplingParams(structured_outputs=so))
-    assert not masked_greedy(SamplingParams(structured_outputs=so, temperature=1.0))
-    assert not masked_greedy(SamplingParams(structured_outputs=so, logprobs=1))
-    assert not masked_greedy(SamplingParams())
+    assert SamplingParams(structured_outputs=so).masked_greedy
+    assert not SamplingParams(structured_outputs=so, temperature=1.0).masked_greedy
+    assert not SamplingParams(structured_outputs=so, logprobs=1).masked_greedy
+    assert not SamplingParams().masked_greedy
 
 
 def test_special_tokens_never_match_a_grammar_that_their_text_spells(engine):
@@ -347,7 +347,7 @@ def test_the_bitmask_is_filled_at_launch_before_the_step_is_read(model_dir, monk
     engine = LLMEngine.from_pretrained(str(model_dir), CONFIG)
     engine.overlap_steps = overlap
     events = []
-    fill, token_ids = engine._reader.fill_grammar_bitmask, StepHandle.token_ids
+    fill, token_ids = engine._fill_grammar_bitmask, StepHandle.token_ids
 
     def recording_fill(plan, handle):
         step = fill(plan, handle)
@@ -358,7 +358,7 @@ def test_the_bitmask_is_filled_at_launch_before_the_step_is_read(model_dir, monk
         events.append(("read", handle, None))
         return token_ids(handle)
 
-    engine._reader.fill_grammar_bitmask = recording_fill
+    engine._fill_grammar_bitmask = recording_fill
     monkeypatch.setattr(StepHandle, "token_ids", recording_read)
     params = [SamplingParams(max_new_tokens=30, structured_outputs=StructuredOutputsParams(regex=REGEX))] * 3
     outputs = _run(engine, params)

@@ -20,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cbrun.engine.core.request import Request
+from cbrun.engine.sampling_params import SamplingParams
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -83,6 +86,105 @@ class ScheduledRequest:
         return self.start + self.num_tokens
 
 
+@dataclass(slots=True)
+class RowSampling:
+    """What the worker side needs to sample, score or verify one planned request's rows, as values (the worker
+    never reads a ``Request``; vLLM v1 sends the same per request in ``NewRequestData``).
+
+    Attributes:
+        request_index: its ``Request.index``.
+        request_id: the caller's id (for messages).
+        params: its sampling params (never changed after the request is made).
+        seed: its random stream's key.
+        prompt_token_ids: its prompt (never changed while it runs).
+        output_token_ids: its output list, read only up to ``num_output_tokens`` (the list only grows while the
+            request runs, so that prefix is what it was at planning).
+        num_output_tokens: output tokens known on the host at planning.
+        num_pending: tokens sampled on the device and not read yet at planning (0 or 1).
+        structured: its grammar state (``cbrun.engine.structured_output.request_state``), None for free text; its
+            matcher is advanced by the scheduler alone, the bitmask builder only fills masks from it.
+    """
+
+    request_index: int
+    request_id: object
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_output_tokens: int
+    num_pending: int
+    structured: object = None
+
+    @classmethod
+    def of(cls, request: Request) -> "RowSampling":
+        """The request's values as they are now (the scheduler builds them when it plans the request)."""
+        return cls(
+            request.index,
+            request.request_id,
+            request.sampling_params,
+            request.seed,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            len(request.output_token_ids),
+            request.num_pending_tokens,
+            request.structured,
+        )
+
+    @property
+    def position(self) -> int:
+        """The output position of the row's next sampled token (its random stream's counter, ``min_new_tokens``)."""
+        return self.num_output_tokens + self.num_pending
+
+    def output_tokens(self) -> list[int]:
+        """The output as known at planning."""
+        return self.output_token_ids[: self.num_output_tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class RowLayout:
+    """Where each plan entry's logit rows are, computed once per plan (``SchedulerOutput.layout``).
+
+    The step's N logit rows are, per entry in plan order, its ``prompt_logprob_positions`` rows, then its
+    ``num_sample_rows`` rows; the S sample rows are those last ones, in the same order (the step's read-back has
+    one id per sample row)::
+
+        entry:        a (prefill, 2 prompt rows)   b (decode)   c (verify, 2 proposals)
+        logit rows:   0 1 | 2                      3            4 5 6
+        sample rows:        0                      1            2 3 4
+
+    Attributes:
+        first_rows: (entries,) each entry's first logit row.
+        first_sample_rows: (entries,) each entry's first logit row that samples (``first_rows`` plus its prompt
+            rows).
+        first_samples: (entries,) each entry's first index among the sample rows.
+        num_rows, num_sample_rows: N and S.
+        sample_index_of: ``Request.index -> first_samples`` of the entries that sample.
+    """
+
+    first_rows: list[int]
+    first_sample_rows: list[int]
+    first_samples: list[int]
+    num_rows: int
+    num_sample_rows: int
+    sample_index_of: dict[int, int]
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledRequest]) -> "RowLayout":
+        first_rows, first_sample_rows, first_samples, sample_index_of = [], [], [], {}
+        row = sample = 0
+        for item in scheduled:
+            first_rows.append(row)
+            row += len(item.prompt_logprob_positions)
+            first_sample_rows.append(row)
+            first_samples.append(sample)
+            if item.samples:
+                sample_index_of[item.request_index] = sample
+                n = 1 + len(item.spec_token_ids)
+                row += n
+                sample += n
+        return cls(first_rows, first_sample_rows, first_samples, row, sample, sample_index_of)
+
+
 @dataclass
 class SchedulerOutput:
     """The plan of one step, in the order the model runner lays out the batch.
@@ -98,6 +200,8 @@ class SchedulerOutput:
         plain_greedy: every entry takes at most one sampled row, the device's argmax (no speculative proposals,
             prompt log-probabilities or host-side sampling), so the runner and the engine take their short paths.
             False is always safe (a plan built by hand).
+        sampling: ``Request.index -> RowSampling`` of each entry the worker samples on the host side, verifies or
+            scores (empty for a plain greedy plan): the only request state the worker side reads.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -106,7 +210,41 @@ class SchedulerOutput:
     num_preempted: int = 0
     released_request_indices: list[int] = field(default_factory=list)
     plain_greedy: bool = False
+    sampling: dict[int, RowSampling] = field(default_factory=dict)
+    _layout: RowLayout | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_batch_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def layout(self) -> RowLayout:
+        """The plan's logit-row layout, computed on first use and kept (``RowLayout``)."""
+        if self._layout is None:
+            self._layout = RowLayout.of(self.scheduled)
+        return self._layout
+
+
+@dataclass
+class StepOutput:
+    """What the worker side returns for one step, the only thing the scheduler's ``update_from_output`` reads (vLLM
+    v1's ``ModelRunnerOutput``), keyed by ``Request.index``.
+
+    Attributes:
+        token_ids: per sampling request, the tokens to commit in order: one, or a verify step's accepted proposals
+            then its replacement or bonus token.
+        logprobs: per request that asked, one ``{token id: log-probability}`` per token of ``token_ids``.
+        prompt_logprobs: per request scored this step, (log-probability of each next prompt token, whether it was
+            the argmax) for its ``prompt_logprob_positions``.
+        errors: per request whose own row failed, the message it fails with (it commits nothing).
+    """
+
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[list[float], list[bool]]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def fail(self, request_index: int, message: str) -> None:
+        """Record a row's error; its tokens, if any were set, are dropped (the first error wins)."""
+        self.errors.setdefault(request_index, message)
+        self.token_ids.pop(request_index, None)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from cbrun.engine.config import EngineConfig
-from cbrun.engine.core.plan import ScheduledRequest
+from cbrun.engine.core.plan import RowSampling, ScheduledRequest
 from cbrun.engine.core.request import Request
 
 
@@ -17,6 +17,7 @@ class PlanBuilder:
         self.scheduled: list[ScheduledRequest] = []
         self._indices: set[int] = set()  # ``Request.index`` of the planned requests
         self.plain_greedy = True  # ``SchedulerOutput.plain_greedy``
+        self.sampling: dict[int, RowSampling] = {}  # ``SchedulerOutput.sampling``
 
     def fit(self, num_tokens: int) -> int:
         """How many of ``num_tokens`` fit the remaining budgets (0 when none or no request slot)."""
@@ -39,8 +40,9 @@ class PlanBuilder:
                 (re)joining the batch: its whole tables go in the plan).
         """
         entry = _plan_entry(request, num_tokens, spec_token_ids, block_start, sliding_start)
-        if self.plain_greedy and (spec_token_ids or entry.needs_host_sampling or entry.prompt_logprob_positions):
+        if spec_token_ids or entry.needs_host_sampling or entry.prompt_logprob_positions:
             self.plain_greedy = False
+            self.sampling[request.index] = RowSampling.of(request)
         self.scheduled.append(entry)
         self._indices.add(request.index)
         self.token_budget -= num_tokens

@@ -8,16 +8,16 @@ from collections import deque
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.block_manager import BlockManager
 from cbrun.engine.core.cache_spec import cdiv
-from cbrun.engine.core.plan import SchedulerOutput
+from cbrun.engine.core.faults import is_request_fault, request_error_message
+from cbrun.engine.core.plan import ScheduledRequest, SchedulerOutput, StepOutput
 from cbrun.engine.core.plan_builder import PlanBuilder
 from cbrun.engine.core.request import Request, RequestStatus
-from cbrun.engine.core.step_resolver import StepResolver
-from cbrun.engine.core.stop_check import StopConditions
+from cbrun.engine.core.stop_check import Stop, StopConditions, check_stop
 from cbrun.engine.core.stop_strings import StopStringMatcher
 from cbrun.engine.spec_decode.speculative import Speculator
 
 
-class FIFOScheduler(StepResolver):
+class FIFOScheduler:
     """Decodes first, then running prefills, then new requests in arrival order (transformers' FIFO scheduler).
 
     Each step is planned under ``max_batch_tokens`` and ``max_requests_per_batch``. A prompt that does not fit the
@@ -32,13 +32,16 @@ class FIFOScheduler(StepResolver):
     prompt and generated tokens recomputed on readmission; its seed and token counts are kept). Either way
     it is requeued at the front of ``waiting``.
 
-    The scheduler alone changes a request's status, its tokens (``output_token_ids``, ``num_computed_tokens``,
-    ``num_pending_tokens``) and its finish fields, and moves requests between ``waiting`` and ``running``; after
-    each appended token it runs the stop check (``cbrun.engine.core.stop_check``), as vLLM's ``update_from_output`` does.
+    The scheduler alone writes a request (the block manager its tables): its status, its tokens
+    (``output_token_ids``, ``num_computed_tokens``, ``num_pending_tokens``), their log-probabilities, its prompt
+    log-probabilities and its finish fields, and it moves requests between ``waiting`` and ``running``. A step has
+    two halves here: ``schedule`` plans it; ``advance`` moves the planned requests past it once it is launched, and
+    ``update_from_output`` applies the worker's ``StepOutput`` once it is read, each token through the stop check
+    (``cbrun.engine.core.stop_check``), as vLLM v1's ``Scheduler.update_from_output`` does.
 
     With speculative decoding on (``config.speculative``), a request in steady decode gets proposals
-    from its ``Speculator`` and is planned with ``1 + k`` tokens under the same budgets; ``resolve`` commits the
-    accepted tokens one at a time through the stop check and rolls the rejected ones' slots back.
+    from its ``Speculator`` and is planned with ``1 + k`` tokens under the same budgets; the scheduler commits the
+    accepted tokens one at a time through the stop check and rolls the rejected ones' slots back (``update_from_output``).
 
     Args:
         config: the engine settings (budgets, safety margin).
@@ -64,7 +67,7 @@ class FIFOScheduler(StepResolver):
         self.running: list[Request] = []
         #: Unfinished requests (waiting or running) by ``Request.index``.
         self.requests: dict[int, Request] = {}
-        self._finished_unplanned: list[Request] = []  # finished outside ``resolve``: rejected or failed
+        self._finished_unplanned: list[Request] = []  # failed or rejected: returned by ``pop_finished``
         self._released: list[int] = []  # ``Request.index`` of requests that left ``running`` since the last plan
         self.num_soft_resets = 0
         self.num_offloads = 0  # swaps to CPU
@@ -92,7 +95,8 @@ class FIFOScheduler(StepResolver):
             self.waiting.append(request)
 
     def pop_finished(self) -> list[Request]:
-        """The requests that finished outside ``resolve`` since the last call (rejected or failed), in order."""
+        """The requests that failed or were rejected since the last call (not returned by ``update_from_output``),
+        in order."""
         finished, self._finished_unplanned = self._finished_unplanned, []
         return finished
 
@@ -122,6 +126,7 @@ class FIFOScheduler(StepResolver):
         self._schedule_phases(plan, out)
         out.scheduled = plan.scheduled
         out.plain_greedy = plan.plain_greedy
+        out.sampling = plan.sampling
         out.released_request_indices, self._released = self._released, []
         return out
 
@@ -296,7 +301,7 @@ class FIFOScheduler(StepResolver):
         if not request.num_pending_tokens:
             return True
         params = request.sampling_params
-        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        if params.penalised:
             return False
         if request.structured is not None:  # its next mask needs its matcher past that token, on the host
             return False
@@ -318,6 +323,130 @@ class FIFOScheduler(StepResolver):
             f"but the whole cache has {bm.num_blocks}; raise engine.num_blocks or max_memory_percent, "
             f"or shorten the prompt / max_new_tokens"
         )
+
+    # ---- after the forward pass -------------------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """Move the planned requests past this step once it is launched, before its tokens are read.
+
+        Each request counts its computed tokens; a request that samples gets one pending token, so the next
+        plan can schedule its decode while this step's token is still on the device (async batching).
+        """
+        requests, decoding = self.requests, RequestStatus.DECODING
+        for item in out.scheduled:
+            request = requests[item.request_index]
+            request.num_computed_tokens += item.num_tokens
+            if item.samples:
+                request.num_pending_tokens += 1
+                request.status = decoding
+
+    def update_from_output(self, out: SchedulerOutput, output: StepOutput) -> list[Request]:
+        """Apply a launched step's ``StepOutput``: fail the rows that failed, record prompt log-probabilities, turn
+        pending tokens into known ones and finish the requests that stop.
+
+        A verify step (an entry with ``spec_token_ids``) commits its accepted tokens and bonus token one at a
+        time, each through the stop check, so a stop inside the run cuts exactly where plain decoding would (the
+        log-probabilities are kept for the committed tokens only); the slots of the rejected proposals are rolled
+        back (``num_computed_tokens``, and blocks past it freed).
+
+        Args:
+            out: the step's plan (already ``advance``d).
+            output: the worker's results; every planned request that sampled has tokens or an error.
+
+        Returns:
+            The requests that finished (their blocks are already free); those that failed come back from
+            ``pop_finished``. A request that finished in an earlier step but was planned again before that was
+            known is skipped: its extra token is dropped.
+        """
+        self.discard(out)
+        requests = self.requests
+        for index, message in output.errors.items():
+            request = requests.get(index)
+            if request is not None:
+                self.fail_request(request, message)
+        for index, (logprobs, greedy) in output.prompt_logprobs.items():
+            request = requests.get(index)
+            if request is not None:
+                request.prompt_logprobs.extend(logprobs)
+                request.prompt_greedy.extend(greedy)
+        finished = []
+        all_logprobs = output.logprobs
+        for item in out.scheduled:
+            if not item.samples:
+                continue
+            request = requests.get(item.request_index)
+            if request is None:  # finished or failed since this step was planned
+                continue
+            request.num_pending_tokens -= 1
+            tokens = output.token_ids[request.index]
+            if item.spec_token_ids:
+                self._roll_back_rejected(request, item, num_accepted=len(tokens) - 1)
+            if self._commit(request, tokens, all_logprobs.get(request.index) if all_logprobs else None):
+                finished.append(request)
+            elif item.spec_token_ids and request.status is RequestStatus.DECODING:
+                self.block_manager.trim(request)
+        return finished
+
+    def _commit(self, request: Request, tokens: list[int], logprobs: list[dict[int, float]] | None) -> bool:
+        """Append tokens (and their log-probabilities) one at a time, each through the stop check; True when the
+        request finished."""
+        counts = request.sampling_params.max_new_tokens > 0
+        for i, token in enumerate(tokens):
+            if request.structured is not None and counts and not request.structured.accept(token):
+                self.fail_request(
+                    request,
+                    f"structured outputs: token {token} is not allowed by the constraint "
+                    "(the sampler's mask was not applied)",
+                )
+                return False
+            request.output_token_ids.append(token)
+            if logprobs is not None:
+                request.logprobs.append(logprobs[i])
+            self.num_generated_tokens += counts
+            if request.first_token_time is None:
+                request.first_token_time = time.perf_counter()
+            try:
+                stop = check_stop(request, self.stop_conditions)
+            except Exception as error:  # e.g. the tokenizer cannot decode the output for its stop strings
+                if not is_request_fault(error):
+                    raise
+                self.fail_request(request, request_error_message("stop check", error))
+                return False
+            if stop is not None:
+                self._finish(request, stop)
+                return True
+        return False
+
+    def _roll_back_rejected(self, request: Request, item: ScheduledRequest, num_accepted: int) -> None:
+        """Forget the KV of the proposals after the accepted ones: it was computed from rejected tokens."""
+        num_proposed = len(item.spec_token_ids)
+        request.num_computed_tokens -= num_proposed - num_accepted
+        self.speculator.record(request, num_proposed, num_accepted)
+
+    def discard(self, out: SchedulerOutput) -> None:
+        """Free the CPU slots a launched plan swapped in from (its copies ran); ``update_from_output`` calls it,
+        and the engine for a plan in flight whose results it drops."""
+        if out.swap_in:
+            self.block_manager.free_swap_slots([slot for slot, _ in out.swap_in])
+
+    def _finish(self, request: Request, stop: Stop) -> None:
+        # A request preempted while its last token was in flight may sit in ``waiting`` (even swapped out).
+        if request in self.running:
+            self.running.remove(request)
+            self._released.append(request.index)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+            if request.cpu_pages:
+                self.block_manager.release_swap_slots(request)
+        self.requests.pop(request.index, None)
+        self.block_manager.free(request)
+        request.num_pending_tokens = 0  # a token planned after this one is never read
+        del request.output_token_ids[stop.num_output_tokens :]  # a stop string cut the output, or an echo-only run
+        del request.logprobs[stop.num_output_tokens :]
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = stop.finish_reason
+        request.stop_reason = stop.stop_reason
+        request.output_text = stop.output_text
+        request.finish_time = time.perf_counter()
 
     def fail_request(self, request: Request, message: str) -> None:
         """Fail one unfinished request whose own row raised during a step; the others go on.

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.core.request import Request
+from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.sample import random_stream
 from cbrun.engine.sample.filters import FilterHints
 from cbrun.engine.sample.token_counts import TokenCounts
@@ -15,20 +15,19 @@ from cbrun.engine.worker.device import to_device
 
 @dataclass
 class SamplingRow:
-    """One logits row to sample: its request and the tokens counted as output after the request's own.
+    """One logits row to sample: its request's sampling values and the tokens counted as output after its own.
 
-    ``extra_tokens`` are a verify step's proposals before this position (or a draft's earlier proposals);
-    ``pending`` the tokens sampled on the device but not read yet (async batching; never for a penalised row). The
-    row's token is output position ``len(request.output_token_ids) + pending + len(extra_tokens)``.
+    ``extra_tokens`` are a verify step's proposals before this position (or a draft's earlier proposals). The
+    row's token is output position ``request.position + len(extra_tokens)`` (``request.num_pending`` counts the
+    tokens sampled on the device but not read yet: async batching; never for a penalised row).
     """
 
-    request: Request
+    request: RowSampling
     extra_tokens: list[int]
-    pending: int = 0
 
     @property
     def position(self) -> int:
-        return len(self.request.output_token_ids) + self.pending + len(self.extra_tokens)
+        return self.request.position + len(self.extra_tokens)
 
 
 @dataclass
@@ -91,11 +90,9 @@ def build_batch(
         eos_token_ids: the model's EOS ids (masked with the stop tokens while ``min_new_tokens`` is unmet).
         device: the logits' device.
     """
-    params = [row.request.sampling_params for row in rows]
+    params = [row.request.params for row in rows]
     greedy = [p.greedy for p in params]
-    penalised = [
-        i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-    ]
+    penalised = [i for i, p in enumerate(params) if p.penalised]
     count_rows = seen = extra_counts = None
     if penalised:
         count_rows, seen, extra_counts = token_counts.gather(
@@ -138,7 +135,7 @@ def build_batch(
         processed_logprobs=[p.logprobs_mode == "processed_logprobs" for p in params],
         greedy_rows=greedy,
         any_sampled=any_sampled,
-        any_filtered=any(not g and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for g, p in zip(greedy, params)),
+        any_filtered=any(p.filtered for p in params),
         filter_hints=FilterHints.of(
             [p.top_k for p in sampled], [p.top_p for p in sampled], [p.min_p for p in sampled], token_counts.vocab_size
         ),

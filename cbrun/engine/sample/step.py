@@ -1,13 +1,17 @@
-"""A step's reading of its logits: every sampled row, verified position and prompt row in a few batched calls.
+"""A step's logits to its ``StepOutput``: every sampled row, verified position and prompt row in a few batched calls.
 
-``StepSampler`` is what the engine calls once per step. It gathers the rows that need more than the device's
-argmax, builds their settings (``batch.build_batch``), runs ``sampler.sample`` and ``speculative_rule.verify`` on
-the logits' device, and reads back only tokens, error codes and the log-probabilities asked for. A row that cannot
-give a token fails alone (its error code). Rows that sample one token are sampled when the step is launched
-(``sample_on_device``), so their tokens stay on the device for the next step (async batching), and are finished
-when the step is read (``read_launched``); verify entries are read with the step (``verify_entries``). Should a batched call raise an exception of the request's own kind
-(``cbrun.engine.core.faults.is_request_fault``), its rows are redone one at a time, so only the rows that raise alone fail:
-a row's result does not depend on its batch, so the others are unchanged.
+``StepSampler`` is the worker side's read of a step (vLLM v1's sampler plus the half of ``execute_model`` that
+builds ``ModelRunnerOutput``). It takes the plan, whose ``RowLayout`` says where each entry's rows are and whose
+``RowSampling`` values say how to sample them, and returns one ``StepOutput``: per request index the tokens to
+commit, their log-probabilities, prompt log-probabilities, or the error its row failed with. It never reads or
+writes a ``Request`` and calls nothing back: the scheduler's ``update_from_output`` applies the value.
+
+Rows that sample one token are sampled when the step is launched (``launch_rows`` / ``sample_at_launch``, called
+by the model runner), so their tokens stay on the device for the next step (async batching) and come back in the
+step's one read-back with each failed row's error code folded in; constrained rows (their bitmask needs the
+matcher past the previous token), verify entries and prompt rows are read with the step (``read``). Should a
+batched call raise an exception of the request's own kind (``cbrun.engine.core.faults.is_request_fault``), its
+rows are redone one at a time, so only the rows that raise alone fail: a row's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -18,51 +22,38 @@ from dataclasses import dataclass
 import torch
 
 from cbrun.engine.core.faults import SamplingError, is_request_fault, request_error_message
-from cbrun.engine.core.request import Request
+from cbrun.engine.core.plan import RowSampling, SchedulerOutput, StepOutput
 from cbrun.engine.sample.batch import SamplingRow, build_batch
 from cbrun.engine.sample.sampler import SamplerOutput, sample
 from cbrun.engine.sample.token_counts import TokenCounts
+from cbrun.engine.spec_decode.speculative import accept_greedy
 from cbrun.engine.spec_decode.speculative_rule import verify
+from cbrun.engine.structured_output.bitmask import StepBitmask, build_step_bitmask, masked_argmax
+from cbrun.engine.worker.async_batching import StepHandle
 from cbrun.engine.worker.device import to_device
+
+#: Bytes of float32 scratch one chunk of prompt log-probability rows may use (its copy and its log-softmax): a
+#: scoring step's rows are scored this many at a time, so the scratch never grows with the step's rows.
+PROMPT_LOGPROB_CHUNK_BYTES = 64 * 2**20
+
+BLOCKED_MESSAGE = (
+    "structured outputs: the constraint allows no token here (the tokenizer cannot express its next character)"
+)
 
 
 @dataclass
-class LaunchedSample:
-    """Rows sampled when their step was launched; read with the step (``StepSampler.read_launched``).
-
-    ``results``: per request, (error message or None, log-probabilities or None), filled when first read;
-    ``output``: the device-side results, or None when the batched call raised and rows were redone alone.
-    """
-
-    requests: list[Request]
-    output: SamplerOutput | None
-    results: list[tuple[str | None, dict[int, float] | None]] | None = None
-
-
 class LaunchedRows:
-    """A plan's rows sampled at launch: the requests, their logit rows and their rows of the step's tokens.
+    """A plan's rows sampled at launch: their sampling values, logit rows and rows of the step's read-back.
 
-    ``sample`` is what the model runner calls on the device (``ModelRunner.launch``); ``read`` finishes the rows
-    once the step's tokens are back.
+    ``output``: the device-side results once sampled, None when the batched call raised and the rows were redone
+    alone (``results`` then holds each row's (error message or None, log-probabilities or None)).
     """
 
-    def __init__(self, sampler: StepSampler) -> None:
-        self.sampler = sampler
-        self.requests: list[Request] = []
-        self.logit_rows: list[int] = []
-        self.sample_rows: list[int] = []
-        self.launched: LaunchedSample | None = None
-
-    def sample(self, logits: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-        """The step's read-back: ``argmax`` (S,) with the sampled rows replaced, a failed row's id negative (its
-        error code, ``processing.encode_errors``), so the one copy of the step's tokens brings the errors too."""
-        tokens, self.launched = self.sampler.sample_on_device(logits, self.requests, self.logit_rows)
-        argmax[to_device(self.sample_rows, torch.int64, argmax.device)] = tokens
-        return argmax
-
-    def read(self, token_ids: list[int], unfinished: dict[int, Request]) -> dict[int, int]:
-        """``Request.index -> token`` of the unfinished, not failed rows (``StepSampler.read_launched``)."""
-        return self.sampler.read_launched(self.launched, [token_ids[i] for i in self.sample_rows], unfinished)
+    rows: list[RowSampling]
+    logit_rows: list[int]
+    sample_rows: list[int]
+    output: SamplerOutput | None = None
+    results: list[tuple[str | None, dict[int, float] | None]] | None = None
 
 
 @dataclass
@@ -70,14 +61,14 @@ class VerifyEntry:
     """A sampled or host-processed request's verify entry: its logit rows start at ``first_row`` (one per
     proposal, then the bonus row); ``draft_probs`` is the draft's (proposals, V) q, None for n-gram proposals."""
 
-    request: Request
+    values: RowSampling
     proposals: list[int]
     first_row: int
     draft_probs: torch.Tensor | None
 
 
 class StepSampler:
-    """Owns the penalised requests' token counts (``TokenCounts``) and turns a step's logits into tokens.
+    """Owns the penalised requests' token counts (``TokenCounts``) and turns a step's logits into its ``StepOutput``.
 
     Every call runs in inference mode, at launch (inside the model runner's) or when a step is read, so the
     counts are always inference tensors updated in inference mode.
@@ -86,184 +77,258 @@ class StepSampler:
         vocab_size: V.
         device: the logits' device.
         eos_token_ids: the model's EOS ids.
-        fail: called with (request, message) for a request whose own row failed.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        device: torch.device | str,
-        eos_token_ids: frozenset[int],
-        fail: Callable[[Request, str], None],
-    ) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int]) -> None:
         self.token_counts = TokenCounts(vocab_size, device)
+        self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.fail = fail
 
-    def release(self, request: Request) -> None:
+    def release(self, request_index: int) -> None:
         """Forget a finished request's counts."""
-        self.token_counts.release(request.index)
+        self.token_counts.release(request_index)
 
     def release_all(self) -> None:
         self.token_counts.release_all()
 
+    # ---- at launch ------------------------------------------------------------------------------------------
+    def launch_rows(self, plan: SchedulerOutput) -> LaunchedRows | None:
+        """The plan's entries that sample one token through the sampler (not the plain argmax, not a verify entry,
+        not a constrained one), with their logit rows and read-back rows; None when there are none."""
+        if plan.plain_greedy:
+            return None
+        layout, sampling = plan.layout, plan.sampling
+        launched = LaunchedRows([], [], [])
+        for i, item in enumerate(plan.scheduled):
+            if not (item.samples and item.needs_host_sampling) or item.spec_token_ids:
+                continue
+            values = sampling[item.request_index]
+            # NOTE: a constrained row is sampled when the step is read, after its bitmask is built from its matcher
+            if values.structured is None:
+                launched.rows.append(values)
+                launched.logit_rows.append(layout.first_sample_rows[i])
+                launched.sample_rows.append(layout.first_samples[i])
+        return launched if launched.rows else None
+
     @torch.inference_mode()
-    def sample_on_device(
-        self, logits: torch.Tensor, requests: list[Request], rows: list[int], token_bitmask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, LaunchedSample]:
-        """Sample the rows as the step is launched, leaving the tokens on the device (async batching feeds them to
-        the next step as the device argmax is fed).
+    def sample_at_launch(self, logits: torch.Tensor, argmax: torch.Tensor, launched: LaunchedRows) -> torch.Tensor:
+        """The step's read-back: ``argmax`` (S,) with the launched rows replaced by their samples, a failed row's id
+        negative (its error code, ``processing.encode_errors``), so the one copy of the step's tokens brings the
+        errors too. The tokens stay on the device (async batching feeds them to the next step like the argmax).
 
         Args:
-            logits: (N, V) the step's logits; requests: the requests to sample (their unread tokens counted in
-                their positions); rows: their rows of ``logits``.
-            token_bitmask: (len(rows), ceil(V / 32)) int32 in xgrammar's layout, or None (``sampler.process``).
-
-        Returns:
-            ((len(rows),) int64 tokens on the device, a failed row's negative (``SamplerOutput.readback``), what
-            ``read_launched`` reads once the step is done).
+            logits: (N, V) the step's logits.
+            argmax: (S,) int64, the step's argmax of its sample rows (changed in place).
+            launched: from ``launch_rows``; its ``output`` (or ``results``) is filled for ``read``.
         """
-        batch_rows = [SamplingRow(r, [], r.num_pending_tokens) for r in requests]
-        index = to_device(rows, torch.int64, logits.device)
+        rows = launched.rows
+        index = to_device(launched.logit_rows, torch.int64, logits.device)
         try:
-            batch = build_batch(batch_rows, self.token_counts, self.eos_token_ids, logits.device)
-            out = sample(logits[index], batch, token_bitmask, in_place=True)  # the index made a copy
-            return out.readback(), LaunchedSample(requests, out)
+            batch = build_batch(
+                [SamplingRow(r, []) for r in rows], self.token_counts, self.eos_token_ids, logits.device
+            )
+            launched.output = sample(logits[index], batch, in_place=True)  # the index made a copy
+            tokens = launched.output.readback()
         except Exception as error:
             if not is_request_fault(error):
                 raise
-        results = self._isolated(
-            lambda at: self._sample(logits, requests, rows, at, token_bitmask), requests, fail=False
-        )
-        tokens = [r[0] if r is not None and not isinstance(r, Exception) else 0 for r in results]
-        launched = LaunchedSample(requests, None, [_launched_result(r) for r in results])
-        return torch.tensor(tokens, dtype=torch.int64, device=logits.device), launched
+            results = self._isolated(lambda at: self._sample(logits, rows, launched.logit_rows, at, None), len(rows))
+            launched.results = [_launched_result(r) for r in results]
+            ids = [r[0] if not isinstance(r, Exception) else 0 for r in results]
+            tokens = torch.tensor(ids, dtype=torch.int64, device=logits.device)
+        argmax[to_device(launched.sample_rows, torch.int64, argmax.device)] = tokens
+        return argmax
 
+    def fill_grammar_bitmask(self, plan: SchedulerOutput, logits: torch.Tensor) -> StepBitmask | None:
+        """The launched step's token bitmask, uploaded to the logits' device: (N logit rows, ceil(V / 32)) int32,
+        every token allowed in unconstrained rows; None when no planned request is constrained.
+
+        Called right after the step is launched: the requests' matchers are already past their previous token
+        (a constrained request never runs with a token still pending), and on a GPU the host fills the masks
+        while the device computes the forward pass (the upload is from pinned memory, so it does not wait). The
+        sampler applies it when the step is read, to every row in the same pass.
+        """
+        if plan.plain_greedy:  # a constrained request is never a plain greedy entry
+            return None
+        step = build_step_bitmask(plan, logits.shape[-1], logits.device.type == "cuda")
+        if step is not None:
+            step.on_device = step.bitmask.to(logits.device, non_blocking=True)
+        return step
+
+    # ---- when the step is read ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def read_launched(
-        self, launched: LaunchedSample, tokens: list[int], unfinished: dict[int, Request]
-    ) -> dict[int, int]:
-        """Finish rows sampled at launch: fail those that failed, append log-probabilities.
+    def read(
+        self,
+        plan: SchedulerOutput,
+        handle: StepHandle,
+        grammar: StepBitmask | None = None,
+        draft_probs: dict[int, torch.Tensor] | None = None,
+    ) -> StepOutput:
+        """The step's ``StepOutput``: its read-back (the one copy of its tokens), then the rows read with the step.
 
         Args:
-            launched: from ``sample_on_device``.
-            tokens: the rows' tokens as read back with the step (a failed row's negative: its error code).
-            unfinished: the engine's unfinished requests by ``Request.index`` (a request that finished while the
-                step was in flight is skipped: its token is dropped).
-
-        Returns:
-            ``Request.index -> token`` of the requests that did not fail and are still unfinished.
+            plan: the launched plan.
+            handle: its handle (``ModelRunner.launch``); ``handle.launched`` its rows sampled at launch.
+            grammar: its token bitmask (``fill_grammar_bitmask``), or None.
+            draft_probs: this step's draft distributions of sampled verify entries, by ``Request.index``.
         """
+        token_ids = handle.token_ids()  # each sample row's token (argmax or sampled), in plan order
+        out = StepOutput()
+        layout = plan.layout
+        if plan.plain_greedy:
+            sampled = out.token_ids
+            for item, at in zip(plan.scheduled, layout.first_samples):
+                if item.samples:
+                    sampled[item.request_index] = [token_ids[at]]
+            return out
+        if grammar is not None:
+            for index in grammar.blocked:
+                out.fail(index, BLOCKED_MESSAGE)
+        prompt_rows: list[tuple[RowSampling, int, range]] = []
+        constrained: list[tuple[RowSampling, int]] = []  # (values, logit row), sampled now with the bitmask
+        to_verify: list[VerifyEntry] = []
+        for i, item in enumerate(plan.scheduled):
+            index = item.request_index
+            positions = item.prompt_logprob_positions
+            if positions:
+                prompt_rows.append((plan.sampling[index], layout.first_rows[i], positions))
+            if not item.samples or index in out.errors:
+                continue
+            first, at = layout.first_sample_rows[i], layout.first_samples[i]
+            if item.spec_token_ids and item.needs_host_sampling:
+                probs = draft_probs.get(index) if draft_probs else None
+                to_verify.append(VerifyEntry(plan.sampling[index], list(item.spec_token_ids), first, probs))
+            elif item.spec_token_ids:
+                out.token_ids[index] = accept_greedy(item.spec_token_ids, token_ids[at : at + item.num_sample_rows])
+            elif item.needs_host_sampling and plan.sampling[index].structured is not None:
+                constrained.append((plan.sampling[index], first))
+            elif not item.needs_host_sampling:  # plain greedy: the device's argmax
+                out.token_ids[index] = [token_ids[at]]
+        if handle.launched is not None:
+            self._read_launched(handle.launched, token_ids, out)
+        if prompt_rows:
+            self._prompt_logprobs(prompt_rows, handle.logits, out)
+        bitmask = grammar.on_device if grammar is not None else None
+        if constrained:
+            self._sample_constrained(handle.logits, bitmask, constrained, out)
+        if to_verify:
+            self._verify_entries(handle.logits, to_verify, bitmask, out)
+        return out
+
+    def _read_launched(self, launched: LaunchedRows, token_ids: list[int], out: StepOutput) -> None:
+        """Rows sampled at launch: their read-back tokens, errors and log-probabilities into ``out``."""
+        tokens = [token_ids[i] for i in launched.sample_rows]
         if launched.results is None:
             _, errors, logprobs = launched.output.to_host(tokens)
             launched.results = [_launched_result((None, error, lp)) for error, lp in zip(errors, logprobs)]
-        sampled: dict[int, int] = {}
-        for request, token, (error, logprobs) in zip(launched.requests, tokens, launched.results):
-            if request.index not in unfinished:
-                continue
-            if error is not None:
-                self.fail(request, error)
-                continue
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
-            sampled[request.index] = token
-        return sampled
+        for values, token, (error, logprobs) in zip(launched.rows, tokens, launched.results):
+            _put(out, values, error, [token], None if logprobs is None else [logprobs])
 
-    @torch.inference_mode()
-    def sample_rows(
-        self, logits: torch.Tensor, requests: list[Request], rows: list[int], token_bitmask: torch.Tensor | None = None
-    ) -> dict[int, int]:
-        """One token for each request, from its logit row, when the step is read (constrained rows, whose
-        bitmask needs their matcher past the previous token).
-
-        Args:
-            logits: (N, V) the step's logits on the device.
-            requests: the requests to sample; rows: their rows of ``logits``.
-            token_bitmask: (len(rows), ceil(V / 32)) int32 or None (``sampler.process``).
-
-        Returns:
-            ``Request.index -> token`` of the requests that did not fail; log-probabilities are appended to
-            ``Request.logprobs``.
-        """
-        if not requests:
-            return {}
-        results = self._isolated(lambda at: self._sample(logits, requests, rows, at, token_bitmask), requests)
-        sampled = {}
-        for request, result in zip(requests, results):
-            if result is None:
+    def _sample_constrained(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[RowSampling, int]], out: StepOutput
+    ) -> None:
+        """Constrained rows: the greedy ones whose only processing is the mask by ``masked_argmax`` (one batched
+        op), the others through the sampler with their mask rows. A row whose masked logits hold NaN or nothing
+        goes to the sampler too, so its error is the sampler's."""
+        fast = [j for j, (values, _) in enumerate(rows) if values.params.masked_greedy]
+        done = set()
+        if fast:
+            tokens = masked_argmax(logits, [rows[j][1] for j in fast], bitmask)
+            for j, token in zip(fast, tokens):
+                if token is not None:
+                    out.token_ids[rows[j][0].request_index] = [token]
+                    done.add(j)
+        rest = [rows[j] for j in range(len(rows)) if j not in done]
+        if not rest:
+            return
+        values = [v for v, _ in rest]
+        logit_rows = [row for _, row in rest]
+        mask = bitmask[to_device(logit_rows, torch.int64, bitmask.device)]
+        results = self._isolated(lambda at: self._sample(logits, values, logit_rows, at, mask), len(values))
+        for value, result in zip(values, results):
+            if isinstance(result, Exception):
+                out.fail(value.request_index, request_error_message("sampling", result))
                 continue
             token, error, logprobs = result
-            if error is not None:
-                self.fail(request, request_error_message("sampling", SamplingError(error)))
-                continue
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
-            sampled[request.index] = token
-        return sampled
+            message = request_error_message("sampling", SamplingError(error)) if error is not None else None
+            _put(out, value, message, [token], None if logprobs is None else [logprobs])
 
-    @torch.inference_mode()
-    def verify_entries(
-        self, logits: torch.Tensor, entries: list[VerifyEntry], token_bitmask: torch.Tensor | None = None
-    ) -> dict[int, list[int]]:
-        """The tokens each verify entry commits: its accepted proposals, then a replacement or the bonus token.
-
-        Args:
-            logits: (N, V) the step's logits on the device.
-            entries: the verify entries; their rows of ``logits`` start at ``first_row``.
-            token_bitmask: (N, ceil(V / 32)) int32 over the step's logit rows (a mask per verified position), on
-                the logits' device, or None (``sampler.process``).
-
-        Returns:
-            ``Request.index -> tokens`` of the requests that did not fail (their log-probabilities appended).
-        """
-        if not entries:
-            return {}
-        results = self._isolated(
-            lambda at: self._verify(logits, [entries[i] for i in at], token_bitmask),
-            [entry.request for entry in entries],
-        )
-        committed = {}
+    def _verify_entries(
+        self, logits: torch.Tensor, entries: list[VerifyEntry], bitmask: torch.Tensor | None, out: StepOutput
+    ) -> None:
+        """The tokens each verify entry commits: its accepted proposals, then a replacement or the bonus token."""
+        results = self._isolated(lambda at: self._verify(logits, [entries[i] for i in at], bitmask), len(entries))
         for entry, result in zip(entries, results):
-            if result is None:
+            if isinstance(result, Exception):
+                out.fail(entry.values.request_index, request_error_message("sampling", result))
                 continue
             tokens, error, logprobs = result
-            if error is not None:
-                self.fail(entry.request, request_error_message("sampling", SamplingError(error)))
-                continue
-            if entry.request.sampling_params.logprobs is not None:
-                entry.request.logprobs.extend(logprobs)
-            committed[entry.request.index] = tokens
-        return committed
+            message = request_error_message("sampling", SamplingError(error)) if error is not None else None
+            _put(out, entry.values, message, tokens, logprobs if entry.values.params.logprobs is not None else None)
 
-    def _isolated(self, run: Callable[[list[int]], list], requests: list[Request], fail: bool = True) -> list:
-        """``run`` over all items at once; on a request fault, over each alone. An item that raises alone fails
-        now (its result None), or with ``fail`` False its result is the exception, to fail it later."""
+    def _prompt_logprobs(
+        self, entries: list[tuple[RowSampling, int, range]], logits: torch.Tensor, out: StepOutput
+    ) -> None:
+        """Log-probability of each next prompt token, and whether it was the argmax, for every entry of the step.
+
+        The rows are scored a chunk at a time (``PROMPT_LOGPROB_CHUNK_BYTES`` of float32 scratch): per chunk one
+        copy to float32, one ``log_softmax``, a gather and an argmax, so only (rows,) results are kept, never a
+        second (rows, V) tensor; the results come back in one copy.
+
+        Args:
+            entries: (values, its first row in ``logits``, its prompt positions); logits: (N, V).
+        """
+        rows = [r for _, first, positions in entries for r in range(first, first + len(positions))]
+        targets = [
+            t
+            for values, _, positions in entries
+            for t in values.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+        ]
+        device = logits.device
+        row_index = to_device(rows, torch.int64, device)
+        target_index = to_device(targets, torch.int64, device)
+        chunk = prompt_logprob_chunk_rows(logits.shape[-1])
+        scores = torch.empty(len(rows), dtype=torch.float32, device=device)
+        greedy = torch.empty(len(rows), dtype=torch.bool, device=device)
+        for start in range(0, len(rows), chunk):
+            at = slice(start, start + chunk)
+            part = logits[row_index[at]].float()
+            target = target_index[at, None]
+            greedy[at] = part.argmax(dim=-1) == target[:, 0]
+            part = torch.log_softmax(part, dim=-1)
+            scores[at] = part.gather(1, target)[:, 0]
+            del part
+        both = torch.stack((scores, greedy.float())).tolist()  # one read of the whole step's results
+        start = 0
+        for values, _, positions in entries:
+            end = start + len(positions)
+            out.prompt_logprobs[values.request_index] = (both[0][start:end], [g > 0.5 for g in both[1][start:end]])
+            start = end
+
+    def _isolated(self, run: Callable[[list[int]], list], num_items: int) -> list:
+        """``run`` over all items at once; on a request fault, over each alone: an item that raises alone has its
+        exception as its result (its row fails)."""
         try:
-            return run(list(range(len(requests))))
+            return run(list(range(num_items)))
         except Exception as error:
             if not is_request_fault(error):
                 raise
         results = []
-        for i, request in enumerate(requests):
+        for i in range(num_items):
             try:
                 results.append(run([i])[0])
             except Exception as error:
                 if not is_request_fault(error):
                     raise
-                if fail:
-                    self.fail(request, request_error_message("sampling", error))
-                results.append(None if fail else error)
+                results.append(error)
         return results
 
-    def _sample(self, logits, requests, rows, at, token_bitmask):
+    def _sample(self, logits, values: list[RowSampling], rows: list[int], at: list[int], token_bitmask):
         batch = build_batch(
-            [SamplingRow(requests[i], [], requests[i].num_pending_tokens) for i in at],
-            self.token_counts,
-            self.eos_token_ids,
-            logits.device,
+            [SamplingRow(values[i], []) for i in at], self.token_counts, self.eos_token_ids, logits.device
         )
-        index = torch.tensor([rows[i] for i in at], dtype=torch.int64, device=logits.device)
-        mask = token_bitmask[torch.tensor(at, device=token_bitmask.device)] if token_bitmask is not None else None
+        index = to_device([rows[i] for i in at], torch.int64, logits.device)
+        mask = token_bitmask[to_device(at, torch.int64, token_bitmask.device)] if token_bitmask is not None else None
         tokens, errors, logprobs = sample(logits[index], batch, mask, in_place=True).to_host()  # the index copied
         return list(zip(tokens, errors, logprobs))
 
@@ -272,7 +337,7 @@ class StepSampler:
         for entry in entries:
             spec = entry.proposals
             for i in range(len(spec) + 1):
-                rows.append(SamplingRow(entry.request, spec[:i]))
+                rows.append(SamplingRow(entry.values, spec[:i]))
                 logit_rows.append(entry.first_row + i)
                 proposals.append(spec[i] if i < len(spec) else -1)
                 drafted.append(entry.draft_probs is not None and i < len(spec))
@@ -282,21 +347,25 @@ class StepSampler:
         if any(drafted):
             draft_probs = torch.zeros(len(rows), logits.shape[1], dtype=torch.float32, device=device)
             at = [j for j, d in enumerate(drafted) if d]
-            draft_probs[torch.tensor(at, device=device)] = torch.cat(
+            draft_probs[to_device(at, torch.int64, device)] = torch.cat(
                 [e.draft_probs for e in entries if e.draft_probs is not None]
             ).to(device, torch.float32)
-            has_draft = torch.tensor(drafted, device=device)
-        index = torch.tensor(logit_rows, device=device)
-        out = verify(
+            has_draft = to_device(drafted, torch.bool, device)
+        index = to_device(logit_rows, torch.int64, device)
+        result = verify(
             logits[index],
             batch,
-            torch.tensor(proposals, dtype=torch.int64, device=device),
+            to_device(proposals, torch.int64, device),
             draft_probs,
             has_draft,
             token_bitmask[index] if token_bitmask is not None else None,
         )
-        accepted = out.accepted.tolist()
-        tokens, errors, logprobs = out.sampled.to_host()
+        # NOTE: one read-back: the accept flags ride with the tokens (an accepted row's id + V).
+        read = torch.where(result.accepted, result.sampled.readback() + self.vocab_size, result.sampled.readback())
+        read = read.tolist()
+        accepted = [t >= self.vocab_size for t in read]
+        read = [t - self.vocab_size if a else t for t, a in zip(read, accepted)]
+        tokens, errors, logprobs = result.sampled.to_host(read)
         results, j = [], 0
         for entry in entries:
             committed, committed_logprobs, error = [], [], None
@@ -311,8 +380,31 @@ class StepSampler:
         return results
 
 
+def prompt_logprob_chunk_rows(vocab_size: int) -> int:
+    """Prompt log-probability rows scored at once: what ``PROMPT_LOGPROB_CHUNK_BYTES`` holds of float32 rows
+    (a copy and its log-softmax), at least one."""
+    return max(1, PROMPT_LOGPROB_CHUNK_BYTES // (2 * 4 * vocab_size))
+
+
+def _put(
+    out: StepOutput,
+    values: RowSampling,
+    error: str | None,
+    tokens: list[int],
+    logprobs: list[dict[int, float] | None] | None,
+) -> None:
+    """One request's result into ``out``: its error, or its tokens and (when asked) their log-probabilities."""
+    index = values.request_index
+    if error is not None:
+        out.fail(index, error)
+    elif index not in out.errors:
+        out.token_ids[index] = tokens
+        if logprobs is not None and values.params.logprobs is not None:
+            out.logprobs[index] = logprobs
+
+
 def _launched_result(result) -> tuple[str | None, dict[int, float] | None]:
-    """(error message, log-probabilities) of a row redone alone: its ``_sample`` triple or its exception."""
+    """(error message, log-probabilities) of a row: its ``_sample`` triple or its exception."""
     if isinstance(result, Exception):
         return request_error_message("sampling", result), None
     _, error, logprobs = result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cbrun.engine.core.request import Request
+from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.worker.device import to_device
 
 
@@ -38,12 +38,12 @@ class TokenCounts:
         return len(self._row_of)
 
     def gather(
-        self, requests: list[Request], extra_tokens: list[list[int]]
+        self, requests: list[RowSampling], extra_tokens: list[list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The rows of ``requests``, brought up to date with their output, plus each entry's extra tokens.
 
         Args:
-            requests: P requests (one may appear several times, e.g. once per verified position).
+            requests: P requests' sampling values (one may appear several times, e.g. once per verified position).
             extra_tokens: per entry, tokens counted as output after the request's own (speculative proposals
                 before a verified position, or earlier draft proposals).
 
@@ -78,17 +78,18 @@ class TokenCounts:
         self._num_counted.clear()
         self._free = list(range(self.counts.shape[0]))
 
-    def _row(self, request: Request) -> int:
-        row = self._row_of.get(request.index)
-        if row is not None and self._num_counted[request.index] <= len(request.output_token_ids):
+    def _row(self, request: RowSampling) -> int:
+        index = request.request_index
+        row = self._row_of.get(index)
+        if row is not None and self._num_counted[index] <= request.num_output_tokens:
             return row
         if row is None:
             row = self._allocate()
-            self._row_of[request.index] = row
+            self._row_of[index] = row
         self.counts[row] = 0
         self.seen[row] = False
         self.seen[row, to_device(request.prompt_token_ids, torch.int64, self.device)] = True
-        self._num_counted[request.index] = 0
+        self._num_counted[index] = 0
         return row
 
     def _allocate(self) -> int:
@@ -100,15 +101,16 @@ class TokenCounts:
             self._free = list(range(new - 1, old - 1, -1))
         return self._free.pop()
 
-    def _count_new_outputs(self, requests: list[Request]) -> None:
+    def _count_new_outputs(self, requests: list[RowSampling]) -> None:
         rows, tokens, counted = [], [], {}
-        for request in {r.index: r for r in requests}.values():  # each request once
-            done = self._num_counted[request.index]
-            new = request.output_token_ids[done:]
+        for request in {r.request_index: r for r in requests}.values():  # each request once
+            index = request.request_index
+            done = self._num_counted[index]
+            new = request.output_token_ids[done : request.num_output_tokens]
             if new:
-                rows += [self._row_of[request.index]] * len(new)
+                rows += [self._row_of[index]] * len(new)
                 tokens += new
-                counted[request.index] = done + len(new)
+                counted[index] = done + len(new)
         if rows:
             at = to_device([rows, tokens], torch.int64, self.device)
             self.counts.index_put_(

@@ -29,8 +29,7 @@ import torch
 from cbrun.engine.core.cache_spec import CacheSpec
 from cbrun.engine.core.faults import SamplingError
 from cbrun.engine.core.kv_layout import SLIDING, KVLayout
-from cbrun.engine.core.plan import ScheduledRequest, SchedulerOutput
-from cbrun.engine.core.request import Request
+from cbrun.engine.core.plan import RowSampling, ScheduledRequest, SchedulerOutput
 from cbrun.engine.spec_decode.speculative_rule import sample_draft
 from cbrun.engine.worker.kv_cache import KVCache
 from cbrun.engine.worker.model_runner import ModelRunner
@@ -88,14 +87,12 @@ class DraftProposer:
         self.kv_cache.zero_pages_below(num_chunks * self.spec.chunk_pages)
 
     @torch.inference_mode()
-    def propose(
-        self, plan: SchedulerOutput, requests: dict[int, Request]
-    ) -> tuple[SchedulerOutput, dict[int, torch.Tensor]]:
+    def propose(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, dict[int, torch.Tensor]]:
         """Run the draft over the plan and return it with every verify entry's proposals filled in.
 
         Args:
-            plan: the step's plan; a verify entry's ``spec_token_ids`` are placeholders, one per proposal slot.
-            requests: the unfinished requests by ``Request.index`` (sampling params, output, seed).
+            plan: the step's plan; a verify entry's ``spec_token_ids`` are placeholders, one per proposal slot,
+                and its ``plan.sampling`` values give its sampling params, output and seed.
 
         Returns:
             The plan to launch on the target, and for each sampled (non-greedy) verify entry its draft
@@ -117,7 +114,9 @@ class DraftProposer:
                     if len(item.spec_token_ids) >= j - 1
                 ]
                 handle = self.runner.launch(SchedulerOutput(scheduled=entries))
-            self._sample(handle, [item for item in verify if len(item.spec_token_ids) >= j], requests, proposals, probs)
+            self._sample(
+                handle, [item for item in verify if len(item.spec_token_ids) >= j], plan.sampling, proposals, probs
+            )
         filled = [
             _with_proposals(item, proposals[item.request_index]) if item.spec_token_ids else item
             for item in plan.scheduled
@@ -129,7 +128,7 @@ class DraftProposer:
         self,
         handle,
         items: list[ScheduledRequest],
-        requests: dict[int, Request],
+        sampling: dict[int, RowSampling],
         proposals: dict[int, list[int]],
         probs: dict[int, list[torch.Tensor]],
     ) -> None:
@@ -140,13 +139,13 @@ class DraftProposer:
         logits = _fit_vocab(handle.logits[rows], self.vocab_size)
         argmax = logits.argmax(dim=-1).tolist()
         for i, item in enumerate(items):
-            request = requests[item.request_index]
+            values = sampling[item.request_index]
             drafts = proposals[item.request_index]
-            if request.sampling_params.greedy:
+            if values.params.greedy:
                 drafts.append(argmax[i])
                 continue
             try:
-                token, q = sample_draft(logits[i], request, self.eos_token_ids, request.output_token_ids + drafts)
+                token, q = sample_draft(logits[i], values, self.eos_token_ids, values.output_tokens() + drafts)
             except SamplingError:  # e.g. filters rule out every token: propose the argmax as a point mass (any q
                 token = argmax[i]  # keeps the target distribution; the target's own row reports its error)
                 q = torch.zeros(self.vocab_size, device=logits.device)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cbrun.engine.core.faults import SamplingError
-from cbrun.engine.core.request import Request
+from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.sample import processing, random_stream, sampler
 from cbrun.engine.sample.batch import SamplingBatch, SamplingRow, build_batch
 from cbrun.engine.sample.filters import inverse_cdf
@@ -91,7 +91,7 @@ def verify(
 
 
 def sample_draft(
-    logits: torch.Tensor, request: Request, eos_token_ids: frozenset[int], output_token_ids: list[int]
+    logits: torch.Tensor, request: RowSampling, eos_token_ids: frozenset[int], output_token_ids: list[int]
 ) -> tuple[int, torch.Tensor]:
     """Draw a draft model's proposal for a sampled request, and the distribution q it was drawn from.
 
@@ -101,7 +101,7 @@ def sample_draft(
 
     Args:
         logits: (V,) draft logits, any float dtype.
-        request: its sampling params (not greedy) and seed.
+        request: the request's sampling values (its params not greedy, its seed).
         eos_token_ids: the target's EOS ids.
         output_token_ids: the request's output followed by the proposals drawn before this one.
 
@@ -111,7 +111,7 @@ def sample_draft(
     Raises:
         SamplingError: when the row holds NaN or every token is ruled out.
     """
-    row = SamplingRow(request, list(output_token_ids[len(request.output_token_ids) :]))
+    row = SamplingRow(request, list(output_token_ids[request.num_output_tokens :]))
     batch = build_batch([row], TokenCounts(logits.shape[-1], logits.device), eos_token_ids, logits.device)
     scores, _, errors = process(logits[None], batch)
     message = ERROR_MESSAGES.get(int(errors[0]))

@@ -7,7 +7,6 @@ import torch
 
 from cbrun.engine.core.plan import SchedulerOutput
 from cbrun.engine.sample.processing import apply_token_bitmask
-from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
 from cbrun.kernels import cpu_token_mask
 
@@ -22,7 +21,7 @@ class StepBitmask:
         bitmask: (num_logit_rows, ceil(vocab / 32)) int32 CPU; -1 (every token allowed) in unconstrained rows.
         rows: the logit rows that are constrained (a verify step's rows first, then the decoding ones).
         blocked: ``Request.index`` of requests whose grammar allows no token at a row of theirs.
-        on_device: ``bitmask`` on the logits' device once uploaded (``StepReader.fill_grammar_bitmask``).
+        on_device: ``bitmask`` on the logits' device once uploaded (``StepSampler.fill_grammar_bitmask``).
 
     ``pin_memory``: page-locked host memory (on a CUDA machine), so the upload does not wait for the device.
     """
@@ -35,39 +34,33 @@ class StepBitmask:
         self.on_device: torch.Tensor | None = None
 
 
-def build_step_bitmask(
-    plan: SchedulerOutput, requests: dict, num_rows: int, vocab_size: int, pin_memory: bool = False
-) -> StepBitmask | None:
+def build_step_bitmask(plan: SchedulerOutput, vocab_size: int, pin_memory: bool = False) -> StepBitmask | None:
     """The bitmask of a step's logit rows (None when no planned request is constrained).
 
-    Rows follow the plan as the engine reads them: per entry, its prompt log-probability rows, then its sample rows
-    (one, or one per verified position of a verify step). A verify step gets a mask per position: the matcher
-    accepts each proposal after its row is filled, and is rolled back once all are (the committed tokens are
-    accepted later, by the scheduler). A proposal the grammar refuses ends the walk: its own row already excludes
-    it, so verification rejects it there and never reads the rows after.
+    Rows follow the plan's layout (``SchedulerOutput.layout``): per entry, its prompt log-probability rows, then its
+    sample rows (one, or one per verified position of a verify step). A verify step gets a mask per position: the
+    matcher accepts each proposal after its row is filled, and is rolled back once all are (the committed tokens
+    are accepted later, by the scheduler). A proposal the grammar refuses ends the walk: its own row already
+    excludes it, so verification rejects it there and never reads the rows after.
 
     Args:
-        plan: the step's plan.
-        requests: the scheduler's unfinished requests by ``Request.index``.
-        num_rows: logit rows of the step.
+        plan: the step's plan; each constrained entry's grammar state is in its ``plan.sampling`` values.
         vocab_size: the logits' width.
         pin_memory: see ``StepBitmask``.
     """
     step: StepBitmask | None = None
     decoding: list[tuple[StructuredOutputRequest, int, int]] = []  # (state, row, Request.index), filled at once
-    row = 0
-    for item in plan.scheduled:
-        row += len(item.prompt_logprob_positions)
-        request = requests.get(item.request_index) if item.samples else None
-        state = request.structured if request is not None else None
+    layout = plan.layout
+    for item, row in zip(plan.scheduled, layout.first_sample_rows):
+        values = plan.sampling.get(item.request_index) if item.samples else None
+        state = values.structured if values is not None else None
         if state is not None and state.ready() and state.error is None:
             if step is None:
-                step = StepBitmask(num_rows, vocab_size, pin_memory)
+                step = StepBitmask(layout.num_rows, vocab_size, pin_memory)
             if item.spec_token_ids:
-                _fill_entry(step, state, row, item.spec_token_ids, request.index)
+                _fill_entry(step, state, row, item.spec_token_ids, item.request_index)
             else:
-                decoding.append((state, row, request.index))
-        row += item.num_sample_rows
+                decoding.append((state, row, item.request_index))
     if decoding:
         rows = [row for _, row, _ in decoding]
         allowed = fill_bitmasks([state for state, _, _ in decoding], step.bitmask, rows)
@@ -88,20 +81,6 @@ def _fill_entry(step: StepBitmask, state, row: int, proposals: tuple[int, ...], 
         if state.is_terminated:  # an accepted EOS ends the request there: no row after it is read
             break
     state.rollback(accepted)
-
-
-def masked_greedy(params: SamplingParams) -> bool:
-    """Whether a row's only processing is its constraint's mask: greedy, no penalties, no ``min_new_tokens``, no
-    log-probabilities. Its token is then the argmax of its masked logits (``masked_argmax``)."""
-    return (
-        params.structured_outputs is not None
-        and params.greedy
-        and params.min_new_tokens == 0
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.logprobs is None
-    )
 
 
 def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int | None]:

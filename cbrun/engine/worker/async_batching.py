@@ -35,7 +35,8 @@ class StepHandle:
             a private copy when the step was launched behind another, so the next replay cannot overwrite it.
         sampled: (S,) int64 on the device, the argmax of each sampling entry's row, in plan order. It is the
             sampled token of every plain-greedy request; rows needing host-side sampling are redone on the host.
-        sample_row_of: ``Request.index -> row`` of ``sampled``.
+        sample_row_of: ``Request.index -> row`` of ``sampled`` (its first: ``RowLayout.sample_index_of``).
+        launched: the rows the sampler drew at launch (``cbrun.engine.sample.step.LaunchedRows``), or None.
         done: CUDA event recorded after the device-to-host copy of ``sampled`` (None on the CPU).
     """
 
@@ -44,6 +45,7 @@ class StepHandle:
     sample_row_of: dict[int, int]
     _sampled_host: torch.Tensor | None = None
     done: object | None = None
+    launched: object | None = None
     _token_ids: list[int] | None = field(default=None, repr=False)
 
     @classmethod
@@ -53,18 +55,19 @@ class StepHandle:
         sampled: torch.Tensor,
         sample_row_of: dict[int, int],
         readback: torch.Tensor | None = None,
+        launched: object | None = None,
     ) -> "StepHandle":
         """Start copying ``readback`` (``sampled`` when None) to the host without waiting (pinned buffer + event
         on CUDA). ``readback`` is ``sampled`` with each failed row's id negative, its error code
         (``cbrun.engine.sample.processing.encode_errors``); ``sampled`` is what the next step reads."""
         readback = sampled if readback is None else readback
         if sampled.device.type != "cuda":
-            return cls(logits, sampled, sample_row_of, readback)
+            return cls(logits, sampled, sample_row_of, readback, launched=launched)
         host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
         host.copy_(readback, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return cls(logits, sampled, sample_row_of, host, done)
+        return cls(logits, sampled, sample_row_of, host, done, launched=launched)
 
     def token_ids(self) -> list[int]:
         """The read-back ids in plan order (a row failed by the sampler negative); waits for the step (and its

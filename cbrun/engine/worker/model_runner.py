@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from cbrun.engine.core.cache_spec import cdiv
 from cbrun.engine.core.kv_layout import FULL, SLIDING
-from cbrun.engine.core.plan import SchedulerOutput
+from cbrun.engine.core.plan import SchedulerOutput, StepOutput
 from cbrun.engine.model.attention import AttentionMetadata, GroupMetadata
+from cbrun.engine.sample.step import StepSampler
+from cbrun.engine.structured_output.bitmask import StepBitmask
 from cbrun.engine.worker.async_batching import InputStager, StepHandle
 from cbrun.engine.worker.cuda_graphs import AttentionSetup, CudaGraphRunner
 from cbrun.engine.worker.input_batch import PersistentBatch
@@ -43,6 +43,8 @@ class ModelRunner:
         max_requests: rows the persistent batch allocates at first (more are added if a plan needs them); with
             async batching, the scheduler's request limit.
         max_batch_tokens: the scheduler's token budget (sizes the async input staging).
+        sampler: turns the step's logits into its ``StepOutput`` (``cbrun.engine.sample.step``); None samples
+            nothing beyond the argmax (a tensor-parallel rank above 0, a draft model's runner).
     """
 
     def __init__(
@@ -59,12 +61,14 @@ class ModelRunner:
         lean_model=None,
         max_requests: int = 64,
         max_batch_tokens: int = 0,
+        sampler: StepSampler | None = None,
     ) -> None:
         use_cuda_graphs = graph_buckets is not None
         assert not use_cuda_graphs or use_triton or emulate_graphs, "CUDA graphs need the Triton kernels"
         assert not async_batching or use_cuda_graphs, "async batching needs CUDA graphs"
         assert not (use_cuda_graphs and lean_model is not None), "CUDA graphs capture the transformers forward"
         self.lean_model = lean_model
+        self.sampler = sampler
         self.model = model
         self.kv_cache = kv_cache
         spec = kv_cache.spec
@@ -117,22 +121,17 @@ class ModelRunner:
         return handle.logits if handle is not None else None
 
     @torch.inference_mode()
-    def launch(
-        self,
-        plan: SchedulerOutput,
-        previous: StepHandle | None = None,
-        sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    ) -> StepHandle | None:
-        """Make the plan's offload copies, then enqueue one forward pass and the argmax of its sample rows (zeros
-        when no entry reads it: ``StepInputs.needs_argmax``).
+    def launch(self, plan: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle | None:
+        """Make the plan's offload copies, then enqueue one forward pass, the argmax of its sample rows (zeros
+        when no entry reads it: ``StepInputs.needs_argmax``) and the sampler's draw of the rows it samples at
+        launch (``StepSampler.launch_rows``), then start the one copy of the step's tokens to the host.
+
+        A row the sampler fails has a negative id (its error code): read back as it is, fed to the next step as 0.
 
         Args:
             plan: the step's plan; each entry computes ``num_tokens`` tokens from its ``start``.
             previous: the step still in flight (async batching). An input token that is pending on the host
                 (``PENDING_TOKEN``) is taken from ``previous.sampled`` on the device.
-            sample: ``(logits, argmax) -> tokens``: the sampler, called on the device before the tokens are read
-                back (it replaces the rows it samples; ``cbrun.engine.sample.step``); None keeps the argmax. A
-                row it fails has a negative id (its error code): read back as it is, fed to the next step as 0.
 
         Returns:
             The step's handle (nothing waited for on CUDA), or None when nothing is scheduled.
@@ -145,7 +144,7 @@ class ModelRunner:
         self.input_batch.release(plan.released_request_indices)
         if not plan.scheduled:
             return None
-        inputs = self.step_inputs.prepare(plan.scheduled, previous, plan.plain_greedy)
+        inputs = self.step_inputs.prepare(plan, previous)
         input_ids, positions, md, logits_indices, sample_rows, carry = self._upload(inputs)
         if inputs.shape is not None:
             if self._graph_runner is None:
@@ -165,10 +164,27 @@ class ModelRunner:
             num_sample_rows = logits.shape[0] if sample_rows is None else sample_rows.shape[0]
             sampled = torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)
         readback = sampled
-        if sample is not None:
-            readback = sample(logits, sampled)
+        launched = self.sampler.launch_rows(plan) if self.sampler is not None else None
+        if launched is not None:
+            readback = self.sampler.sample_at_launch(logits, sampled, launched)
             sampled = readback.clamp(min=0)  # a valid embedding index for the next step; its row is dropped
-        return StepHandle.launch_readback(logits, sampled, inputs.sample_row_of, readback)
+        return StepHandle.launch_readback(logits, sampled, plan.layout.sample_index_of, readback, launched)
+
+    def read(
+        self,
+        plan: SchedulerOutput,
+        handle: StepHandle,
+        grammar: StepBitmask | None = None,
+        draft_probs: dict[int, torch.Tensor] | None = None,
+    ) -> StepOutput:
+        """The launched step's ``StepOutput`` (``StepSampler.read``); waits for its read-back.
+
+        Args:
+            plan, handle: the step as launched.
+            grammar: its token bitmask, built when it was launched (``StepSampler.fill_grammar_bitmask``), or None.
+            draft_probs: its draft distributions of sampled verify entries, by ``Request.index``.
+        """
+        return self.sampler.read(plan, handle, grammar, draft_probs)
 
     def _forward(self, input_ids, positions, md: AttentionMetadata, logits_indices) -> torch.Tensor:
         """(rows of ``logits_indices``, vocab) logits of one eager forward pass: the lean path or transformers'."""

@@ -5,14 +5,14 @@ replays one. ``cbrun.engine.worker.model_runner`` uploads them and runs the forw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain, compress
+from itertools import chain
 
 import numpy as np
 import torch
 
 from cbrun.engine.core.cache_spec import cdiv, page_address, slot_address
 from cbrun.engine.core.kv_layout import FULL, SLIDING
-from cbrun.engine.core.plan import ScheduledRequest
+from cbrun.engine.core.plan import ScheduledRequest, SchedulerOutput
 from cbrun.engine.model.attention import GroupMetadata
 from cbrun.engine.worker.async_batching import StepHandle
 from cbrun.engine.worker.input_batch import PersistentBatch
@@ -32,7 +32,6 @@ class StepInputs:
     groups: dict[str, GroupMetadata]
     shape: PaddedShape | None  # the graph's shape, or None for an eager step
     num_rows: int  # real logit rows
-    sample_row_of: dict[int, int]  # Request.index -> index among the sampling entries
     sample_rows: torch.Tensor | None  # logit row of each sampling entry; None when every row samples
     carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (input rows, sampled rows, device tokens)
     needs_host_logits: bool  # prompt log-probabilities or host-side sampling read the logits after the step
@@ -80,19 +79,18 @@ class StepInputBuilder:
             return None
         return self.graph_buckets.shape(len(scheduled), query_len)
 
-    def prepare(
-        self, scheduled: list[ScheduledRequest], previous: StepHandle | None, plain_greedy: bool = False
-    ) -> StepInputs:
+    def prepare(self, plan: SchedulerOutput, previous: StepHandle | None) -> StepInputs:
         """The step's inputs as host tensors (padded to the step's shape when padding is on).
 
-        ``plain_greedy``: the plan's ``SchedulerOutput.plain_greedy`` (logit rows are then the sampling entries'
-        last tokens).
+        The logit rows follow the plan's ``RowLayout``; with ``plain_greedy`` they are the sampling entries' last
+        tokens.
 
         Per request, only its plan entry's fields are read (a few list comprehensions); everything per token is
         computed with numpy from the per-request starts and lengths, and the block tables are one gather from the
         persistent batch. A decode step (one token per entry, the common step) skips the per-token arrays: its
         positions are the starts and its query offsets a range.
         """
+        scheduled, plain_greedy = plan.scheduled, plan.plain_greedy
         full = FULL if self.layers_per_block[FULL] else None
         sliding = SLIDING if self.layers_per_block[SLIDING] else None
         num_requests = len(scheduled)
@@ -119,8 +117,7 @@ class StepInputBuilder:
             max_seqlen_q = int(q_lens.max())
         carry = self._carry(scheduled, cu_seqlens_q, previous, token_ids)
         rows, num_blocks, num_sliding = self.input_batch.update(scheduled, full, sliding)
-        rows_info = self._logit_rows(scheduled, cu_seqlens_q, plain_greedy)
-        logits_indices, sample_rows, sample_row_of, needs_host_logits = rows_info
+        logits_indices, sample_rows, needs_host_logits = self._logit_rows(plan, cu_seqlens_q)
         num_rows = len(logits_indices)
         max_seqlen_k = int(seqlens_k.max())
         shape = self._graph_shape(scheduled, num_tokens, num_rows)
@@ -149,7 +146,6 @@ class StepInputBuilder:
             groups=groups,
             shape=shape,
             num_rows=num_rows,
-            sample_row_of=sample_row_of,
             sample_rows=sample_rows,
             carry=carry,
             needs_host_logits=needs_host_logits,
@@ -157,30 +153,30 @@ class StepInputBuilder:
         )
 
     @staticmethod
-    def _logit_rows(scheduled: list[ScheduledRequest], cu_seqlens_q: np.ndarray, plain_greedy: bool):
-        """Which rows of the flattened batch get logits, and which of those are sampled.
+    def _logit_rows(plan: SchedulerOutput, cu_seqlens_q: np.ndarray):
+        """Which rows of the flattened batch get logits, and which of those are sampled (``plan.layout``'s rows).
 
         Returns:
             (logits_indices (N,) int64, sample_rows (S,) int64 tensor or None when every logit row samples,
-            ``Request.index -> index among the sampling entries``, whether the host reads the logits).
+            whether the host reads the logits).
         """
-        samples = [s.samples for s in scheduled]
-        sampling = list(compress(scheduled, samples)) if not all(samples) else scheduled
-        sample_row_of = dict(zip([s.request_index for s in sampling], range(len(sampling))))
-        if plain_greedy:  # the common step: one logit row per sampling entry, its last token
+        scheduled = plan.scheduled
+        if plan.plain_greedy:  # the common step: one logit row per sampling entry, its last token
             logits_indices = cu_seqlens_q[1:] - 1
-            if len(sampling) < len(scheduled):
+            samples = [s.samples for s in scheduled]
+            if not all(samples):
                 logits_indices = logits_indices[np.array(samples, dtype=bool)]
-            return logits_indices, None, sample_row_of, False
-        needs_host_sampling = any(s.needs_host_sampling for s in sampling)
-        if not any([s.prompt_logprob_positions for s in scheduled]):  # e.g. a verify step: every logit row samples
+            return logits_indices, None, False
+        needs_host_sampling = any(s.needs_host_sampling for s in scheduled if s.samples)
+        layout = plan.layout
+        if layout.num_rows == layout.num_sample_rows:  # e.g. a verify step: every logit row samples
             num_sample_rows = np.array([s.num_sample_rows for s in scheduled], dtype=np.int64)
             first_rows = cu_seqlens_q[1:] - num_sample_rows  # each entry's rows are its last num_sample_rows
             first_of_row = np.repeat(first_rows - (np.cumsum(num_sample_rows) - num_sample_rows), num_sample_rows)
             logits_indices = first_of_row + np.arange(len(first_of_row))
-            return logits_indices, None, sample_row_of, needs_host_sampling
+            return logits_indices, None, needs_host_sampling
         logits_indices, sample_rows = [], []
-        for item, offset in zip(scheduled, cu_seqlens_q.tolist()):
+        for item, offset, first in zip(scheduled, cu_seqlens_q.tolist(), layout.first_sample_rows):
             positions = item.prompt_logprob_positions
             if positions:
                 logits_indices.extend(
@@ -188,15 +184,12 @@ class StepInputBuilder:
                 )
             if item.samples:  # one row, or one per verified position (speculative decoding)
                 end = offset + item.num_tokens
-                for row in range(end - item.num_sample_rows, end):
-                    sample_rows.append(len(logits_indices))
-                    logits_indices.append(row)
-        num_rows = len(logits_indices)
+                logits_indices.extend(range(end - item.num_sample_rows, end))
+                sample_rows.extend(range(first, first + item.num_sample_rows))
         return (
             np.array(logits_indices, dtype=np.int64),
-            None if len(sample_rows) == num_rows else torch.tensor(sample_rows, dtype=torch.int64),
-            sample_row_of,
-            needs_host_sampling or num_rows > len(sample_rows),
+            torch.tensor(sample_rows, dtype=torch.int64),
+            True,
         )
 
     def _carry(
