@@ -139,7 +139,8 @@ class EngineConfig:
             (``cbrun.engine.worker.tp_group``): the lean path's weights split as Megatron-LM does
             (``cbrun.engine.model.parallel``), one scheduler on rank 0 whose plan every rank executes on its own
             slice of the KV cache. 1 (the default) runs one process. Above 1 it runs only the lean path loaded
-            from safetensors, without speculation or CUDA graphs: anything else is a ValueError naming it.
+            from safetensors, unquantized, without speculation, CUDA graphs or ``batch_invariant``: anything else
+            is a ValueError naming it.
 
     Raises:
         ValueError: naming the setting and the reason, for any out-of-range value.
@@ -283,13 +284,15 @@ class EngineConfig:
             "loader": self.loader == "transformers",
             "cuda_graphs": self.cuda_graphs in ("on", "emulate"),
             "async_batching": self.async_batching == "on",
+            # NOTE: "auto" is resolved by the job (backends.batch_invariant_blocker: off, saying why)
+            "batch_invariant": self.batch_invariant == "on",
         }
         for name, refused in unsupported.items():
             if refused:
                 raise ValueError(
                     f"tensor_parallel_size = {self.tensor_parallel_size} does not run with {name} = "
                     f"{getattr(self, name)!r} (a tensor-parallel replica runs only the lean path, loaded from "
-                    f"safetensors, without speculation or CUDA graphs); leave {name} at its default or set "
+                    f"safetensors, without speculation, CUDA graphs or batch_invariant); leave {name} at its default or set "
                     "tensor_parallel_size = 1"
                 )
 

@@ -82,7 +82,12 @@ def test_each_rank_reads_its_slices_and_they_make_up_the_whole(world_size):
 
 
 def test_what_a_replica_cannot_run_is_refused_by_name():
-    for setting, value in [("speculative", "ngram"), ("model_impl", "transformers"), ("cuda_graphs", "emulate")]:
+    for setting, value in [
+        ("speculative", "ngram"),
+        ("model_impl", "transformers"),
+        ("cuda_graphs", "emulate"),
+        ("batch_invariant", "on"),
+    ]:
         with pytest.raises(ValueError, match=f"tensor_parallel_size = 2 does not run with {setting}"):
             EngineConfig(tensor_parallel_size=2, **{setting: value})
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):

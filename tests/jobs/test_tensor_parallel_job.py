@@ -4,7 +4,9 @@ kept, and a rerun finishes every row once; killing the run itself takes its rank
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -37,19 +39,60 @@ def test_two_ranks_write_the_rows_of_one_once(tiny_model_dir, tmp_path):
     assert got == rows_by_index(one)
 
 
+TP2 = ["--tensor-parallel-size", "2"]
+
+
 @pytest.mark.parametrize(
     "extra, named",
     [
-        (["--set", 'engine.speculative="ngram"'], "tensor_parallel_size = 2 does not run with speculative"),
-        (["--executor", "ray"], "--executor ray does not run engine.tensor_parallel_size = 2"),
-        (["--set", 'engine.loader="transformers"'], "tensor_parallel_size = 2 does not run with loader"),
+        (TP2 + ["--set", 'engine.speculative="ngram"'], "tensor_parallel_size = 2 does not run with speculative"),
+        (
+            TP2 + ["--set", 'engine.speculative="draft"', "--set", 'engine.draft_model="{model}"'],
+            "tensor_parallel_size = 2 does not run with speculative",
+        ),
+        (TP2 + ["--executor", "ray"], "--executor ray does not run engine.tensor_parallel_size = 2"),
+        (TP2 + ["--set", 'engine.loader="transformers"'], "tensor_parallel_size = 2 does not run with loader"),
+        (TP2 + ["--set", 'engine.model_impl="transformers"'], "tensor_parallel_size = 2 does not run with model_impl"),
+        (TP2 + ["--set", 'engine.batch_invariant="on"'], "tensor_parallel_size = 2 does not run with batch_invariant"),
+        (TP2 + ["--set", 'engine.cuda_graphs="emulate"'], "tensor_parallel_size = 2 does not run with cuda_graphs"),
+        # the tiny model's 4 attention heads do not split over 3 ranks
+        (
+            ["--tensor-parallel-size", "3"],
+            "tensor_parallel_size = 3 cannot split this model: num_attention_heads = 4 is not a multiple",
+        ),
     ],
+    ids=["ngram", "draft", "ray", "loader", "model-impl", "batch-invariant", "cuda-graphs", "heads"],
 )
 def test_what_a_replica_cannot_run_is_exit_2_by_name(tiny_model_dir, tmp_path, capsys, extra, named):
-    args = run_args(tiny_model_dir, _input(tmp_path, 2), tmp_path / "out") + ["--tensor-parallel-size", "2", *extra]
-    assert main(args) == 2
+    out = tmp_path / "out"
+    extra = [arg.replace("{model}", str(tiny_model_dir)) for arg in extra]
+    assert main(run_args(tiny_model_dir, _input(tmp_path, 2), out) + extra) == 2
     assert named in capsys.readouterr().err
-    assert not committed_parts(tmp_path / "out") if (tmp_path / "out").exists() else True
+    assert not out.exists() or not committed_parts(out)
+
+
+def test_quantized_weights_are_exit_2_by_name(tiny_model_dir, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert main(run_args(model, _input(tmp_path, 2), out) + TP2) == 2
+    assert (
+        "tensor_parallel_size = 2 does not split quantized weights (config.json's quantization_config, "
+        "quant_method 'fp8')" in capsys.readouterr().err
+    )
+    assert not out.exists() or not committed_parts(out)
+
+
+def test_a_sampled_job_runs_its_ranks_without_batch_invariance(tiny_model_dir):
+    from cbrun.engine import EngineConfig
+    from cbrun.engine.worker.backends import batch_invariant_blocker_before_load
+
+    reason = batch_invariant_blocker_before_load(EngineConfig(tensor_parallel_size=2), str(tiny_model_dir))
+    assert reason == "tensor_parallel_size = 2 (the ranks' partial sums are not batch-invariant)"
+    assert batch_invariant_blocker_before_load(EngineConfig(), str(tiny_model_dir)) is None
 
 
 def _rank_pids(pid: int) -> list[int]:

@@ -118,6 +118,10 @@ def batch_invariant_blocker(config: EngineConfig, cpu_kernel: bool, cuda_graphs:
         return "CUDA graphs (emulated) capture transformers' forward pass, not the lean one"
     if config.linear_backend != "auto":
         return f"linear_backend = {config.linear_backend} (the invariant linear chooses its own GEMM)"
+    if config.tensor_parallel_size > 1:
+        # NOTE: the invariant linear runs on rank 0 only, and a collective's summation order may follow the
+        # tensor's size (gloo's ring chunks it), so a row's bits could depend on its batch.
+        return f"tensor_parallel_size = {config.tensor_parallel_size} (the ranks' partial sums are not batch-invariant)"
     if config.speculative != "off":
         # NOTE: whether a row speculates depends on the batch (speculative_max_batch), and so do its draws.
         return f"speculative = {config.speculative} (a row's proposals depend on its batch)"
