@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_transformers()
     try:
         if args.command == "run":
-            code = _run(args)
+            code = _run(args, argv)
             if own_process:
                 exit_process(code)  # returns only when the process cannot end at once
             return code
@@ -134,16 +134,16 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from cbrun.jobs.run.heap import collection_paused
 
     # NOTE: the setup (imports of torch and transformers, loading) runs with the collector paused; run_job turns it
     # back on for generation, with the setup's objects frozen out of its way (jobs.run.heap).
     with collection_paused():
-        return _run_job(args)
+        return _run_job(args, argv)
 
 
-def _run_job(args: argparse.Namespace) -> int:
+def _run_job(args: argparse.Namespace, argv: list[str]) -> int:
     from cbrun.jobs.cli_values import cli_text
     from cbrun.jobs.manifest import load_manifest
     from cbrun.jobs.run.job import JobAborted, JobError, run_job
@@ -155,6 +155,10 @@ def _run_job(args: argparse.Namespace) -> int:
             overrides.setdefault(section, {})[key] = _flag_value(flag, getattr(args, flag), cli_text)
         manifest = load_manifest(args.manifest, args.sets, overrides)
         with interrupt_on_stop_signals():
+            if manifest.cluster.data_parallel_size > 1:  # this process only starts and waits for the replicas
+                from cbrun.jobs.run.data_parallel import run_data_parallel
+
+                return run_data_parallel(argv, manifest)
             summary = run_job(manifest, progress=not args.no_progress, retry_errors=args.retry_errors)
     except (JobError, ValueError, FileNotFoundError) as exc:
         print(f"cbrun: error: {exc}", file=sys.stderr)

@@ -37,6 +37,7 @@ RUN_FLAGS = {
     "stop": ("sampling", "stop"),
     "num_threads": ("engine", "num_threads"),
     "tensor_parallel_size": ("engine", "tensor_parallel_size"),
+    "data_parallel_size": ("cluster", "data_parallel_size"),
     "temperature": ("sampling", "temperature"),
     "top_p": ("sampling", "top_p"),
     "top_k": ("sampling", "top_k"),
@@ -120,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensor-parallel-size",
         type=int,
         help="split each replica's model over this many ranks, one process and device each (default 1)",
+    )
+    run.add_argument(
+        "--data-parallel-size",
+        type=int,
+        help="run this many replicas on this node, each a shard of the job on its own devices (default 1)",
     )
     run.add_argument("--temperature", type=float, help="0 is greedy")
     run.add_argument(

@@ -272,6 +272,10 @@ class ClusterSettings:
             together, so its batch stays full while one batch ends and the next begins (``cbrun.jobs.run.replica``).
         address: the Ray cluster to join ("auto": the one ``ray start`` runs on this node; "ray://host:10001");
             None starts a local Ray instance.
+        data_parallel_size: engine replicas on this node without Ray (vLLM's name; ``--data-parallel-size``):
+            above 1, the command runs that many ``cbrun run`` processes, replica i as shard i/D on its own devices
+            (CUDA: ``tensor_parallel_size`` of them each; the CPU: its share of the cores), all writing the one
+            output directory (``cbrun.jobs.run.data_parallel``). Not with ``--shard`` or the Ray executor.
     """
 
     executor: str = "local"
@@ -281,8 +285,11 @@ class ClusterSettings:
     batch_size: int = 256
     max_concurrent_batches: int = 2
     address: str | None = None
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if not is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+            raise ValueError(f"cluster.data_parallel_size must be a positive integer, got {self.data_parallel_size!r}")
         if self.executor not in ("local", "ray"):
             raise ValueError(f'cluster.executor must be "local" or "ray", got {self.executor!r}')
         if not is_int(self.num_replicas) or self.num_replicas < 1:

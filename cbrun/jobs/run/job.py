@@ -140,6 +140,11 @@ def run_job(
                 check_chat_template(tokenizer, manifest.model.path)
         except ValueError as exc:
             raise JobError(str(exc)) from None
+    if manifest.cluster.data_parallel_size > 1:  # the cbrun command runs it (cbrun.jobs.run.data_parallel)
+        raise JobError(
+            f"cluster.data_parallel_size = {manifest.cluster.data_parallel_size}: run_job runs one replica; run the "
+            "job with the cbrun command, which starts the replicas, or run each --shard I/N"
+        )
     if manifest.cluster.executor == "ray":
         if engine_config.tensor_parallel_size > 1:
             raise JobError(
