@@ -68,14 +68,39 @@ def test_plain_sampling_reads_nothing_back_and_draws_the_cpu_paths_tokens(monkey
     assert tokens[1] == 5 and "no token is left" in errors[2]  # the +inf and the all -inf rows, settled alike
 
 
-def test_filtered_sampling_reads_back_once_per_rejection_round(as_on_a_device):
+def test_filtered_sampling_reads_nothing_back_on_a_device(as_on_a_device):
+    """On a device the filters draw from the sorted, filtered distribution (``draw_sorted``): no rejection round
+    asks the device anything. Its draws are the host's ``filtered_probs`` drawn with the row's first number."""
     logits = _logits(6, seed=2)
     with CountReadBacks() as counter:
         out = run(logits.clone(), FILTERED, to_host=False)
-    # draw_filtered's round: whether a row was rejected, and the boolean indexing of the accepted rows
-    assert 0 < len(counter.reads) <= 3 * filters.MAX_ROUNDS
-    assert "aten._local_scalar_dense.default" in counter.reads
-    assert out.to_host()[0] == run(logits.clone(), FILTERED)[0]
+    assert counter.reads == []
+    tokens, errors, _ = out.to_host()
+    assert "no token is left" in errors[2] and tokens[1] == 5
+    for i in (0, 3):  # filtered sampled rows without inf
+        p = FILTERED[i]
+        probs = torch.softmax(logits[i : i + 1] / p.temperature, dim=1)
+        kept = filters.filtered_probs(probs, torch.tensor([p.top_k]), torch.tensor([p.top_p]), torch.tensor([p.min_p]))
+        assert kept[0, tokens[i]] > 0  # the drawn token is in the row's filtered set
+
+
+def test_sorted_and_rejection_draws_share_one_distribution():
+    """``draw_sorted`` (a device's) and ``draw_filtered`` (the CPU's) draw from the same filtered distribution:
+    over many draws of one row their frequencies agree."""
+    gen = torch.Generator().manual_seed(5)
+    row = torch.softmax(torch.randn(1, 40, generator=gen) * 1.5, dim=1)
+    n = 4000
+    probs = row.repeat(n, 1)
+    top_k, top_p, min_p = torch.full((n,), 12), torch.full((n,), 0.8), torch.full((n,), 0.02)
+    seeds, positions = torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    hints = FilterHints.of([12], [0.8], [0.02], 40)
+    sorted_draws = filters.draw_sorted(probs, top_k, top_p, min_p, seeds, positions, hints)
+    rejection_draws = draw_filtered(probs, top_k, top_p, min_p, seeds + n, positions, hints)
+    target = filters.filtered_probs(row, top_k[:1], top_p[:1], min_p[:1])[0]
+    for draws in (sorted_draws, rejection_draws):
+        freq = torch.bincount(draws, minlength=40).double() / n
+        assert (freq[target == 0] == 0).all()
+        assert (freq - target.double()).abs().max() < 0.04
 
 
 def test_hints_give_the_same_bounds_and_tokens():

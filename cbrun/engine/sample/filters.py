@@ -7,9 +7,11 @@ top-k set is below ``top_p`` of that set's mass (top-p, Holtzman et al. 2019), a
 counter-based uniform number (``random_stream``), and accepts it when x is in T; else every token no more likely
 than x leaves S (none of them is in T) and it draws again. An accepted x is distributed as p given T exactly,
 since T stays inside S. This is the pivot idea of FlashInfer's sorting-free top-k/top-p sampling; the code is ours.
-A round costs a few passes over the row; most rows finish in the first. ``filtered_probs`` builds the filtered
-distribution itself (one sort), for the few callers that need its values: speculative verification, draft
-proposals and processed log-probabilities.
+A round costs a few passes over the row; most rows finish in the first, but each round asks the device whether a
+row was rejected. ``filtered_probs`` builds the filtered distribution itself (one sort), for the callers that need
+its values (speculative verification, draft proposals, processed log-probabilities) and, with the host's hints and
+no read back at all, for ``draw_sorted``: the sampler's draw on a device, where a round's question would make the
+host wait for the forward pass (vLLM's sampler sorts the same way).
 """
 
 from __future__ import annotations
@@ -154,23 +156,61 @@ def draw_filtered(
     return tokens
 
 
-def filtered_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filtered_probs(
+    probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    hints: FilterHints | None = None,
+) -> torch.Tensor:
     """The filtered distribution itself: p restricted to the set ``draw_filtered`` accepts, renormalised.
 
     Args:
         probs: (R, V) float32 rows summing to 1; top_k, top_p, min_p: (R,) as in ``draw_filtered``.
+        hints: the host's view of the filters (``FilterHints``; hints of a superset of the rows are fine). With
+            them nothing is read back from the device: every row takes the same fixed-shape ops (one sort of all
+            rows when some row has a top-p, as vLLM's sampler does), so the host never waits. Without them the
+            filters are read from the tensors, and only the top-p rows are sorted (cheaper on a CPU).
 
     Returns:
         (R, V) float32 rows summing to 1 (filtered tokens 0).
     """
-    kth = kth_largest(probs, top_k)
+    kth = kth_largest(probs, top_k, hints.max_top_k if hints is not None else None)
     kept = torch.where(probs >= kth[:, None], probs, 0.0)
     nucleus = top_p < 1.0
-    if bool(nucleus.any()):
+    if hints is not None:
+        if hints.any_top_p:
+            sorted_p, order = torch.sort(kept, dim=1, descending=True)
+            before = sorted_p.cumsum(dim=1) - sorted_p  # mass of the tokens ranked above each
+            drop = (before >= top_p[:, None] * sorted_p.sum(dim=1, keepdim=True)) & nucleus[:, None]
+            drop[:, 0] = False  # the most likely token always stays
+            kept = torch.where(torch.zeros_like(drop).scatter(1, order, drop), 0.0, kept)
+    elif bool(nucleus.any()):
         sorted_p, order = torch.sort(kept[nucleus], dim=1, descending=True)
-        before = sorted_p.cumsum(dim=1) - sorted_p  # mass of the tokens ranked above each
+        before = sorted_p.cumsum(dim=1) - sorted_p
         drop = before >= top_p[nucleus, None] * sorted_p.sum(dim=1, keepdim=True)
-        drop[:, 0] = False  # the most likely token always stays
+        drop[:, 0] = False
         kept[nucleus] = torch.where(torch.zeros_like(drop).scatter(1, order, drop), 0.0, kept[nucleus])
     kept = torch.where(kept >= (min_p * probs.amax(dim=1))[:, None], kept, 0.0)
     return kept / kept.sum(dim=1, keepdim=True)
+
+
+def draw_sorted(
+    probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    hints: FilterHints,
+) -> torch.Tensor:
+    """One token per row from p restricted to its top-k / top-p / min-p set, with no read back from the device:
+    the filtered distribution (``filtered_probs`` with the host's hints) and one inverse-CDF draw with
+    ``uniform(seed, position, PLAIN)``. The same distribution as ``draw_filtered`` (not the same draws); the
+    sampler takes it on a device, where each of ``draw_filtered``'s rounds would wait for the forward pass.
+
+    Returns:
+        (R,) int64 tokens (V for a row without a finite distribution, as ``inverse_cdf``).
+    """
+    kept = filtered_probs(probs, top_k, top_p, min_p, hints)
+    return inverse_cdf(kept, random_stream.uniform(seeds, positions, random_stream.PLAIN))

@@ -89,7 +89,9 @@ def apply_penalties(
     """Repetition (prompt and output tokens, CTRL: Keskar et al. 2019), presence and frequency penalties (output
     tokens, OpenAI's), in place on ``scores[rows]``.
 
-    Only the seen tokens are touched: one pass finds them, then the work is over those few entries.
+    Dense over the P penalised rows: every entry is computed and the seen ones kept (``torch.where``), so nothing
+    has a shape the host must read first (a ``nonzero`` of the seen tokens would wait for the forward pass on a
+    device). P x V elementwise work is a few microseconds on a GPU.
 
     Args:
         scores: (R, V) float32.
@@ -99,17 +101,15 @@ def apply_penalties(
         extra_counts: (P, V) int32 counts added to ``counts`` (tokens after the request's output), or None.
         repetition, presence, frequency: (P,) float32.
     """
-    at, token = seen.nonzero(as_tuple=True)
-    row = rows[at]
-    values = scores[row, token]
-    count = counts[count_rows[at], token]
+    values = scores[rows]
+    count = counts[count_rows]
     if extra_counts is not None:
-        count = count + extra_counts[at, token]
-    rep = repetition[at]
-    values = torch.where(values > 0, values / rep, values * rep)
+        count = count + extra_counts
+    rep = repetition[:, None]
+    penalised = torch.where(values > 0, values / rep, values * rep)
     # NOTE: only where a count is positive: a penalty that overflows float32 times a zero count would be NaN.
-    values = torch.where(count > 0, values - (frequency[at] * count + presence[at]), values)
-    scores[row, token] = values
+    penalised = torch.where(count > 0, penalised - (frequency[:, None] * count + presence[:, None]), penalised)
+    scores[rows] = torch.where(seen, penalised, values)
 
 
 def settle_infinities(scores: torch.Tensor) -> torch.Tensor:

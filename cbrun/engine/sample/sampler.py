@@ -16,7 +16,7 @@ import torch
 
 from cbrun.engine.sample import processing, random_stream
 from cbrun.engine.sample.batch import SamplingBatch
-from cbrun.engine.sample.filters import draw_filtered, filtered_probs, inverse_cdf
+from cbrun.engine.sample.filters import draw_filtered, draw_sorted, filtered_probs, inverse_cdf
 from cbrun.engine.worker.device import to_device, waits_for_device
 
 
@@ -61,8 +61,13 @@ class SamplerOutput:
         tokens = [max(t, 0) for t in read_back]
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         if self.logprob_rows:
-            chosen = self.chosen.tolist()
-            values, indices = self.top_values.tolist(), self.top_indices.tolist()
+            # NOTE: one read for all three: the ids ride as float64 (exact far beyond any vocabulary size).
+            parts = (self.chosen[:, None], self.top_values, self.top_indices)
+            both = torch.cat([t.double() for t in parts], dim=1).tolist()
+            width = self.top_values.shape[1]
+            chosen = [row[0] for row in both]
+            values = [row[1 : 1 + width] for row in both]
+            indices = [[int(i) for i in row[1 + width :]] for row in both]
             for j, (row, num) in enumerate(zip(self.logprob_rows, self.num_logprobs)):
                 entry = {tokens[row]: chosen[j]}
                 entry.update(zip(indices[j][:num], values[j][:num]))
@@ -139,7 +144,8 @@ def sampled_probs(
     if not filtered:
         return probs
     pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-    return filtered_probs(probs, pick(batch.top_k), pick(batch.top_p), pick(batch.min_p))
+    hints = batch.filter_hints if waits_for_device(scores.device) else None  # the batch's: a superset's are fine
+    return filtered_probs(probs, pick(batch.top_k), pick(batch.top_p), pick(batch.min_p), hints)
 
 
 def sample(
@@ -166,7 +172,9 @@ def sample(
         seeds, positions = pick(batch.seeds), pick(batch.positions)
         if batch.any_filtered:
             top_k, top_p, min_p = pick(batch.top_k), pick(batch.top_p), pick(batch.min_p)
-            drawn = draw_filtered(probs, top_k, top_p, min_p, seeds, positions, batch.filter_hints)
+            # NOTE: on a device the rejection rounds would each wait for the forward pass: one sort instead.
+            draw = draw_sorted if waits_for_device(scores.device) else draw_filtered
+            drawn = draw(probs, top_k, top_p, min_p, seeds, positions, batch.filter_hints)
         else:
             drawn = inverse_cdf(probs, random_stream.uniform(seeds, positions, random_stream.PLAIN))
         if rows is None:
