@@ -11,7 +11,7 @@ import torch
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.block_manager import BlockManager, truncated_block_hash
-from cbrun.engine.core.cache_sizing import resolve_num_blocks
+from cbrun.engine.core.cache_sizing import max_prompt_logprob_rows, resolve_num_blocks
 from cbrun.engine.core.cache_spec import CacheSpec
 from cbrun.engine.core.kv_layout import KVLayout
 from cbrun.engine.core.plan import SchedulerOutput
@@ -105,7 +105,12 @@ class LLMEngine:
             self.cache_spec, config.allow_block_sharing, truncated_block_hash(config.prefix_hash_bits)
         )
         self.scheduler = make_scheduler(
-            config, self.block_manager, max_model_len, self.eos_token_ids, self._stop_matcher
+            config,
+            self.block_manager,
+            max_model_len,
+            self.eos_token_ids,
+            self._stop_matcher,
+            max_prompt_logprob_rows(config, model_config.vocab_size),
         )
         kv_cache = KVCache(
             self.cache_spec,

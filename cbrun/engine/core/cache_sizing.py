@@ -16,6 +16,35 @@ logger = logging.getLogger("cbrun.engine")
 #: running out of what the cache left.
 _ACTIVATION_HIDDEN_MULTIPLE = 8
 
+#: Bytes of float32 logits a step may spend on prompt log-probability rows (scoring): the scheduler plans no more
+#: such rows per step than this holds (``max_prompt_logprob_rows``), and the memory budget charges them.
+SCORING_LOGITS_BYTES = 2**30
+
+
+def max_prompt_logprob_rows(config: EngineConfig, vocab_size: int) -> int:
+    """Most prompt log-probability rows one step may score: what ``SCORING_LOGITS_BYTES`` holds of float32 rows
+    of ``vocab_size``, at most ``max_batch_tokens`` (a row per token), at least one. At a 128k vocabulary that is
+    2,092 rows a step (8,192 tokens would be 4 GiB of logits); at 32k, up to 8,388."""
+    return max(1, min(config.max_batch_tokens, SCORING_LOGITS_BYTES // (4 * vocab_size)))
+
+
+#: (rows, V) float32-sized tensors the sampler holds at its peak per sampled row: its float32 copy, the
+#: probabilities, a sort's values and int64 order, their cumulative sum and the kept mask. A deliberate overestimate.
+_SAMPLER_ROW_COPIES = 8
+
+
+def max_sample_rows(config: EngineConfig) -> int:
+    """Most sampled logit rows one step can have: one per request, 1 + ``num_speculative_tokens`` when it verifies
+    proposals."""
+    per_request = 1 + (config.num_speculative_tokens if config.speculative != "off" else 0)
+    return config.max_requests_per_batch * per_request
+
+
+def max_logit_rows(config: EngineConfig, vocab_size: int) -> int:
+    """Most logit rows one step can produce: its sampled rows and the prompt log-probability rows the scheduler
+    lets it score."""
+    return max_sample_rows(config) + max_prompt_logprob_rows(config, vocab_size)
+
 
 def cuda_memory_bytes(device: str) -> tuple[int, int]:
     """(free, total) bytes of a CUDA device (``torch.cuda.mem_get_info``): free counts every process's use."""
@@ -40,14 +69,20 @@ def available_memory_bytes(device: str) -> int:
 
 
 def step_workspace_bytes(config: EngineConfig, model_config) -> int:
-    """Memory one forward pass needs besides the cache: activations for ``max_batch_tokens``, float32 logits for
-    ``max_requests_per_batch`` rows, and the index tensors (input ids, positions, slot mapping, block tables)."""
+    """Memory one step needs besides the cache: activations for ``max_batch_tokens``; the logits it can produce
+    (``max_logit_rows`` rows, counted as float32); the sampler's intermediates over its sampled rows
+    (``_SAMPLER_ROW_COPIES`` per row); the prompt log-probabilities' scratch (``PROMPT_LOGPROB_CHUNK_BYTES``: they
+    are scored a chunk at a time, never a second copy of every row); and the index tensors (input ids, positions,
+    slot mapping, block tables)."""
+    from cbrun.engine.sample.step import PROMPT_LOGPROB_CHUNK_BYTES
+
     hidden = model_config.hidden_size
     intermediate = getattr(model_config, "intermediate_size", None) or 4 * hidden
     activations = config.max_batch_tokens * (_ACTIVATION_HIDDEN_MULTIPLE * hidden + 3 * intermediate) * 4
-    logits = config.max_requests_per_batch * model_config.vocab_size * 4
+    vocab = model_config.vocab_size
+    logits = max_logit_rows(config, vocab) * vocab * 4 + max_sample_rows(config) * _SAMPLER_ROW_COPIES * vocab * 4
     indices = config.max_batch_tokens * 8 * 4 + config.max_requests_per_batch * 8 * 4
-    return activations + logits + indices
+    return activations + logits + PROMPT_LOGPROB_CHUNK_BYTES + indices
 
 
 def graph_pool_bytes(config: EngineConfig, model_config) -> int:

@@ -11,8 +11,10 @@ from cbrun.engine.core.request import Request
 class PlanBuilder:
     """Tracks one step's token and request budgets while the scheduler fills it."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, prompt_row_budget: int | None = None) -> None:
         self.token_budget = config.max_batch_tokens
+        #: Prompt log-probability rows the step may still score (None: no bound but the token budget).
+        self.prompt_row_budget = prompt_row_budget
         self.request_budget = config.max_requests_per_batch
         self.scheduled: list[ScheduledRequest] = []
         self._indices: set[int] = set()  # ``Request.index`` of the planned requests
@@ -24,6 +26,19 @@ class PlanBuilder:
         if self.request_budget == 0:
             return 0
         return min(num_tokens, self.token_budget)
+
+    def fit_scored(self, request: Request, start: int, num_tokens: int) -> int:
+        """``num_tokens`` from position ``start`` on, cut so that its prompt log-probability rows
+        fit ``prompt_row_budget`` (the step's logits then stay inside what the memory budget charged,
+        ``cbrun.engine.core.cache_sizing.max_prompt_logprob_rows``); the tokens before its first scored position
+        are never cut. 0 when no row fits and the chunk would start with one."""
+        budget = self.prompt_row_budget
+        if budget is None or not request.sampling_params.prompt_logprobs_from:
+            return num_tokens
+        scored = _prompt_logprob_positions(request, start, start + num_tokens)
+        if len(scored) <= budget:
+            return num_tokens
+        return scored.start - start + budget
 
     def add(
         self,
@@ -43,6 +58,8 @@ class PlanBuilder:
         if spec_token_ids or entry.needs_host_sampling or entry.prompt_logprob_positions:
             self.plain_greedy = False
             self.sampling[request.index] = RowSampling.of(request)
+        if self.prompt_row_budget is not None and entry.prompt_logprob_positions:
+            self.prompt_row_budget -= len(entry.prompt_logprob_positions)
         self.scheduled.append(entry)
         self._indices.add(request.index)
         self.token_budget -= num_tokens

@@ -49,6 +49,8 @@ class FIFOScheduler:
         max_model_len: the model's maximum length; None for no limit.
         eos_token_ids: the model's EOS ids.
         stop_matcher: finds stop strings (None without a tokenizer).
+        max_prompt_logprob_rows: most prompt log-probability rows one step may score (the memory budget's charge,
+            ``cbrun.engine.core.cache_sizing.max_prompt_logprob_rows``); None bounds them by the token budget only.
     """
 
     def __init__(
@@ -58,8 +60,10 @@ class FIFOScheduler:
         max_model_len: int | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
         stop_matcher: StopStringMatcher | None = None,
+        max_prompt_logprob_rows: int | None = None,
     ) -> None:
         self.config = config
+        self.max_prompt_logprob_rows = max_prompt_logprob_rows
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.stop_conditions = StopConditions(frozenset(eos_token_ids), max_model_len, stop_matcher)
@@ -121,7 +125,7 @@ class FIFOScheduler:
     # ---- planning -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Never raises for a shortage: it preempts, stalls or fails requests instead."""
-        plan = PlanBuilder(self.config)
+        plan = PlanBuilder(self.config, self.max_prompt_logprob_rows)
         out = SchedulerOutput()
         self._schedule_phases(plan, out)
         out.scheduled = plan.scheduled
@@ -155,6 +159,8 @@ class FIFOScheduler:
             num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
             to_compute = num_known + pending - request.num_computed_tokens  # ``Request.num_tokens_to_compute``
             num_tokens = min(to_compute, plan.token_budget)
+            if request.sampling_params.prompt_logprobs_from:
+                num_tokens = plan.fit_scored(request, request.num_computed_tokens, num_tokens)
             if num_tokens == 0:
                 return
             if speculate and to_compute == 1 and not pending and self._schedule_speculative(request, plan, num_known):
@@ -237,6 +243,8 @@ class FIFOScheduler:
             cached_blocks = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached_blocks) * self.block_manager.page_size
             num_tokens = plan.fit(request.num_tokens - num_cached_tokens)
+            if num_tokens and request.sampling_params.prompt_logprobs_from:
+                num_tokens = plan.fit_scored(request, num_cached_tokens, num_tokens)
             if num_tokens == 0:
                 return
             if not self.block_manager.allocate_slots(request, num_tokens, cached_blocks):
@@ -252,7 +260,7 @@ class FIFOScheduler:
             plan.add(request, num_tokens)
 
     def _swap_in(self, request: Request, plan: PlanBuilder, out: SchedulerOutput) -> bool:
-        num_tokens = plan.fit(request.num_tokens_to_compute)
+        num_tokens = plan.fit_scored(request, request.num_computed_tokens, plan.fit(request.num_tokens_to_compute))
         copies = self.block_manager.swap_in(request, num_tokens) if num_tokens else None
         if copies is None:
             return False
@@ -492,7 +500,8 @@ def make_scheduler(
     max_model_len: int | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
     stop_matcher: StopStringMatcher | None = None,
+    max_prompt_logprob_rows: int | None = None,
 ) -> FIFOScheduler:
     """The scheduler named by ``config.scheduler_type``."""
     cls = PrefillFirstScheduler if config.scheduler_type == "prefill_first" else FIFOScheduler
-    return cls(config, block_manager, max_model_len, eos_token_ids, stop_matcher)
+    return cls(config, block_manager, max_model_len, eos_token_ids, stop_matcher, max_prompt_logprob_rows)
