@@ -48,6 +48,7 @@ RUN_FLAGS = {
     "keep_columns": ("output", "keep_columns"),
     "shard": ("input", "shard"),
     "executor": ("cluster", "executor"),
+    "replicas": ("cluster", "num_replicas"),
     "ray_address": ("cluster", "address"),
 }
 
@@ -179,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("local", "ray"),
         help="local: one engine in this process (default); ray: a Ray Data pool of engine replicas "
         "(cluster.num_replicas, ...; needs the extra cbrun[ray])",
+    )
+    run.add_argument(
+        "--replicas",
+        type=int,
+        help="engine replicas of --executor ray (cluster.num_replicas; each of --tensor-parallel-size ranks)",
     )
     run.add_argument(
         "--ray-address",

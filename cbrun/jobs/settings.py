@@ -265,8 +265,11 @@ class ClusterSettings:
         executor: "local" (this process runs one engine) or "ray" (a Ray Data actor pool of engine replicas; the
             extra ``cbrun[ray]``).
         num_replicas: engine replicas (Ray actors), each holding one engine, loaded once.
-        num_gpus_per_replica: GPUs each replica reserves; None: 1 when the engine's device is CUDA, else 0.
-        num_cpus_per_replica: CPUs each replica reserves; also its torch thread count (at least 1).
+        num_gpus_per_replica: GPUs each replica reserves; None: 1 when the engine's device is CUDA, else 0. A
+            replica of ``engine.tensor_parallel_size = N`` ranks reserves N times this (one share per rank, at
+            least one GPU each on CUDA), all on one node.
+        num_cpus_per_replica: CPUs each replica reserves (N times this for N tensor-parallel ranks); also each
+            rank's torch thread count (at least 1).
         batch_size: input rows per batch handed to a replica.
         max_concurrent_batches: batches a replica holds at once; its engine's continuous batching runs their rows
             together, so its batch stays full while one batch ends and the next begins (``cbrun.jobs.run.replica``).

@@ -268,3 +268,98 @@ def test_ray_logs_are_quieted_to_warnings_unless_the_environment_says(monkeypatc
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_a_tensor_parallel_replica_reserves_every_ranks_share():
+    from cbrun.jobs.run.ray_executor import replica_resources
+
+    cpu, cuda = EngineConfig(device="cpu", tensor_parallel_size=2), EngineConfig(tensor_parallel_size=2)
+    object.__setattr__(cuda, "device", "cuda:0")  # no CUDA here: only the device name is read
+    assert replica_resources(ClusterSettings(num_cpus_per_replica=1), cpu) == (0, 2, 1)
+    assert replica_resources(ClusterSettings(num_cpus_per_replica=3), cuda) == (2, 6, 3)
+    assert replica_resources(ClusterSettings(num_gpus_per_replica=2), cuda) == (4, 2, 1)
+    with pytest.raises(ValueError, match="each rank needs a GPU of its own"):
+        replica_resources(ClusterSettings(num_gpus_per_replica=0.5), cuda)
+    assert replica_resources(ClusterSettings(num_cpus_per_replica=2), ENGINE_CONFIG) == (0, 2, 2)  # one rank
+
+
+def watch_ranks(output_dir, seen: set[int], stop, kill_after_first_part: bool) -> None:
+    """Collect the pids of tensor-parallel ranks (``RANK_MODULE`` processes) while the job runs; with
+    ``kill_after_first_part``, SIGKILL the first one seen once the driver has committed a part."""
+    import signal
+
+    import psutil
+
+    from cbrun.engine.worker.tp_group import RANK_MODULE
+
+    killed = False
+    while not stop.is_set():
+        for process in psutil.process_iter(["cmdline"]):
+            if RANK_MODULE in " ".join(process.info["cmdline"] or []):
+                seen.add(process.pid)
+                if kill_after_first_part and not killed and any(output_dir.glob("part-*.parquet")):
+                    process.send_signal(signal.SIGKILL)
+                    killed = True
+        stop.wait(0.05)
+
+
+def _run_watching_ranks(args, output_dir, kill_after_first_part: bool = False) -> tuple[int, set[int]]:
+    import threading
+
+    seen: set[int] = set()
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_ranks, args=(output_dir, seen, stop, kill_after_first_part), daemon=True)
+    watcher.start()
+    try:
+        code = main(args)
+    finally:
+        stop.set()
+        watcher.join()
+    return code, seen
+
+
+def _gone(pids: set[int], timeout_s: float = 10.0) -> bool:
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _tp_rows(tiny_model_dir, tmp_path, num_rows: int):
+    path = tmp_path / "in.parquet"
+    ids, prompts = [f"t{i}" for i in range(num_rows)], [f"row {i} says" for i in range(num_rows)]
+    pq.write_table(pa.table({"id": ids, "prompt": prompts}), path)
+    assert main(run_args(tiny_model_dir, path, tmp_path / "single")) == 0
+    # one replica of 2 ranks: the actor reserves both CPUs of this Ray instance, its rank 1 is its own process
+    ray_args = ["--executor", "ray", "--replicas", "1", "--tensor-parallel-size", "2", "--set", "cluster.batch_size=8"]
+    return run_args(tiny_model_dir, path, tmp_path / "ray") + ray_args, rows(tmp_path / "single")
+
+
+@pytest.mark.ray
+def test_a_tensor_parallel_replica_on_ray_equals_the_single_process_run(local_ray, tiny_model_dir, tmp_path):
+    args, single = _tp_rows(tiny_model_dir, tmp_path, 24)
+    code, ranks = _run_watching_ranks(args, tmp_path / "ray")
+    assert code == 0
+    assert len(ranks) == 1, "the replica ran no rank process of its own"
+    got = rows(tmp_path / "ray")
+    assert [r["row_index"] for r in got] == list(range(24))
+    assert [(r["id"], r["completion_token_ids"]) for r in got] == [(r["id"], r["completion_token_ids"]) for r in single]
+    assert _gone(ranks), "a rank outlived its job"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_rank_on_ray_restarts_its_replica_and_every_row_is_written_once(local_ray, tiny_model_dir, tmp_path):
+    args, single = _tp_rows(tiny_model_dir, tmp_path, 120)
+    code, ranks = _run_watching_ranks(args + ["--set", "output.commit_every_rows=8"], tmp_path / "ray", True)
+    assert code == 0
+    assert len(ranks) >= 2, "no rank was killed and replaced"  # the killed rank 1, then the restarted replica's
+    got = rows(tmp_path / "ray")  # asserts no row was written twice
+    assert [(r["id"], r["completion_token_ids"]) for r in got] == [(r["id"], r["completion_token_ids"]) for r in single]
+    assert _gone(ranks)

@@ -50,7 +50,6 @@ TP2 = ["--tensor-parallel-size", "2"]
             TP2 + ["--set", 'engine.speculative="draft"', "--set", 'engine.draft_model="{model}"'],
             "tensor_parallel_size = 2 does not run with speculative",
         ),
-        (TP2 + ["--executor", "ray"], "--executor ray does not run engine.tensor_parallel_size = 2"),
         (TP2 + ["--set", 'engine.loader="transformers"'], "tensor_parallel_size = 2 does not run with loader"),
         (TP2 + ["--set", 'engine.model_impl="transformers"'], "tensor_parallel_size = 2 does not run with model_impl"),
         (TP2 + ["--set", 'engine.batch_invariant="on"'], "tensor_parallel_size = 2 does not run with batch_invariant"),
@@ -61,7 +60,7 @@ TP2 = ["--tensor-parallel-size", "2"]
             "tensor_parallel_size = 3 cannot split this model: num_attention_heads = 4 is not a multiple",
         ),
     ],
-    ids=["ngram", "draft", "ray", "loader", "model-impl", "batch-invariant", "cuda-graphs", "heads"],
+    ids=["ngram", "draft", "loader", "model-impl", "batch-invariant", "cuda-graphs", "heads"],
 )
 def test_what_a_replica_cannot_run_is_exit_2_by_name(tiny_model_dir, tmp_path, capsys, extra, named):
     out = tmp_path / "out"

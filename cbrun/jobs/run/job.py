@@ -146,16 +146,12 @@ def run_job(
             "job with the cbrun command, which starts the replicas, or run each --shard I/N"
         )
     if manifest.cluster.executor == "ray":
-        if engine_config.tensor_parallel_size > 1:
-            raise JobError(
-                f"--executor ray does not run engine.tensor_parallel_size = {engine_config.tensor_parallel_size} "
-                "yet (a replica is one process); use the local executor, or --shard I/N for more replicas"
-            )
-        from cbrun.jobs.run.ray_executor import check_ray_installed
+        from cbrun.jobs.run.ray_executor import check_ray_installed, replica_resources
 
         try:
             check_ray_installed()
-        except ImportError as exc:
+            replica_resources(manifest.cluster, engine_config)  # a tensor-parallel replica's GPUs
+        except (ImportError, ValueError) as exc:
             raise JobError(str(exc)) from None
     if shard is None:
         shard = Shard.parse(manifest.input.shard) if manifest.input.shard is not None else Shard()

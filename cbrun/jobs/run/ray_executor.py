@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["RAY_EXTRA_MESSAGE", "check_ray_installed", "pending_spans", "run_on_ray"]
+__all__ = ["RAY_EXTRA_MESSAGE", "check_ray_installed", "pending_spans", "replica_resources", "run_on_ray"]
 
 from cbrun.jobs.output.writer import OUTPUT_SCHEMA, OutputRow
 from cbrun.jobs.run.ray_input import pending_spans
@@ -86,6 +86,31 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
     ray.init(**kwargs, log_to_driver=False, include_dashboard=False, configure_logging=False)
 
 
+def replica_resources(cluster, engine_config) -> tuple[float, float, int]:
+    """What one replica actor reserves, and its ranks' torch threads: ``(num_gpus, num_cpus, threads per rank)``.
+
+    A replica of ``tensor_parallel_size = N`` ranks is one actor whose ranks 1..N-1 are its own processes
+    (``cbrun.engine.worker.tp_group``), so the actor reserves every rank's share: N x ``num_gpus_per_replica``
+    (None: 1 per rank on CUDA, 0 on the CPU) and N x ``num_cpus_per_replica``. Ray places one actor's resources on
+    one node, so the N ranks are on one node, as a ``STRICT_PACK`` placement group of N bundles would place them;
+    the ranks see the actor's ``CUDA_VISIBLE_DEVICES`` and rank r takes its r-th device.
+
+    Raises:
+        ValueError: on CUDA, fewer than one GPU per rank of a tensor-parallel replica (each rank needs its own).
+    """
+    ranks = engine_config.tensor_parallel_size
+    per_rank = cluster.num_gpus_per_replica
+    on_cuda = engine_config.device.startswith("cuda")
+    if per_rank is None:
+        per_rank = 1 if on_cuda else 0
+    if ranks > 1 and on_cuda and per_rank < 1:
+        raise ValueError(
+            f"cluster.num_gpus_per_replica = {per_rank} with tensor_parallel_size = {ranks}: each rank needs a "
+            "GPU of its own (the replica reserves num_gpus_per_replica per rank); set it to 1 or more"
+        )
+    return ranks * per_rank, ranks * cluster.num_cpus_per_replica, max(1, int(cluster.num_cpus_per_replica))
+
+
 def output_batches(
     manifest, engine_config, spans: list[tuple[int, int]], commit_output: str | None = None
 ) -> Iterator[pa.Table]:
@@ -96,10 +121,7 @@ def output_batches(
     from cbrun.jobs.run.replica import Replica
 
     cluster = manifest.cluster
-    num_gpus = cluster.num_gpus_per_replica
-    if num_gpus is None:
-        num_gpus = 1 if engine_config.device.startswith("cuda") else 0
-    num_threads = max(1, int(cluster.num_cpus_per_replica))
+    num_gpus, num_cpus, num_threads = replica_resources(cluster, engine_config)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     # NOTE: one block per span (no splitting), and reads reserve no CPU: they are light, and a replica per CPU
@@ -115,7 +137,7 @@ def output_batches(
         batch_size=cluster.batch_size,
         batch_format="pyarrow",
         num_gpus=num_gpus,
-        num_cpus=cluster.num_cpus_per_replica,
+        num_cpus=num_cpus,
         compute=ray.data.ActorPoolStrategy(
             size=cluster.num_replicas,
             max_concurrent_calls_per_actor=per_replica,

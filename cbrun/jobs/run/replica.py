@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections import deque
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
+from cbrun.engine.worker.tp_group import TensorParallelError
 from cbrun.jobs.input.carry import carried_values
 from cbrun.jobs.input.reader import InputRow
 from cbrun.jobs.modes.ordering import order_by_prefix
@@ -115,6 +117,11 @@ class BatchLoop:
                     for output in self.engine.step():
                         self._num_in_engine -= 1
                         self._collect(output)
+            except TensorParallelError:
+                # NOTE: the replica's group is broken for good: end the actor, so Ray restarts it (a new group) and
+                # retries its batches; the driver writes each row once
+                logger.exception("a rank of this tensor-parallel replica failed; ending the replica for Ray to restart")
+                os._exit(1)
             except Exception as exc:  # not one row's fault (those come back as error rows): fail the batches held
                 logger.exception("replica engine fault; failing its %d batches in flight", len(self._batches()))
                 self._fail_all(exc)
@@ -260,8 +267,6 @@ class Replica:
     def _open_timeline(self, manifest, engine, engine_config):
         """This replica's own timeline in the output's ``_cbrun/`` (``cbrun.jobs.observe.timeline``), sampled on the engine thread;
         None when ``output.timeline_interval_s`` is 0."""
-        import os
-
         from cbrun.jobs import storage
         from cbrun.jobs.observe.timeline import TimelineRecorder, run_id, timeline_path
 
