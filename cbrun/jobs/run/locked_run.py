@@ -144,8 +144,24 @@ class _Job:
 
         if manifest.cluster.executor == "ray":
             return self._run_on_ray(engine_config, summary, done, progress)
-        if engine is None:
-            engine = load_engine(manifest.model.path, engine_config, expected_requests(manifest, self.reader, done))
+        if engine is not None:
+            return self._generate(engine, engine_config, tokenizer, summary, done, progress)
+        engine = load_engine(manifest.model.path, engine_config, expected_requests(manifest, self.reader, done))
+        try:
+            return self._generate(engine, engine_config, tokenizer, summary, done, progress)
+        finally:
+            engine.close()  # NOTE: a tensor-parallel engine's ranks end with its run, not with this process
+
+    def _generate(
+        self, engine, engine_config, tokenizer, summary: JobSummary, done: np.ndarray, progress: bool
+    ) -> JobSummary:
+        """The rows not ``done`` through ``engine`` into parts, then the job's finish; returns ``summary`` filled.
+
+        Raises:
+            JobAborted: a fault that is not one row's (the finished rows committed).
+            KeyboardInterrupt: a stop signal, with ``num_committed_rows`` set.
+        """
+        manifest = self.manifest
         out = manifest.output
         writer = self.start_writer()
         mode = MODES[manifest.input.mode](
