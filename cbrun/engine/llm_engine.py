@@ -121,10 +121,10 @@ class LLMEngine:
             num_zeroed_pages=self._num_touched_pages(),
         )
         use_triton = backends.use_triton(config)
-        use_graphs = backends.use_cuda_graphs(config, use_triton)
+        use_graphs = backends.use_cuda_graphs(config, use_triton, model_config)
         #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
-        self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs)
+        self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs, config.speculative)
         cpu_kernel = backends.use_cpu_kernel(config, dtype, use_triton)
         batch_invariant = backends.use_batch_invariant(config, cpu_kernel, use_graphs)
         lean_model = select_lean_model(

@@ -16,6 +16,7 @@ from cbrun.engine.core.cache_spec import CacheSpec
 from cbrun.engine.core.plan import SchedulerOutput, StepOutput
 from cbrun.engine.core.request import PENDING_TOKEN, Request, RequestStatus
 from cbrun.engine.core.scheduler import FIFOScheduler
+from cbrun.engine.worker.async_batching import use_async_batching
 from tests.model_utils import assert_pool_balanced, hf_greedy, random_llama_dir, random_prompts
 
 VOCAB = 128
@@ -187,3 +188,26 @@ def test_async_batching_setting_on_the_cpu(caplog):
     assert "async batching off: the device is cpu" in caplog.text
     with pytest.raises(ValueError, match="async_batching must be one of"):
         EngineConfig(async_batching="yes")
+
+
+def test_speculation_and_async_batching_are_one_choice(caplog):
+    """With a step in flight nothing is known to propose from: the same n-gram workload verifies proposals with
+    async batching off and none with it on (the measured reason), so speculation turns "auto" off, saying why."""
+    config = EngineConfig(
+        page_size=4, num_blocks=200, max_batch_tokens=64, max_requests_per_batch=8, speculative="ngram", ngram_min=1
+    )
+    prompts = random_prompts(4, VOCAB, 4, 8, seed=3)
+    stats = {}
+    for overlap in (False, True):
+        engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config)
+        engine.overlap_steps = overlap
+        outputs = list(engine.generate((i, p * 3, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)))
+        assert len(outputs) == 4
+        stats[overlap] = engine.stats
+    assert stats[False].num_verify_steps > 0 and stats[False].num_accepted_tokens > 0
+    assert stats[True].num_verify_steps == 0
+    assert stats[False].num_steps < stats[True].num_steps
+    with caplog.at_level(logging.INFO, logger="cbrun.engine"):
+        assert not use_async_batching("auto", "cuda", True, "ngram")
+    assert "async batching off: speculative = 'ngram' proposes from the tokens known on the host" in caplog.text
+    assert use_async_batching("auto", "cuda", True, "off")

@@ -380,6 +380,32 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
 
 
 # ---- scheduling and rollback, without a model -------------------------------------------------------------------
+def test_a_verify_steps_tokens_are_read_before_the_request_runs_again():
+    """With a verify step in flight, how many tokens it commits is unknown: the request is not planned again (its
+    next input cannot be taken from the device) until the step is read."""
+    from cbrun.engine.core.block_manager import BlockManager
+    from cbrun.engine.core.cache_spec import CacheSpec
+    from cbrun.engine.core.plan import StepOutput
+    from cbrun.engine.core.request import Request
+    from cbrun.engine.core.scheduler import FIFOScheduler
+
+    config = EngineConfig(
+        page_size=4, num_blocks=64, max_batch_tokens=32, speculative="ngram", ngram_min=1, num_speculative_tokens=6
+    )
+    scheduler = FIFOScheduler(config, BlockManager(CacheSpec.build(config.num_blocks, config.page_size), True))
+    request = Request("r", [5, 6, 7, 8, 9, 10, 11, 12, 5, 6], SamplingParams(max_new_tokens=50))
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    scheduler.advance(out)
+    scheduler.update_from_output(out, StepOutput({request.index: [7]}))
+    verify = scheduler.schedule()
+    assert verify.scheduled[0].spec_token_ids
+    scheduler.advance(verify)  # launched; async batching plans the next step before reading it
+    assert request.num_pending_tokens == 1 and not scheduler.schedule().scheduled
+    scheduler.update_from_output(verify, StepOutput({request.index: [8, 9, 3]}))
+    assert [s.request_id for s in scheduler.schedule().scheduled] == ["r"]
+
+
 def test_verify_step_rolls_back_rejected_slots_and_never_caches_them():
     from cbrun.engine.core.block_manager import BlockManager
     from cbrun.engine.core.cache_spec import CacheSpec

@@ -73,6 +73,7 @@ class FIFOScheduler:
         self.requests: dict[int, Request] = {}
         self._finished_unplanned: list[Request] = []  # failed or rejected: returned by ``pop_finished``
         self._released: list[int] = []  # ``Request.index`` of requests that left ``running`` since the last plan
+        self._verifying: set[int] = set()  # ``Request.index`` of requests whose verify step is launched, not read
         self.num_soft_resets = 0
         self.num_offloads = 0  # swaps to CPU
         #: Output tokens committed (a verify step's accepted run counts only up to a stop inside it, so the count
@@ -119,6 +120,7 @@ class FIFOScheduler:
         self.running.clear()
         self.waiting.clear()
         self.requests.clear()
+        self._verifying.clear()
         self._finished_unplanned.clear()
         return aborted
 
@@ -305,9 +307,12 @@ class FIFOScheduler:
         """Whether the request may run now. With async batching its last token may still be on the device: it
         runs again only if the model runner can feed that token from the device (the argmax, or a token the
         sampler drew at launch; not a penalised row, whose token counts need the token on the host) and that token
-        is not its last one (``max_new_tokens`` or the model's length reached)."""
+        is not its last one (``max_new_tokens`` or the model's length reached). A verify step's tokens never stay
+        on the device: how many it commits is known only once it is read."""
         if not request.num_pending_tokens:
             return True
+        if request.index in self._verifying:
+            return False
         params = request.sampling_params
         if params.penalised:
             return False
@@ -346,6 +351,8 @@ class FIFOScheduler:
             if item.samples:
                 request.num_pending_tokens += 1
                 request.status = decoding
+                if item.spec_token_ids:
+                    self._verifying.add(item.request_index)
 
     def update_from_output(self, out: SchedulerOutput, output: StepOutput) -> list[Request]:
         """Apply a launched step's ``StepOutput``: fail the rows that failed, record prompt log-probabilities, turn
@@ -381,6 +388,8 @@ class FIFOScheduler:
         for item in out.scheduled:
             if not item.samples:
                 continue
+            if item.spec_token_ids:
+                self._verifying.discard(item.request_index)
             request = requests.get(item.request_index)
             if request is None:  # finished or failed since this step was planned
                 continue

@@ -131,13 +131,21 @@ class InputStager:
         return out
 
 
-def use_async_batching(setting: str, device: str, use_cuda_graphs: bool) -> bool:
+def use_async_batching(setting: str, device: str, use_cuda_graphs: bool, speculative: str = "off") -> bool:
     """Whether to overlap steps; logs once why not, or raises when ``setting`` is "on" and it cannot.
+
+    Speculative decoding and async batching are one choice, made here: with a step in flight a request's last
+    token is still on the device when its next step is planned, so a proposer, which reads the request's known
+    tokens, has nothing to propose from, and verify steps never run (on a CPU stand-in, 29 verify entries with
+    async off and 0 with it on for the same n-gram workload, ``tests/engine/test_async_batching.py``). With
+    ``speculative`` set, "auto" turns async batching off and says so; "on" is refused
+    (``backends.check_speculative``).
 
     Args:
         setting: ``EngineConfig.async_batching``: "auto", "on" or "off".
         device: the engine's device string.
         use_cuda_graphs: whether the forward pass replays CUDA graphs.
+        speculative: ``EngineConfig.speculative``.
 
     Raises:
         ValueError: for "on" on a non-CUDA device or without CUDA graphs.
@@ -147,4 +155,9 @@ def use_async_batching(setting: str, device: str, use_cuda_graphs: bool) -> bool
         reason = f"the device is {device}, not CUDA: no stream to overlap with"
     elif not use_cuda_graphs:
         reason = "it needs CUDA graphs (stable input addresses), which are off"
+    elif speculative != "off":
+        reason = (
+            f"speculative = {speculative!r} proposes from the tokens known on the host, and with a step in flight "
+            "a request's last token never is: speculation is chosen"
+        )
     return resolve_switch("async_batching", setting, reason, off_log="async batching off: %s")

@@ -12,13 +12,60 @@ from cbrun.engine.switches import resolve_switch
 from cbrun.engine.worker.padding import GraphBuckets
 
 
-def use_cuda_graphs(config: EngineConfig, use_triton: bool) -> bool:
-    """Whether to replay decode steps from CUDA graphs, real or emulated; says why not, once, when it cannot."""
+def use_cuda_graphs(config: EngineConfig, use_triton: bool, model_config=None) -> bool:
+    """Whether to replay decode steps from CUDA graphs, real or emulated; says why not, once, when it cannot.
+
+    Args:
+        model_config: the model's (text) config, to refuse a forward pass that reads values back to the host
+            (``forward_host_read``); None skips that check.
+
+    Raises:
+        ValueError: for ``cuda_graphs = "on"`` (or "emulate") where graphs cannot run, naming why.
+    """
+    host_read = forward_host_read(model_config) if model_config is not None else None
     if config.cuda_graphs == "emulate":  # on any device and backend
+        if host_read is not None:
+            raise ValueError(f"cuda_graphs = emulate, but {host_read}")
         return True
-    return resolve_switch(
-        "cuda_graphs", config.cuda_graphs, cuda_graphs_blocker(config, use_triton), off_log="CUDA graphs off: %s"
-    )
+    blocker = cuda_graphs_blocker(config, use_triton) or host_read
+    return resolve_switch("cuda_graphs", config.cuda_graphs, blocker, off_log="CUDA graphs off: %s")
+
+
+def forward_host_read(model_config) -> str | None:
+    """Why the model's transformers forward pass reads a value back to the host (which a graph cannot capture: its
+    replay would keep the capture step's value, or the capture fails), or None when it reads nothing.
+
+    Known readers: dynamic RoPE scaling (transformers' ``dynamic_rope_update`` compares the longest position with
+    its cached length on the host, and recomputes the frequencies when it grows) and transformers' mixture-of-experts
+    blocks (they loop over the experts a step's tokens hit, found with ``nonzero``). Such a model runs eager.
+    """
+    for params in _rope_parameters(model_config):
+        kind = params.get("rope_type", params.get("type"))
+        if isinstance(kind, str) and "dynamic" in kind:
+            return (
+                f"the model's forward pass reads a value back to the host: dynamic RoPE scaling (rope_type "
+                f"{kind!r}) compares its longest position with the cached length on the host, which a graph "
+                "cannot capture; the model runs eager"
+            )
+    for name in ("num_experts", "num_local_experts"):
+        if (getattr(model_config, name, None) or 0) > 1:
+            return (
+                "the model's forward pass reads a value back to the host: transformers' mixture-of-experts "
+                f"blocks ({name} = {getattr(model_config, name)}) find the experts a step's tokens hit with nonzero "
+                "and loop over them on the host, which a graph cannot capture; the model runs eager"
+            )
+    return None
+
+
+def _rope_parameters(model_config) -> list[dict]:
+    """The model's RoPE parameter dicts (``rope_scaling`` / ``rope_parameters``, one per layer type when nested)."""
+    found = []
+    for name in ("rope_scaling", "rope_parameters"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, dict):
+            nested = [v for v in value.values() if isinstance(v, dict)]
+            found.extend(nested or [value])
+    return found
 
 
 def cuda_graphs_blocker(config: EngineConfig, use_triton: bool) -> str | None:
