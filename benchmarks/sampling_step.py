@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.core.request import Request
 from cbrun.engine.sample.batch import SamplingRow, build_batch
 from cbrun.engine.sample.sampler import sample
@@ -40,7 +41,7 @@ def time_setting(params: SamplingParams, logits: torch.Tensor, repeats: int) -> 
     for i in range(rows):
         request = Request(i, torch.randint(0, vocab, (32,), generator=gen).tolist(), params, seed=i)
         request.output_token_ids = torch.randint(0, vocab, (64,), generator=gen).tolist()
-        requests.append(SamplingRow(request, []))
+        requests.append(SamplingRow(RowSampling.of(request), []))
     batch = build_batch(requests, TokenCounts(vocab, logits.device), frozenset(), logits.device)
     sample(logits, batch).to_host()  # warm-up
     times = []

@@ -77,11 +77,14 @@ class EngineConfig:
         cuda_graphs: replay decode and uniform verify steps from CUDA graphs, padded to batch-size buckets
             (``cbrun.engine.worker.padding``); other steps run eagerly. "auto" (on for CUDA with the Triton backend), "on",
             "off", or "emulate": the same graph path recorded and replayed op by op on any device and backend
-            (``cbrun.engine.worker.graph_emulation``; for tests: slower than "off").
+            (``cbrun.engine.worker.graph_emulation``; for tests: slower than "off"). A model whose forward pass
+            reads values back to the host (dynamic RoPE, transformers' MoE blocks) runs eager: "auto" turns
+            graphs off saying why, "on" and "emulate" are refused.
         cuda_graph_max_batch_size: the largest batch-size bucket (SGLang's ``cuda_graph_max_bs``); decode steps
             with more requests run eagerly. None (the default) takes ``max_requests_per_batch``.
-        async_batching: "auto" (on with CUDA graphs on a CUDA device), "on" or "off": plan and upload step N+1
-            while the device computes step N (see ``engine.async_batching``).
+        async_batching: "auto" (on with CUDA graphs on a CUDA device, off with speculative decoding, which
+            needs each step's tokens before the next plan), "on" or "off": plan and upload step N+1 while the
+            device computes step N (see ``engine.async_batching``).
         num_threads: CPU intra-op threads for torch (``torch.set_num_threads``, process-wide): a positive int,
             "auto" (the default: 1 thread for a model under 10M parameters, whose ops are too small to split,
             else every physical core; torch's default on CUDA; see ``cbrun.engine.worker.threads.resolve_num_threads``), or None

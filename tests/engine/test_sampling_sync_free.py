@@ -15,7 +15,12 @@ from cbrun.engine.sampling_params import SamplingParams
 from tests.engine.test_sampling_batched import run
 
 VOCAB = 300
-READS_BACK = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
+READS_BACK = {
+    "aten._local_scalar_dense.default",
+    "aten.nonzero.default",
+    "aten.nonzero_numpy.default",
+    "aten.is_nonzero.default",
+}
 
 
 class CountReadBacks(TorchDispatchMode):
@@ -140,3 +145,21 @@ def test_a_row_without_top_k_draws_alike_next_to_top_k_rows():
         torch.zeros(65, dtype=torch.int64),
     )
     assert torch.equal(with_neighbour[:64], alone)
+
+
+def test_dense_penalties_on_a_device_equal_the_cpus_sparse_ones(monkeypatch):
+    gen = torch.Generator().manual_seed(9)
+    scores = torch.randn(5, VOCAB, generator=gen) * 3
+    rows = torch.tensor([0, 2, 4])
+    counts = torch.randint(0, 3, (4, VOCAB), generator=gen, dtype=torch.int32)
+    seen = torch.rand(3, VOCAB, generator=gen) < 0.2
+    extra = torch.randint(0, 2, (3, VOCAB), generator=gen, dtype=torch.int32)
+    args = (rows, counts, torch.tensor([3, 0, 1]), seen, extra)
+    settings = (torch.tensor([1.3, 0.8, 1.0]), torch.tensor([0.5, 0.0, -0.2]), torch.tensor([0.1, 0.7, 0.0]))
+    sparse = scores.clone()
+    processing.apply_penalties(sparse, *args, *settings)
+    monkeypatch.setattr(processing, "waits_for_device", lambda device: True)
+    dense = scores.clone()
+    with CountReadBacks() as counter:
+        processing.apply_penalties(dense, *args, *settings)
+    assert counter.reads == [] and torch.equal(dense, sparse) and not torch.equal(dense, scores)

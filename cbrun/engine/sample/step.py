@@ -135,7 +135,7 @@ class StepSampler:
             results = self._isolated(lambda at: self._sample(logits, rows, launched.logit_rows, at, None), len(rows))
             launched.results = [_launched_result(r) for r in results]
             ids = [r[0] if not isinstance(r, Exception) else 0 for r in results]
-            tokens = torch.tensor(ids, dtype=torch.int64, device=logits.device)
+            tokens = to_device(ids, torch.int64, logits.device)
         argmax[to_device(launched.sample_rows, torch.int64, argmax.device)] = tokens
         return argmax
 

@@ -31,6 +31,7 @@ from cbrun.engine.core.faults import SamplingError
 from cbrun.engine.core.kv_layout import SLIDING, KVLayout
 from cbrun.engine.core.plan import RowSampling, ScheduledRequest, SchedulerOutput
 from cbrun.engine.spec_decode.speculative_rule import sample_draft
+from cbrun.engine.worker.device import to_device
 from cbrun.engine.worker.kv_cache import KVCache
 from cbrun.engine.worker.model_runner import ModelRunner
 
@@ -135,7 +136,9 @@ class DraftProposer:
         """Append each item's next draft token (and q for sampled requests) from the step's logits."""
         if not items:
             return
-        rows = torch.tensor([handle.sample_row_of[item.request_index] for item in items])
+        rows = to_device(
+            [handle.sample_row_of[item.request_index] for item in items], torch.int64, handle.logits.device
+        )
         logits = _fit_vocab(handle.logits[rows], self.vocab_size)
         argmax = logits.argmax(dim=-1).tolist()
         for i, item in enumerate(items):

@@ -8,6 +8,7 @@ import torch
 from cbrun.engine.core.plan import SchedulerOutput
 from cbrun.engine.sample.processing import apply_token_bitmask
 from cbrun.engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
+from cbrun.engine.worker.device import to_device
 from cbrun.kernels import cpu_token_mask
 
 #: Bits per bitmask word (xgrammar's layout: bit ``t % 32`` of word ``t // 32`` allows token t).
@@ -104,7 +105,7 @@ def masked_argmax(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     if rows == list(range(logits.shape[0])):  # every row of the step: masked in place, no copy (the mask is
         scores = apply_token_bitmask(logits, bitmask)  # applied first anyway, and again is the same)
     else:
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        index = to_device(rows, torch.int64, logits.device)
         scores = apply_token_bitmask(logits[index], bitmask[index])
     best, tokens = scores.max(dim=1)  # a row with a NaN has a NaN maximum
     tokens = tokens.masked_fill(best.isnan() | (best == float("-inf")), -1)  # one read back from the device
