@@ -70,8 +70,8 @@ def test_requests_finishing_in_flight_drop_their_extra_token(prompts, stop_token
 
 
 def test_sampled_and_processed_requests_match_the_synchronous_run(prompts, stop_token):
-    """Seeded sampling and log-probabilities are drawn on the device at launch and take part in the overlap;
-    penalised rows wait for their token. Outputs equal the synchronous run's."""
+    """Seeded sampling, penalties and log-probabilities are drawn on the device at launch and take part in the
+    overlap. Outputs equal the synchronous run's."""
 
     def params(i):
         kind = i % 4
@@ -87,7 +87,7 @@ def test_sampled_and_processed_requests_match_the_synchronous_run(prompts, stop_
     overlapped, _ = run(prompts, params, overlap=True)
     for i in range(len(prompts)):
         assert overlapped[i].output_token_ids == sync[i].output_token_ids, i
-        # Batches differ (a host-sampled request skips every other step), so floats may differ in the last bits.
+        # Batches differ (prompt rows chunk differently), so floats may differ in the last bits.
         assert_close_logprobs(overlapped[i].logprobs, sync[i].logprobs)
         assert overlapped[i].prompt_logprobs == pytest.approx(sync[i].prompt_logprobs, abs=1e-4)
 
@@ -157,8 +157,9 @@ def test_scheduler_runs_a_pending_request_only_when_its_token_can_stay_on_the_de
     assert all(r.num_pending_tokens == 1 and r.status is RequestStatus.DECODING for r in (greedy, sampled, last))
     assert greedy.token_ids(3, 4) == [PENDING_TOKEN]
     second = s.schedule()  # planned while the first step is in flight
-    # Sampled rows are drawn on the device at launch, like the argmax; a penalised row waits for its counts.
-    assert [item.request_id for item in second.scheduled] == ["greedy", "sampled"]
+    # Sampled and penalised rows are drawn on the device at launch, like the argmax (a penalised row's counts
+    # take its pending token from the device).
+    assert [item.request_id for item in second.scheduled] == ["greedy", "sampled", "penalised"]
     s.advance(second)
     finished = s.update_from_output(
         first, StepOutput({r.index: [9] for r in (greedy, sampled, penalised, last, at_limit)})
@@ -166,7 +167,7 @@ def test_scheduler_runs_a_pending_request_only_when_its_token_can_stay_on_the_de
     assert {r.request_id for r in finished} == {"last", "at_limit"}  # max_new_tokens; the model's length
     assert greedy.output_token_ids == [9] and greedy.num_pending_tokens == 1
     assert sampled.output_token_ids == [9] and sampled.num_pending_tokens == 1
-    assert penalised.num_pending_tokens == 0 and penalised.output_token_ids == [9]
+    assert penalised.num_pending_tokens == 1 and penalised.output_token_ids == [9]
 
 
 def test_model_runner_refuses_a_pending_token_it_cannot_carry():
@@ -211,3 +212,16 @@ def test_speculation_and_async_batching_are_one_choice(caplog):
         assert not use_async_batching("auto", "cuda", True, "ngram")
     assert "async batching off: speculative = 'ngram' proposes from the tokens known on the host" in caplog.text
     assert use_async_batching("auto", "cuda", True, "off")
+
+
+def test_penalised_rows_run_every_step_with_async_batching(prompts):
+    """A penalised row's counts take its pending token from the device, so it decodes every step like a greedy
+    one (it used to wait for its token, every other step), with the synchronous run's tokens."""
+
+    def params(i):
+        return SamplingParams(max_new_tokens=12, repetition_penalty=1.3, frequency_penalty=0.4, temperature=0.7, seed=i)
+
+    sync, sync_engine = run(prompts[:6], params, overlap=False)
+    overlapped, engine = run(prompts[:6], params, overlap=True)
+    assert tokens(overlapped) == tokens(sync)
+    assert engine.stats.num_steps <= sync_engine.stats.num_steps + 1  # the one step in flight at the end

@@ -306,16 +306,14 @@ class FIFOScheduler:
     def _next_input_ready(self, request: Request) -> bool:
         """Whether the request may run now. With async batching its last token may still be on the device: it
         runs again only if the model runner can feed that token from the device (the argmax, or a token the
-        sampler drew at launch; not a penalised row, whose token counts need the token on the host) and that token
-        is not its last one (``max_new_tokens`` or the model's length reached). A verify step's tokens never stay
+        sampler drew at launch; a penalised row's counts take it from the device too) and that token is not its
+        last one (``max_new_tokens`` or the model's length reached). A verify step's tokens never stay
         on the device: how many it commits is known only once it is read."""
         if not request.num_pending_tokens:
             return True
         if request.index in self._verifying:
             return False
         params = request.sampling_params
-        if params.penalised:
-            return False
         if request.structured is not None:  # its next mask needs its matcher past that token, on the host
             return False
         if len(request.output_token_ids) + request.num_pending_tokens >= params.max_new_tokens:

@@ -19,7 +19,7 @@ class SamplingRow:
 
     ``extra_tokens`` are a verify step's proposals before this position (or a draft's earlier proposals). The
     row's token is output position ``request.position + len(extra_tokens)`` (``request.num_pending`` counts the
-    tokens sampled on the device but not read yet: async batching; never for a penalised row).
+    tokens sampled on the device but not read yet: async batching).
     """
 
     request: RowSampling

@@ -111,7 +111,9 @@ class StepSampler:
         return launched if launched.rows else None
 
     @torch.inference_mode()
-    def sample_at_launch(self, logits: torch.Tensor, argmax: torch.Tensor, launched: LaunchedRows) -> torch.Tensor:
+    def sample_at_launch(
+        self, logits: torch.Tensor, argmax: torch.Tensor, launched: LaunchedRows, previous: StepHandle | None = None
+    ) -> torch.Tensor:
         """The step's read-back: ``argmax`` (S,) with the launched rows replaced by their samples, a failed row's id
         negative (its error code, ``processing.encode_errors``), so the one copy of the step's tokens brings the
         errors too. The tokens stay on the device (async batching feeds them to the next step like the argmax).
@@ -120,8 +122,14 @@ class StepSampler:
             logits: (N, V) the step's logits.
             argmax: (S,) int64, the step's argmax of its sample rows (changed in place).
             launched: from ``launch_rows``; its ``output`` (or ``results``) is filled for ``read``.
+            previous: the step in flight (async batching): a penalised row's pending token is counted from its
+                tokens on the device (``TokenCounts.count_pending``).
         """
         rows = launched.rows
+        pending = [r for r in rows if r.num_pending and r.params.penalised]
+        if pending:
+            rows_in_flight = [previous.sample_row_of[r.request_index] for r in pending]
+            self.token_counts.count_pending(pending, previous.sampled, rows_in_flight)
         index = to_device(launched.logit_rows, torch.int64, logits.device)
         try:
             batch = build_batch(

@@ -66,6 +66,33 @@ class TokenCounts:
         seen[at[:, 0], at[:, 1]] = True
         return index, seen, extra_counts
 
+    def count_pending(self, requests: list[RowSampling], sampled: torch.Tensor, rows: list[int]) -> None:
+        """Count each request's pending token, still on the device (async batching), so that a penalised row runs
+        every step: ``counts[request, sampled[row]] += 1`` on the device, nothing read back. The token is then
+        counted: when it reaches the request's output on the host, it is not counted again.
+
+        Args:
+            requests: requests with one pending token each (``RowSampling.num_pending`` 1).
+            sampled: (S,) int64 on the device, the step in flight's tokens (``StepHandle.sampled``).
+            rows: each request's row of ``sampled``.
+        """
+        todo = []
+        for request, row in zip(requests, rows):
+            self._row(request)
+            if self._num_counted[request.request_index] == request.num_output_tokens:  # not counted yet
+                todo.append((request, row))
+        self._count_new_outputs([request for request, _ in todo])
+        if not todo:
+            return
+        at = to_device([self._row_of[r.request_index] for r, _ in todo], torch.int64, self.device)
+        tokens = sampled[to_device([row for _, row in todo], torch.int64, sampled.device)].to(self.device)
+        self.counts.index_put_(
+            (at, tokens), torch.ones(len(todo), dtype=torch.int32, device=self.device), accumulate=True
+        )
+        self.seen[at, tokens] = True
+        for request, _ in todo:
+            self._num_counted[request.request_index] += 1
+
     def release(self, request_index: int) -> None:
         """Free the request's row (no-op when it has none)."""
         row = self._row_of.pop(request_index, None)
@@ -81,7 +108,7 @@ class TokenCounts:
     def _row(self, request: RowSampling) -> int:
         index = request.request_index
         row = self._row_of.get(index)
-        if row is not None and self._num_counted[index] <= request.num_output_tokens:
+        if row is not None and self._num_counted[index] <= request.position:
             return row
         if row is None:
             row = self._allocate()

@@ -166,7 +166,7 @@ class ModelRunner:
         readback = sampled
         launched = self.sampler.launch_rows(plan) if self.sampler is not None else None
         if launched is not None:
-            readback = self.sampler.sample_at_launch(logits, sampled, launched)
+            readback = self.sampler.sample_at_launch(logits, sampled, launched, previous)
             sampled = readback.clamp(min=0)  # a valid embedding index for the next step; its row is dropped
         return StepHandle.launch_readback(logits, sampled, plan.layout.sample_index_of, readback, launched)
 
