@@ -184,7 +184,8 @@ def _params(**fields) -> SamplingParams:
 
 #: Per row kind: its params, its engine settings, whether it needs a tokenizer (a grammar), and the host waits a
 #: step makes besides its one read-back, as measured (lowering one is a fix; raising one fails here):
-#: - log-probabilities are read once more, after the ids (their values are floats);
+#: - log-probabilities are read once more, after the ids (their values are floats; on CUDA their copy starts at
+#:   launch, ``SamplerOutput.stage_logprobs``, so that read finds them on the host, but the stand-in counts it);
 #: - prompt log-probabilities likewise;
 #: - a sampled verify step reads its accept flags and tokens once more (they come after verification, which runs
 #:   when the step is read);

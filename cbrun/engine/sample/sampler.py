@@ -31,6 +31,7 @@ class SamplerOutput:
         logprob_rows: host list of the L rows that asked for log-probabilities.
         chosen: (L,) float32 log-probability of each such row's token.
         top_values, top_indices: (L, max logprobs) float32 / int64, the top log-probabilities.
+        staged: (L, 1 + 2 * max logprobs) float64 on the host once ``stage_logprobs`` started its copy, else None.
     """
 
     tokens: torch.Tensor
@@ -40,6 +41,25 @@ class SamplerOutput:
     chosen: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
     top_indices: torch.Tensor | None = None
+    staged: torch.Tensor | None = None
+
+    def _packed_logprobs(self) -> torch.Tensor:
+        """(L, 1 + 2 * max logprobs) float64 on the device: chosen, top values, top ids (exact in float64)."""
+        parts = (self.chosen[:, None], self.top_values, self.top_indices)
+        return torch.cat([t.double() for t in parts], dim=1)
+
+    def stage_logprobs(self) -> None:
+        """Start the log-probabilities' copy to the host now, without waiting (page-locked memory on CUDA), so
+        that reading them after the step's read-back waits for nothing: a copy started when the step is read
+        would queue behind the next step's forward pass (async batching). Nothing to do without them."""
+        if not self.logprob_rows:
+            return
+        packed = self._packed_logprobs()
+        if packed.device.type != "cuda":
+            self.staged = packed
+            return
+        self.staged = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self.staged.copy_(packed, non_blocking=True)  # ordered before the step's read-back event
 
     def readback(self) -> torch.Tensor:
         """(R,) int64 on the device: the tokens, with each failed row's error code folded in as a negative id
@@ -53,7 +73,8 @@ class SamplerOutput:
 
         Args:
             read_back: ``readback()`` as already copied to the host with the step's tokens; None reads it now
-                (one device read). The log-probabilities, when any row asked, are a further read.
+                (one device read). The log-probabilities, when any row asked, are a further read unless
+                ``stage_logprobs`` started their copy (then the step's read-back already waited for it).
         """
         if read_back is None:
             read_back = self.readback().tolist()
@@ -62,8 +83,7 @@ class SamplerOutput:
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         if self.logprob_rows:
             # NOTE: one read for all three: the ids ride as float64 (exact far beyond any vocabulary size).
-            parts = (self.chosen[:, None], self.top_values, self.top_indices)
-            both = torch.cat([t.double() for t in parts], dim=1).tolist()
+            both = (self.staged if self.staged is not None else self._packed_logprobs()).tolist()
             width = self.top_values.shape[1]
             chosen = [row[0] for row in both]
             values = [row[1 : 1 + width] for row in both]

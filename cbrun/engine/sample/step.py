@@ -136,6 +136,7 @@ class StepSampler:
                 [SamplingRow(r, []) for r in rows], self.token_counts, self.eos_token_ids, logits.device
             )
             launched.output = sample(logits[index], batch, in_place=True)  # the index made a copy
+            launched.output.stage_logprobs()
             tokens = launched.output.readback()
         except Exception as error:
             if not is_request_fault(error):
