@@ -90,3 +90,85 @@ def test_each_replica_gets_its_shard_devices_and_cores():
     assert cpu_groups([[0, 4], [1, 5], [2, 6], [3, 7]], 2) == [{0, 4, 1, 5}, {2, 6, 3, 7}]
     assert cpu_groups([[0], [1], [2]], 2) == [{0}, {1, 2}]
     assert cpu_groups([[0], [1]], 3) == [{0}, {1}, {0}]  # fewer cores than replicas: shared
+
+
+def _replica_pids(pid: int) -> list[int]:
+    from pathlib import Path
+
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_killed_replica_fails_the_command_by_name_and_a_rerun_finishes_every_row_once(tiny_model_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.jobs.test_resume import cbrun_command
+
+    num_rows = 150
+    out = tmp_path / "out"
+    args = run_args(tiny_model_dir, _input(tmp_path, num_rows), out) + ["--data-parallel-size", "2"]
+    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("s0001of0002" in p.name for p in committed_parts(out)):
+            assert process.poll() is None and time.monotonic() < deadline, "replica 1 committed nothing in time"
+            time.sleep(0.01)
+        os.kill(_replica_pids(process.pid)[1], signal.SIGKILL)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGKILL, stderr
+    assert f"replica 1 (shard 1/2) exited with code {128 + signal.SIGKILL}" in stderr
+    committed = rows_by_index(out)
+    assert 0 < len(committed) < num_rows
+
+    resumed = subprocess.run(cbrun_command() + args, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    got = rows_by_index(out)
+    assert sorted(got) == list(range(num_rows))
+    assert {i: got[i] for i in committed} == committed
+    assert (out / "_SUCCESS").exists()
+
+
+def test_sigterm_reaches_every_replica_and_the_command_exits_143(tiny_model_dir, tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    from tests.jobs.test_resume import cbrun_command
+
+    out = tmp_path / "out"
+    args = run_args(tiny_model_dir, _input(tmp_path, 400), out) + ["--data-parallel-size", "2"]
+    process = subprocess.Popen(cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not committed_parts(out):
+            assert process.poll() is None and time.monotonic() < deadline, "nothing was committed in time"
+            time.sleep(0.01)
+        replicas = _replica_pids(process.pid)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    # the replica that was generating committed its finished rows (the other may still have been loading, and a
+    # replica killed by the signal before its handler is in place exits 143 too)
+    assert "output rows this run finished are committed" in stderr
+    assert stderr.rstrip().endswith(
+        "cbrun: interrupted by SIGTERM: stopped admitting rows; rerun the same command to resume"
+    )
+    assert all(not os_pid_alive(pid) for pid in replicas)
+
+
+def os_pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -156,7 +156,7 @@ def run_data_parallel(argv: list[str], manifest) -> int:
         [p.pid for p in replicas],
     )
     try:
-        codes = [p.wait() for p in replicas]
+        codes = [_shell_code(p.wait()) for p in replicas]
     except KeyboardInterrupt as exc:
         for replica in replicas:
             if replica.poll() is None:
@@ -165,6 +165,11 @@ def run_data_parallel(argv: list[str], manifest) -> int:
             replica.wait()
         raise
     return _exit_code(codes)
+
+
+def _shell_code(returncode: int) -> int:
+    """A replica's exit status as a shell reports it: 128 + N for a process signal N ended (``Popen`` gives -N)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _exit_code(codes: list[int]) -> int:
