@@ -246,7 +246,7 @@ def test_engine_loads_without_transformers_by_default_and_equals_the_transformer
 @pytest.mark.parametrize(
     "change,reason",
     [
-        (dict(quantization_config={"quant_method": "bitsandbytes"}), "sets quantization_config"),
+        (dict(quantization_config={"quant_method": "bitsandbytes"}), "quant_method 'bitsandbytes'"),
         (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "RoPE parameters"),
         (dict(rope_scaling={"type": "dynamic"}), "rope_type 'dynamic'"),
         (dict(hidden_act="gelu"), "activation 'gelu'"),

@@ -46,6 +46,7 @@ from cbrun.engine.model.cpu_linear import (
 )
 from cbrun.engine.model.llama_weights import LayerWeights, Linear, LlamaWeights
 from cbrun.engine.model.moe import SparseMoE, moe_weights_from_module, unsupported_moe_reason
+from cbrun.engine.model.quantization import QuantizedWeight, quantized_linear
 from cbrun.engine.model.safetensors_loader import LeanModel
 from cbrun.engine.switches import resolve_switch
 
@@ -170,6 +171,12 @@ class LeanLlama:
                 "batch_invariant = on does not run MoE layers yet (the experts' grouped GEMM sums by each "
                 "expert's share of the step); set engine.batch_invariant = off"
             )
+        quantized = [p[0] for layer in weights.layers for p in layer.linears() if isinstance(p[0], QuantizedWeight)]
+        if batch_invariant and quantized:
+            raise ValueError(
+                "batch_invariant = on does not run quantized weights (each GEMM dequantizes its weight in chunks "
+                "of its own shape); set engine.batch_invariant = off or use unquantized weights"
+            )
         if batch_invariant:  # one rule for every projection: the invariant linear
             linear_backend = batch_invariant_linear
         self.head_dim = weights.head_dim
@@ -199,6 +206,14 @@ class LeanLlama:
             len(projections),
             "batch-invariant" if batch_invariant else f"linear_backend = {linear_backend}",
         )
+        if quantized:
+            logger.info(
+                "quantized linear layers: %d, kept %s with block scales, dequantized in the GEMM (weight-only: "
+                "activations in %s)",
+                len(quantized),
+                quantized[0].qweight.dtype,
+                quantized[0].dtype,
+            )
         moe = [layer.moe for layer in self.layers if layer.moe is not None]
         if moe:
             reason = moe[0].fallback_reason
@@ -320,8 +335,11 @@ def weights_from_module(model: torch.nn.Module) -> LlamaWeights:
 
 
 def _projection(linear: Linear, backend) -> tuple[torch.Tensor, torch.Tensor | None, LinearFn]:
-    """(weight, bias, its function); ``backend`` a ``linear_backend`` name or a function of the weight."""
+    """(weight, bias, its function); ``backend`` a ``linear_backend`` name or a function of the weight. A
+    quantized weight always runs ``quantized_linear`` (dequantized in the GEMM, chunk by chunk)."""
     weight, bias = linear
+    if isinstance(weight, QuantizedWeight):
+        return weight, bias, quantized_linear
     return weight, bias, backend(weight) if callable(backend) else select_linear(weight, backend)
 
 

@@ -2,7 +2,8 @@
 
 ``read_llama_config`` reads the fields the engine and the lean forward pass use and refuses (returns a reason)
 anything whose meaning it does not reproduce exactly as transformers 5 does: another ``model_type``, a key it does
-not know (``quantization_config``, ``partial_rotary_factor``, ...), a RoPE type other than the default, a sliding
+not know (``partial_rotary_factor``, ...), a ``quantization_config`` whose layout
+``cbrun.engine.model.quantization`` does not implement, a RoPE type other than the default, a sliding
 window, an activation other than SiLU, a missing shape field. Refused configs load through transformers, as
 before. Defaults for keys a config may leave out are transformers 5.24's (``LlamaConfig``, ``MistralConfig``,
 ``Qwen2Config``, ``Qwen3Config``, ...); ``tests/engine/test_safetensors_loader.py`` checks every parsed field against ``AutoConfig``.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cbrun.engine.model.moe import MoEConfig
+from cbrun.engine.model.quantization import QuantScheme, read_quantization
 
 #: model_type -> the transformers class ``AutoModelForCausalLM`` builds for it (the lean path's families).
 ARCHITECTURES = {
@@ -67,6 +69,7 @@ _READ_KEYS = frozenset(
         "rope_scaling",
         "dtype",
         "torch_dtype",
+        "quantization_config",
     }
 )
 _FAMILY_KEYS = {
@@ -138,6 +141,7 @@ class LlamaConfig:
         dtype: the checkpoint's dtype name ("float32", "bfloat16", "float16"), or None when the file states none.
         qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3, Qwen3-MoE).
         moe: the experts' settings of a MoE family, None for a dense one.
+        quantization: the checkpoint's quantized layout (``cbrun.engine.model.quantization``), None when unquantized.
     """
 
     model_type: str
@@ -159,6 +163,7 @@ class LlamaConfig:
     dtype: str | None
     qk_norm: bool = False
     moe: MoEConfig | None = None
+    quantization: QuantScheme | None = None
     #: No layer slides a window (configs with one are refused), so the cache is all full attention.
     sliding_window = None
     layer_types = None
@@ -208,6 +213,11 @@ def parse_llama_config(raw: dict) -> tuple[LlamaConfig | None, str | None]:
     reason = _unsupported_value(raw, model_type)
     if reason:
         return None, reason
+    quantization = None
+    if raw.get("quantization_config") is not None:
+        quantization, reason = read_quantization(raw["quantization_config"])
+        if quantization is None:
+            return None, f"quantization_config: {reason}"
     theta, reason = _rope_theta(raw)
     if reason:
         return None, reason
@@ -235,6 +245,7 @@ def parse_llama_config(raw: dict) -> tuple[LlamaConfig | None, str | None]:
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         moe=_moe_config(raw, model_type),
+        quantization=quantization,
     )
     return _checked(config)
 

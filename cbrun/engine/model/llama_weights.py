@@ -14,9 +14,11 @@ import torch
 
 from cbrun.engine.model.moe import MoEWeights
 from cbrun.engine.model.parallel import TensorParallelWeights
+from cbrun.engine.model.quantization import QuantizedWeight
 
-#: (weight (out_features, in_features), bias (out_features,) or None) of one linear layer.
-Linear = tuple[torch.Tensor, "torch.Tensor | None"]
+#: (weight (out_features, in_features), bias (out_features,) or None) of one linear layer; the weight of a
+#: quantized checkpoint's linear is a ``QuantizedWeight`` (``cbrun.engine.model.quantization``).
+Linear = tuple["torch.Tensor | QuantizedWeight", "torch.Tensor | None"]
 
 
 @dataclass
@@ -83,12 +85,15 @@ class LlamaWeights:
     parallel: TensorParallelWeights | None = None
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        """Every distinct weight and bias tensor once (a tied LM head is the embedding), as ``parameters()``."""
+        """Every distinct weight and bias tensor once (a tied LM head is the embedding), as ``parameters()``; a
+        ``QuantizedWeight`` as its values and scales."""
         seen: set[int] = set()
         linears = [self.lm_head] + [p for layer in self.layers for p in layer.linears()]
         norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         extra = [t for layer in self.layers for t in layer.extra_tensors()]
-        for tensor in [self.embed, *norms, *(t for linear in linears for t in linear if t is not None), *extra]:
+        parts = [t for linear in linears for t in linear if t is not None]
+        parts = [p for t in parts for p in (t.tensors() if isinstance(t, QuantizedWeight) else [t])]
+        for tensor in [self.embed, *norms, *parts, *extra]:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 yield tensor

@@ -15,6 +15,7 @@ from cbrun.engine.config import EngineConfig, checkpoint_dtype
 from cbrun.engine.core.tokenizer import load_tokenizer
 from cbrun.engine.model import parallel, safetensors_loader
 from cbrun.engine.model.attention import ATTN_IMPLEMENTATION, register_with_transformers
+from cbrun.engine.model.quantization import checkpoint_quantization
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
 from cbrun.engine.worker.backends import cuda_graphs_blocker, use_triton
 from cbrun.engine.worker.device import select_device
@@ -107,14 +108,31 @@ def _quantization_method(model_path: str) -> str | None:
 
 
 def _load_target_model(model_path: str, config: EngineConfig):
-    """The model, read by ``cbrun.engine.model.safetensors_loader`` where it applies (a ``LeanModel``), else by transformers."""
+    """The model, read by ``cbrun.engine.model.safetensors_loader`` where it applies (a ``LeanModel``), else by
+    transformers.
+
+    Raises:
+        ValueError: a quantized checkpoint whose layout cbrun does not implement
+            (``cbrun.engine.model.quantization.checkpoint_quantization``), or one it implements that would load
+            through transformers (which dequantizes FP8 to bfloat16 at load on the CPU: not the checkpoint's
+            weights as the lean path computes them).
+    """
+    quantization = checkpoint_quantization(model_path)
     reason = _needs_transformers(config)
     plan = None
     if reason is None:
         plan, reason = safetensors_loader.load_plan(model_path, config.dtype)
     if plan is not None:
-        logger.info("model loader: safetensors, without transformers (engine.safetensors_loader)")
+        logger.info(
+            "model loader: safetensors, without transformers (engine.safetensors_loader)%s",
+            f"; {quantization.method} quantized weights kept quantized" if quantization else "",
+        )
         return safetensors_loader.load(plan, config.device)
+    if quantization is not None:
+        raise ValueError(
+            f"config.json's quantization_config ({quantization.method}) runs only on cbrun's lean path loaded "
+            f"from safetensors, and this model would load through transformers: {reason}"
+        )
     logger.info("model loader: transformers (%s)", reason)
     return _load_model(model_path, config)
 
@@ -167,8 +185,15 @@ def load_draft_model(config: EngineConfig, target: torch.nn.Module, tokenizer, m
 
     Raises:
         OSError: when the directory is missing or unreadable.
-        ValueError: for another vocabulary (``check_draft_vocab``) or a shorter maximum length than the target's.
+        ValueError: for another vocabulary (``check_draft_vocab``) or a shorter maximum length than the target's,
+            or a quantized draft (a draft loads through transformers, which would not run it as cbrun's lean path).
     """
+    quantization = checkpoint_quantization(config.draft_model)
+    if quantization is not None:
+        raise ValueError(
+            f"the draft model's config.json has a quantization_config ({quantization.method}): a draft model "
+            "loads through transformers, which cbrun does not run quantized checkpoints on; use an unquantized draft"
+        )
     draft = _load_model(config.draft_model, config)
     check_draft_vocab(
         target.config.get_text_config().vocab_size,

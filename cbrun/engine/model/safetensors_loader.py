@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from cbrun.engine.model.llama_config import LlamaConfig, parse_llama_config, rea
 from cbrun.engine.model.llama_weights import LayerWeights, LlamaWeights, default_rope_inv_freq
 from cbrun.engine.model.moe import MoEWeights
 from cbrun.engine.model.parallel import TensorParallelWeights, read_shard
+from cbrun.engine.model.quantization import FP8_DTYPE, QuantizedWeight
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -67,12 +68,14 @@ class LeanModel:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """What ``load`` reads: the parsed config, the dtype to load in, and which file holds each tensor."""
+    """What ``load`` reads: the parsed config, the dtype to load in, which file holds each tensor, and, in a
+    quantized checkpoint, each quantized weight's scale tensor (weight name -> scale name)."""
 
     model_dir: Path
     config: LlamaConfig
     dtype: torch.dtype
     files: dict[str, Path]  # tensor name -> safetensors file
+    scales: dict[str, str] = field(default_factory=dict)
 
 
 def load_plan(model_dir: str | Path, dtype: str) -> tuple[LoadPlan | None, str | None]:
@@ -99,13 +102,34 @@ def load_plan(model_dir: str | Path, dtype: str) -> tuple[LoadPlan | None, str |
     if files is None:
         return None, reason
     expected = expected_shapes(config)
-    if set(files) != set(expected):
-        missing, extra = sorted(set(expected) - set(files)), sorted(set(files) - set(expected))
+    scales, reason = _scale_names(config, files)
+    if reason:
+        return None, reason
+    names = set(files) - set(scales.values())
+    if names != set(expected):
+        missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
         return None, (
             f"the checkpoint's tensor names are not the {config.architecture} names this loader reads "
             f"(missing {missing[:3]}, unexpected {extra[:3]})"
         )
-    return LoadPlan(model_dir, config, _DTYPES[config.dtype if dtype == "auto" else dtype], files), None
+    return LoadPlan(model_dir, config, _DTYPES[config.dtype if dtype == "auto" else dtype], files, scales), None
+
+
+def _scale_names(config: LlamaConfig, files: dict[str, Path]) -> tuple[dict[str, str], str | None]:
+    """{weight name: its scale tensor's name} for each quantized linear of a quantized checkpoint (those with a
+    scale tensor), or a reason when scales sit where the lean path keeps no quantized weight (MoE experts)."""
+    scheme = config.quantization
+    if scheme is None:
+        return {}, None
+    suffix = "." + scheme.scale_suffix
+    scales = {name[: -len(suffix)] + ".weight": name for name in files if name.endswith(suffix)}
+    experts = sorted(w for w in scales if ".experts." in w)
+    if experts:
+        return {}, (
+            f"{scheme.method} quantized MoE experts ({experts[0]}, ...): the lean path's grouped expert GEMM "
+            "runs unquantized experts only"
+        )
+    return {w: s for w, s in scales.items() if w in files}, None
 
 
 def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = None) -> LeanModel:
@@ -122,11 +146,15 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
         safetensors.SafetensorError: a weight file is corrupt.
     """
     config, shapes = plan.config, expected_shapes(plan.config)
+    scale_of = {scale: weight for weight, scale in plan.scales.items()}
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(set(plan.files.values())):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 if parallel is not None and not parallel.layout.holds(name):  # another rank's expert
+                    continue
+                if name in scale_of:  # checked beside its weight, below
+                    tensors[name] = handle.get_tensor(name).to(device=device, dtype=torch.float32)
                     continue
                 shape = tuple(handle.get_slice(name).get_shape())
                 if shape != shapes[name]:
@@ -135,10 +163,33 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
                         f"implies {list(shapes[name])}"
                     )
                 tensor = handle.get_tensor(name) if parallel is None else read_shard(handle, name, parallel.layout)
-                tensors[name] = tensor.to(device=device, dtype=plan.dtype)
+                if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point and name not in plan.scales:
+                    raise RuntimeError(f"tensor {name} is {tensor.dtype} without a scale tensor")
+                # NOTE: a quantized weight stays in its float8 dtype: it is dequantized in the GEMM, never here.
+                tensors[name] = tensor.to(device=device, dtype=None if name in plan.scales else plan.dtype)
+    for name, scale_name in plan.scales.items():
+        tensors[name] = _quantized(plan, name, tensors[name], tensors.pop(scale_name))
     weights = _weights(config, tensors, device, parallel.layout.local_experts if parallel is not None else None)
     weights.parallel = parallel
     return LeanModel(config, weights)
+
+
+def _quantized(plan: LoadPlan, name: str, weight: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+    """A quantized weight and its scale, checked against the scheme.
+
+    Raises:
+        RuntimeError: the weight is not float8_e4m3fn, or the scale's shape is not the scheme's for it.
+    """
+    scheme = plan.config.quantization
+    if weight.dtype != FP8_DTYPE:
+        raise RuntimeError(f"tensor {name} is {weight.dtype}, but a {scheme.method} quantized weight is {FP8_DTYPE}")
+    block = scheme.block_of(tuple(weight.shape), tuple(scale.shape))
+    if block is None:
+        raise RuntimeError(
+            f"tensor {plan.scales[name]} has shape {list(scale.shape)}, which is not a {scheme.method} scale of "
+            f"the {list(weight.shape)} weight {name}"
+        )
+    return QuantizedWeight(weight, scale.reshape(-(-weight.shape[0] // block[0]), -1), block, plan.dtype)
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

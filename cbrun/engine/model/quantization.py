@@ -1,0 +1,261 @@
+"""Quantized checkpoints on the lean path: which ``quantization_config`` layouts cbrun runs, the weight type that
+keeps their linear weights quantized in memory, and the CPU GEMM that dequantizes them block by block.
+
+Implemented (weight-only: the activations stay in the engine's dtype, each product is the dequantized weight's):
+
+- ``quant_method: "fp8"`` (transformers' ``FineGrainedFP8Config``; Qwen3-FP8, DeepSeek-V3): each linear's
+  ``weight`` is float8_e4m3fn (out, in), its ``weight_scale_inv`` float (ceil(out / bo), ceil(in / bi)) for
+  ``weight_block_size: [bo, bi]``; the real weight is ``weight[i, j] * weight_scale_inv[i // bo, j // bi]``
+  (DeepSeek-V3's ``weight_dequant``: the "inverse" scale multiplies).
+- ``quant_method: "compressed-tensors"``, ``format: "float-quantized"``, one config group of 8-bit float weights
+  with the ``channel`` or ``tensor`` strategy (Neural Magic / Red Hat "FP8-dynamic" checkpoints): ``weight``
+  float8_e4m3fn (out, in), ``weight_scale`` (out, 1) or (1,); the real weight is ``weight * weight_scale``.
+
+Both are one layout here, a block scale: per-channel is the block (1, in), per-tensor the block (out, in). Dynamic
+activation quantization (``activation_scheme: "dynamic"``, ``input_activations`` dynamic per token) is a choice
+of the GEMM that serves the checkpoint, not of its weights: cbrun does not quantize activations (weight-only,
+so its greedy tokens equal transformers' ``generate`` on the same weights dequantized). Anything else (other
+methods, static activation scales, int4 and MXFP4 layouts, a KV-cache scheme) is refused by name at load
+(``checkpoint_quantization``), on every loader: transformers would dequantize some of them to bfloat16 at load
+on the CPU, or need a package or a GPU, so no path would run them as the checkpoint means.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+#: The float8 format both implemented layouts store their weights in.
+FP8_DTYPE = torch.float8_e4m3fn
+#: Dequantize at most about this many weight elements at once (4 MiB of float32): the transient a GEMM call adds.
+DEQUANT_CHUNK_ELEMENTS = 1 << 20
+
+_FP8_KEYS = frozenset({"quant_method", "activation_scheme", "weight_block_size", "fmt", "modules_to_not_convert"})
+_CT_KEYS = frozenset(
+    {
+        "quant_method",
+        "format",
+        "config_groups",
+        "ignore",
+        "quantization_status",
+        "kv_cache_scheme",
+        "global_compression_ratio",
+        "sparsity_config",
+        "transform_config",
+        "version",
+    }
+)
+IMPLEMENTED = (
+    'fp8 (weight_block_size [bo, bi], fmt "e4m3", activation_scheme "dynamic"); compressed-tensors '
+    "float-quantized (8-bit float weights, channel or tensor strategy)"
+)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A checkpoint's quantization, as cbrun runs it.
+
+    Attributes:
+        method: ``quant_method`` as config.json states it ("fp8" or "compressed-tensors").
+        scale_suffix: the name of each quantized weight's scale tensor, after the linear's name
+            ("weight_scale_inv" or "weight_scale").
+        block: (bo, bi) the block each scale covers; None: the whole input row (per-channel, bo 1) or the whole
+            matrix (per-tensor), read from each scale's shape.
+    """
+
+    method: str
+    scale_suffix: str
+    block: tuple[int, int] | None
+
+    def block_of(self, weight_shape: tuple[int, int], scale_shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """The (bo, bi) block a scale of ``scale_shape`` covers on a weight of ``weight_shape``, None when the
+        shapes do not fit this scheme."""
+        out_features, in_features = weight_shape
+        if self.block is not None:
+            bo, bi = self.block
+            return self.block if tuple(scale_shape) == (-(-out_features // bo), -(-in_features // bi)) else None
+        if tuple(scale_shape) in ((out_features, 1), (out_features,)):
+            return (1, in_features)
+        if tuple(scale_shape) in ((1,), (), (1, 1)):
+            return (out_features, in_features)
+        return None
+
+
+def read_quantization(raw: object) -> tuple[QuantScheme | None, str | None]:
+    """config.json's ``quantization_config`` as a ``QuantScheme``, or ``(None, why cbrun does not run it)``.
+
+    Args:
+        raw: the ``quantization_config`` value (a dict in any checkpoint transformers reads).
+    """
+    if not isinstance(raw, dict):
+        return None, f"quantization_config {raw!r} is not an object"
+    method = raw.get("quant_method")
+    if method == "fp8":
+        return _fp8_scheme(raw)
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(raw)
+    return None, f"quant_method {method!r}"
+
+
+def _fp8_scheme(raw: dict) -> tuple[QuantScheme | None, str | None]:
+    unknown = sorted(set(raw) - _FP8_KEYS)
+    if unknown:
+        return None, f"fp8 with {', '.join(unknown)}"
+    if raw.get("fmt", "e4m3") != "e4m3":
+        return None, f"fp8 with fmt {raw['fmt']!r} (only e4m3)"
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        return None, f"fp8 with activation_scheme {raw['activation_scheme']!r} (static input scales)"
+    block = raw.get("weight_block_size")
+    if (
+        not isinstance(block, list)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        return None, f"fp8 with weight_block_size {block!r} (only block-quantized weights, [bo, bi])"
+    return QuantScheme("fp8", "weight_scale_inv", (block[0], block[1])), None
+
+
+def _compressed_tensors_scheme(raw: dict) -> tuple[QuantScheme | None, str | None]:
+    name = "compressed-tensors"
+    unknown = sorted(set(raw) - _CT_KEYS)
+    if unknown:
+        return None, f"{name} with {', '.join(unknown)}"
+    if raw.get("format") != "float-quantized":
+        return None, f"{name} format {raw.get('format')!r}"
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if raw.get(key):
+            return None, f"{name} with {key}"
+    if raw.get("quantization_status", "compressed") not in ("compressed", "frozen"):
+        return None, f"{name} quantization_status {raw['quantization_status']!r}"
+    groups = raw.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        return None, f"{name} with {len(groups) if isinstance(groups, dict) else 0} config groups (only one)"
+    (group,) = groups.values()
+    if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
+        return None, f"{name} config group targets {group.get('targets') if isinstance(group, dict) else None!r}"
+    weights = group.get("weights") or {}
+    wanted = {"num_bits": 8, "type": "float", "symmetric": True}
+    if any(weights.get(k) != v for k, v in wanted.items()) or weights.get("dynamic", False):
+        return None, f"{name} weights {weights!r} (only static symmetric 8-bit float)"
+    if weights.get("strategy") not in ("channel", "tensor") or weights.get("group_size") is not None:
+        return None, f"{name} weight strategy {weights.get('strategy')!r} (only channel or tensor)"
+    for key in ("input_activations", "output_activations"):
+        act = group.get(key)
+        if act is not None and not (key == "input_activations" and act.get("dynamic") is True):
+            return None, f"{name} {key} {act!r} (static activation scales)"
+    return QuantScheme(name, "weight_scale", None), None
+
+
+def checkpoint_quantization(model_dir: str | Path) -> QuantScheme | None:
+    """The model directory's quantization, None for an unquantized checkpoint (or a config.json that cannot be
+    read: the loaders report that themselves).
+
+    Raises:
+        ValueError: naming the ``quantization_config`` and what cbrun implements, when it is not implemented.
+    """
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("quantization_config") is None:
+        return None
+    scheme, reason = read_quantization(raw["quantization_config"])
+    if scheme is None:
+        raise ValueError(refusal(reason))
+    return scheme
+
+
+def refusal(reason: str) -> str:
+    """The error text for a ``quantization_config`` cbrun does not run."""
+    return (
+        f"config.json's quantization_config is not implemented by cbrun: {reason}; implemented: {IMPLEMENTED}. "
+        "Use an unquantized checkpoint or one of these layouts"
+    )
+
+
+@dataclass
+class QuantizedWeight:
+    """A linear layer's weight kept quantized in memory: float8_e4m3fn values and one scale per block.
+
+    The real weight is ``qweight[i, j] * scale[i // bo, j // bi]`` (``dequantize``).
+
+    Attributes:
+        qweight: (out_features, in_features) float8_e4m3fn.
+        scale: (ceil(out / bo), ceil(in / bi)) float32.
+        block: (bo, bi).
+        dtype: the dtype the GEMM computes in (the engine's).
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qweight, self.scale]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds in memory."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def rows_per_chunk(self) -> int:
+        """Output rows ``quantized_linear`` dequantizes at once: a multiple of ``bo``, about
+        ``DEQUANT_CHUNK_ELEMENTS`` elements, at least one block row."""
+        bo = self.block[0]
+        rows = max(1, DEQUANT_CHUNK_ELEMENTS // (self.shape[1] * bo)) * bo
+        return min(rows, self.shape[0])
+
+
+def dequantize(weight: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Output rows ``[start, stop)`` of the real weight, in ``weight.dtype`` (the PyTorch reference).
+
+    Each value is ``float32(q) * float32(scale)`` rounded once to ``weight.dtype`` (float8 to float32 is exact).
+
+    Args:
+        start: a multiple of the block's ``bo``.
+        stop: the end row (default: all).
+
+    Returns:
+        (stop - start, in_features).
+    """
+    bo, bi = weight.block
+    stop = weight.shape[0] if stop is None else stop
+    assert start % bo == 0, "chunks start on a block row"
+    values = weight.qweight[start:stop].to(torch.float32)
+    scale = weight.scale[start // bo : -(-stop // bo)]
+    scale = scale.repeat_interleave(bo, 0)[: stop - start].repeat_interleave(bi, 1)[:, : weight.shape[1]]
+    return (values * scale).to(weight.dtype)
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, dequantize(weight), bias)``, dequantizing ``weight.rows_per_chunk()`` output rows at a time,
+    so the whole real weight never exists at once (the CPU path, and any device without a quantized kernel).
+
+    Args:
+        x: (T, in_features) in ``weight.dtype``.
+        weight: the quantized weight.
+        bias: (out_features,) or None.
+
+    Returns:
+        (T, out_features) in ``x.dtype``. A weight of one chunk (at most ``DEQUANT_CHUNK_ELEMENTS`` elements, or
+        ``bo`` rows) is one ``F.linear`` call, the same bits as ``F.linear`` on the dequantized weight.
+    """
+    rows, out_features = weight.rows_per_chunk(), weight.shape[0]
+    if rows >= out_features:
+        return F.linear(x, dequantize(weight), bias)
+    parts = [F.linear(x, dequantize(weight, r, min(r + rows, out_features))) for r in range(0, out_features, rows)]
+    out = torch.cat(parts, dim=-1)
+    return out if bias is None else out + bias
