@@ -41,13 +41,15 @@ MAX_SEQLEN_Q = (1, 2, 4, 9, 16, 8192)
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Attention shape of a model: query heads, KV heads, head_dim; ``window`` when some layers slide."""
+    """Attention shape of a model: query heads, KV heads, head_dim; ``window`` when some layers slide, ``sinks``
+    when its attention has sinks (gpt-oss)."""
 
     name: str
     num_heads: int
     num_kv_heads: int
     head_dim: int
     window: bool = False
+    sinks: bool = False
 
 
 MODELS = (
@@ -57,6 +59,7 @@ MODELS = (
     ModelShape("SmolLM2-1.7B", 32, 32, 64),
     ModelShape("Gemma-3-4B", 8, 4, 256, window=True),
     ModelShape("MHA-80 (Phi-2)", 32, 32, 80),
+    ModelShape("gpt-oss-20b", 64, 8, 64, window=True, sinks=True),
 )
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -125,6 +128,7 @@ def engine_launches(
                         window,
                         False,
                         capability,
+                        use_sinks=model.sinks,
                     )
                     launch = Launch("paged_attention", dtype, config, f"{model.name} max_q={max_q}")
                     launches.setdefault(launch.key(), launch)
@@ -164,7 +168,7 @@ def _signature(kernel, dtype: torch.dtype, constexprs: dict) -> tuple[dict, dict
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
             index_arg = arg in ("block_tables_ptr", "cu_seqlens_q_ptr", "seqlens_k_ptr", "slot_mapping_ptr")
-            signature[arg] = "*i32" if index_arg else f"*{name}"
+            signature[arg] = "*i32" if index_arg else ("*fp32" if arg == "sinks_ptr" else f"*{name}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif arg in ("scale", "softcap"):
             signature[arg] = "fp32"

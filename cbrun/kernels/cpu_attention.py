@@ -58,6 +58,7 @@ def paged_attention_cpu(
     page_offset: int = 0,
     num_threads: int | None = None,
     batch_invariant: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch over a paged KV cache, read in place (float32, CPU).
 
@@ -75,6 +76,8 @@ def paged_attention_cpu(
         num_threads: OpenMP threads of the kernel; None uses torch's intra-op thread count.
         batch_invariant: each query row attended on its own, as a decode row at its position: its floats then do
             not depend on the other rows of the call or the thread count (see ``StepKernels``).
+        sinks: (num_heads,) float32 attention-sink logits, one more logit per head in the softmax denominator
+            with no value (gpt-oss), or None.
 
     Returns:
         (T, num_heads, head_dim) float32; rows past ``cu_seqlens_q[-1]`` are zero.
@@ -84,7 +87,7 @@ def paged_attention_cpu(
         ValueError: for a dtype, device or shape the kernel does not take.
     """
     return StepKernels(k_cache, v_cache, num_threads, batch_invariant=batch_invariant).attention(
-        query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset
+        query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset, sinks=sinks
     )
 
 
@@ -223,6 +226,7 @@ class StepKernels:
         sliding_window: int | None = None,
         page_offset: int = 0,
         lane_loops: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``paged_attention_cpu`` over this instance's cache: (T, num_heads, head_dim) float32.
 
@@ -241,6 +245,16 @@ class StepKernels:
         out = torch.empty_like(query)
         if num_rows < num_tokens:
             out[num_rows:] = 0
+        sink_args = ()
+        if sinks is not None:
+            _check_float32_cpu(sinks=sinks)
+            if sinks.shape != (num_heads,):
+                raise ValueError(f"sinks must be ({num_heads},), one logit per query head, got {tuple(sinks.shape)}")
+            if not hasattr(self._library, "cbrun_paged_attention_has_sinks"):
+                raise ValueError("this CPU attention library predates attention sinks")
+            sinks = sinks.contiguous()
+        if hasattr(self._library, "cbrun_paged_attention_has_sinks"):
+            sink_args = (None if sinks is None else sinks.data_ptr(),)
         status = self._library.cbrun_paged_attention_f32(
             query.data_ptr(),
             self._k_ptr,
@@ -257,6 +271,7 @@ class StepKernels:
             page_size,
             scale,
             softcap or 0.0,
+            *sink_args,
             sliding_window or 0,
             out.data_ptr(),
             self._num_threads,
@@ -460,7 +475,10 @@ def _load() -> ctypes.CDLL | None:
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     fn = library.cbrun_paged_attention_f32
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, i32, ptr, i32, i32, i32]
+    # NOTE: a library built from an older checkout (``load_library``) has no sinks argument after softcap.
+    sinks = [ptr] if hasattr(library, "cbrun_paged_attention_has_sinks") else []
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i32, i32, i32, i32, f32, f32, *sinks, i32, ptr, i32]
+    fn.argtypes += [i32, i32]
     fn.restype = ctypes.c_int
     if hasattr(library, "cbrun_silu_mul_f32"):  # another checkout's library (``load_library``) may predate it
         silu_mul = library.cbrun_silu_mul_f32

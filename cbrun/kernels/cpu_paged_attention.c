@@ -107,6 +107,13 @@ ALWAYS_INLINE void scores_transposed(const float *q, const float *kt, int kt_str
     }
 }
 
+/* The softmax weight of query head `head`'s sink next to a row whose largest score is row_max: exp(sink - row_max),
+ * added to the row's sum and to no output (gpt-oss's attention sinks: one learned logit per head with no value). 0
+ * without sinks, so the sum keeps its floats. sink - row_max may be positive: libm's expf, not exp_nonpositive. */
+static inline float sink_weight(const float *sinks, int64_t head, float row_max) {
+    return sinks ? expf(sinks[head] - row_max) : 0.f;
+}
+
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 #if defined(__clang__)
@@ -226,7 +233,7 @@ ALWAYS_INLINE void attend_tile(const float *query, const float *k_cache, const f
                                int32_t row_start, int32_t kv_head_begin, int32_t kv_head_end, int32_t num_heads,
                                int32_t num_kv_heads,
                                const int head_dim, int32_t page_size, float scale, float softcap,
-                               int32_t sliding_window, float *out, float *scratch) {
+                               const float *sinks, int32_t sliding_window, float *out, float *scratch) {
     const int group = num_heads / num_kv_heads;
     const TileKeys keys = tile_keys(q_len, seqlen_k, row_start, sliding_window);
     const int rows = keys.rows, first_pos = keys.first_pos, last_pos = keys.last_pos, lo = keys.lo;
@@ -293,7 +300,7 @@ ALWAYS_INLINE void attend_tile(const float *query, const float *k_cache, const f
             const int vec = r * heads * group + v;
             float *o = out + ((int64_t)(q_start + row_start + r) * num_heads + (int64_t)kv_head_begin * group + v)
                                  * head_dim;
-            const float inv = 1.f / l[vec];
+            const float inv = 1.f / (l[vec] + sink_weight(sinks, (int64_t)kv_head_begin * group + v, m[vec]));
             const float *a = acc + (size_t)vec * head_dim;
 #pragma omp simd
             for (int d = 0; d < head_dim; d++) o[d] = a[d] * inv;
@@ -312,7 +319,7 @@ ALWAYS_INLINE void attend_tile_two_pass(const float *query, const float *k_cache
                                         int32_t seqlen_k, int32_t row_start, int32_t kv_head_begin,
                                         int32_t kv_head_end, int32_t num_heads, int32_t num_kv_heads,
                                         const int head_dim, int32_t page_size, float scale, float softcap,
-                                        int32_t sliding_window, float *out, float *scratch) {
+                                        const float *sinks, int32_t sliding_window, float *out, float *scratch) {
     const int group = num_heads / num_kv_heads;
     const TileKeys keys = tile_keys(q_len, seqlen_k, row_start, sliding_window);
     const int rows = keys.rows, first_pos = keys.first_pos, last_pos = keys.last_pos, lo = keys.lo;
@@ -412,7 +419,7 @@ ALWAYS_INLINE void attend_tile_two_pass(const float *query, const float *k_cache
                 t = t_end + 1;
             }
             float *o = out + ((int64_t)(q_start + row_start + r) * num_heads + (int64_t)kv_head * group + g) * head_dim;
-            const float inv = 1.f / sum;
+            const float inv = 1.f / (sum + sink_weight(sinks, (int64_t)kv_head * group + g, row_max));
 #pragma omp simd
             for (int d = 0; d < head_dim; d++) o[d] = a[d] * inv;
         }
@@ -522,7 +529,7 @@ ALWAYS_INLINE float max_of(const float *s, int n) {
  * floats of attend_tile_two_pass's second pass. Both sum in the order attend_tile_two_pass spells out: 8 lane
  * sums over the full 8-float blocks, the tail added to lane 0, then 0 + lane 0 + ... + lane 7 in order (the test
  * against the generic loops checks it); here the lane sums sit in a register. */
-ALWAYS_INLINE float softmax_weights(float *s, int n, float scale, float softcap) {
+ALWAYS_INLINE float softmax_weights(float *s, int n, float scale, float softcap, const float *sinks, int64_t head) {
     if (softcap > 0.f) {
         for (int j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] * scale / softcap);
     } else {
@@ -552,7 +559,7 @@ ALWAYS_INLINE float softmax_weights(float *s, int n, float scale, float softcap)
     }
     float sum = 0.f + lane0;
     for (int l = 1; l < 8; l++) sum += lanes[l];
-    return sum;
+    return sum + sink_weight(sinks, head, row_max);
 }
 
 /* The V pass of NV (<= 8) query vectors of one row over positions [t_lo, pos]: o[v][d0 .. d0 + DB) =
@@ -699,8 +706,8 @@ ALWAYS_INLINE void attend_tile_two_pass_simd(const float *query, const float *k_
                                              int32_t q_len, int32_t seqlen_k, int32_t row_start,
                                              int32_t kv_head_begin, int32_t kv_head_end, int32_t num_heads,
                                              int32_t num_kv_heads, const int head_dim, int32_t page_size,
-                                             float scale, float softcap, int32_t sliding_window, float *out,
-                                             float *qpack, float *scratch) {
+                                             float scale, float softcap, const float *sinks,
+                                             int32_t sliding_window, float *out, float *qpack, float *scratch) {
     const int group = num_heads / num_kv_heads;
     const TileKeys keys = tile_keys(q_len, seqlen_k, row_start, sliding_window);
     const int rows = keys.rows, first_pos = keys.first_pos, last_pos = keys.last_pos, lo = keys.lo;
@@ -762,7 +769,8 @@ ALWAYS_INLINE void attend_tile_two_pass_simd(const float *query, const float *k_
 #define V_PASS(NV)                                                                                           \
     for (; vectors - u >= NV; u += NV) {                                                                     \
         for (int v = 0; v < NV; v++) {                                                                       \
-            inv[v] = 1.f / softmax_weights(s_row + (size_t)(u + v) * s_stride, pos - t_lo + 1, scale, softcap); \
+            inv[v] = 1.f / softmax_weights(s_row + (size_t)(u + v) * s_stride, pos - t_lo + 1, scale, softcap, \
+                                           sinks, (int64_t)kv_head_begin * group + u + v);                   \
             v_off[v] = (int64_t)(kv_head_begin + (u + v) / group) * head_dim;                                \
         }                                                                                                    \
         for (int d0 = 0; d0 < head_dim; d0 += DB)                                                            \
@@ -785,8 +793,8 @@ static void attend_tile_any(const float *query, const float *k_cache, const floa
                             int32_t page_offset, int32_t q_start, int32_t q_len, int32_t seqlen_k, int32_t row_start,
                             int32_t kv_head_begin, int32_t kv_head_end, int32_t num_heads, int32_t num_kv_heads,
                             int32_t head_dim,
-                            int32_t page_size, float scale, float softcap, int32_t sliding_window, float *out,
-                            float *scratch, int32_t lane_loops) {
+                            int32_t page_size, float scale, float softcap, const float *sinks,
+                            int32_t sliding_window, float *out, float *scratch, int32_t lane_loops) {
     const TileKeys keys = tile_keys(q_len, seqlen_k, row_start, sliding_window);
     const int rows = keys.rows;
     const int64_t score_floats = (int64_t)(kv_head_end - kv_head_begin) * rows * (num_heads / num_kv_heads)
@@ -798,15 +806,16 @@ static void attend_tile_any(const float *query, const float *k_cache, const floa
         if (two_pass && (D) % 8 == 0 && lane_loops)                                                               \
             attend_tile_two_pass_simd(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k,      \
                                       row_start, kv_head_begin, kv_head_end, num_heads, num_kv_heads, D,          \
-                                      page_size, scale, softcap, sliding_window, out, scratch, two_pass_scratch); \
+                                      page_size, scale, softcap, sinks, sliding_window, out, scratch,             \
+                                      two_pass_scratch);                                                          \
         else if (two_pass)                                                                                        \
             attend_tile_two_pass(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k, row_start, \
                                  kv_head_begin, kv_head_end, num_heads, num_kv_heads, D, page_size, scale, softcap, \
-                                 sliding_window, out, two_pass_scratch);                                          \
+                                 sinks, sliding_window, out, two_pass_scratch);                                   \
         else                                                                                                      \
             attend_tile(query, k_cache, v_cache, table, page_offset, q_start, q_len, seqlen_k, row_start,         \
                         kv_head_begin, kv_head_end, num_heads, num_kv_heads, D, page_size, scale, softcap,        \
-                        sliding_window, out, scratch);                                                            \
+                        sinks, sliding_window, out, scratch);                                                     \
     } while (0)
     switch (head_dim) {
     case 8: ATTEND(8); break;
@@ -849,7 +858,7 @@ static int by_cost_descending(const void *a, const void *b) {
 
 /* Returns 0, or -1 when scratch memory could not be allocated. Rows of requests with no query rows, and rows past
  * cu_seqlens_q[num_requests], are not written. lane_loops: 1 (the engine), or 0 for the generic loops only (tests;
- * see attend_tile_any).
+ * see attend_tile_any). sinks: (num_heads,) float32 attention-sink logits (see sink_weight), or NULL for none.
  *
  * batch_invariant: 1 makes every query row a tile of its own, over all KV heads, attended exactly as a decode row
  * at that position is (one query row, the context up to it): its floats then depend on its own query and keys
@@ -861,8 +870,8 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
                               const int32_t *block_tables, int64_t bt_stride, int32_t page_offset,
                               const int32_t *cu_seqlens_q, const int32_t *seqlens_k, int32_t num_requests,
                               int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t page_size,
-                              float scale, float softcap, int32_t sliding_window, float *out, int32_t num_threads,
-                              int32_t lane_loops, int32_t batch_invariant) {
+                              float scale, float softcap, const float *sinks, int32_t sliding_window, float *out,
+                              int32_t num_threads, int32_t lane_loops, int32_t batch_invariant) {
     const int threads = num_threads > 0 ? num_threads : 1;
     const int tile_rows = batch_invariant ? 1 : TILE_Q;
     int64_t num_tiles = 0;
@@ -921,7 +930,7 @@ int cbrun_paged_attention_f32(const float *query, const float *k_cache, const fl
             }
             attend_tile_any(query, k_cache, v_cache, block_tables + (int64_t)b * bt_stride, page_offset, q_start,
                             q_len, seqlen_k, row_start, it.kv_head_begin, it.kv_head_end, num_heads, num_kv_heads,
-                            head_dim, page_size, scale, softcap, sliding_window, out, scratch, lane_loops);
+                            head_dim, page_size, scale, softcap, sinks, sliding_window, out, scratch, lane_loops);
         }
     }
     free(items);
@@ -998,3 +1007,7 @@ void cbrun_silu_mul_f32(const float *gate, const float *up, float *out, int64_t 
         }
     }
 }
+
+/* 1: cbrun_paged_attention_f32 takes the sinks argument (cbrun/kernels/cpu_attention.py binds a library by it: a
+ * library built from an older checkout's source, for a paired benchmark, has neither). */
+int cbrun_paged_attention_has_sinks(void) { return 1; }

@@ -73,6 +73,7 @@ def paged_attention(
     page_offset: int,
     backend: str,
     num_threads: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch over the paged cache.
 
@@ -86,6 +87,7 @@ def paged_attention(
         max_seqlen_q: the longest query (picks Triton's tile).
         backend: one of ``BACKENDS``.
         num_threads: the C kernel's threads; 0 for torch's count.
+        sinks: (num_heads,) float32 attention-sink logits (gpt-oss), or None.
 
     Returns:
         (T, num_heads, head_dim) in ``query.dtype``, a new tensor.
@@ -94,7 +96,15 @@ def paged_attention(
         from cbrun.kernels.cpu_attention import StepKernels
 
         return StepKernels(k_cache, v_cache, num_threads or None).attention(
-            query, block_tables, cu_seqlens_q, seqlens_k, scale, softcap, sliding_window, page_offset=page_offset
+            query,
+            block_tables,
+            cu_seqlens_q,
+            seqlens_k,
+            scale,
+            softcap,
+            sliding_window,
+            page_offset=page_offset,
+            sinks=sinks,
         )
     _check_backend(backend)
     if backend == "triton":
@@ -111,10 +121,11 @@ def paged_attention(
             scale,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=sinks,
             max_seqlen_q=max_seqlen_q,
         )
     plan = build_gather_plan(block_tables, cu_seqlens_q, seqlens_k, k_cache.shape[1], sliding_window)
-    return paged_attention_ref(query, k_cache, v_cache, plan, scale, softcap, page_offset=page_offset)
+    return paged_attention_ref(query, k_cache, v_cache, plan, scale, softcap, page_offset=page_offset, sinks=sinks)
 
 
 def _check_backend(backend: str) -> None:

@@ -30,11 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cbrun.kernels.tile_policy import DEFAULT_CAPABILITY, pick_attention_tile
+from cbrun.kernels.tile_policy import DEFAULT_CAPABILITY, MAX_HEAD_DIM, pick_attention_tile
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-MAX_HEAD_DIM = 256  # NOTE: larger head dims would not fit a (BLOCK_M, HEAD_DIM) fp32 accumulator in registers.
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 
 
@@ -62,6 +61,7 @@ def paged_attention_kernel(
     block_tables_ptr,  # (B, max_blocks) int32/int64, strides (stride_block_table, 1)
     cu_seqlens_q_ptr,  # (B + 1,) int32/int64 cumulative query lengths
     seqlens_k_ptr,  # (B,) int32/int64 context length of each request, this step's tokens included
+    sinks_ptr,  # (H,) fp32 attention-sink logit per query head; read only if USE_SINKS
     scale,  # fp32 multiplier of q.k
     softcap,  # fp32 soft-cap of the scores; used only if USE_SOFTCAP
     sliding_window,  # int window length (self included); used only if USE_WINDOW
@@ -86,6 +86,7 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # context positions per loop step, >= 16
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), else None (the default)
     DOT_IN_FP32: tl.constexpr,  # upcast bf16 dot operands (exactly): the CPU interpreter multiplies raw bf16 bits
 ):
@@ -170,6 +171,12 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if USE_SINKS:
+        # The sink is one more logit in the row's softmax, with no value: exp(sink - m) joins the sum only
+        # (scores are in the log2 domain here, so the sink is too).
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        l_i = l_i + tl.where(row_ok, tl.exp2(sink - m_safe), 0.0)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :],
@@ -191,6 +198,7 @@ def paged_attention_triton(
     max_seqlen_q: int | None = None,
     out: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch (prefill chunks and decodes mixed) over a paged KV cache (Triton).
 
@@ -221,6 +229,12 @@ def paged_attention_triton(
             head_dim (> 256).
     """
     _check_attention_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out)
+    if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.dtype != torch.float32 or sinks.stride(0) != 1):
+        raise ValueError(
+            f"sinks must be a contiguous float32 ({query.shape[1]},) tensor, got {sinks.dtype} {tuple(sinks.shape)}"
+        )
+    if sinks is not None and sinks.device != query.device:
+        raise ValueError(f"sinks are on {sinks.device}, the query on {query.device}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     num_requests = seqlens_k.shape[0]
@@ -244,6 +258,7 @@ def paged_attention_triton(
         softcap is not None,
         device_capability(query.device),
         dot_in_fp32=query.is_cpu and query.dtype == torch.bfloat16,
+        use_sinks=sinks is not None,
     )
     grid = (num_tokens // launch.constexprs["BLOCK_Q"] + num_requests, num_kv_heads)
     paged_attention_kernel[grid](
@@ -254,6 +269,7 @@ def paged_attention_triton(
         block_tables,
         cu_seqlens_q,
         seqlens_k,
+        sinks if sinks is not None else seqlens_k,  # any pointer when there are no sinks: never read
         float(scale),
         float(softcap or 0.0),
         int(sliding_window or 0),
@@ -305,6 +321,7 @@ def attention_launch_config(
     use_softcap: bool,
     capability: int,
     dot_in_fp32: bool = False,
+    use_sinks: bool = False,
 ) -> LaunchConfig:
     """The constexprs, ``num_warps`` and ``num_stages`` of one ``paged_attention_kernel`` launch.
 
@@ -317,6 +334,7 @@ def attention_launch_config(
         max_seqlen_q: longest query (tokens) in the batch. use_window, use_softcap: whether those are set.
         capability: compute capability, major * 10 + minor (``device_capability``).
         dot_in_fp32: upcast bf16 dot operands (the CPU interpreter only).
+        use_sinks: the launch adds attention sinks (gpt-oss).
     """
     group = num_heads // num_kv_heads
     group_padded = triton.next_power_of_2(group)
@@ -333,6 +351,7 @@ def attention_launch_config(
         BLOCK_N=tile.block_n,
         USE_SOFTCAP=use_softcap,
         USE_WINDOW=use_window,
+        USE_SINKS=use_sinks,
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,
         DOT_IN_FP32=dot_in_fp32,
     )

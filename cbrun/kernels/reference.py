@@ -183,6 +183,7 @@ def paged_attention_ref(
     scale: float,
     softcap: float | None = None,
     page_offset: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened varlen batch over a paged KV cache.
 
@@ -193,6 +194,10 @@ def paged_attention_ref(
         scale: multiplier of q.k (usually head_dim ** -0.5).
         softcap: if set, scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
         page_offset: added to every block id of the plan (a layer's page within a multi-layer block).
+        sinks: (num_heads,) float32 attention-sink logits, or None. A sink is one more logit per head in the
+            softmax, with no value: ``p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink_h))`` (gpt-oss; transformers'
+            ``gpt_oss.eager_attention_forward``, Xiao et al. 2023, "Efficient Streaming Language Models with
+            Attention Sinks").
 
     NOTE: whole pages are gathered and unused positions masked, so unused slots must hold finite values (a NaN
     there would survive a zero attention weight). The engine zeroes each cache page before its first use and then only ever writes K/V there.
@@ -214,24 +219,32 @@ def paged_attention_ref(
         # (B * NB, page, Hkv, D) -> (B, Hkv, K, D)
         k = k_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
         v = v_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        if softcap is None:
+        if softcap is None and sinks is None:
             o = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=g.head_mask(group_size, q.dtype), scale=scale
             )
         else:
-            o = _softcapped_attention(q, k, v, g.head_mask(group_size), scale, softcap)
+            head_sinks = None if sinks is None else sinks.view(num_kv_heads, group_size, 1).repeat_interleave(max_q, 1)
+            o = _explicit_attention(q, k, v, g.head_mask(group_size), scale, softcap, head_sinks)
         o = o.view(batch, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out[g.out_rows] = o.reshape(batch * max_q, num_heads, head_dim)[g.out_select]
     return out
 
 
-def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """Explicit attention with ``softcap * tanh(scores / softcap)``; q (B, Hkv, R, D), k/v (B, Hkv, K, D), mask
-    (B, 1, R, K). Softmax in float32."""
+def _explicit_attention(q, k, v, mask, scale: float, softcap: float | None, sinks) -> torch.Tensor:
+    """Explicit attention, softmax in float32: scores soft-capped (``softcap * tanh(scores / softcap)``) when
+    ``softcap`` is set, and a sink logit per row in the denominator when ``sinks`` ((Hkv, R, 1) float32) is set.
+    q (B, Hkv, R, D), k/v (B, Hkv, K, D), mask (B, 1, R, K)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = softcap * torch.tanh(scores / softcap)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # softmax over [scores, sink], the sink's own column dropped (it has no value)
+        sink_column = sinks.to(scores.device).expand(scores.shape[0], -1, -1, -1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def write_kv_cache_ref(

@@ -28,6 +28,9 @@ SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 
 #: The architecture assumed off CUDA (the Triton interpreter ignores warps and shared memory; only the tile's shape
 #: matters there, and any of them computes the same attention).
 DEFAULT_CAPABILITY = 90
+#: The largest head size the Triton attention kernel takes. NOTE: larger head dims would not fit a
+#: (BLOCK_M, HEAD_DIM) fp32 accumulator in registers.
+MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)

@@ -55,10 +55,12 @@ def make_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, seed=0, page=P
     return query, k_cache, v_cache, tables, cu, torch.tensor(k_lens, dtype=torch.int32)
 
 
-def reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap=None, window=None):
+def reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap=None, window=None, sinks=None):
     """The reference over a copy of the cache whose unowned slots are 0: it reads whole pages and masks them."""
     plan = build_gather_plan(tables, cu, seqlens, k_cache.shape[1], window)
-    return paged_attention_ref(query, torch.nan_to_num(k_cache), torch.nan_to_num(v_cache), plan, scale, softcap)
+    return paged_attention_ref(
+        query, torch.nan_to_num(k_cache), torch.nan_to_num(v_cache), plan, scale, softcap, sinks=sinks
+    )
 
 
 @pytest.mark.parametrize(
@@ -73,6 +75,33 @@ def test_ragged_batch_matches_reference(num_heads, num_kv_heads, head_dim, windo
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert (out[int(cu[-1]) :] == 0).all()  # padding rows
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 8), (4, 2, 12), (8, 2, 64)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
+@pytest.mark.parametrize("lane_loops", [True, False])
+def test_sinks_match_reference(num_heads, num_kv_heads, head_dim, window, softcap, lane_loops):
+    """Attention sinks (gpt-oss): one logit per head in the softmax denominator; sinks well above and below the
+    scores, so they change the outputs (checked against no sinks)."""
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch(*RAGGED, num_heads, num_kv_heads, head_dim, seed=5)
+    sinks = torch.linspace(-3.0, 4.0, num_heads)
+    scale = head_dim**-0.5
+    out = StepKernels(k_cache, v_cache).attention(
+        query, tables, cu, seqlens, scale, softcap, window, lane_loops=lane_loops, sinks=sinks
+    )
+    expected = reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window, sinks)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    without = reference(query, k_cache, v_cache, tables, cu, seqlens, scale, softcap, window)
+    assert not torch.allclose(out[: int(cu[-1])], without[: int(cu[-1])], atol=1e-3)
+
+
+def test_sinks_in_the_online_pass_match_reference():
+    """Tiles too long for the two-pass buffer take the online softmax, which adds the sink too."""
+    query, k_cache, v_cache, tables, cu, seqlens = make_batch([13, 1], [700, 37], 8, 1, 64, seed=6)
+    sinks = torch.linspace(-2.0, 6.0, 8)
+    out = paged_attention_cpu(query, k_cache, v_cache, tables, cu, seqlens, 0.125, sinks=sinks)
+    expected = reference(query, k_cache, v_cache, tables, cu, seqlens, 0.125, sinks=sinks)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 650, 300])

@@ -127,13 +127,14 @@ def check_attention(
     sliding_window=None,
     softcap=None,
     index_dtype=torch.int32,
+    sinks=None,
 ):
     query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k = make_batch(
         q_lens, k_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, index_dtype
     )
     scale = head_dim**-0.5
     plan = build_gather_plan(block_tables, cu_seqlens_q, seqlens_k, page_size, sliding_window)
-    expected = paged_attention_ref(query, finite(k_cache), finite(v_cache), plan, scale, softcap)
+    expected = paged_attention_ref(query, finite(k_cache), finite(v_cache), plan, scale, softcap, sinks=sinks)
     out = torch.full_like(query, float("nan"))
     result = paged_attention.paged_attention_triton(
         query,
@@ -147,6 +148,7 @@ def check_attention(
         softcap=softcap,
         max_seqlen_q=max(q_lens),
         out=out,
+        sinks=None if sinks is None else sinks.to(DEVICE),
     )
     assert result is out
     tol = TOLERANCE[dtype]
@@ -188,6 +190,16 @@ def test_attention_window_and_softcap(mix, sliding_window, softcap):
 
 
 @in_process
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sliding_window", [None, 8])
+def test_attention_sinks(dtype, sliding_window):
+    """Attention sinks (gpt-oss): one logit per query head in the softmax denominator, well above and below the
+    scores (GQA group of 4, so each program's rows hold several heads' sinks)."""
+    sinks = torch.linspace(-3.0, 5.0, 8)
+    check_attention(*BATCH_MIXES["mixed"], dtype=dtype, sliding_window=sliding_window, sinks=sinks)
+
+
 def test_attention_softcap_low_precision_and_int64_indices():
     check_attention(
         *BATCH_MIXES["mixed"], dtype=torch.bfloat16, sliding_window=5, softcap=30.0, index_dtype=torch.int64
@@ -353,6 +365,7 @@ def test_batch_invariant_launch_is_one_tile_that_the_ahead_of_time_check_compile
                     False,
                     False,
                     capability,
+                    use_sinks=model.sinks,
                 )
                 assert invariant.key() in compiled
 

@@ -48,3 +48,28 @@ def test_prefill_tiles_equal_one_padded_group(monkeypatch):
             assert len(untiled_plan.groups) == 2
             untiled = ref.paged_attention_ref(query, k_cache, v_cache, untiled_plan, 0.3)
         torch.testing.assert_close(tiled, untiled, rtol=1e-5, atol=1e-6)
+
+
+def test_sinks_equal_transformers_gpt_oss_eager():
+    """The reference's sinks are transformers' gpt-oss ``eager_attention_forward``: a per-head logit beside the
+    scores in the softmax, dropped before the weighted sum of V (one request, contiguous pages, causal)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    g = torch.Generator().manual_seed(2)
+    length, page, num_kv_heads, head_dim, num_heads = 11, 4, 2, 8, 4
+    q = torch.randn(1, num_heads, length, head_dim, generator=g)
+    k = torch.randn(1, num_kv_heads, length, head_dim, generator=g)
+    v = torch.randn(1, num_kv_heads, length, head_dim, generator=g)
+    sinks = torch.linspace(-2.0, 3.0, num_heads)
+    causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
+    module = SimpleNamespace(num_key_value_groups=num_heads // num_kv_heads, sinks=sinks, training=False)
+    want, _ = eager_attention_forward(module, q, k, v, causal, scaling=0.3)  # (1, T, H, D)
+    num_pages = -(-length // page)
+    pad = num_pages * page - length
+    k_cache = torch.nn.functional.pad(k[0].transpose(0, 1), (0, 0, 0, 0, 0, pad)).view(num_pages, page, 2, 8)
+    v_cache = torch.nn.functional.pad(v[0].transpose(0, 1), (0, 0, 0, 0, 0, pad)).view(num_pages, page, 2, 8)
+    plan = ref.build_gather_plan(torch.arange(num_pages)[None], torch.tensor([0, length]), torch.tensor([length]), page)
+    got = ref.paged_attention_ref(q[0].transpose(0, 1), k_cache, v_cache, plan, 0.3, sinks=sinks)
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-6)

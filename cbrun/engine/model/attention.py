@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cbrun.engine.core.cache_spec import slot_address
+from cbrun.engine.model.attention_contract import AttentionProbe, check_hook_kwargs, refusal
 from cbrun.kernels.reference import GatherPlan, build_gather_plan, paged_attention_ref, write_kv_cache_ref
 
 ATTN_IMPLEMENTATION = "cbrun_paged"
@@ -132,7 +133,8 @@ def paged_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    cbrun_metadata: AttentionMetadata | None = None,
+    s_aux: torch.Tensor | None = None,
+    cbrun_metadata: AttentionMetadata | AttentionProbe | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface function over the paged cache.
@@ -144,24 +146,35 @@ def paged_attention_forward(
         scaling: softmax scale; defaults to head_dim ** -0.5.
         sliding_window: the layer's window in tokens, or None.
         softcap: attention logit soft-capping (Gemma 2), or None.
-        cbrun_metadata: this step's metadata.
+        s_aux: (num_heads,) attention sinks (gpt-oss), or None.
+        cbrun_metadata: this step's metadata, or the load-time ``AttentionProbe``
+            (``cbrun.engine.model.attention_contract``), which records the call.
+        kwargs: the rest of the model's keyword arguments; any that would change attention is refused
+            (``attention_contract.check_hook_kwargs``).
 
     Returns:
         ((1, T, num_heads, head_dim) attention output, None).
 
     Raises:
         RuntimeError: when called without ``cbrun_metadata`` (the model was run outside the engine).
+        UnsupportedAttention: a keyword argument, a mask or a dropout the hook does not implement.
     """
     if cbrun_metadata is None:
         raise RuntimeError(
             f"{ATTN_IMPLEMENTATION} attention needs the engine's cbrun_metadata; "
             "run the model through cbrun's LLMEngine"
         )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(cbrun_metadata, AttentionProbe):
+        named = dict(kwargs, dropout=dropout, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
+        return cbrun_metadata.attend(module, query, key, value, attention_mask, scale, s_aux, named), None
+    check_hook_kwargs(kwargs, dropout)
+    if attention_mask is not None:
+        raise refusal("an attention mask or bias built by the model", f"layer {module.layer_idx}")
     q = query[0].transpose(0, 1)  # (T, H, D)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, k, v, cbrun_metadata, module.layer_idx, scale, sliding_window, softcap)
+    out = paged_attention(q, k, v, cbrun_metadata, module.layer_idx, scale, sliding_window, softcap, s_aux)
     return out.unsqueeze(0), None
 
 
@@ -174,6 +187,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write one layer's new K/V into the paged cache, then attend over it (reference, C or Triton, per ``md``).
 
@@ -184,6 +198,7 @@ def paged_attention(
         scale: softmax scale.
         sliding_window: the layer's window in tokens, or None.
         softcap: attention logit soft-capping, or None.
+        sinks: (num_heads,) per-head sink logits added to the softmax denominator (gpt-oss), or None.
 
     Returns:
         (T, num_heads, head_dim) attention output in ``q.dtype``.
@@ -191,10 +206,12 @@ def paged_attention(
     # The kernels read the page size from the cache tensor, the block tables and slots were built with md's.
     assert md.k_pages.shape[1] == md.page_size, f"page size {md.page_size} but cache pages of {md.k_pages.shape[1]}"
     group, index = md.layer_groups[layer_idx]
+    if sinks is not None:
+        sinks = sinks.detach().float()  # the kernels add the sink logits in float32
     if md.kernels_as_ops:
-        return _attention_as_ops(q, k, v, md, group, index, scale, sliding_window, softcap)
+        return _attention_as_ops(q, k, v, md, group, index, scale, sliding_window, softcap, sinks)
     if md.use_cpu_kernel:
-        return _cpu_kernel_attention(q, k, v, md, group, index, scale, sliding_window, softcap)
+        return _cpu_kernel_attention(q, k, v, md, group, index, scale, sliding_window, softcap, sinks)
     slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
     if md.use_triton:
         from cbrun.kernels.kv_cache_write import write_kv_cache_triton
@@ -211,12 +228,13 @@ def paged_attention(
             scale,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=sinks,
             max_seqlen_q=md.max_seqlen_q,
             batch_invariant=md.batch_invariant,
         )
     write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
     return paged_attention_ref(
-        q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap, page_offset=index
+        q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap, page_offset=index, sinks=sinks
     )
 
 
@@ -230,6 +248,7 @@ def _cpu_kernel_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """``paged_attention`` on the C kernels (``cbrun.kernels.cpu_attention``): the K/V write and the attention each take
     the group's layer-0 slot mapping and block tables with the layer's page shift, applied in C, so no layer makes
@@ -239,7 +258,15 @@ def _cpu_kernel_attention(
     layer0 = md.groups[group]
     kernels.write_kv(k, v, layer0.slot_mapping, slot_address(index, 0, md.page_size))
     return kernels.attention(
-        q, layer0.block_tables, md.cu_seqlens_q, md.seqlens_k, scale, softcap, sliding_window, page_offset=index
+        q,
+        layer0.block_tables,
+        md.cu_seqlens_q,
+        md.seqlens_k,
+        scale,
+        softcap,
+        sliding_window,
+        page_offset=index,
+        sinks=sinks,
     )
 
 
@@ -253,6 +280,7 @@ def _attention_as_ops(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """``paged_attention`` through ``cbrun.kernels.custom_ops``, each backend given what its direct call gets: the C
     kernel layer 0's slots and tables with the layer's shift, the reference the layer's slots and layer 0's
@@ -289,6 +317,7 @@ def _attention_as_ops(
         page_offset,
         backend,
         threads,
+        sinks,
     )
 
 

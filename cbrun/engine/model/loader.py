@@ -12,14 +12,16 @@ from pathlib import Path
 import torch
 
 from cbrun.engine.config import EngineConfig, checkpoint_dtype
+from cbrun.engine.core.kv_layout import KVLayout
 from cbrun.engine.core.tokenizer import load_tokenizer
-from cbrun.engine.model import parallel, safetensors_loader
+from cbrun.engine.model import attention_contract, parallel, safetensors_loader
 from cbrun.engine.model.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from cbrun.engine.model.quantization import checkpoint_quantization
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
 from cbrun.engine.worker.backends import cuda_graphs_blocker, use_triton
 from cbrun.engine.worker.device import select_device
 from cbrun.engine.worker.threads import resolve_num_threads
+from cbrun.kernels.tile_policy import MAX_HEAD_DIM
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -154,9 +156,11 @@ def _needs_transformers(config: EngineConfig) -> str | None:
 
 def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
     """A local transformers causal LM with cbrun's attention, in ``config.dtype`` on ``config.device``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = "auto" if config.dtype == "auto" else _DTYPES[config.dtype]
+    # Refused before any weight is read: MLA, chunked or bidirectional attention, non-attention layer kinds.
+    attention_contract.check_config(AutoConfig.from_pretrained(model_path, local_files_only=True))
     register_with_transformers()
     # NOTE: on CUDA the weights are read straight onto the device in ``dtype`` (one device, so no accelerate
     # dispatch): no host copy of the whole model. The CPU keeps transformers' default placement.
@@ -165,7 +169,25 @@ def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
         model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True, **placement
     )
     _check_causal_decoder(model)
-    return model.to(config.device).eval()
+    model = model.to(config.device).eval()
+    check_attention(model, config)
+    return model
+
+
+def check_attention(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Refuse a transformers model whose attention asks for a feature cbrun does not implement
+    (``cbrun.engine.model.attention_contract.check_transformers_model``: one probe forward pass of four tokens).
+
+    Raises:
+        UnsupportedAttention (a ValueError): naming the feature.
+    """
+    text_config = model.config.get_text_config()
+    attention_contract.check_transformers_model(
+        model,
+        KVLayout.from_model_config(text_config),
+        kv_shape(text_config),
+        MAX_HEAD_DIM if use_triton(config) else None,
+    )
 
 
 def _check_causal_decoder(model: torch.nn.Module) -> None:
@@ -214,7 +236,7 @@ def load_tokenizer_or_none(model_path: str, loader: str = "auto"):
     strings are then unavailable)."""
     try:
         return load_tokenizer(model_path, loader=loader)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, ImportError):  # ImportError: a tokenizer class's optional package
         logger.info("no tokenizer in %s: stop strings are unavailable", model_path)
         return None
 
