@@ -19,7 +19,7 @@ processes of a shared machine take from it; ``--clock wall`` uses ``time.perf_co
 - prepare inputs: ``StepInputBuilder.prepare`` plus ``ModelRunner._upload`` (flattened ids, positions, slot mapping,
   block tables from the persistent batch, attention metadata);
 - forward: ``ModelRunner._forward`` (the model; near zero by construction, reported so it can be subtracted);
-- read results: ``LLMEngine._resolve`` (tokens to requests, stop checks, finished requests);
+- read results: ``LLMEngine._update`` (the step's StepOutput applied by the scheduler: stop checks, finished requests);
 - other: the rest of ``LLMEngine.step`` (zeroing new cache pages, the argmax, advancing requests, stats, output
   objects).
 
@@ -65,7 +65,7 @@ PHASES = {
     "prepare": ("model_runner.step_inputs", "prepare"),
     "upload": ("model_runner", "_upload"),
     "forward": ("model_runner", "_forward"),
-    "read": ("", "_resolve"),
+    "read": ("", "_update"),
 }
 
 

@@ -127,6 +127,10 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
         return Loaded()
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    # The attention contract's load checks read a config and run a probe forward; this stand-in model has
+    # neither, and placement is what this test is about (tests/engine/test_attention_contract.py checks them).
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: transformers.LlamaConfig())
+    monkeypatch.setattr(loader, "check_attention", lambda model, config: None)
     loader._load_model("unused", EngineConfig(device=device, dtype="bfloat16"))
     assert calls[0]["dtype"] is torch.bfloat16
     assert ("device_map" in calls[0]) is placed
