@@ -106,7 +106,11 @@ def _hf_model(model_dir: Path):
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers ``generate`` on one prompt, greedy, exactly ``max_new_tokens`` new tokens."""
-    model = _hf_model(model_dir)
+    return greedy_generate(_hf_model(model_dir), prompt, max_new_tokens)
+
+
+def greedy_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """``model.generate`` (a transformers causal LM) on one prompt, greedy, exactly ``max_new_tokens`` new tokens."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),

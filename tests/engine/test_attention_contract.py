@@ -10,7 +10,7 @@ import transformers
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.model.attention import paged_attention_forward
 from cbrun.engine.model.attention_contract import UnsupportedAttention
-from tests.model_utils import WEIGHT_SCALE, random_prompts, run_engine
+from tests.model_utils import WEIGHT_SCALE, greedy_generate, random_prompts, run_engine
 
 VOCAB = 128
 NEW_TOKENS = 8
@@ -41,19 +41,7 @@ def _save(model: torch.nn.Module, path) -> str:
 
 def _generate(model_dir: str) -> list[list[int]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    outputs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return [greedy_generate(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.model_utils import WEIGHT_SCALE
+from tests.model_utils import WEIGHT_SCALE, greedy_generate
 
 #: Config fields set where a family's config has them (sliding windows of 4 tokens, 4 experts, 2 per token).
 TINY = dict(
@@ -64,18 +64,7 @@ def _tiny_model_dir(model_type: str, path) -> str:
 
 def _generate(model_dir: str) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    with torch.no_grad():
-        return [
-            model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                pad_token_id=0,
-            )[0, len(p) :].tolist()
-            for p in PROMPTS
-        ]
+    return [greedy_generate(model, p, NEW_TOKENS) for p in PROMPTS]
 
 
 def test_the_families_are_transformers_causal_lms():

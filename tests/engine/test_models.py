@@ -15,7 +15,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.model_utils import WEIGHT_SCALE, assert_pool_balanced, random_prompts, run_engine
+from tests.model_utils import WEIGHT_SCALE, assert_pool_balanced, greedy_generate, random_prompts, run_engine
 
 VOCAB = 128
 NEW_TOKENS = 12
@@ -120,19 +120,7 @@ def _save_random_model(spec: ModelSpec, path) -> str:
 def _hf_greedy_all(model_dir: str, attn: str, **config_overrides) -> list[list[int]]:
     """transformers ``generate``, greedy, one prompt at a time, exactly NEW_TOKENS new tokens each."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, **config_overrides).eval()
-    outputs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return [greedy_generate(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
 
 
 @pytest.fixture(scope="module")
