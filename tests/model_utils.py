@@ -77,11 +77,8 @@ def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> P
     torch.manual_seed(seed)
     lists = {key: list(value) for key, value in overrides.items() if isinstance(value, tuple)}  # hashable here
     model = model_class(config_class(**{**fields, **overrides, **lists})).eval()
-    with torch.no_grad():
-        for param in model.parameters():  # biases start at zero and norms at one: make them matter
-            param.mul_(WEIGHT_SCALE).add_(0.05 * torch.randn_like(param))
     path = session_tmp_dir(f"cbrun-{model_type}-")
-    model.save_pretrained(path)
+    save_spread_weights(model, path)  # biases start at zero and norms at one: make them matter
     return path
 
 
@@ -102,6 +99,16 @@ def random_prompts(n: int, vocab_size: int, min_len: int = 1, max_len: int = 40,
 @functools.lru_cache(maxsize=None)
 def _hf_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+
+
+def save_spread_weights(model, path) -> str:
+    """Save ``model`` to ``path`` with its weights scaled by WEIGHT_SCALE plus 0.05 N(0, 1) noise: spread enough
+    that greedy tokens vary and unit weights (norms, sinks) are not all equal, so a feature ignored shows."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(WEIGHT_SCALE).add_(0.05 * torch.randn_like(param))
+    model.save_pretrained(path)
+    return str(path)
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:

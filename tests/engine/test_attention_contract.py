@@ -10,7 +10,7 @@ import transformers
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.model.attention import paged_attention_forward
 from cbrun.engine.model.attention_contract import UnsupportedAttention
-from tests.model_utils import WEIGHT_SCALE, greedy_generate, random_prompts, run_engine
+from tests.model_utils import greedy_generate, random_prompts, run_engine, save_spread_weights
 
 VOCAB = 128
 NEW_TOKENS = 8
@@ -31,14 +31,6 @@ _SMALL = dict(
 )
 
 
-def _save(model: torch.nn.Module, path) -> str:
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(WEIGHT_SCALE).add_(0.05 * torch.randn_like(param))
-    model.save_pretrained(path)
-    return str(path)
-
-
 def _generate(model_dir: str) -> list[list[int]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     return [greedy_generate(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
@@ -54,7 +46,7 @@ def gpt_oss(tmp_path_factory):
     )
     model = transformers.GptOssForCausalLM(config).eval()
     assert config.layer_types == ["sliding_attention", "full_attention"]
-    model_dir = _save(model, tmp_path_factory.mktemp("gpt_oss"))
+    model_dir = save_spread_weights(model, tmp_path_factory.mktemp("gpt_oss"))
     expected = _generate(model_dir)
     without = transformers.GptOssForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():

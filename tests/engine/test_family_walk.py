@@ -13,7 +13,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.model_utils import WEIGHT_SCALE, greedy_generate
+from tests.model_utils import greedy_generate, save_spread_weights
 
 #: Config fields set where a family's config has them (sliding windows of 4 tokens, 4 experts, 2 per token).
 TINY = dict(
@@ -55,11 +55,7 @@ def _tiny_model_dir(model_type: str, path) -> str:
     config = config_class(**{k: v for k, v in TINY.items() if hasattr(default, k)})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(WEIGHT_SCALE).add_(0.05 * torch.randn_like(param))
-    model.save_pretrained(path)
-    return str(path)
+    return save_spread_weights(model, path)
 
 
 def _generate(model_dir: str) -> list[list[int]]:
