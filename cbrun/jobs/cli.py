@@ -259,7 +259,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(summary.line())
     print(
         f"cbrun demo: output in {Path(summary.output_dir).resolve()} (part-*.parquet, _cbrun/stats.json); "
-        f"read it with jobs.output.writer.read_output(DIR)"
+        f"read it with cbrun.jobs.output.writer.read_output(DIR)"
     )
     return 0
 

@@ -297,8 +297,10 @@ def _hub_error_message(
             reason = "the Hugging Face Hub could not be reached"
         held = _cached_revisions(folder)
         found = f" (it holds {repo_id!r} at {held})" if held else ""
+        # A mistyped relative folder ("models/nope") is also a valid repo id: say that neither was found.
+        local = "" if pinned else f"there is no local directory {repo_id!r} (in {Path.cwd()}), and "
         return (
-            f"{what} is not in the Hugging Face cache at {cache}{found}, and {reason}; download it once with network "
+            f"{local}{what} is not in the Hugging Face cache at {cache}{found}, and {reason}; download it once with network "
             f"access (unset HF_HUB_OFFLINE), point HF_HOME or HF_HUB_CACHE at the cache that holds it, or give a "
             f"local model directory{restart}"
         )

@@ -199,6 +199,7 @@ def test_offline_with_a_cold_cache_exits_2_naming_HF_HUB_OFFLINE_and_the_cache(h
     err = capsys.readouterr().err
     assert f"model {REPO!r} at revision 'main' is not in the Hugging Face cache at {hub_cache}" in err, err
     assert "HF_HUB_OFFLINE=1" in err and "HF_HOME" in err, err
+    assert f"there is no local directory {REPO!r}" in err, err  # a mistyped relative folder is named as one
     assert not (tmp_path / "out").exists()
 
 
