@@ -97,6 +97,19 @@ def test_a_greedy_job_resumed_at_a_temperature_names_the_temperature_only(manife
     assert fingerprint_differences(greedy, job_fingerprint(manifest, 100, may_sample=True)) == ["sampling.sampler"]
 
 
+def test_a_sampled_job_records_its_tensor_parallel_size_above_one(manifest):
+    """A sampled row's logits differ in their last bits between rank counts: a resume at another count must not mix
+    them; a greedy job, whose tokens do not depend on it, and tp = 1 keep their fingerprints."""
+    sampled_tp1 = job_fingerprint(manifest, 100, may_sample=True)
+    greedy_tp1 = job_fingerprint(manifest, 100, may_sample=False)
+    manifest.engine = EngineConfig(tensor_parallel_size=2)
+    assert fingerprint_differences(sampled_tp1, job_fingerprint(manifest, 100, may_sample=True)) == [
+        "sampling.tensor_parallel_size"
+    ]
+    assert job_fingerprint(manifest, 100, may_sample=False) == greedy_tp1
+    assert "tensor_parallel_size" not in sampled_tp1["sampling"]
+
+
 def test_fingerprint_records_speculation_only_when_on(manifest):
     """n-gram settings change sampled rows' draws, so a resume must not mix them; "off" keeps older fingerprints."""
     off = job_fingerprint(manifest, 100)

@@ -244,6 +244,10 @@ def job_fingerprint(
     if may_sample:  # the random stream decides a sampled row's tokens, never a greedy row's
         fingerprint["sampling"]["sampler"] = SAMPLER_VERSION
         fingerprint["sampling"]["batch_invariant"] = batch_invariant
+        # NOTE: a sampled row's logits differ in their last bits between rank counts (the all-reduce sums the
+        # partial products in another order), so its draws can too; recorded only above 1 (earlier jobs unchanged)
+        if manifest.engine.tensor_parallel_size > 1:
+            fingerprint["sampling"]["tensor_parallel_size"] = manifest.engine.tensor_parallel_size
     if inp.format != "auto":
         fingerprint["input"]["format"] = inp.format
     if manifest.output.keep_columns:
