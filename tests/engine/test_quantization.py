@@ -167,8 +167,8 @@ def test_chunked_gemm_equals_the_reference_and_one_chunk_is_exact():
 
 #: Layouts cbrun does not run, as config.json states them, and the words their refusal names.
 REFUSED = {
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq'"),
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method 'awq'"),
+    "gptq-3-bit": ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq with bits 3 (only 4)"),
+    "awq-gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
     "mxfp4": ({"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
     "bitsandbytes": ({"quant_method": "bitsandbytes_4bit"}, "quant_method 'bitsandbytes_4bit'"),
     "fp8-static": (
@@ -176,10 +176,11 @@ REFUSED = {
         "activation_scheme 'static'",
     ),
     "fp8-per-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size None"),
-    "ct-int4-pack": (
-        _ct_config("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}),
-        "compressed-tensors format 'pack-quantized'",
+    "ct-int8-pack": (
+        _ct_config("pack-quantized", {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}),
+        "compressed-tensors pack-quantized weights",
     ),
+    "ct-marlin": (_ct_config("marlin-24", {}), "compressed-tensors format 'marlin-24'"),
     "ct-fp8-group": (
         _ct_config("float-quantized", {"strategy": "group", "group_size": 128}),
         "weight strategy 'group'",
@@ -215,11 +216,11 @@ def test_an_implemented_layout_on_transformers_is_refused_by_name():
 
 
 def test_a_job_on_a_refused_layout_exits_2_before_any_row(tiny_model_dir, tmp_path, capsys):
-    model = _with_quantization(tiny_model_dir, tmp_path, {"quant_method": "gptq", "bits": 4})
+    model = _with_quantization(tiny_model_dir, tmp_path, {"quant_method": "gptq", "bits": 4, "desc_act": True})
     rows = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": ["r0", "r1"], "prompt": ["row 0 says", "row 1 says"]}), rows)
     out = tmp_path / "out"
     assert main(run_args(model, rows, out)) == 2
     err = capsys.readouterr().err
-    assert "quantization_config is not implemented by cbrun: quant_method 'gptq'" in err
+    assert "quantization_config is not implemented by cbrun: gptq with desc_act True" in err
     assert not out.exists() or not committed_parts(out)

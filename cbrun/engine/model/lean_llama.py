@@ -46,7 +46,7 @@ from cbrun.engine.model.cpu_linear import (
 )
 from cbrun.engine.model.llama_weights import LayerWeights, Linear, LlamaWeights
 from cbrun.engine.model.moe import SparseMoE, moe_weights_from_module, unsupported_moe_reason
-from cbrun.engine.model.quantization import QuantizedWeight, quantized_linear
+from cbrun.engine.model.quantization import QuantizedLinearWeight, quantized_linear
 from cbrun.engine.model.safetensors_loader import LeanModel
 from cbrun.engine.switches import resolve_switch
 
@@ -171,7 +171,9 @@ class LeanLlama:
                 "batch_invariant = on does not run MoE layers yet (the experts' grouped GEMM sums by each "
                 "expert's share of the step); set engine.batch_invariant = off"
             )
-        quantized = [p[0] for layer in weights.layers for p in layer.linears() if isinstance(p[0], QuantizedWeight)]
+        quantized = [
+            p[0] for layer in weights.layers for p in layer.linears() if isinstance(p[0], QuantizedLinearWeight)
+        ]
         if batch_invariant and quantized:
             raise ValueError(
                 "batch_invariant = on does not run quantized weights (each GEMM dequantizes its weight in chunks "
@@ -208,10 +210,10 @@ class LeanLlama:
         )
         if quantized:
             logger.info(
-                "quantized linear layers: %d, kept %s with block scales, dequantized in the GEMM (weight-only: "
+                "quantized linear layers: %d, kept %s with their scales, dequantized in the GEMM (weight-only: "
                 "activations in %s)",
                 len(quantized),
-                quantized[0].qweight.dtype,
+                quantized[0].storage_dtype,
                 quantized[0].dtype,
             )
         moe = [layer.moe for layer in self.layers if layer.moe is not None]
@@ -338,7 +340,7 @@ def _projection(linear: Linear, backend) -> tuple[torch.Tensor, torch.Tensor | N
     """(weight, bias, its function); ``backend`` a ``linear_backend`` name or a function of the weight. A
     quantized weight always runs ``quantized_linear`` (dequantized in the GEMM, chunk by chunk)."""
     weight, bias = linear
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, QuantizedLinearWeight):
         return weight, bias, quantized_linear
     return weight, bias, backend(weight) if callable(backend) else select_linear(weight, backend)
 

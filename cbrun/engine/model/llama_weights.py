@@ -14,11 +14,11 @@ import torch
 
 from cbrun.engine.model.moe import MoEWeights
 from cbrun.engine.model.parallel import TensorParallelWeights
-from cbrun.engine.model.quantization import QuantizedWeight
+from cbrun.engine.model.quantization import QuantizedLinearWeight
 
 #: (weight (out_features, in_features), bias (out_features,) or None) of one linear layer; the weight of a
-#: quantized checkpoint's linear is a ``QuantizedWeight`` (``cbrun.engine.model.quantization``).
-Linear = tuple["torch.Tensor | QuantizedWeight", "torch.Tensor | None"]
+#: quantized checkpoint's linear is a ``QuantizedLinearWeight`` (``cbrun.engine.model.quantization``).
+Linear = tuple["torch.Tensor | QuantizedLinearWeight", "torch.Tensor | None"]
 
 
 @dataclass
@@ -86,13 +86,13 @@ class LlamaWeights:
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every distinct weight and bias tensor once (a tied LM head is the embedding), as ``parameters()``; a
-        ``QuantizedWeight`` as its values and scales."""
+        ``QuantizedLinearWeight`` as its values and scales."""
         seen: set[int] = set()
         linears = [self.lm_head] + [p for layer in self.layers for p in layer.linears()]
         norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         extra = [t for layer in self.layers for t in layer.extra_tensors()]
         parts = [t for linear in linears for t in linear if t is not None]
-        parts = [p for t in parts for p in (t.tensors() if isinstance(t, QuantizedWeight) else [t])]
+        parts = [p for t in parts for p in (t.tensors() if isinstance(t, QuantizedLinearWeight) else [t])]
         for tensor in [self.embed, *norms, *parts, *extra]:
             if id(tensor) not in seen:
                 seen.add(id(tensor))

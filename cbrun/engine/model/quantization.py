@@ -1,5 +1,5 @@
-"""Quantized checkpoints on the lean path: which ``quantization_config`` layouts cbrun runs, the weight type that
-keeps their linear weights quantized in memory, and the CPU GEMM that dequantizes them block by block.
+"""Quantized checkpoints on the lean path: which ``quantization_config`` layouts cbrun runs, the weight types that
+keep their linear weights quantized in memory, and the CPU GEMM that dequantizes them block by block.
 
 Implemented (weight-only: the activations stay in the engine's dtype, each product is the dequantized weight's):
 
@@ -10,13 +10,17 @@ Implemented (weight-only: the activations stay in the engine's dtype, each produ
 - ``quant_method: "compressed-tensors"``, ``format: "float-quantized"``, one config group of 8-bit float weights
   with the ``channel`` or ``tensor`` strategy (Neural Magic / Red Hat "FP8-dynamic" checkpoints): ``weight``
   float8_e4m3fn (out, in), ``weight_scale`` (out, 1) or (1,); the real weight is ``weight * weight_scale``.
+- int4 weight-only (``cbrun.engine.model.int4``): compressed-tensors ``format: "pack-quantized"`` (4-bit int
+  weights by group or channel, symmetric or with packed zero points: llm-compressor's W4A16), ``quant_method:
+  "gptq"`` (bits 4, ``desc_act: false``, the v1 ``checkpoint_format: "gptq"``) and ``quant_method: "awq"`` (bits 4,
+  the GEMM version with zero points), all kept as packed 4-bit codes with group scales.
 
-Both are one layout here, a block scale: per-channel is the block (1, in), per-tensor the block (out, in). Dynamic
-activation quantization (``activation_scheme: "dynamic"``, ``input_activations`` dynamic per token) is a choice
-of the GEMM that serves the checkpoint, not of its weights: cbrun does not quantize activations (weight-only,
-so its greedy tokens equal transformers' ``generate`` on the same weights dequantized). Anything else (other
-methods, static activation scales, int4 and MXFP4 layouts, a KV-cache scheme) is refused by name at load
-(``checkpoint_quantization``), on every loader: transformers would dequantize some of them to bfloat16 at load
+The float8 layouts are one block scale here: per-channel is the block (1, in), per-tensor the block (out, in).
+Dynamic activation quantization (``activation_scheme: "dynamic"``, ``input_activations`` dynamic per token) is a
+choice of the GEMM that serves the checkpoint, not of its weights: cbrun does not quantize activations
+(weight-only, so its greedy tokens equal transformers' ``generate`` on the same weights dequantized). Anything
+else (other methods, static activation scales, act-order, other bit widths, MXFP4, a KV-cache scheme) is refused
+by name at load (``checkpoint_quantization``), on every loader: transformers would dequantize some of them at load
 on the CPU, or need a package or a GPU, so no path would run them as the checkpoint means.
 """
 
@@ -29,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-#: The float8 format both implemented layouts store their weights in.
+#: The float8 format both implemented float8 layouts store their weights in.
 FP8_DTYPE = torch.float8_e4m3fn
 #: Dequantize at most about this many weight elements at once (4 MiB of float32): the transient a GEMM call adds.
 DEQUANT_CHUNK_ELEMENTS = 1 << 20
@@ -49,10 +53,55 @@ _CT_KEYS = frozenset(
         "version",
     }
 )
+#: GPTQ config keys that change the checkpoint's layout or numbers, with the one value cbrun runs (None: absent
+#: or null). Every other key (damp_percent, true_sequential, the kernel and calibration choices) does not.
+_GPTQ_LAYOUT = {"checkpoint_format": ("gptq", None), "format": ("gptq", None), "pack_dtype": ("int32", None)}
+#: AWQ config keys that change the layout, with the values cbrun runs.
+_AWQ_LAYOUT = {"version": ("gemm", "GEMM", None), "backend": ("autoawq", None), "zero_point": (True, None)}
 IMPLEMENTED = (
     'fp8 (weight_block_size [bo, bi], fmt "e4m3", activation_scheme "dynamic"); compressed-tensors '
-    "float-quantized (8-bit float weights, channel or tensor strategy)"
+    "float-quantized (8-bit float weights, channel or tensor strategy); compressed-tensors pack-quantized "
+    "(4-bit int weights, group or channel strategy, weight-only); gptq (bits 4, desc_act false, "
+    'checkpoint_format "gptq"); awq (bits 4, version "gemm", zero_point true)'
 )
+
+
+class QuantizedLinearWeight:
+    """A linear layer's weight kept quantized in memory, dequantized by ``quantized_linear`` chunk by chunk.
+
+    Each layout is a dataclass over this base (``QuantizedWeight``: float8 with block scales;
+    ``cbrun.engine.model.int4.Int4Weight``: 4-bit codes with group scales). Subclasses define ``shape``
+    ((out_features, in_features)), ``device``, ``dtype`` (the dtype the GEMM computes in), ``storage_dtype``
+    (what the values are stored as, for the log), ``tensors()``, ``rows_per_chunk()`` and
+    ``dequantize(start, stop)``.
+    """
+
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        raise NotImplementedError
+
+    @property
+    def storage_dtype(self) -> str:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds in memory."""
+        raise NotImplementedError
+
+    def rows_per_chunk(self) -> int:
+        """Output rows ``quantized_linear`` dequantizes at once."""
+        raise NotImplementedError
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Output rows ``[start, stop)`` of the real weight, (stop - start, in_features) in ``dtype``."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds in memory."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 @dataclass(frozen=True)
@@ -60,20 +109,45 @@ class QuantScheme:
     """A checkpoint's quantization, as cbrun runs it.
 
     Attributes:
-        method: ``quant_method`` as config.json states it ("fp8" or "compressed-tensors").
-        scale_suffix: the name of each quantized weight's scale tensor, after the linear's name
+        method: ``quant_method`` as config.json states it ("fp8", "compressed-tensors", "gptq" or "awq").
+        layout: how each quantized linear is stored: "float8" (a float8 ``weight`` and a block scale),
+            "pack-quantized" (compressed-tensors' int4), "gptq" or "awq" (``cbrun.engine.model.int4``).
+        block: float8: (bo, bi) the block each scale covers; None: the whole input row (per-channel, bo 1) or
+            the whole matrix (per-tensor), read from each scale's shape.
+        scale_suffix: float8: the name of each weight's scale tensor after the linear's name
             ("weight_scale_inv" or "weight_scale").
-        block: (bo, bi) the block each scale covers; None: the whole input row (per-channel, bo 1) or the whole
-            matrix (per-tensor), read from each scale's shape.
+        group_size: int4: input features per scale; None: one group per output row.
+        symmetric: int4 compressed-tensors: no zero-point tensor (the zero is the code 8).
     """
 
     method: str
-    scale_suffix: str
-    block: tuple[int, int] | None
+    layout: str = "float8"
+    block: tuple[int, int] | None = None
+    scale_suffix: str = ""
+    group_size: int | None = None
+    symmetric: bool = True
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        """The tensor names, after each quantized linear's ``name.``, that hold its weight; the first marks a
+        linear as quantized (a linear without it is a plain weight)."""
+        if self.layout == "float8":
+            return (self.scale_suffix, "weight")
+        if self.layout == "pack-quantized":
+            zero = () if self.symmetric else ("weight_zero_point",)
+            return ("weight_packed", "weight_scale", "weight_shape", *zero)
+        if self.layout == "gptq":
+            return ("qweight", "qzeros", "scales", "g_idx")
+        return ("qweight", "qzeros", "scales")
+
+    @property
+    def optional_suffixes(self) -> frozenset[str]:
+        """Suffixes a quantized linear may lack (GPTQ's ``g_idx``: contiguous groups when absent)."""
+        return frozenset({"g_idx"}) if self.layout == "gptq" else frozenset()
 
     def block_of(self, weight_shape: tuple[int, int], scale_shape: tuple[int, ...]) -> tuple[int, int] | None:
-        """The (bo, bi) block a scale of ``scale_shape`` covers on a weight of ``weight_shape``, None when the
-        shapes do not fit this scheme."""
+        """float8: the (bo, bi) block a scale of ``scale_shape`` covers on a weight of ``weight_shape``, None when
+        the shapes do not fit this scheme."""
         out_features, in_features = weight_shape
         if self.block is not None:
             bo, bi = self.block
@@ -98,6 +172,10 @@ def read_quantization(raw: object) -> tuple[QuantScheme | None, str | None]:
         return _fp8_scheme(raw)
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(raw)
+    if method == "gptq":
+        return _gptq_scheme(raw)
+    if method == "awq":
+        return _awq_scheme(raw)
     return None, f"quant_method {method!r}"
 
 
@@ -110,13 +188,13 @@ def _fp8_scheme(raw: dict) -> tuple[QuantScheme | None, str | None]:
     if raw.get("activation_scheme", "dynamic") != "dynamic":
         return None, f"fp8 with activation_scheme {raw['activation_scheme']!r} (static input scales)"
     block = raw.get("weight_block_size")
-    if (
-        not isinstance(block, list)
-        or len(block) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
+    if not isinstance(block, list) or len(block) != 2 or not all(_positive_int(b) for b in block):
         return None, f"fp8 with weight_block_size {block!r} (only block-quantized weights, [bo, bi])"
-    return QuantScheme("fp8", "weight_scale_inv", (block[0], block[1])), None
+    return QuantScheme("fp8", "float8", (block[0], block[1]), "weight_scale_inv"), None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _compressed_tensors_scheme(raw: dict) -> tuple[QuantScheme | None, str | None]:
@@ -124,8 +202,9 @@ def _compressed_tensors_scheme(raw: dict) -> tuple[QuantScheme | None, str | Non
     unknown = sorted(set(raw) - _CT_KEYS)
     if unknown:
         return None, f"{name} with {', '.join(unknown)}"
-    if raw.get("format") != "float-quantized":
-        return None, f"{name} format {raw.get('format')!r}"
+    fmt = raw.get("format")
+    if fmt not in ("float-quantized", "pack-quantized"):
+        return None, f"{name} format {fmt!r}"
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         if raw.get(key):
             return None, f"{name} with {key}"
@@ -138,6 +217,8 @@ def _compressed_tensors_scheme(raw: dict) -> tuple[QuantScheme | None, str | Non
     if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
         return None, f"{name} config group targets {group.get('targets') if isinstance(group, dict) else None!r}"
     weights = group.get("weights") or {}
+    if fmt == "pack-quantized":
+        return _ct_int4_scheme(group, weights)
     wanted = {"num_bits": 8, "type": "float", "symmetric": True}
     if any(weights.get(k) != v for k, v in wanted.items()) or weights.get("dynamic", False):
         return None, f"{name} weights {weights!r} (only static symmetric 8-bit float)"
@@ -147,7 +228,64 @@ def _compressed_tensors_scheme(raw: dict) -> tuple[QuantScheme | None, str | Non
         act = group.get(key)
         if act is not None and not (key == "input_activations" and act.get("dynamic") is True):
             return None, f"{name} {key} {act!r} (static activation scales)"
-    return QuantScheme(name, "weight_scale", None), None
+    return QuantScheme(name, "float8", None, "weight_scale"), None
+
+
+def _ct_int4_scheme(group: dict, weights: dict) -> tuple[QuantScheme | None, str | None]:
+    """compressed-tensors ``pack-quantized``: 4-bit int weights by group (or channel), weight-only."""
+    name = "compressed-tensors pack-quantized"
+    if weights.get("num_bits") != 4 or weights.get("type") != "int" or weights.get("dynamic", False):
+        return None, f"{name} weights {weights!r} (only static 4-bit int)"
+    strategy, group_size = weights.get("strategy"), weights.get("group_size")
+    if not (strategy == "group" and _positive_int(group_size)) and not (strategy == "channel" and not group_size):
+        return None, f"{name} weight strategy {strategy!r} with group_size {group_size!r} (only group or channel)"
+    if weights.get("actorder") not in (None, "weight"):
+        return None, f"{name} with actorder {weights['actorder']!r} (a weight_g_idx permutation)"
+    if weights.get("block_structure") is not None:
+        return None, f"{name} with block_structure {weights['block_structure']!r}"
+    for key in ("input_activations", "output_activations"):
+        if group.get(key) is not None:
+            return None, f"{name} {key} {group[key]!r} (only weight-only, W4A16)"
+    symmetric = weights.get("symmetric", True) is not False
+    return QuantScheme("compressed-tensors", "pack-quantized", group_size=group_size, symmetric=symmetric), None
+
+
+def _int4_group_size(method: str, bits: object, group_size: object) -> tuple[int | None, str | None]:
+    """(group size or None for one group per row, None) or (None, why not)."""
+    if bits != 4:
+        return None, f"{method} with bits {bits!r} (only 4)"
+    if group_size == -1:
+        return None, None
+    if not _positive_int(group_size):
+        return None, f"{method} with group_size {group_size!r}"
+    return group_size, None
+
+
+def _gptq_scheme(raw: dict) -> tuple[QuantScheme | None, str | None]:
+    group_size, reason = _int4_group_size("gptq", raw.get("bits"), raw.get("group_size", 128))
+    if reason:
+        return None, reason
+    if raw.get("desc_act", False) is not False:
+        return None, f"gptq with desc_act {raw['desc_act']!r} (act-order: only desc_act false)"
+    for key, values in _GPTQ_LAYOUT.items():
+        if raw.get(key) not in values:
+            return None, f"gptq with {key} {raw[key]!r}"
+    if raw.get("dynamic"):
+        return None, "gptq with dynamic (per-module bits or group sizes)"
+    return QuantScheme("gptq", "gptq", group_size=group_size), None
+
+
+def _awq_scheme(raw: dict) -> tuple[QuantScheme | None, str | None]:
+    bits = raw.get("bits", raw.get("w_bit"))
+    group_size, reason = _int4_group_size("awq", bits, raw.get("group_size", raw.get("q_group_size")))
+    if reason:
+        return None, reason
+    if group_size is None:
+        return None, "awq with group_size -1"
+    for key, values in _AWQ_LAYOUT.items():
+        if raw.get(key) not in values:
+            return None, f"awq with {key} {raw[key]!r}"
+    return QuantScheme("awq", "awq", group_size=group_size), None
 
 
 def checkpoint_quantization(model_dir: str | Path) -> QuantScheme | None:
@@ -178,7 +316,7 @@ def refusal(reason: str) -> str:
 
 
 @dataclass
-class QuantizedWeight:
+class QuantizedWeight(QuantizedLinearWeight):
     """A linear layer's weight kept quantized in memory: float8_e4m3fn values and one scale per block.
 
     The real weight is ``qweight[i, j] * scale[i // bo, j // bi]`` (``dequantize``).
@@ -203,13 +341,15 @@ class QuantizedWeight:
     def device(self) -> torch.device:
         return self.qweight.device
 
+    @property
+    def storage_dtype(self) -> str:
+        return str(self.qweight.dtype)
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.qweight, self.scale]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes it holds in memory."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return dequantize(self, start, stop)
 
     def rows_per_chunk(self) -> int:
         """Output rows ``quantized_linear`` dequantizes at once: a multiple of ``bo``, about
@@ -240,7 +380,7 @@ def dequantize(weight: QuantizedWeight, start: int = 0, stop: int | None = None)
     return (values * scale).to(weight.dtype)
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, dequantize(weight), bias)``, dequantizing ``weight.rows_per_chunk()`` output rows at a time,
     so the whole real weight never exists at once (the CPU path, and any device without a quantized kernel).
 
@@ -251,11 +391,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 
     Returns:
         (T, out_features) in ``x.dtype``. A weight of one chunk (at most ``DEQUANT_CHUNK_ELEMENTS`` elements, or
-        ``bo`` rows) is one ``F.linear`` call, the same bits as ``F.linear`` on the dequantized weight.
+        one float8 block row) is one ``F.linear`` call, the same bits as ``F.linear`` on the dequantized weight.
     """
     rows, out_features = weight.rows_per_chunk(), weight.shape[0]
     if rows >= out_features:
-        return F.linear(x, dequantize(weight), bias)
-    parts = [F.linear(x, dequantize(weight, r, min(r + rows, out_features))) for r in range(0, out_features, rows)]
+        return F.linear(x, weight.dequantize(), bias)
+    parts = [F.linear(x, weight.dequantize(r, min(r + rows, out_features))) for r in range(0, out_features, rows)]
     out = torch.cat(parts, dim=-1)
     return out if bias is None else out + bias

@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from cbrun.engine.model.int4 import from_awq, from_compressed_tensors, from_gptq
 from cbrun.engine.model.llama_config import LlamaConfig, parse_llama_config, read_config_json
 from cbrun.engine.model.llama_weights import LayerWeights, LlamaWeights, default_rope_inv_freq
 from cbrun.engine.model.moe import MoEWeights
 from cbrun.engine.model.parallel import TensorParallelWeights, read_shard
-from cbrun.engine.model.quantization import FP8_DTYPE, QuantizedWeight
+from cbrun.engine.model.quantization import FP8_DTYPE, QuantizedLinearWeight, QuantizedWeight
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -69,13 +70,14 @@ class LeanModel:
 @dataclass(frozen=True)
 class LoadPlan:
     """What ``load`` reads: the parsed config, the dtype to load in, which file holds each tensor, and, in a
-    quantized checkpoint, each quantized weight's scale tensor (weight name -> scale name)."""
+    quantized checkpoint, the tensors each quantized linear is stored in (its weight name -> {suffix: tensor
+    name}, the suffixes ``QuantScheme.suffixes``)."""
 
     model_dir: Path
     config: LlamaConfig
     dtype: torch.dtype
     files: dict[str, Path]  # tensor name -> safetensors file
-    scales: dict[str, str] = field(default_factory=dict)
+    quantized: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def load_plan(model_dir: str | Path, dtype: str) -> tuple[LoadPlan | None, str | None]:
@@ -102,34 +104,46 @@ def load_plan(model_dir: str | Path, dtype: str) -> tuple[LoadPlan | None, str |
     if files is None:
         return None, reason
     expected = expected_shapes(config)
-    scales, reason = _scale_names(config, files)
+    quantized, reason = _quantized_names(config, files)
     if reason:
         return None, reason
-    names = set(files) - set(scales.values())
+    names = (set(files) - {t for parts in quantized.values() for t in parts.values()}) | set(quantized)
     if names != set(expected):
         missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
         return None, (
             f"the checkpoint's tensor names are not the {config.architecture} names this loader reads "
             f"(missing {missing[:3]}, unexpected {extra[:3]})"
         )
-    return LoadPlan(model_dir, config, _DTYPES[config.dtype if dtype == "auto" else dtype], files, scales), None
+    return LoadPlan(model_dir, config, _DTYPES[config.dtype if dtype == "auto" else dtype], files, quantized), None
 
 
-def _scale_names(config: LlamaConfig, files: dict[str, Path]) -> tuple[dict[str, str], str | None]:
-    """{weight name: its scale tensor's name} for each quantized linear of a quantized checkpoint (those with a
-    scale tensor), or a reason when scales sit where the lean path keeps no quantized weight (MoE experts)."""
+def _quantized_names(config: LlamaConfig, files: dict[str, Path]) -> tuple[dict[str, dict[str, str]], str | None]:
+    """{weight name: {suffix: tensor name}} for each quantized linear of a quantized checkpoint (those with the
+    scheme's first suffix), or a reason: one lacks a tensor of its layout, quantized tensors sit where the lean
+    path keeps no quantized weight (MoE experts), or the checkpoint holds none at all."""
     scheme = config.quantization
     if scheme is None:
         return {}, None
-    suffix = "." + scheme.scale_suffix
-    scales = {name[: -len(suffix)] + ".weight": name for name in files if name.endswith(suffix)}
-    experts = sorted(w for w in scales if ".experts." in w)
+    marker, *rest = scheme.suffixes
+    quantized: dict[str, dict[str, str]] = {}
+    for name in sorted(files):
+        if not name.endswith("." + marker):
+            continue
+        base = name[: -len(marker)]
+        parts = {suffix: base + suffix for suffix in (marker, *rest) if base + suffix in files}
+        missing = [base + s for s in rest if s not in parts and s not in scheme.optional_suffixes]
+        if missing:
+            return {}, f"{scheme.method} quantized tensor {name} without {missing[0]}"
+        quantized[base + "weight"] = parts
+    experts = sorted(w for w in quantized if ".experts." in w)
     if experts:
         return {}, (
             f"{scheme.method} quantized MoE experts ({experts[0]}, ...): the lean path's grouped expert GEMM "
             "runs unquantized experts only"
         )
-    return {w: s for w, s in scales.items() if w in files}, None
+    if not quantized:
+        return {}, f"config.json states {scheme.method} quantization, but no tensor is named *.{marker}"
+    return quantized, None
 
 
 def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = None) -> LeanModel:
@@ -146,15 +160,17 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
         safetensors.SafetensorError: a weight file is corrupt.
     """
     config, shapes = plan.config, expected_shapes(plan.config)
-    scale_of = {scale: weight for weight, scale in plan.scales.items()}
+    part_of = {tensor: (weight, suffix) for weight, parts in plan.quantized.items() for suffix, tensor in parts.items()}
     tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
     for path in sorted(set(plan.files.values())):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 if parallel is not None and not parallel.layout.holds(name):  # another rank's expert
                     continue
-                if name in scale_of:  # checked beside its weight, below
-                    tensors[name] = handle.get_tensor(name).to(device=device, dtype=torch.float32)
+                if name in part_of:  # kept as stored, checked as a whole below
+                    weight, suffix = part_of[name]
+                    parts.setdefault(weight, {})[suffix] = handle.get_tensor(name).to(device=device)
                     continue
                 shape = tuple(handle.get_slice(name).get_shape())
                 if shape != shapes[name]:
@@ -163,31 +179,43 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
                         f"implies {list(shapes[name])}"
                     )
                 tensor = handle.get_tensor(name) if parallel is None else read_shard(handle, name, parallel.layout)
-                if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point and name not in plan.scales:
+                if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
                     raise RuntimeError(f"tensor {name} is {tensor.dtype} without a scale tensor")
-                # NOTE: a quantized weight stays in its float8 dtype: it is dequantized in the GEMM, never here.
-                tensors[name] = tensor.to(device=device, dtype=None if name in plan.scales else plan.dtype)
-    for name, scale_name in plan.scales.items():
-        tensors[name] = _quantized(plan, name, tensors[name], tensors.pop(scale_name))
+                tensors[name] = tensor.to(device=device, dtype=plan.dtype)
+    for name, stored in parts.items():
+        # NOTE: a quantized weight stays quantized: it is dequantized in the GEMM, never here.
+        tensors[name] = _quantized(plan, name, shapes[name], stored)
     weights = _weights(config, tensors, device, parallel.layout.local_experts if parallel is not None else None)
     weights.parallel = parallel
     return LeanModel(config, weights)
 
 
-def _quantized(plan: LoadPlan, name: str, weight: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
-    """A quantized weight and its scale, checked against the scheme.
+def _quantized(
+    plan: LoadPlan, name: str, shape: tuple[int, ...], stored: dict[str, torch.Tensor]
+) -> QuantizedLinearWeight:
+    """A quantized linear's weight from its stored tensors (by suffix), checked against the scheme and the
+    (out_features, in_features) ``shape`` config.json implies.
 
     Raises:
-        RuntimeError: the weight is not float8_e4m3fn, or the scale's shape is not the scheme's for it.
+        RuntimeError: a tensor's dtype or shape is not the layout's.
     """
     scheme = plan.config.quantization
+    if scheme.layout == "pack-quantized":
+        return from_compressed_tensors(name, shape, stored, scheme.group_size, scheme.symmetric, plan.dtype)
+    if scheme.layout == "gptq":
+        return from_gptq(name, shape, stored, scheme.group_size, plan.dtype)
+    if scheme.layout == "awq":
+        return from_awq(name, shape, stored, scheme.group_size, plan.dtype)
+    weight, scale = stored["weight"], stored[scheme.scale_suffix].to(torch.float32)
+    if tuple(weight.shape) != shape:
+        raise RuntimeError(f"tensor {name} has shape {list(weight.shape)}, but config.json implies {list(shape)}")
     if weight.dtype != FP8_DTYPE:
         raise RuntimeError(f"tensor {name} is {weight.dtype}, but a {scheme.method} quantized weight is {FP8_DTYPE}")
     block = scheme.block_of(tuple(weight.shape), tuple(scale.shape))
     if block is None:
         raise RuntimeError(
-            f"tensor {plan.scales[name]} has shape {list(scale.shape)}, which is not a {scheme.method} scale of "
-            f"the {list(weight.shape)} weight {name}"
+            f"tensor {plan.quantized[name][scheme.scale_suffix]} has shape {list(scale.shape)}, which is not a "
+            f"{scheme.method} scale of the {list(weight.shape)} weight {name}"
         )
     return QuantizedWeight(weight, scale.reshape(-(-weight.shape[0] // block[0]), -1), block, plan.dtype)
 
