@@ -202,3 +202,41 @@ def test_manifest_section_and_fingerprint(chat_model_dir, tmp_path):
         assert fingerprint(loaded.sampling)["structured_outputs"] == {"json": SCHEMA}
         assert fingerprint(regex) != fingerprint(loaded.sampling)
         assert "structured_outputs" not in fingerprint(free)  # earlier jobs keep their fingerprint
+
+
+def test_unenforced_keyword_in_the_job_exits_2_before_any_row(chat_model_dir, tmp_path, capsys):
+    """A job-level schema with a keyword no engine enforces is refused at load, naming keyword and path."""
+    from cbrun.jobs.cli import main
+
+    pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "in.parquet")
+    toml = tmp_path / "job.toml"
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 3}}}}
+    toml.write_text(
+        f'[model]\npath = "{chat_model_dir}"\n[input]\npath = "in.parquet"\nprompt_column = "prompt"\n'
+        f'[output]\npath = "out"\n[sampling]\nmax_tokens = 8\n'
+        f"[sampling.structured_outputs]\njson = '{json.dumps(schema)}'\n"
+    )
+    assert main(["run", str(toml), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cbrun: error:" in err and "$.properties.a.not: not is not enforced" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unenforced_keyword_in_a_row_is_that_rows_error(chat_model_dir, engine, tmp_path):
+    """Per row, a schema with a refused keyword is an error row naming keyword and path; the others run."""
+    schemas = [SCHEMA, {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, SCHEMA]
+    pq.write_table(
+        pa.table({"prompt": ["a", "b", "c"], "structured_outputs": [json.dumps({"json": s}) for s in schemas]}),
+        tmp_path / "in.parquet",
+    )
+    summary = run_job(
+        manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", SamplingParams(max_new_tokens=200)),
+        progress=False,
+        engine=engine,
+    )
+    rows = sorted(read_output(tmp_path / "out").to_pylist(), key=lambda r: r["row_index"])
+    assert summary.num_errors == 1
+    assert "$.uniqueItems: uniqueItems is not enforced" in rows[1]["error"], rows[1]
+    assert rows[1]["finish_reason"] == "error" and rows[1]["completion"] is None
+    for row in (rows[0], rows[2]):
+        assert row["error"] is None and row["structured_output_valid"] is True, row

@@ -12,7 +12,7 @@ def is_valid_output(text: str | None, params: StructuredOutputsParams | None) ->
     """True when ``text`` satisfies the constraint, False when it does not, None without a constraint or text.
 
     JSON (``json``, ``json_object``) is parsed strictly (``json.loads``: no raw control characters) and validated
-    with ``jsonschema`` (the schema's own draft); ``choice`` is a membership test; ``regex`` and ``grammar`` are
+    with ``jsonschema`` (the schema's own draft, formats checked where it has a checker); ``choice`` is a membership test; ``regex`` and ``grammar`` are
     matched in full by xgrammar, the dialect they were compiled in. A row cut by ``max_tokens`` or a stop string
     is checked as written, so it is usually False.
     """
@@ -33,8 +33,8 @@ def _valid_json(text: str, schema) -> bool:
         value = json.loads(text)
     except ValueError:
         return False
-    validator = jsonschema.validators.validator_for(schema)(schema)
-    return validator.is_valid(value)
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER).is_valid(value)
 
 
 def _grammar_accepts(kind: str, text_of_constraint: str, text: str) -> bool:

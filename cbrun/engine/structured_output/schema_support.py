@@ -1,0 +1,277 @@
+"""Which JSON Schema keywords a grammar engine enforces, as data, and a walker that finds the first one it does not.
+
+Every row of ``XGRAMMAR`` and ``REFUSED`` was measured on the installed xgrammar (0.2.9): a schema using the keyword
+is compiled the way ``cbrun.engine.structured_output.compiler`` compiles it, random walks through the grammar over a
+character vocabulary produce completions, and ``jsonschema`` (with its format checker) validates each one
+(``tests/engine/test_schema_support.py`` repeats the experiment for every row, and a tiny random model's greedy and
+sampled completions under each accepted keyword). A keyword is enforced only in the forms that experiment passed:
+
+- a type-specific keyword (``minimum``, ``maxLength``, ``minItems``, ``maxProperties``, ``format``, ...) only with a
+  ``type`` that names its type (without one xgrammar ignores it);
+- ``required`` only of names declared in ``properties`` (xgrammar never writes an undeclared property);
+- ``multipleOf`` only on ``type: integer``; ``pattern`` not together with ``minLength`` / ``maxLength``;
+- ``anyOf``, ``oneOf``, ``allOf`` and ``$ref`` only without other constraining keywords beside them (xgrammar
+  serves the branches or the target and drops the siblings); ``oneOf`` only when its branches are disjoint (a
+  discriminator property with a distinct ``const`` in each, as Pydantic writes its unions, or distinct ``const``
+  values or types), where it is an ``anyOf``; ``allOf`` only with one branch;
+- ``enum`` / ``const`` beside other keywords only when every value satisfies them (xgrammar writes the values);
+- ``patternProperties`` with one pattern, matching no declared property and without ``additionalProperties``;
+  ``propertyNames`` without ``properties``;
+- ``$ref`` only to ``#`` or a ``#/...`` pointer in the same document;
+- ``format`` only for the values in ``XGRAMMAR_FORMATS`` (unless the caller ignores formats).
+
+``REFUSED`` keywords (and any refused form) were accepted by xgrammar with the constraint ignored, or are draft-04 /
+draft-07 spellings it misreads: a schema using one is refused by name and JSON path, never served with the keyword
+silently dropped. ``ANNOTATIONS`` constrain nothing; a keyword in none of the tables is not JSON Schema's and is an
+annotation by the specification.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: Keywords that constrain nothing (annotations, identifiers, the dialect): accepted everywhere.
+ANNOTATIONS: frozenset[str] = frozenset(
+    {
+        "$schema", "$id", "id", "$comment", "$vocabulary", "title", "description", "default", "examples",
+        "deprecated", "readOnly", "writeOnly", "contentEncoding", "contentMediaType", "contentSchema",
+    }
+)  # fmt: skip
+
+#: Keywords xgrammar enforces, in the forms the module docstring lists (verified by experiment).
+XGRAMMAR: frozenset[str] = frozenset(
+    {
+        "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
+        "minItems", "maxItems", "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
+        "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "patternProperties", "propertyNames",
+        "maxProperties", "unevaluatedProperties", "unevaluatedItems", "$ref", "$defs", "definitions", "format",
+    }
+)  # fmt: skip
+
+#: Keywords xgrammar does not enforce; the value says what it did with them.
+REFUSED: dict[str, str] = {
+    "not": "ignored",
+    "if": "ignored",
+    "then": "ignored",
+    "else": "ignored",
+    "dependentRequired": "ignored",
+    "dependentSchemas": "ignored",
+    "dependencies": "ignored (draft-07)",
+    "uniqueItems": "ignored",
+    "contains": "ignored",
+    "minContains": "ignored",
+    "maxContains": "ignored",
+    "minProperties": "not enforced: duplicate keys count once",
+    "$anchor": "references to anchors are not resolved",
+    "$dynamicRef": "not resolved",
+    "$dynamicAnchor": "not resolved",
+    "$recursiveRef": "not resolved (draft 2019-09)",
+    "$recursiveAnchor": "not resolved (draft 2019-09)",
+    "additionalItems": "draft-07 array-form items are not supported",
+}
+
+#: ``format`` values whose xgrammar grammar every ``jsonschema`` format check passed (``date``, ``date-time``,
+#: ``time``, ``ipv4`` and ``relative-json-pointer`` grammars admit invalid values: ``2492-02-31``, second ``60``,
+#: ``120.80.40.046``, ``10123#``; ``hostname``, ``uri``, ``duration``, ... are not checked by the installed
+#: ``jsonschema``, so they are unverified); other formats are refused.
+XGRAMMAR_FORMATS: frozenset[str] = frozenset({"email", "uuid", "ipv6", "json-pointer"})
+
+#: The JSON type a type-specific keyword applies to: xgrammar enforces it only when ``type`` names that type.
+TYPED: dict[str, str] = {
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"), "number"),
+    **dict.fromkeys(("minLength", "maxLength", "pattern", "format"), "string"),
+    **dict.fromkeys(("minItems", "maxItems", "unevaluatedItems"), "array"),
+    **dict.fromkeys(("maxProperties", "patternProperties", "propertyNames", "unevaluatedProperties"), "object"),
+}
+
+# Keywords whose value is one schema, a list of schemas, or a name -> schema map (walked into).
+_ONE = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "not",
+        "if", "then", "else", "contains", "additionalItems", "contentSchema")  # fmt: skip
+_LIST = ("anyOf", "allOf", "oneOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: Keywords that may stand beside a combinator or ``$ref`` without xgrammar dropping them (they constrain nothing).
+_INERT = ANNOTATIONS | {"$defs", "definitions"}
+
+
+class UnsupportedSchemaError(ValueError):
+    """A schema keyword (or form) the grammar engine does not enforce; the message names the keyword and its
+    JSON path (``$.properties.a.not``)."""
+
+
+def find_unsupported(schema: Any, path: str = "$", ignore_formats: bool = False) -> str | None:
+    """The first keyword of ``schema`` xgrammar would not enforce, as ``"<path>: <keyword> ..."``, else None.
+
+    Walks every subschema (properties, items, combinator branches, ``$defs`` / ``definitions``, ...), so a keyword
+    reached only through ``$ref`` is found where it is defined. Keywords in no table are passed (annotations, by
+    the specification). The forms accepted are the module docstring's.
+
+    Args:
+        schema: a JSON schema (a dict, or a boolean schema).
+        path: the JSON path of ``schema`` in the document, for the message.
+        ignore_formats: pass ``format`` unchecked (the user accepts any string there).
+    """
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        where = f"{path}.{key}"
+        reason = _refusal(key, value, schema, ignore_formats)
+        if reason:
+            return f"{where}: {key} {reason}"
+        found = _walk_children(key, value, where, ignore_formats)
+        if found:
+            return found
+    return None
+
+
+def check_schema(schema: Any, ignore_formats: bool = False) -> None:
+    """Raise ``UnsupportedSchemaError`` naming the first keyword of ``schema`` (and its JSON path) that would not
+    be enforced (``find_unsupported``)."""
+    found = find_unsupported(schema, ignore_formats=ignore_formats)
+    if found:
+        raise UnsupportedSchemaError(f"JSON schema keyword not enforced, refused: {found}")
+
+
+def _refusal(key: str, value: Any, schema: dict, ignore_formats: bool) -> str | None:
+    """Why ``key`` (with ``value``, in ``schema``) is not enforced, or None when it is."""
+    if key in ANNOTATIONS:
+        return None
+    if key in REFUSED:
+        if key == "uniqueItems" and value is False or key == "minProperties" and value == 0:
+            return None  # constrains nothing
+        return f"is not enforced ({REFUSED[key]})"
+    if key not in XGRAMMAR:
+        return None
+    if key in TYPED and not _names_type(schema.get("type"), TYPED[key]):
+        if key == "format" and ignore_formats:
+            return None
+        return f"is not enforced without a type naming {TYPED[key]!r}"
+    return _form_refusal(key, value, schema, ignore_formats)
+
+
+def _form_refusal(key: str, value: Any, schema: dict, ignore_formats: bool) -> str | None:
+    siblings = sorted(k for k in schema if k != key and k not in _INERT)
+    if key in ("anyOf", "oneOf", "allOf", "$ref") and siblings:
+        return f"is not enforced beside {', '.join(siblings)} (only the {key} would be)"
+    if key == "allOf" and not (isinstance(value, list) and len(value) == 1):
+        return "is not enforced with more than one branch"
+    if key == "oneOf" and not _disjoint(value):
+        return "is not enforced unless its branches are disjoint (a discriminator property with a distinct const)"
+    if key == "$ref" and not (isinstance(value, str) and (value == "#" or value.startswith("#/"))):
+        return f"to {value!r} is not enforced (only '#' and '#/...' references)"
+    if key == "items" and isinstance(value, list):
+        return "in array form (draft-07) is not enforced"
+    if key in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(value, bool):
+        return "as a boolean (draft-04) is not enforced"
+    if key == "multipleOf" and schema.get("type") != "integer":
+        return "is not enforced on non-integer numbers"
+    if key == "pattern" and ("minLength" in schema or "maxLength" in schema):
+        return "is not enforced together with minLength/maxLength (the lengths would be dropped)"
+    if key == "required" and isinstance(value, list):
+        declared = schema.get("properties", {})
+        missing = [name for name in value if not isinstance(declared, dict) or name not in declared]
+        if missing:
+            return f"of {missing[0]!r} is not enforced: it is not declared in properties"
+    if key == "patternProperties":
+        return _pattern_properties_refusal(value, schema)
+    if key == "propertyNames" and schema.get("properties"):
+        return "is not enforced beside properties"
+    if key == "format" and not ignore_formats and value not in XGRAMMAR_FORMATS:
+        return f"{value!r} is not enforced"
+    if key in ("enum", "const"):
+        return _values_refusal(key, value, schema)
+    return None
+
+
+def _names_type(type_: Any, wanted: str) -> bool:
+    names = type_ if isinstance(type_, list) else [type_]
+    return wanted in names or wanted == "number" and "integer" in names
+
+
+def _pattern_properties_refusal(value: Any, schema: dict) -> str | None:
+    if not isinstance(value, dict) or len(value) != 1:
+        return "is not enforced with more than one pattern (a name matching two must satisfy both)"
+    if schema.get("additionalProperties") not in (None, False):
+        return "is not enforced beside additionalProperties"
+    (pattern,) = value
+    try:
+        clash = [name for name in schema.get("properties", {}) if re.search(pattern, name)]
+    except re.error:
+        return f"pattern {pattern!r} is not a regular expression this check reads"
+    if clash:
+        return f"is not enforced: its pattern matches the declared property {clash[0]!r} (duplicate keys)"
+    return None
+
+
+def _values_refusal(key: str, value: Any, schema: dict) -> str | None:
+    """xgrammar writes one of the ``enum`` / ``const`` values and drops their siblings: accepted when every
+    value satisfies the rest of ``schema`` (checked with ``jsonschema``)."""
+    rest = {k: v for k, v in schema.items() if k not in ("enum", "const") and k not in _INERT}
+    values = value if key == "enum" and isinstance(value, list) else [value]
+    if not rest:
+        return None
+    import jsonschema
+
+    try:
+        validator = jsonschema.validators.validator_for(schema)(rest)
+        bad = next((v for v in values if not validator.is_valid(v)), None)
+        if bad is None and "const" in schema and "enum" in schema and schema["const"] not in schema["enum"]:
+            bad = schema["const"]
+    except Exception:  # a $ref inside the siblings, a malformed sibling: not checkable here
+        return "is not enforced beside keywords its values could not be checked against"
+    if bad is not None:
+        return f"value {bad!r} breaks the schema's other keywords (xgrammar would write it)"
+    return None
+
+
+def _walk_children(key: str, value: Any, where: str, ignore_formats: bool) -> str | None:
+    if key == "propertyNames" and isinstance(value, dict) and "type" not in value:
+        value = {"type": "string", **value}  # names are strings: their string keywords need no type
+    if key in _ONE:
+        return find_unsupported(value, where, ignore_formats)
+    if key in _LIST and isinstance(value, list):
+        for i, sub in enumerate(value):
+            found = find_unsupported(sub, f"{where}[{i}]", ignore_formats)
+            if found:
+                return found
+    if key in _MAP and isinstance(value, dict):
+        for name, sub in value.items():
+            found = find_unsupported(sub, f"{where}.{name}", ignore_formats)
+            if found:
+                return found
+    return None
+
+
+def _disjoint(branches: Any) -> bool:
+    """True when no value can satisfy two of ``branches``: each a distinct ``const``, each a distinct single type
+    (``integer`` and ``number`` overlap), or a property required in every branch with a distinct ``const`` (or
+    one-value ``enum``) in each."""
+    if not isinstance(branches, list) or not branches or not all(isinstance(b, dict) for b in branches):
+        return False
+    consts = [_single_value(b) for b in branches]
+    if all(c is not None for c in consts) and len(set(consts)) == len(consts):
+        return True
+    types = [b.get("type") for b in branches]
+    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types):
+        return not {"integer", "number"} <= set(types)
+    for name in sorted(branches[0].get("properties", {})):
+        values = [_discriminator(b, name) for b in branches]
+        if all(v is not None for v in values) and len(set(values)) == len(values):
+            return True
+    return False
+
+
+def _discriminator(branch: dict, name: str) -> str | None:
+    prop = branch.get("properties", {}).get(name)
+    if not isinstance(prop, dict) or name not in branch.get("required", []):
+        return None
+    return _single_value(prop)
+
+
+def _single_value(schema: dict) -> str | None:
+    """The one value ``schema`` allows (``const`` or a one-value ``enum``), as canonical text, else None."""
+    if "const" in schema:
+        return repr(schema["const"])
+    if isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
+        return repr(schema["enum"][0])
+    return None

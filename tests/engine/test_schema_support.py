@@ -1,0 +1,273 @@
+"""The keyword table in ``schema_support`` against the installed xgrammar, with ``jsonschema`` as the judge.
+
+Per accepted keyword: random walks through its grammar (compiled as the engine compiles it, over a character
+vocabulary) and a tiny random model's greedy and sampled completions all validate. Per refused keyword or form:
+xgrammar's grammar accepts an instance the schema forbids (so serving it would lie), and the walker refuses it by
+name and JSON path.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from cbrun.engine.structured_output import StructuredOutputsParams, coerce_structured_outputs
+from cbrun.engine.structured_output.schema_support import (
+    ANNOTATIONS,
+    REFUSED,
+    XGRAMMAR,
+    XGRAMMAR_FORMATS,
+    UnsupportedSchemaError,
+    check_schema,
+    find_unsupported,
+)
+
+xgr = pytest.importorskip("xgrammar")
+
+_INT = {"type": "integer", "minimum": 0, "maximum": 9}
+_OBJ = {"type": "object", "properties": {"a": _INT, "b": _INT}}
+_CAT = {"type": "object", "properties": {"kind": {"const": "cat"}, "n": _INT}, "required": ["kind"]}
+_DOG = {"type": "object", "properties": {"kind": {"enum": ["dog"]}, "ok": {"type": "boolean"}}, "required": ["kind"]}
+
+#: keyword -> a schema using it that the walker accepts (bounded, so a random model closes it in 120 tokens).
+ENFORCED: dict[str, dict] = {
+    "type": {"type": ["integer", "null"], "minimum": 0, "maximum": 99},
+    "enum": {"type": "string", "enum": ["red", "green"]},
+    "const": {"const": {"x": [1, "y"]}},
+    "properties": {"properties": {"a": _INT}, "required": ["a"], "additionalProperties": False},
+    "required": {**_OBJ, "required": ["a", "b"]},
+    "additionalProperties": {"type": "object", "additionalProperties": {"type": "boolean"}, "maxProperties": 2,
+                             "propertyNames": {"maxLength": 2}},
+    "items": {"type": "array", "items": _INT, "maxItems": 3},
+    "prefixItems": {"type": "array", "prefixItems": [_INT, {"type": "boolean"}], "items": False},
+    "minItems": {"type": "array", "items": _INT, "minItems": 2, "maxItems": 3},
+    "maxItems": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    "minLength": {"type": "string", "minLength": 2, "maxLength": 5},
+    "maxLength": {"type": "string", "maxLength": 3},
+    "pattern": {"type": "string", "pattern": "^a[bc]{1,4}$"},
+    "minimum": {"type": "number", "minimum": -1.5, "maximum": 2.25},
+    "maximum": {"type": "integer", "minimum": -3, "maximum": 5},
+    "exclusiveMinimum": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "exclusiveMaximum": {"type": "integer", "exclusiveMinimum": -2, "exclusiveMaximum": 5},
+    "multipleOf": {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 100},
+    "anyOf": {"anyOf": [_INT, {"type": "boolean"}, {"type": "null"}], "title": "t"},
+    "oneOf": {"oneOf": [_CAT, _DOG]},
+    "allOf": {"allOf": [{**_OBJ, "required": ["a"]}]},
+    "patternProperties": {"type": "object", "patternProperties": {"^x[a-z]?$": _INT}, "maxProperties": 2},
+    "propertyNames": {"type": "object", "propertyNames": {"pattern": "^x"}, "additionalProperties": _INT,
+                      "maxProperties": 2},
+    "maxProperties": {"type": "object", "additionalProperties": _INT, "maxProperties": 1},
+    "unevaluatedProperties": {**_OBJ, "unevaluatedProperties": False},
+    "unevaluatedItems": {"type": "array", "prefixItems": [_INT], "unevaluatedItems": {"type": "boolean"},
+                         "maxItems": 3},
+    "$ref": {"$defs": {"n": {"type": "object", "properties": {"v": _INT, "k": {"type": "array", "maxItems": 1,
+             "items": {"$ref": "#/$defs/n"}}}, "required": ["v"]}}, "$ref": "#/$defs/n"},
+    "$defs": {"$defs": {"a/b": _INT}, "type": "object", "properties": {"p": {"$ref": "#/$defs/a~1b"}},
+              "required": ["p"]},
+    "definitions": {"definitions": {"x": {"type": "boolean"}}, "$ref": "#/definitions/x"},
+    "format": {"type": "string", "format": "uuid"},
+}  # fmt: skip
+
+#: keyword (or refused form) -> (a schema using it, a compact instance it forbids that xgrammar's grammar accepts).
+LEAKS: dict[str, tuple[dict, str]] = {
+    "not": ({"not": {"type": "integer"}}, "1"),
+    "if": ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}}, "7"),
+    "then": ({"type": "integer", "then": {"maximum": 3}, "if": {"minimum": 5}}, "7"),
+    "else": ({"type": "integer", "else": {"maximum": 3}, "if": {"minimum": 5}}, "4"),
+    "dependentRequired": ({**_OBJ, "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    "dependentSchemas": ({**_OBJ, "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}'),
+    "dependencies": (
+        {"$schema": "http://json-schema.org/draft-07/schema#", **_OBJ, "dependencies": {"a": ["b"]}},
+        '{"a": 1}',
+    ),
+    "uniqueItems": ({"type": "array", "items": _INT, "uniqueItems": True}, "[1, 1]"),
+    "contains": ({"type": "array", "items": _INT, "contains": {"const": 5}}, "[1]"),
+    "minContains": ({"type": "array", "items": _INT, "minContains": 2, "contains": {"const": 5}}, "[6, 8]"),
+    "maxContains": ({"type": "array", "items": _INT, "maxContains": 1, "contains": {"const": 5}}, "[6, 8]"),
+    "minProperties": ({"type": "object", "minProperties": 2, "additionalProperties": _INT}, '{"a": 1, "a": 2}'),
+    "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1"),
+    "allOf": ({"allOf": [{**_OBJ, "required": ["a"]}, {**_OBJ, "required": ["b"]}]}, '{"a": 1}'),
+    "anyOf beside": ({**_OBJ, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "[true]"),
+    "allOf beside": ({"type": "integer", "maximum": 3, "allOf": [{"minimum": 1}]}, "[true]"),
+    "$ref beside": ({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x", "maximum": 3}, "126"),
+    "required undeclared": ({"type": "object", "required": ["a"]}, "{}"),
+    "multipleOf": ({"type": "number", "multipleOf": 0.5}, "7.8"),
+    "pattern": ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"'),
+    "minimum": ({"minimum": 3}, "1"),
+    "maxItems": ({"maxItems": 1}, "[1, 2]"),
+    "enum": ({"type": "string", "enum": ["abc", 1]}, "1"),
+    "patternProperties": ({**_OBJ, "patternProperties": {"^a": {"type": "boolean"}}}, '{"a": 2, "a": true}'),
+    "propertyNames": ({"type": "object", "properties": {"yy": _INT}, "propertyNames": {"pattern": "^x"}}, '{"yy": 1}'),
+    "format": ({"type": "string", "format": "date"}, '"2492-02-31"'),
+}
+
+#: Refused without a leaking instance to show: xgrammar rejects or cannot resolve them, and we name them first.
+REFUSED_ONLY: dict[str, dict] = {
+    "$anchor": {"$defs": {"x": {"$anchor": "X", "type": "integer"}}, "$ref": "#X"},
+    "$dynamicRef": {"type": "array", "items": {"$dynamicRef": "#n"}, "$dynamicAnchor": "n"},
+    "$dynamicAnchor": {"$dynamicAnchor": "n", "type": "integer"},
+    "$recursiveRef": {"type": "array", "items": {"$recursiveRef": "#"}, "$recursiveAnchor": True},
+    "$recursiveAnchor": {"$recursiveAnchor": True, "type": "integer"},
+    "additionalItems": {"type": "array", "additionalItems": False, "items": [_INT]},
+    "items": {"type": "array", "items": [_INT]},  # draft-07 array form
+    "exclusiveMinimum": {"type": "integer", "minimum": 5, "exclusiveMinimum": True},  # draft-04 boolean
+    "$ref": {"$ref": "other.json#/x"},
+}
+
+_VOCAB = [chr(c) for c in range(32, 127)] + ["é", "\u2603", '"a"', '": ', ", ", '{"', "12", "true", "null"]
+_STOP = len(_VOCAB)
+
+
+def _compiled(schema: dict):
+    from cbrun.engine.structured_output.compiler import _compile_with
+
+    info = xgr.TokenizerInfo([*_VOCAB, "</s>"], vocab_type=xgr.VocabType.RAW, stop_token_ids=[_STOP])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    return _compile_with(compiler, "json", json.dumps(schema)), info.vocab_size
+
+
+def random_walks(schema: dict, n: int = 30, max_len: int = 120, seed: int = 0) -> list[str]:
+    """``n`` completions of ``schema``'s grammar, each token drawn uniformly from those its mask allows (the stop
+    token with probability 0.3 where allowed); walks cut at ``max_len`` are dropped."""
+    compiled, vocab = _compiled(schema)
+    rng = random.Random(seed)
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    shifts = torch.arange(32, dtype=torch.int32)
+    done = []
+    for _ in range(n):
+        matcher, text = xgr.GrammarMatcher(compiled), []
+        for _ in range(max_len):
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            allowed = torch.nonzero(((bitmask[0, :, None] >> shifts) & 1).flatten()[:vocab]).flatten().tolist()
+            token = _STOP if _STOP in allowed and rng.random() < 0.3 else rng.choice(allowed)
+            assert matcher.accept_token(token)
+            if token == _STOP:
+                break
+            text.append(_VOCAB[token])
+        if matcher.is_terminated():
+            done.append("".join(text))
+    return done
+
+
+def validator(schema):
+    """``jsonschema``'s validator of the schema's own draft, formats checked."""
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _grammar_accepts(schema: dict, text: str) -> bool:
+    compiled, _ = _compiled(schema)
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+def test_every_keyword_is_classified():
+    assert not XGRAMMAR & set(REFUSED) and not XGRAMMAR & ANNOTATIONS and not ANNOTATIONS & set(REFUSED)
+    assert set(ENFORCED) == XGRAMMAR
+    assert set(REFUSED) <= {case.split()[0] for case in LEAKS} | set(REFUSED_ONLY)
+
+
+@pytest.mark.parametrize("keyword", sorted(ENFORCED))
+def test_enforced_keyword_walks_all_validate(keyword: str) -> None:
+    schema = ENFORCED[keyword]
+    assert find_unsupported(schema) is None
+    check = validator(schema)
+    outputs = random_walks(schema)
+    assert len(outputs) >= 10, outputs
+    bad = [o for o in outputs if not check.is_valid(json.loads(o))]
+    assert not bad, f"xgrammar no longer enforces {keyword}: {bad[:3]}"
+
+
+@pytest.mark.parametrize("case", sorted(LEAKS))
+def test_refused_keyword_leaks_in_xgrammar_and_is_named(case: str) -> None:
+    schema, bad = LEAKS[case]
+    keyword = case.split()[0]
+    assert not validator(schema).is_valid(json.loads(bad))  # the instance really breaks the schema
+    assert _grammar_accepts(schema, bad), f"xgrammar now enforces {case}: accept it"
+    found = find_unsupported(schema)
+    assert found is not None and f": {keyword} " in found, found
+
+
+@pytest.mark.parametrize("keyword", sorted(REFUSED_ONLY))
+def test_unresolvable_keyword_is_named(keyword: str) -> None:
+    found = find_unsupported(REFUSED_ONLY[keyword])
+    assert found is not None and f": {keyword} " in found, found
+
+
+@pytest.mark.parametrize("fmt", sorted(XGRAMMAR_FORMATS))
+def test_enforced_formats_validate(fmt: str) -> None:
+    schema = {"type": "string", "format": fmt}
+    check = validator(schema)
+    assert fmt in check.FORMAT_CHECKER.checkers  # jsonschema really checks it here
+    outputs = random_walks(schema, n=20)
+    assert outputs and all(check.is_valid(json.loads(o)) for o in outputs), outputs
+
+
+def test_unverified_formats_refused_unless_ignored():
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri"}}}
+    assert find_unsupported(schema).startswith("$.properties.u.format: format 'uri' is not enforced")
+    assert find_unsupported(schema, ignore_formats=True) is None
+
+
+def test_path_names_the_place():
+    schema = {"type": "object", "properties": {"a": {"not": {"type": "null"}}}}
+    assert find_unsupported(schema).startswith("$.properties.a.not: not is not enforced")
+    nested = {"$defs": {"x": {"anyOf": [{"type": "integer"}, {"if": {}}]}}, "$ref": "#/$defs/x"}
+    assert find_unsupported(nested).startswith("$.$defs.x.anyOf[1].if: if")
+    with pytest.raises(UnsupportedSchemaError, match=r"\$\.prefixItems\[0\]\.uniqueItems"):
+        check_schema({"type": "array", "prefixItems": [{"type": "array", "uniqueItems": True}]})
+
+
+def test_checkable_forms_accepted():
+    assert find_unsupported({"oneOf": [_CAT, _CAT]}) is not None  # the same discriminator twice
+    assert find_unsupported({"oneOf": [{"const": 1}, {"const": 2}]}) is None
+    assert find_unsupported({"oneOf": [{"type": "string"}, {"type": "null"}]}) is None
+    assert find_unsupported({"type": "array", "uniqueItems": False, "items": _INT}) is None
+    assert find_unsupported({"type": "integer", "enum": [1, 2], "maximum": 5}) is None
+    assert "value 7" in find_unsupported({"type": "integer", "enum": [1, 7], "maximum": 5})
+
+
+def test_params_refuse_by_keyword_and_path():
+    with pytest.raises(ValueError, match=r"\$\.properties\.a\.not"):
+        coerce_structured_outputs("structured_outputs", {"json": {"properties": {"a": {"not": {}}}}})
+    with pytest.raises(ValueError, match="dependentRequired"):
+        StructuredOutputsParams(json='{"dependentRequired": {"a": ["b"]}}').validate()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from cbrun.engine import LLMEngine
+    from cbrun.engine.config import EngineConfig
+    from cbrun.jobs.demo import build_demo_model
+
+    model_dir = build_demo_model(tmp_path_factory.mktemp("schemas") / "model", max_position_embeddings=512)
+    config = EngineConfig(device="cpu", num_threads=1, page_size=16, max_batch_tokens=1024, max_requests_per_batch=64)
+    return LLMEngine.from_pretrained(str(model_dir), config)
+
+
+def test_random_model_completions_validate_per_keyword(engine):
+    """Each accepted keyword's schema, one greedy and one sampled row: every ``stop`` completion validates, and
+    every keyword has at least one."""
+    from cbrun.engine.sampling_params import SamplingParams
+
+    keywords = sorted(ENFORCED) + [f"format {f}" for f in sorted(XGRAMMAR_FORMATS)]
+    schemas = [ENFORCED.get(k) or {"type": "string", "format": k.split()[1]} for k in keywords]
+    requests = []
+    for i, schema in enumerate(schemas):
+        so = StructuredOutputsParams(json=schema)
+        for j, temperature in enumerate((0.0, 1.0)):
+            params = SamplingParams(max_new_tokens=120, temperature=temperature, seed=i, structured_outputs=so)
+            requests.append(((i, j), [256, 3 + i, 40 + j], params))
+    stopped = {k: 0 for k in keywords}
+    for output in engine.generate(requests):
+        i, _ = output.request_id
+        assert output.error is None, output.error
+        if output.finish_reason == "stop":
+            text = output.text or engine.tokenizer.decode(output.output_token_ids, skip_special_tokens=True)
+            assert validator(schemas[i]).is_valid(json.loads(text)), (keywords[i], text)
+            stopped[keywords[i]] += 1
+    assert all(stopped.values()), stopped
