@@ -9,6 +9,8 @@ from pathlib import Path
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+#: ``kv_cache_dtype`` values (vLLM's names): the model's dtype, or float8 e4m3 with a per-tensor scale.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 SWITCHES = ("auto", "on", "off")
 #: ``cuda_graphs``' values: a switch, or "emulate" (the graph path on any device, ``cbrun.engine.worker.graph_emulation``).
@@ -73,6 +75,14 @@ class EngineConfig:
             "cpu" (``cbrun.kernels.cpu_attention``: a C/OpenMP kernel that reads pages in place, compiled at first use;
             float32 on the CPU only, else a ValueError), or "auto": triton on CUDA, else cpu where it applies
             (float32, the kernel builds), else torch.
+        kv_cache_dtype: the KV cache's storage (vLLM's name). "auto" (the default): the model's dtype.
+            "fp8_e4m3": float8_e4m3fn with a per-tensor scale of 1.0 (vLLM's default ``k_scale`` / ``v_scale``),
+            values saturated to +-448, dequantized to the model's dtype as attention reads each page: one byte per
+            value, so a memory budget holds 2x the tokens of a bfloat16 cache (4x float32). Lossy: greedy tokens
+            equal a reference whose attention reads the same float8-rounded K/V, not the full-precision model's
+            (docs/engine.md, "FP8 KV cache"). Attention then runs the PyTorch reference on any device
+            (``attention_backend`` "auto" or "torch"; "cpu" and "triton" read the model's dtype and are refused);
+            not with ``tensor_parallel_size`` above 1.
         seed: seed of the engine's generator for requests without a seed of their own.
         cuda_graphs: replay decode and uniform verify steps from CUDA graphs, padded to batch-size buckets
             (``cbrun.engine.worker.padding``); other steps run eagerly. "auto" (on for CUDA with the Triton backend), "on",
@@ -162,6 +172,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     cuda_graphs: str = "auto"
     cuda_graph_max_batch_size: int | None = None
@@ -214,6 +225,13 @@ class EngineConfig:
             self._check_positive_int("num_threads")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend in ("cpu", "triton"):
+            raise ValueError(
+                f"kv_cache_dtype = {self.kv_cache_dtype} runs attention on the PyTorch reference (the "
+                f"{self.attention_backend} kernels read K/V in the model's dtype); set attention_backend = auto or torch"
+            )
         if self.prefix_hash_bits % 8 or not 8 <= self.prefix_hash_bits <= 256:
             raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {self.prefix_hash_bits!r}")
         if self.model_impl not in MODEL_IMPLS:
@@ -289,6 +307,7 @@ class EngineConfig:
             "async_batching": self.async_batching == "on",
             # NOTE: "auto" is resolved by the job (backends.batch_invariant_blocker: off, saying why)
             "batch_invariant": self.batch_invariant == "on",
+            "kv_cache_dtype": self.kv_cache_dtype != "auto",
         }
         for name, refused in unsupported.items():
             if refused:

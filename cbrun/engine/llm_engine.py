@@ -32,7 +32,7 @@ from cbrun.engine.structured_output.request_state import StructuredOutputRequest
 from cbrun.engine.worker import backends, tp_group
 from cbrun.engine.worker.async_batching import StepHandle, use_async_batching
 from cbrun.engine.worker.device import select_device
-from cbrun.engine.worker.kv_cache import KVCache
+from cbrun.engine.worker.kv_cache import KVCache, kv_cache_dtype
 from cbrun.engine.worker.model_runner import ModelRunner
 from cbrun.engine.worker.threads import resolve_attention_threads
 from cbrun.engine.worker.tp_worker import local_cache_shape
@@ -74,8 +74,9 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         layout = KVLayout.from_model_config(model_config)
         backends.check_speculative(config, layout)
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         bytes_per_block = KVCache.bytes_per_block(
-            len(layout.layer_types), config.page_size, num_kv_heads, head_dim, dtype
+            len(layout.layer_types), config.page_size, num_kv_heads, head_dim, cache_dtype
         )
         ranks_per_memory = 1
         if tensor_parallel is not None:  # this rank's KV heads; on the CPU the ranks share the host's memory
@@ -116,7 +117,7 @@ class LLMEngine:
             self.cache_spec,
             num_kv_heads,
             head_dim,
-            dtype,
+            cache_dtype,
             next(model.parameters()).device,
             num_zeroed_pages=self._num_touched_pages(),
         )

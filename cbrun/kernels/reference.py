@@ -199,6 +199,9 @@ def paged_attention_ref(
             ``gpt_oss.eager_attention_forward``, Xiao et al. 2023, "Efficient Streaming Language Models with
             Attention Sinks").
 
+    A float8_e4m3fn cache (``engine.kv_cache_dtype = "fp8_e4m3"``) is dequantized as its pages are gathered
+    (``dequantize_kv``), only the pages this step reads.
+
     NOTE: whole pages are gathered and unused positions masked, so unused slots must hold finite values (a NaN
     there would survive a zero attention weight). The engine zeroes each cache page before its first use and then only ever writes K/V there.
 
@@ -217,8 +220,8 @@ def paged_attention_ref(
         q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group_size * max_q, head_dim)
         pages = (g.blocks + page_offset if page_offset else g.blocks).flatten()
         # (B * NB, page, Hkv, D) -> (B, Hkv, K, D)
-        k = k_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, pages).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = _read_pages(k_cache, pages, query.dtype).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = _read_pages(v_cache, pages, query.dtype).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
         if softcap is None and sinks is None:
             o = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=g.head_mask(group_size, q.dtype), scale=scale
@@ -258,7 +261,8 @@ def write_kv_cache_ref(
 
     Args:
         key, value: (T, num_kv_heads, head_dim).
-        k_cache, v_cache: (num_blocks, page_size, num_kv_heads, head_dim), same dtype as key/value.
+        k_cache, v_cache: (num_blocks, page_size, num_kv_heads, head_dim), in key/value's dtype, or
+            float8_e4m3fn (an fp8 KV cache: each value is stored as ``quantize_kv`` rounds it).
         slot_mapping: (T,) int64 flat slot of each token; a negative slot (padding) is skipped.
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -266,5 +270,36 @@ def write_kv_cache_ref(
     if bool((slots < 0).any()):
         keep = slots >= 0
         key, value, slots = key[keep], value[keep], slots[keep]
+    if k_cache.dtype == KV_FP8_DTYPE:  # torch has no float8 index_copy_: copy the bytes
+        key, value = quantize_kv(key).view(torch.uint8), quantize_kv(value).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+#: The fp8 KV cache's storage type (vLLM's ``kv_cache_dtype = "fp8_e4m3"``).
+KV_FP8_DTYPE = torch.float8_e4m3fn
+#: Its per-tensor scale, the same for every layer's K and V: the real value is ``stored * KV_FP8_SCALE``. 1.0 is
+#: vLLM's default ``k_scale`` / ``v_scale`` when the checkpoint carries none (cbrun refuses a checkpoint's
+#: ``kv_cache_scheme`` scales by name, and calibrates none: a scale computed from a first batch would make a
+#: row's tokens depend on which rows came first).
+KV_FP8_SCALE = 1.0
+_FP8_MAX = torch.finfo(KV_FP8_DTYPE).max
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (any float dtype) as the fp8 KV cache stores it: ``x / KV_FP8_SCALE`` saturated to +-448, rounded to
+    the nearest float8_e4m3fn (``Tensor.to``'s round-to-nearest-even)."""
+    return (x.float() / KV_FP8_SCALE).clamp(-_FP8_MAX, _FP8_MAX).to(KV_FP8_DTYPE)
+
+
+def dequantize_kv(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float8_e4m3fn cache values back to ``dtype``: ``float32(stored) * KV_FP8_SCALE``, rounded once."""
+    return (stored.float() * KV_FP8_SCALE).to(dtype)
+
+
+def _read_pages(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(len(pages), page_size, Hkv, D) pages of ``cache`` in ``dtype`` (an fp8 cache dequantized)."""
+    if cache.dtype != KV_FP8_DTYPE:
+        return cache.index_select(0, pages)
+    return dequantize_kv(cache.view(torch.uint8).index_select(0, pages).view(KV_FP8_DTYPE), dtype)

@@ -121,6 +121,8 @@ def use_cpu_kernel(config: EngineConfig, dtype: torch.dtype, use_triton: bool) -
     reason = None
     if torch.device(config.device).type != "cpu":
         reason = f"the device is {config.device}, not the CPU"
+    elif config.kv_cache_dtype != "auto":
+        reason = f"kv_cache_dtype = {config.kv_cache_dtype}: the C kernel reads K/V in the model's dtype"
     elif dtype != torch.float32:
         reason = f"the model's dtype is {dtype}; the CPU kernel is float32 only"
     else:
@@ -141,9 +143,10 @@ def use_cpu_kernel(config: EngineConfig, dtype: torch.dtype, use_triton: bool) -
 
 def use_triton(config: EngineConfig) -> bool:
     """Whether attention runs the Triton kernels: "auto" on CUDA devices. Not a ``resolve_switch``: "triton" runs
-    on any device (on the CPU through Triton's interpreter, as the tests do), so nothing can block it."""
+    on any device (on the CPU through Triton's interpreter, as the tests do), so nothing can block it. An fp8 KV
+    cache (``kv_cache_dtype``) runs the PyTorch reference, which dequantizes the pages it reads."""
     if config.attention_backend == "auto":
-        return torch.device(config.device).type == "cuda"
+        return torch.device(config.device).type == "cuda" and config.kv_cache_dtype == "auto"
     return config.attention_backend == "triton"
 
 

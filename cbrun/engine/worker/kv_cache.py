@@ -7,6 +7,11 @@ import torch
 from cbrun.engine.core.cache_spec import CacheSpec
 
 
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype for ``EngineConfig.kv_cache_dtype``: the model's for "auto", else float8_e4m3fn."""
+    return model_dtype if setting == "auto" else torch.float8_e4m3fn
+
+
 class KVCache:
     """The paged KV cache and its CPU swap buffer, in pages of one layer's ``page_size`` tokens.
 
@@ -23,7 +28,8 @@ class KVCache:
     Args:
         spec: the cache's geometry.
         num_kv_heads, head_dim: the model's K/V shape per token and layer.
-        dtype: the cache's dtype (the model's).
+        dtype: the cache's dtype: the model's, or float8_e4m3fn for ``kv_cache_dtype = "fp8_e4m3"`` (the
+            attention reference quantizes on write and dequantizes on read: ``cbrun.kernels.reference``).
         device: where ``kv`` lives.
         num_zeroed_pages: pages zeroed at once (None: all of them).
     """
