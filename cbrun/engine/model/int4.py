@@ -19,17 +19,20 @@ features. The real weight is ``(code - zero) * scale``. The checkpoints it is re
   interleaved order [0, 2, 4, 6, 1, 3, 5, 7] (bits ``4 * i`` hold output ``8 * k + order[i]``); ``qzeros``
   (groups, out / 8) packed the same way, no offset; ``scales`` (groups, out). Real weight ``(q - zero) * scale``.
 
-GPTQ and AWQ are repacked into the common layout at load, one tensor at a time (a transient of that tensor's codes
-as int32), never the whole model.
+GPTQ's ``qweight`` transposed is the common layout already (the same bit order along the inputs); AWQ's is
+repacked at load, one tensor at a time (a transient of that tensor's codes), never the whole model.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from cbrun.engine.model.quantization import DEQUANT_CHUNK_ELEMENTS, QuantizedLinearWeight
+
+assert sys.byteorder == "little", "Int4Weight.dequantize reads int32 words as little-endian bytes"
 
 #: Bit offsets of the eight 4-bit codes in an int32, code i at ``4 * i``.
 _SHIFTS = tuple(range(0, 32, 4))
@@ -87,15 +90,23 @@ class Int4Weight(QuantizedLinearWeight):
         to ``self.dtype``: the PyTorch reference of the int4 GEMM.
         """
         stop = self.shape[0] if stop is None else stop
-        codes = unpack_rows(self.packed[start:stop])  # (rows, 8 * words) int32
-        groups, g = self.scales.shape[1], self.group_size
+        rows, groups, g = stop - start, self.scales.shape[1], self.group_size
+        codes = _unpack_bytes(self.packed[start:stop])  # (rows, 8 * words) uint8
         width = groups * g
-        if codes.shape[1] < width:  # the last group ragged: pad to whole groups, cut after
-            codes = torch.nn.functional.pad(codes, (0, width - codes.shape[1]))
-        codes = codes[:, :width].view(stop - start, groups, g)
-        zeros = self.zeros[start:stop].to(torch.int32).unsqueeze(-1)
-        values = (codes - zeros).to(torch.float32) * self.scales[start:stop].unsqueeze(-1)
-        return values.view(stop - start, width)[:, : self.in_features].to(self.dtype)
+        if codes.shape[1] != width:  # the last group ragged (or the packing's padding): whole groups, cut after
+            codes = torch.nn.functional.pad(codes, (0, width - codes.shape[1])) if codes.shape[1] < width else codes
+            codes = codes[:, :width]
+        # NOTE: in place, one float32 pass each: (float(q) - float(z)) * s is float32(q - z) * s exactly.
+        values = codes.reshape(rows, groups, g).to(torch.float32)
+        values.sub_(self.zeros[start:stop].unsqueeze(-1)).mul_(self.scales[start:stop].unsqueeze(-1))
+        return values.view(rows, width)[:, : self.in_features].to(self.dtype)
+
+
+def _unpack_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """``unpack_rows`` on uint8 (a quarter of the bytes moved): byte b of a little-endian int32 word holds code
+    2b in its low nibble and 2b + 1 in its high one (``sys.byteorder`` is checked at import)."""
+    data = packed.contiguous().view(torch.uint8)  # (rows, 4 * words)
+    return torch.stack((data & 0xF, data >> 4), dim=-1).view(packed.shape[0], -1)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -209,9 +220,9 @@ def from_gptq(
                 f"tensor {base}g_idx is not the contiguous groups of desc_act false (an act-order checkpoint); "
                 "cbrun runs GPTQ with desc_act false only"
             )
-    codes = unpack_rows(qweight.T.contiguous())  # (out, in): row j of qweight.T holds output j's inputs
-    packed = pack_rows(codes)
-    del codes
+    # Word (k, j) of qweight holds inputs 8k..8k+7 of output j in the common bit order: its transpose is the
+    # common layout as it is, no codes unpacked.
+    packed = qweight.T.contiguous()
     zeros = (unpack_rows(qzeros) + 1) & 0xF  # (groups, out): the v1 format stores zero - 1
     return Int4Weight(
         packed,

@@ -376,7 +376,12 @@ def dequantize(weight: QuantizedWeight, start: int = 0, stop: int | None = None)
     assert start % bo == 0, "chunks start on a block row"
     values = weight.qweight[start:stop].to(torch.float32)
     scale = weight.scale[start // bo : -(-stop // bo)]
-    scale = scale.repeat_interleave(bo, 0)[: stop - start].repeat_interleave(bi, 1)[:, : weight.shape[1]]
+    rows, in_features = values.shape
+    if rows % bo == 0 and in_features % bi == 0:  # whole blocks: scale each in place, by broadcast
+        blocks = values.view(rows // bo, bo, in_features // bi, bi)
+        blocks.mul_(scale[:, None, :, None])
+        return values.to(weight.dtype)
+    scale = scale.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :in_features]
     return (values * scale).to(weight.dtype)
 
 
