@@ -100,3 +100,24 @@ def test_what_cannot_read_an_fp8_cache_is_refused_by_name(settings, named):
     assert named in str(info.value)
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8_e4m3'\)"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
+def test_offloaded_fp8_pages_come_back_as_they_left():
+    from tests.model_utils import random_llama_dir
+
+    model_dir, prompts = random_llama_dir(128), random_prompts(24, 128, 1, 24, seed=5)
+    params = SamplingParams(max_new_tokens=48)
+
+    def run(**config):
+        engine = LLMEngine.from_pretrained(
+            str(model_dir), EngineConfig(page_size=8, kv_cache_dtype="fp8_e4m3", **config)
+        )
+        outputs = {
+            o.request_id: o.output_token_ids for o in engine.generate((i, p, params) for i, p in enumerate(prompts))
+        }
+        return [outputs[i] for i in range(len(prompts))], engine.stats
+
+    roomy, _ = run(num_blocks=512, max_batch_tokens=256)
+    tight, stats = run(num_blocks=16, max_batch_tokens=32, cpu_offload_space=0.001, allow_block_sharing=False)
+    assert stats.num_offloads > 0
+    assert tight == roomy
