@@ -3,7 +3,10 @@ group 128, into the real layouts (compressed-tensors ``pack-quantized`` symmetri
 ``desc_act: false``, AWQ GEMM), written as those tools write them (tensor names, packing, dtypes, config.json),
 kept packed in memory, gives the greedy tokens transformers' ``generate`` gives on the same weights dequantized (a
 float32 checkpoint written from them by this file's own unpacking, independent of cbrun's); the chunked GEMM
-equals its reference; what cbrun does not run of these formats is refused by name."""
+equals its reference; what cbrun does not run of these formats is refused by name.
+
+The compressed-tensors writer here was checked once against compressed-tensors 0.20.0's own ``pack_to_int32`` /
+``unpack_from_int32`` (weights and packed zero points: the same int32 words; not a dependency of the suite)."""
 
 from __future__ import annotations
 

@@ -110,6 +110,16 @@ def test_a_sampled_job_records_its_tensor_parallel_size_above_one(manifest):
     assert "tensor_parallel_size" not in sampled_tp1["sampling"]
 
 
+def test_an_fp8_kv_cache_is_recorded_for_greedy_jobs_too(manifest):
+    """A lossy KV cache changes greedy tokens: a resume with another kv_cache_dtype must not mix them; "auto" keeps
+    the fingerprints of earlier jobs."""
+    before = job_fingerprint(manifest, 100, may_sample=False)
+    assert "kv_cache_dtype" not in before["model"]
+    manifest.engine = EngineConfig(kv_cache_dtype="fp8_e4m3")
+    after = job_fingerprint(manifest, 100, may_sample=False)
+    assert fingerprint_differences(before, after) == ["model.kv_cache_dtype"]
+
+
 def test_fingerprint_records_speculation_only_when_on(manifest):
     """n-gram settings change sampled rows' draws, so a resume must not mix them; "off" keeps older fingerprints."""
     off = job_fingerprint(manifest, 100)

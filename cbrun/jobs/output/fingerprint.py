@@ -248,6 +248,9 @@ def job_fingerprint(
         # partial products in another order), so its draws can too; recorded only above 1 (earlier jobs unchanged)
         if manifest.engine.tensor_parallel_size > 1:
             fingerprint["sampling"]["tensor_parallel_size"] = manifest.engine.tensor_parallel_size
+    # NOTE: an fp8 KV cache changes greedy tokens too (a lossy cache); recorded only when set (earlier jobs unchanged)
+    if manifest.engine.kv_cache_dtype != "auto":
+        fingerprint["model"]["kv_cache_dtype"] = manifest.engine.kv_cache_dtype
     if inp.format != "auto":
         fingerprint["input"]["format"] = inp.format
     if manifest.output.keep_columns:
