@@ -23,7 +23,9 @@ Backends (all greedy but the ``cbrun-sampled*`` ones, all on the same rows):
 - ``cbrun-sampled``: ``cbrun`` with temperature 0.8 and top_p 0.95, row i seeded i (``SAMPLED``);
   ``cbrun-sampled-full``: the same plus repetition_penalty 1.1 and logprobs 5 (``SAMPLED_FULL``). With
   ``ignore_eos`` (``random-llama-100m``) every row generates the same tokens as greedy, so the tok/s compare the
-  samplers alone; their outputs differ from cbrun's greedy ones by design.
+  samplers alone; their outputs differ from cbrun's greedy ones by design. ``cbrun-sampled-llama3``: Llama-3's
+  ``generation_config.json`` defaults, temperature 0.6 and top_p 0.9 (``SAMPLED_LLAMA3``), the setting most jobs
+  adopt from their model.
 - ``vllm``: vLLM's CPU backend in its own virtual environment and process (``--vllm-python``; ``vllm_backend``);
   skipped, and said so, without it.
 """
@@ -56,11 +58,18 @@ BACKENDS = (
     "vllm",
     "cbrun-sampled",
     "cbrun-sampled-full",
+    "cbrun-sampled-llama3",
 )
 #: The sampling settings of ``cbrun-sampled`` and ``cbrun-sampled-full`` (each row also gets seed = its index).
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 SAMPLED_FULL = {**SAMPLED, "repetition_penalty": 1.1, "logprobs": 5}
-SAMPLING_BACKENDS = {"cbrun-sampled": SAMPLED, "cbrun-sampled-full": SAMPLED_FULL}
+#: Llama-3's generation defaults (its ``generation_config.json``), which jobs adopt when the manifest sets none.
+SAMPLED_LLAMA3 = {"temperature": 0.6, "top_p": 0.9}
+SAMPLING_BACKENDS = {
+    "cbrun-sampled": SAMPLED,
+    "cbrun-sampled-full": SAMPLED_FULL,
+    "cbrun-sampled-llama3": SAMPLED_LLAMA3,
+}
 
 
 def run_cbrun(

@@ -26,6 +26,7 @@ import torch
 
 from cbrun.bench.backends import (
     BACKENDS,
+    SAMPLING_BACKENDS,
     BackendSpec,
     quiet_transformers,
     run_backend,
@@ -54,9 +55,19 @@ WORKLOAD_DEFAULTS = {
     "random-llama-100m": dict(
         backends="cbrun,cbrun-sampled,cbrun-sampled-full", max_requests=256, max_batch_tokens=2048
     ),
+    # Issue 39: the host cost per token. 512 rows x 128 new tokens at a batch of 256 on a near-free model, greedy
+    # against Llama-3's sampling defaults, padded generate at batch 256, and vLLM at the same batch.
+    "host-bound": dict(
+        backends="cbrun,cbrun-sampled-llama3,hf-generate,vllm",
+        max_requests=256,
+        max_batch_tokens=4096,
+        batch_sizes="256",
+        max_new_tokens="128:128",
+        vllm_args={"max_num_seqs": 256, "max_num_batched_tokens": 4096},
+    ),
 }
 DEFAULT_BACKENDS = ",".join(
-    b for b in BACKENDS if b not in ("cbrun-budgets", "cbrun-command", "vllm", "cbrun-sampled", "cbrun-sampled-full")
+    b for b in BACKENDS if b not in ("cbrun-budgets", "cbrun-command", "vllm", *SAMPLING_BACKENDS)
 )
 #: The reference cbrun's (max_requests_per_batch, max_batch_tokens) when neither flag nor workload says.
 DEFAULT_BUDGET = (128, 512)
@@ -83,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "random 40M Llama; gsm8k-fewshot: the questions after a shared 1-shot GSM8K exemplar on "
         "stories260K (prefix sharing); vllm-random-llama: 128 random prompts of 40-300 ids on a random "
         "Llama with a 512-token vocabulary, ignore_eos, the comparison with vLLM's CPU backend "
-        "(--vllm-python); engine-overhead: host time per step on a near-free model "
+        "(--vllm-python); host-bound: 512 rows of 16-48 random ids x 128 new tokens at a batch of 256 on a "
+        "0.4M-parameter Llama, the host cost per token (issue 39); engine-overhead: host time per step on a near-free model "
         "(cbrun bench --workload engine-overhead --help); speculative: speculation off / ngram / draft "
         "on a story-repeat workload and workload 1 (cbrun bench --workload speculative --help); "
         "structured: a JSON-schema job against the same job unconstrained "
@@ -167,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="vllm: an extra vllm.LLM argument, VALUE as JSON when it parses (repeatable), e.g. max_num_seqs=128",
+        help="vllm: an extra vllm.LLM argument, VALUE as JSON when it parses (repeatable), e.g. max_num_seqs=128 "
+        "(host-bound: max_num_seqs and max_num_batched_tokens default to cbrun's budgets)",
     )
     p.add_argument(
         "--page-size",
@@ -177,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-new-tokens",
-        default="16:256",
+        default=None,
         metavar="LOW:HIGH",
-        help="per-row max_new_tokens drawn uniformly in [LOW, HIGH]",
+        help="per-row max_new_tokens drawn uniformly in [LOW, HIGH] (default 16:256; host-bound: "
+        f"{WORKLOAD_DEFAULTS['host-bound']['max_new_tokens']})",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the per-row lengths and of random prompts")
     p.add_argument("--model-dir", type=Path, help="model directory to reuse (built there when empty)")
@@ -217,13 +231,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.batch_sizes = [
             int(b) for b in (args.batch_sizes or defaults.get("batch_sizes", DEFAULT_BATCH_SIZES)).split(",")
         ]
-        low, high = (int(x) for x in args.max_new_tokens.split(":"))
+        low, high = (int(x) for x in (args.max_new_tokens or defaults.get("max_new_tokens", "16:256")).split(":"))
         args.budgets = [
             tuple(int(x) for x in b.split("/"))
             for b in (args.budgets or defaults.get("budgets", "")).split(",")
             if b.strip()
         ]
-        args.vllm_args = dict(parse_vllm_arg(a) for a in args.vllm_arg)
+        args.vllm_args = {**defaults.get("vllm_args", {}), **dict(parse_vllm_arg(a) for a in args.vllm_arg)}
         args.hf_threads = _hf_threads(args.hf_threads or defaults.get("hf_threads"), args.threads)
     except ValueError as e:
         parser.error(
@@ -280,7 +294,7 @@ def backend_specs(args) -> list[BackendSpec]:
                 )
                 for r, t in args.budgets
             )
-        elif backend in ("cbrun-sampled", "cbrun-sampled-full"):
+        elif backend in SAMPLING_BACKENDS:
             specs.append(BackendSpec(backend, None, config, args.threads))
         elif backend == "cbrun-nosharing":
             specs.append(BackendSpec(backend, None, replace(config, allow_block_sharing=False), args.threads))

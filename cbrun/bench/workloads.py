@@ -54,6 +54,7 @@ WORKLOADS = (
     "gsm8k-fewshot",
     "vllm-random-llama",
     "random-llama-100m",
+    "host-bound",
 )
 #: Rows per workload when --rows is not given, chosen so every backend ends in a few minutes on 2 CPU cores.
 DEFAULT_ROWS = {
@@ -63,6 +64,7 @@ DEFAULT_ROWS = {
     "gsm8k-fewshot": 512,
     "vllm-random-llama": 128,
     "random-llama-100m": 256,
+    "host-bound": 512,
 }
 
 #: Shape of the random Llama of the ``random-llama-30m`` workload (about 40M parameters with tied embeddings).
@@ -95,6 +97,19 @@ RANDOM_LLAMA_100M = {
 }
 #: ``random-llama-100m``: prompt lengths are drawn uniformly from this range (inclusive).
 SAMPLER_PROMPT_LENGTHS = (16, 48)
+#: Shape of the ``host-bound`` workload's model (issue 39): so small (0.2M parameters, head_dim 64 as vLLM's CPU
+#: attention takes) that a decode step's arithmetic is negligible and the engine's host cost per step is what is
+#: timed.
+HOST_BOUND_LLAMA = {
+    **RANDOM_LLAMA,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 256,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
 
 
 def shared_dir(shared: str | Path | None = None) -> Path:
@@ -183,6 +198,17 @@ def build_workload(
             seed,
             model_dir or scratch / name,
             "issue 30's sampler workload",
+        )
+    if name == "host-bound":
+        return _random_ids_workload(
+            name,
+            HOST_BOUND_LLAMA,
+            SAMPLER_PROMPT_LENGTHS,
+            rows,
+            new_tokens,
+            seed,
+            model_dir or scratch / name,
+            "issue 39's host-cost workload",
         )
     shared = shared_dir(shared)
     if name == "gsm8k-stories260k":

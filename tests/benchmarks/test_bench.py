@@ -194,3 +194,23 @@ def test_a_run_whose_cpu_time_reads_zero_reports_no_cpu_rate():
     assert row["generated_tok_s"] == 2 / 0.01
     timed = report.summarize(RunResult("vllm", "", [[5, 6]], 0.01, 0.5, [0.005], [0.01]), workload, None, cost, 100.0)
     assert timed["generated_tok_per_cpu_s"] == 2 / 0.5
+
+
+def test_host_bound_workload_defaults_are_the_issues_and_sampled_rows_make_every_token(tmp_path, capsys):
+    args = cli._parse_args(["--workload", "host-bound"])
+    assert (args.rows, args.new_tokens, args.max_requests, args.batch_sizes) == (512, (128, 128), 256, [256])
+    assert args.backends == ["cbrun", "hf-generate", "vllm", "cbrun-sampled-llama3"]
+    assert args.vllm_args == {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
+    assert cli._parse_args(["--workload", "host-bound", "--vllm-arg", "max_num_seqs=8"]).vllm_args["max_num_seqs"] == 8
+
+    table, report = run_bench(
+        ["--workload", "host-bound", "--rows", "6", "--max-new-tokens", "5:5", "--backends", "cbrun-sampled-llama3"],
+        tmp_path / "model",
+        tmp_path,
+        capsys,
+    )
+    rows = {r["backend"]: r for r in report["results"]}
+    assert set(rows) == {"cbrun", "cbrun-sampled-llama3"}
+    # ignore_eos: greedy and Llama-3-sampled rows generate every token they may, so their tok/s compare.
+    assert rows["cbrun"]["generated_tokens"] == rows["cbrun-sampled-llama3"]["generated_tokens"] == 30
+    assert "vocab 512" in report["description"] and "host-cost" in report["description"]
