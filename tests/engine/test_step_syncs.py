@@ -108,6 +108,11 @@ class StepSyncs(TorchDispatchMode):
 
 @pytest.fixture
 def counter(monkeypatch):
+    return install_counter(monkeypatch)
+
+
+def install_counter(monkeypatch: pytest.MonkeyPatch) -> StepSyncs:
+    """A ``StepSyncs`` whose counting hooks ``monkeypatch`` installs (``benchmarks.step_syncs`` uses it too)."""
     for module in (processing, sampler):
         monkeypatch.setattr(module, "waits_for_device", lambda device: True)
     syncs = StepSyncs()
