@@ -311,3 +311,24 @@ def test_an_act_order_g_idx_under_desc_act_false_is_refused(tmp_path):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match=r"g_idx is not the contiguous groups of desc_act false"):
         LLMEngine.from_pretrained(str(path), EngineConfig(**ENGINE_CONFIG))
+
+
+@pytest.mark.parametrize("layout", ["ct-sym", "gptq", "fp8-block"])
+def test_quantized_moe_experts_stay_quantized_and_equal_generate_on_the_dequantized_weights(layout):
+    from cbrun.engine.model.quantization import QuantizedExperts
+    from tests.engine import test_quantization as fp8
+
+    model_dir = random_model_dir("qwen3_moe", hidden_size=128, moe_intermediate_size=64, norm_topk_prob=True)
+    writer = fp8._quantized_copy if layout == "fp8-block" else _quantized_copy
+    quantized, dequantized = writer(model_dir, layout)
+    prompts = random_prompts(5, 128, 1, 30)
+    engine = LLMEngine.from_pretrained(str(quantized), EngineConfig(**ENGINE_CONFIG))
+    blocks = [layer.moe for layer in engine.model.weights.layers]
+    assert all(isinstance(m.gate_up, QuantizedExperts) and isinstance(m.down, QuantizedExperts) for m in blocks)
+    assert engine.model_runner.lean_model.layers[0].moe.fallback_reason is None  # the grouped GEMM runs them
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}
+    for i, prompt in enumerate(prompts):
+        assert outputs[i].output_token_ids == hf_greedy(dequantized, prompt, NEW_TOKENS), f"prompt {i}"
+    plain = LLMEngine.from_pretrained(str(dequantized), EngineConfig(**ENGINE_CONFIG))
+    assert _weight_bytes(engine) < 0.6 * _weight_bytes(plain)

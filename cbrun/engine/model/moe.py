@@ -27,10 +27,12 @@ its weight, in (token, slot) order, summed over the slots, so the lean path equa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from cbrun.engine.model.quantization import QuantizedExperts
 
 
 @dataclass
@@ -40,7 +42,8 @@ class MoEWeights:
     Attributes:
         router: (E, hidden) the router's weight (no bias).
         gate_up: (E, 2 * I, hidden) each expert's gate rows then its up rows, as transformers 5 stacks them.
-        down: (E, hidden, I) each expert's down projection.
+        down: (E, hidden, I) each expert's down projection. Either may be a ``QuantizedExperts`` (a quantized
+            checkpoint's experts, kept quantized; ``SparseMoE`` dequantizes the layer's experts per forward).
         top_k: experts per token (``num_experts_per_tok``).
         norm_topk_prob: renormalise the k chosen probabilities to sum to 1.
         weights_in_model_dtype: cast the routing weights to the model dtype before they scale the experts'
@@ -48,8 +51,8 @@ class MoEWeights:
     """
 
     router: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | QuantizedExperts
+    down: torch.Tensor | QuantizedExperts
     top_k: int
     norm_topk_prob: bool
     weights_in_model_dtype: bool
@@ -59,7 +62,22 @@ class MoEWeights:
         return self.router.shape[0]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router, self.gate_up, self.down]
+        parts = [self.router, self.gate_up, self.down]
+        return [t for p in parts for t in (p.tensors() if isinstance(p, QuantizedExperts) else [p])]
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.gate_up, QuantizedExperts) or isinstance(self.down, QuantizedExperts)
+
+    def dense(self, experts: slice = slice(None)) -> MoEWeights:
+        """These weights with quantized experts dequantized (``experts`` of them; all by default), else itself."""
+        if not self.quantized:
+            return self
+
+        def real(w):
+            return w.dequantize(experts) if isinstance(w, QuantizedExperts) else w[experts]
+
+        return replace(self, gate_up=real(self.gate_up), down=real(self.down))
 
 
 def route(x: torch.Tensor, moe: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,11 +211,13 @@ class SparseMoE:
 
     def __init__(self, weights: MoEWeights) -> None:
         self.weights = weights
-        self.fallback_reason = grouped_gemm_unavailable_reason(weights)
+        # NOTE: quantized experts are judged on one expert dequantized: a fresh tensor of the dtype and row widths
+        # the grouped GEMM will read each forward.
+        self.fallback_reason = grouped_gemm_unavailable_reason(weights.dense(slice(0, 1)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden), as ``sparse_moe``."""
-        return sparse_moe(x, self.weights, grouped=self.fallback_reason is None)
+        """(T, hidden) -> (T, hidden), as ``sparse_moe`` (quantized experts dequantized first, this layer's only)."""
+        return sparse_moe(x, self.weights.dense(), grouped=self.fallback_reason is None)
 
 
 #: transformers 5's sparse MoE block classes the lean path runs, by name (transformers is not imported here).

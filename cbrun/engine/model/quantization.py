@@ -404,3 +404,37 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch
     parts = [F.linear(x, weight.dequantize(r, min(r + rows, out_features))) for r in range(0, out_features, rows)]
     out = torch.cat(parts, dim=-1)
     return out if bias is None else out + bias
+
+
+@dataclass
+class QuantizedExperts:
+    """A MoE layer's stacked expert weights kept quantized: per expert, the quantized weights whose output rows
+    are concatenated (gate then up for ``gate_up``; one for ``down``).
+
+    ``dequantize`` gives the (E, out, in) stack the grouped GEMM reads, in ``dtype``: the MoE block dequantizes
+    its layer's experts once per forward (``cbrun.engine.model.moe.SparseMoE``), so the transient is one layer's
+    experts, never the model's.
+
+    Attributes:
+        experts: per expert, its parts (each (out_i, in), one input width).
+        dtype: the dtype the GEMM computes in.
+    """
+
+    experts: list[list[QuantizedLinearWeight]]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        parts = self.experts[0]
+        return torch.Size((len(self.experts), sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.experts[0][0].device
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for parts in self.experts for p in parts for t in p.tensors()]
+
+    def dequantize(self, experts: slice = slice(None)) -> torch.Tensor:
+        """(E', out, in) the real weights of ``experts`` (default all), in ``dtype``."""
+        return torch.stack([torch.cat([p.dequantize() for p in parts]) for parts in self.experts[experts]])

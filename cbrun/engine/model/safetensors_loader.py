@@ -27,7 +27,7 @@ from cbrun.engine.model.llama_config import LlamaConfig, parse_llama_config, rea
 from cbrun.engine.model.llama_weights import LayerWeights, LlamaWeights, default_rope_inv_freq
 from cbrun.engine.model.moe import MoEWeights
 from cbrun.engine.model.parallel import TensorParallelWeights, read_shard
-from cbrun.engine.model.quantization import FP8_DTYPE, QuantizedLinearWeight, QuantizedWeight
+from cbrun.engine.model.quantization import FP8_DTYPE, QuantizedExperts, QuantizedLinearWeight, QuantizedWeight
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -119,8 +119,8 @@ def load_plan(model_dir: str | Path, dtype: str) -> tuple[LoadPlan | None, str |
 
 def _quantized_names(config: LlamaConfig, files: dict[str, Path]) -> tuple[dict[str, dict[str, str]], str | None]:
     """{weight name: {suffix: tensor name}} for each quantized linear of a quantized checkpoint (those with the
-    scheme's first suffix), or a reason: one lacks a tensor of its layout, quantized tensors sit where the lean
-    path keeps no quantized weight (MoE experts), or the checkpoint holds none at all."""
+    scheme's first suffix; MoE experts' included), or a reason: one lacks a tensor of its layout, or the
+    checkpoint holds none at all."""
     scheme = config.quantization
     if scheme is None:
         return {}, None
@@ -135,12 +135,6 @@ def _quantized_names(config: LlamaConfig, files: dict[str, Path]) -> tuple[dict[
         if missing:
             return {}, f"{scheme.method} quantized tensor {name} without {missing[0]}"
         quantized[base + "weight"] = parts
-    experts = sorted(w for w in quantized if ".experts." in w)
-    if experts:
-        return {}, (
-            f"{scheme.method} quantized MoE experts ({experts[0]}, ...): the lean path's grouped expert GEMM "
-            "runs unquantized experts only"
-        )
     if not quantized:
         return {}, f"config.json states {scheme.method} quantization, but no tensor is named *.{marker}"
     return quantized, None
@@ -277,10 +271,18 @@ def _moe_weights(
     moe = config.moe
     expert_ids = range(moe.num_experts) if expert_ids is None else expert_ids
     experts = [f"{prefix}{block}.experts.{e}." for e in expert_ids]
-    gate_up = torch.stack(
-        [torch.cat((tensors.pop(e + gate + ".weight"), tensors.pop(e + up + ".weight"))) for e in experts]
-    )
-    down_proj = torch.stack([tensors.pop(e + down + ".weight") for e in experts])
+    gate_ups = [(tensors.pop(e + gate + ".weight"), tensors.pop(e + up + ".weight")) for e in experts]
+    downs = [tensors.pop(e + down + ".weight") for e in experts]
+    if any(isinstance(w, QuantizedLinearWeight) for pair in gate_ups for w in pair + (downs[0],)):
+        # a quantized checkpoint's experts stay quantized, each as it was stored (``QuantizedExperts``)
+        dtype = next(w.dtype for pair in gate_ups for w in pair if isinstance(w, QuantizedLinearWeight))
+        if not all(isinstance(w, QuantizedLinearWeight) for pair in gate_ups for w in pair + tuple(downs)):
+            raise RuntimeError(f"{prefix}{block}: some experts' projections are quantized and some are not")
+        gate_up = QuantizedExperts([list(pair) for pair in gate_ups], dtype)
+        down_proj = QuantizedExperts([[w] for w in downs], dtype)
+    else:
+        gate_up = torch.stack([torch.cat(pair) for pair in gate_ups])
+        down_proj = torch.stack(downs)
     return MoEWeights(
         router=tensors[f"{prefix}{block}.gate.weight"],
         gate_up=gate_up,
