@@ -29,6 +29,26 @@ DEFAULT_BATCH_LIMITS = {"cpu": (256, 1024), "cuda": (256, 8192)}
 #: tuned for (vLLM's default block size on GPUs).
 DEFAULT_PAGE_SIZE = {"cpu": 64, "cuda": 16}
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """The batch shape of an engine on a resolved device: ``EngineConfig``'s device-dependent settings with the
+    device's defaults filled in (``EngineConfig.limits``), so the engine's core reads integers, never None.
+
+    Attributes:
+        page_size: tokens per KV-cache block.
+        max_batch_tokens: token budget of one forward pass.
+        max_requests_per_batch: most requests in one forward pass.
+        safety_margin: fraction of the block pool kept free before new prefills are admitted.
+    """
+
+    page_size: int
+    max_batch_tokens: int
+    max_requests_per_batch: int
+    safety_margin: float
+
+
 #: Version of the rule that decides a request's proposals (``cbrun.engine.spec_decode.speculative.Speculator.propose``). A sampled
 #: row's draws depend on its proposals, so a job's fingerprint records it: bump it whenever a change alters which
 #: proposals a request makes under the same settings. 2: evidence kept per n-gram match length, and a verify entry's
@@ -244,6 +264,21 @@ class EngineConfig:
             raise ValueError(f"batch_invariant must be one of {SWITCHES}, got {self.batch_invariant!r}")
         self._check_speculative()
         self._check_tensor_parallel()
+
+    @property
+    def limits(self) -> BatchLimits:
+        """The device-dependent settings with the device's defaults filled in.
+
+        Raises:
+            AssertionError: while ``device`` is "auto": the job resolves the device before it builds an engine
+                (``cbrun.jobs.run.resources.resolve_device``), so an engine never sees "auto".
+        """
+        page_size, max_tokens, max_requests = self.page_size, self.max_batch_tokens, self.max_requests_per_batch
+        assert page_size is not None and max_tokens is not None and max_requests is not None, (
+            f"device {self.device!r} is not resolved"
+        )
+        assert self.safety_margin is not None  # set by __post_init__
+        return BatchLimits(page_size, max_tokens, max_requests, self.safety_margin)
 
     def resolve_dtype(self, checkpoint: str | None) -> str:
         """The dtype the engine runs in: ``dtype`` unless "auto", which is ``checkpoint`` on CUDA (float32

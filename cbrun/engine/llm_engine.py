@@ -13,7 +13,7 @@ from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.block_manager import BlockManager, truncated_block_hash
 from cbrun.engine.core.cache_sizing import max_prompt_logprob_rows, resolve_num_blocks
 from cbrun.engine.core.cache_spec import CacheSpec
-from cbrun.engine.core.kv_layout import KVLayout
+from cbrun.engine.core.kv_layout import KVLayout, ModelConfig, text_config
 from cbrun.engine.core.plan import SchedulerOutput
 from cbrun.engine.core.request import Request, RequestStatus
 from cbrun.engine.core.request_checks import request_error
@@ -69,23 +69,26 @@ class LLMEngine:
         self.model = model
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_model_len = max_model_len
-        model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        limits = config.limits
+        #: The model's text config (a multimodal config's language part), read by attribute.
+        self.model_config: ModelConfig = text_config(model)
+        model_config = self.model_config
         num_kv_heads, head_dim = loader.kv_shape(model_config)
         dtype = next(model.parameters()).dtype
         layout = KVLayout.from_model_config(model_config)
         backends.check_speculative(config, layout)
         cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         bytes_per_block = KVCache.bytes_per_block(
-            len(layout.layer_types), config.page_size, num_kv_heads, head_dim, cache_dtype
+            len(layout.layer_types), limits.page_size, num_kv_heads, head_dim, cache_dtype
         )
         ranks_per_memory = 1
         if tensor_parallel is not None:  # this rank's KV heads; on the CPU the ranks share the host's memory
-            num_kv_heads, head_dim, bytes_per_block = local_cache_shape(model, tensor_parallel, config.page_size)
+            num_kv_heads, head_dim, bytes_per_block = local_cache_shape(model, tensor_parallel, limits.page_size)  # type: ignore[arg-type]  # a sharded model is a LeanModel (tp_group.start loads only those)
             ranks_per_memory = tensor_parallel.ranks_per_memory
         if config.speculative == "draft":
             if draft_model is None:
                 raise ValueError('speculative = "draft" needs a draft model (engine.draft_model)')
-            bytes_per_block += draft_bytes_per_block(draft_model, config.page_size)  # one budget for both caches
+            bytes_per_block += draft_bytes_per_block(draft_model, limits.page_size)  # one budget for both caches
         self.num_blocks = resolve_num_blocks(
             config, max_model_len, bytes_per_block * ranks_per_memory, model_config, expected_requests, expected_tokens
         )
@@ -94,10 +97,10 @@ class LLMEngine:
         #: The cache's geometry, the one source for the block manager, the KV cache, padding and the runner.
         self.cache_spec = CacheSpec.build(
             self.num_blocks,
-            config.page_size,
+            limits.page_size,
             layout,
             num_cpu_blocks=int(config.cpu_offload_space * 2**30) // (bytes_per_block * config.tensor_parallel_size),
-            max_chunk_tokens=config.max_batch_tokens,
+            max_chunk_tokens=limits.max_batch_tokens,
             max_model_len=max_model_len,
         )
         if tensor_parallel is not None:
@@ -145,14 +148,14 @@ class LLMEngine:
             max_model_len=max_model_len,
             async_batching=self.overlap_steps,
             lean_model=lean_model,
-            max_requests=config.max_requests_per_batch,
-            max_batch_tokens=config.max_batch_tokens,
+            max_requests=limits.max_requests_per_batch,
+            max_batch_tokens=limits.max_batch_tokens,
             sampler=self.sampler,
         )
         #: Runs the draft model and fills each step's proposals (``speculative = "draft"``); its cache shares
         #: the block manager's block ids.
         self.drafter = (
-            DraftProposer(
+            DraftProposer(  # speculative = "draft" came with a draft model (refused above otherwise)
                 draft_model,
                 self.cache_spec,
                 model_config.vocab_size,
@@ -161,7 +164,7 @@ class LLMEngine:
                 max_model_len,
                 select_lean_model(config.model_impl, draft_model, False, max_model_len, config.linear_backend),
             )
-            if config.speculative == "draft"
+            if config.speculative == "draft" and draft_model is not None
             else None
         )
         self._draft_probs: dict[int, torch.Tensor] = {}  # this step's draft distributions of sampled requests
@@ -290,7 +293,7 @@ class LLMEngine:
             else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         )
         request = Request(request_id, list(prompt_token_ids), params, seed=seed)
-        vocab = self.model.config.get_text_config().vocab_size
+        vocab = self.model_config.vocab_size
         error = request_error(request, vocab, self.max_model_len, self._stop_matcher is not None)
         if error is None and params.structured_outputs is not None:
             error = self._start_grammar(request)
@@ -304,10 +307,9 @@ class LLMEngine:
         if not self.eos_token_ids:
             return "structured outputs need an EOS token to end the output, and the model states none"
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.model.config.get_text_config().vocab_size, self.eos_token_ids
-            )
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         params = request.sampling_params.structured_outputs
+        assert params is not None  # ``add_request`` starts a grammar only for a constrained request
         request.structured = StructuredOutputRequest(params, self._grammar_compiler.submit(params))
         return None
 
@@ -378,6 +380,7 @@ class LLMEngine:
         """Nothing could run: block briefly until a waiting request's grammar is compiled, instead of spinning."""
         futures = self.scheduler.grammar_futures()
         if futures:
+            assert self._grammar_compiler is not None  # a grammar compiles only once the compiler exists
             self._grammar_compiler.wait_any(futures, timeout)
 
     def _update(self, plan: SchedulerOutput, handle: StepHandle, grammar: StepBitmask | None) -> list[Request]:

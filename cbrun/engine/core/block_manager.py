@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -87,6 +87,9 @@ class BlockManager:
         self.sliding = ChunkAllocator(self.pool, spec.chunk_pages, num_sliding_layers) if num_sliding_layers else None
         self.ring_blocks = spec.ring_blocks
         main = self.full or self.sliding
+        assert main is not None, "a layout has at least one layer"
+        #: The allocator whose blocks count as the pool's (full attention, else sliding).
+        self.main = main
         self.num_blocks = self.pool.num_usable_chunks * main.blocks_per_chunk
         self.enable_prefix_caching = enable_prefix_caching and self.sliding is None
         if enable_prefix_caching and self.sliding is not None:
@@ -113,8 +116,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation of the main allocator may take now (cached-but-unreferenced ones included)."""
-        main = self.full or self.sliding
-        return main.num_free_blocks + len(self._cached_free)
+        return self.main.num_free_blocks + len(self._cached_free)
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -163,7 +165,8 @@ class BlockManager:
         max_blocks = (request.num_tokens - 1) // self.page_size
         if request.sampling_params.prompt_logprobs_from is not None:  # its logits must be computed
             max_blocks = min(max_blocks, (request.sampling_params.prompt_logprobs_from - 1) // self.page_size)
-        parent, parent_serial, blocks = ROOT_HASH, ROOT_SERIAL, []
+        parent, blocks = ROOT_HASH, []
+        parent_serial: int | None = ROOT_SERIAL  # a registered block's serial is never None
         for i in range(max_blocks):
             tokens = tuple(request.token_ids(i * self.page_size, (i + 1) * self.page_size))
             parent = self.hash_fn(parent, tokens)
@@ -180,7 +183,7 @@ class BlockManager:
         return blocks
 
     # ---- allocation -----------------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Give the request slots for ``num_new_tokens`` more tokens in every allocator, cached blocks first.
 
         All or nothing: on a shortage nothing changes and False is returned; the scheduler decides what to do.
@@ -215,14 +218,18 @@ class BlockManager:
         self._take_cached(request, cached_blocks)
         for _ in range(full_needed):
             request.block_table.append(self._take_full_block())
-        for _ in range(sliding_needed):
-            request.sliding_block_table.append(self.sliding.take())
+        if sliding_needed:
+            sliding = self._sliding_allocator()
+            for _ in range(sliding_needed):  # ``_has_room`` checked that the pool holds them
+                block = sliding.take()
+                assert block is not None
+                request.sliding_block_table.append(block)
         if self.enable_prefix_caching:
             num_tokens_after = request.num_computed_tokens + num_cached_tokens + num_new_tokens
             self._register_full_blocks(request, num_tokens_after)
         return True
 
-    def _has_room(self, full_needed: int, sliding_needed: int, cached_blocks) -> bool:
+    def _has_room(self, full_needed: int, sliding_needed: int, cached_blocks: Sequence[int]) -> bool:
         free_chunks = self.pool.num_free_chunks
         if self.sliding is not None:
             free_chunks -= self.sliding.blocks_from_chunks(sliding_needed)
@@ -235,18 +242,34 @@ class BlockManager:
         missing = max(0, full_needed - self.full.num_held_free_blocks - evictable)
         return missing <= free_chunks * self.full.blocks_per_chunk
 
-    def _take_cached(self, request: Request, cached_blocks) -> None:
+    def _take_cached(self, request: Request, cached_blocks: Sequence[int]) -> None:
         for block in cached_blocks:
             if self.ref_counts[block] == 0:
                 del self._cached_free[block]
             self.ref_counts[block] += 1
             request.block_table.append(block)
         if cached_blocks:
-            self._request_hashes[request.index] = [self._block_hash[b] for b in cached_blocks]
+            self._request_hashes[request.index] = [self._registered_hash(b) for b in cached_blocks]
             self._request_serials[request.index] = [self._block_serial[b] for b in cached_blocks]
 
+    def _registered_hash(self, block: int) -> bytes:
+        """The hash of a block in the prefix cache (``find_cached_prefix`` serves only those)."""
+        block_hash = self._block_hash[block]
+        assert block_hash is not None, f"block {block} is not in the prefix cache"
+        return block_hash
+
+    def _full_allocator(self) -> ChunkAllocator:
+        """The full-attention allocator; a request holds full blocks only when the model has full layers."""
+        assert self.full is not None, "the model has no full-attention layers"
+        return self.full
+
+    def _sliding_allocator(self) -> ChunkAllocator:
+        """The sliding-window allocator; a request holds ring blocks only when the model has sliding layers."""
+        assert self.sliding is not None, "the model has no sliding-window layers"
+        return self.sliding
+
     def _take_full_block(self) -> int:
-        block = self.full.take()
+        block = self._full_allocator().take()
         if block is None:
             block, _ = self._cached_free.popitem(last=False)
             self._drop_hash(block)
@@ -314,9 +337,9 @@ class BlockManager:
                 if self._block_hash[block] is not None:
                     self._cached_free[block] = None
                 else:
-                    self.full.release(block)
+                    self._full_allocator().release(block)
         for block in request.sliding_block_table:
-            self.sliding.release(block)
+            self._sliding_allocator().release(block)
         request.block_table.clear()
         request.sliding_block_table.clear()
         self._request_hashes.pop(request.index, None)
@@ -394,5 +417,5 @@ class BlockManager:
         assert held + self.pool.num_free_chunks == self.pool.num_usable_chunks, "chunks leaked"
         assert all(self.ref_counts[b] == 0 and self._block_hash[b] is not None for b in self._cached_free)
         assert all(r >= 0 for r in self.ref_counts)
-        reserved = NUM_RESERVED_CHUNKS * (self.full or self.sliding).blocks_per_chunk
+        reserved = NUM_RESERVED_CHUNKS * self.main.blocks_per_chunk
         assert all(r == 0 for r in self.ref_counts[:reserved]), "a padding chunk was handed out"

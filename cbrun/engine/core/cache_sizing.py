@@ -8,6 +8,7 @@ import torch
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.cache_spec import cdiv
+from cbrun.engine.core.kv_layout import ModelConfig
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -25,7 +26,7 @@ def max_prompt_logprob_rows(config: EngineConfig, vocab_size: int) -> int:
     """Most prompt log-probability rows one step may score: what ``SCORING_LOGITS_BYTES`` holds of float32 rows
     of ``vocab_size``, at most ``max_batch_tokens`` (a row per token), at least one. At a 128k vocabulary that is
     2,092 rows a step (8,192 tokens would be 4 GiB of logits); at 32k, up to 8,388."""
-    return max(1, min(config.max_batch_tokens, SCORING_LOGITS_BYTES // (4 * vocab_size)))
+    return max(1, min(config.limits.max_batch_tokens, SCORING_LOGITS_BYTES // (4 * vocab_size)))
 
 
 #: (rows, V) float32-sized tensors the sampler holds at its peak per sampled row: its float32 copy, the
@@ -37,7 +38,7 @@ def max_sample_rows(config: EngineConfig) -> int:
     """Most sampled logit rows one step can have: one per request, 1 + ``num_speculative_tokens`` when it verifies
     proposals."""
     per_request = 1 + (config.num_speculative_tokens if config.speculative != "off" else 0)
-    return config.max_requests_per_batch * per_request
+    return config.limits.max_requests_per_batch * per_request
 
 
 def max_logit_rows(config: EngineConfig, vocab_size: int) -> int:
@@ -68,7 +69,7 @@ def available_memory_bytes(device: str) -> int:
     raise OSError("cannot read MemAvailable from /proc/meminfo")
 
 
-def step_workspace_bytes(config: EngineConfig, model_config) -> int:
+def step_workspace_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
     """Memory one step needs besides the cache: activations for ``max_batch_tokens``; the logits it can produce
     (``max_logit_rows`` rows, counted as float32); the sampler's intermediates over its sampled rows
     (``_SAMPLER_ROW_COPIES`` per row); the prompt log-probabilities' scratch (``PROMPT_LOGPROB_CHUNK_BYTES``: they
@@ -76,27 +77,29 @@ def step_workspace_bytes(config: EngineConfig, model_config) -> int:
     slot mapping, block tables)."""
     from cbrun.engine.sample.step import PROMPT_LOGPROB_CHUNK_BYTES
 
-    hidden = model_config.hidden_size
-    intermediate = getattr(model_config, "intermediate_size", None) or 4 * hidden
-    activations = config.max_batch_tokens * (_ACTIVATION_HIDDEN_MULTIPLE * hidden + 3 * intermediate) * 4
-    vocab = model_config.vocab_size
+    limits = config.limits
+    hidden: int = model_config.hidden_size
+    intermediate: int = getattr(model_config, "intermediate_size", None) or 4 * hidden
+    activations = limits.max_batch_tokens * (_ACTIVATION_HIDDEN_MULTIPLE * hidden + 3 * intermediate) * 4
+    vocab: int = model_config.vocab_size
     logits = max_logit_rows(config, vocab) * vocab * 4 + max_sample_rows(config) * _SAMPLER_ROW_COPIES * vocab * 4
-    indices = config.max_batch_tokens * 8 * 4 + config.max_requests_per_batch * 8 * 4
+    indices = limits.max_batch_tokens * 8 * 4 + limits.max_requests_per_batch * 8 * 4
     return activations + logits + PROMPT_LOGPROB_CHUNK_BYTES + indices
 
 
-def graph_pool_bytes(config: EngineConfig, model_config) -> int:
+def graph_pool_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
     """The CUDA-graph pool's reserve: the graphs capture decode steps of up to ``max_requests_per_batch`` rows,
     whose intermediates stay allocated in the pool. Counted as one step of that many tokens (0 with graphs off)."""
     if config.cuda_graphs == "off":
         return 0
-    hidden = model_config.hidden_size
-    intermediate = getattr(model_config, "intermediate_size", None) or 4 * hidden
-    rows = config.max_requests_per_batch
-    return rows * (_ACTIVATION_HIDDEN_MULTIPLE * hidden + 3 * intermediate) * 4 + rows * model_config.vocab_size * 4
+    hidden: int = model_config.hidden_size
+    intermediate: int = getattr(model_config, "intermediate_size", None) or 4 * hidden
+    vocab: int = model_config.vocab_size
+    rows = config.limits.max_requests_per_batch
+    return rows * (_ACTIVATION_HIDDEN_MULTIPLE * hidden + 3 * intermediate) * 4 + rows * vocab * 4
 
 
-def memory_budget_bytes(config: EngineConfig, model_config) -> tuple[int, str]:
+def memory_budget_bytes(config: EngineConfig, model_config: ModelConfig) -> tuple[int, str]:
     """Bytes the KV cache may take, and a sentence saying how they were reached (for errors and the log).
 
     On CUDA: ``gpu_memory_utilization`` of the device's total memory, less what is in use now (the weights, once
@@ -126,7 +129,7 @@ def resolve_num_blocks(
     config: EngineConfig,
     max_model_len: int,
     bytes_per_block: int,
-    model_config,
+    model_config: ModelConfig,
     expected_requests: int | None = None,
     expected_tokens: int | None = None,
 ) -> int:
@@ -162,8 +165,8 @@ def resolve_num_blocks(
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens of capacity, %.1f MiB",
         num_blocks,
-        config.page_size,
-        num_blocks * config.page_size,
+        config.limits.page_size,
+        num_blocks * config.limits.page_size,
         num_blocks * bytes_per_block / 2**20,
     )
     return num_blocks
@@ -178,8 +181,9 @@ def useful_blocks(
     expected) grows to at most ``max_model_len`` tokens; and all expected requests together hold at most
     ``expected_tokens`` (plus one partly filled block each). The smaller bound wins; at least one block.
     """
-    slots = min(config.max_requests_per_batch, expected_requests or config.max_requests_per_batch)
-    blocks = slots * cdiv(max_model_len, config.page_size)
+    limits = config.limits
+    slots = min(limits.max_requests_per_batch, expected_requests or limits.max_requests_per_batch)
+    blocks = slots * cdiv(max_model_len, limits.page_size)
     if expected_tokens is not None:
-        blocks = min(blocks, cdiv(expected_tokens, config.page_size) + slots)
+        blocks = min(blocks, cdiv(expected_tokens, limits.page_size) + slots)
     return max(1, blocks)

@@ -10,8 +10,16 @@ reads its numbers from one ``CacheSpec``. Address rule (see ``KVLayout`` for chu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from cbrun.engine.core.kv_layout import SLIDING, KVLayout
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+#: An int, an integer tensor or an integer array: the address rule is the same arithmetic on each.
+Index = TypeVar("Index", int, "torch.Tensor", "np.ndarray")
 
 #: Chunks 0 and 1 are never given to a request: padded reads and writes (CUDA graphs) may land there.
 NUM_RESERVED_CHUNKS = 2
@@ -22,12 +30,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def page_address(block, layers_per_block: int, layer: int = 0):
+def page_address(block: Index, layers_per_block: int, layer: int = 0) -> Index:
     """Page of ``layer`` (index within its group) of ``block``; ``block`` may be an int or an integer tensor."""
     return block * layers_per_block + layer
 
 
-def slot_address(page, offset, page_size: int):
+def slot_address(page: Index, offset: Index | int, page_size: int) -> Index:
     """Flat cache slot of token ``offset`` of ``page``; ints or integer tensors."""
     return page * page_size + offset
 
@@ -76,6 +84,7 @@ class CacheSpec:
         usable_chunks = max(1, num_blocks * num_layers // layout.chunk_pages)
         ring_blocks = 0
         if layout.num_layers_of(SLIDING):
+            assert layout.sliding_window is not None  # KVLayout refuses sliding layers without a window
             # Every position a step's queries may see, [start - window + 1, start + chunk), needs its own ring slot.
             ring_blocks = cdiv(layout.sliding_window - 1 + max_chunk_tokens, page_size) + 1
             if max_model_len:

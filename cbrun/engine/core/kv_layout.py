@@ -5,6 +5,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
+
+#: A model's (text) config, read by attribute: transformers' ``PretrainedConfig`` or the lean path's
+#: ``cbrun.engine.model.llama_config.LlamaConfig`` (the engine's core imports neither).
+ModelConfig = Any
+
+
+def text_config(model: Any) -> ModelConfig:
+    """The language part of ``model.config`` (``get_text_config()`` of a multimodal config), or the config itself
+    when it has no such method."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
 
 FULL, SLIDING = "full", "sliding"
 
@@ -31,7 +44,7 @@ class KVLayout:
             raise ValueError("a sliding-window layer needs a positive sliding_window")
 
     @classmethod
-    def from_model_config(cls, config) -> "KVLayout":
+    def from_model_config(cls, config: ModelConfig) -> "KVLayout":
         """Layer types from ``config.layer_types`` ("full_attention" / "sliding_attention"); else every layer
         slides when ``config.sliding_window`` is set (Mistral) and attends fully otherwise."""
         num_layers = config.num_hidden_layers

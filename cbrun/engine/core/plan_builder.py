@@ -12,10 +12,11 @@ class PlanBuilder:
     """Tracks one step's token and request budgets while the scheduler fills it."""
 
     def __init__(self, config: EngineConfig, prompt_row_budget: int | None = None) -> None:
-        self.token_budget = config.max_batch_tokens
+        limits = config.limits
+        self.token_budget = limits.max_batch_tokens
         #: Prompt log-probability rows the step may still score (None: no bound but the token budget).
         self.prompt_row_budget = prompt_row_budget
-        self.request_budget = config.max_requests_per_batch
+        self.request_budget = limits.max_requests_per_batch
         self.scheduled: list[ScheduledRequest] = []
         self._indices: set[int] = set()  # ``Request.index`` of the planned requests
         self.plain_greedy = True  # ``SchedulerOutput.plain_greedy``

@@ -6,8 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cbrun.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cbrun.engine.structured_output.request_state import StructuredOutputRequest
 
 #: Host-side id of a token sampled on the device but not yet read back (async batching). It never reaches the
 #: model: the model runner fills its input slot from the previous step's device tensor.
@@ -91,7 +95,7 @@ class Request:
     prompt_greedy: list[bool] = field(default_factory=list)  # whether each such prompt token was the argmax
     needs_host_sampling: bool = False
     speculation: object = None
-    structured: object = None
+    structured: StructuredOutputRequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

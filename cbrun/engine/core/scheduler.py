@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future
+from typing import Any
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.block_manager import BlockManager
@@ -63,6 +65,7 @@ class FIFOScheduler:
         max_prompt_logprob_rows: int | None = None,
     ) -> None:
         self.config = config
+        self.limits = config.limits  # the budgets, read every step
         self.max_prompt_logprob_rows = max_prompt_logprob_rows
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -186,6 +189,7 @@ class FIFOScheduler:
         room = min(request.sampling_params.max_new_tokens - len(request.output_token_ids) - 1, plan.token_budget - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - num_tokens)
+        assert self.speculator is not None  # ``_schedule_running`` speculates only with one
         proposals = self.speculator.propose(request, room)
         block_start, sliding_start = len(request.block_table), len(request.sliding_block_table)
         if not proposals or not self.block_manager.allocate_slots(request, 1 + len(proposals)):
@@ -193,10 +197,14 @@ class FIFOScheduler:
         plan.add(request, 1 + len(proposals), tuple(proposals), block_start, sliding_start)
         return True
 
-    def grammar_futures(self) -> list:
+    def grammar_futures(self) -> list[Future[Any]]:
         """The compile futures of the waiting requests whose grammar is not ready (the engine waits on them when
         nothing else can run)."""
-        return [r.structured.future for r in self.waiting if r.status is RequestStatus.WAITING_FOR_GRAMMAR]
+        return [
+            r.structured.future
+            for r in self.waiting
+            if r.status is RequestStatus.WAITING_FOR_GRAMMAR and r.structured is not None
+        ]
 
     def _schedule_waiting(self, plan: PlanBuilder, out: SchedulerOutput) -> None:
         """Admit waiting requests in order. One whose grammar is still compiling is stepped over and keeps its
@@ -211,6 +219,7 @@ class FIFOScheduler:
         """Whether the request still waits for its grammar; a grammar that failed to compile fails it."""
         if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
             return False
+        assert request.structured is not None  # only a constrained request waits for its grammar
         if not request.structured.ready():
             return True
         request.status = RequestStatus.PENDING
@@ -224,7 +233,7 @@ class FIFOScheduler:
             if self.running and self._below_safety_margin():
                 return
             # A request beyond what one batch can serve would hold blocks without decoding every step.
-            if len(self.running) >= self.config.max_requests_per_batch:
+            if len(self.running) >= self.limits.max_requests_per_batch:
                 return
             request = self.waiting[0]
             if self._grammar_pending(request):
@@ -324,7 +333,7 @@ class FIFOScheduler:
         return any(r is not request for r in self.running)
 
     def _below_safety_margin(self) -> bool:
-        return self.block_manager.free_fraction < self.config.safety_margin
+        return self.block_manager.free_fraction < self.limits.safety_margin
 
     def _cache_too_small_message(self, request: Request) -> str:
         bm = self.block_manager
@@ -435,6 +444,7 @@ class FIFOScheduler:
         """Forget the KV of the proposals after the accepted ones: it was computed from rejected tokens."""
         num_proposed = len(item.spec_token_ids)
         request.num_computed_tokens -= num_proposed - num_accepted
+        assert self.speculator is not None  # proposals come only from it
         self.speculator.record(request, num_proposed, num_accepted)
 
     def discard(self, out: SchedulerOutput) -> None:

@@ -65,7 +65,7 @@ class EngineStats:
         """Fraction of prompt tokens served from the prefix cache."""
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, int | float]:
         return {
             **asdict(self),
             "prefix_hit_rate": self.prefix_hit_rate,

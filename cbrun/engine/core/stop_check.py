@@ -58,9 +58,11 @@ def check_stop(request: Request, conditions: StopConditions) -> Stop | None:
     if request.structured is not None and request.structured.is_terminated:  # the structure and its end token
         return Stop("stop", len(output), stop_reason=token)
     matcher = conditions.stop_matcher
-    if params.stop and matcher.find(output, params.stop):
-        text, kept_ids, stop = matcher.cut(output, params.stop, params.include_stop_str_in_output)
-        return Stop("stop", len(kept_ids), stop_reason=stop, output_text=text)
+    if params.stop:
+        assert matcher is not None  # the engine refuses stop strings without a tokenizer at ``add_request``
+        if matcher.find(output, params.stop):
+            text, kept_ids, stop = matcher.cut(output, params.stop, params.include_stop_str_in_output)
+            return Stop("stop", len(kept_ids), stop_reason=stop, output_text=text)
     if len(output) >= params.max_new_tokens or (  # (``Request.num_known_tokens`` inline: this runs per token)
         conditions.max_model_len is not None and len(request.prompt_token_ids) + len(output) >= conditions.max_model_len
     ):

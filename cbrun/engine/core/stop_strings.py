@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    """What a stop-string check needs of a tokenizer (``FastTokenizer`` and transformers' tokenizers have it)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
 
 class StopStringMatcher:
     """Finds stop strings in generated text with a tokenizer's ``decode``.
@@ -14,7 +22,7 @@ class StopStringMatcher:
         tokenizer: anything with ``decode(ids, skip_special_tokens=True) -> str``.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Decoder) -> None:
         self.tokenizer = tokenizer
 
     def _decode(self, token_ids: list[int]) -> str:

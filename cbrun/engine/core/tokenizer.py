@@ -28,7 +28,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -79,7 +85,7 @@ class FastTokenizer:
 
     def __init__(
         self,
-        backend,
+        backend: Tokenizer,
         name_or_path: str,
         special_tokens: dict[str, str | None],
         extra_special_tokens: list[str],
@@ -91,14 +97,14 @@ class FastTokenizer:
         self.name_or_path = name_or_path
         self._special = {name: special_tokens.get(name) for name in NAMED_SPECIAL_TOKENS}
         self._extra_special_tokens = list(extra_special_tokens)
-        self._transformers = None
+        self._transformers: PreTrainedTokenizerBase | None = None
         backend.no_truncation()  # as transformers' encode sets them for every call
         backend.no_padding()
         backend.encode_special_tokens = split_special_tokens
         if backend.post_processor is None:  # TokenizersBackend.update_post_processor, no BOS or EOS added
             backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         """``bos_token``, ``eos_token_id``, ...: a named special token's text, or its id (None when unset); any
         other public name: transformers' tokenizer's."""
         if name.startswith("_"):
@@ -109,7 +115,7 @@ class FastTokenizer:
             return token if token is None or base == name else self.convert_tokens_to_ids(token)
         return getattr(self.transformers_tokenizer(), name)
 
-    def transformers_tokenizer(self):
+    def transformers_tokenizer(self) -> PreTrainedTokenizerBase:
         """transformers' ``AutoTokenizer`` of the same directory (imports transformers on the first call)."""
         if self._transformers is None:
             from transformers import AutoTokenizer
@@ -121,7 +127,7 @@ class FastTokenizer:
             self._transformers = AutoTokenizer.from_pretrained(self.name_or_path, local_files_only=True)
         return self._transformers
 
-    def __call__(self, text, add_special_tokens: bool = True, **kwargs):
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **kwargs: Any) -> Any:
         """``{"input_ids": ..., "attention_mask": ...}`` of a text or a list of texts, as transformers' call
         returns them without padding; with any other option, transformers' tokenizer's call."""
         if kwargs:
@@ -129,8 +135,8 @@ class FastTokenizer:
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
-        ids = [self.encode(t, add_special_tokens) for t in text]
-        return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
+        rows = [self.encode(t, add_special_tokens) for t in text]
+        return {"input_ids": rows, "attention_mask": [[1] * len(i) for i in rows]}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the post-processor's special tokens (e.g. BOS) unless told not to.
@@ -142,20 +148,22 @@ class FastTokenizer:
             raise ValueError("text input must be of type `str` (single example)")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
+    def decode(self, token_ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of ``token_ids`` (a list of ids or one id); special tokens left out when asked."""
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_tokens_to_ids(self, tokens: str | list[str]):
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> Any:
         """A token's id (the unknown token's when it has none), or the ids of a list of tokens."""
         if isinstance(tokens, str):
             index = self._backend.token_to_id(tokens)
             return index if index is not None else self.unk_token_id
         return [self.convert_tokens_to_ids(token) for token in tokens]
 
-    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False):
+    def convert_ids_to_tokens(
+        self, ids: int | list[int], skip_special_tokens: bool = False
+    ) -> str | None | list[str | None]:
         """The vocabulary piece of one id, or of each of a list of ids (special ones skipped when asked)."""
         if isinstance(ids, int):
             return self._backend.id_to_token(ids)
@@ -170,7 +178,8 @@ class FastTokenizer:
 
     @property
     def all_special_ids(self) -> list[int]:
-        return self.convert_tokens_to_ids(self.all_special_tokens)
+        ids: list[int] = self.convert_tokens_to_ids(self.all_special_tokens)
+        return ids
 
     def get_vocab(self) -> dict[str, int]:
         """Token -> id, added tokens included."""
@@ -191,7 +200,7 @@ def fast_tokenizer_reason(model_dir: str | Path) -> str | None:
     return reason
 
 
-def load_tokenizer(model_dir: str | Path, *, loader: str = "auto"):
+def load_tokenizer(model_dir: str | Path, *, loader: str = "auto") -> FastTokenizer | PreTrainedTokenizerBase:
     """The model directory's tokenizer: a ``FastTokenizer`` where it equals transformers', else ``AutoTokenizer``'s.
 
     Args:
@@ -203,7 +212,7 @@ def load_tokenizer(model_dir: str | Path, *, loader: str = "auto"):
     """
     model_dir = str(model_dir)
     reason = "engine.loader = transformers" if loader == "transformers" else None
-    tokenizer = None
+    tokenizer: FastTokenizer | None = None
     if reason is None:
         tokenizer, reason = _fast_tokenizer(model_dir)
     if tokenizer is not None:
@@ -245,12 +254,12 @@ def _fast_tokenizer(model_dir: str) -> tuple[FastTokenizer | None, str | None]:
     return FastTokenizer(backend, model_dir, specials, extras, bool(settings.get("split_special_tokens", False))), None
 
 
-def _extra_special_tokens(settings: dict) -> list:
+def _extra_special_tokens(settings: dict[str, Any]) -> list[Any]:
     """The extra special tokens, as transformers reads them (``additional_special_tokens`` is the old name)."""
     return list(settings.get("extra_special_tokens") or settings.get("additional_special_tokens") or [])
 
 
-def _read_files(model_dir: Path) -> tuple[dict | None, str | None]:
+def _read_files(model_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """tokenizer_config.json when the files are ones ``FastTokenizer`` reads exactly, else ``(None, why not)``."""
     if not (model_dir / "tokenizer.json").is_file():
         return None, "no tokenizer.json"
@@ -279,7 +288,7 @@ def _read_files(model_dir: Path) -> tuple[dict | None, str | None]:
     return settings, None
 
 
-def _content(token):
+def _content(token: Any) -> Any:
     """A special token's text from tokenizer_config.json: a string, or a serialized AddedToken's content (another
     value comes back as it is, and is refused)."""
     if isinstance(token, dict) and token.get("__type") == "AddedToken":
@@ -287,7 +296,7 @@ def _content(token):
     return token
 
 
-def _added_tokens_differ(backend, settings: dict) -> str | None:
+def _added_tokens_differ(backend: Tokenizer, settings: dict[str, Any]) -> str | None:
     """Why transformers would change the backend's added tokens (None: it adds and changes nothing)."""
     added = backend.get_added_tokens_decoder()
     for index, token in (settings.get("added_tokens_decoder") or {}).items():

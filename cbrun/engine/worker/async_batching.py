@@ -44,7 +44,7 @@ class StepHandle:
     sampled: torch.Tensor
     sample_row_of: dict[int, int]
     _sampled_host: torch.Tensor | None = None
-    done: object | None = None
+    done: torch.cuda.Event | None = None
     launched: object | None = None
     _token_ids: list[int] | None = field(default=None, repr=False)
 
@@ -75,6 +75,7 @@ class StepHandle:
         if self._token_ids is None:
             if self.done is not None:
                 self.done.synchronize()
+            assert self._sampled_host is not None  # ``launch_readback`` always sets it
             self._token_ids = self._sampled_host.tolist()
         return self._token_ids
 

@@ -4,15 +4,17 @@ decoding combinations refused."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cbrun.engine.config import EngineConfig
-from cbrun.engine.core.kv_layout import SLIDING, KVLayout
+from cbrun.engine.core.kv_layout import SLIDING, KVLayout, ModelConfig
 from cbrun.engine.switches import resolve_switch
 from cbrun.engine.worker.padding import GraphBuckets
 
 
-def use_cuda_graphs(config: EngineConfig, use_triton: bool, model_config=None) -> bool:
+def use_cuda_graphs(config: EngineConfig, use_triton: bool, model_config: ModelConfig | None = None) -> bool:
     """Whether to replay decode steps from CUDA graphs, real or emulated; says why not, once, when it cannot.
 
     Args:
@@ -31,7 +33,7 @@ def use_cuda_graphs(config: EngineConfig, use_triton: bool, model_config=None) -
     return resolve_switch("cuda_graphs", config.cuda_graphs, blocker, off_log="CUDA graphs off: %s")
 
 
-def forward_host_read(model_config) -> str | None:
+def forward_host_read(model_config: ModelConfig) -> str | None:
     """Why the model's transformers forward pass reads a value back to the host (which a graph cannot capture: its
     replay would keep the capture step's value, or the capture fails), or None when it reads nothing.
 
@@ -57,9 +59,9 @@ def forward_host_read(model_config) -> str | None:
     return None
 
 
-def _rope_parameters(model_config) -> list[dict]:
+def _rope_parameters(model_config: ModelConfig) -> list[dict[str, Any]]:
     """The model's RoPE parameter dicts (``rope_scaling`` / ``rope_parameters``, one per layer type when nested)."""
-    found = []
+    found: list[dict[str, Any]] = []
     for name in ("rope_scaling", "rope_parameters"):
         value = getattr(model_config, name, None)
         if isinstance(value, dict):
@@ -81,11 +83,12 @@ def cuda_graphs_blocker(config: EngineConfig, use_triton: bool) -> str | None:
 
 def graph_buckets(config: EngineConfig, max_model_len: int) -> GraphBuckets:
     """The shapes decode (and, with speculation, uniform verify) steps are graphed at."""
+    limits = config.limits
     max_batch_size = min(
-        config.cuda_graph_max_batch_size or config.max_requests_per_batch, config.max_requests_per_batch
+        config.cuda_graph_max_batch_size or limits.max_requests_per_batch, limits.max_requests_per_batch
     )
     max_query_len = 1 + config.num_speculative_tokens if config.speculative != "off" else 1
-    return GraphBuckets(max_batch_size, max_query_len, max_model_len, config.page_size)
+    return GraphBuckets(max_batch_size, max_query_len, max_model_len, limits.page_size)
 
 
 def check_speculative(config: EngineConfig, layout: KVLayout) -> None:
@@ -210,6 +213,7 @@ def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -
         parsed, reason = None, f"config.json cannot be read ({exc})"
     if reason:
         return f"the lean forward pass would not run: {reason}"
+    assert parsed is not None  # parse_llama_config gives a config or a reason
     if parsed.moe is not None:
         return "a MoE model (the experts' grouped GEMM sums by each expert's share of the step)"
     dtype = config.resolve_dtype(checkpoint_dtype(model_path))

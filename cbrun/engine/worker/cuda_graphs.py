@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,17 +24,21 @@ from cbrun.engine.model.attention import AttentionMetadata, GroupMetadata
 from cbrun.engine.worker.graph_emulation import EmulatedGraph
 from cbrun.engine.worker.padding import GraphBuckets, PaddedShape
 
+if TYPE_CHECKING:
+    from torch.cuda.graphs import _POOL_HANDLE
+
 logger = logging.getLogger("cbrun.engine")
 
 
 class _CudaGraph:
     """``torch.cuda.CUDAGraph`` behind ``EmulatedGraph``'s interface; all graphs share one memory pool."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool: _POOL_HANDLE | None) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
 
-    def capture(self):
+    def capture(self, static: list[torch.Tensor] | None = None) -> torch.cuda.graph:
+        """Stream capture into the graph; ``static`` is ``EmulatedGraph``'s check, which a real graph needs not."""
         return torch.cuda.graph(self.graph, pool=self.pool)
 
     def replay(self) -> None:
@@ -103,10 +108,10 @@ class CudaGraphRunner:
 
     def run(
         self,
-        input_ids,
-        positions,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
         md: AttentionMetadata,
-        logits_indices,
+        logits_indices: torch.Tensor,
         shape: PaddedShape,
         carry: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
@@ -144,7 +149,7 @@ class CudaGraphRunner:
         self.num_replays += 1
         return captured.logits
 
-    def _static_inputs(self, shape: PaddedShape):
+    def _static_inputs(self, shape: PaddedShape) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Views of the static buffers at ``shape``, and a new ``AttentionMetadata`` over them (a new one on each
         call: whatever a forward caches in it stays with that forward)."""
         n, b = shape.num_tokens, shape.num_requests
@@ -183,19 +188,22 @@ class CudaGraphRunner:
         ]
         return [*buffers, *self.model.parameters(), *self.model.buffers(), self.setup.k_pages, self.setup.v_pages]
 
-    def _forward(self, input_ids, positions, md, logits_indices) -> torch.Tensor:
-        return self.model(
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        logits: torch.Tensor = self.model(
             input_ids=input_ids[None],
             position_ids=positions[None],
             use_cache=False,
             logits_to_keep=logits_indices,
             cbrun_metadata=md,
         ).logits[0]
+        return logits
 
     def _capture(self, shape: PaddedShape) -> _Captured:
         """Warm up eagerly (Triton compiles, the allocator settles), then capture a forward whose inputs, the
         metadata included, are all made inside the captured region."""
-        graph = EmulatedGraph() if self.emulate else _CudaGraph(self.pool)
+        graph: EmulatedGraph | _CudaGraph = EmulatedGraph() if self.emulate else _CudaGraph(self.pool)
         if self.emulate:
             self._forward(*self._static_inputs(shape))
         else:
@@ -204,7 +212,7 @@ class CudaGraphRunner:
             with torch.cuda.stream(stream):
                 self._forward(*self._static_inputs(shape))
             torch.cuda.current_stream().wait_stream(stream)
-        with graph.capture(self._static_tensors()) if self.emulate else graph.capture():
+        with graph.capture(self._static_tensors() if self.emulate else None):
             logits = self._forward(*self._static_inputs(shape))
         logger.debug("captured a %s graph for %s", "emulated" if self.emulate else "CUDA", shape)
         return _Captured(graph, logits)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 
@@ -24,7 +27,7 @@ def select_device(device: str) -> None:
     torch.cuda.set_device(target)
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A tensor of host ``values`` (a list, or nested lists) on ``device``, without making the host wait.
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronises the stream: called after a
@@ -32,10 +35,10 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
     lose its overlap. On CUDA the values go through page-locked memory with a non-blocking copy instead (the
     caching host allocator keeps the buffer until the copy ran); elsewhere it is ``torch.tensor``.
     """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    target = torch.device(device)
+    if target.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=target)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(target, non_blocking=True)
 
 
 def waits_for_device(device: torch.device) -> bool:

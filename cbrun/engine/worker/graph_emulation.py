@@ -21,8 +21,10 @@ the ops eagerly, one Python call each: it checks correctness, not speed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,8 +48,8 @@ class _RecordedOp:
     among its tensor outputs; empty for an op that writes its arguments in place)."""
 
     func: torch._ops.OpOverload
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     fresh: list[tuple[int, torch.Tensor]]
 
     def replay(self) -> None:
@@ -58,7 +60,7 @@ class _RecordedOp:
                 recorded.copy_(outputs[i])
 
 
-def _tensors(tree) -> list:
+def _tensors(tree: Any) -> list[Any]:
     return [o for o in tree_flatten(tree)[0] if o is not None]
 
 
@@ -79,13 +81,19 @@ class _Recorder(TorchDispatchMode):
     """
 
     def __init__(self, static: set[int] | None) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # NOTE: torch's TorchDispatchMode.__init__ is unannotated
         self.ops: list[_RecordedOp] = []
         self.static = static
         self.made: set[int] = set()  # storages of tensors the region made
         self.foreign: list[str] = []  # ops that read a tensor made outside the region, not static
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: object,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         inputs = [t for t in _tensors((args, kwargs)) if isinstance(t, torch.Tensor)]
         if (
@@ -130,7 +138,7 @@ class EmulatedGraph:
         return len(self._ops or ())
 
     @contextmanager
-    def capture(self, static: list[torch.Tensor] | None = None):
+    def capture(self, static: list[torch.Tensor] | None = None) -> Iterator[EmulatedGraph]:
         """Record the ops run inside the ``with`` block. Unlike under stream capture they also run; that is
         harmless, since the replay that follows computes the same values again.
 

@@ -16,6 +16,9 @@ The block manager still owns the tables; this is the runner's copy, written from
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import cast
+
 import numpy as np
 
 from cbrun.engine.core.plan import ScheduledRequest
@@ -33,7 +36,7 @@ class BlockTableRows:
         # Zeros, not garbage: a gathered row is masked past its table, but a stale id must still be a real block.
         self.ids = np.zeros((max(1, num_rows), max(1, width)), dtype=np.int64)
 
-    def write(self, row: int, start: int, block_ids: list[int]) -> None:
+    def write(self, row: int, start: int, block_ids: Sequence[int]) -> None:
         """Set columns ``start:start + len(block_ids)`` of ``row``."""
         end = start + len(block_ids)
         if end > self.ids.shape[1]:
@@ -74,7 +77,7 @@ class PersistentBatch:
         width: block-table columns allocated at first (blocks of the model's length); grown if ever needed.
     """
 
-    def __init__(self, group_kinds, num_rows: int, width: int) -> None:
+    def __init__(self, group_kinds: Iterable[str], num_rows: int, width: int) -> None:
         self.row_of: dict[int, int] = {}  # Request.index -> row
         self._free_rows = list(range(max(1, num_rows) - 1, -1, -1))  # popped from the end: low rows first
         self._num_rows = max(1, num_rows)
@@ -108,10 +111,13 @@ class PersistentBatch:
                 never saw was skipped: a bug in the caller).
         """
         row_of = self.row_of
-        rows = list(map(row_of.get, [s.request_index for s in scheduled]))
-        if None in rows:  # requests joining the batch
-            rows = [row if row is not None else self._join(item) for row, item in zip(rows, scheduled)]
-        full_rows, sliding_rows = self.tables.get(full), self.tables.get(sliding)
+        known = list(map(row_of.get, [s.request_index for s in scheduled]))
+        if None in known:  # requests joining the batch
+            rows = [row if row is not None else self._join(item) for row, item in zip(known, scheduled)]
+        else:
+            rows = cast("list[int]", known)
+        full_rows = self.tables.get(full) if full is not None else None
+        sliding_rows = self.tables.get(sliding) if sliding is not None else None
         # Decodes gain a block once every page_size steps: only the entries with new blocks are written.
         for i in [i for i, s in enumerate(scheduled) if s.new_block_ids or s.new_sliding_block_ids]:
             item = scheduled[i]

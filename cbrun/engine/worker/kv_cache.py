@@ -80,12 +80,16 @@ class KVCache:
         the device pages to another request at once). A swap-in is ordered on the current stream before any later
         kernel that reads the pages.
         """
+        if not (swap_out or swap_in):
+            return
+        cpu_kv = self.cpu_kv
+        assert cpu_kv is not None, "a swap without CPU offload space"
         if swap_out:
             src, dst = zip(*swap_out)
-            self.cpu_kv[:, list(dst)] = device_to_host(self.kv[:, list(src)])
+            cpu_kv[:, list(dst)] = device_to_host(self.kv[:, list(src)])
         if swap_in:
             src, dst = zip(*swap_in)
-            self.kv[:, list(dst)] = self.cpu_kv[:, list(src)].to(self.kv.device, non_blocking=True)
+            self.kv[:, list(dst)] = cpu_kv[:, list(src)].to(self.kv.device, non_blocking=True)
 
 
 def device_to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from cbrun.engine.core.cache_spec import cdiv
 from cbrun.engine.core.kv_layout import FULL, SLIDING
 from cbrun.engine.core.plan import SchedulerOutput, StepOutput
 from cbrun.engine.model.attention import AttentionMetadata, GroupMetadata
+from cbrun.engine.model.lean_llama import LeanLlama
 from cbrun.engine.sample.step import StepSampler
 from cbrun.engine.structured_output.bitmask import StepBitmask
 from cbrun.engine.worker.async_batching import InputStager, StepHandle
@@ -58,7 +59,7 @@ class ModelRunner:
         emulate_graphs: bool = False,
         max_model_len: int = 0,
         async_batching: bool = False,
-        lean_model=None,
+        lean_model: LeanLlama | None = None,
         max_requests: int = 64,
         max_batch_tokens: int = 0,
         sampler: StepSampler | None = None,
@@ -101,6 +102,7 @@ class ModelRunner:
     def _max_input_elements(self, max_requests: int, max_batch_tokens: int) -> int:
         """int64 elements of the largest step's inputs (what ``_upload`` stages): an eager step at the scheduler's
         budgets or the largest graphed shape."""
+        assert self.graph_buckets is not None  # async batching runs only with graphs
         top = self.graph_buckets.max_shape
         tokens = max(max_batch_tokens, top.num_tokens)
         requests = max(max_requests, top.num_requests)
@@ -164,9 +166,10 @@ class ModelRunner:
             num_sample_rows = logits.shape[0] if sample_rows is None else sample_rows.shape[0]
             sampled = torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)
         readback = sampled
-        launched = self.sampler.launch_rows(plan) if self.sampler is not None else None
-        if launched is not None:
-            readback = self.sampler.sample_at_launch(logits, sampled, launched, previous)
+        sampler = self.sampler
+        launched = sampler.launch_rows(plan) if sampler is not None else None
+        if sampler is not None and launched is not None:
+            readback = sampler.sample_at_launch(logits, sampled, launched, previous)
             sampled = readback.clamp(min=0)  # a valid embedding index for the next step; its row is dropped
         return StepHandle.launch_readback(logits, sampled, plan.layout.sample_index_of, readback, launched)
 
@@ -184,9 +187,12 @@ class ModelRunner:
             grammar: its token bitmask, built when it was launched (``StepSampler.fill_grammar_bitmask``), or None.
             draft_probs: its draft distributions of sampled verify entries, by ``Request.index``.
         """
+        assert self.sampler is not None, "this runner samples nothing (a rank above 0, a draft model's runner)"
         return self.sampler.read(plan, handle, grammar, draft_probs)
 
-    def _forward(self, input_ids, positions, md: AttentionMetadata, logits_indices) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
         """(rows of ``logits_indices``, vocab) logits of one eager forward pass: the lean path or transformers'."""
         if self.lean_model is not None:
             return self.lean_model(input_ids, positions, md, logits_indices)
@@ -197,7 +203,8 @@ class ModelRunner:
             logits_to_keep=logits_indices,
             cbrun_metadata=md,
         )
-        return output.logits[0]
+        logits: torch.Tensor = output.logits[0]
+        return logits
 
     @property
     def graph_counts(self) -> tuple[int, int]:
@@ -215,6 +222,7 @@ class ModelRunner:
             self.use_cpu_kernel,
             self.cpu_kernel_threads,
         )
+        assert self.graph_buckets is not None  # a plan has a graphed shape only with buckets
         return CudaGraphRunner(
             self.model,
             self.graph_buckets,
@@ -223,7 +231,16 @@ class ModelRunner:
             emulate=self.emulate_graphs,
         )
 
-    def _upload(self, inputs: StepInputs):
+    def _upload(
+        self, inputs: StepInputs
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata,
+        torch.Tensor,
+        torch.Tensor | None,
+        tuple[torch.Tensor, torch.Tensor] | None,
+    ]:
         """Move the host inputs to the device: through the staging pairs when async, else plain copies.
 
         Returns:

@@ -108,13 +108,13 @@ class StepInputBuilder:
             token_ids = np.fromiter(
                 chain.from_iterable([s.token_ids for s in scheduled]), dtype=np.int64, count=num_tokens
             )
-            q_lens = np.array(q_lens, dtype=np.int64)
+            q_len_array = np.array(q_lens, dtype=np.int64)
             cu_seqlens_q = np.zeros(num_requests + 1, dtype=np.int64)
-            np.cumsum(q_lens, out=cu_seqlens_q[1:])
-            request_of_token = np.repeat(np.arange(num_requests), q_lens)
+            np.cumsum(q_len_array, out=cu_seqlens_q[1:])
+            request_of_token = np.repeat(np.arange(num_requests), q_len_array)
             positions = np.arange(num_tokens) + (starts - cu_seqlens_q[:-1])[request_of_token]
-            seqlens_k = starts + q_lens
-            max_seqlen_q = int(q_lens.max())
+            seqlens_k = starts + q_len_array
+            max_seqlen_q = int(q_len_array.max())
         carry = self._carry(scheduled, cu_seqlens_q, previous, token_ids)
         rows, num_blocks, num_sliding = self.input_batch.update(scheduled, full, sliding)
         logits_indices, sample_rows, needs_host_logits = self._logit_rows(plan, cu_seqlens_q)
@@ -133,6 +133,7 @@ class StepInputBuilder:
         groups = {}
         for kind, lengths in ((full, num_blocks), (sliding, num_sliding)):
             if kind is not None:
+                assert lengths is not None  # ``PersistentBatch.update`` gives the lengths of each kept table
                 groups[kind] = self._group_metadata(
                     kind, rows, lengths, positions[:num_tokens], request_of_token, max_blocks, num_table_rows, num_slots
                 )
@@ -153,7 +154,7 @@ class StepInputBuilder:
         )
 
     @staticmethod
-    def _logit_rows(plan: SchedulerOutput, cu_seqlens_q: np.ndarray):
+    def _logit_rows(plan: SchedulerOutput, cu_seqlens_q: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None, bool]:
         """Which rows of the flattened batch get logits, and which of those are sampled (``plan.layout``'s rows).
 
         Returns:
@@ -175,19 +176,18 @@ class StepInputBuilder:
             first_of_row = np.repeat(first_rows - (np.cumsum(num_sample_rows) - num_sample_rows), num_sample_rows)
             logits_indices = first_of_row + np.arange(len(first_of_row))
             return logits_indices, None, needs_host_sampling
-        logits_indices, sample_rows = [], []
+        logit_rows: list[int] = []
+        sample_rows: list[int] = []
         for item, offset, first in zip(scheduled, cu_seqlens_q.tolist(), layout.first_sample_rows):
             positions = item.prompt_logprob_positions
             if positions:
-                logits_indices.extend(
-                    range(offset + positions.start - item.start, offset + positions.stop - item.start)
-                )
+                logit_rows.extend(range(offset + positions.start - item.start, offset + positions.stop - item.start))
             if item.samples:  # one row, or one per verified position (speculative decoding)
                 end = offset + item.num_tokens
-                logits_indices.extend(range(end - item.num_sample_rows, end))
+                logit_rows.extend(range(end - item.num_sample_rows, end))
                 sample_rows.extend(range(first, first + item.num_sample_rows))
         return (
-            np.array(logits_indices, dtype=np.int64),
+            np.array(logit_rows, dtype=np.int64),
             torch.tensor(sample_rows, dtype=torch.int64),
             True,
         )
@@ -198,7 +198,7 @@ class StepInputBuilder:
         cu_seqlens_q: np.ndarray,
         previous: StepHandle | None,
         token_ids: np.ndarray,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(input rows, sampled rows, device tokens) of inputs the step in flight sampled (async batching), or None.
 
         Their host ids (``PENDING_TOKEN``) are set to 0 in ``token_ids``: a real id for the host copy, which the
@@ -207,10 +207,12 @@ class StepInputBuilder:
         pending = [i for i, s in enumerate(scheduled) if s.num_pending_inputs]
         if not pending:
             return None
-        carry_dst, carry_src = [], []
+        carry_dst: list[int] = []
+        carry_src: list[int] = []
         for i in pending:
             item = scheduled[i]
             self._carry_pending(item, int(cu_seqlens_q[i]), previous, carry_dst, carry_src)
+        assert previous is not None  # ``_carry_pending`` raises without the step in flight
         token_ids[carry_dst] = 0
         return (
             torch.tensor(carry_dst, dtype=torch.int64),

@@ -62,6 +62,7 @@ def resolve_num_threads(setting: int | str | None, num_params: int, device: str)
         device: the engine's device string.
     """
     if setting != "auto":
+        assert not isinstance(setting, str), f"num_threads {setting!r}"  # EngineConfig allows only "auto"
         return setting
     if torch.device(device).type != "cpu":
         return None

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 
@@ -45,6 +46,8 @@ import torch.distributed as dist
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.cache_spec import CacheSpec
+from cbrun.engine.core.kv_layout import ModelConfig
+from cbrun.engine.core.plan import SchedulerOutput
 from cbrun.engine.model.parallel import ShardLayout, TensorParallelWeights
 
 logger = logging.getLogger("cbrun.engine")
@@ -81,7 +84,9 @@ class GroupCommunicator:
     ``seconds`` counts the wall time spent in collectives (for the benchmark's all-reduce column).
     """
 
-    def __init__(self, rank: int, world_size: int, group, describe) -> None:
+    def __init__(
+        self, rank: int, world_size: int, group: dist.ProcessGroup, describe: Callable[[BaseException], str]
+    ) -> None:
         self.rank, self.world_size, self.group, self.describe = rank, world_size, group, describe
         self.seconds = 0.0
         self.num_calls = 0
@@ -119,7 +124,9 @@ class TensorParallelGroup:
         processes: rank 0: the processes of ranks 1..N-1, in rank order; else empty.
     """
 
-    def __init__(self, rank: int, world_size: int, store, backend: str, processes: list | None = None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, store: dist.Store, backend: str, processes: list[_RankProcess] | None = None
+    ) -> None:
         self.rank, self.world_size, self.store, self.backend = rank, world_size, store, backend
         self.processes = processes or []
         self.device_type = "cuda" if backend == "nccl" else "cpu"
@@ -130,7 +137,7 @@ class TensorParallelGroup:
         self.closed = False
         self._num_steps = 0  # plans sent (rank 0) or received (the others)
 
-    def shard(self, model_config) -> TensorParallelWeights:
+    def shard(self, model_config: ModelConfig) -> TensorParallelWeights:
         """This rank's share of a Llama-family model (its layout over the group's collectives)."""
         return TensorParallelWeights(ShardLayout.of(model_config, self.rank, self.world_size), self.comm)
 
@@ -154,12 +161,14 @@ class TensorParallelGroup:
     def share_cache_spec(self, spec: CacheSpec | None) -> CacheSpec:
         """Rank 0 gives its ``CacheSpec``; every other rank gets it."""
         if self.rank == 0:
-            self.store.set("cache_spec", pickle.dumps(spec))
+            assert spec is not None, "rank 0 gives the cache spec"
+            self.store.set("cache_spec", pickle.dumps(spec))  # type: ignore[arg-type]  # NOTE: torch's stub says str; the store takes bytes
             return spec
-        return pickle.loads(self.store.get("cache_spec"))
+        received: CacheSpec = pickle.loads(self.store.get("cache_spec"))
+        return received
 
     # ---- steps ----------------------------------------------------------------------------------------------------
-    def send_step(self, plan, num_zeroed_pages: int) -> None:
+    def send_step(self, plan: SchedulerOutput, num_zeroed_pages: int) -> None:
         """Rank 0: hand every rank this step's plan and the KV pages that must be zeroed before it.
 
         NOTE: through the store, not a collective: setting a key never waits for the other ranks, so a rank that
@@ -167,12 +176,12 @@ class TensorParallelGroup:
         """
         self._post(pickle.dumps((plan, num_zeroed_pages)))
 
-    def recv_step(self):
+    def recv_step(self) -> tuple[SchedulerOutput, int] | None:
         """Rank > 0: the next ``(plan, num_zeroed_pages)``, or None when rank 0 closes the group. Waits as long as
         rank 0 takes (it ends with rank 0's process)."""
         key = f"step/{self.rank}/{self._num_steps}"
         try:
-            message = pickle.loads(self.store.get(key))
+            message: tuple[SchedulerOutput, int] | None = pickle.loads(self.store.get(key))
             self.store.delete_key(key)
         except RuntimeError as exc:  # the store lives in rank 0's process
             raise TensorParallelError(self.describe_failure(exc)) from exc
@@ -181,7 +190,7 @@ class TensorParallelGroup:
 
     def _post(self, data: bytes) -> None:
         for rank in range(1, self.world_size):
-            self.store.set(f"step/{rank}/{self._num_steps}", data)
+            self.store.set(f"step/{rank}/{self._num_steps}", data)  # type: ignore[arg-type]  # bytes, as above
         self._num_steps += 1
 
     def describe_failure(self, exc: BaseException) -> str:
@@ -218,7 +227,7 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
-def _has_key(store, key: str) -> bool:
+def _has_key(store: dist.Store, key: str) -> bool:
     try:
         return bool(store.check([key]))
     except RuntimeError:
@@ -228,7 +237,8 @@ def _has_key(store, key: str) -> bool:
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _backend(device: str) -> str:
@@ -273,7 +283,7 @@ def start(model_path: str, config: EngineConfig) -> TensorParallelGroup:
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=_IDLE_TIMEOUT, wait_for_workers=False)
     # NOTE: what a rank runs travels through the store, not its command line
-    store.set("launch", pickle.dumps((model_path, config, os.getpid())))
+    store.set("launch", pickle.dumps((model_path, config, os.getpid())))  # type: ignore[arg-type]  # bytes, as above
     processes = [_start_rank(rank, size, port) for rank in range(1, size)]
     backend = _backend(config.device)
     try:
@@ -315,7 +325,7 @@ def _start_rank(rank: int, size: int, port: int) -> "_RankProcess":
 class _RankProcess:
     """A rank's process, as rank 0 watches it."""
 
-    def __init__(self, popen: subprocess.Popen) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self.popen = popen
         self.pid = popen.pid
 
@@ -338,7 +348,7 @@ class _RankProcess:
             self.join(5.0)
 
 
-def _wait_for_key(store, processes: list[_RankProcess], key: str) -> bytes:
+def _wait_for_key(store: dist.Store, processes: list[_RankProcess], key: str) -> bytes:
     """Rank 0: the store's value of ``key`` once a rank sets it; raises as soon as a rank reports an error or dies."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not store.check([key]):
@@ -363,7 +373,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def connect() -> tuple:
+def connect() -> tuple[dist.Store, int, int, str, EngineConfig]:
     """A rank > 0 started by ``start``: connect to the group's store from torchrun's environment and read what to
     run; the process then dies with rank 0.
 
@@ -377,7 +387,7 @@ def connect() -> tuple:
     return store, rank, size, model_path, replace(config, device=rank_device(config.device, rank))
 
 
-def join(store, rank: int, size: int, config: EngineConfig) -> TensorParallelGroup:
+def join(store: dist.Store, rank: int, size: int, config: EngineConfig) -> TensorParallelGroup:
     """A rank > 0: join rank 0's process group."""
     backend = _backend(config.device)
     store.set(f"joined/{rank}", "1")
@@ -385,6 +395,6 @@ def join(store, rank: int, size: int, config: EngineConfig) -> TensorParallelGro
     return TensorParallelGroup(rank, size, store, backend)
 
 
-def report_error(store, rank: int, exc: BaseException) -> None:
+def report_error(store: dist.Store, rank: int, exc: BaseException) -> None:
     """A rank > 0: leave its error where rank 0 reads it (and names it in its own)."""
     store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}")

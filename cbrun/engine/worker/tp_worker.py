@@ -13,6 +13,7 @@ from cbrun.engine.core.cache_sizing import resolve_num_blocks
 from cbrun.engine.core.kv_layout import KVLayout
 from cbrun.engine.model import loader
 from cbrun.engine.model.lean_llama import select_lean_model
+from cbrun.engine.model.safetensors_loader import LeanModel
 from cbrun.engine.worker import backends, tp_group
 from cbrun.engine.worker.kv_cache import KVCache
 from cbrun.engine.worker.model_runner import ModelRunner
@@ -20,8 +21,9 @@ from cbrun.engine.worker.threads import resolve_attention_threads
 from cbrun.engine.worker.tp_group import TensorParallelError, TensorParallelGroup
 
 
-def local_cache_shape(model, group: TensorParallelGroup, page_size: int) -> tuple[int, int, int]:
+def local_cache_shape(model: LeanModel, group: TensorParallelGroup, page_size: int) -> tuple[int, int, int]:
     """(KV heads this rank holds, head_dim, bytes per block of its KV-cache slice) of a sharded ``LeanModel``."""
+    assert model.weights.parallel is not None, "the model is not sharded"
     num_kv_heads = model.weights.parallel.layout.local_kv_heads
     head_dim = model.weights.head_dim
     layout = KVLayout.from_model_config(model.config)
@@ -44,7 +46,7 @@ def serve(group: TensorParallelGroup, model_path: str, config: EngineConfig) -> 
     plan = loader.tensor_parallel_plan(model_path, config)
     model = loader.load_model(model_path, config, group.shard(plan.config))
     max_model_len = loader.model_max_len(model.config)
-    num_kv_heads, head_dim, bytes_per_block = local_cache_shape(model, group, config.page_size)
+    num_kv_heads, head_dim, bytes_per_block = local_cache_shape(model, group, config.limits.page_size)
     num_blocks = resolve_num_blocks(config, max_model_len, bytes_per_block * group.ranks_per_memory, model.config)
     group.agree_num_blocks(num_blocks)
     spec = group.share_cache_spec(None)
@@ -60,8 +62,8 @@ def serve(group: TensorParallelGroup, model_path: str, config: EngineConfig) -> 
         cpu_kernel_threads=resolve_attention_threads(config.num_threads, config.device),
         max_model_len=max_model_len,
         lean_model=select_lean_model(config.model_impl, model, False, max_model_len, config.linear_backend),
-        max_requests=config.max_requests_per_batch,
-        max_batch_tokens=config.max_batch_tokens,
+        max_requests=config.limits.max_requests_per_batch,
+        max_batch_tokens=config.limits.max_batch_tokens,
     )
     with torch.inference_mode():
         while (message := group.recv_step()) is not None:
