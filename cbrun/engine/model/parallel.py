@@ -282,6 +282,8 @@ def local_experts(x: torch.Tensor, moe: MoEWeights, expert_start: int, grouped: 
     Returns:
         (T, hidden) in the experts' output dtype (float32 where the routing weights are, as ``sparse_moe``).
     """
+    # tensor parallelism loads unquantized weights only (``loader.tensor_parallel_plan`` refuses quantized ones)
+    assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor), "quantized experts"
     weights, expert_ids = route(x, moe)
     num_local = moe.gate_up.shape[0]
     local_ids = expert_ids - expert_start
