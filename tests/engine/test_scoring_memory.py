@@ -17,6 +17,7 @@ from cbrun.engine.core.plan import RowSampling, StepOutput
 from cbrun.engine.core.request import Request
 from cbrun.engine.sample import step
 from cbrun.engine.sample.step import StepSampler
+from cbrun.engine.worker.async_batching import floats_of
 from tests.model_utils import random_llama_dir, random_prompts
 
 VOCAB = 128
@@ -63,7 +64,8 @@ def test_prompt_logprobs_are_scored_a_chunk_at_a_time_and_equal_one_pass(monkeyp
     out = StepOutput()
     sampler = StepSampler(vocab, "cpu", frozenset())
     with PeakBytes() as peak:
-        sampler._prompt_logprobs([(values, 0, range(0, rows))], logits, out)
+        packed = sampler._score_prompts([(values, 0, range(0, rows))], logits)
+    sampler._put_prompt_logprobs([(values, 0, range(0, rows))], floats_of(packed.tolist()), out)
     logprobs, greedy = out.prompt_logprobs[values.request_index]
     full = torch.log_softmax(logits, dim=-1)
     targets = torch.tensor(prompt[1:])

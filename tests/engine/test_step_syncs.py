@@ -189,9 +189,7 @@ def _params(**fields) -> SamplingParams:
 
 #: Per row kind: its params, its engine settings, whether it needs a tokenizer (a grammar), and the host waits a
 #: step makes besides its one read-back, as measured (lowering one is a fix; raising one fails here):
-#: - log-probabilities are read once more, after the ids (their values are floats; on CUDA their copy starts at
-#:   launch, ``SamplerOutput.stage_logprobs``, so that read finds them on the host, but the stand-in counts it);
-#: - prompt log-probabilities likewise;
+#: (log-probabilities and prompt log-probabilities ride in the ids' read-back as float64 bit patterns: none more)
 #: - a sampled verify step reads its accept flags and tokens once more (they come after verification, which runs
 #:   when the step is read);
 #: - a constrained step's rows are sampled when it is read (the bitmask needs the matcher past the previous
@@ -206,8 +204,15 @@ KINDS = {
     "min_new_tokens": (_params(temperature=0.8, min_new_tokens=4, seed=1), CONFIG, False, 0),
     "penalised": (_params(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5, seed=1), CONFIG, False, 0),
     "penalised_greedy": (_params(presence_penalty=0.4), CONFIG, False, 0),
-    "logprobs": (_params(temperature=0.8, logprobs=3, seed=1), CONFIG, False, 1),
-    "scoring": (SamplingParams(max_new_tokens=4, prompt_logprobs_from=1), SCORING, False, 1),
+    "logprobs": (_params(temperature=0.8, logprobs=3, seed=1), CONFIG, False, 0),
+    "greedy_logprobs": (_params(logprobs=2), CONFIG, False, 0),
+    "scoring": (SamplingParams(max_new_tokens=4, prompt_logprobs_from=1), SCORING, False, 0),
+    "scoring_sampled": (
+        SamplingParams(max_new_tokens=4, prompt_logprobs_from=1, temperature=0.7, logprobs=1, seed=5),
+        SCORING,
+        False,
+        0,
+    ),
     "ngram_greedy": (SamplingParams(max_new_tokens=16), NGRAM, False, 0),
     "ngram_sampled": (SamplingParams(max_new_tokens=16, temperature=0.3, seed=2), NGRAM, False, 1),
     "constrained": (_params(structured_outputs=StructuredOutputsParams(regex=REGEX)), STRUCTURED, True, 1),

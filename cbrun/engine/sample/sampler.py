@@ -17,6 +17,7 @@ import torch
 from cbrun.engine.sample import processing, random_stream
 from cbrun.engine.sample.batch import SamplingBatch
 from cbrun.engine.sample.filters import draw_filtered, draw_sorted, filtered_probs, inverse_cdf
+from cbrun.engine.worker.async_batching import float_bits, floats_of
 from cbrun.engine.worker.device import to_device, waits_for_device
 
 
@@ -31,7 +32,6 @@ class SamplerOutput:
         logprob_rows: host list of the L rows that asked for log-probabilities.
         chosen: (L,) float32 log-probability of each such row's token.
         top_values, top_indices: (L, max logprobs) float32 / int64, the top log-probabilities.
-        staged: (L, 1 + 2 * max logprobs) float64 on the host once ``stage_logprobs`` started its copy, else None.
     """
 
     tokens: torch.Tensor
@@ -41,25 +41,16 @@ class SamplerOutput:
     chosen: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
     top_indices: torch.Tensor | None = None
-    staged: torch.Tensor | None = None
 
     def _packed_logprobs(self) -> torch.Tensor:
         """(L, 1 + 2 * max logprobs) float64 on the device: chosen, top values, top ids (exact in float64)."""
         parts = (self.chosen[:, None], self.top_values, self.top_indices)
         return torch.cat([t.double() for t in parts], dim=1)
 
-    def stage_logprobs(self) -> None:
-        """Start the log-probabilities' copy to the host now, without waiting (page-locked memory on CUDA), so
-        that reading them after the step's read-back waits for nothing: a copy started when the step is read
-        would queue behind the next step's forward pass (async batching). Nothing to do without them."""
-        if not self.logprob_rows:
-            return
-        packed = self._packed_logprobs()
-        if packed.device.type != "cuda":
-            self.staged = packed
-            return
-        self.staged = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        self.staged.copy_(packed, non_blocking=True)  # ordered before the step's read-back event
+    def logprob_bits(self) -> torch.Tensor | None:
+        """The log-probabilities packed for the step's read-back (``async_batching.float_bits`` of
+        ``_packed_logprobs``), so they reach the host in the tokens' copy; None when no row asked."""
+        return float_bits(self._packed_logprobs()) if self.logprob_rows else None
 
     def readback(self) -> torch.Tensor:
         """(R,) int64 on the device: the tokens, with each failed row's error code folded in as a negative id
@@ -67,14 +58,15 @@ class SamplerOutput:
         return processing.encode_errors(self.tokens, self.errors)
 
     def to_host(
-        self, read_back: list[int] | None = None
+        self, read_back: list[int] | None = None, logprob_bits: list[int] | None = None
     ) -> tuple[list[int], list[str | None], list[dict[int, float] | None]]:
         """(tokens, per-row error message or None, per-row log-probabilities or None).
 
         Args:
             read_back: ``readback()`` as already copied to the host with the step's tokens; None reads it now
-                (one device read). The log-probabilities, when any row asked, are a further read unless
-                ``stage_logprobs`` started their copy (then the step's read-back already waited for it).
+                (one device read).
+            logprob_bits: ``logprob_bits()`` as copied to the host in the same read-back; None reads the
+                log-probabilities now (a further device read) when any row asked.
         """
         if read_back is None:
             read_back = self.readback().tolist()
@@ -83,14 +75,13 @@ class SamplerOutput:
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         if self.logprob_rows:
             # NOTE: one read for all three: the ids ride as float64 (exact far beyond any vocabulary size).
-            both = (self.staged if self.staged is not None else self._packed_logprobs()).tolist()
+            flat = floats_of(logprob_bits) if logprob_bits is not None else self._packed_logprobs().view(-1).tolist()
             width = self.top_values.shape[1]
-            chosen = [row[0] for row in both]
-            values = [row[1 : 1 + width] for row in both]
-            indices = [[int(i) for i in row[1 + width :]] for row in both]
+            stride = 1 + 2 * width
             for j, (row, num) in enumerate(zip(self.logprob_rows, self.num_logprobs)):
-                entry = {tokens[row]: chosen[j]}
-                entry.update(zip(indices[j][:num], values[j][:num]))
+                packed = flat[j * stride : (j + 1) * stride]
+                entry = {tokens[row]: packed[0]}
+                entry.update(zip((int(i) for i in packed[1 + width : 1 + width + num]), packed[1 : 1 + num]))
                 logprobs[row] = entry
         return tokens, errors, logprobs
 

@@ -8,8 +8,10 @@ writes a ``Request`` and calls nothing back: the scheduler's ``update_from_outpu
 
 Rows that sample one token are sampled when the step is launched (``launch_rows`` / ``sample_at_launch``, called
 by the model runner), so their tokens stay on the device for the next step (async batching) and come back in the
-step's one read-back with each failed row's error code folded in; constrained rows (their bitmask needs the
-matcher past the previous token), verify entries and prompt rows are read with the step (``read``). Should a
+step's one read-back with each failed row's error code folded in; their log-probabilities and the step's prompt
+log-probabilities (scored at launch too) ride in the same copy as float64 bit patterns
+(``async_batching.float_bits``). Constrained rows (their bitmask needs the matcher past the previous token) and
+verify entries are sampled when the step is read (``read``), a further read each. Should a
 batched call raise an exception of the request's own kind (``cbrun.engine.core.faults.is_request_fault``), its
 rows are redone one at a time, so only the rows that raise alone fail: a row's result does not depend on its batch.
 """
@@ -17,7 +19,7 @@ rows are redone one at a time, so only the rows that raise alone fail: a row's r
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,7 +31,7 @@ from cbrun.engine.sample.token_counts import TokenCounts
 from cbrun.engine.spec_decode.speculative import accept_greedy
 from cbrun.engine.spec_decode.speculative_rule import verify
 from cbrun.engine.structured_output.bitmask import StepBitmask, build_step_bitmask, masked_argmax
-from cbrun.engine.worker.async_batching import StepHandle
+from cbrun.engine.worker.async_batching import StepHandle, float_bits, floats_of
 from cbrun.engine.worker.device import to_device
 
 #: Bytes of float32 scratch one chunk of prompt log-probability rows may use (its copy and its log-softmax): a
@@ -43,17 +45,24 @@ BLOCKED_MESSAGE = (
 
 @dataclass
 class LaunchedRows:
-    """A plan's rows sampled at launch: their sampling values, logit rows and rows of the step's read-back.
+    """A plan's rows sampled or scored at launch: their sampling values, logit rows and rows of the step's
+    read-back, and its prompt rows.
 
     ``output``: the device-side results once sampled, None when the batched call raised and the rows were redone
     alone (``results`` then holds each row's (error message or None, log-probabilities or None)).
+    ``prompt_rows``: (values, first logit row, prompt positions) of each entry scoring its prompt.
+    ``num_logprob_bits``, ``num_prompt_bits``: how many of the read-back's extra values are the rows'
+    log-probabilities, then the prompt log-probabilities (``sample_at_launch`` packs them in that order).
     """
 
     rows: list[RowSampling]
     logit_rows: list[int]
     sample_rows: list[int]
+    prompt_rows: list[tuple[RowSampling, int, range]] = field(default_factory=list)
     output: SamplerOutput | None = None
     results: list[tuple[str | None, dict[int, float] | None]] | None = None
+    num_logprob_bits: int = 0
+    num_prompt_bits: int = 0
 
 
 @dataclass
@@ -94,12 +103,17 @@ class StepSampler:
     # ---- at launch ------------------------------------------------------------------------------------------
     def launch_rows(self, plan: SchedulerOutput) -> LaunchedRows | None:
         """The plan's entries that sample one token through the sampler (not the plain argmax, not a verify entry,
-        not a constrained one), with their logit rows and read-back rows; None when there are none."""
+        not a constrained one), with their logit rows and read-back rows, and its entries that score their
+        prompt; None when there are none."""
         if plan.plain_greedy:
             return None
         layout, sampling = plan.layout, plan.sampling
         launched = LaunchedRows([], [], [])
         for i, item in enumerate(plan.scheduled):
+            if item.prompt_logprob_positions:
+                launched.prompt_rows.append(
+                    (sampling[item.request_index], layout.first_rows[i], item.prompt_logprob_positions)
+                )
             if not (item.samples and item.needs_host_sampling) or item.spec_token_ids:
                 continue
             values = sampling[item.request_index]
@@ -108,15 +122,17 @@ class StepSampler:
                 launched.rows.append(values)
                 launched.logit_rows.append(layout.first_sample_rows[i])
                 launched.sample_rows.append(layout.first_samples[i])
-        return launched if launched.rows else None
+        return launched if launched.rows or launched.prompt_rows else None
 
     @torch.inference_mode()
     def sample_at_launch(
         self, logits: torch.Tensor, argmax: torch.Tensor, launched: LaunchedRows, previous: StepHandle | None = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The step's read-back: ``argmax`` (S,) with the launched rows replaced by their samples, a failed row's id
         negative (its error code, ``processing.encode_errors``), so the one copy of the step's tokens brings the
-        errors too. The tokens stay on the device (async batching feeds them to the next step like the argmax).
+        errors too, and the extras that copy carries after the tokens: the rows' log-probabilities, then the
+        prompt rows' scores (``_score_prompts``). The tokens stay on the device (async batching feeds them to the
+        next step like the argmax).
 
         Args:
             logits: (N, V) the step's logits.
@@ -125,6 +141,22 @@ class StepSampler:
             previous: the step in flight (async batching): a penalised row's pending token is counted from its
                 tokens on the device (``TokenCounts.count_pending``).
         """
+        extras = []
+        if launched.rows:
+            argmax = self._sample_launched(logits, argmax, launched, previous)
+            bits = launched.output.logprob_bits() if launched.output is not None else None
+            if bits is not None:
+                extras.append(bits)
+                launched.num_logprob_bits = bits.shape[0]
+        if launched.prompt_rows:
+            extras.append(self._score_prompts(launched.prompt_rows, logits))
+            launched.num_prompt_bits = extras[-1].shape[0]
+        return argmax, extras
+
+    def _sample_launched(
+        self, logits: torch.Tensor, argmax: torch.Tensor, launched: LaunchedRows, previous: StepHandle | None
+    ) -> torch.Tensor:
+        """``argmax`` with the launched rows' samples in place (``sample_at_launch``)."""
         rows = launched.rows
         pending = [r for r in rows if r.num_pending and r.params.penalised]
         if pending:
@@ -136,7 +168,6 @@ class StepSampler:
                 [SamplingRow(r, []) for r in rows], self.token_counts, self.eos_token_ids, logits.device
             )
             launched.output = sample(logits[index], batch, in_place=True)  # the index made a copy
-            launched.output.stage_logprobs()
             tokens = launched.output.readback()
         except Exception as error:
             if not is_request_fault(error):
@@ -193,14 +224,10 @@ class StepSampler:
         if grammar is not None:
             for index in grammar.blocked:
                 out.fail(index, BLOCKED_MESSAGE)
-        prompt_rows: list[tuple[RowSampling, int, range]] = []
         constrained: list[tuple[RowSampling, int]] = []  # (values, logit row), sampled now with the bitmask
         to_verify: list[VerifyEntry] = []
         for i, item in enumerate(plan.scheduled):
             index = item.request_index
-            positions = item.prompt_logprob_positions
-            if positions:
-                prompt_rows.append((plan.sampling[index], layout.first_rows[i], positions))
             if not item.samples or index in out.errors:
                 continue
             first, at = layout.first_sample_rows[i], layout.first_samples[i]
@@ -213,10 +240,14 @@ class StepSampler:
                 constrained.append((plan.sampling[index], first))
             elif not item.needs_host_sampling:  # plain greedy: the device's argmax
                 out.token_ids[index] = [token_ids[at]]
-        if handle.launched is not None:
-            self._read_launched(handle.launched, token_ids, out)
-        if prompt_rows:
-            self._prompt_logprobs(prompt_rows, handle.logits, out)
+        launched = handle.launched
+        if launched is not None:
+            extra = handle.extra_ids()  # read with the tokens
+            if launched.rows:
+                self._read_launched(launched, token_ids, extra[: launched.num_logprob_bits], out)
+            if launched.prompt_rows:
+                scores = floats_of(extra[launched.num_logprob_bits :][: launched.num_prompt_bits])
+                self._put_prompt_logprobs(launched.prompt_rows, scores, out)
         bitmask = grammar.on_device if grammar is not None else None
         if constrained:
             self._sample_constrained(handle.logits, bitmask, constrained, out)
@@ -224,11 +255,14 @@ class StepSampler:
             self._verify_entries(handle.logits, to_verify, bitmask, out)
         return out
 
-    def _read_launched(self, launched: LaunchedRows, token_ids: list[int], out: StepOutput) -> None:
-        """Rows sampled at launch: their read-back tokens, errors and log-probabilities into ``out``."""
+    def _read_launched(
+        self, launched: LaunchedRows, token_ids: list[int], logprob_bits: list[int], out: StepOutput
+    ) -> None:
+        """Rows sampled at launch: their read-back tokens, errors and log-probabilities (``logprob_bits``, read
+        back with them) into ``out``."""
         tokens = [token_ids[i] for i in launched.sample_rows]
         if launched.results is None:
-            _, errors, logprobs = launched.output.to_host(tokens)
+            _, errors, logprobs = launched.output.to_host(tokens, logprob_bits)
             launched.results = [_launched_result((None, error, lp)) for error, lp in zip(errors, logprobs)]
         for values, token, (error, logprobs) in zip(launched.rows, tokens, launched.results):
             _put(out, values, error, [token], None if logprobs is None else [logprobs])
@@ -275,14 +309,13 @@ class StepSampler:
             message = request_error_message("sampling", SamplingError(error)) if error is not None else None
             _put(out, entry.values, message, tokens, logprobs if entry.values.params.logprobs is not None else None)
 
-    def _prompt_logprobs(
-        self, entries: list[tuple[RowSampling, int, range]], logits: torch.Tensor, out: StepOutput
-    ) -> None:
-        """Log-probability of each next prompt token, and whether it was the argmax, for every entry of the step.
+    def _score_prompts(self, entries: list[tuple[RowSampling, int, range]], logits: torch.Tensor) -> torch.Tensor:
+        """Log-probability of each next prompt token, and whether it was the argmax, for every entry of the step,
+        packed for the step's read-back (``float_bits`` of (2, rows) float64: the scores, then the flags).
 
         The rows are scored a chunk at a time (``PROMPT_LOGPROB_CHUNK_BYTES`` of float32 scratch): per chunk one
         copy to float32, one ``log_softmax``, a gather and an argmax, so only (rows,) results are kept, never a
-        second (rows, V) tensor; the results come back in one copy.
+        second (rows, V) tensor.
 
         Args:
             entries: (values, its first row in ``logits``, its prompt positions); logits: (N, V).
@@ -307,11 +340,19 @@ class StepSampler:
             part = torch.log_softmax(part, dim=-1)
             scores[at] = part.gather(1, target)[:, 0]
             del part
-        both = torch.stack((scores, greedy.float())).tolist()  # one read of the whole step's results
+        return float_bits(torch.stack((scores, greedy.float())))
+
+    @staticmethod
+    def _put_prompt_logprobs(
+        entries: list[tuple[RowSampling, int, range]], packed: list[float], out: StepOutput
+    ) -> None:
+        """``_score_prompts``' values, read back to the host, into ``out.prompt_logprobs`` per entry."""
+        num_rows = len(packed) // 2
+        scores, greedy = packed[:num_rows], packed[num_rows:]
         start = 0
         for values, _, positions in entries:
             end = start + len(positions)
-            out.prompt_logprobs[values.request_index] = (both[0][start:end], [g > 0.5 for g in both[1][start:end]])
+            out.prompt_logprobs[values.request_index] = (scores[start:end], [g > 0.5 for g in greedy[start:end]])
             start = end
 
     def _isolated(self, run: Callable[[list[int]], list], num_items: int) -> list:

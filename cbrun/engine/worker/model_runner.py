@@ -126,7 +126,8 @@ class ModelRunner:
     def launch(self, plan: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle | None:
         """Make the plan's offload copies, then enqueue one forward pass, the argmax of its sample rows (zeros
         when no entry reads it: ``StepInputs.needs_argmax``) and the sampler's draw of the rows it samples at
-        launch (``StepSampler.launch_rows``), then start the one copy of the step's tokens to the host.
+        launch (``StepSampler.launch_rows``: sampled rows and prompt scores), then start the one copy of the step's
+        tokens (and those rows' log-probabilities and scores) to the host.
 
         A row the sampler fails has a negative id (its error code): read back as it is, fed to the next step as 0.
 
@@ -165,13 +166,14 @@ class ModelRunner:
         else:  # every sampled row is chosen by the sampler, a grammar's masked argmax or verification
             num_sample_rows = logits.shape[0] if sample_rows is None else sample_rows.shape[0]
             sampled = torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)
-        readback = sampled
+        readback, extras = sampled, []
         sampler = self.sampler
         launched = sampler.launch_rows(plan) if sampler is not None else None
         if sampler is not None and launched is not None:
-            readback = sampler.sample_at_launch(logits, sampled, launched, previous)
-            sampled = readback.clamp(min=0)  # a valid embedding index for the next step; its row is dropped
-        return StepHandle.launch_readback(logits, sampled, plan.layout.sample_index_of, readback, launched)
+            readback, extras = sampler.sample_at_launch(logits, sampled, launched, previous)
+            if launched.rows:
+                sampled = readback.clamp(min=0)  # a valid embedding index for the next step; its row is dropped
+        return StepHandle.launch_readback(logits, sampled, plan.layout.sample_index_of, readback, launched, extras)
 
     def read(
         self,
