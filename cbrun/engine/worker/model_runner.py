@@ -166,7 +166,7 @@ class ModelRunner:
         else:  # every sampled row is chosen by the sampler, a grammar's masked argmax or verification
             num_sample_rows = logits.shape[0] if sample_rows is None else sample_rows.shape[0]
             sampled = torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)
-        readback, extras = sampled, []
+        readback, extras = sampled, list[torch.Tensor]()
         sampler = self.sampler
         launched = sampler.launch_rows(plan) if sampler is not None else None
         if sampler is not None and launched is not None:
