@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from cbrun.engine.model.quantization import DEQUANT_CHUNK_ELEMENTS, QuantizedLinearWeight
+from cbrun.kernels import cpu_dequant
 
 assert sys.byteorder == "little", "Int4Weight.dequantize reads int32 words as little-endian bytes"
 
@@ -84,6 +85,15 @@ class Int4Weight(QuantizedLinearWeight):
         return max(1, min(self.shape[0], DEQUANT_CHUNK_ELEMENTS // self.in_features))
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """``dequantize_reference``, in C on the CPU where it builds (``cbrun.kernels.cpu_dequant``: the same
+        bits, one pass)."""
+        stop = self.shape[0] if stop is None else stop
+        fast = cpu_dequant.int4_dequant(
+            self.packed, self.zeros, self.scales, self.in_features, self.group_size, start, stop
+        )
+        return self.dequantize_reference(start, stop) if fast is None else fast.to(self.dtype)
+
+    def dequantize_reference(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Output rows ``[start, stop)`` of the real weight, (stop - start, in_features) in ``self.dtype``.
 
         Each value is ``float32(code - zero) * scale`` (exact integers times a float32, one rounding) cast once

@@ -1,0 +1,109 @@
+"""Dequantizing quantized linear weights on the CPU in C (``cpu_dequant.c``), a chunk of output rows at a time.
+
+The lean path's quantized GEMM (``cbrun.engine.model.quantization.quantized_linear``) dequantizes each chunk of a
+weight before the dense GEMM; in PyTorch that is several passes over the chunk (float8 to float32 alone runs about
+4 ns an element on a 2-core EPYC), here one. The values are the PyTorch references' bits (one product per value,
+no fused multiply-add; ``tests/kernels/test_cpu_dequant.py`` checks them ``torch.equal``). Built with
+``cbrun.kernels.c_build`` on first use; where it cannot build, ``unavailable_reason`` says why and the callers run
+their PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from pathlib import Path
+
+import torch
+
+from cbrun.kernels.c_build import build_library
+
+logger = logging.getLogger("cbrun.engine")
+
+SOURCE = Path(__file__).with_name("cpu_dequant.c")
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+_FP8_LUT: torch.Tensor | None = None
+
+
+def unavailable_reason() -> str | None:
+    """Why the C kernels cannot run here (building them on first call), or None when they can."""
+    _load()
+    return _failure
+
+
+def fp8_block_dequant(
+    qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], start: int, stop: int
+) -> torch.Tensor | None:
+    """Rows ``[start, stop)`` of ``qweight * scale`` per (bo, bi) block as float32, or None where the kernel does
+    not apply (not the CPU, not contiguous, not built): the caller runs its PyTorch reference.
+
+    Args:
+        qweight: (out, in) float8_e4m3fn. scale: (ceil(out / bo), ceil(in / bi)) float32. block: (bo, bi).
+
+    Returns:
+        (stop - start, in) float32.
+    """
+    library = _applies(qweight, scale)
+    if library is None or qweight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
+        return None
+    global _FP8_LUT
+    if _FP8_LUT is None:  # the 256 float8_e4m3fn values (NaN codes as torch converts them)
+        _FP8_LUT = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    rows, cols = stop - start, qweight.shape[1]
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    library.cbrun_fp8_block_dequant(
+        qweight.data_ptr(), scale.data_ptr(), _FP8_LUT.data_ptr(), out.data_ptr(),
+        start, rows, cols, block[0], block[1], scale.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def int4_dequant(
+    packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, in_features: int, group_size: int,
+    start: int, stop: int,
+) -> torch.Tensor | None:  # fmt: skip
+    """Rows ``[start, stop)`` of ``(code - zero) * scale`` per group as float32, or None where the kernel does not
+    apply (see ``fp8_block_dequant``).
+
+    Args:
+        packed: (out, ceil(in / 8)) int32, eight 4-bit codes a word (``cbrun.engine.model.int4.Int4Weight``).
+        zeros: (out, groups) uint8. scales: (out, groups) float32. group_size: input features per group.
+
+    Returns:
+        (stop - start, in_features) float32.
+    """
+    library = _applies(packed, zeros, scales)
+    if library is None or packed.dtype != torch.int32 or zeros.dtype != torch.uint8 or scales.dtype != torch.float32:
+        return None
+    rows = stop - start
+    out = torch.empty(rows, in_features, dtype=torch.float32)
+    library.cbrun_int4_dequant(
+        packed.data_ptr(), zeros.data_ptr(), scales.data_ptr(), out.data_ptr(),
+        start, rows, in_features, packed.shape[1], scales.shape[1], group_size, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _applies(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return None
+    return _load()
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _failure
+    if _library is None and _failure is None:
+        try:
+            library = ctypes.CDLL(str(build_library(SOURCE, "the CPU dequantization kernels", "about 1 s")))
+            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+            library.cbrun_fp8_block_dequant.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int]
+            library.cbrun_fp8_block_dequant.restype = None
+            library.cbrun_int4_dequant.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int]
+            library.cbrun_int4_dequant.restype = None
+            _library = library
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _failure = str(e)
+            logger.info("CPU dequantization kernels unavailable, the PyTorch path runs instead: %s", e)
+    return _library
