@@ -29,6 +29,8 @@ DEFAULT_BATCH_LIMITS = {"cpu": (256, 1024), "cuda": (256, 8192)}
 #: tuned for (vLLM's default block size on GPUs).
 DEFAULT_PAGE_SIZE = {"cpu": 64, "cuda": 16}
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+#: ``structured_outputs_backend`` values (``cbrun.engine.structured_output.schema_support.BACKENDS``).
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,14 @@ class EngineConfig:
             slice of the KV cache. 1 (the default) runs one process. Above 1 it runs only the lean path loaded
             from safetensors, unquantized, without speculation, CUDA graphs or ``batch_invariant``: anything else
             is a ValueError naming it.
+        structured_outputs_backend: the grammar engine of JSON-schema constraints (vLLM's
+            ``structured_outputs_config.backend``): "auto" (the default) gives a schema to xgrammar when it enforces
+            every keyword of it, else to llguidance when that does (the ``guidance`` extra); "xgrammar" or
+            "guidance" uses only that one. A schema the chosen engines would not fully enforce is the row's error,
+            naming the keyword and its place (``$.properties.a.not``); the table: ``docs/structured-outputs.md``.
+            Regex, choice and grammar constraints are always xgrammar's.
+        structured_outputs_ignore_formats: serve JSON schemas whose ``format`` values (``date-time``, ``uri``,
+            ...) no engine here enforces, with those formats unchecked; false (the default) refuses them by name.
 
     Raises:
         ValueError: naming the setting and the reason, for any out-of-range value.
@@ -211,6 +221,8 @@ class EngineConfig:
     speculative_max_batch: int = 16
     speculative_row_cost: float = 0.03
     tensor_parallel_size: int = 1
+    structured_outputs_backend: str = "auto"
+    structured_outputs_ignore_formats: bool = False
 
     def __post_init__(self) -> None:
         self._resolve_device_defaults()
@@ -262,6 +274,15 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.batch_invariant not in SWITCHES:
             raise ValueError(f"batch_invariant must be one of {SWITCHES}, got {self.batch_invariant!r}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
+                f"got {self.structured_outputs_backend!r}"
+            )
+        if not isinstance(self.structured_outputs_ignore_formats, bool):
+            raise ValueError(
+                f"structured_outputs_ignore_formats must be true or false, got {self.structured_outputs_ignore_formats!r}"
+            )
         self._check_speculative()
         self._check_tensor_parallel()
 

@@ -29,6 +29,7 @@ from cbrun.engine.spec_decode.draft_proposer import DraftProposer, draft_bytes_p
 from cbrun.engine.structured_output.bitmask import StepBitmask
 from cbrun.engine.structured_output.compiler import GrammarCompiler
 from cbrun.engine.structured_output.request_state import StructuredOutputRequest
+from cbrun.engine.structured_output.schema_support import constraint_backend
 from cbrun.engine.worker import backends, tp_group
 from cbrun.engine.worker.async_batching import StepHandle, use_async_batching
 from cbrun.engine.worker.device import select_device
@@ -306,11 +307,20 @@ class LLMEngine:
             return "structured outputs need a tokenizer, and the model directory has none"
         if not self.eos_token_ids:
             return "structured outputs need an EOS token to end the output, and the model states none"
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         params = request.sampling_params.structured_outputs
         assert params is not None  # ``add_request`` starts a grammar only for a constrained request
-        request.structured = StructuredOutputRequest(params, self._grammar_compiler.submit(params))
+        try:
+            backend = constraint_backend(params, self.config)
+        except ValueError as exc:  # a keyword the allowed engines would not enforce, by name and path
+            return f"structured outputs: {exc}"
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.eos_token_ids,
+                ignore_formats=self.config.structured_outputs_ignore_formats,
+            )
+        request.structured = StructuredOutputRequest(params, self._grammar_compiler.submit(params, backend))
         return None
 
     def has_unfinished_requests(self) -> bool:

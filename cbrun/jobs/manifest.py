@@ -79,6 +79,10 @@ class JobManifest:
             raise ValueError(f"sampling.model_defaults must be true or false, got {self.model_defaults!r}")
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"sampling.n (samples per row) must be a positive integer, got {self.n!r}")
+        if self.sampling.structured_outputs is not None:  # the job's own constraint: refused at load (exit 2)
+            from cbrun.engine.structured_output.schema_support import constraint_backend
+
+            constraint_backend(self.sampling.structured_outputs, self.engine)
         if self.n > 1 and self.input.mode == "score":
             raise ValueError(
                 'sampling.n > 1 needs input.mode = "generate": score mode computes one score per '

@@ -238,15 +238,22 @@ def test_params_refuse_by_keyword_and_path():
         StructuredOutputsParams(json='{"dependentRequired": {"a": ["b"]}}').validate()
 
 
+CONFIG = {"device": "cpu", "num_threads": 1, "page_size": 16, "max_batch_tokens": 1024, "max_requests_per_batch": 64}
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from cbrun.engine import LLMEngine
-    from cbrun.engine.config import EngineConfig
+def model_dir(tmp_path_factory):
     from cbrun.jobs.demo import build_demo_model
 
-    model_dir = build_demo_model(tmp_path_factory.mktemp("schemas") / "model", max_position_embeddings=512)
-    config = EngineConfig(device="cpu", num_threads=1, page_size=16, max_batch_tokens=1024, max_requests_per_batch=64)
-    return LLMEngine.from_pretrained(str(model_dir), config)
+    return build_demo_model(tmp_path_factory.mktemp("schemas") / "model", max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from cbrun.engine import LLMEngine
+    from cbrun.engine.config import EngineConfig
+
+    return LLMEngine.from_pretrained(str(model_dir), EngineConfig(**CONFIG))
 
 
 def test_random_model_completions_validate_per_keyword(engine):
@@ -271,3 +278,187 @@ def test_random_model_completions_validate_per_keyword(engine):
             assert validator(schemas[i]).is_valid(json.loads(text)), (keywords[i], text)
             stopped[keywords[i]] += 1
     assert all(stopped.values()), stopped
+
+
+# ---- llguidance -------------------------------------------------------------------------------------------------
+
+#: Forms xgrammar leaks (``LEAKS``) that llguidance enforces: ``auto`` routes them there.
+GUIDANCE_ONLY: dict[str, dict] = {
+    "allOf": {"allOf": [{**_OBJ, "required": ["a"], "additionalProperties": False},
+                        {"properties": {"a": {"maximum": 3}}, "required": ["b"]}]},
+    "anyOf beside": {**_OBJ, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+    "$ref beside": {"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x", "maximum": 3, "minimum": 0},
+    "required undeclared": {"type": "object", "required": ["a"], "additionalProperties": {"type": "boolean"}},
+    "multipleOf": {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 10},
+    "pattern": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3},
+    "minimum": {"minimum": 3, "maximum": 50},
+    "enum": {"type": "string", "enum": ["abc", 1]},
+    "patternProperties": {**_OBJ, "patternProperties": {"^a": {"type": "boolean"}}},
+    "$anchor": {"$defs": {"x": {"$anchor": "X", "type": "integer", "minimum": 0, "maximum": 3}}, "$ref": "#X"},
+    "format": {"type": "string", "format": "ipv4"},
+}  # fmt: skip
+
+#: Forms of keywords whose ``ENFORCED`` example llguidance does not take (it refuses ``propertyNames``).
+GUIDANCE_FORMS: dict[str, dict] = {
+    "additionalProperties": {**_OBJ, "required": ["a", "b"], "additionalProperties": {"type": "boolean"},
+                             "maxProperties": 3},
+}  # fmt: skip
+
+llguidance = pytest.importorskip("llguidance")
+
+
+@pytest.fixture(scope="module")
+def guidance_compiler(engine):
+    from cbrun.engine.structured_output.compiler import GrammarCompiler
+
+    vocab = engine.model.config.get_text_config().vocab_size
+    return GrammarCompiler(engine.tokenizer, vocab, engine.eos_token_ids), vocab
+
+
+def guidance_walks(compiler_and_vocab, schema: dict, n: int = 30, max_len: int = 120, seed: int = 0) -> list[str]:
+    """As ``random_walks``, through llguidance (the engine's compile path and ``GuidanceMatcher``) over the demo
+    model's tokenizer."""
+    from cbrun.engine.structured_output.request_state import GuidanceMatcher
+
+    compiler, vocab = compiler_and_vocab
+    grammar = compiler.submit(StructuredOutputsParams(json=schema), "guidance").result()
+    rng = random.Random(seed)
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    shifts = torch.arange(32, dtype=torch.int32)
+    eos = sorted(compiler._eos_token_ids)[0]
+    done = []
+    for _ in range(n):
+        matcher, tokens = GuidanceMatcher(grammar), []
+        for _ in range(max_len):
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            allowed = torch.nonzero(((bitmask[0, :, None] >> shifts) & 1).flatten()[:vocab]).flatten().tolist()
+            token = eos if eos in allowed and rng.random() < 0.3 else rng.choice(allowed)
+            assert matcher.accept_token(token), matcher.matcher.get_error()
+            if token != eos:
+                tokens.append(token)
+            if matcher.is_terminated():
+                done.append(grammar.tokenizer.decode_bytes(tokens).decode())
+                break
+    return done
+
+
+def _guidance_cases() -> dict[str, dict]:
+    from cbrun.engine.structured_output.schema_support import GUIDANCE
+
+    cases = {k: s for k, s in ENFORCED.items() if k in GUIDANCE and find_unsupported(s, backend="guidance") is None}
+    cases.update({f"{k} (xgrammar leaks)": s for k, s in GUIDANCE_ONLY.items()})
+    cases.update({f"{k} (llguidance form)": s for k, s in GUIDANCE_FORMS.items()})
+    return cases
+
+
+@pytest.mark.parametrize("case", sorted(_guidance_cases()))
+def test_guidance_enforced_keyword_walks_all_validate(guidance_compiler, case: str) -> None:
+    schema = _guidance_cases()[case]
+    assert find_unsupported(schema, backend="guidance") is None
+    check = validator(schema)
+    outputs = guidance_walks(guidance_compiler, schema)
+    assert len(outputs) >= 10, outputs
+    bad = [o for o in outputs if not check.is_valid(json.loads(o))]
+    assert not bad, f"llguidance does not enforce {case}: {bad[:3]}"
+
+
+def test_guidance_keyword_table_covers_its_enforced_set():
+    from cbrun.engine.structured_output.schema_support import GUIDANCE, GUIDANCE_REFUSED
+
+    covered = {k.split()[0] for k in _guidance_cases()}
+    assert GUIDANCE <= covered, GUIDANCE - covered
+    assert not GUIDANCE & set(GUIDANCE_REFUSED)
+
+
+@pytest.mark.parametrize("keyword", sorted(set(REFUSED) - {"$anchor"}))
+def test_guidance_refused_keywords_are_named(guidance_compiler, keyword: str) -> None:
+    """Every keyword both engines leave unenforced is refused by name for llguidance too; where llguidance
+    implements none of it, its own compile refuses it as well."""
+    from cbrun.engine.structured_output.compiler import GrammarCompileError
+
+    schema = LEAKS[keyword][0] if keyword in LEAKS else REFUSED_ONLY[keyword]
+    found = find_unsupported(schema, backend="guidance")
+    assert found is not None and f": {keyword} " in found, found
+    if keyword not in ("minProperties", "additionalItems", "oneOf"):  # llguidance serves these, loosely
+        with pytest.raises(GrammarCompileError, match="llguidance"):
+            guidance_compiler[0].submit(StructuredOutputsParams(json=schema), "guidance").result()
+
+
+def test_route_auto_prefers_xgrammar_then_llguidance_then_refuses():
+    from cbrun.engine.structured_output.schema_support import route
+
+    assert route(ENFORCED["oneOf"]) == "xgrammar"
+    assert route(GUIDANCE_ONLY["allOf"]) == "guidance"
+    assert route(ENFORCED["propertyNames"]) == "xgrammar"
+    with pytest.raises(UnsupportedSchemaError, match=r"\$\.properties\.a\.not: not .*\[xgrammar\].*\[llguidance\]"):
+        route({"type": "object", "properties": {"a": {"not": {}}}})
+    with pytest.raises(UnsupportedSchemaError, match="propertyNames"):
+        route(ENFORCED["propertyNames"], "guidance")
+    with pytest.raises(UnsupportedSchemaError, match="allOf"):
+        route(GUIDANCE_ONLY["allOf"], "xgrammar")
+    uri = {"type": "string", "format": "uri"}
+    with pytest.raises(UnsupportedSchemaError, match="format 'uri'"):
+        route(uri)
+    assert route(uri, ignore_formats=True) == "xgrammar"
+
+
+def test_mixed_engines_in_one_batch_validate_and_agree(engine, model_dir):
+    """One batch with xgrammar rows and llguidance rows (one bitmask, one apply per step), greedy and sampled:
+    every completion validates; a schema both engines enforce gives the same greedy tokens through either."""
+    from cbrun.engine import LLMEngine
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.sampling_params import SamplingParams
+
+    both = ENFORCED["required"]
+    schemas = [both, GUIDANCE_ONLY["allOf"], GUIDANCE_ONLY["$ref beside"], ENFORCED["oneOf"], both]
+    requests = []
+    for i, schema in enumerate(schemas):
+        for j, temperature in enumerate((0.0, 1.0)):
+            so = StructuredOutputsParams(json=schema)
+            params = SamplingParams(max_new_tokens=120, temperature=temperature, seed=i, structured_outputs=so)
+            requests.append(((i, j), [256, 5 + i, 60 + j], params))
+    outputs = {o.request_id: o for o in engine.generate(requests)}
+    for (i, _), output in outputs.items():
+        text = output.text or engine.tokenizer.decode(output.output_token_ids, skip_special_tokens=True)
+        assert output.finish_reason == "stop", (i, output.error, text)
+        assert validator(schemas[i]).is_valid(json.loads(text)), (i, text)
+    keys = set(engine._grammar_compiler._cache)
+    assert ("guidance", "json", json.dumps(GUIDANCE_ONLY["allOf"], separators=(",", ":"))) in keys
+    assert ("xgrammar", "json", json.dumps(both, separators=(",", ":"))) in keys
+    guided = LLMEngine.from_pretrained(str(model_dir), EngineConfig(**CONFIG, structured_outputs_backend="guidance"))
+    only_xgrammar = SamplingParams(max_new_tokens=20, structured_outputs={"json": ENFORCED["propertyNames"]})
+    again = {
+        o.request_id: o for o in guided.generate([*[r for r in requests if r[0] == (0, 0)], (9, [256], only_xgrammar)])
+    }
+    assert again[(0, 0)].output_token_ids == outputs[(0, 0)].output_token_ids
+    assert again[9].finish_reason == "error" and "$.propertyNames: propertyNames is not enforced" in again[9].error
+    assert ("guidance", "json", json.dumps(both, separators=(",", ":"))) in guided._grammar_compiler._cache
+
+
+@pytest.mark.parametrize("fmt", ["email", "ipv4", "ipv6", "uuid"])
+def test_guidance_formats_validate(guidance_compiler, fmt: str) -> None:
+    from cbrun.engine.structured_output.schema_support import GUIDANCE_FORMATS
+
+    assert fmt in GUIDANCE_FORMATS
+    schema = {"type": "string", "format": fmt}
+    check = validator(schema)
+    assert fmt in check.FORMAT_CHECKER.checkers
+    outputs = guidance_walks(guidance_compiler, schema, n=20)
+    assert outputs and all(check.is_valid(json.loads(o)) for o in outputs), outputs
+
+
+def test_ignore_formats_serves_unknown_formats_unchecked(engine):
+    from cbrun.engine.structured_output.compiler import GrammarCompileError, GrammarCompiler
+    from cbrun.engine.structured_output.schema_support import route
+
+    schema = {"allOf": [{"type": "object", "properties": {"u": {"type": "string", "format": "uri-template"}}}]}
+    with pytest.raises(UnsupportedSchemaError, match=r"\$\.allOf\[0\]\.properties\.u\.format"):
+        route(schema, "guidance")
+    assert route(schema, "guidance", ignore_formats=True) == "guidance"
+    vocab = engine.model.config.get_text_config().vocab_size
+    so = StructuredOutputsParams(json=schema)
+    strict = GrammarCompiler(engine.tokenizer, vocab, engine.eos_token_ids)
+    with pytest.raises(GrammarCompileError, match="Unknown format"):  # llguidance refuses what it does not know
+        strict.submit(so, "guidance").result()
+    lenient = GrammarCompiler(engine.tokenizer, vocab, engine.eos_token_ids, ignore_formats=True)
+    assert lenient.submit(so, "guidance").result().grammar

@@ -272,7 +272,7 @@ def test_compiled_constraints_are_cached_least_recently_used_first():
     compiler.submit(b)
     assert compiler.submit(a) is future_a  # a is now the most recently used
     compiler.submit(c)  # b goes
-    assert compiler.submit(a) is future_a and set(compiler._cache) == {a.key, c.key}
+    assert compiler.submit(a) is future_a and set(compiler._cache) == {("xgrammar", *a.key), ("xgrammar", *c.key)}
     with pytest.raises(Exception, match="invalid regex constraint"):  # no tokenizer: the compile fails, as a row
         future_a.result()
     compiler.shutdown()

@@ -240,3 +240,23 @@ def test_unenforced_keyword_in_a_row_is_that_rows_error(chat_model_dir, engine, 
     assert rows[1]["finish_reason"] == "error" and rows[1]["completion"] is None
     for row in (rows[0], rows[2]):
         assert row["error"] is None and row["structured_output_valid"] is True, row
+
+
+def test_backend_setting_refuses_at_load_what_its_engine_would_not_enforce(chat_model_dir, tmp_path):
+    """``engine.structured_outputs_backend``: auto serves a multi-branch allOf with llguidance; xgrammar alone
+    refuses it at load, by keyword and path."""
+    schema = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]}
+    toml = tmp_path / "job.toml"
+    body = (
+        f'[model]\npath = "{chat_model_dir}"\n[input]\npath = "in.parquet"\nprompt_column = "p"\n'
+        f'[output]\npath = "out"\n[sampling]\nmax_tokens = 8\n'
+        f"[sampling.structured_outputs]\njson = '{json.dumps(schema)}'\n"
+    )
+    toml.write_text(body)
+    assert load_manifest(toml).engine.structured_outputs_backend == "auto"
+    toml.write_text(body + '[engine]\nstructured_outputs_backend = "xgrammar"\n')
+    with pytest.raises(ValueError, match=r"\$\.allOf: allOf is not enforced with more than one branch \[xgrammar\]"):
+        load_manifest(toml)
+    toml.write_text(body + '[engine]\nstructured_outputs_backend = "outlines"\n')
+    with pytest.raises(ValueError, match="structured_outputs_backend must be one of"):
+        load_manifest(toml)

@@ -4,7 +4,9 @@ Why xgrammar (measured against llguidance 1.9.1 on one workload: ``benchmarks/st
 ``benchmarks/results-structured-outputs.md``): its masks are the int32 bitmask layout the batched sampler takes,
 it compiles JSON schema, regex, EBNF and Lark, it caches the token-level work per grammar so the per-step mask is
 a lookup over a few states, and it is vLLM's and SGLang's default, so its JSON-schema coverage is what users meet
-elsewhere. We never write a schema compiler: every constraint becomes an xgrammar ``CompiledGrammar``.
+elsewhere. We never write a schema compiler: every constraint becomes an xgrammar ``CompiledGrammar``, or, for a
+JSON schema routed to llguidance (``schema_support.route``: a keyword xgrammar does not enforce, or
+``structured_outputs_backend = "guidance"``), a ``GuidanceGrammar`` whose masks fill the same bitmask.
 """
 
 from __future__ import annotations
@@ -15,14 +17,41 @@ import re
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
 
 from cbrun.engine.structured_output.params import StructuredOutputsParams
+from cbrun.engine.structured_output.schema_support import GUIDANCE_FORMATS, without_formats
 
 logger = logging.getLogger("cbrun.engine")
 
 
 class GrammarCompileError(ValueError):
     """A constraint xgrammar cannot compile (an invalid schema, regex or grammar): the request's own fault."""
+
+
+class GuidanceGrammar:
+    """A JSON schema compiled for llguidance: its grammar text and the tokenizer its matchers read.
+
+    Attributes:
+        tokenizer: the ``llguidance.LLTokenizer`` over the model's vocabulary (one per compiler).
+        grammar: the grammar (``LLMatcher.grammar_from_json_schema``), validated.
+        eos_token_ids: the model's EOS ids (the end of a completed structure).
+    """
+
+    def __init__(self, tokenizer, grammar: str, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.grammar = grammar
+        self.eos_token_ids = eos_token_ids
+
+
+#: llguidance's JSON options: compact (the separators xgrammar's compact JSON writes, no free whitespace);
+#: ``coerce_one_of`` serves a oneOf as an anyOf, which ``schema_support`` allows only for disjoint branches.
+GUIDANCE_JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "coerce_one_of": True,
+}
 
 
 class GrammarCompiler:
@@ -39,6 +68,8 @@ class GrammarCompiler:
         max_threads: compile threads.
         max_cached: compiled constraints kept, least recently used dropped first (a job whose rows each bring
             their own schema would otherwise hold them all).
+        ignore_formats: JSON schemas' unenforced ``format`` values are left out of llguidance's grammar
+            (``structured_outputs_ignore_formats``; xgrammar drops formats it does not know itself).
 
     Attributes:
         num_compiled: distinct constraints compiled (failures included).
@@ -47,8 +78,16 @@ class GrammarCompiler:
     """
 
     def __init__(
-        self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_threads: int = 2, max_cached: int = 1024
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        max_threads: int = 2,
+        max_cached: int = 1024,
+        ignore_formats: bool = False,
     ) -> None:
+        self.ignore_formats = ignore_formats
+        self._ll_tokenizer = None
         self.max_cached = max_cached
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -56,16 +95,17 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="cbrun-grammar")
         self._lock = threading.Lock()
         self._xgr_compiler = None
-        self._cache: dict[tuple[str, str], Future] = {}
+        self._cache: dict[tuple[str, str, str], Future] = {}  # (backend, kind, text)
         self.num_compiled = 0
         self.compile_seconds = 0.0
 
-    def submit(self, params: StructuredOutputsParams) -> Future:
-        """A future of the constraint's ``xgrammar.CompiledGrammar`` (the cached one for a constraint seen before).
+    def submit(self, params: StructuredOutputsParams, backend: str = "xgrammar") -> Future:
+        """A future of the constraint's ``xgrammar.CompiledGrammar`` (``backend = "guidance"``, JSON schemas only:
+        a ``GuidanceGrammar``); the cached one for a constraint seen before.
 
-        The future raises ``GrammarCompileError`` for a constraint xgrammar refuses.
+        The future raises ``GrammarCompileError`` for a constraint the engine refuses.
         """
-        key = params.key
+        key = (backend, *params.key)
         future = self._cache.get(key)
         if future is None:
             future = self._cache[key] = self._pool.submit(self._compile, key)
@@ -82,13 +122,19 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, key: tuple[str, str]):
+    def _compile(self, key: tuple[str, str, str]):
         start = time.perf_counter()
-        kind, text = key
+        backend, kind, text = key
         try:
-            compiled = _compile_with(self._compiler(), kind, text)
+            if backend == "guidance":
+                compiled = self._compile_guidance(text)
+            else:
+                compiled = _compile_with(self._compiler(), kind, text)
+        except GrammarCompileError:
+            raise
         except ImportError:
-            raise GrammarCompileError("structured outputs need xgrammar: pip install 'cbrun[structured]'") from None
+            extra = "guidance" if backend == "guidance" else "structured"
+            raise GrammarCompileError(f"structured outputs need {backend}: pip install 'cbrun[{extra}]'") from None
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses for bad input
             reason = _first_line(exc)
             if kind == "regex":  # a regex is translated to EBNF first; that text's line and column mean nothing here
@@ -99,8 +145,40 @@ class GrammarCompiler:
             with self._lock:
                 self.num_compiled += 1
                 self.compile_seconds += seconds
-        logger.info("structured outputs: compiled a %s constraint in %.3f s", kind, seconds)
+        logger.info("structured outputs: compiled a %s constraint (%s) in %.3f s", kind, backend, seconds)
         return compiled
+
+    def _compile_guidance(self, text: str) -> GuidanceGrammar:
+        """A JSON schema's llguidance grammar, validated against the tokenizer (llguidance refuses there what it
+        does not implement)."""
+        import llguidance
+
+        schema = json.loads(text)
+        if self.ignore_formats:
+            schema = without_formats(schema, GUIDANCE_FORMATS)
+        tokenizer = self._guidance_tokenizer()
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema,
+            defaults=GUIDANCE_JSON_OPTIONS,  # type: ignore[arg-type]  # its JsonCompileOptions keys
+        )
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if is_error:
+            raise GrammarCompileError(f"invalid json constraint (llguidance): {messages[0][:300]}")
+        return GuidanceGrammar(tokenizer, grammar, frozenset(self._eos_token_ids))
+
+    def _guidance_tokenizer(self):
+        """llguidance's tokenizer over the model's vocabulary, built on first use."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                tokenizer = self._tokenizer
+                if hasattr(tokenizer, "transformers_tokenizer"):
+                    tokenizer = tokenizer.transformers_tokenizer()
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+                )
+            return self._ll_tokenizer
 
     def _compiler(self):
         """xgrammar's compiler over the tokenizer, built on first use (reading the vocabulary takes a while)."""

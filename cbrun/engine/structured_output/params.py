@@ -54,11 +54,11 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {value!r}")
-            check_schema(schema)
+            check_schema(schema, ignore_formats=True)  # what no engine enforces; formats: at routing
         elif kind == "json" and not isinstance(value, dict):
             raise ValueError(f"structured_outputs.json must be a schema (a dict or its JSON text), got {value!r}")
         elif kind == "json":
-            check_schema(value)
+            check_schema(value, ignore_formats=True)
         elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
             raise ValueError(f"structured_outputs.{kind} must be non-empty text, got {value!r}")
         elif kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):

@@ -9,8 +9,45 @@ import torch
 from cbrun.engine.structured_output.params import StructuredOutputsParams
 
 
+class GuidanceMatcher:
+    """An ``llguidance.LLMatcher`` behind the ``xgrammar.GrammarMatcher`` methods this package calls, so the
+    scheduler, the stop check and the bitmask treat both engines' requests alike. llguidance's mask is the same
+    layout (int32 words, bit ``t % 32`` of word ``t // 32``).
+
+    llguidance stops as soon as the structure is complete, where xgrammar then still wants the EOS token: here,
+    as with xgrammar, the matcher is terminated only once an EOS is accepted (once stopped, its mask allows only
+    the EOS tokens), so a completion ends the same way under both engines.
+    """
+
+    def __init__(self, grammar) -> None:
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar)
+        self._eos = grammar.eos_token_ids
+        self._ended = False
+
+    def accept_token(self, token: int) -> bool:
+        accepted = self.matcher.consume_token(token)
+        self._ended = accepted and token in self._eos
+        return accepted
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self._ended = False  # an EOS is always the last token accepted
+
+    def is_terminated(self) -> bool:
+        return self._ended
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+
 class StructuredOutputRequest:
-    """The constraint of one request: a future of its compiled grammar, then an ``xgrammar.GrammarMatcher``.
+    """The constraint of one request: a future of its compiled grammar, then an ``xgrammar.GrammarMatcher`` (or,
+    for a grammar compiled by llguidance, a ``GuidanceMatcher``).
 
     The scheduler polls ``ready`` before admitting the request and advances the matcher on each committed token
     (``accept``); the engine fills the request's bitmask rows from it (``fill_bitmask``), advancing over a verify
@@ -42,9 +79,14 @@ class StructuredOutputRequest:
         except Exception as exc:  # the compiler's GrammarCompileError, or anything else it raised
             self.error = str(exc)
             return True
-        import xgrammar as xgr
+        from cbrun.engine.structured_output.compiler import GuidanceGrammar
 
-        self._matcher = xgr.GrammarMatcher(compiled)
+        if isinstance(compiled, GuidanceGrammar):
+            self._matcher = GuidanceMatcher(compiled)
+        else:
+            import xgrammar as xgr
+
+            self._matcher = xgr.GrammarMatcher(compiled)
         return True
 
     def accept(self, token: int) -> bool:
@@ -63,7 +105,7 @@ class StructuredOutputRequest:
 
     @property
     def matcher(self):
-        """The ``xgrammar.GrammarMatcher`` (None until ``ready`` has built it)."""
+        """The ``xgrammar.GrammarMatcher`` or ``GuidanceMatcher`` (None until ``ready`` has built it)."""
         return self._matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
@@ -75,18 +117,42 @@ class StructuredOutputRequest:
 
 
 def fill_bitmasks(states: list[StructuredOutputRequest], bitmask: torch.Tensor, rows: list[int]) -> list[bool]:
-    """``fill_bitmask`` of many ready requests in one call (xgrammar's ``BatchGrammarMatcher``, its own threads):
-    ``states[i]`` fills ``bitmask[rows[i]]``. One call instead of one per request is most of a decode step's
-    grammar time at 256 rows.
+    """``fill_bitmask`` of many ready requests in one call per engine (xgrammar's ``BatchGrammarMatcher``;
+    llguidance's ``LLExecutor``, each with its own threads) into the one bitmask: ``states[i]`` fills
+    ``bitmask[rows[i]]``. One call instead of one per request is most of a decode step's grammar time at 256 rows.
 
     Returns:
         Per request, whether its row allows any token (``fill_bitmask``'s result).
     """
     if not states:
         return []
-    import xgrammar as xgr
+    guided = [
+        (state.matcher.matcher, row) for state, row in zip(states, rows) if isinstance(state.matcher, GuidanceMatcher)
+    ]
+    if len(guided) < len(states):
+        import xgrammar as xgr
 
-    # NOTE: one per call (about 10 us to build): engines on other threads never share its thread pool
-    xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask([state.matcher for state in states], bitmask, rows)
+        plain = [
+            (state.matcher, row) for state, row in zip(states, rows) if not isinstance(state.matcher, GuidanceMatcher)
+        ]
+        # NOTE: one per call (about 10 us to build): engines on other threads never share its thread pool
+        xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask([m for m, _ in plain], bitmask, [r for _, r in plain])
+    if guided:
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask_par(_guidance_executor(), guided, bitmask)
     index = torch.tensor(rows, dtype=torch.int64)
     return (bitmask[index] != 0).any(dim=1).tolist()
+
+
+_EXECUTOR = None
+
+
+def _guidance_executor():
+    """llguidance's thread pool for batched mask fills, one per process (built on first use)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR

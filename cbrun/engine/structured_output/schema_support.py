@@ -1,4 +1,5 @@
-"""Which JSON Schema keywords a grammar engine enforces, as data, and a walker that finds the first one it does not.
+"""Which JSON Schema keywords each grammar engine enforces, as data, a walker that finds the first one it does not,
+and the routing of a schema to an engine (``route``: ``structured_outputs_backend``).
 
 Every row of ``XGRAMMAR`` and ``REFUSED`` was measured on the installed xgrammar (0.2.9): a schema using the keyword
 is compiled the way ``cbrun.engine.structured_output.compiler`` compiles it, random walks through the grammar over a
@@ -19,6 +20,12 @@ sampled completions under each accepted keyword). A keyword is enforced only in 
   ``propertyNames`` without ``properties``;
 - ``$ref`` only to ``#`` or a ``#/...`` pointer in the same document;
 - ``format`` only for the values in ``XGRAMMAR_FORMATS`` (unless the caller ignores formats).
+
+``GUIDANCE`` and ``GUIDANCE_REFUSED`` were measured the same way on llguidance (1.9.1, ``lenient`` off, so it
+refuses at compile what it does not implement): it enforces every form above, and ``allOf`` with several
+branches, ``$ref`` / ``anyOf`` beside other keywords, ``required`` of undeclared names, ``multipleOf`` on any
+number, ``pattern`` with lengths, type-specific keywords without ``type``, ``patternProperties`` of any shape and
+``$anchor``; it does not enforce the keywords of ``GUIDANCE_REFUSED``.
 
 ``REFUSED`` keywords (and any refused form) were accepted by xgrammar with the constraint ignored, or are draft-04 /
 draft-07 spellings it misreads: a schema using one is refused by name and JSON path, never served with the keyword
@@ -85,6 +92,36 @@ TYPED: dict[str, str] = {
     **dict.fromkeys(("maxProperties", "patternProperties", "propertyNames", "unevaluatedProperties"), "object"),
 }
 
+#: The engines ``structured_outputs_backend`` chooses among; ``auto`` takes the first that enforces the schema.
+BACKENDS = ("auto", "xgrammar", "guidance")
+
+#: Keywords llguidance enforces (verified by experiment, see the module docstring).
+GUIDANCE: frozenset[str] = frozenset(
+    {
+        "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
+        "minItems", "maxItems", "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
+        "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "patternProperties", "maxProperties",
+        "$ref", "$defs", "definitions", "$anchor", "format",
+    }
+)  # fmt: skip
+
+#: Keywords llguidance does not enforce; the value says what it did with them.
+GUIDANCE_REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "uniqueItems",
+         "contains", "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+         "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"),
+        "llguidance: unimplemented",
+    ),
+    "minProperties": "llguidance: not enforced, duplicate keys count once",
+    "additionalItems": "draft-07 array-form items are not supported",
+}  # fmt: skip
+
+#: ``format`` values llguidance enforces (every ``jsonschema`` check passed; its ``date-time`` and ``time`` write
+#: second 60 and its ``date`` 3098-02-29, which ``jsonschema`` rejects; ``hostname``, ``uri`` and ``duration`` are
+#: not checked by the installed ``jsonschema``, so unverified).
+GUIDANCE_FORMATS: frozenset[str] = frozenset({"email", "uuid", "ipv4", "ipv6"})
+
 # Keywords whose value is one schema, a list of schemas, or a name -> schema map (walked into).
 _ONE = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "not",
         "if", "then", "else", "contains", "additionalItems", "contentSchema")  # fmt: skip
@@ -99,8 +136,11 @@ class UnsupportedSchemaError(ValueError):
     JSON path (``$.properties.a.not``)."""
 
 
-def find_unsupported(schema: Any, path: str = "$", ignore_formats: bool = False) -> str | None:
-    """The first keyword of ``schema`` xgrammar would not enforce, as ``"<path>: <keyword> ..."``, else None.
+def find_unsupported(
+    schema: Any, path: str = "$", ignore_formats: bool = False, backend: str = "xgrammar"
+) -> str | None:
+    """The first keyword of ``schema`` ``backend`` (xgrammar or guidance) would not enforce, as
+    ``"<path>: <keyword> ..."``, else None.
 
     Walks every subschema (properties, items, combinator branches, ``$defs`` / ``definitions``, ...), so a keyword
     reached only through ``$ref`` is found where it is defined. Keywords in no table are passed (annotations, by
@@ -110,26 +150,87 @@ def find_unsupported(schema: Any, path: str = "$", ignore_formats: bool = False)
         schema: a JSON schema (a dict, or a boolean schema).
         path: the JSON path of ``schema`` in the document, for the message.
         ignore_formats: pass ``format`` unchecked (the user accepts any string there).
+        backend: ``"xgrammar"`` or ``"guidance"``.
     """
     if not isinstance(schema, dict):
         return None
+    refusal = _refusal if backend == "xgrammar" else _guidance_refusal
     for key, value in schema.items():
         where = f"{path}.{key}"
-        reason = _refusal(key, value, schema, ignore_formats)
+        reason = refusal(key, value, schema, ignore_formats)
         if reason:
             return f"{where}: {key} {reason}"
-        found = _walk_children(key, value, where, ignore_formats)
+        found = _walk_children(key, value, where, ignore_formats, backend)
         if found:
             return found
     return None
 
 
-def check_schema(schema: Any, ignore_formats: bool = False) -> None:
-    """Raise ``UnsupportedSchemaError`` naming the first keyword of ``schema`` (and its JSON path) that would not
-    be enforced (``find_unsupported``)."""
-    found = find_unsupported(schema, ignore_formats=ignore_formats)
-    if found:
-        raise UnsupportedSchemaError(f"JSON schema keyword not enforced, refused: {found}")
+def route(schema: Any, backend: str = "auto", ignore_formats: bool = False) -> str:
+    """The engine that serves ``schema``: ``"xgrammar"`` or ``"guidance"``.
+
+    ``auto`` takes xgrammar when it enforces every keyword of the schema, else llguidance when it does; a named
+    backend takes only itself.
+
+    Raises:
+        UnsupportedSchemaError: naming the first keyword (and its JSON path) that the candidate engines would not
+            enforce; ``ValueError`` for an unknown ``backend``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {backend!r}")
+    findings = []
+    for name in ("xgrammar", "guidance") if backend == "auto" else (backend,):
+        found = find_unsupported(schema, ignore_formats=ignore_formats, backend=name)
+        if found is None:
+            return name
+        findings.append(f"{found} [{'llguidance' if name == 'guidance' else name}]")
+    raise UnsupportedSchemaError(f"JSON schema keyword not enforced, refused: {'; '.join(findings)}")
+
+
+def check_schema(schema: Any, ignore_formats: bool = False, backend: str = "auto") -> None:
+    """Raise ``UnsupportedSchemaError`` naming the first keyword of ``schema`` (and its JSON path) that no engine
+    ``backend`` allows would enforce (``route``)."""
+    route(schema, backend, ignore_formats)
+
+
+def without_formats(schema: Any, keep: frozenset[str]) -> Any:
+    """``schema`` with every ``format`` whose value is not in ``keep`` removed (``ignore_formats``: an engine that
+    refuses unknown formats then serves the rest); walks subschemas only, never a ``properties`` map's names."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "format" and value not in keep:
+            continue
+        if key in _ONE:
+            value = without_formats(value, keep)
+        elif key in _LIST and isinstance(value, list):
+            value = [without_formats(v, keep) for v in value]
+        elif key in _MAP and isinstance(value, dict):
+            value = {k: without_formats(v, keep) for k, v in value.items()}
+        out[key] = value
+    return out
+
+
+def _guidance_refusal(key: str, value: Any, schema: dict, ignore_formats: bool) -> str | None:
+    """Why llguidance would not enforce ``key`` (with ``value``, in ``schema``), or None when it would."""
+    if key in ANNOTATIONS or key not in GUIDANCE and key not in GUIDANCE_REFUSED:
+        return None
+    if key in GUIDANCE_REFUSED:
+        if key == "uniqueItems" and value is False or key == "minProperties" and value == 0:
+            return None
+        return f"is not enforced ({GUIDANCE_REFUSED[key]})"
+    if key == "oneOf" and not _disjoint(value):
+        return "is not enforced unless its branches are disjoint (a discriminator property with a distinct const)"
+    if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+        return f"to {value!r} is not enforced (only references inside the schema)"
+    if key == "items" and isinstance(value, list):
+        return "in array form (draft-07) is not enforced"
+    if key in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(value, bool):
+        return "as a boolean (draft-04) is not enforced"
+    if key == "format" and not ignore_formats and value not in GUIDANCE_FORMATS:
+        return f"{value!r} is not enforced"
+    return None
 
 
 def _refusal(key: str, value: Any, schema: dict, ignore_formats: bool) -> str | None:
@@ -224,19 +325,19 @@ def _values_refusal(key: str, value: Any, schema: dict) -> str | None:
     return None
 
 
-def _walk_children(key: str, value: Any, where: str, ignore_formats: bool) -> str | None:
+def _walk_children(key: str, value: Any, where: str, ignore_formats: bool, backend: str) -> str | None:
     if key == "propertyNames" and isinstance(value, dict) and "type" not in value:
         value = {"type": "string", **value}  # names are strings: their string keywords need no type
     if key in _ONE:
-        return find_unsupported(value, where, ignore_formats)
+        return find_unsupported(value, where, ignore_formats, backend)
     if key in _LIST and isinstance(value, list):
         for i, sub in enumerate(value):
-            found = find_unsupported(sub, f"{where}[{i}]", ignore_formats)
+            found = find_unsupported(sub, f"{where}[{i}]", ignore_formats, backend)
             if found:
                 return found
     if key in _MAP and isinstance(value, dict):
         for name, sub in value.items():
-            found = find_unsupported(sub, f"{where}.{name}", ignore_formats)
+            found = find_unsupported(sub, f"{where}.{name}", ignore_formats, backend)
             if found:
                 return found
     return None
@@ -275,3 +376,26 @@ def _single_value(schema: dict) -> str | None:
     if isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
         return repr(schema["enum"][0])
     return None
+
+
+def constraint_backend(params, config) -> str:
+    """The engine that serves a request's constraint (``StructuredOutputsParams``) under an ``EngineConfig``:
+    ``route`` of its JSON schema with ``structured_outputs_backend`` and ``structured_outputs_ignore_formats``;
+    ``"xgrammar"`` for the other kinds.
+
+    Raises:
+        UnsupportedSchemaError: as ``route``; also when the schema needs llguidance and it is not installed.
+    """
+    if params.kind != "json":
+        return "xgrammar"
+    backend = route(params.json_schema, config.structured_outputs_backend, config.structured_outputs_ignore_formats)
+    if backend == "guidance":
+        import importlib.util
+
+        if importlib.util.find_spec("llguidance") is None:
+            found = find_unsupported(params.json_schema, ignore_formats=config.structured_outputs_ignore_formats)
+            raise UnsupportedSchemaError(
+                "JSON schema needs llguidance, which is not installed (pip install 'cbrun[guidance]')"
+                + (f"; xgrammar would not enforce {found}" if found else "")
+            )
+    return backend

@@ -251,6 +251,11 @@ def job_fingerprint(
     # NOTE: an fp8 KV cache changes greedy tokens too (a lossy cache); recorded only when set (earlier jobs unchanged)
     if manifest.engine.kv_cache_dtype != "auto":
         fingerprint["model"]["kv_cache_dtype"] = manifest.engine.kv_cache_dtype
+    engine = manifest.engine
+    if engine.structured_outputs_backend != "auto":  # which engine serves a schema decides its masks
+        fingerprint["sampling"]["structured_outputs_backend"] = engine.structured_outputs_backend
+    if engine.structured_outputs_ignore_formats:
+        fingerprint["sampling"]["structured_outputs_ignore_formats"] = True
     if inp.format != "auto":
         fingerprint["input"]["format"] = inp.format
     if manifest.output.keep_columns:
