@@ -462,3 +462,13 @@ def test_ignore_formats_serves_unknown_formats_unchecked(engine):
         strict.submit(so, "guidance").result()
     lenient = GrammarCompiler(engine.tokenizer, vocab, engine.eos_token_ids, ignore_formats=True)
     assert lenient.submit(so, "guidance").result().grammar
+
+
+def test_docs_keyword_table_is_the_data():
+    from pathlib import Path
+
+    from cbrun.engine.structured_output.schema_support import TABLE_BEGIN, TABLE_END, keyword_table
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "structured-outputs.md").read_text()
+    committed = doc.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].lstrip("\n")
+    assert committed == keyword_table(), "run: python -m cbrun.engine.structured_output.schema_support --write"

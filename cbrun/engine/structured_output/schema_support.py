@@ -399,3 +399,77 @@ def constraint_backend(params, config) -> str:
                 + (f"; xgrammar would not enforce {found}" if found else "")
             )
     return backend
+
+
+#: The forms in which xgrammar enforces a keyword (the rules ``_form_refusal`` checks), for the docs' table.
+XGRAMMAR_NOTES: dict[str, str] = {
+    **{k: f"only with a `type` naming {t}" for k, t in TYPED.items()},
+    "required": "only names declared in `properties`",
+    "multipleOf": "only with `type: integer`",
+    "pattern": "only with a `type` naming string, not with `minLength` / `maxLength`",
+    "anyOf": "nothing constraining beside it",
+    "oneOf": "disjoint branches only (a distinct `const` discriminator, values or types), nothing beside it",
+    "allOf": "one branch, nothing beside it",
+    "$ref": "`#` or `#/...` only, nothing constraining beside it",
+    "enum": "beside other keywords only when every value satisfies them",
+    "const": "beside other keywords only when the value satisfies them",
+    "patternProperties": "one pattern, matching no declared property, no `additionalProperties`; `type` object",
+    "propertyNames": "not with `properties`; `type` object",
+    "items": "a schema (not the draft-07 array form)",
+    "exclusiveMinimum": "a number (not the draft-04 boolean); `type` number or integer",
+    "exclusiveMaximum": "a number (not the draft-04 boolean); `type` number or integer",
+    "format": "only " + ", ".join(f"`{f}`" for f in sorted(XGRAMMAR_FORMATS)) + "; `type` string",
+}
+
+#: The forms in which llguidance enforces a keyword, for the docs' table.
+GUIDANCE_NOTES: dict[str, str] = {
+    "oneOf": "disjoint branches only (served as anyOf)",
+    "$ref": "references inside the schema only",
+    "items": "a schema (not the draft-07 array form)",
+    "exclusiveMinimum": "a number (not the draft-04 boolean)",
+    "exclusiveMaximum": "a number (not the draft-04 boolean)",
+    "maxProperties": "llguidance refuses it (an error row) unless every declared property is required",
+    "format": "only " + ", ".join(f"`{f}`" for f in sorted(GUIDANCE_FORMATS)),
+}
+
+
+def keyword_table() -> str:
+    """The Markdown table of every classified keyword and what each engine does with it (``docs/structured-outputs.md``
+    holds it; ``tests/engine/test_schema_support.py`` checks the copy)."""
+
+    def cell(keyword: str, enforced: frozenset[str], refused: dict[str, str], notes: dict[str, str]) -> str:
+        if keyword in enforced:
+            return f"enforced: {notes[keyword]}" if keyword in notes else "enforced"
+        return f"refused ({refused.get(keyword, 'not implemented')})"
+
+    keywords = sorted(XGRAMMAR | set(REFUSED) | GUIDANCE | set(GUIDANCE_REFUSED), key=lambda k: k.lstrip("$").lower())
+    lines = ["| keyword | xgrammar | llguidance |", "|---|---|---|"]
+    for k in keywords:
+        xgrammar = cell(k, XGRAMMAR, REFUSED, XGRAMMAR_NOTES)
+        lines.append(f"| `{k}` | {xgrammar} | {cell(k, GUIDANCE, GUIDANCE_REFUSED, GUIDANCE_NOTES)} |")
+    lines.append(f"| {', '.join(f'`{k}`' for k in sorted(ANNOTATIONS))} | annotations: accepted | accepted |")
+    return "\n".join(lines) + "\n"
+
+
+TABLE_BEGIN = "<!-- keyword table: made by `python -m cbrun.engine.structured_output.schema_support --write` -->"
+TABLE_END = "<!-- end of the keyword table -->"
+
+
+def write_table(doc) -> None:
+    """Rewrite ``keyword_table()`` between ``TABLE_BEGIN`` and ``TABLE_END`` in the Markdown file ``doc``."""
+    from pathlib import Path
+
+    text = Path(doc).read_text()
+    head, rest = text.split(TABLE_BEGIN, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    Path(doc).write_text(f"{head}{TABLE_BEGIN}\n{keyword_table()}{TABLE_END}{tail}")
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    if sys.argv[1:] == ["--write"]:
+        write_table(Path(__file__).resolve().parents[3] / "docs" / "structured-outputs.md")
+    else:
+        print(keyword_table(), end="")
