@@ -96,6 +96,14 @@ def check_config(config) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "kv_lora_rank", None):
         raise UnsupportedAttention(MLA_MESSAGE)
+    if not hasattr(text, "num_attention_heads"):
+        raise refusal(
+            "token mixing other than one attention per layer",
+            f"{type(text).__name__} has no num_attention_heads (a recurrent or state-space model)",
+        )
+    # MPT keeps its attention options in a sub-config (config.attn_config.alibi, on by default).
+    if getattr(getattr(text, "attn_config", None), "alibi", False):
+        raise refusal("ALiBi position bias", "config.attn_config.alibi = True")
     for key, feature in REFUSED_CONFIG_KEYS.items():
         value = getattr(text, key, None)
         if key == "position_embedding_type" and value in (None, "absolute", "rope", "rotary"):
@@ -214,7 +222,14 @@ def _probe(model: torch.nn.Module) -> list[ProbeCall]:
             )
     except UnsupportedAttention:
         raise
-    except (TypeError, RuntimeError, ValueError, IndexError) as exc:
+    except RuntimeError as exc:
+        if "needs the engine's cbrun_metadata" in str(exc):
+            raise refusal(
+                "a model that passes its keyword arguments on to attention",
+                "the probe's attention metadata never reached the attention call",
+            ) from exc
+        raise refusal("a forward pass cbrun can drive", f"{type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever the model's own code raises, it is refused by name at load
         raise refusal("a forward pass cbrun can drive", f"{type(exc).__name__}: {exc}") from exc
     return probe.calls
 

@@ -165,9 +165,19 @@ def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
     # NOTE: on CUDA the weights are read straight onto the device in ``dtype`` (one device, so no accelerate
     # dispatch): no host copy of the whole model. The CPU keeps transformers' default placement.
     placement = {"device_map": torch.device(config.device)} if torch.device(config.device).type == "cuda" else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True, **placement
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True, **placement
+        )
+    except KeyError as exc:
+        if ATTN_IMPLEMENTATION not in str(exc):
+            raise
+        # Older modules pick their attention class from a table by name (GIT): they never call the registered
+        # attention function, so cbrun's attention cannot run them.
+        raise attention_contract.refusal(
+            "token mixing other than one attention per layer",
+            f"{type(exc).__name__} {exc}: the model picks its own attention classes by name, with none for cbrun's",
+        ) from exc
     _check_causal_decoder(model)
     model = model.to(config.device).eval()
     check_attention(model, config)
@@ -265,7 +275,10 @@ def eos_token_ids(model_path: str, model_config) -> set[int]:
     except (OSError, ValueError, AttributeError):
         eos = None
     if eos is None:
-        eos = model_config.eos_token_id
+        # A composite (multimodal) config may state it only on its text config.
+        eos = getattr(model_config, "eos_token_id", None)
+        if eos is None and hasattr(model_config, "get_text_config"):
+            eos = getattr(model_config.get_text_config(), "eos_token_id", None)
     if eos is None:
         return set()
     return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}

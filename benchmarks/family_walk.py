@@ -1,0 +1,428 @@
+"""Walk every causal-LM family transformers ships: each equals ``generate`` token for token or is refused by name.
+
+For every ``model_type`` in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` this builds a tiny random model
+(``tiny_config``: hidden 64, 2 layers, a 128-token vocabulary, the family's own fields from ``OVERRIDES``), runs
+transformers' greedy ``generate`` on two prompts, then cbrun's engine on the same folder, and records one outcome:
+
+- ``equal``: cbrun's tokens are transformers' tokens;
+- ``refused``: cbrun refused the model at load, and the message names the feature;
+- ``not buildable``: the tiny model cannot be built or run by transformers here; the row holds transformers' own
+  error (an extra package, a config its tiny form fails to validate, ``generate`` itself failing);
+- ``DIFFERENT`` or ``ERROR``: a bug (cbrun ran the model wrong, or failed other than by refusing at load).
+
+Each family runs in a forked child process (one at a time, its memory capped), so a family that leaks memory, hangs
+or crashes costs only its own row. The results table of every family is ``benchmarks/results-family-walk.md``;
+``tests/engine/test_family_walk.py`` checks a subset of it in the suite and that the table covers every family.
+
+Run (from the repository root, about six minutes on two cores)::
+
+    PYTHONPATH=. nice python -m benchmarks.family_walk --out benchmarks/results-family-walk.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import resource
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: Fields set where a family's config (or one of its sub-configs) has them: hidden 64, 2 layers, 4 heads of 16 over
+#: 2 KV heads, a 4-token sliding window, 4 experts with 2 per token.
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    sliding_window=4,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+#: An ``OVERRIDES`` value: leave this ``TINY`` field out of the family's config.
+DROP = object()
+#: Per-family config fields, over ``TINY``, where the generic fields do not make a tiny model of the family.
+_MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    head_dim=8,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+)
+#: Sparse-attention indexers (DeepSeek-V3.2's lightning indexer and its followers).
+_INDEXER = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
+_SPECIAL_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+OVERRIDES: dict[str, dict] = {
+    **{
+        name: _MLA
+        for name in (
+            "deepseek_v2",
+            "deepseek_v3",
+            "axk1",
+            "axk2",
+            "glm4_moe_lite",
+            "longcat_flash",
+            "minicpm3",
+            "sarvam_mla",
+            "youtu",
+        )
+    },
+    "deepseek_v32": {**_MLA, **_INDEXER},
+    "glm_moe_dsa": {**_MLA, **_INDEXER},
+    "hy_v4": {**_MLA, **_INDEXER},
+    "codegen": dict(rotary_dim=8),
+    "gptj": dict(rotary_dim=8),
+    "falcon": dict(head_dim=DROP),
+    "cwm": _SPECIAL_IDS,
+    "mllama": dict(text_config=_SPECIAL_IDS),
+    "emu3": dict(text_config=_SPECIAL_IDS),
+    "modernbert-decoder": _SPECIAL_IDS,
+    "dbrx": dict(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=128,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+    ),
+    "dots1": dict(n_shared_experts=1, first_k_dense_replace=1),
+    "lfm2_moe": dict(layer_types=["full_attention", "full_attention"], num_dense_layers=1),
+    "gpt_neo": dict(num_layers=2, attention_types=[[["global", "local"], 1]], window_size=4),
+    "mamba2": dict(num_heads=4, head_dim=32, n_groups=1),
+    "phimoe": dict(sliding_window=None),  # its attention reads no window: a config window is refused (see table)
+    "ergo": dict(first_dense_intermediate_size=64, shared_intermediate_size=32),
+    **{
+        name: dict(
+            unpadded_vocab_size=128,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            swa_head_dim=16,
+            sliding_window_size=4,
+        )
+        for name in ("inkling2_text", "inkling2_loop_text")
+    },
+    "kimi_linear": {**_MLA, "linear_num_heads": 2, "linear_head_dim": 16},
+    "qwen4_exp_text": dict(
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=4,
+        indexer_compress_ratio=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        hc_lowrank=8,
+        ple_embed_dim=64,
+        ngram_vocab_size_base=1024,
+        heads_per_ngram=2,
+        num_hidden_layers=4,
+    ),
+    "roc_bert": dict(shape_embed_dim=16, pronunciation_embed_dim=16, shape_vocab_size=64, pronunciation_vocab_size=64),
+    "blt": dict(encoder_hash_byte_group_vocab=64),
+    # Hybrid stacks: enough layers that one of them is attention (transformers' own generate needs one).
+    **{
+        name: dict(num_hidden_layers=4) for name in ("bailing_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")
+    },
+    **{name: dict(text_config=dict(num_hidden_layers=4)) for name in ("qwen3_5", "qwen3_5_moe")},
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "recurrent_gemma": dict(num_hidden_layers=3),
+    "zaya": dict(num_experts_per_tok=1),
+    "kolibri1_1": dict(index_num_heads=2, index_layers=[1], mlp_only_layers=[0]),
+}
+#: The most parameters a tiny model may have: a family above it needs its own fields in ``OVERRIDES``.
+MAX_PARAMS = 16_000_000
+PROMPTS = [[3, 17, 5, 99, 42, 7], [11, 2]]
+NEW_TOKENS = 5
+#: Per family: seconds, and bytes of address space of its child process.
+TIME_LIMIT_S = 120
+MEMORY_LIMIT_BYTES = 6 << 30
+
+OUTCOMES = ("equal", "refused", "not buildable", "DIFFERENT", "ERROR")
+
+
+@dataclass
+class Outcome:
+    """One family's result: ``status`` (one of ``OUTCOMES``), ``detail`` (the refusal's feature, the reason it
+    is not buildable, or what went wrong) and ``seconds`` of wall time."""
+
+    model_type: str
+    status: str
+    detail: str = ""
+    seconds: float = 0.0
+
+
+class NotBuildable(Exception):
+    """The tiny model of a family cannot be built here (the message says why)."""
+
+
+def tiny_config(model_type: str):
+    """The tiny config of ``model_type``: ``TINY``'s fields that its config class (and each sub-config) has, then
+    ``OVERRIDES[model_type]``.
+
+    Raises:
+        NotBuildable: the config class rejects the fields.
+    """
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    overrides = OVERRIDES.get(model_type, {})
+    try:
+        return config_class(**_tiny_fields(config_class, overrides))
+    except Exception as exc:  # noqa: BLE001 - any config validation error makes the family not buildable
+        raise NotBuildable(f"config: {type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def _tiny_fields(config_class, overrides: dict) -> dict:
+    default = config_class()
+    fields = {k: v for k, v in TINY.items() if hasattr(default, k)}
+    sub_names = set()
+    for name in getattr(config_class, "sub_configs", None) or {}:
+        sub = getattr(default, name, None)
+        if not hasattr(sub, "to_dict"):
+            continue
+        # The default's own sub-config class (a sub-config typed AutoConfig is resolved by its model_type), with
+        # the family's overrides of that sub-config.
+        fields[name] = {**_tiny_fields(type(sub), overrides.get(name, {})), "model_type": sub.model_type}
+        sub_names.add(name)
+    fields.update({k: v for k, v in overrides.items() if v is not DROP and k not in sub_names})
+    for key in [k for k, v in overrides.items() if v is DROP]:
+        fields.pop(key, None)
+    return fields
+
+
+def build(model_type: str, path: Path):
+    """Build the tiny random model of ``model_type`` (seed 0, weights spread as the oracle tests spread them) and
+    save it to ``path``.
+
+    Raises:
+        NotBuildable: no tiny config, too many parameters, or transformers cannot build or save it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.model_utils import save_spread_weights
+
+    config = tiny_config(model_type)
+    try:
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001
+        raise NotBuildable(f"model: {type(exc).__name__}: {_first_line(exc)}") from exc
+    num_params = sum(p.numel() for p in meta.parameters())
+    del meta
+    if num_params > MAX_PARAMS:
+        raise NotBuildable(f"{num_params / 1e6:.0f}M parameters with the tiny fields (needs its own OVERRIDES)")
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        save_spread_weights(model, path)
+    except Exception as exc:  # noqa: BLE001
+        raise NotBuildable(f"model: {type(exc).__name__}: {_first_line(exc)}") from exc
+    return model
+
+
+def walk(model_type: str, path: Path) -> Outcome:
+    """Build ``model_type``'s tiny model in ``path``, run transformers and cbrun on it, and compare."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+    from cbrun.engine.model.attention_contract import UnsupportedAttention
+    from tests.model_utils import greedy_generate
+
+    start = time.perf_counter()
+    try:
+        build(model_type, path)
+        gc.collect()
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        expected = [greedy_generate(model, p, NEW_TOKENS) for p in PROMPTS]
+        del model
+    except NotBuildable as exc:
+        return Outcome(model_type, "not buildable", str(exc), time.perf_counter() - start)
+    except Exception as exc:  # noqa: BLE001 - transformers itself cannot run the family here
+        return Outcome(
+            model_type,
+            "not buildable",
+            f"transformers generate: {type(exc).__name__}: {_first_line(exc)}",
+            time.perf_counter() - start,
+        )
+    gc.collect()
+    config = EngineConfig(page_size=4, max_batch_tokens=16, num_blocks=64)
+    try:
+        engine = LLMEngine.from_pretrained(str(path), config)
+    except UnsupportedAttention as exc:
+        return Outcome(model_type, "refused", feature(str(exc)), time.perf_counter() - start)
+    except ValueError as exc:  # the loader's other refusals at load (encoder-decoder, non-causal)
+        return Outcome(model_type, "refused", _first_line(exc), time.perf_counter() - start)
+    except Exception as exc:  # noqa: BLE001
+        return Outcome(
+            model_type, "ERROR", f"load: {type(exc).__name__}: {_first_line(exc)}", time.perf_counter() - start
+        )
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    try:
+        with torch.no_grad():
+            outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(PROMPTS))}
+        got = [outputs[i].output_token_ids for i in range(len(PROMPTS))]
+    except Exception as exc:  # noqa: BLE001
+        return Outcome(
+            model_type, "ERROR", f"generate: {type(exc).__name__}: {_first_line(exc)}", time.perf_counter() - start
+        )
+    seconds = time.perf_counter() - start
+    if got != expected:
+        return Outcome(model_type, "DIFFERENT", f"cbrun {got} transformers {expected}", seconds)
+    return Outcome(model_type, "equal", "", seconds)
+
+
+def feature(message: str) -> str:
+    """The feature an ``UnsupportedAttention`` message names ("attention feature not implemented: <feature> (...")."""
+    prefix = "attention feature not implemented: "
+    if message.startswith(prefix):
+        return message[len(prefix) :].split(" (", 1)[0]
+    return message.split(" (", 1)[0]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
+
+
+def _child(model_type: str, conn) -> None:
+    """Run one family in a forked child: capped memory and time, the outcome sent back as a dict."""
+    import torch
+
+    torch.set_num_threads(1)
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"over {TIME_LIMIT_S} s")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(TIME_LIMIT_S)
+    with tempfile.TemporaryDirectory(prefix=f"cbrun-walk-{model_type}-") as tmp:
+        try:
+            outcome = walk(model_type, Path(tmp))
+        except BaseException as exc:  # noqa: BLE001 - MemoryError, TimeoutError: the row says so
+            outcome = Outcome(model_type, "ERROR", f"{type(exc).__name__}: {_first_line(exc)}")
+    conn.send(asdict(outcome))
+    conn.close()
+
+
+def walk_isolated(model_type: str) -> Outcome:
+    """``walk`` in a forked child process (memory capped at ``MEMORY_LIMIT_BYTES``, ``TIME_LIMIT_S``)."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    start = time.perf_counter()
+    proc = ctx.Process(target=_child, args=(model_type, child))
+    proc.start()
+    child.close()
+    result = parent.recv() if parent.poll(TIME_LIMIT_S + 30) else None
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if result is None:
+        return Outcome(model_type, "ERROR", f"child process died (exit {proc.exitcode})", time.perf_counter() - start)
+    return Outcome(**result)
+
+
+def families() -> list[str]:
+    """Every ``model_type`` of transformers' causal-LM mapping, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """The results as markdown: a count per outcome, then one row per family."""
+    import platform
+
+    import torch
+    import transformers
+
+    counts = {s: sum(o.status == s for o in outcomes) for s in OUTCOMES}
+    lines = [
+        "# Every transformers causal-LM family against cbrun",
+        "",
+        f"transformers {transformers.__version__}, torch {torch.__version__}, {platform.machine()}, "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}. Command: "
+        "`PYTHONPATH=. nice python -m benchmarks.family_walk --out benchmarks/results-family-walk.md`",
+        "",
+        ", ".join(f"{s}: {n}" for s, n in counts.items()) + f" (of {len(outcomes)})",
+        "",
+        "| family | outcome | detail | s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for o in outcomes:
+        detail = o.detail.replace("|", "\\|")
+        lines.append(f"| {o.model_type} | {o.status} | {detail} | {o.seconds:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def read_table(path: Path) -> dict[str, tuple[str, str]]:
+    """A results file's rows: ``model_type -> (status, detail)``."""
+    rows = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        if len(cells) == 4 and cells[1] in OUTCOMES:
+            rows[cells[0]] = (cells[1], cells[2].replace("\\|", "|"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", help="comma-separated model types (default: every causal-LM family)")
+    parser.add_argument("--out", type=Path, help="write the markdown table here")
+    parser.add_argument("--jsonl", type=Path, help="append one JSON line per family here as it finishes")
+    args = parser.parse_args(argv)
+    names = args.families.split(",") if args.families else families()
+    # Imported once here, so every forked child starts with them.
+    import transformers
+
+    import cbrun.engine  # noqa: F401
+    import tests.model_utils  # noqa: F401
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    outcomes = []
+    for name in names:
+        outcome = walk_isolated(name)
+        outcomes.append(outcome)
+        print(f"{name:28s} {outcome.status:14s} {outcome.seconds:5.1f}s {outcome.detail}", flush=True)
+        if args.jsonl:
+            with args.jsonl.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(asdict(outcome)) + "\n")
+    if args.out:
+        args.out.write_text(table(outcomes), encoding="utf-8")
+    bugs = [o.model_type for o in outcomes if o.status in ("DIFFERENT", "ERROR")]
+    if bugs:
+        print(f"wrong or failing: {', '.join(bugs)}", file=sys.stderr)
+    return 1 if bugs else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
