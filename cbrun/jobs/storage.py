@@ -75,8 +75,12 @@ def basename(path: str | Path) -> str:
     return posixpath.basename(str(path).rstrip("/"))
 
 
-def filesystem(uri: str):
+def filesystem(uri: str, endpoint_url: str | None = None) -> tuple[Any, str]:
     """The fsspec filesystem of an object-store URI and the URI's path within it (``bucket/key``).
+
+    Args:
+        uri: an object-store URI.
+        endpoint_url: the S3 endpoint; None: the process's (``configure``), else the environment's.
 
     Raises:
         ImportError: naming the extra to install when the store's fsspec package is missing.
@@ -90,7 +94,9 @@ def filesystem(uri: str):
     options: dict[str, Any] = {}
     if scheme == "s3":
         # NOTE: passed explicitly: not every client reads AWS_ENDPOINT_URL (pyarrow's does not, arrow #49643)
-        endpoint = _endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint = (
+            endpoint_url or _endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        )
         client_kwargs = {}
         if endpoint:
             client_kwargs["endpoint_url"] = endpoint
@@ -240,10 +246,14 @@ def remove(path: str | Path) -> None:
     Path(local_path(path)).unlink(missing_ok=True)
 
 
-def put_object(uri: str, body: bytes, *, create_only: bool = False, if_match: str | None = None) -> str | None:
+def put_object(
+    uri: str, body: bytes, *, create_only: bool = False, if_match: str | None = None, fs: Any = None
+) -> str | None:
     """One PUT of a whole object; returns its new ETag when the store says it.
 
     Args:
+        fs: the filesystem to PUT through (a ``cbrun.jobs.output.store.FsspecStore``'s, with its endpoint); None:
+            ``filesystem(uri)``'s.
         create_only: fail when the object exists (S3's ``If-None-Match: *``).
         if_match: fail unless the object's ETag is this one (S3's ``If-Match``).
 
@@ -251,7 +261,10 @@ def put_object(uri: str, body: bytes, *, create_only: bool = False, if_match: st
         PreconditionFailed: when a condition does not hold.
         StorageError: when the PUT failed after its retries.
     """
-    fs, key = filesystem(uri)
+    if fs is None:
+        fs, key = filesystem(uri)
+    else:
+        key = uri.partition("://")[2]
     if uri.lower().startswith("s3://") and hasattr(fs, "call_s3"):
         bucket, _, name = key.partition("/")
         conditions = {}

@@ -93,7 +93,7 @@ def test_s3_input_and_output_equal_a_local_run(s3, tiny_model_dir, tiny_engine, 
     assert rows_once(out) == local_rows
     checkpoint = ObjectCheckpoint(out)
     assert checkpoint.is_finished() and checkpoint.read_stats()["num_rows_in_output"] == NUM_ROWS
-    assert checkpoint._read_job_file()["input"]["path"] == source
+    assert checkpoint.read_job_file()["input"]["path"] == source
     # one commit record per part, and nothing else written beside the parts
     records = read_records(out)
     names = {

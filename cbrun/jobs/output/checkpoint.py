@@ -21,7 +21,6 @@ cbrun, or by two runs without a lock) keeps the copy in its earliest part; ``ope
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,8 @@ import pyarrow.parquet as pq
 
 from cbrun.jobs.output.fingerprint import fingerprint_differences
 from cbrun.jobs.output.lock import CBRUN_DIR, OutputLock, Shard
+from cbrun.jobs.output.output_dir import JOB_FILE, STATS_FILE, SUCCESS_FILE, OutputDir
+from cbrun.jobs.output.store import LocalStore
 from cbrun.jobs.output.writer import (
     PART_RE,
     TEMP_RE,
@@ -45,13 +46,8 @@ from cbrun.jobs.output.writer import (
     part_shard,
     write_part_atomically,
 )
-from cbrun.jobs.storage import read_json, write_file, write_json
 
 logger = logging.getLogger("cbrun")
-
-JOB_FILE = "job.json"
-SUCCESS_FILE = "_SUCCESS"
-STATS_FILE = "stats.json"
 
 
 class FingerprintMismatch(ValueError):
@@ -76,7 +72,7 @@ class OutputState:
     num_duplicates: int = 0
 
 
-class Checkpoint:
+class Checkpoint(OutputDir):
     """The one owner of an output directory: lock, fingerprint, done rows, finished marker, and its appender.
 
     A run holds ``lock`` (``with checkpoint.lock:``) from before ``open`` to its end; ``open`` checks that the
@@ -90,18 +86,13 @@ class Checkpoint:
 
     def __init__(self, output_dir: str | Path, shard: Shard = Shard()):
         self.output_dir = Path(output_dir)
+        super().__init__(LocalStore(self.output_dir), self.output_dir)
         self.cbrun_dir = self.output_dir / CBRUN_DIR
         self.lock = OutputLock(self.output_dir, shard)
 
     @property
     def job_file(self) -> Path:
         return self.cbrun_dir / JOB_FILE
-
-    def _read_job_file(self) -> dict[str, Any] | None:
-        for path in (self.job_file, self.output_dir / JOB_FILE):  # the second: written by older cbrun versions
-            if path.is_file():
-                return json.loads(path.read_text())
-        return None
 
     def check(self, fingerprint: dict[str, Any], *, overwrite: bool = False) -> None:
         """Make sure the directory may take this job; touches nothing.
@@ -112,7 +103,7 @@ class Checkpoint:
         """
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise ValueError(f"output path {str(self.output_dir)!r} exists and is not a directory")
-        old = None if overwrite else self._read_job_file()
+        old = None if overwrite else self.read_job_file()
         if old is None:
             return
         changed = fingerprint_differences(old, fingerprint)
@@ -154,7 +145,7 @@ class Checkpoint:
         self.check(fingerprint, overwrite=overwrite)
         if overwrite:
             return OutputState(done=np.zeros(num_rows, dtype=bool))
-        if self._read_job_file() is None and committed_parts(self.output_dir):
+        if self.read_job_file() is None and committed_parts(self.output_dir):
             raise FingerprintMismatch(
                 f"output directory {str(self.output_dir)!r} holds part files but no job.json; rerun with "
                 f"--overwrite to discard them, or choose another --output"
@@ -280,8 +271,8 @@ class Checkpoint:
         for name in (JOB_FILE, STATS_FILE):
             (self.output_dir / name).unlink(missing_ok=True)
         # NOTE: rewritten when it differs (a fingerprint of an older cbrun records fewer keys): it is checked again.
-        if self._read_job_file() != fingerprint or not self.job_file.is_file():
-            _write_json(self.job_file, fingerprint)
+        if self.read_job_file() != fingerprint or not self.job_file.is_file():
+            self.write_job_file(fingerprint)
 
     def clear(self) -> None:
         """Remove every cbrun file of the directory (other files are left alone; the lock stays)."""
@@ -319,41 +310,13 @@ class Checkpoint:
             path.unlink()
         return stray
 
-    def write_meta(self, name: str, value: dict[str, Any]) -> None:
-        """Write cbrun's own JSON file ``_cbrun/<name>`` (the split of the rows, a shard's summary, ...)."""
-        self.cbrun_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(self.cbrun_dir / name, value)
-
-    def read_meta(self, name: str) -> dict[str, Any] | None:
-        """cbrun's own JSON file ``_cbrun/<name>``; None when it is absent."""
-        return read_json(self.cbrun_dir / name)
-
     def write_empty_part_if_none(self, schema: pa.Schema) -> None:
         """Commit one part with no rows and the full ``schema`` when the output has no part (an empty job), so
         that readers of the directory find its columns."""
         if not committed_parts(self.output_dir):
             write_part_atomically(self.output_dir / part_name(0, self.lock.shard), schema.empty_table())
 
-    def is_finished(self) -> bool:
-        return (self.output_dir / SUCCESS_FILE).is_file()
-
-    def clear_finished(self) -> None:
-        (self.output_dir / SUCCESS_FILE).unlink(missing_ok=True)
-        for directory in (self.cbrun_dir, self.output_dir):
-            (directory / STATS_FILE).unlink(missing_ok=True)
-
     def mark_finished(self, fingerprint: dict[str, Any], stats: dict[str, Any]) -> None:
         """Write job.json (when missing), stats.json, then the empty _SUCCESS marker."""
         self.prepare(fingerprint)
-        _write_json(self.cbrun_dir / STATS_FILE, stats)
-        write_file(self.output_dir / SUCCESS_FILE, b"")
-
-    def read_stats(self) -> dict[str, Any] | None:
-        for path in (self.cbrun_dir / STATS_FILE, self.output_dir / STATS_FILE):
-            if path.is_file():
-                return json.loads(path.read_text())
-        return None
-
-
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    write_json(path, value)
+        self.write_finished(stats)

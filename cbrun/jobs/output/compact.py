@@ -86,7 +86,7 @@ def compact_output(
     """
     target = int(target_file_mb * 2**20)
     owner = output_owner(output)
-    if owner._read_job_file() is None:
+    if owner.read_job_file() is None:
         raise ValueError(f"{str(output)!r} holds no cbrun job (no _cbrun/job.json)")
     split = read_shards_file(owner) or {"count": 1}
     shards = [Shard(i, split["count"]) for i in range(split["count"])]

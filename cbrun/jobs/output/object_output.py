@@ -50,6 +50,8 @@ from cbrun.jobs.output.commits import (
 from cbrun.jobs.output.fingerprint import fingerprint_differences
 from cbrun.jobs.output.lease import Lease, read_holder
 from cbrun.jobs.output.lock import CBRUN_DIR, Shard
+from cbrun.jobs.output.output_dir import OutputDir
+from cbrun.jobs.output.store import FsspecStore
 from cbrun.jobs.output.writer import PartWriter, _Batch, conform_table, rows_to_table
 from cbrun.jobs.storage import (
     PreconditionFailed,
@@ -60,33 +62,30 @@ from cbrun.jobs.storage import (
     open_input,
     put_object,
     read_file,
-    read_json,
     remove,
-    write_json,
 )
 
 logger = logging.getLogger("cbrun")
 
 
-class ObjectCheckpoint:
+class ObjectCheckpoint(OutputDir):
     """The one owner of an object-store output: lease, fingerprint, commit records, finished marker, appender.
 
     Args:
         output: the output URI (``s3://bucket/prefix``).
         shard: this process's share of the output.
+        endpoint_url: the S3 endpoint its store talks to (None: the process's, else the environment's).
     """
 
-    def __init__(self, output: str, shard: Shard = Shard()):
+    def __init__(self, output: str, shard: Shard = Shard(), endpoint_url: str | None = None):
         self.output_dir = output.rstrip("/")
+        super().__init__(FsspecStore(self.output_dir, endpoint_url), None)
         self.cbrun_dir = str(join(self.output_dir, CBRUN_DIR))
         self.lock = Lease(self.output_dir, shard)
 
     @property
     def job_file(self) -> str:
         return str(join(self.cbrun_dir, JOB_FILE))
-
-    def _read_job_file(self) -> dict[str, Any] | None:
-        return read_json(self.job_file)
 
     def _name(self, uri: str) -> str:
         return uri[len(self.output_dir) + 1 :]
@@ -105,7 +104,7 @@ class ObjectCheckpoint:
         Raises:
             FingerprintMismatch: when job.json holds another fingerprint and ``overwrite`` is false.
         """
-        old = None if overwrite else self._read_job_file()
+        old = None if overwrite else self.read_job_file()
         if old is not None and (changed := fingerprint_differences(old, fingerprint)):
             raise FingerprintMismatch(
                 f"output {self.output_dir!r} holds the results of a different job (changed: {', '.join(changed)}); "
@@ -121,7 +120,7 @@ class ObjectCheckpoint:
         if overwrite:
             return OutputState(done=np.zeros(num_rows, dtype=bool))
         records = self.records()
-        if self._read_job_file() is None and records:
+        if self.read_job_file() is None and records:
             raise FingerprintMismatch(
                 f"output {self.output_dir!r} holds commit records but no _cbrun/job.json; "
                 f"rerun with --overwrite to discard them, or choose another --output"
@@ -241,8 +240,8 @@ class ObjectCheckpoint:
         self.check(fingerprint, overwrite=overwrite)
         if overwrite:
             self.clear()
-        if self._read_job_file() != fingerprint:
-            write_json(self.job_file, fingerprint)
+        if self.read_job_file() != fingerprint:
+            self.write_job_file(fingerprint)
 
     def clear(self) -> None:
         """Delete every cbrun object of the output (parts, records, job files); the lease stays."""
@@ -256,35 +255,17 @@ class ObjectCheckpoint:
             ):
                 remove(uri)
 
-    def write_meta(self, name: str, value: dict[str, Any]) -> None:
-        """Write cbrun's own JSON object ``_cbrun/<name>``."""
-        write_json(join(self.cbrun_dir, name), value)
-
-    def read_meta(self, name: str) -> dict[str, Any] | None:
-        return read_json(join(self.cbrun_dir, name))
-
     def write_empty_part_if_none(self, schema: pa.Schema) -> None:
         """Commit one part with no rows and the full ``schema`` when the output has none (an empty job)."""
         if not self.records():
             ObjectPartWriter(self.output_dir, schema=schema).commit_table(schema.empty_table())
-
-    def is_finished(self) -> bool:
-        return read_file(join(self.output_dir, SUCCESS_FILE)) is not None
-
-    def clear_finished(self) -> None:
-        remove(str(join(self.output_dir, SUCCESS_FILE)))
-        remove(str(join(self.cbrun_dir, STATS_FILE)))
 
     def mark_finished(self, fingerprint: dict[str, Any], stats: dict[str, Any]) -> None:
         """Write job.json (when it differs), stats.json, then the empty _SUCCESS marker."""
         self.prepare(fingerprint)
         # NOTE: a Ray span retried under another batching commits its rows twice; the finished job holds them once
         self.remove_duplicates(self.records())
-        write_json(join(self.cbrun_dir, STATS_FILE), stats)
-        put_object(str(join(self.output_dir, SUCCESS_FILE)), b"")
-
-    def read_stats(self) -> dict[str, Any] | None:
-        return read_json(join(self.cbrun_dir, STATS_FILE))
+        self.write_finished(stats)
 
     def held_locks(self) -> dict[str, dict]:
         """{"I/N": holder record} of the unexpired leases on this output."""
@@ -373,10 +354,13 @@ def _put_once(uri: str, body: bytes) -> None:
         pass
 
 
-def output_owner(output: str | Path, shard: Shard = Shard()) -> Checkpoint | ObjectCheckpoint:
-    """The owner of an output: ``ObjectCheckpoint`` for an object-store URI, ``Checkpoint`` for a local path."""
+def output_owner(
+    output: str | Path, shard: Shard = Shard(), endpoint_url: str | None = None
+) -> Checkpoint | ObjectCheckpoint:
+    """The owner of an output: ``ObjectCheckpoint`` for an object-store URI (its store talks to ``endpoint_url``),
+    ``Checkpoint`` for a local path."""
     if is_uri(output):
-        return ObjectCheckpoint(str(output), shard)
+        return ObjectCheckpoint(str(output), shard, endpoint_url)
     return Checkpoint(local_path(output), shard)
 
 

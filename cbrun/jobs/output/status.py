@@ -74,7 +74,7 @@ def output_progress(output_dir: str | Path) -> list[ShardProgress]:
 def _read_progress(output_dir: str | Path) -> tuple[list[ShardProgress], OutputState]:
     """(``output_progress``, the whole output's ``OutputState``)."""
     checkpoint = output_owner(output_dir)
-    job = checkpoint._read_job_file()
+    job = checkpoint.read_job_file()
     split = read_shards_file(checkpoint)
     if job is None:
         raise ValueError(f"{str(output_dir)!r} holds no cbrun job (no _cbrun/job.json)")

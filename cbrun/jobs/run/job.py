@@ -155,7 +155,7 @@ def run_job(
             raise JobError(str(exc)) from None
     if shard is None:
         shard = Shard.parse(manifest.input.shard) if manifest.input.shard is not None else Shard()
-    checkpoint = output_owner(manifest.output.path, shard)
+    checkpoint = output_owner(manifest.output.path, shard, manifest.storage.endpoint_url)
     try:
         # NOTE: dtype "auto" means bf16 on a GPU and float32 on the CPU: the fingerprint records the one this run uses
         fingerprint = job_fingerprint(

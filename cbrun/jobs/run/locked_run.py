@@ -28,7 +28,6 @@ from cbrun.jobs.run.resources import JobAborted, JobError, load_engine
 from cbrun.jobs.run.row_loop import _JobRun
 from cbrun.jobs.run.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from cbrun.jobs.run.summary import JobSummary
-from cbrun.jobs.storage import is_uri
 
 
 class _Job:
@@ -128,8 +127,9 @@ class _Job:
             max_error_fraction=manifest.output.max_error_fraction,
         )
         if isinstance(self.reader, PromptReader) and manifest.input.id_column is not None:
-            recorded_in = None if is_uri(self.checkpoint.output_dir) else self.checkpoint.output_dir
-            summary.num_repeated_ids = warn_repeated_ids(self.reader, recorded_in, self.fingerprint["input"])
+            summary.num_repeated_ids = warn_repeated_ids(
+                self.reader, self.checkpoint.local_dir, self.fingerprint["input"]
+            )
         if done.all() and not overwrite:
             # NOTE: every row is in the output already; a run killed between its last commit and _SUCCESS is
             # finished here without loading the model.
@@ -211,7 +211,7 @@ class _Job:
         try:
             with frozen_heap(), JobProgress(int((~done).sum()), None, enabled=progress) as bar:  # as in the local run
                 # NOTE: on an object store each replica commits its own parts; the driver only counts their rows
-                commit_output = self.checkpoint.output_dir if is_uri(self.checkpoint.output_dir) else None
+                commit_output = self.checkpoint.output_dir if self.checkpoint.local_dir is None else None
                 on_rows = counter.tally if commit_output else counter.count
                 summary.replica_stats = run_on_ray(
                     self.manifest,
@@ -259,7 +259,7 @@ class _ShardJob(_Job):
         checkpoint, num_rows = self.checkpoint, self.reader.num_rows
         with DirectoryLock(checkpoint.output_dir):
             if self.manifest.output.overwrite:
-                old = checkpoint._read_job_file()
+                old = checkpoint.read_job_file()
                 if old is not None and fingerprint_differences(old, self.fingerprint):
                     # NOTE: the first shard of a new job clears the old job's results; the next shards find this
                     # job's job.json and drop their own rows alone.
