@@ -75,6 +75,8 @@ class GrammarCompiler:
         num_compiled: distinct constraints compiled (failures included).
         compile_seconds: seconds spent compiling them, summed over the compile threads (the first compile
             includes reading the tokenizer's vocabulary).
+        compile_times: ``(backend, seconds)`` of each compile, in the order they ended (llguidance compiles
+            lazily: its first masks are paid at the first steps, not here).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class GrammarCompiler:
         self._cache: dict[tuple[str, str, str], Future] = {}  # (backend, kind, text)
         self.num_compiled = 0
         self.compile_seconds = 0.0
+        self.compile_times: list[tuple[str, float]] = []
 
     def submit(self, params: StructuredOutputsParams, backend: str = "xgrammar") -> Future:
         """A future of the constraint's ``xgrammar.CompiledGrammar`` (``backend = "guidance"``, JSON schemas only:
@@ -145,6 +148,7 @@ class GrammarCompiler:
             with self._lock:
                 self.num_compiled += 1
                 self.compile_seconds += seconds
+                self.compile_times.append((backend, seconds))
         logger.info("structured outputs: compiled a %s constraint (%s) in %.3f s", kind, backend, seconds)
         return compiled
 

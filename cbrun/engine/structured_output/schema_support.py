@@ -311,7 +311,10 @@ def _values_refusal(key: str, value: Any, schema: dict) -> str | None:
     values = value if key == "enum" and isinstance(value, list) else [value]
     if not rest:
         return None
-    import jsonschema
+    try:
+        import jsonschema
+    except ImportError:
+        return "is not checked beside other keywords without jsonschema (pip install 'cbrun[structured]')"
 
     try:
         validator = jsonschema.validators.validator_for(schema)(rest)
