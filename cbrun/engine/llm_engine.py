@@ -359,7 +359,7 @@ class LLMEngine:
             self.step_observer([s.request_id for s in plan.scheduled])
         if self.tp_group is not None:  # every rank executes the plan on its slice of the cache (and samples nothing)
             self.tp_group.send_step(replace(plan, sampling={}), self._num_touched_pages())
-        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None)
+        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None, self._draft_probs)
         grammar = None
         if handle is not None:
             self.scheduler.advance(plan)

@@ -216,3 +216,34 @@ def test_inverse_cdf_gives_v_for_a_row_without_a_finite_distribution():
     weights = torch.tensor([[0.2, 0.8, 0.0], [float("nan")] * 3, [0.0] * 3, [float("inf"), 1.0, 0.0]])
     u = torch.full((4,), 0.5, dtype=torch.float64)
     assert inverse_cdf(weights, u).tolist() == [1, 3, 3, 3]
+
+
+def test_a_verify_entry_that_raises_at_launch_fails_alone(monkeypatch):
+    """Sampled verify entries are verified at launch, all together; when that raises a request fault they are
+    verified again when the step is read, each alone where needed: only the entry that raises alone fails, and the
+    others commit what a clean run commits."""
+    from cbrun.engine.sample import step
+
+    config = EngineConfig(
+        page_size=4, num_blocks=200, max_batch_tokens=64, max_requests_per_batch=8, speculative="ngram", ngram_min=1
+    )
+    sampled = SamplingParams(max_new_tokens=16, temperature=0.3, seed=2)
+    prompts = [p * 3 for p in random_prompts(3, VOCAB, 4, 6, seed=25)]  # repeats: the n-gram proposer proposes
+    rows = [(name, p, sampled) for name, p in zip(("a", "bad", "c"), prompts)]
+    clean = run(LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config), rows)
+    real_verify = step.StepSampler._verify_on_device
+    calls = {"launch": 0}
+
+    def verify_on_device(self, logits, entries, token_bitmask=None):
+        if any(e.values.request_id == "bad" for e in entries):
+            calls["launch"] += 1
+            raise RuntimeError("boom")
+        return real_verify(self, logits, entries, token_bitmask)
+
+    monkeypatch.setattr(step.StepSampler, "_verify_on_device", verify_on_device)
+    engine = LLMEngine.from_pretrained(str(random_llama_dir(VOCAB)), config)
+    outputs = run(engine, rows)
+    assert calls["launch"] and engine.stats.num_verify_steps > 0
+    assert outputs["bad"].finish_reason == "error" and "RuntimeError: boom" in outputs["bad"].error
+    for name in "ac":
+        assert outputs[name].output_token_ids == clean[name].output_token_ids

@@ -85,9 +85,9 @@ def test_the_scheduler_scores_no_more_rows_per_step_than_the_budget_charges(monk
     def run(engine):
         launch, scored = engine.model_runner.launch, []
 
-        def recording_launch(plan, previous=None):
+        def recording_launch(plan, *rest):
             scored.append(sum(len(s.prompt_logprob_positions) for s in plan.scheduled))
-            return launch(plan, previous)
+            return launch(plan, *rest)
 
         engine.model_runner.launch = recording_launch
         outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}

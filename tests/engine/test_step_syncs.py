@@ -190,8 +190,7 @@ def _params(**fields) -> SamplingParams:
 #: Per row kind: its params, its engine settings, whether it needs a tokenizer (a grammar), and the host waits a
 #: step makes besides its one read-back, as measured (lowering one is a fix; raising one fails here):
 #: (log-probabilities and prompt log-probabilities ride in the ids' read-back as float64 bit patterns: none more)
-#: - a sampled verify step reads its accept flags and tokens once more (they come after verification, which runs
-#:   when the step is read);
+#: (a sampled verify step is verified at launch and its accept flags and tokens ride in the read-back too)
 #: - a constrained step's rows are sampled when it is read (the bitmask needs the matcher past the previous
 #:   token, and is filled while the device computes), so their ids are one more read.
 KINDS = {
@@ -214,7 +213,13 @@ KINDS = {
         0,
     ),
     "ngram_greedy": (SamplingParams(max_new_tokens=16), NGRAM, False, 0),
-    "ngram_sampled": (SamplingParams(max_new_tokens=16, temperature=0.3, seed=2), NGRAM, False, 1),
+    "ngram_sampled": (SamplingParams(max_new_tokens=16, temperature=0.3, seed=2), NGRAM, False, 0),
+    "ngram_sampled_logprobs": (
+        SamplingParams(max_new_tokens=16, temperature=0.3, top_p=0.9, logprobs=2, seed=2),
+        NGRAM,
+        False,
+        0,
+    ),
     "constrained": (_params(structured_outputs=StructuredOutputsParams(regex=REGEX)), STRUCTURED, True, 1),
     "constrained_sampled": (
         _params(temperature=0.9, seed=3, structured_outputs=StructuredOutputsParams(regex=REGEX)),

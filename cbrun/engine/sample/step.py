@@ -10,8 +10,9 @@ Rows that sample one token are sampled when the step is launched (``launch_rows`
 by the model runner), so their tokens stay on the device for the next step (async batching) and come back in the
 step's one read-back with each failed row's error code folded in; their log-probabilities and the step's prompt
 log-probabilities (scored at launch too) ride in the same copy as float64 bit patterns
-(``async_batching.float_bits``). Constrained rows (their bitmask needs the matcher past the previous token) and
-verify entries are sampled when the step is read (``read``), a further read each. Should a
+(``async_batching.float_bits``), as do the verify entries' decisions (verified at launch). Constrained rows
+(their bitmask needs the matcher past the previous token) are sampled when the step is read (``read``), a
+further read; so are constrained verify entries. Should a
 batched call raise an exception of the request's own kind (``cbrun.engine.core.faults.is_request_fault``), its
 rows are redone one at a time, so only the rows that raise alone fail: a row's result does not depend on its batch.
 """
@@ -44,6 +45,17 @@ BLOCKED_MESSAGE = (
 
 
 @dataclass
+class VerifyEntry:
+    """A sampled or host-processed request's verify entry: its logit rows start at ``first_row`` (one per
+    proposal, then the bonus row); ``draft_probs`` is the draft's (proposals, V) q, None for n-gram proposals."""
+
+    values: RowSampling
+    proposals: list[int]
+    first_row: int
+    draft_probs: torch.Tensor | None
+
+
+@dataclass
 class LaunchedRows:
     """A plan's rows sampled or scored at launch: their sampling values, logit rows and rows of the step's
     read-back, and its prompt rows.
@@ -53,6 +65,10 @@ class LaunchedRows:
     ``prompt_rows``: (values, first logit row, prompt positions) of each entry scoring its prompt.
     ``num_logprob_bits``, ``num_prompt_bits``: how many of the read-back's extra values are the rows'
     log-probabilities, then the prompt log-probabilities (``sample_at_launch`` packs them in that order).
+    ``verify``: the verify entries verified at launch (not constrained: their bitmask comes later);
+    ``verified`` their device results, None when verifying them together raised (they are then verified when
+    the step is read, alone where needed); ``num_verify_ids``, ``num_verify_logprob_bits``: their share of the
+    extras, after the prompt log-probabilities.
     """
 
     rows: list[RowSampling]
@@ -63,17 +79,10 @@ class LaunchedRows:
     results: list[tuple[str | None, dict[int, float] | None]] | None = None
     num_logprob_bits: int = 0
     num_prompt_bits: int = 0
-
-
-@dataclass
-class VerifyEntry:
-    """A sampled or host-processed request's verify entry: its logit rows start at ``first_row`` (one per
-    proposal, then the bonus row); ``draft_probs`` is the draft's (proposals, V) q, None for n-gram proposals."""
-
-    values: RowSampling
-    proposals: list[int]
-    first_row: int
-    draft_probs: torch.Tensor | None
+    verify: list[VerifyEntry] = field(default_factory=list)
+    verified: SamplerOutput | None = None
+    num_verify_ids: int = 0
+    num_verify_logprob_bits: int = 0
 
 
 class StepSampler:
@@ -101,10 +110,13 @@ class StepSampler:
         self.token_counts.release_all()
 
     # ---- at launch ------------------------------------------------------------------------------------------
-    def launch_rows(self, plan: SchedulerOutput) -> LaunchedRows | None:
+    def launch_rows(
+        self, plan: SchedulerOutput, draft_probs: dict[int, torch.Tensor] | None = None
+    ) -> LaunchedRows | None:
         """The plan's entries that sample one token through the sampler (not the plain argmax, not a verify entry,
-        not a constrained one), with their logit rows and read-back rows, and its entries that score their
-        prompt; None when there are none."""
+        not a constrained one), with their logit rows and read-back rows, its entries that score their prompt,
+        and its verify entries that are not constrained (``draft_probs``: their draft distributions, by
+        ``Request.index``); None when there are none."""
         if plan.plain_greedy:
             return None
         layout, sampling = plan.layout, plan.sampling
@@ -114,15 +126,21 @@ class StepSampler:
                 launched.prompt_rows.append(
                     (sampling[item.request_index], layout.first_rows[i], item.prompt_logprob_positions)
                 )
-            if not (item.samples and item.needs_host_sampling) or item.spec_token_ids:
+            if not (item.samples and item.needs_host_sampling):
                 continue
             values = sampling[item.request_index]
+            if item.spec_token_ids:
+                if values.structured is None:
+                    probs = draft_probs.get(item.request_index) if draft_probs else None
+                    entry = VerifyEntry(values, list(item.spec_token_ids), layout.first_sample_rows[i], probs)
+                    launched.verify.append(entry)
+                continue
             # NOTE: a constrained row is sampled when the step is read, after its bitmask is built from its matcher
             if values.structured is None:
                 launched.rows.append(values)
                 launched.logit_rows.append(layout.first_sample_rows[i])
                 launched.sample_rows.append(layout.first_samples[i])
-        return launched if launched.rows or launched.prompt_rows else None
+        return launched if launched.rows or launched.prompt_rows or launched.verify else None
 
     @torch.inference_mode()
     def sample_at_launch(
@@ -151,6 +169,19 @@ class StepSampler:
         if launched.prompt_rows:
             extras.append(self._score_prompts(launched.prompt_rows, logits))
             launched.num_prompt_bits = extras[-1].shape[0]
+        if launched.verify:
+            try:
+                launched.verified, read = self._verify_on_device(logits, launched.verify)
+            except Exception as error:
+                if not is_request_fault(error):
+                    raise
+                return argmax, extras  # verified again when the step is read, each entry alone if need be
+            extras.append(read)
+            launched.num_verify_ids = read.shape[0]
+            bits = launched.verified.logprob_bits()
+            if bits is not None:
+                extras.append(bits)
+                launched.num_verify_logprob_bits = bits.shape[0]
         return argmax, extras
 
     def _sample_launched(
@@ -224,6 +255,8 @@ class StepSampler:
         if grammar is not None:
             for index in grammar.blocked:
                 out.fail(index, BLOCKED_MESSAGE)
+        launched = handle.launched
+        verified_at_launch = launched is not None and launched.verified is not None
         constrained: list[tuple[RowSampling, int]] = []  # (values, logit row), sampled now with the bitmask
         to_verify: list[VerifyEntry] = []
         for i, item in enumerate(plan.scheduled):
@@ -232,6 +265,8 @@ class StepSampler:
                 continue
             first, at = layout.first_sample_rows[i], layout.first_samples[i]
             if item.spec_token_ids and item.needs_host_sampling:
+                if launched is not None and plan.sampling[index].structured is None:
+                    continue  # in ``launched.verify``: verified at launch
                 probs = draft_probs.get(index) if draft_probs else None
                 to_verify.append(VerifyEntry(plan.sampling[index], list(item.spec_token_ids), first, probs))
             elif item.spec_token_ids:
@@ -240,7 +275,6 @@ class StepSampler:
                 constrained.append((plan.sampling[index], first))
             elif not item.needs_host_sampling:  # plain greedy: the device's argmax
                 out.token_ids[index] = [token_ids[at]]
-        launched = handle.launched
         if launched is not None:
             extra = handle.extra_ids()  # read with the tokens
             if launched.rows:
@@ -248,6 +282,10 @@ class StepSampler:
             if launched.prompt_rows:
                 scores = floats_of(extra[launched.num_logprob_bits :][: launched.num_prompt_bits])
                 self._put_prompt_logprobs(launched.prompt_rows, scores, out)
+            if verified_at_launch:
+                self._read_verified(launched, extra[launched.num_logprob_bits + launched.num_prompt_bits :], out)
+            elif launched.verify:  # verifying them together raised at launch
+                to_verify.extend(launched.verify)
         bitmask = grammar.on_device if grammar is not None else None
         if constrained:
             self._sample_constrained(handle.logits, bitmask, constrained, out)
@@ -266,6 +304,14 @@ class StepSampler:
             launched.results = [_launched_result((None, error, lp)) for error, lp in zip(errors, logprobs)]
         for values, token, (error, logprobs) in zip(launched.rows, tokens, launched.results):
             _put(out, values, error, [token], None if logprobs is None else [logprobs])
+
+    def _read_verified(self, launched: LaunchedRows, extra: list[int], out: StepOutput) -> None:
+        """The entries verified at launch: their committed tokens and log-probabilities from ``extra`` (the
+        read-back's values after the prompt log-probabilities) into ``out``."""
+        read = extra[: launched.num_verify_ids]
+        bits = extra[launched.num_verify_ids :][: launched.num_verify_logprob_bits]
+        results = self._verify_results(launched.verify, launched.verified, read, bits)
+        self._put_verified(launched.verify, results, out)
 
     def _sample_constrained(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[RowSampling, int]], out: StepOutput
@@ -301,6 +347,11 @@ class StepSampler:
     ) -> None:
         """The tokens each verify entry commits: its accepted proposals, then a replacement or the bonus token."""
         results = self._isolated(lambda at: self._verify(logits, [entries[i] for i in at], bitmask), len(entries))
+        self._put_verified(entries, results, out)
+
+    @staticmethod
+    def _put_verified(entries: list[VerifyEntry], results: list, out: StepOutput) -> None:
+        """Each verify entry's result (``_verify_results``' triple or its exception) into ``out``."""
         for entry, result in zip(entries, results):
             if isinstance(result, Exception):
                 out.fail(entry.values.request_index, request_error_message("sampling", result))
@@ -383,6 +434,15 @@ class StepSampler:
         return list(zip(tokens, errors, logprobs))
 
     def _verify(self, logits, entries: list[VerifyEntry], token_bitmask=None):
+        """Each entry's (committed tokens, error code or None, their log-probabilities), read back now."""
+        sampled, read = self._verify_on_device(logits, entries, token_bitmask)
+        return self._verify_results(entries, sampled, read.tolist(), None)
+
+    def _verify_on_device(
+        self, logits, entries: list[VerifyEntry], token_bitmask=None
+    ) -> tuple[SamplerOutput, torch.Tensor]:
+        """Verify the entries on the device: (the verified rows' ``SamplerOutput``, (rows,) int64 read-back of their
+        tokens with the accept flags folded in: an accepted row's id + V). Reads nothing back."""
         rows, logit_rows, proposals, drafted = [], [], [], []
         for entry in entries:
             spec = entry.proposals
@@ -411,11 +471,16 @@ class StepSampler:
             token_bitmask[index] if token_bitmask is not None else None,
         )
         # NOTE: one read-back: the accept flags ride with the tokens (an accepted row's id + V).
-        read = torch.where(result.accepted, result.sampled.readback() + self.vocab_size, result.sampled.readback())
-        read = read.tolist()
+        readback = result.sampled.readback()
+        return result.sampled, torch.where(result.accepted, readback + self.vocab_size, readback)
+
+    def _verify_results(
+        self, entries: list[VerifyEntry], sampled: SamplerOutput, read: list[int], logprob_bits: list[int] | None
+    ):
+        """``_verify_on_device``'s read-back (and log-probabilities, ``SamplerOutput.to_host``) per entry."""
         accepted = [t >= self.vocab_size for t in read]
         read = [t - self.vocab_size if a else t for t, a in zip(read, accepted)]
-        tokens, errors, logprobs = result.sampled.to_host(read)
+        tokens, errors, logprobs = sampled.to_host(read, logprob_bits)
         results, j = [], 0
         for entry in entries:
             committed, committed_logprobs, error = [], [], None

@@ -123,7 +123,12 @@ class ModelRunner:
         return handle.logits if handle is not None else None
 
     @torch.inference_mode()
-    def launch(self, plan: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle | None:
+    def launch(
+        self,
+        plan: SchedulerOutput,
+        previous: StepHandle | None = None,
+        draft_probs: dict[int, torch.Tensor] | None = None,
+    ) -> StepHandle | None:
         """Make the plan's offload copies, then enqueue one forward pass, the argmax of its sample rows (zeros
         when no entry reads it: ``StepInputs.needs_argmax``) and the sampler's draw of the rows it samples at
         launch (``StepSampler.launch_rows``: sampled rows and prompt scores), then start the one copy of the step's
@@ -135,6 +140,8 @@ class ModelRunner:
             plan: the step's plan; each entry computes ``num_tokens`` tokens from its ``start``.
             previous: the step still in flight (async batching). An input token that is pending on the host
                 (``PENDING_TOKEN``) is taken from ``previous.sampled`` on the device.
+            draft_probs: the draft distributions of the plan's sampled verify entries, by ``Request.index``
+                (they are verified at launch).
 
         Returns:
             The step's handle (nothing waited for on CUDA), or None when nothing is scheduled.
@@ -168,7 +175,7 @@ class ModelRunner:
             sampled = torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)
         readback, extras = sampled, list[torch.Tensor]()
         sampler = self.sampler
-        launched = sampler.launch_rows(plan) if sampler is not None else None
+        launched = sampler.launch_rows(plan, draft_probs) if sampler is not None else None
         if sampler is not None and launched is not None:
             readback, extras = sampler.sample_at_launch(logits, sampled, launched, previous)
             if launched.rows:
