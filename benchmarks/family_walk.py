@@ -252,7 +252,7 @@ def walk(model_type: str, path: Path) -> Outcome:
     from transformers import AutoModelForCausalLM
 
     from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-    from cbrun.engine.model.attention_contract import UnsupportedAttention
+    from cbrun.engine.model.layers.attention_contract import UnsupportedAttention
     from tests.model_utils import greedy_generate
 
     start = time.perf_counter()

@@ -65,7 +65,7 @@ def checkpoints(model_dir: Path) -> dict[str, Path]:
     """{layout: checkpoint dir}, the quantized ones beside their dequantized twin (the same weights)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.engine import test_int4_quantization as int4
-    from tests.engine import test_quantization as fp8
+    from tests.engine.model import test_quantization as fp8
 
     found = {}
     for layout in LAYOUTS[1:]:
