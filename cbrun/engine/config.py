@@ -138,7 +138,7 @@ class EngineConfig:
             torch's for the rest. The transformers modules always use torch's.
         batch_invariant: "on" makes a row's logits the same bits whatever else is in its step, so that a seeded
             row draws the same tokens and logprobs alone or in any batch, under preemption and prefix sharing
-            (docs/sampling.md, "Batch invariance"): linear layers through ``cpu_linear.batch_invariant_linear``, the
+            (docs/sampling.md, "Batch invariance"): linear layers through ``linear.batch_invariant_linear``, the
             MLP's silu and every attention query row in C, row by row. It needs the lean forward pass on the CPU
             with the C attention kernel (float32), ``linear_backend = "auto"``, ``speculative = "off"`` and no CUDA
             graphs; anything else is a ValueError naming it. "off" runs the fastest kernels, whose bits may change

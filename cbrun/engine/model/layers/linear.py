@@ -18,7 +18,7 @@ BLAS libraries, so the lean path's logits equal transformers' bit for bit only w
 
 Batch invariance (``engine.batch_invariant``, ``batch_invariant_linear``): neither GEMM computes a row the same way
 for every number of rows. Measured on the same machine (float32, 1 and 2 threads, weights 64x128 to 32000x512,
-``tests/engine/test_cpu_linear.py``): torch's GEMM (MKL) gives a row other bits below 16 rows (3 for
+``tests/engine/model/test_cpu_linear.py``): torch's GEMM (MKL) gives a row other bits below 16 rows (3 for
 64-wide inputs), and at two threads for some shapes (1408 or 896 inputs) below 200 rows, where it splits the sum
 over threads; oneDNN gives a row the same bits for every row count from 2 to 1024 and at any row offset, at one
 and two threads, but another at 1 row (a GEMV). So the invariant linear is oneDNN with a single row padded to two,

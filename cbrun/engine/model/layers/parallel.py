@@ -26,7 +26,7 @@ the one its query heads attend with (vLLM's ``QKVParallelLinear`` does the same)
 
 Equality with one rank: the row-parallel sums add the ranks' partial sums in another order than one GEMM does, so
 logits may differ in their last bits from ``tensor_parallel_size = 1``; greedy tokens are tested equal
-(``tests/engine/test_tensor_parallel.py``).
+(``tests/engine/model/test_tensor_parallel.py``).
 
 The collectives go through a ``Communicator`` (``cbrun.engine.worker.tp_group.GroupCommunicator`` over
 ``torch.distributed``), so this module imports nothing from the worker.
