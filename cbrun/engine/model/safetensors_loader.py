@@ -132,7 +132,8 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
         plan: what to read (``load_plan``).
         device: where the tensors go.
         parallel: a tensor-parallel rank's share: only its slice of each split tensor is read
-            (``cbrun.engine.model.layers.parallel.ShardLayout.split``, by the family's ``shard_style``); None reads the whole model.
+            (``cbrun.engine.model.layers.parallel.ShardLayout.split``, by the family's ``shard_style``); None
+            reads the whole model.
 
     Raises:
         RuntimeError: a tensor's shape is not the one config.json implies.

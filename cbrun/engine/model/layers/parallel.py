@@ -150,8 +150,8 @@ class ShardLayout:
         raise ValueError(f"unknown tensor-parallel split {style!r}; one of {SPLIT_STYLES}")
 
 
-#: How a tensor is split over the ranks (Megatron-LM's): "vocab" (rows, by vocabulary), "column_heads" / "column_kv_heads"
-#: (output rows, by query / KV head), "column" (output rows, by intermediate feature), "row_heads" / "row" (input
+#: How a tensor is split over the ranks (Megatron-LM's): "vocab" (rows, by vocabulary), "column_heads" /
+#: "column_kv_heads" (output rows, by query / KV head), "column" (output rows, by intermediate feature), "row_heads" / "row" (input
 #: columns, by query head / intermediate feature: the product is a partial sum; a row-parallel bias is held whole,
 #: added once after the sum).
 SPLIT_STYLES = ("vocab", "column_heads", "column_kv_heads", "column", "row_heads", "row")

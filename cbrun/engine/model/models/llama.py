@@ -7,29 +7,30 @@ The forward pass (``LeanLlama``): the same math as transformers, as plain tensor
 
 transformers runs every step through about 14 ``nn.Module`` calls per decoder layer plus decorators, output
 capturing and keyword plumbing. On the CPU, with the small models and batches of an offline job, that costs a
-visible share of each step. ``LeanLlama`` runs the model's weight tensors (``cbrun.engine.model.weights.LlamaWeights``: a transformers
-model's own, nothing copied, or the same tensors read by ``cbrun.engine.model.safetensors_loader`` without
-transformers) through the same operations in the same order, and the same paged attention
-(``cbrun.engine.model.layers.attention.paged_attention``), so its logits equal transformers' bit for bit, as long as
-each linear layer runs on torch's GEMM. On the CPU, large float32 weights run on oneDNN's instead
-(``cbrun.engine.model.layers.linear``, ``linear_backend``): faster, and equal up to float32
+visible share of each step. ``LeanLlama`` runs the model's weight tensors
+(``cbrun.engine.model.weights.LlamaWeights``: a transformers model's own, nothing copied, or the same tensors read
+by ``cbrun.engine.model.safetensors_loader`` without transformers) through the same operations in the same order,
+and the same paged attention (``cbrun.engine.model.layers.attention.paged_attention``), so its logits equal
+transformers' bit for bit, as long as each linear layer runs on torch's GEMM. On the CPU, large float32 weights run
+on oneDNN's instead (``cbrun.engine.model.layers.linear``, ``linear_backend``): faster, and equal up to float32
 rounding. Where the step runs on the C attention kernels (float32 on the CPU), RoPE runs in C too
-(``cbrun.kernels.cpu_attention.rope_cpu``, called through the step's ``StepKernels``): the same floats as the PyTorch
-ops, one call instead of four.
+(``cbrun.kernels.cpu_attention.rope_cpu``, called through the step's ``StepKernels``): the same floats as the
+PyTorch ops, one call instead of four.
 
 Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
 
     x = rms_norm(h);  h = h + o_proj(paged_attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))
     x = rms_norm(h);  h = h + down_proj(silu(gate_proj(x)) * up_proj(x))
 
-Supported: ``LlamaForCausalLM``, ``MistralForCausalLM`` without a sliding window, ``Qwen2ForCausalLM`` without
-sliding layers, ``Qwen3ForCausalLM`` (per-head q/k RMSNorm) without sliding layers, and the mixtures of experts ``Qwen3MoeForCausalLM`` (per-head q/k RMSNorm) and
-``MixtralForCausalLM``, whose MLP is ``cbrun.engine.model.layers.moe.SparseMoE``; default RoPE only; linear biases
-as the checkpoint has them; tied or untied embeddings. ``LlamaDecoderFamily.unsupported_module_reason`` says why
-anything else is refused (``parse_config`` keeps the same limits for the transformers-free loader). Fusing q/k/v or gate/up into one matmul was measured
-and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden 896 with 128 KV features), and on
-the CPU it saved nothing measurable (hidden 512, intermediate 1408, 128 and 2048 rows, one thread: within 4%,
-either way). The matmuls are most of a CPU step once attention reads pages in place (``cbrun.kernels.cpu_attention``).
+The decoder runs, per family file, a plain Llama (this file's ``LlamaForCausalLM`` and ``MistralForCausalLM``
+without a sliding window), per-head q/k RMSNorm (``qk_norm``) and sparse MoE blocks
+(``cbrun.engine.model.layers.moe.SparseMoE``); default RoPE only; linear biases as the checkpoint has them; tied or
+untied embeddings. ``LlamaDecoderFamily.unsupported_module_reason`` says why anything else is refused
+(``parse_config`` keeps the same limits for the transformers-free loader). Fusing q/k/v or gate/up into one matmul
+was measured and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden 896 with 128 KV
+features), and on the CPU it saved nothing measurable (hidden 512, intermediate 1408, 128 and 2048 rows, one thread:
+within 4%, either way). The matmuls are most of a CPU step once attention reads pages in place
+(``cbrun.kernels.cpu_attention``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from cbrun.engine.model.config import (
     DTYPE_NAMES,
@@ -52,6 +52,7 @@ from cbrun.engine.model.config import (
 from cbrun.engine.model.family import ModelFamily
 from cbrun.engine.model.layers.activation import silu_mul as activation_silu_mul
 from cbrun.engine.model.layers.attention import AttentionMetadata, paged_attention
+from cbrun.engine.model.layers.embed_head import embed_tokens, lm_head
 from cbrun.engine.model.layers.layernorm import rms_norm
 from cbrun.engine.model.layers.linear import (
     Backend,
@@ -69,7 +70,7 @@ from cbrun.engine.model.layers.moe import (
     unsupported_moe_reason,
 )
 from cbrun.engine.model.layers.quantization.base import QuantizedExperts, QuantizedLinearWeight
-from cbrun.engine.model.layers.quantization.schemes import read_quantization
+from cbrun.engine.model.layers.quantization.schemes import QuantScheme, read_quantization
 from cbrun.engine.model.layers.rotary_embedding import (
     RopeParameters,
     apply_rope,
@@ -147,12 +148,18 @@ class LlamaDecoderFamily(ModelFamily):
         rope, reason = read_rope_parameters(raw)
         if rope is None:
             return None, reason
+        config = self._config(raw, rope, quantization)
+        reason = unsupported_shape(config) or self.unsupported_shape(config)
+        return (None, reason) if reason else (config, None)
+
+    def _config(self, raw: dict, rope: RopeParameters, quantization: QuantScheme | None) -> LlamaConfig:
+        """The config's fields, with the family's defaults for those config.json leaves out."""
         defaults = self.defaults
         heads = raw["num_attention_heads"]
         num_kv_heads = raw.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads
         head_dim = raw.get("head_dim") or defaults.get("head_dim") or raw["hidden_size"] // heads
         qkv_bias, o_bias = self.biases(raw)
-        config = LlamaConfig(
+        return LlamaConfig(
             model_type=self.model_type,
             architecture=self.architecture,
             vocab_size=raw["vocab_size"],
@@ -178,8 +185,6 @@ class LlamaDecoderFamily(ModelFamily):
             moe=self.moe_config(raw),
             quantization=quantization,
         )
-        reason = unsupported_shape(config) or self.unsupported_shape(config)
-        return (None, reason) if reason else (config, None)
 
     def _unsupported_value(self, raw: dict) -> str | None:
         if raw.get("hidden_act", "silu") != "silu":
@@ -543,20 +548,11 @@ class LeanLlama:
         batch_invariant: bool = False,
     ) -> None:
         self.batch_invariant = batch_invariant
-        if batch_invariant and any(layer.moe is not None for layer in weights.layers):
-            raise ValueError(
-                "batch_invariant = on does not run MoE layers yet (the experts' grouped GEMM sums by each "
-                "expert's share of the step); set engine.batch_invariant = off"
-            )
         quantized = [
             p[0] for layer in weights.layers for p in layer.linears() if isinstance(p[0], QuantizedLinearWeight)
         ]
-        if batch_invariant and quantized:
-            raise ValueError(
-                "batch_invariant = on does not run quantized weights (each GEMM dequantizes its weight in chunks "
-                "of its own shape); set engine.batch_invariant = off or use unquantized weights"
-            )
         if batch_invariant:  # one rule for every projection: the invariant linear
+            _check_batch_invariant(weights, quantized)
             linear_backend = batch_invariant_linear
         self.head_dim = weights.head_dim
         self.embed = weights.embed
@@ -571,34 +567,15 @@ class LeanLlama:
         ]
         self.num_onednn_linears = sum(p[2] in (onednn_linear, onednn_two_rows_or_more) for p in projections)
         self.parallel = weights.parallel  # tensor parallelism: the collectives wrap the split projections
+        self.lm_head = lm_head(self.lm_head, self.parallel)
         if self.parallel is not None:
-            self.lm_head = self.parallel.gathered_head(self.lm_head)
             for layer in self.layers:
                 layer.o = self.parallel.row_parallel(layer.o)
                 if layer.down is not None:
                     layer.down = self.parallel.row_parallel(layer.down)
                 if layer.moe is not None:  # split by expert
                     layer.moe = self.parallel.expert_parallel(layer.moe)
-        logger.info(
-            "linear layers: %d of %d on oneDNN, the rest on torch's GEMM (%s)",
-            self.num_onednn_linears,
-            len(projections),
-            "batch-invariant" if batch_invariant else f"linear_backend = {linear_backend}",
-        )
-        if quantized:
-            logger.info(
-                "quantized linear layers: %d, kept %s with their scales, dequantized in the GEMM (weight-only: "
-                "activations in %s)",
-                len(quantized),
-                quantized[0].storage_dtype,
-                quantized[0].dtype,
-            )
-        moe = [layer.moe for layer in self.layers if layer.moe is not None]
-        if moe:
-            reason = moe[0].fallback_reason
-            logger.info(
-                "MoE layers: %d, experts on %s", len(moe), f"the reference ({reason})" if reason else "grouped GEMM"
-            )
+        _log_layers(self.layers, len(projections), self.num_onednn_linears, quantized, linear_backend, batch_invariant)
         self.cos, self.sin_signed = rope_tables(
             weights.inv_freq,
             weights.attention_scaling,
@@ -620,7 +597,7 @@ class LeanLlama:
         Returns:
             (N, vocab_size) logits in the model's dtype.
         """
-        h = F.embedding(input_ids, self.embed) if self.parallel is None else self.parallel.embed(input_ids, self.embed)
+        h = embed_tokens(input_ids, self.embed, self.parallel)
         if md.use_cpu_kernel:  # the C kernels' RoPE: one call per tensor, reading the tables by position
             kernels = md.step_kernels()
 
@@ -690,3 +667,52 @@ def _mlp(
     if layer.moe is not None:
         return layer.moe(x)
     return apply_linear(silu_mul(apply_linear(x, layer.gate), apply_linear(x, layer.up)), layer.down)
+
+
+def _check_batch_invariant(weights: LlamaWeights, quantized: list[QuantizedLinearWeight]) -> None:
+    """Refuse what ``batch_invariant = on`` does not run, naming the setting.
+
+    Raises:
+        ValueError: MoE layers, or quantized weights.
+    """
+    if any(layer.moe is not None for layer in weights.layers):
+        raise ValueError(
+            "batch_invariant = on does not run MoE layers yet (the experts' grouped GEMM sums by each "
+            "expert's share of the step); set engine.batch_invariant = off"
+        )
+    if quantized:
+        raise ValueError(
+            "batch_invariant = on does not run quantized weights (each GEMM dequantizes its weight in chunks "
+            "of its own shape); set engine.batch_invariant = off or use unquantized weights"
+        )
+
+
+def _log_layers(
+    layers: list[_Layer],
+    num_projections: int,
+    num_onednn: int,
+    quantized: list[QuantizedLinearWeight],
+    linear_backend: Backend,
+    batch_invariant: bool,
+) -> None:
+    """Log once which GEMM runs the projections, the quantized layers and where the MoE experts run."""
+    logger.info(
+        "linear layers: %d of %d on oneDNN, the rest on torch's GEMM (%s)",
+        num_onednn,
+        num_projections,
+        "batch-invariant" if batch_invariant else f"linear_backend = {linear_backend}",
+    )
+    if quantized:
+        logger.info(
+            "quantized linear layers: %d, kept %s with their scales, dequantized in the GEMM (weight-only: "
+            "activations in %s)",
+            len(quantized),
+            quantized[0].storage_dtype,
+            quantized[0].dtype,
+        )
+    moe = [layer.moe for layer in layers if layer.moe is not None]
+    if moe:
+        reason = moe[0].fallback_reason
+        logger.info(
+            "MoE layers: %d, experts on %s", len(moe), f"the reference ({reason})" if reason else "grouped GEMM"
+        )

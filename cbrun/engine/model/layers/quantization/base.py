@@ -21,8 +21,8 @@ class QuantizedLinearWeight:
     """A linear layer's weight kept quantized in memory, dequantized by ``quantized_linear`` chunk by chunk.
 
     Each layout is a dataclass over this base (``QuantizedWeight``: float8 with block scales;
-    ``cbrun.engine.model.layers.quantization.int4.Int4Weight``: 4-bit codes with group scales). Subclasses define ``shape``
-    ((out_features, in_features)), ``device``, ``dtype`` (the dtype the GEMM computes in), ``storage_dtype``
+    ``cbrun.engine.model.layers.quantization.int4.Int4Weight``: 4-bit codes with group scales). Subclasses define
+    ``shape`` ((out_features, in_features)), ``device``, ``dtype`` (the dtype the GEMM computes in), ``storage_dtype``
     (what the values are stored as, for the log), ``tensors()``, ``rows_per_chunk()`` and
     ``dequantize(start, stop)``.
     """
