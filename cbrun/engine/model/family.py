@@ -16,6 +16,7 @@ import torch
 from cbrun.engine.model.config import LlamaConfig
 from cbrun.engine.model.layers.attention import AttentionMetadata
 from cbrun.engine.model.layers.linear import Backend
+from cbrun.engine.model.layers.quantization.schemes import QuantScheme
 from cbrun.engine.model.weights import LlamaWeights
 
 
@@ -48,6 +49,11 @@ class ModelFamily:
         ``(None, why not)``."""
         raise NotImplementedError
 
+    def unsupported_quantization(self, scheme: QuantScheme | None) -> str | None:
+        """Why this family cannot read a checkpoint quantized in ``scheme`` (a layout
+        ``cbrun.engine.model.layers.quantization.schemes`` implements), or None."""
+        return None
+
     def checkpoint_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         """Every tensor name a transformers checkpoint of this config holds, with its shape."""
         raise NotImplementedError
@@ -63,6 +69,11 @@ class ModelFamily:
         """How a tensor-parallel group splits checkpoint tensor ``name`` (one of
         ``cbrun.engine.model.layers.parallel.SPLIT_STYLES``), None where every rank holds it whole."""
         raise NotImplementedError
+
+    def unsupported_parallel_reason(self, config: LlamaConfig) -> str | None:
+        """Why tensor parallelism cannot split this family's weights (beyond the shapes
+        ``cbrun.engine.model.layers.parallel.unsupported_reason`` checks), or None."""
+        return None
 
     def unsupported_module_reason(self, model: torch.nn.Module) -> str | None:
         """Why the forward pass cannot run this family's transformers model exactly as transformers does, or None."""

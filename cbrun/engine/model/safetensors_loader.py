@@ -107,7 +107,7 @@ def _quantized_names(config: LlamaConfig, files: dict[str, Path]) -> tuple[dict[
     scheme's first suffix; MoE experts' included), or a reason: one lacks a tensor of its layout, or the
     checkpoint holds none at all."""
     scheme = config.quantization
-    if scheme is None:
+    if scheme is None or not scheme.suffixes:  # none, or stacked experts the family names itself (mxfp4)
         return {}, None
     marker, *rest = scheme.suffixes
     quantized: dict[str, dict[str, str]] = {}
@@ -166,7 +166,10 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
                     tensor = read_shard(handle, name, parallel.layout, family.shard_style(name))
                 if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
                     raise RuntimeError(f"tensor {name} is {tensor.dtype} without a scale tensor")
-                tensors[name] = tensor.to(device=device, dtype=plan.dtype)
+                # integers are packed codes or scales (mxfp4's ``*_blocks`` / ``*_scales``): kept as stored, the
+                # family checks their dtype
+                dtype = plan.dtype if tensor.dtype.is_floating_point else tensor.dtype
+                tensors[name] = tensor.to(device=device, dtype=dtype)
     for name, stored in parts.items():
         # NOTE: a quantized weight stays quantized: it is dequantized in the GEMM, never here.
         tensors[name] = _quantized(plan, name, shapes[name], stored)

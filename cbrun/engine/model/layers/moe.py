@@ -1,5 +1,6 @@
-"""The sparse mixture-of-experts block of the lean forward pass (Qwen3-MoE, Mixtral, each family's file naming its tensors): a top-k router and the
-experts as one grouped operation, with no host read-back, so a step stays capturable.
+"""The sparse mixture-of-experts block of the lean forward pass (Qwen3-MoE, Mixtral, gpt-oss, each family's file
+naming its tensors): a top-k router and the experts as one grouped operation, with no host read-back, so a step
+stays capturable.
 
 Per token ``x`` (hidden,), with ``E`` experts of width ``I`` and ``k`` experts per token (Shazeer et al. 2017,
 "Outrageously large neural networks"; Mixtral, Jiang et al. 2024)::
@@ -8,6 +9,11 @@ Per token ``x`` (hidden,), with ``E`` experts of width ``I`` and ``k`` experts p
     w, e = topk(p, k)                             # the k largest, in descending order
     w = w / sum(w)                                # Mixtral always; Qwen3-MoE when norm_topk_prob
     y = sum_j w_j * down[e_j] @ (silu(gate[e_j] @ x) * up[e_j] @ x)
+
+gpt-oss (``GptOssMLP``) routes the other way round and adds biases: ``l = router @ x + b``, ``w, e = topk(l, k)``,
+``w = softmax(w)`` in the model dtype, and each expert is
+``down[e] @ act(gate_up[e] @ x + b_gate_up[e]) + b_down[e]`` with ``act`` its clamped SwiGLU on interleaved
+gate/up columns (``cbrun.engine.model.layers.activation.ClampedSwiGLU``).
 
 ``sparse_moe`` computes the experts for all ``T * k`` (token, expert) pairs at once: the pairs are sorted by
 expert (a stable sort, a static shape), each expert's rows become one group of a grouped GEMM
@@ -27,12 +33,14 @@ its weight, in (token, slot) order, summed over the slots, so the lean path equa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.model.layers.quantization.base import QuantizedExperts
+from cbrun.engine.model.layers.activation import silu_and_mul
+from cbrun.engine.model.layers.quantization.base import ExpertStack
 
 
 @dataclass
@@ -42,32 +50,44 @@ class MoEWeights:
     Attributes:
         router: (E, hidden) the router's weight (no bias).
         gate_up: (E, 2 * I, hidden) each expert's gate rows then its up rows, as transformers 5 stacks them.
-        down: (E, hidden, I) each expert's down projection. Either may be a ``QuantizedExperts`` (a quantized
+        down: (E, hidden, I) each expert's down projection. Either may be an ``ExpertStack`` (a quantized
             checkpoint's experts, kept quantized; ``SparseMoE`` dequantizes the layer's experts per forward).
         top_k: experts per token (``num_experts_per_tok``).
         norm_topk_prob: renormalise the k chosen probabilities to sum to 1.
         weights_in_model_dtype: cast the routing weights to the model dtype before they scale the experts'
             outputs (Qwen3-MoE); False keeps them float32 (Mixtral), so the product and the sum are float32.
+        router_bias: (E,) the router's bias (gpt-oss), or None.
+        softmax_after_topk: pick the top-k router logits, then softmax over those k in the logits' dtype
+            (gpt-oss's ``GptOssTopKRouter``); False: softmax over all E in float32, then top-k.
+        gate_up_bias: (E, 2 * I) and down_bias: (E, hidden) each expert's biases (gpt-oss), or None.
+        activation: (S, 2 * I) -> (S, I) the experts' gated activation (``silu_and_mul`` on gate-then-up columns;
+            gpt-oss's ``ClampedSwiGLU`` on interleaved ones).
     """
 
     router: torch.Tensor
-    gate_up: torch.Tensor | QuantizedExperts
-    down: torch.Tensor | QuantizedExperts
+    gate_up: torch.Tensor | ExpertStack
+    down: torch.Tensor | ExpertStack
     top_k: int
     norm_topk_prob: bool
     weights_in_model_dtype: bool
+    router_bias: torch.Tensor | None = None
+    softmax_after_topk: bool = False
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: Callable[[torch.Tensor], torch.Tensor] = field(default=silu_and_mul)
 
     @property
     def num_experts(self) -> int:
         return self.router.shape[0]
 
     def tensors(self) -> list[torch.Tensor]:
-        parts = [self.router, self.gate_up, self.down]
-        return [t for p in parts for t in (p.tensors() if isinstance(p, QuantizedExperts) else [p])]
+        biases = [b for b in (self.router_bias, self.gate_up_bias, self.down_bias) if b is not None]
+        parts = [self.router, self.gate_up, self.down, *biases]
+        return [t for p in parts for t in (p.tensors() if isinstance(p, ExpertStack) else [p])]
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.gate_up, QuantizedExperts) or isinstance(self.down, QuantizedExperts)
+        return isinstance(self.gate_up, ExpertStack) or isinstance(self.down, ExpertStack)
 
     def dense(self, experts: slice = slice(None)) -> MoEWeights:
         """These weights with quantized experts dequantized (``experts`` of them; all by default), else itself."""
@@ -75,7 +95,7 @@ class MoEWeights:
             return self
 
         def real(w):
-            return w.dequantize(experts) if isinstance(w, QuantizedExperts) else w[experts]
+            return w.dequantize(experts) if isinstance(w, ExpertStack) else w[experts]
 
         return replace(self, gate_up=real(self.gate_up), down=real(self.down))
 
@@ -91,7 +111,10 @@ def route(x: torch.Tensor, moe: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]
         ``(weights, expert_ids)``: (T, k) routing weights (float32, or the model dtype where
         ``moe.weights_in_model_dtype``) and (T, k) int64 expert ids, in descending probability.
     """
-    logits = F.linear(x, moe.router)
+    logits = F.linear(x, moe.router, moe.router_bias)
+    if moe.softmax_after_topk:
+        top, expert_ids = torch.topk(logits, moe.top_k, dim=-1)
+        return torch.softmax(top, dim=1, dtype=top.dtype), expert_ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, expert_ids = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
@@ -113,8 +136,10 @@ def grouped_gemm_unavailable_reason(moe: MoEWeights) -> str | None:
     if device.type != "cpu":
         return f"torch._grouped_mm does not run on {device.type}"
     width = moe.down.shape[-1]  # I
-    for name, tensor, row in (("gate_up", moe.gate_up, moe.gate_up.shape[-1]), ("down", moe.down, width)):
-        if (row * tensor.element_size()) % 16 or tensor.data_ptr() % 16:
+    for name, tensor in (("gate_up", moe.gate_up), ("down", moe.down)):
+        # the (E, in, out) operand the GEMM reads: every stride but the unit one must be a 16-byte multiple
+        strides = [s for s in tensor.transpose(1, 2).stride() if s != 1]
+        if any((s * tensor.element_size()) % 16 for s in strides) or tensor.data_ptr() % 16:
             return f"{name}'s rows are not 16-byte aligned (torch._grouped_mm on the CPU needs them)"
     if (2 * width * moe.gate_up.element_size()) % 16:
         return "2 * moe_intermediate_size is not a 16-byte multiple"
@@ -144,9 +169,13 @@ def sparse_moe(x: torch.Tensor, moe: MoEWeights, grouped: bool = True) -> torch.
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
     offsets = counts.cumsum(0, dtype=torch.int32)  # (E,) each group's end row
     gate_up = torch._grouped_mm(rows, moe.gate_up.transpose(1, 2), offs=offsets)  # (S, 2I)
-    width = gate_up.shape[-1] // 2
-    hidden = F.silu(gate_up[:, :width]) * gate_up[:, width:]  # (S, I)
+    sorted_ids = flat_ids[order] if moe.gate_up_bias is not None or moe.down_bias is not None else None
+    if moe.gate_up_bias is not None:  # after the GEMM, as transformers' ``_grouped_linear``
+        gate_up.add_(moe.gate_up_bias[sorted_ids])
+    hidden = moe.activation(gate_up)  # (S, I)
     out = torch._grouped_mm(hidden, moe.down.transpose(1, 2), offs=offsets)  # (S, hidden)
+    if moe.down_bias is not None:
+        out.add_(moe.down_bias[sorted_ids])
     out = out * weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(out)
     unsorted[order] = out  # back to (token, slot) order
@@ -171,10 +200,13 @@ def experts_reference(
     Returns:
         (T, hidden) in ``x``'s dtype.
     """
-    width = moe.down.shape[-1]
     gate_up = torch.einsum("th,eoh->eto", x, moe.gate_up)  # (E, T, 2I)
-    hidden = F.silu(gate_up[..., :width]) * gate_up[..., width:]
+    if moe.gate_up_bias is not None:
+        gate_up = gate_up + moe.gate_up_bias[:, None]
+    hidden = moe.activation(gate_up)
     every = torch.einsum("eti,ehi->eth", hidden, moe.down)  # (E, T, hidden)
+    if moe.down_bias is not None:
+        every = every + moe.down_bias[:, None]
     tokens = torch.arange(x.shape[0], device=x.device)[:, None]
     chosen = every[expert_ids, tokens]  # (T, k, hidden)
     return (chosen * weights[..., None]).sum(dim=1).to(x.dtype)
@@ -192,6 +224,7 @@ class MoEConfig:
         norm_topk_prob: renormalise the chosen probabilities (always for Mixtral).
         weights_in_model_dtype: as ``MoEWeights``.
         sparse_layers: indices of the decoder layers whose MLP is the MoE block (the rest are dense MLPs).
+        activation: the experts' activation (``MoEWeights.activation``).
     """
 
     num_experts: int
@@ -200,6 +233,7 @@ class MoEConfig:
     norm_topk_prob: bool
     weights_in_model_dtype: bool
     sparse_layers: tuple[int, ...]
+    activation: Callable[[torch.Tensor], torch.Tensor] = field(default=silu_and_mul)
 
 
 class SparseMoE:

@@ -53,7 +53,7 @@ from cbrun.engine.model.family import ModelFamily
 from cbrun.engine.model.layers.activation import silu_mul as activation_silu_mul
 from cbrun.engine.model.layers.attention import AttentionMetadata, paged_attention
 from cbrun.engine.model.layers.embed_head import embed_tokens, lm_head
-from cbrun.engine.model.layers.layernorm import rms_norm
+from cbrun.engine.model.layers.layernorm import rms_norm, rms_norm_float32_scale
 from cbrun.engine.model.layers.linear import (
     Backend,
     Projection,
@@ -72,6 +72,7 @@ from cbrun.engine.model.layers.moe import (
 from cbrun.engine.model.layers.quantization.base import QuantizedExperts, QuantizedLinearWeight
 from cbrun.engine.model.layers.quantization.schemes import QuantScheme, read_quantization
 from cbrun.engine.model.layers.rotary_embedding import (
+    DEFAULT_ROPE_THETA,
     RopeParameters,
     apply_rope,
     read_rope_parameters,
@@ -117,6 +118,8 @@ class LlamaDecoderFamily(ModelFamily):
             the router is ``{block}.gate``, expert ``e``'s projections ``{block}.experts.{e}.{name}``; None for a
             dense family.
         moe_module: a MoE family's transformers sparse-block class name.
+        default_rope_theta, default_rope_parameters: transformers' ``default_theta`` of the family's config and
+            the RoPE parameters it takes when config.json states none (``read_rope_parameters``).
     """
 
     config_keys: ClassVar[frozenset[str]] = frozenset()
@@ -124,6 +127,8 @@ class LlamaDecoderFamily(ModelFamily):
     qk_norm: ClassVar[bool] = False
     moe_block: ClassVar[tuple[str, tuple[str, str, str]] | None] = None
     moe_module: ClassVar[str | None] = None
+    default_rope_theta: ClassVar[float] = DEFAULT_ROPE_THETA
+    default_rope_parameters: ClassVar[dict | None] = None
 
     # -- the transformers-free config reader ------------------------------------------------------------------
 
@@ -143,9 +148,10 @@ class LlamaDecoderFamily(ModelFamily):
         quantization = None
         if raw.get("quantization_config") is not None:
             quantization, reason = read_quantization(raw["quantization_config"])
-            if quantization is None:
+            reason = reason or self.unsupported_quantization(quantization)
+            if reason:
                 return None, f"quantization_config: {reason}"
-        rope, reason = read_rope_parameters(raw)
+        rope, reason = read_rope_parameters(raw, self.default_rope_theta, self.default_rope_parameters)
         if rope is None:
             return None, reason
         config = self._config(raw, rope, quantization)
@@ -173,6 +179,7 @@ class LlamaDecoderFamily(ModelFamily):
             rms_norm_eps=raw["rms_norm_eps"],
             rope_theta=rope.theta,
             rope_type=rope.rope_type,
+            rope_parameters=rope.params,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -200,6 +207,13 @@ class LlamaDecoderFamily(ModelFamily):
     def unsupported_value(self, raw: dict) -> str | None:
         """Why a value config.json states is outside what this family's forward pass runs (the same limits as
         ``unsupported_module_reason``), or None."""
+        return None
+
+    def unsupported_quantization(self, scheme: QuantScheme | None) -> str | None:
+        """Why this family cannot read a checkpoint quantized in ``scheme`` (every per-linear layout it can; MXFP4
+        is stacked experts only gpt-oss stores), or None."""
+        if scheme is not None and scheme.layout == "mxfp4":
+            return f"mxfp4 is implemented for gpt-oss's MoE experts only, not {self.architecture}"
         return None
 
     def biases(self, raw: dict) -> tuple[bool, bool]:
@@ -300,7 +314,7 @@ class LlamaDecoderFamily(ModelFamily):
             )
         embed = tensors["model.embed_tokens.weight"]
         lm_head = (embed, None) if config.tie_word_embeddings else linear("lm_head")
-        rope = RopeParameters(config.rope_type, config.rope_theta)
+        rope = RopeParameters(config.rope_type, config.rope_theta, config.rope_parameters)
         inv_freq, attention_scaling = rope_inv_freq(rope, config.head_dim, device)
         return LlamaWeights(
             embed=embed,
@@ -519,6 +533,8 @@ class _Layer:
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 0.0
     moe: SparseMoE | None = None
+    sinks: torch.Tensor | None = None
+    sliding_window: int | None = None
 
 
 class LeanLlama:
@@ -557,6 +573,7 @@ class LeanLlama:
         self.head_dim = weights.head_dim
         self.embed = weights.embed
         self.final_norm, self.final_eps = weights.final_norm, weights.final_eps
+        self.norm = rms_norm_float32_scale if weights.norm_scale_in_float32 else rms_norm
         self.lm_head = projection(*weights.lm_head, linear_backend)
         self.layers = [_layer_tensors(layer, linear_backend) for layer in weights.layers]
         projections = [self.lm_head] + [
@@ -612,11 +629,11 @@ class LeanLlama:
         silu_mul = md.step_kernels().silu_mul if self.batch_invariant else activation_silu_mul
         for index, layer in enumerate(self.layers):
             # In place: the same sums as ``h = h + ...``, without a new (T, hidden) tensor per add.
-            h += self._attention(index, layer, rms_norm(h, layer.input_norm, layer.input_eps), rope, md)
-            h += _mlp(layer, rms_norm(h, layer.post_norm, layer.post_eps), silu_mul)
+            h += self._attention(index, layer, self.norm(h, layer.input_norm, layer.input_eps), rope, md)
+            h += _mlp(layer, self.norm(h, layer.post_norm, layer.post_eps), silu_mul)
         # NOTE: norm all rows, then keep some, as transformers does: norming only the kept rows is the same math,
         # but a GPU reduction may order its sums by the number of rows.
-        return apply_linear(rms_norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
+        return apply_linear(self.norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
 
     def _attention(
         self,
@@ -633,7 +650,7 @@ class LeanLlama:
             q, k = rms_norm(q, layer.q_norm, layer.qk_norm_eps), rms_norm(k, layer.k_norm, layer.qk_norm_eps)
         q, k = rope(q), rope(k)
         v = apply_linear(x, layer.v).view(num_tokens, -1, self.head_dim)
-        out = paged_attention(q, k, v, md, index, layer.scale)
+        out = paged_attention(q, k, v, md, index, layer.scale, layer.sliding_window, sinks=layer.sinks)
         return apply_linear(out.reshape(num_tokens, -1), layer.o)
 
 
@@ -658,6 +675,8 @@ def _layer_tensors(layer: LayerWeights, backend: Backend) -> _Layer:
         k_norm=layer.k_norm,
         qk_norm_eps=layer.qk_norm_eps,
         moe=None if layer.moe is None else SparseMoE(layer.moe),
+        sinks=layer.sinks,
+        sliding_window=layer.sliding_window,
     )
 
 

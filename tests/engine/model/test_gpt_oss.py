@@ -1,0 +1,224 @@
+"""gpt-oss on the lean path (``cbrun.engine.model.models.gpt_oss``): greedy tokens equal transformers' ``generate``
+on a random gpt-oss (sinks, alternating sliding (window 4) and full layers, YaRN, the biased top-k-then-softmax
+router, the clamped SwiGLU experts), loaded without transformers and from transformers' modules, for prompts longer
+than the window; and its MXFP4 checkpoint, kept quantized, equals ``generate`` on the same weights dequantized by
+transformers itself (``Mxfp4Config(dequantize=True)``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.model.layers.activation import ClampedSwiGLU
+from cbrun.engine.model.layers.moe import MoEWeights, sparse_moe, sparse_moe_reference
+from cbrun.engine.model.layers.quantization.mxfp4 import Mxfp4Experts, dequantize_mxfp4, quantize_mxfp4
+from cbrun.engine.model.layers.rotary_embedding import RopeParameters, read_rope_parameters, rope_inv_freq
+from tests.model_utils import greedy_generate, random_prompts, run_engine, save_spread_weights
+
+VOCAB = 128
+NEW_TOKENS = 8
+WINDOW = 4
+#: lengths 1 to 21: most prompts are longer than the window, and decoding passes it in all
+PROMPTS = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in (1, 5, 9, 14, 21)]
+ENGINE = dict(page_size=4, max_batch_tokens=16, num_blocks=128)
+CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=WINDOW,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+MXFP4 = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+def _generate(model) -> list[list[int]]:
+    return [greedy_generate(model.eval(), prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+
+def _eager(path, **kwargs):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """(model dir, transformers' greedy tokens, the tokens without sinks, the tokens without the window)."""
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).eval()
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    assert model.config.rope_parameters["rope_type"] == "yarn"
+    model_dir = save_spread_weights(model, tmp_path_factory.mktemp("gpt_oss"))
+    expected = _generate(_eager(model_dir))
+    no_sinks = _eager(model_dir)
+    with torch.no_grad():
+        for layer in no_sinks.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+    no_window = _eager(model_dir, sliding_window=4096)
+    return model_dir, expected, _generate(no_sinks), _generate(no_window)
+
+
+def test_the_controls_differ(gpt_oss):
+    """Sinks and the window each change greedy tokens: a forward pass that ignored either would fail below."""
+    _, expected, without_sinks, without_window = gpt_oss
+    assert without_sinks != expected
+    assert without_window != expected
+
+
+@pytest.mark.parametrize("attention_backend", ["auto", "torch"])
+@pytest.mark.parametrize("loader", ["auto", "transformers"])
+def test_lean_greedy_equals_generate(gpt_oss, loader, attention_backend, caplog):
+    """The safetensors loader (no transformers) and transformers' own modules, on the C kernel (auto: float32 on
+    the CPU) and the PyTorch reference attention."""
+    model_dir, expected, _, _ = gpt_oss
+    config = EngineConfig(**ENGINE, loader=loader, model_impl="lean", attention_backend=attention_backend)
+    with caplog.at_level(logging.INFO, logger="cbrun.engine"):
+        outputs = run_engine(model_dir, PROMPTS, config, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert "model implementation: lean (GptOssForCausalLM)" in caplog.text
+    if loader == "auto":
+        assert "model loader: safetensors, without transformers" in caplog.text
+    for i, want in enumerate(expected):
+        assert outputs[i].error is None, outputs[i].error
+        assert outputs[i].output_token_ids == want, f"prompt {i}"
+
+
+def _random_gpt_oss_moe(tokens: int, dtype: torch.dtype) -> tuple[MoEWeights, torch.Tensor]:
+    g = torch.Generator().manual_seed(tokens)
+    experts, hidden, width = 8, 64, 32
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    moe = MoEWeights(
+        router=randn(experts, hidden),
+        gate_up=randn(experts, hidden, 2 * width, scale=0.5).transpose(1, 2),  # stored (E, in, out) as gpt-oss
+        down=randn(experts, width, hidden, scale=0.3).transpose(1, 2),
+        top_k=3,
+        norm_topk_prob=False,
+        weights_in_model_dtype=True,
+        router_bias=randn(experts),
+        softmax_after_topk=True,
+        gate_up_bias=randn(experts, 2 * width),
+        down_bias=randn(experts, hidden),
+        activation=ClampedSwiGLU(1.702, 7.0),
+    )
+    return moe, randn(tokens, hidden)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_moe_grouped_path_equals_reference_and_transformers(tokens, dtype):
+    """The grouped path equals the reference, and transformers' ``GptOssMLP`` on the same tensors (bit for bit in
+    float32); the clamp is reached."""
+    moe, x = _random_gpt_oss_moe(tokens, dtype)
+    got = sparse_moe(x, moe)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, sparse_moe_reference(x, moe), rtol=tol, atol=tol)
+    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=3)
+    config._experts_implementation = "grouped_mm"  # what a loaded model runs on the CPU
+    mlp = transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(config).to(dtype)
+    with torch.no_grad():
+        mlp.router.weight.copy_(moe.router)
+        mlp.router.bias.copy_(moe.router_bias)
+        mlp.experts.gate_up_proj.copy_(moe.gate_up.transpose(1, 2))
+        mlp.experts.gate_up_proj_bias.copy_(moe.gate_up_bias)
+        mlp.experts.down_proj.copy_(moe.down.transpose(1, 2))
+        mlp.experts.down_proj_bias.copy_(moe.down_bias)
+        want, _ = mlp(x[None])
+    if dtype == torch.float32:
+        assert torch.equal(got, want[0])
+    else:
+        torch.testing.assert_close(got, want[0], rtol=tol, atol=tol)
+    gate_up = torch.einsum("th,eoh->eto", x.float(), moe.gate_up.float()) + moe.gate_up_bias.float()[:, None]
+    assert gate_up.max() > 7.0  # the clamp matters
+
+
+def test_yarn_inverse_frequencies_equal_transformers():
+    for truncate in (True, False):
+        params = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, truncate=truncate)
+        raw = dict(CONFIG, rope_parameters=params)
+        rope, reason = read_rope_parameters(raw, default_theta=150000.0)  # GptOssConfig.default_theta
+        assert reason is None and isinstance(rope, RopeParameters)
+        inv_freq, scaling = rope_inv_freq(rope, 16, "cpu")
+        module = transformers.GptOssForCausalLM(transformers.GptOssConfig(**raw)).model.rotary_emb
+        assert torch.equal(inv_freq, module.inv_freq) and scaling == module.attention_scaling
+    assert read_rope_parameters(dict(CONFIG, rope_parameters=dict(rope_type="yarn", low_freq_factor=1)))[0] is None
+
+
+def test_mxfp4_dequantization_round_trips_and_keeps_nibble_order():
+    weight = torch.tensor([[0.5, -1.0, 6.0, 3.0] * 8])  # one block: max 6 -> scale 2^0
+    blocks, scales = quantize_mxfp4(weight)
+    assert scales.tolist() == [[127]]
+    assert blocks[0, 0, 0].item() == 0x1 | (0xA << 4)  # 0.5 in the low nibble, -1.0 (code 10) in the high
+    assert torch.equal(dequantize_mxfp4(blocks, scales), weight)
+    experts = Mxfp4Experts(blocks[None].expand(2, -1, -1, -1), scales[None].expand(2, -1, -1), torch.bfloat16)
+    assert experts.shape == (2, 1, 32) and torch.equal(experts.dequantize().float(), weight.expand(2, -1, -1))
+
+
+def _mxfp4_copy(model_dir, path) -> None:
+    """``model_dir`` as an MXFP4 checkpoint in the real layout: each expert projection's (E, in, out) weight
+    transposed to (E, out, in) and stored as ``_blocks`` / ``_scales``."""
+    shutil.copytree(model_dir, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": MXFP4}))
+
+
+@pytest.fixture(scope="module")
+def mxfp4(gpt_oss, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4") / "model"
+    _mxfp4_copy(gpt_oss[0], path)
+    return path
+
+
+def test_mxfp4_experts_stay_quantized_and_equal_generate_on_the_dequantized_weights(mxfp4, gpt_oss):
+    dequantized = _eager(mxfp4, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    expected = _generate(dequantized)
+    assert expected != gpt_oss[1]  # the quantization changed the model: the oracle is its own
+    engine = LLMEngine.from_pretrained(str(mxfp4), EngineConfig(**ENGINE))
+    moe = [layer.moe for layer in engine.model.weights.layers]
+    assert all(isinstance(m.gate_up, Mxfp4Experts) and isinstance(m.down, Mxfp4Experts) for m in moe)
+    assert engine.model_runner.lean_model.layers[0].moe.fallback_reason is None  # the grouped GEMM runs them
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(PROMPTS))}
+    for i, want in enumerate(expected):
+        assert outputs[i].output_token_ids == want, f"prompt {i}"
+
+
+def test_mxfp4_variants_are_refused_by_name(mxfp4, tmp_path):
+    with pytest.raises(ValueError, match=r"quantization_config \(mxfp4\) runs only on cbrun's lean path"):
+        LLMEngine.from_pretrained(str(mxfp4), EngineConfig(**ENGINE, loader="transformers"))
+    odd = tmp_path / "odd"
+    shutil.copytree(mxfp4, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps(config | {"quantization_config": MXFP4 | {"swizzle": True}}))
+    with pytest.raises(ValueError, match="quantization_config is not implemented by cbrun: mxfp4 with swizzle"):
+        LLMEngine.from_pretrained(str(odd), EngineConfig(**ENGINE))
+    with pytest.raises(ValueError, match="tensor_parallel_size = 2 does not split quantized weights"):
+        LLMEngine.from_pretrained(str(mxfp4), EngineConfig(**ENGINE, tensor_parallel_size=2))
