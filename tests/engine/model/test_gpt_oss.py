@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.model.layers.activation import ClampedSwiGLU
-from cbrun.engine.model.layers.moe import MoEWeights, sparse_moe, sparse_moe_reference
+from cbrun.engine.model.layers.moe import MoEWeights, SparseMoE, sparse_moe, sparse_moe_reference
 from cbrun.engine.model.layers.quantization.mxfp4 import Mxfp4Experts, dequantize_mxfp4, quantize_mxfp4
 from cbrun.engine.model.layers.rotary_embedding import RopeParameters, read_rope_parameters, rope_inv_freq
 from tests.model_utils import greedy_generate, random_prompts, run_engine, save_spread_weights
@@ -155,6 +156,26 @@ def test_gpt_oss_moe_grouped_path_equals_reference_and_transformers(tokens, dtyp
     assert gate_up.max() > 7.0  # the clamp matters
 
 
+def test_gpt_oss_moe_reads_nothing_back_quantized_or_not():
+    """No host read-back in the gpt-oss MoE forward (biases gathered by device expert ids), MXFP4 experts'
+    per-forward dequantization included: a decode step stays capturable."""
+    from tests.engine.model.test_moe import _HostReads
+
+    moe, x = _random_gpt_oss_moe(3, torch.float32)
+    quantized = replace(
+        moe,
+        gate_up=Mxfp4Experts(*quantize_mxfp4(moe.gate_up), torch.float32),
+        down=Mxfp4Experts(*quantize_mxfp4(moe.down), torch.float32),
+    )
+    block = SparseMoE(quantized)
+    assert block.fallback_reason is None
+    with _HostReads() as reads:
+        sparse_moe(x, moe)
+        got = block(x)
+    assert reads.ops == []
+    torch.testing.assert_close(got, sparse_moe_reference(x, quantized.dense()), rtol=1e-5, atol=1e-5)
+
+
 def test_yarn_inverse_frequencies_equal_transformers():
     for truncate in (True, False):
         params = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, truncate=truncate)
@@ -188,6 +209,22 @@ def _mxfp4_copy(model_dir, path) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | {"quantization_config": MXFP4}))
+
+
+def mxfp4_pair(model_dir, base) -> tuple:
+    """(an MXFP4 copy of the gpt-oss ``model_dir``, an unquantized copy of the same weights dequantized), under
+    ``base`` (for benchmarks: the dequantized twin is what transformers' ``Mxfp4Config(dequantize=True)`` holds)."""
+    quantized, dequantized = base / "mxfp4", base / "mxfp4-dequantized"
+    if not (quantized / "config.json").is_file():
+        _mxfp4_copy(model_dir, quantized)
+    if not (dequantized / "config.json").is_file():
+        shutil.copytree(model_dir, dequantized)
+        tensors = load_file(str(quantized / "model.safetensors"))
+        for name in [n[: -len("_blocks")] for n in tensors if n.endswith("_blocks")]:
+            real = dequantize_mxfp4(tensors.pop(name + "_blocks"), tensors.pop(name + "_scales"))
+            tensors[name] = real.transpose(1, 2).contiguous()  # transformers' (E, in, out)
+        save_file(tensors, str(dequantized / "model.safetensors"), metadata={"format": "pt"})
+    return quantized, dequantized
 
 
 @pytest.fixture(scope="module")
