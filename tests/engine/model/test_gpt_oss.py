@@ -17,10 +17,12 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.model.config import read_config_json
 from cbrun.engine.model.layers.activation import ClampedSwiGLU
 from cbrun.engine.model.layers.moe import MoEWeights, SparseMoE, sparse_moe, sparse_moe_reference
 from cbrun.engine.model.layers.quantization.mxfp4 import Mxfp4Experts, dequantize_mxfp4, quantize_mxfp4
 from cbrun.engine.model.layers.rotary_embedding import RopeParameters, read_rope_parameters, rope_inv_freq
+from cbrun.engine.model.registry import parse_config
 from tests.model_utils import greedy_generate, random_prompts, run_engine, save_spread_weights
 
 VOCAB = 128
@@ -103,6 +105,33 @@ def test_lean_greedy_equals_generate(gpt_oss, loader, attention_backend, caplog)
     for i, want in enumerate(expected):
         assert outputs[i].error is None, outputs[i].error
         assert outputs[i].output_token_ids == want, f"prompt {i}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lean_logits_equal_transformers_every_step(gpt_oss, dtype):
+    """The lean pass over the safetensors-loaded tensors and over transformers' modules gives transformers'
+    forward's logits bit for bit, every step (cbrun's attention under both), in float32 and bfloat16."""
+    from tests.engine.model.test_safetensors_loader import _check_every_step
+
+    assert _check_every_step(gpt_oss[0], dtype) > 10
+
+
+def test_config_and_its_defaults_equal_auto_config(gpt_oss, tmp_path):
+    from tests.engine.model.test_safetensors_loader import _edited_copy
+
+    defaults = dict(rope_parameters=None, layer_types=None, sliding_window=None, head_dim=None, attention_bias=None)
+    for path in (gpt_oss[0], _edited_copy(gpt_oss[0], tmp_path / "defaults", **defaults)):
+        config, reason = parse_config(read_config_json(path))
+        assert reason is None, reason
+        auto = transformers.AutoConfig.from_pretrained(path)
+        assert config.layer_types == tuple(auto.layer_types) and config.sliding_window == auto.sliding_window
+        assert (config.head_dim, config.qkv_bias) == (auto.head_dim, auto.attention_bias)
+        assert config.rope_theta == auto.rope_parameters["rope_theta"] and config.rope_type == "yarn"
+        assert config.moe.num_experts == auto.num_local_experts and config.moe.top_k == auto.num_experts_per_tok
+        assert config.moe.activation == ClampedSwiGLU(auto.swiglu_alpha, auto.swiglu_limit)
+    assert config.sliding_window == 128 and config.rope_theta == 150000.0
+    bad = _edited_copy(gpt_oss[0], tmp_path / "bad", layer_types=["sliding_attention", "chunked_attention"])
+    assert "layer_types" in parse_config(read_config_json(bad))[1]
 
 
 def _random_gpt_oss_moe(tokens: int, dtype: torch.dtype) -> tuple[MoEWeights, torch.Tensor]:
