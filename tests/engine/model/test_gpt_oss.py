@@ -18,8 +18,15 @@ from safetensors.torch import load_file, save_file
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.model.config import read_config_json
+from cbrun.engine.model.layers import moe as moe_layer
 from cbrun.engine.model.layers.activation import ClampedSwiGLU
-from cbrun.engine.model.layers.moe import MoEWeights, SparseMoE, sparse_moe, sparse_moe_reference
+from cbrun.engine.model.layers.moe import (
+    MoEWeights,
+    SparseMoE,
+    sparse_moe,
+    sparse_moe_in_expert_chunks,
+    sparse_moe_reference,
+)
 from cbrun.engine.model.layers.quantization.mxfp4 import Mxfp4Experts, dequantize_mxfp4, quantize_mxfp4
 from cbrun.engine.model.layers.rotary_embedding import RopeParameters, read_rope_parameters, rope_inv_freq
 from cbrun.engine.model.registry import parse_config
@@ -197,12 +204,27 @@ def test_gpt_oss_moe_reads_nothing_back_quantized_or_not():
         down=Mxfp4Experts(*quantize_mxfp4(moe.down), torch.float32),
     )
     block = SparseMoE(quantized)
+    block.experts_per_chunk = 3
     assert block.fallback_reason is None
     with _HostReads() as reads:
         sparse_moe(x, moe)
         got = block(x)
     assert reads.ops == []
     torch.testing.assert_close(got, sparse_moe_reference(x, quantized.dense()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("experts_per_chunk", [1, 3, 8])
+@pytest.mark.parametrize("tokens", [1, 6, 40])
+def test_quantized_experts_in_chunks_equal_all_at_once(experts_per_chunk, tokens):
+    """Dequantizing the experts a chunk at a time gives the bits of the whole layer's at once."""
+    moe, x = _random_gpt_oss_moe(tokens, torch.float32)
+    quantized = replace(
+        moe,
+        gate_up=Mxfp4Experts(*quantize_mxfp4(moe.gate_up), torch.float32),
+        down=Mxfp4Experts(*quantize_mxfp4(moe.down), torch.float32),
+    )
+    want = sparse_moe(x, quantized.dense())
+    assert torch.equal(sparse_moe_in_expert_chunks(x, quantized, experts_per_chunk), want)
 
 
 def test_yarn_inverse_frequencies_equal_transformers():
@@ -263,14 +285,16 @@ def mxfp4(gpt_oss, tmp_path_factory):
     return path
 
 
-def test_mxfp4_experts_stay_quantized_and_equal_generate_on_the_dequantized_weights(mxfp4, gpt_oss):
+def test_mxfp4_experts_stay_quantized_and_equal_generate_on_the_dequantized_weights(mxfp4, gpt_oss, monkeypatch):
     dequantized = _eager(mxfp4, quantization_config=transformers.Mxfp4Config(dequantize=True))
     expected = _generate(dequantized)
     assert expected != gpt_oss[1]  # the quantization changed the model: the oracle is its own
+    monkeypatch.setattr(moe_layer, "EXPERT_CHUNK_ELEMENTS", 1)  # one expert dequantized at a time
     engine = LLMEngine.from_pretrained(str(mxfp4), EngineConfig(**ENGINE))
     moe = [layer.moe for layer in engine.model.weights.layers]
     assert all(isinstance(m.gate_up, Mxfp4Experts) and isinstance(m.down, Mxfp4Experts) for m in moe)
-    assert engine.model_runner.lean_model.layers[0].moe.fallback_reason is None  # the grouped GEMM runs them
+    block = engine.model_runner.lean_model.layers[0].moe
+    assert block.fallback_reason is None and block.experts_per_chunk == 1  # the grouped GEMM, a chunk at a time
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(PROMPTS))}
     for i, want in enumerate(expected):

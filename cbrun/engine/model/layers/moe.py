@@ -23,6 +23,8 @@ only, never on which experts were chosen, so the step has nothing to read back. 
 and SGLang's ``fused_moe`` (tokens sorted by expert, then one GEMM per expert group) without their block padding,
 which a grouped GEMM over exact offsets does not need.
 
+Quantized experts run ``sparse_moe_in_expert_chunks``: the same GEMMs, a chunk of experts dequantized at a time.
+
 ``sparse_moe_reference`` is the plain PyTorch reference: every expert on every token, then the chosen ones
 gathered. It is also the fallback where the grouped GEMM cannot run (a device or dtype ``torch._grouped_mm``
 lacks, rows whose strides are not 16-byte multiples on the CPU).
@@ -42,6 +44,10 @@ import torch.nn.functional as F
 from cbrun.engine.model.layers.activation import silu_and_mul
 from cbrun.engine.model.layers.quantization.base import ExpertStack
 
+#: A quantized MoE layer dequantizes its experts about this many weight elements at a time (at least one expert;
+#: 16 MiB of float32): the transient of its forward pass (``SparseMoE``).
+EXPERT_CHUNK_ELEMENTS = 1 << 22
+
 
 @dataclass
 class MoEWeights:
@@ -51,7 +57,7 @@ class MoEWeights:
         router: (E, hidden) the router's weight (no bias).
         gate_up: (E, 2 * I, hidden) each expert's gate rows then its up rows, as transformers 5 stacks them.
         down: (E, hidden, I) each expert's down projection. Either may be an ``ExpertStack`` (a quantized
-            checkpoint's experts, kept quantized; ``SparseMoE`` dequantizes the layer's experts per forward).
+            checkpoint's experts, kept quantized; ``SparseMoE`` dequantizes them a chunk at a time in each forward).
         top_k: experts per token (``num_experts_per_tok``).
         norm_topk_prob: renormalise the k chosen probabilities to sum to 1.
         weights_in_model_dtype: cast the routing weights to the model dtype before they scale the experts'
@@ -164,22 +170,78 @@ def sparse_moe(x: torch.Tensor, moe: MoEWeights, grouped: bool = True) -> torch.
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # (S,), S = T * k, in (token, slot) order
     order = torch.argsort(flat_ids, stable=True)  # pairs sorted by expert
-    rows = x[order // top_k]  # (S, hidden)
-    counts = torch.zeros(moe.num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)  # (E,) each group's end row
+    out = _grouped_experts(x[order // top_k], moe, flat_ids, order, moe.num_experts, 0)
+    out = out * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out  # back to (token, slot) order
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def _grouped_experts(
+    rows: torch.Tensor, moe: MoEWeights, flat_ids: torch.Tensor, order: torch.Tensor, num_groups: int, first: int
+) -> torch.Tensor:
+    """Experts ``first .. first + num_groups - 1`` (``moe.gate_up`` / ``moe.down`` hold just those) on the pairs
+    sorted by ``order`` (theirs first, by expert; any others after them, left uncomputed: garbage rows).
+
+    Args:
+        rows: (S, hidden) each sorted pair's token row.
+        flat_ids: (S,) int64 each pair's expert, in (token, slot) order.
+        order: (S,) the sort.
+
+    Returns:
+        (S, hidden) each sorted pair's expert output, biases added, before the routing weight.
+    """
+    sorted_ids = flat_ids[order]
+    local = sorted_ids - first
+    mine = (local >= 0) & (local < num_groups)
+    counts = torch.zeros(num_groups, dtype=torch.int32, device=rows.device)
+    counts.scatter_add_(0, local.clamp(0, num_groups - 1), mine.to(torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)  # (G,) each group's end row; rows past the last are skipped
     gate_up = torch._grouped_mm(rows, moe.gate_up.transpose(1, 2), offs=offsets)  # (S, 2I)
-    sorted_ids = flat_ids[order] if moe.gate_up_bias is not None or moe.down_bias is not None else None
     if moe.gate_up_bias is not None:  # after the GEMM, as transformers' ``_grouped_linear``
         gate_up.add_(moe.gate_up_bias[sorted_ids])
     hidden = moe.activation(gate_up)  # (S, I)
     out = torch._grouped_mm(hidden, moe.down.transpose(1, 2), offs=offsets)  # (S, hidden)
     if moe.down_bias is not None:
         out.add_(moe.down_bias[sorted_ids])
-    out = out * weights.reshape(-1)[order, None]
-    unsorted = torch.empty_like(out)
-    unsorted[order] = out  # back to (token, slot) order
-    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return out
+
+
+def sparse_moe_in_expert_chunks(x: torch.Tensor, moe: MoEWeights, experts_per_chunk: int) -> torch.Tensor:
+    """``sparse_moe`` over quantized experts, dequantizing ``experts_per_chunk`` of them at a time: the transient
+    is one chunk's real weights, not the layer's.
+
+    Per chunk the pairs are sorted with the chunk's experts first (a stable sort on the expert id, the others
+    keyed past the chunk), so its groups start at row 0 and the grouped GEMM computes only the chunk's rows (rows
+    past the last offset are skipped); those rows are kept, the rest masked out. Each expert's group holds the
+    same rows in the same order as in ``sparse_moe``, so the outputs are its bits. No shape depends on the routing
+    and nothing is read back: the loop runs over a fixed number of chunks.
+
+    Args:
+        x: (T, hidden) in the model dtype.
+        moe: the block (its experts ``ExpertStack``s).
+        experts_per_chunk: experts dequantized at once.
+
+    Returns:
+        (T, hidden) in ``x``'s dtype.
+    """
+    weights, expert_ids = route(x, moe)
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)
+    outputs: torch.Tensor | None = None  # (S, hidden) in (token, slot) order
+    for first in range(0, moe.num_experts, experts_per_chunk):
+        chunk = slice(first, min(first + experts_per_chunk, moe.num_experts))
+        count = chunk.stop - first
+        local = flat_ids - first
+        mine = (local >= 0) & (local < count)
+        order = torch.argsort(torch.where(mine, local, count), stable=True)  # the chunk's pairs first, by expert
+        out = _grouped_experts(x[order // top_k], moe.dense(chunk), flat_ids, order, count, first)
+        if outputs is None:
+            outputs = torch.empty_like(out)
+        outputs[order] = torch.where(mine[order, None], out, outputs[order])
+    assert outputs is not None
+    out = outputs * weights.reshape(-1)[:, None]
+    return out.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 def sparse_moe_reference(x: torch.Tensor, moe: MoEWeights) -> torch.Tensor:
@@ -248,9 +310,15 @@ class SparseMoE:
         # NOTE: quantized experts are judged on one expert dequantized: a fresh tensor of the dtype and row widths
         # the grouped GEMM will read each forward.
         self.fallback_reason = grouped_gemm_unavailable_reason(weights.dense(slice(0, 1)))
+        per_expert = weights.gate_up.shape[1] * weights.gate_up.shape[2] + weights.down.shape[1] * weights.down.shape[2]
+        #: quantized experts dequantized at once (``EXPERT_CHUNK_ELEMENTS``, at least one)
+        self.experts_per_chunk = max(1, EXPERT_CHUNK_ELEMENTS // per_expert)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden), as ``sparse_moe`` (quantized experts dequantized first, this layer's only)."""
+        """(T, hidden) -> (T, hidden), as ``sparse_moe``: quantized experts dequantized ``experts_per_chunk`` at
+        a time (``sparse_moe_in_expert_chunks``), or, where the reference runs them, the layer's all at once."""
+        if self.weights.quantized and self.fallback_reason is None:
+            return sparse_moe_in_expert_chunks(x, self.weights, self.experts_per_chunk)
         return sparse_moe(x, self.weights.dense(), grouped=self.fallback_reason is None)
 
 

@@ -1,5 +1,6 @@
 """MXFP4 MoE experts (``quant_method: "mxfp4"``: gpt-oss's checkpoints), kept quantized in memory and dequantized
-by the MoE block one layer at a time: the weight type and its dequantization (the PyTorch reference).
+by the MoE block a chunk of experts at a time (``cbrun.engine.model.layers.moe.SparseMoE``): the weight type and
+its dequantization (the PyTorch reference).
 
 The layout (OCP Microscaling Formats v1.0, MXFP4; transformers' ``integrations/mxfp4.py``): each expert projection
 ``{name}`` of a layer is two tensors,
