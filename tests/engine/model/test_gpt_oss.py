@@ -312,3 +312,31 @@ def test_mxfp4_variants_are_refused_by_name(mxfp4, tmp_path):
         LLMEngine.from_pretrained(str(odd), EngineConfig(**ENGINE))
     with pytest.raises(ValueError, match="tensor_parallel_size = 2 does not split quantized weights"):
         LLMEngine.from_pretrained(str(mxfp4), EngineConfig(**ENGINE, tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_lean_decode_step_reads_nothing_back(gpt_oss, mxfp4, quantized, monkeypatch):
+    """One decode step's whole lean forward (attention with sinks and windows, the MoE, MXFP4 experts a chunk at a
+    time) makes no host read-back (``benchmarks.moe_lean``'s count)."""
+    from benchmarks.moe_lean import HostReads
+
+    monkeypatch.setattr(moe_layer, "EXPERT_CHUNK_ELEMENTS", 1)
+    engine = LLMEngine.from_pretrained(str(mxfp4 if quantized else gpt_oss[0]), EngineConfig(**ENGINE))
+    runner, counted = engine.model_runner, []
+    forward = runner._forward
+
+    def counting_forward(input_ids, positions, md, logits_indices):
+        if md.max_seqlen_q != 1:
+            return forward(input_ids, positions, md, logits_indices)
+        with HostReads() as reads:
+            out = forward(input_ids, positions, md, logits_indices)
+        counted.append(sum(reads.ops.values()))
+        return out
+
+    runner._forward = counting_forward
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    list(engine.generate((i, p, params) for i, p in enumerate(PROMPTS)))
+    assert counted and counted == [0] * len(counted)
+    with HostReads() as reads:  # the count itself can fail: a read-back is counted
+        torch.ones(2).sum().item()
+    assert sum(reads.ops.values()) == 1
