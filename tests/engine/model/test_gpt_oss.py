@@ -141,6 +141,19 @@ def test_config_and_its_defaults_equal_auto_config(gpt_oss, tmp_path):
     assert "layer_types" in parse_config(read_config_json(bad))[1]
 
 
+@pytest.mark.parametrize("model_impl", ["lean", "transformers"])
+def test_greedy_equals_generate_on_the_triton_kernels(gpt_oss, model_impl):
+    """The Triton attention (interpreted on the CPU: sinks and the sliding layers' ring block tables, whose rows
+    must be contiguous) on both paths."""
+    pytest.importorskip("triton")
+    model_dir, expected, _, _ = gpt_oss
+    loader = "auto" if model_impl == "lean" else "transformers"
+    config = EngineConfig(**ENGINE, loader=loader, model_impl=model_impl, attention_backend="triton")
+    prompts = PROMPTS[2:4]
+    outputs = run_engine(model_dir, prompts, config, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [outputs[i].output_token_ids for i in range(len(prompts))] == expected[2:4]
+
+
 def _random_gpt_oss_moe(tokens: int, dtype: torch.dtype) -> tuple[MoEWeights, torch.Tensor]:
     g = torch.Generator().manual_seed(tokens)
     experts, hidden, width = 8, 64, 32
