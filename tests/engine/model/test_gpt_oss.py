@@ -252,6 +252,27 @@ def test_yarn_inverse_frequencies_equal_transformers():
     assert read_rope_parameters(dict(CONFIG, rope_parameters=dict(rope_type="yarn", low_freq_factor=1)))[0] is None
 
 
+def test_yarn_on_a_llama_family_runs_lean_and_equals_generate(tmp_path, caplog):
+    """YaRN is a ``ROPE_INIT`` entry: the other lean families read it too (here Llama, with mscale and
+    ``truncate`` unset), logits bit for bit equal to transformers' forward every step."""
+    from tests.engine.model.test_safetensors_loader import _check_every_step
+
+    torch.manual_seed(0)
+    rope = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=10000.0)
+    llama = dict(CONFIG, intermediate_size=96, rope_parameters=rope)
+    for key in ("num_local_experts", "num_experts_per_tok", "sliding_window"):
+        del llama[key]
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama)).eval()
+    model_dir = save_spread_weights(model, tmp_path)
+    assert parse_config(read_config_json(model_dir))[0].rope_type == "yarn"
+    assert _check_every_step(model_dir) > 10
+    with caplog.at_level(logging.INFO, logger="cbrun.engine"):
+        outputs = run_engine(model_dir, PROMPTS, EngineConfig(**ENGINE), SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert "model implementation: lean (LlamaForCausalLM)" in caplog.text
+    expected = _generate(_eager(model_dir))
+    assert [outputs[i].output_token_ids for i in range(len(PROMPTS))] == expected
+
+
 def test_mxfp4_dequantization_round_trips_and_keeps_nibble_order():
     weight = torch.tensor([[0.5, -1.0, 6.0, 3.0] * 8])  # one block: max 6 -> scale 2^0
     blocks, scales = quantize_mxfp4(weight)
