@@ -39,10 +39,14 @@ class ModelFamily:
     Attributes:
         model_type: config.json's ``model_type``.
         architecture: the transformers class ``AutoModelForCausalLM`` builds for it (``type(model).__name__``).
+        keep_in_float32: see below.
     """
 
     model_type: ClassVar[str]
     architecture: ClassVar[str]
+    #: transformers' ``_keep_in_fp32_modules``: a checkpoint tensor whose name contains one of these stays float32
+    #: when the engine loads in float16 (as transformers keeps it), whatever it was stored as.
+    keep_in_float32: ClassVar[tuple[str, ...]] = ()
 
     def parse_config(self, raw: dict) -> tuple[LlamaConfig | None, str | None]:
         """``(config, None)`` for a config.json (as a dict) read exactly as transformers reads it, else

@@ -169,6 +169,8 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
                 # integers are packed codes or scales (mxfp4's ``*_blocks`` / ``*_scales``): kept as stored, the
                 # family checks their dtype
                 dtype = plan.dtype if tensor.dtype.is_floating_point else tensor.dtype
+                if dtype == torch.float16 and any(part in name for part in family.keep_in_float32):
+                    dtype = torch.float32  # as transformers' ``_keep_in_fp32_modules`` under float16
                 tensors[name] = tensor.to(device=device, dtype=dtype)
     for name, stored in parts.items():
         # NOTE: a quantized weight stays quantized: it is dequantized in the GEMM, never here.

@@ -114,10 +114,11 @@ def test_lean_greedy_equals_generate(gpt_oss, loader, attention_backend, caplog)
         assert outputs[i].output_token_ids == want, f"prompt {i}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_lean_logits_equal_transformers_every_step(gpt_oss, dtype):
     """The lean pass over the safetensors-loaded tensors and over transformers' modules gives transformers'
-    forward's logits bit for bit, every step (cbrun's attention under both), in float32 and bfloat16."""
+    forward's logits bit for bit, every step (cbrun's attention under both), in float32, bfloat16 and float16
+    (where transformers keeps the norms float32: ``keep_in_float32``)."""
     from tests.engine.model.test_safetensors_loader import _check_every_step
 
     assert _check_every_step(gpt_oss[0], dtype) > 10

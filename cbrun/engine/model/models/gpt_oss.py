@@ -54,6 +54,7 @@ class GptOssFamily(LlamaDecoderFamily):
 
     model_type = "gpt_oss"
     architecture = "GptOssForCausalLM"
+    keep_in_float32 = ("norm",)  # GptOssPreTrainedModel._keep_in_fp32_modules, matched as transformers does
     config_keys = frozenset(
         {
             "attention_bias",
