@@ -24,13 +24,12 @@ The launch shape thus depends on tensor shapes only (CUDA-graph friendly).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from cbrun.kernels.tile_policy import DEFAULT_CAPABILITY, MAX_HEAD_DIM, pick_attention_tile
+from cbrun.kernels.tile_policy import DEFAULT_CAPABILITY, MAX_HEAD_DIM, LaunchConfig, pick_attention_tile
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -294,19 +293,6 @@ def paged_attention_triton(
 #: The query length whose tile every ``batch_invariant`` launch uses: the largest tile the policy picks (a long
 #: prefill's), one of the launches ``cbrun.kernels.aot_fit`` compiles for sm_80/89/90 (its ``MAX_SEQLEN_Q``).
 INVARIANT_MAX_SEQLEN_Q = 8192
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Everything of a launch that selects a compiled kernel: the constexprs and the launch options."""
-
-    constexprs: dict
-    num_warps: int
-    num_stages: int
-
-    def key(self) -> tuple:
-        """Hashable identity: two launches with equal keys run the same binary."""
-        return tuple(sorted(self.constexprs.items())) + (self.num_warps, self.num_stages)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -34,6 +34,19 @@ MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
+class LaunchConfig:
+    """Everything of a launch that selects a compiled kernel: the constexprs and the launch options."""
+
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    def key(self) -> tuple:
+        """Hashable identity: two launches with equal keys run the same binary."""
+        return tuple(sorted(self.constexprs.items())) + (self.num_warps, self.num_stages)
+
+
+@dataclass(frozen=True)
 class AttentionTile:
     """One launch's tile: ``block_m`` rows (query tokens x padded group), ``block_n`` context positions per step."""
 
@@ -81,3 +94,57 @@ def pick_attention_tile(
         block_n = 32 if head_dim_padded >= 256 and capability < 90 else 64
         large_acc = block_m * head_dim_padded >= 64 * 256
     return AttentionTile(block_m, block_n, 8 if large_acc else 4)
+
+
+@dataclass(frozen=True)
+class MatmulTile:
+    """The one tile of every batch-invariant matmul launch of a dtype: ``block_m`` x ``block_n`` outputs per
+    program, the K loop in steps of ``block_k``."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_invariant_matmul_tile(elem_bytes: int) -> MatmulTile:
+    """The tile of ``cbrun.kernels.batch_invariant_matmul``: fixed per dtype, never by the row count M, the same on
+    every part (so the one binary fits sm_80, sm_89 and sm_90: ``cbrun.kernels.aot_fit``).
+
+    A row's output is then computed by the same instructions whatever M is: its K loop runs in ``block_k`` steps
+    from 0 to K in one order, with no split-K (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025;
+    vLLM's ``VLLM_BATCH_INVARIANT`` and SGLang's deterministic mode use the same rule: one tile config for all M).
+
+    Sizes: 16-bit 128 x 128 outputs, K steps of 32, 4 stages: 64 KiB of staged A/B tiles, inside sm_89's 99 KiB
+    with room; float32 (``input_precision="ieee"``: FMA dots, operands in registers) 64 x 64, K steps of 32,
+    3 stages (48 KiB). The price is paid at small M (decode): a 128-row tile for 1 to 127 rows.
+
+    Args:
+        elem_bytes: bytes per element of the activations and weight (2 for fp16/bf16, 4 for float32).
+    """
+    if elem_bytes >= 4:
+        return MatmulTile(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+    return MatmulTile(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=4)
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """One program per row: ``block`` columns per loop step, ``num_warps`` warps."""
+
+    block: int
+    num_warps: int
+
+
+#: Columns per loop step of the row kernels (RMSNorm, log-softmax) at most: 8192 float32 values over 8 warps is
+#: 32 registers a thread.
+MAX_ROW_BLOCK = 8192
+
+
+def pick_row_tile(num_columns: int) -> RowTile:
+    """The tile of a row-wise reduction kernel (``cbrun.kernels.rms_norm``, ``cbrun.kernels.log_softmax``): chosen by
+    the row's length only, so a row sums in the same order whatever the number of rows (a one-program-per-row grid
+    and no split of a row over programs)."""
+    block = min(next_power_of_2(num_columns), MAX_ROW_BLOCK)
+    return RowTile(block, 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1)
