@@ -305,7 +305,7 @@ def attention_launch_config(
     max_seqlen_q: int,
     use_window: bool,
     use_softcap: bool,
-    capability: int,
+    capability: int | None,
     dot_in_fp32: bool = False,
     use_sinks: bool = False,
 ) -> LaunchConfig:
@@ -318,14 +318,15 @@ def attention_launch_config(
     Args:
         dtype: query and cache dtype. num_heads, num_kv_heads, head_dim, page_size: the model's and cache's shape.
         max_seqlen_q: longest query (tokens) in the batch. use_window, use_softcap: whether those are set.
-        capability: compute capability, major * 10 + minor (``device_capability``).
-        dot_in_fp32: upcast bf16 dot operands (the CPU interpreter only).
+        capability: compute capability, major * 10 + minor (``device_capability``); None for the portable tile.
+        dot_in_fp32: upcast bf16 dot operands (the CPU interpreter only): the tile is sized as a float32 one.
         use_sinks: the launch adds attention sinks (gpt-oss).
     """
     group = num_heads // num_kv_heads
     group_padded = triton.next_power_of_2(group)
     head_dim_padded = max(triton.next_power_of_2(head_dim), 16)
-    tile = pick_attention_tile(capability, dtype.itemsize, head_dim_padded, group_padded, max(max_seqlen_q, 1))
+    elem_bytes = 4 if dot_in_fp32 else dtype.itemsize  # upcast operands take float32's registers
+    tile = pick_attention_tile(capability, elem_bytes, head_dim_padded, group_padded, max(max_seqlen_q, 1))
     constexprs = dict(
         GROUP=group,
         GROUP_PADDED=group_padded,
@@ -345,8 +346,9 @@ def attention_launch_config(
 
 
 @functools.lru_cache(maxsize=None)
-def device_capability(device: torch.device) -> int:
-    """Compute capability of ``device`` as major * 10 + minor; ``DEFAULT_CAPABILITY`` off CUDA (interpreter)."""
+def device_capability(device: torch.device) -> int | None:
+    """Compute capability of ``device`` as major * 10 + minor; ``DEFAULT_CAPABILITY`` (None: the portable tile,
+    which fits every part) off CUDA, so a launch made on the CPU fits whichever part it is compiled for."""
     if device.type != "cuda":
         return DEFAULT_CAPABILITY
     major, minor = torch.cuda.get_device_capability(device)

@@ -1,21 +1,31 @@
-"""Which tile and how many warps each paged-attention launch uses, per GPU architecture.
+"""Which tile and how many warps each Triton launch uses, per GPU architecture, and the tile that fits them all.
 
-The kernel holds a (BLOCK_M, HEAD_DIM) float32 accumulator and the query tile in registers and stages K and V
-tiles of BLOCK_N positions in shared memory, so a tile that suits one part spills registers or overflows shared
-memory on another. The choices below are the ones ``tests/kernels/test_kernel_fit.py`` compiles ahead of time
-for sm_80, sm_89 and sm_90 (``cbrun.kernels.aot_fit``): every launch the engine can make fits each part's shared memory
-and spills nothing in 16-bit (at most a few bytes of stack in float32).
+The paged-attention kernel holds a (BLOCK_M, HEAD_DIM) float32 accumulator and the query tile in registers and
+stages K and V tiles of BLOCK_N positions in shared memory, so a tile that suits one part spills registers or
+overflows shared memory on another. The choices below are the ones ``tests/kernels/test_kernel_fit.py`` compiles
+ahead of time for sm_80, sm_89 and sm_90 (``cbrun.kernels.aot_fit``), for head sizes 64, 80, 96, 128 and 256 (a
+head size that is not a power of two is padded to the next one, masked in the kernel): every launch fits each
+part's shared memory and spills nothing in 16-bit on sm_90 (at most 16 bytes of stack elsewhere).
 
 Rules, in the order they apply:
+    * the part: the capability of the launching device; off CUDA (the interpreter, or a launch recorded on the
+      CPU), ``capability=None``, the portable tile, which fits every part of ``FIT_CAPABILITIES`` (the sm_80-class
+      rules below: ``tests/kernels/test_kernel_fit.py`` compiles it for all three). A recorded CPU launch must
+      never carry an sm_90 tile to an sm_89 (99 KiB) part.
+    * element size: 2 bytes for fp16/bf16, 4 for float32 and for bf16 dots upcast to float32 (``DOT_IN_FP32``, the
+      interpreter): an upcast tile holds float32 operands, so it is sized as a float32 one.
     * rows (BLOCK_M): BLOCK_Q query tokens times the padded GQA group, at least 16; up to 64 in 16-bit (tensor-core
       dots), up to 32 in float32 (``input_precision="ieee"`` dots run on FMA units with both operands and the
       accumulator in registers), 16 in float32 at head_dim 256. Decode batches (one query token per request) get
       the smallest tile: memory bound, many programs.
-    * BLOCK_N: 32 on sm_80-class parts (ptxas spilled with 64 in float32 and at several 16-bit GQA shapes), and
-      where the K and V tiles of 64 positions would not fit (head_dim 256 in 16-bit on sm_89, head_dim 256 in
-      float32); else 64.
+    * BLOCK_N: 32 on sm_80-class parts and the portable tile (ptxas spilled with 64 in float32 and at several
+      16-bit GQA shapes), and where the K and V tiles of 64 positions would not fit (head_dim 256 in 16-bit on
+      sm_89, head_dim 256 in float32); else 64.
     * num_warps: 8 once the accumulator is large (64 x 256 in 16-bit, or any float32 tile of 32 rows or head_dim
       256), else 4 (8 warps cap ptxas at 128 registers per thread, where 16-bit 64 x 128 tiles spilled on sm_80).
+
+The batch-invariant kernels (``pick_invariant_matmul_tile``, ``pick_row_tile``) take one tile for every part and
+every batch: their tile is part of what makes a row's bits independent of its batch.
 """
 
 from __future__ import annotations
@@ -25,9 +35,12 @@ from dataclasses import dataclass
 #: Shared memory one block may use, in bytes, by compute capability (major * 10 + minor): CUDA C Programming
 #: Guide, "Technical Specifications per Compute Capability" (opt-in maximum per block).
 SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-#: The architecture assumed off CUDA (the Triton interpreter ignores warps and shared memory; only the tile's shape
-#: matters there, and any of them computes the same attention).
-DEFAULT_CAPABILITY = 90
+#: The parts every tile is checked on (``cbrun.kernels.aot_fit``): A100 (sm_80), L4 / L40S (sm_89, whose 99 KiB is
+#: sm_86's too), H100 / H200 (sm_90). ``capability=None`` asks for a tile that fits all of them.
+FIT_CAPABILITIES = (80, 89, 90)
+#: The architecture assumed off CUDA: None, the portable tile (the Triton interpreter ignores warps and shared
+#: memory; only the tile's shape matters there, and any of them computes the same attention).
+DEFAULT_CAPABILITY: int | None = None
 #: The largest head size the Triton attention kernel takes. NOTE: larger head dims would not fit a
 #: (BLOCK_M, HEAD_DIM) fp32 accumulator in registers.
 MAX_HEAD_DIM = 256
@@ -66,13 +79,14 @@ def next_power_of_2(n: int) -> int:
 
 
 def pick_attention_tile(
-    capability: int, elem_bytes: int, head_dim_padded: int, group_padded: int, max_seqlen_q: int
+    capability: int | None, elem_bytes: int, head_dim_padded: int, group_padded: int, max_seqlen_q: int
 ) -> AttentionTile:
     """The tile of one paged-attention launch.
 
     Args:
-        capability: compute capability as major * 10 + minor (80 for A100, 89 for L4/L40S, 90 for H100/H200).
-        elem_bytes: bytes per element of the query and cache (2 for fp16/bf16, 4 for float32).
+        capability: compute capability as major * 10 + minor (80 for A100, 89 for L4/L40S, 90 for H100/H200), or
+            None for the portable tile (fits every part of ``FIT_CAPABILITIES``).
+        elem_bytes: bytes per element the dots run in (2 for fp16/bf16, 4 for float32 and upcast bf16).
         head_dim_padded: the kernel's HEAD_DIM_PADDED (a power of two, 16 to 256).
         group_padded: query heads per KV head, rounded up to a power of two.
         max_seqlen_q: the longest query (tokens) of any request in the batch (1 for decode-only batches).
@@ -84,7 +98,7 @@ def pick_attention_tile(
     max_rows = (16 if head_dim_padded >= 256 else 32) if wide else 64
     rows = min(max(next_power_of_2(max_seqlen_q * group_padded), 16), max_rows)
     block_m = max(rows, group_padded)
-    if capability < 89:  # sm_80 / sm_86 / sm_87: fewer registers per K/V step keeps ptxas from spilling
+    if capability is None or capability < 89:  # sm_80 / 86 / 87 and the portable tile: fewer registers per K/V step
         block_n = 32
         large_acc = block_m >= 32 or head_dim_padded >= 256 if wide else block_m * head_dim_padded >= 64 * 256
     elif wide:
