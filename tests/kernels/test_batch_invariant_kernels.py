@@ -231,3 +231,31 @@ def test_attention_decode_and_prefill_give_one_token_the_same_bits(dtype):
         assert torch.equal(decode[0], prefill[p]), p
     chunk = run(30, 55)  # a chunk after 30 cached tokens
     assert torch.equal(chunk, prefill[30:55])
+
+
+# --- selection -----------------------------------------------------------------------------------------------
+
+
+def test_selection_names_why_a_device_cannot_run_the_kernels():
+    from cbrun.kernels.batch_invariant import triton_invariant_kernels, triton_invariant_unavailable_reason
+
+    assert "dtype torch.int8" in triton_invariant_unavailable_reason("cpu", torch.int8)
+    assert "meta" in triton_invariant_unavailable_reason("meta", torch.float32)
+    if not torch.cuda.is_available():
+        assert "CUDA is not available" in triton_invariant_unavailable_reason("cuda", torch.float16)
+    if not IN_PROCESS:
+        assert "TRITON_INTERPRET" in triton_invariant_unavailable_reason("cpu", torch.float32)
+        with pytest.raises(ValueError, match="cannot run"):
+            triton_invariant_kernels("cpu", torch.float32)
+
+
+@in_process
+def test_selection_gives_the_invariant_kernels():
+    from cbrun.kernels.batch_invariant import triton_invariant_kernels
+
+    kernels = triton_invariant_kernels(DEVICE, torch.float32)
+    assert kernels.name == ("triton-interpreter" if DEVICE == "cpu" else "triton")
+    x, weight = _rand(5, 40), _rand(24, 40, seed=1)
+    assert torch.equal(kernels.linear(x, weight, None), batch_invariant_matmul.batch_invariant_linear_triton(x, weight))
+    assert torch.equal(kernels.rms_norm(x, x[0], 1e-6), rms_norm.rms_norm_triton(x, x[0], 1e-6))
+    assert torch.equal(kernels.log_softmax(x), log_softmax.log_softmax_triton(x))
