@@ -15,6 +15,13 @@ log-probabilities (scored at launch too) ride in the same copy as float64 bit pa
 further read; so are constrained verify entries. Should a
 batched call raise an exception of the request's own kind (``cbrun.engine.core.faults.is_request_fault``), its
 rows are redone one at a time, so only the rows that raise alone fail: a row's result does not depend on its batch.
+
+Batch invariance on a device (``rows_alone``, set under ``engine.batch_invariant`` off the CPU): the sampled rows
+are drawn one at a time, each a (1, V) call. torch's CUDA scans and reductions (the inverse CDF's ``cumsum``, the
+filters' sums) choose their thread layout by the number of rows as well as the row length (PyTorch's inner scan
+picks its threads per row from both), so a row drawn among others could sum its probabilities in another order
+than alone; one row per call gives every row the same shapes, hence the same kernels, whatever its batch. On the
+CPU the batched ops are row-wise already (``tests/engine/test_batch_invariance.py``) and rows stay batched.
 """
 
 from __future__ import annotations
@@ -95,12 +102,16 @@ class StepSampler:
         vocab_size: V.
         device: the logits' device.
         eos_token_ids: the model's EOS ids.
+        rows_alone: sample each row in its own call (batch invariance on a device; see the module docstring).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int], rows_alone: bool = False
+    ) -> None:
         self.token_counts = TokenCounts(vocab_size, device)
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.rows_alone = rows_alone
 
     def release(self, request_index: int) -> None:
         """Forget a finished request's counts."""
@@ -193,21 +204,25 @@ class StepSampler:
         if pending:
             rows_in_flight = [previous.sample_row_of[r.request_index] for r in pending]
             self.token_counts.count_pending(pending, previous.sampled, rows_in_flight)
-        index = to_device(launched.logit_rows, torch.int64, logits.device)
-        try:
-            batch = build_batch(
-                [SamplingRow(r, []) for r in rows], self.token_counts, self.eos_token_ids, logits.device
-            )
-            launched.output = sample(logits[index], batch, in_place=True)  # the index made a copy
-            tokens = launched.output.readback()
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
-            results = self._isolated(lambda at: self._sample(logits, rows, launched.logit_rows, at, None), len(rows))
-            launched.results = [_launched_result(r) for r in results]
-            ids = [r[0] if not isinstance(r, Exception) else 0 for r in results]
-            tokens = to_device(ids, torch.int64, logits.device)
-        argmax[to_device(launched.sample_rows, torch.int64, argmax.device)] = tokens
+        sample_rows = to_device(launched.sample_rows, torch.int64, argmax.device)
+        if not (self.rows_alone and len(rows) > 1):
+            index = to_device(launched.logit_rows, torch.int64, logits.device)
+            try:
+                batch = build_batch(
+                    [SamplingRow(r, []) for r in rows], self.token_counts, self.eos_token_ids, logits.device
+                )
+                launched.output = sample(logits[index], batch, in_place=True)  # the index made a copy
+                argmax[sample_rows] = launched.output.readback()
+                return argmax
+            except Exception as error:
+                if not is_request_fault(error):
+                    raise
+        # Each row alone: after a request fault, or always under rows_alone (batch invariance on a device).
+        results = self._isolated(lambda at: self._sample(logits, rows, launched.logit_rows, at, None), len(rows))
+        launched.results = [_launched_result(r) for r in results]
+        ids = [r[0] if not isinstance(r, Exception) else 0 for r in results]
+        tokens = to_device(ids, torch.int64, logits.device)
+        argmax[sample_rows] = tokens
         return argmax
 
     def fill_grammar_bitmask(self, plan: SchedulerOutput, logits: torch.Tensor) -> StepBitmask | None:
@@ -407,13 +422,14 @@ class StepSampler:
             start = end
 
     def _isolated(self, run: Callable[[list[int]], list], num_items: int) -> list:
-        """``run`` over all items at once; on a request fault, over each alone: an item that raises alone has its
-        exception as its result (its row fails)."""
-        try:
-            return run(list(range(num_items)))
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
+        """``run`` over all items at once (each alone from the start under ``rows_alone``); on a request fault,
+        over each alone: an item that raises alone has its exception as its result (its row fails)."""
+        if not (self.rows_alone and num_items > 1):
+            try:
+                return run(list(range(num_items)))
+            except Exception as error:
+                if not is_request_fault(error):
+                    raise
         results = []
         for i in range(num_items):
             try:
