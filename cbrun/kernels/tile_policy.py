@@ -22,7 +22,8 @@ Rules, in the order they apply:
       16-bit GQA shapes), and where the K and V tiles of 64 positions would not fit (head_dim 256 in 16-bit on
       sm_89, head_dim 256 in float32); else 64.
     * num_warps: 8 once the accumulator is large (64 x 256 in 16-bit, or any float32 tile of 32 rows or head_dim
-      256), else 4 (8 warps cap ptxas at 128 registers per thread, where 16-bit 64 x 128 tiles spilled on sm_80).
+      256; head_dim 128 in the portable float32 tile, which spilled on sm_89 with 4), else 4 (8 warps cap ptxas at
+      128 registers per thread, where 16-bit 64 x 128 tiles spilled on sm_80).
 
 The batch-invariant kernels (``pick_invariant_matmul_tile``, ``pick_row_tile``) take one tile for every part and
 every batch: their tile is part of what makes a row's bits independent of its batch.
@@ -100,7 +101,12 @@ def pick_attention_tile(
     block_m = max(rows, group_padded)
     if capability is None or capability < 89:  # sm_80 / 86 / 87 and the portable tile: fewer registers per K/V step
         block_n = 32
-        large_acc = block_m >= 32 or head_dim_padded >= 256 if wide else block_m * head_dim_padded >= 64 * 256
+        # NOTE: the portable float32 tile takes 8 warps from head_dim 128: with 4, ptxas for sm_89 spilled 272 bytes
+        # at 16 x 128 (sm_80's own tile keeps 4 there, spilling nothing).
+        wide_warps_dim = 128 if capability is None else 256
+        large_acc = (
+            block_m >= 32 or head_dim_padded >= wide_warps_dim if wide else block_m * head_dim_padded >= 64 * 256
+        )
     elif wide:
         block_n = 32 if head_dim_padded >= 256 else 64
         large_acc = block_m >= 32 or head_dim_padded >= 256
