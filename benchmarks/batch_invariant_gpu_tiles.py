@@ -4,6 +4,7 @@ the arithmetic the fixed matmul tile pads on at each batch size. No GPU is neede
 Usage (from the repository root, without ``TRITON_INTERPRET``)::
 
     python -m benchmarks.batch_invariant_gpu_tiles [--capability 90 ...]
+    python -m benchmarks.batch_invariant_gpu_tiles --from-json fits.json   # from ``aot_fit --json``: no compiling
 
 Two tables:
 
@@ -19,8 +20,10 @@ Two tables:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 
@@ -65,15 +68,34 @@ def padding_table(batch_sizes=(1, 8, 32, 64, 128, 256, 512)) -> list[str]:
     return lines
 
 
+def _lines_from_json(path: Path) -> list[tuple[bool, str]]:
+    """(fits, line) of the invariant kernels' launches in an ``aot_fit --json`` file: the matmul, RMSNorm and
+    log-softmax launches a device makes (not the interpreter's upcast ones), and attention's invariant tile (the
+    engine's prefill launch on each part, ``max_q=8192``)."""
+    found = []
+    for fit in json.loads(path.read_text()):
+        line = fit["line"]
+        invariant = fit["kernel"] in ("batch_invariant_matmul", "rms_norm", "log_softmax") and " up " not in line
+        invariant |= fit["kernel"] == "paged_attention" and line.endswith("max_q=8192")
+        if invariant:
+            found.append((fit["ok"], line))
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     from cbrun.kernels import aot_fit
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capability", type=int, action="append", choices=aot_fit.CAPABILITIES)
+    parser.add_argument("--from-json", type=Path, help="read the fits from an aot_fit --json file instead")
     args = parser.parse_args(argv)
     print("arch | kernel | dtype | tile | shared | regs | stack | fits | first made by")
     bad = 0
-    for capability in args.capability or aot_fit.CAPABILITIES:
+    if args.from_json:
+        for ok, line in _lines_from_json(args.from_json):
+            bad += not ok
+            print(line)
+    for capability in [] if args.from_json else args.capability or aot_fit.CAPABILITIES:
         for launch in _invariant_launches(capability):
             fit = aot_fit.compile_launch(launch, capability)
             bad += not fit.ok
