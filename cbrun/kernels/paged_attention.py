@@ -326,7 +326,8 @@ def attention_launch_config(
     group_padded = triton.next_power_of_2(group)
     head_dim_padded = max(triton.next_power_of_2(head_dim), 16)
     elem_bytes = 4 if dot_in_fp32 else dtype.itemsize  # upcast operands take float32's registers
-    tile = pick_attention_tile(capability, elem_bytes, head_dim_padded, group_padded, max(max_seqlen_q, 1))
+    upcast = dot_in_fp32 and dtype.itemsize < 4
+    tile = pick_attention_tile(capability, elem_bytes, head_dim_padded, group_padded, max(max_seqlen_q, 1), upcast)
     constexprs = dict(
         GROUP=group,
         GROUP_PADDED=group_padded,

@@ -16,13 +16,14 @@ Rules, in the order they apply:
       interpreter): an upcast tile holds float32 operands, so it is sized as a float32 one.
     * rows (BLOCK_M): BLOCK_Q query tokens times the padded GQA group, at least 16; up to 64 in 16-bit (tensor-core
       dots), up to 32 in float32 (``input_precision="ieee"`` dots run on FMA units with both operands and the
-      accumulator in registers), 16 in float32 at head_dim 256. Decode batches (one query token per request) get
+      accumulator in registers), 16 in float32 at head_dim 256, and from head_dim 128 in the portable float32
+      tile (32 rows spilled on sm_90 with the BLOCK_N 32 that sm_80 needs). Decode batches (one query token per request) get
       the smallest tile: memory bound, many programs.
     * BLOCK_N: 32 on sm_80-class parts and the portable tile (ptxas spilled with 64 in float32 and at several
       16-bit GQA shapes), and where the K and V tiles of 64 positions would not fit (head_dim 256 in 16-bit on
       sm_89, head_dim 256 in float32); else 64.
     * num_warps: 8 once the accumulator is large (64 x 256 in 16-bit, or any float32 tile of 32 rows or head_dim
-      256; head_dim 128 in the portable float32 tile, which spilled on sm_89 with 4), else 4 (8 warps cap ptxas at
+      256; from head_dim 128 in the portable float32 tile, which spilled on sm_89 with 4), else 4 (8 warps cap ptxas at
       128 registers per thread, where 16-bit 64 x 128 tiles spilled on sm_80).
 
 The batch-invariant kernels (``pick_invariant_matmul_tile``, ``pick_row_tile``) take one tile for every part and
@@ -80,7 +81,12 @@ def next_power_of_2(n: int) -> int:
 
 
 def pick_attention_tile(
-    capability: int | None, elem_bytes: int, head_dim_padded: int, group_padded: int, max_seqlen_q: int
+    capability: int | None,
+    elem_bytes: int,
+    head_dim_padded: int,
+    group_padded: int,
+    max_seqlen_q: int,
+    upcast: bool = False,
 ) -> AttentionTile:
     """The tile of one paged-attention launch.
 
@@ -91,19 +97,30 @@ def pick_attention_tile(
         head_dim_padded: the kernel's HEAD_DIM_PADDED (a power of two, 16 to 256).
         group_padded: query heads per KV head, rounded up to a power of two.
         max_seqlen_q: the longest query (tokens) of any request in the batch (1 for decode-only batches).
+        upcast: 16-bit K/V tiles whose dots run in float32 (``DOT_IN_FP32``, the interpreter's bf16): sized as
+            float32 by the sm_80-class rules (its tiles hold 16-bit K/V in shared memory).
 
     Returns:
         The ``AttentionTile``; ``block_m`` is a multiple of ``group_padded``.
     """
     wide = elem_bytes >= 4
-    max_rows = (16 if head_dim_padded >= 256 else 32) if wide else 64
+    portable_fp32 = capability is None and wide and not upcast
+    if not wide:
+        max_rows = 64
+    elif head_dim_padded >= 256 or (portable_fp32 and head_dim_padded >= 128):
+        # NOTE: the portable float32 tile of 32 x 128 spilled 168-296 bytes on sm_90 (sm_80 needs BLOCK_N 32,
+        # sm_90 then spills at 32 rows): 16 rows fit all three parts.
+        max_rows = 16
+    else:
+        max_rows = 32
     rows = min(max(next_power_of_2(max_seqlen_q * group_padded), 16), max_rows)
     block_m = max(rows, group_padded)
     if capability is None or capability < 89:  # sm_80 / 86 / 87 and the portable tile: fewer registers per K/V step
         block_n = 32
         # NOTE: the portable float32 tile takes 8 warps from head_dim 128: with 4, ptxas for sm_89 spilled 272 bytes
-        # at 16 x 128 (sm_80's own tile keeps 4 there, spilling nothing).
-        wide_warps_dim = 128 if capability is None else 256
+        # at 16 x 128 (sm_80's own tile keeps 4 there, spilling nothing; so does the upcast one, which spilled 8
+        # bytes on sm_90 with 8).
+        wide_warps_dim = 128 if portable_fp32 else 256
         large_acc = (
             block_m >= 32 or head_dim_padded >= wide_warps_dim if wide else block_m * head_dim_padded >= 64 * 256
         )

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 from cbrun.kernels import aot_fit  # noqa: E402
 from cbrun.kernels.paged_attention import attention_launch_config  # noqa: E402
 from cbrun.kernels.tile_policy import SHARED_MEMORY_LIMITS, pick_attention_tile  # noqa: E402
@@ -137,18 +137,20 @@ def test_wrapper_launches_record_every_public_kernel_and_head_size():
 @pytest.mark.parametrize("head_dim", aot_fit.HEAD_SIZES)
 @pytest.mark.parametrize("max_q", (1, 16, 256))
 def test_cpu_launch_takes_the_portable_tile_sized_for_upcast_dots(head_dim, max_q):
-    """Off CUDA the wrapper's tile is the portable one (capability None), and bf16 dots upcast to float32 take a
-    float32-sized tile: the launches that did not fit sm_89/sm_90 before (issue 39: head_dim 256 at 256-query
-    tiles, head_dim 80 spilling in bf16) were the sm_90 16-bit tile with float32 operands."""
+    """Off CUDA the wrapper's tile is the portable one (capability None), and bf16 dots upcast to float32 take the
+    sm_80-class float32 tile: the launches that did not fit sm_89/sm_90 before (issue 39: head_dim 256 at
+    256-query tiles, head_dim 80 spilling in bf16) were sm_90's 16-bit tile with float32 operands."""
     cpu = attention_launch_config(torch.bfloat16, 8, 4, head_dim, 16, max_q, False, False, None, dot_in_fp32=True)
-    fp32 = attention_launch_config(torch.float32, 8, 4, head_dim, 16, max_q, False, False, None)
-    assert {k: v for k, v in cpu.constexprs.items() if k.startswith("BLOCK")} == {
-        k: v for k, v in fp32.constexprs.items() if k.startswith("BLOCK")
-    }
-    assert cpu.num_warps == fp32.num_warps
-    assert pick_attention_tile(None, 2, max(head_dim, 16), 2, max_q) == pick_attention_tile(
-        80, 2, max(head_dim, 16), 2, max_q
-    )
+    sm80 = attention_launch_config(torch.float32, 8, 4, head_dim, 16, max_q, False, False, 80)
+
+    def blocks(config):
+        return {k: v for k, v in config.constexprs.items() if k.startswith("BLOCK")}, config.num_warps
+
+    assert blocks(cpu) == blocks(sm80)
+    padded = max(triton.next_power_of_2(head_dim), 16)
+    assert pick_attention_tile(None, 2, padded, 2, max_q) == pick_attention_tile(80, 2, padded, 2, max_q)
+    portable_fp32 = pick_attention_tile(None, 4, padded, 2, max_q)
+    assert portable_fp32.block_n == 32 and (padded < 128 or portable_fp32.block_m == 16)
 
 
 def test_tile_policy_rows_grow_with_the_query():
