@@ -133,7 +133,13 @@ class LLMEngine:
         cpu_kernel = backends.use_cpu_kernel(config, dtype, use_triton)
         batch_invariant = backends.use_batch_invariant(config, cpu_kernel, use_graphs, use_triton, dtype)
         lean_model = select_lean_model(
-            config.model_impl, model, use_graphs, max_model_len, config.linear_backend, batch_invariant
+            config.model_impl,
+            model,
+            use_graphs,
+            max_model_len,
+            config.linear_backend,
+            batch_invariant,
+            backends.invariant_kernels(config, cpu_kernel, dtype) if batch_invariant else None,
         )
         #: Turns each step's logits into its ``StepOutput`` on their device (the model runner calls it); owns the
         #: penalised requests' token counts.

@@ -289,3 +289,19 @@ def test_cuda_blockers_name_what_stops_the_invariant_kernels(monkeypatch):
     # "auto" CUDA graphs give way to batch_invariant = on; "on" is refused by name.
     assert "batch_invariant" in backends.cuda_graphs_blocker(EngineConfig(**on), True)
     assert backends.cuda_graphs_blocker(EngineConfig(device="cuda"), True) is None
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_seeded_rows_equal_alone_and_in_a_batch(model_type):
+    # A MoE block under "on" runs each expert over its own rows through the invariant linear: how many tokens an
+    # expert gets depends on the batch, a token's output must not.
+    model = str(random_model_dir(model_type, **MODEL))
+    config = EngineConfig(**{**BASE, "batch_invariant": "on"})
+    targets = target_requests(0.9)[:4]
+    engine = LLMEngine.from_pretrained(model, config)
+    alone = {
+        rid: tokens_and_bits({o.request_id: o for o in engine.generate([(rid, p, sp)])}, [rid])[rid]
+        for rid, p, sp in targets
+    }
+    batch = fillers(8)[:4] + targets + fillers(8)[4:]
+    assert tokens_and_bits({o.request_id: o for o in engine.generate(batch)}, alone) == alone

@@ -258,8 +258,9 @@ def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -
     if reason:
         return f"the lean forward pass would not run: {reason}"
     assert parsed is not None  # parse_config gives a config or a reason
-    if parsed.moe is not None:
-        return "a MoE model (the experts' grouped GEMM sums by each expert's share of the step)"
+    if parsed.quantization is not None:
+        # NOTE: each quantized GEMM dequantizes its weight in chunks of its own shape (LeanLlama refuses them).
+        return "quantized weights (their GEMMs are not batch-invariant)"
     dtype = config.resolve_dtype(checkpoint_dtype(model_path))
     triton = use_triton(config)
     cpu_kernel = not triton and torch.device(config.device).type == "cpu" and dtype == "float32"
