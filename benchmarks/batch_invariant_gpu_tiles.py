@@ -68,15 +68,32 @@ def padding_table(batch_sizes=(1, 8, 32, 64, 128, 256, 512)) -> list[str]:
     return lines
 
 
+def _invariant_attention_tiles() -> set[str]:
+    """``format_fit``'s first four columns (arch, kernel, dtype, tile and warps) of attention's invariant launch
+    (the tile ``INVARIANT_MAX_SEQLEN_Q`` picks) on each part, for every model and dtype of ``aot_fit``."""
+    from cbrun.kernels import aot_fit
+    from cbrun.kernels.paged_attention import INVARIANT_MAX_SEQLEN_Q
+
+    prefixes = set()
+    for capability in aot_fit.CAPABILITIES:
+        for launch in aot_fit.engine_launches(
+            capability, max_seqlen_qs=(INVARIANT_MAX_SEQLEN_Q,), windows=False, kv_write=False
+        ):
+            fit = aot_fit.Fit(launch, capability, 0, 0, 0)
+            prefixes.add(" | ".join(aot_fit.format_fit(fit).split(" | ")[:4]))
+    return prefixes
+
+
 def _lines_from_json(path: Path) -> list[tuple[bool, str]]:
     """(fits, line) of the invariant kernels' launches in an ``aot_fit --json`` file: the matmul, RMSNorm and
-    log-softmax launches a device makes (not the interpreter's upcast ones), and attention's invariant tile (the
-    engine's prefill launch on each part, ``max_q=8192``)."""
+    log-softmax launches a device makes (not the interpreter's upcast ones), and attention's invariant tile on each
+    part (``_invariant_attention_tiles``)."""
+    attention = _invariant_attention_tiles()
     found = []
     for fit in json.loads(path.read_text()):
         line = fit["line"]
         invariant = fit["kernel"] in ("batch_invariant_matmul", "rms_norm", "log_softmax") and " up " not in line
-        invariant |= fit["kernel"] == "paged_attention" and line.endswith("max_q=8192")
+        invariant |= fit["kernel"] == "paged_attention" and " | ".join(line.split(" | ")[:4]) in attention
         if invariant:
             found.append((fit["ok"], line))
     return found
