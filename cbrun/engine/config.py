@@ -144,8 +144,8 @@ class EngineConfig:
             Triton matmul and RMSNorm, attention's one invariant tile, each sampled row drawn in its own call, CUDA
             graphs off (docs/gpu.md). Either needs the lean forward pass, ``linear_backend = "auto"``,
             ``speculative = "off"``, ``tensor_parallel_size = 1`` and unquantized weights; MoE blocks run each
-            expert over its own rows. Anything else is a ValueError naming it. "off" runs the fastest kernels, whose bits may change
-            with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
+            expert over its own rows. Anything else is a ValueError naming it. "off" runs the fastest kernels,
+            whose bits may change with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
             sampled and it can run (``cbrun.jobs.run.job.resolve_batch_invariant``), off for greedy-only jobs; the
             Python engine API takes "auto" as "off". Its logits differ from "off"'s by float32 rounding.
         speculative: speculative decoding (see ``cbrun.engine.spec_decode.speculative``): "off", "ngram" (prompt lookup: proposals

@@ -661,7 +661,9 @@ class LeanLlama:
         return apply_linear(out.reshape(num_tokens, -1), layer.o)
 
 
-def _layer_tensors(layer: LayerWeights, backend: Backend, invariant_linear: Backend | None = None) -> _Layer:
+def _layer_tensors(
+    layer: LayerWeights, backend: Backend, invariant_linear: Callable[[torch.Tensor], LinearFn] | None = None
+) -> _Layer:
     """One layer's projections with their functions; ``invariant_linear`` (batch invariance) also runs a MoE
     block's router and experts."""
 
