@@ -14,13 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cbrun.kernels.gemm_launch import (
-    check_activations,
-    check_weight_tensor,
-    grid,
-    launch_config_for,
-    max_block_k,
-)
+from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
+from cbrun.kernels.gemm_launch import grid, launch_config_for, max_block_k
 
 
 @triton.jit

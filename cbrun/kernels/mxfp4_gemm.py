@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cbrun.kernels.gemm_launch import check_activations, check_weight_tensor, grid, launch_config_for
+from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
+from cbrun.kernels.gemm_launch import grid, launch_config_for
 from cbrun.kernels.quantized_reference import MXFP4_BLOCK_SIZE, mxfp4_blocks_2d
 
 

@@ -42,14 +42,18 @@ def int4_dequant_ref(
     in_features: int,
     group_size: int,
     dtype: torch.dtype,
+    start: int = 0,
+    stop: int | None = None,
 ) -> torch.Tensor:
-    """The real int4 weight (N, in_features) in ``dtype``: ``float32(code - zero) * scale`` rounded once.
+    """Output rows ``[start, stop)`` of the real int4 weight, (rows, in_features) in ``dtype``:
+    ``float32(code - zero) * scale`` rounded once.
 
     Args:
         packed: (N, ceil(in_features / 8)) int32. zeros: (N, groups) uint8 0..15. scales: (N, groups) float32.
         in_features: K. group_size: input features per (zero, scale).
-        dtype: the result's dtype.
+        dtype: the result's dtype. start, stop: the rows (default all).
     """
+    packed, zeros, scales = packed[start:stop], zeros[start:stop], scales[start:stop]
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     codes = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)[:, :in_features]
     group = torch.arange(in_features, device=packed.device) // group_size
@@ -58,20 +62,25 @@ def int4_dequant_ref(
 
 
 def fp8_dequant_ref(
-    qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    start: int = 0,
+    stop: int | None = None,
 ) -> torch.Tensor:
-    """The real float8 weight (N, K) in ``dtype``: ``float32(q) * scale[n // bo, k // bi]`` rounded once.
+    """Output rows ``[start, stop)`` of the real float8 weight, (rows, K) in ``dtype``:
+    ``float32(q) * scale[n // bo, k // bi]`` rounded once.
 
     Args:
         qweight: (N, K) float8_e4m3fn. scale: (ceil(N / bo), ceil(K / bi)) float32. block: (bo, bi).
-        dtype: the result's dtype.
+        dtype: the result's dtype. start, stop: the rows (default all).
     """
     bo, bi = block
-    rows, cols = qweight.shape
-    full = scale.to(torch.float32)[torch.arange(rows, device=scale.device) // bo][
-        :, torch.arange(cols, device=scale.device) // bi
-    ]
-    return (qweight.to(torch.float32) * full).to(dtype)
+    stop = qweight.shape[0] if stop is None else stop
+    rows = torch.arange(start, stop, device=scale.device) // bo
+    cols = torch.arange(qweight.shape[1], device=scale.device) // bi
+    return (qweight[start:stop].to(torch.float32) * scale.to(torch.float32)[rows][:, cols]).to(dtype)
 
 
 def mxfp4_blocks_2d(blocks: torch.Tensor) -> torch.Tensor:
@@ -85,15 +94,18 @@ def mxfp4_blocks_2d(blocks: torch.Tensor) -> torch.Tensor:
     return blocks
 
 
-def mxfp4_dequant_ref(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The real MXFP4 weight (N, K) in ``dtype``: ``ldexp(FP4_E2M1_VALUES[code], scale - 127)`` rounded once.
+def mxfp4_dequant_ref(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, start: int = 0, stop: int | None = None
+) -> torch.Tensor:
+    """Output rows ``[start, stop)`` of the real MXFP4 weight, (rows, K) in ``dtype``:
+    ``ldexp(FP4_E2M1_VALUES[code], scale - 127)`` rounded once.
 
     Args:
         blocks: (N, K / 32, 16) or (N, K / 2) uint8, two E2M1 codes a byte, the low nibble first.
         scales: (N, K / 32) uint8 E8M0 exponents.
-        dtype: the result's dtype.
+        dtype: the result's dtype. start, stop: the rows (default all).
     """
-    data = mxfp4_blocks_2d(blocks)
+    data, scales = mxfp4_blocks_2d(blocks)[start:stop], scales[start:stop]
     rows = data.shape[0]
     codes = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(rows, -1).long()  # (N, K), low nibble first
     lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=data.device)
