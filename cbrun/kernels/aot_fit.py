@@ -9,7 +9,7 @@ metadata) and the registers and stack (``cuobjdump --dump-resource-usage``; stac
 
 The weight-dequantizing GEMMs (``int4_gemm``, ``fp8_gemm``, ``mxfp4_gemm``) are checked the same way, each launch
 built by ``gemm_launch.gemm_launch_config`` for decode, 17..64-row and large batches (``quantized_gemm_launches``;
-``--quantized`` compiles only those).
+``--quantized`` compiles only those, ``--with-quantized`` both).
 
 Run ``python -m cbrun.kernels.aot_fit`` to print the full table (several minutes on two cores; ``--subset``,
 ``--capability 90`` for less). The test is ``tests/kernels/test_kernel_fit.py``.
@@ -251,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quantized",
         action="store_true",
-        help="only the quantized GEMMs (quantized_gemm_launches; with --subset, QUANTIZED_SUBSET)",
+        help="the quantized GEMMs only (quantized_gemm_launches; with --subset, QUANTIZED_SUBSET)",
     )
-    parser.add_argument("--no-quantized", action="store_true", help="leave the quantized GEMMs out")
+    parser.add_argument("--with-quantized", action="store_true", help="the attention launches and the quantized GEMMs")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     matrix = SUBSET if args.subset else {}
     gemm_matrix = QUANTIZED_SUBSET if args.subset else {}
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print("arch | kernel | dtype | tile | shared | regs | stack | fits | first made by")
         for capability in args.capability or CAPABILITIES:
             launches = [] if args.quantized else engine_launches(capability, **matrix)
-            if not args.no_quantized:
+            if args.quantized or args.with_quantized:
                 launches += quantized_gemm_launches(capability, **gemm_matrix)
             for launch in launches:
                 fits.append(compile_launch(launch, capability))
