@@ -23,6 +23,7 @@ order, except ``fp8_activation_scheme="dynamic"``, which rounds the activations 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -244,7 +245,9 @@ def quantized_matmul(
     return out.reshape(*lead, out_features)
 
 
+@functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> int | None:
+    """Compute capability (major * 10 + minor) of a CUDA device, None off CUDA; cached: asked every layer."""
     if device.type != "cuda":
         return None
     major, minor = torch.cuda.get_device_capability(device)
