@@ -175,3 +175,22 @@ def test_refusals_name_the_argument():
 def test_empty_batch_launches_nothing():
     packed, zeros, scales = int4_weight(16, 64, 32, 0)
     assert int4_matmul_triton(torch.randn(0, 64), packed, zeros, scales, 64, 32).shape == (0, 16)
+
+
+def test_strided_rows_of_x_and_out():
+    """x and out may be row slices of wider buffers (a fused projection's output columns, a padded batch)."""
+    n, k = 40, 256
+    x = torch.randn(5, k + 24)[:, 8 : 8 + k]
+    packed, zeros, scales = int4_weight(n, k, 128, 1)
+    qweight, scale = fp8_weight(n, k, (128, 128), 1)
+    blocks, e8m0 = mxfp4_weight(n, k, 1)
+    runs = (
+        (lambda out: int4_matmul_triton(x, packed, zeros, scales, k, 128, out=out), int4_dequant_ref(packed, zeros, scales, k, 128, torch.float32)),
+        (lambda out: fp8_matmul_triton(x, qweight, scale, (128, 128), out=out), fp8_dequant_ref(qweight, scale, (128, 128), torch.float32)),
+        (lambda out: mxfp4_matmul_triton(x, blocks, e8m0, out=out), mxfp4_dequant_ref(blocks, e8m0, torch.float32)),
+    )  # fmt: skip
+    for run, real in runs:
+        buffer = torch.full((5, n + 16), float("nan"))
+        run(buffer[:, 16:])
+        check_close(buffer[:, 16:], dequantized_matmul_ref(x, real))
+        assert torch.isnan(buffer[:, :16]).all()  # nothing written outside out
