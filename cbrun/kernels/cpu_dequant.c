@@ -1,7 +1,8 @@
 /* Dequantizing quantized linear weights on the CPU, for cbrun/kernels/cpu_dequant.py.
  *
- * Both functions write rows [row_start, row_start + rows) of the real weight as float32, row-major, one rounding
- * per value (the bits of the PyTorch references in cbrun/engine/model/quantization.py and int4.py):
+ * Each function writes rows [row_start, row_start + rows) of the real weight as float32, row-major, one rounding
+ * per value (the bits of the PyTorch references in cbrun/engine/model/layers/quantization/fp8.py and int4.py, and
+ * cbrun/kernels/quantized_reference.py for MXFP4):
  *
  *   fp8 block:  out[i][j] = lut[q[i][j]] * scale[i / bo][j / bi]          (lut: the 256 float8_e4m3fn values)
  *   int4 group: out[i][j] = (float)(code(i, j) - zero[i][j / g]) * scale[i][j / g],

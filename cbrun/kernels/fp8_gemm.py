@@ -1,6 +1,6 @@
 """Triton GEMM over a float8 e4m3 weight with block scales, dequantized in the inner loop (W8A16 / W8A32).
 
-The weight is ``cbrun.engine.model.quantization.QuantizedWeight``'s layout: float8_e4m3fn values (N, K) and one
+The weight is ``cbrun.engine.model.layers.quantization.fp8.QuantizedWeight``'s layout: float8_e4m3fn values (N, K) and one
 float32 scale per (bo, bi) block, which covers the ``fp8`` checkpoints' 128 x 128 ``weight_scale_inv`` (Qwen3-FP8,
 DeepSeek-V3), compressed-tensors' per-output-channel ``weight_scale`` (the block (1, K)) and a per-tensor scale
 (the block (N, K)). The real weight is ``float32(q) * scale[n // bo, k // bi]``

@@ -1,6 +1,6 @@
 """Triton GEMM over an int4 group-quantized weight, dequantized in the inner loop (W4A16 / W4A32).
 
-The weight is ``cbrun.engine.model.int4.Int4Weight``'s layout, whatever checkpoint it came from (compressed-tensors
+The weight is ``cbrun.engine.model.layers.quantization.int4.Int4Weight``'s layout, whatever checkpoint it came from (compressed-tensors
 ``pack-quantized``, GPTQ ``desc_act: false``, AWQ GEMM): 4-bit codes packed eight to an int32 along K, one uint8
 zero point and one float32 scale per output row and group of ``group_size`` inputs; the real weight is
 ``float32(code - zero) * scale`` (``quantized_reference.int4_dequant_ref``). The loop and the tile are

@@ -3,9 +3,9 @@
 The weight is one of three layouts, each a frozen dataclass that checks its tensors when built (at load, once):
 
 - ``Int4Layout``: int4 codes with a zero point and a scale per group (compressed-tensors ``pack-quantized``,
-  GPTQ, AWQ, as ``cbrun.engine.model.int4.Int4Weight`` holds them);
+  GPTQ, AWQ, as ``cbrun.engine.model.layers.quantization.int4.Int4Weight`` holds them);
 - ``Fp8Layout``: float8_e4m3fn with one scale per (bo, bi) block (the ``fp8`` 128 x 128 layout, per-channel,
-  per-tensor: ``cbrun.engine.model.quantization.QuantizedWeight``);
+  per-tensor: ``cbrun.engine.model.layers.quantization.fp8.QuantizedWeight``);
 - ``Mxfp4Layout``: MXFP4 blocks and E8M0 scales (gpt-oss's experts, one expert's (N, K) weight).
 
 Which GEMM runs (``backend="auto"``):

@@ -6,7 +6,7 @@ which is what the kernels do in their inner loop, so the GEMMs differ from the r
 
 Layouts (a weight of ``out_features`` N by ``in_features`` K, the output feature first, as ``F.linear`` takes it):
 
-- int4 group (``cbrun.engine.model.int4.Int4Weight``'s layout): ``packed`` int32 (N, ceil(K / 8)), code ``8w + i``
+- int4 group (``cbrun.engine.model.layers.quantization.int4.Int4Weight``'s layout): ``packed`` int32 (N, ceil(K / 8)), code ``8w + i``
   of a row in bits ``4i .. 4i + 3`` of its word ``w`` (unsigned 0..15); ``zeros`` uint8 (N, groups);
   ``scales`` float32 (N, groups), groups = ceil(K / group_size). Real weight ``float32(code - zero) * scale``.
 - FP8 block (``QuantizedWeight``): ``qweight`` float8_e4m3fn (N, K); ``scale`` float32 (ceil(N / bo),
