@@ -126,8 +126,8 @@ def test_dequantized_values_are_the_references_bit_for_bit():
 
 def test_references_equal_the_engine_weight_types():
     """The kernels' references are the engine's own dequantizations (``Int4Weight``, ``QuantizedWeight``)."""
-    from cbrun.engine.model.layers.quantization.int4 import Int4Weight
     from cbrun.engine.model.layers.quantization.fp8 import QuantizedWeight, dequantize
+    from cbrun.engine.model.layers.quantization.int4 import Int4Weight
 
     packed, zeros, scales = int4_weight(24, 200, 32, 3)
     engine = Int4Weight(packed, zeros, scales, 200, 32, torch.bfloat16)
