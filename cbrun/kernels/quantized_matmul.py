@@ -194,6 +194,21 @@ class Mxfp4Layout:
 QuantizedLayout = Int4Layout | Fp8Layout | Mxfp4Layout
 
 
+def triton_unsupported_reason(weight: QuantizedLayout) -> str | None:
+    """Why the Triton GEMM cannot step through ``weight`` (a scale group or block shorter than K and not a multiple
+    of 16: no ``tl.dot`` step fits in it), or None when it can. The CPU path runs any layout."""
+    k = weight.shape[1]
+    if isinstance(weight, Int4Layout):
+        what, group = "int4 group_size", weight.group_size
+    elif isinstance(weight, Fp8Layout):
+        what, group = "fp8 scale block bi", weight.block[1]
+    else:
+        return None
+    if group < k and group % 16:
+        return f"{what} {group} is not a multiple of 16"
+    return None
+
+
 def _same_device(kind: str, *tensors: torch.Tensor) -> None:
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{kind}: its tensors are on several devices: {sorted({str(t.device) for t in tensors})}")
