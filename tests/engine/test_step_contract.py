@@ -8,6 +8,7 @@ import sys
 from collections import Counter, defaultdict
 
 import pytest
+import torch
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.core import plan as plan_module
@@ -186,3 +187,74 @@ def test_overflowing_rows_finish_alone_or_beside_others_on_either_sampler_path(m
     for name in ("frequency_greedy", "frequency_sampled"):
         tokens = together[name].output_token_ids
         assert tokens == tokens[:1] * 10, name
+
+
+def test_the_cpus_filtered_draws_are_those_of_sampler_version_2():
+    """``draw_filtered``'s tokens, pinned: the draws of ``SAMPLER_VERSION`` 2 (as drawn before the sampler was
+    merged into one module and its rounds trimmed), which a job's fingerprint records. A change here must bump it."""
+    from cbrun.engine.config import SAMPLER_VERSION
+
+    g = torch.Generator().manual_seed(123)
+    rows, vocab = 24, 64
+    probs = torch.softmax(torch.randn(rows, vocab, generator=g) * 1.5, 1)
+    top_k = torch.tensor([0, 5, 20, 0] * 6)
+    top_p = torch.tensor([0.9, 1.0, 0.7, 0.95] * 6)
+    min_p = torch.tensor([0.0, 0.0, 0.02, 0.05] * 6)
+    seeds, positions = torch.arange(rows) * 7919 + 11, torch.arange(rows) % 5
+    mixed = sampler.draw_filtered(probs, top_k, top_p, min_p, seeds, positions)
+    nucleus = sampler.draw_filtered(
+        probs, torch.zeros(rows, dtype=torch.int64), torch.full((rows,), 0.9), torch.zeros(rows), seeds, positions
+    )
+    assert SAMPLER_VERSION == 2
+    assert mixed.tolist() == [
+        20,
+        61,
+        33,
+        8,
+        1,
+        26,
+        30,
+        56,
+        54,
+        20,
+        45,
+        25,
+        34,
+        39,
+        51,
+        3,
+        58,
+        19,
+        49,
+        48,
+        45,
+        48,
+        29,
+        0,
+    ]
+    assert nucleus.tolist() == [
+        20,
+        61,
+        7,
+        8,
+        1,
+        8,
+        30,
+        56,
+        54,
+        20,
+        45,
+        25,
+        34,
+        30,
+        51,
+        3,
+        58,
+        19,
+        49,
+        48,
+        45,
+        48,
+        29,
+        0,
+    ]

@@ -183,6 +183,8 @@ def _settle(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``settle_infinities``' error codes, and each row's maximum when it is still the maximum of the settled scores
     (no row held +inf; known on the CPU only, where the check is free), else None."""
     top = scores.amax(dim=1)  # NaN where the row holds NaN
+    if not waits_for_device(scores.device) and bool(top.isfinite().all()):  # the common step, on the CPU
+        return torch.zeros(scores.shape[0], dtype=torch.int8, device=scores.device), top
     nan = top.isnan()
     inf_rows = top == float("inf")
     if waits_for_device(scores.device):  # no host read of the device (it would wait for the forward pass)
@@ -448,12 +450,13 @@ def draw_filtered(
     # draws never depend on which rows share its step.
     x = inverse_cdf(probs, uniform_of(keys, PLAIN))
     # NOTE: a row without a finite distribution drew V (``inverse_cdf``): it stops here, and its token fails it.
-    rejected, px = _rejected(probs, x, floor_p, budget, nucleus)
+    rejected, px, above = _rejected(probs, x, floor_p, budget, nucleus)
     if not bool(rejected.any()):
         return x
     tokens = x
     at = rejected.nonzero()[:, 0]
-    pending, p, pivot = at, probs[at], px[at]
+    pending, p = at, probs[at]
+    weights = above[at] if above is not None else _above(p, px[at])  # the next round's: p above the pivot
     floor_p = floor_p[at] if floor_p is not None else None
     budget = budget[at] if budget is not None else None
     nucleus = nucleus[at] if nucleus is not None else None
@@ -462,15 +465,15 @@ def draw_filtered(
     for round_ in range(1, MAX_ROUNDS):
         # A rejected row's draw was below its top token, so some token stays above the pivot: the distribution
         # left is finite and positive, and ``inverse_cdf``'s guard for the contrary is not needed.
-        weights = _above(p, pivot)
         cumulative = weights.cumsum(dim=1)
         x = _search(cumulative, cumulative[:, -1], u[:, round_ - 1])
-        rejected, px = _rejected(p, x, floor_p, budget, nucleus)
+        rejected, px, above = _rejected(p, x, floor_p, budget, nucleus)
         tokens[pending] = x  # a rejected row's is written again by the round that accepts it
         if not bool(rejected.any()):
             return tokens
         at = rejected.nonzero()[:, 0]
-        pending, p, pivot, u = pending[at], p[at], px[at], u[at]
+        pending, p, u = pending[at], p[at], u[at]
+        weights = above[at] if above is not None else _above(p, px[at])
         floor_p = floor_p[at] if floor_p is not None else None
         budget = budget[at] if budget is not None else None
         nucleus = nucleus[at] if nucleus is not None else None
@@ -485,20 +488,23 @@ def _rejected(
     floor_p: torch.Tensor | None,
     budget: torch.Tensor | None,
     nucleus: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """((R,) bool: which rows' draws ``x`` (V where a row has no finite distribution: never rejected) fall outside
     their filters' set: p(x) below ``floor_p``, or (``nucleus`` rows, all when None) the mass of the tokens more
-    likely than x reaching ``budget``; (R,) p(x))."""
+    likely than x reaching ``budget``; (R,) p(x); (R, V) p above p(x) (``_above``: a rejected row's next weights)
+    when the top-p test computed it, else None)."""
     vocab = p.shape[1]
     px = p.gather(1, x.clamp(max=vocab - 1)[:, None])[:, 0]
     keep = px >= floor_p if floor_p is not None else None
+    above = None
     if budget is not None:
-        inside = _above(p, px).sum(dim=1) < budget
+        above = _above(p, px)
+        inside = above.sum(dim=1) < budget
         if nucleus is not None:
             inside |= ~nucleus
         keep = inside if keep is None else keep & inside
     assert keep is not None  # some bound applies (``draw_filtered`` checks)
-    return (x < vocab) & ~keep, px
+    return (x < vocab) & ~keep, px, above
 
 
 def _above(p: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
