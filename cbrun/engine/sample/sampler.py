@@ -103,8 +103,8 @@ def apply_token_bitmask(scores: torch.Tensor, token_bitmask: torch.Tensor) -> to
         try:
             import xgrammar
         except ImportError:
-            xgrammar = None
-        if xgrammar is not None:
+            pass
+        else:
             xgrammar.apply_token_bitmask_inplace(scores, token_bitmask.to(scores.device), vocab_size=scores.shape[1])
             return scores
     return scores.masked_fill_(~allowed_tokens(token_bitmask, scores.shape[1]), float("-inf"))
@@ -296,9 +296,21 @@ def row_keys(seed_hashes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
 
 
 def uniform_of(keys: torch.Tensor, draws: torch.Tensor | int) -> torch.Tensor:
-    """``uniform`` from the rows' ``row_keys``: (R,) float64 in (0, 1)."""
+    """``uniform`` from the rows' ``row_keys``: (R,) float64 in (0, 1) (the shape of ``keys + draws``).
+
+    On the CPU the same integer arithmetic runs in numpy (``_uniform_np``): a dozen small ops cost a few
+    microseconds each in torch and well under one in numpy, and the values are the same bits.
+    """
+    if keys.device.type == "cpu" and (isinstance(draws, int) or draws.device.type == "cpu"):
+        return torch.from_numpy(_uniform_np(keys.numpy(), draws if isinstance(draws, int) else draws.numpy()))
     h = mix64(keys + draws)
     return (_shr(h, 11).double() + 0.5) * 2.0**-53
+
+
+def _uniform_np(keys: np.ndarray, draws: np.ndarray | int) -> np.ndarray:
+    """``uniform_of`` over int64 numpy keys (unsigned arithmetic, which wraps as torch's int64 does)."""
+    h = _mix_np(keys.view(np.uint64) + np.asarray(draws, dtype=np.int64).view(np.uint64))
+    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, draws: torch.Tensor | int) -> torch.Tensor:
@@ -446,65 +458,88 @@ def draw_filtered(
             nucleus = None
     if floor_p is None and budget is None:  # the filters keep every token (e.g. top_k >= V)
         return inverse_cdf(probs, uniform_of(keys, PLAIN))
-    # NOTE: a round compares only the bounds some row has; a row's test gives the same answer either way, so its
-    # draws never depend on which rows share its step.
-    x = inverse_cdf(probs, uniform_of(keys, PLAIN))
-    # NOTE: a row without a finite distribution drew V (``inverse_cdf``): it stops here, and its token fails it.
-    rejected, px, above = _rejected(probs, x, floor_p, budget, nucleus)
-    if not bool(rejected.any()):
-        return x
+    # NOTE: the per-row bookkeeping (R,) runs in numpy on the tensors' memory (this is the CPU's draw, where a torch
+    # op's fixed cost is most of a small op's); the passes over the rows stay torch ops, so the values are the same.
+    assert probs.device.type == "cpu", "draw_filtered is the CPU's draw (a device draws with draw_sorted)"
+    bounds = _Bounds.of(floor_p, budget, nucleus)
+    keys_np = keys.numpy()
+    cumulative = probs.cumsum(dim=1)
+    total = cumulative[:, -1].numpy()
+    x = _search_np(cumulative, total, _uniform_np(keys_np, PLAIN))
+    # NOTE: a row without a finite distribution drew V: it stops here, and its token fails it.
+    x = np.where(np.isfinite(total) & (total > 0), x, vocab)
+    rejected, px, above = bounds.rejected(probs, x)
+    if not rejected.any():
+        return torch.from_numpy(x)
     tokens = x
-    at = rejected.nonzero()[:, 0]
-    pending, p = at, probs[at]
-    weights = above[at] if above is not None else _above(p, px[at])  # the next round's: p above the pivot
-    floor_p = floor_p[at] if floor_p is not None else None
-    budget = budget[at] if budget is not None else None
-    nucleus = nucleus[at] if nucleus is not None else None
-    # Every later round's numbers at once (a few rows: one pass of the stream's ops instead of one per round).
-    u = uniform_of(keys[at, None], PLAIN + torch.arange(1, MAX_ROUNDS + 1, device=keys.device))
+    at = np.flatnonzero(rejected)
+    index = torch.from_numpy(at)
+    pending, p, bounds = at, probs[index], bounds.take(at)
+    # the next round's weights: p above the rejected draw's (the top-p test's own pass, when it made one)
+    weights = above[index] if above is not None else _above(p, torch.from_numpy(px[at]))
+    # Every later round's numbers at once (a few rows).
+    u = _uniform_np(keys_np[at, None], PLAIN + np.arange(1, MAX_ROUNDS + 1))
     for round_ in range(1, MAX_ROUNDS):
         # A rejected row's draw was below its top token, so some token stays above the pivot: the distribution
         # left is finite and positive, and ``inverse_cdf``'s guard for the contrary is not needed.
         cumulative = weights.cumsum(dim=1)
-        x = _search(cumulative, cumulative[:, -1], u[:, round_ - 1])
-        rejected, px, above = _rejected(p, x, floor_p, budget, nucleus)
+        x = _search_np(cumulative, cumulative[:, -1].numpy(), u[:, round_ - 1])
+        rejected, px, above = bounds.rejected(p, x)
         tokens[pending] = x  # a rejected row's is written again by the round that accepts it
-        if not bool(rejected.any()):
-            return tokens
-        at = rejected.nonzero()[:, 0]
-        pending, p, u = pending[at], p[at], u[at]
-        weights = above[at] if above is not None else _above(p, px[at])
-        floor_p = floor_p[at] if floor_p is not None else None
-        budget = budget[at] if budget is not None else None
-        nucleus = nucleus[at] if nucleus is not None else None
-    rest = filtered_probs(probs[pending], top_k[pending], top_p[pending], min_p[pending])
-    tokens[pending] = inverse_cdf(rest, u[:, MAX_ROUNDS - 1])
-    return tokens
+        if not rejected.any():
+            return torch.from_numpy(tokens)
+        at = np.flatnonzero(rejected)
+        index = torch.from_numpy(at)
+        pending, p, u, bounds = pending[at], p[index], u[at], bounds.take(at)
+        weights = above[index] if above is not None else _above(p, torch.from_numpy(px[at]))
+    rows = torch.from_numpy(pending)
+    rest = filtered_probs(probs[rows], top_k[rows], top_p[rows], min_p[rows])
+    tokens[pending] = inverse_cdf(rest, torch.from_numpy(u[:, MAX_ROUNDS - 1])).numpy()
+    return torch.from_numpy(tokens)
 
 
-def _rejected(
-    p: torch.Tensor,
-    x: torch.Tensor,
-    floor_p: torch.Tensor | None,
-    budget: torch.Tensor | None,
-    nucleus: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """((R,) bool: which rows' draws ``x`` (V where a row has no finite distribution: never rejected) fall outside
-    their filters' set: p(x) below ``floor_p``, or (``nucleus`` rows, all when None) the mass of the tokens more
-    likely than x reaching ``budget``; (R,) p(x); (R, V) p above p(x) (``_above``: a rejected row's next weights)
-    when the top-p test computed it, else None)."""
-    vocab = p.shape[1]
-    px = p.gather(1, x.clamp(max=vocab - 1)[:, None])[:, 0]
-    keep = px >= floor_p if floor_p is not None else None
-    above = None
-    if budget is not None:
-        above = _above(p, px)
-        inside = above.sum(dim=1) < budget
-        if nucleus is not None:
-            inside |= ~nucleus
-        keep = inside if keep is None else keep & inside
-    assert keep is not None  # some bound applies (``draw_filtered`` checks)
-    return (x < vocab) & ~keep, px, above
+def _search_np(cumulative: torch.Tensor, total: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``_search`` with the (R,) target computed in numpy (the same float32 values): (R,) int64 numpy."""
+    target = (u * total.astype(np.float64)).astype(np.float32)
+    target = np.minimum(target, np.nextafter(total, np.float32(0)))  # rounding must not reach the total
+    found = torch.searchsorted(cumulative, torch.from_numpy(target)[:, None], right=True)
+    return found[:, 0].numpy()
+
+
+@dataclass
+class _Bounds:
+    """The filters' bounds of the rows still drawing (``draw_filtered``), as float32 / bool numpy (R,) arrays:
+    p(x) must reach ``floor_p``; the mass above p(x) must stay below ``budget`` on ``nucleus`` rows (all when
+    None). None: no row has that bound."""
+
+    floor_p: np.ndarray | None
+    budget: np.ndarray | None
+    nucleus: np.ndarray | None
+
+    @classmethod
+    def of(cls, floor_p, budget, nucleus) -> _Bounds:
+        return cls(*(t.numpy() if t is not None else None for t in (floor_p, budget, nucleus)))
+
+    def take(self, at: np.ndarray) -> _Bounds:
+        return _Bounds(*(a[at] if a is not None else None for a in (self.floor_p, self.budget, self.nucleus)))
+
+    def rejected(self, p: torch.Tensor, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
+        """((R,) bool numpy: which rows' draws ``x`` (V for a row without a finite distribution: never rejected)
+        fall outside their set; (R,) float32 numpy p(x); (R, V) p above p(x), ``_above``, when the top-p test
+        computed it (a rejected row's next weights), else None)."""
+        vocab = p.shape[1]
+        drawn = x < vocab
+        px = p.numpy()[np.arange(len(x)), np.minimum(x, vocab - 1)]
+        keep = px >= self.floor_p if self.floor_p is not None else None
+        above = None
+        if self.budget is not None:
+            above = _above(p, torch.from_numpy(px))
+            inside = above.sum(dim=1).numpy() < self.budget
+            if self.nucleus is not None:
+                inside |= ~self.nucleus
+            keep = inside if keep is None else keep & inside
+        assert keep is not None  # some bound applies (``draw_filtered`` checks)
+        return drawn & ~keep, px, above
 
 
 def _above(p: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
@@ -844,7 +879,7 @@ class SamplingSlots:
     def __init__(self, capacity: int = 64) -> None:
         self.slot_of: dict[int, int] = {}  # Request.index -> slot
         self.params: list[SamplingParams | None] = []
-        self.arrays = {name: np.zeros(0, dtype=dtype) for name, dtype in _SLOT_FIELDS.items()}
+        self.arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=dtype) for name, dtype in _SLOT_FIELDS.items()}
         self._free: list[int] = []
         self._gathered: _Gathered | None = None
         self._grow(capacity)
@@ -1112,6 +1147,7 @@ class SamplerOutput:
 
     def _packed_logprobs(self) -> torch.Tensor:
         """(L, 1 + 2 * max logprobs) float64 on the device: chosen, top values, top ids (exact in float64)."""
+        assert self.chosen is not None and self.top_values is not None and self.top_indices is not None
         parts = (self.chosen[:, None], self.top_values, self.top_indices)
         return torch.cat([t.double() for t in parts], dim=1)
 
@@ -1144,6 +1180,7 @@ class SamplerOutput:
         if self.logprob_rows:
             # NOTE: one read for all three: the ids ride as float64 (exact far beyond any vocabulary size).
             flat = floats_of(logprob_bits) if logprob_bits is not None else self._packed_logprobs().view(-1).tolist()
+            assert self.top_values is not None  # set with ``logprob_rows``
             width = self.top_values.shape[1]
             stride = 1 + 2 * width
             for j, (row, num) in enumerate(zip(self.logprob_rows, self.num_logprobs)):
@@ -1187,6 +1224,8 @@ def _process(
         raw = scores.clone() if len(raw_rows) == len(batch) else scores[_upload(raw_rows, scores.device)]
     apply_stop_mask(scores, batch.stop_rows, batch.stop_tokens)
     if batch.penalty_rows is not None:
+        assert batch.count_rows is not None and batch.seen is not None  # gathered with the penalty rows
+        assert batch.repetition is not None and batch.presence is not None and batch.frequency is not None
         apply_penalties(
             scores,
             batch.penalty_rows,
@@ -1280,10 +1319,11 @@ def sample(
                 drawn = draw_filtered(probs, top_k, top_p, min_p, seeds, positions, hints, keys)
         else:
             drawn = inverse_cdf(probs, uniform_of(keys, PLAIN))
-        if rows is None:
+        if tokens is None:  # every row sampled
             tokens = drawn
         else:
             tokens[rows] = drawn
+    assert tokens is not None  # a row is greedy or sampled
     check_tokens(tokens, errors, scores.shape[1])
     return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
 
@@ -1309,6 +1349,7 @@ def with_logprobs(
         if not js:
             continue
         if kind == "raw":
+            assert raw is not None  # ``process`` keeps the raw rows when some row asks for them
             settle_infinities(raw)
             values = torch.log_softmax(raw, dim=1)
         else:

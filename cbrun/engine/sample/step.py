@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -441,20 +442,20 @@ class StepSampler:
         tokens = token_ids if step.every_row else [token_ids[i] for i in step.sample_rows]
         if step.results is None and not logprob_bits and (not tokens or min(tokens) >= 0):
             # NOTE: the common step (no row failed, no log-probabilities): one dict update, no per-row call
-            errors = out.errors
-            if errors:
+            failed = out.errors
+            if failed:
                 out.token_ids.update(
-                    (v.request_index, [t]) for v, t in zip(step.rows, tokens) if v.request_index not in errors
+                    (v.request_index, [t]) for v, t in zip(step.rows, tokens) if v.request_index not in failed
                 )
             else:
                 out.token_ids.update((v.request_index, [t]) for v, t in zip(step.rows, tokens))
             return
         if step.results is None:
             assert step.output is not None  # drawn together: their device results
-            _, errors, logprobs = step.output.to_host(tokens, logprob_bits)
-            step.results = [_launched_result((None, error, lp)) for error, lp in zip(errors, logprobs)]
-        for values, token, (error, logprobs) in zip(step.rows, tokens, step.results):
-            _put(out, values, error, [token], None if logprobs is None else [logprobs])
+            _, errors, row_logprobs = step.output.to_host(tokens, logprob_bits)
+            step.results = [_launched_result((None, error, lp)) for error, lp in zip(errors, row_logprobs)]
+        for values, token, (message, logprobs) in zip(step.rows, tokens, step.results):
+            _put(out, values, message, [token], None if logprobs is None else [logprobs])
 
     def _read_verified(self, step: StepRows, extra: list[int], out: StepOutput) -> None:
         """The entries verified at launch: their committed tokens and log-probabilities from ``extra`` (the
@@ -638,7 +639,8 @@ def _put(
     elif index not in out.errors:
         out.token_ids[index] = tokens
         if logprobs is not None and values.params.logprobs is not None:
-            out.logprobs[index] = logprobs
+            # a row that asks for log-probabilities has them for each of its tokens
+            out.logprobs[index] = cast("list[dict[int, float]]", logprobs)
 
 
 def _launched_result(result) -> tuple[str | None, dict[int, float] | None]:
