@@ -18,6 +18,7 @@ from cbrun.engine.model.layers.attention import AttentionMetadata
 from cbrun.engine.model.layers.linear import Backend
 from cbrun.engine.model.layers.quantization.schemes import QuantScheme
 from cbrun.engine.model.weights import LlamaWeights
+from cbrun.kernels.batch_invariant import InvariantKernels
 
 
 class LeanForward(Protocol):
@@ -79,6 +80,11 @@ class ModelFamily:
         ``cbrun.engine.model.layers.parallel.unsupported_reason`` checks), or None."""
         return None
 
+    def batch_invariant_reason(self, config: LlamaConfig) -> str | None:
+        """Why this family's forward pass cannot run ``engine.batch_invariant = on``, or None (a job's "auto" then
+        turns it off, saying why: ``cbrun.engine.worker.backends.batch_invariant_blocker_before_load``)."""
+        return None
+
     def unsupported_module_reason(self, model: torch.nn.Module) -> str | None:
         """Why the forward pass cannot run this family's transformers model exactly as transformers does, or None."""
         raise NotImplementedError
@@ -88,7 +94,12 @@ class ModelFamily:
         raise NotImplementedError
 
     def forward(
-        self, weights: LlamaWeights, max_positions: int | None, linear_backend: Backend, batch_invariant: bool
+        self,
+        weights: LlamaWeights,
+        max_positions: int | None,
+        linear_backend: Backend,
+        batch_invariant: bool,
+        invariant_kernels: InvariantKernels | None = None,
     ) -> LeanForward:
         """The family's forward pass over ``weights`` (arguments as ``cbrun.engine.model.models.llama.LeanLlama``).
 

@@ -299,13 +299,19 @@ class MoEConfig:
 
 
 class SparseMoE:
-    """A MoE block ready to run: its weights and whether the grouped GEMM runs them (chosen once, at load).
+    """A MoE block ready to run: its weights and whether the grouped GEMM runs them (chosen once, at load), or,
+    under batch invariance, the linear every expert runs through.
 
     Args:
         weights: the block's tensors.
+        invariant_linear: under ``engine.batch_invariant``, the batch-invariant linear as a function of the weight
+            (``linear.batch_invariant_linear``, or the Triton one): the block then runs ``sparse_moe_invariant``.
+
+    Raises:
+        ValueError: ``invariant_linear`` with quantized experts.
     """
 
-    def __init__(self, weights: MoEWeights) -> None:
+    def __init__(self, weights: MoEWeights, invariant_linear: Callable[[torch.Tensor], Callable] | None = None) -> None:
         self.weights = weights
         # NOTE: quantized experts are judged on one expert dequantized: a fresh tensor of the dtype and row widths
         # the grouped GEMM will read each forward.
@@ -313,13 +319,105 @@ class SparseMoE:
         per_expert = weights.gate_up.shape[1] * weights.gate_up.shape[2] + weights.down.shape[1] * weights.down.shape[2]
         #: quantized experts dequantized at once (``EXPERT_CHUNK_ELEMENTS``, at least one)
         self.experts_per_chunk = max(1, EXPERT_CHUNK_ELEMENTS // per_expert)
+        self.invariant = None
+        if invariant_linear is not None:
+            if weights.quantized:
+                raise ValueError(
+                    "batch_invariant = on does not run quantized experts; set engine.batch_invariant = off"
+                )
+            if not _plain_silu_block(weights):
+                raise ValueError(
+                    "batch_invariant = on does not run this MoE block (a router bias, top-k before the softmax, "
+                    "expert biases or an activation other than SiLU: gpt-oss's) yet; set engine.batch_invariant = off"
+                )
+            assert isinstance(weights.gate_up, torch.Tensor) and isinstance(weights.down, torch.Tensor)
+            self.invariant = (
+                invariant_linear(weights.router),
+                invariant_linear(weights.gate_up[0]),
+                invariant_linear(weights.down[0]),
+            )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, silu_mul: Callable | None = None) -> torch.Tensor:
         """(T, hidden) -> (T, hidden), as ``sparse_moe``: quantized experts dequantized ``experts_per_chunk`` at
-        a time (``sparse_moe_in_expert_chunks``), or, where the reference runs them, the layer's all at once."""
+        a time (``sparse_moe_in_expert_chunks``), or, where the reference runs them, the layer's all at once; or
+        ``sparse_moe_invariant`` with ``silu_mul`` (``silu(gate) * up`` of two (n, I) tensors) under batch
+        invariance."""
+        if self.invariant is not None:
+            assert silu_mul is not None, "the batch-invariant block needs the step's silu_mul"
+            return sparse_moe_invariant(x, self.weights, *self.invariant, silu_mul)
         if self.weights.quantized and self.fallback_reason is None:
             return sparse_moe_in_expert_chunks(x, self.weights, self.experts_per_chunk)
         return sparse_moe(x, self.weights.dense(), grouped=self.fallback_reason is None)
+
+
+def sparse_moe_invariant(
+    x: torch.Tensor,
+    moe: MoEWeights,
+    router_linear: Callable,
+    gate_up_linear: Callable,
+    down_linear: Callable,
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The MoE block with each token's sums in one order whatever else is in the step (``engine.batch_invariant``).
+
+    The grouped GEMM sums each expert's group in an order set by the group's size, which is the step's share of
+    tokens routed to it. Here the router and every expert run through the batch-invariant linear (a row's result
+    does not depend on how many rows come with it), each expert over its own rows (one host read of the per-expert
+    counts a layer), the routing weights renormalise and each token's slots add up by explicit adds in slot order,
+    so a token's output depends on the token alone. The same math as ``sparse_moe``, in other roundings.
+
+    Args:
+        x: (T, hidden) the normed hidden states.
+        moe: the block (unquantized).
+        router_linear, gate_up_linear, down_linear: ``F.linear``-like invariant functions of the router's, an
+            expert's gate/up and an expert's down weights.
+        silu_mul: ``silu(gate) * up`` of two contiguous (n, I) tensors, row-wise (may overwrite ``gate``).
+
+    Returns:
+        (T, hidden) in ``x``'s dtype.
+    """
+    assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor)
+    logits = router_linear(x, moe.router, None)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / _sum_slots(weights)[:, None]
+    if moe.weights_in_model_dtype:
+        weights = weights.to(logits.dtype)
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)  # (S,), S = T * k, in (token, slot) order
+    order = torch.argsort(flat_ids, stable=True)  # pairs sorted by expert
+    rows = x[order // top_k]  # (S, hidden)
+    counts = torch.bincount(flat_ids, minlength=moe.num_experts).tolist()  # NOTE: a host read, once a layer
+    width = moe.down.shape[-1]
+    out = rows.new_empty(rows.shape[0], moe.down.shape[1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            gate_up = gate_up_linear(rows[start : start + count], moe.gate_up[expert], None)  # (n, 2I)
+            hidden = silu_mul(gate_up[:, :width].contiguous(), gate_up[:, width:].contiguous())  # (n, I)
+            out[start : start + count] = down_linear(hidden, moe.down[expert], None)
+            start += count
+    out = out * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out  # back to (token, slot) order
+    return _sum_slots(unsorted.view(num_tokens, top_k, -1)).to(x.dtype)
+
+
+def _sum_slots(values: torch.Tensor) -> torch.Tensor:
+    """(T, k, ...) -> (T, ...): the slots added one by one in slot order (elementwise adds: the same order for
+    every token whatever the number of tokens, which a reduction kernel does not promise)."""
+    total = values[:, 0]
+    for slot in range(1, values.shape[1]):
+        total = total + values[:, slot]
+    return total
+
+
+def _plain_silu_block(moe: MoEWeights) -> bool:
+    """Whether the block is the softmax-then-top-k router without a bias over bias-free SiLU experts (what
+    ``sparse_moe_invariant`` computes)."""
+    biases = (moe.router_bias, moe.gate_up_bias, moe.down_bias)
+    return not moe.softmax_after_topk and all(b is None for b in biases) and moe.activation is silu_and_mul
 
 
 def unsupported_moe_reason(mlp: torch.nn.Module, block_class: str) -> str | None:

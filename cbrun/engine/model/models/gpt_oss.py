@@ -222,6 +222,9 @@ class GptOssFamily(LlamaDecoderFamily):
     def shard_style(self, name: str) -> str | None:
         return None  # tensor parallelism is refused (``unsupported_parallel_reason``)
 
+    def batch_invariant_reason(self, config: LlamaConfig) -> str | None:
+        return "gpt-oss's MoE block (router bias, expert biases, clamped SwiGLU) has no batch-invariant form yet"
+
     def unsupported_parallel_reason(self, config: LlamaConfig) -> str | None:
         return "gpt-oss's stacked experts and attention sinks are not split over ranks yet"
 

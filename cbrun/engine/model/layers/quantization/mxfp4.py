@@ -10,12 +10,14 @@ The layout (OCP Microscaling Formats v1.0, MXFP4; transformers' ``integrations/m
   its high nibble);
 - ``{name}_scales``: uint8 (E, out, G): one e8m0 scale per block, the power of two ``2 ** (scale - 127)``.
 
-A code ``c`` is the e2m1 value ``FP4_VALUES[c]`` (sign bit 3, then 2 exponent bits and 1 mantissa bit:
+A code ``c`` is the e2m1 value ``FP4_E2M1_VALUES[c]`` (sign bit 3, then 2 exponent bits and 1 mantissa bit:
 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), so the real weight is
-``FP4_VALUES[code] * 2 ** (scale - 127)``, exact in float32 and in bfloat16 for the scales real checkpoints hold
+``FP4_E2M1_VALUES[code] * 2 ** (scale - 127)``, exact in float32 and in bfloat16 for the scales real checkpoints hold
 (the products have two significant bits). gpt-oss stores ``gate_up_proj`` (E, 2 I, hidden) with gate and up
 interleaved along ``out``, and ``down_proj`` (E, hidden, I); transformers dequantizes them to (E, in, out)
 parameters, the layout ``Mxfp4Experts.dequantize`` writes too, so the grouped GEMM reads the same memory order.
+The dequantization is ``cbrun.kernels``' (C on the CPU, the PyTorch reference elsewhere); on CUDA, where the
+experts' grouped GEMM has no MXFP4 kernel yet, they are dequantized the same way a chunk at a time.
 """
 
 from __future__ import annotations
@@ -25,18 +27,18 @@ from dataclasses import dataclass
 import torch
 
 from cbrun.engine.model.layers.quantization.base import ExpertStack
+from cbrun.kernels import cpu_dequant
+from cbrun.kernels.quantized_reference import E8M0_BIAS, FP4_E2M1_VALUES, MXFP4_BLOCK_SIZE, mxfp4_dequant_ref
 
-#: e2m1 code -> value (the sign is bit 3).
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 #: Values per scale, and packed bytes per block.
-BLOCK = 32
+BLOCK = MXFP4_BLOCK_SIZE
 BLOCK_BYTES = BLOCK // 2
-#: The e8m0 exponent bias.
-SCALE_BIAS = 127
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The real values of MXFP4 blocks, in float32 (the PyTorch reference; exact).
+    """The real values of MXFP4 blocks of any leading shape, in float32 (exact): the C kernel
+    (``cbrun.kernels.cpu_dequant.mxfp4_dequant``) where it builds, else the PyTorch reference
+    (``cbrun.kernels.quantized_reference.mxfp4_dequant_ref``), the same bits.
 
     Args:
         blocks: (..., G, 16) uint8, two e2m1 codes a byte, the low nibble first.
@@ -45,11 +47,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     Returns:
         (..., G * 32) float32.
     """
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    low, high = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]
-    values = torch.stack((low, high), dim=-1).flatten(-2)  # (..., G, 32): low nibble at the even column
-    values *= torch.exp2(scales.to(torch.float32) - SCALE_BIAS)[..., None]
-    return values.flatten(-2)
+    *lead, groups, _ = blocks.shape
+    flat_blocks, flat_scales = blocks.reshape(-1, groups * BLOCK_BYTES), scales.reshape(-1, groups)
+    rows = flat_blocks.shape[0]
+    real = cpu_dequant.mxfp4_dequant(flat_blocks, flat_scales, 0, rows)
+    if real is None:
+        real = mxfp4_dequant_ref(flat_blocks, flat_scales, torch.float32)
+    return real.reshape(*lead, groups * BLOCK)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,13 +70,13 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     grouped = weight.float().unflatten(-1, (-1, BLOCK))  # (..., G, 32)
     absmax = grouped.abs().amax(-1).clamp(min=2.0**-100)
-    exponent = (torch.floor(torch.log2(absmax)) - 2).clamp(-SCALE_BIAS, 127)
+    exponent = (torch.floor(torch.log2(absmax)) - 2).clamp(-E8M0_BIAS, 127)
     scaled = grouped / torch.exp2(exponent)[..., None]
-    lut = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=weight.device)
+    lut = torch.tensor(FP4_E2M1_VALUES[:8], dtype=torch.float32, device=weight.device)
     codes = (scaled.abs()[..., None] - lut).abs().argmin(-1)  # nearest magnitude, the lower one on a tie
     codes = torch.where(scaled < 0, codes + 8, codes).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.contiguous(), (exponent + SCALE_BIAS).to(torch.uint8)
+    return blocks.contiguous(), (exponent + E8M0_BIAS).to(torch.uint8)
 
 
 @dataclass
