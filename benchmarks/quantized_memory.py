@@ -17,7 +17,7 @@ interpreter and torch); the table compares it with the dequantized checkpoint's.
 The ``mxfp4`` rows are a random gpt-oss instead (``GPT_OSS``: hidden 512, 4 layers, 16 experts of width 512, 4 per
 token, 8 heads and 2 KV heads of 64, vocabulary 8000: 59M parameters, 50M of them in the experts, float32), its
 experts stored as MXFP4 in the real checkpoint layout (``tests/engine/model/test_gpt_oss.py``'s writer) beside the
-same weights dequantized; the MXFP4 run dequantizes one layer's experts per forward.
+same weights dequantized; the MXFP4 run dequantizes its experts a chunk at a time in each forward pass.
 """
 
 from __future__ import annotations
