@@ -265,8 +265,10 @@ class ExpertParallelMoE:
         self.weights, self.expert_start, self.comm = weights, expert_start, comm
         self.fallback_reason = grouped_gemm_unavailable_reason(weights)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden) in ``x``'s dtype: every rank's experts' share, summed over the ranks."""
+    def __call__(self, x: torch.Tensor, silu_mul: object = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden) in ``x``'s dtype: every rank's experts' share, summed over the ranks
+        (``silu_mul``, the step's, as ``SparseMoE`` takes it: unused, batch invariance is refused under tensor
+        parallelism)."""
         y = local_experts(x, self.weights, self.expert_start, grouped=self.fallback_reason is None)
         self.comm.all_reduce(y)
         return y.to(x.dtype)
