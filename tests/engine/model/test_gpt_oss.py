@@ -107,6 +107,7 @@ def test_lean_greedy_equals_generate(gpt_oss, loader, attention_backend, caplog)
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
         outputs = run_engine(model_dir, PROMPTS, config, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert "model implementation: lean (GptOssForCausalLM)" in caplog.text
+    assert "MoE layers: 2, experts on grouped GEMM" in caplog.text
     if loader == "auto":
         assert "model loader: safetensors, without transformers" in caplog.text
     for i, want in enumerate(expected):
