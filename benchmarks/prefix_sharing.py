@@ -47,8 +47,8 @@ import pyarrow.parquet as pq
 from cbrun.bench.workloads import fewshot_template, gsm8k_path
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import JobManifest
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 
 REPO = Path(__file__).resolve().parents[1]
 #: GSM8K from the shared folder ($CBRUN_SHARED, else shared/ beside the checkout).

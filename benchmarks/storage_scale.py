@@ -64,7 +64,7 @@ def measure(store: str, num_rows: int, model: Path, work: Path, env: dict, s3_pr
     source = work / "in.parquet"
     output = f"{s3_prefix}/out-{num_rows}" if store == "s3" else str(work / f"out-{store}-{num_rows}")
     if store == "s3":
-        from cbrun.jobs.storage import write_file
+        from cbrun.jobs.store.files import write_file
 
         write_file(f"{s3_prefix}/in-{num_rows}.parquet", source.read_bytes())
         source = f"{s3_prefix}/in-{num_rows}.parquet"
@@ -169,7 +169,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="cbrun-storage-scale-") as tmp:
             work = Path(tmp)
-            from cbrun.jobs.demo import build_demo_model
+            from cbrun.jobs.cli.demo import build_demo_model
 
             model = build_demo_model(work / "model")
             for num_rows in args.rows:

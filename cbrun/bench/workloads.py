@@ -326,7 +326,7 @@ def _stories_model(model_dir: Path, shared: Path):
     from transformers import AutoTokenizer
 
     if not (model_dir / "config.json").is_file():
-        from cbrun.jobs.convert_llama2c import convert_llama2c
+        from cbrun.jobs.model.convert_llama2c import convert_llama2c
 
         source = stories260k_path(shared)
         convert_llama2c(source / "stories260K.bin", source / "tok512.bin", model_dir)
@@ -372,7 +372,7 @@ def _shape_text(c: dict) -> str:
 
 
 def _stories_tokenizer(shared: Path):
-    from cbrun.jobs.convert_llama2c import build_tokenizer, read_tokenizer
+    from cbrun.jobs.model.convert_llama2c import build_tokenizer, read_tokenizer
 
     return build_tokenizer(*read_tokenizer(stories260k_path(shared) / "tok512.bin", 512), 512)
 

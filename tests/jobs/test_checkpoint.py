@@ -13,7 +13,8 @@ import pytest
 
 from cbrun.engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION, EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.output.checkpoint import Checkpoint, FingerprintMismatch
 from cbrun.jobs.output.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
 from cbrun.jobs.output.writer import (
@@ -24,7 +25,6 @@ from cbrun.jobs.output.writer import (
     rows_to_table,
     write_part_atomically,
 )
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 
 @pytest.fixture

@@ -196,7 +196,7 @@ def test_convert_llama2c_command(shared_dir, tmp_path, capsys):
 def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_code():
     code = (
         "import atexit, sys\n"
-        "from cbrun.jobs.cli import exit_process\n"
+        "from cbrun.jobs.cli.commands import exit_process\n"
         "atexit.register(lambda: print('atexit handler ran'))\n"
         "print('summary line', end='')\n"
         "sys.stderr.write('a warning')\n"
@@ -221,7 +221,7 @@ def test_exit_process_returns_while_a_non_daemon_thread_runs():
     # In a subprocess: were it to exit here, it would end the test run with it.
     code = (
         "import threading\n"
-        "from cbrun.jobs.cli import exit_process\n"
+        "from cbrun.jobs.cli.commands import exit_process\n"
         "release = threading.Event()\n"
         "threading.Thread(target=release.wait, daemon=False).start()\n"
         "exit_process(3)\n"
@@ -245,7 +245,7 @@ def test_bench_is_the_command_the_benchmarks_register(monkeypatch, capsys):
     import tomllib
 
     from cbrun.bench import cli as bench_cli
-    from cbrun.jobs.cli import COMMAND_ENTRY_POINTS
+    from cbrun.jobs.cli.commands import COMMAND_ENTRY_POINTS
 
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     target = pyproject["project"]["entry-points"][COMMAND_ENTRY_POINTS]["bench"]

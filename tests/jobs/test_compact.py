@@ -13,12 +13,12 @@ import pytest
 import cbrun.jobs.output.compact
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs import storage
 from cbrun.jobs.cli import main
 from cbrun.jobs.output.commits import read_records
 from cbrun.jobs.output.compact import compact_output, groups_by_size
 from cbrun.jobs.output.writer import committed_parts, read_output
 from cbrun.jobs.run.job import run_job
+from cbrun.jobs.store import files as storage
 from tests.jobs.test_storage_s3 import rows_once, upload_input
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)

@@ -12,8 +12,8 @@ import pytest
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
 from cbrun.engine.structured_output import StructuredOutputsParams
+from cbrun.jobs.config.manifest import manifest_from_dict
 from cbrun.jobs.input.reader import PromptReader
-from cbrun.jobs.manifest import manifest_from_dict
 from cbrun.jobs.modes.generate import derive_seed
 from cbrun.jobs.output.writer import read_output
 from cbrun.jobs.run.job import run_job

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cbrun.jobs.config.manifest import load_manifest
 from cbrun.jobs.input.prompts import encode_prompt
-from cbrun.jobs.manifest import load_manifest
-from cbrun.jobs.model_defaults import apply_model_defaults
+from cbrun.jobs.model.defaults import apply_model_defaults
 from cbrun.jobs.output.writer import read_output
 from cbrun.jobs.run.job import JobError, run_job
 

@@ -18,12 +18,12 @@ from openai.types.chat import ChatCompletion
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
+from cbrun.jobs.config.manifest import JobManifest, load_manifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.input.openai_request import parse_request
-from cbrun.jobs.manifest import JobManifest, load_manifest
 from cbrun.jobs.output.export import token_logprobs
 from cbrun.jobs.output.writer import read_output
 from cbrun.jobs.run.job import JobError, run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 from tests.jobs.test_chat import rendered_ids
 from tests.jobs.test_resume import cbrun_command, kill_after_first_commit
 

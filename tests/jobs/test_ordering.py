@@ -15,8 +15,8 @@ import cbrun.jobs.run.job
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
+from cbrun.jobs.config.manifest import load_manifest
 from cbrun.jobs.input.reader import template_fields
-from cbrun.jobs.manifest import load_manifest
 from cbrun.jobs.modes.ordering import order_by_prefix, prompt_sort_key
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import run_job

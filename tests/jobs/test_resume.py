@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
-from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 NUM_ROWS = 12
 MAX_NEW_TOKENS = 8

@@ -7,11 +7,11 @@ import pytest
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.config.settings import ClusterSettings
 from cbrun.jobs.output.commits import read_records
 from cbrun.jobs.output.object_output import ObjectCheckpoint
 from cbrun.jobs.output.status import status_report
 from cbrun.jobs.run.job import run_job
-from cbrun.jobs.settings import ClusterSettings
 from tests.jobs.test_storage_s3 import rows_once, upload_input
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=64)

@@ -22,13 +22,14 @@ import pytest
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs import storage, storage_cache
 from cbrun.jobs.cli import main
 from cbrun.jobs.output.commits import CommitRecord, add_span, new_attempt, read_records
 from cbrun.jobs.output.lease import Lease, LeaseLost
 from cbrun.jobs.output.object_output import ObjectCheckpoint, commit_span
 from cbrun.jobs.output.writer import OutputRow, read_output, rows_to_table
 from cbrun.jobs.run.job import JobAborted, JobError, run_job
+from cbrun.jobs.store import cache as storage_cache
+from cbrun.jobs.store import files as storage
 from tests.jobs.s3_faults import FaultyProxy
 from tests.jobs.test_resume import cbrun_command
 
@@ -69,8 +70,8 @@ def local_rows(tiny_model_dir, tiny_engine, tmp_path_factory, request):
 
     tmp = tmp_path_factory.mktemp("local")
     pq.write_table(input_table(), tmp / "in.parquet", row_group_size=4)
-    from cbrun.jobs.manifest import JobManifest
-    from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
+    from cbrun.jobs.config.manifest import JobManifest
+    from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 
     manifest = JobManifest(
         model=ModelSettings(path=str(tiny_model_dir)),

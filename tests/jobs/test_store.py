@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cbrun.jobs import storage
-from cbrun.jobs.output.store import FsspecStore, LocalStore, open_store, read_json, write_json
+from cbrun.jobs.store import files as storage
+from cbrun.jobs.store.store import FsspecStore, LocalStore, open_store, read_json, write_json
 
 
 @pytest.fixture(params=["local", "s3"])

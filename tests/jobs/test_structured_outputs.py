@@ -15,11 +15,11 @@ from openai.types.chat import ChatCompletion
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.structured_output import StructuredOutputsParams
-from cbrun.jobs.manifest import JobManifest, load_manifest
+from cbrun.jobs.config.manifest import JobManifest, load_manifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.output.fingerprint import job_fingerprint
 from cbrun.jobs.output.writer import read_output
 from cbrun.jobs.run.job import run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 from tests.jobs.test_openai_batch import CHAT, COMPLETIONS, read_results, request, write_jsonl
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=16, num_blocks=128)

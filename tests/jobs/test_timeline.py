@@ -213,7 +213,7 @@ def test_a_ray_replica_records_its_own_timeline(stories260k_dir, tmp_path, make_
     ("field", "value"), [("timeline_interval_s", -1), ("timeline_interval_s", True), ("row_timings", "yes")]
 )
 def test_bad_output_settings_are_refused(field, value):
-    from cbrun.jobs.settings import OutputSettings
+    from cbrun.jobs.config.settings import OutputSettings
 
     with pytest.raises(ValueError, match=f"output.{field}"):
         OutputSettings(path="out", **{field: value})

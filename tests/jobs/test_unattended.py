@@ -20,7 +20,7 @@ import cbrun.jobs.output.writer
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
-from cbrun.jobs.manifest import load_manifest
+from cbrun.jobs.config.manifest import load_manifest
 from cbrun.jobs.output.lock import OutputLock
 from cbrun.jobs.output.writer import committed_parts, read_output
 from cbrun.jobs.run.job import JobAborted, JobError, run_job

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cbrun.jobs.input.errors import InputError
 from cbrun.jobs.input.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, holds_json_lines
-from cbrun.jobs.storage import StorageError, basename, is_uri, list_files, local_path
+from cbrun.jobs.store.files import StorageError, basename, is_uri, list_files, local_path
 
 #: Parquet files start (and end) with these 4 bytes.
 PARQUET_MAGIC = b"PAR1"

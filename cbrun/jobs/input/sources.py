@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 from cbrun.jobs.input.discovery import input_file_format, object_file_format
 from cbrun.jobs.input.errors import InputError
 from cbrun.jobs.input.jsonl_source import JsonlSource
-from cbrun.jobs.storage import StorageError, is_uri, open_input
-from cbrun.jobs.storage_cache import local_copy
+from cbrun.jobs.store.cache import local_copy
+from cbrun.jobs.store.files import StorageError, is_uri, open_input
 
 
 class _ParquetSource:

@@ -25,7 +25,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from cbrun.jobs import storage
+from cbrun.jobs.store import files as storage
 
 #: Seconds between flushes of the timeline file to the operating system (and the final sample, at close).
 FLUSH_EVERY_S = 10.0
@@ -140,7 +140,7 @@ class TimelineRecorder:
             self._upload()
 
     def _upload(self) -> None:
-        """Put the local copy's bytes so far at the object-store path (``cbrun.jobs.storage.write_file``: one PUT)."""
+        """Put the local copy's bytes so far at the object-store path (``cbrun.jobs.store.files.write_file``: one PUT)."""
         if not self._file.closed:
             self._file.flush()
         storage.write_file(self.remote, self.path.read_bytes())

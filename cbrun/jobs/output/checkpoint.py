@@ -35,7 +35,6 @@ import pyarrow.parquet as pq
 from cbrun.jobs.output.fingerprint import fingerprint_differences
 from cbrun.jobs.output.lock import CBRUN_DIR, OutputLock, Shard
 from cbrun.jobs.output.output_dir import JOB_FILE, STATS_FILE, SUCCESS_FILE, OutputDir
-from cbrun.jobs.output.store import LocalStore
 from cbrun.jobs.output.writer import (
     PART_RE,
     TEMP_RE,
@@ -46,6 +45,7 @@ from cbrun.jobs.output.writer import (
     part_shard,
     write_part_atomically,
 )
+from cbrun.jobs.store.store import LocalStore
 
 logger = logging.getLogger("cbrun")
 
@@ -298,7 +298,7 @@ class Checkpoint(OutputDir):
             for p in self.output_dir.iterdir()
             if (m := TEMP_RE.match(p.name)) and (shard.count == 1 or part_shard(m) == shard)
         ]
-        # NOTE: ``.NAME.tmp`` from older versions, ``.NAME.PID.tmp`` from ``cbrun.jobs.storage.write_file``
+        # NOTE: ``.NAME.tmp`` from older versions, ``.NAME.PID.tmp`` from ``cbrun.jobs.store.files.write_file``
         stray += [
             p
             for d in (self.output_dir, self.cbrun_dir)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cbrun.jobs.storage import join, list_files, read_files
+from cbrun.jobs.store.files import join, list_files, read_files
 
 #: Where the records live, below the output.
 COMMITS_DIR = "_cbrun/commits"

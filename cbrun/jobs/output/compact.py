@@ -32,7 +32,7 @@ from cbrun.jobs.output.writer import (
     part_shard,
 )
 from cbrun.jobs.run.sharding import read_shards_file
-from cbrun.jobs.storage import join, object_info, open_input, remove, write_file
+from cbrun.jobs.store.files import join, object_info, open_input, remove, write_file
 
 logger = logging.getLogger("cbrun")
 

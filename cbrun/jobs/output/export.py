@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from cbrun.jobs.input.openai_request import CHAT_URL, COMPLETIONS_URL
 from cbrun.jobs.output.checkpoint import Checkpoint
 from cbrun.jobs.output.writer import committed_parts
-from cbrun.jobs.storage import write_file
+from cbrun.jobs.store.files import write_file
 
 RESULTS_FILE = "_results.jsonl"  # "_": data-set readers skip it
 ROWS_FILE = "_output.jsonl"
@@ -113,7 +113,7 @@ def export_openai_batch(output_dir: str | Path, to: str | Path | None = None, to
     default_model = (model.get("path") if model.get("commit") else Path(model.get("path", "")).name) or "cbrun"
     if tokenizer is None and any(row.get("logprobs") is not None for row in rows):
         from cbrun.engine.core.tokenizer import load_tokenizer
-        from cbrun.jobs.model_source import recorded_model_path
+        from cbrun.jobs.model.source import recorded_model_path
 
         tokenizer = load_tokenizer(recorded_model_path(model))
     formatter = _ResultFormatter(hashlib.sha256(job_bytes).hexdigest(), default_model, tokenizer)
@@ -307,7 +307,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _write_lines(path: Path, lines) -> None:
-    """Write text lines to ``path`` atomically (``cbrun.jobs.storage.write_file``)."""
+    """Write text lines to ``path`` atomically (``cbrun.jobs.store.files.write_file``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(f) -> None:

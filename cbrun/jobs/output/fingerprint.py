@@ -13,7 +13,7 @@ What it reads:
     bytes; nothing else is read);
   - each input file: its size, its Parquet footer (schema, row groups and their column statistics: min, max, null
     count) or first 64 KiB (Arrow), and the same sampled byte ranges;
-  - a Hub model (``cbrun.jobs.model_source``): its repo id as the path, the revision asked for and the commit sha it
+  - a Hub model (``cbrun.jobs.model.source``): its repo id as the path, the revision asked for and the commit sha it
     resolved to (a resume asking for the same revision runs that commit: ``cbrun.jobs.run.job.resolve_job_model``);
   - the settings that change a row's output (prompt, mode, sampling, seed, n, dtype), the cbrun version and the
     sampler's version (``cbrun.engine.config.SAMPLER_VERSION``: which token a seeded row draws);
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from cbrun.engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION
-from cbrun.jobs.storage import basename, is_uri, object_digest, parquet_footer_size
+from cbrun.jobs.store.files import basename, is_uri, object_digest, parquet_footer_size
 
 #: Files of the model directory whose bytes define the model's outputs besides the weights (hashed whole).
 MODEL_FILES = (

@@ -27,7 +27,7 @@ import threading
 import time
 
 from cbrun.jobs.output.lock import CBRUN_DIR, OutputLocked, Shard, describe_holder
-from cbrun.jobs.storage import (
+from cbrun.jobs.store.files import (
     PreconditionFailed,
     StorageError,
     join,

@@ -51,9 +51,8 @@ from cbrun.jobs.output.fingerprint import fingerprint_differences
 from cbrun.jobs.output.lease import Lease, read_holder
 from cbrun.jobs.output.lock import CBRUN_DIR, Shard
 from cbrun.jobs.output.output_dir import OutputDir
-from cbrun.jobs.output.store import FsspecStore
 from cbrun.jobs.output.writer import PartWriter, _Batch, conform_table, rows_to_table
-from cbrun.jobs.storage import (
+from cbrun.jobs.store.files import (
     PreconditionFailed,
     is_uri,
     join,
@@ -64,6 +63,7 @@ from cbrun.jobs.storage import (
     read_file,
     remove,
 )
+from cbrun.jobs.store.store import FsspecStore
 
 logger = logging.getLogger("cbrun")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cbrun.jobs.output.lock import CBRUN_DIR
-from cbrun.jobs.output.store import Store, read_json, write_json
+from cbrun.jobs.store.store import Store, read_json, write_json
 
 JOB_FILE = "job.json"
 SUCCESS_FILE = "_SUCCESS"
@@ -25,7 +25,7 @@ class OutputDir:
     and their lock; neither asks where the files live.
 
     Args:
-        store: the output's files (``cbrun.jobs.output.store.open_store``).
+        store: the output's files (``cbrun.jobs.store.store.open_store``).
         local_dir: the local directory ``store`` is over, or None for an object store.
     """
 

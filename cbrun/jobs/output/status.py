@@ -19,7 +19,7 @@ from cbrun.jobs.output.lock import describe_holder, held_locks
 from cbrun.jobs.output.object_output import ObjectCheckpoint, output_owner
 from cbrun.jobs.run.sharding import read_shards_file
 
-#: ``output.max_error_fraction``'s default (``cbrun.jobs.settings.OutputSettings``), for outputs whose stats lack it.
+#: ``output.max_error_fraction``'s default (``cbrun.jobs.config.settings.OutputSettings``), for outputs whose stats lack it.
 DEFAULT_MAX_ERROR_FRACTION = 0.1
 
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from cbrun.jobs.output.commits import read_records
 from cbrun.jobs.output.lock import Shard
-from cbrun.jobs.storage import is_uri, join, open_input, write_file
+from cbrun.jobs.store.files import is_uri, join, open_input, write_file
 
 LOGPROB_TYPE = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
 #: A committed part: ``part-NNNNNN.parquet`` (a plain run), ``part-sIIIIofNNNN-NNNNNN.parquet`` (shard I of N of a
@@ -179,7 +179,7 @@ def committed_parts(output_dir: str | Path, shard: Shard | None = None) -> list[
 
 
 def write_part_atomically(path: Path, table: pa.Table) -> None:
-    """Write ``table`` to ``path`` whole or not at all (``cbrun.jobs.storage.write_file``: temporary file, fsync, rename,
+    """Write ``table`` to ``path`` whole or not at all (``cbrun.jobs.store.files.write_file``: temporary file, fsync, rename,
     fsync of the directory)."""
     assert PART_RE.match(path.name), path
 

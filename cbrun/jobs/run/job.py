@@ -28,13 +28,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from cbrun.engine.config import EngineConfig, checkpoint_dtype
-from cbrun.jobs import storage
+from cbrun.jobs.config.manifest import JobManifest
 from cbrun.jobs.input.chat import check_chat_template
 from cbrun.jobs.input.errors import InputError
 from cbrun.jobs.input.openai_batch import OpenAIBatchReader
-from cbrun.jobs.manifest import JobManifest
-from cbrun.jobs.model_defaults import apply_model_defaults
-from cbrun.jobs.model_source import ModelSource, is_hub_id, recorded_commit, resolve_model
+from cbrun.jobs.model.defaults import apply_model_defaults
+from cbrun.jobs.model.source import ModelSource, is_hub_id, recorded_commit, resolve_model
 from cbrun.jobs.output.checkpoint import Checkpoint, FingerprintMismatch
 from cbrun.jobs.output.fingerprint import job_fingerprint
 from cbrun.jobs.output.lease import LeaseLost
@@ -45,7 +44,8 @@ from cbrun.jobs.run.job_setup import open_reader
 from cbrun.jobs.run.locked_run import _Job, _ShardJob
 from cbrun.jobs.run.resources import JobAborted, JobError, check_model_dir, load_tokenizer, resolve_device
 from cbrun.jobs.run.summary import JobSummary
-from cbrun.jobs.storage import StorageError, is_uri, read_json
+from cbrun.jobs.store import files as storage
+from cbrun.jobs.store.files import StorageError, is_uri, read_json
 
 logger = logging.getLogger("cbrun")
 
@@ -198,7 +198,7 @@ def run_job(
 
 
 def resolve_job_model(manifest: JobManifest, progress: bool = True) -> ModelSource:
-    """The job's model on this machine (``cbrun.jobs.model_source``): a Hub model at the commit the output's
+    """The job's model on this machine (``cbrun.jobs.model.source``): a Hub model at the commit the output's
     recorded job started at when it asked for the same revision (a resume, a later shard), so that one output
     never mixes two commits of a repo whose branch moved on; ``--overwrite`` resolves the revision afresh.
 

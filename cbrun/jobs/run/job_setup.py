@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import PROMPT_SETTINGS_MESSAGE
 from cbrun.jobs.input.carry import carried_fields, check_kept_columns, keep_roles
 from cbrun.jobs.input.chat import check_messages_column
 from cbrun.jobs.input.errors import InputError
@@ -17,10 +19,8 @@ from cbrun.jobs.input.openai_batch import (
     is_openai_batch_input,
 )
 from cbrun.jobs.input.reader import PromptReader
-from cbrun.jobs.manifest import JobManifest
 from cbrun.jobs.modes.generate import GenerateMode
 from cbrun.jobs.modes.scoring import Scorer, check_candidates_column
-from cbrun.jobs.settings import PROMPT_SETTINGS_MESSAGE
 
 
 def _score_mode(manifest: JobManifest, tokenizer, max_model_len: int, vocab_size: int | None) -> Scorer:

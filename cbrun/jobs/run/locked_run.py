@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from cbrun.jobs.config.manifest import JobManifest
 from cbrun.jobs.input.reader import PromptReader
-from cbrun.jobs.manifest import JobManifest
 from cbrun.jobs.observe.progress import JobProgress
 from cbrun.jobs.observe.timeline import TimelineRecorder, run_id, timeline_path
 from cbrun.jobs.output.checkpoint import Checkpoint

@@ -232,11 +232,11 @@ class Replica:
     ):
         import torch
 
-        from cbrun.jobs import storage
-        from cbrun.jobs.model_source import worker_model_path
+        from cbrun.jobs.model.source import worker_model_path
         from cbrun.jobs.output.commits import new_attempt
         from cbrun.jobs.run.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
         from cbrun.jobs.run.resources import load_engine, load_tokenizer
+        from cbrun.jobs.store import files as storage
 
         torch.set_num_threads(num_threads)
         # NOTE: a Hub model at the commit the driver resolved, from this machine's cache when the driver's is not here
@@ -267,8 +267,8 @@ class Replica:
     def _open_timeline(self, manifest, engine, engine_config):
         """This replica's own timeline in the output's ``_cbrun/`` (``cbrun.jobs.observe.timeline``), sampled on the engine thread;
         None when ``output.timeline_interval_s`` is 0."""
-        from cbrun.jobs import storage
         from cbrun.jobs.observe.timeline import TimelineRecorder, run_id, timeline_path
+        from cbrun.jobs.store import files as storage
 
         interval = manifest.output.timeline_interval_s
         if not interval:

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.config.manifest import JobManifest
 
 logger = logging.getLogger("cbrun.job")
 

@@ -1,7 +1,7 @@
 """The settings of a manifest's sections: ``[model]``, ``[input]``, ``[output]``, ``[cluster]`` and ``[storage]``.
 
 One dataclass each, validated in ``__post_init__`` (a bad value is a ``ValueError`` naming the setting).
-``[sampling]`` and ``[engine]`` are the engine's own ``SamplingParams`` and ``EngineConfig``; ``cbrun.jobs.manifest``
+``[sampling]`` and ``[engine]`` are the engine's own ``SamplingParams`` and ``EngineConfig``; ``cbrun.jobs.config.manifest``
 loads a manifest into all of them.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cbrun.jobs.model_source import ModelSource
+    from cbrun.jobs.model.source import ModelSource
 
 #: Boundary rules of score mode (``cbrun.jobs.modes.scoring``).
 BOUNDARY_RULES = ("exact",)
@@ -29,7 +29,7 @@ class ModelSettings:
     Attributes:
         path: a Hugging Face model directory (config.json, weights, tokenizer files), an object-store URI of one,
             or a Hugging Face Hub repo id (``ORG/NAME``) read from the Hugging Face cache or downloaded into it
-            (``cbrun.jobs.model_source``).
+            (``cbrun.jobs.model.source``).
         revision: a Hub model's branch, tag or commit sha (vLLM's ``revision``); None is ``main``. The commit it
             resolves to when the job starts is recorded, and the job runs that commit to its end.
         source: set by the job when it resolves ``path`` (not a manifest setting): the ``ModelSource``.
@@ -310,7 +310,7 @@ class ClusterSettings:
 
 @dataclass
 class StorageSettings:
-    """How object-store paths (``s3://``, ``gs://``) are reached (``cbrun.jobs.storage``).
+    """How object-store paths (``s3://``, ``gs://``) are reached (``cbrun.jobs.store.files``).
 
     Attributes:
         endpoint_url: the S3 endpoint (MinIO, a local server, another region's URL); None: ``AWS_ENDPOINT_URL``

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from cbrun.jobs.storage import (
+from cbrun.jobs.store.files import (
     basename,
     filesystem,
     is_uri,

@@ -2,7 +2,7 @@
 work is in jobs.run.job, jobs.output.status, jobs.output.export and jobs.demo; ``bench`` is the command the benchmarks package
 registers in the ``cbrun.commands`` entry-point group (``COMMAND_ENTRY_POINTS``), so no runtime module imports it.
 
-``main`` parses the command line (``cbrun.jobs.cli_parser``: the commands, their flags and ``EXIT_CODES``, also in
+``main`` parses the command line (``cbrun.jobs.cli.parser``: the commands, their flags and ``EXIT_CODES``, also in
 ``cbrun --help``, ``cbrun run --help`` and docs/running.md) and runs the command's handler here.
 """
 
@@ -16,14 +16,14 @@ import sys
 import threading
 import traceback
 
-from cbrun.jobs.cli_parser import RUN_FLAGS, parse_command_line
+from cbrun.jobs.cli.parser import RUN_FLAGS, parse_command_line
 
 #: The entry-point group through which an installed package adds a ``cbrun`` command (``bench``).
 COMMAND_ENTRY_POINTS = "cbrun.commands"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one ``cbrun`` command; returns its exit code (``cbrun.jobs.cli_parser.EXIT_CODES``).
+    """Run one ``cbrun`` command; returns its exit code (``cbrun.jobs.cli.parser.EXIT_CODES``).
 
     Args:
         argv: the arguments after the program name; None: this process's own command line (``sys.argv``), and
@@ -144,8 +144,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _run_job(args: argparse.Namespace, argv: list[str]) -> int:
-    from cbrun.jobs.cli_values import cli_text
-    from cbrun.jobs.manifest import load_manifest
+    from cbrun.jobs.cli.values import cli_text
+    from cbrun.jobs.config.manifest import load_manifest
     from cbrun.jobs.run.job import JobAborted, JobError, run_job
     from cbrun.jobs.run.signals import interrupt_on_stop_signals
 
@@ -220,7 +220,7 @@ def _status(args: argparse.Namespace) -> int:
 def _compact(args: argparse.Namespace) -> int:
     from cbrun.jobs.output.compact import compact_output
     from cbrun.jobs.output.lock import OutputLocked
-    from cbrun.jobs.storage import StorageError
+    from cbrun.jobs.store.files import StorageError
 
     try:
         result = compact_output(args.output_dir, args.target_file_mb)
@@ -235,7 +235,7 @@ def _compact(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from cbrun.jobs.convert_llama2c import convert_llama2c
+    from cbrun.jobs.model.convert_llama2c import convert_llama2c
 
     try:
         convert_llama2c(args.checkpoint, args.tokenizer, args.out_dir)
@@ -249,7 +249,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbrun.jobs.demo import run_demo
+    from cbrun.jobs.cli.demo import run_demo
 
     print(
         "cbrun demo: building a tiny model with RANDOM weights; its completions are noise text, the point is "

@@ -3,7 +3,7 @@
 ``resolve_model`` decides which, once, where ``model.path`` enters the job, and returns a ``ModelSource``: the
 directory on this machine that every later step reads (config, tokenizer, weights), and for a Hub id the commit sha
 the revision resolved to. The rule (vLLM's and transformers' too): an existing local path is a directory; an
-object-store URI is copied by ``cbrun.jobs.storage_cache``; anything else of the form ``ORG/NAME`` is a Hub repo id.
+object-store URI is copied by ``cbrun.jobs.store.cache``; anything else of the form ``ORG/NAME`` is a Hub repo id.
 
 A Hub model is read from the Hugging Face cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
 ``~/.cache/huggingface/hub``: the ``models--ORG--NAME/{blobs,refs,snapshots}`` layout) through
@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from cbrun.jobs.storage import is_uri
-from cbrun.jobs.storage_cache import local_model
+from cbrun.jobs.store.cache import local_model
+from cbrun.jobs.store.files import is_uri
 
 logger = logging.getLogger("cbrun")
 

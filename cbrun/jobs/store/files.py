@@ -252,7 +252,7 @@ def put_object(
     """One PUT of a whole object; returns its new ETag when the store says it.
 
     Args:
-        fs: the filesystem to PUT through (a ``cbrun.jobs.output.store.FsspecStore``'s, with its endpoint); None:
+        fs: the filesystem to PUT through (a ``cbrun.jobs.store.store.FsspecStore``'s, with its endpoint); None:
             ``filesystem(uri)``'s.
         create_only: fail when the object exists (S3's ``If-None-Match: *``).
         if_match: fail unless the object's ETag is this one (S3's ``If-Match``).

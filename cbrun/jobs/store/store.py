@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from cbrun.jobs import storage
+from cbrun.jobs.store import files as storage
 
 
 class Store(Protocol):
@@ -56,7 +56,7 @@ class Store(Protocol):
 class LocalStore:
     """A ``Store`` over a local directory (created on the first write).
 
-    ``write_atomic`` is ``cbrun.jobs.storage.write_file`` (temporary file, fsync, rename, directory fsync);
+    ``write_atomic`` is ``cbrun.jobs.store.files.write_file`` (temporary file, fsync, rename, directory fsync);
     ``put_if_absent`` writes a temporary file (fsynced, named as ``write_file``'s) and hard-links it to the name, which fails when the name exists: the file appears whole or not
     at all.
     """
@@ -120,8 +120,8 @@ class FsspecStore:
     """A ``Store`` over an object-store prefix (``s3://bucket/prefix``, ``gs://...``) through fsspec.
 
     Every write is one PUT of the whole object (an object appears whole or not at all); ``put_if_absent`` is S3's
-    ``If-None-Match: *`` (``cbrun.jobs.storage.put_object``). Calls are retried on transient errors
-    (``cbrun.jobs.storage.retried``). ``append`` reads the object and writes it back whole: object stores have no
+    ``If-None-Match: *`` (``cbrun.jobs.store.files.put_object``). Calls are retried on transient errors
+    (``cbrun.jobs.store.files.retried``). ``append`` reads the object and writes it back whole: object stores have no
     append, so it is for a log that only one writer (the lease holder) writes.
 
     Args:
@@ -180,7 +180,7 @@ class FsspecStore:
 
 
 def open_store(root: str | Path, endpoint_url: str | None = None) -> LocalStore | FsspecStore:
-    """The store of ``root``: the one place a path is classified (``cbrun.jobs.storage.is_uri``).
+    """The store of ``root``: the one place a path is classified (``cbrun.jobs.store.files.is_uri``).
 
     Args:
         root: a local directory, a ``file://`` URI, or an object-store URI.
