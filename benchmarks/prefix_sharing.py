@@ -369,7 +369,7 @@ def run_all(args, tokenizer) -> list[Result]:
 def check_outputs(results: list[Result], work: Path) -> None:
     """Sets ``same_outputs``: whether each run's completions, by row id, equal those of the first run on the same
     rows (the sorted mix holds the shuffled mix's rows in another order)."""
-    from cbrun.jobs.output.writer import read_output
+    from cbrun.jobs.output.output_dir import read_output
 
     first: dict[str, tuple[str, dict]] = {}
     for r in results:

@@ -193,6 +193,19 @@ def test_convert_llama2c_command(shared_dir, tmp_path, capsys):
     assert "cbrun: error:" in capsys.readouterr().err
 
 
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter of this checkout; its exit code and output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
 def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_code():
     code = (
         "import atexit, sys\n"
@@ -203,15 +216,7 @@ def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_cod
         "exit_process(3)\n"
         "print('not reached')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
+    done = run_python(code)
     assert done.returncode == 3
     assert done.stdout == "summary lineatexit handler ran\n"
     assert done.stderr == "a warning"
@@ -228,15 +233,7 @@ def test_exit_process_returns_while_a_non_daemon_thread_runs():
         "print('returned')\n"
         "release.set()\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
+    done = run_python(code)
     assert (done.returncode, done.stdout) == (0, "returned\n"), done.stderr
 
 

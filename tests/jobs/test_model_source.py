@@ -311,8 +311,8 @@ def test_a_replica_on_a_machine_without_the_drivers_folder_runs_the_drivers_comm
             "output": {"path": str(tmp_path / "ray")},
         },
     )
-    manifest.model.source = ModelSource(REPO, driver_folder, REPO, "main", C1)
-    replica = Replica(manifest, manifest.engine, num_threads=1, max_concurrent_batches=1)
+    driver = ModelSource(REPO, driver_folder, REPO, "main", C1)
+    replica = Replica(manifest, manifest.engine, num_threads=1, max_concurrent_batches=1, model_source=driver)
     table = asyncio.run(replica(pa.Table.from_batches(list(replica.reader.read_span(0, 6)))))
     got = {r["row_index"]: (r["completion"], tuple(r["completion_token_ids"])) for r in table.to_pylist()}
     assert got == completions(tmp_path / "first")

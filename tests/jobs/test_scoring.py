@@ -15,7 +15,7 @@ from cbrun.engine.config import EngineConfig
 from cbrun.jobs.config.manifest import JobManifest, load_manifest
 from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.modes.scoring import encode_pair, last_number_plus_one, read_candidates
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import JobError, run_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from cbrun.engine.structured_output import StructuredOutputsParams
 from cbrun.jobs.config.manifest import JobManifest, load_manifest
 from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.output.fingerprint import job_fingerprint
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 from tests.jobs.test_openai_batch import CHAT, COMPLETIONS, read_results, request, write_jsonl
 

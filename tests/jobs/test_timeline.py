@@ -13,7 +13,7 @@ from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.observe.progress import MIN_FINISHED, TokenETA, format_eta
 from cbrun.jobs.observe.timeline import TIMELINE_GLOB, read_timeline, step_listeners
 from cbrun.jobs.output.lock import Shard
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=64)

@@ -16,7 +16,7 @@ from cbrun.jobs.cli.values import cli_text
 from cbrun.jobs.config.manifest import load_manifest, manifest_from_dict
 from cbrun.jobs.input.reader import PromptReader
 from cbrun.jobs.output.fingerprint import job_fingerprint
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 
 PATHS = {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}}

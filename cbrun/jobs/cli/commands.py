@@ -161,12 +161,10 @@ def _run_job(args: argparse.Namespace, argv: list[str]) -> int:
                 return run_data_parallel(argv, manifest)
             summary = run_job(manifest, progress=not args.no_progress, retry_errors=args.retry_errors)
     except (JobError, ValueError, FileNotFoundError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     except JobAborted as exc:
         traceback.print_exception(exc.__cause__, file=sys.stderr)
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 1
+        return _error(exc, 1)
     print(summary.line())
     return summary.exit_code
 
@@ -184,8 +182,7 @@ def _export(args: argparse.Namespace) -> int:
     try:
         path = export(args.output_dir, args.format, args.to)
     except (ExportError, OSError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     print(f"cbrun: wrote {path}")
     return 0
 
@@ -199,10 +196,15 @@ def _report(args: argparse.Namespace) -> int:
     try:
         path = write_report(args.output_dir, args.out, args.price_per_hour)
     except (ImportError, ValueError, OSError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     print(f"cbrun: wrote {path}")
     return 0
+
+
+def _error(exc: BaseException, code: int) -> int:
+    """Print ``cbrun: error: <exc>`` to stderr; returns the exit code (2: a setup problem, 1: a failure)."""
+    print(f"cbrun: error: {exc}", file=sys.stderr)
+    return code
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -211,8 +213,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         report, code = status_report(args.output_dir)
     except (ValueError, OSError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     print(report)
     return code
 
@@ -225,11 +226,9 @@ def _compact(args: argparse.Namespace) -> int:
     try:
         result = compact_output(args.output_dir, args.target_file_mb)
     except (ValueError, OSError, OutputLocked) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     except StorageError as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 1
+        return _error(exc, 1)
     print(f"cbrun: compacted {args.output_dir}: {result.num_parts_before} parts -> {result.num_parts_after}")
     return 0
 
@@ -240,8 +239,7 @@ def _convert(args: argparse.Namespace) -> int:
     try:
         convert_llama2c(args.checkpoint, args.tokenizer, args.out_dir)
     except (ValueError, OSError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     print(f"cbrun: wrote a Hugging Face model directory to {args.out_dir}")
     return 0
 
@@ -259,7 +257,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(summary.line())
     print(
         f"cbrun demo: output in {Path(summary.output_dir).resolve()} (part-*.parquet, _cbrun/stats.json); "
-        f"read it with cbrun.jobs.output.writer.read_output(DIR)"
+        f"read it with cbrun.jobs.output.output_dir.read_output(DIR)"
     )
     return 0
 

@@ -59,7 +59,7 @@ class JobManifest:
         n: samples per row (``[sampling] n``), each written as its own output row with a ``sample_index``; a row's
             ``n`` column overrides it. Sample i's seed derives from (seed, row id, i).
         sampling_set: the ``[sampling]`` keys the user gave (manifest, ``--set`` or flags), by their canonical
-            names; the others hold defaults, which ``apply_model_defaults`` may replace. None (a manifest built in
+            names; the others hold defaults, which ``model_sampling_defaults`` may replace. None (a manifest built in
             code): the settings whose values differ from ``SamplingParams()``'s.
         model_defaults: take settings the user did not give from the model's generation_config.json.
     """
@@ -175,7 +175,7 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
     )
     sampling_params.validate()
     return JobManifest(
-        model=_build(ModelSettings, "model", raw.get("model", {}), exclude={"source"}),
+        model=_build(ModelSettings, "model", raw.get("model", {})),
         input=_build(InputSettings, "input", raw.get("input", {})),
         sampling=sampling_params,
         seed=seed,

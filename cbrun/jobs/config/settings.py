@@ -8,10 +8,7 @@ loads a manifest into all of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from cbrun.jobs.model.source import ModelSource
+from typing import Any
 
 #: Boundary rules of score mode (``cbrun.jobs.modes.scoring``).
 BOUNDARY_RULES = ("exact",)
@@ -32,12 +29,10 @@ class ModelSettings:
             (``cbrun.jobs.model.source``).
         revision: a Hub model's branch, tag or commit sha (vLLM's ``revision``); None is ``main``. The commit it
             resolves to when the job starts is recorded, and the job runs that commit to its end.
-        source: set by the job when it resolves ``path`` (not a manifest setting): the ``ModelSource``.
     """
 
     path: str = ""
     revision: str | None = None
-    source: ModelSource | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):

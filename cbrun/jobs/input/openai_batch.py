@@ -67,9 +67,9 @@ def is_openai_batch_input(inp) -> bool:
     )
 
 
-def input_fields(path: str | Path) -> list[str]:
+def input_fields(path: str | Path, endpoint_url: str | None = None) -> list[str]:
     """The field names of the input's first file: a Parquet footer, or the first JSON object line (cheap)."""
-    kind, files = list_input_files(path)
+    kind, files = list_input_files(path, endpoint_url)
     first = files[0]
     if kind == "parquet" and not is_jsonl(first):
         return pq.read_schema(first).names
@@ -109,8 +109,9 @@ class OpenAIBatchReader:
         batch_size: int = 1024,
         keep_columns: list[str] = (),
         default_model: str = "",
+        endpoint_url: str | None = None,
     ):
-        names = input_fields(path)
+        names = input_fields(path, endpoint_url)
         missing = [name for name in REQUEST_FIELDS if name not in names]
         if missing:
             raise InputError(
@@ -125,6 +126,7 @@ class OpenAIBatchReader:
             extra_columns={name: name for name in REQUEST_FIELDS},
             per_row_settings=False,
             json_text_fields=("body",),
+            endpoint_url=endpoint_url,
         )
         check_kept_columns(list(keep_columns), self.rows.column_names)
         self.rows.add_extra_columns(keep_roles(list(keep_columns)))

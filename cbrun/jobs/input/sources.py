@@ -24,10 +24,10 @@ from cbrun.jobs.store.files import StorageError, is_uri, open_input
 class _ParquetSource:
     """One Parquet file: its schema, row count and row-group offsets come from the footer alone."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, endpoint_url: str | None = None):
         self.path = path
         try:
-            self.file = pq.ParquetFile(open_input(path) if is_uri(path) else path)
+            self.file = pq.ParquetFile(open_input(path, endpoint_url) if is_uri(path) else path)
         except (pa.ArrowInvalid, OSError, StorageError) as exc:
             raise InputError(f"input file {str(path)!r} is not a readable Parquet file: {exc}") from None
         self.schema = self.file.schema_arrow
@@ -83,15 +83,15 @@ class _ArrowStreamSource:
                     row += batch.num_rows
 
 
-def open_source(kind: str, path: Path, json_text_fields: tuple[str, ...] = ()):
+def open_source(kind: str, path: Path, json_text_fields: tuple[str, ...] = (), endpoint_url: str | None = None):
     """The source object of one input file: Arrow stream (``kind == "arrow"``), JSON Lines (by suffix) or Parquet."""
     if kind == "arrow":
         return _ArrowStreamSource(path)
     if is_uri(path):
         if object_file_format(path) == "jsonl":
             # NOTE: JSON Lines is read by line offsets from a local file: the object is copied to a temporary file
-            return JsonlSource(local_copy(path), json_text_fields)
-        return _ParquetSource(path)
+            return JsonlSource(local_copy(path, endpoint_url), json_text_fields)
+        return _ParquetSource(path, endpoint_url)
     if input_file_format(path) == "jsonl":
         return JsonlSource(path, json_text_fields)
     return _ParquetSource(path)

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbrun.jobs.input.openai_request import CHAT_URL, COMPLETIONS_URL
-from cbrun.jobs.output.checkpoint import Checkpoint
+from cbrun.jobs.output.output_dir import open_output
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.store.files import write_file
 
@@ -61,8 +61,8 @@ def read_rows(output_dir: str | Path) -> list[dict[str, Any]]:
         ExportError: when the directory holds no job.json.
     """
     output_dir = Path(output_dir)
-    if not Checkpoint(output_dir).job_file.is_file():
-        raise ExportError(f"{str(output_dir)!r} holds no cbrun job (no {Checkpoint(output_dir).job_file.name})")
+    if open_output(output_dir).read_job_file() is None:
+        raise ExportError(f"{str(output_dir)!r} holds no cbrun job (no job.json)")
     tables = []
     for part in committed_parts(output_dir):
         table = pq.read_table(part)
@@ -107,7 +107,7 @@ def export_openai_batch(output_dir: str | Path, to: str | Path | None = None, to
             f"{str(output_dir)!r} holds a score-mode job, which has no completions to write as OpenAI "
             f"batch output; use --format jsonl"
         )
-    job_bytes = Checkpoint(output_dir).job_file.read_bytes()
+    job_bytes = open_output(output_dir).job_file_bytes() or b"{}"
     model = json.loads(job_bytes).get("model", {})
     # NOTE: a Hub model (a recorded commit) by its repo id, a directory by its name
     default_model = (model.get("path") if model.get("commit") else Path(model.get("path", "")).name) or "cbrun"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -177,6 +178,41 @@ class FsspecStore:
 
     def append(self, name: str, data: bytes) -> None:
         self.write_atomic(name, (self.read(name) or b"") + data)
+
+    # ---- what the object-store commit protocol needs beyond ``Store`` (``cbrun.jobs.output.object_parts``) ----
+    def put(self, name: str, data: bytes, *, create_only: bool = False, if_match: str | None = None) -> str | None:
+        """One conditional PUT (``cbrun.jobs.store.files.put_object``); returns the new ETag when the store says it.
+
+        Raises:
+            PreconditionFailed: when the condition does not hold.
+        """
+        return storage.put_object(self.path(name), data, create_only=create_only, if_match=if_match, fs=self._fs)
+
+    def info(self, name: str) -> dict[str, Any] | None:
+        """The object's metadata (``size``, ``ETag``, ...); None when it does not exist."""
+        key = self._key_of(name)
+        self._fs.invalidate_cache(key)
+        try:
+            info: dict[str, Any] = storage.retried(f"looking up {self.path(name)}", lambda: self._fs.info(key))
+        except FileNotFoundError:
+            return None
+        return info
+
+    def open(self, name: str) -> Any:
+        """A seekable binary file over the object (read by ranges, as the reader asks)."""
+        key = self._key_of(name)
+        return storage.retried(f"opening {self.path(name)}", lambda: self._fs.open(key, "rb"))
+
+    def read_many(self, names: Sequence[str]) -> dict[str, bytes]:
+        """The bytes of many objects, fetched concurrently (fsspec's async ``cat``), by name; missing ones left out."""
+        if not names:
+            return {}
+        keys = {self._key_of(name): name for name in names}
+        found = storage.retried(
+            f"reading {len(names)} objects of {self.root}", lambda: self._fs.cat(list(keys), on_error="omit")
+        )
+        by_key = {key.removeprefix(f"{self._scheme}://"): data for key, data in found.items()}
+        return {keys[key]: data for key, data in by_key.items() if key in keys}
 
 
 def open_store(root: str | Path, endpoint_url: str | None = None) -> LocalStore | FsspecStore:
