@@ -283,7 +283,9 @@ def test_a_replica_without_the_drivers_folder_resolves_the_drivers_commit(models
     driver = ModelSource(REPO, "/elsewhere/snapshots/" + C1, REPO, "main", C1)
     assert worker_model_path(driver, driver.local_path) == str(first)
     assert worker_model_path(None, "/a/folder") == "/a/folder"
-    monkeypatch.setattr("cbrun.jobs.model.source.local_model", lambda uri: f"/this/machine/copy/of/{uri}")
+    monkeypatch.setattr(
+        "cbrun.jobs.model.source.local_model", lambda uri, endpoint_url=None: f"/this/machine/copy/of/{uri}"
+    )
     uri = ModelSource("s3://models/m", "/driver/cache/models/ab12")
     assert worker_model_path(uri, uri.local_path) == "/this/machine/copy/of/s3://models/m"
     assert worker_model_path(ModelSource("s3://models/m", str(first)), str(first)) == str(first)
