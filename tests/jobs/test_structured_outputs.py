@@ -197,7 +197,7 @@ def test_manifest_section_and_fingerprint(chat_model_dir, tmp_path):
         )["sampling"]
 
     with pytest.MonkeyPatch.context() as patch:  # content hashes of files this test does not write
-        patch.setattr("cbrun.jobs.output.fingerprint.input_fingerprint", lambda path: [])
+        patch.setattr("cbrun.jobs.output.fingerprint.input_fingerprint", lambda path, endpoint_url=None: [])
         assert fingerprint(loaded.sampling) == fingerprint(as_dict)  # one schema, as text or as a table
         assert fingerprint(loaded.sampling)["structured_outputs"] == {"json": SCHEMA}
         assert fingerprint(regex) != fingerprint(loaded.sampling)

@@ -81,14 +81,16 @@ def list_input_files(path: str | Path, endpoint_url: str | None = None) -> tuple
         endpoint_url: an object-store input's S3 endpoint (the job's ``[storage] endpoint_url``).
 
     Returns:
-        ("parquet" (Parquet and JSON Lines files, see ``open_source``) or "arrow", files in reading order).
+        (kind, files in reading order): "parquet" (local Parquet and JSON Lines files, see ``open_source``),
+        "objects" (object-store URIs of such files) or "arrow" (a saved data set's Arrow stream files). The kind
+        is how the rest of the input room knows where a file lives: the path is classified here, once.
 
     Raises:
         InputError: when the path does not exist, holds nothing readable, is a file of a format cbrun does not
             read, or is a directory that holds such files (named, with the formats cbrun reads).
     """
     if is_uri(path):
-        return "parquet", list_object_files(str(path), endpoint_url)
+        return "objects", list_object_files(str(path), endpoint_url)
     path = Path(local_path(path))
     if not path.exists():
         raise InputError(f"input {str(path)!r} not found: give a Parquet or JSON Lines file, or a directory of them")

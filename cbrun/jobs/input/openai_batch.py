@@ -43,7 +43,7 @@ from cbrun.jobs.input.jsonl_source import is_jsonl, numbered_rows
 from cbrun.jobs.input.openai_request import CHAT_URL, COMPLETIONS_URL, BatchRequest, parse_request
 from cbrun.jobs.input.prompts import encode_prompt
 from cbrun.jobs.input.reader import InputRow, PromptReader
-from cbrun.jobs.input.sources import iter_column_batches
+from cbrun.jobs.input.sources import iter_column_batches, open_source
 
 REQUEST_FIELDS = ("custom_id", "method", "url", "body")
 #: Columns every output row of an OpenAI batch job carries (see ``cbrun.jobs.input.carry``).
@@ -71,6 +71,8 @@ def input_fields(path: str | Path, endpoint_url: str | None = None) -> list[str]
     """The field names of the input's first file: a Parquet footer, or the first JSON object line (cheap)."""
     kind, files = list_input_files(path, endpoint_url)
     first = files[0]
+    if kind == "objects":  # NOTE: an object's footer or schema, read through its source
+        return list(open_source(kind, first, endpoint_url=endpoint_url).schema.names)
     if kind == "parquet" and not is_jsonl(first):
         return pq.read_schema(first).names
     if kind == "parquet":

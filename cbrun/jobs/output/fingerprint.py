@@ -142,11 +142,11 @@ def input_fingerprint(input_path: str | Path, endpoint_url: str | None = None) -
     from cbrun.jobs.input.errors import InputError
 
     try:
-        _, paths = list_input_files(input_path, endpoint_url)
+        kind, paths = list_input_files(input_path, endpoint_url)
     except InputError:
         return {}
-    if is_uri(input_path):
-        return object_fingerprints(str(input_path), paths, endpoint_url)
+    if kind == "objects":
+        return object_fingerprints(str(input_path), [str(p) for p in paths], endpoint_url)
     root = Path(input_path)
     digests = {}
     for path in paths:

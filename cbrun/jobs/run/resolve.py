@@ -103,9 +103,12 @@ def resolve_job(manifest: JobManifest, shard: Shard | None = None, progress: boo
     """
     try:
         manifest.check_required()
-        check_output_apart_from_input(manifest.input.path, manifest.output.path)
-        check_object_store_output(manifest, shard)
-        model = resolve_job_model(manifest, progress)
+        run_shard = shard or (Shard.parse(manifest.input.shard) if manifest.input.shard is not None else Shard())
+        # NOTE: the output's path is classified here, once: its owner knows its store from now on
+        output = open_output(manifest.output.path, run_shard, manifest.storage.endpoint_url)
+        check_output_apart_from_input(manifest.input.path, output)
+        check_object_store_output(manifest, output, shard)
+        model = resolve_job_model(manifest, output, progress)
         manifest = replace(manifest, model=replace(manifest.model, path=model.local_path))
         reader = open_reader(manifest, model)
     except SETUP_ERRORS as exc:
@@ -119,15 +122,13 @@ def resolve_job(manifest: JobManifest, shard: Shard | None = None, progress: boo
     tokenizer = load_tokenizer(manifest.model.path, loader=manifest.engine.loader)
     _check_prompt_formatting(manifest, reader, tokenizer)
     _check_cluster(manifest)
-    if shard is None:
-        shard = Shard.parse(manifest.input.shard) if manifest.input.shard is not None else Shard()
     return ResolvedJob(
         manifest=manifest,
         model=model,
         # NOTE: dtype "auto" means bf16 on a GPU and float32 on the CPU: the fingerprint records the one this run uses
         dtype=manifest.engine.resolve_dtype(checkpoint_dtype(manifest.model.path)),
-        shard=shard,
-        output=open_output(manifest.output.path, shard, manifest.storage.endpoint_url),
+        shard=run_shard,
+        output=output,
         reader=reader,
         tokenizer=tokenizer,
         may_sample=may_sample,
@@ -135,14 +136,15 @@ def resolve_job(manifest: JobManifest, shard: Shard | None = None, progress: boo
     )
 
 
-def check_output_apart_from_input(input_path: str | Path, output_path: str | Path) -> None:
+def check_output_apart_from_input(input_path: str | Path, output: OutputDir) -> None:
     """Refuse an output directory that is the input, lies inside an input directory, or holds the input: the
     output's parts would be read back as input by the next run (or ``--overwrite`` would delete the input).
 
     Raises:
         InputError: naming both paths.
     """
-    if is_uri(input_path) or is_uri(output_path):
+    output_path = output.output_dir
+    if is_uri(input_path) or output.local_dir is None:
         inp, out = str(input_path).rstrip("/"), str(output_path).rstrip("/")
         if out == inp or out.startswith(inp + "/") or inp.startswith(out + "/"):
             raise InputError(
@@ -165,14 +167,14 @@ def check_output_apart_from_input(input_path: str | Path, output_path: str | Pat
     )
 
 
-def check_object_store_output(manifest: JobManifest, shard: Shard | None) -> None:
+def check_object_store_output(manifest: JobManifest, output: OutputDir, shard: Shard | None) -> None:
     """Refuse what an object-store output does not support yet: ``--shard`` and ``output.format =
     "openai-batch"`` (their files are written by local-only steps).
 
     Raises:
         ValueError: naming the setting.
     """
-    if not is_uri(manifest.output.path):
+    if output.local_dir is not None:
         return
     if shard is not None and shard.count > 1 or manifest.input.shard not in (None, "0/1"):
         raise ValueError(
@@ -186,7 +188,7 @@ def check_object_store_output(manifest: JobManifest, shard: Shard | None) -> Non
         )
 
 
-def resolve_job_model(manifest: JobManifest, progress: bool = True) -> ModelSource:
+def resolve_job_model(manifest: JobManifest, output: OutputDir, progress: bool = True) -> ModelSource:
     """The job's model on this machine (``cbrun.jobs.model.source``): a Hub model at the commit the output's
     recorded job started at when it asked for the same revision (a resume, a later shard), so that one output
     never mixes two commits of a repo whose branch moved on; ``--overwrite`` resolves the revision afresh.
@@ -198,7 +200,7 @@ def resolve_job_model(manifest: JobManifest, progress: bool = True) -> ModelSour
     pinned = None
     if is_hub_id(name) and not manifest.output.overwrite:
         try:
-            recorded = open_output(manifest.output.path, endpoint_url=manifest.storage.endpoint_url).read_job_file()
+            recorded = output.read_job_file()
         except (OSError, ValueError):  # NOTE: an unreadable output is reported by the output's own checks
             recorded = None
         pinned = recorded_commit(recorded, name, revision)
