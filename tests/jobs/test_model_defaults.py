@@ -3,6 +3,7 @@ stop token's text out of ``completion``, and ``max_new_tokens = 0`` with prompt 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -99,8 +100,11 @@ def test_generation_config_defaults_apply_where_the_job_is_silent(model_copy, tm
     # the job runs with them, and job.json records the values used
     del config["do_sample"]
     (model_copy / "generation_config.json").write_text(json.dumps(config))
-    summary = run_job(manifest(model_copy, tmp_path / "in.parquet", tmp_path / "run"), progress=False)
+    job = manifest(model_copy, tmp_path / "in.parquet", tmp_path / "run")
+    given = copy.deepcopy(job)
+    summary = run_job(job, progress=False)
     assert summary.num_errors == 0
+    assert job == given and job.sampling.temperature == 0.0  # the run took the defaults on its own resolved copy
     assert all(r["num_completion_tokens"] <= 3 for r in rows_of(tmp_path / "run"))
     recorded = json.loads((tmp_path / "run" / "_cbrun" / "job.json").read_text())
     assert (recorded["sampling"]["temperature"], recorded["sampling"]["max_new_tokens"]) == (0.7, 3)
