@@ -222,6 +222,24 @@ def test_path_names_the_place():
         check_schema({"type": "array", "prefixItems": [{"type": "array", "uniqueItems": True}]})
 
 
+def test_refusal_names_every_keyword_with_its_path():
+    schema = {
+        "type": "object",
+        "properties": {"a": {"not": {"type": "null"}}, "b": {"type": "array", "items": _INT, "uniqueItems": True}},
+        "required": ["a", "x", "y"],
+    }
+    with pytest.raises(UnsupportedSchemaError) as refused:
+        check_schema(schema)
+    message = str(refused.value)
+    for found in ("$.properties.a.not: not", "$.properties.b.uniqueItems: uniqueItems"):
+        assert f"{found} is not enforced (ignored) [xgrammar]" in message, message
+        assert f"{found} is not enforced (llguidance: unimplemented) [llguidance]" in message, message
+    assert "$.required: required of 'x', 'y' is not enforced" in message
+    from cbrun.engine.structured_output.schema_support import find_all_unsupported
+
+    assert len(find_all_unsupported(schema)) == 3 and len(find_all_unsupported(schema, backend="guidance")) == 2
+
+
 def test_checkable_forms_accepted():
     assert find_unsupported({"oneOf": [_CAT, _CAT]}) is not None  # the same discriminator twice
     assert find_unsupported({"oneOf": [{"const": 1}, {"const": 2}]}) is None

@@ -20,9 +20,7 @@ class GuidanceMatcher:
     """
 
     def __init__(self, grammar) -> None:
-        import llguidance
-
-        self.matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar)
+        self.matcher = grammar.new_matcher()
         self._eos = grammar.eos_token_ids
         self._ended = False
 

@@ -140,7 +140,16 @@ def find_unsupported(
     schema: Any, path: str = "$", ignore_formats: bool = False, backend: str = "xgrammar"
 ) -> str | None:
     """The first keyword of ``schema`` ``backend`` (xgrammar or guidance) would not enforce, as
-    ``"<path>: <keyword> ..."``, else None.
+    ``"<path>: <keyword> ..."``, else None (``find_all_unsupported``'s first)."""
+    found = find_all_unsupported(schema, path, ignore_formats, backend)
+    return found[0] if found else None
+
+
+def find_all_unsupported(
+    schema: Any, path: str = "$", ignore_formats: bool = False, backend: str = "xgrammar"
+) -> list[str]:
+    """Every keyword of ``schema`` ``backend`` (xgrammar or guidance) would not enforce, each as
+    ``"<path>: <keyword> ..."``, in document order (empty when it enforces them all).
 
     Walks every subschema (properties, items, combinator branches, ``$defs`` / ``definitions``, ...), so a keyword
     reached only through ``$ref`` is found where it is defined. Keywords in no table are passed (annotations, by
@@ -152,18 +161,21 @@ def find_unsupported(
         ignore_formats: pass ``format`` unchecked (the user accepts any string there).
         backend: ``"xgrammar"`` or ``"guidance"``.
     """
+    found: list[str] = []
+    _collect(schema, path, ignore_formats, backend, found)
+    return found
+
+
+def _collect(schema: Any, path: str, ignore_formats: bool, backend: str, found: list[str]) -> None:
     if not isinstance(schema, dict):
-        return None
+        return
     refusal = _refusal if backend == "xgrammar" else _guidance_refusal
     for key, value in schema.items():
         where = f"{path}.{key}"
         reason = refusal(key, value, schema, ignore_formats)
         if reason:
-            return f"{where}: {key} {reason}"
-        found = _walk_children(key, value, where, ignore_formats, backend)
-        if found:
-            return found
-    return None
+            found.append(f"{where}: {key} {reason}")
+        _walk_children(key, value, where, ignore_formats, backend, found)
 
 
 def route(schema: Any, backend: str = "auto", ignore_formats: bool = False) -> str:
@@ -173,22 +185,23 @@ def route(schema: Any, backend: str = "auto", ignore_formats: bool = False) -> s
     backend takes only itself.
 
     Raises:
-        UnsupportedSchemaError: naming the first keyword (and its JSON path) that the candidate engines would not
-            enforce; ``ValueError`` for an unknown ``backend``.
+        UnsupportedSchemaError: naming every keyword (each with its JSON path) that the candidate engines would
+            not enforce, each tagged with the engine (``[xgrammar]``, ``[llguidance]``); ``ValueError`` for an
+            unknown ``backend``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {backend!r}")
     findings = []
     for name in ("xgrammar", "guidance") if backend == "auto" else (backend,):
-        found = find_unsupported(schema, ignore_formats=ignore_formats, backend=name)
-        if found is None:
+        found = find_all_unsupported(schema, ignore_formats=ignore_formats, backend=name)
+        if not found:
             return name
-        findings.append(f"{found} [{'llguidance' if name == 'guidance' else name}]")
+        findings.extend(f"{f} [{'llguidance' if name == 'guidance' else name}]" for f in found)
     raise UnsupportedSchemaError(f"JSON schema keyword not enforced, refused: {'; '.join(findings)}")
 
 
 def check_schema(schema: Any, ignore_formats: bool = False, backend: str = "auto") -> None:
-    """Raise ``UnsupportedSchemaError`` naming the first keyword of ``schema`` (and its JSON path) that no engine
+    """Raise ``UnsupportedSchemaError`` naming every keyword of ``schema`` (and its JSON path) that no engine
     ``backend`` allows would enforce (``route``)."""
     route(schema, backend, ignore_formats)
 
@@ -272,7 +285,10 @@ def _form_refusal(key: str, value: Any, schema: dict, ignore_formats: bool) -> s
         declared = schema.get("properties", {})
         missing = [name for name in value if not isinstance(declared, dict) or name not in declared]
         if missing:
-            return f"of {missing[0]!r} is not enforced: it is not declared in properties"
+            names = ", ".join(repr(name) for name in missing)
+            return (
+                f"of {names} is not enforced: {'it is' if len(missing) == 1 else 'they are'} not declared in properties"
+            )
     if key == "patternProperties":
         return _pattern_properties_refusal(value, schema)
     if key == "propertyNames" and schema.get("properties"):
@@ -328,22 +344,17 @@ def _values_refusal(key: str, value: Any, schema: dict) -> str | None:
     return None
 
 
-def _walk_children(key: str, value: Any, where: str, ignore_formats: bool, backend: str) -> str | None:
+def _walk_children(key: str, value: Any, where: str, ignore_formats: bool, backend: str, found: list[str]) -> None:
     if key == "propertyNames" and isinstance(value, dict) and "type" not in value:
         value = {"type": "string", **value}  # names are strings: their string keywords need no type
     if key in _ONE:
-        return find_unsupported(value, where, ignore_formats, backend)
-    if key in _LIST and isinstance(value, list):
+        _collect(value, where, ignore_formats, backend, found)
+    elif key in _LIST and isinstance(value, list):
         for i, sub in enumerate(value):
-            found = find_unsupported(sub, f"{where}[{i}]", ignore_formats, backend)
-            if found:
-                return found
-    if key in _MAP and isinstance(value, dict):
+            _collect(sub, f"{where}[{i}]", ignore_formats, backend, found)
+    elif key in _MAP and isinstance(value, dict):
         for name, sub in value.items():
-            found = find_unsupported(sub, f"{where}.{name}", ignore_formats, backend)
-            if found:
-                return found
-    return None
+            _collect(sub, f"{where}.{name}", ignore_formats, backend, found)
 
 
 def _disjoint(branches: Any) -> bool:
@@ -396,10 +407,10 @@ def constraint_backend(params, config) -> str:
         import importlib.util
 
         if importlib.util.find_spec("llguidance") is None:
-            found = find_unsupported(params.json_schema, ignore_formats=config.structured_outputs_ignore_formats)
+            found = find_all_unsupported(params.json_schema, ignore_formats=config.structured_outputs_ignore_formats)
             raise UnsupportedSchemaError(
                 "JSON schema needs llguidance, which is not installed (pip install 'cbrun[guidance]')"
-                + (f"; xgrammar would not enforce {found}" if found else "")
+                + (f"; xgrammar would not enforce {'; '.join(found)}" if found else "")
             )
     return backend
 
