@@ -118,8 +118,8 @@ class GrammarCompiler:
         self.compile_times: list[tuple[str, float]] = []
 
     def submit(self, params: StructuredOutputsParams, backend: str = "xgrammar") -> Future:
-        """A future of the constraint's ``xgrammar.CompiledGrammar`` (``backend = "guidance"``, JSON schemas only:
-        a ``GuidanceGrammar``); the cached one for a constraint seen before.
+        """A future of the constraint's ``xgrammar.CompiledGrammar`` (``backend = "guidance"``: a
+        ``GuidanceGrammar``); the cached one for a constraint seen before.
 
         The future raises ``GrammarCompileError`` for a constraint the engine refuses.
         """
@@ -145,7 +145,7 @@ class GrammarCompiler:
         backend, kind, text = key
         try:
             if backend == "guidance":
-                compiled = self._compile_guidance(text)
+                compiled = self._compile_guidance(kind, text)
             else:
                 compiled = _compile_with(self._compiler(), kind, text)
         except GrammarCompileError:
@@ -167,22 +167,34 @@ class GrammarCompiler:
         logger.info("structured outputs: compiled a %s constraint (%s) in %.3f s", kind, backend, seconds)
         return compiled
 
-    def _compile_guidance(self, text: str) -> GuidanceGrammar:
-        """A JSON schema's llguidance grammar, validated against the tokenizer (llguidance refuses there what it
-        does not implement)."""
+    def _compile_guidance(self, kind: str, text: str) -> GuidanceGrammar:
+        """A constraint's llguidance grammar, validated against the tokenizer (llguidance refuses there what it
+        does not implement: an unknown format, a regex lookaround, a grammar it cannot read).
+
+        JSON schemas go through ``grammar_from_json_schema`` with ``GUIDANCE_JSON_OPTIONS``; a regex is read as
+        llguidance reads regexes (Rust ``regex`` syntax, matched against the whole output); a choice becomes a Lark
+        alternation of its strings; a grammar is Lark, or GBNF / xgrammar's EBNF (``::=``) converted to Lark by
+        ``llguidance.gbnf_to_lark``.
+        """
         import llguidance
 
-        schema = json.loads(text)
-        if self.ignore_formats:
-            schema = without_formats(schema, GUIDANCE_FORMATS)
+        if kind in ("json", "json_object"):
+            schema = json.loads(text)
+            if self.ignore_formats:
+                schema = without_formats(schema, GUIDANCE_FORMATS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema,
+                defaults=GUIDANCE_JSON_OPTIONS,  # type: ignore[arg-type]  # its JsonCompileOptions keys
+            )
+        else:
+            try:
+                grammar = llguidance.grammar_from("choice" if kind == "choice" else kind, text)  # type: ignore[arg-type]
+            except ValueError as exc:  # a grammar the GBNF-to-Lark conversion cannot read
+                raise GrammarCompileError(f"invalid {kind} constraint (llguidance): {_first_line(exc)}") from None
         tokenizer = self._guidance_tokenizer()
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema,
-            defaults=GUIDANCE_JSON_OPTIONS,  # type: ignore[arg-type]  # its JsonCompileOptions keys
-        )
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
-            raise GrammarCompileError(f"invalid json constraint (llguidance): {messages[0][:300]}")
+            raise GrammarCompileError(f"invalid {kind.replace('_', ' ')} constraint (llguidance): {messages[0][:300]}")
         return GuidanceGrammar(tokenizer, grammar, frozenset(self._eos_token_ids))
 
     def _guidance_tokenizer(self):

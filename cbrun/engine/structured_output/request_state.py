@@ -143,14 +143,17 @@ def fill_bitmasks(states: list[StructuredOutputRequest], bitmask: torch.Tensor, 
     return (bitmask[index] != 0).any(dim=1).tolist()
 
 
-_EXECUTOR = None
+_EXECUTORS: dict[int, object] = {}
 
 
 def _guidance_executor():
-    """llguidance's thread pool for batched mask fills, one per process (built on first use)."""
-    global _EXECUTOR
-    if _EXECUTOR is None:
+    """llguidance's thread pool for batched mask fills: as many threads as torch's intra-op pool (the engine's
+    ``num_threads`` on the CPU, whose cores are idle while the host fills masks after the forward pass; llguidance's
+    own default is 80% of the cores, one thread on two), one pool per size per process, built on first use."""
+    threads = max(1, torch.get_num_threads())
+    executor = _EXECUTORS.get(threads)
+    if executor is None:
         import llguidance
 
-        _EXECUTOR = llguidance.LLExecutor()
-    return _EXECUTOR
+        executor = _EXECUTORS[threads] = llguidance.LLExecutor(threads)
+    return executor
