@@ -532,3 +532,38 @@ def test_docs_keyword_table_is_the_data():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "structured-outputs.md").read_text()
     committed = doc.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].lstrip("\n")
     assert committed == keyword_table(), "run: python -m cbrun.engine.structured_output.schema_support --write"
+
+
+def test_guidance_backend_serves_regex_choice_and_grammar(model_dir, engine):
+    """With ``structured_outputs_backend = "guidance"`` a regex, a choice and a grammar (EBNF and Lark) are
+    compiled by llguidance: the same greedy tokens as xgrammar's here, each valid; syntax llguidance cannot read is
+    an error row with its message."""
+    from cbrun.engine import LLMEngine
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.sampling_params import SamplingParams
+    from cbrun.engine.structured_output.validate import is_valid_output
+
+    constraints = [
+        {"regex": "[a-c]{2,5}x"},
+        {"choice": ["yes", "no", 'ma"ybe']},
+        {"grammar": 'root ::= "a" [0-9]+ "b"'},
+        {"grammar": 'start: "q" NUM\nNUM: /[0-9]{1,3}/'},
+    ]
+    requests = [
+        (i, [256, 5 + i], SamplingParams(max_new_tokens=60, structured_outputs=coerce_structured_outputs("so", c)))
+        for i, c in enumerate(constraints)
+    ]
+    guided = LLMEngine.from_pretrained(str(model_dir), EngineConfig(**CONFIG, structured_outputs_backend="guidance"))
+    bad = SamplingParams(max_new_tokens=8, structured_outputs={"regex": "(?<=a)b"})
+    got = {o.request_id: o for o in guided.generate([*requests, (9, [256], bad)])}
+    want = {o.request_id: o for o in engine.generate(requests)}
+    for i, _, params in requests:
+        assert got[i].finish_reason == "stop", got[i].error
+        assert got[i].output_token_ids == want[i].output_token_ids
+        assert is_valid_output(got[i].text, params.structured_outputs)
+    assert got[9].finish_reason == "error" and "llguidance" in got[9].error
+    assert {key[:2] for key in guided._grammar_compiler._cache} == {
+        ("guidance", "regex"),
+        ("guidance", "choice"),
+        ("guidance", "grammar"),
+    }

@@ -88,3 +88,15 @@ def test_leaks_found_by_the_walk_stay_refused(case: int) -> None:
     except ValueError:
         pass
     assert backend != "xgrammar"
+
+
+def test_keywords_that_constrain_nothing_are_served_by_both(model_dir):
+    """``uniqueItems: false`` and ``minProperties: 0`` (llguidance refuses them as unimplemented) are left out."""
+    schemas = [
+        {"type": "array", "items": _INT, "uniqueItems": False, "maxItems": 2},
+        {"type": "object", "properties": {"a": _INT}, "minProperties": 0, "additionalProperties": False},
+    ]
+    for outcomes in check_schemas(schemas, model_dir, walks=3, rows=False):
+        for backend, outcome in outcomes.items():
+            assert outcome.refused is None and outcome.error is None, (backend, outcome)
+            assert outcome.completions and not outcome.leaks

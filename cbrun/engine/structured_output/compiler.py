@@ -69,6 +69,19 @@ GUIDANCE_JSON_OPTIONS: dict[str, Any] = {
 }
 
 
+#: JSON string characters (llguidance's slices use this class: no quote, backslash or control character).
+_STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
+#: llguidance's "slices" (``LLTokenizer.general_slices``: whitespace, string runs of up to 10, up to 30, any), with
+#: shorter runs first: inside a string of bounded length (``maxLength``) a slice whose strings all still fit is
+#: allowed whole instead of walked token by token, so a row near its bound walks fewer tokens. The masks are the
+#: same (a slice only groups tokens); on ``benchmarks.structured_engines``' workload they cost about 10% less CPU.
+GUIDANCE_SLICES = [
+    r"[\x20\x0A\x0D\x09]+",
+    *(f"{_STRING_CHAR}{{1,{n}}}" for n in (1, 2, 3, 4, 5, 6, 8, 10, 16, 30)),
+    f"{_STRING_CHAR}+",
+]
+
+
 class GrammarCompiler:
     """Compiles each distinct constraint once (a cache keyed by ``StructuredOutputsParams.key``), off the step loop.
 
@@ -179,9 +192,7 @@ class GrammarCompiler:
         import llguidance
 
         if kind in ("json", "json_object"):
-            schema = json.loads(text)
-            if self.ignore_formats:
-                schema = without_formats(schema, GUIDANCE_FORMATS)
+            schema = without_formats(json.loads(text), GUIDANCE_FORMATS if self.ignore_formats else None)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 schema,
                 defaults=GUIDANCE_JSON_OPTIONS,  # type: ignore[arg-type]  # its JsonCompileOptions keys
@@ -207,7 +218,7 @@ class GrammarCompiler:
                 if hasattr(tokenizer, "transformers_tokenizer"):
                     tokenizer = tokenizer.transformers_tokenizer()
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+                    tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids, slices=GUIDANCE_SLICES
                 )
             return self._ll_tokenizer
 

@@ -236,14 +236,16 @@ def check_schema(schema: Any, ignore_formats: bool = False, backend: str = "auto
     route(schema, backend, ignore_formats)
 
 
-def without_formats(schema: Any, keep: frozenset[str]) -> Any:
+def without_formats(schema: Any, keep: frozenset[str] | None) -> Any:
     """``schema`` with every ``format`` whose value is not in ``keep`` removed (``ignore_formats``: an engine that
-    refuses unknown formats then serves the rest); walks subschemas only, never a ``properties`` map's names."""
+    refuses unknown formats then serves the rest; ``keep`` None keeps every format), and the keywords that
+    constrain nothing (``uniqueItems: false``, ``minProperties: 0``, which llguidance refuses as unimplemented);
+    walks subschemas only, never a ``properties`` map's names."""
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "format" and value not in keep:
+        if key == "format" and keep is not None and value not in keep or _constrains_nothing(key, value):
             continue
         if key in _ONE and not isinstance(value, list):
             value = without_formats(value, keep)
@@ -255,12 +257,16 @@ def without_formats(schema: Any, keep: frozenset[str]) -> Any:
     return out
 
 
+def _constrains_nothing(key: str, value: Any) -> bool:
+    return key == "uniqueItems" and value is False or key == "minProperties" and value == 0
+
+
 def _guidance_refusal(key: str, value: Any, schema: dict, opts: _Options) -> str | None:
     """Why llguidance would not enforce ``key`` (with ``value``, in ``schema``), or None when it would."""
     if key in ANNOTATIONS or key not in GUIDANCE and key not in GUIDANCE_REFUSED:
         return None
     if key in GUIDANCE_REFUSED:
-        if key == "uniqueItems" and value is False or key == "minProperties" and value == 0:
+        if _constrains_nothing(key, value):
             return None
         return f"is not enforced ({GUIDANCE_REFUSED[key]})"
     if key == "oneOf" and not _disjoint(value, opts.draft not in ("03", "04")):
@@ -285,8 +291,8 @@ def _refusal(key: str, value: Any, schema: dict, opts: _Options) -> str | None:
     if key in ANNOTATIONS:
         return None
     if key in REFUSED:
-        if key == "uniqueItems" and value is False or key == "minProperties" and value == 0:
-            return None  # constrains nothing
+        if _constrains_nothing(key, value):
+            return None
         return f"is not enforced ({REFUSED[key]})"
     if key not in XGRAMMAR:
         return None
