@@ -72,7 +72,21 @@ FOUND: list[tuple[dict, object, str]] = [
     ({"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 20000}, 7, "multipleOf"),  # range over 10000
     ({"type": "integer", "multipleOf": 1.5}, 1, "multipleOf"),  # not a whole number: dropped
     ({"type": "string", "format": "email", "maxLength": 5}, "abc@example.com", "maxLength"),  # lengths dropped
+    ({"$defs": {"X": {"type": "boolean"}, "sub": {"$id": "http://x.test/other.json", "$defs": {"X": {"type": "null"}},
+      "type": "object", "properties": {"p": {"$ref": "#/$defs/X"}}, "required": ["p"], "additionalProperties": False}},
+      "$ref": "#/$defs/sub"}, {"p": True}, "$id"),  # xgrammar resolves the reference from the root
 ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("schema", "path"),
+    [({"type": "array", "items": [_INT]}, "$.items: items"), ({"properties": {"a": {"required": True}}},
+      "$.properties.a.required: required"), ({"type": "any"}, "$.type: type"),
+     ({"type": "string", "pattern": "(["}, "$.pattern: pattern")],
+)  # fmt: skip
+def test_schemas_malformed_under_their_draft_are_refused_by_place(schema: dict, path: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(path) + " is malformed"):
+        route(schema)
 
 
 @pytest.mark.parametrize("case", range(len(FOUND)))

@@ -35,6 +35,7 @@ annotation by the specification.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any, NamedTuple
@@ -196,16 +197,26 @@ def draft_of(schema: Any) -> str:
     return "2020-12"
 
 
-def _collect(schema: Any, path: str, opts: _Options, found: list[str]) -> None:
+def _collect(schema: Any, path: str, opts: _Options, found: list[str], root: bool = True) -> None:
     if not isinstance(schema, dict):
         return
     refusal = _refusal if opts.backend == "xgrammar" else _guidance_refusal
     for key, value in schema.items():
         where = f"{path}.{key}"
         reason = refusal(key, value, schema, opts)
+        if not reason and not root and opts.backend == "xgrammar" and _sets_base_uri(key, value, opts.draft):
+            reason = "in a subschema is not enforced (xgrammar resolves every reference from the document's root)"
         if reason:
             found.append(f"{where}: {key} {reason}")
         _walk_children(key, value, where, opts, found)
+
+
+def _sets_base_uri(key: str, value: Any, draft: str) -> bool:
+    """An ``$id`` (draft-04's ``id``) that moves the base URI its subschema's references resolve against (a bare
+    ``#name`` only names an anchor)."""
+    return (
+        (key == "$id" or key == "id" and draft in ("03", "04")) and isinstance(value, str) and not value.startswith("#")
+    )
 
 
 def route(schema: Any, backend: str = "auto", ignore_formats: bool = False) -> str:
@@ -216,11 +227,16 @@ def route(schema: Any, backend: str = "auto", ignore_formats: bool = False) -> s
 
     Raises:
         UnsupportedSchemaError: naming every keyword (each with its JSON path) that the candidate engines would
-            not enforce, each tagged with the engine (``[xgrammar]``, ``[llguidance]``); ``ValueError`` for an
-            unknown ``backend``.
+            not enforce, each tagged with the engine (``[xgrammar]``, ``[llguidance]``); or every place where the
+            schema is not a schema of its own draft (``malformed``: what its keywords mean is then undefined);
+            ``ValueError`` for an unknown ``backend``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {backend!r}")
+    bad = malformed(schema)
+    if bad:
+        raise UnsupportedSchemaError(f"JSON schema is not valid under its draft ({draft_of(schema)}), refused: "
+                                     + "; ".join(bad))  # fmt: skip
     findings: list[str] = []
     for name in ("xgrammar", "guidance") if backend == "auto" else (backend,):
         found = find_all_unsupported(schema, ignore_formats=ignore_formats, backend=name)
@@ -228,6 +244,33 @@ def route(schema: Any, backend: str = "auto", ignore_formats: bool = False) -> s
             return name
         findings.extend(f"{f} [{'llguidance' if name == 'guidance' else name}]" for f in found)
     raise UnsupportedSchemaError(f"JSON schema keyword not enforced, refused: {'; '.join(findings)}")
+
+
+def malformed(schema: Any) -> list[str]:
+    """Every place where ``schema`` breaks its draft's metaschema (``jsonschema``'s check, formats such as a
+    ``pattern``'s regex included), as ``"<path>: <keyword> <what is wrong>"``: draft-07's array ``items`` without a
+    draft-07 ``$schema``, ``"required": true``, ``"type": "any"``, ... Empty when it is well formed, or when
+    ``jsonschema`` is not installed (the engines then judge it alone)."""
+    try:
+        text = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError):
+        return [f"$: the schema is not JSON ({type(schema).__name__})"]
+    return list(_malformed(text))
+
+
+@functools.lru_cache(maxsize=256)
+def _malformed(text: str) -> tuple[str, ...]:
+    try:
+        import jsonschema
+    except ImportError:
+        return ()
+    schema = json.loads(text)
+    cls = jsonschema.validators.validator_for(schema)
+    found: dict[str, None] = {}
+    for error in cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER).iter_errors(schema):
+        keyword = next((str(p) for p in reversed(error.path) if isinstance(p, str)), "schema")
+        found[f"{error.json_path}: {keyword} is malformed ({error.message[:200]})"] = None
+    return tuple(found)
 
 
 def check_schema(schema: Any, ignore_formats: bool = False, backend: str = "auto") -> None:
@@ -421,13 +464,13 @@ def _walk_children(key: str, value: Any, where: str, opts: _Options, found: list
     if key == "propertyNames" and isinstance(value, dict) and "type" not in value:
         value = {"type": "string", **value}  # names are strings: their string keywords need no type
     if key in _ONE and not isinstance(value, list):
-        _collect(value, where, opts, found)
+        _collect(value, where, opts, found, root=False)
     elif (key in _LIST or key == "items") and isinstance(value, list):  # items: draft-07's array form too
         for i, sub in enumerate(value):
-            _collect(sub, f"{where}[{i}]", opts, found)
+            _collect(sub, f"{where}[{i}]", opts, found, root=False)
     elif key in _MAP and isinstance(value, dict):
         for name, sub in value.items():
-            _collect(sub, f"{where}.{name}", opts, found)
+            _collect(sub, f"{where}.{name}", opts, found, root=False)
 
 
 def _disjoint(branches: Any, const: bool = True) -> bool:
