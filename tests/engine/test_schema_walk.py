@@ -114,3 +114,31 @@ def test_keywords_that_constrain_nothing_are_served_by_both(model_dir):
         for backend, outcome in outcomes.items():
             assert outcome.refused is None and outcome.error is None, (backend, outcome)
             assert outcome.completions and not outcome.leaks
+
+
+def test_xgrammar_pattern_wildcards_take_surrogates_and_are_refused(model_dir):
+    """xgrammar's ``.`` in a ``pattern`` takes a UTF-8-encoded surrogate (three bytes that decode to three U+FFFD, so
+    the output breaks ``^.{2,4}$``): refused for xgrammar, served by llguidance, which keeps to valid UTF-8."""
+    from transformers import AutoTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from cbrun.engine.structured_output import StructuredOutputsParams
+    from cbrun.engine.structured_output.compiler import GrammarCompiler
+    from cbrun.engine.structured_output.request_state import StructuredOutputRequest
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    schema = {"type": "string", "pattern": "^.{2,4}$"}
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    params = StructuredOutputsParams(json=schema)
+    symbol = bytes_to_unicode()
+    written = b'"\xed\xa0\x80ab"'
+    for backend, accepts in (("xgrammar", True), ("guidance", False)):
+        future = compiler.submit(params, backend)
+        future.result()
+        state = StructuredOutputRequest(params, future)
+        assert state.ready() and state.error is None
+        ids = tokenizer.convert_tokens_to_ids([symbol[b] for b in written])
+        assert all(state.accept(t) for t in ids) is accepts, backend
+    assert not jsonschema.Draft202012Validator(schema).is_valid(written.decode("utf-8", "replace")[1:-1])
+    assert "$.pattern: pattern '^.{2,4}$' is not enforced" in find_all_unsupported(schema)[0]
+    assert route(schema) == "guidance"

@@ -366,6 +366,8 @@ def _form_refusal(key: str, value: Any, schema: dict, opts: _Options) -> str | N
         return f"{value!r} is not enforced on integers (xgrammar takes whole-number bounds only)"
     if key == "pattern" and ("minLength" in schema or "maxLength" in schema):
         return "is not enforced together with minLength/maxLength (the lengths would be dropped)"
+    if key == "pattern" and isinstance(value, str) and _matches_any_character(value):
+        return f"{value!r} is not enforced: xgrammar's {_WILDCARD_NOTE}"
     if key in ("minLength", "maxLength") and "format" in schema and not opts.ignore_formats:
         return "is not enforced together with format (xgrammar drops the lengths)"
     if key == "required" and isinstance(value, list):
@@ -419,12 +421,44 @@ def _names_type(type_: Any, wanted: str) -> bool:
     return wanted in names or wanted == "number" and "integer" in names
 
 
+_WILDCARD_NOTE = "'.', negated classes and \\W \\S \\D also match UTF-8-encoded surrogates, which no JSON text holds"
+
+
+def _matches_any_character(pattern: str) -> bool:
+    """Whether ``pattern`` has a construct that matches characters outside a listed set: an unescaped ``.``, a
+    negated class ``[^...]``, ``\\W``, ``\\S``, ``\\D``, ``\\P``, ``\\p``. xgrammar 0.2.9 compiles these to byte ranges
+    that also take UTF-8-encoded surrogates (``\\xED\\xA0\\x80``), which decode to U+FFFD: found by
+    ``benchmarks.schema_walk`` (``^.{2,4}$`` wrote three replacement characters for one "character")."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 < len(pattern) and pattern[i + 1] in "WSDPp":
+                return True
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "^":
+                return True
+            if pattern[i + 1 : i + 2] == "]":  # a leading "]" is a member
+                i += 1
+        elif c == ".":
+            return True
+        i += 1
+    return False
+
+
 def _pattern_properties_refusal(value: Any, schema: dict) -> str | None:
     if not isinstance(value, dict) or len(value) != 1:
         return "is not enforced with more than one pattern (a name matching two must satisfy both)"
     if schema.get("additionalProperties") not in (None, False):
         return "is not enforced beside additionalProperties"
     (pattern,) = value
+    if _matches_any_character(pattern):
+        return f"pattern {pattern!r} is not enforced: xgrammar's {_WILDCARD_NOTE}"
     try:
         clash = [name for name in schema.get("properties", {}) if re.search(pattern, name)]
     except re.error:
