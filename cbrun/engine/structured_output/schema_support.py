@@ -595,14 +595,16 @@ XGRAMMAR_NOTES: dict[str, str] = {
     "number under `type: integer`",
     "exclusiveMaximum": "a number (not the draft-04 boolean) with a `type` naming number or integer; a whole "
     "number under `type: integer`",
-    "pattern": "only with a `type` naming string, not with `minLength` / `maxLength`",
+    "pattern": "only with a `type` naming string, not with `minLength` / `maxLength`, and without `.`, negated "
+    "classes, `\\W`, `\\S`, `\\D` (they take UTF-8-encoded surrogates)",
+    "patternProperties": "one pattern (without `.`, negated classes, `\\W`, `\\S`, `\\D`), matching no declared "
+    "property, no `additionalProperties`; `type` object",
     "anyOf": "nothing constraining beside it",
     "oneOf": "disjoint branches only (a distinct `const` discriminator, values or types), nothing beside it",
     "allOf": "one branch, nothing beside it",
     "$ref": "`#` or `#/...` only, nothing constraining beside it",
     "enum": "beside other keywords only when every value satisfies them",
     "const": "beside other keywords only when the value satisfies them",
-    "patternProperties": "one pattern, matching no declared property, no `additionalProperties`; `type` object",
     "propertyNames": "not with `properties`; `type` object",
     "items": "a schema (not the draft-07 array form)",
     "minLength": "not with `format`; `type` string",
