@@ -1,5 +1,5 @@
-"""torch's GEMM (``F.linear``) against oneDNN's (``cbrun.engine.model.cpu_linear.onednn_linear``) per weight shape, rows and
-threads: the measurement behind ``cbrun.engine.model.cpu_linear.ONEDNN_MIN_WEIGHT_ELEMENTS``.
+"""torch's GEMM (``F.linear``) against oneDNN's (``cbrun.engine.model.layers.linear.onednn_linear``) per weight shape, rows and
+threads: the measurement behind ``cbrun.engine.model.layers.linear.ONEDNN_MIN_WEIGHT_ELEMENTS``.
 
 Usage (from the repository root)::
 
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.model.cpu_linear import ONEDNN_MIN_WEIGHT_ELEMENTS, onednn_linear, select_linear
+from cbrun.engine.model.layers.linear import ONEDNN_MIN_WEIGHT_ELEMENTS, onednn_linear, select_linear
 
 #: (in_features, out_features, what it is).
 SHAPES = [
@@ -103,7 +103,7 @@ def main() -> int:
             f"`python -m benchmarks.cpu_linear --threads {args.threads} --rows {args.rows} --repeats {args.repeats}`; "
             f"{platform.processor() or platform.machine()}, torch {torch.__version__}, float32, load average at the "
             f"end {load}. Median of {args.repeats} round-robin rounds per cell. `auto` is "
-            f"`cbrun.engine.model.cpu_linear.select_linear(weight, 'auto')`: oneDNN from {ONEDNN_MIN_WEIGHT_ELEMENTS} weight "
+            f"`cbrun.engine.model.layers.linear.select_linear(weight, 'auto')`: oneDNN from {ONEDNN_MIN_WEIGHT_ELEMENTS} weight "
             f"elements.",
             "",
             table(results),

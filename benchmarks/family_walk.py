@@ -12,7 +12,7 @@ transformers' greedy ``generate`` on two prompts, then cbrun's engine on the sam
 
 Each family runs in a forked child process (one at a time, its memory capped), so a family that leaks memory, hangs
 or crashes costs only its own row. The results table of every family is ``benchmarks/results-family-walk.md``;
-``tests/engine/test_family_walk.py`` checks a subset of it in the suite and that the table covers every family.
+``tests/engine/model/test_family_walk.py`` checks a subset of it in the suite and that the table covers every family.
 
 Run (from the repository root, about six minutes on two cores)::
 
@@ -252,7 +252,7 @@ def walk(model_type: str, path: Path) -> Outcome:
     from transformers import AutoModelForCausalLM
 
     from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-    from cbrun.engine.model.attention_contract import UnsupportedAttention
+    from cbrun.engine.model.layers.attention_contract import UnsupportedAttention
     from tests.model_utils import greedy_generate
 
     start = time.perf_counter()

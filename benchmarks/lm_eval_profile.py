@@ -77,7 +77,7 @@ def load_backend(backend: str, model: str, timers: Timers):
         lm = HFLM(pretrained=model, dtype="float32", device="cpu")
         timers.wrap(HFLM, "_loglikelihood_tokens", "scoring")
         return lm
-    import cbrun.engine.model.lean_llama as lean_llama
+    import cbrun.engine.model.models.llama as llama_family
     import cbrun.jobs.integrations.lm_eval_backend as backend_module
     import cbrun.kernels.cpu_attention
 
@@ -87,7 +87,7 @@ def load_backend(backend: str, model: str, timers: Timers):
     timers.wrap(engine, "step", "engine step")
     timers.wrap(engine.model_runner, "_forward", "forward")
     timers.wrap(cbrun.kernels.cpu_attention.StepKernels, "attention", "attention kernel")
-    timers.wrap(lean_llama, "_linear", "linear layers")
+    timers.wrap(llama_family, "apply_linear", "linear layers")
     timers.wrap(engine, "add_request", "add_request")
     return lm
 

@@ -7,7 +7,7 @@ Usage (from the repository root)::
 
 The model is a random Qwen3-MoE (hidden 512, 8 heads and 4 KV heads of 64, 4 layers, 32 experts of width 256,
 4 per token, vocabulary 4096: 54M parameters, float32), built once in ``--model-dir``. Each setting loads it in
-one ``LLMEngine`` (``lean``: ``cbrun.engine.model.moe``'s grouped GEMM; ``transformers``: ``model_impl =
+one ``LLMEngine`` (``lean``: ``cbrun.engine.model.layers.moe``'s grouped GEMM; ``transformers``: ``model_impl =
 "transformers"``, transformers' own Qwen3-MoE blocks under cbrun's attention, with transformers 5's default
 ``grouped_mm`` experts; ``transformers-eager``: the same with ``set_experts_implementation("eager")``, the
 per-expert loop over the experts a step hits), adds ``--requests`` greedy requests

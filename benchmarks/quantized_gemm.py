@@ -28,8 +28,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.model.int4 import Int4Weight
-from cbrun.engine.model.quantization import QuantizedWeight, quantized_linear
+from cbrun.engine.model.layers.quantization.base import quantized_linear
+from cbrun.engine.model.layers.quantization.fp8 import QuantizedWeight
+from cbrun.engine.model.layers.quantization.int4 import Int4Weight
 
 #: (name, out_features, in_features) of one Llama-3-8B decoder layer.
 LAYER = (

@@ -6,8 +6,8 @@ Usage (from the repository root)::
 
 The model is a random Llama (hidden 1024, intermediate 4096, 16 heads and 8 KV heads of 64, 4 layers, vocabulary
 8000: 76M parameters, float32; ``benchmarks.tensor_parallel``'s). Its decoder projections are quantized into each
-layout by the test suite's own writers (``tests/engine/test_int4_quantization.py``: compressed-tensors
-``pack-quantized`` and GPTQ, int4 group 128; ``tests/engine/test_quantization.py``: FP8 128x128 blocks), each
+layout by the test suite's own writers (``tests/engine/model/test_int4_quantization.py``: compressed-tensors
+``pack-quantized`` and GPTQ, int4 group 128; ``tests/engine/model/test_quantization.py``: FP8 128x128 blocks), each
 beside a float32 checkpoint of the same weights dequantized. Each run is its own process: it imports cbrun, notes
 its resident set and resets its peak (``/proc/self/clear_refs``, ``VmHWM``), loads the engine (float32, lean path, 64 blocks), generates ``--requests``
 greedy requests of 32 random ids and ``--new-tokens`` tokens, and reports the peak resident set again, the bytes
@@ -65,7 +65,7 @@ def checkpoints(model_dir: Path) -> dict[str, Path]:
     """{layout: checkpoint dir}, the quantized ones beside their dequantized twin (the same weights)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.engine import test_int4_quantization as int4
-    from tests.engine import test_quantization as fp8
+    from tests.engine.model import test_quantization as fp8
 
     found = {}
     for layout in LAYOUTS[1:]:

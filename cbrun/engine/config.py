@@ -125,20 +125,20 @@ class EngineConfig:
         prefix_hash_bits: width of the prefix cache's block hash (SHA-256 cut to a multiple of 8 bits, default the
             full 256). Narrow widths exist for tests that force collisions; a collision is never served.
         model_impl: the forward pass. "lean" runs Llama-family models (Llama, Mistral and Qwen2 without sliding
-            windows, default RoPE) through ``cbrun.engine.model.lean_llama``: the same math and attention without transformers'
+            windows, default RoPE) through ``cbrun.engine.model.models.llama``: the same math and attention without transformers'
             per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
             "transformers" always runs the transformers modules; "auto" takes lean where it applies.
         loader: who loads the model and tokenizer. "auto" (the default) reads a Llama-family checkpoint that the
             lean path runs straight from its files without importing transformers (``cbrun.engine.model.safetensors_loader``,
             ``cbrun.engine.core.tokenizer``: config.json, safetensors weights, tokenizer.json) and leaves everything else to
             transformers, as does "transformers" always. The log says which loader ran and why.
-        linear_backend: the GEMM of the lean path's linear layers (``cbrun.engine.model.cpu_linear``): "torch" (``F.linear``;
+        linear_backend: the GEMM of the lean path's linear layers (``cbrun.engine.model.layers.linear``): "torch" (``F.linear``;
             logits bit-identical to transformers'), "onednn" (oneDNN's matmul, float32 on the CPU only, else a
             ValueError), or "auto": oneDNN for float32 CPU weights of at least 2^18 elements, where it is faster,
             torch's for the rest. The transformers modules always use torch's.
         batch_invariant: "on" makes a row's logits the same bits whatever else is in its step, so that a seeded
             row draws the same tokens and logprobs alone or in any batch, under preemption and prefix sharing
-            (docs/sampling.md, "Batch invariance"): linear layers through ``cpu_linear.batch_invariant_linear``, the
+            (docs/sampling.md, "Batch invariance"): linear layers through ``linear.batch_invariant_linear``, the
             MLP's silu and every attention query row in C, row by row. It needs the lean forward pass on the CPU
             with the C attention kernel (float32), ``linear_backend = "auto"``, ``speculative = "off"`` and no CUDA
             graphs; anything else is a ValueError naming it. "off" runs the fastest kernels, whose bits may change
@@ -172,7 +172,7 @@ class EngineConfig:
         tensor_parallel_size: ranks one replica is split over (vLLM's name), each its own process on its own
             device (``cuda:i`` from the given index on CUDA, NCCL; the CPU, gloo), started by the engine itself
             (``cbrun.engine.worker.tp_group``): the lean path's weights split as Megatron-LM does
-            (``cbrun.engine.model.parallel``), one scheduler on rank 0 whose plan every rank executes on its own
+            (``cbrun.engine.model.layers.parallel``), one scheduler on rank 0 whose plan every rank executes on its own
             slice of the KV cache. 1 (the default) runs one process. Above 1 it runs only the lean path loaded
             from safetensors, unquantized, without speculation, CUDA graphs or ``batch_invariant``: anything else
             is a ValueError naming it.

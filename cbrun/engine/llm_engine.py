@@ -21,7 +21,7 @@ from cbrun.engine.core.scheduler import make_scheduler
 from cbrun.engine.core.stats import EngineStats
 from cbrun.engine.core.stop_strings import StopStringMatcher
 from cbrun.engine.model import loader
-from cbrun.engine.model.lean_llama import select_lean_model
+from cbrun.engine.model.model_impl import select_lean_model
 from cbrun.engine.outputs import RequestOutput, request_output
 from cbrun.engine.sample.step import StepSampler
 from cbrun.engine.sampling_params import SamplingParams

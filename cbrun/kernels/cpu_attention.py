@@ -124,11 +124,11 @@ def rope_cpu(
     x: torch.Tensor, cos_table: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """RoPE in place, in C: ``x * cos + roll(x, head_dim / 2) * sin_signed`` per row's position, the same floats as
-    those three PyTorch ops (``cbrun.engine.model.lean_llama._rope``), in one call instead of four ops and their tensors.
+    those three PyTorch ops (``cbrun.engine.model.layers.rotary_embedding.apply_rope``), in one call instead of four ops and their tensors.
 
     Args:
         x: (T, num_heads, head_dim) float32 CPU tensor, contiguous; head_dim even. Overwritten.
-        cos_table, sin_signed: (num_positions, head_dim) float32, contiguous: ``cbrun.engine.model.lean_llama._rope_tables``
+        cos_table, sin_signed: (num_positions, head_dim) float32, contiguous: ``cbrun.engine.model.layers.rotary_embedding.rope_tables``
             (transformers' rotate_half with the sign of the first half folded into the sin table).
         positions: (T,) int64 position of each row.
 

@@ -1,6 +1,6 @@
 """Dequantizing quantized linear weights on the CPU in C (``cpu_dequant.c``), a chunk of output rows at a time.
 
-The lean path's quantized GEMM (``cbrun.engine.model.quantization.quantized_linear``) dequantizes each chunk of a
+The lean path's quantized GEMM (``cbrun.engine.model.layers.quantization.base.quantized_linear``) dequantizes each chunk of a
 weight before the dense GEMM; in PyTorch that is several passes over the chunk (float8 to float32 alone runs about
 4 ns an element on a 2-core EPYC), here one. The values are the PyTorch references' bits (one product per value,
 no fused multiply-add; ``tests/kernels/test_cpu_dequant.py`` checks them ``torch.equal``). Built with
@@ -68,7 +68,7 @@ def int4_dequant(
     apply (see ``fp8_block_dequant``).
 
     Args:
-        packed: (out, ceil(in / 8)) int32, eight 4-bit codes a word (``cbrun.engine.model.int4.Int4Weight``).
+        packed: (out, ceil(in / 8)) int32, eight 4-bit codes a word (``cbrun.engine.model.layers.quantization.int4.Int4Weight``).
         zeros: (out, groups) uint8. scales: (out, groups) float32. group_size: input features per group.
 
     Returns:

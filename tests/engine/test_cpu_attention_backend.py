@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.model.attention import register_with_transformers
+from cbrun.engine.model.layers.attention import register_with_transformers
 from cbrun.kernels.cpu_attention import unavailable_reason
 from tests.model_utils import random_llama_dir, random_prompts, run_engine
 

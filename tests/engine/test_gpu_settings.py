@@ -128,7 +128,7 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
     # The attention contract's load checks read a config and run a probe forward; this stand-in model has
-    # neither, and placement is what this test is about (tests/engine/test_attention_contract.py checks them).
+    # neither, and placement is what this test is about (tests/engine/model/test_attention_contract.py checks them).
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: transformers.LlamaConfig())
     monkeypatch.setattr(loader, "check_attention", lambda model, config: None)
     loader._load_model("unused", EngineConfig(device=device, dtype="bfloat16"))

@@ -119,7 +119,7 @@ def test_cbrun_run_on_stories260k_never_imports_transformers(stories260k_dir, tm
     done, modules = _imported_modules(args, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{len(PROMPTS)} rows (0 errors" in done.stdout
-    assert {"torch", "tokenizers", "safetensors", "cbrun.engine.model.lean_llama"} <= modules
+    assert {"torch", "tokenizers", "safetensors", "cbrun.engine.model.models.llama"} <= modules
     assert not {m for m in modules if m.split(".")[0] in ("transformers", "huggingface_hub")}
     # ... and one that needs transformers' modules loads them, lazily, only then
     done, modules = _imported_modules(

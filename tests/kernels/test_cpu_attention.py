@@ -10,7 +10,8 @@ every V-pass width.
 import pytest
 import torch
 
-from cbrun.engine.model.lean_llama import _rope, _rope_tables
+from cbrun.engine.model.layers.rotary_embedding import apply_rope as _rope
+from cbrun.engine.model.layers.rotary_embedding import rope_tables as _rope_tables
 from cbrun.kernels.cpu_attention import (
     SOURCE,
     StepKernels,

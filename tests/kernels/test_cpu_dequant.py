@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbrun.engine.model.int4 import Int4Weight
-from cbrun.engine.model.quantization import QuantizedWeight, dequantize
+from cbrun.engine.model.layers.quantization.fp8 import QuantizedWeight, dequantize
+from cbrun.engine.model.layers.quantization.int4 import Int4Weight
 from cbrun.kernels import cpu_dequant
 
 pytestmark = pytest.mark.skipif(cpu_dequant.unavailable_reason() is not None, reason="no C compiler")
@@ -34,7 +34,7 @@ def test_fp8_block_dequant_equals_the_reference(shape, block, dtype, monkeypatch
 )
 @pytest.mark.parametrize("start,stop", [(0, None), (1, 3)])
 def test_int4_dequant_equals_the_reference(out_features, in_features, group_size, start, stop, monkeypatch):
-    from cbrun.engine.model.int4 import pack_rows
+    from cbrun.engine.model.layers.quantization.int4 import pack_rows
 
     g = torch.Generator().manual_seed(in_features)
     groups = -(-in_features // group_size)

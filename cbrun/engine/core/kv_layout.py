@@ -8,7 +8,7 @@ from functools import cached_property
 from typing import Any
 
 #: A model's (text) config, read by attribute: transformers' ``PretrainedConfig`` or the lean path's
-#: ``cbrun.engine.model.llama_config.LlamaConfig`` (the engine's core imports neither).
+#: ``cbrun.engine.model.config.LlamaConfig`` (the engine's core imports neither).
 ModelConfig = Any
 
 

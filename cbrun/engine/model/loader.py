@@ -14,9 +14,10 @@ import torch
 from cbrun.engine.config import EngineConfig, checkpoint_dtype
 from cbrun.engine.core.kv_layout import KVLayout
 from cbrun.engine.core.tokenizer import load_tokenizer
-from cbrun.engine.model import attention_contract, parallel, safetensors_loader
-from cbrun.engine.model.attention import ATTN_IMPLEMENTATION, register_with_transformers
-from cbrun.engine.model.quantization import checkpoint_quantization
+from cbrun.engine.model import safetensors_loader
+from cbrun.engine.model.layers import attention_contract, parallel
+from cbrun.engine.model.layers.attention import ATTN_IMPLEMENTATION, register_with_transformers
+from cbrun.engine.model.layers.quantization.schemes import checkpoint_quantization
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
 from cbrun.engine.worker.backends import cuda_graphs_blocker, use_triton
 from cbrun.engine.worker.device import select_device
@@ -70,7 +71,7 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
     Raises:
         ValueError: naming ``tensor_parallel_size`` and why, when the weights are quantized, the model would load
             through transformers or its shapes do not split over the ranks
-            (``cbrun.engine.model.parallel.unsupported_reason``).
+            (``cbrun.engine.model.layers.parallel.unsupported_reason``).
     """
     size = config.tensor_parallel_size
     quantization = _quantization_method(model_path)
@@ -115,7 +116,7 @@ def _load_target_model(model_path: str, config: EngineConfig):
 
     Raises:
         ValueError: a quantized checkpoint whose layout cbrun does not implement
-            (``cbrun.engine.model.quantization.checkpoint_quantization``), or one it implements that would load
+            (``cbrun.engine.model.layers.quantization.schemes.checkpoint_quantization``), or one it implements that would load
             through transformers (which dequantizes FP8 to bfloat16 at load on the CPU: not the checkpoint's
             weights as the lean path computes them).
     """
@@ -186,7 +187,7 @@ def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
 
 def check_attention(model: torch.nn.Module, config: EngineConfig) -> None:
     """Refuse a transformers model whose attention asks for a feature cbrun does not implement
-    (``cbrun.engine.model.attention_contract.check_transformers_model``: one probe forward pass of four tokens).
+    (``cbrun.engine.model.layers.attention_contract.check_transformers_model``: one probe forward pass of four tokens).
 
     Raises:
         UnsupportedAttention (a ValueError): naming the feature.

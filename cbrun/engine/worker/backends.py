@@ -155,7 +155,7 @@ def use_triton(config: EngineConfig) -> bool:
 
 def batch_invariant_blocker(config: EngineConfig, cpu_kernel: bool, cuda_graphs: bool) -> str | None:
     """Why ``batch_invariant`` cannot run in this engine, or None when it can (the lean path is checked when it is
-    chosen: ``cbrun.engine.model.lean_llama.select_lean_model``).
+    chosen: ``cbrun.engine.model.model_impl.select_lean_model``).
 
     Args:
         config: the engine's settings.
@@ -201,19 +201,20 @@ def use_batch_invariant(config: EngineConfig, cpu_kernel: bool, cuda_graphs: boo
 def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -> str | None:
     """``batch_invariant_blocker`` for an engine not built yet (a job resolving "auto"), from its settings and the
     model's config.json: also why the lean path would not run (``model_impl = transformers``, or a config
-    ``cbrun.engine.model.llama_config`` does not read). None when "on" would run."""
+    ``cbrun.engine.model.config`` does not read). None when "on" would run."""
     from cbrun.engine.config import checkpoint_dtype
-    from cbrun.engine.model.llama_config import parse_llama_config, read_config_json
+    from cbrun.engine.model.config import read_config_json
+    from cbrun.engine.model.registry import parse_config
 
     if config.model_impl == "transformers":
         return "model_impl = transformers (it needs the lean forward pass)"
     try:
-        parsed, reason = parse_llama_config(read_config_json(model_path))
+        parsed, reason = parse_config(read_config_json(model_path))
     except (OSError, ValueError) as exc:
         parsed, reason = None, f"config.json cannot be read ({exc})"
     if reason:
         return f"the lean forward pass would not run: {reason}"
-    assert parsed is not None  # parse_llama_config gives a config or a reason
+    assert parsed is not None  # parse_config gives a config or a reason
     if parsed.moe is not None:
         return "a MoE model (the experts' grouped GEMM sums by each expert's share of the step)"
     dtype = config.resolve_dtype(checkpoint_dtype(model_path))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cbrun.engine.model.attention import AttentionMetadata, GroupMetadata
+from cbrun.engine.model.layers.attention import AttentionMetadata, GroupMetadata
 from cbrun.engine.worker.graph_emulation import EmulatedGraph
 from cbrun.engine.worker.padding import GraphBuckets, PaddedShape
 

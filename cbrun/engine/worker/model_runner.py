@@ -7,8 +7,8 @@ import torch
 from cbrun.engine.core.cache_spec import cdiv
 from cbrun.engine.core.kv_layout import FULL, SLIDING
 from cbrun.engine.core.plan import SchedulerOutput, StepOutput
-from cbrun.engine.model.attention import AttentionMetadata, GroupMetadata
-from cbrun.engine.model.lean_llama import LeanLlama
+from cbrun.engine.model.family import LeanForward
+from cbrun.engine.model.layers.attention import AttentionMetadata, GroupMetadata
 from cbrun.engine.sample.step import StepSampler
 from cbrun.engine.structured_output.bitmask import StepBitmask
 from cbrun.engine.worker.async_batching import InputStager, StepHandle
@@ -40,7 +40,8 @@ class ModelRunner:
         max_model_len: the model's maximum length (sizes the persistent batch's block tables).
         async_batching: steps overlap (the next is launched before this one's results are read): inputs go
             through ``InputStager`` on CUDA, and logits the host still needs are copied out of the graph's output.
-        lean_model: a ``LeanLlama`` over ``model`` to run instead of its transformers forward (not with graphs).
+        lean_model: a family's lean forward pass (``LeanForward``) over ``model`` to run instead of its
+            transformers forward (not with graphs).
         max_requests: rows the persistent batch allocates at first (more are added if a plan needs them); with
             async batching, the scheduler's request limit.
         max_batch_tokens: the scheduler's token budget (sizes the async input staging).
@@ -59,7 +60,7 @@ class ModelRunner:
         emulate_graphs: bool = False,
         max_model_len: int = 0,
         async_batching: bool = False,
-        lean_model: LeanLlama | None = None,
+        lean_model: LeanForward | None = None,
         max_requests: int = 64,
         max_batch_tokens: int = 0,
         sampler: StepSampler | None = None,

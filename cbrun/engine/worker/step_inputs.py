@@ -13,7 +13,7 @@ import torch
 from cbrun.engine.core.cache_spec import cdiv, page_address, slot_address
 from cbrun.engine.core.kv_layout import FULL, SLIDING
 from cbrun.engine.core.plan import ScheduledRequest, SchedulerOutput
-from cbrun.engine.model.attention import GroupMetadata
+from cbrun.engine.model.layers.attention import GroupMetadata
 from cbrun.engine.worker.async_batching import StepHandle
 from cbrun.engine.worker.input_batch import PersistentBatch
 from cbrun.engine.worker.padding import GraphBuckets, PaddedShape

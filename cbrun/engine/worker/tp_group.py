@@ -4,7 +4,7 @@ Rank 0 starts the other ranks itself, each ``python -m cbrun.engine.worker.tp_wo
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``; a fresh interpreter,
 so nothing of the caller's main module is re-run), and the group runs on ``torch.distributed``:
 gloo on the CPU, NCCL on CUDA, rank r on device ``cuda:(i + r)`` for an engine device ``cuda:i``. Every rank loads
-only its slices of the weights (``cbrun.engine.model.parallel``) and holds its slice of the KV cache (its KV
+only its slices of the weights (``cbrun.engine.model.layers.parallel``) and holds its slice of the KV cache (its KV
 heads); only rank 0 has a scheduler, a block manager and a sampler::
 
     rank 0 (LLMEngine)                               rank r > 0 (serve)
@@ -48,7 +48,7 @@ from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.cache_spec import CacheSpec
 from cbrun.engine.core.kv_layout import ModelConfig
 from cbrun.engine.core.plan import SchedulerOutput
-from cbrun.engine.model.parallel import ShardLayout, TensorParallelWeights
+from cbrun.engine.model.layers.parallel import ShardLayout, TensorParallelWeights
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -78,7 +78,7 @@ def rank_device(device: str, rank: int) -> str:
 
 
 class GroupCommunicator:
-    """The forward pass's collectives over ``torch.distributed`` (``cbrun.engine.model.parallel.Communicator``).
+    """The forward pass's collectives over ``torch.distributed`` (``cbrun.engine.model.layers.parallel.Communicator``).
 
     A failed or timed-out collective raises ``TensorParallelError`` with what ``describe`` says of the group.
     ``seconds`` counts the wall time spent in collectives (for the benchmark's all-reduce column).

@@ -12,7 +12,7 @@ from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.cache_sizing import resolve_num_blocks
 from cbrun.engine.core.kv_layout import KVLayout
 from cbrun.engine.model import loader
-from cbrun.engine.model.lean_llama import select_lean_model
+from cbrun.engine.model.model_impl import select_lean_model
 from cbrun.engine.model.safetensors_loader import LeanModel
 from cbrun.engine.worker import backends, tp_group
 from cbrun.engine.worker.kv_cache import KVCache

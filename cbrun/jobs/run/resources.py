@@ -26,10 +26,11 @@ def check_model_dir(model_path: str) -> None:
     """Raise ``JobError`` unless ``model_path`` is a Hugging Face model directory with a readable config and weights.
 
     Reads the config alone (no weights), so a finished job is recognised without loading the model. A
-    Llama-family config that ``cbrun.engine.model.llama_config`` reads is checked there, without importing transformers; any
+    Llama-family config that ``cbrun.engine.model.config`` reads is checked there, without importing transformers; any
     other goes through transformers' ``AutoConfig``.
     """
-    from cbrun.engine.model.llama_config import parse_llama_config, read_config_json
+    from cbrun.engine.model.config import read_config_json
+    from cbrun.engine.model.registry import parse_config
 
     path = Path(model_path)
     if not (path / "config.json").is_file():
@@ -39,7 +40,7 @@ def check_model_dir(model_path: str) -> None:
             f"made by `cbrun convert-llama2c CHECKPOINT TOKENIZER OUT_DIR`"
         )
     try:
-        config, _ = parse_llama_config(read_config_json(path))
+        config, _ = parse_config(read_config_json(path))
         if config is None:
             from transformers import AutoConfig
 

@@ -1,4 +1,4 @@
-"""The transformers-free load path (``cbrun.engine.model.safetensors_loader``, ``cbrun.engine.model.llama_config``): config fields equal
+"""The transformers-free load path (``cbrun.engine.model.safetensors_loader``, ``cbrun.engine.model.config``): config fields equal
 transformers' ``AutoConfig``, tensors equal the transformers model's, and the lean pass over them gives logits
 ``torch.equal`` to transformers' forward and to the lean pass over the transformers-loaded model, step by step; the
 engine takes it by default and falls back to transformers, saying why, for what it does not read."""
@@ -15,8 +15,9 @@ from safetensors import SafetensorError
 from transformers import AutoConfig
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.model.lean_llama import LeanLlama, weights_from_module
-from cbrun.engine.model.llama_config import parse_llama_config, read_config_json
+from cbrun.engine.model.config import read_config_json
+from cbrun.engine.model.models.llama import LeanLlama
+from cbrun.engine.model.registry import parse_config, weights_from_module
 from cbrun.engine.model.safetensors_loader import LeanModel, load, load_plan
 from tests.model_utils import random_model_dir, random_prompts
 
@@ -54,7 +55,7 @@ def _edited_copy(src, dst, **changes):
 
 
 def _assert_config_equals_auto_config(path):
-    config, reason = parse_llama_config(read_config_json(path))
+    config, reason = parse_config(read_config_json(path))
     assert reason is None
     auto = AutoConfig.from_pretrained(path)
     for name in (
@@ -124,13 +125,13 @@ def test_config_defaults_and_legacy_keys_equal_auto_config(stories260k_dir, tiny
     # Qwen3's head_dim defaults to 128, not hidden_size // num_attention_heads
     qwen3 = _edited_copy(_case_dir("qwen3-bias"), tmp_path / "qwen3-defaults", head_dim=None, attention_bias=None)
     _assert_config_equals_auto_config(qwen3)
-    assert parse_llama_config(read_config_json(qwen3))[0].head_dim == 128
+    assert parse_config(read_config_json(qwen3))[0].head_dim == 128
     # Qwen2's and Mistral's default KV heads (32, 8) do not divide these 4 heads: refused, not guessed
     for path in (
         _edited_copy(qwen2, tmp_path / "qwen2-kv", num_key_value_heads=None),
         _edited_copy(mistral, tmp_path / "mistral-kv", num_key_value_heads=None),
     ):
-        assert "multiple of num_key_value_heads" in parse_llama_config(read_config_json(path))[1]
+        assert "multiple of num_key_value_heads" in parse_config(read_config_json(path))[1]
     legacy = _edited_copy(
         llama,
         tmp_path / "legacy",
@@ -141,7 +142,7 @@ def test_config_defaults_and_legacy_keys_equal_auto_config(stories260k_dir, tiny
         torch_dtype="float32",
     )
     _assert_config_equals_auto_config(legacy)
-    config, _ = parse_llama_config(read_config_json(legacy))
+    config, _ = parse_config(read_config_json(legacy))
     assert config.dtype == "float32"
 
 
@@ -181,7 +182,9 @@ def _check_every_step(path, dtype: str = "float32") -> int:
         assert torch.equal(got_tensor, want_tensor) and got_tensor.dtype == want_tensor.dtype
     assert torch.equal(fast.weights.inv_freq, want.inv_freq)
     compare = _Compare(
-        model, LeanLlama(fast.weights, engine.max_model_len, "torch"), LeanLlama(model, engine.max_model_len, "torch")
+        model,
+        LeanLlama(fast.weights, engine.max_model_len, "torch"),
+        LeanLlama(weights_from_module(model), engine.max_model_len, "torch"),
     )
     engine.model_runner.model = compare
     prompts = random_prompts(10, fast.config.vocab_size, 1, 30)

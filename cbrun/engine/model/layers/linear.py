@@ -1,5 +1,7 @@
-"""Which GEMM runs each linear layer of the lean forward pass on the CPU: torch's (``F.linear``, MKL on x86) or
-oneDNN's.
+"""The lean forward pass's linear layers: a projection is (weight, bias, the function that runs it), the function
+chosen once per weight at load (``projection``): a quantized weight's chunked dequantizing GEMM
+(``cbrun.engine.model.layers.quantization.base.quantized_linear``), else, on the CPU, torch's GEMM (``F.linear``,
+MKL on x86) or oneDNN's.
 
 Measured on a 2-core AMD EPYC (AVX-512), float32 (``python -m benchmarks.cpu_linear``,
 ``benchmarks/results-cpu-linear.md``): for weights of at least 2^18 elements (1 MiB), oneDNN's matmul primitive
@@ -16,7 +18,7 @@ BLAS libraries, so the lean path's logits equal transformers' bit for bit only w
 
 Batch invariance (``engine.batch_invariant``, ``batch_invariant_linear``): neither GEMM computes a row the same way
 for every number of rows. Measured on the same machine (float32, 1 and 2 threads, weights 64x128 to 32000x512,
-``tests/engine/test_cpu_linear.py``): torch's GEMM (MKL) gives a row other bits below 16 rows (3 for
+``tests/engine/model/test_cpu_linear.py``): torch's GEMM (MKL) gives a row other bits below 16 rows (3 for
 64-wide inputs), and at two threads for some shapes (1408 or 896 inputs) below 200 rows, where it splits the sum
 over threads; oneDNN gives a row the same bits for every row count from 2 to 1024 and at any row offset, at one
 and two threads, but another at 1 row (a GEMV). So the invariant linear is oneDNN with a single row padded to two,
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from cbrun.engine.config import LINEAR_BACKENDS
+from cbrun.engine.model.layers.quantization.base import QuantizedLinearWeight, quantized_linear
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -43,6 +46,29 @@ logger = logging.getLogger("cbrun.engine")
 ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 18
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+#: (weight (out_features, in_features) or a ``QuantizedLinearWeight``, bias (out_features,) or None, the function
+#: that runs them): one linear layer of the lean path, ready to run (``projection``, ``apply_linear``).
+Projection = tuple["torch.Tensor | QuantizedLinearWeight", "torch.Tensor | None", Callable]
+#: Which GEMM a projection gets: a ``linear_backend`` name, or a function of the weight giving its ``LinearFn``.
+Backend = str | Callable[[torch.Tensor], LinearFn]
+
+
+def projection(weight: torch.Tensor | QuantizedLinearWeight, bias: torch.Tensor | None, backend: Backend) -> Projection:
+    """(weight, bias, its function): a quantized weight always runs ``quantized_linear`` (dequantized in the GEMM,
+    chunk by chunk); another runs ``backend(weight)`` when ``backend`` is a function, else ``select_linear``'s.
+
+    Raises:
+        ValueError: from ``select_linear``.
+    """
+    if isinstance(weight, QuantizedLinearWeight):
+        return weight, bias, quantized_linear
+    return weight, bias, backend(weight) if callable(backend) else select_linear(weight, backend)
+
+
+def apply_linear(x: torch.Tensor, layer: Projection) -> torch.Tensor:
+    """(T, in_features) -> (T, out_features): the projection's function on its weight and bias."""
+    weight, bias, run = layer
+    return run(x, weight, bias)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import family_walk
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results-family-walk.md"
+RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results-family-walk.md"
 #: Families always walked: plain, MoE, sliding window, soft-capping, sinks (gpt-oss), partial rotary, composite
 #: (multimodal) configs, and one of each refusal kind.
 FIXED = [

@@ -1,5 +1,6 @@
-"""Quantized checkpoints on the lean path: which ``quantization_config`` layouts cbrun runs, the weight types that
-keep their linear weights quantized in memory, and the CPU GEMM that dequantizes them block by block.
+"""Quantized checkpoints on the lean path: which ``quantization_config`` layouts cbrun runs (``QuantScheme``), and
+the refusal, by name, of every other one. The weight types they are read into are ``base`` / ``fp8`` / ``int4``
+beside this module.
 
 Implemented (weight-only: the activations stay in the engine's dtype, each product is the dequantized weight's):
 
@@ -10,7 +11,7 @@ Implemented (weight-only: the activations stay in the engine's dtype, each produ
 - ``quant_method: "compressed-tensors"``, ``format: "float-quantized"``, one config group of 8-bit float weights
   with the ``channel`` or ``tensor`` strategy (Neural Magic / Red Hat "FP8-dynamic" checkpoints): ``weight``
   float8_e4m3fn (out, in), ``weight_scale`` (out, 1) or (1,); the real weight is ``weight * weight_scale``.
-- int4 weight-only (``cbrun.engine.model.int4``): compressed-tensors ``format: "pack-quantized"`` (4-bit int
+- int4 weight-only (``cbrun.engine.model.layers.quantization.int4``): compressed-tensors ``format: "pack-quantized"`` (4-bit int
   weights by group or channel, symmetric or with packed zero points: llm-compressor's W4A16), ``quant_method:
   "gptq"`` (bits 4, ``desc_act: false``, the v1 ``checkpoint_format: "gptq"``) and ``quant_method: "awq"`` (bits 4,
   the GEMM version with zero points), all kept as packed 4-bit codes with group scales.
@@ -29,16 +30,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
-
-from cbrun.kernels import cpu_dequant
-
-#: The float8 format both implemented float8 layouts store their weights in.
-FP8_DTYPE = torch.float8_e4m3fn
-#: Dequantize at most about this many weight elements at once (4 MiB of float32): the transient a GEMM call adds.
-DEQUANT_CHUNK_ELEMENTS = 1 << 20
 
 _FP8_KEYS = frozenset({"quant_method", "activation_scheme", "weight_block_size", "fmt", "modules_to_not_convert"})
 _CT_KEYS = frozenset(
@@ -68,44 +59,6 @@ IMPLEMENTED = (
 )
 
 
-class QuantizedLinearWeight:
-    """A linear layer's weight kept quantized in memory, dequantized by ``quantized_linear`` chunk by chunk.
-
-    Each layout is a dataclass over this base (``QuantizedWeight``: float8 with block scales;
-    ``cbrun.engine.model.int4.Int4Weight``: 4-bit codes with group scales). Subclasses define ``shape``
-    ((out_features, in_features)), ``device``, ``dtype`` (the dtype the GEMM computes in), ``storage_dtype``
-    (what the values are stored as, for the log), ``tensors()``, ``rows_per_chunk()`` and
-    ``dequantize(start, stop)``.
-    """
-
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        raise NotImplementedError
-
-    @property
-    def storage_dtype(self) -> str:
-        raise NotImplementedError
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors it holds in memory."""
-        raise NotImplementedError
-
-    def rows_per_chunk(self) -> int:
-        """Output rows ``quantized_linear`` dequantizes at once."""
-        raise NotImplementedError
-
-    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Output rows ``[start, stop)`` of the real weight, (stop - start, in_features) in ``dtype``."""
-        raise NotImplementedError
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes it holds in memory."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-
 @dataclass(frozen=True)
 class QuantScheme:
     """A checkpoint's quantization, as cbrun runs it.
@@ -113,7 +66,7 @@ class QuantScheme:
     Attributes:
         method: ``quant_method`` as config.json states it ("fp8", "compressed-tensors", "gptq" or "awq").
         layout: how each quantized linear is stored: "float8" (a float8 ``weight`` and a block scale),
-            "pack-quantized" (compressed-tensors' int4), "gptq" or "awq" (``cbrun.engine.model.int4``).
+            "pack-quantized" (compressed-tensors' int4), "gptq" or "awq" (``cbrun.engine.model.layers.quantization.int4``).
         block: float8: (bo, bi) the block each scale covers; None: the whole input row (per-channel, bo 1) or
             the whole matrix (per-tensor), read from each scale's shape.
         scale_suffix: float8: the name of each weight's scale tensor after the linear's name
@@ -258,7 +211,7 @@ def _int4_group_size(method: str, bits: object, group_size: object) -> tuple[int
         return None, f"{method} with bits {bits!r} (only 4)"
     if group_size == -1:
         return None, None
-    if not _positive_int(group_size):
+    if not isinstance(group_size, int) or not _positive_int(group_size):
         return None, f"{method} with group_size {group_size!r}"
     return group_size, None
 
@@ -305,7 +258,7 @@ def checkpoint_quantization(model_dir: str | Path) -> QuantScheme | None:
         return None
     scheme, reason = read_quantization(raw["quantization_config"])
     if scheme is None:
-        raise ValueError(refusal(reason))
+        raise ValueError(refusal(reason or "unreadable"))
     return scheme
 
 
@@ -315,131 +268,3 @@ def refusal(reason: str) -> str:
         f"config.json's quantization_config is not implemented by cbrun: {reason}; implemented: {IMPLEMENTED}. "
         "Use an unquantized checkpoint or one of these layouts"
     )
-
-
-@dataclass
-class QuantizedWeight(QuantizedLinearWeight):
-    """A linear layer's weight kept quantized in memory: float8_e4m3fn values and one scale per block.
-
-    The real weight is ``qweight[i, j] * scale[i // bo, j // bi]`` (``dequantize``).
-
-    Attributes:
-        qweight: (out_features, in_features) float8_e4m3fn.
-        scale: (ceil(out / bo), ceil(in / bi)) float32.
-        block: (bo, bi).
-        dtype: the dtype the GEMM computes in (the engine's).
-    """
-
-    qweight: torch.Tensor
-    scale: torch.Tensor
-    block: tuple[int, int]
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.qweight.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
-
-    @property
-    def storage_dtype(self) -> str:
-        return str(self.qweight.dtype)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.qweight, self.scale]
-
-    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """``dequantize`` (the reference), in C on the CPU where it builds (the same bits, one pass)."""
-        stop = self.shape[0] if stop is None else stop
-        fast = cpu_dequant.fp8_block_dequant(self.qweight, self.scale, self.block, start, stop)
-        return dequantize(self, start, stop) if fast is None else fast.to(self.dtype)
-
-    def rows_per_chunk(self) -> int:
-        """Output rows ``quantized_linear`` dequantizes at once: a multiple of ``bo``, about
-        ``DEQUANT_CHUNK_ELEMENTS`` elements, at least one block row."""
-        bo = self.block[0]
-        rows = max(1, DEQUANT_CHUNK_ELEMENTS // (self.shape[1] * bo)) * bo
-        return min(rows, self.shape[0])
-
-
-def dequantize(weight: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """Output rows ``[start, stop)`` of the real weight, in ``weight.dtype`` (the PyTorch reference).
-
-    Each value is ``float32(q) * float32(scale)`` rounded once to ``weight.dtype`` (float8 to float32 is exact).
-
-    Args:
-        start: a multiple of the block's ``bo``.
-        stop: the end row (default: all).
-
-    Returns:
-        (stop - start, in_features).
-    """
-    bo, bi = weight.block
-    stop = weight.shape[0] if stop is None else stop
-    assert start % bo == 0, "chunks start on a block row"
-    values = weight.qweight[start:stop].to(torch.float32)
-    scale = weight.scale[start // bo : -(-stop // bo)]
-    rows, in_features = values.shape
-    if rows % bo == 0 and in_features % bi == 0:  # whole blocks: scale each in place, by broadcast
-        blocks = values.view(rows // bo, bo, in_features // bi, bi)
-        blocks.mul_(scale[:, None, :, None])
-        return values.to(weight.dtype)
-    scale = scale.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :in_features]
-    return (values * scale).to(weight.dtype)
-
-
-def quantized_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, dequantize(weight), bias)``, dequantizing ``weight.rows_per_chunk()`` output rows at a time,
-    so the whole real weight never exists at once (the CPU path, and any device without a quantized kernel).
-
-    Args:
-        x: (T, in_features) in ``weight.dtype``.
-        weight: the quantized weight.
-        bias: (out_features,) or None.
-
-    Returns:
-        (T, out_features) in ``x.dtype``. A weight of one chunk (at most ``DEQUANT_CHUNK_ELEMENTS`` elements, or
-        one float8 block row) is one ``F.linear`` call, the same bits as ``F.linear`` on the dequantized weight.
-    """
-    rows, out_features = weight.rows_per_chunk(), weight.shape[0]
-    if rows >= out_features:
-        return F.linear(x, weight.dequantize(), bias)
-    parts = [F.linear(x, weight.dequantize(r, min(r + rows, out_features))) for r in range(0, out_features, rows)]
-    out = torch.cat(parts, dim=-1)
-    return out if bias is None else out + bias
-
-
-@dataclass
-class QuantizedExperts:
-    """A MoE layer's stacked expert weights kept quantized: per expert, the quantized weights whose output rows
-    are concatenated (gate then up for ``gate_up``; one for ``down``).
-
-    ``dequantize`` gives the (E, out, in) stack the grouped GEMM reads, in ``dtype``: the MoE block dequantizes
-    its layer's experts once per forward (``cbrun.engine.model.moe.SparseMoE``), so the transient is one layer's
-    experts, never the model's.
-
-    Attributes:
-        experts: per expert, its parts (each (out_i, in), one input width).
-        dtype: the dtype the GEMM computes in.
-    """
-
-    experts: list[list[QuantizedLinearWeight]]
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        parts = self.experts[0]
-        return torch.Size((len(self.experts), sum(p.shape[0] for p in parts), parts[0].shape[1]))
-
-    @property
-    def device(self) -> torch.device:
-        return self.experts[0][0].device
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for parts in self.experts for p in parts for t in p.tensors()]
-
-    def dequantize(self, experts: slice = slice(None)) -> torch.Tensor:
-        """(E', out, in) the real weights of ``experts`` (default all), in ``dtype``."""
-        return torch.stack([torch.cat([p.dequantize() for p in parts]) for parts in self.experts[experts]])

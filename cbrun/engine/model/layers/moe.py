@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts block of the lean forward pass (Qwen3-MoE, Mixtral): a top-k router and the
+"""The sparse mixture-of-experts block of the lean forward pass (Qwen3-MoE, Mixtral, each family's file naming its tensors): a top-k router and the
 experts as one grouped operation, with no host read-back, so a step stays capturable.
 
 Per token ``x`` (hidden,), with ``E`` experts of width ``I`` and ``k`` experts per token (Shazeer et al. 2017,
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.model.quantization import QuantizedExperts
+from cbrun.engine.model.layers.quantization.base import QuantizedExperts
 
 
 @dataclass
@@ -182,7 +182,7 @@ def experts_reference(
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A MoE family's expert settings, read from config.json (``cbrun.engine.model.llama_config``).
+    """A MoE family's expert settings, read from config.json (``cbrun.engine.model.config``).
 
     Attributes:
         num_experts: E (``num_experts`` or ``num_local_experts``).
@@ -220,15 +220,16 @@ class SparseMoE:
         return sparse_moe(x, self.weights.dense(), grouped=self.fallback_reason is None)
 
 
-#: transformers 5's sparse MoE block classes the lean path runs, by name (transformers is not imported here).
-_TRANSFORMERS_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
+def unsupported_moe_reason(mlp: torch.nn.Module, block_class: str) -> str | None:
+    """Why a transformers MoE block cannot run as ``MoEWeights``, or None when it can.
 
-
-def unsupported_moe_reason(mlp: torch.nn.Module) -> str | None:
-    """Why a transformers MoE block cannot run as ``MoEWeights``, or None when it can."""
+    Args:
+        mlp: the decoder layer's MLP module.
+        block_class: the family's sparse MoE block class name (transformers is not imported here).
+    """
     name = type(mlp).__name__
-    if name not in _TRANSFORMERS_BLOCKS:
-        return f"MoE block {name} is not one of {', '.join(_TRANSFORMERS_BLOCKS)}"
+    if name != block_class:
+        return f"MoE block {name} is not {block_class}"
     experts = mlp.experts
     if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False):
         return "the experts have biases or transposed weights"
@@ -239,14 +240,21 @@ def unsupported_moe_reason(mlp: torch.nn.Module) -> str | None:
     return None
 
 
-def moe_weights_from_module(mlp: torch.nn.Module) -> MoEWeights:
-    """A transformers MoE block's own tensors (no copies), for a block ``unsupported_moe_reason`` accepts."""
-    mixtral = type(mlp).__name__ == "MixtralSparseMoeBlock"
+def moe_weights_from_module(
+    mlp: torch.nn.Module, norm_topk_prob: bool | None, weights_in_model_dtype: bool
+) -> MoEWeights:
+    """A transformers MoE block's own tensors (no copies), for a block ``unsupported_moe_reason`` accepts.
+
+    Args:
+        mlp: the block.
+        norm_topk_prob: the family's rule (Mixtral: always True), None to read the router's ``norm_topk_prob``.
+        weights_in_model_dtype: as ``MoEWeights``.
+    """
     return MoEWeights(
         router=mlp.gate.weight,
         gate_up=mlp.experts.gate_up_proj,
         down=mlp.experts.down_proj,
         top_k=mlp.gate.top_k,
-        norm_topk_prob=True if mixtral else bool(mlp.gate.norm_topk_prob),
-        weights_in_model_dtype=not mixtral,
+        norm_topk_prob=bool(mlp.gate.norm_topk_prob) if norm_topk_prob is None else norm_topk_prob,
+        weights_in_model_dtype=weights_in_model_dtype,
     )

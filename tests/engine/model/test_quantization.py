@@ -1,4 +1,4 @@
-"""Quantized checkpoints (``cbrun.engine.model.quantization``): a random Llama quantized here into the real FP8
+"""Quantized checkpoints (``cbrun.engine.model.layers.quantization``): a random Llama quantized here into the real FP8
 layouts (``fp8`` with 128x128 ``weight_scale_inv`` blocks, as Qwen3-FP8 and DeepSeek-V3 ship; compressed-tensors'
 float8 per channel), kept float8 in memory, gives the greedy tokens transformers' ``generate`` gives on the same
 weights dequantized (a float32 checkpoint written from them), with fewer resident weight bytes; the chunked GEMM
@@ -17,12 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.model.quantization import (
-    DEQUANT_CHUNK_ELEMENTS,
-    QuantizedWeight,
-    dequantize,
-    quantized_linear,
-)
+from cbrun.engine.model.layers.quantization.base import DEQUANT_CHUNK_ELEMENTS, quantized_linear
+from cbrun.engine.model.layers.quantization.fp8 import QuantizedWeight, dequantize
 from cbrun.jobs.cli import main
 from cbrun.jobs.output.writer import committed_parts
 from tests.jobs.test_resume import run_args

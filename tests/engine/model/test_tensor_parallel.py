@@ -1,4 +1,4 @@
-"""Tensor parallelism over real gloo processes (``cbrun.engine.worker.tp_group``, ``cbrun.engine.model.parallel``):
+"""Tensor parallelism over real gloo processes (``cbrun.engine.worker.tp_group``, ``cbrun.engine.model.layers.parallel``):
 two ranks give exactly one rank's greedy tokens on random Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral checkpoints (GQA, replicated KV heads,
 biases, tied and untied embeddings, a vocabulary that does not split evenly), each rank reads only its slices of
 the weights, and what a replica cannot run is refused by name before any rank starts."""
@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.model import loader
-from cbrun.engine.model.parallel import ShardLayout, read_shard
+from cbrun.engine.model import loader, registry
+from cbrun.engine.model.layers.parallel import ShardLayout, read_shard
 from cbrun.engine.model.safetensors_loader import load_plan
 from tests.model_utils import random_model_dir, random_prompts
 
@@ -64,8 +64,9 @@ def test_each_rank_reads_its_slices_and_they_make_up_the_whole(world_size):
     with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
         for name in handle.keys():
             whole = handle.get_tensor(name)
-            parts = [read_shard(handle, name, ShardLayout.of(config, r, world_size)) for r in range(world_size)]
-            split = ShardLayout.of(config, 0, world_size).split_of(name)
+            style = registry.family_of(config).shard_style(name)
+            parts = [read_shard(handle, name, ShardLayout.of(config, r, world_size), style) for r in range(world_size)]
+            split = ShardLayout.of(config, 0, world_size).split(style)
             if split is None:  # norms, row-parallel biases: every rank holds them whole
                 assert all(torch.equal(p, whole) for p in parts), name
                 continue
@@ -156,8 +157,8 @@ def test_each_rank_reads_only_its_experts():
 def test_the_ranks_local_experts_sum_to_the_whole_block(grouped):
     from dataclasses import replace
 
-    from cbrun.engine.model.moe import MoEWeights, sparse_moe
-    from cbrun.engine.model.parallel import local_experts
+    from cbrun.engine.model.layers.moe import MoEWeights, sparse_moe
+    from cbrun.engine.model.layers.parallel import local_experts
 
     g = torch.Generator().manual_seed(0)
     num_experts, hidden, width = 8, 32, 16

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cbrun.engine.core.cache_spec import slot_address
-from cbrun.engine.model.attention_contract import AttentionProbe, check_hook_kwargs, refusal
+from cbrun.engine.model.layers.attention_contract import AttentionProbe, check_hook_kwargs, refusal
 from cbrun.kernels.reference import GatherPlan, build_gather_plan, paged_attention_ref, write_kv_cache_ref
 
 ATTN_IMPLEMENTATION = "cbrun_paged"
@@ -148,7 +148,7 @@ def paged_attention_forward(
         softcap: attention logit soft-capping (Gemma 2), or None.
         s_aux: (num_heads,) attention sinks (gpt-oss), or None.
         cbrun_metadata: this step's metadata, or the load-time ``AttentionProbe``
-            (``cbrun.engine.model.attention_contract``), which records the call.
+            (``cbrun.engine.model.layers.attention_contract``), which records the call.
         kwargs: the rest of the model's keyword arguments; any that would change attention is refused
             (``attention_contract.check_hook_kwargs``).
 

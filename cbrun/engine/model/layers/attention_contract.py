@@ -1,7 +1,7 @@
 """What cbrun's attention implements, and the load-time check that refuses a model asking for anything else.
 
-Both paths attend through ``cbrun.engine.model.attention.paged_attention`` (reference, C or Triton kernel); the
-lean path is Llama-family only (``llama_config`` refuses every config key it does not read), so the transformers
+Both paths attend through ``cbrun.engine.model.layers.attention.paged_attention`` (reference, C or Triton kernel); the
+lean path runs the registered families only (each refuses every config key it does not read), so the transformers
 path is where a model can bring features. The contract is data: ``IMPLEMENTED`` lists what the kernels do,
 ``HOOK_KWARGS`` the keyword arguments the transformers hook reads and those it may ignore because they do not
 change attention. Anything else is refused by name, at load (``check_transformers_model``: exit 2 in a job, before

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.model.quantization import DEQUANT_CHUNK_ELEMENTS, QuantizedLinearWeight
+from cbrun.engine.model.layers.quantization.base import DEQUANT_CHUNK_ELEMENTS, QuantizedLinearWeight
 from cbrun.kernels import cpu_dequant
 
 assert sys.byteorder == "little", "Int4Weight.dequantize reads int32 words as little-endian bytes"

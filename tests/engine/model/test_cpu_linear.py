@@ -1,4 +1,4 @@
-"""The lean path's linear layers on oneDNN (``cbrun.engine.model.cpu_linear``): the per-weight choice, the op against
+"""The lean path's linear layers on oneDNN (``cbrun.engine.model.layers.linear``): the per-weight choice, the op against
 ``F.linear``, and whole runs with every projection forced onto oneDNN against transformers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cbrun.engine import EngineConfig, LLMEngine
-from cbrun.engine.model.cpu_linear import (
+from cbrun.engine.model.layers.linear import (
     ONEDNN_MIN_WEIGHT_ELEMENTS,
     batch_invariant_linear,
     fixed_tile_linear,
@@ -18,8 +18,9 @@ from cbrun.engine.model.cpu_linear import (
     onednn_unavailable_reason,
     select_linear,
 )
-from cbrun.engine.model.lean_llama import LeanLlama
-from tests.engine.test_lean_llama import ENGINE_CONFIG, _random_model
+from cbrun.engine.model.models.llama import LeanLlama
+from cbrun.engine.model.registry import weights_from_module
+from tests.engine.model.test_lean_llama import ENGINE_CONFIG, _random_model
 
 pytestmark = pytest.mark.skipif(
     onednn_unavailable_reason(torch.zeros(1, 1)) is not None, reason="this torch build has no oneDNN linear op"
@@ -60,10 +61,10 @@ def test_the_lean_model_puts_each_projection_on_the_backend_its_size_picks(caplo
     # 128-token LM head hold less.
     model = _random_model(hidden_size=512, intermediate_size=512, num_hidden_layers=1, num_key_value_heads=2)
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
-        assert LeanLlama(model).num_onednn_linears == 5
+        assert LeanLlama(weights_from_module(model)).num_onednn_linears == 5
     assert "linear layers: 5 of 8 on oneDNN" in caplog.text
-    assert LeanLlama(model, linear_backend="torch").num_onednn_linears == 0
-    assert LeanLlama(model, linear_backend="onednn").num_onednn_linears == 8
+    assert LeanLlama(weights_from_module(model), linear_backend="torch").num_onednn_linears == 0
+    assert LeanLlama(weights_from_module(model), linear_backend="onednn").num_onednn_linears == 8
 
 
 def test_onednn_needs_the_lean_path():

@@ -1,4 +1,4 @@
-"""The lean MoE block (``cbrun.engine.model.moe``): the grouped path equals its reference over a grid of shapes,
+"""The lean MoE block (``cbrun.engine.model.layers.moe``): the grouped path equals its reference over a grid of shapes,
 reads nothing back to the host, and the engine's greedy tokens on random Qwen3-MoE and Mixtral equal transformers'
 ``generate``, on the transformers-free loader and on transformers' own modules. (The step-by-step logits, bit for
 bit, are in ``test_safetensors_loader.py``'s MoE cases.)"""
@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cbrun.engine import EngineConfig, SamplingParams
-from cbrun.engine.model.moe import MoEWeights, SparseMoE, sparse_moe, sparse_moe_reference
+from cbrun.engine.model.layers.moe import MoEWeights, SparseMoE, sparse_moe, sparse_moe_reference
 from tests.model_utils import hf_greedy, random_model_dir, random_prompts, run_engine
 
 ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)

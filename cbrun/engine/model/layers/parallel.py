@@ -26,7 +26,7 @@ the one its query heads attend with (vLLM's ``QKVParallelLinear`` does the same)
 
 Equality with one rank: the row-parallel sums add the ranks' partial sums in another order than one GEMM does, so
 logits may differ in their last bits from ``tensor_parallel_size = 1``; greedy tokens are tested equal
-(``tests/engine/test_tensor_parallel.py``).
+(``tests/engine/model/test_tensor_parallel.py``).
 
 The collectives go through a ``Communicator`` (``cbrun.engine.worker.tp_group.GroupCommunicator`` over
 ``torch.distributed``), so this module imports nothing from the worker.
@@ -34,17 +34,14 @@ The collectives go through a ``Communicator`` (``cbrun.engine.worker.tp_group.Gr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.model.moe import MoEWeights, grouped_gemm_unavailable_reason, route
-
-#: (weight, bias or None, the function that runs it): a lean-path projection (``cbrun.engine.model.lean_llama``).
-Projection = tuple[torch.Tensor, "torch.Tensor | None", Callable]
+from cbrun.engine.model.layers.linear import Projection
+from cbrun.engine.model.layers.moe import MoEWeights, grouped_gemm_unavailable_reason, route
 
 
 class Communicator(Protocol):
@@ -81,7 +78,7 @@ class ShardLayout:
 
     @classmethod
     def of(cls, config, rank: int, world_size: int) -> "ShardLayout":
-        """The layout of a Llama-family config (``cbrun.engine.model.llama_config.LlamaConfig``) for one rank."""
+        """The layout of a Llama-family config (``cbrun.engine.model.config.LlamaConfig``) for one rank."""
         return cls(
             rank,
             world_size,
@@ -128,29 +125,36 @@ class ShardLayout:
     def vocab_start(self) -> int:
         return self.rank * self.vocab_per_rank
 
-    def split_of(self, name: str) -> tuple[int, int, int] | None:
-        """``(dim, start, stop)`` of a checkpoint tensor this rank holds a slice of, or None when it holds it whole.
+    def split(self, style: str | None) -> tuple[int, int, int] | None:
+        """``(dim, start, stop)`` of this rank's slice of a tensor split in ``style`` (one of ``SPLIT_STYLES``,
+        which the model's family gives per tensor), or None (``style`` None) when every rank holds it whole.
 
         ``stop`` may pass the tensor's end for the vocabulary split (the rest is padding, ``read_shard``).
         """
         head, inter = self.head_dim, self.intermediate_size // self.world_size
-        if ".experts." in name:  # an expert is held whole, by one rank (``holds``)
+        if style is None:
             return None
-        kind, _, field = name.rpartition(".")
-        if kind.endswith(("embed_tokens", "lm_head")):
+        if style == "vocab":
             return 0, self.vocab_start, self.vocab_start + self.vocab_per_rank
-        if kind.endswith("q_proj"):
+        if style == "column_heads":
             return 0, self.rank * self.local_heads * head, (self.rank + 1) * self.local_heads * head
-        if kind.endswith(("k_proj", "v_proj")):
+        if style == "column_kv_heads":
             start = self.kv_head_start * head
             return 0, start, start + self.local_kv_heads * head
-        if kind.endswith(("gate_proj", "up_proj")):
+        if style == "column":
             return 0, self.rank * inter, (self.rank + 1) * inter
-        if field == "weight" and kind.endswith("o_proj"):  # row-parallel: the bias is added once, after the sum
+        if style == "row_heads":
             return 1, self.rank * self.local_heads * head, (self.rank + 1) * self.local_heads * head
-        if field == "weight" and kind.endswith("down_proj"):
+        if style == "row":
             return 1, self.rank * inter, (self.rank + 1) * inter
-        return None
+        raise ValueError(f"unknown tensor-parallel split {style!r}; one of {SPLIT_STYLES}")
+
+
+#: How a tensor is split over the ranks (Megatron-LM's): "vocab" (rows, by vocabulary), "column_heads" /
+#: "column_kv_heads" (output rows, by query / KV head), "column" (output rows, by intermediate feature), "row_heads" / "row" (input
+#: columns, by query head / intermediate feature: the product is a partial sum; a row-parallel bias is held whole,
+#: added once after the sum).
+SPLIT_STYLES = ("vocab", "column_heads", "column_kv_heads", "column", "row_heads", "row")
 
 
 def unsupported_reason(config, world_size: int) -> str | None:
@@ -172,19 +176,20 @@ def unsupported_reason(config, world_size: int) -> str | None:
     return None
 
 
-def read_shard(handle, name: str, layout: ShardLayout) -> torch.Tensor:
+def read_shard(handle, name: str, layout: ShardLayout, style: str | None) -> torch.Tensor:
     """This rank's slice of tensor ``name`` read from an open safetensors file (only that slice is read).
 
     Args:
         handle: ``safetensors.safe_open(..., framework="pt")``.
         name: the tensor's checkpoint name.
         layout: this rank's layout.
+        style: how the tensor is split (``ShardLayout.split``: the family's ``shard_style``), None for whole.
 
     Returns:
         The slice, on the CPU in the file's dtype, in memory of its own (contiguous, allocator-aligned); vocabulary
         rows past the end are zeros.
     """
-    split = layout.split_of(name)
+    split = layout.split(style)
     if split is None:
         return handle.get_tensor(name)
     dim, start, stop = split
@@ -241,7 +246,7 @@ class TensorParallelWeights:
         return weight, bias, gather
 
     def expert_parallel(self, moe) -> "ExpertParallelMoE":
-        """A MoE layer (``cbrun.engine.model.moe.SparseMoE`` over this rank's experts) as ``ExpertParallelMoE``."""
+        """A MoE layer (``cbrun.engine.model.layers.moe.SparseMoE`` over this rank's experts) as ``ExpertParallelMoE``."""
         return ExpertParallelMoE(moe.weights, self.layout.local_experts.start, self.comm)
 
 

@@ -15,9 +15,10 @@ import torch
 import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.model.attention import register_with_transformers
-from cbrun.engine.model.cpu_linear import onednn_unavailable_reason
-from cbrun.engine.model.lean_llama import LeanLlama, unsupported_reason
+from cbrun.engine.model.layers.attention import register_with_transformers
+from cbrun.engine.model.layers.linear import onednn_unavailable_reason
+from cbrun.engine.model.models.llama import LeanLlama
+from cbrun.engine.model.registry import unsupported_reason, weights_from_module
 from tests.model_utils import WEIGHT_SCALE, hf_greedy, random_llama_dir, random_prompts, run_engine
 
 VOCAB = 128
@@ -56,7 +57,7 @@ class _BothForwards:
     bit for bit on torch's GEMM, within float32 rounding on oneDNN's."""
 
     def __init__(self, model: torch.nn.Module, linear_backend: str = "torch") -> None:
-        self.model, self.lean = model, LeanLlama(model, linear_backend=linear_backend)
+        self.model, self.lean = model, LeanLlama(weights_from_module(model), linear_backend=linear_backend)
         self.exact = linear_backend == "torch"
         self.num_steps = self.num_mixed_steps = 0
 

@@ -1,4 +1,4 @@
-"""int4 weight-only checkpoints (``cbrun.engine.model.int4``): a random Llama / Qwen3 quantized here, 4 bits with
+"""int4 weight-only checkpoints (``cbrun.engine.model.layers.quantization.int4``): a random Llama / Qwen3 quantized here, 4 bits with
 group 128, into the real layouts (compressed-tensors ``pack-quantized`` symmetric and with zero points, GPTQ v1 with
 ``desc_act: false``, AWQ GEMM), written as those tools write them (tensor names, packing, dtypes, config.json),
 kept packed in memory, gives the greedy tokens transformers' ``generate`` gives on the same weights dequantized (a
@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.model.int4 import Int4Weight, pack_rows
-from cbrun.engine.model.quantization import DEQUANT_CHUNK_ELEMENTS, quantized_linear
+from cbrun.engine.model.layers.quantization.base import DEQUANT_CHUNK_ELEMENTS, quantized_linear
+from cbrun.engine.model.layers.quantization.int4 import Int4Weight, pack_rows
 from tests.model_utils import hf_greedy, random_model_dir, random_prompts, session_tmp_dir
 
 ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256, dtype="float32")
@@ -315,8 +315,8 @@ def test_an_act_order_g_idx_under_desc_act_false_is_refused(tmp_path):
 
 @pytest.mark.parametrize("layout", ["ct-sym", "gptq", "fp8-block"])
 def test_quantized_moe_experts_stay_quantized_and_equal_generate_on_the_dequantized_weights(layout):
-    from cbrun.engine.model.quantization import QuantizedExperts
-    from tests.engine import test_quantization as fp8
+    from cbrun.engine.model.layers.quantization.base import QuantizedExperts
+    from tests.engine.model import test_quantization as fp8
 
     model_dir = random_model_dir("qwen3_moe", hidden_size=128, moe_intermediate_size=64, norm_topk_prob=True)
     writer = fp8._quantized_copy if layout == "fp8-block" else _quantized_copy

@@ -1,4 +1,4 @@
-"""The attention contract (``cbrun.engine.model.attention_contract``): gpt-oss's sinks run and equal transformers,
+"""The attention contract (``cbrun.engine.model.layers.attention_contract``): gpt-oss's sinks run and equal transformers,
 and what cbrun does not implement is refused by name, at load and at call time."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.model.attention import paged_attention_forward
-from cbrun.engine.model.attention_contract import UnsupportedAttention
+from cbrun.engine.model.layers.attention import paged_attention_forward
+from cbrun.engine.model.layers.attention_contract import UnsupportedAttention
 from tests.model_utils import greedy_generate, random_prompts, run_engine, save_spread_weights
 
 VOCAB = 128

@@ -1,8 +1,8 @@
-"""The tensors of a Llama-family model, as the lean forward pass reads them: one structure for both loaders.
+"""The tensors of a Llama-style decoder, as the lean forward pass reads them: one structure for both loaders.
 
-``cbrun.engine.model.lean_llama.weights_from_module`` fills it from a transformers model (its own tensors, nothing copied);
-``cbrun.engine.model.safetensors_loader`` fills it from the checkpoint's files without transformers. ``LeanLlama`` takes
-either.
+A family's ``weights_from_module`` fills it from a transformers model (its own tensors, nothing copied), its
+``checkpoint_weights`` from the checkpoint's files read by ``cbrun.engine.model.safetensors_loader`` without
+transformers (``cbrun.engine.model.models.llama.LlamaDecoderFamily``). Its forward pass takes either.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cbrun.engine.model.moe import MoEWeights
-from cbrun.engine.model.parallel import TensorParallelWeights
-from cbrun.engine.model.quantization import QuantizedLinearWeight
+from cbrun.engine.model.layers.moe import MoEWeights
+from cbrun.engine.model.layers.parallel import TensorParallelWeights
+from cbrun.engine.model.layers.quantization.base import QuantizedLinearWeight
 
 #: (weight (out_features, in_features), bias (out_features,) or None) of one linear layer; the weight of a
-#: quantized checkpoint's linear is a ``QuantizedLinearWeight`` (``cbrun.engine.model.quantization``).
+#: quantized checkpoint's linear is a ``QuantizedLinearWeight`` (``cbrun.engine.model.layers.quantization``).
 Linear = tuple["torch.Tensor | QuantizedLinearWeight", "torch.Tensor | None"]
 
 
@@ -69,7 +69,7 @@ class LlamaWeights:
         inv_freq: (head_dim / 2,) float32 RoPE inverse frequencies.
         attention_scaling: the factor on RoPE's cos and sin (1.0 for the default RoPE).
         max_position_embeddings: positions the model was configured for (the RoPE table's default length).
-        parallel: this rank's share of a tensor-parallel group (``cbrun.engine.model.parallel``), the tensors
+        parallel: this rank's share of a tensor-parallel group (``cbrun.engine.model.layers.parallel``), the tensors
             above being its slices; None for a whole model.
     """
 
@@ -91,16 +91,9 @@ class LlamaWeights:
         linears = [self.lm_head] + [p for layer in self.layers for p in layer.linears()]
         norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         extra = [t for layer in self.layers for t in layer.extra_tensors()]
-        parts = [t for linear in linears for t in linear if t is not None]
-        parts = [p for t in parts for p in (t.tensors() if isinstance(t, QuantizedLinearWeight) else [t])]
+        stored = [t for linear in linears for t in linear if t is not None]
+        parts = [p for t in stored for p in (t.tensors() if isinstance(t, QuantizedLinearWeight) else [t])]
         for tensor in [self.embed, *norms, *parts, *extra]:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 yield tensor
-
-
-def default_rope_inv_freq(rope_theta: float, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(head_dim / 2,) float32 inverse frequencies of the default RoPE (Su et al. 2021), computed with the same
-    operations as transformers' ``compute_default_rope_parameters``: ``1 / theta ** (arange(0, d, 2) / d)``."""
-    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    return inv_freq.to(device)  # computed on the CPU, as transformers does before moving the model

@@ -1,0 +1,83 @@
+"""What a model family on the lean path is: the interface each family file in ``cbrun.engine.model.models``
+implements, and ``cbrun.engine.model.registry`` lists (vLLM's ``model_executor/models`` plus its registry).
+
+A family owns everything that differs between families: its config keys and transformers' defaults for them (the
+transformers-free config reader), its checkpoint's tensor names and shapes, how it reads a transformers module's
+own tensors, and its forward pass, composed from the shared layers in ``cbrun.engine.model.layers``. Nothing
+outside its file and its registry line names it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+import torch
+
+from cbrun.engine.model.config import LlamaConfig
+from cbrun.engine.model.layers.attention import AttentionMetadata
+from cbrun.engine.model.layers.linear import Backend
+from cbrun.engine.model.weights import LlamaWeights
+
+
+class LeanForward(Protocol):
+    """A family's forward pass over the engine's paged cache, as the model runner calls it."""
+
+    #: every row's logits are the same bits whatever else is in the step (``engine.batch_invariant``)
+    batch_invariant: bool
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """(T,) int64 ids and positions, the step's metadata, (N,) int64 rows wanted -> (N, vocab) logits."""
+        ...
+
+
+class ModelFamily:
+    """One model family of the lean path (subclassed once per family file).
+
+    Attributes:
+        model_type: config.json's ``model_type``.
+        architecture: the transformers class ``AutoModelForCausalLM`` builds for it (``type(model).__name__``).
+    """
+
+    model_type: ClassVar[str]
+    architecture: ClassVar[str]
+
+    def parse_config(self, raw: dict) -> tuple[LlamaConfig | None, str | None]:
+        """``(config, None)`` for a config.json (as a dict) read exactly as transformers reads it, else
+        ``(None, why not)``."""
+        raise NotImplementedError
+
+    def checkpoint_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor name a transformers checkpoint of this config holds, with its shape."""
+        raise NotImplementedError
+
+    def checkpoint_weights(
+        self, config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str, experts: range | None
+    ) -> LlamaWeights:
+        """The checkpoint's tensors (by name, as ``checkpoint_shapes`` names them; a tensor-parallel rank's slices)
+        as the forward pass reads them; ``experts``: the MoE experts loaded (a rank's), None for all."""
+        raise NotImplementedError
+
+    def shard_style(self, name: str) -> str | None:
+        """How a tensor-parallel group splits checkpoint tensor ``name`` (one of
+        ``cbrun.engine.model.layers.parallel.SPLIT_STYLES``), None where every rank holds it whole."""
+        raise NotImplementedError
+
+    def unsupported_module_reason(self, model: torch.nn.Module) -> str | None:
+        """Why the forward pass cannot run this family's transformers model exactly as transformers does, or None."""
+        raise NotImplementedError
+
+    def weights_from_module(self, model: torch.nn.Module) -> LlamaWeights:
+        """The tensors of a transformers model ``unsupported_module_reason`` accepts (its own, not copies)."""
+        raise NotImplementedError
+
+    def forward(
+        self, weights: LlamaWeights, max_positions: int | None, linear_backend: Backend, batch_invariant: bool
+    ) -> LeanForward:
+        """The family's forward pass over ``weights`` (arguments as ``cbrun.engine.model.models.llama.LeanLlama``).
+
+        Raises:
+            ValueError: naming the setting, when the forward pass cannot run these weights with these settings.
+        """
+        raise NotImplementedError

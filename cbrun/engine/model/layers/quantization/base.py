@@ -1,0 +1,114 @@
+"""What every quantized weight format shares: the weight type a linear keeps quantized in memory, the chunked GEMM
+that dequantizes it (the CPU path, and any device without a quantized kernel), and a MoE layer's quantized experts.
+
+The formats: ``cbrun.engine.model.layers.quantization.fp8`` (float8 with block scales) and
+``cbrun.engine.model.layers.quantization.int4`` (4-bit codes with group scales); which checkpoint layouts are read
+into them is ``cbrun.engine.model.layers.quantization.schemes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: Dequantize at most about this many weight elements at once (4 MiB of float32): the transient a GEMM call adds.
+DEQUANT_CHUNK_ELEMENTS = 1 << 20
+
+
+class QuantizedLinearWeight:
+    """A linear layer's weight kept quantized in memory, dequantized by ``quantized_linear`` chunk by chunk.
+
+    Each layout is a dataclass over this base (``QuantizedWeight``: float8 with block scales;
+    ``cbrun.engine.model.layers.quantization.int4.Int4Weight``: 4-bit codes with group scales). Subclasses define
+    ``shape`` ((out_features, in_features)), ``device``, ``dtype`` (the dtype the GEMM computes in), ``storage_dtype``
+    (what the values are stored as, for the log), ``tensors()``, ``rows_per_chunk()`` and
+    ``dequantize(start, stop)``.
+    """
+
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def storage_dtype(self) -> str:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds in memory."""
+        raise NotImplementedError
+
+    def rows_per_chunk(self) -> int:
+        """Output rows ``quantized_linear`` dequantizes at once."""
+        raise NotImplementedError
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Output rows ``[start, stop)`` of the real weight, (stop - start, in_features) in ``dtype``."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds in memory."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, dequantize(weight), bias)``, dequantizing ``weight.rows_per_chunk()`` output rows at a time,
+    so the whole real weight never exists at once (the CPU path, and any device without a quantized kernel).
+
+    Args:
+        x: (T, in_features) in ``weight.dtype``.
+        weight: the quantized weight.
+        bias: (out_features,) or None.
+
+    Returns:
+        (T, out_features) in ``x.dtype``. A weight of one chunk (at most ``DEQUANT_CHUNK_ELEMENTS`` elements, or
+        one float8 block row) is one ``F.linear`` call, the same bits as ``F.linear`` on the dequantized weight.
+    """
+    rows, out_features = weight.rows_per_chunk(), weight.shape[0]
+    if rows >= out_features:
+        return F.linear(x, weight.dequantize(), bias)
+    parts = [F.linear(x, weight.dequantize(r, min(r + rows, out_features))) for r in range(0, out_features, rows)]
+    out = torch.cat(parts, dim=-1)
+    return out if bias is None else out + bias
+
+
+@dataclass
+class QuantizedExperts:
+    """A MoE layer's stacked expert weights kept quantized: per expert, the quantized weights whose output rows
+    are concatenated (gate then up for ``gate_up``; one for ``down``).
+
+    ``dequantize`` gives the (E, out, in) stack the grouped GEMM reads, in ``dtype``: the MoE block dequantizes
+    its layer's experts once per forward (``cbrun.engine.model.layers.moe.SparseMoE``), so the transient is one layer's
+    experts, never the model's.
+
+    Attributes:
+        experts: per expert, its parts (each (out_i, in), one input width).
+        dtype: the dtype the GEMM computes in.
+    """
+
+    experts: list[list[QuantizedLinearWeight]]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        parts = self.experts[0]
+        return torch.Size((len(self.experts), sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.experts[0][0].device
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for parts in self.experts for p in parts for t in p.tensors()]
+
+    def dequantize(self, experts: slice = slice(None)) -> torch.Tensor:
+        """(E', out, in) the real weights of ``experts`` (default all), in ``dtype``."""
+        return torch.stack([torch.cat([p.dequantize() for p in parts]) for parts in self.experts[experts]])

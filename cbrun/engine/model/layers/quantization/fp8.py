@@ -1,0 +1,87 @@
+"""float8 weights with block scales (``quant_method: "fp8"``, compressed-tensors ``float-quantized``): the weight
+type and its dequantization (the PyTorch reference; C on the CPU through ``cbrun.kernels.cpu_dequant``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cbrun.engine.model.layers.quantization.base import DEQUANT_CHUNK_ELEMENTS, QuantizedLinearWeight
+from cbrun.kernels import cpu_dequant
+
+#: The float8 format both implemented float8 layouts store their weights in.
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass
+class QuantizedWeight(QuantizedLinearWeight):
+    """A linear layer's weight kept quantized in memory: float8_e4m3fn values and one scale per block.
+
+    The real weight is ``qweight[i, j] * scale[i // bo, j // bi]`` (``dequantize``).
+
+    Attributes:
+        qweight: (out_features, in_features) float8_e4m3fn.
+        scale: (ceil(out / bo), ceil(in / bi)) float32.
+        block: (bo, bi).
+        dtype: the dtype the GEMM computes in (the engine's).
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def storage_dtype(self) -> str:
+        return str(self.qweight.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qweight, self.scale]
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """``dequantize`` (the reference), in C on the CPU where it builds (the same bits, one pass)."""
+        stop = self.shape[0] if stop is None else stop
+        fast = cpu_dequant.fp8_block_dequant(self.qweight, self.scale, self.block, start, stop)
+        return dequantize(self, start, stop) if fast is None else fast.to(self.dtype)
+
+    def rows_per_chunk(self) -> int:
+        """Output rows ``quantized_linear`` dequantizes at once: a multiple of ``bo``, about
+        ``DEQUANT_CHUNK_ELEMENTS`` elements, at least one block row."""
+        bo = self.block[0]
+        rows = max(1, DEQUANT_CHUNK_ELEMENTS // (self.shape[1] * bo)) * bo
+        return min(rows, self.shape[0])
+
+
+def dequantize(weight: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Output rows ``[start, stop)`` of the real weight, in ``weight.dtype`` (the PyTorch reference).
+
+    Each value is ``float32(q) * float32(scale)`` rounded once to ``weight.dtype`` (float8 to float32 is exact).
+
+    Args:
+        start: a multiple of the block's ``bo``.
+        stop: the end row (default: all).
+
+    Returns:
+        (stop - start, in_features).
+    """
+    bo, bi = weight.block
+    stop = weight.shape[0] if stop is None else stop
+    assert start % bo == 0, "chunks start on a block row"
+    values = weight.qweight[start:stop].to(torch.float32)
+    scale = weight.scale[start // bo : -(-stop // bo)]
+    rows, in_features = values.shape
+    if rows % bo == 0 and in_features % bi == 0:  # whole blocks: scale each in place, by broadcast
+        blocks = values.view(rows // bo, bo, in_features // bi, bi)
+        blocks.mul_(scale[:, None, :, None])
+        return values.to(weight.dtype)
+    scale = scale.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :in_features]
+    return (values * scale).to(weight.dtype)

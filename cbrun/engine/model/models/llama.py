@@ -1,0 +1,718 @@
+"""The Llama family (and Mistral, which shares its decoder), and the Llama-style decoder that the other lean-path
+families (``qwen2``, ``qwen3``, ``qwen3_moe``, ``mixtral`` beside this file) build on: its config keys, its
+checkpoint's tensor names, how it reads a transformers module's tensors, and its forward pass, composed from
+``cbrun.engine.model.layers``.
+
+The forward pass (``LeanLlama``): the same math as transformers, as plain tensor calls.
+
+transformers runs every step through about 14 ``nn.Module`` calls per decoder layer plus decorators, output
+capturing and keyword plumbing. On the CPU, with the small models and batches of an offline job, that costs a
+visible share of each step. ``LeanLlama`` runs the model's weight tensors
+(``cbrun.engine.model.weights.LlamaWeights``: a transformers model's own, nothing copied, or the same tensors read
+by ``cbrun.engine.model.safetensors_loader`` without transformers) through the same operations in the same order,
+and the same paged attention (``cbrun.engine.model.layers.attention.paged_attention``), so its logits equal
+transformers' bit for bit, as long as each linear layer runs on torch's GEMM. On the CPU, large float32 weights run
+on oneDNN's instead (``cbrun.engine.model.layers.linear``, ``linear_backend``): faster, and equal up to float32
+rounding. Where the step runs on the C attention kernels (float32 on the CPU), RoPE runs in C too
+(``cbrun.kernels.cpu_attention.rope_cpu``, called through the step's ``StepKernels``): the same floats as the
+PyTorch ops, one call instead of four.
+
+Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
+
+    x = rms_norm(h);  h = h + o_proj(paged_attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))
+    x = rms_norm(h);  h = h + down_proj(silu(gate_proj(x)) * up_proj(x))
+
+The decoder runs, per family file, a plain Llama (this file's ``LlamaForCausalLM`` and ``MistralForCausalLM``
+without a sliding window), per-head q/k RMSNorm (``qk_norm``) and sparse MoE blocks
+(``cbrun.engine.model.layers.moe.SparseMoE``); default RoPE only; linear biases as the checkpoint has them; tied or
+untied embeddings. ``LlamaDecoderFamily.unsupported_module_reason`` says why anything else is refused
+(``parse_config`` keeps the same limits for the transformers-free loader). Fusing q/k/v or gate/up into one matmul
+was measured and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden 896 with 128 KV
+features), and on the CPU it saved nothing measurable (hidden 512, intermediate 1408, 128 and 2048 rows, one thread:
+within 4%, either way). The matmuls are most of a CPU step once attention reads pages in place
+(``cbrun.kernels.cpu_attention``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from cbrun.engine.model.config import (
+    DTYPE_NAMES,
+    INERT_KEYS,
+    READ_KEYS,
+    REQUIRED,
+    LlamaConfig,
+    unsupported_shape,
+)
+from cbrun.engine.model.family import ModelFamily
+from cbrun.engine.model.layers.activation import silu_mul as activation_silu_mul
+from cbrun.engine.model.layers.attention import AttentionMetadata, paged_attention
+from cbrun.engine.model.layers.embed_head import embed_tokens, lm_head
+from cbrun.engine.model.layers.layernorm import rms_norm
+from cbrun.engine.model.layers.linear import (
+    Backend,
+    Projection,
+    apply_linear,
+    batch_invariant_linear,
+    onednn_linear,
+    onednn_two_rows_or_more,
+    projection,
+)
+from cbrun.engine.model.layers.moe import (
+    MoEConfig,
+    MoEWeights,
+    SparseMoE,
+    unsupported_moe_reason,
+)
+from cbrun.engine.model.layers.quantization.base import QuantizedExperts, QuantizedLinearWeight
+from cbrun.engine.model.layers.quantization.schemes import QuantScheme, read_quantization
+from cbrun.engine.model.layers.rotary_embedding import (
+    RopeParameters,
+    apply_rope,
+    read_rope_parameters,
+    rope_inv_freq,
+    rope_tables,
+    unsupported_rotary_reason,
+)
+from cbrun.engine.model.weights import LayerWeights, Linear, LlamaWeights
+
+logger = logging.getLogger("cbrun.engine")
+
+#: Each decoder layer's attention projections, then its dense MLP's, by their names under ``model.layers.{i}.``.
+ATTENTION_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP_PROJECTIONS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+#: Each tensor's tensor-parallel split by its module's name (``cbrun.engine.model.layers.parallel.SPLIT_STYLES``);
+#: a row-parallel module's bias is held whole.
+SHARD_STYLES = {
+    "embed_tokens": "vocab",
+    "lm_head": "vocab",
+    "q_proj": "column_heads",
+    "k_proj": "column_kv_heads",
+    "v_proj": "column_kv_heads",
+    "gate_proj": "column",
+    "up_proj": "column",
+    "o_proj": "row_heads",
+    "down_proj": "row",
+}
+
+
+class LlamaDecoderFamily(ModelFamily):
+    """The Llama-style decoder shared by the lean-path families: pre-norm layers of RMSNorm, q/k/v/o attention with
+    RoPE (optionally per-head q/k RMSNorm) and a SiLU-gated MLP or a sparse MoE block, under transformers'
+    tensor names (``model.layers.{i}.self_attn.q_proj``, ...). A family file subclasses it with its tables and, where
+    it differs, its rules (the hooks below).
+
+    Attributes:
+        config_keys: config.json keys this family reads besides ``cbrun.engine.model.config.READ_KEYS`` (every other
+            key is refused).
+        defaults: transformers 5's defaults of the optional fields the engine reads (``bos_token_id``,
+            ``eos_token_id``, ``num_key_value_heads``; ``head_dim`` where it is not hidden_size // heads).
+        qk_norm: an RMSNorm over each query and key head before RoPE (``self_attn.q_norm`` / ``k_norm``).
+        moe_block: a MoE family's block name under ``model.layers.{i}.`` and each expert's (gate, up, down) names:
+            the router is ``{block}.gate``, expert ``e``'s projections ``{block}.experts.{e}.{name}``; None for a
+            dense family.
+        moe_module: a MoE family's transformers sparse-block class name.
+    """
+
+    config_keys: ClassVar[frozenset[str]] = frozenset()
+    defaults: ClassVar[dict[str, object]] = {}
+    qk_norm: ClassVar[bool] = False
+    moe_block: ClassVar[tuple[str, tuple[str, str, str]] | None] = None
+    moe_module: ClassVar[str | None] = None
+
+    # -- the transformers-free config reader ------------------------------------------------------------------
+
+    def parse_config(self, raw: dict) -> tuple[LlamaConfig | None, str | None]:
+        model_type = raw.get("model_type")
+        if model_type != self.model_type:
+            return None, f"model_type {model_type!r} is not {self.model_type!r}"
+        unknown = sorted(set(raw) - INERT_KEYS - READ_KEYS - self.config_keys)
+        if unknown:
+            return None, f"config.json sets {', '.join(unknown)}, which the safetensors loader does not read"
+        missing = [key for key in REQUIRED if raw.get(key) is None]
+        if missing:
+            return None, f"config.json does not state {', '.join(missing)}"
+        reason = self._unsupported_value(raw)
+        if reason:
+            return None, reason
+        quantization = None
+        if raw.get("quantization_config") is not None:
+            quantization, reason = read_quantization(raw["quantization_config"])
+            if quantization is None:
+                return None, f"quantization_config: {reason}"
+        rope, reason = read_rope_parameters(raw)
+        if rope is None:
+            return None, reason
+        config = self._config(raw, rope, quantization)
+        reason = unsupported_shape(config) or self.unsupported_shape(config)
+        return (None, reason) if reason else (config, None)
+
+    def _config(self, raw: dict, rope: RopeParameters, quantization: QuantScheme | None) -> LlamaConfig:
+        """The config's fields, with the family's defaults for those config.json leaves out."""
+        defaults = self.defaults
+        heads = raw["num_attention_heads"]
+        num_kv_heads = raw.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads
+        head_dim = raw.get("head_dim") or defaults.get("head_dim") or raw["hidden_size"] // heads
+        qkv_bias, o_bias = self.biases(raw)
+        return LlamaConfig(
+            model_type=self.model_type,
+            architecture=self.architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=raw["max_position_embeddings"],
+            rms_norm_eps=raw["rms_norm_eps"],
+            rope_theta=rope.theta,
+            rope_type=rope.rope_type,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            bos_token_id=raw.get("bos_token_id", defaults["bos_token_id"]),
+            eos_token_id=raw.get("eos_token_id", defaults["eos_token_id"]),
+            dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            qk_norm=self.qk_norm,
+            moe=self.moe_config(raw),
+            quantization=quantization,
+        )
+
+    def _unsupported_value(self, raw: dict) -> str | None:
+        if raw.get("hidden_act", "silu") != "silu":
+            return f"activation {raw['hidden_act']!r} (only SiLU is implemented)"
+        reason = self.unsupported_value(raw)
+        if reason:
+            return reason
+        dtype = raw.get("dtype") or raw.get("torch_dtype")
+        if dtype is not None and dtype not in DTYPE_NAMES:
+            return f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}"
+        return None
+
+    def unsupported_value(self, raw: dict) -> str | None:
+        """Why a value config.json states is outside what this family's forward pass runs (the same limits as
+        ``unsupported_module_reason``), or None."""
+        return None
+
+    def biases(self, raw: dict) -> tuple[bool, bool]:
+        """(q/k/v projections have biases, o projection has one): Llama's ``attention_bias`` for all four."""
+        bias = bool(raw.get("attention_bias", False))
+        return bias, bias
+
+    def moe_config(self, raw: dict) -> MoEConfig | None:
+        """The experts' settings of a MoE family (transformers 5's defaults), None for a dense one."""
+        return None
+
+    def unsupported_shape(self, config: LlamaConfig) -> str | None:
+        """Why this family's transformers modules would refuse or read these shapes another way, or None."""
+        return None
+
+    # -- the checkpoint -----------------------------------------------------------------------------------------
+
+    def checkpoint_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+        q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        features = {
+            "self_attn.q_proj": (hidden, q_out, config.qkv_bias),
+            "self_attn.k_proj": (hidden, kv_out, config.qkv_bias),
+            "self_attn.v_proj": (hidden, kv_out, config.qkv_bias),
+            "self_attn.o_proj": (q_out, hidden, config.o_bias),
+            "mlp.gate_proj": (hidden, inter, config.mlp_bias),
+            "mlp.up_proj": (hidden, inter, config.mlp_bias),
+            "mlp.down_proj": (inter, hidden, config.mlp_bias),
+        }
+        shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, hidden)
+        sparse = set(config.moe.sparse_layers) if config.moe else set()
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}."
+            shapes[prefix + "input_layernorm.weight"] = (hidden,)
+            shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+            if config.qk_norm:
+                shapes[prefix + "self_attn.q_norm.weight"] = (head_dim,)
+                shapes[prefix + "self_attn.k_norm.weight"] = (head_dim,)
+            for name in ATTENTION_PROJECTIONS if i in sparse else ATTENTION_PROJECTIONS + MLP_PROJECTIONS:
+                in_features, out_features, bias = features[name]
+                shapes[f"{prefix}{name}.weight"] = (out_features, in_features)
+                if bias:
+                    shapes[f"{prefix}{name}.bias"] = (out_features,)
+            if i in sparse:
+                shapes.update(self._expert_shapes(config, prefix))
+        return shapes
+
+    def _expert_shapes(self, config: LlamaConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+        """A MoE layer's router and per-expert tensors, as the family's checkpoints name them."""
+        assert self.moe_block is not None and config.moe is not None
+        block, (gate, up, down) = self.moe_block
+        hidden, width = config.hidden_size, config.moe.intermediate_size
+        shapes = {f"{prefix}{block}.gate.weight": (config.moe.num_experts, hidden)}
+        for e in range(config.moe.num_experts):
+            expert = f"{prefix}{block}.experts.{e}."
+            shapes[f"{expert}{gate}.weight"] = (width, hidden)
+            shapes[f"{expert}{up}.weight"] = (width, hidden)
+            shapes[f"{expert}{down}.weight"] = (hidden, width)
+        return shapes
+
+    def checkpoint_weights(
+        self, config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str, experts: range | None
+    ) -> LlamaWeights:
+        """The loaded tensors as ``LlamaWeights``, with transformers' epsilons, softmax scale and RoPE frequencies."""
+        eps, scale = config.rms_norm_eps, config.head_dim**-0.5
+
+        def linear(name: str) -> Linear:
+            return tensors[name + ".weight"], tensors.get(name + ".bias")
+
+        layers = []
+        sparse = set(config.moe.sparse_layers) if config.moe else set()
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            q, k, v, o = (linear(p + name) for name in ATTENTION_PROJECTIONS)
+            dense = i not in sparse
+            gate, up, down = (linear(p + name) for name in MLP_PROJECTIONS) if dense else (None, None, None)
+            layers.append(
+                LayerWeights(
+                    input_norm=tensors[p + "input_layernorm.weight"],
+                    input_eps=eps,
+                    post_norm=tensors[p + "post_attention_layernorm.weight"],
+                    post_eps=eps,
+                    q=q,
+                    k=k,
+                    v=v,
+                    o=o,
+                    gate=gate,
+                    up=up,
+                    down=down,
+                    scale=scale,
+                    q_norm=tensors.get(p + "self_attn.q_norm.weight"),
+                    k_norm=tensors.get(p + "self_attn.k_norm.weight"),
+                    qk_norm_eps=eps,
+                    moe=None if dense else self._moe_weights(config, tensors, p, experts),
+                )
+            )
+        embed = tensors["model.embed_tokens.weight"]
+        lm_head = (embed, None) if config.tie_word_embeddings else linear("lm_head")
+        rope = RopeParameters(config.rope_type, config.rope_theta)
+        inv_freq, attention_scaling = rope_inv_freq(rope, config.head_dim, device)
+        return LlamaWeights(
+            embed=embed,
+            layers=layers,
+            final_norm=tensors["model.norm.weight"],
+            final_eps=eps,
+            lm_head=lm_head,
+            head_dim=config.head_dim,
+            inv_freq=inv_freq,
+            attention_scaling=attention_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    def _moe_weights(
+        self, config: LlamaConfig, tensors: dict[str, torch.Tensor], prefix: str, expert_ids: range | None
+    ) -> MoEWeights:
+        """A MoE layer's per-expert tensors stacked as ``MoEWeights`` (each expert's gate rows, then its up rows),
+        the per-expert tensors dropped from ``tensors`` as they are stacked (one layer's experts held twice at
+        most). ``expert_ids``: the experts to stack (a tensor-parallel rank's), None for all; the router is always
+        whole."""
+        assert self.moe_block is not None and config.moe is not None
+        block, (gate, up, down) = self.moe_block
+        moe = config.moe
+        expert_ids = range(moe.num_experts) if expert_ids is None else expert_ids
+        experts = [f"{prefix}{block}.experts.{e}." for e in expert_ids]
+        gate_ups = [(tensors.pop(e + gate + ".weight"), tensors.pop(e + up + ".weight")) for e in experts]
+        downs = [tensors.pop(e + down + ".weight") for e in experts]
+        gate_up: torch.Tensor | QuantizedExperts
+        down_proj: torch.Tensor | QuantizedExperts
+        if any(isinstance(w, QuantizedLinearWeight) for pair in gate_ups for w in pair + (downs[0],)):
+            # a quantized checkpoint's experts stay quantized, each as it was stored (``QuantizedExperts``)
+            dtype = next(w.dtype for pair in gate_ups for w in pair if isinstance(w, QuantizedLinearWeight))
+            if not all(isinstance(w, QuantizedLinearWeight) for pair in gate_ups for w in pair + tuple(downs)):
+                raise RuntimeError(f"{prefix}{block}: some experts' projections are quantized and some are not")
+            gate_up = QuantizedExperts([list(pair) for pair in gate_ups], dtype)
+            down_proj = QuantizedExperts([[w] for w in downs], dtype)
+        else:
+            gate_up = torch.stack([torch.cat(pair) for pair in gate_ups])
+            down_proj = torch.stack(downs)
+        return MoEWeights(
+            router=tensors[f"{prefix}{block}.gate.weight"],
+            gate_up=gate_up,
+            down=down_proj,
+            top_k=moe.top_k,
+            norm_topk_prob=moe.norm_topk_prob,
+            weights_in_model_dtype=moe.weights_in_model_dtype,
+        )
+
+    def shard_style(self, name: str) -> str | None:
+        if ".experts." in name:  # an expert is held whole, by one rank (``ShardLayout.holds``)
+            return None
+        module, _, field = name.rpartition(".")
+        style = SHARD_STYLES.get(module.rpartition(".")[2])
+        return None if style is None or (style.startswith("row") and field != "weight") else style
+
+    # -- a transformers model's own modules -----------------------------------------------------------------------
+
+    def unsupported_module_reason(self, model: torch.nn.Module) -> str | None:
+        config, decoder = model.config, model.model
+        reason = unsupported_rotary_reason(decoder.rotary_emb)
+        if reason:
+            return reason
+        if getattr(config, "sliding_window", None) and self.slides_window(model):
+            return f"sliding_window = {config.sliding_window} (sliding-window attention is not implemented)"
+        if len(decoder.layers) != config.num_hidden_layers:
+            return f"{len(decoder.layers)} decoder layers but num_hidden_layers = {config.num_hidden_layers}"
+        if type(model.lm_head) is not torch.nn.Linear:
+            return f"lm_head is a {type(model.lm_head).__name__}, not a plain Linear"
+        for i, layer in enumerate(decoder.layers):
+            reason = self._unsupported_layer(layer)
+            if reason:
+                return f"layer {i}: {reason}"
+        return None
+
+    def slides_window(self, model: torch.nn.Module) -> bool:
+        """Whether a model whose config sets ``sliding_window`` uses it: where some layer's attention says so."""
+        return any(getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers)
+
+    def _unsupported_layer(self, layer: torch.nn.Module) -> str | None:
+        from transformers.activations import SiLUActivation
+
+        attn, mlp = layer.self_attn, layer.mlp
+        dense = hasattr(mlp, "gate_proj")
+        linears = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj}
+        if dense:
+            linears.update(gate_proj=mlp.gate_proj, up_proj=mlp.up_proj, down_proj=mlp.down_proj)
+        else:
+            reason = self.unsupported_moe_module(mlp)
+            if reason:
+                return reason
+        for name, linear in linears.items():
+            if type(linear) is not torch.nn.Linear:  # quantised or otherwise replaced projections
+                return f"{name} is a {type(linear).__name__}, not a plain Linear"
+        if dense and type(mlp.act_fn) not in (SiLUActivation, torch.nn.SiLU):
+            return f"activation {type(mlp.act_fn).__name__} (only SiLU is implemented)"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [getattr(attn, name) for name in ("q_norm", "k_norm") if hasattr(attn, name)]
+        for norm in norms:
+            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+                return f"norm {type(norm).__name__} is not the family's RMSNorm"
+        return None
+
+    def unsupported_moe_module(self, mlp: torch.nn.Module) -> str | None:
+        """Why a layer's MLP without a dense ``gate_proj`` cannot run: a dense family has no MoE block."""
+        if self.moe_module is None:
+            return f"MLP {type(mlp).__name__} is not a dense gated MLP"
+        return unsupported_moe_reason(mlp, self.moe_module)
+
+    def moe_from_module(self, mlp: torch.nn.Module) -> MoEWeights:
+        """A MoE block's own tensors (``moe_weights_from_module`` with the family's routing rule)."""
+        raise NotImplementedError(f"{self.architecture} has no MoE block")
+
+    def weights_from_module(self, model: torch.nn.Module) -> LlamaWeights:
+        decoder = model.model
+        rotary = decoder.rotary_emb
+
+        def linear(module: torch.nn.Linear) -> Linear:
+            return module.weight, module.bias
+
+        layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            dense = hasattr(mlp, "gate_proj")
+            has_qk_norm = hasattr(attn, "q_norm")
+            layers.append(
+                LayerWeights(
+                    input_norm=layer.input_layernorm.weight,
+                    input_eps=layer.input_layernorm.variance_epsilon,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    post_eps=layer.post_attention_layernorm.variance_epsilon,
+                    q=linear(attn.q_proj),
+                    k=linear(attn.k_proj),
+                    v=linear(attn.v_proj),
+                    o=linear(attn.o_proj),
+                    gate=linear(mlp.gate_proj) if dense else None,
+                    up=linear(mlp.up_proj) if dense else None,
+                    down=linear(mlp.down_proj) if dense else None,
+                    scale=attn.scaling,
+                    q_norm=attn.q_norm.weight if has_qk_norm else None,
+                    k_norm=attn.k_norm.weight if has_qk_norm else None,
+                    qk_norm_eps=attn.q_norm.variance_epsilon if has_qk_norm else 0.0,
+                    moe=None if dense else self.moe_from_module(mlp),
+                )
+            )
+        return LlamaWeights(
+            embed=decoder.embed_tokens.weight,
+            layers=layers,
+            final_norm=decoder.norm.weight,
+            final_eps=decoder.norm.variance_epsilon,
+            lm_head=linear(model.lm_head),
+            head_dim=decoder.layers[0].self_attn.head_dim,
+            inv_freq=rotary.inv_freq,
+            attention_scaling=rotary.attention_scaling,
+            max_position_embeddings=model.config.max_position_embeddings,
+        )
+
+    # -- the forward pass ---------------------------------------------------------------------------------------
+
+    def forward(
+        self, weights: LlamaWeights, max_positions: int | None, linear_backend: Backend, batch_invariant: bool
+    ) -> LeanLlama:
+        return LeanLlama(weights, max_positions, linear_backend, batch_invariant)
+
+
+class LlamaFamily(LlamaDecoderFamily):
+    """``LlamaForCausalLM`` (transformers 5.24's ``LlamaConfig`` defaults)."""
+
+    model_type = "llama"
+    architecture = "LlamaForCausalLM"
+    config_keys = frozenset({"attention_bias", "mlp_bias"})
+    defaults = {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": None}
+
+    def unsupported_shape(self, config: LlamaConfig) -> str | None:
+        if config.hidden_size % config.num_attention_heads:
+            return "hidden_size is not a multiple of num_attention_heads"
+        return None
+
+
+class MistralFamily(LlamaDecoderFamily):
+    """``MistralForCausalLM`` without a sliding window: Llama's decoder without biases (``MistralConfig``'s
+    defaults, whose ``sliding_window`` 4096 is refused unless config.json sets it to null)."""
+
+    model_type = "mistral"
+    architecture = "MistralForCausalLM"
+    config_keys = frozenset({"sliding_window"})
+    defaults = {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": 8, "sliding_window": 4096}
+
+    def unsupported_value(self, raw: dict) -> str | None:
+        window = raw.get("sliding_window", self.defaults["sliding_window"])
+        if window is not None:
+            return f"sliding_window = {window} (sliding-window attention is not implemented)"
+        return None
+
+    def slides_window(self, model: torch.nn.Module) -> bool:
+        return True  # every layer attends through the config's window
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's tensors: (weight, bias or None, the function that runs it) per projection (gate, up
+    and down None in a MoE layer, whose MLP is ``moe``), RMSNorm weights and epsilons."""
+
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    q: tuple
+    k: tuple
+    v: tuple
+    o: tuple
+    gate: tuple | None
+    up: tuple | None
+    down: tuple | None
+    scale: float
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_norm_eps: float = 0.0
+    moe: SparseMoE | None = None
+
+
+class LeanLlama:
+    """The forward pass of a supported Llama-family model over the engine's paged cache.
+
+    Owns references to the model's weights and a RoPE table; holds no state between steps.
+
+    Args:
+        weights: the model's tensors (``LlamaWeights``: from ``cbrun.engine.model.safetensors_loader``, or
+            ``cbrun.engine.model.registry.weights_from_module``: a transformers model's own, nothing copied).
+        max_positions: positions the RoPE table covers; defaults to the config's ``max_position_embeddings``.
+        linear_backend: which GEMM runs each projection (``cbrun.engine.model.layers.linear.select_linear``).
+        batch_invariant: every row's logits the same bits whatever else is in the step (``engine.batch_invariant``):
+            the projections run ``linear.batch_invariant_linear`` and the MLP's ``silu(gate) * up`` the C
+            kernel's row-wise ``silu_mul`` (steps must then run the C attention kernel, with
+            ``AttentionMetadata.batch_invariant``); RMSNorm and the residual adds are row-wise already.
+
+    Raises:
+        ValueError: ``batch_invariant`` with MoE layers or quantized weights, or from ``select_linear``.
+    """
+
+    def __init__(
+        self,
+        weights: LlamaWeights,
+        max_positions: int | None = None,
+        linear_backend: Backend = "auto",
+        batch_invariant: bool = False,
+    ) -> None:
+        self.batch_invariant = batch_invariant
+        quantized = [
+            p[0] for layer in weights.layers for p in layer.linears() if isinstance(p[0], QuantizedLinearWeight)
+        ]
+        if batch_invariant:  # one rule for every projection: the invariant linear
+            _check_batch_invariant(weights, quantized)
+            linear_backend = batch_invariant_linear
+        self.head_dim = weights.head_dim
+        self.embed = weights.embed
+        self.final_norm, self.final_eps = weights.final_norm, weights.final_eps
+        self.lm_head = projection(*weights.lm_head, linear_backend)
+        self.layers = [_layer_tensors(layer, linear_backend) for layer in weights.layers]
+        projections = [self.lm_head] + [
+            p
+            for layer in self.layers
+            for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+            if p is not None
+        ]
+        self.num_onednn_linears = sum(p[2] in (onednn_linear, onednn_two_rows_or_more) for p in projections)
+        self.parallel = weights.parallel  # tensor parallelism: the collectives wrap the split projections
+        self.lm_head = lm_head(self.lm_head, self.parallel)
+        if self.parallel is not None:
+            for layer in self.layers:
+                layer.o = self.parallel.row_parallel(layer.o)
+                if layer.down is not None:
+                    layer.down = self.parallel.row_parallel(layer.down)
+                if layer.moe is not None:  # split by expert
+                    layer.moe = self.parallel.expert_parallel(layer.moe)
+        _log_layers(self.layers, len(projections), self.num_onednn_linears, quantized, linear_backend, batch_invariant)
+        self.cos, self.sin_signed = rope_tables(
+            weights.inv_freq,
+            weights.attention_scaling,
+            max_positions or weights.max_position_embeddings,
+            self.embed.dtype,
+        )
+
+    @torch.inference_mode()
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """One step of the flattened batch.
+
+        Args:
+            input_ids: (T,) int64 token ids; positions: (T,) int64 their positions (< ``max_positions``).
+            md: this step's attention metadata (the layers write their K/V through it).
+            logits_indices: (N,) int64 rows of the batch whose logits are wanted.
+
+        Returns:
+            (N, vocab_size) logits in the model's dtype.
+        """
+        h = embed_tokens(input_ids, self.embed, self.parallel)
+        if md.use_cpu_kernel:  # the C kernels' RoPE: one call per tensor, reading the tables by position
+            kernels = md.step_kernels()
+
+            def rope(x: torch.Tensor) -> torch.Tensor:
+                return kernels.rope(x, self.cos, self.sin_signed, positions)
+        else:
+            cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # (T, 1, head_dim)
+
+            def rope(x: torch.Tensor) -> torch.Tensor:
+                return apply_rope(x, cos, sin)
+
+        silu_mul = md.step_kernels().silu_mul if self.batch_invariant else activation_silu_mul
+        for index, layer in enumerate(self.layers):
+            # In place: the same sums as ``h = h + ...``, without a new (T, hidden) tensor per add.
+            h += self._attention(index, layer, rms_norm(h, layer.input_norm, layer.input_eps), rope, md)
+            h += _mlp(layer, rms_norm(h, layer.post_norm, layer.post_eps), silu_mul)
+        # NOTE: norm all rows, then keep some, as transformers does: norming only the kept rows is the same math,
+        # but a GPU reduction may order its sums by the number of rows.
+        return apply_linear(rms_norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
+
+    def _attention(
+        self,
+        index: int,
+        layer: _Layer,
+        x: torch.Tensor,
+        rope: Callable[[torch.Tensor], torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = apply_linear(x, layer.q).view(num_tokens, -1, self.head_dim)
+        k = apply_linear(x, layer.k).view(num_tokens, -1, self.head_dim)
+        if layer.q_norm is not None:  # Qwen3's per-head norms, before RoPE
+            q, k = rms_norm(q, layer.q_norm, layer.qk_norm_eps), rms_norm(k, layer.k_norm, layer.qk_norm_eps)
+        q, k = rope(q), rope(k)
+        v = apply_linear(x, layer.v).view(num_tokens, -1, self.head_dim)
+        out = paged_attention(q, k, v, md, index, layer.scale)
+        return apply_linear(out.reshape(num_tokens, -1), layer.o)
+
+
+def _layer_tensors(layer: LayerWeights, backend: Backend) -> _Layer:
+    def linear(weights: Linear | None) -> Projection | None:
+        return None if weights is None else projection(*weights, backend)
+
+    return _Layer(
+        input_norm=layer.input_norm,
+        input_eps=layer.input_eps,
+        post_norm=layer.post_norm,
+        post_eps=layer.post_eps,
+        q=linear(layer.q),
+        k=linear(layer.k),
+        v=linear(layer.v),
+        o=linear(layer.o),
+        gate=linear(layer.gate),
+        up=linear(layer.up),
+        down=linear(layer.down),
+        scale=layer.scale,
+        q_norm=layer.q_norm,
+        k_norm=layer.k_norm,
+        qk_norm_eps=layer.qk_norm_eps,
+        moe=None if layer.moe is None else SparseMoE(layer.moe),
+    )
+
+
+def _mlp(
+    layer: _Layer, x: torch.Tensor, silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    if layer.moe is not None:
+        return layer.moe(x)
+    return apply_linear(silu_mul(apply_linear(x, layer.gate), apply_linear(x, layer.up)), layer.down)
+
+
+def _check_batch_invariant(weights: LlamaWeights, quantized: list[QuantizedLinearWeight]) -> None:
+    """Refuse what ``batch_invariant = on`` does not run, naming the setting.
+
+    Raises:
+        ValueError: MoE layers, or quantized weights.
+    """
+    if any(layer.moe is not None for layer in weights.layers):
+        raise ValueError(
+            "batch_invariant = on does not run MoE layers yet (the experts' grouped GEMM sums by each "
+            "expert's share of the step); set engine.batch_invariant = off"
+        )
+    if quantized:
+        raise ValueError(
+            "batch_invariant = on does not run quantized weights (each GEMM dequantizes its weight in chunks "
+            "of its own shape); set engine.batch_invariant = off or use unquantized weights"
+        )
+
+
+def _log_layers(
+    layers: list[_Layer],
+    num_projections: int,
+    num_onednn: int,
+    quantized: list[QuantizedLinearWeight],
+    linear_backend: Backend,
+    batch_invariant: bool,
+) -> None:
+    """Log once which GEMM runs the projections, the quantized layers and where the MoE experts run."""
+    logger.info(
+        "linear layers: %d of %d on oneDNN, the rest on torch's GEMM (%s)",
+        num_onednn,
+        num_projections,
+        "batch-invariant" if batch_invariant else f"linear_backend = {linear_backend}",
+    )
+    if quantized:
+        logger.info(
+            "quantized linear layers: %d, kept %s with their scales, dequantized in the GEMM (weight-only: "
+            "activations in %s)",
+            len(quantized),
+            quantized[0].storage_dtype,
+            quantized[0].dtype,
+        )
+    moe = [layer.moe for layer in layers if layer.moe is not None]
+    if moe:
+        reason = moe[0].fallback_reason
+        logger.info(
+            "MoE layers: %d, experts on %s", len(moe), f"the reference ({reason})" if reason else "grouped GEMM"
+        )
