@@ -518,10 +518,17 @@ def _report(args, schemas: list[dict], results: list[dict[str, Outcome]], second
         for outcome in outcomes.values():
             if outcome.leaks:
                 lines.append(f"- LEAK ({outcome.backend}): `{json.dumps(schema)}` wrote `{outcome.leaks[0]}`")
-    errors = sorted({(o.backend, (o.error or "")[:120]) for r in results for o in r.values() if o.error})
+    errors = sorted(
+        {(o.backend, " ".join((o.error or "").split())[:120]) for r in results for o in r.values() if o.error}
+    )
     if errors:
-        lines += ["", "Error rows (the engine's message, first 120 characters):", ""]
-        lines += [f"- {b}: {e}" for b, e in errors]
+        lines += [
+            "",
+            "Error rows (the engine's message, first 120 characters; each schema is unsatisfiable or names "
+            "the keyword):",
+            "",
+        ]
+        lines += [f"- {'llguidance' if b == 'guidance' else b}: {e}" for b, e in errors]
     return "\n".join(lines) + "\n"
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import os
 import statistics
 import sys
 import tempfile
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    args.load_start = os.getloadavg()[0]
     from dataclasses import replace
 
     from cbrun.engine.config import EngineConfig
@@ -136,9 +138,10 @@ def _report(args, runs: dict, valid: dict, distinct: dict, distinct_valid: dict)
     lines = [
         f"# benchmarks.structured_engines ({datetime.date.today()}, commit {git_commit()})",
         "",
-        f"Machine: {machine_info(args.threads)['cpu']}, cpu, {args.threads} threads; shared with other jobs while "
-        f"measured. Greedy, max_new_tokens {args.max_new_tokens}, one run each, a fresh engine per run. Model: "
-        "random Llama (hidden 256, 4 layers, vocab 32000), 32000-token byte-level BPE trained on GSM8K train.",
+        f"Machine: {machine_info(args.threads)['cpu']}, cpu, {args.threads} threads (llguidance fills its masks on "
+        f"as many), load average {args.load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; shared with other jobs while measured. Greedy, "
+        f"max_new_tokens {args.max_new_tokens}, one run each, a fresh engine per run. Model: random Llama (hidden "
+        "256, 4 layers, vocab 32000), 32000-token byte-level BPE trained on GSM8K train.",
         "",
         f"## One schema, {args.rows} rows (`cbrun.bench.structured.SCHEMA`)",
         "",
