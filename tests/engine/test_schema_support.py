@@ -567,3 +567,32 @@ def test_guidance_backend_serves_regex_choice_and_grammar(model_dir, engine):
         ("guidance", "choice"),
         ("guidance", "grammar"),
     }
+
+
+def test_guidance_batched_fill_matches_one_by_one_on_any_thread_count(guidance_compiler):
+    """llguidance's rows filled together (its executor at two threads, a loop at one) equal each row's own mask."""
+    from cbrun.engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
+
+    compiler, vocab = guidance_compiler
+    states = []
+    for i, schema in enumerate([GUIDANCE_ONLY["allOf"], GUIDANCE_ONLY["minimum"], ENFORCED["items"]] * 2):
+        params = StructuredOutputsParams(json=schema)
+        future = compiler.submit(params, "guidance")
+        future.result()
+        state = StructuredOutputRequest(params, future)
+        assert state.ready() and state.error is None
+        for token in ([] if i < 3 else state.matcher.matcher.compute_ff_tokens()[:1]):
+            assert state.accept(token)
+        states.append(state)
+    alone = xgr.allocate_token_bitmask(len(states), vocab)
+    for row, state in enumerate(states):
+        state.fill_bitmask(alone, row)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            together = xgr.allocate_token_bitmask(len(states) + 1, vocab)
+            assert all(fill_bitmasks(states, together, list(range(1, len(states) + 1))))
+            assert torch.equal(together[1:], alone), n
+    finally:
+        torch.set_num_threads(threads)

@@ -51,6 +51,8 @@ class GuidanceGrammar:
         self.grammar = grammar
         self.eos_token_ids = eos_token_ids
         self._start = llguidance.LLMatcher(tokenizer, grammar)
+        if self._start.is_error():  # llguidance reports a grammar it cannot build this way, never by raising
+            raise GrammarCompileError(f"invalid constraint (llguidance): {self._start.get_error()[:300]}")
         self._lock = threading.Lock()
 
     def new_matcher(self):

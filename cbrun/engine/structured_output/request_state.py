@@ -116,8 +116,9 @@ class StructuredOutputRequest:
 
 def fill_bitmasks(states: list[StructuredOutputRequest], bitmask: torch.Tensor, rows: list[int]) -> list[bool]:
     """``fill_bitmask`` of many ready requests in one call per engine (xgrammar's ``BatchGrammarMatcher``;
-    llguidance's ``LLExecutor``, each with its own threads) into the one bitmask: ``states[i]`` fills
-    ``bitmask[rows[i]]``. One call instead of one per request is most of a decode step's grammar time at 256 rows.
+    llguidance's ``LLExecutor`` on torch's thread count, or at one thread a loop in this thread) into the one
+    bitmask: ``states[i]`` fills ``bitmask[rows[i]]``. One call instead of one per request is most of a decode
+    step's grammar time at 256 rows.
 
     Returns:
         Per request, whether its row allows any token (``fill_bitmask``'s result).
@@ -138,7 +139,11 @@ def fill_bitmasks(states: list[StructuredOutputRequest], bitmask: torch.Tensor, 
     if guided:
         import llguidance.torch
 
-        llguidance.torch.fill_next_token_bitmask_par(_guidance_executor(), guided, bitmask)
+        if torch.get_num_threads() > 1:
+            llguidance.torch.fill_next_token_bitmask_par(_guidance_executor(), guided, bitmask)
+        else:  # one thread: fill here (each call drops the GIL), not through a pool thread that has to be woken
+            for matcher, row in guided:
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
     index = torch.tensor(rows, dtype=torch.int64)
     return (bitmask[index] != 0).any(dim=1).tolist()
 
