@@ -581,7 +581,7 @@ def test_guidance_batched_fill_matches_one_by_one_on_any_thread_count(guidance_c
         future.result()
         state = StructuredOutputRequest(params, future)
         assert state.ready() and state.error is None
-        for token in ([] if i < 3 else state.matcher.matcher.compute_ff_tokens()[:1]):
+        for token in [] if i < 3 else state.matcher.matcher.compute_ff_tokens()[:1]:
             assert state.accept(token)
         states.append(state)
     alone = xgr.allocate_token_bitmask(len(states), vocab)
