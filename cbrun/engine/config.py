@@ -183,8 +183,9 @@ class EngineConfig:
             ``structured_outputs_config.backend``): "auto" (the default) gives a schema to xgrammar when it enforces
             every keyword of it, else to llguidance when that does (the ``guidance`` extra); "xgrammar" or
             "guidance" uses only that one. A schema the chosen engines would not fully enforce is the row's error,
-            naming the keyword and its place (``$.properties.a.not``); the table: ``docs/structured-outputs.md``.
-            Regex, choice and grammar constraints are always xgrammar's.
+            naming each such keyword and its place (``$.properties.a.not``); the table:
+            ``docs/structured-outputs.md``. Regex, choice and grammar constraints are xgrammar's, llguidance's
+            under "guidance".
         structured_outputs_ignore_formats: serve JSON schemas whose ``format`` values (``date-time``, ``uri``,
             ...) no engine here enforces, with those formats unchecked; false (the default) refuses them by name.
 
