@@ -146,7 +146,7 @@ class EngineConfig:
             ``speculative = "off"``, ``tensor_parallel_size = 1`` and unquantized weights; MoE blocks run each
             expert over its own rows. Anything else is a ValueError naming it. "off" runs the fastest kernels,
             whose bits may change with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
-            sampled and it can run (``cbrun.jobs.run.job.resolve_batch_invariant``), off for greedy-only jobs; the
+            sampled and it can run (``cbrun.jobs.run.resolve.resolve_batch_invariant``), off for greedy-only jobs; the
             Python engine API takes "auto" as "off". Its logits differ from "off"'s by float32 rounding.
         speculative: speculative decoding (see ``cbrun.engine.spec_decode.speculative``): "off", "ngram" (prompt lookup: proposals
             copied from the request's own prompt and output) or "draft" (a small model with the same tokenizer,

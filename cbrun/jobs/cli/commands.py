@@ -1,5 +1,5 @@
 """The ``cbrun`` command: ``run``, ``status``, ``export``, ``convert-llama2c``, ``demo`` and ``bench``. Thin: the
-work is in jobs.run.job, jobs.output.status, jobs.output.export and jobs.demo; ``bench`` is the command the benchmarks package
+work is in jobs.run.job, jobs.output.status, jobs.output.export and jobs.cli.demo; ``bench`` is the command the benchmarks package
 registers in the ``cbrun.commands`` entry-point group (``COMMAND_ENTRY_POINTS``), so no runtime module imports it.
 
 ``main`` parses the command line (``cbrun.jobs.cli.parser``: the commands, their flags and ``EXIT_CODES``, also in
