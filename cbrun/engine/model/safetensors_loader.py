@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from cbrun.engine.model import registry
 from cbrun.engine.model.config import LlamaConfig, read_config_json
+from cbrun.engine.model.family import ModelFamily
 from cbrun.engine.model.layers.parallel import TensorParallelWeights, read_shard
 from cbrun.engine.model.layers.quantization.base import QuantizedLinearWeight
 from cbrun.engine.model.layers.quantization.fp8 import FP8_DTYPE, QuantizedWeight
@@ -164,14 +165,7 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
                     tensor = handle.get_tensor(name)
                 else:
                     tensor = read_shard(handle, name, parallel.layout, family.shard_style(name))
-                if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
-                    raise RuntimeError(f"tensor {name} is {tensor.dtype} without a scale tensor")
-                # integers are packed codes or scales (mxfp4's ``*_blocks`` / ``*_scales``): kept as stored, the
-                # family checks their dtype
-                dtype = plan.dtype if tensor.dtype.is_floating_point else tensor.dtype
-                if dtype == torch.float16 and any(part in name for part in family.keep_in_float32):
-                    dtype = torch.float32  # as transformers' ``_keep_in_fp32_modules`` under float16
-                tensors[name] = tensor.to(device=device, dtype=dtype)
+                tensors[name] = tensor.to(device=device, dtype=_load_dtype(name, tensor.dtype, plan.dtype, family))
     for name, stored in parts.items():
         # NOTE: a quantized weight stays quantized: it is dequantized in the GEMM, never here.
         tensors[name] = _quantized(plan, name, shapes[name], stored)
@@ -180,6 +174,23 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
     )
     weights.parallel = parallel
     return LeanModel(config, weights)
+
+
+def _load_dtype(name: str, stored: torch.dtype, dtype: torch.dtype, family: ModelFamily) -> torch.dtype:
+    """The dtype a plain tensor is loaded in: the engine's ``dtype``; integers (packed codes or scales, mxfp4's
+    ``*_blocks`` / ``*_scales``) as stored, the family checks them; float32 under float16 for the names the family
+    keeps so (``ModelFamily.keep_in_float32``, as transformers' ``_keep_in_fp32_modules``).
+
+    Raises:
+        RuntimeError: a one-byte float (float8) tensor outside a quantized linear: it has no scale.
+    """
+    if stored.itemsize == 1 and stored.is_floating_point:
+        raise RuntimeError(f"tensor {name} is {stored} without a scale tensor")
+    if not stored.is_floating_point:
+        return stored
+    if dtype == torch.float16 and any(part in name for part in family.keep_in_float32):
+        return torch.float32
+    return dtype
 
 
 def _quantized(

@@ -72,6 +72,7 @@ from cbrun.engine.model.layers.moe import (
     SparseMoE,
     unsupported_moe_reason,
 )
+from cbrun.engine.model.layers.parallel import TensorParallelWeights
 from cbrun.engine.model.layers.quantization.base import QuantizedExperts, QuantizedLinearWeight
 from cbrun.engine.model.layers.quantization.schemes import QuantScheme, read_quantization
 from cbrun.engine.model.layers.rotary_embedding import (
@@ -607,12 +608,7 @@ class LeanLlama:
         self.parallel = weights.parallel  # tensor parallelism: the collectives wrap the split projections
         self.lm_head = lm_head(self.lm_head, self.parallel)
         if self.parallel is not None:
-            for layer in self.layers:
-                layer.o = self.parallel.row_parallel(layer.o)
-                if layer.down is not None:
-                    layer.down = self.parallel.row_parallel(layer.down)
-                if layer.moe is not None:  # split by expert
-                    layer.moe = self.parallel.expert_parallel(layer.moe)
+            _split_over_ranks(self.layers, self.parallel)
         _log_layers(self.layers, len(projections), self.num_onednn_linears, quantized, linear_backend, batch_invariant)
         if self.invariant_kernels is not None:
             logger.info("batch-invariant linear layers and norms: the %s kernels", self.invariant_kernels.name)
@@ -679,6 +675,17 @@ class LeanLlama:
         v = apply_linear(x, layer.v).view(num_tokens, -1, self.head_dim)
         out = paged_attention(q, k, v, md, index, layer.scale, layer.sliding_window, sinks=layer.sinks)
         return apply_linear(out.reshape(num_tokens, -1), layer.o)
+
+
+def _split_over_ranks(layers: list[_Layer], parallel: TensorParallelWeights) -> None:
+    """Wrap each layer's row-parallel projections (o, down) in their all-reduce and its MoE block in the
+    expert-parallel one (each rank its own experts)."""
+    for layer in layers:
+        layer.o = parallel.row_parallel(layer.o)
+        if layer.down is not None:
+            layer.down = parallel.row_parallel(layer.down)
+        if layer.moe is not None:  # split by expert
+            layer.moe = parallel.expert_parallel(layer.moe)
 
 
 def _layer_tensors(
