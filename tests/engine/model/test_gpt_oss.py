@@ -348,6 +348,17 @@ def test_mxfp4_variants_are_refused_by_name(mxfp4, tmp_path):
         LLMEngine.from_pretrained(str(odd), EngineConfig(**ENGINE))
     with pytest.raises(ValueError, match="tensor_parallel_size = 2 does not split quantized weights"):
         LLMEngine.from_pretrained(str(mxfp4), EngineConfig(**ENGINE, tensor_parallel_size=2))
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (odd / "config.json").write_text(json.dumps(config | {"quantization_config": fp8}))
+    with pytest.raises(ValueError, match=r"not implemented by cbrun: fp8 \(float8\) on gpt-oss"):
+        LLMEngine.from_pretrained(str(odd), EngineConfig(**ENGINE))
+    (odd / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(odd / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name].to(torch.int32)  # scales in another dtype than the layout's
+    save_file(tensors, str(odd / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=f"tensor {name} is torch.int32, but MXFP4 stores uint8"):
+        LLMEngine.from_pretrained(str(odd), EngineConfig(**ENGINE))
 
 
 @pytest.mark.parametrize("quantized", [False, True])
