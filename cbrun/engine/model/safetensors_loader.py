@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from cbrun.engine.model import registry
 from cbrun.engine.model.config import LlamaConfig, read_config_json
-from cbrun.engine.model.layers.parallel import TensorParallelWeights, read_shard
+from cbrun.engine.model.layers.parallel import TensorParallelWeights, read_quantized_shard, read_shard
 from cbrun.engine.model.layers.quantization.base import QuantizedLinearWeight
 from cbrun.engine.model.layers.quantization.fp8 import FP8_DTYPE, QuantizedWeight
 from cbrun.engine.model.layers.quantization.int4 import from_awq, from_compressed_tensors, from_gptq
@@ -132,7 +132,8 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
         plan: what to read (``load_plan``).
         device: where the tensors go.
         parallel: a tensor-parallel rank's share: only its slice of each split tensor is read
-            (``cbrun.engine.model.layers.parallel.ShardLayout.split``, by the family's ``shard_style``); None
+            (``cbrun.engine.model.layers.parallel.ShardLayout.split``, by the family's ``shard_style``; of a
+            quantized linear, the parts of its stored tensors that hold that slice: ``read_quantized_shard``); None
             reads the whole model.
 
     Raises:
@@ -152,7 +153,19 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
                     continue
                 if name in part_of:  # kept as stored, checked as a whole below
                     weight, suffix = part_of[name]
-                    parts.setdefault(weight, {})[suffix] = handle.get_tensor(name).to(device=device)
+                    if parallel is None:
+                        tensor = handle.get_tensor(name)
+                    else:
+                        tensor = read_quantized_shard(
+                            handle,
+                            name,
+                            suffix,
+                            shapes[weight],
+                            config.quantization,
+                            parallel.layout,
+                            family.shard_style(weight),
+                        )
+                    parts.setdefault(weight, {})[suffix] = tensor.to(device=device)
                     continue
                 shape = tuple(handle.get_slice(name).get_shape())
                 if shape != shapes[name]:
@@ -169,7 +182,10 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
                 tensors[name] = tensor.to(device=device, dtype=plan.dtype)
     for name, stored in parts.items():
         # NOTE: a quantized weight stays quantized: it is dequantized in the GEMM, never here.
-        tensors[name] = _quantized(plan, name, shapes[name], stored)
+        shape = (
+            shapes[name] if parallel is None else parallel.layout.local_shape(shapes[name], family.shard_style(name))
+        )
+        tensors[name] = _quantized(plan, name, shape, stored)
     weights = family.checkpoint_weights(
         config, tensors, device, parallel.layout.local_experts if parallel is not None else None
     )
