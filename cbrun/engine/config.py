@@ -58,7 +58,7 @@ class BatchLimits:
 SPECULATION_RULE_VERSION = 2
 #: Version of the sampler's random stream and draw rule (``cbrun.engine.sample``). A sampled row's tokens depend on it,
 #: so a job's fingerprint records it: bump it whenever a change alters which token a seeded row draws. 2: the
-#: counter-based stream (``cbrun.engine.sample.random_stream``) drawn by inverse CDF with pivots; 1 (unrecorded): one
+#: counter-based stream (``cbrun.engine.sample.sampler.uniform``) drawn by inverse CDF with pivots; 1 (unrecorded): one
 #: ``torch.Generator`` per request on the host.
 SAMPLER_VERSION = 2
 

@@ -7,6 +7,10 @@ and batch kind (decode, short verify, prefill) this builds the launch exactly as
 would run the same binary, compiles each for each architecture, and reads back the shared memory (Triton's
 metadata) and the registers and stack (``cuobjdump --dump-resource-usage``; stack bytes are register spills).
 
+The weight-dequantizing GEMMs (``int4_gemm``, ``fp8_gemm``, ``mxfp4_gemm``) are checked the same way, each launch
+built by ``gemm_launch.gemm_launch_config`` for decode, 17..64-row and large batches (``quantized_gemm_launches``;
+``--quantized`` compiles only those, ``--with-quantized`` both).
+
 Run ``python -m cbrun.kernels.aot_fit`` to print the full table (several minutes on two cores; ``--subset``,
 ``--capability 90`` for less). The test is ``tests/kernels/test_kernel_fit.py``.
 """
@@ -145,9 +149,13 @@ def compile_launch(launch: Launch, capability: int) -> Fit:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = paged_attention_kernel if launch.kernel == "paged_attention" else kv_cache_write_kernel
     constexprs = launch.config.constexprs
-    signature, attrs = _signature(kernel, launch.dtype, constexprs)
+    if launch.kernel in QUANTIZED_GEMM_POINTERS:
+        kernel = _quantized_gemm_kernel(launch.kernel)
+        signature, attrs = _gemm_signature(kernel, launch.kernel, launch.dtype, constexprs)
+    else:
+        kernel = paged_attention_kernel if launch.kernel == "paged_attention" else kv_cache_write_kernel
+        signature, attrs = _signature(kernel, launch.dtype, constexprs)
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
         source,
@@ -199,11 +207,12 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
 def format_fit(fit: Fit) -> str:
     """One table line for ``fit``."""
     c = fit.launch.config.constexprs
-    tile = (
-        f"D={c.get('HEAD_DIM')} M={c['BLOCK_M']} N={c['BLOCK_N']}"
-        if "BLOCK_M" in c
-        else f"H={c['NUM_KV_HEADS']} D={c['HEAD_DIM']}"
-    )
+    if "BLOCK_K" in c:
+        tile = f"M={c['BLOCK_M']} N={c['BLOCK_N']} K={c['BLOCK_K']}{' bias' if c['HAS_BIAS'] else ''}"
+    elif "BLOCK_M" in c:
+        tile = f"D={c.get('HEAD_DIM')} M={c['BLOCK_M']} N={c['BLOCK_N']}"
+    else:
+        tile = f"H={c['NUM_KV_HEADS']} D={c['HEAD_DIM']}"
     return (
         f"sm_{fit.capability} | {fit.launch.kernel} | {_DTYPE_NAMES[fit.launch.dtype]} | {tile} "
         f"w={fit.launch.config.num_warps} | {fit.shared // 1024} KiB / {fit.shared_limit // 1024} | "
@@ -239,14 +248,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--subset", action="store_true", help="only the representative subset (SUBSET)")
     parser.add_argument("--json", type=Path, help="also write every launch's figures here")
+    parser.add_argument(
+        "--quantized",
+        action="store_true",
+        help="the quantized GEMMs only (quantized_gemm_launches; with --subset, QUANTIZED_SUBSET)",
+    )
+    parser.add_argument("--with-quantized", action="store_true", help="the attention launches and the quantized GEMMs")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     matrix = SUBSET if args.subset else {}
+    gemm_matrix = QUANTIZED_SUBSET if args.subset else {}
     fits = []
     with tempfile.TemporaryDirectory(prefix="cbrun-aot-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # NOTE: nothing cached across runs: every binary is compiled here
         print("arch | kernel | dtype | tile | shared | regs | stack | fits | first made by")
         for capability in args.capability or CAPABILITIES:
-            for launch in engine_launches(capability, **matrix):
+            launches = [] if args.quantized else engine_launches(capability, **matrix)
+            if args.quantized or args.with_quantized:
+                launches += quantized_gemm_launches(capability, **gemm_matrix)
+            for launch in launches:
                 fits.append(compile_launch(launch, capability))
                 print(format_fit(fits[-1]), flush=True)
     bad = [f for f in fits if not f.ok]
@@ -270,6 +289,71 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     return 1 if bad else 0
+
+
+#: Each quantized GEMM's pointer arguments that are not in the activations' dtype, with their Triton types.
+QUANTIZED_GEMM_POINTERS = {
+    "int4_gemm": {"packed_ptr": "*i32", "zeros_ptr": "*u8", "scales_ptr": "*fp32"},
+    "fp8_gemm": {"w_ptr": "*u8", "scale_ptr": "*fp32"},
+    "mxfp4_gemm": {"blocks_ptr": "*u8", "scales_ptr": "*u8"},
+}
+#: The K-step caps a launch can get, per kernel: int4 group 128 and the shorter group 32 (channel-strategy and
+#: FP8 128 x 128 / per-channel layouts get 128, MXFP4 always 128).
+QUANTIZED_BLOCK_K_CAPS = {"int4_gemm": (128, 32), "fp8_gemm": (128,), "mxfp4_gemm": (128,)}
+#: Rows that reach each tile of ``pick_quantized_gemm_tile``: decode, 17..32, 33..64, larger batches and prefill.
+QUANTIZED_ROWS = (1, 32, 64, 256)
+#: The default test run's share: 16-bit and float32, the decode and the large tile, no bias.
+QUANTIZED_SUBSET = dict(dtypes=(torch.bfloat16, torch.float32), rows=(1, 256), biases=(False,), all_caps=False)
+
+
+def quantized_gemm_launches(
+    capability: int,
+    dtypes=DTYPES,
+    rows=QUANTIZED_ROWS,
+    biases=(False, True),
+    all_caps: bool = True,
+) -> list[Launch]:
+    """Every distinct launch of the quantized GEMMs on ``capability`` (``gemm_launch.gemm_launch_config``, as the
+    wrappers make them) for ``dtypes`` x ``rows`` x ``biases`` x each kernel's K-step caps (only the first,
+    group 128's, unless ``all_caps``)."""
+    from cbrun.kernels.gemm_launch import gemm_launch_config
+
+    launches: dict[tuple, Launch] = {}
+    for kernel, caps in QUANTIZED_BLOCK_K_CAPS.items():
+        for cap in caps if all_caps else caps[:1]:
+            for dtype in dtypes:
+                for m in rows:
+                    for bias in biases:
+                        config = gemm_launch_config(dtype, m, cap, capability, bias)
+                        launch = Launch(kernel, dtype, config, f"rows={m} block_k<={cap}")
+                        launches.setdefault(launch.key(), launch)
+    return list(launches.values())
+
+
+def _quantized_gemm_kernel(name: str):
+    import importlib
+
+    return getattr(importlib.import_module(f"cbrun.kernels.{name}"), f"{name}_kernel")
+
+
+def _gemm_signature(kernel, name: str, dtype: torch.dtype, constexprs: dict) -> tuple[dict, dict]:
+    """Argument types of a quantized GEMM as the runtime specialises them: activations, output and bias in
+    ``dtype``, the weight's tensors in their own types (``QUANTIZED_GEMM_POINTERS``); pointers, N, K and the row
+    strides of x and out 16-divisible, as the runtime finds them for every model it serves (4096, 14336, 2880, ...).
+    M stays unspecialised (the runtime specialises M = 1, a simpler binary than the one checked)."""
+    weight = QUANTIZED_GEMM_POINTERS[name]
+    signature, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = weight.get(arg, f"*{_DTYPE_NAMES[dtype]}")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "i32"
+            if arg in ("N", "K", "stride_out_m", "stride_x_m"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
 
 
 if __name__ == "__main__":

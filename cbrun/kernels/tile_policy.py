@@ -81,3 +81,57 @@ def pick_attention_tile(
         block_n = 32 if head_dim_padded >= 256 and capability < 90 else 64
         large_acc = block_m * head_dim_padded >= 64 * 256
     return AttentionTile(block_m, block_n, 8 if large_acc else 4)
+
+
+#: Rows up to which a quantized-GEMM launch counts as decode-sized (the split-N tile below).
+GEMM_DECODE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One quantized-GEMM launch's tile: a (block_m, block_n) output tile per program, block_k inputs per step."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_quantized_gemm_tile(capability: int, elem_bytes: int, rows: int, max_block_k: int) -> GemmTile:
+    """The tile of one weight-dequantizing GEMM launch (``int4_gemm``, ``fp8_gemm``, ``mxfp4_gemm``).
+
+    The kernels stream the quantized weight once per row tile and dequantize it in registers, so on decode the
+    launch is memory bound on the weight: the rule is to read it once (one row tile) and spread it over many
+    programs (a narrow ``block_n``: split-N, 128 programs for 4096 outputs), with a long ``block_k`` step and a
+    deep pipeline to keep loads in flight. Larger batches take wider tiles for reuse of each dequantized tile.
+
+    Rules, in order (each compiled for sm_80/89/90 without spills in ``tests/kernels/test_kernel_fit.py``):
+        * float32 activations (``input_precision="ieee"`` dots run on FMA units with both operands in registers):
+          16 x 32 x 64 with 8 warps on decode, 32 x 64 x 32 with 8 warps above (a block_k of 128 spilled
+          hundreds of bytes on sm_90).
+        * 16-bit, rows <= 16 (decode): 16 x 32 tiles, block_k 128, 4 warps, 4 stages (3 on sm_80-class parts;
+          int4 with 3 stages on sm_89 spilled 8 bytes).
+        * 16-bit, rows <= 64: block_m the next power of two (32 or 64), block_n 64, block_k 64, 4 warps, 3 stages.
+        * 16-bit, more rows (prefill, large batches): 64 x 128 x 64 with 8 warps, 3 stages.
+        * block_k never exceeds ``max_block_k``: the largest power of two that keeps one scale group (or block)
+          per step, which the wrapper derives from the layout (at least 16).
+
+    Args:
+        capability: compute capability, major * 10 + minor (80, 89, 90).
+        elem_bytes: bytes per activation element (2 for fp16/bf16, 4 for float32).
+        rows: M, the activation rows of the launch (tokens in the step).
+        max_block_k: upper bound on block_k (a power of two >= 16).
+
+    Returns:
+        The ``GemmTile``.
+    """
+    if elem_bytes >= 4:
+        tile = GemmTile(16, 32, 64, 8, 3) if rows <= GEMM_DECODE_ROWS else GemmTile(32, 64, 32, 8, 2)
+    elif rows <= GEMM_DECODE_ROWS:
+        tile = GemmTile(16, 32, 128, 4, 3 if capability < 89 else 4)
+    elif rows <= 64:
+        tile = GemmTile(next_power_of_2(rows), 64, 64, 4, 3)
+    else:
+        tile = GemmTile(64, 128, 64, 8, 3)
+    return GemmTile(tile.block_m, tile.block_n, min(tile.block_k, max_block_k), tile.num_warps, tile.num_stages)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.sample import random_stream
-from cbrun.engine.sample.filters import inverse_cdf
+from cbrun.engine.sample import sampler
+from cbrun.engine.sample.sampler import inverse_cdf
 from cbrun.kernels.cpu_attention import unavailable_reason
 from tests.model_utils import assert_pool_balanced, random_model_dir, random_prompts
 
@@ -152,13 +152,13 @@ def first_logits(requests, target, invariant: str) -> torch.Tensor:
 
 def boundary_seed(a: torch.Tensor, b: torch.Tensor, temperature: float, tries: int = 1 << 21) -> int | None:
     """A seed whose first draw (output position 0) picks different tokens from logits ``a`` and ``b``: the
-    sampler's own draw (``inverse_cdf`` of softmax(logits / temperature) at ``random_stream.uniform``)."""
+    sampler's own draw (``inverse_cdf`` of softmax(logits / temperature) at ``sampler.uniform``)."""
     temp = torch.tensor([temperature], dtype=torch.float32)
     probs = [torch.softmax(x[None] / temp[:, None], dim=1) for x in (a, b)]
     chunk = 1 << 16
     for start in range(0, tries, chunk):
         seeds = torch.arange(start, start + chunk, dtype=torch.int64)
-        u = random_stream.uniform(seeds, torch.zeros_like(seeds), random_stream.PLAIN)
+        u = sampler.uniform(seeds, torch.zeros_like(seeds), sampler.PLAIN)
         drawn = [inverse_cdf(p.expand(chunk, -1), u) for p in probs]
         differ = (drawn[0] != drawn[1]).nonzero()
         if differ.numel():

@@ -116,3 +116,68 @@ def test_tile_policy_rows_grow_with_the_query():
     prefill = pick_attention_tile(90, 2, 128, 4, 4096)
     assert (decode.block_m, prefill.block_m) == (16, 64)
     assert pick_attention_tile(90, 4, 128, 4, 4096).block_m == 32  # float32 keeps its tile smaller
+
+
+# --- the weight-dequantizing GEMMs (int4_gemm, fp8_gemm, mxfp4_gemm) ---------------------------------------------
+
+
+@needs_toolchain
+def test_representative_quantized_gemm_launches_fit(tmp_path):
+    """``aot_fit.QUANTIZED_SUBSET`` (each kernel in bf16 and float32, decode and large tiles) for sm_80/89/90."""
+    fits = _compile_all(tmp_path, "--quantized", "--subset")
+    expected = sum(len(aot_fit.quantized_gemm_launches(c, **aot_fit.QUANTIZED_SUBSET)) for c in aot_fit.CAPABILITIES)
+    assert len(fits) == expected >= 30 and {fit["kernel"] for fit in fits} == set(aot_fit.QUANTIZED_GEMM_POINTERS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
+    reason="the full quantized-GEMM matrix takes ~10 minutes on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 (or run "
+    "python -m cbrun.kernels.aot_fit --quantized)",
+)
+@needs_toolchain
+@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
+def test_every_quantized_gemm_launch_fits(capability, tmp_path):
+    fits = _compile_all(tmp_path, "--quantized", "--capability", str(capability))
+    assert len(fits) == len(aot_fit.quantized_gemm_launches(capability))
+
+
+def test_quantized_gemm_launches_cover_every_tile_and_dedupe():
+    from cbrun.kernels.gemm_launch import gemm_launch_config
+
+    launches = aot_fit.quantized_gemm_launches(90)
+    assert len({launch.key() for launch in launches}) == len(launches)
+    tiles = {
+        (launch.kernel, launch.dtype, tuple(launch.config.constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")))
+        for launch in launches
+    }
+    for kernel in aot_fit.QUANTIZED_GEMM_POINTERS:
+        for dtype in aot_fit.DTYPES:
+            for rows in (1, 3, 16, 17, 40, 64, 65, 256, 8192):  # whatever a step brings, its tile was compiled
+                c = gemm_launch_config(dtype, rows, 128, 90, False).constexprs
+                assert (kernel, dtype, (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"])) in tiles
+    assert {launch.config.constexprs["HAS_BIAS"] for launch in launches} == {False, True}
+
+
+@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
+@pytest.mark.parametrize("elem_bytes", (2, 4))
+def test_quantized_gemm_decode_tile_splits_n(capability, elem_bytes):
+    """Decode (up to 16 rows) reads the weight once (one row tile) over many narrow programs: 128 of them for
+    4096 outputs; larger batches get taller tiles, never a K step past the layout's scale group."""
+    from cbrun.kernels.tile_policy import pick_quantized_gemm_tile
+
+    for rows in (1, 16):
+        tile = pick_quantized_gemm_tile(capability, elem_bytes, rows, 128)
+        assert tile.block_m == 16 and 4096 // tile.block_n == 128
+    assert pick_quantized_gemm_tile(capability, elem_bytes, 256, 128).block_m >= 32
+    assert pick_quantized_gemm_tile(capability, elem_bytes, 1, 32).block_k == 32
+
+
+def test_max_block_k_keeps_one_group_per_step():
+    from cbrun.kernels.gemm_launch import max_block_k
+
+    assert max_block_k("g", 128, 4096) == 128 and max_block_k("g", 64, 4096) == 64
+    assert max_block_k("g", 96, 4096) == 32 and max_block_k("g", 4096, 4096) == 128
+    assert max_block_k("g", 17, 17) == 128  # one group a row: any step
+    with pytest.raises(ValueError, match="g 24 is not a multiple of 16"):
+        max_block_k("g", 24, 4096)

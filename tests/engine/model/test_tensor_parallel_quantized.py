@@ -231,3 +231,29 @@ def _quantized_config(layout: str):
     plan, _ = safetensors_loader.load_plan(random_model_dir("llama"), "float32")
     scheme, _ = read_quantization(int4._quantization_config(layout))
     return replace(plan.config, quantization=scheme, intermediate_size=8)
+
+
+@pytest.mark.parametrize("layout", FLOAT8 + INT4)
+def test_the_triton_gemm_runs_each_ranks_slice_unchanged(monkeypatch, layout):
+    """The CUDA branch of the quantized linear (``triton_quantized_linear``, Triton's interpreter here) on each
+    rank's slice of a column-parallel (gate_proj) and a row-parallel (o_proj: one group of 128 per rank) weight: the
+    ranks' products, joined (columns) or summed (rows), equal the whole weight's product on the chunked CPU path."""
+    pytest.importorskip("triton")
+    from cbrun.engine.model.layers.quantization.base import chunked_quantized_linear, triton_quantized_linear
+
+    quantized, _ = _quantized("llama", layout)
+    plan, _ = safetensors_loader.load_plan(quantized, "float32")
+    whole = _quantized_linears(_load_rank(monkeypatch, plan, None)[0])
+    ranks = [_quantized_linears(_load_rank(monkeypatch, plan, rank)[0]) for rank in range(2)]
+    g = torch.Generator().manual_seed(0)
+    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
+        weight = whole[name]
+        x = torch.randn(3, weight.shape[1], generator=g)
+        want = chunked_quantized_linear(x, weight, None)
+        if name.endswith("gate_proj.weight"):  # column-parallel: each rank its output features
+            got = torch.cat([triton_quantized_linear(x, rank[name], None) for rank in ranks], dim=-1)
+        else:  # row-parallel: each rank its input features, the partial sums added (the all-reduce)
+            half = weight.shape[1] // 2
+            parts = [x[:, r * half : (r + 1) * half].contiguous() for r in range(2)]
+            got = sum(triton_quantized_linear(part, rank[name], None) for part, rank in zip(parts, ranks))
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
