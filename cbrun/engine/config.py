@@ -138,11 +138,14 @@ class EngineConfig:
             torch's for the rest. The transformers modules always use torch's.
         batch_invariant: "on" makes a row's logits the same bits whatever else is in its step, so that a seeded
             row draws the same tokens and logprobs alone or in any batch, under preemption and prefix sharing
-            (docs/sampling.md, "Batch invariance"): linear layers through ``linear.batch_invariant_linear``, the
-            MLP's silu and every attention query row in C, row by row. It needs the lean forward pass on the CPU
-            with the C attention kernel (float32), ``linear_backend = "auto"``, ``speculative = "off"`` and no CUDA
-            graphs; anything else is a ValueError naming it. "off" runs the fastest kernels, whose bits may change
-            with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
+            (docs/sampling.md, "Batch invariance"). On the CPU: linear layers through
+            ``linear.batch_invariant_linear``, the MLP's silu and every attention query row in C, row by row (the C
+            attention kernel, float32). With Triton attention (CUDA, compute capability 8.0+): cbrun's invariant
+            Triton matmul and RMSNorm, attention's one invariant tile, each sampled row drawn in its own call, CUDA
+            graphs off (docs/gpu.md). Either needs the lean forward pass, ``linear_backend = "auto"``,
+            ``speculative = "off"``, ``tensor_parallel_size = 1`` and unquantized weights; MoE blocks run each
+            expert over its own rows. Anything else is a ValueError naming it. "off" runs the fastest kernels,
+            whose bits may change with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
             sampled and it can run (``cbrun.jobs.run.job.resolve_batch_invariant``), off for greedy-only jobs; the
             Python engine API takes "auto" as "off". Its logits differ from "off"'s by float32 rounding.
         speculative: speculative decoding (see ``cbrun.engine.spec_decode.speculative``): "off", "ngram" (prompt lookup: proposals
