@@ -361,8 +361,10 @@ class ExpertParallelMoE:
         # NOTE: quantized experts are judged on one expert dequantized, as ``SparseMoE`` judges them
         self.fallback_reason = grouped_gemm_unavailable_reason(weights.dense(slice(0, 1)))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden) in ``x``'s dtype: every rank's experts' share, summed over the ranks."""
+    def __call__(self, x: torch.Tensor, silu_mul: Callable | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden) in ``x``'s dtype: every rank's experts' share, summed over the ranks.
+        ``silu_mul`` (``SparseMoE``'s batch-invariant activation) is not used: tensor parallelism refuses
+        ``batch_invariant = on``."""
         y = local_experts(x, self.weights.dense(), self.expert_start, grouped=self.fallback_reason is None)
         self.comm.all_reduce(y)
         return y.to(x.dtype)
