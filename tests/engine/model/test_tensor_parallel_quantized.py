@@ -257,3 +257,94 @@ def test_the_triton_gemm_runs_each_ranks_slice_unchanged(monkeypatch, layout):
             parts = [x[:, r * half : (r + 1) * half].contiguous() for r in range(2)]
             got = sum(triton_quantized_linear(part, rank[name], None) for part, rank in zip(parts, ranks))
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+
+
+def _real(model_type: str, quantization: dict, **fields) -> dict:
+    """A config.json of a real checkpoint's shapes (one decoder layer: the check is the same for each)."""
+    return dict(
+        model_type=model_type,
+        vocab_size=151936,
+        num_hidden_layers=1,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        quantization_config=quantization,
+        **fields,
+    )
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+#: Real checkpoints' shapes, the ranks they run on, and the words of a refusal (None: they split).
+REAL = {
+    # Qwen3-30B-A3B-FP8: 4 KV heads of 128 (replicated at tp 8), 128 experts of 768 held whole
+    "qwen3-30b-a3b-fp8": (
+        _real(
+            "qwen3_moe",
+            FP8_CONFIG,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            moe_intermediate_size=768,
+            num_experts=128,
+        ),  # fmt: skip
+        (2, 4, 8),
+        None,
+    ),
+    "qwen3-235b-a22b-fp8": (
+        _real(
+            "qwen3_moe",
+            FP8_CONFIG,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            head_dim=128,
+            moe_intermediate_size=1536,
+            num_experts=128,
+        ),  # fmt: skip
+        (4, 8),
+        None,
+    ),
+    # Llama-3-70B in GPTQ int4 group 128: 28672 / 8 = 3584 = 28 groups per rank
+    "llama-3-70b-gptq": (
+        _real(
+            "llama",
+            int4._quantization_config("gptq"),
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+        ),  # fmt: skip
+        (2, 4, 8),
+        None,
+    ),
+    # Qwen2.5-72B's 29568 intermediate features are 115.5 groups of 128 per rank at tp 2 (Qwen's own int4
+    # releases pad them to 29696 for this)
+    "qwen2.5-72b-awq-unpadded": (
+        _real(
+            "qwen2",
+            int4._quantization_config("awq"),
+            hidden_size=8192,
+            intermediate_size=29568,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+        ),  # fmt: skip
+        (2,),
+        "model.layers.0.mlp.down_proj.weight does not split on its layout's boundaries: its 29568 input features "
+        "split into 14784 per rank, and a rank's slice must start on a multiple of 128",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_checkpoints_shapes_split_or_are_refused_by_name(name):
+    raw, sizes, refused = REAL[name]
+    config, reason = registry.parse_config(raw)
+    assert config is not None, reason
+    family = registry.family_of(config)
+    weights = {n: s for n, s in family.checkpoint_shapes(config).items() if n.endswith("_proj.weight")}
+    for size in sizes:
+        assert parallel.unsupported_reason(config, size) is None
+        reason = parallel.unsupported_quantized_reason(config, weights, family.shard_style, size)
+        assert reason is None if refused is None else refused in str(reason), (size, reason)
