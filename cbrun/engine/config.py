@@ -146,7 +146,7 @@ class EngineConfig:
             ``speculative = "off"``, ``tensor_parallel_size = 1`` and unquantized weights; MoE blocks run each
             expert over its own rows. Anything else is a ValueError naming it. "off" runs the fastest kernels,
             whose bits may change with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
-            sampled and it can run (``cbrun.jobs.run.job.resolve_batch_invariant``), off for greedy-only jobs; the
+            sampled and it can run (``cbrun.jobs.run.resolve.resolve_batch_invariant``), off for greedy-only jobs; the
             Python engine API takes "auto" as "off". Its logits differ from "off"'s by float32 rounding.
         speculative: speculative decoding (see ``cbrun.engine.spec_decode.speculative``): "off", "ngram" (prompt lookup: proposals
             copied from the request's own prompt and output) or "draft" (a small model with the same tokenizer,
@@ -184,8 +184,9 @@ class EngineConfig:
             ``structured_outputs_config.backend``): "auto" (the default) gives a schema to xgrammar when it enforces
             every keyword of it, else to llguidance when that does (the ``guidance`` extra); "xgrammar" or
             "guidance" uses only that one. A schema the chosen engines would not fully enforce is the row's error,
-            naming the keyword and its place (``$.properties.a.not``); the table: ``docs/structured-outputs.md``.
-            Regex, choice and grammar constraints are always xgrammar's.
+            naming each such keyword and its place (``$.properties.a.not``); the table:
+            ``docs/structured-outputs.md``. Regex, choice and grammar constraints are xgrammar's, llguidance's
+            under "guidance".
         structured_outputs_ignore_formats: serve JSON schemas whose ``format`` values (``date-time``, ``uri``,
             ...) no engine here enforces, with those formats unchecked; false (the default) refuses them by name.
 

@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from cbrun.engine.model import registry
 from cbrun.engine.model.config import LlamaConfig, read_config_json
+from cbrun.engine.model.family import ModelFamily
 from cbrun.engine.model.layers.parallel import TensorParallelWeights, read_quantized_shard, read_shard
 from cbrun.engine.model.layers.quantization.base import QuantizedLinearWeight
 from cbrun.engine.model.layers.quantization.fp8 import FP8_DTYPE, QuantizedWeight
@@ -143,43 +144,7 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
     config = plan.config
     family = registry.family_of(config)
     shapes = family.checkpoint_shapes(config)
-    part_of = {tensor: (weight, suffix) for weight, parts in plan.quantized.items() for suffix, tensor in parts.items()}
-    tensors: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for path in sorted(set(plan.files.values())):
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                if parallel is not None and not parallel.layout.holds(name):  # another rank's expert
-                    continue
-                if name in part_of:  # kept as stored, checked as a whole below
-                    weight, suffix = part_of[name]
-                    if parallel is None:
-                        tensor = handle.get_tensor(name)
-                    else:
-                        tensor = read_quantized_shard(
-                            handle,
-                            name,
-                            suffix,
-                            shapes[weight],
-                            config.quantization,
-                            parallel.layout,
-                            family.shard_style(weight),
-                        )
-                    parts.setdefault(weight, {})[suffix] = tensor.to(device=device)
-                    continue
-                shape = tuple(handle.get_slice(name).get_shape())
-                if shape != shapes[name]:
-                    raise RuntimeError(
-                        f"tensor {name} in {path.name} has shape {list(shape)}, but config.json "
-                        f"implies {list(shapes[name])}"
-                    )
-                if parallel is None:
-                    tensor = handle.get_tensor(name)
-                else:
-                    tensor = read_shard(handle, name, parallel.layout, family.shard_style(name))
-                if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
-                    raise RuntimeError(f"tensor {name} is {tensor.dtype} without a scale tensor")
-                tensors[name] = tensor.to(device=device, dtype=plan.dtype)
+    tensors, parts = _read_files(plan, family, shapes, device, parallel)
     for name, stored in parts.items():
         # NOTE: a quantized weight stays quantized: it is dequantized in the GEMM, never here.
         shape = (
@@ -191,6 +156,60 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
     )
     weights.parallel = parallel
     return LeanModel(config, weights)
+
+
+def _read_files(
+    plan: LoadPlan,
+    family: ModelFamily,
+    shapes: dict[str, tuple[int, ...]],
+    device: str,
+    parallel: TensorParallelWeights | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Every tensor of the plan this rank holds (another rank's experts skipped), on ``device``: the plain ones in
+    the plan's dtype (name -> tensor), each quantized linear's stored tensors as stored (weight name -> suffix ->
+    tensor), both this rank's slices under ``parallel``."""
+    part_of = {tensor: (weight, suffix) for weight, parts in plan.quantized.items() for suffix, tensor in parts.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for path in sorted(set(plan.files.values())):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if parallel is not None and not parallel.layout.holds(name):  # another rank's expert
+                    continue
+                if name not in part_of:
+                    tensor = _read_plain(handle, name, path, shapes[name], family, parallel)
+                    tensors[name] = tensor.to(device=device, dtype=plan.dtype)
+                    continue
+                weight, suffix = part_of[name]  # kept as stored, checked as a whole by ``_quantized``
+                if parallel is None:
+                    part = handle.get_tensor(name)
+                else:
+                    scheme, style = plan.config.quantization, family.shard_style(weight)
+                    part = read_quantized_shard(handle, name, suffix, shapes[weight], scheme, parallel.layout, style)
+                parts.setdefault(weight, {})[suffix] = part.to(device=device)
+    return tensors, parts
+
+
+def _read_plain(
+    handle, name: str, path: Path, shape: tuple[int, ...], family: ModelFamily, parallel: TensorParallelWeights | None
+) -> torch.Tensor:
+    """An unquantized tensor (this rank's slice of it under ``parallel``), in the file's dtype.
+
+    Raises:
+        RuntimeError: its shape is not ``shape`` (config.json's), or it is 8-bit float without a scale tensor.
+    """
+    stored = tuple(handle.get_slice(name).get_shape())
+    if stored != shape:
+        raise RuntimeError(
+            f"tensor {name} in {path.name} has shape {list(stored)}, but config.json implies {list(shape)}"
+        )
+    if parallel is None:
+        tensor = handle.get_tensor(name)
+    else:
+        tensor = read_shard(handle, name, parallel.layout, family.shard_style(name))
+    if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
+        raise RuntimeError(f"tensor {name} is {tensor.dtype} without a scale tensor")
+    return tensor
 
 
 def _quantized(
