@@ -346,7 +346,7 @@ def test_mxfp4_variants_are_refused_by_name(mxfp4, tmp_path):
     (odd / "config.json").write_text(json.dumps(config | {"quantization_config": MXFP4 | {"swizzle": True}}))
     with pytest.raises(ValueError, match="quantization_config is not implemented by cbrun: mxfp4 with swizzle"):
         LLMEngine.from_pretrained(str(odd), EngineConfig(**ENGINE))
-    with pytest.raises(ValueError, match="tensor_parallel_size = 2 does not split quantized weights"):
+    with pytest.raises(ValueError, match="tensor_parallel_size = 2 cannot split this model: gpt-oss.s stacked experts"):
         LLMEngine.from_pretrained(str(mxfp4), EngineConfig(**ENGINE, tensor_parallel_size=2))
     fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (odd / "config.json").write_text(json.dumps(config | {"quantization_config": fp8}))
