@@ -29,6 +29,7 @@ from cbrun.engine.model.layers.moe import (
 )
 from cbrun.engine.model.layers.quantization.mxfp4 import Mxfp4Experts, dequantize_mxfp4, quantize_mxfp4
 from cbrun.engine.model.layers.rotary_embedding import RopeParameters, read_rope_parameters, rope_inv_freq
+from cbrun.engine.model.models.gpt_oss import DEFAULT_ROPE
 from cbrun.engine.model.registry import parse_config
 from tests.model_utils import greedy_generate, random_prompts, run_engine, save_spread_weights
 
@@ -154,6 +155,48 @@ def test_greedy_equals_generate_on_the_triton_kernels(gpt_oss, model_impl):
     prompts = PROMPTS[2:4]
     outputs = run_engine(model_dir, prompts, config, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert [outputs[i].output_token_ids for i in range(len(prompts))] == expected[2:4]
+
+
+def test_openai_config_keys_parse():
+    """config.json as openai/gpt-oss-20b ships it (its keys and values, the shapes shrunk) is read, MXFP4 included."""
+    raw = {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 256,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 8,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "num_local_experts": 32,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": MXFP4,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": DEFAULT_ROPE,
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.55.0.dev0",
+        "use_cache": True,
+        "vocab_size": 201088,
+        "torch_dtype": "bfloat16",
+    }
+    config, reason = parse_config(raw)
+    assert reason is None, reason
+    assert config.quantization.method == "mxfp4" and config.sliding_window == 128 and config.moe.num_experts == 32
 
 
 def _random_gpt_oss_moe(tokens: int, dtype: torch.dtype) -> tuple[MoEWeights, torch.Tensor]:
