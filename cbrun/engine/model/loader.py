@@ -184,7 +184,7 @@ def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
             "token mixing other than one attention per layer",
             f"{type(exc).__name__} {exc}: the model picks its own attention classes by name, with none for cbrun's",
         ) from exc
-    except OSError:
+    except (OSError, MemoryError, torch.OutOfMemoryError):  # a missing file, or no room: said as they are
         raise
     except Exception as exc:  # noqa: BLE001 - whatever transformers' own classes raise on this checkpoint
         raise _not_a_causal_lm(model_path, exc) from exc
