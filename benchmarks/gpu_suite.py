@@ -6,9 +6,12 @@ From a plain checkout on a CUDA machine (Python 3.12, torch with CUDA, triton, t
     PYTHONPATH=. python -m benchmarks.gpu_suite --results /tmp/r.md
 
 It runs ``cbrun.kernels.gpu_check`` (attention in realistic batches, the decode tile in bf16 and float32 at head_dim 128
-and 256 against the HBM roofline, the KV-cache write) and ``benchmarks.gpu_engine_check`` (CUDA graphs, async
+and 256 against the HBM roofline, the KV-cache write), ``cbrun.kernels.gpu_check_quantized`` (the int4, FP8 and MXFP4
+GEMMs and FP8 W8A8 against dequantize-then-matmul, timed against the dense bf16 GEMM) and ``benchmarks.gpu_engine_check`` (CUDA graphs, async
 batching and swap preemption against the plain engine, token for token, then timed) and the grammar's masked
-argmax against the CPU kernel (``benchmarks.structured_mask.device_check``), prints one table and
+argmax against the CPU kernel (``benchmarks.structured_mask.device_check``) and the batch-invariant kernels (a row's
+bits alone and in batches, decode against prefill, the invariant matmul's time against cuBLAS:
+``benchmarks.batch_invariant_gpu_check``), prints one table and
 writes it, with the device and versions, to the results file. A part that raises is a row saying so, and the
 others still run. It takes about 2 to 4 minutes on an H100 (budget: under 8).
 
@@ -44,6 +47,20 @@ def kernel_rows(copy_bandwidth_and_matmul: tuple[float, float]) -> list[tuple[li
     return out
 
 
+def quantized_rows(copy_bandwidth_and_matmul: tuple[float, float]) -> list[tuple[list[str], bool]]:
+    """The quantized GEMMs (``cbrun.kernels.gpu_check_quantized``: int4, FP8, MXFP4 and W8A8 against the dense
+    bf16 GEMM) as suite rows: (cells, ok)."""
+    from cbrun.kernels import gpu_check, gpu_check_quantized
+
+    rows = gpu_check_quantized.run_checks("cuda", gpu_check.cuda_bench, ceilings=copy_bandwidth_and_matmul)
+    out = []
+    for row in rows:
+        c = row.cells()
+        result = f"{c[6]} ms, {c[7]} GB/s" + (f", {c[8]} TFLOP/s" if c[8] != "-" else "") + f", err {c[4]}"
+        out.append((["quantized", c[0], c[1], c[2], c[3], c[5], result, c[9]], row.ok))
+    return out
+
+
 def engine_rows(copy_bandwidth: float) -> list[tuple[list[str], bool]]:
     """The engine checks as suite rows: (cells, ok)."""
     from benchmarks import gpu_engine_check
@@ -54,6 +71,15 @@ def engine_rows(copy_bandwidth: float) -> list[tuple[list[str], bool]]:
         result = f"{c[3]} tok/s, {c[4]} plain, {c[5]} equal" + (f", {c[6]} swaps" if row.offloads else "")
         out.append((["engine", f"{c[0]}: {c[1]}", c[2], "0.35B Llama", "-", c[8], result, c[7]], row.ok))
     return out
+
+
+def batch_invariance_rows() -> list[tuple[list[str], bool]]:
+    """The batch-invariant kernels compiled: rows alone and in batches, decode and prefill, the matmul's cost
+    (``benchmarks.batch_invariant_gpu_check``)."""
+    from benchmarks import batch_invariant_gpu_check
+    from cbrun.kernels import gpu_check
+
+    return batch_invariant_gpu_check.invariance_rows("cuda", gpu_check.cuda_bench)
 
 
 def structured_rows() -> list[tuple[list[str], bool]]:
@@ -96,8 +122,10 @@ def run_suite() -> tuple[list[tuple[list[str], bool]], float]:
         ceilings = None
     parts = (
         ("kernels", lambda: kernel_rows(ceilings)),
+        ("quantized", lambda: quantized_rows(ceilings)),
         ("engine", lambda: engine_rows(ceilings[0])),
         ("structured", structured_rows),
+        ("batch invariance", batch_invariance_rows),
     )
     for name, part in parts if ceilings else ():
         try:

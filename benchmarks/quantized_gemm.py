@@ -1,36 +1,44 @@
-"""Quantized linears: bytes a decode step's GEMMs move per token, bf16 against FP8 block and int4 group 128, and
-what cbrun's CPU path costs today.
+"""Quantized linears: bytes the Triton GEMMs move per decoded token, from their own launch configurations, against
+the bf16 GEMM's; and what the CPU path costs.
 
 Usage (from the repository root)::
 
-    python -m benchmarks.quantized_gemm [--rows 1 16] [--time-shape 4096 4096] [--repeats 20]
+    python -m benchmarks.quantized_gemm [--rows 1 16 64 256] [--capability 90] [--time-shape 4096 4096]
 
-For the projections of one decoder layer of Llama-3-8B (hidden 4096, intermediate 14336, 32 heads and 8 KV heads
-of 128) each layout's weight is built at its real shape with cbrun's own types (``QuantizedWeight``: float8 values
-with float32 128x128 block scales; ``Int4Weight``: 4-bit codes packed in int32, float32 scale and uint8 zero per
-group of 128) and its resident bytes read from them (``nbytes``); a bf16 weight is ``2 * out * in``. A decode step
-of ``M`` rows reads each weight once and its activations (``M * in`` bf16) and writes ``M * out`` bf16: bytes per
-token = (weight bytes + activation bytes) / M. At small ``M`` that is the weight's bytes, the memory-bound roofline
-of a GEMM that reads the quantized weight directly (dequantizing in its inner loop, as vLLM's Marlin / Machete and
-Triton FP8 kernels do), so the ratio to bf16 is the speed-up such a kernel can reach on decode.
+Shapes: the seven projections of one Llama-3-8B decoder layer (hidden 4096, intermediate 14336, 32 heads and 8 KV
+heads of 128) for bf16, FP8 128 x 128 blocks, FP8 per-channel and int4 group 128; one gpt-oss-20b expert (hidden
+2880, intermediate 2880: gate_up (5760, 2880), down (2880, 2880)) for bf16 and MXFP4. Each quantized weight is
+built at its real shape in the layout the kernels read (``cbrun.kernels.quantized_matmul``'s ``Int4Layout``,
+``Fp8Layout``, ``Mxfp4Layout``), so its bytes are the tensors' ``nbytes`` (codes, scales, zero points).
 
-cbrun does not have that kernel: on every device its quantized GEMM dequantizes ``rows_per_chunk`` output rows at a
-time into the compute dtype and calls the dense GEMM (``quantized_linear``), so it also writes and reads back each
-dequantized chunk; the "cbrun chunked" column counts those bytes too (quantized read + dequantized write + read).
-The last table times ``quantized_linear`` against ``F.linear`` on the CPU at one shape (float32, one thread).
+Bytes of one launch, from ``gemm_launch.gemm_launch_config`` (the config the wrappers launch with) at ``M`` rows:
+the grid has ``cdiv(M, BLOCK_M)`` row tiles and each row tile's programs stream the whole stored weight once, so
+the weight moves ``row tiles x weight bytes``; x (``M * K``) is read from memory once (its re-reads by the
+``cdiv(N, BLOCK_N)`` programs of a row tile hit L2) and the output (``M * N``) written once, both bf16. The bf16
+GEMM is counted with the same tile policy over a dense ``2 * N * K`` weight. Per token: divided by ``M``. On
+decode this is the memory-bound roofline such a launch reaches: the ratio to bf16 is the speed-up a GPU would see
+(the issue's target: >= 1.8x for FP8, >= 3x for int4). Nothing here runs on a GPU.
+
+The last table times ``quantized_matmul``'s CPU path (C dequantization chunk by chunk, then ``F.linear``) against
+a dense ``F.linear``, float32, one thread, one (1, K) row.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.model.layers.quantization.base import quantized_linear
-from cbrun.engine.model.layers.quantization.fp8 import QuantizedWeight
-from cbrun.engine.model.layers.quantization.int4 import Int4Weight
+from cbrun.kernels.quantized_matmul import (
+    Fp8Layout,
+    Int4Layout,
+    Mxfp4Layout,
+    QuantizedLayout,
+    quantized_matmul,
+)
 
 #: (name, out_features, in_features) of one Llama-3-8B decoder layer.
 LAYER = (
@@ -42,51 +50,104 @@ LAYER = (
     ("up_proj", 14336, 4096),
     ("down_proj", 4096, 14336),
 )
+#: One gpt-oss-20b expert (the MXFP4 weights): gate and up fused, then down.
+EXPERT = (("gate_up_proj", 5760, 2880), ("down_proj", 2880, 2880))
 GROUP = 128
 
 
-def fp8_weight(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> QuantizedWeight:
-    values = torch.randn(out_features, in_features).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(-(-out_features // 128), -(-in_features // 128)) + 0.5
-    return QuantizedWeight(values, scale, (128, 128), dtype)
+def int4_layout(n: int, k: int) -> Int4Layout:
+    groups = -(-k // GROUP)
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, -(-k // 8)), dtype=torch.int32)
+    zeros = torch.randint(0, 16, (n, groups), dtype=torch.uint8)
+    return Int4Layout(packed, zeros, torch.rand(n, groups) + 0.01, k, GROUP)
 
 
-def int4_weight(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
-    groups = -(-in_features // GROUP)
-    packed = torch.randint(-(2**31), 2**31 - 1, (out_features, -(-in_features // 8)), dtype=torch.int32)
-    zeros = torch.randint(0, 16, (out_features, groups), dtype=torch.uint8)
-    return Int4Weight(packed, zeros, torch.rand(out_features, groups) + 0.01, in_features, GROUP, dtype)
+def fp8_layout(n: int, k: int, per_channel: bool = False) -> Fp8Layout:
+    values = torch.randn(n, k).to(torch.float8_e4m3fn)
+    block = (1, k) if per_channel else (128, 128)
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1])) * 0.01 + 0.001
+    return Fp8Layout(values, scale, block)
 
 
-def layer_bytes(rows: int) -> dict[str, tuple[float, float]]:
-    """{layout: (roofline bytes per token, cbrun chunked bytes per token)} over ``LAYER`` at ``rows`` rows."""
-    totals = {"bf16": [0.0, 0.0], "fp8 block 128x128": [0.0, 0.0], "int4 group 128": [0.0, 0.0]}
-    for _, out_features, in_features in LAYER:
-        activations = 2 * rows * (in_features + out_features)
-        dense = 2 * out_features * in_features
-        totals["bf16"][0] += dense + activations
-        totals["bf16"][1] += dense + activations
-        for name, build in (("fp8 block 128x128", fp8_weight), ("int4 group 128", int4_weight)):
-            held = build(out_features, in_features).nbytes
-            totals[name][0] += held + activations
-            totals[name][1] += held + 2 * dense + activations  # each chunk written in bf16, then read by the GEMM
-    return {name: (a / rows, b / rows) for name, (a, b) in totals.items()}
+def mxfp4_layout(n: int, k: int) -> Mxfp4Layout:
+    blocks = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8)
+    return Mxfp4Layout(blocks, torch.randint(118, 126, (n, k // 32), dtype=torch.uint8))
 
 
-def cpu_times(out_features: int, in_features: int, repeats: int) -> dict[str, float]:
-    """Median milliseconds of one (1, in) x weight product per layout on the CPU, float32, one thread."""
-    torch.set_num_threads(1)
-    x = torch.randn(1, in_features)
-    dense = torch.randn(out_features, in_features)
-    runs = {
-        "F.linear float32": lambda: F.linear(x, dense),
-        "quantized_linear fp8 block": (lambda w: lambda: quantized_linear(x, w, None))(
-            fp8_weight(out_features, in_features, torch.float32)
-        ),
-        "quantized_linear int4 g128": (lambda w: lambda: quantized_linear(x, w, None))(
-            int4_weight(out_features, in_features, torch.float32)
-        ),
+def weight_bytes(layout: QuantizedLayout | None, n: int, k: int) -> int:
+    """Stored bytes of a weight: a layout's tensors, or a dense bf16 one for None."""
+    if layout is None:
+        return 2 * n * k
+    if isinstance(layout, Int4Layout):
+        return layout.packed.nbytes + layout.zeros.nbytes + layout.scales.nbytes
+    if isinstance(layout, Fp8Layout):
+        return layout.qweight.nbytes + layout.scale.nbytes
+    return layout.blocks.nbytes + layout.scales.nbytes
+
+
+def block_k_cap(layout: QuantizedLayout | None, k: int) -> int:
+    """The layout's K-step cap, as its wrapper computes it."""
+    from cbrun.kernels.fp8_gemm import fp8_block_k_cap
+    from cbrun.kernels.int4_gemm import int4_block_k_cap
+    from cbrun.kernels.mxfp4_gemm import MXFP4_BLOCK_K_CAP
+
+    if isinstance(layout, Int4Layout):
+        return int4_block_k_cap(layout.group_size, k)
+    if isinstance(layout, Fp8Layout):
+        return fp8_block_k_cap(layout.block, k)
+    return MXFP4_BLOCK_K_CAP
+
+
+def launch_bytes(layout: QuantizedLayout | None, n: int, k: int, rows: int, capability: int) -> tuple[int, int]:
+    """(bytes one launch moves, its row tiles) at ``rows`` rows, from the wrappers' launch configuration."""
+    from cbrun.kernels.gemm_launch import gemm_launch_config
+
+    config = gemm_launch_config(torch.bfloat16, rows, block_k_cap(layout, k), capability, False)
+    row_tiles = -(-rows // config.constexprs["BLOCK_M"])
+    return row_tiles * weight_bytes(layout, n, k) + 2 * rows * (k + n), row_tiles
+
+
+def layouts() -> dict[str, tuple[tuple, Callable[[int, int], QuantizedLayout | None]]]:
+    """{name: (shapes, builder)}: builder None-returning for the bf16 baselines."""
+    return {
+        "bf16 (Llama-3-8B layer)": (LAYER, lambda n, k: None),
+        "fp8 block 128x128": (LAYER, fp8_layout),
+        "fp8 per-channel": (LAYER, lambda n, k: fp8_layout(n, k, per_channel=True)),
+        "int4 group 128": (LAYER, int4_layout),
+        "bf16 (gpt-oss-20b expert)": (EXPERT, lambda n, k: None),
+        "mxfp4": (EXPERT, mxfp4_layout),
     }
+
+
+def bytes_table(rows_list: list[int], capability: int) -> list[tuple[int, str, float, float, int]]:
+    """(rows, layout, MiB per token, gain over its bf16 baseline, row tiles) for each row count and layout."""
+    built = {name: [(n, k, build(n, k)) for _, n, k in shapes] for name, (shapes, build) in layouts().items()}
+    table = []
+    for rows in rows_list:
+        base = 0.0
+        for name, weights in built.items():
+            total, tiles = 0, 0
+            for n, k, layout in weights:
+                moved, tiles = launch_bytes(layout, n, k, rows, capability)
+                total += moved
+            per_token = total / rows
+            base = per_token if name.startswith("bf16") else base
+            table.append((rows, name, per_token / 2**20, base / per_token, tiles))
+    return table
+
+
+def cpu_times(n: int, k: int, repeats: int) -> dict[str, float]:
+    """Median milliseconds of one (1, k) x (n, k) product per layout on the CPU, float32, one thread."""
+    torch.set_num_threads(1)
+    x = torch.randn(1, k)
+    dense = torch.randn(n, k)
+    runs = {"F.linear float32": lambda: F.linear(x, dense)}
+    for name, layout in (
+        ("fp8 block 128x128", fp8_layout(n, k)),
+        ("int4 group 128", int4_layout(n, k)),
+        ("mxfp4", mxfp4_layout(n, k)),
+    ):
+        runs[f"quantized_matmul {name}"] = (lambda w: lambda: quantized_matmul(x, w))(layout)
     times = {}
     for name, run in runs.items():
         run()
@@ -101,25 +162,22 @@ def cpu_times(out_features: int, in_features: int, repeats: int) -> dict[str, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--capability", type=int, default=90, help="the GPU part whose tiles are used (80, 89, 90)")
     parser.add_argument("--time-shape", type=int, nargs=2, default=[4096, 4096])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    print("| decode rows | layout | roofline MiB / token | gain vs bf16 | cbrun chunked MiB / token | vs bf16 |")
-    print("|---|---|---|---|---|---|")
-    for rows in args.rows:
-        table = layer_bytes(rows)
-        base = table["bf16"][0]
-        for name, (roofline, chunked) in table.items():
-            print(
-                f"| {rows} | {name} | {roofline / 2**20:.2f} | {base / roofline:.2f}x | {chunked / 2**20:.2f} | "
-                f"{base / chunked:.2f}x |"
-            )
-    out_features, in_features = args.time_shape
+    print(f"Bytes per decoded token, sm_{args.capability} launch configurations (bf16 activations)")
     print()
-    print(f"| CPU, (1, {in_features}) x ({out_features}, {in_features}), 1 thread | median ms | vs F.linear |")
+    print("| rows | layout | row tiles | MiB / token | fewer bytes than bf16 |")
+    print("|---|---|---|---|---|")
+    for rows, name, mib, gain, tiles in bytes_table(args.rows, args.capability):
+        print(f"| {rows} | {name} | {tiles} | {mib:.2f} | {gain:.2f}x |")
+    n, k = args.time_shape
+    print()
+    print(f"| CPU, (1, {k}) x ({n}, {k}), float32, 1 thread | median ms | vs F.linear |")
     print("|---|---|---|")
-    times = cpu_times(out_features, in_features, args.repeats)
+    times = cpu_times(n, k, args.repeats)
     for name, ms in times.items():
         print(f"| {name} | {ms:.2f} | {ms / times['F.linear float32']:.1f}x |")
 

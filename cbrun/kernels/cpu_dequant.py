@@ -86,6 +86,30 @@ def int4_dequant(
     return out
 
 
+def mxfp4_dequant(blocks: torch.Tensor, scales: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+    """Rows ``[start, stop)`` of the real MXFP4 weight as float32, or None where the kernel does not apply (see
+    ``fp8_block_dequant``): ``cbrun.kernels.quantized_reference.mxfp4_dequant_ref``'s values.
+
+    Args:
+        blocks: (N, K / 2) uint8, two FP4 E2M1 codes a byte, the low nibble first (the checkpoint's
+            (N, K / 32, 16) flattened). scales: (N, K / 32) uint8 E8M0 exponents, K a multiple of 32.
+
+    Returns:
+        (stop - start, K) float32.
+    """
+    library = _applies(blocks, scales)
+    if library is None or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 2:
+        return None
+    cols = blocks.shape[1] * 2
+    if scales.shape != (blocks.shape[0], cols // 32) or cols % 32:
+        return None
+    out = torch.empty(stop - start, cols, dtype=torch.float32)
+    library.cbrun_mxfp4_dequant(
+        blocks.data_ptr(), scales.data_ptr(), out.data_ptr(), start, stop - start, cols, torch.get_num_threads()
+    )
+    return out
+
+
 def _applies(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return None
@@ -102,6 +126,8 @@ def _load() -> ctypes.CDLL | None:
             library.cbrun_fp8_block_dequant.restype = None
             library.cbrun_int4_dequant.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int]
             library.cbrun_int4_dequant.restype = None
+            library.cbrun_mxfp4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+            library.cbrun_mxfp4_dequant.restype = None
             _library = library
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _failure = str(e)

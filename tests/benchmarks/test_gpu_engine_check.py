@@ -77,3 +77,15 @@ def test_gpu_suite_table_from_both_parts(monkeypatch):
     text = gpu_suite.report(rows, 12.0, "a fake GPU")
     assert "1 check(s) FAILED" in text and "16x32 w8" in text and "31/32 equal" in text
     assert text.count("\n| ") == 0 and len([line for line in text.splitlines() if " | " in line]) == 3
+
+
+def test_gpu_suite_quantized_rows(monkeypatch):
+    """The quantized GEMMs' check becomes suite rows under the part "quantized", a mismatch a failed row."""
+    from benchmarks import gpu_suite
+    from cbrun.kernels import gpu_check, gpu_check_quantized
+
+    good = gpu_check.Row("int4_gemm g128", "bfloat16", "1x4096x4096", "16x32x128 w4", 1e-3, True, 0.01, 9e6, 0.0, 4e12)
+    bad = gpu_check.Row("mxfp4_gemm", "bfloat16", "1x4096x4096", "16x32x128 w4", 0.5, False, 0.01, 9e6, 0.0, 4e12)
+    monkeypatch.setattr(gpu_check_quantized, "run_checks", lambda *args, **kwargs: [good, bad])
+    rows = gpu_suite.quantized_rows((4e12, 1e15))
+    assert [ok for _, ok in rows] == [True, False] and rows[0][0][:2] == ["quantized", "int4_gemm g128"]

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cbrun.jobs.cli import main
-from cbrun.jobs.model_source import (
+from cbrun.jobs.model.source import (
     HUB_PATTERNS,
     ModelSource,
     ModelSourceError,
@@ -66,7 +66,7 @@ def models(tmp_path_factory):
     """Two tiny random Llamas (byte tokenizer) of other seeds, and the first saved again as sharded safetensors."""
     from transformers import LlamaForCausalLM
 
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     root = tmp_path_factory.mktemp("hub_models")
     first, second = build_demo_model(root / "first", seed=0), build_demo_model(root / "second", seed=1)
@@ -319,7 +319,9 @@ def test_a_replica_without_the_drivers_folder_resolves_the_drivers_commit(models
     driver = ModelSource(REPO, "/elsewhere/snapshots/" + C1, REPO, "main", C1)
     assert worker_model_path(driver, driver.local_path) == str(first)
     assert worker_model_path(None, "/a/folder") == "/a/folder"
-    monkeypatch.setattr("cbrun.jobs.model_source.local_model", lambda uri: f"/this/machine/copy/of/{uri}")
+    monkeypatch.setattr(
+        "cbrun.jobs.model.source.local_model", lambda uri, endpoint_url=None: f"/this/machine/copy/of/{uri}"
+    )
     uri = ModelSource("s3://models/m", "/driver/cache/models/ab12")
     assert worker_model_path(uri, uri.local_path) == "/this/machine/copy/of/s3://models/m"
     assert worker_model_path(ModelSource("s3://models/m", str(first)), str(first)) == str(first)
@@ -330,7 +332,7 @@ def test_a_replica_on_a_machine_without_the_drivers_folder_runs_the_drivers_comm
 ):
     import asyncio
 
-    from cbrun.jobs.manifest import load_manifest
+    from cbrun.jobs.config.manifest import load_manifest
     from cbrun.jobs.run.replica import Replica
 
     assert run(models["first"], prompts, tmp_path / "first") == 0
@@ -347,8 +349,8 @@ def test_a_replica_on_a_machine_without_the_drivers_folder_runs_the_drivers_comm
             "output": {"path": str(tmp_path / "ray")},
         },
     )
-    manifest.model.source = ModelSource(REPO, driver_folder, REPO, "main", C1)
-    replica = Replica(manifest, manifest.engine, num_threads=1, max_concurrent_batches=1)
+    driver = ModelSource(REPO, driver_folder, REPO, "main", C1)
+    replica = Replica(manifest, manifest.engine, num_threads=1, max_concurrent_batches=1, model_source=driver)
     table = asyncio.run(replica(pa.Table.from_batches(list(replica.reader.read_span(0, 6)))))
     got = {r["row_index"]: (r["completion"], tuple(r["completion_token_ids"])) for r in table.to_pylist()}
     assert got == completions(tmp_path / "first")

@@ -55,3 +55,52 @@ def test_non_contiguous_or_non_cpu_inputs_leave_it_to_the_reference():
     values = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
     assert cpu_dequant.fp8_block_dequant(values.T, torch.ones(1, 1), (8, 4), 0, 8) is None
     assert cpu_dequant.fp8_block_dequant(values, torch.ones(1, 1), (4, 8), 0, 4) is not None
+
+
+def _mxfp4(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 blocks (rows, cols / 32, 16) and E8M0 scales with every code 0..255 among them."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (rows, cols // 32), generator=g, dtype=torch.uint8)
+    flat = scales.view(-1)
+    flat[: min(256, flat.numel())] = torch.arange(min(256, flat.numel()), dtype=torch.uint8)  # 0, 1, 254, 255 too
+    return blocks, scales
+
+
+@pytest.mark.parametrize("rows,cols", [(4, 32), (9, 96), (64, 256), (3, 2880)])
+@pytest.mark.parametrize("start,stop", [(0, None), (1, 3)])
+def test_mxfp4_dequant_equals_the_reference_bit_for_bit(rows, cols, start, stop, monkeypatch):
+    from cbrun.kernels.quantized_reference import mxfp4_dequant_ref
+
+    blocks, scales = _mxfp4(rows, cols, rows * cols)
+    stop = rows if stop is None else stop
+    poisoned = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(*a, **k).fill_(float("nan")))
+    got = cpu_dequant.mxfp4_dequant(blocks.reshape(rows, -1), scales, start, stop)
+    want = mxfp4_dequant_ref(blocks, scales, torch.float32)[start:stop]
+    assert got is not None and got.shape == (stop - start, cols)
+    # NaN-aware bit equality: 0 * 2^128 style NaNs do not arise (ldexp keeps zeros), so plain equal must hold.
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mxfp4_reference_equals_transformers_dequantization(dtype):
+    """The reference is transformers' own gpt-oss dequantization (``convert_moe_packed_tensors``, which stacks the
+    experts and returns each transposed to (K, N)), bit for bit, with every E8M0 code present."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    from cbrun.kernels.quantized_reference import mxfp4_dequant_ref
+
+    experts = [_mxfp4(8, 128, seed) for seed in range(8)]  # 8 experts x 8 rows x 4 groups: 256 scales
+    blocks = torch.stack([b for b, _ in experts])
+    scales = torch.stack([s for _, s in experts])
+    scales.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # (E, K, N)
+    ours = torch.stack([mxfp4_dequant_ref(blocks[e], scales[e], dtype) for e in range(len(experts))])
+    assert torch.equal(ours.transpose(1, 2).float().nan_to_num(), theirs.float().nan_to_num())
+    assert torch.isinf(ours.float()).any()  # the code 255 reached (6 * 2^128 overflows, as in transformers)
+
+
+def test_mxfp4_dequant_leaves_other_inputs_to_the_reference():
+    blocks, scales = _mxfp4(4, 64, 0)
+    assert cpu_dequant.mxfp4_dequant(blocks.reshape(4, -1), scales[:, :1].contiguous(), 0, 4) is None
+    assert cpu_dequant.mxfp4_dequant(blocks.reshape(4, -1).to(torch.int32), scales, 0, 4) is None

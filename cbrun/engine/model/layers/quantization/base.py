@@ -1,5 +1,6 @@
-"""What every quantized weight format shares: the weight type a linear keeps quantized in memory, the chunked GEMM
-that dequantizes it (the CPU path, and any device without a quantized kernel), and a MoE layer's quantized experts.
+"""What every quantized weight format shares: the weight type a linear keeps quantized in memory, its GEMM (on CUDA
+the Triton kernel that dequantizes in its inner loop, ``cbrun.kernels.quantized_matmul``; elsewhere the chunked
+dequantize-then-``F.linear``), and a MoE layer's quantized experts.
 
 The formats: ``cbrun.engine.model.layers.quantization.fp8`` (float8 with block scales) and
 ``cbrun.engine.model.layers.quantization.int4`` (4-bit codes with group scales); which checkpoint layouts are read
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cbrun.kernels.quantized_matmul import QuantizedLayout, quantized_matmul, triton_unsupported_reason
+
 #: Dequantize at most about this many weight elements at once (4 MiB of float32): the transient a GEMM call adds.
 DEQUANT_CHUNK_ELEMENTS = 1 << 20
 
@@ -23,8 +26,8 @@ class QuantizedLinearWeight:
     Each layout is a dataclass over this base (``QuantizedWeight``: float8 with block scales;
     ``cbrun.engine.model.layers.quantization.int4.Int4Weight``: 4-bit codes with group scales). Subclasses define
     ``shape`` ((out_features, in_features)), ``device``, ``dtype`` (the dtype the GEMM computes in), ``storage_dtype``
-    (what the values are stored as, for the log), ``tensors()``, ``rows_per_chunk()`` and
-    ``dequantize(start, stop)``.
+    (what the values are stored as, for the log), ``tensors()``, ``rows_per_chunk()``,
+    ``dequantize(start, stop)`` and ``kernel_layout`` (its tensors as the GPU kernels take them).
     """
 
     dtype: torch.dtype
@@ -54,14 +57,50 @@ class QuantizedLinearWeight:
         raise NotImplementedError
 
     @property
+    def kernel_layout(self) -> QuantizedLayout:
+        """Its tensors as ``cbrun.kernels.quantized_matmul``'s layout (the same tensors, nothing copied), which the
+        Triton GEMM reads; built and checked once, on first use."""
+        raise NotImplementedError
+
+    @property
     def nbytes(self) -> int:
         """Bytes it holds in memory."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, dequantize(weight), bias)`` without the whole real weight ever existing: on CUDA the Triton GEMM
+    that dequantizes in its inner loop (``triton_quantized_linear``), elsewhere (and for a layout the Triton GEMM
+    cannot step through, ``triton_unsupported_reason``) ``chunked_quantized_linear``.
+
+    Args:
+        x: (T, in_features) in ``weight.dtype``.
+        weight: the quantized weight, on x's device.
+        bias: (out_features,) in x's dtype, or None.
+
+    Returns:
+        (T, out_features) in ``x.dtype``.
+    """
+    if x.device.type == "cuda" and triton_unsupported_reason(weight.kernel_layout) is None:
+        return triton_quantized_linear(x, weight, bias)
+    return chunked_quantized_linear(x, weight, bias)
+
+
+def triton_quantized_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The GPU path: ``cbrun.kernels.quantized_matmul`` with the Triton kernel of the weight's layout (int4_gemm,
+    fp8_gemm), weight-only (x is not quantized), so the products are the dequantized weight's up to summation
+    order. On a CPU tensor it runs in Triton's interpreter (how the tests check it).
+
+    Raises:
+        ValueError: from the kernel's wrapper, for a layout it cannot step through (an int4 group size that is
+            not a multiple of 16).
+    """
+    return quantized_matmul(x, weight.kernel_layout, bias, backend="triton")
+
+
+def chunked_quantized_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, dequantize(weight), bias)``, dequantizing ``weight.rows_per_chunk()`` output rows at a time,
-    so the whole real weight never exists at once (the CPU path, and any device without a quantized kernel).
+    so the whole real weight never exists at once (the CPU path).
 
     Args:
         x: (T, in_features) in ``weight.dtype``.

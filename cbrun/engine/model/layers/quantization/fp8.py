@@ -4,11 +4,13 @@ type and its dequantization (the PyTorch reference; C on the CPU through ``cbrun
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from cbrun.engine.model.layers.quantization.base import DEQUANT_CHUNK_ELEMENTS, QuantizedLinearWeight
 from cbrun.kernels import cpu_dequant
+from cbrun.kernels.quantized_matmul import Fp8Layout
 
 #: The float8 format both implemented float8 layouts store their weights in.
 FP8_DTYPE = torch.float8_e4m3fn
@@ -47,6 +49,11 @@ class QuantizedWeight(QuantizedLinearWeight):
     def tensors(self) -> list[torch.Tensor]:
         return [self.qweight, self.scale]
 
+    @cached_property
+    def kernel_layout(self) -> Fp8Layout:
+        """The same tensors as ``cbrun.kernels.quantized_matmul.Fp8Layout`` (the Triton GEMM's input)."""
+        return Fp8Layout(self.qweight, self.scale, self.block)
+
     def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """``dequantize`` (the reference), in C on the CPU where it builds (the same bits, one pass)."""
         stop = self.shape[0] if stop is None else stop
@@ -54,7 +61,7 @@ class QuantizedWeight(QuantizedLinearWeight):
         return dequantize(self, start, stop) if fast is None else fast.to(self.dtype)
 
     def rows_per_chunk(self) -> int:
-        """Output rows ``quantized_linear`` dequantizes at once: a multiple of ``bo``, about
+        """Output rows ``chunked_quantized_linear`` dequantizes at once: a multiple of ``bo``, about
         ``DEQUANT_CHUNK_ELEMENTS`` elements, at least one block row."""
         bo = self.block[0]
         rows = max(1, DEQUANT_CHUNK_ELEMENTS // (self.shape[1] * bo)) * bo

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from cbrun.engine.model.layers.quantization.base import DEQUANT_CHUNK_ELEMENTS, QuantizedLinearWeight
 from cbrun.kernels import cpu_dequant
+from cbrun.kernels.quantized_matmul import Int4Layout
 
 assert sys.byteorder == "little", "Int4Weight.dequantize reads int32 words as little-endian bytes"
 
@@ -80,8 +82,13 @@ class Int4Weight(QuantizedLinearWeight):
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.zeros, self.scales]
 
+    @cached_property
+    def kernel_layout(self) -> Int4Layout:
+        """The same tensors as ``cbrun.kernels.quantized_matmul.Int4Layout`` (the Triton GEMM's input)."""
+        return Int4Layout(self.packed, self.zeros, self.scales, self.in_features, self.group_size)
+
     def rows_per_chunk(self) -> int:
-        """Output rows ``quantized_linear`` dequantizes at once: about ``DEQUANT_CHUNK_ELEMENTS`` elements."""
+        """Output rows ``chunked_quantized_linear`` dequantizes at once: about ``DEQUANT_CHUNK_ELEMENTS`` elements."""
         return max(1, min(self.shape[0], DEQUANT_CHUNK_ELEMENTS // self.in_features))
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""Triton GEMM over an int4 group-quantized weight, dequantized in the inner loop (W4A16 / W4A32).
+
+The weight is ``cbrun.engine.model.layers.quantization.int4.Int4Weight``'s layout, whatever checkpoint it came from (compressed-tensors
+``pack-quantized``, GPTQ ``desc_act: false``, AWQ GEMM): 4-bit codes packed eight to an int32 along K, one uint8
+zero point and one float32 scale per output row and group of ``group_size`` inputs; the real weight is
+``float32(code - zero) * scale`` (``quantized_reference.int4_dequant_ref``). The loop and the tile are
+``cbrun.kernels.gemm_launch``'s; per K step each program loads BLOCK_K / 8 words of each of its BLOCK_N rows once
+and unpacks them in registers (a per-code gather of the words staged each word eight times in shared memory: 97 KiB
+against 41 KiB for the large tile on sm_89), and one (zero, scale) pair per row (BLOCK_K never crosses a group).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
+from cbrun.kernels.gemm_launch import grid, launch_config_for, max_block_k
+
+
+@triton.jit
+def int4_gemm_kernel(
+    out_ptr,  # (M, N) x's dtype, strides (stride_out_m, 1)
+    x_ptr,  # (M, K) fp16/bf16/fp32, strides (stride_x_m, 1)
+    packed_ptr,  # (N, ceil(K / 8)) int32, strides (stride_packed_n, 1): code 8w + i in bits 4i..4i+3 of word w
+    zeros_ptr,  # (N, groups) uint8 zero points 0..15, strides (stride_group_n, 1)
+    scales_ptr,  # (N, groups) fp32, strides (stride_group_n, 1)
+    bias_ptr,  # (N,) x's dtype; read only if HAS_BIAS
+    M,
+    N,
+    K,
+    words_per_row,  # ceil(K / 8)
+    group_size,  # inputs per (zero, scale); a multiple of BLOCK_K, or >= K
+    stride_out_m,
+    stride_x_m,
+    stride_packed_n,
+    stride_group_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no TF32 rounding), else None
+    DOT_IN_FP32: tl.constexpr,  # upcast 16-bit dot operands (exactly): the CPU interpreter's matmul
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m  # (BLOCK_M, 1)
+    w_rows = packed_ptr + cols.to(tl.int64)[None, :] * stride_packed_n  # (1, BLOCK_N)
+    group_rows = cols.to(tl.int64) * stride_group_n  # (BLOCK_N,)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+        k_ok = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        # The tile's BLOCK_K / 8 words per row, loaded once and unpacked in registers: code 8w + i of a row is
+        # bits 4i.. of its word w, so (words, nibble, column) reshaped row-major is (k, column).
+        wk = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # (BLOCK_K / 8,)
+        words = tl.load(w_rows + wk[:, None], mask=(wk < words_per_row)[:, None] & col_ok[None, :], other=0)
+        codes = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # (BK / 8, 8, BN)
+        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # (BLOCK_K, BLOCK_N) int32 0..15
+        group = k0 // group_size
+        zero = tl.load(zeros_ptr + group_rows + group, mask=col_ok, other=0).to(tl.int32)  # (BLOCK_N,)
+        scale = tl.load(scales_ptr + group_rows + group, mask=col_ok, other=0.0)  # (BLOCK_N,) fp32
+        # Exact float32(code - zero) * scale, rounded once to x's dtype: the reference's value.
+        w = ((codes - zero[None, :]).to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)
+        if DOT_IN_FP32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * stride_out_m + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def int4_block_k_cap(group_size: int, in_features: int) -> int:
+    """The longest K step of an int4 launch (``gemm_launch.max_block_k``): one group per step."""
+    return max_block_k("int4 group_size", group_size, in_features)
+
+
+def int4_matmul_triton(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    in_features: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for an int4 group-quantized W (N, K), dequantized in the kernel's inner loop.
+
+    Args:
+        x: (M, K) fp16/bf16/fp32, last dim contiguous.
+        packed: (N, ceil(K / 8)) int32, eight 4-bit codes a word (code ``8w + i`` in bits ``4i``).
+        zeros: (N, groups) uint8 zero points. scales: (N, groups) float32, groups = ceil(K / group_size); both
+            with the same strides.
+        in_features: K, the weight's input width (the packing pads it to a multiple of 8); x must have it.
+        group_size: inputs per group; a multiple of 16, or at least K (one group a row).
+        bias: (N,) in x's dtype or None. out: (M, N) buffer in x's dtype or None.
+
+    Returns:
+        (M, N) in x's dtype: the reference ``F.linear(x, int4_dequant_ref(...), bias)`` up to summation order.
+
+    Raises:
+        ValueError: naming the argument whose shape, dtype, stride or device is wrong, or a group size the
+            kernel cannot step through (not a multiple of 16 and shorter than K).
+    """
+    name = "int4_matmul_triton"
+    if packed.dim() != 2:
+        raise ValueError(f"{name}: packed must be (N, ceil(K / 8)) int32, got shape {tuple(packed.shape)}")
+    if isinstance(group_size, bool) or int(group_size) < 1:
+        raise ValueError(f"{name}: group_size must be a positive int, got {group_size!r}")
+    out_features = packed.shape[0]
+    groups = -(-in_features // group_size)
+    check_weight_tensor(name, "packed", packed, (out_features, -(-in_features // 8)), torch.int32)
+    check_weight_tensor(name, "zeros", zeros, (out_features, groups), torch.uint8)
+    check_weight_tensor(name, "scales", scales, (out_features, groups), torch.float32)
+    if zeros.stride() != scales.stride():
+        raise ValueError(f"{name}: zeros and scales must have equal strides, got {zeros.stride()}, {scales.stride()}")
+    for tensor in (zeros, scales):
+        if tensor.device != packed.device:
+            raise ValueError(f"{name}: zeros, scales and packed must share one device")
+    out = check_activations(name, x, out_features, in_features, packed.device, bias, out)
+    if x.shape[0] == 0 or out_features == 0:
+        return out
+    config = launch_config_for(x, int4_block_k_cap(group_size, in_features), bias is not None)
+    int4_gemm_kernel[grid(config, x.shape[0], out_features)](
+        out,
+        x,
+        packed,
+        zeros,
+        scales,
+        bias if bias is not None else scales,  # any pointer without a bias: never read
+        x.shape[0],
+        out_features,
+        in_features,
+        packed.shape[1],
+        int(group_size),
+        out.stride(0),
+        x.stride(0),
+        packed.stride(0),
+        scales.stride(0),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **config.constexprs,
+    )
+    return out

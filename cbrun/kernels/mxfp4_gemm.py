@@ -1,0 +1,142 @@
+"""Triton GEMM over an MXFP4 weight (gpt-oss's experts), dequantized in the inner loop (W4A16 / W4A32).
+
+The weight is the checkpoint's: ``*_blocks`` uint8 (N, K / 32, 16), two FP4 E2M1 codes a byte (value ``2j`` of a
+row in the low nibble of its byte ``j``, ``2j + 1`` in the high one), and ``*_scales`` uint8 (N, K / 32), one E8M0
+exponent per 32 values along K (OCP Microscaling v1.0). The real weight is ``ldexp(e2m1(code), scale - 127)``
+(``quantized_reference.mxfp4_dequant_ref``, equal to transformers' ``convert_moe_packed_tensors``), rounded once
+to the activations' dtype.
+
+Decoding is integer arithmetic: twice an E2M1 value is an integer, ``m`` for exponent bits 0 and ``(2 + m) << (e -
+1)`` otherwise, and the E8M0 scale becomes the float 2^(s - 128) built from its bits (normal for s >= 2, the two
+subnormals below), so ``(2v) * 2^(s - 128)`` is ldexp's exact result, overflow included (the C kernel in
+``cpu_dequant.c`` computes the same product).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
+from cbrun.kernels.gemm_launch import grid, launch_config_for
+from cbrun.kernels.quantized_reference import MXFP4_BLOCK_SIZE, mxfp4_blocks_2d
+
+
+@triton.jit
+def mxfp4_gemm_kernel(
+    out_ptr,  # (M, N) x's dtype, strides (stride_out_m, 1)
+    x_ptr,  # (M, K) fp16/bf16/fp32, strides (stride_x_m, 1)
+    blocks_ptr,  # (N, K / 2) uint8, strides (stride_blocks_n, 1): value 2j low nibble of byte j, 2j + 1 high
+    scales_ptr,  # (N, K / 32) uint8 E8M0 exponents (bias 127), strides (stride_scales_n, 1)
+    bias_ptr,  # (N,) x's dtype; read only if HAS_BIAS
+    M,
+    N,
+    K,  # a multiple of 32
+    stride_out_m,
+    stride_x_m,
+    stride_blocks_n,
+    stride_scales_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of 32
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no TF32 rounding), else None
+    DOT_IN_FP32: tl.constexpr,  # upcast 16-bit dot operands (exactly): the CPU interpreter's matmul
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m  # (BLOCK_M, 1)
+    b_rows = blocks_ptr + cols.to(tl.int64)[None, :] * stride_blocks_n  # (1, BLOCK_N)
+    s_rows = scales_ptr + cols.to(tl.int64)[None, :] * stride_scales_n  # (1, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+        k_ok = ks < K
+        wk_ok = k_ok[:, None] & col_ok[None, :]  # (BLOCK_K, BLOCK_N)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        # NOTE: bytes and scales are gathered per value; the repeats hit L1, DRAM sees each byte once.
+        byte = tl.load(b_rows + (ks // 2)[:, None], mask=wk_ok, other=0).to(tl.int32)  # (BLOCK_K, BLOCK_N)
+        code = (byte >> ((ks % 2) * 4)[:, None]) & 0xF
+        s = tl.load(s_rows + (ks // 32)[:, None], mask=wk_ok, other=127).to(tl.int32)  # (BLOCK_K, BLOCK_N)
+        e = (code >> 1) & 3
+        m = code & 1
+        twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0)).to(tl.float32)  # 2 * |value|, exact
+        twice = tl.where(code >= 8, -twice, twice)  # -0.0 for the code 8, as the table has
+        pow2_bits = tl.where(s >= 2, (s - 1) << 23, 1 << (21 + tl.minimum(s, 1)))  # 2^(s - 128) as float32 bits
+        w = (twice * pow2_bits.to(tl.float32, bitcast=True)).to(x_ptr.dtype.element_ty)  # one rounding
+        if DOT_IN_FP32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * stride_out_m + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+#: The longest K step of an MXFP4 launch: any multiple of 32 keeps whole scale blocks per step.
+MXFP4_BLOCK_K_CAP = 128
+
+
+def mxfp4_matmul_triton(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for an MXFP4 W (N, K), dequantized in the kernel's inner loop.
+
+    Args:
+        x: (M, K) fp16/bf16/fp32, last dim contiguous; K a multiple of 32.
+        blocks: (N, K / 32, 16) uint8 as one expert's ``*_blocks`` in the checkpoint, or (N, K / 2); rows
+            contiguous.
+        scales: (N, K / 32) uint8 E8M0 exponents.
+        bias: (N,) in x's dtype or None. out: (M, N) buffer in x's dtype or None.
+
+    Returns:
+        (M, N) in x's dtype: the reference ``F.linear(x, mxfp4_dequant_ref(...), bias)`` up to summation order.
+
+    Raises:
+        ValueError: naming the argument whose shape, dtype, stride or device is wrong (K not a multiple of 32
+            included).
+    """
+    name = "mxfp4_matmul_triton"
+    data = mxfp4_blocks_2d(blocks)
+    out_features, in_features = data.shape[0], x.shape[-1]
+    if in_features % MXFP4_BLOCK_SIZE:
+        raise ValueError(f"{name}: K = {in_features} is not a multiple of the MXFP4 block of {MXFP4_BLOCK_SIZE}")
+    check_weight_tensor(name, "blocks", data, (out_features, in_features // 2), torch.uint8)
+    check_weight_tensor(name, "scales", scales, (out_features, in_features // MXFP4_BLOCK_SIZE), torch.uint8)
+    if scales.device != data.device:
+        raise ValueError(f"{name}: scales are on {scales.device}, blocks on {data.device}")
+    out = check_activations(name, x, out_features, in_features, data.device, bias, out)
+    if x.shape[0] == 0 or out_features == 0:
+        return out
+    config = launch_config_for(x, MXFP4_BLOCK_K_CAP, bias is not None)
+    mxfp4_gemm_kernel[grid(config, x.shape[0], out_features)](
+        out,
+        x,
+        data,
+        scales,
+        bias if bias is not None else x,  # any pointer without a bias: never read
+        x.shape[0],
+        out_features,
+        in_features,
+        out.stride(0),
+        x.stride(0),
+        data.stride(0),
+        scales.stride(0),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **config.constexprs,
+    )
+    return out
