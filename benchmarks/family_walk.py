@@ -16,7 +16,7 @@ Each family runs in a forked child process (one at a time, its memory capped), s
 or crashes costs only its own row. The results table of every family is ``benchmarks/results-family-walk.md``;
 ``tests/engine/model/test_family_walk.py`` checks a subset of it in the suite and that the table covers every family.
 
-Run (from the repository root; 22 minutes on two cores shared with other jobs)::
+Run (from the repository root; 13 to 22 minutes on two cores shared with other jobs)::
 
     PYTHONPATH=. nice python -m benchmarks.family_walk --out benchmarks/results-family-walk.md
 """
@@ -76,6 +76,7 @@ _MLA = dict(
 #: Sparse-attention indexers (DeepSeek-V3.2's lightning indexer and its followers).
 _INDEXER = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
 _SPECIAL_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+#: Four layers, the last two reading the KV of the first two (num_kv_shared_layers), tiny per-layer embeddings.
 _GEMMA3N_TEXT = dict(
     num_hidden_layers=4,
     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
@@ -105,21 +106,25 @@ _QWEN4_EXP_TEXT = dict(
     heads_per_ngram=2,
     num_hidden_layers=4,
 )
+#: Per-layer embeddings (PLE) of a tiny table, and full-attention layers with twice the head size (per_layer_config).
 _GEMMA4 = dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, global_head_dim=32, **_SPECIAL_IDS)
-#: MLA with an indexer on full layers, and sliding layers of their own MLA shapes (the released ``swa_*`` keys).
+#: MLA with an indexer on full layers, and sliding layers of their own MLA shapes (the released ``swa_*`` keys; a
+#: latent rank of their own, as released, so ``kv_lora_rank`` is a per-layer key).
 _DOTS3_TEXT = dict(
     _MLA,
     **_INDEXER,
     head_dim=24,
+    num_hidden_layers=4,  # two indexed-attention layers, then two sliding ones
     swa_num_attention_heads=4,
     swa_num_key_value_heads=4,
     swa_q_lora_rank=32,
-    swa_kv_lora_rank=16,
+    swa_kv_lora_rank=32,
     swa_head_dim=16,
     swa_qk_nope_head_dim=8,
     swa_qk_rope_head_dim=8,
     swa_v_head_dim=16,
 )
+#: Seq2seq families, whose causal LM is their decoder: encoder and decoder sizes of their own.
 _SEQ2SEQ = dict(
     d_model=64,
     encoder_layers=2,
@@ -221,7 +226,6 @@ OVERRIDES: dict[str, dict] = {
     ),
     # One input, one recurrent (run twice per forward pass) and one output layer.
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1),
-    # Per-layer embeddings (PLE) of a tiny table, and full-attention layers with twice the head size (per_layer_config).
     **{name: _GEMMA4 for name in ("gemma4_text", "gemma4_unified_text")},
     **{name: dict(text_config=_GEMMA4) for name in ("gemma4", "gemma4_unified")},
     **{name: _DOTS3_TEXT for name in ("dots3_note_text",)},
@@ -231,7 +235,6 @@ OVERRIDES: dict[str, dict] = {
         vision_config=dict(pyramid_num_routed=[-1, 4], adapter_in_dim=64, adapter_out_dim=64),
         audio_config=dict(adapter_out_dim=64, adapter_input_size=64),
     ),
-    # Four layers, the last two reading the KV of the first two (num_kv_shared_layers), tiny per-layer embeddings.
     "gemma3n_text": _GEMMA3N_TEXT,
     "gemma3n": dict(text_config=_GEMMA3N_TEXT),
     # Draft heads for Gemma 4 (every layer reads the target's KV): no per-layer embeddings.

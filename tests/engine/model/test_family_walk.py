@@ -46,6 +46,7 @@ FIXED = [
     # Once not buildable with the generic tiny fields, now built with their own:
     "bart",  # a seq2seq decoder: cross-attention
     "gemma4_text",  # per-layer head sizes (per_layer_config)
+    "dots3_note_text",  # multi-head latent attention with a latent rank per layer
     "gemma3n_text",  # KV shared across layers, per-layer embeddings: equal
     "emu3",  # a released checkpoint its ForCausalLM reads none of the weights of
     "musicgen",  # two text models, and transformers cannot load it as a causal LM
