@@ -14,7 +14,7 @@ import torch
 from cbrun.engine.config import EngineConfig, checkpoint_dtype
 from cbrun.engine.core.kv_layout import KVLayout
 from cbrun.engine.core.tokenizer import load_tokenizer
-from cbrun.engine.model import safetensors_loader
+from cbrun.engine.model import registry, safetensors_loader
 from cbrun.engine.model.layers import attention_contract, parallel
 from cbrun.engine.model.layers.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from cbrun.engine.model.layers.quantization.schemes import checkpoint_quantization
@@ -69,19 +69,14 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
     split).
 
     Raises:
-        ValueError: naming ``tensor_parallel_size`` and why, when the weights are quantized, the model would load
-            through transformers or its shapes do not split over the ranks
-            (``cbrun.engine.model.layers.parallel.unsupported_reason``).
+        ValueError: naming ``tensor_parallel_size`` and why, when the model would load through transformers, its
+            shapes do not split over the ranks (``cbrun.engine.model.layers.parallel.unsupported_reason``) or a
+            quantized weight's slices would not start on its layout's blocks, groups or packed words
+            (``parallel.unsupported_quantized_reason``: the tensor, its size and the unit); a quantized layout
+            cbrun does not implement, by ``checkpoint_quantization``'s refusal.
     """
     size = config.tensor_parallel_size
-    quantization = _quantization_method(model_path)
-    if quantization is not None:
-        # NOTE: checked before the loader's own reading of the config: a quantized layout's scales and packed
-        # weights are not split here, whichever forward pass could read them.
-        raise ValueError(
-            f"tensor_parallel_size = {size} does not split quantized weights (config.json's quantization_config, "
-            f"quant_method {quantization!r}); set tensor_parallel_size = 1 or use unquantized weights"
-        )
+    checkpoint_quantization(model_path)  # an unimplemented layout: its own refusal, as with one rank
     reason = _needs_transformers(config)
     plan = None
     if reason is None:
@@ -92,22 +87,14 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
             f"would load through transformers: {reason}; set tensor_parallel_size = 1"
         )
     reason = parallel.unsupported_reason(plan.config, size)
+    if reason is None and plan.config.quantization is not None:
+        family = registry.family_of(plan.config)
+        shapes = family.checkpoint_shapes(plan.config)
+        weights = {name: shapes[name] for name in plan.quantized}
+        reason = parallel.unsupported_quantized_reason(plan.config, weights, family.shard_style, size)
     if reason is not None:
         raise ValueError(f"tensor_parallel_size = {size} cannot split this model: {reason}")
     return plan
-
-
-def _quantization_method(model_path: str) -> str | None:
-    """config.json's ``quantization_config.quant_method`` ("unknown" when it names none), or None when the
-    checkpoint is not quantized or its config cannot be read (the loaders report that themselves)."""
-    try:
-        raw = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    quantization = raw.get("quantization_config") if isinstance(raw, dict) else None
-    if quantization is None:
-        return None
-    return str(quantization.get("quant_method", "unknown")) if isinstance(quantization, dict) else "unknown"
 
 
 def _load_target_model(model_path: str, config: EngineConfig):
