@@ -153,22 +153,57 @@ def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
     # dispatch): no host copy of the whole model. The CPU keeps transformers' default placement.
     placement = {"device_map": torch.device(config.device)} if torch.device(config.device).type == "cuda" else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True, **placement
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            model_path,
+            dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            local_files_only=True,
+            output_loading_info=True,
+            **placement,
         )
     except KeyError as exc:
         if ATTN_IMPLEMENTATION not in str(exc):
-            raise
+            raise _not_a_causal_lm(model_path, exc) from exc
         # Older modules pick their attention class from a table by name (GIT): they never call the registered
         # attention function, so cbrun's attention cannot run them.
         raise attention_contract.refusal(
             "token mixing other than one attention per layer",
             f"{type(exc).__name__} {exc}: the model picks its own attention classes by name, with none for cbrun's",
         ) from exc
+    except (OSError, MemoryError, torch.OutOfMemoryError):  # a missing file, or no room: said as they are
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever transformers' own classes raise on this checkpoint
+        raise _not_a_causal_lm(model_path, exc) from exc
+    _check_all_weights_read(model, loading)
     _check_causal_decoder(model)
     model = model.to(config.device).eval()
     check_attention(model, config)
     return model
+
+
+def _check_all_weights_read(model: torch.nn.Module, loading: dict) -> None:
+    """Refuse a model some of whose weights the checkpoint does not hold: transformers leaves them at their random
+    initial values (an Emu3 checkpoint read by ``Emu3ForCausalLM``, whose names lack the ``text_model.`` prefix).
+
+    Raises:
+        ValueError: naming how many weights are missing and the first few.
+    """
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        raise ValueError(
+            f"the checkpoint lacks {len(missing)} of {type(model).__name__}'s weights ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): transformers would run them at random initial values"
+        )
+
+
+def _not_a_causal_lm(model_path: str, exc: Exception) -> ValueError:
+    """The refusal of a checkpoint transformers' ``AutoModelForCausalLM`` cannot build (MusicGen's whole model: its
+    causal-LM class takes the decoder's config only)."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return ValueError(
+        f"transformers cannot load {model_path} as a causal LM ({type(exc).__name__}: {first}); cbrun runs the "
+        "decoder-only causal LMs transformers' AutoModelForCausalLM loads"
+    )
 
 
 def check_attention(model: torch.nn.Module, config: EngineConfig) -> None:
@@ -178,7 +213,7 @@ def check_attention(model: torch.nn.Module, config: EngineConfig) -> None:
     Raises:
         UnsupportedAttention (a ValueError): naming the feature.
     """
-    text_config = model.config.get_text_config()
+    text_config = attention_contract.text_config(model.config)
     attention_contract.check_transformers_model(
         model,
         KVLayout.from_model_config(text_config),
@@ -191,6 +226,10 @@ def _check_causal_decoder(model: torch.nn.Module) -> None:
     """Refuse models whose attention is not causal: the paged cache serves decoder-only generation only."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; cbrun runs decoder-only causal LMs")
+    for name, module in model.named_modules():
+        # Named first: a decoder's cross-attention is also non-causal, and the clearer name of the two.
+        if attention_contract.is_cross_attention(name, module):
+            raise attention_contract.refusal("cross-attention", f"module {name!r} of {type(model).__name__}")
     for name, module in model.named_modules():
         if getattr(module, "is_causal", True) is False:
             raise ValueError(
