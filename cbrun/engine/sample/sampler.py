@@ -48,7 +48,7 @@ import torch
 from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.worker.device import to_device, waits_for_device
-from cbrun.kernels import cpu_token_mask
+from cbrun.kernels import cpu_sampler, cpu_token_mask
 
 # ---- per-row error codes and processing ---------------------------------------------------------------------
 
@@ -1135,6 +1135,7 @@ class SamplerOutput:
         logprob_rows: host list of the L rows that asked for log-probabilities.
         chosen: (L,) float32 log-probability of each such row's token.
         top_values, top_indices: (L, max logprobs) float32 / int64, the top log-probabilities.
+        encoded: ``readback()``'s value when the draw made it already (the CPU kernel's), else None.
     """
 
     tokens: torch.Tensor
@@ -1144,6 +1145,7 @@ class SamplerOutput:
     chosen: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
     top_indices: torch.Tensor | None = None
+    encoded: torch.Tensor | None = None
 
     def _packed_logprobs(self) -> torch.Tensor:
         """(L, 1 + 2 * max logprobs) float64 on the device: chosen, top values, top ids (exact in float64)."""
@@ -1159,7 +1161,7 @@ class SamplerOutput:
     def readback(self) -> torch.Tensor:
         """(R,) int64 on the device: the tokens, with each failed row's error code folded in as a negative id
         (``encode_errors``), so one copy brings both to the host."""
-        return encode_errors(self.tokens, self.errors)
+        return self.encoded if self.encoded is not None else encode_errors(self.tokens, self.errors)
 
     def to_host(
         self, read_back: list[int] | None = None, logprob_bits: list[int] | None = None
@@ -1289,6 +1291,12 @@ def sample(
 ) -> SamplerOutput:
     """Choose one token per row, greedy and sampled rows together.
 
+    On the CPU (float32 logits) the sampled rows are drawn by our C kernel (``cbrun.kernels.cpu_sampler``: the
+    whole draw of every row in one call); a step whose rows are all sampled and need no processing (no bitmask,
+    penalties, stop tokens or log-probabilities: e.g. Llama-3's defaults) hands the kernel the logits as they are.
+    Elsewhere, and where the kernel cannot be built, the PyTorch draw (``draw_filtered`` on the CPU, ``draw_sorted``
+    on a device).
+
     Args:
         logits: (R, V) logits of any float dtype on the device; R == len(batch).
         batch: the rows' settings (``build_batch``).
@@ -1298,8 +1306,24 @@ def sample(
         The device-side results (``SamplerOutput.to_host`` reads them). A row with NaN logits, or with every token
         ruled out, gets an error code; the other rows are unaffected.
     """
+    if (
+        batch.all_sampled
+        and token_bitmask is None
+        and batch.stop_rows is None
+        and batch.penalty_rows is None
+        and not batch.any_logprobs
+        and cpu_sampler.supports(logits)
+    ):
+        # NOTE: the kernel checks the rows' scores itself (NaN, all -inf, +inf): no processing pass, no copy.
+        return _draw_cpu(logits, batch, None, None)
     scores, raw, errors, top = _process(logits, batch, token_bitmask, in_place)
     all_sampled = batch.all_sampled
+    if batch.any_sampled and cpu_sampler.supports(scores):
+        if all_sampled:
+            out = _draw_cpu(scores, batch, None, errors)
+        else:
+            out = _draw_cpu(scores, batch, np.flatnonzero(~batch.greedy_rows), errors, scores.argmax(dim=1))
+        return with_logprobs(out, scores, raw, batch)
     tokens = None if all_sampled else scores.argmax(dim=1)
     if batch.any_sampled:
         rows = None if all_sampled else sampled_rows(batch, scores.device)
@@ -1326,6 +1350,47 @@ def sample(
     assert tokens is not None  # a row is greedy or sampled
     check_tokens(tokens, errors, scores.shape[1])
     return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
+
+
+def _draw_cpu(
+    scores: torch.Tensor,
+    batch: SamplingBatch,
+    rows: np.ndarray | None,
+    errors: torch.Tensor | None,
+    tokens: torch.Tensor | None = None,
+) -> SamplerOutput:
+    """The sampled rows drawn by the C kernel (``cbrun.kernels.cpu_sampler``), on the host arrays behind the
+    batch's CPU tensors.
+
+    Args:
+        scores: (R, V) float32 CPU scores.
+        rows: the sampled rows (None: all of them).
+        errors: (R,) int8 codes of the processing (a failed row keeps its own), or None (no processing ran).
+        tokens: (R,) int64 greedy rows' tokens (their argmax), written in place; None when every row is sampled.
+    """
+    at = np.arange(scores.shape[0]) if rows is None else rows
+    settings = [getattr(batch, name).numpy() for name in ("temperature", "top_k", "top_p", "min_p", "keys")]
+    if rows is not None:
+        settings = [values[rows] for values in settings]
+    drawn = cpu_sampler.sample_rows(scores, at, *settings, num_threads=1 if len(at) < 64 else torch.get_num_threads())
+    if errors is None and tokens is None:  # the fast path: the kernel's read-back is the row's, errors folded in
+        codes = drawn.numpy()
+        failed = codes < 0
+        code = torch.from_numpy(np.where(failed, -1 - codes, 0).astype(np.int8))
+        return SamplerOutput(torch.from_numpy(np.where(failed, 0, codes)), code, [], [], encoded=drawn)
+    if errors is None:
+        errors = torch.zeros(scores.shape[0], dtype=torch.int8)
+    index = None if rows is None else torch.from_numpy(rows)
+    own = (-1 - drawn).clamp_(min=0).to(torch.int8)  # the kernel's codes (0 for a drawn token)
+    if index is None:
+        errors = torch.where(errors != OK, errors, own)
+        tokens = drawn.clamp(min=0)
+    else:
+        assert tokens is not None  # the greedy rows' argmax
+        errors[index] = torch.where(errors[index] != OK, errors[index], own)
+        tokens[index] = drawn.clamp(min=0)
+    check_tokens(tokens, errors, scores.shape[1])
+    return SamplerOutput(tokens, errors, [], [])
 
 
 def with_logprobs(
@@ -1369,7 +1434,7 @@ def with_logprobs(
     num = [int(batch.num_logprobs[i]) for i in rows]
     top = torch.topk(logprobs, min(max(num), logprobs.shape[1]), dim=1)
     chosen = logprobs.gather(1, out.tokens[_index(rows, scores.device)][:, None])[:, 0]
-    return SamplerOutput(out.tokens, out.errors, rows, num, chosen, top.values, top.indices)
+    return SamplerOutput(out.tokens, out.errors, rows, num, chosen, top.values, top.indices, out.encoded)
 
 
 def float_bits(values: torch.Tensor) -> torch.Tensor:
