@@ -10,15 +10,15 @@
  * sorting-free top-k / top-p sampling). S shrinks every round and always holds the most likely token, which T
  * holds, so a row ends in at most V rounds (most end in the first).
  *
- * The floats. Each row is computed alone, in a fixed order that depends only on V (16 float32 lanes, blocks of 64), so a
- * row's token does not depend on its batch or on the number of threads. Weights are exp((x - max) / T) in float32
- * (the scores' own float32 subtraction and division, as torch computes them, then our exp, within 2 ulp of the
- * correctly rounded one); sums and the inverse-CDF target are float64. The weights are not torch's softmax, so a
- * draw whose number lands within about 1e-7 of a boundary may differ from the PyTorch sampler's
- * (tests/kernels/test_cpu_sampler.py compares the two).
+ * The floats. Each row is computed alone, in a fixed order that depends only on V (16 float32 lanes, blocks of
+ * 64), so a row's token does not depend on its batch or on the number of threads. Weights are
+ * 2^((x - max) * log2(e) / T) in float32 by our exp2 (exp2_nonpositive); sums are float32 lanes per block, then
+ * float64, and the inverse-CDF target float64. The weights are not torch's softmax, so a draw whose number lands
+ * within about 1e-6 of a boundary may differ from the PyTorch sampler's (tests/kernels/test_cpu_sampler.py
+ * compares the two: the same tokens on thousands of random rows).
  *
  * The random stream is the sampler's: uniform = ((mix64(key + draw) >> 11) + 0.5) * 2^-53, where key is the row's
- * row_keys value mix64(mix64(seed) + position) and mix64 is SplitMix64's finaliser of x + golden (Steele, Lea and
+ * row_keys value mix64(seed_hash + position), seed_hash = mix64(seed), and mix64 is SplitMix64's finaliser of x + golden (Steele, Lea and
  * Flood 2014; the constants are Vigna's splitmix64.c).
  *
  * Built by cbrun/kernels/c_build.py and called through ctypes by cbrun/kernels/cpu_sampler.py.
@@ -76,25 +76,24 @@ static inline double sum_lanes(f32xL v) {
     return sum;
 }
 
-/* exp(x) for x <= 0 in LANES lanes (below -87, where float32 turns subnormal, and for NaN, 0): Cody-Waite reduction
- * by ln 2 and Cephes' degree-6 polynomial for expf (about 1 ulp), as cpu_paged_attention.c's exp_nonpositive;
- * exp(0) is exactly 1. */
-static inline f32xL exp_nonpositive(f32xL x) {
-    const i32xL under = ~(x >= splat(-87.0f)); /* NaN too (-inf * 0 at an infinite temperature): weight 0 */
-    const f32xL c = select_lanes(under, splat(-87.0f), x);
-    const f32xL shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
-    const f32xL t = c * splat(1.44269504088896341f) + shifter;
-    const f32xL n = t - shifter;
-    const f32xL r = (c - n * splat(0.693359375f)) + n * splat(2.12194440e-4f); /* ln 2 in two parts */
-    f32xL y = splat(1.9875691500e-4f);
-    y = y * r + splat(1.3981999507e-3f);
-    y = y * r + splat(8.3334519073e-3f);
-    y = y * r + splat(4.1665795894e-2f);
-    y = y * r + splat(1.6666665459e-1f);
-    y = y * r + splat(5.0000001201e-1f);
-    y = y * r * r + r + splat(1.0f);
-    const i32xL scale = ((i32xL)t - 0x4B400000 + 127) << 23; /* the integer n, then 2^n */
-    return (f32xL)((i32xL)(y * (f32xL)scale) & ~under);
+/* 2^y for y <= 0 in LANES lanes (0 below -126, where float32 turns subnormal, and for NaN): y split into an
+ * integer n and f in [-1/2, 1/2], 2^f by Cephes' degree-6 polynomial for exp2f (about 1 ulp), 2^n by the exponent
+ * bits. 2^0 is exactly 1. Scores reach it as (x - max) * log2(e) / T: one product, so a weight's relative error
+ * grows with |y| (2e-6 at weight 1e-6), far below any weight that matters to a draw. */
+static inline f32xL exp2_nonpositive(f32xL y) {
+    const i32xL under = ~(y >= splat(-126.0f)); /* -inf, NaN (-inf * 0 at an infinite temperature) included */
+    const f32xL shifter = splat(12582912.0f);    /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
+    const f32xL t = y + shifter;
+    const f32xL f = y - (t - shifter);
+    f32xL p = splat(1.535336188319500e-4f);
+    p = p * f + splat(1.339887440266574e-3f);
+    p = p * f + splat(9.618437357674640e-3f);
+    p = p * f + splat(5.550332471162809e-2f);
+    p = p * f + splat(2.402264791363012e-1f);
+    p = p * f + splat(6.931472028550421e-1f);
+    p = p * f + splat(1.0f);
+    const i32xL scale = ((i32xL)t << 23) + (int32_t)((uint32_t)(127 - 0x4B400000) << 23); /* 2^n */
+    return (f32xL)((i32xL)(p * (f32xL)scale) & ~under);
 }
 
 /* The row's largest score, and whether it holds a NaN. */
@@ -139,47 +138,54 @@ static double mass_above(const float *w, int64_t padded, float pivot, double *bl
 }
 
 /* The row's weights w[i] = exp((x[i] - top) / temperature) (when top is +inf: 1 on +inf scores, 0 elsewhere), 0
- * past the width up to `padded` (a multiple of BLOCK), and per block of BLOCK weights their sum (mass_above's, of
- * every positive weight). Returns the total (the blocks' sums in order, float64). */
+ * past the width up to `padded` (a multiple of BLOCK), and per block of BLOCK weights their sum (mass_above's
+ * order: float lanes, then float64 in lane order). Returns the total (the blocks' sums in order, float64). */
 static double row_weights(const float *x, int64_t width, int64_t padded, float top, float temperature, float *w,
                           double *block_sums) {
-    const int64_t full = width / LANES * LANES;
-    const f32xL top_l = splat(top);
     if (top == INFINITY) {
         for (int64_t i = 0; i < width; i++) {
             w[i] = x[i] == INFINITY ? 1.0f : 0.0f;
         }
-    } else {
-        /* dividing by the temperature as a product with its inverse (a fifth of a division's cost), unless the
-         * inverse overflows float32 */
-        const float inverse = 1.0f / temperature;
-        const int multiply = isfinite(inverse);
-        const f32xL inverse_l = splat(inverse), temperature_l = splat(temperature);
-        if (multiply) {
-#pragma GCC unroll 4
-            for (int64_t i = 0; i < full; i += LANES) {
-                const f32xL e = exp_nonpositive((load(x + i) - top_l) * inverse_l);
-                memcpy(w + i, &e, sizeof(e));
-            }
-        } else {
-            for (int64_t i = 0; i < full; i += LANES) {
-                const f32xL e = exp_nonpositive((load(x + i) - top_l) / temperature_l);
-                memcpy(w + i, &e, sizeof(e));
-            }
+        for (int64_t i = width; i < padded; i++) {
+            w[i] = 0.0f;
         }
-        if (full < width) { /* the last partial chunk, padded with -inf scores (weight 0) */
+        return mass_above(w, padded, 0.0f, block_sums);
+    }
+    /* (x - top) * log2(e) / T as one product, unless that factor overflows float32 (a tiny temperature) */
+    const float factor = 1.44269504088896341f / temperature;
+    const int multiply = isfinite(factor);
+    const f32xL top_l = splat(top), factor_l = splat(factor), temperature_l = splat(temperature);
+    const f32xL log2e_l = splat(1.44269504088896341f);
+    const int64_t whole = multiply ? width / BLOCK * BLOCK : 0; /* blocks read straight from the row */
+    double total = 0.0;
+    for (int64_t b = 0; b < whole; b += BLOCK) {
+        f32xL lanes_sum = splat(0.0f);
+        for (int64_t i = b; i < b + BLOCK; i += LANES) {
+            const f32xL e = exp2_nonpositive((load(x + i) - top_l) * factor_l);
+            memcpy(w + i, &e, sizeof(e));
+            lanes_sum += e;
+        }
+        const double sum = sum_lanes(lanes_sum);
+        block_sums[b / BLOCK] = sum;
+        total += sum;
+    }
+    for (int64_t b = whole; b < padded; b += BLOCK) { /* the last partial block (-inf past the row: weight 0) */
+        f32xL lanes_sum = splat(0.0f);
+        for (int64_t i = b; i < b + BLOCK; i += LANES) {
             f32xL v = splat(-INFINITY);
-            for (int64_t j = full; j < width; j++) {
-                v[j - full] = x[j];
+            for (int64_t j = i; j < width && j < i + LANES; j++) {
+                v[j - i] = x[j];
             }
-            const f32xL e = exp_nonpositive(multiply ? (v - top_l) * inverse_l : (v - top_l) / temperature_l);
-            memcpy(w + full, &e, sizeof(e));
+            const f32xL y = multiply ? (v - top_l) * factor_l : (v - top_l) / temperature_l * log2e_l;
+            const f32xL e = exp2_nonpositive(y);
+            memcpy(w + i, &e, sizeof(e));
+            lanes_sum += e;
         }
+        const double sum = sum_lanes(lanes_sum);
+        block_sums[b / BLOCK] = sum;
+        total += sum;
     }
-    for (int64_t i = width; i < padded; i++) {
-        w[i] = 0.0f;
-    }
-    return mass_above(w, padded, 0.0f, block_sums);
+    return total;
 }
 
 /* The mass of the weights at least `bound` (the top-k set), summed as mass_above's. */
@@ -310,15 +316,15 @@ static int64_t draw_row(const float *x, int64_t width, int64_t padded, float tem
     return -1 - CBRUN_NOTHING_LEFT; /* not reached: every round leaves at least one token fewer */
 }
 
-/* For each i < num_rows: out[i] = the token drawn for logits row rows[i], or -1 - its error code (NaN scores:
+/* For each i < num_rows: out[i] = the token drawn for logits row rows[i] (row i when rows is NULL), or -1 - its error code (NaN scores:
  * CBRUN_NAN_LOGITS; every score -inf: CBRUN_NOTHING_LEFT; no finite distribution: CBRUN_OUT_OF_VOCAB).
  *
  * logits: float32 rows of `width` contiguous values, `stride` floats apart. temperature, top_k (0 off), top_p (1
- * off), min_p (0 off), keys: per row i (row_keys values, as unsigned 64-bit patterns). Returns 0, or -1 when the
- * scratch memory cannot be allocated. */
+ * off), min_p (0 off), seed_hashes (mix64 of the row's stream key, as unsigned 64-bit patterns) and positions (its
+ * output position): per row i. Returns 0, or -1 when the scratch memory cannot be allocated. */
 int cbrun_sample_rows_f32(const float *logits, int64_t stride, int64_t width, const int64_t *rows, int64_t num_rows,
                           const float *temperature, const int64_t *top_k, const float *top_p, const float *min_p,
-                          const uint64_t *keys, int64_t *out, int num_threads) {
+                          const uint64_t *seed_hashes, const int64_t *positions, int64_t *out, int num_threads) {
     const int64_t padded = (width + BLOCK - 1) / BLOCK * BLOCK;
     const int64_t num_blocks = padded / BLOCK;
     const int threads = num_threads > 1 ? num_threads : 1;
@@ -339,8 +345,8 @@ int cbrun_sample_rows_f32(const float *logits, int64_t stride, int64_t width, co
         double *block_sums = (double *)mine;
         float *w = (float *)(mine + (size_t)num_blocks * sizeof(double));
         float *scratch = w + padded;
-        out[i] = draw_row(logits + rows[i] * stride, width, padded, temperature[i], top_k[i], top_p[i], min_p[i],
-                          keys[i], w, scratch, block_sums);
+        out[i] = draw_row(logits + (rows != NULL ? rows[i] : i) * stride, width, padded, temperature[i], top_k[i], top_p[i], min_p[i],
+                          mix64(seed_hashes[i] + (uint64_t)positions[i]), w, scratch, block_sums);
     }
     free(memory);
     return 0;

@@ -6,8 +6,8 @@ each costing a few microseconds before any arithmetic. The C kernel does a row's
 sampled row of the step: the row's maximum and its NaN / infinity checks, the temperature, the weights
 exp((x - max) / T), top-k, top-p and min-p by the sampler's rejection with pivots, the counter-based uniform
 numbers of each round (``cbrun.engine.sample.sampler.uniform_of``) and the inverse-CDF pick. The distribution and
-the random numbers are the PyTorch sampler's; the floats are its own (our exp, float64 sums in a fixed order per
-row), so a draw whose number lands within about 1e-7 of a boundary may differ from the PyTorch path's
+the random numbers are the PyTorch sampler's; the floats are its own (our exp2, float32 lanes and float64 sums in a fixed order per
+row), so a draw whose number lands within about 1e-6 of a boundary may differ from the PyTorch path's
 (``tests/kernels/test_cpu_sampler.py`` compares them: the same tokens on thousands of random rows). A row's token
 depends only on its own scores and settings, never on its batch or the thread count.
 
@@ -54,12 +54,13 @@ def supports(logits: torch.Tensor) -> bool:
 
 def sample_rows(
     logits: torch.Tensor,
-    rows: np.ndarray,
+    rows: np.ndarray | None,
     temperature: np.ndarray,
     top_k: np.ndarray,
     top_p: np.ndarray,
     min_p: np.ndarray,
-    keys: np.ndarray,
+    seed_hashes: np.ndarray,
+    positions: np.ndarray,
     num_threads: int = 1,
 ) -> torch.Tensor:
     """One token per row drawn from its filtered softmax; the logits are not written.
@@ -67,11 +68,12 @@ def sample_rows(
     Args:
         logits: (N, V) float32 CPU scores, unit stride along V (processed: bitmask, penalties and stop tokens
             already applied; +inf scores share the row, NaN fails it).
-        rows: (R,) int64, the rows of ``logits`` to draw from.
+        rows: (R,) int64, the rows of ``logits`` to draw from; None: every row (R = N).
         temperature: (R,) float32 (> 0); top_k: (R,) int64 (0 off); top_p: (R,) float32 (1 off); min_p: (R,)
             float32 (0 off).
-        keys: (R,) int64, each row's ``row_keys`` value (its seed and output position); round r of its draw uses
-            ``uniform_of(key, PLAIN + r)``.
+        seed_hashes: (R,) uint64 or int64 bit patterns, each row's ``seed_hash`` (the first link of its stream);
+            positions: (R,) int64 the output positions of the tokens drawn. Round r of a row's draw uses
+            ``uniform(seed, position, PLAIN + r)`` (``uniform_of(row_keys(seed_hash, position), PLAIN + r)``).
         num_threads: OpenMP threads over the rows (the tokens do not depend on it).
 
     Returns:
@@ -92,19 +94,20 @@ def sample_rows(
             f"the CPU sampler kernel takes 2-D float32 CPU logits with unit inner stride; got {logits.dtype} "
             f"{tuple(logits.shape)} on {logits.device}"
         )
-    num_rows = len(rows)
+    num_rows = logits.shape[0] if rows is None else len(rows)
     arrays = (
-        ("rows", rows, np.int64),
+        ("rows", rows if rows is not None else np.empty(num_rows, np.int64), np.int64),
         ("temperature", temperature, np.float32),
         ("top_k", top_k, np.int64),
         ("top_p", top_p, np.float32),
         ("min_p", min_p, np.float32),
-        ("keys", keys, np.int64),
+        ("seed_hashes", seed_hashes.view(np.int64) if seed_hashes.dtype == np.uint64 else seed_hashes, np.int64),
+        ("positions", positions, np.int64),
     )
     for name, array, dtype in arrays:
         if array.dtype != dtype or array.shape != (num_rows,) or not array.flags.c_contiguous:
             raise ValueError(f"{name} must be a contiguous ({num_rows},) {np.dtype(dtype)} array")
-    if num_rows and (rows.min() < 0 or rows.max() >= logits.shape[0]):
+    if rows is not None and num_rows and (rows.min() < 0 or rows.max() >= logits.shape[0]):
         raise ValueError(f"rows must lie in [0, {logits.shape[0]}); got {rows.min()}..{rows.max()}")
     out = np.empty(num_rows, dtype=np.int64)
     if num_rows:
@@ -112,13 +115,14 @@ def sample_rows(
             logits.data_ptr(),
             logits.stride(0),
             logits.shape[1],
-            rows.ctypes.data,
+            None if rows is None else rows.ctypes.data,
             num_rows,
             temperature.ctypes.data,
             top_k.ctypes.data,
             top_p.ctypes.data,
             min_p.ctypes.data,
-            keys.ctypes.data,
+            seed_hashes.ctypes.data,
+            positions.ctypes.data,
             out.ctypes.data,
             max(1, num_threads),
         )
@@ -134,7 +138,7 @@ def _load() -> ctypes.CDLL | None:
             library = ctypes.CDLL(str(build_library(SOURCE, "the CPU sampler kernel", "about 1 s")))
             fn = library.cbrun_sample_rows_f32
             ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
             fn.restype = ctypes.c_int
             _library = library
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:

@@ -34,18 +34,24 @@ def settings(rows: int, temperature: float, top_k: int, top_p: float, min_p: flo
     )
 
 
-def keys_of(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def streams(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """Rows' seeds, output positions, and (R, 2) their seed hashes and positions as the kernel takes them."""
     seeds = torch.arange(rows, dtype=torch.int64) + 1000 * seed
     positions = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(seed))
-    return seeds, positions, sampler.row_keys(sampler.mix64(seeds), positions)
+    return seeds, positions, np.stack([sampler.mix64(seeds).numpy(), positions.numpy()], axis=1)
 
 
-def reference(logits, temperature, top_k, top_p, min_p, seeds, positions, keys) -> torch.Tensor:
+def kernel(logits, rows, temperature, top_k, top_p, min_p, stream, **kwargs):
+    hashes, positions = np.ascontiguousarray(stream[:, 0]), np.ascontiguousarray(stream[:, 1])
+    return cpu_sampler.sample_rows(logits, rows, temperature, top_k, top_p, min_p, hashes, positions, **kwargs)
+
+
+def reference(logits, temperature, top_k, top_p, min_p, seeds, positions) -> torch.Tensor:
     """The PyTorch sampler's draw of the same rows."""
     shifted = (logits - logits.amax(dim=1, keepdim=True)) / torch.from_numpy(temperature)[:, None]
     probs = torch.softmax(shifted, dim=1)
     tk, tp, mp = (torch.from_numpy(a) for a in (top_k, top_p, min_p))
-    return sampler.draw_filtered(probs, tk, tp, mp, seeds, positions, None, keys)
+    return sampler.draw_filtered(probs, tk, tp, mp, seeds, positions)
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "t{}-k{}-p{}-m{}".format(*s))
@@ -55,10 +61,10 @@ def test_the_kernel_draws_the_pytorch_samplers_tokens(setting, vocab):
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(rows, vocab, generator=generator) * 3
     arrays = settings(rows, *setting)
-    seeds, positions, keys = keys_of(rows)
-    drawn = cpu_sampler.sample_rows(logits, np.arange(rows), *arrays, keys.numpy())
+    seeds, positions, stream = streams(rows)
+    drawn = kernel(logits, np.arange(rows), *arrays, stream)
     assert bool(((drawn >= 0) & (drawn < vocab)).all())
-    assert torch.equal(drawn, reference(logits, *arrays, seeds, positions, keys))
+    assert torch.equal(drawn, reference(logits, *arrays, seeds, positions))
 
 
 def test_a_rows_token_is_the_same_alone_in_any_batch_and_with_threads():
@@ -68,16 +74,15 @@ def test_a_rows_token_is_the_same_alone_in_any_batch_and_with_threads():
     arrays = [
         np.array([m[j] for m in mixed], dtype=d) for j, d in enumerate((np.float32, np.int64, np.float32, np.float32))
     ]
-    _, _, keys = keys_of(rows, seed=3)
-    keys = keys.numpy()
-    together = cpu_sampler.sample_rows(logits, np.arange(rows), *arrays, keys)
-    threaded = cpu_sampler.sample_rows(logits, np.arange(rows), *arrays, keys, num_threads=2)
+    _, _, stream = streams(rows, seed=3)
+    together = kernel(logits, None, *arrays, stream)
+    threaded = kernel(logits, np.arange(rows), *arrays, stream, num_threads=2)
     assert torch.equal(together, threaded)
     order = np.random.default_rng(0).permutation(rows)
-    shuffled = cpu_sampler.sample_rows(logits, order, *(a[order] for a in arrays), keys[order])
+    shuffled = kernel(logits, order, *(a[order] for a in arrays), stream[order])
     assert torch.equal(shuffled, together[torch.from_numpy(order)])
     for i in (0, 17, 299):
-        alone = cpu_sampler.sample_rows(logits, np.array([i]), *(a[i : i + 1] for a in arrays), keys[i : i + 1])
+        alone = kernel(logits, np.array([i]), *(a[i : i + 1] for a in arrays), stream[i : i + 1])
         assert int(alone[0]) == int(together[i])
 
 
@@ -86,8 +91,8 @@ def test_an_unfiltered_draw_is_the_inverse_cdf_of_the_streams_number():
     vocab = 50
     logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(2))
     arrays = settings(64, 1.0, 0, 1.0, 0.0)
-    seeds, positions, keys = keys_of(64, seed=9)
-    drawn = cpu_sampler.sample_rows(logits, np.arange(64), *arrays, keys.numpy()).tolist()
+    seeds, positions, stream = streams(64, seed=9)
+    drawn = kernel(logits, np.arange(64), *arrays, stream).tolist()
     probs = torch.softmax(logits.double(), dim=1).numpy()
     for i in range(64):
         u = sampler.reference_uniform(int(seeds[i]), int(positions[i]), sampler.PLAIN)
@@ -103,8 +108,8 @@ def test_rows_without_a_distribution_get_the_samplers_error_codes():
     logits[3, :20] = float("-inf")  # ruled-out tokens are never drawn
     temperature, top_k, top_p, min_p = settings(6, 1.0, 0, 0.9, 0.0)
     temperature[4] = float("nan")
-    _, _, keys = keys_of(6)
-    drawn = cpu_sampler.sample_rows(logits, np.arange(6), temperature, top_k, top_p, min_p, keys.numpy()).tolist()
+    _, _, stream = streams(6)
+    drawn = kernel(logits, np.arange(6), temperature, top_k, top_p, min_p, stream).tolist()
     assert drawn[0] == -1 - sampler.NAN_LOGITS
     assert drawn[1] == -1 - sampler.NOTHING_LEFT
     assert drawn[2] in (3, 30)
@@ -117,10 +122,10 @@ def test_rows_without_a_distribution_get_the_samplers_error_codes():
 def test_the_wrapper_refuses_arrays_of_the_wrong_kind():
     logits = torch.zeros(2, 8)
     temperature, top_k, top_p, min_p = settings(2, 1.0, 0, 1.0, 0.0)
-    keys = np.zeros(2, np.int64)
+    stream = np.zeros((2, 2), np.int64)
     with pytest.raises(ValueError, match="top_k must be"):
-        cpu_sampler.sample_rows(logits, np.arange(2), temperature, top_k.astype(np.int32), top_p, min_p, keys)
+        kernel(logits, np.arange(2), temperature, top_k.astype(np.int32), top_p, min_p, stream)
     with pytest.raises(ValueError, match="rows must lie"):
-        cpu_sampler.sample_rows(logits, np.array([0, 2]), temperature, top_k, top_p, min_p, keys)
+        kernel(logits, np.array([0, 2]), temperature, top_k, top_p, min_p, stream)
     with pytest.raises(ValueError, match="float32 CPU logits"):
-        cpu_sampler.sample_rows(logits.double(), np.arange(2), temperature, top_k, top_p, min_p, keys)
+        kernel(logits.double(), np.arange(2), temperature, top_k, top_p, min_p, stream)

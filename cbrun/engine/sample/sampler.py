@@ -40,7 +40,7 @@ the forward pass (vLLM's sampler sorts the same way).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -780,7 +780,9 @@ class SamplingBatch:
     Attributes:
         temperature: (R,) float32 (1 on greedy rows); top_k: int64 (0 off); top_p, min_p: float32.
         seeds, positions: (R,) int64 stream keys and output positions (``uniform``); keys: (R,) int64 their
-            ``row_keys`` (``uniform_of(keys, draw)`` is ``uniform(seeds, positions, draw)``).
+            ``row_keys`` (``uniform_of(keys, draw)`` is ``uniform(seeds, positions, draw)``), made on first use;
+            seed_hashes: (R,) uint64 numpy ``seed_hash`` of each row's seed; host_positions: (R,) int64 numpy, the
+            positions on the host.
         penalty_rows: (P,) int64 or None (no row is penalised); count_rows: (P,) int64 rows of
             ``TokenCounts.counts``; seen: (P, V) bool; extra_counts: (P, V) int32 or None (``TokenCounts.gather``);
             repetition, presence, frequency: (P,) float32.
@@ -800,7 +802,8 @@ class SamplingBatch:
     min_p: torch.Tensor
     seeds: torch.Tensor
     positions: torch.Tensor
-    keys: torch.Tensor
+    seed_hashes: np.ndarray
+    host_positions: np.ndarray
     penalty_rows: torch.Tensor | None
     count_rows: torch.Tensor | None
     seen: torch.Tensor | None
@@ -820,9 +823,19 @@ class SamplingBatch:
     any_logprobs: bool
     any_raw_logprobs: bool
     filter_hints: FilterHints
+    _keys: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.greedy_rows)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """(R,) int64 ``row_keys`` of the rows on the positions' device (the CPU's C draw takes the seed hashes and
+        positions themselves, so it is made only when another draw asks)."""
+        if self._keys is None:
+            keys = _mix_np(self.seed_hashes + self.host_positions.view(np.uint64)).view(np.int64)
+            self._keys = _upload(keys, self.positions.device)
+        return self._keys
 
 
 #: ``SamplingSlots``' per-request arrays and their dtypes.
@@ -843,6 +856,7 @@ _SLOT_FIELDS = {
     "repetition": np.float32,
     "presence": np.float32,
     "frequency": np.float32,
+    "prompt_length": np.int64,
 }
 
 
@@ -855,6 +869,7 @@ class _Gathered:
     device: torch.device
     at: np.ndarray
     seed_hash: np.ndarray
+    prompt_length: np.ndarray
     min_new_tokens: np.ndarray | None
     penalised: np.ndarray
     tensors: dict[str, torch.Tensor]
@@ -919,9 +934,19 @@ class SamplingSlots:
             self._join(value)
         return bool(self.arrays[name][self.slot_of[value.request_index]])
 
-    def penalised(self, values: list[RowSampling]) -> list[int]:
-        """The positions in ``values`` of the penalised rows."""
-        return np.flatnonzero(self.arrays["penalised"][self.slots(values)]).tolist()
+    def any_flag(self, values: list[RowSampling], name: str) -> bool:
+        """Whether some row's predicate ``name`` holds (``flag`` of each)."""
+        slots = self.slots(values)  # first: a new request's slot may grow the arrays
+        return bool(self.arrays[name][slots].any())
+
+    def penalised(self, values: list[RowSampling], slots: list[int] | None = None) -> list[int]:
+        """The positions in ``values`` of the penalised rows (``slots``: theirs, when the caller has them)."""
+        kept = self._gathered
+        if slots is not None and kept is not None and kept.slots is slots:  # the rows of the last batch
+            return kept.penalised.tolist()
+        if slots is None:
+            slots = self.slots(values)  # first: a new request's slot may grow the arrays
+        return np.flatnonzero(self.arrays["penalised"][slots]).tolist()
 
     def _join(self, value: RowSampling) -> None:
         if not self._free:
@@ -948,6 +973,7 @@ class SamplingSlots:
             "repetition": p.repetition_penalty,
             "presence": p.presence_penalty,
             "frequency": p.frequency_penalty,
+            "prompt_length": len(value.prompt_token_ids),
         }
         with np.errstate(over="ignore"):  # a setting past float32's range is inf there, as torch casts it
             for name, array in self.arrays.items():
@@ -965,7 +991,7 @@ class SamplingSlots:
     def _gather(self, slots: list[int], vocab_size: int, device: torch.device) -> _Gathered:
         """The rows' settings: kept from the last call when its slots were the same, in the same order."""
         kept = self._gathered
-        if kept is not None and kept.device == device and kept.slots == slots:
+        if kept is not None and kept.device == device and (kept.slots is slots or kept.slots == slots):
             return kept
         at = np.array(slots, dtype=np.int64)
         a = self.arrays
@@ -986,6 +1012,7 @@ class SamplingSlots:
             device=device,
             at=at,
             seed_hash=a["seed_hash"][at],
+            prompt_length=a["prompt_length"][at],
             min_new_tokens=min_new if min_new.any() else None,
             penalised=np.flatnonzero(a["penalised"][at]),
             tensors={
@@ -1017,12 +1044,24 @@ class SamplingSlots:
         token_counts: TokenCounts,
         eos_token_ids: frozenset[int],
         device: torch.device | str,
+        ends: np.ndarray | None = None,
+        slots: list[int] | None = None,
     ) -> SamplingBatch:
         """The ``SamplingBatch`` of rows of these requests (``extra_tokens``: per row, the tokens counted as output
-        after its request's own, or None for none); penalised rows' counts are gathered from ``token_counts``."""
+        after its request's own, or None for none); penalised rows' counts are gathered from ``token_counts``.
+
+        ``ends``: (R,) int64 each row's context end at its step (``ScheduledRequest`` start + tokens, no
+        proposals): its position is that less its prompt's length, whatever the values' own (the values sent with
+        the request's first plan; a penalised row's must be the step's, ``RowSampling.at``, since its counts read
+        them). None: the positions of the values (``RowSampling.position``). ``slots``: the rows' slots, when the
+        caller has them (``slots``).
+        """
         device = torch.device(device)
-        fixed = self._gather(self.slots(values), token_counts.vocab_size, device)
-        positions = np.fromiter((v.num_output_tokens + v.num_pending for v in values), np.int64, len(values))
+        fixed = self._gather(slots if slots is not None else self.slots(values), token_counts.vocab_size, device)
+        if ends is not None:
+            positions = ends - fixed.prompt_length
+        else:
+            positions = np.fromiter((v.num_output_tokens + v.num_pending for v in values), np.int64, len(values))
         if extra_tokens is not None:
             positions += np.fromiter(map(len, extra_tokens), np.int64, len(values))
         penalty_rows = count_rows = seen = extra_counts = repetition = presence = frequency = None
@@ -1047,7 +1086,6 @@ class SamplingSlots:
             if pairs:
                 stop_rows = _upload(np.array([i for i, _ in pairs], dtype=np.int64), device)
                 stop_tokens = _upload(np.array([t for _, t in pairs], dtype=np.int64), device)
-        keys = _mix_np(fixed.seed_hash + positions.view(np.uint64)).view(np.int64)
         t = fixed.tensors
         return SamplingBatch(
             temperature=t["temperature"],
@@ -1056,7 +1094,8 @@ class SamplingSlots:
             min_p=t["min_p"],
             seeds=t["seeds"],
             positions=_upload(positions, device),
-            keys=_upload(keys, device),
+            seed_hashes=fixed.seed_hash,
+            host_positions=positions,
             penalty_rows=penalty_rows,
             count_rows=count_rows,
             seen=seen,
@@ -1352,6 +1391,9 @@ def sample(
     return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
 
 
+_KERNEL_SETTINGS = ("temperature", "top_k", "top_p", "min_p")
+
+
 def _draw_cpu(
     scores: torch.Tensor,
     batch: SamplingBatch,
@@ -1368,13 +1410,17 @@ def _draw_cpu(
         errors: (R,) int8 codes of the processing (a failed row keeps its own), or None (no processing ran).
         tokens: (R,) int64 greedy rows' tokens (their argmax), written in place; None when every row is sampled.
     """
-    at = np.arange(scores.shape[0]) if rows is None else rows
-    settings = [getattr(batch, name).numpy() for name in ("temperature", "top_k", "top_p", "min_p", "keys")]
+    settings = [getattr(batch, name).numpy() for name in _KERNEL_SETTINGS] + [batch.seed_hashes, batch.host_positions]
     if rows is not None:
         settings = [values[rows] for values in settings]
-    drawn = cpu_sampler.sample_rows(scores, at, *settings, num_threads=1 if len(at) < 64 else torch.get_num_threads())
+    temperature, top_k, top_p, min_p, seed_hashes, positions = settings
+    num_rows = scores.shape[0] if rows is None else len(rows)
+    threads = 1 if num_rows < 64 else torch.get_num_threads()
+    drawn = cpu_sampler.sample_rows(scores, rows, temperature, top_k, top_p, min_p, seed_hashes, positions, threads)
     if errors is None and tokens is None:  # the fast path: the kernel's read-back is the row's, errors folded in
         codes = drawn.numpy()
+        if codes.min(initial=0) >= 0:  # no row failed
+            return SamplerOutput(drawn, torch.zeros(num_rows, dtype=torch.int8), [], [], encoded=drawn)
         failed = codes < 0
         code = torch.from_numpy(np.where(failed, -1 - codes, 0).astype(np.int8))
         return SamplerOutput(torch.from_numpy(np.where(failed, 0, codes)), code, [], [], encoded=drawn)
