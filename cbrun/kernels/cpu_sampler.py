@@ -89,19 +89,36 @@ def sample_rows(
     library = _load()
     if library is None:
         raise RuntimeError(f"the CPU sampler kernel is unavailable: {_failure}")
+    num_rows = logits.shape[0] if rows is None else len(rows)
+    seed_hashes = seed_hashes.view(np.int64) if seed_hashes.dtype == np.uint64 else seed_hashes
+    _check(logits, rows, num_rows, temperature, top_k, top_p, min_p, seed_hashes, positions)
+    out = np.empty(num_rows, dtype=np.int64)
+    if num_rows:
+        arrays = [a.ctypes.data for a in (temperature, top_k, top_p, min_p, seed_hashes, positions, out)]
+        rows_at = None if rows is None else rows.ctypes.data
+        function = library.cbrun_sample_rows_f32
+        if function(
+            logits.data_ptr(), logits.stride(0), logits.shape[1], rows_at, num_rows, *arrays, max(1, num_threads)
+        ):
+            raise RuntimeError("the CPU sampler kernel could not allocate its scratch memory")
+    return torch.from_numpy(out)
+
+
+def _check(logits, rows, num_rows, temperature, top_k, top_p, min_p, seed_hashes, positions) -> None:
+    """``sample_rows``' ValueErrors: logits ``supports`` refuses, an array of the wrong dtype, length or layout, a
+    row outside the logits."""
     if not supports(logits):
         raise ValueError(
             f"the CPU sampler kernel takes 2-D float32 CPU logits with unit inner stride; got {logits.dtype} "
             f"{tuple(logits.shape)} on {logits.device}"
         )
-    num_rows = logits.shape[0] if rows is None else len(rows)
     arrays = (
         ("rows", rows if rows is not None else np.empty(num_rows, np.int64), np.int64),
         ("temperature", temperature, np.float32),
         ("top_k", top_k, np.int64),
         ("top_p", top_p, np.float32),
         ("min_p", min_p, np.float32),
-        ("seed_hashes", seed_hashes.view(np.int64) if seed_hashes.dtype == np.uint64 else seed_hashes, np.int64),
+        ("seed_hashes", seed_hashes, np.int64),
         ("positions", positions, np.int64),
     )
     for name, array, dtype in arrays:
@@ -109,26 +126,6 @@ def sample_rows(
             raise ValueError(f"{name} must be a contiguous ({num_rows},) {np.dtype(dtype)} array")
     if rows is not None and num_rows and (rows.min() < 0 or rows.max() >= logits.shape[0]):
         raise ValueError(f"rows must lie in [0, {logits.shape[0]}); got {rows.min()}..{rows.max()}")
-    out = np.empty(num_rows, dtype=np.int64)
-    if num_rows:
-        status = library.cbrun_sample_rows_f32(
-            logits.data_ptr(),
-            logits.stride(0),
-            logits.shape[1],
-            None if rows is None else rows.ctypes.data,
-            num_rows,
-            temperature.ctypes.data,
-            top_k.ctypes.data,
-            top_p.ctypes.data,
-            min_p.ctypes.data,
-            seed_hashes.ctypes.data,
-            positions.ctypes.data,
-            out.ctypes.data,
-            max(1, num_threads),
-        )
-        if status:
-            raise RuntimeError("the CPU sampler kernel could not allocate its scratch memory")
-    return torch.from_numpy(out)
 
 
 def _load() -> ctypes.CDLL | None:

@@ -1345,24 +1345,37 @@ def sample(
         The device-side results (``SamplerOutput.to_host`` reads them). A row with NaN logits, or with every token
         ruled out, gets an error code; the other rows are unaffected.
     """
-    if (
+    if _unprocessed(batch, token_bitmask) and cpu_sampler.supports(logits):
+        # NOTE: the kernel checks the rows' scores itself (NaN, all -inf, +inf): no processing pass, no copy.
+        return _draw_cpu(logits, batch, None, None)
+    scores, raw, errors, top = _process(logits, batch, token_bitmask, in_place)
+    if batch.any_sampled and cpu_sampler.supports(scores):
+        if batch.all_sampled:
+            out = _draw_cpu(scores, batch, None, errors)
+        else:
+            out = _draw_cpu(scores, batch, np.flatnonzero(~batch.greedy_rows), errors, scores.argmax(dim=1))
+        return with_logprobs(out, scores, raw, batch)
+    tokens = _draw_torch(scores, batch, top)
+    check_tokens(tokens, errors, scores.shape[1])
+    return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
+
+
+def _unprocessed(batch: SamplingBatch, token_bitmask: torch.Tensor | None) -> bool:
+    """Every row is sampled and needs no processing (no bitmask, stop tokens, penalties or log-probabilities): the
+    CPU's C draw may take the logits as they are."""
+    return (
         batch.all_sampled
         and token_bitmask is None
         and batch.stop_rows is None
         and batch.penalty_rows is None
         and not batch.any_logprobs
-        and cpu_sampler.supports(logits)
-    ):
-        # NOTE: the kernel checks the rows' scores itself (NaN, all -inf, +inf): no processing pass, no copy.
-        return _draw_cpu(logits, batch, None, None)
-    scores, raw, errors, top = _process(logits, batch, token_bitmask, in_place)
+    )
+
+
+def _draw_torch(scores: torch.Tensor, batch: SamplingBatch, top: torch.Tensor | None) -> torch.Tensor:
+    """(R,) int64 each row's token by the PyTorch draw (greedy rows their argmax) from ``process``'s scores (``top``:
+    their row maxima when known); not yet checked (``check_tokens``)."""
     all_sampled = batch.all_sampled
-    if batch.any_sampled and cpu_sampler.supports(scores):
-        if all_sampled:
-            out = _draw_cpu(scores, batch, None, errors)
-        else:
-            out = _draw_cpu(scores, batch, np.flatnonzero(~batch.greedy_rows), errors, scores.argmax(dim=1))
-        return with_logprobs(out, scores, raw, batch)
     tokens = None if all_sampled else scores.argmax(dim=1)
     if batch.any_sampled:
         rows = None if all_sampled else sampled_rows(batch, scores.device)
@@ -1387,8 +1400,7 @@ def sample(
         else:
             tokens[rows] = drawn
     assert tokens is not None  # a row is greedy or sampled
-    check_tokens(tokens, errors, scores.shape[1])
-    return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
+    return tokens
 
 
 _KERNEL_SETTINGS = ("temperature", "top_k", "top_p", "min_p")
