@@ -125,9 +125,10 @@ class EngineConfig:
             "auto", where it uses every physical core (``cbrun.engine.worker.threads.resolve_attention_threads``).
         prefix_hash_bits: width of the prefix cache's block hash (SHA-256 cut to a multiple of 8 bits, default the
             full 256). Narrow widths exist for tests that force collisions; a collision is never served.
-        model_impl: the forward pass. "lean" runs Llama-family models (Llama, Mistral and Qwen2 without sliding
-            windows, default RoPE) through ``cbrun.engine.model.models.llama``: the same math and attention without transformers'
-            per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
+        model_impl: the forward pass. "lean" runs the lean-path families (``cbrun.engine.model.registry``: Llama,
+            Mistral and Mixtral without sliding windows, Qwen2, Qwen3, Qwen3-MoE, gpt-oss) through their own forward
+            pass (``cbrun.engine.model.models``): the same math and attention without transformers' per-module
+            overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
             "transformers" always runs the transformers modules; "auto" takes lean where it applies.
         loader: who loads the model and tokenizer. "auto" (the default) reads a Llama-family checkpoint that the
             lean path runs straight from its files without importing transformers (``cbrun.engine.model.safetensors_loader``,
@@ -139,12 +140,15 @@ class EngineConfig:
             torch's for the rest. The transformers modules always use torch's.
         batch_invariant: "on" makes a row's logits the same bits whatever else is in its step, so that a seeded
             row draws the same tokens and logprobs alone or in any batch, under preemption and prefix sharing
-            (docs/sampling.md, "Batch invariance"): linear layers through ``linear.batch_invariant_linear``, the
-            MLP's silu and every attention query row in C, row by row. It needs the lean forward pass on the CPU
-            with the C attention kernel (float32), ``linear_backend = "auto"``, ``speculative = "off"`` and no CUDA
-            graphs; anything else is a ValueError naming it. "off" runs the fastest kernels, whose bits may change
-            with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
-            sampled and it can run (``cbrun.jobs.run.job.resolve_batch_invariant``), off for greedy-only jobs; the
+            (docs/sampling.md, "Batch invariance"). On the CPU: linear layers through
+            ``linear.batch_invariant_linear``, the MLP's silu and every attention query row in C, row by row (the C
+            attention kernel, float32). With Triton attention (CUDA, compute capability 8.0+): cbrun's invariant
+            Triton matmul and RMSNorm, attention's one invariant tile, each sampled row drawn in its own call, CUDA
+            graphs off (docs/gpu.md). Either needs the lean forward pass, ``linear_backend = "auto"``,
+            ``speculative = "off"``, ``tensor_parallel_size = 1`` and unquantized weights; MoE blocks run each
+            expert over its own rows. Anything else is a ValueError naming it. "off" runs the fastest kernels,
+            whose bits may change with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
+            sampled and it can run (``cbrun.jobs.run.resolve.resolve_batch_invariant``), off for greedy-only jobs; the
             Python engine API takes "auto" as "off". Its logits differ from "off"'s by float32 rounding.
         speculative: speculative decoding (see ``cbrun.engine.spec_decode.speculative``): "off", "ngram" (prompt lookup: proposals
             copied from the request's own prompt and output) or "draft" (a small model with the same tokenizer,
@@ -175,14 +179,16 @@ class EngineConfig:
             (``cbrun.engine.worker.tp_group``): the lean path's weights split as Megatron-LM does
             (``cbrun.engine.model.layers.parallel``), one scheduler on rank 0 whose plan every rank executes on its own
             slice of the KV cache. 1 (the default) runs one process. Above 1 it runs only the lean path loaded
-            from safetensors, unquantized, without speculation, CUDA graphs or ``batch_invariant``: anything else
-            is a ValueError naming it.
+            from safetensors (quantized weights too, each rank reading its slices of them, which must start on
+            their blocks or groups), without speculation, CUDA graphs or ``batch_invariant``: anything else is a
+            ValueError naming it.
         structured_outputs_backend: the grammar engine of JSON-schema constraints (vLLM's
             ``structured_outputs_config.backend``): "auto" (the default) gives a schema to xgrammar when it enforces
             every keyword of it, else to llguidance when that does (the ``guidance`` extra); "xgrammar" or
             "guidance" uses only that one. A schema the chosen engines would not fully enforce is the row's error,
-            naming the keyword and its place (``$.properties.a.not``); the table: ``docs/structured-outputs.md``.
-            Regex, choice and grammar constraints are always xgrammar's.
+            naming each such keyword and its place (``$.properties.a.not``); the table:
+            ``docs/structured-outputs.md``. Regex, choice and grammar constraints are xgrammar's, llguidance's
+            under "guidance".
         structured_outputs_ignore_formats: serve JSON schemas whose ``format`` values (``date-time``, ``uri``,
             ...) no engine here enforces, with those formats unchecked; false (the default) refuses them by name.
 

@@ -131,13 +131,22 @@ class LLMEngine:
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
         self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs, config.speculative)
         cpu_kernel = backends.use_cpu_kernel(config, dtype, use_triton)
-        batch_invariant = backends.use_batch_invariant(config, cpu_kernel, use_graphs)
+        batch_invariant = backends.use_batch_invariant(config, cpu_kernel, use_graphs, use_triton, dtype)
         lean_model = select_lean_model(
-            config.model_impl, model, use_graphs, max_model_len, config.linear_backend, batch_invariant
+            config.model_impl,
+            model,
+            use_graphs,
+            max_model_len,
+            config.linear_backend,
+            batch_invariant,
+            backends.invariant_kernels(config, cpu_kernel, dtype) if batch_invariant else None,
         )
         #: Turns each step's logits into its ``StepOutput`` on their device (the model runner calls it); owns the
         #: penalised requests' token counts.
-        self.sampler = StepSampler(model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids)
+        device = next(model.parameters()).device
+        # NOTE: off the CPU a batch-invariant step samples each row alone (StepSampler's docstring says why).
+        rows_alone = batch_invariant and device.type != "cpu"
+        self.sampler = StepSampler(model_config.vocab_size, device, self.eos_token_ids, rows_alone)
         self.model_runner = ModelRunner(
             model,
             kv_cache,

@@ -16,6 +16,13 @@ in; log-probabilities, prompt scores and the verify entries' decisions ride in t
 patterns (``float_bits``). ``read`` waits for that copy and unpacks it. Should a batched call raise an exception of
 the request's own kind (``cbrun.engine.core.faults.is_request_fault``), its rows are redone one at a time, so only
 the rows that raise alone fail: a row's result does not depend on its batch.
+
+Batch invariance on a device (``rows_alone``, set under ``engine.batch_invariant`` off the CPU): the sampled rows
+are drawn one at a time, each a (1, V) call. torch's CUDA scans and reductions (the inverse CDF's ``cumsum``, the
+filters' sums) choose their thread layout by the number of rows as well as the row length (PyTorch's inner scan
+picks its threads per row from both), so a row drawn among others could sum its probabilities in another order
+than alone; one row per call gives every row the same shapes, hence the same kernels, whatever its batch. On the
+CPU the batched ops are row-wise already (``tests/engine/test_batch_invariance.py``) and rows stay batched.
 """
 
 from __future__ import annotations
@@ -199,9 +206,12 @@ class StepSampler:
         vocab_size: V.
         device: the logits' device.
         eos_token_ids: the model's EOS ids.
+        rows_alone: sample each row in its own call (batch invariance on a device; see the module docstring).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int], rows_alone: bool = False
+    ) -> None:
         #: Each running request's ``RowSampling`` by ``Request.index``, as its first plan sent it
         #: (``SchedulerOutput.new_sampling``, ``add_requests``), until it finishes (``release``).
         self.values: dict[int, RowSampling] = {}
@@ -211,6 +221,7 @@ class StepSampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = eos_token_ids
+        self.rows_alone = rows_alone
         #: The last common step's drawn rows (``_common_rows``): the next decode step usually has the same.
         self._common: _CommonRows | None = None
 
@@ -420,28 +431,43 @@ class StepSampler:
         mask = None
         if bitmask is not None and any(r.structured is not None for r in rows):
             mask = bitmask if every else bitmask[to_device(step.logit_rows, torch.int64, bitmask.device)]
-        try:
-            batch = self.slots.batch(
-                rows, None, self.token_counts, self.eos_token_ids, logits.device, _ends(items), step.slots
-            )
-            # NOTE: every row of the step: processed in a copy (the logits stay as launched); else the gather copies
-            rows_logits = logits if every else logits[to_device(step.logit_rows, torch.int64, logits.device)]
-            step.output = sample(rows_logits, batch, mask, in_place=not every)
-            tokens = step.output.readback()
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
-            results = self._isolated(
-                lambda at: self._sample(logits, rows, items, step.logit_rows, at, bitmask), len(rows)
-            )
-            step.results = [_launched_result(r) for r in results]
-            ids = [r[0] if not isinstance(r, Exception) else 0 for r in results]
-            tokens = to_device(ids, torch.int64, logits.device)
+        if self.rows_alone and len(rows) > 1:  # batch invariance on a device: every row in its own call
+            tokens = self._draw_alone(logits, rows, items, step, bitmask)
+        else:
+            try:
+                batch = self.slots.batch(
+                    rows, None, self.token_counts, self.eos_token_ids, logits.device, _ends(items), step.slots
+                )
+                # NOTE: every row of the step: processed in a copy (the logits stay as launched); else the gather
+                # copies
+                rows_logits = logits if every else logits[to_device(step.logit_rows, torch.int64, logits.device)]
+                step.output = sample(rows_logits, batch, mask, in_place=not every)
+                tokens = step.output.readback()
+            except Exception as error:
+                if not is_request_fault(error):
+                    raise
+                tokens = self._draw_alone(logits, rows, items, step, bitmask)
         if every:
             return tokens
         readback = readback.clone()
         readback[to_device(step.sample_rows, torch.int64, readback.device)] = tokens
         return readback
+
+    def _draw_alone(
+        self,
+        logits: torch.Tensor,
+        rows: list[RowSampling],
+        items: list[ScheduledRequest],
+        step: StepRows,
+        bitmask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The step's rows (``rows``: their values at this step, ``items``: their entries) drawn one call each (after
+        a request fault, or under ``rows_alone``), read back now: their tokens (0 for a failed row, whose error is in
+        ``step.results``) on the logits' device."""
+        results = self._isolated(lambda at: self._sample(logits, rows, items, step.logit_rows, at, bitmask), len(rows))
+        step.results = [_launched_result(r) for r in results]
+        ids = [r[0] if not isinstance(r, Exception) else 0 for r in results]
+        return to_device(ids, torch.int64, logits.device)
 
     # ---- when the step is read ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -588,13 +614,14 @@ class StepSampler:
             start = end
 
     def _isolated(self, run: Callable[[list[int]], list], num_items: int) -> list:
-        """``run`` over all items at once; on a request fault, over each alone: an item that raises alone has its
-        exception as its result (its row fails)."""
-        try:
-            return run(list(range(num_items)))
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
+        """``run`` over all items at once (each alone from the start under ``rows_alone``); on a request fault,
+        over each alone: an item that raises alone has its exception as its result (its row fails)."""
+        if not (self.rows_alone and num_items > 1):
+            try:
+                return run(list(range(num_items)))
+            except Exception as error:
+                if not is_request_fault(error):
+                    raise
         results = []
         for i in range(num_items):
             try:
