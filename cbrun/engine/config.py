@@ -57,10 +57,11 @@ class BatchLimits:
 #: own cost. (Here, not in ``cbrun.engine.spec_decode.speculative``, so the job layer reads it without importing torch.)
 SPECULATION_RULE_VERSION = 2
 #: Version of the sampler's random stream and draw rule (``cbrun.engine.sample``). A sampled row's tokens depend on it,
-#: so a job's fingerprint records it: bump it whenever a change alters which token a seeded row draws. 2: the
-#: counter-based stream (``cbrun.engine.sample.sampler.uniform``) drawn by inverse CDF with pivots; 1 (unrecorded): one
-#: ``torch.Generator`` per request on the host.
-SAMPLER_VERSION = 2
+#: so a job's fingerprint records it: bump it whenever a change alters which token a seeded row draws. 3: on the CPU
+#: the C draw (``cbrun.kernels.cpu_sampler``): version 2's rule and numbers with its own floats, so a draw within about
+#: 1e-7 of a boundary may differ; 2: the counter-based stream (``cbrun.engine.sample.sampler.uniform``) drawn by inverse
+#: CDF with pivots; 1 (unrecorded): one ``torch.Generator`` per request on the host.
+SAMPLER_VERSION = 3
 
 
 @dataclass

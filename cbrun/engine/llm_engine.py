@@ -357,17 +357,18 @@ class LLMEngine:
     def _step(self, plan_tokens: list[int] | None = None) -> list[RequestOutput]:
         """``step``'s work; appends the launched plan's batch tokens to ``plan_tokens`` when given."""
         plan = self.scheduler.schedule()
+        self.sampler.add_requests(plan.new_sampling)  # sent once: the sampler keeps them until they finish
         finished = self.scheduler.pop_finished()
         if not plan.scheduled and self._in_flight is None and not finished:
             self._wait_for_grammars()
         self.model_runner.kv_cache.zero_pages_below(self._num_touched_pages())  # pages this plan uses first
         if self.drafter is not None and plan.scheduled:
             self.drafter.zero_chunks_below(self.block_manager.pool.num_touched_chunks)
-            plan, self._draft_probs = self.drafter.propose(plan)
+            plan, self._draft_probs = self.drafter.propose(plan, self.sampler.values)
         if self.step_observer is not None and plan.scheduled:
             self.step_observer([s.request_id for s in plan.scheduled])
         if self.tp_group is not None:  # every rank executes the plan on its slice of the cache (and samples nothing)
-            self.tp_group.send_step(replace(plan, sampling={}), self._num_touched_pages())
+            self.tp_group.send_step(replace(plan, new_sampling={}), self._num_touched_pages())
         grammar = None
         if self._grammar_compiler is not None and plan.scheduled:  # applied at launch, with every other row
             grammar = self._fill_grammar_bitmask(plan)

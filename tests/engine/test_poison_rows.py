@@ -1,5 +1,6 @@
 """Rows that break sampling fail alone (or sample safely); the good rows around them are exactly a clean run's."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,9 +177,17 @@ def test_overflowing_penalties_finish_beside_healthy_rows(overlap):
 
 def nan_probabilities_hook(monkeypatch, temperature: float) -> None:
     """NaN probabilities for the sampled rows at ``temperature``: a sampler whose scores overflowed past every guard.
-    The inverse-CDF pick then has no finite distribution to draw from."""
+    The inverse-CDF pick then has no finite distribution to draw from. On the CPU the C draw
+    (``cbrun.kernels.cpu_sampler``) gets a NaN temperature for those rows: its weights then have no finite sum."""
     from cbrun.engine.sample import sampler
+    from cbrun.kernels import cpu_sampler
 
+    real_draw = cpu_sampler.sample_rows
+
+    def poisoned_draw(logits, rows, temps, *args, **kwargs):
+        return real_draw(logits, rows, np.where(temps == temperature, np.float32("nan"), temps), *args, **kwargs)
+
+    monkeypatch.setattr(cpu_sampler, "sample_rows", poisoned_draw)
     real = sampler.sampled_probs
 
     def poisoned(scores, batch, rows=None, filtered=True, *args, **kwargs):

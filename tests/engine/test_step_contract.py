@@ -25,6 +25,7 @@ WRITERS = {
     "cpu_pages": "cbrun.engine.core.block_manager",
     "speculation": "cbrun.engine.spec_decode.speculative",
     "structured": "cbrun.engine.llm_engine",
+    "sampling_sent": "cbrun.engine.core.plan_builder",
 }
 KINDS = [
     SamplingParams(max_new_tokens=14),
@@ -189,11 +190,8 @@ def test_overflowing_rows_finish_alone_or_beside_others_on_either_sampler_path(m
         assert tokens == tokens[:1] * 10, name
 
 
-def test_the_cpus_filtered_draws_are_those_of_sampler_version_2():
-    """``draw_filtered``'s tokens, pinned: the draws of ``SAMPLER_VERSION`` 2 (as drawn before the sampler was
-    merged into one module and its rounds trimmed), which a job's fingerprint records. A change here must bump it."""
-    from cbrun.engine.config import SAMPLER_VERSION
-
+def pinned_draw_inputs():
+    """The rows whose draws are pinned below: probabilities, filters, stream keys."""
     g = torch.Generator().manual_seed(123)
     rows, vocab = 24, 64
     probs = torch.softmax(torch.randn(rows, vocab, generator=g) * 1.5, 1)
@@ -201,60 +199,105 @@ def test_the_cpus_filtered_draws_are_those_of_sampler_version_2():
     top_p = torch.tensor([0.9, 1.0, 0.7, 0.95] * 6)
     min_p = torch.tensor([0.0, 0.0, 0.02, 0.05] * 6)
     seeds, positions = torch.arange(rows) * 7919 + 11, torch.arange(rows) % 5
+    return probs, top_k, top_p, min_p, seeds, positions
+
+
+def test_the_pytorch_filtered_draws_are_those_of_sampler_version_2():
+    """``draw_filtered``'s tokens, pinned: the draws of ``SAMPLER_VERSION`` 2 (as drawn before the sampler was
+    merged into one module and its rounds trimmed). Version 3 draws on the CPU with the C kernel (pinned below);
+    ``draw_filtered`` stays its PyTorch reference and the draw where the kernel cannot be built."""
+    probs, top_k, top_p, min_p, seeds, positions = pinned_draw_inputs()
+    rows = probs.shape[0]
     mixed = sampler.draw_filtered(probs, top_k, top_p, min_p, seeds, positions)
     nucleus = sampler.draw_filtered(
         probs, torch.zeros(rows, dtype=torch.int64), torch.full((rows,), 0.9), torch.zeros(rows), seeds, positions
     )
-    assert SAMPLER_VERSION == 2
-    assert mixed.tolist() == [
-        20,
-        61,
-        33,
-        8,
-        1,
-        26,
-        30,
-        56,
-        54,
-        20,
-        45,
-        25,
-        34,
-        39,
-        51,
-        3,
-        58,
-        19,
-        49,
-        48,
-        45,
-        48,
-        29,
-        0,
-    ]
-    assert nucleus.tolist() == [
-        20,
-        61,
-        7,
-        8,
-        1,
-        8,
-        30,
-        56,
-        54,
-        20,
-        45,
-        25,
-        34,
-        30,
-        51,
-        3,
-        58,
-        19,
-        49,
-        48,
-        45,
-        48,
-        29,
-        0,
-    ]
+    assert mixed.tolist() == PINNED_MIXED
+    assert nucleus.tolist() == PINNED_NUCLEUS
+
+
+def test_the_cpus_draws_are_those_of_sampler_version_3():
+    """The C kernel's tokens (``cbrun.kernels.cpu_sampler``, the CPU's draw since ``SAMPLER_VERSION`` 3), pinned,
+    which a job's fingerprint records: a change here must bump it. On these rows they are version 2's tokens (the
+    same rule and numbers; only a draw within about 1e-6 of a boundary can differ)."""
+    import numpy as np
+
+    from cbrun.engine.config import SAMPLER_VERSION
+    from cbrun.kernels import cpu_sampler
+
+    if cpu_sampler.unavailable_reason() is not None:
+        pytest.skip(f"no CPU sampler kernel: {cpu_sampler.unavailable_reason()}")
+    probs, top_k, top_p, min_p, seeds, positions = pinned_draw_inputs()
+    rows = probs.shape[0]
+    logits = probs.log()  # temperature 1: the kernel's softmax of these is probs
+    stream = (sampler.mix64(seeds).numpy(), positions.numpy())
+    ones = np.ones(rows, np.float32)
+    mixed = cpu_sampler.sample_rows(
+        logits, np.arange(rows), ones, top_k.numpy(), top_p.numpy().astype(np.float32), min_p.numpy(), *stream
+    )
+    nucleus = cpu_sampler.sample_rows(
+        logits,
+        np.arange(rows),
+        ones,
+        np.zeros(rows, np.int64),
+        np.full(rows, 0.9, np.float32),
+        np.zeros(rows, np.float32),
+        *stream,
+    )
+    assert SAMPLER_VERSION == 3
+    assert mixed.tolist() == PINNED_MIXED
+    assert nucleus.tolist() == PINNED_NUCLEUS
+
+
+PINNED_MIXED = [
+    20,
+    61,
+    33,
+    8,
+    1,
+    26,
+    30,
+    56,
+    54,
+    20,
+    45,
+    25,
+    34,
+    39,
+    51,
+    3,
+    58,
+    19,
+    49,
+    48,
+    45,
+    48,
+    29,
+    0,
+]
+PINNED_NUCLEUS = [
+    20,
+    61,
+    7,
+    8,
+    1,
+    8,
+    30,
+    56,
+    54,
+    20,
+    45,
+    25,
+    34,
+    30,
+    51,
+    3,
+    58,
+    19,
+    49,
+    48,
+    45,
+    48,
+    29,
+    0,
+]

@@ -91,6 +91,11 @@ class RowSampling:
     """What the worker side needs to sample, score or verify one planned request's rows, as values (the worker
     never reads a ``Request``; vLLM v1 sends the same per request in ``NewRequestData``).
 
+    Sent once, in the first plan that samples, scores or verifies the request (``SchedulerOutput.new_sampling``);
+    the worker keeps it until the request finishes (``StepSampler``), and a later plan carries only what changes,
+    in its ``ScheduledRequest``. So ``num_output_tokens`` and ``num_pending`` are those of the plan that sent it: a
+    later step's are ``at(item)``'s.
+
     Attributes:
         request_index: its ``Request.index``.
         request_id: the caller's id (for messages).
@@ -128,6 +133,24 @@ class RowSampling:
             len(request.output_token_ids),
             request.num_pending_tokens,
             request.structured,
+        )
+
+    def at(self, item: ScheduledRequest) -> RowSampling:
+        """The request's values at the step of ``item``, one of its plan entries that samples: its output position
+        is the entry's context end (less its proposals) past the prompt; the output on the host is that less the
+        entry's pending inputs (a sampling entry's pending inputs are the request's pending tokens)."""
+        position = item.start + item.num_tokens - len(item.spec_token_ids) - len(self.prompt_token_ids)
+        pending = item.num_pending_inputs
+        return RowSampling(
+            self.request_index,
+            self.request_id,
+            self.params,
+            self.seed,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            position - pending,
+            pending,
+            self.structured,
         )
 
     @property
@@ -200,8 +223,9 @@ class SchedulerOutput:
         plain_greedy: every entry takes at most one sampled row, the device's argmax (no speculative proposals,
             prompt log-probabilities or host-side sampling), so the runner and the engine take their short paths.
             False is always safe (a plan built by hand).
-        sampling: ``Request.index -> RowSampling`` of each entry the worker samples on the host side, verifies or
-            scores (empty for a plain greedy plan): the only request state the worker side reads.
+        new_sampling: ``Request.index -> RowSampling`` of each entry the worker samples on the host side, verifies
+            or scores for the first time (vLLM v1's ``NewRequestData``): the only request state the worker side
+            reads, sent once; later plans carry only the entries (``RowSampling.at``).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -210,7 +234,7 @@ class SchedulerOutput:
     num_preempted: int = 0
     released_request_indices: list[int] = field(default_factory=list)
     plain_greedy: bool = False
-    sampling: dict[int, RowSampling] = field(default_factory=dict)
+    new_sampling: dict[int, RowSampling] = field(default_factory=dict)
     _layout: RowLayout | None = field(default=None, repr=False, compare=False)
 
     @property

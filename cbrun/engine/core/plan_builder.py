@@ -20,7 +20,7 @@ class PlanBuilder:
         self.scheduled: list[ScheduledRequest] = []
         self._indices: set[int] = set()  # ``Request.index`` of the planned requests
         self.plain_greedy = True  # ``SchedulerOutput.plain_greedy``
-        self.sampling: dict[int, RowSampling] = {}  # ``SchedulerOutput.sampling``
+        self.new_sampling: dict[int, RowSampling] = {}  # ``SchedulerOutput.new_sampling``
 
     def fit(self, num_tokens: int) -> int:
         """How many of ``num_tokens`` fit the remaining budgets (0 when none or no request slot)."""
@@ -58,7 +58,9 @@ class PlanBuilder:
         entry = _plan_entry(request, num_tokens, spec_token_ids, block_start, sliding_start)
         if spec_token_ids or entry.needs_host_sampling or entry.prompt_logprob_positions:
             self.plain_greedy = False
-            self.sampling[request.index] = RowSampling.of(request)
+            if not request.sampling_sent:  # the worker keeps it from now on
+                request.sampling_sent = True
+                self.new_sampling[request.index] = RowSampling.of(request)
         if self.prompt_row_budget is not None and entry.prompt_logprob_positions:
             self.prompt_row_budget -= len(entry.prompt_logprob_positions)
         self.scheduled.append(entry)

@@ -62,6 +62,8 @@ class Request:
         status: see ``RequestStatus``; only the scheduler changes it.
         needs_host_sampling: ``sampling_params.needs_processing``, read once by the scheduler when it accepts the
             request (it is needed per request per step; sampling params are not changed after a request is made).
+        sampling_sent: its ``RowSampling`` went to the worker side in a plan (``SchedulerOutput.new_sampling``),
+            which keeps it until the request finishes; set by the scheduler's plan builder only.
         structured: its constraint's grammar state (``cbrun.engine.structured_output.request_state``), None for free
             text; the engine makes it, the scheduler advances its matcher on committed tokens.
         speculation: the speculator's state of the request (``cbrun.engine.spec_decode.speculative``), None until it first decodes
@@ -94,6 +96,7 @@ class Request:
     prompt_logprobs: list[float] = field(default_factory=list)  # prompt positions from prompt_logprobs_from on
     prompt_greedy: list[bool] = field(default_factory=list)  # whether each such prompt token was the argmax
     needs_host_sampling: bool = False
+    sampling_sent: bool = False
     speculation: object = None
     structured: StructuredOutputRequest | None = None
 

@@ -135,7 +135,7 @@ class FIFOScheduler:
         self._schedule_phases(plan, out)
         out.scheduled = plan.scheduled
         out.plain_greedy = plan.plain_greedy
-        out.sampling = plan.sampling
+        out.new_sampling = plan.new_sampling
         out.released_request_indices, self._released = self._released, []
         return out
 

@@ -40,7 +40,7 @@ the forward pass (vLLM's sampler sorts the same way).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ import torch
 from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.worker.device import to_device, waits_for_device
-from cbrun.kernels import cpu_token_mask
+from cbrun.kernels import cpu_sampler, cpu_token_mask
 
 # ---- per-row error codes and processing ---------------------------------------------------------------------
 
@@ -780,7 +780,9 @@ class SamplingBatch:
     Attributes:
         temperature: (R,) float32 (1 on greedy rows); top_k: int64 (0 off); top_p, min_p: float32.
         seeds, positions: (R,) int64 stream keys and output positions (``uniform``); keys: (R,) int64 their
-            ``row_keys`` (``uniform_of(keys, draw)`` is ``uniform(seeds, positions, draw)``).
+            ``row_keys`` (``uniform_of(keys, draw)`` is ``uniform(seeds, positions, draw)``), made on first use;
+            seed_hashes: (R,) uint64 numpy ``seed_hash`` of each row's seed; host_positions: (R,) int64 numpy, the
+            positions on the host.
         penalty_rows: (P,) int64 or None (no row is penalised); count_rows: (P,) int64 rows of
             ``TokenCounts.counts``; seen: (P, V) bool; extra_counts: (P, V) int32 or None (``TokenCounts.gather``);
             repetition, presence, frequency: (P,) float32.
@@ -800,7 +802,8 @@ class SamplingBatch:
     min_p: torch.Tensor
     seeds: torch.Tensor
     positions: torch.Tensor
-    keys: torch.Tensor
+    seed_hashes: np.ndarray
+    host_positions: np.ndarray
     penalty_rows: torch.Tensor | None
     count_rows: torch.Tensor | None
     seen: torch.Tensor | None
@@ -820,9 +823,19 @@ class SamplingBatch:
     any_logprobs: bool
     any_raw_logprobs: bool
     filter_hints: FilterHints
+    _keys: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.greedy_rows)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """(R,) int64 ``row_keys`` of the rows on the positions' device (the CPU's C draw takes the seed hashes and
+        positions themselves, so it is made only when another draw asks)."""
+        if self._keys is None:
+            keys = _mix_np(self.seed_hashes + self.host_positions.view(np.uint64)).view(np.int64)
+            self._keys = _upload(keys, self.positions.device)
+        return self._keys
 
 
 #: ``SamplingSlots``' per-request arrays and their dtypes.
@@ -843,6 +856,7 @@ _SLOT_FIELDS = {
     "repetition": np.float32,
     "presence": np.float32,
     "frequency": np.float32,
+    "prompt_length": np.int64,
 }
 
 
@@ -855,6 +869,7 @@ class _Gathered:
     device: torch.device
     at: np.ndarray
     seed_hash: np.ndarray
+    prompt_length: np.ndarray
     min_new_tokens: np.ndarray | None
     penalised: np.ndarray
     tensors: dict[str, torch.Tensor]
@@ -919,9 +934,19 @@ class SamplingSlots:
             self._join(value)
         return bool(self.arrays[name][self.slot_of[value.request_index]])
 
-    def penalised(self, values: list[RowSampling]) -> list[int]:
-        """The positions in ``values`` of the penalised rows."""
-        return np.flatnonzero(self.arrays["penalised"][self.slots(values)]).tolist()
+    def any_flag(self, values: list[RowSampling], name: str) -> bool:
+        """Whether some row's predicate ``name`` holds (``flag`` of each)."""
+        slots = self.slots(values)  # first: a new request's slot may grow the arrays
+        return bool(self.arrays[name][slots].any())
+
+    def penalised(self, values: list[RowSampling], slots: list[int] | None = None) -> list[int]:
+        """The positions in ``values`` of the penalised rows (``slots``: theirs, when the caller has them)."""
+        kept = self._gathered
+        if slots is not None and kept is not None and kept.slots is slots:  # the rows of the last batch
+            return kept.penalised.tolist()
+        if slots is None:
+            slots = self.slots(values)  # first: a new request's slot may grow the arrays
+        return np.flatnonzero(self.arrays["penalised"][slots]).tolist()
 
     def _join(self, value: RowSampling) -> None:
         if not self._free:
@@ -948,6 +973,7 @@ class SamplingSlots:
             "repetition": p.repetition_penalty,
             "presence": p.presence_penalty,
             "frequency": p.frequency_penalty,
+            "prompt_length": len(value.prompt_token_ids),
         }
         with np.errstate(over="ignore"):  # a setting past float32's range is inf there, as torch casts it
             for name, array in self.arrays.items():
@@ -965,7 +991,7 @@ class SamplingSlots:
     def _gather(self, slots: list[int], vocab_size: int, device: torch.device) -> _Gathered:
         """The rows' settings: kept from the last call when its slots were the same, in the same order."""
         kept = self._gathered
-        if kept is not None and kept.device == device and kept.slots == slots:
+        if kept is not None and kept.device == device and (kept.slots is slots or kept.slots == slots):
             return kept
         at = np.array(slots, dtype=np.int64)
         a = self.arrays
@@ -986,6 +1012,7 @@ class SamplingSlots:
             device=device,
             at=at,
             seed_hash=a["seed_hash"][at],
+            prompt_length=a["prompt_length"][at],
             min_new_tokens=min_new if min_new.any() else None,
             penalised=np.flatnonzero(a["penalised"][at]),
             tensors={
@@ -1017,12 +1044,24 @@ class SamplingSlots:
         token_counts: TokenCounts,
         eos_token_ids: frozenset[int],
         device: torch.device | str,
+        ends: np.ndarray | None = None,
+        slots: list[int] | None = None,
     ) -> SamplingBatch:
         """The ``SamplingBatch`` of rows of these requests (``extra_tokens``: per row, the tokens counted as output
-        after its request's own, or None for none); penalised rows' counts are gathered from ``token_counts``."""
+        after its request's own, or None for none); penalised rows' counts are gathered from ``token_counts``.
+
+        ``ends``: (R,) int64 each row's context end at its step (``ScheduledRequest`` start + tokens, no
+        proposals): its position is that less its prompt's length, whatever the values' own (the values sent with
+        the request's first plan; a penalised row's must be the step's, ``RowSampling.at``, since its counts read
+        them). None: the positions of the values (``RowSampling.position``). ``slots``: the rows' slots, when the
+        caller has them (``slots``).
+        """
         device = torch.device(device)
-        fixed = self._gather(self.slots(values), token_counts.vocab_size, device)
-        positions = np.fromiter((v.num_output_tokens + v.num_pending for v in values), np.int64, len(values))
+        fixed = self._gather(slots if slots is not None else self.slots(values), token_counts.vocab_size, device)
+        if ends is not None:
+            positions = ends - fixed.prompt_length
+        else:
+            positions = np.fromiter((v.num_output_tokens + v.num_pending for v in values), np.int64, len(values))
         if extra_tokens is not None:
             positions += np.fromiter(map(len, extra_tokens), np.int64, len(values))
         penalty_rows = count_rows = seen = extra_counts = repetition = presence = frequency = None
@@ -1047,7 +1086,6 @@ class SamplingSlots:
             if pairs:
                 stop_rows = _upload(np.array([i for i, _ in pairs], dtype=np.int64), device)
                 stop_tokens = _upload(np.array([t for _, t in pairs], dtype=np.int64), device)
-        keys = _mix_np(fixed.seed_hash + positions.view(np.uint64)).view(np.int64)
         t = fixed.tensors
         return SamplingBatch(
             temperature=t["temperature"],
@@ -1056,7 +1094,8 @@ class SamplingSlots:
             min_p=t["min_p"],
             seeds=t["seeds"],
             positions=_upload(positions, device),
-            keys=_upload(keys, device),
+            seed_hashes=fixed.seed_hash,
+            host_positions=positions,
             penalty_rows=penalty_rows,
             count_rows=count_rows,
             seen=seen,
@@ -1135,6 +1174,7 @@ class SamplerOutput:
         logprob_rows: host list of the L rows that asked for log-probabilities.
         chosen: (L,) float32 log-probability of each such row's token.
         top_values, top_indices: (L, max logprobs) float32 / int64, the top log-probabilities.
+        encoded: ``readback()``'s value when the draw made it already (the CPU kernel's), else None.
     """
 
     tokens: torch.Tensor
@@ -1144,6 +1184,7 @@ class SamplerOutput:
     chosen: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
     top_indices: torch.Tensor | None = None
+    encoded: torch.Tensor | None = None
 
     def _packed_logprobs(self) -> torch.Tensor:
         """(L, 1 + 2 * max logprobs) float64 on the device: chosen, top values, top ids (exact in float64)."""
@@ -1159,7 +1200,7 @@ class SamplerOutput:
     def readback(self) -> torch.Tensor:
         """(R,) int64 on the device: the tokens, with each failed row's error code folded in as a negative id
         (``encode_errors``), so one copy brings both to the host."""
-        return encode_errors(self.tokens, self.errors)
+        return self.encoded if self.encoded is not None else encode_errors(self.tokens, self.errors)
 
     def to_host(
         self, read_back: list[int] | None = None, logprob_bits: list[int] | None = None
@@ -1289,6 +1330,12 @@ def sample(
 ) -> SamplerOutput:
     """Choose one token per row, greedy and sampled rows together.
 
+    On the CPU (float32 logits) the sampled rows are drawn by our C kernel (``cbrun.kernels.cpu_sampler``: the
+    whole draw of every row in one call); a step whose rows are all sampled and need no processing (no bitmask,
+    penalties, stop tokens or log-probabilities: e.g. Llama-3's defaults) hands the kernel the logits as they are.
+    Elsewhere, and where the kernel cannot be built, the PyTorch draw (``draw_filtered`` on the CPU, ``draw_sorted``
+    on a device).
+
     Args:
         logits: (R, V) logits of any float dtype on the device; R == len(batch).
         batch: the rows' settings (``build_batch``).
@@ -1298,7 +1345,36 @@ def sample(
         The device-side results (``SamplerOutput.to_host`` reads them). A row with NaN logits, or with every token
         ruled out, gets an error code; the other rows are unaffected.
     """
+    if _unprocessed(batch, token_bitmask) and cpu_sampler.supports(logits):
+        # NOTE: the kernel checks the rows' scores itself (NaN, all -inf, +inf): no processing pass, no copy.
+        return _draw_cpu(logits, batch, None, None)
     scores, raw, errors, top = _process(logits, batch, token_bitmask, in_place)
+    if batch.any_sampled and cpu_sampler.supports(scores):
+        if batch.all_sampled:
+            out = _draw_cpu(scores, batch, None, errors)
+        else:
+            out = _draw_cpu(scores, batch, np.flatnonzero(~batch.greedy_rows), errors, scores.argmax(dim=1))
+        return with_logprobs(out, scores, raw, batch)
+    tokens = _draw_torch(scores, batch, top)
+    check_tokens(tokens, errors, scores.shape[1])
+    return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
+
+
+def _unprocessed(batch: SamplingBatch, token_bitmask: torch.Tensor | None) -> bool:
+    """Every row is sampled and needs no processing (no bitmask, stop tokens, penalties or log-probabilities): the
+    CPU's C draw may take the logits as they are."""
+    return (
+        batch.all_sampled
+        and token_bitmask is None
+        and batch.stop_rows is None
+        and batch.penalty_rows is None
+        and not batch.any_logprobs
+    )
+
+
+def _draw_torch(scores: torch.Tensor, batch: SamplingBatch, top: torch.Tensor | None) -> torch.Tensor:
+    """(R,) int64 each row's token by the PyTorch draw (greedy rows their argmax) from ``process``'s scores (``top``:
+    their row maxima when known); not yet checked (``check_tokens``)."""
     all_sampled = batch.all_sampled
     tokens = None if all_sampled else scores.argmax(dim=1)
     if batch.any_sampled:
@@ -1324,8 +1400,55 @@ def sample(
         else:
             tokens[rows] = drawn
     assert tokens is not None  # a row is greedy or sampled
+    return tokens
+
+
+_KERNEL_SETTINGS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def _draw_cpu(
+    scores: torch.Tensor,
+    batch: SamplingBatch,
+    rows: np.ndarray | None,
+    errors: torch.Tensor | None,
+    tokens: torch.Tensor | None = None,
+) -> SamplerOutput:
+    """The sampled rows drawn by the C kernel (``cbrun.kernels.cpu_sampler``), on the host arrays behind the
+    batch's CPU tensors.
+
+    Args:
+        scores: (R, V) float32 CPU scores.
+        rows: the sampled rows (None: all of them).
+        errors: (R,) int8 codes of the processing (a failed row keeps its own), or None (no processing ran).
+        tokens: (R,) int64 greedy rows' tokens (their argmax), written in place; None when every row is sampled.
+    """
+    settings = [getattr(batch, name).numpy() for name in _KERNEL_SETTINGS] + [batch.seed_hashes, batch.host_positions]
+    if rows is not None:
+        settings = [values[rows] for values in settings]
+    temperature, top_k, top_p, min_p, seed_hashes, positions = settings
+    num_rows = scores.shape[0] if rows is None else len(rows)
+    threads = 1 if num_rows < 64 else torch.get_num_threads()
+    drawn = cpu_sampler.sample_rows(scores, rows, temperature, top_k, top_p, min_p, seed_hashes, positions, threads)
+    if errors is None and tokens is None:  # the fast path: the kernel's read-back is the row's, errors folded in
+        codes = drawn.numpy()
+        if codes.min(initial=0) >= 0:  # no row failed
+            return SamplerOutput(drawn, torch.zeros(num_rows, dtype=torch.int8), [], [], encoded=drawn)
+        failed = codes < 0
+        code = torch.from_numpy(np.where(failed, -1 - codes, 0).astype(np.int8))
+        return SamplerOutput(torch.from_numpy(np.where(failed, 0, codes)), code, [], [], encoded=drawn)
+    if errors is None:
+        errors = torch.zeros(scores.shape[0], dtype=torch.int8)
+    index = None if rows is None else torch.from_numpy(rows)
+    own = (-1 - drawn).clamp_(min=0).to(torch.int8)  # the kernel's codes (0 for a drawn token)
+    if index is None:
+        errors = torch.where(errors != OK, errors, own)
+        tokens = drawn.clamp(min=0)
+    else:
+        assert tokens is not None  # the greedy rows' argmax
+        errors[index] = torch.where(errors[index] != OK, errors[index], own)
+        tokens[index] = drawn.clamp(min=0)
     check_tokens(tokens, errors, scores.shape[1])
-    return with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
+    return SamplerOutput(tokens, errors, [], [])
 
 
 def with_logprobs(
@@ -1369,7 +1492,7 @@ def with_logprobs(
     num = [int(batch.num_logprobs[i]) for i in rows]
     top = torch.topk(logprobs, min(max(num), logprobs.shape[1]), dim=1)
     chosen = logprobs.gather(1, out.tokens[_index(rows, scores.device)][:, None])[:, 0]
-    return SamplerOutput(out.tokens, out.errors, rows, num, chosen, top.values, top.indices)
+    return SamplerOutput(out.tokens, out.errors, rows, num, chosen, top.values, top.indices, out.encoded)
 
 
 def float_bits(values: torch.Tensor) -> torch.Tensor:

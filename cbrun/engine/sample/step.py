@@ -29,12 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import cast
 
+import numpy as np
 import torch
 
 from cbrun.engine.core.faults import SamplingError, is_request_fault, request_error_message
-from cbrun.engine.core.plan import RowSampling, SchedulerOutput, StepOutput
+from cbrun.engine.core.plan import RowSampling, ScheduledRequest, SchedulerOutput, StepOutput
 from cbrun.engine.sample.sampler import (
     SamplerOutput,
     SamplingRow,
@@ -149,15 +151,18 @@ class StepRows:
     """A plan's entries sorted once, at launch, into the kinds of row the step handles, with what each produced.
 
     Attributes:
-        rows, logit_rows, sample_rows: the entries the sampler draws one token for (sampled, penalised, with
-            log-probabilities, constrained), their logit rows and their rows of the read-back. ``every_row``: they
-            are all the step's logit rows and all its sample rows, in order (no gather needed).
+        rows, items, logit_rows, sample_rows: the entries the sampler draws one token for (sampled, penalised, with
+            log-probabilities, constrained): their requests' ``RowSampling`` as sent (``RowSampling.at`` of the
+            entry gives the step's), their plan entries, their logit rows and their rows of the read-back.
+            ``every_row``: they are all the step's logit rows and all its sample rows, in order (no gather needed).
+        slots, indices: the drawn rows' ``SamplingSlots`` slots and ``Request.index`` when the step was sorted by
+            the common path (every entry one drawn row), else None (looked up when needed).
         argmax: (``Request.index``, sample row) of plain greedy entries in a plan that is not plain greedy: their
             token is the device's argmax.
         accept_greedy: (``Request.index``, first sample row, proposals) of greedy verify entries (their tokens are
             the argmax rows, checked on the host).
-        masked: (values, logit row, sample row, token) of greedy constrained rows whose token the CPU's masked
-            argmax chose at launch (``masked_argmax``).
+        masked: (values, entry, logit row, sample row, token) of greedy constrained rows whose token the CPU's
+            masked argmax chose at launch (``masked_argmax``).
         prompt_rows: (values, first logit row, prompt positions) of each entry scoring its prompt.
         verify: the verify entries verified by the rule (``verify``), at launch.
         output: the sampled rows' device results, None when the batched call raised and the rows were redone alone
@@ -170,12 +175,15 @@ class StepRows:
     """
 
     rows: list[RowSampling] = field(default_factory=list)
+    items: list[ScheduledRequest] = field(default_factory=list)
+    slots: list[int] | None = None
+    indices: list[int] | None = None
     logit_rows: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     every_row: bool = False
     argmax: list[tuple[int, int]] = field(default_factory=list)
     accept_greedy: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
-    masked: list[tuple[RowSampling, int, int, int]] = field(default_factory=list)
+    masked: list[tuple[RowSampling, ScheduledRequest, int, int, int]] = field(default_factory=list)
     prompt_rows: list[tuple[RowSampling, int, range]] = field(default_factory=list)
     verify: list[VerifyEntry] = field(default_factory=list)
     output: SamplerOutput | None = None
@@ -204,6 +212,9 @@ class StepSampler:
     def __init__(
         self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int], rows_alone: bool = False
     ) -> None:
+        #: Each running request's ``RowSampling`` by ``Request.index``, as its first plan sent it
+        #: (``SchedulerOutput.new_sampling``, ``add_requests``), until it finishes (``release``).
+        self.values: dict[int, RowSampling] = {}
         self.token_counts = TokenCounts(vocab_size, device)
         #: Each sampled request's settings, written once (``SamplingSlots``).
         self.slots = SamplingSlots()
@@ -211,13 +222,25 @@ class StepSampler:
         self.device = torch.device(device)
         self.eos_token_ids = eos_token_ids
         self.rows_alone = rows_alone
+        #: The last common step's drawn rows (``_common_rows``): the next decode step usually has the same.
+        self._common: _CommonRows | None = None
+
+    def add_requests(self, new_sampling: dict[int, RowSampling]) -> None:
+        """Keep the values of the requests a plan sends for the first time (``SchedulerOutput.new_sampling``);
+        called for every plan, before anything reads it."""
+        if new_sampling:
+            self.values.update(new_sampling)
 
     def release(self, request_index: int) -> None:
-        """Forget a finished request's counts and settings."""
+        """Forget a finished request's values, counts and settings."""
+        self.values.pop(request_index, None)
+        self._common = None
         self.token_counts.release(request_index)
         self.slots.release(request_index)
 
     def release_all(self) -> None:
+        self.values.clear()
+        self._common = None
         self.token_counts.release_all()
         self.slots.release_all()
 
@@ -232,7 +255,7 @@ class StepSampler:
         """
         if plan.plain_greedy:  # a constrained request is never a plain greedy entry
             return None
-        step = build_step_bitmask(plan, self.vocab_size, self.device.type == "cuda")
+        step = build_step_bitmask(plan, self.values, self.vocab_size, self.device.type == "cuda")
         if step is not None:
             step.on_device = step.bitmask.to(self.device, non_blocking=True)
         return step
@@ -246,11 +269,20 @@ class StepSampler:
         masked argmax, else to the sampler); None for a plain greedy plan, whose tokens are the argmax."""
         if plan.plain_greedy:
             return None
-        layout, sampling = plan.layout, plan.sampling
+        layout, sampling, scheduled = plan.layout, self.values, plan.scheduled
         step = StepRows()
-        masked_greedy: list[tuple[RowSampling, int, int]] = []
+        if layout.num_rows == len(layout.sample_index_of) == len(scheduled):
+            # NOTE: each entry one sample row, no prompt rows or proposals: when every one is drawn (e.g. every row
+            # at Llama-3's defaults) the step needs no per-entry loop
+            common = self._common_rows(scheduled, on_cpu)
+            if common is not None:
+                step.rows, step.items, step.slots, step.indices = common.rows, scheduled, common.slots, common.indices
+                step.logit_rows = step.sample_rows = common.every
+                step.every_row = True
+                return step
+        masked_greedy: list[tuple[RowSampling, ScheduledRequest, int, int]] = []
         for item, first_row, first_sample_row, first_sample in zip(
-            plan.scheduled, layout.first_rows, layout.first_sample_rows, layout.first_samples
+            scheduled, layout.first_rows, layout.first_sample_rows, layout.first_samples
         ):
             if item.prompt_logprob_positions:
                 step.prompt_rows.append((sampling[item.request_index], first_row, item.prompt_logprob_positions))
@@ -265,17 +297,36 @@ class StepSampler:
             values = sampling[item.request_index]
             if item.spec_token_ids:
                 probs = draft_probs.get(item.request_index) if draft_probs else None
-                step.verify.append(VerifyEntry(values, list(item.spec_token_ids), first_sample_row, probs))
+                step.verify.append(VerifyEntry(values.at(item), list(item.spec_token_ids), first_sample_row, probs))
             elif on_cpu and values.structured is not None and self.slots.flag(values, "masked_greedy"):
-                masked_greedy.append((values, first_sample_row, first_sample))
+                masked_greedy.append((values, item, first_sample_row, first_sample))
             else:
                 step.rows.append(values)
+                step.items.append(item)
                 step.logit_rows.append(first_sample_row)
                 step.sample_rows.append(first_sample)
-        step.masked = [(v, row, at, -1) for v, row, at in masked_greedy]
+        step.masked = [(v, item, row, at, -1) for v, item, row, at in masked_greedy]
         n = len(step.rows)
         step.every_row = n == layout.num_rows == layout.num_sample_rows
         return step
+
+    def _common_rows(self, scheduled: list[ScheduledRequest], on_cpu: bool) -> _CommonRows | None:
+        """The rows of a step whose entries (one sample row each) are all drawn by the sampler, or None when one
+        is not (a greedy row, or a constrained greedy one for the CPU's masked argmax). Kept for the next step:
+        while the step's requests are the same, in the same order (the decode steps of a full batch), their
+        values, slots and predicates are too."""
+        indices = list(map(_REQUEST_INDEX, scheduled))
+        kept = self._common
+        if kept is not None and kept.on_cpu == on_cpu and kept.indices == indices:
+            return kept
+        if not all(map(_HOST_SAMPLED, scheduled)):
+            return None
+        rows = list(map(self.values.__getitem__, indices))
+        slots = self.slots.slots(rows)
+        if on_cpu and self.slots.any_flag(rows, "masked_greedy"):
+            return None
+        self._common = _CommonRows(indices, rows, slots, list(range(len(rows))), on_cpu)
+        return self._common
 
     @torch.inference_mode()
     def launch(
@@ -343,20 +394,21 @@ class StepSampler:
         """Greedy constrained rows on the CPU: the masked argmax (one C call) into ``readback``; a row whose masked
         logits hold NaN or allow nothing goes to the sampler, so its error is the sampler's."""
         assert bitmask is not None  # a constrained row comes with the step's bitmask
-        tokens = masked_argmax(logits, [row for _, row, _, _ in step.masked], bitmask)
+        tokens = masked_argmax(logits, [row for _, _, row, _, _ in step.masked], bitmask)
         kept = []
-        for (values, row, at, _), token in zip(step.masked, tokens):
+        for (values, item, row, at, _), token in zip(step.masked, tokens):
             if token is None:
                 step.rows.append(values)
+                step.items.append(item)
                 step.logit_rows.append(row)
                 step.sample_rows.append(at)
             else:
-                kept.append((values, row, at, token))
+                kept.append((values, item, row, at, token))
         step.masked = kept
         if kept:
             readback = readback.clone()
-            readback[to_device([at for _, _, at, _ in kept], torch.int64, readback.device)] = to_device(
-                [t for _, _, _, t in kept], torch.int64, readback.device
+            readback[to_device([at for _, _, _, at, _ in kept], torch.int64, readback.device)] = to_device(
+                [t for _, _, _, _, t in kept], torch.int64, readback.device
             )
         return readback
 
@@ -369,9 +421,9 @@ class StepSampler:
         bitmask: torch.Tensor | None,
     ) -> torch.Tensor:
         """The read-back with the drawn rows' tokens (failed rows' error codes) in place."""
-        rows = step.rows
+        rows, items = self._step_values(step.rows, step.items, step.slots), step.items
         if previous is not None:  # a penalised row whose last token is still on the device counts it from there
-            pending = [rows[i] for i in self.slots.penalised(rows) if rows[i].num_pending]
+            pending = [rows[i] for i in self.slots.penalised(rows, step.slots) if items[i].num_pending_inputs]
             if pending:
                 rows_in_flight = [previous.sample_row_of[r.request_index] for r in pending]
                 self.token_counts.count_pending(pending, previous.sampled, rows_in_flight)
@@ -380,10 +432,12 @@ class StepSampler:
         if bitmask is not None and any(r.structured is not None for r in rows):
             mask = bitmask if every else bitmask[to_device(step.logit_rows, torch.int64, bitmask.device)]
         if self.rows_alone and len(rows) > 1:  # batch invariance on a device: every row in its own call
-            tokens = self._draw_alone(logits, step, bitmask)
+            tokens = self._draw_alone(logits, rows, items, step, bitmask)
         else:
             try:
-                batch = self.slots.batch(rows, None, self.token_counts, self.eos_token_ids, logits.device)
+                batch = self.slots.batch(
+                    rows, None, self.token_counts, self.eos_token_ids, logits.device, _ends(items), step.slots
+                )
                 # NOTE: every row of the step: processed in a copy (the logits stay as launched); else the gather
                 # copies
                 rows_logits = logits if every else logits[to_device(step.logit_rows, torch.int64, logits.device)]
@@ -392,18 +446,25 @@ class StepSampler:
             except Exception as error:
                 if not is_request_fault(error):
                     raise
-                tokens = self._draw_alone(logits, step, bitmask)
+                tokens = self._draw_alone(logits, rows, items, step, bitmask)
         if every:
             return tokens
         readback = readback.clone()
         readback[to_device(step.sample_rows, torch.int64, readback.device)] = tokens
         return readback
 
-    def _draw_alone(self, logits: torch.Tensor, step: StepRows, bitmask: torch.Tensor | None) -> torch.Tensor:
-        """The step's rows drawn one call each (after a request fault, or under ``rows_alone``), read back now:
-        their tokens (0 for a failed row, whose error is in ``step.results``) on the logits' device."""
-        rows = step.rows
-        results = self._isolated(lambda at: self._sample(logits, rows, step.logit_rows, at, bitmask), len(rows))
+    def _draw_alone(
+        self,
+        logits: torch.Tensor,
+        rows: list[RowSampling],
+        items: list[ScheduledRequest],
+        step: StepRows,
+        bitmask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The step's rows (``rows``: their values at this step, ``items``: their entries) drawn one call each (after
+        a request fault, or under ``rows_alone``), read back now: their tokens (0 for a failed row, whose error is in
+        ``step.results``) on the logits' device."""
+        results = self._isolated(lambda at: self._sample(logits, rows, items, step.logit_rows, at, bitmask), len(rows))
         step.results = [_launched_result(r) for r in results]
         ids = [r[0] if not isinstance(r, Exception) else 0 for r in results]
         return to_device(ids, torch.int64, logits.device)
@@ -442,7 +503,7 @@ class StepSampler:
             out.token_ids[index] = [token_ids[at]]
         for index, at, proposals in step.accept_greedy:
             out.token_ids[index] = accept_greedy(proposals, token_ids[at : at + len(proposals) + 1])
-        for values, _, _, token in step.masked:
+        for values, _, _, _, token in step.masked:
             _put(out, values, None, [token], None)
         extra = handle.extra_ids()  # read with the tokens
         if step.rows:
@@ -469,7 +530,8 @@ class StepSampler:
                     (v.request_index, [t]) for v, t in zip(step.rows, tokens) if v.request_index not in failed
                 )
             else:
-                out.token_ids.update((v.request_index, [t]) for v, t in zip(step.rows, tokens))
+                indices = step.indices if step.indices is not None else map(_REQUEST_INDEX, step.rows)
+                out.token_ids.update(zip(indices, [[t] for t in tokens]))
             return
         if step.results is None:
             assert step.output is not None  # drawn together: their device results
@@ -570,10 +632,39 @@ class StepSampler:
                 results.append(error)
         return results
 
-    def _sample(self, logits, values: list[RowSampling], rows: list[int], at: list[int], token_bitmask):
-        """Rows ``at`` of ``values`` (logit rows ``rows``) drawn and read back now: each (token, error, logprobs).
-        ``token_bitmask``: the step's, by logit row, or None."""
-        batch = self.slots.batch([values[i] for i in at], None, self.token_counts, self.eos_token_ids, logits.device)
+    def _step_values(
+        self, rows: list[RowSampling], items: list[ScheduledRequest], slots: list[int] | None = None
+    ) -> list[RowSampling]:
+        """``rows`` with each penalised request's values at this step (``RowSampling.at``: its token counts read
+        its output and position); the others as sent (their position comes from the entries, ``_ends``).
+        ``slots``: the rows' slots when known."""
+        penalised = self.slots.penalised(rows, slots)
+        if not penalised:
+            return rows
+        rows = list(rows)
+        for i in penalised:
+            rows[i] = rows[i].at(items[i])
+        return rows
+
+    def _sample(
+        self,
+        logits,
+        values: list[RowSampling],
+        items: list[ScheduledRequest],
+        rows: list[int],
+        at: list[int],
+        token_bitmask,
+    ):
+        """Rows ``at`` of ``values`` (their entries ``items``, logit rows ``rows``) drawn and read back now: each
+        (token, error, logprobs). ``token_bitmask``: the step's, by logit row, or None."""
+        batch = self.slots.batch(
+            [values[i] for i in at],
+            None,
+            self.token_counts,
+            self.eos_token_ids,
+            logits.device,
+            _ends([items[i] for i in at]),
+        )
         index = to_device([rows[i] for i in at], torch.int64, logits.device)
         mask = token_bitmask[index.to(token_bitmask.device)] if token_bitmask is not None else None
         tokens, errors, logprobs = sample(logits[index], batch, mask, in_place=True).to_host()  # the index copied
@@ -639,6 +730,28 @@ class StepSampler:
             results.append((committed, error, committed_logprobs))
             j += len(entry.proposals) + 1
         return results
+
+
+@dataclass
+class _CommonRows:
+    """The drawn rows of a step whose entries are all drawn (``StepSampler._common_rows``): the requests'
+    ``Request.index``, values and slots, the rows' indices, and whether the step ran on the CPU."""
+
+    indices: list[int]
+    rows: list[RowSampling]
+    slots: list[int]
+    every: list[int]
+    on_cpu: bool
+
+
+_HOST_SAMPLED = attrgetter("needs_host_sampling")
+_REQUEST_INDEX = attrgetter("request_index")
+
+
+def _ends(items: list[ScheduledRequest]) -> np.ndarray:
+    """(R,) int64 each drawn entry's context end after its step (no proposals): its output position plus its
+    prompt's length (``SamplingSlots.batch``)."""
+    return np.fromiter((item.start + item.num_tokens for item in items), np.int64, len(items))
 
 
 def prompt_logprob_chunk_rows(vocab_size: int) -> int:

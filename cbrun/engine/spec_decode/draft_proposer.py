@@ -22,6 +22,7 @@ min(1, p/q) (``cbrun.engine.spec_decode.speculative_rule.verify``; Leviathan et 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -88,12 +89,15 @@ class DraftProposer:
         self.kv_cache.zero_pages_below(num_chunks * self.spec.chunk_pages)
 
     @torch.inference_mode()
-    def propose(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, dict[int, torch.Tensor]]:
+    def propose(
+        self, plan: SchedulerOutput, sampling: Mapping[int, RowSampling]
+    ) -> tuple[SchedulerOutput, dict[int, torch.Tensor]]:
         """Run the draft over the plan and return it with every verify entry's proposals filled in.
 
         Args:
-            plan: the step's plan; a verify entry's ``spec_token_ids`` are placeholders, one per proposal slot,
-                and its ``plan.sampling`` values give its sampling params, output and seed.
+            plan: the step's plan; a verify entry's ``spec_token_ids`` are placeholders, one per proposal slot.
+            sampling: each planned request's ``RowSampling`` by ``Request.index`` (the sampler's, ``StepSampler.values``):
+                with its entry (``RowSampling.at``) its sampling params, output and seed at this step.
 
         Returns:
             The plan to launch on the target, and for each sampled (non-greedy) verify entry its draft
@@ -115,9 +119,7 @@ class DraftProposer:
                     if len(item.spec_token_ids) >= j - 1
                 ]
                 handle = self.runner.launch(SchedulerOutput(scheduled=entries))
-            self._sample(
-                handle, [item for item in verify if len(item.spec_token_ids) >= j], plan.sampling, proposals, probs
-            )
+            self._sample(handle, [item for item in verify if len(item.spec_token_ids) >= j], sampling, proposals, probs)
         filled = [
             _with_proposals(item, proposals[item.request_index]) if item.spec_token_ids else item
             for item in plan.scheduled
@@ -129,7 +131,7 @@ class DraftProposer:
         self,
         handle,
         items: list[ScheduledRequest],
-        sampling: dict[int, RowSampling],
+        sampling: Mapping[int, RowSampling],
         proposals: dict[int, list[int]],
         probs: dict[int, list[torch.Tensor]],
     ) -> None:
@@ -142,7 +144,7 @@ class DraftProposer:
         logits = _fit_vocab(handle.logits[rows], self.vocab_size)
         argmax = logits.argmax(dim=-1).tolist()
         for i, item in enumerate(items):
-            values = sampling[item.request_index]
+            values = sampling[item.request_index].at(item)
             drafts = proposals[item.request_index]
             if values.params.greedy:
                 drafts.append(argmax[i])

@@ -3,9 +3,11 @@ grammar matchers; the batched sampler applies it to every row first (``cbrun.eng
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from cbrun.engine.core.plan import SchedulerOutput
+from cbrun.engine.core.plan import RowSampling, SchedulerOutput
 from cbrun.engine.sample.sampler import apply_token_bitmask
 from cbrun.engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
 from cbrun.engine.worker.device import to_device
@@ -35,7 +37,9 @@ class StepBitmask:
         self.on_device: torch.Tensor | None = None
 
 
-def build_step_bitmask(plan: SchedulerOutput, vocab_size: int, pin_memory: bool = False) -> StepBitmask | None:
+def build_step_bitmask(
+    plan: SchedulerOutput, sampling: Mapping[int, RowSampling], vocab_size: int, pin_memory: bool = False
+) -> StepBitmask | None:
     """The bitmask of a step's logit rows (None when no planned request is constrained).
 
     Rows follow the plan's layout (``SchedulerOutput.layout``): per entry, its prompt log-probability rows, then its
@@ -45,7 +49,9 @@ def build_step_bitmask(plan: SchedulerOutput, vocab_size: int, pin_memory: bool 
     excludes it, so verification rejects it there and never reads the rows after.
 
     Args:
-        plan: the step's plan; each constrained entry's grammar state is in its ``plan.sampling`` values.
+        plan: the step's plan.
+        sampling: each planned request's ``RowSampling`` by ``Request.index`` (``StepSampler.values``): a constrained
+            entry's grammar state is in its ``structured``.
         vocab_size: the logits' width.
         pin_memory: see ``StepBitmask``.
     """
@@ -53,7 +59,7 @@ def build_step_bitmask(plan: SchedulerOutput, vocab_size: int, pin_memory: bool 
     decoding: list[tuple[StructuredOutputRequest, int, int]] = []  # (state, row, Request.index), filled at once
     layout = plan.layout
     for item, row in zip(plan.scheduled, layout.first_sample_rows):
-        values = plan.sampling.get(item.request_index) if item.samples else None
+        values = sampling.get(item.request_index) if item.samples else None
         state = values.structured if values is not None else None
         if state is not None and state.ready() and state.error is None:
             if step is None:
