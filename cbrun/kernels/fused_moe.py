@@ -38,6 +38,7 @@ from cbrun.kernels.dequant_tiles import fp8_weight_tile, int4_weight_tile, mxfp4
 from cbrun.kernels.gemm_checks import ACTIVATION_DTYPES
 from cbrun.kernels.gemm_launch import MAX_BLOCK_K, max_block_k
 from cbrun.kernels.paged_attention import LaunchConfig, device_capability
+from cbrun.kernels.quantized_matmul import Fp8Layout, Int4Layout, QuantizedLayout
 from cbrun.kernels.quantized_reference import (
     MXFP4_BLOCK_SIZE,
     fp8_dequant_ref,
@@ -368,6 +369,69 @@ class ExpertWeights:
         """(values, scales, zeros) pointers for the kernel (unused ones replaced by ``x``: never read)."""
         data = self.data.view(torch.uint8) if self.format == "fp8" else self.data
         return (data, x if self.scales is None else self.scales, x if self.zeros is None else self.zeros)
+
+
+def expert_op_args(weights: ExpertWeights) -> list[torch.Tensor]:
+    """``weights``' tensors as ``torch.ops.cbrun.fused_moe`` takes them: values, then scales, then zero points."""
+    return [t for t in (weights.data, weights.scales, weights.zeros) if t is not None]
+
+
+def expert_weights_from_op_args(
+    fmt: str, tensors: list[torch.Tensor], in_features: int, block: tuple[int, int]
+) -> ExpertWeights:
+    """The inverse of ``expert_op_args`` (the op's arguments carry no dataclass)."""
+    scales, zeros = (list(tensors[1:]) + [None, None])[:2]
+    return ExpertWeights(fmt, tensors[0], scales, zeros, in_features, block)
+
+
+#: Each quantized layout's tensors (``cbrun.kernels.quantized_matmul``) as ``ExpertWeights`` fields.
+_LAYOUT_FIELDS = {
+    "int4": {"packed": "data", "scales": "scales", "zeros": "zeros"},
+    "fp8": {"qweight": "data", "scale": "scales"},
+    "mxfp4": {"blocks": "data", "scales": "scales"},
+}
+
+
+def _layout_format(layout: QuantizedLayout) -> str:
+    return "int4" if isinstance(layout, Int4Layout) else "fp8" if isinstance(layout, Fp8Layout) else "mxfp4"
+
+
+def stack_layouts(layouts: list[QuantizedLayout]) -> ExpertWeights:
+    """E experts' quantized weights of one projection (each an (N, K) layout of one format) stacked into one
+    ``ExpertWeights``: a copy, one (E, ...) tensor per field.
+
+    Raises:
+        ValueError: the layouts differ in format, shape or block.
+    """
+    first, fmt = layouts[0], _layout_format(layouts[0])
+    for layout in layouts:
+        same_block = not isinstance(layout, Fp8Layout) or layout.block == getattr(first, "block", None)
+        same_group = not isinstance(layout, Int4Layout) or layout.group_size == getattr(first, "group_size", None)
+        if _layout_format(layout) != fmt or layout.shape != first.shape or not (same_block and same_group):
+            raise ValueError(
+                f"stack_layouts: the experts' weights differ in format, shape or block ({fmt} {first.shape})"
+            )
+    fields = {
+        dst: torch.stack([getattr(layout, src) for layout in layouts]) for src, dst in _LAYOUT_FIELDS[fmt].items()
+    }
+    block = (
+        (1, first.group_size)
+        if isinstance(first, Int4Layout)
+        else first.block
+        if isinstance(first, Fp8Layout)
+        else (1, MXFP4_BLOCK_SIZE)
+    )
+    return ExpertWeights(fmt, fields["data"], fields["scales"], fields.get("zeros"), first.shape[1], block)
+
+
+def layout_views(stack: ExpertWeights, layout: QuantizedLayout, expert: int) -> dict[int, torch.Tensor]:
+    """``id`` of each of ``layout``'s tensors -> the same values in ``stack`` (expert ``expert``'s slice, in the
+    tensor's shape): a stacked layer's per-expert weights can be rebound to views, its bytes held once."""
+    views = {}
+    for src, dst in _LAYOUT_FIELDS[stack.format].items():
+        tensor = getattr(layout, src)
+        views[id(tensor)] = getattr(stack, dst)[expert].view(tensor.shape)
+    return views
 
 
 def _check(fmt: str, name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None, last_contiguous=True):

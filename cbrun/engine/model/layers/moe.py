@@ -27,12 +27,22 @@ its weight, in (token, slot) order, summed over the slots, so the lean path equa
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from cbrun.engine.model.layers.quantization.base import QuantizedExperts
+from cbrun.kernels import custom_ops
+from cbrun.kernels.quantized_matmul import triton_unsupported_reason
+
+if TYPE_CHECKING:
+    from cbrun.kernels.fused_moe import ExpertWeights
+
+logger = logging.getLogger("cbrun.engine")
 
 
 @dataclass
@@ -202,11 +212,139 @@ class MoEConfig:
     sparse_layers: tuple[int, ...]
 
 
-class SparseMoE:
-    """A MoE block ready to run: its weights and whether the grouped GEMM runs them (chosen once, at load).
+#: The paths that run a block's experts (``select_moe_backend``).
+MOE_BACKENDS = ("triton", "grouped_mm", "reference")
+
+
+def select_moe_backend(moe: MoEWeights, grouped_reason: str | None) -> tuple[str, str]:
+    """Which path runs a MoE block's experts, and why (for the log). The one place this is decided::
+
+        CUDA   quantized experts      -> "triton": cbrun.kernels.fused_moe, the experts kept quantized in memory
+                                         and dequantized in the kernel's inner loop (no per-forward dequantization)
+               dense bf16, sm_90+     -> "grouped_mm": torch._grouped_mm
+               other dense            -> "triton" (fp16 / fp32 experts, pre-sm_90 parts)
+        other  grouped GEMM runs      -> "grouped_mm" (quantized experts dequantized per forward, this layer's)
+               else                   -> "reference" (sparse_moe_reference's arithmetic)
+
+    On CUDA a layout the kernel cannot step through (an int4 group that is not a multiple of 16) or an install
+    without Triton falls to the non-CUDA rule.
 
     Args:
-        weights: the block's tensors.
+        moe: the block.
+        grouped_reason: ``grouped_gemm_unavailable_reason`` of its (dequantized) experts.
+
+    Returns:
+        ``(backend, reason)``, backend one of ``MOE_BACKENDS``.
+    """
+    device = moe.router.device
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    blocker = _triton_blocker(moe) if device.type == "cuda" else None
+    return choose_moe_backend(device.type, capability, moe.quantized, moe.gate_up.dtype, grouped_reason, blocker)
+
+
+def choose_moe_backend(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    quantized: bool,
+    dtype: torch.dtype,
+    grouped_reason: str | None,
+    triton_blocker: str | None,
+) -> tuple[str, str]:
+    """``select_moe_backend``'s rule on the facts it gathers (the device, its compute capability, whether the
+    experts are quantized, their dtype, why the grouped GEMM or the Triton kernel cannot run them)."""
+    fallback = ("grouped_mm", "torch._grouped_mm") if grouped_reason is None else ("reference", grouped_reason)
+    if device_type != "cuda":
+        return fallback[0], f"{fallback[1]} on {device_type}"
+    if quantized:
+        if triton_blocker is None:
+            return "triton", "quantized experts: the fused Triton kernel dequantizes them in its inner loop"
+        return fallback[0], f"{triton_blocker}; the experts are dequantized per forward"
+    if dtype == torch.bfloat16 and capability is not None and capability >= (9, 0):
+        return fallback
+    if triton_blocker is None:
+        return "triton", f"{dtype} experts on sm_{''.join(map(str, capability or ()))}: no torch._grouped_mm"
+    return fallback[0], triton_blocker
+
+
+def _triton_blocker(moe: MoEWeights) -> str | None:
+    """Why the fused Triton kernel cannot run this block's experts, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    for experts in (moe.gate_up, moe.down):
+        if isinstance(experts, QuantizedExperts):
+            for part in experts.experts[0]:
+                reason = triton_unsupported_reason(part.kernel_layout)
+                if reason is not None:
+                    return reason
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
+def kernel_expert_weights(moe: MoEWeights) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
+    """(gate, up, down) as the fused kernel reads them: views of dense experts, or quantized experts stacked once
+    (``QuantizedExperts.stack_for_kernel``, which rebinds the per-expert weights to views: no second copy)."""
+    from cbrun.kernels.fused_moe import ExpertWeights
+
+    if isinstance(moe.gate_up, QuantizedExperts) and isinstance(moe.down, QuantizedExperts):
+        gate, up = moe.gate_up.stack_for_kernel()
+        (down,) = moe.down.stack_for_kernel()
+        return gate, up, down
+    assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor), "mixed quantized experts"
+    width = moe.down.shape[-1]
+    gate_up = moe.gate_up
+    return (
+        ExpertWeights("dense", gate_up[:, :width]),
+        ExpertWeights("dense", gate_up[:, width:]),
+        ExpertWeights("dense", moe.down),
+    )
+
+
+def fused_experts(
+    x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, experts: tuple[ExpertWeights, ...]
+) -> torch.Tensor:
+    """The routed experts through the fused Triton kernel, dispatched as one op (``torch.ops.cbrun.fused_moe``, so
+    a CUDA-graph recorder sees it): SiLU-and-multiply, no biases.
+
+    Args:
+        x: (T, hidden); weights: (T, k) routing weights; expert_ids: (T, k) int64; experts: ``kernel_expert_weights``.
+
+    Returns:
+        (T, hidden) in x's dtype.
+    """
+    from cbrun.kernels.fused_moe import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, expert_op_args
+
+    gate, up, down = experts
+    return custom_ops.fused_moe(
+        x,
+        weights,
+        expert_ids,
+        expert_op_args(gate),
+        expert_op_args(up),
+        expert_op_args(down),
+        gate.format,
+        down.format,
+        [*gate.block, *down.block],
+        "silu",
+        None,
+        None,
+        None,
+        SWIGLU_OAI_ALPHA,
+        SWIGLU_OAI_LIMIT,
+    )
+
+
+class SparseMoE:
+    """A MoE block ready to run: its weights and the path that runs its experts (``select_moe_backend``, chosen
+    once, at load, and logged once per distinct choice).
+
+    Args:
+        weights: the block's tensors. On the Triton path, quantized experts are stacked for the kernel here.
     """
 
     def __init__(self, weights: MoEWeights) -> None:
@@ -214,10 +352,17 @@ class SparseMoE:
         # NOTE: quantized experts are judged on one expert dequantized: a fresh tensor of the dtype and row widths
         # the grouped GEMM will read each forward.
         self.fallback_reason = grouped_gemm_unavailable_reason(weights.dense(slice(0, 1)))
+        self.backend, reason = select_moe_backend(weights, self.fallback_reason)
+        _log_once(f"MoE experts: {self.backend} ({reason})")
+        self.kernel_weights = kernel_expert_weights(weights) if self.backend == "triton" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden), as ``sparse_moe`` (quantized experts dequantized first, this layer's only)."""
-        return sparse_moe(x, self.weights.dense(), grouped=self.fallback_reason is None)
+        """(T, hidden) -> (T, hidden): the fused Triton kernel, or ``sparse_moe`` (quantized experts dequantized
+        first, this layer's only)."""
+        if self.kernel_weights is not None:
+            weights, expert_ids = route(x, self.weights)
+            return fused_experts(x, weights, expert_ids, self.kernel_weights)
+        return sparse_moe(x, self.weights.dense(), grouped=self.backend == "grouped_mm")
 
 
 def unsupported_moe_reason(mlp: torch.nn.Module, block_class: str) -> str | None:
