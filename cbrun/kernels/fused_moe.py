@@ -199,7 +199,9 @@ def fused_moe_kernel(
             WEIGHT_FORMAT,
             BLOCK_K,
             BLOCK_N,
-        ).to(DTYPE)  # (BLOCK_K, BLOCK_N): one rounding, the reference's value
+        )  # (BLOCK_K, BLOCK_N)
+        if WEIGHT_FORMAT != 0:  # quantized: the exact value rounded once to x's dtype, the reference's
+            w = _to(w, DTYPE, INTERPRETED)
         if INTERPRETED:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -225,7 +227,9 @@ def fused_moe_kernel(
                 WEIGHT_FORMAT,
                 BLOCK_K,
                 BLOCK_N,
-            ).to(DTYPE)
+            )
+            if WEIGHT_FORMAT != 0:
+                w2 = _to(w2, DTYPE, INTERPRETED)
             if INTERPRETED:
                 w2 = w2.to(tl.float32)
             acc2 += tl.dot(a, w2, input_precision=DOT_PRECISION)
