@@ -98,8 +98,8 @@ def check_layer(layer: MoELayer, rows: int, device: str, bench: Callable, ceilin
         gate, up = _halves(gate_up, width, interleaved=layer.gpt_oss)
         down = make_experts(fmt, e, hidden, width, device, g)
         got = fused_moe_triton(x, weights, ids, gate, up, down, **kwargs)
-        dense = [w.dequantize(torch.bfloat16) for w in (gate, up, down)]
-        want = fused_moe_reference(x, weights, ids, *dense, **kwargs).float()
+        real_gate, real_up, real_down = (w.dequantize(torch.bfloat16) for w in (gate, up, down))
+        want = fused_moe_reference(x, weights, ids, real_gate, real_up, real_down, **kwargs).float()
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
         ms = bench(lambda gate=gate, up=up, down=down: fused_moe_triton(x, weights, ids, gate, up, down, **kwargs))
         config = fused_moe_launch_config(
