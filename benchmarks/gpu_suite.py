@@ -11,7 +11,9 @@ GEMMs and FP8 W8A8 against dequantize-then-matmul, timed against the dense bf16 
 (the fused MoE kernel on Qwen3-30B-A3B's and gpt-oss-20b's expert shapes, dense and quantized experts, against its
 reference and the roofline) and ``benchmarks.gpu_engine_check`` (CUDA graphs, async
 batching and swap preemption against the plain engine, token for token, then timed) and the grammar's masked
-argmax against the CPU kernel (``benchmarks.structured_mask.device_check``), prints one table and
+argmax against the CPU kernel (``benchmarks.structured_mask.device_check``) and the batch-invariant kernels (a row's
+bits alone and in batches, decode against prefill, the invariant matmul's time against cuBLAS:
+``benchmarks.batch_invariant_gpu_check``), prints one table and
 writes it, with the device and versions, to the results file. A part that raises is a row saying so, and the
 others still run. It takes about 2 to 4 minutes on an H100 (budget: under 8).
 
@@ -88,6 +90,15 @@ def engine_rows(copy_bandwidth: float) -> list[tuple[list[str], bool]]:
     return out
 
 
+def batch_invariance_rows() -> list[tuple[list[str], bool]]:
+    """The batch-invariant kernels compiled: rows alone and in batches, decode and prefill, the matmul's cost
+    (``benchmarks.batch_invariant_gpu_check``)."""
+    from benchmarks import batch_invariant_gpu_check
+    from cbrun.kernels import gpu_check
+
+    return batch_invariant_gpu_check.invariance_rows("cuda", gpu_check.cuda_bench)
+
+
 def structured_rows() -> list[tuple[list[str], bool]]:
     """The grammar's masked argmax on the GPU (``benchmarks.structured_mask.device_check``) as suite rows."""
     from benchmarks import structured_mask
@@ -132,6 +143,7 @@ def run_suite() -> tuple[list[tuple[list[str], bool]], float]:
         ("fused_moe", lambda: fused_moe_rows(ceilings)),
         ("engine", lambda: engine_rows(ceilings[0])),
         ("structured", structured_rows),
+        ("batch invariance", batch_invariance_rows),
     )
     for name, part in parts if ceilings else ():
         try:

@@ -3,14 +3,15 @@
 Usage (from the repository root)::
 
     python -m benchmarks.moe_lean [--rounds 2] [--requests 16] [--prompt-len 32] [--new-tokens 32]
-        [--threads 1] [--model-dir DIR]
+        [--threads 1] [--model-dir DIR] [--impls lean,transformers,transformers-eager,lean-invariant]
 
 The model is a random Qwen3-MoE (hidden 512, 8 heads and 4 KV heads of 64, 4 layers, 32 experts of width 256,
 4 per token, vocabulary 4096: 54M parameters, float32), built once in ``--model-dir``. Each setting loads it in
 one ``LLMEngine`` (``lean``: ``cbrun.engine.model.layers.moe``'s grouped GEMM; ``transformers``: ``model_impl =
 "transformers"``, transformers' own Qwen3-MoE blocks under cbrun's attention, with transformers 5's default
 ``grouped_mm`` experts; ``transformers-eager``: the same with ``set_experts_implementation("eager")``, the
-per-expert loop over the experts a step hits), adds ``--requests`` greedy requests
+per-expert loop over the experts a step hits; ``lean-invariant``: the lean path under ``engine.batch_invariant =
+"on"``, each expert over its own rows through the batch-invariant linear), adds ``--requests`` greedy requests
 of ``--prompt-len`` random ids and ``--new-tokens`` tokens each and steps until they finish, timing every step.
 Decode tok/s is the rows of the steps with no prompt token over their time. The settings alternate ``--rounds``
 times; the table gives each one's best round (the machine is shared) and whether both gave the same tokens.
@@ -83,8 +84,9 @@ def one_run(model_dir: Path, model_impl: str, args) -> dict:
 
     config = EngineConfig(
         dtype="float32",
-        model_impl="lean" if model_impl == "lean" else "transformers",
-        loader="auto" if model_impl == "lean" else "transformers",
+        model_impl="lean" if model_impl.startswith("lean") else "transformers",
+        loader="auto" if model_impl.startswith("lean") else "transformers",
+        batch_invariant="on" if model_impl == "lean-invariant" else "off",
         num_threads=args.threads,
         max_batch_tokens=512,
         max_requests_per_batch=args.requests,
@@ -148,27 +150,33 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/cbrun-bench-qwen3-moe"))
+    parser.add_argument(
+        "--impls",
+        default="lean,transformers,transformers-eager",
+        help="comma-separated settings, of lean, transformers, transformers-eager, lean-invariant",
+    )
     args = parser.parse_args()
+    impls = args.impls.split(",")
     model_dir = build_model(args.model_dir)
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
-        for impl in ("lean", "transformers", "transformers-eager"):
+        for impl in impls:
             run = one_run(model_dir, impl, args)
             if impl not in best or run["decode_tok_s"] > best[impl]["decode_tok_s"]:
                 best[impl] = run
-    same = best["lean"]["tokens"] == best["transformers"]["tokens"] == best["transformers-eager"]["tokens"]
-    base, eager = best["transformers"]["decode_tok_s"], best["transformers-eager"]["decode_tok_s"]
+    same = len({str(run["tokens"]) for run in best.values()}) == 1
+    names = {"transformers": "transformers (grouped_mm)", "transformers-eager": "transformers eager", "lean": "lean"}
+    bases = [impl for impl in ("transformers", "transformers-eager", "lean") if impl in best]
     print(
-        "| model_impl | decode tok/s | vs transformers (grouped_mm) | vs transformers eager "
-        "| host read-backs in one decode step's forward | ops | same tokens |"
+        "| model_impl | decode tok/s | "
+        + "".join(f"vs {names[b]} | " for b in bases)
+        + "host read-backs in one decode step's forward | ops | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|" + "---|" * len(bases) + "---|---|---|")
     for impl, run in best.items():
         ops = ", ".join(f"{k} x{v}" for k, v in sorted(run["read_ops"].items())) or "none"
-        print(
-            f"| {impl} | {run['decode_tok_s']:.1f} | {run['decode_tok_s'] / base:.2f}x | "
-            f"{run['decode_tok_s'] / eager:.2f}x | {run['reads']} | {ops} | {same} |"
-        )
+        ratios = "".join(f"{run['decode_tok_s'] / best[b]['decode_tok_s']:.2f}x | " for b in bases)
+        print(f"| {impl} | {run['decode_tok_s']:.1f} | {ratios}{run['reads']} | {ops} | {same} |")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ Then ``--distinct`` rows, each under its own schema (``SCHEMA`` with a row-speci
 engine: tok/s, and the compile time of each distinct schema on the compile thread (median, p99; llguidance compiles
 lazily, so its first masks are paid in the first steps instead: its tok/s carries that).
 
-Run: ``PYTHONPATH=. python -m benchmarks.structured_engines [--rows 256] [--distinct 128] [--out FILE]``.
+Run: ``PYTHONPATH=. python -m benchmarks.structured_engines [--rows 256] [--distinct 128] [--repeats 1] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import os
 import statistics
 import sys
 import tempfile
@@ -50,17 +51,19 @@ def run(config, model_dir: Path, prompts: list[list[int]], params: list) -> dict
     from cbrun.engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(str(model_dir), config)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = sorted(
         engine.generate((i, p, q) for i, (p, q) in enumerate(zip(prompts, params))), key=lambda o: o.request_id
     )
     wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     stats = engine.stats
     compiler = engine._grammar_compiler
     return {
         "wall_s": wall,
         "tokens": stats.num_generated_tokens,
         "tok_s": stats.num_generated_tokens / wall,
+        "cpu_s": cpu,
         "steps": stats.num_steps,
         "mask_ms": 1000 * stats.grammar_mask_seconds / max(1, stats.num_grammar_mask_steps),
         "stop": sum(o.finish_reason == "stop" for o in outputs),
@@ -74,6 +77,18 @@ def run(config, model_dir: Path, prompts: list[list[int]], params: list) -> dict
     }
 
 
+def _median_round(rounds: list[dict]) -> dict:
+    """Per run kind, the round whose ratio to that round's unconstrained run is the median (``ratio`` and
+    ``cpu_ratio`` added: each run's tok/s and tokens per CPU second over its own round's unconstrained run's)."""
+    base = "unconstrained, same lengths"
+    for runs in rounds:
+        for r in runs.values():
+            r["ratio"] = r["tok_s"] / runs[base]["tok_s"]
+            r["cpu_ratio"] = r["tokens"] / r["cpu_s"] / (runs[base]["tokens"] / runs[base]["cpu_s"])
+    return {name: sorted((runs[name] for runs in rounds), key=lambda r: r["ratio"])[len(rounds) // 2]
+            for name in rounds[0]}  # fmt: skip
+
+
 def _p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
@@ -85,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distinct", type=int, default=128, help="rows of the per-distinct-schema job")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of the three runs; the median round's ratio is kept")
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--shared", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    args.load_start = os.getloadavg()[0]
     from dataclasses import replace
 
     from cbrun.engine.config import EngineConfig
@@ -109,12 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     so = StructuredOutputsParams(json=SCHEMA)
     rows = prompts[: args.rows]
     run(config, model_dir, rows[:8], [free.replace(max_new_tokens=8)] * 8)  # warm-up: the process's first engine
-    runs = {
-        name: run(cfg, model_dir, rows, [free.replace(structured_outputs=so)] * len(rows))
-        for name, cfg in engines.items()
-    }
-    same = [free.replace(max_new_tokens=n, ignore_eos=True) for n in runs["xgrammar"]["lengths"]]
-    runs["unconstrained, same lengths"] = run(config, model_dir, rows, same)
+    rounds = []
+    for _ in range(args.repeats):  # each round: the three runs back to back, their ratios taken within it
+        runs = {
+            name: run(cfg, model_dir, rows, [free.replace(structured_outputs=so)] * len(rows))
+            for name, cfg in engines.items()
+        }
+        same = [free.replace(max_new_tokens=n, ignore_eos=True) for n in runs["xgrammar"]["lengths"]]
+        runs["unconstrained, same lengths"] = run(config, model_dir, rows, same)
+        rounds.append(runs)
+    runs = _median_round(rounds)
     valid = {name: sum(bool(is_valid_output(t, so)) for t in runs[name]["texts"]) for name in engines}
 
     distinct_rows = prompts[: args.distinct]
@@ -132,24 +153,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args, runs: dict, valid: dict, distinct: dict, distinct_valid: dict) -> str:
-    base = runs["unconstrained, same lengths"]["tok_s"]
     lines = [
         f"# benchmarks.structured_engines ({datetime.date.today()}, commit {git_commit()})",
         "",
-        f"Machine: {machine_info(args.threads)['cpu']}, cpu, {args.threads} threads; shared with other jobs while "
-        f"measured. Greedy, max_new_tokens {args.max_new_tokens}, one run each, a fresh engine per run. Model: "
-        "random Llama (hidden 256, 4 layers, vocab 32000), 32000-token byte-level BPE trained on GSM8K train.",
+        f"Machine: {machine_info(args.threads)['cpu']}, cpu, {args.threads} threads (llguidance fills its masks on "
+        f"as many), load average {args.load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; shared with other jobs while measured. Greedy, "
+        f"max_new_tokens {args.max_new_tokens}, one run each, a fresh engine per run. Model: random Llama (hidden "
+        "256, 4 layers, vocab 32000), 32000-token byte-level BPE trained on GSM8K train.",
         "",
         f"## One schema, {args.rows} rows (`cbrun.bench.structured.SCHEMA`)",
         "",
-        "| run | generated tokens | steps | wall s | tok/s | vs unconstrained | mask fill ms/step | stop | valid |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"{args.repeats} round(s) of the three runs; per run kind, the round with the median ratio to its own "
+        "unconstrained run.",
+        "",
+        "| run | generated tokens | steps | wall s | tok/s | vs unconstrained | CPU s | tok / CPU s vs unconstrained "
+        "| mask fill ms/step | stop | valid |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in runs.items():
         v = f"{valid[name]} / {args.rows}" if name in valid else "-"
         lines.append(
             f"| {name} | {r['tokens']} | {r['steps']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | "
-            f"{r['tok_s'] / base:.2f}x | {r['mask_ms']:.2f} | {r['stop']} / {args.rows} | {v} |"
+            f"{r['ratio']:.2f}x | {r['cpu_s']:.1f} | {r['cpu_ratio']:.2f}x | "
+            f"{r['mask_ms']:.2f} | {r['stop']} / {args.rows} | {v} |"
         )
     lines += [
         "",
@@ -169,7 +195,9 @@ def _report(args, runs: dict, valid: dict, distinct: dict, distinct_valid: dict)
     lines += [
         "",
         "The first compile of each engine includes reading the tokenizer's vocabulary (its p99 here). llguidance "
-        "compiles lazily: its per-schema cost is mostly paid in its first mask fills, inside the run's wall time.",
+        "compiles lazily: its per-schema cost is mostly paid in its first mask fills, inside the run's wall time. "
+        "CPU s: the process's CPU time during the run (all its threads): on a loaded machine a steadier measure of "
+        "the work than wall time at one thread (at two, torch's threads spin while they wait, and that counts).",
         "",
     ]
     return "\n".join(lines)

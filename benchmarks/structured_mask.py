@@ -101,7 +101,7 @@ def device_check(device: str, bench, rows: int = 256, vocab: int = 32000) -> lis
         (bf16 rows tie often; a device may break a tie elsewhere), whether every token is the CPU's own, median ms
         of a call, a copy of the rows included since the call masks them in place).
     """
-    from cbrun.engine.sample.processing import allowed_tokens
+    from cbrun.engine.sample.sampler import allowed_tokens
     from cbrun.engine.structured_output.bitmask import masked_argmax
 
     base = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)) * 4

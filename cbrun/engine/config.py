@@ -58,7 +58,7 @@ class BatchLimits:
 SPECULATION_RULE_VERSION = 2
 #: Version of the sampler's random stream and draw rule (``cbrun.engine.sample``). A sampled row's tokens depend on it,
 #: so a job's fingerprint records it: bump it whenever a change alters which token a seeded row draws. 2: the
-#: counter-based stream (``cbrun.engine.sample.random_stream``) drawn by inverse CDF with pivots; 1 (unrecorded): one
+#: counter-based stream (``cbrun.engine.sample.sampler.uniform``) drawn by inverse CDF with pivots; 1 (unrecorded): one
 #: ``torch.Generator`` per request on the host.
 SAMPLER_VERSION = 2
 
@@ -138,11 +138,14 @@ class EngineConfig:
             torch's for the rest. The transformers modules always use torch's.
         batch_invariant: "on" makes a row's logits the same bits whatever else is in its step, so that a seeded
             row draws the same tokens and logprobs alone or in any batch, under preemption and prefix sharing
-            (docs/sampling.md, "Batch invariance"): linear layers through ``linear.batch_invariant_linear``, the
-            MLP's silu and every attention query row in C, row by row. It needs the lean forward pass on the CPU
-            with the C attention kernel (float32), ``linear_backend = "auto"``, ``speculative = "off"`` and no CUDA
-            graphs; anything else is a ValueError naming it. "off" runs the fastest kernels, whose bits may change
-            with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
+            (docs/sampling.md, "Batch invariance"). On the CPU: linear layers through
+            ``linear.batch_invariant_linear``, the MLP's silu and every attention query row in C, row by row (the C
+            attention kernel, float32). With Triton attention (CUDA, compute capability 8.0+): cbrun's invariant
+            Triton matmul and RMSNorm, attention's one invariant tile, each sampled row drawn in its own call, CUDA
+            graphs off (docs/gpu.md). Either needs the lean forward pass, ``linear_backend = "auto"``,
+            ``speculative = "off"``, ``tensor_parallel_size = 1`` and unquantized weights; MoE blocks run each
+            expert over its own rows. Anything else is a ValueError naming it. "off" runs the fastest kernels,
+            whose bits may change with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
             sampled and it can run (``cbrun.jobs.run.job.resolve_batch_invariant``), off for greedy-only jobs; the
             Python engine API takes "auto" as "off". Its logits differ from "off"'s by float32 rounding.
         speculative: speculative decoding (see ``cbrun.engine.spec_decode.speculative``): "off", "ngram" (prompt lookup: proposals
@@ -180,8 +183,9 @@ class EngineConfig:
             ``structured_outputs_config.backend``): "auto" (the default) gives a schema to xgrammar when it enforces
             every keyword of it, else to llguidance when that does (the ``guidance`` extra); "xgrammar" or
             "guidance" uses only that one. A schema the chosen engines would not fully enforce is the row's error,
-            naming the keyword and its place (``$.properties.a.not``); the table: ``docs/structured-outputs.md``.
-            Regex, choice and grammar constraints are always xgrammar's.
+            naming each such keyword and its place (``$.properties.a.not``); the table:
+            ``docs/structured-outputs.md``. Regex, choice and grammar constraints are xgrammar's, llguidance's
+            under "guidance".
         structured_outputs_ignore_formats: serve JSON schemas whose ``format`` values (``date-time``, ``uri``,
             ...) no engine here enforces, with those formats unchecked; false (the default) refuses them by name.
 

@@ -23,7 +23,7 @@ from cbrun.engine.core.stop_strings import StopStringMatcher
 from cbrun.engine.model import loader
 from cbrun.engine.model.model_impl import select_lean_model
 from cbrun.engine.outputs import RequestOutput, request_output
-from cbrun.engine.sample.step import StepSampler
+from cbrun.engine.sample.step import StepHandle, StepSampler
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.spec_decode.draft_proposer import DraftProposer, draft_bytes_per_block
 from cbrun.engine.structured_output.bitmask import StepBitmask
@@ -31,7 +31,7 @@ from cbrun.engine.structured_output.compiler import GrammarCompiler
 from cbrun.engine.structured_output.request_state import StructuredOutputRequest
 from cbrun.engine.structured_output.schema_support import constraint_backend
 from cbrun.engine.worker import backends, tp_group
-from cbrun.engine.worker.async_batching import StepHandle, use_async_batching
+from cbrun.engine.worker.async_batching import use_async_batching
 from cbrun.engine.worker.device import select_device
 from cbrun.engine.worker.kv_cache import KVCache, kv_cache_dtype
 from cbrun.engine.worker.model_runner import ModelRunner
@@ -131,13 +131,22 @@ class LLMEngine:
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
         self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs, config.speculative)
         cpu_kernel = backends.use_cpu_kernel(config, dtype, use_triton)
-        batch_invariant = backends.use_batch_invariant(config, cpu_kernel, use_graphs)
+        batch_invariant = backends.use_batch_invariant(config, cpu_kernel, use_graphs, use_triton, dtype)
         lean_model = select_lean_model(
-            config.model_impl, model, use_graphs, max_model_len, config.linear_backend, batch_invariant
+            config.model_impl,
+            model,
+            use_graphs,
+            max_model_len,
+            config.linear_backend,
+            batch_invariant,
+            backends.invariant_kernels(config, cpu_kernel, dtype) if batch_invariant else None,
         )
         #: Turns each step's logits into its ``StepOutput`` on their device (the model runner calls it); owns the
         #: penalised requests' token counts.
-        self.sampler = StepSampler(model_config.vocab_size, next(model.parameters()).device, self.eos_token_ids)
+        device = next(model.parameters()).device
+        # NOTE: off the CPU a batch-invariant step samples each row alone (StepSampler's docstring says why).
+        rows_alone = batch_invariant and device.type != "cpu"
+        self.sampler = StepSampler(model_config.vocab_size, device, self.eos_token_ids, rows_alone)
         self.model_runner = ModelRunner(
             model,
             kv_cache,
@@ -359,12 +368,13 @@ class LLMEngine:
             self.step_observer([s.request_id for s in plan.scheduled])
         if self.tp_group is not None:  # every rank executes the plan on its slice of the cache (and samples nothing)
             self.tp_group.send_step(replace(plan, sampling={}), self._num_touched_pages())
-        handle = self.model_runner.launch(plan, self._in_flight[1] if self._in_flight else None, self._draft_probs)
         grammar = None
+        if self._grammar_compiler is not None and plan.scheduled:  # applied at launch, with every other row
+            grammar = self._fill_grammar_bitmask(plan)
+        previous = self._in_flight[1] if self._in_flight else None
+        handle = self.model_runner.launch(plan, previous, self._draft_probs, grammar)
         if handle is not None:
             self.scheduler.advance(plan)
-            if self._grammar_compiler is not None:  # filled while the device computes the step
-                grammar = self._fill_grammar_bitmask(plan, handle)
         launched = (plan, handle, grammar) if handle is not None else None
         if plan_tokens is not None and handle is not None:
             plan_tokens.append(plan.num_batch_tokens)
@@ -377,10 +387,11 @@ class LLMEngine:
             finished.extend(self.scheduler.pop_finished())  # requests whose own row failed
         return [self._finish(r) for r in finished]
 
-    def _fill_grammar_bitmask(self, plan: SchedulerOutput, handle: StepHandle) -> StepBitmask | None:
-        """The launched step's grammar bitmask (``StepSampler.fill_grammar_bitmask``), its time counted."""
+    def _fill_grammar_bitmask(self, plan: SchedulerOutput) -> StepBitmask | None:
+        """The planned step's grammar bitmask (``StepSampler.fill_grammar_bitmask``), its time counted. With a
+        step in flight (async batching) the host fills it while the device computes that step."""
         start = time.perf_counter()
-        grammar = self.sampler.fill_grammar_bitmask(plan, handle.logits)
+        grammar = self.sampler.fill_grammar_bitmask(plan)
         if grammar is not None:
             self._counters.num_grammar_mask_steps += 1
             self._counters.grammar_mask_seconds += time.perf_counter() - start
@@ -394,9 +405,9 @@ class LLMEngine:
             self._grammar_compiler.wait_any(futures, timeout)
 
     def _update(self, plan: SchedulerOutput, handle: StepHandle, grammar: StepBitmask | None) -> list[Request]:
-        """Read a launched step's ``StepOutput`` from the model runner and apply it (the scheduler's
-        ``update_from_output``); returns the requests that finished."""
-        output = self.model_runner.read(plan, handle, grammar, self._draft_probs)
+        """Read a launched step's ``StepOutput`` (the sampler's, which drew its rows at launch) and apply it (the
+        scheduler's ``update_from_output``); returns the requests that finished."""
+        output = self.sampler.read(plan, handle, grammar, self._draft_probs)
         finished = self.scheduler.update_from_output(plan, output)  # counts the committed output tokens
         self._count_step(plan)
         return finished

@@ -68,7 +68,7 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 disables it (1 is greedy).
         top_p: nucleus sampling (Holtzman et al. 2019), keep the smallest set reaching this mass; (0, 1].
         min_p: drop tokens whose probability is under ``min_p`` times the top token's; [0, 1].
-        seed: key of the request's own random stream (``cbrun.engine.sample.random_stream``); None draws one from the
+        seed: key of the request's own random stream (``cbrun.engine.sample.sampler.uniform``); None draws one from the
             engine's seed generator.
         stop_token_ids: extra token ids that end the request (the emitted stop token is kept in the output ids;
             its text is not in the output text unless ``include_stop_str_in_output``).
@@ -187,8 +187,9 @@ class SamplingParams:
         logits by it would overflow; vLLM draws the same line)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
-    # NOTE: the row predicates below are the one definition the scheduler, the sampler's batch metadata
-    # (``cbrun.engine.sample.batch.SamplingBatch``), the bitmask and the draft read.
+    # NOTE: the row predicates below are their one definition; each is evaluated once per request, when the
+    # scheduler accepts it (``needs_processing``) and when the sampler first sees it (``SamplingSlots`` keeps the
+    # values, and each step's ``SamplingBatch`` its batch-wide ones), never per step.
     @property
     def penalised(self) -> bool:
         """True when a repetition, presence or frequency penalty applies (the row needs its token counts)."""

@@ -9,14 +9,34 @@ from __future__ import annotations
 
 import importlib
 
-from cbrun.kernels.reference import GatherPlan, build_gather_plan, paged_attention_ref, write_kv_cache_ref
+from cbrun.kernels.reference import (
+    GatherPlan,
+    build_gather_plan,
+    log_softmax_ref,
+    matmul_ref,
+    paged_attention_ref,
+    rms_norm_ref,
+    write_kv_cache_ref,
+)
 
 _TRITON_EXPORTS = {
     "paged_attention_triton": "cbrun.kernels.paged_attention",
     "write_kv_cache_triton": "cbrun.kernels.kv_cache_write",
+    "batch_invariant_linear_triton": "cbrun.kernels.batch_invariant_matmul",
+    "rms_norm_triton": "cbrun.kernels.rms_norm",
+    "log_softmax_triton": "cbrun.kernels.log_softmax",
 }
 
-__all__ = ["GatherPlan", "build_gather_plan", "paged_attention_ref", "write_kv_cache_ref", *_TRITON_EXPORTS]
+__all__ = [
+    "GatherPlan",
+    "build_gather_plan",
+    "log_softmax_ref",
+    "matmul_ref",
+    "paged_attention_ref",
+    "rms_norm_ref",
+    "write_kv_cache_ref",
+    *_TRITON_EXPORTS,
+]
 
 
 def __getattr__(name: str):

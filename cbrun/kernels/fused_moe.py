@@ -453,7 +453,7 @@ def fused_moe_launch_config(
     pairs: int,
     num_experts: int,
     block_k_cap: int,
-    capability: int,
+    capability: int | None,
     weight_format: str,
     gated: bool,
     activation: str,

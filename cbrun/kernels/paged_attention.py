@@ -24,13 +24,12 @@ The launch shape thus depends on tensor shapes only (CUDA-graph friendly).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from cbrun.kernels.tile_policy import DEFAULT_CAPABILITY, MAX_HEAD_DIM, pick_attention_tile
+from cbrun.kernels.tile_policy import DEFAULT_CAPABILITY, MAX_HEAD_DIM, LaunchConfig, pick_attention_tile
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -296,19 +295,6 @@ def paged_attention_triton(
 INVARIANT_MAX_SEQLEN_Q = 8192
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Everything of a launch that selects a compiled kernel: the constexprs and the launch options."""
-
-    constexprs: dict
-    num_warps: int
-    num_stages: int
-
-    def key(self) -> tuple:
-        """Hashable identity: two launches with equal keys run the same binary."""
-        return tuple(sorted(self.constexprs.items())) + (self.num_warps, self.num_stages)
-
-
 @functools.lru_cache(maxsize=1024)
 def attention_launch_config(
     dtype: torch.dtype,
@@ -319,7 +305,7 @@ def attention_launch_config(
     max_seqlen_q: int,
     use_window: bool,
     use_softcap: bool,
-    capability: int,
+    capability: int | None,
     dot_in_fp32: bool = False,
     use_sinks: bool = False,
 ) -> LaunchConfig:
@@ -332,14 +318,16 @@ def attention_launch_config(
     Args:
         dtype: query and cache dtype. num_heads, num_kv_heads, head_dim, page_size: the model's and cache's shape.
         max_seqlen_q: longest query (tokens) in the batch. use_window, use_softcap: whether those are set.
-        capability: compute capability, major * 10 + minor (``device_capability``).
-        dot_in_fp32: upcast bf16 dot operands (the CPU interpreter only).
+        capability: compute capability, major * 10 + minor (``device_capability``); None for the portable tile.
+        dot_in_fp32: upcast bf16 dot operands (the CPU interpreter only): the tile is sized as a float32 one.
         use_sinks: the launch adds attention sinks (gpt-oss).
     """
     group = num_heads // num_kv_heads
     group_padded = triton.next_power_of_2(group)
     head_dim_padded = max(triton.next_power_of_2(head_dim), 16)
-    tile = pick_attention_tile(capability, dtype.itemsize, head_dim_padded, group_padded, max(max_seqlen_q, 1))
+    elem_bytes = 4 if dot_in_fp32 else dtype.itemsize  # upcast operands take float32's registers
+    upcast = dot_in_fp32 and dtype.itemsize < 4
+    tile = pick_attention_tile(capability, elem_bytes, head_dim_padded, group_padded, max(max_seqlen_q, 1), upcast)
     constexprs = dict(
         GROUP=group,
         GROUP_PADDED=group_padded,
@@ -359,8 +347,9 @@ def attention_launch_config(
 
 
 @functools.lru_cache(maxsize=None)
-def device_capability(device: torch.device) -> int:
-    """Compute capability of ``device`` as major * 10 + minor; ``DEFAULT_CAPABILITY`` off CUDA (interpreter)."""
+def device_capability(device: torch.device) -> int | None:
+    """Compute capability of ``device`` as major * 10 + minor; ``DEFAULT_CAPABILITY`` (None: the portable tile,
+    which fits every part) off CUDA, so a launch made on the CPU fits whichever part it is compiled for."""
     if device.type != "cuda":
         return DEFAULT_CAPABILITY
     major, minor = torch.cuda.get_device_capability(device)

@@ -303,3 +303,32 @@ def _read_pages(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) ->
     if cache.dtype != KV_FP8_DTYPE:
         return cache.index_select(0, pages)
     return dequantize_kv(cache.view(torch.uint8).index_select(0, pages).view(KV_FP8_DTYPE), dtype)
+
+
+def matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle of ``cbrun.kernels.batch_invariant_matmul``: ``x @ weight.T + bias`` summed in float64, rounded
+    once to x's dtype (the kernel sums in float32, so the two agree to float32 rounding of the sum).
+
+    Args:
+        x: (M, K); weight: (N, K); bias: (N,) or None; all one dtype.
+
+    Returns:
+        (M, N) in ``x.dtype``.
+    """
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The oracle of ``cbrun.kernels.rms_norm``: the Llama family's RMSNorm (normalise in float32, cast back, then
+    scale by ``weight``) over the last dim of ``x`` (..., D); x's shape and dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def log_softmax_ref(x: torch.Tensor) -> torch.Tensor:
+    """The oracle of ``cbrun.kernels.log_softmax``: ``log_softmax`` over the last dim in float32, (R, V) -> (R, V)."""
+    return torch.log_softmax(x.float(), dim=-1)

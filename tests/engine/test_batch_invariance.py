@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.sample import random_stream
-from cbrun.engine.sample.filters import inverse_cdf
+from cbrun.engine.sample import sampler
+from cbrun.engine.sample.sampler import inverse_cdf
 from cbrun.kernels.cpu_attention import unavailable_reason
 from tests.model_utils import assert_pool_balanced, random_model_dir, random_prompts
 
@@ -152,13 +152,13 @@ def first_logits(requests, target, invariant: str) -> torch.Tensor:
 
 def boundary_seed(a: torch.Tensor, b: torch.Tensor, temperature: float, tries: int = 1 << 21) -> int | None:
     """A seed whose first draw (output position 0) picks different tokens from logits ``a`` and ``b``: the
-    sampler's own draw (``inverse_cdf`` of softmax(logits / temperature) at ``random_stream.uniform``)."""
+    sampler's own draw (``inverse_cdf`` of softmax(logits / temperature) at ``sampler.uniform``)."""
     temp = torch.tensor([temperature], dtype=torch.float32)
     probs = [torch.softmax(x[None] / temp[:, None], dim=1) for x in (a, b)]
     chunk = 1 << 16
     for start in range(0, tries, chunk):
         seeds = torch.arange(start, start + chunk, dtype=torch.int64)
-        u = random_stream.uniform(seeds, torch.zeros_like(seeds), random_stream.PLAIN)
+        u = sampler.uniform(seeds, torch.zeros_like(seeds), sampler.PLAIN)
         drawn = [inverse_cdf(p.expand(chunk, -1), u) for p in probs]
         differ = (drawn[0] != drawn[1]).nonzero()
         if differ.numel():
@@ -234,3 +234,74 @@ def test_converted_stories260k_rows_equal_alone_and_in_a_batch(stories260k_dir):
     random.Random(1).shuffle(batch)
     got = tokens_and_bits({o.request_id: o for o in engine.generate(batch)}, want)
     assert got == want
+
+
+def test_rows_alone_sampler_draws_what_the_batched_one_draws(monkeypatch):
+    # Off the CPU a batch-invariant engine samples each row in its own (1, V) call (StepSampler.rows_alone); on the
+    # CPU, where the batched sampler is row-wise, both must give the same tokens and logprob bits.
+    seeded = [
+        SamplingParams(max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=20, seed=3),
+        SamplingParams(max_new_tokens=9, temperature=1.0, repetition_penalty=1.3, presence_penalty=0.2, seed=4),
+        SamplingParams(max_new_tokens=6, temperature=0.9, min_p=0.05, logprobs=3, seed=5),
+    ]
+    requests = target_requests(0.8) + [(f"s{j}", PROMPTS[10 + j], seeded[j % 3]) for j in range(6)]
+    from cbrun.engine.sample import step
+
+    calls: list[int] = []  # rows per sampler call
+
+    def counted(logits, *args, **kwargs):
+        calls.append(logits.shape[0])
+        return sample(logits, *args, **kwargs)
+
+    sample = step.sample
+    monkeypatch.setattr(step, "sample", counted)
+    engine = LLMEngine.from_pretrained(str(model_dir()), EngineConfig(**{**BASE, "batch_invariant": "on"}))
+    assert not engine.sampler.rows_alone  # the CPU keeps rows batched
+    batched = tokens_and_bits({o.request_id: o for o in engine.generate(requests)}, [r[0] for r in requests])
+    assert max(calls) > 1
+    calls.clear()
+    engine.sampler.rows_alone = True
+    alone = tokens_and_bits({o.request_id: o for o in engine.generate(requests)}, [r[0] for r in requests])
+    assert calls and max(calls) == 1
+    assert alone == batched
+
+
+def test_cuda_blockers_name_what_stops_the_invariant_kernels(monkeypatch):
+    # No GPU here: the decision itself, with the Triton kernels' own check answered as on a capable part.
+    from cbrun.engine.worker import backends
+    from cbrun.kernels import batch_invariant
+
+    on = dict(device="cuda", batch_invariant="on")
+    assert "CUDA" in backends.batch_invariant_blocker(EngineConfig(**on), False, False, True, torch.bfloat16)
+    monkeypatch.setattr(batch_invariant, "triton_invariant_unavailable_reason", lambda device, dtype: None)
+    assert backends.batch_invariant_blocker(EngineConfig(**on), False, False, True, torch.bfloat16) is None
+    reasons = {
+        "attention": backends.batch_invariant_blocker(
+            EngineConfig(**on, attention_backend="torch"), False, False, False, torch.bfloat16
+        ),
+        "graphs": backends.batch_invariant_blocker(EngineConfig(**on), False, True, True, torch.bfloat16),
+        "speculative": backends.batch_invariant_blocker(
+            EngineConfig(**on, speculative="ngram"), False, False, True, torch.bfloat16
+        ),
+    }
+    assert "Triton kernels" in reasons["attention"] and "CUDA graphs" in reasons["graphs"]
+    assert "speculative" in reasons["speculative"]
+    # "auto" CUDA graphs give way to batch_invariant = on; "on" is refused by name.
+    assert "batch_invariant" in backends.cuda_graphs_blocker(EngineConfig(**on), True)
+    assert backends.cuda_graphs_blocker(EngineConfig(device="cuda"), True) is None
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_seeded_rows_equal_alone_and_in_a_batch(model_type):
+    # A MoE block under "on" runs each expert over its own rows through the invariant linear: how many tokens an
+    # expert gets depends on the batch, a token's output must not.
+    model = str(random_model_dir(model_type, **MODEL))
+    config = EngineConfig(**{**BASE, "batch_invariant": "on"})
+    targets = target_requests(0.9)[:4]
+    engine = LLMEngine.from_pretrained(model, config)
+    alone = {
+        rid: tokens_and_bits({o.request_id: o for o in engine.generate([(rid, p, sp)])}, [rid])[rid]
+        for rid, p, sp in targets
+    }
+    batch = fillers(8)[:4] + targets + fillers(8)[4:]
+    assert tokens_and_bits({o.request_id: o for o in engine.generate(batch)}, alone) == alone

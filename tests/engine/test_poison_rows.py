@@ -110,18 +110,18 @@ def test_poison_rows_fail_alone_and_good_rows_equal_a_clean_run(overlap):
 
 def test_a_row_that_raises_fails_alone_and_device_faults_propagate(monkeypatch):
     """A batched call that raises is redone row by row: only the row that raises alone fails."""
-    from cbrun.engine.sample import step
+    from cbrun.engine.sample.sampler import SamplingSlots
 
-    real_build_batch = step.build_batch
+    real_batch = SamplingSlots.batch
     faults = {"bad": RuntimeError("boom"), "oom": torch.OutOfMemoryError("CUDA out of memory")}
 
-    def build_batch(rows, *args):
-        for row in rows:
-            if row.request.request_id in faults:
-                raise faults[row.request.request_id]
-        return real_build_batch(rows, *args)
+    def batch(self, values, *args):
+        for value in values:
+            if value.request_id in faults:
+                raise faults[value.request_id]
+        return real_batch(self, values, *args)
 
-    monkeypatch.setattr(step, "build_batch", build_batch)
+    monkeypatch.setattr(SamplingSlots, "batch", batch)
     sampled = SamplingParams(max_new_tokens=5, temperature=1.0, seed=1)
     prompts = random_prompts(3, VOCAB, 3, 9, seed=24)
     outputs = run(
@@ -181,8 +181,8 @@ def nan_probabilities_hook(monkeypatch, temperature: float) -> None:
 
     real = sampler.sampled_probs
 
-    def poisoned(scores, batch, rows=None, filtered=True):
-        probs = real(scores, batch, rows, filtered)
+    def poisoned(scores, batch, rows=None, filtered=True, *args, **kwargs):
+        probs = real(scores, batch, rows, filtered, *args, **kwargs)
         temps = batch.temperature if rows is None else batch.temperature[rows]
         return probs.masked_fill((temps == temperature)[:, None], float("nan"))
 
@@ -211,7 +211,7 @@ def test_an_id_outside_the_vocabulary_fails_its_row_alone(monkeypatch, overlap, 
 
 
 def test_inverse_cdf_gives_v_for_a_row_without_a_finite_distribution():
-    from cbrun.engine.sample.filters import inverse_cdf
+    from cbrun.engine.sample.sampler import inverse_cdf
 
     weights = torch.tensor([[0.2, 0.8, 0.0], [float("nan")] * 3, [0.0] * 3, [float("inf"), 1.0, 0.0]])
     u = torch.full((4,), 0.5, dtype=torch.float64)

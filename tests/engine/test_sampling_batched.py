@@ -5,11 +5,8 @@ import torch
 
 from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.core.request import Request
-from cbrun.engine.sample import random_stream
-from cbrun.engine.sample.batch import SamplingRow, build_batch
-from cbrun.engine.sample.processing import allowed_tokens
-from cbrun.engine.sample.sampler import sample
-from cbrun.engine.sample.token_counts import TokenCounts
+from cbrun.engine.sample import sampler
+from cbrun.engine.sample.sampler import SamplingRow, TokenCounts, allowed_tokens, build_batch, sample
 from cbrun.engine.sampling_params import SamplingParams
 
 VOCAB = 70  # not a multiple of 32: the bitmask's last word is partial
@@ -43,12 +40,10 @@ def pack(allowed: torch.Tensor) -> torch.Tensor:
 
 def test_random_stream_matches_its_python_reference():
     seeds = [0, 1, -5, 2**63 + 7, 123456789123, 2**64 - 1]
-    keys = torch.tensor([random_stream.stream_key(s) for s in seeds])
+    keys = torch.tensor([sampler.stream_key(s) for s in seeds])
     positions = torch.tensor([0, 1, 2, 1000, 77, 5])
-    got = random_stream.uniform(keys, positions, random_stream.RESIDUAL).tolist()
-    assert got == [
-        random_stream.reference_uniform(s, int(p), random_stream.RESIDUAL) for s, p in zip(seeds, positions.tolist())
-    ]
+    got = sampler.uniform(keys, positions, sampler.RESIDUAL).tolist()
+    assert got == [sampler.reference_uniform(s, int(p), sampler.RESIDUAL) for s, p in zip(seeds, positions.tolist())]
     assert all(0.0 < u < 1.0 for u in got)
 
 

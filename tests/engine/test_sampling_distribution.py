@@ -7,9 +7,7 @@ import torch
 
 from cbrun.engine.core.plan import RowSampling
 from cbrun.engine.core.request import Request
-from cbrun.engine.sample.batch import SamplingRow, build_batch
-from cbrun.engine.sample.sampler import sample
-from cbrun.engine.sample.token_counts import TokenCounts
+from cbrun.engine.sample.sampler import SamplingRow, TokenCounts, build_batch, sample
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.spec_decode.speculative_rule import verify
 

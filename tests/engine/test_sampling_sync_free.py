@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cbrun.engine.sample import filters, processing, sampler
-from cbrun.engine.sample.filters import FilterHints, draw_filtered, kth_largest
+from cbrun.engine.sample import sampler
+from cbrun.engine.sample.sampler import FilterHints, draw_filtered, kth_largest
 from cbrun.engine.sampling_params import SamplingParams
 from tests.engine.test_sampling_batched import run
 
@@ -38,7 +38,7 @@ class CountReadBacks(TorchDispatchMode):
 
 @pytest.fixture
 def as_on_a_device(monkeypatch):
-    for module in (processing, sampler):
+    for module in (sampler,):
         monkeypatch.setattr(module, "waits_for_device", lambda device: True)
 
 
@@ -63,7 +63,7 @@ FILTERED = [
 def test_plain_sampling_reads_nothing_back_and_draws_the_cpu_paths_tokens(monkeypatch):
     logits = _logits(6, seed=1)
     expected = run(logits.clone(), PLAIN)
-    for module in (processing, sampler):
+    for module in (sampler,):
         monkeypatch.setattr(module, "waits_for_device", lambda device: True)
     with CountReadBacks() as counter:
         out = run(logits.clone(), PLAIN, to_host=False)
@@ -85,7 +85,7 @@ def test_filtered_sampling_reads_nothing_back_on_a_device(as_on_a_device):
     for i in (0, 3):  # filtered sampled rows without inf
         p = FILTERED[i]
         probs = torch.softmax(logits[i : i + 1] / p.temperature, dim=1)
-        kept = filters.filtered_probs(probs, torch.tensor([p.top_k]), torch.tensor([p.top_p]), torch.tensor([p.min_p]))
+        kept = sampler.filtered_probs(probs, torch.tensor([p.top_k]), torch.tensor([p.top_p]), torch.tensor([p.min_p]))
         assert kept[0, tokens[i]] > 0  # the drawn token is in the row's filtered set
 
 
@@ -99,9 +99,9 @@ def test_sorted_and_rejection_draws_share_one_distribution():
     top_k, top_p, min_p = torch.full((n,), 12), torch.full((n,), 0.8), torch.full((n,), 0.02)
     seeds, positions = torch.arange(n), torch.zeros(n, dtype=torch.int64)
     hints = FilterHints.of([12], [0.8], [0.02], 40)
-    sorted_draws = filters.draw_sorted(probs, top_k, top_p, min_p, seeds, positions, hints)
+    sorted_draws = sampler.draw_sorted(probs, top_k, top_p, min_p, seeds, positions, hints)
     rejection_draws = draw_filtered(probs, top_k, top_p, min_p, seeds + n, positions, hints)
-    target = filters.filtered_probs(row, top_k[:1], top_p[:1], min_p[:1])[0]
+    target = sampler.filtered_probs(row, top_k[:1], top_p[:1], min_p[:1])[0]
     for draws in (sorted_draws, rejection_draws):
         freq = torch.bincount(draws, minlength=40).double() / n
         assert (freq[target == 0] == 0).all()
@@ -157,9 +157,9 @@ def test_dense_penalties_on_a_device_equal_the_cpus_sparse_ones(monkeypatch):
     args = (rows, counts, torch.tensor([3, 0, 1]), seen, extra)
     settings = (torch.tensor([1.3, 0.8, 1.0]), torch.tensor([0.5, 0.0, -0.2]), torch.tensor([0.1, 0.7, 0.0]))
     sparse = scores.clone()
-    processing.apply_penalties(sparse, *args, *settings)
-    monkeypatch.setattr(processing, "waits_for_device", lambda device: True)
+    sampler.apply_penalties(sparse, *args, *settings)
+    monkeypatch.setattr(sampler, "waits_for_device", lambda device: True)
     dense = scores.clone()
     with CountReadBacks() as counter:
-        processing.apply_penalties(dense, *args, *settings)
+        sampler.apply_penalties(dense, *args, *settings)
     assert counter.reads == [] and torch.equal(dense, sparse) and not torch.equal(dense, scores)

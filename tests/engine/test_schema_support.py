@@ -23,6 +23,7 @@ from cbrun.engine.structured_output.schema_support import (
     XGRAMMAR_FORMATS,
     UnsupportedSchemaError,
     check_schema,
+    find_all_unsupported,
     find_unsupported,
 )
 
@@ -130,9 +131,9 @@ def _compiled(schema: dict):
     return _compile_with(compiler, "json", json.dumps(schema)), info.vocab_size
 
 
-def random_walks(schema: dict, n: int = 30, max_len: int = 120, seed: int = 0) -> list[str]:
+def random_walks(schema: dict, n: int = 30, max_len: int = 120, seed: int = 0, stop: float = 0.3) -> list[str]:
     """``n`` completions of ``schema``'s grammar, each token drawn uniformly from those its mask allows (the stop
-    token with probability 0.3 where allowed); walks cut at ``max_len`` are dropped."""
+    token with probability ``stop`` where allowed, else as any other); walks cut at ``max_len`` are dropped."""
     compiled, vocab = _compiled(schema)
     rng = random.Random(seed)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
@@ -143,7 +144,7 @@ def random_walks(schema: dict, n: int = 30, max_len: int = 120, seed: int = 0) -
         for _ in range(max_len):
             matcher.fill_next_token_bitmask(bitmask, 0)
             allowed = torch.nonzero(((bitmask[0, :, None] >> shifts) & 1).flatten()[:vocab]).flatten().tolist()
-            token = _STOP if _STOP in allowed and rng.random() < 0.3 else rng.choice(allowed)
+            token = _STOP if _STOP in allowed and rng.random() < stop else rng.choice(allowed)
             assert matcher.accept_token(token)
             if token == _STOP:
                 break
@@ -198,18 +199,33 @@ def test_unresolvable_keyword_is_named(keyword: str) -> None:
     assert found is not None and f": {keyword} " in found, found
 
 
-@pytest.mark.parametrize("fmt", sorted(XGRAMMAR_FORMATS))
-def test_enforced_formats_validate(fmt: str) -> None:
+def checked_format(fmt: str):
+    """``jsonschema``'s validator of a string of format ``fmt``; the test is skipped where the installed
+    ``jsonschema`` has no checker for it (its format packages are in the ``test`` extra)."""
     schema = {"type": "string", "format": fmt}
     check = validator(schema)
-    assert fmt in check.FORMAT_CHECKER.checkers  # jsonschema really checks it here
-    outputs = random_walks(schema, n=20)
-    assert outputs and all(check.is_valid(json.loads(o)) for o in outputs), outputs
+    if fmt not in check.FORMAT_CHECKER.checkers:
+        pytest.skip(f"jsonschema cannot check format {fmt!r} here (pip install -e '.[test]')")
+    return schema, check
+
+
+@pytest.mark.parametrize("fmt", sorted(XGRAMMAR_FORMATS))
+def test_enforced_formats_validate(fmt: str) -> None:
+    schema, check = checked_format(fmt)
+    outputs = random_walks(schema, n=20) + random_walks(schema, n=10, max_len=300, seed=1, stop=0.0)
+    assert len(outputs) >= 15 and all(check.is_valid(json.loads(o)) for o in outputs), outputs
+
+
+@pytest.mark.parametrize(("fmt", "bad"), [("hostname", "a" * 64), ("ipv4", "120.80.40.046"), ("date", "2492-02-31")])
+def test_refused_formats_leak_in_xgrammar(fmt: str, bad: str) -> None:
+    schema, check = checked_format(fmt)
+    assert not check.is_valid(bad) and _grammar_accepts(schema, json.dumps(bad))
+    assert f"format {fmt!r} is not enforced" in find_unsupported(schema)
 
 
 def test_unverified_formats_refused_unless_ignored():
-    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri"}}}
-    assert find_unsupported(schema).startswith("$.properties.u.format: format 'uri' is not enforced")
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri-template"}}}
+    assert find_unsupported(schema).startswith("$.properties.u.format: format 'uri-template' is not enforced")
     assert find_unsupported(schema, ignore_formats=True) is None
 
 
@@ -220,6 +236,22 @@ def test_path_names_the_place():
     assert find_unsupported(nested).startswith("$.$defs.x.anyOf[1].if: if")
     with pytest.raises(UnsupportedSchemaError, match=r"\$\.prefixItems\[0\]\.uniqueItems"):
         check_schema({"type": "array", "prefixItems": [{"type": "array", "uniqueItems": True}]})
+
+
+def test_refusal_names_every_keyword_with_its_path():
+    schema = {
+        "type": "object",
+        "properties": {"a": {"not": {"type": "null"}}, "b": {"type": "array", "items": _INT, "uniqueItems": True}},
+        "required": ["a", "x", "y"],
+    }
+    with pytest.raises(UnsupportedSchemaError) as refused:
+        check_schema(schema)
+    message = str(refused.value)
+    for found in ("$.properties.a.not: not", "$.properties.b.uniqueItems: uniqueItems"):
+        assert f"{found} is not enforced (ignored) [xgrammar]" in message, message
+        assert f"{found} is not enforced (llguidance: unimplemented) [llguidance]" in message, message
+    assert "$.required: required of 'x', 'y' is not enforced" in message
+    assert len(find_all_unsupported(schema)) == 3 and len(find_all_unsupported(schema, backend="guidance")) == 2
 
 
 def test_checkable_forms_accepted():
@@ -257,7 +289,7 @@ def engine(model_dir):
 
 
 def test_random_model_completions_validate_per_keyword(engine):
-    """Each accepted keyword's schema, one greedy and one sampled row: every ``stop`` completion validates, and
+    """Each accepted keyword's schema, one greedy and two sampled rows: every ``stop`` completion validates, and
     every keyword has at least one."""
     from cbrun.engine.sampling_params import SamplingParams
 
@@ -266,8 +298,8 @@ def test_random_model_completions_validate_per_keyword(engine):
     requests = []
     for i, schema in enumerate(schemas):
         so = StructuredOutputsParams(json=schema)
-        for j, temperature in enumerate((0.0, 1.0)):
-            params = SamplingParams(max_new_tokens=120, temperature=temperature, seed=i, structured_outputs=so)
+        for j, temperature in enumerate((0.0, 1.0, 1.0)):
+            params = SamplingParams(max_new_tokens=120, temperature=temperature, seed=i + j, structured_outputs=so)
             requests.append(((i, j), [256, 3 + i, 40 + j], params))
     stopped = {k: 0 for k in keywords}
     for output in engine.generate(requests):
@@ -298,10 +330,21 @@ GUIDANCE_ONLY: dict[str, dict] = {
     "format": {"type": "string", "format": "ipv4"},
 }  # fmt: skip
 
-#: Forms of keywords whose ``ENFORCED`` example llguidance does not take (it refuses ``propertyNames``).
+_DRAFT_07 = "http://json-schema.org/draft-07/schema#"
+_DRAFT_04 = "http://json-schema.org/draft-04/schema#"
+
+#: Forms of keywords whose ``ENFORCED`` example llguidance does not take (it refuses ``propertyNames``), and the
+#: draft-07 / draft-04 forms it takes under their own ``$schema``.
 GUIDANCE_FORMS: dict[str, dict] = {
     "additionalProperties": {**_OBJ, "required": ["a", "b"], "additionalProperties": {"type": "boolean"},
                              "maxProperties": 3},
+    "items": {"$schema": _DRAFT_07, "type": "array", "items": [_INT, {"type": "boolean"}], "additionalItems": False},
+    "additionalItems": {"$schema": _DRAFT_07, "type": "array", "items": [_INT], "additionalItems": {"type": "null"},
+                        "maxItems": 3},
+    "exclusiveMinimum": {"$schema": _DRAFT_04, "type": "integer", "minimum": 5, "exclusiveMinimum": True,
+                         "maximum": 9},
+    "exclusiveMaximum": {"$schema": _DRAFT_04, "type": "number", "minimum": 0.5, "exclusiveMinimum": True,
+                         "maximum": 1, "exclusiveMaximum": True},
 }  # fmt: skip
 
 llguidance = pytest.importorskip("llguidance")
@@ -384,6 +427,18 @@ def test_guidance_refused_keywords_are_named(guidance_compiler, keyword: str) ->
             guidance_compiler[0].submit(StructuredOutputsParams(json=schema), "guidance").result()
 
 
+@pytest.mark.parametrize("keyword", ["items", "additionalItems", "exclusiveMinimum", "exclusiveMaximum"])
+def test_draft_forms_go_to_llguidance_under_their_draft_only(keyword: str) -> None:
+    from cbrun.engine.structured_output.schema_support import route
+
+    schema = GUIDANCE_FORMS[keyword]
+    assert route(schema) == "guidance"
+    assert any(f": {keyword} " in f for f in find_all_unsupported(schema))  # xgrammar misreads the old forms
+    undeclared = {k: v for k, v in schema.items() if k != "$schema"}  # malformed in 2020-12, or not its keyword
+    with pytest.raises(UnsupportedSchemaError, match=rf": ({keyword}|items) (is malformed|[^;]*\[llguidance\])"):
+        route(undeclared)
+
+
 def test_route_auto_prefers_xgrammar_then_llguidance_then_refuses():
     from cbrun.engine.structured_output.schema_support import route
 
@@ -396,10 +451,10 @@ def test_route_auto_prefers_xgrammar_then_llguidance_then_refuses():
         route(ENFORCED["propertyNames"], "guidance")
     with pytest.raises(UnsupportedSchemaError, match="allOf"):
         route(GUIDANCE_ONLY["allOf"], "xgrammar")
-    uri = {"type": "string", "format": "uri"}
-    with pytest.raises(UnsupportedSchemaError, match="format 'uri'"):
-        route(uri)
-    assert route(uri, ignore_formats=True) == "xgrammar"
+    hostname = {"type": "string", "format": "hostname"}
+    with pytest.raises(UnsupportedSchemaError, match="format 'hostname'"):
+        route(hostname)
+    assert route(hostname, ignore_formats=True) == "xgrammar"
 
 
 def test_mixed_engines_in_one_batch_validate_and_agree(engine, model_dir):
@@ -435,16 +490,21 @@ def test_mixed_engines_in_one_batch_validate_and_agree(engine, model_dir):
     assert ("guidance", "json", json.dumps(both, separators=(",", ":"))) in guided._grammar_compiler._cache
 
 
-@pytest.mark.parametrize("fmt", ["email", "ipv4", "ipv6", "uuid"])
+@pytest.mark.parametrize("fmt", ["duration", "email", "ipv4", "ipv6", "uri", "uuid"])
 def test_guidance_formats_validate(guidance_compiler, fmt: str) -> None:
     from cbrun.engine.structured_output.schema_support import GUIDANCE_FORMATS
 
     assert fmt in GUIDANCE_FORMATS
-    schema = {"type": "string", "format": fmt}
-    check = validator(schema)
-    assert fmt in check.FORMAT_CHECKER.checkers
+    schema, check = checked_format(fmt)
     outputs = guidance_walks(guidance_compiler, schema, n=20)
     assert outputs and all(check.is_valid(json.loads(o)) for o in outputs), outputs
+
+
+def test_guidance_format_table_is_tested():
+    from cbrun.engine.structured_output.schema_support import GUIDANCE_FORMATS
+
+    marks = next(m for m in test_guidance_formats_validate.pytestmark if m.name == "parametrize")
+    assert set(marks.args[1]) == GUIDANCE_FORMATS
 
 
 def test_ignore_formats_serves_unknown_formats_unchecked(engine):
@@ -472,3 +532,67 @@ def test_docs_keyword_table_is_the_data():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "structured-outputs.md").read_text()
     committed = doc.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].lstrip("\n")
     assert committed == keyword_table(), "run: python -m cbrun.engine.structured_output.schema_support --write"
+
+
+def test_guidance_backend_serves_regex_choice_and_grammar(model_dir, engine):
+    """With ``structured_outputs_backend = "guidance"`` a regex, a choice and a grammar (EBNF and Lark) are
+    compiled by llguidance: the same greedy tokens as xgrammar's here, each valid; syntax llguidance cannot read is
+    an error row with its message."""
+    from cbrun.engine import LLMEngine
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.sampling_params import SamplingParams
+    from cbrun.engine.structured_output.validate import is_valid_output
+
+    constraints = [
+        {"regex": "[a-c]{2,5}x"},
+        {"choice": ["yes", "no", 'ma"ybe']},
+        {"grammar": 'root ::= "a" [0-9]+ "b"'},
+        {"grammar": 'start: "q" NUM\nNUM: /[0-9]{1,3}/'},
+    ]
+    requests = [
+        (i, [256, 5 + i], SamplingParams(max_new_tokens=60, structured_outputs=coerce_structured_outputs("so", c)))
+        for i, c in enumerate(constraints)
+    ]
+    guided = LLMEngine.from_pretrained(str(model_dir), EngineConfig(**CONFIG, structured_outputs_backend="guidance"))
+    bad = SamplingParams(max_new_tokens=8, structured_outputs={"regex": "(?<=a)b"})
+    got = {o.request_id: o for o in guided.generate([*requests, (9, [256], bad)])}
+    want = {o.request_id: o for o in engine.generate(requests)}
+    for i, _, params in requests:
+        assert got[i].finish_reason == "stop", got[i].error
+        assert got[i].output_token_ids == want[i].output_token_ids
+        assert is_valid_output(got[i].text, params.structured_outputs)
+    assert got[9].finish_reason == "error" and "llguidance" in got[9].error
+    assert {key[:2] for key in guided._grammar_compiler._cache} == {
+        ("guidance", "regex"),
+        ("guidance", "choice"),
+        ("guidance", "grammar"),
+    }
+
+
+def test_guidance_batched_fill_matches_one_by_one_on_any_thread_count(guidance_compiler):
+    """llguidance's rows filled together (its executor at two threads, a loop at one) equal each row's own mask."""
+    from cbrun.engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
+
+    compiler, vocab = guidance_compiler
+    states = []
+    for i, schema in enumerate([GUIDANCE_ONLY["allOf"], GUIDANCE_ONLY["minimum"], ENFORCED["items"]] * 2):
+        params = StructuredOutputsParams(json=schema)
+        future = compiler.submit(params, "guidance")
+        future.result()
+        state = StructuredOutputRequest(params, future)
+        assert state.ready() and state.error is None
+        for token in [] if i < 3 else state.matcher.matcher.compute_ff_tokens()[:1]:
+            assert state.accept(token)
+        states.append(state)
+    alone = xgr.allocate_token_bitmask(len(states), vocab)
+    for row, state in enumerate(states):
+        state.fill_bitmask(alone, row)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            together = xgr.allocate_token_bitmask(len(states) + 1, vocab)
+            assert all(fill_bitmasks(states, together, list(range(1, len(states) + 1))))
+            assert torch.equal(together[1:], alone), n
+    finally:
+        torch.set_num_threads(threads)

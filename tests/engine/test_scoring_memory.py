@@ -16,8 +16,8 @@ from cbrun.engine.core import cache_sizing
 from cbrun.engine.core.plan import RowSampling, StepOutput
 from cbrun.engine.core.request import Request
 from cbrun.engine.sample import step
+from cbrun.engine.sample.sampler import floats_of
 from cbrun.engine.sample.step import StepSampler
-from cbrun.engine.worker.async_batching import floats_of
 from tests.model_utils import random_llama_dir, random_prompts
 
 VOCAB = 128

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.sample import processing, sampler
+from cbrun.engine.sample import sampler, step
 from cbrun.engine.structured_output.params import StructuredOutputsParams
 from tests.model_utils import random_llama_dir, random_prompts
 
@@ -83,7 +83,7 @@ class StepSyncs(TorchDispatchMode):
         while frame is not None and not frame.f_globals.get("__name__", "").startswith("cbrun"):
             frame = frame.f_back
         where = f"{frame.f_globals['__name__']}.{frame.f_code.co_name}" if frame is not None else "?"
-        if where == "cbrun.engine.worker.async_batching.token_ids":
+        if where == "cbrun.engine.sample.step.token_ids":
             self.readbacks += 1
         elif where != "cbrun.engine.worker.device.to_device":  # the pinned, non-blocking upload
             self.syncs.append(f"{what} in {where}")
@@ -113,7 +113,7 @@ def counter(monkeypatch):
 
 def install_counter(monkeypatch: pytest.MonkeyPatch) -> StepSyncs:
     """A ``StepSyncs`` whose counting hooks ``monkeypatch`` installs (``benchmarks.step_syncs`` uses it too)."""
-    for module in (processing, sampler):
+    for module in (sampler, step):
         monkeypatch.setattr(module, "waits_for_device", lambda device: True)
     syncs = StepSyncs()
     tolist, item, tensor = torch.Tensor.tolist, torch.Tensor.item, torch.tensor
@@ -191,8 +191,7 @@ def _params(**fields) -> SamplingParams:
 #: step makes besides its one read-back, as measured (lowering one is a fix; raising one fails here):
 #: (log-probabilities and prompt log-probabilities ride in the ids' read-back as float64 bit patterns: none more)
 #: (a sampled verify step is verified at launch and its accept flags and tokens ride in the read-back too)
-#: - a constrained step's rows are sampled when it is read (the bitmask needs the matcher past the previous
-#:   token, and is filled while the device computes), so their ids are one more read.
+#: (a constrained step's bitmask is filled before its launch, which applies it: its rows ride in the read-back)
 KINDS = {
     "greedy": (_params(), CONFIG, False, 0),
     "sampled": (_params(temperature=0.8, seed=1), CONFIG, False, 0),
@@ -220,12 +219,12 @@ KINDS = {
         False,
         0,
     ),
-    "constrained": (_params(structured_outputs=StructuredOutputsParams(regex=REGEX)), STRUCTURED, True, 1),
+    "constrained": (_params(structured_outputs=StructuredOutputsParams(regex=REGEX)), STRUCTURED, True, 0),
     "constrained_sampled": (
         _params(temperature=0.9, seed=3, structured_outputs=StructuredOutputsParams(regex=REGEX)),
         STRUCTURED,
         True,
-        1,
+        0,
     ),
 }
 

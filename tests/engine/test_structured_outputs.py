@@ -279,13 +279,13 @@ def test_compiled_constraints_are_cached_least_recently_used_first():
 
 
 def test_the_samplers_bitmask_kernel_equals_the_unpacked_mask():
-    from cbrun.engine.sample import processing
+    from cbrun.engine.sample import sampler
 
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(5, 70, generator=g)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 3), dtype=torch.int32, generator=g)
-    want = scores.masked_fill(~processing.allowed_tokens(bitmask, 70), float("-inf"))
-    assert torch.equal(processing.apply_token_bitmask(scores.clone(), bitmask), want)
+    want = scores.masked_fill(~sampler.allowed_tokens(bitmask, 70), float("-inf"))
+    assert torch.equal(sampler.apply_token_bitmask(scores.clone(), bitmask), want)
 
 
 def test_masked_argmax_takes_the_best_allowed_token_and_leaves_bad_rows_to_the_sampler():
@@ -339,35 +339,43 @@ def test_batched_fill_blocks_only_the_request_whose_tokenizer_cannot_go_on():
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_the_bitmask_is_filled_at_launch_before_the_step_is_read(model_dir, monkeypatch, overlap):
-    """On a GPU the host fills the masks while the device computes: each step's bitmask is built when it is
-    launched, before its tokens are waited for (and, with async batching, before the previous step is read)."""
-    from cbrun.engine.worker.async_batching import StepHandle
+def test_the_bitmask_is_filled_before_the_launch_that_applies_it(model_dir, monkeypatch, overlap):
+    """Each step's bitmask is built just before the step is launched, which applies it (so constrained rows ride in
+    the step's one read-back), and with async batching before the previous step is read: on a GPU the host fills
+    the masks while the device computes that step."""
+    from cbrun.engine.sample.step import StepHandle
 
     engine = LLMEngine.from_pretrained(str(model_dir), CONFIG)
     engine.overlap_steps = overlap
     events = []
-    fill, token_ids = engine._fill_grammar_bitmask, StepHandle.token_ids
+    fill, launch, token_ids = engine._fill_grammar_bitmask, engine.model_runner.launch, StepHandle.token_ids
 
-    def recording_fill(plan, handle):
-        step = fill(plan, handle)
-        events.append(("fill", handle, step is not None))  # the handle itself: an id could be reused
+    def recording_fill(plan):
+        step = fill(plan)
+        events.append(("fill", plan, step is not None))  # the plan itself: an id could be reused
         return step
+
+    def recording_launch(plan, *args):
+        handle = launch(plan, *args)
+        events.append(("launch", plan, handle))
+        return handle
 
     def recording_read(handle):
         events.append(("read", handle, None))
         return token_ids(handle)
 
     engine._fill_grammar_bitmask = recording_fill
+    engine.model_runner.launch = recording_launch
     monkeypatch.setattr(StepHandle, "token_ids", recording_read)
     params = [SamplingParams(max_new_tokens=30, structured_outputs=StructuredOutputsParams(regex=REGEX))] * 3
     outputs = _run(engine, params)
     assert all(re.fullmatch(REGEX, _text(engine, o)) for o in outputs.values())
-    filled = [(i, handle) for i, (kind, handle, built) in enumerate(events) if kind == "fill" and built]
+    filled = [(i, plan) for i, (kind, plan, built) in enumerate(events) if kind == "fill" and built]
     assert len(filled) >= 5
-    for i, handle in filled:
+    for i, plan in filled:
+        launched, handle = next((j, h) for j, (kind, p, h) in enumerate(events) if kind == "launch" and p is plan)
         read = next(j for j, (kind, h, _) in enumerate(events) if kind == "read" and h is handle)
-        assert read > i  # read after its own fill
+        assert i < launched < read  # filled before its launch, which draws its rows; read after
     if overlap:  # the fill of step N comes before the read of step N - 1
         reads = [i for i, (kind, *_) in enumerate(events) if kind == "read"]
         assert any(reads[0] > i for i, _ in filled)

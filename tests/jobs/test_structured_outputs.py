@@ -87,7 +87,7 @@ def test_job_constraint_and_per_row_column(chat_model_dir, engine, tmp_path):
         manifest(chat_model_dir, tmp_path / "in.parquet", tmp_path / "out", sampling), progress=False, engine=engine
     )
     rows = sorted(read_output(tmp_path / "out").to_pylist(), key=lambda r: r["row_index"])
-    assert summary.num_errors == 1 and "Unsupported type" in rows[5]["error"]
+    assert summary.num_errors == 1 and "$.type: type is malformed" in rows[5]["error"]
     assert rows[5]["structured_output_valid"] is None
     for row in rows[:5] + rows[6:]:
         assert row["finish_reason"] == "stop" and row["structured_output_valid"] is True, row

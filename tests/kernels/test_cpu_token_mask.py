@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbrun.engine.sample.processing import allowed_tokens
+from cbrun.engine.sample.sampler import allowed_tokens
 from cbrun.engine.structured_output.bitmask import masked_argmax
 from cbrun.kernels import c_build, cpu_token_mask
 from cbrun.kernels.cpu_token_mask import NAN_ALLOWED, NOTHING_ALLOWED, apply_token_bitmask_cpu, masked_argmax_cpu

@@ -1,9 +1,11 @@
-"""Every Triton launch the engine can make fits sm_80, sm_89 and sm_90: compiled ahead of time, no GPU needed.
+"""Every Triton launch the engine and the public wrappers can make fits sm_80, sm_89 and sm_90: compiled ahead of
+time, no GPU needed.
 
-The full matrix (every model shape of ``cbrun.kernels.aot_fit.MODELS`` x bf16/fp16/fp32 x decode/verify/prefill, three
-architectures, 192 binaries after deduplication) takes about ten minutes on two cores, so it is marked slow and
+The full matrix (every model shape of ``cbrun.kernels.aot_fit.MODELS``, head sizes 64/80/96/128/256, x
+bf16/fp16/fp32 x decode/verify/prefill, the engine's launches on each part and every public wrapper's launch,
+batch-invariant kernels included, three architectures) takes tens of minutes on two cores, so it is marked slow and
 runs only with ``CBRUN_KERNEL_FIT_ALL=1`` (the suite runs slow tests by default); the default run compiles a
-representative subset (``aot_fit.SUBSET``, 21 binaries).
+representative subset (``aot_fit.SUBSET``), one test per architecture.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 from cbrun.kernels import aot_fit  # noqa: E402
 from cbrun.kernels.paged_attention import attention_launch_config  # noqa: E402
 from cbrun.kernels.tile_policy import SHARED_MEMORY_LIMITS, pick_attention_tile  # noqa: E402
@@ -57,11 +59,13 @@ def _compile_all(tmp_path, *args: str) -> list[dict]:
 
 
 @needs_toolchain
-def test_representative_launches_fit(tmp_path):
-    """The subset (``aot_fit.SUBSET``) for sm_80, sm_89 and sm_90, in one process."""
-    fits = _compile_all(tmp_path, "--subset")
-    expected = sum(len(aot_fit.engine_launches(c, **aot_fit.SUBSET)) for c in aot_fit.CAPABILITIES)
-    assert len(fits) == expected >= 18 and {fit["capability"] for fit in fits} == set(aot_fit.CAPABILITIES)
+@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
+def test_representative_launches_fit(capability, tmp_path):
+    """The subset (``aot_fit.SUBSET``) on one part: the engine's launches for it and the public wrappers'."""
+    fits = _compile_all(tmp_path, "--subset", "--capability", str(capability))
+    assert len(fits) == len(aot_fit.fit_launches(capability, **aot_fit.SUBSET)) >= 15
+    kernels = {fit["kernel"] for fit in fits}
+    assert {"paged_attention", "batch_invariant_matmul", "rms_norm", "log_softmax"} <= kernels
     assert all(fit["shared"] > 0 for fit in fits if fit["kernel"] == "paged_attention")  # K/V tiles are staged
 
 
@@ -75,7 +79,7 @@ def test_representative_launches_fit(tmp_path):
 @pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
 def test_every_engine_launch_fits(capability, tmp_path):
     fits = _compile_all(tmp_path, "--capability", str(capability))
-    assert len(fits) == len(aot_fit.engine_launches(capability))
+    assert len(fits) == len(aot_fit.fit_launches(capability))
 
 
 def test_fit_verdict_reads_the_limits():
@@ -109,6 +113,44 @@ def test_tile_policy_shapes(capability, dtype, head_dim, heads, max_q):
     assert c["BLOCK_M"] & (c["BLOCK_M"] - 1) == 0 and config.num_warps in (4, 8)
     if max_q == 1:  # decode takes the smallest tile
         assert c["BLOCK_M"] == max(16, c["GROUP_PADDED"])
+
+
+def test_wrapper_launches_record_every_public_kernel_and_head_size():
+    """The public wrappers' launches (recorded, not run) reach every kernel, every head size of the supported
+    families (80 and 96 padded to 128), the bf16 dots upcast on the CPU and not, and the portable tile only."""
+    launches = aot_fit.wrapper_launches(dtypes=(torch.bfloat16,), max_seqlen_qs=(1, 256))
+    assert {launch.kernel for launch in launches} == set(aot_fit.KERNELS)
+    attention = [launch.config.constexprs for launch in launches if launch.kernel == "paged_attention"]
+    assert {(c["HEAD_DIM"], c["HEAD_DIM_PADDED"]) for c in attention} == {
+        (64, 64),
+        (80, 128),
+        (96, 128),
+        (128, 128),
+        (256, 256),
+    }
+    assert {c["DOT_IN_FP32"] for c in attention} == {True, False}
+    portable = {(c["HEAD_DIM_PADDED"], c["BLOCK_M"], c["BLOCK_N"]) for c in attention if not c["DOT_IN_FP32"]}
+    assert all(block_n == 32 for _, _, block_n in portable)  # the tile that fits sm_89's 99 KiB
+    assert len({launch.key() for launch in launches}) == len(launches)
+
+
+@pytest.mark.parametrize("head_dim", aot_fit.HEAD_SIZES)
+@pytest.mark.parametrize("max_q", (1, 16, 256))
+def test_cpu_launch_takes_the_portable_tile_sized_for_upcast_dots(head_dim, max_q):
+    """Off CUDA the wrapper's tile is the portable one (capability None), and bf16 dots upcast to float32 take the
+    sm_80-class float32 tile: the launches that did not fit sm_89/sm_90 before (issue 39: head_dim 256 at
+    256-query tiles, head_dim 80 spilling in bf16) were sm_90's 16-bit tile with float32 operands."""
+    cpu = attention_launch_config(torch.bfloat16, 8, 4, head_dim, 16, max_q, False, False, None, dot_in_fp32=True)
+    sm80 = attention_launch_config(torch.float32, 8, 4, head_dim, 16, max_q, False, False, 80)
+
+    def blocks(config):
+        return {k: v for k, v in config.constexprs.items() if k.startswith("BLOCK")}, config.num_warps
+
+    assert blocks(cpu) == blocks(sm80)
+    padded = max(triton.next_power_of_2(head_dim), 16)
+    assert pick_attention_tile(None, 2, padded, 2, max_q) == pick_attention_tile(80, 2, padded, 2, max_q)
+    portable_fp32 = pick_attention_tile(None, 4, padded, 2, max_q)
+    assert portable_fp32.block_n == 32 and (padded < 128 or portable_fp32.block_m == 16)
 
 
 def test_tile_policy_rows_grow_with_the_query():

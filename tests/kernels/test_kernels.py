@@ -176,7 +176,7 @@ def test_attention_tiles_of_each_architecture(capability, dtype, head_dim, monke
 
 @in_process
 @pytest.mark.parametrize("page_size", [4, 16])
-@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 96])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1), (6, 2)])
 def test_attention_shapes(num_heads, num_kv_heads, head_dim, page_size):
     check_attention([1, 9, 1], [37, 12, 70], num_heads, num_kv_heads, head_dim, page_size)

@@ -47,7 +47,7 @@ class Request:
             hashes): unique in the process and never reused, unlike the caller's id or ``id(request)``.
         prompt_token_ids: prompt ids as run.
         sampling_params: how to sample and when to stop.
-        seed: the key of the request's own counter-based random stream (``cbrun.engine.sample.random_stream``), so
+        seed: the key of the request's own counter-based random stream (``cbrun.engine.sample.sampler.uniform``), so
             its samples never depend on its batch.
         output_token_ids: generated ids so far, as known on the host.
         num_pending_tokens: tokens sampled on the device whose ids the host has not read yet (async batching:

@@ -17,6 +17,7 @@ from cbrun.engine.model.config import LlamaConfig
 from cbrun.engine.model.layers.attention import AttentionMetadata
 from cbrun.engine.model.layers.linear import Backend
 from cbrun.engine.model.weights import LlamaWeights
+from cbrun.kernels.batch_invariant import InvariantKernels
 
 
 class LeanForward(Protocol):
@@ -73,7 +74,12 @@ class ModelFamily:
         raise NotImplementedError
 
     def forward(
-        self, weights: LlamaWeights, max_positions: int | None, linear_backend: Backend, batch_invariant: bool
+        self,
+        weights: LlamaWeights,
+        max_positions: int | None,
+        linear_backend: Backend,
+        batch_invariant: bool,
+        invariant_kernels: InvariantKernels | None = None,
     ) -> LeanForward:
         """The family's forward pass over ``weights`` (arguments as ``cbrun.engine.model.models.llama.LeanLlama``).
 

@@ -11,6 +11,7 @@ from cbrun.engine.model import registry
 from cbrun.engine.model.family import LeanForward
 from cbrun.engine.model.safetensors_loader import LeanModel
 from cbrun.engine.switches import resolve_switch
+from cbrun.kernels.batch_invariant import InvariantKernels
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -22,6 +23,7 @@ def select_lean_model(
     max_model_len: int,
     linear_backend: str = "auto",
     batch_invariant: bool = False,
+    invariant_kernels: InvariantKernels | None = None,
 ) -> LeanForward | None:
     """The lean forward pass when ``model_impl`` asks for it and it applies; None runs transformers' modules.
     A ``LeanModel`` (loaded without transformers) always gets it.
@@ -33,8 +35,13 @@ def select_lean_model(
             transformers' forward pass); ``linear_backend == "onednn"`` where the lean path does not run (the
             transformers modules always use torch's GEMM) or cannot use oneDNN; ``batch_invariant`` where the lean
             path does not run.
+
+    ``invariant_kernels``: under ``batch_invariant``, the Triton kernels that run it (Triton attention: CUDA, or
+    the CPU under the interpreter; ``cbrun.engine.worker.backends.invariant_kernels``); None for the CPU's own.
     """
-    lean = _select_lean_model(model_impl, model, use_cuda_graphs, max_model_len, linear_backend, batch_invariant)
+    lean = _select_lean_model(
+        model_impl, model, use_cuda_graphs, max_model_len, linear_backend, batch_invariant, invariant_kernels
+    )
     if lean is None and linear_backend == "onednn":
         raise ValueError(
             "linear_backend = onednn runs only on the lean forward pass, which this model does not "
@@ -55,6 +62,7 @@ def _select_lean_model(
     max_model_len: int,
     linear_backend: str,
     batch_invariant: bool,
+    invariant_kernels: InvariantKernels | None = None,
 ) -> LeanForward | None:
     if isinstance(model, LeanModel):  # loaded without transformers: the lean pass is its only forward pass
         if model_impl == "transformers" or use_cuda_graphs:
@@ -65,7 +73,7 @@ def _select_lean_model(
             )
         family = registry.family_of(model.config)
         logger.info("model implementation: lean (%s)", family.architecture)
-        return family.forward(model.weights, max_model_len, linear_backend, batch_invariant)
+        return family.forward(model.weights, max_model_len, linear_backend, batch_invariant, invariant_kernels)
     if model_impl == "transformers":
         logger.info("model implementation: transformers (model_impl = transformers)")
         return None
@@ -85,4 +93,5 @@ def _select_lean_model(
     found = registry.family_for_architecture(type(model).__name__)
     assert found is not None  # unsupported_reason found it
     logger.info("model implementation: lean (%s)", found.architecture)
-    return found.forward(found.weights_from_module(model), max_model_len, linear_backend, batch_invariant)
+    weights = found.weights_from_module(model)
+    return found.forward(weights, max_model_len, linear_backend, batch_invariant, invariant_kernels)

@@ -1,4 +1,5 @@
-"""A step's logits to its ``StepOutput``: every sampled row, verified position and prompt row in a few batched calls.
+"""A step's logits to its ``StepOutput``: every sampled row, verified position and prompt row in a few batched calls,
+read back once.
 
 ``StepSampler`` is the worker side's read of a step (vLLM v1's sampler plus the half of ``execute_model`` that
 builds ``ModelRunnerOutput``). It takes the plan, whose ``RowLayout`` says where each entry's rows are and whose
@@ -6,34 +7,48 @@ builds ``ModelRunnerOutput``). It takes the plan, whose ``RowLayout`` says where
 commit, their log-probabilities, prompt log-probabilities, or the error its row failed with. It never reads or
 writes a ``Request`` and calls nothing back: the scheduler's ``update_from_output`` applies the value.
 
-Rows that sample one token are sampled when the step is launched (``launch_rows`` / ``sample_at_launch``, called
-by the model runner), so their tokens stay on the device for the next step (async batching) and come back in the
-step's one read-back with each failed row's error code folded in; their log-probabilities and the step's prompt
-log-probabilities (scored at launch too) ride in the same copy as float64 bit patterns
-(``async_batching.float_bits``), as do the verify entries' decisions (verified at launch). Constrained rows
-(their bitmask needs the matcher past the previous token) are sampled when the step is read (``read``), a
-further read; so are constrained verify entries. Should a
-batched call raise an exception of the request's own kind (``cbrun.engine.core.faults.is_request_fault``), its
-rows are redone one at a time, so only the rows that raise alone fail: a row's result does not depend on its batch.
+Everything is chosen when the step is launched (``launch``, called by the model runner right after the forward
+pass): the plan's entries are sorted once into the kinds of row (``StepRows``), rows that sample are drawn by the
+sampler (``cbrun.engine.sample.sampler``), constrained ones with the grammar bitmask the engine filled before the
+launch, verify entries are verified, and prompt rows scored. Their tokens stay on the device for the next step
+(async batching) and come back in the step's one read-back (``StepHandle``), each failed row's error code folded
+in; log-probabilities, prompt scores and the verify entries' decisions ride in the same copy as float64 bit
+patterns (``float_bits``). ``read`` waits for that copy and unpacks it. Should a batched call raise an exception of
+the request's own kind (``cbrun.engine.core.faults.is_request_fault``), its rows are redone one at a time, so only
+the rows that raise alone fail: a row's result does not depend on its batch.
+
+Batch invariance on a device (``rows_alone``, set under ``engine.batch_invariant`` off the CPU): the sampled rows
+are drawn one at a time, each a (1, V) call. torch's CUDA scans and reductions (the inverse CDF's ``cumsum``, the
+filters' sums) choose their thread layout by the number of rows as well as the row length (PyTorch's inner scan
+picks its threads per row from both), so a row drawn among others could sum its probabilities in another order
+than alone; one row per call gives every row the same shapes, hence the same kernels, whatever its batch. On the
+CPU the batched ops are row-wise already (``tests/engine/test_batch_invariance.py``) and rows stay batched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from cbrun.engine.core.faults import SamplingError, is_request_fault, request_error_message
 from cbrun.engine.core.plan import RowSampling, SchedulerOutput, StepOutput
-from cbrun.engine.sample.batch import SamplingRow, build_batch
-from cbrun.engine.sample.sampler import SamplerOutput, sample
-from cbrun.engine.sample.token_counts import TokenCounts
+from cbrun.engine.sample.sampler import (
+    SamplerOutput,
+    SamplingRow,
+    SamplingSlots,
+    TokenCounts,
+    build_batch,
+    float_bits,
+    floats_of,
+    sample,
+)
 from cbrun.engine.spec_decode.speculative import accept_greedy
 from cbrun.engine.spec_decode.speculative_rule import verify
 from cbrun.engine.structured_output.bitmask import StepBitmask, build_step_bitmask, masked_argmax
-from cbrun.engine.worker.async_batching import StepHandle, float_bits, floats_of
-from cbrun.engine.worker.device import to_device
+from cbrun.engine.worker.device import to_device, waits_for_device
 
 #: Bytes of float32 scratch one chunk of prompt log-probability rows may use (its copy and its log-softmax): a
 #: scoring step's rows are scored this many at a time, so the scratch never grows with the step's rows.
@@ -42,6 +57,80 @@ PROMPT_LOGPROB_CHUNK_BYTES = 64 * 2**20
 BLOCKED_MESSAGE = (
     "structured outputs: the constraint allows no token here (the tokenizer cannot express its next character)"
 )
+
+
+@dataclass
+class StepHandle:
+    """A launched step whose results may still be on the device, and its one read-back on its way to the host.
+
+    Attributes:
+        logits: (N, vocab_size) logits in plan order (prompt log-probability rows, then the sample rows, per entry);
+            a private copy when the step was launched behind another, so the next replay cannot overwrite it.
+        sampled: (S,) int64 on the device, each sample row's token in plan order (a failed row's 0): what the next
+            step reads for a request whose input is still pending (async batching).
+        sample_row_of: ``Request.index -> row`` of ``sampled`` (its first: ``RowLayout.sample_index_of``).
+        launched: the step's rows as ``StepSampler.launch`` sorted and drew them (``StepRows``), or None (a plain
+            greedy plan, or a runner that samples nothing).
+        done: CUDA event recorded after the device-to-host copy of the read-back (None on the CPU).
+    """
+
+    logits: torch.Tensor
+    sampled: torch.Tensor
+    sample_row_of: dict[int, int]
+    _sampled_host: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+    launched: StepRows | None = None
+    num_tokens: int | None = None
+    _token_ids: list[int] | None = field(default=None, repr=False)
+    _extra_ids: list[int] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def launch_readback(
+        cls,
+        logits: torch.Tensor,
+        sampled: torch.Tensor,
+        sample_row_of: dict[int, int],
+        readback: torch.Tensor | None = None,
+        launched: StepRows | None = None,
+        extras: list[torch.Tensor] | None = None,
+    ) -> StepHandle:
+        """Start copying ``readback`` (``sampled`` when None) and ``extras`` to the host in one copy, without
+        waiting (pinned buffer + event on CUDA).
+
+        Args:
+            readback: ``sampled`` with each failed row's id negative, its error code
+                (``cbrun.engine.sample.sampler.encode_errors``); ``sampled`` is what the next step reads.
+            extras: further (n,) int64 device values the step's reader needs (log-probabilities as float64 bit
+                patterns, ``float_bits``), appended to the same copy, so the step still waits once.
+        """
+        readback = sampled if readback is None else readback
+        num_tokens = readback.shape[0]
+        if extras:
+            readback = torch.cat([readback, *extras])
+        if sampled.device.type != "cuda":
+            return cls(logits, sampled, sample_row_of, readback, launched=launched, num_tokens=num_tokens)
+        host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
+        host.copy_(readback, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(logits, sampled, sample_row_of, host, done, launched=launched, num_tokens=num_tokens)
+
+    def token_ids(self) -> list[int]:
+        """The read-back ids in plan order (a row failed by the sampler negative); waits for the step (and its
+        copy) to finish. This is the step's one read: the extras come with it (``extra_ids``)."""
+        if self._token_ids is None:
+            if self.done is not None:
+                self.done.synchronize()
+            assert self._sampled_host is not None  # ``launch_readback`` always sets it
+            values = self._sampled_host.tolist()
+            n = len(values) if self.num_tokens is None else self.num_tokens
+            self._token_ids, self._extra_ids = values[:n], values[n:]
+        return self._token_ids
+
+    def extra_ids(self) -> list[int]:
+        """The ``extras`` of ``launch_readback``, concatenated, as host int64 values (read with the tokens)."""
+        self.token_ids()
+        return self._extra_ids
 
 
 @dataclass
@@ -56,37 +145,51 @@ class VerifyEntry:
 
 
 @dataclass
-class LaunchedRows:
-    """A plan's rows sampled or scored at launch: their sampling values, logit rows and rows of the step's
-    read-back, and its prompt rows.
+class StepRows:
+    """A plan's entries sorted once, at launch, into the kinds of row the step handles, with what each produced.
 
-    ``output``: the device-side results once sampled, None when the batched call raised and the rows were redone
-    alone (``results`` then holds each row's (error message or None, log-probabilities or None)).
-    ``prompt_rows``: (values, first logit row, prompt positions) of each entry scoring its prompt.
-    ``num_logprob_bits``, ``num_prompt_bits``: how many of the read-back's extra values are the rows'
-    log-probabilities, then the prompt log-probabilities (``sample_at_launch`` packs them in that order).
-    ``verify``: the verify entries verified at launch (not constrained: their bitmask comes later);
-    ``verified`` their device results, None when verifying them together raised (they are then verified when
-    the step is read, alone where needed); ``num_verify_ids``, ``num_verify_logprob_bits``: their share of the
-    extras, after the prompt log-probabilities.
+    Attributes:
+        rows, logit_rows, sample_rows: the entries the sampler draws one token for (sampled, penalised, with
+            log-probabilities, constrained), their logit rows and their rows of the read-back. ``every_row``: they
+            are all the step's logit rows and all its sample rows, in order (no gather needed).
+        argmax: (``Request.index``, sample row) of plain greedy entries in a plan that is not plain greedy: their
+            token is the device's argmax.
+        accept_greedy: (``Request.index``, first sample row, proposals) of greedy verify entries (their tokens are
+            the argmax rows, checked on the host).
+        masked: (values, logit row, sample row, token) of greedy constrained rows whose token the CPU's masked
+            argmax chose at launch (``masked_argmax``).
+        prompt_rows: (values, first logit row, prompt positions) of each entry scoring its prompt.
+        verify: the verify entries verified by the rule (``verify``), at launch.
+        output: the sampled rows' device results, None when the batched call raised and the rows were redone alone
+            (``results`` then holds each row's (error message or None, log-probabilities or None)).
+        verified: the verify entries' device results, None when verifying them together raised (they are then
+            verified when the step is read, alone where needed).
+        num_logprob_bits, num_prompt_bits, num_verify_ids, num_verify_logprob_bits: how many of the read-back's
+            extra values are, in that order, the rows' log-probabilities, the prompt scores, the verify entries'
+            tokens and their log-probabilities.
     """
 
-    rows: list[RowSampling]
-    logit_rows: list[int]
-    sample_rows: list[int]
+    rows: list[RowSampling] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    every_row: bool = False
+    argmax: list[tuple[int, int]] = field(default_factory=list)
+    accept_greedy: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    masked: list[tuple[RowSampling, int, int, int]] = field(default_factory=list)
     prompt_rows: list[tuple[RowSampling, int, range]] = field(default_factory=list)
+    verify: list[VerifyEntry] = field(default_factory=list)
     output: SamplerOutput | None = None
     results: list[tuple[str | None, dict[int, float] | None]] | None = None
+    verified: SamplerOutput | None = None
     num_logprob_bits: int = 0
     num_prompt_bits: int = 0
-    verify: list[VerifyEntry] = field(default_factory=list)
-    verified: SamplerOutput | None = None
     num_verify_ids: int = 0
     num_verify_logprob_bits: int = 0
 
 
 class StepSampler:
-    """Owns the penalised requests' token counts (``TokenCounts``) and turns a step's logits into its ``StepOutput``.
+    """Owns each sampled request's settings (``SamplingSlots``) and the penalised requests' token counts
+    (``TokenCounts``), and turns a step's logits into its ``StepOutput``.
 
     Every call runs in inference mode, at launch (inside the model runner's) or when a step is read, so the
     counts are always inference tensors updated in inference mode.
@@ -95,136 +198,215 @@ class StepSampler:
         vocab_size: V.
         device: the logits' device.
         eos_token_ids: the model's EOS ids.
+        rows_alone: sample each row in its own call (batch invariance on a device; see the module docstring).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device | str, eos_token_ids: frozenset[int], rows_alone: bool = False
+    ) -> None:
         self.token_counts = TokenCounts(vocab_size, device)
+        #: Each sampled request's settings, written once (``SamplingSlots``).
+        self.slots = SamplingSlots()
         self.vocab_size = vocab_size
+        self.device = torch.device(device)
         self.eos_token_ids = eos_token_ids
+        self.rows_alone = rows_alone
 
     def release(self, request_index: int) -> None:
-        """Forget a finished request's counts."""
+        """Forget a finished request's counts and settings."""
         self.token_counts.release(request_index)
+        self.slots.release(request_index)
 
     def release_all(self) -> None:
         self.token_counts.release_all()
+        self.slots.release_all()
 
-    # ---- at launch ------------------------------------------------------------------------------------------
-    def launch_rows(
-        self, plan: SchedulerOutput, draft_probs: dict[int, torch.Tensor] | None = None
-    ) -> LaunchedRows | None:
-        """The plan's entries that sample one token through the sampler (not the plain argmax, not a verify entry,
-        not a constrained one), with their logit rows and read-back rows, its entries that score their prompt,
-        and its verify entries that are not constrained (``draft_probs``: their draft distributions, by
-        ``Request.index``); None when there are none."""
-        if plan.plain_greedy:
-            return None
-        layout, sampling = plan.layout, plan.sampling
-        launched = LaunchedRows([], [], [])
-        for i, item in enumerate(plan.scheduled):
-            if item.prompt_logprob_positions:
-                launched.prompt_rows.append(
-                    (sampling[item.request_index], layout.first_rows[i], item.prompt_logprob_positions)
-                )
-            if not (item.samples and item.needs_host_sampling):
-                continue
-            values = sampling[item.request_index]
-            if item.spec_token_ids:
-                if values.structured is None:
-                    probs = draft_probs.get(item.request_index) if draft_probs else None
-                    entry = VerifyEntry(values, list(item.spec_token_ids), layout.first_sample_rows[i], probs)
-                    launched.verify.append(entry)
-                continue
-            # NOTE: a constrained row is sampled when the step is read, after its bitmask is built from its matcher
-            if values.structured is None:
-                launched.rows.append(values)
-                launched.logit_rows.append(layout.first_sample_rows[i])
-                launched.sample_rows.append(layout.first_samples[i])
-        return launched if launched.rows or launched.prompt_rows or launched.verify else None
+    def fill_grammar_bitmask(self, plan: SchedulerOutput) -> StepBitmask | None:
+        """The step's token bitmask, uploaded to the logits' device: (N logit rows, ceil(V / 32)) int32, every token
+        allowed in unconstrained rows; None when no planned request is constrained.
 
-    @torch.inference_mode()
-    def sample_at_launch(
-        self, logits: torch.Tensor, argmax: torch.Tensor, launched: LaunchedRows, previous: StepHandle | None = None
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The step's read-back: ``argmax`` (S,) with the launched rows replaced by their samples, a failed row's id
-        negative (its error code, ``processing.encode_errors``), so the one copy of the step's tokens brings the
-        errors too, and the extras that copy carries after the tokens: the rows' log-probabilities, then the
-        prompt rows' scores (``_score_prompts``). The tokens stay on the device (async batching feeds them to the
-        next step like the argmax).
-
-        Args:
-            logits: (N, V) the step's logits.
-            argmax: (S,) int64, the step's argmax of its sample rows (changed in place).
-            launched: from ``launch_rows``; its ``output`` (or ``results``) is filled for ``read``.
-            previous: the step in flight (async batching): a penalised row's pending token is counted from its
-                tokens on the device (``TokenCounts.count_pending``).
-        """
-        extras = []
-        if launched.rows:
-            argmax = self._sample_launched(logits, argmax, launched, previous)
-            bits = launched.output.logprob_bits() if launched.output is not None else None
-            if bits is not None:
-                extras.append(bits)
-                launched.num_logprob_bits = bits.shape[0]
-        if launched.prompt_rows:
-            extras.append(self._score_prompts(launched.prompt_rows, logits))
-            launched.num_prompt_bits = extras[-1].shape[0]
-        if launched.verify:
-            try:
-                launched.verified, read = self._verify_on_device(logits, launched.verify)
-            except Exception as error:
-                if not is_request_fault(error):
-                    raise
-                return argmax, extras  # verified again when the step is read, each entry alone if need be
-            extras.append(read)
-            launched.num_verify_ids = read.shape[0]
-            bits = launched.verified.logprob_bits()
-            if bits is not None:
-                extras.append(bits)
-                launched.num_verify_logprob_bits = bits.shape[0]
-        return argmax, extras
-
-    def _sample_launched(
-        self, logits: torch.Tensor, argmax: torch.Tensor, launched: LaunchedRows, previous: StepHandle | None
-    ) -> torch.Tensor:
-        """``argmax`` with the launched rows' samples in place (``sample_at_launch``)."""
-        rows = launched.rows
-        pending = [r for r in rows if r.num_pending and r.params.penalised]
-        if pending:
-            rows_in_flight = [previous.sample_row_of[r.request_index] for r in pending]
-            self.token_counts.count_pending(pending, previous.sampled, rows_in_flight)
-        index = to_device(launched.logit_rows, torch.int64, logits.device)
-        try:
-            batch = build_batch(
-                [SamplingRow(r, []) for r in rows], self.token_counts, self.eos_token_ids, logits.device
-            )
-            launched.output = sample(logits[index], batch, in_place=True)  # the index made a copy
-            tokens = launched.output.readback()
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
-            results = self._isolated(lambda at: self._sample(logits, rows, launched.logit_rows, at, None), len(rows))
-            launched.results = [_launched_result(r) for r in results]
-            ids = [r[0] if not isinstance(r, Exception) else 0 for r in results]
-            tokens = to_device(ids, torch.int64, logits.device)
-        argmax[to_device(launched.sample_rows, torch.int64, argmax.device)] = tokens
-        return argmax
-
-    def fill_grammar_bitmask(self, plan: SchedulerOutput, logits: torch.Tensor) -> StepBitmask | None:
-        """The launched step's token bitmask, uploaded to the logits' device: (N logit rows, ceil(V / 32)) int32,
-        every token allowed in unconstrained rows; None when no planned request is constrained.
-
-        Called right after the step is launched: the requests' matchers are already past their previous token
-        (a constrained request never runs with a token still pending), and on a GPU the host fills the masks
-        while the device computes the forward pass (the upload is from pinned memory, so it does not wait). The
-        sampler applies it when the step is read, to every row in the same pass.
+        Called before the step is launched (the sampler applies it at launch, so constrained rows ride in the
+        step's one read-back like the others). A constrained request never runs with a token still pending, so its
+        matcher is already past its previous token; with async batching the host fills the masks while the device
+        computes the step before, and the upload is from pinned memory (it does not wait).
         """
         if plan.plain_greedy:  # a constrained request is never a plain greedy entry
             return None
-        step = build_step_bitmask(plan, logits.shape[-1], logits.device.type == "cuda")
+        step = build_step_bitmask(plan, self.vocab_size, self.device.type == "cuda")
         if step is not None:
-            step.on_device = step.bitmask.to(logits.device, non_blocking=True)
+            step.on_device = step.bitmask.to(self.device, non_blocking=True)
         return step
+
+    # ---- at launch ------------------------------------------------------------------------------------------
+    def rows_of(
+        self, plan: SchedulerOutput, draft_probs: dict[int, torch.Tensor] | None = None, on_cpu: bool = True
+    ) -> StepRows | None:
+        """The plan's entries sorted into the kinds of row (``StepRows``; ``draft_probs``: the draft distributions
+        of sampled verify entries, by ``Request.index``; ``on_cpu``: greedy constrained rows go to the CPU's
+        masked argmax, else to the sampler); None for a plain greedy plan, whose tokens are the argmax."""
+        if plan.plain_greedy:
+            return None
+        layout, sampling = plan.layout, plan.sampling
+        step = StepRows()
+        masked_greedy: list[tuple[RowSampling, int, int]] = []
+        for item, first_row, first_sample_row, first_sample in zip(
+            plan.scheduled, layout.first_rows, layout.first_sample_rows, layout.first_samples
+        ):
+            if item.prompt_logprob_positions:
+                step.prompt_rows.append((sampling[item.request_index], first_row, item.prompt_logprob_positions))
+            if not item.samples:
+                continue
+            if not item.needs_host_sampling:  # greedy: the device's argmax
+                if item.spec_token_ids:
+                    step.accept_greedy.append((item.request_index, first_sample, item.spec_token_ids))
+                else:
+                    step.argmax.append((item.request_index, first_sample))
+                continue
+            values = sampling[item.request_index]
+            if item.spec_token_ids:
+                probs = draft_probs.get(item.request_index) if draft_probs else None
+                step.verify.append(VerifyEntry(values, list(item.spec_token_ids), first_sample_row, probs))
+            elif on_cpu and values.structured is not None and self.slots.flag(values, "masked_greedy"):
+                masked_greedy.append((values, first_sample_row, first_sample))
+            else:
+                step.rows.append(values)
+                step.logit_rows.append(first_sample_row)
+                step.sample_rows.append(first_sample)
+        step.masked = [(v, row, at, -1) for v, row, at in masked_greedy]
+        n = len(step.rows)
+        step.every_row = n == layout.num_rows == layout.num_sample_rows
+        return step
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        plan: SchedulerOutput,
+        logits: torch.Tensor,
+        argmax: torch.Tensor,
+        previous: StepHandle | None = None,
+        grammar: StepBitmask | None = None,
+        draft_probs: dict[int, torch.Tensor] | None = None,
+    ) -> StepHandle:
+        """Draw, verify and score every row of the launched step on the device, and start its one read-back.
+
+        Args:
+            plan: the step's plan.
+            logits: (N, V) the step's logits.
+            argmax: (S,) int64, the step's argmax of its sample rows (zeros when no entry reads it).
+            previous: the step in flight (async batching): a penalised row's pending token is counted from its
+                tokens on the device (``TokenCounts.count_pending``).
+            grammar: the step's token bitmask (``fill_grammar_bitmask``), or None.
+            draft_probs: the draft distributions of the plan's sampled verify entries, by ``Request.index``.
+
+        Returns:
+            The step's handle: its read-back is ``argmax`` with the drawn rows' tokens in place and each failed
+            row's id negative (its error code, ``encode_errors``), followed by the extras (log-probabilities, prompt
+            scores, verify results); its ``sampled`` the same tokens with failed rows' ids 0 (valid embedding
+            indices for the next step; the host drops those rows).
+        """
+        layout = plan.layout
+        step = self.rows_of(plan, draft_probs, on_cpu=not waits_for_device(logits.device))
+        if step is None:
+            return StepHandle.launch_readback(logits, argmax, layout.sample_index_of)
+        bitmask = grammar.on_device if grammar is not None else None
+        readback, extras = argmax, []
+        if step.masked:
+            readback = self._masked_argmax(logits, bitmask, step, readback)
+        if step.rows:
+            readback = self._draw(logits, readback, step, previous, bitmask)
+            bits = step.output.logprob_bits() if step.output is not None else None
+            if bits is not None:
+                extras.append(bits)
+                step.num_logprob_bits = bits.shape[0]
+        if step.prompt_rows:
+            extras.append(self._score_prompts(step.prompt_rows, logits))
+            step.num_prompt_bits = extras[-1].shape[0]
+        if step.verify:
+            try:
+                step.verified, read = self._verify_on_device(logits, step.verify, bitmask)
+            except Exception as error:
+                if not is_request_fault(error):
+                    raise
+            else:
+                extras.append(read)
+                step.num_verify_ids = read.shape[0]
+                bits = step.verified.logprob_bits()
+                if bits is not None:
+                    extras.append(bits)
+                    step.num_verify_logprob_bits = bits.shape[0]
+        sampled = readback.clamp(min=0) if step.rows else readback  # a failed row's token: a valid index
+        return StepHandle.launch_readback(logits, sampled, layout.sample_index_of, readback, step, extras)
+
+    def _masked_argmax(
+        self, logits: torch.Tensor, bitmask: torch.Tensor | None, step: StepRows, readback: torch.Tensor
+    ) -> torch.Tensor:
+        """Greedy constrained rows on the CPU: the masked argmax (one C call) into ``readback``; a row whose masked
+        logits hold NaN or allow nothing goes to the sampler, so its error is the sampler's."""
+        assert bitmask is not None  # a constrained row comes with the step's bitmask
+        tokens = masked_argmax(logits, [row for _, row, _, _ in step.masked], bitmask)
+        kept = []
+        for (values, row, at, _), token in zip(step.masked, tokens):
+            if token is None:
+                step.rows.append(values)
+                step.logit_rows.append(row)
+                step.sample_rows.append(at)
+            else:
+                kept.append((values, row, at, token))
+        step.masked = kept
+        if kept:
+            readback = readback.clone()
+            readback[to_device([at for _, _, at, _ in kept], torch.int64, readback.device)] = to_device(
+                [t for _, _, _, t in kept], torch.int64, readback.device
+            )
+        return readback
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        readback: torch.Tensor,
+        step: StepRows,
+        previous: StepHandle | None,
+        bitmask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The read-back with the drawn rows' tokens (failed rows' error codes) in place."""
+        rows = step.rows
+        if previous is not None:  # a penalised row whose last token is still on the device counts it from there
+            pending = [rows[i] for i in self.slots.penalised(rows) if rows[i].num_pending]
+            if pending:
+                rows_in_flight = [previous.sample_row_of[r.request_index] for r in pending]
+                self.token_counts.count_pending(pending, previous.sampled, rows_in_flight)
+        every = step.every_row
+        mask = None
+        if bitmask is not None and any(r.structured is not None for r in rows):
+            mask = bitmask if every else bitmask[to_device(step.logit_rows, torch.int64, bitmask.device)]
+        if self.rows_alone and len(rows) > 1:  # batch invariance on a device: every row in its own call
+            tokens = self._draw_alone(logits, step, bitmask)
+        else:
+            try:
+                batch = self.slots.batch(rows, None, self.token_counts, self.eos_token_ids, logits.device)
+                # NOTE: every row of the step: processed in a copy (the logits stay as launched); else the gather
+                # copies
+                rows_logits = logits if every else logits[to_device(step.logit_rows, torch.int64, logits.device)]
+                step.output = sample(rows_logits, batch, mask, in_place=not every)
+                tokens = step.output.readback()
+            except Exception as error:
+                if not is_request_fault(error):
+                    raise
+                tokens = self._draw_alone(logits, step, bitmask)
+        if every:
+            return tokens
+        readback = readback.clone()
+        readback[to_device(step.sample_rows, torch.int64, readback.device)] = tokens
+        return readback
+
+    def _draw_alone(self, logits: torch.Tensor, step: StepRows, bitmask: torch.Tensor | None) -> torch.Tensor:
+        """The step's rows drawn one call each (after a request fault, or under ``rows_alone``), read back now:
+        their tokens (0 for a failed row, whose error is in ``step.results``) on the logits' device."""
+        rows = step.rows
+        results = self._isolated(lambda at: self._sample(logits, rows, step.logit_rows, at, bitmask), len(rows))
+        step.results = [_launched_result(r) for r in results]
+        ids = [r[0] if not isinstance(r, Exception) else 0 for r in results]
+        return to_device(ids, torch.int64, logits.device)
 
     # ---- when the step is read ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -235,112 +417,75 @@ class StepSampler:
         grammar: StepBitmask | None = None,
         draft_probs: dict[int, torch.Tensor] | None = None,
     ) -> StepOutput:
-        """The step's ``StepOutput``: its read-back (the one copy of its tokens), then the rows read with the step.
+        """The step's ``StepOutput``: waits for its one read-back and unpacks it.
 
         Args:
             plan: the launched plan.
-            handle: its handle (``ModelRunner.launch``); ``handle.launched`` its rows sampled at launch.
+            handle: its handle (``launch``).
             grammar: its token bitmask (``fill_grammar_bitmask``), or None.
-            draft_probs: this step's draft distributions of sampled verify entries, by ``Request.index``.
+            draft_probs: this step's draft distributions of sampled verify entries, by ``Request.index`` (for the
+                entries verified again now, when verifying them together at launch raised).
         """
         token_ids = handle.token_ids()  # each sample row's token (argmax or sampled), in plan order
         out = StepOutput()
-        layout = plan.layout
-        if plan.plain_greedy:
+        step = handle.launched
+        if step is None:  # a plain greedy plan: the argmax of each sampling entry
             sampled = out.token_ids
-            for item, at in zip(plan.scheduled, layout.first_samples):
+            for item, at in zip(plan.scheduled, plan.layout.first_samples):
                 if item.samples:
                     sampled[item.request_index] = [token_ids[at]]
             return out
         if grammar is not None:
             for index in grammar.blocked:
                 out.fail(index, BLOCKED_MESSAGE)
-        launched = handle.launched
-        verified_at_launch = launched is not None and launched.verified is not None
-        constrained: list[tuple[RowSampling, int]] = []  # (values, logit row), sampled now with the bitmask
-        to_verify: list[VerifyEntry] = []
-        for i, item in enumerate(plan.scheduled):
-            index = item.request_index
-            if not item.samples or index in out.errors:
-                continue
-            first, at = layout.first_sample_rows[i], layout.first_samples[i]
-            if item.spec_token_ids and item.needs_host_sampling:
-                if launched is not None and plan.sampling[index].structured is None:
-                    continue  # in ``launched.verify``: verified at launch
-                probs = draft_probs.get(index) if draft_probs else None
-                to_verify.append(VerifyEntry(plan.sampling[index], list(item.spec_token_ids), first, probs))
-            elif item.spec_token_ids:
-                out.token_ids[index] = accept_greedy(item.spec_token_ids, token_ids[at : at + item.num_sample_rows])
-            elif item.needs_host_sampling and plan.sampling[index].structured is not None:
-                constrained.append((plan.sampling[index], first))
-            elif not item.needs_host_sampling:  # plain greedy: the device's argmax
-                out.token_ids[index] = [token_ids[at]]
-        if launched is not None:
-            extra = handle.extra_ids()  # read with the tokens
-            if launched.rows:
-                self._read_launched(launched, token_ids, extra[: launched.num_logprob_bits], out)
-            if launched.prompt_rows:
-                scores = floats_of(extra[launched.num_logprob_bits :][: launched.num_prompt_bits])
-                self._put_prompt_logprobs(launched.prompt_rows, scores, out)
-            if verified_at_launch:
-                self._read_verified(launched, extra[launched.num_logprob_bits + launched.num_prompt_bits :], out)
-            elif launched.verify:  # verifying them together raised at launch
-                to_verify.extend(launched.verify)
-        bitmask = grammar.on_device if grammar is not None else None
-        if constrained:
-            self._sample_constrained(handle.logits, bitmask, constrained, out)
-        if to_verify:
-            self._verify_entries(handle.logits, to_verify, bitmask, out)
+        for index, at in step.argmax:
+            out.token_ids[index] = [token_ids[at]]
+        for index, at, proposals in step.accept_greedy:
+            out.token_ids[index] = accept_greedy(proposals, token_ids[at : at + len(proposals) + 1])
+        for values, _, _, token in step.masked:
+            _put(out, values, None, [token], None)
+        extra = handle.extra_ids()  # read with the tokens
+        if step.rows:
+            self._read_drawn(step, token_ids, extra[: step.num_logprob_bits], out)
+        if step.prompt_rows:
+            scores = floats_of(extra[step.num_logprob_bits :][: step.num_prompt_bits])
+            self._put_prompt_logprobs(step.prompt_rows, scores, out)
+        if step.verified is not None:
+            self._read_verified(step, extra[step.num_logprob_bits + step.num_prompt_bits :], out)
+        elif step.verify:  # verifying them together raised at launch: each alone where needed, now
+            bitmask = grammar.on_device if grammar is not None else None
+            self._verify_entries(handle.logits, step.verify, bitmask, out)
         return out
 
-    def _read_launched(
-        self, launched: LaunchedRows, token_ids: list[int], logprob_bits: list[int], out: StepOutput
-    ) -> None:
-        """Rows sampled at launch: their read-back tokens, errors and log-probabilities (``logprob_bits``, read
-        back with them) into ``out``."""
-        tokens = [token_ids[i] for i in launched.sample_rows]
-        if launched.results is None:
-            _, errors, logprobs = launched.output.to_host(tokens, logprob_bits)
-            launched.results = [_launched_result((None, error, lp)) for error, lp in zip(errors, logprobs)]
-        for values, token, (error, logprobs) in zip(launched.rows, tokens, launched.results):
-            _put(out, values, error, [token], None if logprobs is None else [logprobs])
+    def _read_drawn(self, step: StepRows, token_ids: list[int], logprob_bits: list[int], out: StepOutput) -> None:
+        """Rows drawn at launch: their read-back tokens, errors and log-probabilities (``logprob_bits``, read back
+        with them) into ``out``."""
+        tokens = token_ids if step.every_row else [token_ids[i] for i in step.sample_rows]
+        if step.results is None and not logprob_bits and (not tokens or min(tokens) >= 0):
+            # NOTE: the common step (no row failed, no log-probabilities): one dict update, no per-row call
+            failed = out.errors
+            if failed:
+                out.token_ids.update(
+                    (v.request_index, [t]) for v, t in zip(step.rows, tokens) if v.request_index not in failed
+                )
+            else:
+                out.token_ids.update((v.request_index, [t]) for v, t in zip(step.rows, tokens))
+            return
+        if step.results is None:
+            assert step.output is not None  # drawn together: their device results
+            _, errors, row_logprobs = step.output.to_host(tokens, logprob_bits)
+            step.results = [_launched_result((None, error, lp)) for error, lp in zip(errors, row_logprobs)]
+        for values, token, (message, logprobs) in zip(step.rows, tokens, step.results):
+            _put(out, values, message, [token], None if logprobs is None else [logprobs])
 
-    def _read_verified(self, launched: LaunchedRows, extra: list[int], out: StepOutput) -> None:
+    def _read_verified(self, step: StepRows, extra: list[int], out: StepOutput) -> None:
         """The entries verified at launch: their committed tokens and log-probabilities from ``extra`` (the
         read-back's values after the prompt log-probabilities) into ``out``."""
-        read = extra[: launched.num_verify_ids]
-        bits = extra[launched.num_verify_ids :][: launched.num_verify_logprob_bits]
-        results = self._verify_results(launched.verify, launched.verified, read, bits)
-        self._put_verified(launched.verify, results, out)
-
-    def _sample_constrained(
-        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[RowSampling, int]], out: StepOutput
-    ) -> None:
-        """Constrained rows: the greedy ones whose only processing is the mask by ``masked_argmax`` (one batched
-        op), the others through the sampler with their mask rows. A row whose masked logits hold NaN or nothing
-        goes to the sampler too, so its error is the sampler's."""
-        fast = [j for j, (values, _) in enumerate(rows) if values.params.masked_greedy]
-        done = set()
-        if fast:
-            tokens = masked_argmax(logits, [rows[j][1] for j in fast], bitmask)
-            for j, token in zip(fast, tokens):
-                if token is not None:
-                    out.token_ids[rows[j][0].request_index] = [token]
-                    done.add(j)
-        rest = [rows[j] for j in range(len(rows)) if j not in done]
-        if not rest:
-            return
-        values = [v for v, _ in rest]
-        logit_rows = [row for _, row in rest]
-        mask = bitmask[to_device(logit_rows, torch.int64, bitmask.device)]
-        results = self._isolated(lambda at: self._sample(logits, values, logit_rows, at, mask), len(values))
-        for value, result in zip(values, results):
-            if isinstance(result, Exception):
-                out.fail(value.request_index, request_error_message("sampling", result))
-                continue
-            token, error, logprobs = result
-            message = request_error_message("sampling", SamplingError(error)) if error is not None else None
-            _put(out, value, message, [token], None if logprobs is None else [logprobs])
+        assert step.verified is not None  # verified at launch
+        read = extra[: step.num_verify_ids]
+        bits = extra[step.num_verify_ids :][: step.num_verify_logprob_bits]
+        results = self._verify_results(step.verify, step.verified, read, bits)
+        self._put_verified(step.verify, results, out)
 
     def _verify_entries(
         self, logits: torch.Tensor, entries: list[VerifyEntry], bitmask: torch.Tensor | None, out: StepOutput
@@ -407,13 +552,14 @@ class StepSampler:
             start = end
 
     def _isolated(self, run: Callable[[list[int]], list], num_items: int) -> list:
-        """``run`` over all items at once; on a request fault, over each alone: an item that raises alone has its
-        exception as its result (its row fails)."""
-        try:
-            return run(list(range(num_items)))
-        except Exception as error:
-            if not is_request_fault(error):
-                raise
+        """``run`` over all items at once (each alone from the start under ``rows_alone``); on a request fault,
+        over each alone: an item that raises alone has its exception as its result (its row fails)."""
+        if not (self.rows_alone and num_items > 1):
+            try:
+                return run(list(range(num_items)))
+            except Exception as error:
+                if not is_request_fault(error):
+                    raise
         results = []
         for i in range(num_items):
             try:
@@ -425,11 +571,11 @@ class StepSampler:
         return results
 
     def _sample(self, logits, values: list[RowSampling], rows: list[int], at: list[int], token_bitmask):
-        batch = build_batch(
-            [SamplingRow(values[i], []) for i in at], self.token_counts, self.eos_token_ids, logits.device
-        )
+        """Rows ``at`` of ``values`` (logit rows ``rows``) drawn and read back now: each (token, error, logprobs).
+        ``token_bitmask``: the step's, by logit row, or None."""
+        batch = self.slots.batch([values[i] for i in at], None, self.token_counts, self.eos_token_ids, logits.device)
         index = to_device([rows[i] for i in at], torch.int64, logits.device)
-        mask = token_bitmask[to_device(at, torch.int64, token_bitmask.device)] if token_bitmask is not None else None
+        mask = token_bitmask[index.to(token_bitmask.device)] if token_bitmask is not None else None
         tokens, errors, logprobs = sample(logits[index], batch, mask, in_place=True).to_host()  # the index copied
         return list(zip(tokens, errors, logprobs))
 
@@ -452,7 +598,7 @@ class StepSampler:
                 proposals.append(spec[i] if i < len(spec) else -1)
                 drafted.append(entry.draft_probs is not None and i < len(spec))
         device = logits.device
-        batch = build_batch(rows, self.token_counts, self.eos_token_ids, device)
+        batch = build_batch(rows, self.token_counts, self.eos_token_ids, device, self.slots)
         draft_probs = has_draft = None
         if any(drafted):
             draft_probs = torch.zeros(len(rows), logits.shape[1], dtype=torch.float32, device=device)
@@ -515,7 +661,8 @@ def _put(
     elif index not in out.errors:
         out.token_ids[index] = tokens
         if logprobs is not None and values.params.logprobs is not None:
-            out.logprobs[index] = logprobs
+            # a row that asks for log-probabilities has them for each of its tokens
+            out.logprobs[index] = cast("list[dict[int, float]]", logprobs)
 
 
 def _launched_result(result) -> tuple[str | None, dict[int, float] | None]:

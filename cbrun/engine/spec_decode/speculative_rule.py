@@ -19,12 +19,26 @@ import torch
 
 from cbrun.engine.core.faults import SamplingError
 from cbrun.engine.core.plan import RowSampling
-from cbrun.engine.sample import processing, random_stream, sampler
-from cbrun.engine.sample.batch import SamplingBatch, SamplingRow, build_batch
-from cbrun.engine.sample.filters import inverse_cdf
-from cbrun.engine.sample.processing import ERROR_MESSAGES
-from cbrun.engine.sample.sampler import SamplerOutput, process, sampled_probs, with_logprobs
-from cbrun.engine.sample.token_counts import TokenCounts
+from cbrun.engine.sample import sampler
+from cbrun.engine.sample.sampler import (
+    ACCEPT,
+    DRAFT,
+    ERROR_MESSAGES,
+    OK,
+    OUT_OF_VOCAB,
+    RESIDUAL,
+    SamplerOutput,
+    SamplingBatch,
+    SamplingRow,
+    TokenCounts,
+    build_batch,
+    check_tokens,
+    inverse_cdf,
+    process,
+    sampled_probs,
+    uniform_of,
+    with_logprobs,
+)
 
 
 @dataclass
@@ -76,16 +90,16 @@ def verify(
             q_x = torch.where(drafted, q.gather(1, x)[:, 0], q_x)
             residual = torch.where(drafted[:, None], (p - q).clamp(min=0.0), residual)
         residual = torch.where(bonus[:, None], p, residual)
-        seeds, positions = batch.seeds[rows], batch.positions[rows]
-        accept = ~bonus & (random_stream.uniform(seeds, positions, random_stream.ACCEPT) * q_x < p_x)
+        keys = batch.keys[rows]
+        accept = ~bonus & (uniform_of(keys, ACCEPT) * q_x < p_x)
         # p <= q everywhere up to rounding: nothing else can be drawn, so the proposal stands.
         accept |= ~bonus & ~(residual.sum(dim=1) > 0.0)
         residual = torch.where(accept[:, None], p, residual)  # any positive row: its draw is unused
-        drawn = inverse_cdf(residual, random_stream.uniform(seeds, positions, random_stream.RESIDUAL))
+        drawn = inverse_cdf(residual, uniform_of(keys, RESIDUAL))
         tokens[rows] = torch.where(accept, proposal, drawn)
         accepted[rows] = accept
-    processing.check_tokens(tokens, errors, scores.shape[1])
-    accepted &= errors == processing.OK
+    check_tokens(tokens, errors, scores.shape[1])
+    accepted &= errors == OK
     out = with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
     return VerifyOutput(accepted, out)
 
@@ -118,7 +132,7 @@ def sample_draft(
     if message is not None:
         raise SamplingError(message)
     q = sampled_probs(scores, batch)
-    token = int(inverse_cdf(q, random_stream.uniform(batch.seeds, batch.positions, random_stream.DRAFT))[0])
+    token = int(inverse_cdf(q, uniform_of(batch.keys, DRAFT))[0])
     if not 0 <= token < logits.shape[-1]:
-        raise SamplingError(ERROR_MESSAGES[processing.OUT_OF_VOCAB])
+        raise SamplingError(ERROR_MESSAGES[OUT_OF_VOCAB])
     return token, q[0]

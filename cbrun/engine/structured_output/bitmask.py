@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from cbrun.engine.core.plan import SchedulerOutput
-from cbrun.engine.sample.processing import apply_token_bitmask
+from cbrun.engine.sample.sampler import apply_token_bitmask
 from cbrun.engine.structured_output.request_state import StructuredOutputRequest, fill_bitmasks
 from cbrun.engine.worker.device import to_device
 from cbrun.kernels import cpu_token_mask

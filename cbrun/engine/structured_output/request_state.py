@@ -20,9 +20,7 @@ class GuidanceMatcher:
     """
 
     def __init__(self, grammar) -> None:
-        import llguidance
-
-        self.matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar)
+        self.matcher = grammar.new_matcher()
         self._eos = grammar.eos_token_ids
         self._ended = False
 
@@ -118,8 +116,9 @@ class StructuredOutputRequest:
 
 def fill_bitmasks(states: list[StructuredOutputRequest], bitmask: torch.Tensor, rows: list[int]) -> list[bool]:
     """``fill_bitmask`` of many ready requests in one call per engine (xgrammar's ``BatchGrammarMatcher``;
-    llguidance's ``LLExecutor``, each with its own threads) into the one bitmask: ``states[i]`` fills
-    ``bitmask[rows[i]]``. One call instead of one per request is most of a decode step's grammar time at 256 rows.
+    llguidance's ``LLExecutor`` on torch's thread count, or at one thread a loop in this thread) into the one
+    bitmask: ``states[i]`` fills ``bitmask[rows[i]]``. One call instead of one per request is most of a decode
+    step's grammar time at 256 rows.
 
     Returns:
         Per request, whether its row allows any token (``fill_bitmask``'s result).
@@ -140,19 +139,26 @@ def fill_bitmasks(states: list[StructuredOutputRequest], bitmask: torch.Tensor, 
     if guided:
         import llguidance.torch
 
-        llguidance.torch.fill_next_token_bitmask_par(_guidance_executor(), guided, bitmask)
+        if torch.get_num_threads() > 1:
+            llguidance.torch.fill_next_token_bitmask_par(_guidance_executor(), guided, bitmask)
+        else:  # one thread: fill here (each call drops the GIL), not through a pool thread that has to be woken
+            for matcher, row in guided:
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
     index = torch.tensor(rows, dtype=torch.int64)
     return (bitmask[index] != 0).any(dim=1).tolist()
 
 
-_EXECUTOR = None
+_EXECUTORS: dict[int, object] = {}
 
 
 def _guidance_executor():
-    """llguidance's thread pool for batched mask fills, one per process (built on first use)."""
-    global _EXECUTOR
-    if _EXECUTOR is None:
+    """llguidance's thread pool for batched mask fills: as many threads as torch's intra-op pool (the engine's
+    ``num_threads`` on the CPU, whose cores are idle while the host fills masks after the forward pass; llguidance's
+    own default is 80% of the cores, one thread on two), one pool per size per process, built on first use."""
+    threads = max(1, torch.get_num_threads())
+    executor = _EXECUTORS.get(threads)
+    if executor is None:
         import llguidance
 
-        _EXECUTOR = llguidance.LLExecutor()
-    return _EXECUTOR
+        executor = _EXECUTORS[threads] = llguidance.LLExecutor(threads)
+    return executor

@@ -35,8 +35,10 @@ annotation by the specification.
 
 from __future__ import annotations
 
+import functools
+import json
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Keywords that constrain nothing (annotations, identifiers, the dialect): accepted everywhere.
 ANNOTATIONS: frozenset[str] = frozenset(
@@ -78,11 +80,15 @@ REFUSED: dict[str, str] = {
     "additionalItems": "draft-07 array-form items are not supported",
 }
 
-#: ``format`` values whose xgrammar grammar every ``jsonschema`` format check passed (``date``, ``date-time``,
-#: ``time``, ``ipv4`` and ``relative-json-pointer`` grammars admit invalid values: ``2492-02-31``, second ``60``,
-#: ``120.80.40.046``, ``10123#``; ``hostname``, ``uri``, ``duration``, ... are not checked by the installed
-#: ``jsonschema``, so they are unverified); other formats are refused.
-XGRAMMAR_FORMATS: frozenset[str] = frozenset({"email", "uuid", "ipv6", "json-pointer"})
+#: ``format`` values whose xgrammar grammar every ``jsonschema`` format check passed (random walks, long strings
+#: included; ``uri``, ``uri-reference`` and ``duration`` are checked by ``jsonschema`` with the packages of the
+#: ``test`` extra: rfc3986-validator, isoduration). Refused: ``date``, ``date-time``, ``time`` (it writes year 0000
+#: and second 60, which ``jsonschema`` rejects), ``ipv4`` (leading zeros: ``120.80.40.046``),
+#: ``relative-json-pointer`` (``10123#``), ``hostname`` (labels over 63 characters), ``uri-template`` (values the
+#: uri-template package rejects), and every other format (no grammar, or unverified).
+XGRAMMAR_FORMATS: frozenset[str] = frozenset(
+    {"email", "uuid", "ipv6", "json-pointer", "uri", "uri-reference", "duration"}
+)
 
 #: The JSON type a type-specific keyword applies to: xgrammar enforces it only when ``type`` names that type.
 TYPED: dict[str, str] = {
@@ -101,7 +107,7 @@ GUIDANCE: frozenset[str] = frozenset(
         "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
         "minItems", "maxItems", "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
         "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "patternProperties", "maxProperties",
-        "$ref", "$defs", "definitions", "$anchor", "format",
+        "$ref", "$defs", "definitions", "$anchor", "format", "additionalItems",
     }
 )  # fmt: skip
 
@@ -114,13 +120,13 @@ GUIDANCE_REFUSED: dict[str, str] = {
         "llguidance: unimplemented",
     ),
     "minProperties": "llguidance: not enforced, duplicate keys count once",
-    "additionalItems": "draft-07 array-form items are not supported",
 }  # fmt: skip
 
-#: ``format`` values llguidance enforces (every ``jsonschema`` check passed; its ``date-time`` and ``time`` write
-#: second 60 and its ``date`` 3098-02-29, which ``jsonschema`` rejects; ``hostname``, ``uri`` and ``duration`` are
-#: not checked by the installed ``jsonschema``, so unverified).
-GUIDANCE_FORMATS: frozenset[str] = frozenset({"email", "uuid", "ipv4", "ipv6"})
+#: ``format`` values llguidance enforces (every ``jsonschema`` check passed, as for ``XGRAMMAR_FORMATS``; its
+#: ``date-time`` and ``time`` write second 60 and its ``date`` year 0000, which ``jsonschema`` rejects, its
+#: ``hostname`` labels over 63 characters; it has no grammar for ``uri-reference``, ``uri-template``,
+#: ``json-pointer`` and ``relative-json-pointer``).
+GUIDANCE_FORMATS: frozenset[str] = frozenset({"email", "uuid", "ipv4", "ipv6", "uri", "duration"})
 
 # Keywords whose value is one schema, a list of schemas, or a name -> schema map (walked into).
 _ONE = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "not",
@@ -140,7 +146,16 @@ def find_unsupported(
     schema: Any, path: str = "$", ignore_formats: bool = False, backend: str = "xgrammar"
 ) -> str | None:
     """The first keyword of ``schema`` ``backend`` (xgrammar or guidance) would not enforce, as
-    ``"<path>: <keyword> ..."``, else None.
+    ``"<path>: <keyword> ..."``, else None (``find_all_unsupported``'s first)."""
+    found = find_all_unsupported(schema, path, ignore_formats, backend)
+    return found[0] if found else None
+
+
+def find_all_unsupported(
+    schema: Any, path: str = "$", ignore_formats: bool = False, backend: str = "xgrammar"
+) -> list[str]:
+    """Every keyword of ``schema`` ``backend`` (xgrammar or guidance) would not enforce, each as
+    ``"<path>: <keyword> ..."``, in document order (empty when it enforces them all).
 
     Walks every subschema (properties, items, combinator branches, ``$defs`` / ``definitions``, ...), so a keyword
     reached only through ``$ref`` is found where it is defined. Keywords in no table are passed (annotations, by
@@ -152,18 +167,56 @@ def find_unsupported(
         ignore_formats: pass ``format`` unchecked (the user accepts any string there).
         backend: ``"xgrammar"`` or ``"guidance"``.
     """
+    found: list[str] = []
+    _collect(schema, path, _Options(ignore_formats, backend, draft_of(schema)), found)
+    return found
+
+
+class _Options(NamedTuple):
+    ignore_formats: bool
+    backend: str
+    #: the document's draft (``draft_of``): a ``const`` in a draft-04 document is an annotation, so it cannot make
+    #: ``oneOf`` branches disjoint there (the engines still write the value: stricter, not wrong); array-form
+    #: ``items`` / ``additionalItems`` and boolean exclusive bounds mean what they say only in the older drafts.
+    draft: str
+
+
+#: Drafts in which ``items`` may be an array (its tuple form) with ``additionalItems``; ``exclusiveMinimum`` /
+#: ``exclusiveMaximum`` are booleans modifying ``minimum`` / ``maximum`` in draft-04 alone.
+_TUPLE_ITEMS_DRAFTS = ("04", "06", "07")
+
+
+def draft_of(schema: Any) -> str:
+    """The JSON Schema draft a document declares in its ``$schema``: ``"04"``, ``"06"``, ``"07"``, ``"2019-09"``,
+    or ``"2020-12"`` (also when it declares none or another: the specification's default)."""
+    dialect = schema.get("$schema") if isinstance(schema, dict) else None
+    if isinstance(dialect, str):
+        found = re.search(r"draft-0([3-7])/|draft/(2019-09)/", dialect)
+        if found:
+            return f"0{found.group(1)}" if found.group(1) else "2019-09"
+    return "2020-12"
+
+
+def _collect(schema: Any, path: str, opts: _Options, found: list[str], root: bool = True) -> None:
     if not isinstance(schema, dict):
-        return None
-    refusal = _refusal if backend == "xgrammar" else _guidance_refusal
+        return
+    refusal = _refusal if opts.backend == "xgrammar" else _guidance_refusal
     for key, value in schema.items():
         where = f"{path}.{key}"
-        reason = refusal(key, value, schema, ignore_formats)
+        reason = refusal(key, value, schema, opts)
+        if not reason and not root and opts.backend == "xgrammar" and _sets_base_uri(key, value, opts.draft):
+            reason = "in a subschema is not enforced (xgrammar resolves every reference from the document's root)"
         if reason:
-            return f"{where}: {key} {reason}"
-        found = _walk_children(key, value, where, ignore_formats, backend)
-        if found:
-            return found
-    return None
+            found.append(f"{where}: {key} {reason}")
+        _walk_children(key, value, where, opts, found)
+
+
+def _sets_base_uri(key: str, value: Any, draft: str) -> bool:
+    """An ``$id`` (draft-04's ``id``) that moves the base URI its subschema's references resolve against (a bare
+    ``#name`` only names an anchor)."""
+    return (
+        (key == "$id" or key == "id" and draft in ("03", "04")) and isinstance(value, str) and not value.startswith("#")
+    )
 
 
 def route(schema: Any, backend: str = "auto", ignore_formats: bool = False) -> str:
@@ -173,38 +226,73 @@ def route(schema: Any, backend: str = "auto", ignore_formats: bool = False) -> s
     backend takes only itself.
 
     Raises:
-        UnsupportedSchemaError: naming the first keyword (and its JSON path) that the candidate engines would not
-            enforce; ``ValueError`` for an unknown ``backend``.
+        UnsupportedSchemaError: naming every keyword (each with its JSON path) that the candidate engines would
+            not enforce, each tagged with the engine (``[xgrammar]``, ``[llguidance]``); or every place where the
+            schema is not a schema of its own draft (``malformed``: what its keywords mean is then undefined);
+            ``ValueError`` for an unknown ``backend``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {backend!r}")
-    findings = []
+    bad = malformed(schema)
+    if bad:
+        raise UnsupportedSchemaError(f"JSON schema is not valid under its draft ({draft_of(schema)}), refused: "
+                                     + "; ".join(bad))  # fmt: skip
+    findings: list[str] = []
     for name in ("xgrammar", "guidance") if backend == "auto" else (backend,):
-        found = find_unsupported(schema, ignore_formats=ignore_formats, backend=name)
-        if found is None:
+        found = find_all_unsupported(schema, ignore_formats=ignore_formats, backend=name)
+        if not found:
             return name
-        findings.append(f"{found} [{'llguidance' if name == 'guidance' else name}]")
+        findings.extend(f"{f} [{'llguidance' if name == 'guidance' else name}]" for f in found)
     raise UnsupportedSchemaError(f"JSON schema keyword not enforced, refused: {'; '.join(findings)}")
 
 
+def malformed(schema: Any) -> list[str]:
+    """Every place where ``schema`` breaks its draft's metaschema (``jsonschema``'s check, formats such as a
+    ``pattern``'s regex included), as ``"<path>: <keyword> <what is wrong>"``: draft-07's array ``items`` without a
+    draft-07 ``$schema``, ``"required": true``, ``"type": "any"``, ... Empty when it is well formed, or when
+    ``jsonschema`` is not installed (the engines then judge it alone)."""
+    try:
+        text = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError):
+        return [f"$: the schema is not JSON ({type(schema).__name__})"]
+    return list(_malformed(text))
+
+
+@functools.lru_cache(maxsize=256)
+def _malformed(text: str) -> tuple[str, ...]:
+    try:
+        import jsonschema
+    except ImportError:
+        return ()
+    schema = json.loads(text)
+    cls = jsonschema.validators.validator_for(schema)
+    found: dict[str, None] = {}
+    for error in cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER).iter_errors(schema):
+        keyword = next((str(p) for p in reversed(error.path) if isinstance(p, str)), "schema")
+        found[f"{error.json_path}: {keyword} is malformed ({error.message[:200]})"] = None
+    return tuple(found)
+
+
 def check_schema(schema: Any, ignore_formats: bool = False, backend: str = "auto") -> None:
-    """Raise ``UnsupportedSchemaError`` naming the first keyword of ``schema`` (and its JSON path) that no engine
+    """Raise ``UnsupportedSchemaError`` naming every keyword of ``schema`` (and its JSON path) that no engine
     ``backend`` allows would enforce (``route``)."""
     route(schema, backend, ignore_formats)
 
 
-def without_formats(schema: Any, keep: frozenset[str]) -> Any:
+def without_formats(schema: Any, keep: frozenset[str] | None) -> Any:
     """``schema`` with every ``format`` whose value is not in ``keep`` removed (``ignore_formats``: an engine that
-    refuses unknown formats then serves the rest); walks subschemas only, never a ``properties`` map's names."""
+    refuses unknown formats then serves the rest; ``keep`` None keeps every format), and the keywords that
+    constrain nothing (``uniqueItems: false``, ``minProperties: 0``, which llguidance refuses as unimplemented);
+    walks subschemas only, never a ``properties`` map's names."""
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "format" and value not in keep:
+        if key == "format" and keep is not None and value not in keep or _constrains_nothing(key, value):
             continue
-        if key in _ONE:
+        if key in _ONE and not isinstance(value, list):
             value = without_formats(value, keep)
-        elif key in _LIST and isinstance(value, list):
+        elif (key in _LIST or key == "items") and isinstance(value, list):
             value = [without_formats(v, keep) for v in value]
         elif key in _MAP and isinstance(value, dict):
             value = {k: without_formats(v, keep) for k, v in value.items()}
@@ -212,51 +300,59 @@ def without_formats(schema: Any, keep: frozenset[str]) -> Any:
     return out
 
 
-def _guidance_refusal(key: str, value: Any, schema: dict, ignore_formats: bool) -> str | None:
+def _constrains_nothing(key: str, value: Any) -> bool:
+    return key == "uniqueItems" and value is False or key == "minProperties" and value == 0
+
+
+def _guidance_refusal(key: str, value: Any, schema: dict, opts: _Options) -> str | None:
     """Why llguidance would not enforce ``key`` (with ``value``, in ``schema``), or None when it would."""
     if key in ANNOTATIONS or key not in GUIDANCE and key not in GUIDANCE_REFUSED:
         return None
     if key in GUIDANCE_REFUSED:
-        if key == "uniqueItems" and value is False or key == "minProperties" and value == 0:
+        if _constrains_nothing(key, value):
             return None
         return f"is not enforced ({GUIDANCE_REFUSED[key]})"
-    if key == "oneOf" and not _disjoint(value):
+    if key == "oneOf" and not _disjoint(value, opts.draft not in ("03", "04")):
         return "is not enforced unless its branches are disjoint (a discriminator property with a distinct const)"
     if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
         return f"to {value!r} is not enforced (only references inside the schema)"
-    if key == "items" and isinstance(value, list):
-        return "in array form (draft-07) is not enforced"
-    if key in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(value, bool):
-        return "as a boolean (draft-04) is not enforced"
-    if key == "format" and not ignore_formats and value not in GUIDANCE_FORMATS:
+    if key == "items" and isinstance(value, list) and opts.draft not in _TUPLE_ITEMS_DRAFTS:
+        return (
+            "in array form (draft-07's tuple form) is not enforced without a draft-04/06/07 $schema (write prefixItems)"
+        )
+    if key == "additionalItems" and opts.draft not in _TUPLE_ITEMS_DRAFTS:
+        return "(draft-07's) is not enforced without a draft-04/06/07 $schema"
+    if key in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(value, bool) and opts.draft != "04":
+        return "as a boolean (draft-04's) is not enforced without a draft-04 $schema"
+    if key == "format" and not opts.ignore_formats and value not in GUIDANCE_FORMATS:
         return f"{value!r} is not enforced"
     return None
 
 
-def _refusal(key: str, value: Any, schema: dict, ignore_formats: bool) -> str | None:
+def _refusal(key: str, value: Any, schema: dict, opts: _Options) -> str | None:
     """Why ``key`` (with ``value``, in ``schema``) is not enforced, or None when it is."""
     if key in ANNOTATIONS:
         return None
     if key in REFUSED:
-        if key == "uniqueItems" and value is False or key == "minProperties" and value == 0:
-            return None  # constrains nothing
+        if _constrains_nothing(key, value):
+            return None
         return f"is not enforced ({REFUSED[key]})"
     if key not in XGRAMMAR:
         return None
     if key in TYPED and not _names_type(schema.get("type"), TYPED[key]):
-        if key == "format" and ignore_formats:
+        if key == "format" and opts.ignore_formats:
             return None
         return f"is not enforced without a type naming {TYPED[key]!r}"
-    return _form_refusal(key, value, schema, ignore_formats)
+    return _form_refusal(key, value, schema, opts)
 
 
-def _form_refusal(key: str, value: Any, schema: dict, ignore_formats: bool) -> str | None:
+def _form_refusal(key: str, value: Any, schema: dict, opts: _Options) -> str | None:
     siblings = sorted(k for k in schema if k != key and k not in _INERT)
     if key in ("anyOf", "oneOf", "allOf", "$ref") and siblings:
         return f"is not enforced beside {', '.join(siblings)} (only the {key} would be)"
     if key == "allOf" and not (isinstance(value, list) and len(value) == 1):
         return "is not enforced with more than one branch"
-    if key == "oneOf" and not _disjoint(value):
+    if key == "oneOf" and not _disjoint(value, opts.draft not in ("03", "04")):
         return "is not enforced unless its branches are disjoint (a discriminator property with a distinct const)"
     if key == "$ref" and not (isinstance(value, str) and (value == "#" or value.startswith("#/"))):
         return f"to {value!r} is not enforced (only '#' and '#/...' references)"
@@ -264,23 +360,59 @@ def _form_refusal(key: str, value: Any, schema: dict, ignore_formats: bool) -> s
         return "in array form (draft-07) is not enforced"
     if key in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(value, bool):
         return "as a boolean (draft-04) is not enforced"
-    if key == "multipleOf" and schema.get("type") != "integer":
-        return "is not enforced on non-integer numbers"
+    if key == "multipleOf":
+        return _multiple_of_refusal(value, schema)
+    if key in _BOUNDS and _names_type(schema.get("type"), "integer") and not _whole(value):
+        return f"{value!r} is not enforced on integers (xgrammar takes whole-number bounds only)"
     if key == "pattern" and ("minLength" in schema or "maxLength" in schema):
         return "is not enforced together with minLength/maxLength (the lengths would be dropped)"
+    if key == "pattern" and isinstance(value, str) and _matches_any_character(value):
+        return f"{value!r} is not enforced: xgrammar's {_WILDCARD_NOTE}"
+    if key in ("minLength", "maxLength") and "format" in schema and not opts.ignore_formats:
+        return "is not enforced together with format (xgrammar drops the lengths)"
     if key == "required" and isinstance(value, list):
         declared = schema.get("properties", {})
         missing = [name for name in value if not isinstance(declared, dict) or name not in declared]
         if missing:
-            return f"of {missing[0]!r} is not enforced: it is not declared in properties"
+            names = ", ".join(repr(name) for name in missing)
+            return (
+                f"of {names} is not enforced: {'it is' if len(missing) == 1 else 'they are'} not declared in properties"
+            )
     if key == "patternProperties":
         return _pattern_properties_refusal(value, schema)
     if key == "propertyNames" and schema.get("properties"):
         return "is not enforced beside properties"
-    if key == "format" and not ignore_formats and value not in XGRAMMAR_FORMATS:
+    if key == "format" and not opts.ignore_formats and value not in XGRAMMAR_FORMATS:
         return f"{value!r} is not enforced"
     if key in ("enum", "const"):
         return _values_refusal(key, value, schema)
+    return None
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+#: xgrammar 0.2.9 drops an integer ``multipleOf`` above this, or with bounds spanning more than
+#: ``_MULTIPLE_OF_RANGE`` (or bounded on one side only): ``cpp/json_schema_converter.cc``, ``ParseInteger``.
+_MULTIPLE_OF_MAX = 1024
+_MULTIPLE_OF_RANGE = 10000
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer()
+
+
+def _multiple_of_refusal(value: Any, schema: dict) -> str | None:
+    """xgrammar enforces ``multipleOf`` only on ``type: integer``, a whole number up to 1024, with no bounds or a
+    lower and an upper bound less than 10000 apart (it drops it otherwise, with a warning)."""
+    if schema.get("type") != "integer":
+        return "is not enforced on non-integer numbers"
+    if not _whole(value) or not 0 < value <= _MULTIPLE_OF_MAX:
+        return f"{value!r} is not enforced (xgrammar takes whole numbers up to {_MULTIPLE_OF_MAX})"
+    low = [v + (k == "exclusiveMinimum") for k, v in schema.items() if k in ("minimum", "exclusiveMinimum")]
+    high = [v - (k == "exclusiveMaximum") for k, v in schema.items() if k in ("maximum", "exclusiveMaximum")]
+    if not low and not high:
+        return None
+    if not (low and high) or not all(_whole(v) for v in low + high) or min(high) - max(low) > _MULTIPLE_OF_RANGE:
+        return f"is not enforced beside bounds unless both are set and under {_MULTIPLE_OF_RANGE} apart"
     return None
 
 
@@ -289,12 +421,44 @@ def _names_type(type_: Any, wanted: str) -> bool:
     return wanted in names or wanted == "number" and "integer" in names
 
 
+_WILDCARD_NOTE = "'.', negated classes and \\W \\S \\D also match UTF-8-encoded surrogates, which no JSON text holds"
+
+
+def _matches_any_character(pattern: str) -> bool:
+    """Whether ``pattern`` has a construct that matches characters outside a listed set: an unescaped ``.``, a
+    negated class ``[^...]``, ``\\W``, ``\\S``, ``\\D``, ``\\P``, ``\\p``. xgrammar 0.2.9 compiles these to byte ranges
+    that also take UTF-8-encoded surrogates (``\\xED\\xA0\\x80``), which decode to U+FFFD: found by
+    ``benchmarks.schema_walk`` (``^.{2,4}$`` wrote three replacement characters for one "character")."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 < len(pattern) and pattern[i + 1] in "WSDPp":
+                return True
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "^":
+                return True
+            if pattern[i + 1 : i + 2] == "]":  # a leading "]" is a member
+                i += 1
+        elif c == ".":
+            return True
+        i += 1
+    return False
+
+
 def _pattern_properties_refusal(value: Any, schema: dict) -> str | None:
     if not isinstance(value, dict) or len(value) != 1:
         return "is not enforced with more than one pattern (a name matching two must satisfy both)"
     if schema.get("additionalProperties") not in (None, False):
         return "is not enforced beside additionalProperties"
     (pattern,) = value
+    if _matches_any_character(pattern):
+        return f"pattern {pattern!r} is not enforced: xgrammar's {_WILDCARD_NOTE}"
     try:
         clash = [name for name in schema.get("properties", {}) if re.search(pattern, name)]
     except re.error:
@@ -305,9 +469,10 @@ def _pattern_properties_refusal(value: Any, schema: dict) -> str | None:
 
 
 def _values_refusal(key: str, value: Any, schema: dict) -> str | None:
-    """xgrammar writes one of the ``enum`` / ``const`` values and drops their siblings: accepted when every
-    value satisfies the rest of ``schema`` (checked with ``jsonschema``)."""
-    rest = {k: v for k, v in schema.items() if k not in ("enum", "const") and k not in _INERT}
+    """xgrammar writes one of the ``enum`` / ``const`` values and drops their siblings (a ``const`` beside an
+    ``enum`` too): accepted when every value it may write satisfies the whole ``schema`` (checked with
+    ``jsonschema``)."""
+    rest = {k: v for k, v in schema.items() if k != key and k not in _INERT}
     values = value if key == "enum" and isinstance(value, list) else [value]
     if not rest:
         return None
@@ -316,90 +481,105 @@ def _values_refusal(key: str, value: Any, schema: dict) -> str | None:
     except ImportError:
         return "is not checked beside other keywords without jsonschema (pip install 'cbrun[structured]')"
 
+    cls = jsonschema.validators.validator_for(schema)
+    if "format" in rest and rest["format"] not in cls.FORMAT_CHECKER.checkers:
+        return f"is not checked against format {rest['format']!r} here (pip install 'cbrun[structured]')"
     try:
-        validator = jsonschema.validators.validator_for(schema)(rest)
-        bad = next((v for v in values if not validator.is_valid(v)), None)
-        if bad is None and "const" in schema and "enum" in schema and schema["const"] not in schema["enum"]:
-            bad = schema["const"]
+        validator = cls(rest, format_checker=cls.FORMAT_CHECKER)
+        bad = [v for v in values if not validator.is_valid(v)]
     except Exception:  # a $ref inside the siblings, a malformed sibling: not checkable here
         return "is not enforced beside keywords its values could not be checked against"
-    if bad is not None:
-        return f"value {bad!r} breaks the schema's other keywords (xgrammar would write it)"
+    if bad:
+        return f"value {json.dumps(bad[0])} breaks the schema's other keywords (xgrammar would write it)"
     return None
 
 
-def _walk_children(key: str, value: Any, where: str, ignore_formats: bool, backend: str) -> str | None:
+def _walk_children(key: str, value: Any, where: str, opts: _Options, found: list[str]) -> None:
     if key == "propertyNames" and isinstance(value, dict) and "type" not in value:
         value = {"type": "string", **value}  # names are strings: their string keywords need no type
-    if key in _ONE:
-        return find_unsupported(value, where, ignore_formats, backend)
-    if key in _LIST and isinstance(value, list):
+    if key in _ONE and not isinstance(value, list):
+        _collect(value, where, opts, found, root=False)
+    elif (key in _LIST or key == "items") and isinstance(value, list):  # items: draft-07's array form too
         for i, sub in enumerate(value):
-            found = find_unsupported(sub, f"{where}[{i}]", ignore_formats, backend)
-            if found:
-                return found
-    if key in _MAP and isinstance(value, dict):
+            _collect(sub, f"{where}[{i}]", opts, found, root=False)
+    elif key in _MAP and isinstance(value, dict):
         for name, sub in value.items():
-            found = find_unsupported(sub, f"{where}.{name}", ignore_formats, backend)
-            if found:
-                return found
-    return None
+            _collect(sub, f"{where}.{name}", opts, found, root=False)
 
 
-def _disjoint(branches: Any) -> bool:
+def _disjoint(branches: Any, const: bool = True) -> bool:
     """True when no value can satisfy two of ``branches``: each a distinct ``const``, each a distinct single type
     (``integer`` and ``number`` overlap), or a property required in every branch with a distinct ``const`` (or
-    one-value ``enum``) in each."""
+    one-value ``enum``) in each. ``const`` False: the document's draft has no ``const`` (draft-04), so only
+    one-value enums count."""
     if not isinstance(branches, list) or not branches or not all(isinstance(b, dict) for b in branches):
         return False
-    consts = [_single_value(b) for b in branches]
+    consts = [_single_value(b, const) for b in branches]
     if all(c is not None for c in consts) and len(set(consts)) == len(consts):
         return True
     types = [b.get("type") for b in branches]
     if all(isinstance(t, str) for t in types) and len(set(types)) == len(types):
         return not {"integer", "number"} <= set(types)
     for name in sorted(branches[0].get("properties", {})):
-        values = [_discriminator(b, name) for b in branches]
+        values = [_discriminator(b, name, const) for b in branches]
         if all(v is not None for v in values) and len(set(values)) == len(values):
             return True
     return False
 
 
-def _discriminator(branch: dict, name: str) -> str | None:
+def _discriminator(branch: dict, name: str, const: bool) -> str | None:
     prop = branch.get("properties", {}).get(name)
     if not isinstance(prop, dict) or name not in branch.get("required", []):
         return None
-    return _single_value(prop)
+    return _single_value(prop, const)
 
 
-def _single_value(schema: dict) -> str | None:
-    """The one value ``schema`` allows (``const`` or a one-value ``enum``), as canonical text, else None."""
-    if "const" in schema:
-        return repr(schema["const"])
+def _single_value(schema: dict, const: bool = True) -> str | None:
+    """The one value ``schema`` allows (``const`` or a one-value ``enum``), as canonical text (JSON equality:
+    ``1`` and ``1.0`` are one value, ``true`` and ``1`` two), else None."""
+    if const and "const" in schema:
+        return json.dumps(_canonical(schema["const"]), sort_keys=True)
     if isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
-        return repr(schema["enum"][0])
+        return json.dumps(_canonical(schema["enum"][0]), sort_keys=True)
     return None
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    return value
 
 
 def constraint_backend(params, config) -> str:
     """The engine that serves a request's constraint (``StructuredOutputsParams``) under an ``EngineConfig``:
-    ``route`` of its JSON schema with ``structured_outputs_backend`` and ``structured_outputs_ignore_formats``;
-    ``"xgrammar"`` for the other kinds.
+    ``route`` of its JSON schema with ``structured_outputs_backend`` and ``structured_outputs_ignore_formats``.
+    A regex, choice or grammar goes to llguidance when ``structured_outputs_backend = "guidance"`` (llguidance
+    refuses at compile, by its message, the syntax it does not read), else to xgrammar.
 
     Raises:
-        UnsupportedSchemaError: as ``route``; also when the schema needs llguidance and it is not installed.
+        UnsupportedSchemaError: as ``route``; also when the constraint needs llguidance and it is not installed.
     """
-    if params.kind != "json":
-        return "xgrammar"
-    backend = route(params.json_schema, config.structured_outputs_backend, config.structured_outputs_ignore_formats)
+    if params.kind == "json":
+        backend = route(params.json_schema, config.structured_outputs_backend, config.structured_outputs_ignore_formats)
+    else:
+        backend = "guidance" if config.structured_outputs_backend == "guidance" else "xgrammar"
     if backend == "guidance":
         import importlib.util
 
         if importlib.util.find_spec("llguidance") is None:
-            found = find_unsupported(params.json_schema, ignore_formats=config.structured_outputs_ignore_formats)
+            found = (
+                find_all_unsupported(params.json_schema, ignore_formats=config.structured_outputs_ignore_formats)
+                if params.kind == "json"
+                else []
+            )
             raise UnsupportedSchemaError(
-                "JSON schema needs llguidance, which is not installed (pip install 'cbrun[guidance]')"
-                + (f"; xgrammar would not enforce {found}" if found else "")
+                f"{'JSON schema' if params.kind == 'json' else params.kind} constraint needs llguidance, which is "
+                "not installed (pip install 'cbrun[guidance]')"
+                + (f"; xgrammar would not enforce {'; '.join(found)}" if found else "")
             )
     return backend
 
@@ -408,19 +588,27 @@ def constraint_backend(params, config) -> str:
 XGRAMMAR_NOTES: dict[str, str] = {
     **{k: f"only with a `type` naming {t}" for k, t in TYPED.items()},
     "required": "only names declared in `properties`",
-    "multipleOf": "only with `type: integer`",
-    "pattern": "only with a `type` naming string, not with `minLength` / `maxLength`",
+    "multipleOf": "only with `type: integer`, a whole number up to 1024, unbounded or bounded on both sides "
+    "less than 10000 apart",
+    **dict.fromkeys(_BOUNDS, "with a `type` naming number or integer; a whole number under `type: integer`"),
+    "exclusiveMinimum": "a number (not the draft-04 boolean) with a `type` naming number or integer; a whole "
+    "number under `type: integer`",
+    "exclusiveMaximum": "a number (not the draft-04 boolean) with a `type` naming number or integer; a whole "
+    "number under `type: integer`",
+    "pattern": "only with a `type` naming string, not with `minLength` / `maxLength`, and without `.`, negated "
+    "classes, `\\W`, `\\S`, `\\D` (they take UTF-8-encoded surrogates)",
+    "patternProperties": "one pattern (without `.`, negated classes, `\\W`, `\\S`, `\\D`), matching no declared "
+    "property, no `additionalProperties`; `type` object",
     "anyOf": "nothing constraining beside it",
     "oneOf": "disjoint branches only (a distinct `const` discriminator, values or types), nothing beside it",
     "allOf": "one branch, nothing beside it",
     "$ref": "`#` or `#/...` only, nothing constraining beside it",
     "enum": "beside other keywords only when every value satisfies them",
     "const": "beside other keywords only when the value satisfies them",
-    "patternProperties": "one pattern, matching no declared property, no `additionalProperties`; `type` object",
     "propertyNames": "not with `properties`; `type` object",
     "items": "a schema (not the draft-07 array form)",
-    "exclusiveMinimum": "a number (not the draft-04 boolean); `type` number or integer",
-    "exclusiveMaximum": "a number (not the draft-04 boolean); `type` number or integer",
+    "minLength": "not with `format`; `type` string",
+    "maxLength": "not with `format`; `type` string",
     "format": "only " + ", ".join(f"`{f}`" for f in sorted(XGRAMMAR_FORMATS)) + "; `type` string",
 }
 
@@ -428,9 +616,10 @@ XGRAMMAR_NOTES: dict[str, str] = {
 GUIDANCE_NOTES: dict[str, str] = {
     "oneOf": "disjoint branches only (served as anyOf)",
     "$ref": "references inside the schema only",
-    "items": "a schema (not the draft-07 array form)",
-    "exclusiveMinimum": "a number (not the draft-04 boolean)",
-    "exclusiveMaximum": "a number (not the draft-04 boolean)",
+    "items": "a schema; the array form only under a draft-04/06/07 `$schema`",
+    "additionalItems": "beside array-form `items`, under a draft-04/06/07 `$schema`",
+    "exclusiveMinimum": "a number; a boolean only under a draft-04 `$schema`",
+    "exclusiveMaximum": "a number; a boolean only under a draft-04 `$schema`",
     "maxProperties": "llguidance refuses it (an error row) unless every declared property is required",
     "format": "only " + ", ".join(f"`{f}`" for f in sorted(GUIDANCE_FORMATS)),
 }

@@ -3,7 +3,7 @@
 The engine keeps one step in flight. After launching step N it advances the scheduler as if N's sampled tokens
 were known (each sampling request gets one *pending* token), plans step N+1, launches it, and only then reads N's
 tokens back. A decode of N+1 whose input is a token of N takes it straight from N's device tensor of sampled
-tokens (``StepHandle.sampled``), so the host never waits for it; the scheduler runs a request with a pending token
+tokens (``cbrun.engine.sample.step.StepHandle.sampled``), so the host never waits for it; the scheduler runs a request with a pending token
 only when that is possible (a plain argmax, not its last token). A request found finished when N is read may
 already be in N+1: that extra token is dropped. The idea is vLLM v1's async scheduling and transformers'
 continuous batching ``ContinuousBatchingAsyncIOs``; the code is ours.
@@ -17,97 +17,12 @@ async batching therefore requires. On the CPU there is no stream to overlap with
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
 from cbrun.engine.switches import resolve_switch
 
 logger = logging.getLogger("cbrun.engine")
-
-
-@dataclass
-class StepHandle:
-    """A launched step whose results may still be on the device.
-
-    Attributes:
-        logits: (N, vocab_size) logits in plan order (prompt log-probability rows, then the sample row, per entry);
-            a private copy when the step was launched behind another, so the next replay cannot overwrite it.
-        sampled: (S,) int64 on the device, the argmax of each sampling entry's row, in plan order. It is the
-            sampled token of every plain-greedy request; rows needing host-side sampling are redone on the host.
-        sample_row_of: ``Request.index -> row`` of ``sampled`` (its first: ``RowLayout.sample_index_of``).
-        launched: the rows the sampler drew at launch (``cbrun.engine.sample.step.LaunchedRows``), or None.
-        done: CUDA event recorded after the device-to-host copy of ``sampled`` (None on the CPU).
-    """
-
-    logits: torch.Tensor
-    sampled: torch.Tensor
-    sample_row_of: dict[int, int]
-    _sampled_host: torch.Tensor | None = None
-    done: torch.cuda.Event | None = None
-    launched: object | None = None
-    num_tokens: int | None = None
-    _token_ids: list[int] | None = field(default=None, repr=False)
-    _extra_ids: list[int] = field(default_factory=list, repr=False)
-
-    @classmethod
-    def launch_readback(
-        cls,
-        logits: torch.Tensor,
-        sampled: torch.Tensor,
-        sample_row_of: dict[int, int],
-        readback: torch.Tensor | None = None,
-        launched: object | None = None,
-        extras: list[torch.Tensor] | None = None,
-    ) -> "StepHandle":
-        """Start copying ``readback`` (``sampled`` when None) and ``extras`` to the host in one copy, without
-        waiting (pinned buffer + event on CUDA).
-
-        Args:
-            readback: ``sampled`` with each failed row's id negative, its error code
-                (``cbrun.engine.sample.processing.encode_errors``); ``sampled`` is what the next step reads.
-            extras: further (n,) int64 device values the step's reader needs (log-probabilities as float64 bit
-                patterns, ``float_bits``), appended to the same copy, so the step still waits once.
-        """
-        readback = sampled if readback is None else readback
-        num_tokens = readback.shape[0]
-        if extras:
-            readback = torch.cat([readback, *extras])
-        if sampled.device.type != "cuda":
-            return cls(logits, sampled, sample_row_of, readback, launched=launched, num_tokens=num_tokens)
-        host = torch.empty(readback.shape, dtype=readback.dtype, pin_memory=True)
-        host.copy_(readback, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return cls(logits, sampled, sample_row_of, host, done, launched=launched, num_tokens=num_tokens)
-
-    def token_ids(self) -> list[int]:
-        """The read-back ids in plan order (a row failed by the sampler negative); waits for the step (and its
-        copy) to finish. This is the step's one read: the extras come with it (``extra_ids``)."""
-        if self._token_ids is None:
-            if self.done is not None:
-                self.done.synchronize()
-            assert self._sampled_host is not None  # ``launch_readback`` always sets it
-            values = self._sampled_host.tolist()
-            n = len(values) if self.num_tokens is None else self.num_tokens
-            self._token_ids, self._extra_ids = values[:n], values[n:]
-        return self._token_ids
-
-    def extra_ids(self) -> list[int]:
-        """The ``extras`` of ``launch_readback``, concatenated, as host int64 values (read with the tokens)."""
-        self.token_ids()
-        return self._extra_ids
-
-
-def float_bits(values: torch.Tensor) -> torch.Tensor:
-    """(numel,) int64 on ``values``' device: ``values`` as float64 (exact for float32 and for integers below
-    2**53), flattened, their bit patterns reinterpreted, so they ride in the step's int64 read-back."""
-    return values.to(torch.float64).reshape(-1).view(torch.int64)
-
-
-def floats_of(bits: list[int]) -> list[float]:
-    """The float64 values of ``float_bits`` patterns read back to the host (no device involved)."""
-    return torch.tensor(bits, dtype=torch.int64).view(torch.float64).tolist() if bits else []
 
 
 class InputStager:

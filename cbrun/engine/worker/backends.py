@@ -12,6 +12,7 @@ from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.kv_layout import SLIDING, KVLayout, ModelConfig
 from cbrun.engine.switches import resolve_switch
 from cbrun.engine.worker.padding import GraphBuckets
+from cbrun.kernels.batch_invariant import InvariantKernels
 
 
 def use_cuda_graphs(config: EngineConfig, use_triton: bool, model_config: ModelConfig | None = None) -> bool:
@@ -76,6 +77,8 @@ def cuda_graphs_blocker(config: EngineConfig, use_triton: bool) -> str | None:
         return f"the device is {config.device}, not CUDA"
     if config.tensor_parallel_size > 1:
         return "tensor_parallel_size > 1 runs the lean path, which graphs do not capture"
+    if config.batch_invariant == "on":
+        return "batch_invariant = on runs the lean forward pass with its invariant kernels, which graphs do not capture"
     if not use_triton:
         return "attention_backend = torch synchronises with the host, which a graph cannot hold"
     return None
@@ -153,22 +156,46 @@ def use_triton(config: EngineConfig) -> bool:
     return config.attention_backend == "triton"
 
 
-def batch_invariant_blocker(config: EngineConfig, cpu_kernel: bool, cuda_graphs: bool) -> str | None:
+def batch_invariant_blocker(
+    config: EngineConfig,
+    cpu_kernel: bool,
+    cuda_graphs: bool,
+    use_triton: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> str | None:
     """Why ``batch_invariant`` cannot run in this engine, or None when it can (the lean path is checked when it is
     chosen: ``cbrun.engine.model.model_impl.select_lean_model``).
+
+    Two kernel sets run it: on the CPU, the C attention kernel with ``cpu_linear.batch_invariant_linear``; with
+    Triton attention (CUDA, or the CPU under Triton's interpreter), the Triton invariant kernels
+    (``cbrun.kernels.batch_invariant``).
 
     Args:
         config: the engine's settings.
         cpu_kernel: whether attention runs the C kernel (``use_cpu_kernel``).
         cuda_graphs: whether CUDA graphs (real or emulated) run (``use_cuda_graphs``).
+        use_triton: whether attention runs the Triton kernels (``use_triton``).
+        dtype: the model's dtype.
     """
-    if torch.device(config.device).type != "cpu":
-        # NOTE: cuBLAS picks its GEMM kernel (and split-K) by the row count; no invariant GEMM runs there yet.
-        return f"the device is {config.device}; batch-invariant GEMMs run on the CPU only"
-    if not cpu_kernel:
+    device = torch.device(config.device)
+    if device.type == "cuda" or (use_triton and not cpu_kernel):
+        if not use_triton:
+            # NOTE: the reference attention pads each group to its own longest query: a row's sums follow the batch.
+            return (
+                f"attention does not run the Triton kernels on {config.device} (attention_backend = "
+                f"{config.attention_backend}, kv_cache_dtype = {config.kv_cache_dtype})"
+            )
+        from cbrun.kernels.batch_invariant import triton_invariant_unavailable_reason
+
+        reason = triton_invariant_unavailable_reason(device, dtype)
+        if reason:
+            return reason
+    elif device.type != "cpu":
+        return f"the device is {config.device}; batch-invariant kernels run on CUDA and the CPU"
+    elif not cpu_kernel:
         return "attention does not run the C CPU kernel (it needs float32 and attention_backend = auto or cpu)"
     if cuda_graphs:
-        return "CUDA graphs (emulated) capture transformers' forward pass, not the lean one"
+        return "CUDA graphs capture transformers' forward pass, not the lean one"
     if config.linear_backend != "auto":
         return f"linear_backend = {config.linear_backend} (the invariant linear chooses its own GEMM)"
     if config.tensor_parallel_size > 1:
@@ -181,7 +208,13 @@ def batch_invariant_blocker(config: EngineConfig, cpu_kernel: bool, cuda_graphs:
     return None
 
 
-def use_batch_invariant(config: EngineConfig, cpu_kernel: bool, cuda_graphs: bool) -> bool:
+def use_batch_invariant(
+    config: EngineConfig,
+    cpu_kernel: bool,
+    cuda_graphs: bool,
+    use_triton: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> bool:
     """Whether the batch-invariant forward runs: only under "on" ("auto" is resolved by the job, which knows
     whether its rows are sampled; the engine takes it as "off").
 
@@ -193,9 +226,19 @@ def use_batch_invariant(config: EngineConfig, cpu_kernel: bool, cuda_graphs: boo
     return resolve_switch(
         "batch_invariant",
         "on",
-        batch_invariant_blocker(config, cpu_kernel, cuda_graphs),
+        batch_invariant_blocker(config, cpu_kernel, cuda_graphs, use_triton, dtype),
         hint="; set engine.batch_invariant = off",
     )
+
+
+def invariant_kernels(config: EngineConfig, cpu_kernel: bool, dtype: torch.dtype) -> InvariantKernels | None:
+    """The Triton invariant kernels a batch-invariant engine runs (``cbrun.kernels.batch_invariant``), or None
+    where the CPU's own run (the C attention kernel: ``cpu_linear.batch_invariant_linear``, C ``silu_mul``)."""
+    if cpu_kernel:
+        return None
+    from cbrun.kernels.batch_invariant import triton_invariant_kernels
+
+    return triton_invariant_kernels(torch.device(config.device), dtype)
 
 
 def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -> str | None:
@@ -215,13 +258,19 @@ def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -
     if reason:
         return f"the lean forward pass would not run: {reason}"
     assert parsed is not None  # parse_config gives a config or a reason
-    if parsed.moe is not None:
-        return "a MoE model (the experts' grouped GEMM sums by each expert's share of the step)"
+    if parsed.quantization is not None:
+        # NOTE: each quantized GEMM dequantizes its weight in chunks of its own shape (LeanLlama refuses them).
+        return "quantized weights (their GEMMs are not batch-invariant)"
     dtype = config.resolve_dtype(checkpoint_dtype(model_path))
-    cpu_kernel = torch.device(config.device).type == "cpu" and dtype == "float32"
-    cpu_kernel = cpu_kernel and config.attention_backend in ("auto", "cpu")
+    triton = use_triton(config)
+    cpu_kernel = not triton and torch.device(config.device).type == "cpu" and dtype == "float32"
+    cpu_kernel = cpu_kernel and config.attention_backend in ("auto", "cpu") and config.kv_cache_dtype == "auto"
     if cpu_kernel:
         from cbrun.kernels.cpu_attention import unavailable_reason
 
         cpu_kernel = unavailable_reason() is None
-    return batch_invariant_blocker(config, cpu_kernel, config.cuda_graphs == "emulate")
+    # NOTE: "auto" CUDA graphs turn off under batch_invariant = on (``cuda_graphs_blocker``); "on" blocks it.
+    graphs = config.cuda_graphs == "emulate" or (
+        config.cuda_graphs == "on" and torch.device(config.device).type == "cuda"
+    )
+    return batch_invariant_blocker(config, cpu_kernel, graphs, triton, getattr(torch, dtype))

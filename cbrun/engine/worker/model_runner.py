@@ -6,12 +6,12 @@ import torch
 
 from cbrun.engine.core.cache_spec import cdiv
 from cbrun.engine.core.kv_layout import FULL, SLIDING
-from cbrun.engine.core.plan import SchedulerOutput, StepOutput
+from cbrun.engine.core.plan import SchedulerOutput
 from cbrun.engine.model.family import LeanForward
 from cbrun.engine.model.layers.attention import AttentionMetadata, GroupMetadata
-from cbrun.engine.sample.step import StepSampler
+from cbrun.engine.sample.step import StepHandle, StepSampler
 from cbrun.engine.structured_output.bitmask import StepBitmask
-from cbrun.engine.worker.async_batching import InputStager, StepHandle
+from cbrun.engine.worker.async_batching import InputStager
 from cbrun.engine.worker.cuda_graphs import AttentionSetup, CudaGraphRunner
 from cbrun.engine.worker.input_batch import PersistentBatch
 from cbrun.engine.worker.kv_cache import KVCache
@@ -45,8 +45,9 @@ class ModelRunner:
         max_requests: rows the persistent batch allocates at first (more are added if a plan needs them); with
             async batching, the scheduler's request limit.
         max_batch_tokens: the scheduler's token budget (sizes the async input staging).
-        sampler: turns the step's logits into its ``StepOutput`` (``cbrun.engine.sample.step``); None samples
-            nothing beyond the argmax (a tensor-parallel rank above 0, a draft model's runner).
+        sampler: draws the step's rows at launch (``cbrun.engine.sample.step``; the engine reads its
+            ``StepOutput`` from it); None samples nothing beyond the argmax (a tensor-parallel rank above 0, a draft
+            model's runner).
     """
 
     def __init__(
@@ -129,10 +130,11 @@ class ModelRunner:
         plan: SchedulerOutput,
         previous: StepHandle | None = None,
         draft_probs: dict[int, torch.Tensor] | None = None,
+        grammar: StepBitmask | None = None,
     ) -> StepHandle | None:
         """Make the plan's offload copies, then enqueue one forward pass, the argmax of its sample rows (zeros
-        when no entry reads it: ``StepInputs.needs_argmax``) and the sampler's draw of the rows it samples at
-        launch (``StepSampler.launch_rows``: sampled rows and prompt scores), then start the one copy of the step's
+        when no entry reads it: ``StepInputs.needs_argmax``) and the sampler's work on every other row
+        (``StepSampler.launch``: draws, verification, prompt scores), then start the one copy of the step's
         tokens (and those rows' log-probabilities and scores) to the host.
 
         A row the sampler fails has a negative id (its error code): read back as it is, fed to the next step as 0.
@@ -143,9 +145,11 @@ class ModelRunner:
                 (``PENDING_TOKEN``) is taken from ``previous.sampled`` on the device.
             draft_probs: the draft distributions of the plan's sampled verify entries, by ``Request.index``
                 (they are verified at launch).
+            grammar: the step's token bitmask (``StepSampler.fill_grammar_bitmask``), or None.
 
         Returns:
-            The step's handle (nothing waited for on CUDA), or None when nothing is scheduled.
+            The step's handle (nothing waited for on CUDA), or None when nothing is scheduled. Its results are
+            ``StepSampler.read``'s.
 
         Raises:
             RuntimeError: when a pending input token was not sampled by ``previous`` (a scheduler bug).
@@ -174,31 +178,9 @@ class ModelRunner:
         else:  # every sampled row is chosen by the sampler, a grammar's masked argmax or verification
             num_sample_rows = logits.shape[0] if sample_rows is None else sample_rows.shape[0]
             sampled = torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)
-        readback, extras = sampled, list[torch.Tensor]()
-        sampler = self.sampler
-        launched = sampler.launch_rows(plan, draft_probs) if sampler is not None else None
-        if sampler is not None and launched is not None:
-            readback, extras = sampler.sample_at_launch(logits, sampled, launched, previous)
-            if launched.rows:
-                sampled = readback.clamp(min=0)  # a valid embedding index for the next step; its row is dropped
-        return StepHandle.launch_readback(logits, sampled, plan.layout.sample_index_of, readback, launched, extras)
-
-    def read(
-        self,
-        plan: SchedulerOutput,
-        handle: StepHandle,
-        grammar: StepBitmask | None = None,
-        draft_probs: dict[int, torch.Tensor] | None = None,
-    ) -> StepOutput:
-        """The launched step's ``StepOutput`` (``StepSampler.read``); waits for its read-back.
-
-        Args:
-            plan, handle: the step as launched.
-            grammar: its token bitmask, built when it was launched (``StepSampler.fill_grammar_bitmask``), or None.
-            draft_probs: its draft distributions of sampled verify entries, by ``Request.index``.
-        """
-        assert self.sampler is not None, "this runner samples nothing (a rank above 0, a draft model's runner)"
-        return self.sampler.read(plan, handle, grammar, draft_probs)
+        if self.sampler is None:
+            return StepHandle.launch_readback(logits, sampled, plan.layout.sample_index_of)
+        return self.sampler.launch(plan, logits, sampled, previous, grammar, draft_probs)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, logits_indices: torch.Tensor

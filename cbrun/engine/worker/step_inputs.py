@@ -14,7 +14,7 @@ from cbrun.engine.core.cache_spec import cdiv, page_address, slot_address
 from cbrun.engine.core.kv_layout import FULL, SLIDING
 from cbrun.engine.core.plan import ScheduledRequest, SchedulerOutput
 from cbrun.engine.model.layers.attention import GroupMetadata
-from cbrun.engine.worker.async_batching import StepHandle
+from cbrun.engine.sample.step import StepHandle
 from cbrun.engine.worker.input_batch import PersistentBatch
 from cbrun.engine.worker.padding import GraphBuckets, PaddedShape
 
@@ -170,6 +170,8 @@ class StepInputBuilder:
             return logits_indices, None, False
         needs_host_sampling = any(s.needs_host_sampling for s in scheduled if s.samples)
         layout = plan.layout
+        if layout.num_rows == len(layout.sample_index_of) == len(scheduled):  # each entry: one sample row, its last
+            return cu_seqlens_q[1:] - 1, None, needs_host_sampling
         if layout.num_rows == layout.num_sample_rows:  # e.g. a verify step: every logit row samples
             num_sample_rows = np.array([s.num_sample_rows for s in scheduled], dtype=np.int64)
             first_rows = cu_seqlens_q[1:] - num_sample_rows  # each entry's rows are its last num_sample_rows

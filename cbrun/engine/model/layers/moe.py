@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -341,28 +342,117 @@ def fused_experts(
 
 class SparseMoE:
     """A MoE block ready to run: its weights and the path that runs its experts (``select_moe_backend``, chosen
-    once, at load, and logged once per distinct choice).
+    once, at load, and logged once per distinct choice), or, under batch invariance, the linear every expert runs
+    through.
 
     Args:
         weights: the block's tensors. On the Triton path, quantized experts are stacked for the kernel here.
+        invariant_linear: under ``engine.batch_invariant``, the batch-invariant linear as a function of the weight
+            (``linear.batch_invariant_linear``, or the Triton one): the block then runs ``sparse_moe_invariant``.
+
+    Raises:
+        ValueError: ``invariant_linear`` with quantized experts.
     """
 
-    def __init__(self, weights: MoEWeights) -> None:
+    def __init__(self, weights: MoEWeights, invariant_linear: Callable[[torch.Tensor], Callable] | None = None) -> None:
         self.weights = weights
         # NOTE: quantized experts are judged on one expert dequantized: a fresh tensor of the dtype and row widths
         # the grouped GEMM will read each forward.
         self.fallback_reason = grouped_gemm_unavailable_reason(weights.dense(slice(0, 1)))
+        self.invariant = None
+        self.kernel_weights: tuple[ExpertWeights, ...] | None = None
+        if invariant_linear is not None:
+            if weights.quantized:
+                raise ValueError(
+                    "batch_invariant = on does not run quantized experts; set engine.batch_invariant = off"
+                )
+            assert isinstance(weights.gate_up, torch.Tensor) and isinstance(weights.down, torch.Tensor)
+            self.invariant = (
+                invariant_linear(weights.router),
+                invariant_linear(weights.gate_up[0]),
+                invariant_linear(weights.down[0]),
+            )
+            self.backend = "batch_invariant"
+            return
         self.backend, reason = select_moe_backend(weights, self.fallback_reason)
         _log_once(f"MoE experts: {self.backend} ({reason})")
-        self.kernel_weights = kernel_expert_weights(weights) if self.backend == "triton" else None
+        if self.backend == "triton":
+            self.kernel_weights = kernel_expert_weights(weights)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden): the fused Triton kernel, or ``sparse_moe`` (quantized experts dequantized
-        first, this layer's only)."""
+    def __call__(self, x: torch.Tensor, silu_mul: Callable | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden): the fused Triton kernel, ``sparse_moe`` (quantized experts dequantized first,
+        this layer's only), or ``sparse_moe_invariant`` with ``silu_mul`` (``silu(gate) * up`` of two (n, I)
+        tensors) under batch invariance."""
+        if self.invariant is not None:
+            assert silu_mul is not None, "the batch-invariant block needs the step's silu_mul"
+            return sparse_moe_invariant(x, self.weights, *self.invariant, silu_mul)
         if self.kernel_weights is not None:
             weights, expert_ids = route(x, self.weights)
             return fused_experts(x, weights, expert_ids, self.kernel_weights)
         return sparse_moe(x, self.weights.dense(), grouped=self.backend == "grouped_mm")
+
+
+def sparse_moe_invariant(
+    x: torch.Tensor,
+    moe: MoEWeights,
+    router_linear: Callable,
+    gate_up_linear: Callable,
+    down_linear: Callable,
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The MoE block with each token's sums in one order whatever else is in the step (``engine.batch_invariant``).
+
+    The grouped GEMM sums each expert's group in an order set by the group's size, which is the step's share of
+    tokens routed to it. Here the router and every expert run through the batch-invariant linear (a row's result
+    does not depend on how many rows come with it), each expert over its own rows (one host read of the per-expert
+    counts a layer), the routing weights renormalise and each token's slots add up by explicit adds in slot order,
+    so a token's output depends on the token alone. The same math as ``sparse_moe``, in other roundings.
+
+    Args:
+        x: (T, hidden) the normed hidden states.
+        moe: the block (unquantized).
+        router_linear, gate_up_linear, down_linear: ``F.linear``-like invariant functions of the router's, an
+            expert's gate/up and an expert's down weights.
+        silu_mul: ``silu(gate) * up`` of two contiguous (n, I) tensors, row-wise (may overwrite ``gate``).
+
+    Returns:
+        (T, hidden) in ``x``'s dtype.
+    """
+    assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor)
+    logits = router_linear(x, moe.router, None)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / _sum_slots(weights)[:, None]
+    if moe.weights_in_model_dtype:
+        weights = weights.to(logits.dtype)
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)  # (S,), S = T * k, in (token, slot) order
+    order = torch.argsort(flat_ids, stable=True)  # pairs sorted by expert
+    rows = x[order // top_k]  # (S, hidden)
+    counts = torch.bincount(flat_ids, minlength=moe.num_experts).tolist()  # NOTE: a host read, once a layer
+    width = moe.down.shape[-1]
+    out = rows.new_empty(rows.shape[0], moe.down.shape[1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            gate_up = gate_up_linear(rows[start : start + count], moe.gate_up[expert], None)  # (n, 2I)
+            hidden = silu_mul(gate_up[:, :width].contiguous(), gate_up[:, width:].contiguous())  # (n, I)
+            out[start : start + count] = down_linear(hidden, moe.down[expert], None)
+            start += count
+    out = out * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out  # back to (token, slot) order
+    return _sum_slots(unsorted.view(num_tokens, top_k, -1)).to(x.dtype)
+
+
+def _sum_slots(values: torch.Tensor) -> torch.Tensor:
+    """(T, k, ...) -> (T, ...): the slots added one by one in slot order (elementwise adds: the same order for
+    every token whatever the number of tokens, which a reduction kernel does not promise)."""
+    total = values[:, 0]
+    for slot in range(1, values.shape[1]):
+        total = total + values[:, slot]
+    return total
 
 
 def unsupported_moe_reason(mlp: torch.nn.Module, block_class: str) -> str | None:

@@ -56,6 +56,7 @@ from cbrun.engine.model.layers.embed_head import embed_tokens, lm_head
 from cbrun.engine.model.layers.layernorm import rms_norm
 from cbrun.engine.model.layers.linear import (
     Backend,
+    LinearFn,
     Projection,
     apply_linear,
     batch_invariant_linear,
@@ -80,6 +81,7 @@ from cbrun.engine.model.layers.rotary_embedding import (
     unsupported_rotary_reason,
 )
 from cbrun.engine.model.weights import LayerWeights, Linear, LlamaWeights
+from cbrun.kernels.batch_invariant import InvariantKernels
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -460,9 +462,14 @@ class LlamaDecoderFamily(ModelFamily):
     # -- the forward pass ---------------------------------------------------------------------------------------
 
     def forward(
-        self, weights: LlamaWeights, max_positions: int | None, linear_backend: Backend, batch_invariant: bool
+        self,
+        weights: LlamaWeights,
+        max_positions: int | None,
+        linear_backend: Backend,
+        batch_invariant: bool,
+        invariant_kernels: InvariantKernels | None = None,
     ) -> LeanLlama:
-        return LeanLlama(weights, max_positions, linear_backend, batch_invariant)
+        return LeanLlama(weights, max_positions, linear_backend, batch_invariant, invariant_kernels)
 
 
 class LlamaFamily(LlamaDecoderFamily):
@@ -531,13 +538,18 @@ class LeanLlama:
             ``cbrun.engine.model.registry.weights_from_module``: a transformers model's own, nothing copied).
         max_positions: positions the RoPE table covers; defaults to the config's ``max_position_embeddings``.
         linear_backend: which GEMM runs each projection (``cbrun.engine.model.layers.linear.select_linear``).
-        batch_invariant: every row's logits the same bits whatever else is in the step (``engine.batch_invariant``):
-            the projections run ``linear.batch_invariant_linear`` and the MLP's ``silu(gate) * up`` the C
-            kernel's row-wise ``silu_mul`` (steps must then run the C attention kernel, with
-            ``AttentionMetadata.batch_invariant``); RMSNorm and the residual adds are row-wise already.
+        batch_invariant: every row's logits the same bits whatever else is in the step (``engine.batch_invariant``).
+            On the CPU (``invariant_kernels`` None): the projections run ``linear.batch_invariant_linear``, the
+            MLP's ``silu(gate) * up`` the C kernel's row-wise ``silu_mul`` (steps must then run the C attention
+            kernel, with ``AttentionMetadata.batch_invariant``); RMSNorm (torch's on the CPU) and the residual adds
+            are row-wise already. A MoE block runs each expert over its own rows through the same linear
+            (``SparseMoE`` with ``invariant_linear``).
+        invariant_kernels: under ``batch_invariant`` with Triton attention (CUDA, or the CPU's interpreter): the
+            Triton invariant matmul runs every projection and the LM head, its RMSNorm every norm; the MLP's SiLU
+            is torch's on CUDA (elementwise) and the C one on the CPU. See ``cbrun.kernels.batch_invariant``.
 
     Raises:
-        ValueError: ``batch_invariant`` with MoE layers or quantized weights, or from ``select_linear``.
+        ValueError: ``batch_invariant`` with quantized weights, or from ``select_linear``.
     """
 
     def __init__(
@@ -546,19 +558,25 @@ class LeanLlama:
         max_positions: int | None = None,
         linear_backend: Backend = "auto",
         batch_invariant: bool = False,
+        invariant_kernels: InvariantKernels | None = None,
     ) -> None:
         self.batch_invariant = batch_invariant
+        self.invariant_kernels = invariant_kernels if batch_invariant else None
         quantized = [
             p[0] for layer in weights.layers for p in layer.linears() if isinstance(p[0], QuantizedLinearWeight)
         ]
+        invariant_linear = None
         if batch_invariant:  # one rule for every projection: the invariant linear
-            _check_batch_invariant(weights, quantized)
-            linear_backend = batch_invariant_linear
+            _check_batch_invariant(quantized)
+            invariant_linear = _invariant_linear(self.invariant_kernels)
+            linear_backend = invariant_linear
+        #: RMSNorm: torch's (row-wise on the CPU), or the Triton one (one program per row) on the Triton path.
+        self.rms_norm = rms_norm if self.invariant_kernels is None else self.invariant_kernels.rms_norm
         self.head_dim = weights.head_dim
         self.embed = weights.embed
         self.final_norm, self.final_eps = weights.final_norm, weights.final_eps
         self.lm_head = projection(*weights.lm_head, linear_backend)
-        self.layers = [_layer_tensors(layer, linear_backend) for layer in weights.layers]
+        self.layers = [_layer_tensors(layer, linear_backend, invariant_linear) for layer in weights.layers]
         projections = [self.lm_head] + [
             p
             for layer in self.layers
@@ -576,6 +594,8 @@ class LeanLlama:
                 if layer.moe is not None:  # split by expert
                     layer.moe = self.parallel.expert_parallel(layer.moe)
         _log_layers(self.layers, len(projections), self.num_onednn_linears, quantized, linear_backend, batch_invariant)
+        if self.invariant_kernels is not None:
+            logger.info("batch-invariant linear layers and norms: the %s kernels", self.invariant_kernels.name)
         self.cos, self.sin_signed = rope_tables(
             weights.inv_freq,
             weights.attention_scaling,
@@ -609,14 +629,18 @@ class LeanLlama:
             def rope(x: torch.Tensor) -> torch.Tensor:
                 return apply_rope(x, cos, sin)
 
-        silu_mul = md.step_kernels().silu_mul if self.batch_invariant else activation_silu_mul
+        # NOTE: under batch invariance on the CPU (either kernel set) the C silu_mul: F.silu's scalar tail there
+        # follows the tensor's length. On CUDA torch's elementwise kernels compute each element alike.
+        cpu_invariant = self.batch_invariant and h.device.type == "cpu"
+        silu_mul = md.step_kernels().silu_mul if cpu_invariant else activation_silu_mul
+        norm = self.rms_norm
         for index, layer in enumerate(self.layers):
             # In place: the same sums as ``h = h + ...``, without a new (T, hidden) tensor per add.
-            h += self._attention(index, layer, rms_norm(h, layer.input_norm, layer.input_eps), rope, md)
-            h += _mlp(layer, rms_norm(h, layer.post_norm, layer.post_eps), silu_mul)
+            h += self._attention(index, layer, norm(h, layer.input_norm, layer.input_eps), rope, md)
+            h += _mlp(layer, norm(h, layer.post_norm, layer.post_eps), silu_mul)
         # NOTE: norm all rows, then keep some, as transformers does: norming only the kept rows is the same math,
         # but a GPU reduction may order its sums by the number of rows.
-        return apply_linear(rms_norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
+        return apply_linear(norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
 
     def _attention(
         self,
@@ -630,14 +654,19 @@ class LeanLlama:
         q = apply_linear(x, layer.q).view(num_tokens, -1, self.head_dim)
         k = apply_linear(x, layer.k).view(num_tokens, -1, self.head_dim)
         if layer.q_norm is not None:  # Qwen3's per-head norms, before RoPE
-            q, k = rms_norm(q, layer.q_norm, layer.qk_norm_eps), rms_norm(k, layer.k_norm, layer.qk_norm_eps)
+            q, k = self.rms_norm(q, layer.q_norm, layer.qk_norm_eps), self.rms_norm(k, layer.k_norm, layer.qk_norm_eps)
         q, k = rope(q), rope(k)
         v = apply_linear(x, layer.v).view(num_tokens, -1, self.head_dim)
         out = paged_attention(q, k, v, md, index, layer.scale)
         return apply_linear(out.reshape(num_tokens, -1), layer.o)
 
 
-def _layer_tensors(layer: LayerWeights, backend: Backend) -> _Layer:
+def _layer_tensors(
+    layer: LayerWeights, backend: Backend, invariant_linear: Callable[[torch.Tensor], LinearFn] | None = None
+) -> _Layer:
+    """One layer's projections with their functions; ``invariant_linear`` (batch invariance) also runs a MoE
+    block's router and experts."""
+
     def linear(weights: Linear | None) -> Projection | None:
         return None if weights is None else projection(*weights, backend)
 
@@ -657,7 +686,7 @@ def _layer_tensors(layer: LayerWeights, backend: Backend) -> _Layer:
         q_norm=layer.q_norm,
         k_norm=layer.k_norm,
         qk_norm_eps=layer.qk_norm_eps,
-        moe=None if layer.moe is None else SparseMoE(layer.moe),
+        moe=None if layer.moe is None else SparseMoE(layer.moe, invariant_linear),
     )
 
 
@@ -665,21 +694,25 @@ def _mlp(
     layer: _Layer, x: torch.Tensor, silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
     if layer.moe is not None:
-        return layer.moe(x)
+        return layer.moe(x, silu_mul)
     return apply_linear(silu_mul(apply_linear(x, layer.gate), apply_linear(x, layer.up)), layer.down)
 
 
-def _check_batch_invariant(weights: LlamaWeights, quantized: list[QuantizedLinearWeight]) -> None:
+def _invariant_linear(kernels: InvariantKernels | None) -> Callable[[torch.Tensor], LinearFn]:
+    """The batch-invariant linear as a function of the weight: the CPU's (``batch_invariant_linear``) or the
+    Triton matmul of ``kernels``."""
+    if kernels is None:
+        return batch_invariant_linear
+    triton_linear = kernels.linear
+    return lambda weight: triton_linear
+
+
+def _check_batch_invariant(quantized: list[QuantizedLinearWeight]) -> None:
     """Refuse what ``batch_invariant = on`` does not run, naming the setting.
 
     Raises:
-        ValueError: MoE layers, or quantized weights.
+        ValueError: quantized weights.
     """
-    if any(layer.moe is not None for layer in weights.layers):
-        raise ValueError(
-            "batch_invariant = on does not run MoE layers yet (the experts' grouped GEMM sums by each "
-            "expert's share of the step); set engine.batch_invariant = off"
-        )
     if quantized:
         raise ValueError(
             "batch_invariant = on does not run quantized weights (each GEMM dequantizes its weight in chunks "
@@ -713,6 +746,7 @@ def _log_layers(
     moe = [layer.moe for layer in layers if layer.moe is not None]
     if moe:
         reason = moe[0].fallback_reason
-        logger.info(
-            "MoE layers: %d, experts on %s", len(moe), f"the reference ({reason})" if reason else "grouped GEMM"
-        )
+        where = f"the reference ({reason})" if reason else "grouped GEMM"
+        if batch_invariant:
+            where = "the batch-invariant linear, one expert at a time"
+        logger.info("MoE layers: %d, experts on %s", len(moe), where)
