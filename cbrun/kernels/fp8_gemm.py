@@ -12,6 +12,7 @@ The values are read as bytes and decoded with integer arithmetic, no float8 type
 runs on sm_80 (no float8 conversions there) and in the interpreter: an e4m3 byte's sign, exponent and mantissa
 moved into an fp16's (``((b & 0x80) << 8) | ((b & 0x7F) << 7)``) make its value times 2^-8 exactly, subnormals
 included (the trick of vLLM's FP8 Marlin); the codes 0x7F / 0xFF are NaN.
+The dequantizing tile load is ``dequant_tiles.fp8_weight_tile``, shared with the fused MoE kernel.
 """
 
 from __future__ import annotations

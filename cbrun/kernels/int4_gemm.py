@@ -7,6 +7,7 @@ zero point and one float32 scale per output row and group of ``group_size`` inpu
 ``cbrun.kernels.gemm_launch``'s; per K step each program loads BLOCK_K / 8 words of each of its BLOCK_N rows once
 and unpacks them in registers (a per-code gather of the words staged each word eight times in shared memory: 97 KiB
 against 41 KiB for the large tile on sm_89), and one (zero, scale) pair per row (BLOCK_K never crosses a group).
+The dequantizing tile load is ``dequant_tiles.int4_weight_tile``, shared with the fused MoE kernel.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ Decoding is integer arithmetic: twice an E2M1 value is an integer, ``m`` for exp
 1)`` otherwise, and the E8M0 scale becomes the float 2^(s - 128) built from its bits (normal for s >= 2, the two
 subnormals below), so ``(2v) * 2^(s - 128)`` is ldexp's exact result, overflow included (the C kernel in
 ``cpu_dequant.c`` computes the same product).
+The dequantizing tile load is ``dequant_tiles.mxfp4_weight_tile``, shared with the fused MoE kernel.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The lean MoE block on the fused Triton kernel (``SparseMoE``'s "triton" backend), run through Triton's interpreter
 on the CPU: which backend each device and weight kind gets, greedy tokens equal to transformers' ``generate`` on a
-tiny Qwen3-MoE with dense and FP8-quantized experts (the quantized ones kept quantized, never dequantized per
+tiny Qwen3-MoE with dense, FP8 and int4-quantized experts (the quantized ones kept quantized, never dequantized per
 forward), and an emulated CUDA-graph capture of the block that meets no host read and replays new inputs right."""
 
 from __future__ import annotations
@@ -47,14 +47,19 @@ def _engine_blocks(engine: LLMEngine) -> list[SparseMoE]:
     return [layer.moe for layer in engine.model_runner.lean_model.layers if layer.moe is not None]
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "fp8-block"])
-def test_greedy_tokens_equal_generate_through_the_kernel(quantized, force_triton, monkeypatch, caplog):
+@pytest.mark.parametrize("layout", [None, "fp8-block", "ct-sym"], ids=["dense", "fp8-block", "int4-ct"])
+def test_greedy_tokens_equal_generate_through_the_kernel(layout, force_triton, monkeypatch, caplog):
     model_dir = random_model_dir("qwen3_moe", norm_topk_prob=True)
     reference_dir = model_dir
-    if quantized:
+    quantized = layout is not None
+    if layout == "fp8-block":
         from tests.engine.model.test_quantization import _quantized_copy
 
-        model_dir, reference_dir = _quantized_copy(model_dir, "fp8-block")
+        model_dir, reference_dir = _quantized_copy(model_dir, layout)
+    elif layout == "ct-sym":
+        from tests.engine.model.test_int4_quantization import _quantized_copy as int4_copy
+
+        model_dir, reference_dir = int4_copy(model_dir, layout)
     moe_module._log_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
         engine = LLMEngine.from_pretrained(str(model_dir), EngineConfig(**ENGINE_CONFIG))
@@ -65,9 +70,10 @@ def test_greedy_tokens_equal_generate_through_the_kernel(quantized, force_triton
         for block in blocks:
             assert isinstance(block.weights.gate_up, QuantizedExperts)
             gate = block.kernel_weights[0]
-            assert gate.format == "fp8" and gate.data.dtype == torch.float8_e4m3fn
+            assert gate.format == ("fp8" if layout == "fp8-block" else "int4")
             # the per-expert weights are views of the stacks: the quantized bytes are held once
-            first = block.weights.gate_up.experts[1][0].qweight
+            expert = block.weights.gate_up.experts[1][0]
+            first = expert.qweight if layout == "fp8-block" else expert.packed
             assert first.untyped_storage().data_ptr() == gate.data.untyped_storage().data_ptr()
 
         def no_dequantization(*args, **kwargs):
