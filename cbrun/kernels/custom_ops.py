@@ -1,10 +1,11 @@
-"""The paged-attention kernels as ``torch.library`` custom ops: ``torch.ops.cbrun.write_kv_cache`` and
-``torch.ops.cbrun.paged_attention``.
+"""The paged-attention kernels and the fused MoE kernel as ``torch.library`` custom ops:
+``torch.ops.cbrun.write_kv_cache``, ``torch.ops.cbrun.paged_attention`` and ``torch.ops.cbrun.fused_moe``.
 
 A Triton launch or a C call is not a torch op, so a ``TorchDispatchMode`` (the CUDA-graph emulation,
 ``cbrun.engine.worker.graph_emulation``) would not see it. Wrapped as custom ops, each call is dispatched as one op whose tensor
 arguments are all it reads or writes, so a recorder can replay it over the same tensors. The ops only forward to
-the existing entry points: Triton (``cbrun.kernels.paged_attention``, ``cbrun.kernels.kv_cache_write``), the C kernels
+the existing entry points: Triton (``cbrun.kernels.paged_attention``, ``cbrun.kernels.kv_cache_write``,
+``cbrun.kernels.fused_moe``), the C kernels
 (``cbrun.kernels.cpu_attention``) or the PyTorch reference (``cbrun.kernels.reference``), picked by ``backend``.
 """
 
