@@ -273,6 +273,17 @@ def _triton_blocker(moe: MoEWeights) -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "Triton is not installed"
+    # NOTE: the kernel offers expert biases and gpt-oss's clamped SwiGLU (fused_moe_triton's arguments), but only
+    # the SiLU block without biases is wired to it: a block with more keeps the other paths rather than run wrong.
+    for name in ("router_bias", "gate_up_bias", "down_bias"):
+        if getattr(moe, name, None) is not None:
+            return f"the block's {name} is not wired to the fused kernel"
+    activation = getattr(moe, "activation", None)
+    if activation is not None and getattr(activation, "__name__", None) != "silu_and_mul":
+        return f"the experts' activation {activation!r} is not wired to the fused kernel"
+    for experts in (moe.gate_up, moe.down):
+        if not isinstance(experts, (torch.Tensor, QuantizedExperts)):
+            return f"{type(experts).__name__} experts are not wired to the fused kernel"
     for experts in (moe.gate_up, moe.down):
         if isinstance(experts, QuantizedExperts):
             for part in experts.experts[0]:
