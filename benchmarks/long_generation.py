@@ -47,7 +47,7 @@ def prepare(scratch: Path, rows: int) -> tuple[Path, Path]:
     import pyarrow.parquet as pq
 
     from cbrun.bench.workloads import gsm8k_path, stories260k_path
-    from cbrun.jobs.convert_llama2c import convert_llama2c
+    from cbrun.jobs.model.convert_llama2c import convert_llama2c
 
     source = stories260k_path()
     model_dir = convert_llama2c(source / "stories260K.bin", source / "tok512.bin", scratch / "stories260K")

@@ -47,8 +47,8 @@ import pyarrow.parquet as pq
 from cbrun.bench.workloads import fewshot_template, gsm8k_path
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import JobManifest
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 
 REPO = Path(__file__).resolve().parents[1]
 #: GSM8K from the shared folder ($CBRUN_SHARED, else shared/ beside the checkout).
@@ -369,7 +369,7 @@ def run_all(args, tokenizer) -> list[Result]:
 def check_outputs(results: list[Result], work: Path) -> None:
     """Sets ``same_outputs``: whether each run's completions, by row id, equal those of the first run on the same
     rows (the sorted mix holds the shuffled mix's rows in another order)."""
-    from cbrun.jobs.output.writer import read_output
+    from cbrun.jobs.output.output_dir import read_output
 
     first: dict[str, tuple[str, dict]] = {}
     for r in results:

@@ -176,7 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     assert 0 < args.small_rows < args.rows and args.rows >= 16, "need 0 < --small-rows < --rows, --rows >= 16"
     sys.path.insert(0, str(REPO))
-    from cbrun.jobs.convert_llama2c import convert_llama2c
+    from cbrun.jobs.model.convert_llama2c import convert_llama2c
 
     work = Path(tempfile.mkdtemp(prefix="cbrun-scale-"))
     model = convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", work / "model")

@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--walks", type=int, default=8)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     rng = random.Random(args.seed)
     schemas = [s for s in (random_schema(rng) for _ in range(args.schemas)) if is_valid_schema(s)]

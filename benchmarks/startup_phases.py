@@ -100,7 +100,7 @@ def child() -> None:
         setattr(owner, name, wrapper)
 
     gc.callbacks.append(on_gc)
-    from cbrun.jobs import cli
+    from cbrun.jobs.cli import commands as cli
 
     mark("cli imported")
     clocked(cli, "_quiet_transformers")

@@ -42,7 +42,7 @@ CONSTRAINED = {
 
 @cache
 def demo_model_dir() -> Path:
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     return build_demo_model(Path(tempfile.mkdtemp(prefix="step-path-")) / "model", max_position_embeddings=512)
 

@@ -30,7 +30,7 @@ def measure(kind: str, demo_model_dir: Path) -> tuple[int, list[int], list[int],
 
 
 def main() -> None:
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     with tempfile.TemporaryDirectory(prefix="step-syncs-") as tmp:
         demo = build_demo_model(Path(tmp) / "model", max_position_embeddings=512)

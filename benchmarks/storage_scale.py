@@ -51,20 +51,16 @@ def cbrun(args: list[str], env: dict) -> tuple[float, int, str]:
 
 
 def count_parts(output: str, env: dict) -> int:
-    if output.startswith("s3://"):
-        from cbrun.jobs.output.commits import read_records
+    from cbrun.jobs.output.output_dir import open_output
 
-        return len(read_records(output))
-    from cbrun.jobs.output.writer import committed_parts
-
-    return len(committed_parts(output))
+    return open_output(output).parts.num_parts()
 
 
 def measure(store: str, num_rows: int, model: Path, work: Path, env: dict, s3_prefix: str | None) -> dict:
     source = work / "in.parquet"
     output = f"{s3_prefix}/out-{num_rows}" if store == "s3" else str(work / f"out-{store}-{num_rows}")
     if store == "s3":
-        from cbrun.jobs.storage import write_file
+        from cbrun.jobs.store.files import write_file
 
         write_file(f"{s3_prefix}/in-{num_rows}.parquet", source.read_bytes())
         source = f"{s3_prefix}/in-{num_rows}.parquet"
@@ -92,11 +88,11 @@ def measure(store: str, num_rows: int, model: Path, work: Path, env: dict, s3_pr
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert code == 0, tail
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    from cbrun.jobs.output.object_output import output_owner
+    from cbrun.jobs.output.output_dir import open_output
 
-    stats = output_owner(output).read_stats()
+    stats = open_output(output).read_stats()
     start = time.perf_counter()
-    state = output_owner(output).read_state(num_rows)  # resume's own cost: the done bitmap from the parts/records
+    state = open_output(output).read_state(num_rows)  # resume's own cost: the done bitmap from the parts/records
     read_state_s = time.perf_counter() - start
     assert state.done.all()
     resume_wall, code, tail = cbrun(args, env)  # a rerun over the finished output: reads what is done, stops
@@ -169,7 +165,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="cbrun-storage-scale-") as tmp:
             work = Path(tmp)
-            from cbrun.jobs.demo import build_demo_model
+            from cbrun.jobs.cli.demo import build_demo_model
 
             model = build_demo_model(work / "model")
             for num_rows in args.rows:

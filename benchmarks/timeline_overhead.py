@@ -28,10 +28,10 @@ import pyarrow.parquet as pq
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.observe.timeline import TimelineRecorder
 from cbrun.jobs.run.job import run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 WORDS = "once upon a time there was a little girl named lily she liked to play with her dog in the park".split()  # noqa: SIM905
 

@@ -45,7 +45,7 @@ def shared_dir() -> Path:
 @pytest.fixture(scope="session")
 def stories260k_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """stories260K converted once per session to a transformers model directory (model and tokenizer)."""
-    from cbrun.jobs.convert_llama2c import convert_llama2c
+    from cbrun.jobs.model.convert_llama2c import convert_llama2c
 
     src = require_stories260k()
     out = tmp_path_factory.mktemp("stories260K_hf")
@@ -66,6 +66,6 @@ def reference_greedy() -> list[dict]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Llama (hidden 64, 2 layers, byte tokenizer, max length 256) built once per session."""
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("tiny_model") / "model")

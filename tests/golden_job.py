@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbrun.jobs.cli import main
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 
 
 def golden_max_new_tokens(line: dict) -> int:

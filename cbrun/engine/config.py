@@ -146,7 +146,7 @@ class EngineConfig:
             ``speculative = "off"``, ``tensor_parallel_size = 1`` and unquantized weights; MoE blocks run each
             expert over its own rows. Anything else is a ValueError naming it. "off" runs the fastest kernels,
             whose bits may change with the batch (by about 1e-5 in a logprob). "auto" (the default): a job turns it on when its rows are
-            sampled and it can run (``cbrun.jobs.run.job.resolve_batch_invariant``), off for greedy-only jobs; the
+            sampled and it can run (``cbrun.jobs.run.resolve.resolve_batch_invariant``), off for greedy-only jobs; the
             Python engine API takes "auto" as "off". Its logits differ from "off"'s by float32 rounding.
         speculative: speculative decoding (see ``cbrun.engine.spec_decode.speculative``): "off", "ngram" (prompt lookup: proposals
             copied from the request's own prompt and output) or "draft" (a small model with the same tokenizer,
@@ -177,8 +177,9 @@ class EngineConfig:
             (``cbrun.engine.worker.tp_group``): the lean path's weights split as Megatron-LM does
             (``cbrun.engine.model.layers.parallel``), one scheduler on rank 0 whose plan every rank executes on its own
             slice of the KV cache. 1 (the default) runs one process. Above 1 it runs only the lean path loaded
-            from safetensors, unquantized, without speculation, CUDA graphs or ``batch_invariant``: anything else
-            is a ValueError naming it.
+            from safetensors (quantized weights too, each rank reading its slices of them, which must start on
+            their blocks or groups), without speculation, CUDA graphs or ``batch_invariant``: anything else is a
+            ValueError naming it.
         structured_outputs_backend: the grammar engine of JSON-schema constraints (vLLM's
             ``structured_outputs_config.backend``): "auto" (the default) gives a schema to xgrammar when it enforces
             every keyword of it, else to llguidance when that does (the ``guidance`` extra); "xgrammar" or

@@ -124,7 +124,7 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
 
     def from_pretrained(path, **kwargs):
         calls.append(kwargs)
-        return Loaded()
+        return Loaded(), {"missing_keys": set()}
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
     # The attention contract's load checks read a config and run a probe forward; this stand-in model has
@@ -141,7 +141,7 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
 def test_job_fingerprint_records_the_resolved_dtype(tmp_path):
     """dtype "auto" is float32 on the CPU and the checkpoint's on CUDA: a run records the one it uses, so an
     output started on a GPU in bf16 is not continued on the CPU in float32 (the fingerprints differ)."""
-    from cbrun.jobs.manifest import manifest_from_dict
+    from cbrun.jobs.config.manifest import manifest_from_dict
     from cbrun.jobs.output.fingerprint import job_fingerprint
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))

@@ -275,7 +275,7 @@ CONFIG = {"device": "cpu", "num_threads": 1, "page_size": 16, "max_batch_tokens"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("schemas") / "model", max_position_embeddings=512)
 

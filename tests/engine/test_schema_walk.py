@@ -24,7 +24,7 @@ from tests.engine.test_schema_support import _grammar_accepts  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("walk") / "model", max_position_embeddings=512)
 

@@ -231,7 +231,7 @@ KINDS = {
 
 @pytest.fixture(scope="module")
 def demo_model_dir(tmp_path_factory):
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("syncs") / "model", max_position_embeddings=512)
 

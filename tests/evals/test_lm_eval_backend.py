@@ -293,7 +293,7 @@ def sliding_window_dir(tmp_path_factory):
     """A random Mistral (4 query heads, 2 KV heads, sliding window 24, 96 positions) with the byte tokenizer."""
     from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
 
-    from cbrun.jobs.demo import build_byte_tokenizer
+    from cbrun.jobs.cli.demo import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer()
     config = MistralConfig(

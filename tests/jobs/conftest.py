@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import JobManifest
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from tests.jobs.s3_server import _moto_server, s3  # noqa: F401 - the object-store tests' S3 server fixtures
 
 _PROMPT_SOURCES = ("prompt_column", "prompt_ids_column", "template", "messages_column")
@@ -66,7 +66,7 @@ def chat_model_dir(tmp_path_factory):
     """The tiny demo model, its byte tokenizer given ``CHAT_TEMPLATE``, built once per session."""
     from transformers import AutoTokenizer
 
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     path = build_demo_model(tmp_path_factory.mktemp("chat_model") / "model")
     tok = AutoTokenizer.from_pretrained(path)

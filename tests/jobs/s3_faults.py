@@ -1,7 +1,7 @@
 """An HTTP proxy in front of the test S3 server that answers chosen PUTs with ``503 Service Unavailable``.
 
 The client under test talks to the proxy as it would to S3 (``AWS_ENDPOINT_URL``), so the retries exercised are
-the ones users get: botocore's, then ``cbrun.jobs.storage.retried``'s.
+the ones users get: botocore's, then ``cbrun.jobs.store.files.retried``'s.
 """
 
 from __future__ import annotations

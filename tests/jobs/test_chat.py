@@ -11,10 +11,11 @@ import pytest
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import JobManifest, load_manifest
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.config.manifest import JobManifest, load_manifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import JobError, run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
+from tests.jobs.cli_args import run_argv
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
@@ -121,13 +122,7 @@ def test_tokenizer_without_chat_template_is_a_setup_error(tiny_model_dir, tmp_pa
         run_job(chat_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out"), progress=False)
     code = main(
         [
-            "run",
-            "--model",
-            str(tiny_model_dir),
-            "--input",
-            str(tmp_path / "in.parquet"),
-            "--output",
-            str(tmp_path / "out"),
+            *run_argv(str(tiny_model_dir), str(tmp_path / "in.parquet"), str(tmp_path / "out")),
             "--prompt-column",
             "prompt",
             "--set",

@@ -13,9 +13,10 @@ import pytest
 
 from cbrun.engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION, EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import JobManifest
-from cbrun.jobs.output.checkpoint import Checkpoint, FingerprintMismatch
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.output.fingerprint import SAMPLE_BYTES, fingerprint_differences, job_fingerprint
+from cbrun.jobs.output.output_dir import FingerprintMismatch, OutputDir, open_output
 from cbrun.jobs.output.writer import (
     OutputRow,
     PartWriter,
@@ -24,7 +25,6 @@ from cbrun.jobs.output.writer import (
     rows_to_table,
     write_part_atomically,
 )
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 
 @pytest.fixture
@@ -57,8 +57,8 @@ def rows(*indices):
     ]
 
 
-def locked(path) -> Checkpoint:
-    checkpoint = Checkpoint(path)
+def locked(path) -> OutputDir:
+    checkpoint = open_output(path)
     checkpoint.lock.acquire()
     return checkpoint
 
@@ -189,7 +189,7 @@ def test_older_fingerprints_compare_on_what_both_recorded(manifest):
 
 def test_prepare_match_mismatch_and_overwrite(manifest, tmp_path):
     out = tmp_path / "out"
-    checkpoint = Checkpoint(out)
+    checkpoint = open_output(out)
     fingerprint = job_fingerprint(manifest, 100)
     checkpoint.prepare(fingerprint)
     assert json.loads((out / "_cbrun" / "job.json").read_text()) == fingerprint
@@ -236,7 +236,7 @@ def test_done_rows_bitmap_from_committed_parts(tmp_path):
     for row in rows(5, 1, 7, 2, 9):
         writer.add(row)
     writer.commit()
-    done = Checkpoint(tmp_path).done_rows(9)  # row 9 lies past a smaller limit: ignored
+    done = open_output(tmp_path).done_rows(9)  # row 9 lies past a smaller limit: ignored
     assert done.dtype == np.bool_ and np.flatnonzero(done).tolist() == [1, 2, 5, 7]
 
 
@@ -297,13 +297,13 @@ def test_stray_temp_files_are_removed(tmp_path):
     (tmp_path / "_cbrun").mkdir()
     (tmp_path / "_cbrun" / ".stats.json.tmp").write_text("{")
     (tmp_path / "part-000000.parquet").write_bytes(b"")
-    removed = Checkpoint(tmp_path).remove_temp_files()
+    removed = open_output(tmp_path).parts.remove_temp_files()
     assert sorted(p.name for p in removed) == [".job.json.tmp", ".part-000004.parquet.tmp", ".stats.json.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["_cbrun", "part-000000.parquet"]
 
 
 def test_finished_marker_and_stats(tmp_path):
-    checkpoint = Checkpoint(tmp_path)
+    checkpoint = open_output(tmp_path)
     assert not checkpoint.is_finished() and checkpoint.read_stats() is None
     checkpoint.mark_finished({}, {"num_rows": 3})
     assert checkpoint.is_finished() and checkpoint.read_stats() == {"num_rows": 3}
@@ -315,7 +315,7 @@ def test_finished_marker_and_stats(tmp_path):
 def test_output_path_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
-        Checkpoint(tmp_path / "f").check({})
+        open_output(tmp_path / "f").check({})
 
 
 def test_fingerprint_records_the_sampler_version(manifest):

@@ -78,7 +78,18 @@ def test_an_unknown_option_is_reported_by_its_command_with_the_nearest_name(tmp_
         (
             ["run", "--modle", "m", "--output", str(tmp_path / "out")],
             "usage: cbrun run ",
-            "cbrun run: error: unrecognized arguments: --modle (did you mean --model?)",
+            "cbrun run: error: unrecognized arguments: --modle (did you mean --model?)\n",
+        ),
+        (  # the hint follows the option's value, never between them
+            ["run", "job.toml", "--temprature", "0.5"],
+            "usage: cbrun run ",
+            "cbrun run: error: unrecognized arguments: --temprature 0.5 (did you mean --temperature?)\n",
+        ),
+        (
+            ["run", "job.toml", "--modle", "m", "--temprature", "0.5"],
+            "usage: cbrun run ",
+            "unrecognized arguments: --modle m --temprature 0.5 (did you mean --model for --modle, --temperature "
+            "for --temprature?)\n",
         ),
         (
             ["run", "--temprature=0.5"],
@@ -193,17 +204,9 @@ def test_convert_llama2c_command(shared_dir, tmp_path, capsys):
     assert "cbrun: error:" in capsys.readouterr().err
 
 
-def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_code():
-    code = (
-        "import atexit, sys\n"
-        "from cbrun.jobs.cli import exit_process\n"
-        "atexit.register(lambda: print('atexit handler ran'))\n"
-        "print('summary line', end='')\n"
-        "sys.stderr.write('a warning')\n"
-        "exit_process(3)\n"
-        "print('not reached')\n"
-    )
-    done = subprocess.run(
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter of this checkout; its exit code and output captured."""
+    return subprocess.run(
         [sys.executable, "-c", code],
         check=False,
         capture_output=True,
@@ -212,6 +215,19 @@ def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_cod
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
+
+
+def test_exit_process_runs_atexit_handlers_flushes_output_and_exits_with_the_code():
+    code = (
+        "import atexit, sys\n"
+        "from cbrun.jobs.cli.commands import exit_process\n"
+        "atexit.register(lambda: print('atexit handler ran'))\n"
+        "print('summary line', end='')\n"
+        "sys.stderr.write('a warning')\n"
+        "exit_process(3)\n"
+        "print('not reached')\n"
+    )
+    done = run_python(code)
     assert done.returncode == 3
     assert done.stdout == "summary lineatexit handler ran\n"
     assert done.stderr == "a warning"
@@ -221,22 +237,14 @@ def test_exit_process_returns_while_a_non_daemon_thread_runs():
     # In a subprocess: were it to exit here, it would end the test run with it.
     code = (
         "import threading\n"
-        "from cbrun.jobs.cli import exit_process\n"
+        "from cbrun.jobs.cli.commands import exit_process\n"
         "release = threading.Event()\n"
         "threading.Thread(target=release.wait, daemon=False).start()\n"
         "exit_process(3)\n"
         "print('returned')\n"
         "release.set()\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
+    done = run_python(code)
     assert (done.returncode, done.stdout) == (0, "returned\n"), done.stderr
 
 
@@ -245,7 +253,7 @@ def test_bench_is_the_command_the_benchmarks_register(monkeypatch, capsys):
     import tomllib
 
     from cbrun.bench import cli as bench_cli
-    from cbrun.jobs.cli import COMMAND_ENTRY_POINTS
+    from cbrun.jobs.cli.commands import COMMAND_ENTRY_POINTS
 
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     target = pyproject["project"]["entry-points"][COMMAND_ENTRY_POINTS]["bench"]

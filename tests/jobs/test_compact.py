@@ -10,15 +10,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import cbrun.jobs.output.compact
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs import storage
 from cbrun.jobs.cli import main
 from cbrun.jobs.output.commits import read_records
-from cbrun.jobs.output.compact import compact_output, groups_by_size
-from cbrun.jobs.output.writer import committed_parts, read_output
+from cbrun.jobs.output.compact import compact_output
+from cbrun.jobs.output.output_dir import read_output
+from cbrun.jobs.output.part_log import groups_by_size
+from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import run_job
+from cbrun.jobs.store import files as storage
+from cbrun.jobs.store.store import FsspecStore
 from tests.jobs.test_storage_s3 import rows_once, upload_input
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
@@ -116,23 +118,23 @@ def test_compact_an_s3_output_killed_between_its_steps(s3, tiny_model_dir, tiny_
     before = rows_once(out)
     calls = []
 
-    def remove_then_die(uri):
-        calls.append(uri)
+    def remove_then_die(store, name):
+        calls.append(name)
         if len(calls) == 2:  # one old record gone, the other still there: rows in two records
             raise KeyboardInterrupt
-        real_remove(uri)
+        real_remove(store, name)
 
-    real_remove = cbrun.jobs.output.compact.remove
-    sizes = [int(storage.object_info(f"{out}/{r.part}")["size"]) for r in read_records(out)]
+    real_remove = FsspecStore.delete
+    sizes = [int(storage.object_info(f"{out}/{r.part}")["size"]) for r in read_records(FsspecStore(out))]
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
-        patch.setattr(cbrun.jobs.output.compact, "remove", remove_then_die)
+        patch.setattr(FsspecStore, "delete", remove_then_die)
         compact_output(out, target_mb(sizes))
     assert run_job(manifest, progress=False, engine=tiny_engine).num_skipped == NUM_ROWS
     assert rows_once(out) == before
     # a whole compaction, then a resume that finds the job done
     result = compact_output(out, target_mb(sizes))
     assert result.num_written and result.num_parts_after < result.num_parts_before
-    assert len(read_records(out)) == result.num_parts_after
+    assert len(read_records(FsspecStore(out))) == result.num_parts_after
     assert rows_once(out) == before
     assert run_job(manifest, progress=False, engine=tiny_engine).already_finished
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cbrun.jobs.convert_llama2c import _merges, _rope_pairs_to_halves, convert_llama2c, read_tokenizer
+from cbrun.jobs.model.convert_llama2c import _merges, _rope_pairs_to_halves, convert_llama2c, read_tokenizer
 from tests.conftest import require_stories260k
 
 EXTRA_STRINGS = [

@@ -57,7 +57,7 @@ def test_what_data_parallelism_does_not_combine_with_is_exit_2(tiny_model_dir, t
 
 
 def test_run_job_itself_refuses_more_than_one_replica(tiny_model_dir, tmp_path):
-    from cbrun.jobs.manifest import load_manifest
+    from cbrun.jobs.config.manifest import load_manifest
     from cbrun.jobs.run.job import JobError, run_job
 
     manifest = load_manifest(

@@ -18,7 +18,7 @@ from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.tokenizer import FastTokenizer, load_tokenizer
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.output.fingerprint import job_fingerprint
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 from tests.conftest import REPO_ROOT
 

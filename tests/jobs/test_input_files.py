@@ -17,6 +17,7 @@ from cbrun.jobs.input.discovery import list_input_files
 from cbrun.jobs.input.errors import InputError
 from cbrun.jobs.input.reader import PromptReader
 from cbrun.jobs.output.writer import committed_parts
+from tests.jobs.cli_args import run_argv
 
 
 def write_jsonl(path, rows) -> None:
@@ -60,16 +61,7 @@ def test_directory_with_unreadable_files_is_refused_naming_them(mixed_dir, tmp_p
     assert (
         main(
             [
-                "run",
-                "--no-progress",
-                "--model",
-                str(tiny_model_dir),
-                "--input",
-                str(mixed_dir),
-                "--prompt-column",
-                "prompt",
-                "--output",
-                str(out),
+                *run_argv(str(tiny_model_dir), str(mixed_dir), str(out), "--no-progress", "--prompt-column", "prompt"),
             ]
         )
         == 2
@@ -106,16 +98,7 @@ def test_output_overlapping_the_input_is_refused(tmp_path, tiny_model_dir, capsy
     assert (
         main(
             [
-                "run",
-                "--no-progress",
-                "--model",
-                str(tiny_model_dir),
-                "--input",
-                str(inp),
-                "--prompt-column",
-                "prompt",
-                "--output",
-                str(out),
+                *run_argv(str(tiny_model_dir), str(inp), str(out), "--no-progress", "--prompt-column", "prompt"),
             ]
         )
         == 2
@@ -148,16 +131,7 @@ def test_empty_input_is_said_plainly(tmp_path, tiny_model_dir, capsys, limit):
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": pa.array([] if limit is None else ["a"], pa.string())}), path)
     args = [
-        "run",
-        "--no-progress",
-        "--model",
-        str(tiny_model_dir),
-        "--input",
-        str(path),
-        "--prompt-column",
-        "prompt",
-        "--output",
-        str(tmp_path / "out"),
+        *run_argv(str(tiny_model_dir), str(path), str(tmp_path / "out"), "--no-progress", "--prompt-column", "prompt"),
     ] + ([] if limit is None else ["--limit", str(limit)])
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -5,10 +5,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.run.job_setup import open_reader
 from cbrun.jobs.run.locked_run import expected_requests
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 
 def manifest(tmp_path, columns: dict, n: int = 1, mode: str = "generate") -> JobManifest:

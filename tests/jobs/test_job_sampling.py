@@ -12,10 +12,10 @@ import pytest
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SAMPLING_FIELD_TYPES, SAMPLING_FIELDS, SamplingParams
 from cbrun.engine.structured_output import StructuredOutputsParams
+from cbrun.jobs.config.manifest import manifest_from_dict
 from cbrun.jobs.input.reader import PromptReader
-from cbrun.jobs.manifest import manifest_from_dict
 from cbrun.jobs.modes.generate import derive_seed
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)

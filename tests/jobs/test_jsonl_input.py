@@ -14,11 +14,11 @@ import pytest
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.input.reader import PromptReader
-from cbrun.jobs.manifest import JobManifest
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import JobError, run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
 LINES = [

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cbrun.jobs.cli_values import parse_set
-from cbrun.jobs.manifest import load_manifest, manifest_from_dict
+from cbrun.jobs.cli.values import parse_set
+from cbrun.jobs.config.manifest import load_manifest, manifest_from_dict
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

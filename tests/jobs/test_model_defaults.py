@@ -3,6 +3,7 @@ stop token's text out of ``completion``, and ``max_new_tokens = 0`` with prompt 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -11,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cbrun.jobs.config.manifest import load_manifest
 from cbrun.jobs.input.prompts import encode_prompt
-from cbrun.jobs.manifest import load_manifest
-from cbrun.jobs.model_defaults import apply_model_defaults
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.model.defaults import model_sampling_defaults
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import JobError, run_job
 
 ENGINE_SETS = ["engine.page_size=16", "engine.num_blocks=64", "engine.max_batch_tokens=256"]
@@ -75,30 +76,35 @@ def test_generation_config_defaults_apply_where_the_job_is_silent(model_copy, tm
     m = manifest(model_copy, tmp_path / "in.parquet", tmp_path / "out", ["sampling.top_k=2"])
     assert m.sampling_set == {"top_k"}
     with caplog.at_level(logging.INFO, logger="cbrun"):
-        taken = apply_model_defaults(m)
+        sampling, taken = model_sampling_defaults(m)
     assert taken == {"max_new_tokens": 3, "repetition_penalty": 1.1, "temperature": 0.7, "top_p": 0.9}
     assert (
-        m.sampling.temperature,
-        m.sampling.top_k,
-        m.sampling.top_p,
-        m.sampling.max_new_tokens,
-        m.sampling.repetition_penalty,
+        sampling.temperature,
+        sampling.top_k,
+        sampling.top_p,
+        sampling.max_new_tokens,
+        sampling.repetition_penalty,
     ) == (0.7, 2, 0.9, 3, 1.1)  # top_k: the job's own
+    assert m.sampling.temperature == 0.0 and m.sampling.top_k == 2  # the manifest itself is not changed
     assert "sampling defaults from" in caplog.text and "temperature = 0.7" in caplog.text
 
     off = manifest(model_copy, tmp_path / "in.parquet", tmp_path / "off", ["sampling.model_defaults=false"])
-    assert apply_model_defaults(off) == {} and off.sampling.temperature == 0.0 and off.sampling.max_new_tokens == 128
+    assert model_sampling_defaults(off) == (off.sampling, {})
+    assert off.sampling.temperature == 0.0 and off.sampling.max_new_tokens == 128
 
     config["do_sample"] = False  # the model is meant to be decoded greedily: sampling keys are not taken
     (model_copy / "generation_config.json").write_text(json.dumps(config))
     greedy = manifest(model_copy, tmp_path / "in.parquet", tmp_path / "greedy")
-    assert apply_model_defaults(greedy) == {"max_new_tokens": 3, "repetition_penalty": 1.1}
+    assert model_sampling_defaults(greedy)[1] == {"max_new_tokens": 3, "repetition_penalty": 1.1}
 
     # the job runs with them, and job.json records the values used
     del config["do_sample"]
     (model_copy / "generation_config.json").write_text(json.dumps(config))
-    summary = run_job(manifest(model_copy, tmp_path / "in.parquet", tmp_path / "run"), progress=False)
+    job = manifest(model_copy, tmp_path / "in.parquet", tmp_path / "run")
+    given = copy.deepcopy(job)
+    summary = run_job(job, progress=False)
     assert summary.num_errors == 0
+    assert job == given and job.sampling.temperature == 0.0  # the run took the defaults on its own resolved copy
     assert all(r["num_completion_tokens"] <= 3 for r in rows_of(tmp_path / "run"))
     recorded = json.loads((tmp_path / "run" / "_cbrun" / "job.json").read_text())
     assert (recorded["sampling"]["temperature"], recorded["sampling"]["max_new_tokens"]) == (0.7, 3)

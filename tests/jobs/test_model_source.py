@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cbrun.jobs.cli import main
-from cbrun.jobs.model_source import (
+from cbrun.jobs.model.source import (
     HUB_PATTERNS,
     ModelSource,
     ModelSourceError,
@@ -66,7 +66,7 @@ def models(tmp_path_factory):
     """Two tiny random Llamas (byte tokenizer) of other seeds, and the first saved again as sharded safetensors."""
     from transformers import LlamaForCausalLM
 
-    from cbrun.jobs.demo import build_demo_model
+    from cbrun.jobs.cli.demo import build_demo_model
 
     root = tmp_path_factory.mktemp("hub_models")
     first, second = build_demo_model(root / "first", seed=0), build_demo_model(root / "second", seed=1)
@@ -198,9 +198,45 @@ def test_offline_with_a_cold_cache_exits_2_naming_HF_HUB_OFFLINE_and_the_cache(h
     assert run(REPO, prompts, tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert f"model {REPO!r} at revision 'main' is not in the Hugging Face cache at {hub_cache}" in err, err
-    assert "HF_HUB_OFFLINE=1" in err and "HF_HOME" in err, err
+    assert "HF_HUB_OFFLINE=1" in err and "unset HF_HUB_OFFLINE" in err and "HF_HOME" in err, err
     assert f"there is no local directory {REPO!r}" in err, err  # a mistyped relative folder is named as one
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cold_cache_with_no_hub_reachable_names_the_cache_and_how_to_fill_it(
+    hub_cache, prompts, tmp_path, monkeypatch, capsys
+):
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    # No network: a port nothing listens on stands for the Hub (huggingface_hub reads its endpoint at each call).
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    assert run(REPO, prompts, tmp_path / "out") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"is not in the Hugging Face cache at {hub_cache}" in err, err
+    assert "could not be reached (HF_HUB_OFFLINE is not set)" in err, err
+    assert f"hf download {REPO} --revision main --cache-dir {hub_cache}" in err, err
+    assert "unset HF_HUB_OFFLINE" not in err, err  # it is not set: nothing to unset
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cache_layout_is_the_one_huggingface_hub_reads(models, hub_cache):
+    """The tests' cache is huggingface_hub's own layout: its cache scanner sees one repo at two commits with their
+    refs, its file lookup finds each revision's files, and each revision resolves to its own commit."""
+    from huggingface_hub import scan_cache_dir, try_to_load_from_cache
+
+    first = add_to_hub_cache(hub_cache, REPO, models["first"], C1)
+    move_ref(hub_cache, REPO, "v1", C1)
+    second = add_to_hub_cache(hub_cache, REPO, models["second"], C2)
+    info = scan_cache_dir(hub_cache)
+    assert not info.warnings and [r.repo_id for r in info.repos] == [REPO]
+    revisions = {r.commit_hash: set(r.refs) for r in next(iter(info.repos)).revisions}
+    assert revisions == {C1: {"v1"}, C2: {"main"}}
+    for revision, snapshot in (("v1", first), ("main", second), (C1, first)):
+        found = try_to_load_from_cache(REPO, "model.safetensors", cache_dir=hub_cache, revision=revision)
+        assert found == str(snapshot / "model.safetensors"), revision
+    assert (resolve_model(REPO, "v1").commit, resolve_model(REPO).commit) == (C1, C2)
+    assert (first / "model.safetensors").read_bytes() != (second / "model.safetensors").read_bytes()
 
 
 def test_a_revision_the_cache_does_not_hold_exits_2_naming_it(models, hub_cache, prompts, tmp_path, capsys):
@@ -283,7 +319,9 @@ def test_a_replica_without_the_drivers_folder_resolves_the_drivers_commit(models
     driver = ModelSource(REPO, "/elsewhere/snapshots/" + C1, REPO, "main", C1)
     assert worker_model_path(driver, driver.local_path) == str(first)
     assert worker_model_path(None, "/a/folder") == "/a/folder"
-    monkeypatch.setattr("cbrun.jobs.model_source.local_model", lambda uri: f"/this/machine/copy/of/{uri}")
+    monkeypatch.setattr(
+        "cbrun.jobs.model.source.local_model", lambda uri, endpoint_url=None: f"/this/machine/copy/of/{uri}"
+    )
     uri = ModelSource("s3://models/m", "/driver/cache/models/ab12")
     assert worker_model_path(uri, uri.local_path) == "/this/machine/copy/of/s3://models/m"
     assert worker_model_path(ModelSource("s3://models/m", str(first)), str(first)) == str(first)
@@ -294,7 +332,7 @@ def test_a_replica_on_a_machine_without_the_drivers_folder_runs_the_drivers_comm
 ):
     import asyncio
 
-    from cbrun.jobs.manifest import load_manifest
+    from cbrun.jobs.config.manifest import load_manifest
     from cbrun.jobs.run.replica import Replica
 
     assert run(models["first"], prompts, tmp_path / "first") == 0
@@ -311,8 +349,8 @@ def test_a_replica_on_a_machine_without_the_drivers_folder_runs_the_drivers_comm
             "output": {"path": str(tmp_path / "ray")},
         },
     )
-    manifest.model.source = ModelSource(REPO, driver_folder, REPO, "main", C1)
-    replica = Replica(manifest, manifest.engine, num_threads=1, max_concurrent_batches=1)
+    driver = ModelSource(REPO, driver_folder, REPO, "main", C1)
+    replica = Replica(manifest, manifest.engine, num_threads=1, max_concurrent_batches=1, model_source=driver)
     table = asyncio.run(replica(pa.Table.from_batches(list(replica.reader.read_span(0, 6)))))
     got = {r["row_index"]: (r["completion"], tuple(r["completion_token_ids"])) for r in table.to_pylist()}
     assert got == completions(tmp_path / "first")

@@ -18,12 +18,13 @@ from openai.types.chat import ChatCompletion
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
+from cbrun.jobs.config.manifest import JobManifest, load_manifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.input.openai_request import parse_request
-from cbrun.jobs.manifest import JobManifest, load_manifest
 from cbrun.jobs.output.export import token_logprobs
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import JobError, run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
+from tests.jobs.cli_args import run_argv
 from tests.jobs.test_chat import rendered_ids
 from tests.jobs.test_resume import cbrun_command, kill_after_first_commit
 
@@ -422,13 +423,7 @@ def test_killed_batch_job_reruns_to_complete_results(chat_model_dir, tmp_path):
         "output.commit_every_rows=2",
     ]
     args = [
-        "run",
-        "--model",
-        str(chat_model_dir),
-        "--input",
-        str(path),
-        "--output",
-        str(out),
+        *run_argv(str(chat_model_dir), str(path), str(out)),
         "--max-new-tokens",
         "8",
         "--output-format",

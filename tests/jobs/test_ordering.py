@@ -10,16 +10,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import cbrun.jobs.output.checkpoint
-import cbrun.jobs.run.job
+import cbrun.jobs.output.local_parts
+import cbrun.jobs.run.resolve
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
+from cbrun.jobs.config.manifest import load_manifest
 from cbrun.jobs.input.reader import template_fields
-from cbrun.jobs.manifest import load_manifest
 from cbrun.jobs.modes.ordering import order_by_prefix, prompt_sort_key
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import run_job
+from tests.jobs.cli_args import run_argv
 from tests.jobs.test_resume import kill_after_first_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -148,18 +149,18 @@ def test_the_window_bounds_rows_read_ahead_of_the_writer(
     written: list[int] = []
     readers = []
 
-    class CountingWriter(cbrun.jobs.output.checkpoint.PartWriter):
+    class CountingWriter(cbrun.jobs.output.local_parts.PartWriter):
         def add_group(self, rows):
             written.append(rows[0].row_index)
             super().add_group(rows)
 
-    open_reader = cbrun.jobs.run.job.open_reader
+    open_reader = cbrun.jobs.run.resolve.open_reader
     monkeypatch.setattr(
-        cbrun.jobs.run.job,
+        cbrun.jobs.run.resolve,
         "open_reader",
-        lambda m: readers.append(_CountingReader(open_reader(m), written)) or readers[-1],
+        lambda m, model=None: readers.append(_CountingReader(open_reader(m, model), written)) or readers[-1],
     )
-    monkeypatch.setattr(cbrun.jobs.output.checkpoint, "PartWriter", CountingWriter)
+    monkeypatch.setattr(cbrun.jobs.output.local_parts, "PartWriter", CountingWriter)
     manifest = make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out", order_window=window)
     run_job(manifest, progress=False, engine=tiny_engine)
     assert sorted(written) == list(range(40))
@@ -189,13 +190,7 @@ def test_killed_ordered_run_with_samples_resumes_exactly(tiny_model_dir, tmp_pat
         ],
     ]
     args = [
-        "run",
-        "--model",
-        str(tiny_model_dir),
-        "--input",
-        str(tmp_path / "in.parquet"),
-        "--output",
-        str(out),
+        *run_argv(str(tiny_model_dir), str(tmp_path / "in.parquet"), str(out)),
         "--prompt-column",
         "prompt",
         "--id-column",

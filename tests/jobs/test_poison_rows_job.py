@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.modes.generate import derive_seed
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 from tests.engine.test_poison_rows import nan_probabilities_hook
 

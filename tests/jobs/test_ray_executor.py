@@ -16,12 +16,13 @@ import pytest
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
-from cbrun.jobs.cli_parser import build_parser
-from cbrun.jobs.manifest import load_manifest
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.cli.parser import build_parser
+from cbrun.jobs.config.manifest import load_manifest
+from cbrun.jobs.config.settings import ClusterSettings
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 from cbrun.jobs.run.ray_executor import QUIET_RAY_ENV, RAY_EXTRA_MESSAGE, pending_spans, quiet_ray_logs
-from cbrun.jobs.settings import ClusterSettings
+from tests.jobs.cli_args import run_argv
 from tests.jobs.test_resume import kill_after_first_commit, run_args
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64, device="cpu")
@@ -103,13 +104,7 @@ def test_missing_ray_exits_2_naming_the_extra(tiny_model_dir, tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "ray", None)
     pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "in.parquet")
     args = [
-        "run",
-        "--model",
-        str(tiny_model_dir),
-        "--input",
-        str(tmp_path / "in.parquet"),
-        "--output",
-        str(tmp_path / "out"),
+        *run_argv(str(tiny_model_dir), str(tmp_path / "in.parquet"), str(tmp_path / "out")),
         "--prompt-column",
         "prompt",
         "--executor",

@@ -11,8 +11,9 @@ import pytest
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.output.writer import read_output
-from cbrun.jobs.run.job import open_reader, run_job
+from cbrun.jobs.output.output_dir import read_output
+from cbrun.jobs.run.job import run_job
+from cbrun.jobs.run.job_setup import open_reader
 from cbrun.jobs.run.ray_input import input_rows
 from cbrun.jobs.run.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN, Replica
 

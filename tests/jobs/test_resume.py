@@ -15,10 +15,11 @@ import pyarrow.parquet as pq
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
-from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
+from tests.jobs.cli_args import run_argv
 
 NUM_ROWS = 12
 MAX_NEW_TOKENS = 8
@@ -33,13 +34,7 @@ def cbrun_command() -> list[str]:
 def run_args(model_dir, input_path, output_dir) -> list[str]:
     sets = [f"engine.{k}={v}" for k, v in ENGINE.items()] + ["sampling.ignore_eos=true", "output.commit_every_rows=2"]
     return [
-        "run",
-        "--model",
-        str(model_dir),
-        "--input",
-        str(input_path),
-        "--output",
-        str(output_dir),
+        *run_argv(str(model_dir), str(input_path), str(output_dir)),
         "--prompt-column",
         "prompt",
         "--id-column",

@@ -9,7 +9,7 @@ import pytest
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import load_manifest
+from cbrun.jobs.config.manifest import load_manifest
 from cbrun.jobs.modes.generate import derive_seed, sample_seeds
 from cbrun.jobs.output.fingerprint import job_fingerprint
 from cbrun.jobs.output.writer import committed_parts

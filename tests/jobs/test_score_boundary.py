@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from cbrun.engine.config import EngineConfig
-from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.modes.scoring import encode_pair
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 from tests.model_utils import _hf_model, random_llama_dir
 
 MERGES = [("d", "o"), ("do", "g"), ("dog", "s"), ("3", "0")]

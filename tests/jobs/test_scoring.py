@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from cbrun.engine.config import EngineConfig
-from cbrun.jobs.manifest import JobManifest, load_manifest
+from cbrun.jobs.config.manifest import JobManifest, load_manifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.modes.scoring import encode_pair, last_number_plus_one, read_candidates
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import JobError, run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=128, max_requests_per_batch=8, num_blocks=128)

@@ -1,5 +1,5 @@
 """Every manifest setting has a description in its dataclass's docstring, and docs/manifest.md's settings tables are
-the ones made from them (``python -m cbrun.jobs.settings_docs --write`` rewrites them)."""
+the ones made from them (``python -m cbrun.jobs.config.settings_docs --write`` rewrites them)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from cbrun.jobs.manifest import SECTIONS, manifest_from_dict
-from cbrun.jobs.settings_docs import DOC, SECTION_SOURCES, document_with_tables, field_docs, section_fields
+from cbrun.jobs.config.manifest import SECTIONS, manifest_from_dict
+from cbrun.jobs.config.settings_docs import DOC, SECTION_SOURCES, document_with_tables, field_docs, section_fields
 
 
 def test_every_setting_of_every_section_has_a_description():
@@ -29,7 +29,7 @@ def test_the_tables_list_keys_a_manifest_accepts_with_their_defaults():
 
 def test_docs_manifest_holds_the_tables_made_from_the_docstrings():
     text = DOC.read_text()
-    assert text == document_with_tables(text), "run: python -m cbrun.jobs.settings_docs --write"
+    assert text == document_with_tables(text), "run: python -m cbrun.jobs.config.settings_docs --write"
 
 
 def test_field_docs_reads_multi_name_entries_and_continuations_and_stops_at_the_next_section():

@@ -16,8 +16,9 @@ from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
 from cbrun.jobs.input.reader import PromptReader
 from cbrun.jobs.output.lock import OutputLock, Shard
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.output.status import output_progress
-from cbrun.jobs.output.writer import committed_parts, part_name, read_output
+from cbrun.jobs.output.writer import committed_parts, part_name
 from cbrun.jobs.run.job import JobError, run_job
 from cbrun.jobs.run.sharding import shard_ranges, unit_starts
 from tests.jobs.test_resume import kill_after_first_commit, run_args

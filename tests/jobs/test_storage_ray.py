@@ -7,11 +7,12 @@ import pytest
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.config.settings import ClusterSettings
 from cbrun.jobs.output.commits import read_records
-from cbrun.jobs.output.object_output import ObjectCheckpoint
+from cbrun.jobs.output.output_dir import open_output
 from cbrun.jobs.output.status import status_report
 from cbrun.jobs.run.job import run_job
-from cbrun.jobs.settings import ClusterSettings
+from cbrun.jobs.store.store import FsspecStore
 from tests.jobs.test_storage_s3 import rows_once, upload_input
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=64)
@@ -48,8 +49,8 @@ def test_two_replicas_commit_their_own_parts_to_s3(s3, tiny_model_dir, make_mani
     assert summary.num_rows == NUM_ROWS and summary.num_errors == 0 and summary.exit_code == 0
     assert rows_once(out) == rows_once(tmp_path / "local")
     # the replicas committed span records (the driver wrote no part of its own), and the job finished
-    records = read_records(out)
+    records = read_records(FsspecStore(out))
     assert records and all(r.name.startswith("_cbrun/commits/span-") for r in records)
-    assert ObjectCheckpoint(out).is_finished()
+    assert open_output(out).is_finished()
     text, code = status_report(out)
     assert code == 0 and f"total: {NUM_ROWS}/{NUM_ROWS} rows done" in text

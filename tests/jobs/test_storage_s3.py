@@ -22,13 +22,17 @@ import pytest
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs import storage, storage_cache
 from cbrun.jobs.cli import main
 from cbrun.jobs.output.commits import CommitRecord, add_span, new_attempt, read_records
 from cbrun.jobs.output.lease import Lease, LeaseLost
-from cbrun.jobs.output.object_output import ObjectCheckpoint, commit_span
-from cbrun.jobs.output.writer import OutputRow, read_output, rows_to_table
+from cbrun.jobs.output.object_parts import commit_span
+from cbrun.jobs.output.output_dir import open_output, read_output
+from cbrun.jobs.output.writer import OutputRow, rows_to_table
 from cbrun.jobs.run.job import JobAborted, JobError, run_job
+from cbrun.jobs.store import cache as storage_cache
+from cbrun.jobs.store import files as storage
+from cbrun.jobs.store.store import FsspecStore
+from tests.jobs.cli_args import run_argv
 from tests.jobs.s3_faults import FaultyProxy
 from tests.jobs.test_resume import cbrun_command
 
@@ -69,8 +73,8 @@ def local_rows(tiny_model_dir, tiny_engine, tmp_path_factory, request):
 
     tmp = tmp_path_factory.mktemp("local")
     pq.write_table(input_table(), tmp / "in.parquet", row_group_size=4)
-    from cbrun.jobs.manifest import JobManifest
-    from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
+    from cbrun.jobs.config.manifest import JobManifest
+    from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 
     manifest = JobManifest(
         model=ModelSettings(path=str(tiny_model_dir)),
@@ -91,11 +95,11 @@ def test_s3_input_and_output_equal_a_local_run(s3, tiny_model_dir, tiny_engine, 
     summary = run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine)
     assert summary.exit_code == 0 and summary.num_rows == NUM_ROWS
     assert rows_once(out) == local_rows
-    checkpoint = ObjectCheckpoint(out)
+    checkpoint = open_output(out)
     assert checkpoint.is_finished() and checkpoint.read_stats()["num_rows_in_output"] == NUM_ROWS
     assert checkpoint.read_job_file()["input"]["path"] == source
     # one commit record per part, and nothing else written beside the parts
-    records = read_records(out)
+    records = read_records(FsspecStore(out))
     names = {
         k["Key"].removeprefix("out/") for k in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="out/")["Contents"]
     }
@@ -114,6 +118,25 @@ def test_s3_input_and_output_equal_a_local_run(s3, tiny_model_dir, tiny_engine, 
     assert sorted(table.column("row_index").to_pylist()) == list(range(NUM_ROWS))
 
 
+def test_the_jobs_endpoint_reaches_input_and_output_without_the_environment(
+    s3, tiny_model_dir, tiny_engine, make_manifest, local_rows, monkeypatch
+):
+    """``[storage] endpoint_url`` alone (no AWS_ENDPOINT_URL): the input's listing and reads, the fingerprint, the
+    lease, the parts, the records and the finish all talk to that endpoint, held by their stores and readers."""
+    source = upload_input(s3, input_table(), key="in-held/prompts.parquet")
+    out = s3.uri("out-held")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    manifest = make_manifest(tiny_model_dir, source, out)
+    manifest.storage.endpoint_url = s3.endpoint
+    assert run_job(manifest, progress=False, engine=tiny_engine).exit_code == 0
+    output = open_output(out, endpoint_url=s3.endpoint)
+    assert output.is_finished() and output.read_job_file()["input"]["files"]
+    assert {
+        r["row_index"]: (r["completion_token_ids"], r["finish_reason"]) for r in output.read_rows().to_pylist()
+    } == (local_rows)
+
+
 def test_status_reads_an_s3_output(s3, tiny_model_dir, tiny_engine, make_manifest, capsys):
     source = upload_input(s3, input_table(6))
     out = s3.uri("out")
@@ -129,13 +152,7 @@ def test_sigkill_at_random_moments_then_resume(s3, tiny_model_dir, local_rows):
     source = upload_input(s3, input_table())
     out = s3.uri("out")
     args = [
-        "run",
-        "--model",
-        str(tiny_model_dir),
-        "--input",
-        source,
-        "--output",
-        out,
+        *run_argv(str(tiny_model_dir), source, out),
         "--prompt-column",
         "prompt",
         "--id-column",
@@ -165,10 +182,10 @@ def test_sigkill_at_random_moments_then_resume(s3, tiny_model_dir, local_rows):
             cbrun_command() + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            before = len(read_records(out))
+            before = len(read_records(FsspecStore(out)))
             deadline = time.monotonic() + 120
             # NOTE: wait for this run's first commit, then kill it at a random moment within the next commits
-            while len(read_records(out)) == before and process.poll() is None:
+            while len(read_records(FsspecStore(out))) == before and process.poll() is None:
                 assert time.monotonic() < deadline, "no part was committed in time"
                 time.sleep(0.02)
             time.sleep(rng.uniform(0.0, 0.3))
@@ -181,7 +198,7 @@ def test_sigkill_at_random_moments_then_resume(s3, tiny_model_dir, local_rows):
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if ObjectCheckpoint(out).is_finished():
+        if open_output(out).is_finished():
             break
         # NOTE: the killed run's lease stays, unexpired; the next run sees that its holder died on this host
     assert kills >= 1
@@ -190,13 +207,13 @@ def test_sigkill_at_random_moments_then_resume(s3, tiny_model_dir, local_rows):
     assert rows_once(out) == local_rows
     # no garbage is left: every part has its record
     names = [k["Key"] for k in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="out/part-")["Contents"]]
-    assert len(names) == len(read_records(out))
+    assert len(names) == len(read_records(FsspecStore(out)))
 
 
 def test_second_run_refuses_while_the_lease_is_live(s3, tiny_model_dir, tiny_engine, make_manifest, capsys):
     source = upload_input(s3, input_table(4))
     out = s3.uri("out")
-    holder = Lease(out)
+    holder = Lease(FsspecStore(out))
     holder.acquire()
     try:
         with pytest.raises(JobError, match="in use by another cbrun run .*pid"):
@@ -204,13 +221,7 @@ def test_second_run_refuses_while_the_lease_is_live(s3, tiny_model_dir, tiny_eng
         assert (
             main(
                 [
-                    "run",
-                    "--model",
-                    str(tiny_model_dir),
-                    "--input",
-                    source,
-                    "--output",
-                    out,
+                    *run_argv(str(tiny_model_dir), source, out),
                     "--prompt-column",
                     "prompt",
                     "--no-progress",
@@ -257,7 +268,7 @@ def test_server_restarted_mid_job(s3, tiny_model_dir, tiny_engine, make_manifest
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                if read_records(out):
+                if read_records(FsspecStore(out)):
                     break
             except storage.StorageError:
                 pass
@@ -336,20 +347,24 @@ def test_only_one_attempt_at_a_span_wins(s3):
             for i in range(4, 8)
         ]
     )
-    assert commit_span(out, table, new_attempt(), 0)
-    assert commit_span(out, table, "t0000000000000x00000001", 0) is False  # a retried batch: its part is deleted
+    assert commit_span(FsspecStore(out), table, new_attempt(), 0)
+    assert (
+        commit_span(FsspecStore(out), table, "t0000000000000x00000001", 0) is False
+    )  # a retried batch: its part is deleted
     parts = [k["Key"] for k in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="out/part-")["Contents"]]
-    records = read_records(out)
+    records = read_records(FsspecStore(out))
     assert len(parts) == 1 and [r.name for r in records] == ["_cbrun/commits/span-r000000000004-000000000008.json"]
     winner = records[0].part
     attempt = winner.split("-")[1]
-    assert commit_span(out, table, attempt, 0)  # the winner's own retry (its reply lost) still counts as committed
-    assert [r.part for r in read_records(out)] == [winner]
+    assert commit_span(
+        FsspecStore(out), table, attempt, 0
+    )  # the winner's own retry (its reply lost) still counts as committed
+    assert [r.part for r in read_records(FsspecStore(out))] == [winner]
 
 
 def test_a_lease_is_renewed_and_a_lost_one_stops_the_writer(s3):
     out = s3.uri("out")
-    lease = Lease(out, ttl_s=0.9)
+    lease = Lease(FsspecStore(out), ttl_s=0.9)
     lease.acquire()
     try:
         time.sleep(1.2)  # past the first expiry: renewed meanwhile
@@ -371,11 +386,11 @@ def test_retry_errors_and_overwrite_on_s3(s3, tiny_model_dir, tiny_engine, make_
     out = s3.uri("out")
     first = run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine)
     assert first.num_errors == 1 and rows_once(out)[2][1] == "error"
-    parts_before = {r.part for r in read_records(out)}
+    parts_before = {r.part for r in read_records(FsspecStore(out))}
     retried = run_job(make_manifest(tiny_model_dir, source, out), progress=False, engine=tiny_engine, retry_errors=True)
     assert retried.num_rows == 1 and retried.num_skipped == 5
     assert sorted(rows_once(out)) == list(range(6)) and rows_once(out)[2][1] == "error"
-    assert {r.part for r in read_records(out)} != parts_before  # the part that held row 2 was rewritten
+    assert {r.part for r in read_records(FsspecStore(out))} != parts_before  # the part that held row 2 was rewritten
     manifest = make_manifest(
         tiny_model_dir, source, out, sampling=SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
     )

@@ -15,11 +15,11 @@ from openai.types.chat import ChatCompletion
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.engine.structured_output import StructuredOutputsParams
-from cbrun.jobs.manifest import JobManifest, load_manifest
+from cbrun.jobs.config.manifest import JobManifest, load_manifest
+from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.output.fingerprint import job_fingerprint
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
-from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
 from tests.jobs.test_openai_batch import CHAT, COMPLETIONS, read_results, request, write_jsonl
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=512, max_requests_per_batch=16, num_blocks=128)
@@ -197,7 +197,7 @@ def test_manifest_section_and_fingerprint(chat_model_dir, tmp_path):
         )["sampling"]
 
     with pytest.MonkeyPatch.context() as patch:  # content hashes of files this test does not write
-        patch.setattr("cbrun.jobs.output.fingerprint.input_fingerprint", lambda path: [])
+        patch.setattr("cbrun.jobs.output.fingerprint.input_fingerprint", lambda path, endpoint_url=None: [])
         assert fingerprint(loaded.sampling) == fingerprint(as_dict)  # one schema, as text or as a table
         assert fingerprint(loaded.sampling)["structured_outputs"] == {"json": SCHEMA}
         assert fingerprint(regex) != fingerprint(loaded.sampling)

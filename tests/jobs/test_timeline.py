@@ -13,7 +13,7 @@ from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.observe.progress import MIN_FINISHED, TokenETA, format_eta
 from cbrun.jobs.observe.timeline import TIMELINE_GLOB, read_timeline, step_listeners
 from cbrun.jobs.output.lock import Shard
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=64)
@@ -213,7 +213,7 @@ def test_a_ray_replica_records_its_own_timeline(stories260k_dir, tmp_path, make_
     ("field", "value"), [("timeline_interval_s", -1), ("timeline_interval_s", True), ("row_timings", "yes")]
 )
 def test_bad_output_settings_are_refused(field, value):
-    from cbrun.jobs.settings import OutputSettings
+    from cbrun.jobs.config.settings import OutputSettings
 
     with pytest.raises(ValueError, match=f"output.{field}"):
         OutputSettings(path="out", **{field: value})

@@ -20,10 +20,12 @@ import cbrun.jobs.output.writer
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
-from cbrun.jobs.manifest import load_manifest
+from cbrun.jobs.config.manifest import load_manifest
 from cbrun.jobs.output.lock import OutputLock
-from cbrun.jobs.output.writer import committed_parts, read_output
+from cbrun.jobs.output.output_dir import read_output
+from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import JobAborted, JobError, run_job
+from tests.jobs.cli_args import run_argv
 from tests.jobs.held_cbrun import HELD_LINE
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
@@ -68,13 +70,7 @@ def cli_args(model_dir, input_path, out, *extra) -> list[str]:
         "sampling.ignore_eos=true",
     ]
     return [
-        "run",
-        "--model",
-        str(model_dir),
-        "--input",
-        str(input_path),
-        "--output",
-        str(out),
+        *run_argv(str(model_dir), str(input_path), str(out)),
         "--prompt-column",
         "prompt",
         "--id-column",

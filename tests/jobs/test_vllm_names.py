@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from cbrun.jobs.cli import main
-from cbrun.jobs.cli_parser import build_parser
-from cbrun.jobs.cli_values import cli_text
+from cbrun.jobs.cli.parser import build_parser
+from cbrun.jobs.cli.values import cli_text
+from cbrun.jobs.config.manifest import load_manifest, manifest_from_dict
 from cbrun.jobs.input.reader import PromptReader
-from cbrun.jobs.manifest import load_manifest, manifest_from_dict
 from cbrun.jobs.output.fingerprint import job_fingerprint
-from cbrun.jobs.output.writer import read_output
+from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 
 PATHS = {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}}
@@ -190,8 +190,8 @@ def test_greedy_samples_warn_once(tiny_model_dir, tmp_path, caplog):
 
 def test_settings_given_in_code_count_as_set_and_sections_get_suggestions():
     from cbrun.engine.sampling_params import SamplingParams
-    from cbrun.jobs.manifest import JobManifest
-    from cbrun.jobs.settings import InputSettings
+    from cbrun.jobs.config.manifest import JobManifest
+    from cbrun.jobs.config.settings import InputSettings
 
     m = JobManifest(input=InputSettings(path="i", prompt_column="p"), sampling=SamplingParams(temperature=0.5))
     assert m.sampling_set == {"temperature"}  # so the model's generation_config.json does not replace it

@@ -7,9 +7,10 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from cbrun.jobs import storage as storage_module
 from cbrun.jobs.output import writer as writer_module
-from cbrun.jobs.output.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts, part_name, read_output
+from cbrun.jobs.output.output_dir import read_output
+from cbrun.jobs.output.writer import OUTPUT_SCHEMA, OutputRow, PartWriter, committed_parts, part_name
+from cbrun.jobs.store import files as storage_module
 
 
 def make_row(i: int, error: bool = False) -> OutputRow:

@@ -102,7 +102,7 @@ def test_no_import_cycles():
 
 def test_no_layer_imports_a_higher_one():
     # cbrun.kernels imports nothing above it; no runtime package imports cbrun.bench or benchmarks/ (``cbrun bench`` is
-    # registered as an entry point, see cbrun.jobs.cli.COMMAND_ENTRY_POINTS)
+    # registered as an entry point, see cbrun.jobs.cli.commands.COMMAND_ENTRY_POINTS)
     assert upward_imports(import_graph()) == []
 
 

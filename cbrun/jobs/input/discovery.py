@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cbrun.jobs.input.errors import InputError
 from cbrun.jobs.input.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, holds_json_lines
-from cbrun.jobs.storage import StorageError, basename, is_uri, list_files, local_path
+from cbrun.jobs.store.files import StorageError, basename, is_uri, list_files, local_path
 
 #: Parquet files start (and end) with these 4 bytes.
 PARQUET_MAGIC = b"PAR1"
@@ -69,7 +69,7 @@ def _is_doc(path: Path) -> bool:
     return path.suffix.lower() in DOC_SUFFIXES
 
 
-def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
+def list_input_files(path: str | Path, endpoint_url: str | None = None) -> tuple[str, list[Path]]:
     """Find the files of an input: one Parquet or JSON Lines file, a directory of them (mixed or not, searched
     recursively), or a ``save_to_disk`` data set. What a file is read as: ``input_file_format``.
 
@@ -77,15 +77,20 @@ def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
     (``_SUCCESS``, ``.crc`` files, ``_cbrun/``), and so are ``.md`` / ``.rst`` documents (a data set's README.md);
     any other file that is not a format cbrun reads is refused, so that no rows are left out unseen.
 
+    Args:
+        endpoint_url: an object-store input's S3 endpoint (the job's ``[storage] endpoint_url``).
+
     Returns:
-        ("parquet" (Parquet and JSON Lines files, see ``open_source``) or "arrow", files in reading order).
+        (kind, files in reading order): "parquet" (local Parquet and JSON Lines files, see ``open_source``),
+        "objects" (object-store URIs of such files) or "arrow" (a saved data set's Arrow stream files). The kind
+        is how the rest of the input room knows where a file lives: the path is classified here, once.
 
     Raises:
         InputError: when the path does not exist, holds nothing readable, is a file of a format cbrun does not
             read, or is a directory that holds such files (named, with the formats cbrun reads).
     """
     if is_uri(path):
-        return "parquet", list_object_files(str(path))
+        return "objects", list_object_files(str(path), endpoint_url)
     path = Path(local_path(path))
     if not path.exists():
         raise InputError(f"input {str(path)!r} not found: give a Parquet or JSON Lines file, or a directory of them")
@@ -93,17 +98,36 @@ def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
         if input_file_format(path) is None:
             raise InputError(f"input file {str(path)!r} is not a format cbrun reads; cbrun reads {SUPPORTED_INPUTS}")
         return "parquet", [path]
+    saved = _saved_dataset_files(path)
+    if saved:
+        return "arrow", saved
+    return "parquet", _directory_files(path)
+
+
+def _saved_dataset_files(path: Path) -> list[Path]:
+    """The Arrow files of a ``save_to_disk`` data set at ``path`` ([] when it is not one).
+
+    Raises:
+        InputError: for a saved ``DatasetDict`` (naming a split to point at).
+    """
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         raise InputError(
             f"input {str(path)!r} is a DatasetDict; point the input at one split, e.g. "
             f"{str(path / (splits[0] if splits else 'train'))!r}"
         )
-    if (path / "state.json").is_file():
-        data_files = json.loads((path / "state.json").read_text()).get("_data_files", [])
-        files = [path / f["filename"] for f in data_files]
-        if files:
-            return "arrow", files
+    if not (path / "state.json").is_file():
+        return []
+    data_files = json.loads((path / "state.json").read_text()).get("_data_files", [])
+    return [path / f["filename"] for f in data_files]
+
+
+def _directory_files(path: Path) -> list[Path]:
+    """The data files of an input directory, in reading order (``list_input_files``'s rules).
+
+    Raises:
+        InputError: naming the files cbrun cannot read, or when there is none.
+    """
     candidates = sorted(
         p for p in path.rglob("*") if p.is_file() and not _is_hidden(p.relative_to(path)) and not _is_doc(p)
     )
@@ -120,7 +144,7 @@ def list_input_files(path: str | Path) -> tuple[str, list[Path]]:
         raise InputError(
             f"input directory {str(path)!r} holds no .parquet files, no .jsonl files and no saved data set"
         )
-    return "parquet", candidates
+    return candidates
 
 
 def object_file_format(uri: str) -> str | None:
@@ -133,7 +157,7 @@ def object_file_format(uri: str) -> str | None:
     return None
 
 
-def list_object_files(uri: str) -> list[str]:
+def list_object_files(uri: str, endpoint_url: str | None = None) -> list[str]:
     """The input objects under an object-store URI (one object, or every object below a prefix, in name order),
     with ``list_input_files``'s rules: names starting with "." or "_" and documents skipped, others refused.
 
@@ -141,7 +165,7 @@ def list_object_files(uri: str) -> list[str]:
         InputError: when nothing is there, or an object is not ``.parquet`` / ``.jsonl`` / ``.json``(``.gz``).
     """
     try:
-        objects = list_files(uri)
+        objects = list_files(uri, endpoint_url)
     except (ImportError, StorageError) as exc:
         raise InputError(f"input {uri!r} cannot be listed: {exc}") from None
     root = uri.rstrip("/")

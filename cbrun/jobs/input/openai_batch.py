@@ -43,7 +43,7 @@ from cbrun.jobs.input.jsonl_source import is_jsonl, numbered_rows
 from cbrun.jobs.input.openai_request import CHAT_URL, COMPLETIONS_URL, BatchRequest, parse_request
 from cbrun.jobs.input.prompts import encode_prompt
 from cbrun.jobs.input.reader import InputRow, PromptReader
-from cbrun.jobs.input.sources import iter_column_batches
+from cbrun.jobs.input.sources import iter_column_batches, open_source
 
 REQUEST_FIELDS = ("custom_id", "method", "url", "body")
 #: Columns every output row of an OpenAI batch job carries (see ``cbrun.jobs.input.carry``).
@@ -67,10 +67,12 @@ def is_openai_batch_input(inp) -> bool:
     )
 
 
-def input_fields(path: str | Path) -> list[str]:
+def input_fields(path: str | Path, endpoint_url: str | None = None) -> list[str]:
     """The field names of the input's first file: a Parquet footer, or the first JSON object line (cheap)."""
-    kind, files = list_input_files(path)
+    kind, files = list_input_files(path, endpoint_url)
     first = files[0]
+    if kind == "objects":  # NOTE: an object's footer or schema, read through its source
+        return list(open_source(kind, first, endpoint_url=endpoint_url).schema.names)
     if kind == "parquet" and not is_jsonl(first):
         return pq.read_schema(first).names
     if kind == "parquet":
@@ -109,8 +111,9 @@ class OpenAIBatchReader:
         batch_size: int = 1024,
         keep_columns: list[str] = (),
         default_model: str = "",
+        endpoint_url: str | None = None,
     ):
-        names = input_fields(path)
+        names = input_fields(path, endpoint_url)
         missing = [name for name in REQUEST_FIELDS if name not in names]
         if missing:
             raise InputError(
@@ -125,6 +128,7 @@ class OpenAIBatchReader:
             extra_columns={name: name for name in REQUEST_FIELDS},
             per_row_settings=False,
             json_text_fields=("body",),
+            endpoint_url=endpoint_url,
         )
         check_kept_columns(list(keep_columns), self.rows.column_names)
         self.rows.add_extra_columns(keep_roles(list(keep_columns)))

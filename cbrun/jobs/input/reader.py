@@ -121,6 +121,7 @@ class PromptReader:
         extra_columns: dict[str, str] | None = None,
         per_row_settings: bool = True,
         json_text_fields: tuple[str, ...] = (),
+        endpoint_url: str | None = None,
     ):
         self.path = str(path)
         self.prompt_column = prompt_column
@@ -130,9 +131,9 @@ class PromptReader:
         self.batch_size = batch_size
         # {role: column}, e.g. {"candidates_column": "answers"}: read into InputRow.extra, checked by the job.
         self.extra_columns = dict(extra_columns or {})
-        kind, files = list_input_files(path)
+        kind, files = list_input_files(path, endpoint_url)
         # json_text_fields: JSON Lines fields read as JSON text (an OpenAI batch request's body; see jobs.input.jsonl_source)
-        self.sources = [open_source(kind, f, json_text_fields) for f in files]
+        self.sources = [open_source(kind, f, json_text_fields, endpoint_url) for f in files]
         self.column_names = list(dict.fromkeys(name for source in self.sources for name in source.schema.names))
         self.num_input_rows = sum(s.num_rows for s in self.sources)
         self.num_rows = self.num_input_rows if limit is None else min(limit, self.num_input_rows)
@@ -142,24 +143,27 @@ class PromptReader:
         self.samples_column = (
             NUM_SAMPLES_COLUMN if per_row_settings and NUM_SAMPLES_COLUMN in self.column_names else None
         )
-        self.columns = list(
-            dict.fromkeys(
-                c
-                for c in [
-                    id_column,
-                    prompt_column,
-                    prompt_ids_column,
-                    *self.template_columns,
-                    *self.sampling_columns,
-                    self.samples_column,
-                    *self.extra_columns.values(),
-                ]
-                if c is not None
-            )
-        )
+        self.columns = self._columns_read()
         self._check_columns()
         self.schema = self._unified_schema()
         self._check_types()
+        self._report_setting_columns()
+
+    def _columns_read(self) -> list[str]:
+        """The input columns the reader reads: the id, the prompt's, the per-row settings' and the extra ones."""
+        wanted = [
+            self.id_column,
+            self.prompt_column,
+            self.prompt_ids_column,
+            *self.template_columns,
+            *self.sampling_columns,
+            self.samples_column,
+            *self.extra_columns.values(),
+        ]
+        return list(dict.fromkeys(c for c in wanted if c is not None))
+
+    def _report_setting_columns(self) -> None:
+        """Log the columns read as per-row settings; warn about one whose type cannot hold its setting."""
         named = [*self.sampling_columns, *([self.samples_column] if self.samples_column else [])]
         if named:
             logger.info(

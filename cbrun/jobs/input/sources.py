@@ -17,17 +17,18 @@ import pyarrow.parquet as pq
 from cbrun.jobs.input.discovery import input_file_format, object_file_format
 from cbrun.jobs.input.errors import InputError
 from cbrun.jobs.input.jsonl_source import JsonlSource
-from cbrun.jobs.storage import StorageError, is_uri, open_input
-from cbrun.jobs.storage_cache import local_copy
+from cbrun.jobs.store.cache import local_copy
+from cbrun.jobs.store.files import StorageError, open_input
 
 
 class _ParquetSource:
     """One Parquet file: its schema, row count and row-group offsets come from the footer alone."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | str, remote: bool = False, endpoint_url: str | None = None):
         self.path = path
         try:
-            self.file = pq.ParquetFile(open_input(path) if is_uri(path) else path)
+            # NOTE: an object is read by ranges through fsspec; a local file by pyarrow's own (memory-mapped) reads
+            self.file = pq.ParquetFile(open_input(path, endpoint_url) if remote else path)
         except (pa.ArrowInvalid, OSError, StorageError) as exc:
             raise InputError(f"input file {str(path)!r} is not a readable Parquet file: {exc}") from None
         self.schema = self.file.schema_arrow
@@ -83,15 +84,16 @@ class _ArrowStreamSource:
                     row += batch.num_rows
 
 
-def open_source(kind: str, path: Path, json_text_fields: tuple[str, ...] = ()):
-    """The source object of one input file: Arrow stream (``kind == "arrow"``), JSON Lines (by suffix) or Parquet."""
+def open_source(kind: str, path: Path, json_text_fields: tuple[str, ...] = (), endpoint_url: str | None = None):
+    """The source object of one input file of ``kind`` (``list_input_files``): Arrow stream, JSON Lines (by suffix)
+    or Parquet, local or an object (``endpoint_url``: its S3 endpoint)."""
     if kind == "arrow":
         return _ArrowStreamSource(path)
-    if is_uri(path):
-        if object_file_format(path) == "jsonl":
+    if kind == "objects":
+        if object_file_format(str(path)) == "jsonl":
             # NOTE: JSON Lines is read by line offsets from a local file: the object is copied to a temporary file
-            return JsonlSource(local_copy(path), json_text_fields)
-        return _ParquetSource(path)
+            return JsonlSource(local_copy(str(path), endpoint_url), json_text_fields)
+        return _ParquetSource(path, remote=True, endpoint_url=endpoint_url)
     if input_file_format(path) == "jsonl":
         return JsonlSource(path, json_text_fields)
     return _ParquetSource(path)

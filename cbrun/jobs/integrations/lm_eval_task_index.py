@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from cbrun.jobs.storage import write_file
+from cbrun.jobs.store.files import write_file
 
 logger = logging.getLogger("cbrun.lm_eval")
 
@@ -125,7 +125,7 @@ def _file_stats(directory: str, relative: str) -> Iterator[str]:
 
 
 def _write(path: Path, entries: dict) -> None:
-    """Write atomically (``cbrun.jobs.storage.write_file``): a concurrent run never reads half a file."""
+    """Write atomically (``cbrun.jobs.store.files.write_file``): a concurrent run never reads half a file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file(path, lambda f: pickle.dump(entries, f, protocol=pickle.HIGHEST_PROTOCOL))

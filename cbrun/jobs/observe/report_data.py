@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from cbrun.jobs.observe.timeline import TIMELINE_GLOB, read_timeline
-from cbrun.jobs.output.writer import committed_parts, read_output
+from cbrun.jobs.output.output_dir import read_output
+from cbrun.jobs.output.writer import committed_parts
 
 #: Output columns the report reads.
 ROW_COLUMNS = ["num_prompt_tokens", "num_completion_tokens", "finish_reason", "error", "ttft_s", "decode_s", "queue_s"]

@@ -25,7 +25,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from cbrun.jobs import storage
+from cbrun.jobs.output.lock import CBRUN_DIR
 
 #: Seconds between flushes of the timeline file to the operating system (and the final sample, at close).
 FLUSH_EVERY_S = 10.0
@@ -47,10 +47,10 @@ def run_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}{suffix}"
 
 
-def timeline_path(cbrun_dir: str | Path, run: str, part: str = "") -> str | Path:
-    """``<cbrun_dir>/timeline-<run>[-<part>].jsonl``; ``part`` names a shard (``shard-0-of-2``) or a replica.
-    ``cbrun_dir`` may be an object-store URI (the result is then a URI too)."""
-    return storage.join(cbrun_dir, f"timeline-{run}-{part}.jsonl" if part else f"timeline-{run}.jsonl")
+def timeline_name(run: str, part: str = "") -> str:
+    """``timeline-<run>[-<part>].jsonl``, a file of the output's ``_cbrun/``; ``part`` names a shard
+    (``shard-0-of-2``) or a replica."""
+    return f"timeline-{run}-{part}.jsonl" if part else f"timeline-{run}.jsonl"
 
 
 class TimelineRecorder:
@@ -60,7 +60,8 @@ class TimelineRecorder:
     the scheduler's queues, the block manager's free blocks) and never changes them.
 
     Args:
-        path: the timeline file (created; appended to).
+        output: the output's owner (``cbrun.jobs.output.output_dir.OutputDir``): the file is its ``_cbrun/<name>``.
+        name: the timeline file's name (``timeline_name``; created; appended to).
         engine: the ``LLMEngine`` whose steps are recorded; its ``step_listener`` must call ``on_step``
             (``step_listeners``).
         rows: returns ``(rows done, error rows)`` of this run so far (the job's summary).
@@ -70,7 +71,8 @@ class TimelineRecorder:
 
     def __init__(
         self,
-        path: str | Path,
+        output,
+        name: str,
         engine,
         rows: Callable[[], tuple[int, int]],
         interval_s: float = 1.0,
@@ -79,10 +81,9 @@ class TimelineRecorder:
         assert interval_s > 0, interval_s
         # NOTE: an object store has no append: the timeline is written to a local file and uploaded whole (one
         # PUT) every UPLOAD_EVERY_S seconds and at close, so a killed run loses at most that much of it there.
-        self.remote = str(path) if storage.is_uri(path) else None
-        self.path = (
-            Path(tempfile.gettempdir(), "cbrun-timelines", storage.basename(path)) if self.remote else Path(path)
-        )
+        self.output = output
+        self.remote = f"{CBRUN_DIR}/{name}" if output.local_dir is None else None
+        self.path = Path(tempfile.gettempdir(), "cbrun-timelines", name) if self.remote else output.cbrun_dir / name
         self.next_upload = time.perf_counter() + UPLOAD_EVERY_S
         self.engine = engine
         self.rows = rows
@@ -140,10 +141,10 @@ class TimelineRecorder:
             self._upload()
 
     def _upload(self) -> None:
-        """Put the local copy's bytes so far at the object-store path (``cbrun.jobs.storage.write_file``: one PUT)."""
+        """Put the local copy's bytes so far into the output's store (one PUT)."""
         if not self._file.closed:
             self._file.flush()
-        storage.write_file(self.remote, self.path.read_bytes())
+        self.output.store.write_atomic(self.remote, self.path.read_bytes())
 
     def sample(self, final: bool = False) -> dict[str, Any]:
         """The run's counters now, cumulative since its start, and the steps since the last sample.

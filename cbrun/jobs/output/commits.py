@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cbrun.jobs.storage import join, list_files, read_files
+from cbrun.jobs.store.store import FsspecStore
 
 #: Where the records live, below the output.
 COMMITS_DIR = "_cbrun/commits"
@@ -141,10 +141,9 @@ def add_span(target: np.ndarray, record: CommitRecord, bits: bytes, within: np.n
     target[record.first_row : end] |= span
 
 
-def read_records(output: str) -> list[CommitRecord]:
+def read_records(store: FsspecStore) -> list[CommitRecord]:
     """Every commit record of an object-store output, in part-name order (the order the parts were written)."""
-    root = str(output).rstrip("/")
-    uris = list_files(str(join(root, COMMITS_DIR)))
-    found = read_files(uris)  # NOTE: concurrently: resume reads one small object per part
-    records = [replace(CommitRecord.from_json(found[uri]), name=uri[len(root) + 1 :]) for uri in uris if uri in found]
+    names = store.list(COMMITS_DIR)
+    found = store.read_many(names)  # NOTE: concurrently: resume reads one small object per part
+    records = [replace(CommitRecord.from_json(found[name]), name=name) for name in names if name in found]
     return sorted(records, key=lambda r: r.part)

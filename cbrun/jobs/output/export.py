@@ -38,9 +38,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbrun.jobs.input.openai_request import CHAT_URL, COMPLETIONS_URL
-from cbrun.jobs.output.checkpoint import Checkpoint
+from cbrun.jobs.output.output_dir import open_output
 from cbrun.jobs.output.writer import committed_parts
-from cbrun.jobs.storage import write_file
+from cbrun.jobs.store.files import write_file
 
 RESULTS_FILE = "_results.jsonl"  # "_": data-set readers skip it
 ROWS_FILE = "_output.jsonl"
@@ -61,8 +61,8 @@ def read_rows(output_dir: str | Path) -> list[dict[str, Any]]:
         ExportError: when the directory holds no job.json.
     """
     output_dir = Path(output_dir)
-    if not Checkpoint(output_dir).job_file.is_file():
-        raise ExportError(f"{str(output_dir)!r} holds no cbrun job (no {Checkpoint(output_dir).job_file.name})")
+    if open_output(output_dir).read_job_file() is None:
+        raise ExportError(f"{str(output_dir)!r} holds no cbrun job (no job.json)")
     tables = []
     for part in committed_parts(output_dir):
         table = pq.read_table(part)
@@ -107,13 +107,13 @@ def export_openai_batch(output_dir: str | Path, to: str | Path | None = None, to
             f"{str(output_dir)!r} holds a score-mode job, which has no completions to write as OpenAI "
             f"batch output; use --format jsonl"
         )
-    job_bytes = Checkpoint(output_dir).job_file.read_bytes()
+    job_bytes = open_output(output_dir).job_file_bytes() or b"{}"
     model = json.loads(job_bytes).get("model", {})
     # NOTE: a Hub model (a recorded commit) by its repo id, a directory by its name
     default_model = (model.get("path") if model.get("commit") else Path(model.get("path", "")).name) or "cbrun"
     if tokenizer is None and any(row.get("logprobs") is not None for row in rows):
         from cbrun.engine.core.tokenizer import load_tokenizer
-        from cbrun.jobs.model_source import recorded_model_path
+        from cbrun.jobs.model.source import recorded_model_path
 
         tokenizer = load_tokenizer(recorded_model_path(model))
     formatter = _ResultFormatter(hashlib.sha256(job_bytes).hexdigest(), default_model, tokenizer)
@@ -307,7 +307,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _write_lines(path: Path, lines) -> None:
-    """Write text lines to ``path`` atomically (``cbrun.jobs.storage.write_file``)."""
+    """Write text lines to ``path`` atomically (``cbrun.jobs.store.files.write_file``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(f) -> None:

@@ -13,8 +13,8 @@ What it reads:
     bytes; nothing else is read);
   - each input file: its size, its Parquet footer (schema, row groups and their column statistics: min, max, null
     count) or first 64 KiB (Arrow), and the same sampled byte ranges;
-  - a Hub model (``cbrun.jobs.model_source``): its repo id as the path, the revision asked for and the commit sha it
-    resolved to (a resume asking for the same revision runs that commit: ``cbrun.jobs.run.job.resolve_job_model``);
+  - a Hub model (``cbrun.jobs.model.source``): its repo id as the path, the revision asked for and the commit sha it
+    resolved to (a resume asking for the same revision runs that commit: ``cbrun.jobs.run.resolve.resolve_job_model``);
   - the settings that change a row's output (prompt, mode, sampling, seed, n, dtype), the cbrun version and the
     sampler's version (``cbrun.engine.config.SAMPLER_VERSION``: which token a seeded row draws);
   - with speculation on, its settings (mode, k, n-gram range, switch and row cost: they decide which proposals a
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from cbrun.engine.config import SAMPLER_VERSION, SPECULATION_RULE_VERSION
-from cbrun.jobs.storage import basename, is_uri, object_digest, parquet_footer_size
+from cbrun.jobs.store.files import basename, is_uri, object_digest, parquet_footer_size
 
 #: Files of the model directory whose bytes define the model's outputs besides the weights (hashed whole).
 MODEL_FILES = (
@@ -135,18 +135,18 @@ def model_fingerprint(model_path: str | Path) -> dict[str, Any]:
     return {"files": files, "weights": weights}
 
 
-def input_fingerprint(input_path: str | Path) -> dict[str, str]:
+def input_fingerprint(input_path: str | Path, endpoint_url: str | None = None) -> dict[str, str]:
     """{file name relative to the input path: sampled digest (Parquet: footer-led)} of the input's files; {} when
     the input cannot be listed."""
     from cbrun.jobs.input.discovery import input_file_format, list_input_files
     from cbrun.jobs.input.errors import InputError
 
     try:
-        _, paths = list_input_files(input_path)
+        kind, paths = list_input_files(input_path, endpoint_url)
     except InputError:
         return {}
-    if is_uri(input_path):
-        return object_fingerprints(str(input_path), paths)
+    if kind == "objects":
+        return object_fingerprints(str(input_path), [str(p) for p in paths], endpoint_url)
     root = Path(input_path)
     digests = {}
     for path in paths:
@@ -159,15 +159,15 @@ def input_fingerprint(input_path: str | Path) -> dict[str, str]:
     return digests
 
 
-def object_fingerprints(root: str, uris: list[str]) -> dict[str, str]:
+def object_fingerprints(root: str, uris: list[str], endpoint_url: str | None = None) -> dict[str, str]:
     """{object name relative to ``root``: digest of its size, ETag and (Parquet) footer} of input objects: an
     object's metadata stands for its bytes, so nothing but the footers is read."""
     root = root.rstrip("/")
     digests = {}
     for uri in uris:
         name = uri[len(root) + 1 :] if uri != root else basename(uri)
-        tail = parquet_footer_size(uri) if uri.lower().endswith(".parquet") else 0
-        digests[name] = object_digest(uri, tail)
+        tail = parquet_footer_size(uri, endpoint_url) if uri.lower().endswith(".parquet") else 0
+        digests[name] = object_digest(uri, tail, endpoint_url)
     return digests
 
 
@@ -183,11 +183,14 @@ def job_fingerprint(
     engine_dtype: str | None = None,
     may_sample: bool = True,
     batch_invariant: bool = False,
+    model_source=None,
 ) -> dict[str, Any]:
     """The settings and content that determine a job's outputs, as a JSON-ready dict.
 
+    Keys added in later versions are recorded only when set, so the jobs of earlier versions keep their fingerprint.
+
     Args:
-        manifest: the ``JobManifest``.
+        manifest: the ``JobManifest`` (a job's resolved one: ``cbrun.jobs.run.resolve.ResolvedJob.fingerprint``).
         num_input_rows: rows in the whole input, so that a replaced input file of another length is noticed.
         num_shards: N of a sharded run (``--shard I/N``), 1 otherwise: the split of the rows and the part names
             depend on it, so an output is continued with the same N only.
@@ -198,71 +201,102 @@ def job_fingerprint(
         batch_invariant: whether the engine runs ``engine.batch_invariant`` (resolved): recorded with the sampler
             when a row may be sampled, since a sampled row's tokens depend on it (an output is not continued in the
             other mode).
+        model_source: a Hub model's ``ModelSource`` (its repo id, revision and commit are recorded); None: a folder.
     """
+    fingerprint = {
+        "cbrun_version": cbrun_version(),
+        "model": _model_part(manifest, engine_dtype, model_source),
+        "input": _input_part(manifest.input, num_input_rows, manifest.storage.endpoint_url),
+        "sampling": _sampling_part(manifest, may_sample, batch_invariant),
+        "shards": {"count": num_shards},
+    }
+    if manifest.output.keep_columns:
+        fingerprint["output"] = {"keep_columns": list(manifest.output.keep_columns)}
+    fingerprint.update(_speculation_parts(manifest.engine))
+    # NOTE: a JSON round trip (tuples become lists) so it compares equal to the job.json it is written to.
+    return json.loads(json.dumps(fingerprint))
+
+
+def _model_part(manifest, engine_dtype: str | None, model_source) -> dict[str, Any]:
+    """The model's files and weights, the dtype it runs in, a Hub model's repo id, revision and commit, and an fp8
+    KV cache (a lossy cache changes greedy tokens too)."""
+    model = model_fingerprint(manifest.model.path)
+    part = {
+        "path": _resolved(manifest.model.path),
+        "files": model["files"],
+        "weights": model["weights"],
+        "dtype": engine_dtype or manifest.engine.dtype,
+    }
+    if model_source is not None:  # a Hub model: its repo id as the path (``ModelSource.fingerprint_fields``)
+        part.update(model_source.fingerprint_fields())
+    if manifest.engine.kv_cache_dtype != "auto":
+        part["kv_cache_dtype"] = manifest.engine.kv_cache_dtype
+    return part
+
+
+def _input_part(inp, num_input_rows: int, endpoint_url: str | None) -> dict[str, Any]:
+    """The input's files and every setting that makes a row's prompt."""
+    part = {
+        "path": _resolved(inp.path),
+        "num_rows": num_input_rows,
+        "files": input_fingerprint(inp.path, endpoint_url),
+        **{name: getattr(inp, name) for name in PROMPT_SETTINGS},
+    }
+    if inp.format != "auto":
+        part["format"] = inp.format
+    return part
+
+
+#: The ``[input]`` settings that make a row's prompt (or its candidates), recorded as they are.
+PROMPT_SETTINGS = (
+    "prompt_column",
+    "prompt_ids_column",
+    "id_column",
+    "template",
+    "mode",
+    "candidates_column",
+    "corruptions",
+    "chat",
+    "messages_column",
+    "system_prompt",
+    "per_row_settings",
+    "boundary",
+)
+
+
+def _sampling_part(manifest, may_sample: bool, batch_invariant: bool) -> dict[str, Any]:
+    """The job's sampling settings (the seed as ``job_seed``, the constraint in one spelling), and what decides a
+    sampled row's draws: the sampler's version, batch invariance, the rank count, the structured-outputs engine."""
     sampling = asdict(manifest.sampling)
     sampling.pop("seed")
     # NOTE: the constraint only when set (earlier jobs keep their fingerprint), in one spelling (a schema as text
     # or as a table is one job)
-    constraint = manifest.sampling.structured_outputs
-    sampling.pop("structured_outputs")
+    constraint = sampling.pop("structured_outputs")
     if constraint is not None:
-        sampling["structured_outputs"] = constraint.to_dict()
-    inp = manifest.input
-    model = model_fingerprint(manifest.model.path)
-    fingerprint = {
-        "cbrun_version": cbrun_version(),
-        "model": {
-            "path": _resolved(manifest.model.path),
-            "files": model["files"],
-            "weights": model["weights"],
-            "dtype": engine_dtype or manifest.engine.dtype,
-        },
-        "input": {
-            "path": _resolved(inp.path),
-            "num_rows": num_input_rows,
-            "files": input_fingerprint(inp.path),
-            "prompt_column": inp.prompt_column,
-            "prompt_ids_column": inp.prompt_ids_column,
-            "id_column": inp.id_column,
-            "template": inp.template,
-            "mode": inp.mode,
-            "candidates_column": inp.candidates_column,
-            "corruptions": inp.corruptions,
-            "chat": inp.chat,
-            "messages_column": inp.messages_column,
-            "system_prompt": inp.system_prompt,
-            "per_row_settings": inp.per_row_settings,
-            "boundary": inp.boundary,
-        },
-        "sampling": {**sampling, "job_seed": manifest.seed, "n": manifest.n},
-        "shards": {"count": num_shards},
-    }
-    # NOTE: added only when set, so the jobs of earlier versions keep their fingerprint
-    source = manifest.model.source
-    if source is not None:  # a Hub model: its repo id, revision and commit (``ModelSource.fingerprint_fields``)
-        fingerprint["model"].update(source.fingerprint_fields())
+        sampling["structured_outputs"] = manifest.sampling.structured_outputs.to_dict()
+    part = {**sampling, "job_seed": manifest.seed, "n": manifest.n}
+    engine = manifest.engine
     if may_sample:  # the random stream decides a sampled row's tokens, never a greedy row's
-        fingerprint["sampling"]["sampler"] = SAMPLER_VERSION
-        fingerprint["sampling"]["batch_invariant"] = batch_invariant
+        part["sampler"] = SAMPLER_VERSION
+        part["batch_invariant"] = batch_invariant
         # NOTE: a sampled row's logits differ in their last bits between rank counts (the all-reduce sums the
         # partial products in another order), so its draws can too; recorded only above 1 (earlier jobs unchanged)
-        if manifest.engine.tensor_parallel_size > 1:
-            fingerprint["sampling"]["tensor_parallel_size"] = manifest.engine.tensor_parallel_size
-    # NOTE: an fp8 KV cache changes greedy tokens too (a lossy cache); recorded only when set (earlier jobs unchanged)
-    if manifest.engine.kv_cache_dtype != "auto":
-        fingerprint["model"]["kv_cache_dtype"] = manifest.engine.kv_cache_dtype
-    engine = manifest.engine
+        if engine.tensor_parallel_size > 1:
+            part["tensor_parallel_size"] = engine.tensor_parallel_size
     if engine.structured_outputs_backend != "auto":  # which engine serves a schema decides its masks
-        fingerprint["sampling"]["structured_outputs_backend"] = engine.structured_outputs_backend
+        part["structured_outputs_backend"] = engine.structured_outputs_backend
     if engine.structured_outputs_ignore_formats:
-        fingerprint["sampling"]["structured_outputs_ignore_formats"] = True
-    if inp.format != "auto":
-        fingerprint["input"]["format"] = inp.format
-    if manifest.output.keep_columns:
-        fingerprint["output"] = {"keep_columns": list(manifest.output.keep_columns)}
-    engine = manifest.engine
-    if engine.speculative != "off":
-        fingerprint["speculative"] = {
+        part["structured_outputs_ignore_formats"] = True
+    return part
+
+
+def _speculation_parts(engine) -> dict[str, Any]:
+    """With speculation on, its settings (they decide which proposals a sampled row's verify steps draw against);
+    with ``speculative = "draft"`` the draft model too (its proposals and q enter every sampled row's draws)."""
+    if engine.speculative == "off":
+        return {}
+    parts: dict[str, Any] = {
+        "speculative": {
             "mode": engine.speculative,
             "num_speculative_tokens": engine.num_speculative_tokens,
             "ngram_min": engine.ngram_min,
@@ -271,15 +305,15 @@ def job_fingerprint(
             "speculative_row_cost": engine.speculative_row_cost,
             "rule": SPECULATION_RULE_VERSION,
         }
-    if manifest.engine.speculative == "draft":  # its proposals and q enter every sampled row's draws
-        draft = model_fingerprint(manifest.engine.draft_model)
-        fingerprint["draft_model"] = {
-            "path": str(Path(manifest.engine.draft_model).resolve()),
+    }
+    if engine.speculative == "draft":
+        draft = model_fingerprint(engine.draft_model)
+        parts["draft_model"] = {
+            "path": str(Path(engine.draft_model).resolve()),
             "files": draft["files"],
             "weights": draft["weights"],
         }
-    # NOTE: a JSON round trip (tuples become lists) so it compares equal to the job.json it is written to.
-    return json.loads(json.dumps(fingerprint))
+    return parts
 
 
 #: Keys that job.json files written by earlier cbrun versions lack (this version records them) or hold (this version

@@ -27,15 +27,8 @@ import threading
 import time
 
 from cbrun.jobs.output.lock import CBRUN_DIR, OutputLocked, Shard, describe_holder
-from cbrun.jobs.storage import (
-    PreconditionFailed,
-    StorageError,
-    join,
-    object_info,
-    put_object,
-    read_file,
-    remove,
-)
+from cbrun.jobs.store.files import PreconditionFailed, StorageError
+from cbrun.jobs.store.store import FsspecStore
 
 logger = logging.getLogger("cbrun")
 
@@ -51,7 +44,7 @@ class Lease:
     """An exclusive, expiring lease on one shard of an object-store output, held as a context manager.
 
     Args:
-        output: the output URI.
+        store: the output's store (it holds the endpoint).
         shard: which share of the output this process writes.
         ttl_s: seconds the lease lasts without renewal; it is renewed every ``ttl_s / 3``.
 
@@ -60,8 +53,10 @@ class Lease:
         StorageError: when the store cannot be reached.
     """
 
-    def __init__(self, output: str, shard: Shard = Shard(), ttl_s: float = DEFAULT_TTL_S):
-        self.uri = str(join(output, CBRUN_DIR, f"lease-{shard.index}-of-{shard.count}.json"))
+    def __init__(self, store: FsspecStore, shard: Shard = Shard(), ttl_s: float = DEFAULT_TTL_S):
+        self.store = store
+        self.name = f"{CBRUN_DIR}/lease-{shard.index}-of-{shard.count}.json"
+        self.uri = store.path(self.name)
         self.shard = shard
         self.ttl_s = ttl_s
         self.token = os.urandom(8).hex()
@@ -91,7 +86,7 @@ class Lease:
         assert not self.held, "lease already held"
         body, expires = self._record()
         try:
-            self._etag = put_object(self.uri, body, create_only=True)
+            self._etag = self.store.put(self.name, body, create_only=True)
         except PreconditionFailed:
             self._take_over(body)
         self._expires = expires
@@ -99,8 +94,8 @@ class Lease:
         self._thread.start()
 
     def _take_over(self, body: bytes) -> None:
-        info = object_info(self.uri)
-        current = read_holder(self.uri)
+        info = self.store.info(self.name)
+        current = read_holder(self.store, self.name)
         if info is not None and current.get("expires", 0) > time.time() and not _holder_died_here(current):
             left = current["expires"] - time.time()
             raise OutputLocked(
@@ -110,9 +105,9 @@ class Lease:
             )
         try:
             if info is None:
-                self._etag = put_object(self.uri, body, create_only=True)
+                self._etag = self.store.put(self.name, body, create_only=True)
             else:
-                self._etag = put_object(self.uri, body, if_match=info.get("ETag"))
+                self._etag = self.store.put(self.name, body, if_match=info.get("ETag"))
         except PreconditionFailed:
             raise OutputLocked(
                 f"output {self.uri.rsplit('/_cbrun/', 1)[0]!r}: another cbrun run took its expired "
@@ -125,7 +120,7 @@ class Lease:
         while not self._stop.wait(self.ttl_s / 3):
             body, expires = self._record()
             try:
-                self._etag = put_object(self.uri, body, if_match=self._etag)
+                self._etag = self.store.put(self.name, body, if_match=self._etag)
                 self._expires = expires
             except PreconditionFailed:
                 self._lost = f"another run took over the lease {self.uri}"
@@ -148,8 +143,8 @@ class Lease:
         self._thread.join()
         self._thread = None
         try:
-            if self._lost is None and read_holder(self.uri).get("token") == self.token:
-                remove(self.uri)
+            if self._lost is None and read_holder(self.store, self.name).get("token") == self.token:
+                self.store.delete(self.name)
         except StorageError as exc:  # NOTE: it expires on its own
             logger.warning("cbrun: could not delete the lease %s (it expires in %.0f s): %s", self.uri, self.ttl_s, exc)
 
@@ -161,10 +156,10 @@ class Lease:
         self.release()
 
 
-def read_holder(uri: str) -> dict:
+def read_holder(store: FsspecStore, name: str) -> dict:
     """A lease object's record ({} when absent or unreadable)."""
     try:
-        record = json.loads(read_file(uri) or b"{}")
+        record = json.loads(store.read(name) or b"{}")
     except ValueError:
         return {}
     return record if isinstance(record, dict) else {}

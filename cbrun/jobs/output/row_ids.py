@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cbrun.jobs.input.sources import iter_column_batches
-from cbrun.jobs.output.checkpoint import Checkpoint
 from cbrun.jobs.output.lock import DirectoryLock
+from cbrun.jobs.output.output_dir import open_output
 
 logger = logging.getLogger("cbrun")
 #: How many repeated ids the warning names.
@@ -51,7 +51,7 @@ def repeated_ids(reader) -> tuple[int, list[tuple[str, int]]]:
 def recorded_repeated_ids(reader, output_dir: str | Path, input_fingerprint: dict) -> tuple[int, list]:
     """``repeated_ids(reader)``, read from ``_cbrun/repeated-ids.json`` when a run of the same input (its
     fingerprint and ``num_rows``) recorded it, else counted and recorded there (atomically)."""
-    owner = Checkpoint(output_dir)
+    owner = open_output(output_dir)
     key = {"input": input_fingerprint, "num_rows": reader.num_rows}
     with DirectoryLock(output_dir):
         try:

@@ -1,6 +1,6 @@
 """``cbrun status OUT_DIR``: how far a job's output is, per shard and in total, read from the committed parts.
 
-Nothing is locked or written (a local directory or an object-store URI, ``cbrun.jobs.output.object_output``): it reads ``_cbrun/job.json``, ``_cbrun/shards.json`` (the split of the rows, written
+Nothing is locked or written (a local directory or an object-store URI, ``cbrun.jobs.output.output_dir``): it reads ``_cbrun/job.json``, ``_cbrun/shards.json`` (the split of the rows, written
 by every run), ``_cbrun/stats.json`` (the finished job's ``max_error_fraction``) and the parts' ``row_index`` and
 ``finish_reason`` columns, so it can watch running shards; which shards a live run holds now comes from the
 host's lock table (``cbrun.jobs.output.lock.held_locks``), without taking a lock. Its exit code is the one ``cbrun run`` gives
@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cbrun.jobs.output.checkpoint import OutputState
-from cbrun.jobs.output.lock import describe_holder, held_locks
-from cbrun.jobs.output.object_output import ObjectCheckpoint, output_owner
+from cbrun.jobs.output.lock import describe_holder
+from cbrun.jobs.output.output_dir import OutputState, open_output
 from cbrun.jobs.run.sharding import read_shards_file
 
-#: ``output.max_error_fraction``'s default (``cbrun.jobs.settings.OutputSettings``), for outputs whose stats lack it.
+#: ``output.max_error_fraction``'s default (``cbrun.jobs.config.settings.OutputSettings``), for outputs whose stats lack it.
 DEFAULT_MAX_ERROR_FRACTION = 0.1
 
 
@@ -73,7 +72,7 @@ def output_progress(output_dir: str | Path) -> list[ShardProgress]:
 
 def _read_progress(output_dir: str | Path) -> tuple[list[ShardProgress], OutputState]:
     """(``output_progress``, the whole output's ``OutputState``)."""
-    checkpoint = output_owner(output_dir)
+    checkpoint = open_output(output_dir)
     job = checkpoint.read_job_file()
     split = read_shards_file(checkpoint)
     if job is None:
@@ -98,8 +97,8 @@ def _read_progress(output_dir: str | Path) -> tuple[list[ShardProgress], OutputS
 def _running_lines(output_dir: str | Path, progress: list[ShardProgress], complete: bool) -> list[str]:
     """Which runs hold the output's shard locks now; for an unfinished job, how to resume what no run holds: the
     same command, or for a sharded job each unfinished shard's own ``--shard I/N`` flag."""
-    owner = output_owner(output_dir)
-    held = owner.held_locks() if isinstance(owner, ObjectCheckpoint) else held_locks(output_dir)
+    owner = open_output(output_dir)
+    held = owner.held_locks()
     if held is None:  # NOTE: no /proc/locks here: say nothing rather than guess
         return []
     lines = [f"running now: shard {shard} ({describe_holder(record)})" for shard, record in held.items()]
@@ -131,7 +130,7 @@ def status_report(output_dir: str | Path) -> tuple[str, int]:
         ValueError: when the directory holds no cbrun job.
     """
     progress, state = _read_progress(output_dir)
-    checkpoint = output_owner(output_dir)
+    checkpoint = open_output(output_dir)
     finished = checkpoint.is_finished()
     lines = [f"cbrun status: {output_dir}"] + [p.line() for p in (progress if len(progress) > 2 else progress[-1:])]
     complete = progress[-1].complete and finished

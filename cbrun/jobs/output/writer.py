@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +23,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cbrun.jobs.output.commits import read_records
 from cbrun.jobs.output.lock import Shard
-from cbrun.jobs.storage import is_uri, join, open_input, write_file
+from cbrun.jobs.store.files import write_file
 
 LOGPROB_TYPE = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
 #: A committed part: ``part-NNNNNN.parquet`` (a plain run), ``part-sIIIIofNNNN-NNNNNN.parquet`` (shard I of N of a
@@ -179,7 +178,7 @@ def committed_parts(output_dir: str | Path, shard: Shard | None = None) -> list[
 
 
 def write_part_atomically(path: Path, table: pa.Table) -> None:
-    """Write ``table`` to ``path`` whole or not at all (``cbrun.jobs.storage.write_file``: temporary file, fsync, rename,
+    """Write ``table`` to ``path`` whole or not at all (``cbrun.jobs.store.files.write_file``: temporary file, fsync, rename,
     fsync of the directory)."""
     assert PART_RE.match(path.name), path
 
@@ -204,7 +203,7 @@ class PartWriter:
     """Buffers finished rows and commits them as numbered part files.
 
     Owns the buffer and the part numbering of one output directory: numbering continues after the highest
-    committed part, so a resumed job never overwrites an earlier part. ``cbrun.jobs.output.checkpoint.Checkpoint.start`` makes
+    committed part, so a resumed job never overwrites an earlier part. ``cbrun.jobs.output.output_dir.OutputDir.start`` makes
     it; it is the directory's only appender.
 
     Args:
@@ -330,23 +329,14 @@ def conform_table(table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=schema)
 
 
-def read_output(output_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
-    """All committed rows of an output (a directory or an object-store URI) as one table, in part order (not
-    sorted by row_index): every column of the parts, the carried input columns (``output.keep_columns``)
-    included.
-
-    NOTE: ``pq.read_table(output_dir)`` reads the same rows of a finished job (it skips ``_cbrun/``, ``_SUCCESS``
-    and temporary files); this reads the committed parts alone, in commit order.
-    """
-    if is_uri(output_dir):
-        parts = [str(join(output_dir, record.part)) for record in read_records(str(output_dir))]
-    else:
-        parts = committed_parts(output_dir)
-    if not parts:
-        return OUTPUT_SCHEMA.empty_table().select(columns or OUTPUT_SCHEMA.names)
+def read_parts(parts: Iterable) -> pa.Table | None:
+    """The rows of ``parts`` (local paths, or object files opened one at a time and closed here), in order, each
+    conformed to the output schema (``conform_table``); None when there is none."""
     tables = []
     for part in parts:
-        with open_input(part) as f:
-            tables.append(conform_table(pq.read_table(f)))
-    table = pa.concat_tables(tables, promote_options="default")
-    return table.select(columns) if columns is not None else table
+        if isinstance(part, str | Path):
+            tables.append(conform_table(pq.read_table(part)))
+            continue
+        with part:
+            tables.append(conform_table(pq.read_table(part)))
+    return pa.concat_tables(tables, promote_options="default") if tables else None

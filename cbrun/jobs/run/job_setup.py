@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import PROMPT_SETTINGS_MESSAGE
 from cbrun.jobs.input.carry import carried_fields, check_kept_columns, keep_roles
 from cbrun.jobs.input.chat import check_messages_column
 from cbrun.jobs.input.errors import InputError
@@ -17,10 +19,9 @@ from cbrun.jobs.input.openai_batch import (
     is_openai_batch_input,
 )
 from cbrun.jobs.input.reader import PromptReader
-from cbrun.jobs.manifest import JobManifest
+from cbrun.jobs.model.source import ModelSource
 from cbrun.jobs.modes.generate import GenerateMode
 from cbrun.jobs.modes.scoring import Scorer, check_candidates_column
-from cbrun.jobs.settings import PROMPT_SETTINGS_MESSAGE
 
 
 def _score_mode(manifest: JobManifest, tokenizer, max_model_len: int, vocab_size: int | None) -> Scorer:
@@ -32,23 +33,27 @@ def _score_mode(manifest: JobManifest, tokenizer, max_model_len: int, vocab_size
 MODES = {"generate": GenerateMode, "score": _score_mode}
 
 
-def open_reader(manifest: JobManifest) -> PromptReader | OpenAIBatchReader:
+def open_reader(manifest: JobManifest, model: ModelSource | None = None) -> PromptReader | OpenAIBatchReader:
     """The job's reader: OpenAI batch requests (``cbrun.jobs.input.openai_batch``) or rows, reading the kept columns too.
+
+    Args:
+        model: the job's resolved model (an OpenAI batch line's default ``model`` is its name); None: the folder's.
 
     Raises:
         InputError: for a missing input, column or prompt setting, a kept column that clashes, repeated custom_ids.
     """
-    inp = manifest.input
+    inp, endpoint = manifest.input, manifest.storage.endpoint_url
     keep = manifest.output.keep_columns
     if is_openai_batch_input(inp):
-        if inp.format == "auto" and not set(REQUEST_FIELDS) <= set(input_fields(inp.path)):
+        if inp.format == "auto" and not set(REQUEST_FIELDS) <= set(input_fields(inp.path, endpoint)):
             raise InputError(PROMPT_SETTINGS_MESSAGE)
         return OpenAIBatchReader(
             inp.path,
             limit=inp.limit,
             batch_size=inp.batch_size,
             keep_columns=keep,
-            default_model=source.display_name if (source := manifest.model.source) else Path(manifest.model.path).name,
+            default_model=model.display_name if model is not None else Path(manifest.model.path).name,
+            endpoint_url=endpoint,
         )
     extra_columns = {
         role: getattr(inp, role) for role in ("candidates_column", "messages_column") if getattr(inp, role) is not None
@@ -63,6 +68,7 @@ def open_reader(manifest: JobManifest) -> PromptReader | OpenAIBatchReader:
         batch_size=inp.batch_size,
         extra_columns=extra_columns,
         per_row_settings=inp.per_row_settings and inp.mode == "generate",
+        endpoint_url=endpoint,
     )
     if inp.candidates_column is not None and not reader.no_columns_known:
         check_candidates_column(reader.schema, inp.candidates_column, inp.path)

@@ -12,18 +12,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from cbrun.jobs.config.manifest import JobManifest
 from cbrun.jobs.input.reader import PromptReader
-from cbrun.jobs.manifest import JobManifest
 from cbrun.jobs.observe.progress import JobProgress
-from cbrun.jobs.observe.timeline import TimelineRecorder, run_id, timeline_path
-from cbrun.jobs.output.checkpoint import Checkpoint
+from cbrun.jobs.observe.timeline import TimelineRecorder, run_id, timeline_name
 from cbrun.jobs.output.compact import compact_output
 from cbrun.jobs.output.fingerprint import fingerprint_differences
 from cbrun.jobs.output.lock import DirectoryLock
+from cbrun.jobs.output.output_dir import OutputDir
 from cbrun.jobs.output.row_ids import warn_repeated_ids
 from cbrun.jobs.output.writer import OUTPUT_SCHEMA, PartWriter
 from cbrun.jobs.run.heap import frozen_heap
 from cbrun.jobs.run.job_setup import MODES, model_vocab_size, output_carried_fields
+from cbrun.jobs.run.resolve import ResolvedJob
 from cbrun.jobs.run.resources import JobAborted, JobError, load_engine
 from cbrun.jobs.run.row_loop import _JobRun
 from cbrun.jobs.run.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
@@ -33,12 +34,11 @@ from cbrun.jobs.run.summary import JobSummary
 class _Job:
     """One run of a job under the output directory's lock: open the output, run the rows not done, finish."""
 
-    def __init__(
-        self, manifest: JobManifest, reader: PromptReader, checkpoint: Checkpoint, fingerprint: dict, start: float
-    ):
-        self.manifest = manifest
-        self.reader = reader
-        self.checkpoint = checkpoint
+    def __init__(self, job: ResolvedJob, fingerprint: dict, start: float):
+        self.job = job
+        self.manifest = job.manifest
+        self.reader = job.reader
+        self.checkpoint = job.output
         self.fingerprint = fingerprint
         self.start = start
 
@@ -54,7 +54,7 @@ class _Job:
         return state
 
     def start_writer(self) -> PartWriter:
-        """The output's ``PartWriter``, the directory made ready (``Checkpoint.start``); a stale results file gone."""
+        """The output's ``PartWriter``, the directory made ready (``OutputDir.start``); a stale results file gone."""
         out = self.manifest.output
         writer = self.checkpoint.start(
             self.fingerprint,
@@ -64,7 +64,7 @@ class _Job:
             carried_fields=output_carried_fields(self.manifest, self.reader),
         )
         self.write_shards_file()  # again: --overwrite cleared the directory's cbrun files
-        remove_stale_results(self.manifest)
+        remove_stale_results(self.manifest, self.checkpoint)
         return writer
 
     def clears_at_start(self) -> bool:
@@ -90,7 +90,8 @@ class _Job:
             "engine": engine_config,
         }
         return TimelineRecorder(
-            timeline_path(self.checkpoint.cbrun_dir, run, self.timeline_part),
+            self.checkpoint,
+            timeline_name(run, self.timeline_part),
             engine,
             lambda: (summary.num_rows, summary.num_errors),
             interval,
@@ -112,8 +113,11 @@ class _Job:
             self.fingerprint, {**summary.as_dict(), "num_rows_in_output": summary.num_skipped + summary.num_rows}
         )
 
-    def run(self, engine, engine_config, tokenizer, progress: bool, retry_errors: bool) -> JobSummary:
+    def run(self, engine, progress: bool, retry_errors: bool) -> JobSummary:
+        """Open the output, run the rows not done (on ``engine`` when given, else on one loaded here, or on Ray),
+        finish; returns the run's summary."""
         manifest, checkpoint, overwrite = self.manifest, self.checkpoint, self.manifest.output.overwrite
+        engine_config, tokenizer = self.job.engine, self.job.tokenizer
         try:
             state = self.open(retry_errors)
         except ValueError as exc:  # FingerprintMismatch included
@@ -220,6 +224,7 @@ class _Job:
                     writer,
                     lambda rows: (on_rows(rows), bar.row_finished(rows)),
                     commit_output,
+                    self.job.model,
                 )
         except KeyboardInterrupt as exc:
             writer.commit()
@@ -246,13 +251,11 @@ class _ShardJob(_Job):
     """One run of shard I of N (``cbrun.jobs.run.sharding``): its rows only, under its own lock; the steps that touch the
     whole directory under ``DirectoryLock``; ``_SUCCESS`` only once every shard's rows are committed."""
 
-    def __init__(
-        self, manifest: JobManifest, reader: PromptReader, checkpoint: Checkpoint, fingerprint: dict, start: float
-    ):
-        super().__init__(manifest, reader, checkpoint, fingerprint, start)
-        self.shard = checkpoint.lock.shard
-        self.ranges = shard_ranges(unit_starts(reader), reader.num_rows, self.shard.count)
-        self.within = shard_mask(reader.num_rows, self.ranges[self.shard.index])
+    def __init__(self, job: ResolvedJob, fingerprint: dict, start: float):
+        super().__init__(job, fingerprint, start)
+        self.shard = job.shard
+        self.ranges = shard_ranges(unit_starts(job.reader), job.reader.num_rows, self.shard.count)
+        self.within = shard_mask(job.reader.num_rows, self.ranges[self.shard.index])
         self.timeline_part = f"shard-{self.shard.index}-of-{self.shard.count}"
 
     def open(self, retry_errors: bool):
@@ -321,12 +324,12 @@ def write_results_file(manifest: JobManifest, tokenizer=None, only_if_missing: b
         export_openai_batch(manifest.output.path, tokenizer=tokenizer)
 
 
-def remove_stale_results(manifest: JobManifest) -> None:
+def remove_stale_results(manifest: JobManifest, output: OutputDir) -> None:
     """Remove a ``_results.jsonl`` the run will write again, so that no stale one sits beside new parts."""
     from cbrun.jobs.output.export import RESULTS_FILE
 
     if manifest.output.format == "openai-batch":
-        (Path(manifest.output.path) / RESULTS_FILE).unlink(missing_ok=True)
+        output.store.delete(RESULTS_FILE)
 
 
 def expected_requests(manifest: JobManifest, reader, done: np.ndarray) -> int | None:

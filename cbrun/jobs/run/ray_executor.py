@@ -10,7 +10,7 @@ a single-process run does; only the reading and the engine work move out::
         |                                        runs the rows of all its batches together (jobs.run.replica)
     iter_batches --> driver: PartWriter.add_group per input row (temp file + rename, as ever)
 
-On an object-store output the replicas commit their own parts instead (``cbrun.jobs.output.object_output.commit_span``: the part
+On an object-store output the replicas commit their own parts instead (``cbrun.jobs.output.object_parts.commit_span``: the part
 under the replica's attempt name, then the span's commit record, create-only, so one attempt per span wins) and send
 the driver only the rows' counts; the driver hands out spans, holds the lease, counts, and writes ``_SUCCESS``.
 
@@ -92,8 +92,10 @@ def replica_resources(cluster, engine_config) -> tuple[float, float, int]:
     A replica of ``tensor_parallel_size = N`` ranks is one actor whose ranks 1..N-1 are its own processes
     (``cbrun.engine.worker.tp_group``), so the actor reserves every rank's share: N x ``num_gpus_per_replica``
     (None: 1 per rank on CUDA, 0 on the CPU) and N x ``num_cpus_per_replica``. Ray places one actor's resources on
-    one node, so the N ranks are on one node, as a ``STRICT_PACK`` placement group of N bundles would place them;
-    the ranks see the actor's ``CUDA_VISIBLE_DEVICES`` and rank r takes its r-th device.
+    one node, so the N ranks are on one node; the ranks see the actor's ``CUDA_VISIBLE_DEVICES`` (its N GPUs) and
+    rank r takes its r-th device. NOTE: not a placement group of N one-GPU bundles, which would give the actor's
+    subprocesses one GPU or none (Ray Data LLM reserves as here for vLLM's multiprocessing executor, whose TP
+    workers are subprocesses too; docs/running.md, "Tensor-parallel replicas").
 
     Raises:
         ValueError: on CUDA, fewer than one GPU per rank of a tensor-parallel replica (each rank needs its own).
@@ -112,7 +114,7 @@ def replica_resources(cluster, engine_config) -> tuple[float, float, int]:
 
 
 def output_batches(
-    manifest, engine_config, spans: list[tuple[int, int]], commit_output: str | None = None
+    manifest, engine_config, spans: list[tuple[int, int]], commit_output: str | None = None, model_source=None
 ) -> Iterator[pa.Table]:
     """Run the spans through ``cluster.num_replicas`` replicas; yield their output tables as they stream back."""
     import ray.data
@@ -149,13 +151,14 @@ def output_batches(
             "num_threads": num_threads,
             "max_concurrent_batches": per_replica,
             "commit_output": commit_output,
+            "model_source": model_source,
         },
     )
     yield from outputs.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
 
 
 def run_on_ray(
-    manifest, engine_config, done: np.ndarray, writer, on_group, commit_output: str | None = None
+    manifest, engine_config, done: np.ndarray, writer, on_group, commit_output: str | None = None, model_source=None
 ) -> dict[str, int]:
     """Compute the rows not ``done`` on Ray replicas and hand each row's output rows to ``on_group`` once.
 
@@ -167,6 +170,7 @@ def run_on_ray(
         on_group: called with each input row's output rows, in the order they come back.
         commit_output: an object-store output: each replica commits its batches' parts there itself
             (``cbrun.jobs.run.replica``), and ``on_group`` gets the rows without their completions, to count them.
+        model_source: the model the driver resolved (``ResolvedJob.model``): a replica runs the same commit.
 
     Returns:
         The replicas' counters: ``num_row_steps_shared_across_batches``, the forward passes of the rows written in
@@ -177,7 +181,7 @@ def run_on_ray(
     waiting: dict[int, list[dict]] = {}
     num_shared = 0
     spans = pending_spans(done, manifest.cluster.batch_size)
-    for table in output_batches(manifest, engine_config, spans, commit_output):
+    for table in output_batches(manifest, engine_config, spans, commit_output, model_source):
         sizes = table.column(GROUP_SIZE_COLUMN).to_pylist()
         shared = table.column(SHARED_STEPS_COLUMN).to_pylist()
         records = table.drop_columns([GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN]).to_pylist()

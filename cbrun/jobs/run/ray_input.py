@@ -90,10 +90,8 @@ _READERS: dict[str, object] = {}  # the [input] settings -> their reader, per wo
 
 def _reader(manifest):
     """The job's reader, opened once per worker process (its footers and schema are read once, not per span)."""
-    from cbrun.jobs import storage
     from cbrun.jobs.run.job_setup import open_reader
 
-    storage.configure(manifest.storage.endpoint_url)  # NOTE: an object-store input is read here, in the worker
     key = repr(manifest.input) + repr(manifest.output.keep_columns)
     if key not in _READERS:
         _READERS.clear()

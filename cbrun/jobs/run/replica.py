@@ -31,10 +31,9 @@ from dataclasses import dataclass, field, replace
 import pyarrow as pa
 
 from cbrun.engine.worker.tp_group import TensorParallelError
-from cbrun.jobs.input.carry import carried_values
 from cbrun.jobs.input.reader import InputRow
-from cbrun.jobs.modes.ordering import order_by_prefix
 from cbrun.jobs.output.writer import OUTPUT_SCHEMA, OutputRow, rows_to_table
+from cbrun.jobs.run.row_driver import RowDriver
 
 logger = logging.getLogger("cbrun")
 
@@ -52,7 +51,6 @@ class _Batch:
 
     future: Future
     groups: list[list[OutputRow]] = field(default_factory=list)
-    carried: dict[int, dict] = field(default_factory=dict)  # row index -> its carried input column values
     num_running: int = 0  # rows whose requests are not all back
     shared_steps: dict[int, int] = field(default_factory=dict)  # row index -> steps shared with another batch
 
@@ -60,8 +58,9 @@ class _Batch:
 class BatchLoop:
     """The engine thread of a replica: batches of input rows in, each batch's output table out when it is done.
 
-    Owns the engine, the job's mode and every batch it was given; nothing else touches them, so the engine and
-    the mode need no locks. ``submit`` is the only entry, safe from any thread.
+    Owns the engine, the job's mode (through a ``RowDriver``, as the single-process loop) and every batch it was
+    given; nothing else touches them, so the engine and the mode need no locks. ``submit`` is the only entry, safe
+    from any thread.
 
     Args:
         engine: the replica's ``LLMEngine``.
@@ -81,9 +80,9 @@ class BatchLoop:
     def __init__(self, engine, make_mode, schema: pa.Schema, order_window: int, max_in_flight: int):
         self.engine = engine
         self.make_mode = make_mode
-        self.mode = make_mode()
-        self.schema = schema
         self.order_window = order_window
+        self.driver = RowDriver(make_mode(), order_window)
+        self.schema = schema
         self.max_in_flight = max_in_flight
         self.num_steps = 0
         self.num_shared_steps = 0
@@ -147,15 +146,14 @@ class BatchLoop:
         batch = _Batch(future)
         work = []
         for row in rows:
-            batch.carried[row.row_index] = carried_values(row)
-            prepared = self.mode.prepare(row)
+            prepared = self.driver.prepare(row)
             if isinstance(prepared, OutputRow):
                 batch.groups.append([prepared])
             else:
                 work.append(prepared)
                 self._batch_of[row.row_index] = batch
                 batch.num_running += 1
-        for item in order_by_prefix(work, key=lambda w: w.prompt_token_ids, window=self.order_window):
+        for item in self.driver.ordered(work):
             self._requests.extend(item.requests)
         self._maybe_finish(batch)
 
@@ -165,7 +163,7 @@ class BatchLoop:
             self._num_in_engine += 1
 
     def _collect(self, output) -> None:
-        rows = self.mode.collect(output)
+        rows = self.driver.collect(output)
         if rows is None:
             return
         batch = self._batch_of.pop(rows[0].row_index)
@@ -176,9 +174,6 @@ class BatchLoop:
     def _maybe_finish(self, batch: _Batch) -> None:
         if batch.num_running:
             return
-        for group in batch.groups:
-            for row in group:
-                row.carried = batch.carried.get(row.row_index, {})
         self.num_rows_done += len(batch.groups)
         self.num_error_rows += sum(row.finish_reason == "error" for group in batch.groups for row in group)
         table = rows_to_table([row for group in batch.groups for row in group], self.schema)
@@ -211,7 +206,7 @@ class BatchLoop:
         self._batch_of.clear()
         self._requests.clear()
         self._num_in_engine = 0
-        self.mode = self.make_mode()
+        self.driver = RowDriver(self.make_mode(), self.order_window)
 
 
 class Replica:
@@ -223,25 +218,35 @@ class Replica:
         num_threads: torch threads of this replica.
         max_concurrent_batches: batches this replica runs at once (``cluster.max_concurrent_batches``).
         commit_output: an object-store output URI: the replica commits each batch's rows there itself
-            (``cbrun.jobs.output.object_output.commit_span``) and returns only their counts (``slim_table``); None: it returns
+            (``cbrun.jobs.output.object_parts.commit_span``) and returns only their counts (``slim_table``); None: it returns
             the rows, and the driver writes them.
+        model_source: the model the driver resolved (``cbrun.jobs.run.resolve.ResolvedJob.model``); None: the
+            folder ``manifest.model.path``.
     """
 
     def __init__(
-        self, manifest, engine_config, num_threads: int, max_concurrent_batches: int, commit_output: str | None = None
+        self,
+        manifest,
+        engine_config,
+        num_threads: int,
+        max_concurrent_batches: int,
+        commit_output: str | None = None,
+        model_source=None,
     ):
         import torch
 
-        from cbrun.jobs import storage
-        from cbrun.jobs.model_source import worker_model_path
+        from cbrun.jobs.model.source import worker_model_path
         from cbrun.jobs.output.commits import new_attempt
+        from cbrun.jobs.output.output_dir import open_output
         from cbrun.jobs.run.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
         from cbrun.jobs.run.resources import load_engine, load_tokenizer
+        from cbrun.jobs.store.store import FsspecStore
 
         torch.set_num_threads(num_threads)
         # NOTE: a Hub model at the commit the driver resolved, from this machine's cache when the driver's is not here
-        manifest.model.path = worker_model_path(manifest.model.source, manifest.model.path)
-        self.reader = open_reader(manifest)
+        model_path = worker_model_path(model_source, manifest.model.path, manifest.storage.endpoint_url)
+        manifest = replace(manifest, model=replace(manifest.model, path=model_path))
+        self.reader = open_reader(manifest, model_source)
         # NOTE: the replica's CPUs set its threads; engine.num_threads ("auto": every core) would oversubscribe them
         engine = load_engine(manifest.model.path, replace(engine_config, num_threads=num_threads))
         tokenizer = load_tokenizer(manifest.model.path, loader=engine_config.loader)
@@ -258,8 +263,11 @@ class Replica:
         )
         self.max_concurrent_batches = max_concurrent_batches
         self._slots: asyncio.Semaphore | None = None
-        storage.configure(manifest.storage.endpoint_url)
-        self.commit_output = commit_output
+        # NOTE: the job's output, over a store with the job's endpoint: the replica's timeline, and its parts when
+        # it commits them itself
+        self.output = open_output(manifest.output.path, endpoint_url=manifest.storage.endpoint_url)
+        store = self.output.store
+        self.commit_store = store if commit_output is not None and isinstance(store, FsspecStore) else None
         self.attempt = new_attempt()  # NOTE: this replica's own part names; a restarted replica gets another
         self._num_parts = 0
         self.timeline = self._open_timeline(manifest, engine, engine_config)
@@ -267,8 +275,7 @@ class Replica:
     def _open_timeline(self, manifest, engine, engine_config):
         """This replica's own timeline in the output's ``_cbrun/`` (``cbrun.jobs.observe.timeline``), sampled on the engine thread;
         None when ``output.timeline_interval_s`` is 0."""
-        from cbrun.jobs import storage
-        from cbrun.jobs.observe.timeline import TimelineRecorder, run_id, timeline_path
+        from cbrun.jobs.observe.timeline import TimelineRecorder, run_id, timeline_name
 
         interval = manifest.output.timeline_interval_s
         if not interval:
@@ -276,7 +283,8 @@ class Replica:
         run, part = run_id(), f"replica-{os.getpid()}"
         loop = self.loop
         recorder = TimelineRecorder(
-            timeline_path(storage.join(manifest.output.path, "_cbrun"), run, part),
+            self.output,
+            timeline_name(run, part),
             engine,
             lambda: (loop.num_rows_done, loop.num_error_rows),
             interval,
@@ -295,13 +303,13 @@ class Replica:
 
         async with self._slots:
             table = await asyncio.wrap_future(self.loop.submit(list(input_rows(self.reader, batch))))
-        if self.commit_output is None or not table.num_rows:
+        if self.commit_store is None or not table.num_rows:
             return table
-        from cbrun.jobs.output.object_output import commit_span
+        from cbrun.jobs.output.object_parts import commit_span
 
         seq, self._num_parts = self._num_parts, self._num_parts + 1
         parts = table.drop_columns([GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN])
-        await asyncio.to_thread(commit_span, self.commit_output, parts, self.attempt, seq)
+        await asyncio.to_thread(commit_span, self.commit_store, parts, self.attempt, seq)
         return slim_table(table)
 
 

@@ -2,7 +2,7 @@
 ``JobError`` (the CLI's exit code 2) whose message says what to fix.
 
 The input and its columns are checked by ``cbrun.jobs.input.reader`` (``InputError``), the output directory by
-``cbrun.jobs.output.checkpoint`` and ``cbrun.jobs.output.lock``; here: the model directory (config and weights), the tokenizer, the device
+``cbrun.jobs.output.output_dir``; here: the model directory (config and weights), the tokenizer, the device
 and the engine's load.
 """
 

@@ -4,17 +4,14 @@ the ``JobSummary`` as it goes."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from cbrun.jobs.input.carry import carried_values
 from cbrun.jobs.input.reader import PromptReader
 from cbrun.jobs.modes.mode import JobMode
-from cbrun.jobs.modes.ordering import order_by_prefix
 from cbrun.jobs.observe.progress import JobProgress
 from cbrun.jobs.observe.timeline import TimelineRecorder, step_listeners
 from cbrun.jobs.output.writer import OutputRow, PartWriter
+from cbrun.jobs.run.row_driver import RowDriver
 from cbrun.jobs.run.summary import JobSummary
 
 
@@ -32,17 +29,17 @@ class _JobRun:
         max_in_flight: int,
         timeline: TimelineRecorder | None = None,
     ):
-        self.mode = mode
+        #: rows through the mode (None: a counter of rows a Ray replica ran, ``tally`` / ``count`` only)
+        self.driver = RowDriver(mode, order_window) if mode is not None else None
         self.timeline = timeline
         self.engine = engine
         self.writer = writer
         self.summary = summary
-        self.order_window = order_window
         self.max_in_flight = max_in_flight
         self.progress: JobProgress | None = None
-        self.carried: dict[int, dict[str, Any]] = {}  # row index -> carried column values, until written
 
     def run(self, reader: PromptReader, done: np.ndarray, progress: bool) -> None:
+        assert self.driver is not None, "a counter runs no rows"
         stats = self.engine.stats
         self.processed_at_start = stats.num_computed_tokens + stats.num_cached_prompt_tokens
         self.generated_at_start = stats.num_generated_tokens
@@ -51,10 +48,10 @@ class _JobRun:
             self.engine.step_listener = step_listeners(self.progress.on_step, timeline and timeline.on_step)
             try:
                 for output in self.engine.generate(self._requests(reader, done), max_in_flight=self.max_in_flight):
-                    rows = self.mode.collect(output)
+                    rows = self.driver.collect(output)
                     if rows is not None:
                         self._finish(rows)
-                assert not self.mode.num_in_flight, f"{self.mode.num_in_flight} rows never finished"
+                assert not self.driver.num_in_flight, f"{self.driver.num_in_flight} rows never finished"
             finally:
                 # NOTE: rows already finished are committed even when the run is interrupted (Ctrl-C).
                 self.engine.step_listener = None
@@ -72,15 +69,15 @@ class _JobRun:
 
     def _requests(self, reader: PromptReader, done: np.ndarray):
         """The requests of the rows not done, in prefix-aware order (``input.order_window``), a row's together."""
-        work = order_by_prefix(self._row_work(reader, done), key=lambda w: w.prompt_token_ids, window=self.order_window)
-        for item in work:
+        assert self.driver is not None
+        for item in self.driver.ordered(self._row_work(reader, done)):
             yield from item.requests
 
     def _row_work(self, reader: PromptReader, done: np.ndarray):
         """Each good row's requests as a ``RowWork``; bad rows go to the writer as error rows on the spot."""
+        assert self.driver is not None
         for row in reader.iter_rows(done):
-            self.carried[row.row_index] = carried_values(row)
-            work = self.mode.prepare(row)
+            work = self.driver.prepare(row)
             if isinstance(work, OutputRow):
                 self.progress.eta.add_error_row()
                 self._finish([work])
@@ -92,9 +89,6 @@ class _JobRun:
 
     def _finish(self, rows: list[OutputRow]) -> None:
         """Hand one input row's output rows (its samples) to the writer as one group, and count them."""
-        carried = self.carried.pop(rows[0].row_index, {})
-        for row in rows:
-            row.carried = carried
         self.count(rows)
         self.progress.row_finished(rows)
 

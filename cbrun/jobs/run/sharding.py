@@ -70,7 +70,7 @@ def shard_mask(num_rows: int, row_range: tuple[int, int]) -> np.ndarray:
 
 
 def write_shards_file(owner, count: int, num_rows: int, ranges: list[tuple[int, int]]) -> None:
-    """Record the split in ``_cbrun/shards.json`` through the output's owner (``cbrun.jobs.output.object_output.output_owner``),
+    """Record the split in ``_cbrun/shards.json`` through the output's owner (``cbrun.jobs.output.output_dir.OutputDir``),
     for ``cbrun status``."""
     owner.write_meta(SHARDS_FILE, {"count": count, "num_rows": num_rows, "ranges": [list(r) for r in ranges]})
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from cbrun.jobs import storage
+from cbrun.jobs.store import files as storage
 
 
 class Store(Protocol):
@@ -56,7 +57,7 @@ class Store(Protocol):
 class LocalStore:
     """A ``Store`` over a local directory (created on the first write).
 
-    ``write_atomic`` is ``cbrun.jobs.storage.write_file`` (temporary file, fsync, rename, directory fsync);
+    ``write_atomic`` is ``cbrun.jobs.store.files.write_file`` (temporary file, fsync, rename, directory fsync);
     ``put_if_absent`` writes a temporary file (fsynced, named as ``write_file``'s) and hard-links it to the name, which fails when the name exists: the file appears whole or not
     at all.
     """
@@ -120,8 +121,8 @@ class FsspecStore:
     """A ``Store`` over an object-store prefix (``s3://bucket/prefix``, ``gs://...``) through fsspec.
 
     Every write is one PUT of the whole object (an object appears whole or not at all); ``put_if_absent`` is S3's
-    ``If-None-Match: *`` (``cbrun.jobs.storage.put_object``). Calls are retried on transient errors
-    (``cbrun.jobs.storage.retried``). ``append`` reads the object and writes it back whole: object stores have no
+    ``If-None-Match: *`` (``cbrun.jobs.store.files.put_object``). Calls are retried on transient errors
+    (``cbrun.jobs.store.files.retried``). ``append`` reads the object and writes it back whole: object stores have no
     append, so it is for a log that only one writer (the lease holder) writes.
 
     Args:
@@ -178,9 +179,44 @@ class FsspecStore:
     def append(self, name: str, data: bytes) -> None:
         self.write_atomic(name, (self.read(name) or b"") + data)
 
+    # ---- what the object-store commit protocol needs beyond ``Store`` (``cbrun.jobs.output.object_parts``) ----
+    def put(self, name: str, data: bytes, *, create_only: bool = False, if_match: str | None = None) -> str | None:
+        """One conditional PUT (``cbrun.jobs.store.files.put_object``); returns the new ETag when the store says it.
+
+        Raises:
+            PreconditionFailed: when the condition does not hold.
+        """
+        return storage.put_object(self.path(name), data, create_only=create_only, if_match=if_match, fs=self._fs)
+
+    def info(self, name: str) -> dict[str, Any] | None:
+        """The object's metadata (``size``, ``ETag``, ...); None when it does not exist."""
+        key = self._key_of(name)
+        self._fs.invalidate_cache(key)
+        try:
+            info: dict[str, Any] = storage.retried(f"looking up {self.path(name)}", lambda: self._fs.info(key))
+        except FileNotFoundError:
+            return None
+        return info
+
+    def open(self, name: str) -> Any:
+        """A seekable binary file over the object (read by ranges, as the reader asks)."""
+        key = self._key_of(name)
+        return storage.retried(f"opening {self.path(name)}", lambda: self._fs.open(key, "rb"))
+
+    def read_many(self, names: Sequence[str]) -> dict[str, bytes]:
+        """The bytes of many objects, fetched concurrently (fsspec's async ``cat``), by name; missing ones left out."""
+        if not names:
+            return {}
+        keys = {self._key_of(name): name for name in names}
+        found = storage.retried(
+            f"reading {len(names)} objects of {self.root}", lambda: self._fs.cat(list(keys), on_error="omit")
+        )
+        by_key = {key.removeprefix(f"{self._scheme}://"): data for key, data in found.items()}
+        return {keys[key]: data for key, data in by_key.items() if key in keys}
+
 
 def open_store(root: str | Path, endpoint_url: str | None = None) -> LocalStore | FsspecStore:
-    """The store of ``root``: the one place a path is classified (``cbrun.jobs.storage.is_uri``).
+    """The store of ``root``: the one place a path is classified (``cbrun.jobs.store.files.is_uri``).
 
     Args:
         root: a local directory, a ``file://`` URI, or an object-store URI.

@@ -3,7 +3,7 @@
 ``resolve_model`` decides which, once, where ``model.path`` enters the job, and returns a ``ModelSource``: the
 directory on this machine that every later step reads (config, tokenizer, weights), and for a Hub id the commit sha
 the revision resolved to. The rule (vLLM's and transformers' too): an existing local path is a directory; an
-object-store URI is copied by ``cbrun.jobs.storage_cache``; anything else of the form ``ORG/NAME`` is a Hub repo id.
+object-store URI is copied by ``cbrun.jobs.store.cache``; anything else of the form ``ORG/NAME`` is a Hub repo id.
 
 A Hub model is read from the Hugging Face cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
 ``~/.cache/huggingface/hub``: the ``models--ORG--NAME/{blobs,refs,snapshots}`` layout) through
@@ -27,26 +27,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from cbrun.jobs.storage import is_uri
-from cbrun.jobs.storage_cache import local_model
+from cbrun.jobs.output.fingerprint import MODEL_FILES
+from cbrun.jobs.store.cache import local_model
+from cbrun.jobs.store.files import is_uri
 
 logger = logging.getLogger("cbrun")
 
-#: The files of a Hub repo that cbrun reads (``huggingface_hub`` fnmatch patterns; ``*`` matches ``/`` too).
+#: The files of a Hub repo that cbrun reads (``huggingface_hub`` fnmatch patterns; ``*`` matches ``/`` too): the
+#: files the fingerprint hashes whole (but the index of ``.bin`` weights, which cbrun does not download), the extra
+#: chat templates, and the safetensors weights.
 HUB_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
+    *(name for name in MODEL_FILES if name != "pytorch_model.bin.index.json"),
     "additional_chat_templates/*.jinja",
-    "model.safetensors.index.json",
     "*.safetensors",
 )
 #: NOTE: the loader reads the top folder's weights only; some repos carry a second copy in a subfolder
@@ -117,7 +109,12 @@ def hub_offline() -> bool:
 
 
 def resolve_model(
-    name: str, revision: str | None = None, *, pinned_commit: str | None = None, progress: bool = True
+    name: str,
+    revision: str | None = None,
+    *,
+    pinned_commit: str | None = None,
+    progress: bool = True,
+    endpoint_url: str | None = None,
 ) -> ModelSource:
     """Find the model ``name`` names on this machine, downloading a Hub model's files when the cache lacks them.
 
@@ -127,6 +124,7 @@ def resolve_model(
         pinned_commit: the commit this job started at (a resume, another shard): used instead of resolving
             ``revision`` again, so one output never mixes two commits.
         progress: show huggingface_hub's download progress bars.
+        endpoint_url: an object-store model's S3 endpoint (the job's ``[storage] endpoint_url``).
 
     Returns:
         The ``ModelSource``; a local directory is returned as given (its checks come later, in
@@ -146,7 +144,7 @@ def resolve_model(
                 f"{name!r} is a {'URI' if is_uri(name) else 'local directory'}; drop --revision, or give a Hub "
                 f"id (ORG/NAME)"
             )
-        return ModelSource(name=name, local_path=local_model(name))
+        return ModelSource(name=name, local_path=local_model(name, endpoint_url))
     return resolve_hub_model(name, revision, pinned_commit=pinned_commit, progress=progress)
 
 
@@ -191,7 +189,7 @@ def recorded_commit(recorded: dict | None, repo_id: str, revision: str | None) -
     return commit if isinstance(commit, str) and _COMMIT_RE.fullmatch(commit) else None
 
 
-def worker_model_path(source: ModelSource | None, path: str) -> str:
+def worker_model_path(source: ModelSource | None, path: str, endpoint_url: str | None = None) -> str:
     """The model directory on a worker (a Ray replica) given the driver's ``ModelSource`` and ``model.path``: the
     driver's folder when this machine has it; else a Hub model's commit the driver resolved, from this machine's
     cache (downloaded when missing), or a URI's copy in this machine's ``$CBRUN_CACHE``.
@@ -205,7 +203,7 @@ def worker_model_path(source: ModelSource | None, path: str) -> str:
         return resolve_hub_model(
             source.repo_id, source.revision, pinned_commit=source.commit, progress=False
         ).local_path
-    return local_model(source.name) if is_uri(source.name) else path
+    return local_model(source.name, endpoint_url) if is_uri(source.name) else path
 
 
 def recorded_model_path(model: dict) -> str:
@@ -284,26 +282,21 @@ def _hub_error_message(
     if pinned is None:
         what = f"model {repo_id!r} at revision {revision!r}"
     restart = "; or rerun with --overwrite to start the job over at the revision's newest commit" if pinned else ""
+    # NOTE: "unset HF_HUB_OFFLINE" only where it is set; without it, the way to fill the cache from a machine that
+    # reaches the Hub.
+    fill = (
+        "download it once with network access (unset HF_HUB_OFFLINE)"
+        if offline
+        else f"fill {cache} where the Hub can be reached (hf download {repo_id} --revision {pinned or revision} "
+        f"--cache-dir {cache}) and copy it here"
+    )
     if isinstance(exc, IncompleteSnapshotError):
         return (
-            f"{what}: the cached snapshot in {exc.snapshot_path} is incomplete (an interrupted download); rerun "
-            f"with network access (HF_HUB_OFFLINE unset) to complete it"
+            f"{what}: the cached snapshot in {exc.snapshot_path} is incomplete (an interrupted download); "
+            f"{fill} to complete it"
         )
     if isinstance(exc, LocalEntryNotFoundError):
-        folder = _repo_folder(repo_id, cache)
-        if offline:
-            reason = "HF_HUB_OFFLINE=1 forbids downloading it"
-        else:
-            reason = "the Hugging Face Hub could not be reached"
-        held = _cached_revisions(folder)
-        found = f" (it holds {repo_id!r} at {held})" if held else ""
-        # A mistyped relative folder ("models/nope") is also a valid repo id: say that neither was found.
-        local = "" if pinned else f"there is no local directory {repo_id!r} (in {Path.cwd()}), and "
-        return (
-            f"{local}{what} is not in the Hugging Face cache at {cache}{found}, and {reason}; download it once with network "
-            f"access (unset HF_HUB_OFFLINE), point HF_HOME or HF_HUB_CACHE at the cache that holds it, or give a "
-            f"local model directory{restart}"
-        )
+        return _not_in_cache_message(what, repo_id, pinned, cache, offline, fill) + restart
     if isinstance(exc, GatedRepoError):
         return (
             f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms on its page "
@@ -319,6 +312,23 @@ def _hub_error_message(
     if isinstance(exc, HFValidationError):
         return f"model.path {repo_id!r} is neither a local directory nor a valid Hub repo id: {exc}"
     return None
+
+
+def _not_in_cache_message(what: str, repo_id: str, pinned: str | None, cache: Path, offline: bool, fill: str) -> str:
+    """The model is not in the cache and cannot be downloaded: offline, or the Hub out of reach (``fill``: how to
+    fill the cache)."""
+    if offline:
+        reason = "HF_HUB_OFFLINE=1 forbids downloading it"
+    else:
+        reason = "the Hugging Face Hub could not be reached (HF_HUB_OFFLINE is not set)"
+    held = _cached_revisions(_repo_folder(repo_id, cache))
+    found = f" (it holds {repo_id!r} at {held})" if held else ""
+    # A mistyped relative folder ("models/nope") is also a valid repo id: say that neither was found.
+    local = "" if pinned else f"there is no local directory {repo_id!r} (in {Path.cwd()}), and "
+    return (
+        f"{local}{what} is not in the Hugging Face cache at {cache}{found}, and {reason}; {fill}, point HF_HOME or "
+        f"HF_HUB_CACHE at the cache that holds it, or give a local model directory"
+    )
 
 
 def _cached_revisions(folder: Path) -> str:

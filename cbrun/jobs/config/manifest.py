@@ -16,14 +16,14 @@ A manifest has six sections, all optional in the file (a key may come from ``--s
                 keep_columns, max_error_fraction, timeline_interval_s, row_timings, compact, target_file_mb
     [cluster]   executor ("local" or "ray"), num_replicas, num_gpus_per_replica, num_cpus_per_replica, batch_size,
                 max_concurrent_batches, address (``cbrun.jobs.run.ray_executor``)
-    [storage]   endpoint_url (an S3-compatible endpoint, over ``AWS_ENDPOINT_URL``; ``cbrun.jobs.storage``)
+    [storage]   endpoint_url (an S3-compatible endpoint, over ``AWS_ENDPOINT_URL``; ``cbrun.jobs.store.files``)
 
 NOTE: relative paths (model, input, output) resolve against the current working directory of the ``cbrun``
 process, not against the manifest's directory, so the same manifest behaves the same as flags given on the command
 line. Run ``cbrun`` from the directory the manifest's paths are written for (the repository root for ours).
 
-Section settings live in ``cbrun.jobs.settings``; ``--set`` values and command-line text are read by ``cbrun.jobs.cli_values``;
-``cbrun.jobs.model_defaults`` takes unset sampling settings from the model's generation_config.json.
+Section settings live in ``cbrun.jobs.config.settings``; ``--set`` values and command-line text are read by ``cbrun.jobs.cli.values``;
+``cbrun.jobs.model.defaults`` takes unset sampling settings from the model's generation_config.json.
 """
 
 from __future__ import annotations
@@ -36,8 +36,15 @@ from typing import Any
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import VLLM_ALIASES, SamplingParams, canonical_name
-from cbrun.jobs.cli_values import parse_set
-from cbrun.jobs.settings import ClusterSettings, InputSettings, ModelSettings, OutputSettings, StorageSettings, is_int
+from cbrun.jobs.cli.values import parse_set
+from cbrun.jobs.config.settings import (
+    ClusterSettings,
+    InputSettings,
+    ModelSettings,
+    OutputSettings,
+    StorageSettings,
+    is_int,
+)
 
 SECTIONS = ("model", "input", "sampling", "engine", "output", "cluster", "storage")
 
@@ -52,7 +59,7 @@ class JobManifest:
         n: samples per row (``[sampling] n``), each written as its own output row with a ``sample_index``; a row's
             ``n`` column overrides it. Sample i's seed derives from (seed, row id, i).
         sampling_set: the ``[sampling]`` keys the user gave (manifest, ``--set`` or flags), by their canonical
-            names; the others hold defaults, which ``apply_model_defaults`` may replace. None (a manifest built in
+            names; the others hold defaults, which ``model_sampling_defaults`` may replace. None (a manifest built in
             code): the settings whose values differ from ``SamplingParams()``'s.
         model_defaults: take settings the user did not give from the model's generation_config.json.
     """
@@ -168,7 +175,7 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
     )
     sampling_params.validate()
     return JobManifest(
-        model=_build(ModelSettings, "model", raw.get("model", {}), exclude={"source"}),
+        model=_build(ModelSettings, "model", raw.get("model", {})),
         input=_build(InputSettings, "input", raw.get("input", {})),
         sampling=sampling_params,
         seed=seed,

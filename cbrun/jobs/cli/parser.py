@@ -2,7 +2,7 @@
 ``run`` flag sets) and ``EXIT_CODES`` (the help's epilog). ``cbrun.jobs.cli`` dispatches the parsed command.
 
 Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
-Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``cbrun.jobs.cli_values.cli_text``).
+Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``cbrun.jobs.cli.values.cli_text``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ RUN_FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``cbrun`` parser: one subparser per command, ``run``'s options in groups by what they set."""
     parser = argparse.ArgumentParser(
         prog="cbrun",
         description="Offline batch LLM inference: prompts in (Parquet, JSON Lines, OpenAI batch files), Parquet "
@@ -63,7 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"cbrun {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    for add_command in (
+        _add_run_command,
+        _add_export_command,
+        _add_status_command,
+        _add_report_command,
+        _add_compact_command,
+        _add_convert_command,
+        _add_demo_command,
+        _add_passthrough_commands,
+    ):
+        add_command(commands)
+    parser.command_parsers = dict(commands.choices)  # for parse_command_line's errors
+    return parser
 
+
+def _add_run_command(commands: argparse._SubParsersAction) -> None:
+    """``cbrun run``: the manifest, then its options by group (each flag's key: ``RUN_FLAGS``)."""
     run = commands.add_parser(
         "run",
         allow_abbrev=False,
@@ -75,92 +92,149 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("manifest", nargs="?", help="TOML manifest ([model] [input] [sampling] [engine] [output])")
-    run.add_argument(
+    for add_options in (
+        _add_files_options,
+        _add_column_options,
+        _add_sampling_options,
+        _add_scale_options,
+        _add_run_options,
+    ):
+        add_options(run)
+
+
+def _add_files_options(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group("model and files")
+    group.add_argument(
         "--model",
         help="Hugging Face model directory, or a Hub id (ORG/NAME) read from the Hugging Face cache "
         "(HF_HOME, HF_HUB_CACHE) or downloaded into it; HF_HUB_OFFLINE=1 never downloads",
     )
-    run.add_argument(
+    group.add_argument(
         "--revision", help="a Hub model's branch, tag or commit (default: main); the job records the commit it runs"
     )
-    run.add_argument(
+    group.add_argument(
         "--input",
         help="Parquet or JSON Lines (.jsonl, .jsonl.gz, or .json holding JSON Lines; any "
         "letter case) file, a directory of them (names starting with '.' or '_' "
         "ignored; any other file it cannot read is refused), or a saved datasets "
         "directory",
     )
-    run.add_argument(
+    group.add_argument(
         "--output",
         help="output directory (part files, _SUCCESS, and cbrun's own _cbrun/ folder); "
         "not the input, nor inside or around it",
     )
-    run.add_argument("--prompt-column", help="text column holding the prompt")
-    run.add_argument("--prompt-ids-column", help="list<int> column of prompt token ids (used as given)")
-    run.add_argument("--id-column", help="column of row ids (default: the row index)")
-    run.add_argument(
-        "--template",
-        help="prompt template with {column} fields, e.g. 'Q: {question}\\nA:' "
-        "(\\n is a newline, as in a manifest; \\\\ for a backslash)",
-    )
-    run.add_argument("--limit", type=int, help="only the first N rows")
-    run.add_argument(
-        "--max-new-tokens",
-        "--max-tokens",
-        dest="max_new_tokens",
-        type=int,
-        help="most tokens to generate per sample (--max-tokens: vLLM's name)",
-    )
-    run.add_argument("--n", type=int, help="samples per row")
-    run.add_argument("--stop", action="append", help="stop string (repeatable; \\n is a newline)")
-    run.add_argument(
-        "--num-threads",
-        type=int,
-        help="CPU threads (default: auto, 1 for a model under 10M parameters, else the physical cores)",
-    )
-    run.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        help="split each replica's model over this many ranks, one process and device each (default 1)",
-    )
-    run.add_argument(
-        "--data-parallel-size",
-        type=int,
-        help="run this many replicas on this node, each a shard of the job on its own devices (default 1)",
-    )
-    run.add_argument("--temperature", type=float, help="0 is greedy")
-    run.add_argument(
-        "--top-p",
-        type=float,
-        help="nucleus sampling: draw from the smallest set of tokens whose "
-        "probability sums to at least this (1 is off)",
-    )
-    run.add_argument("--top-k", type=int, help="draw from the k most likely tokens only (0 or -1 is off)")
-    run.add_argument("--seed", type=int, help="job seed; each row's seed derives from it and the row id")
-    run.add_argument(
-        "--overwrite",
-        action="store_true",
-        default=None,
-        help="discard the output directory's results when it holds a different job",
-    )
-    run.add_argument(
+    group.add_argument(
         "--input-format",
         choices=("auto", "openai-batch"),
         help="openai-batch: OpenAI batch request lines (auto: recognised when no prompt setting is given)",
     )
-    run.add_argument(
+    group.add_argument(
         "--output-format",
         choices=("parts", "openai-batch"),
         help="openai-batch: also write OUTPUT_DIR/_results.jsonl (OpenAI batch output) when the job finishes",
     )
-    run.add_argument(
+
+
+def _add_column_options(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group("input columns")
+    group.add_argument("--prompt-column", help="text column holding the prompt")
+    group.add_argument("--prompt-ids-column", help="list<int> column of prompt token ids (used as given)")
+    group.add_argument("--id-column", help="column of row ids (default: the row index)")
+    group.add_argument(
+        "--template",
+        help="prompt template with {column} fields, e.g. 'Q: {question}\\nA:' "
+        "(\\n is a newline, as in a manifest; \\\\ for a backslash)",
+    )
+    group.add_argument("--limit", type=int, help="only the first N rows")
+    group.add_argument(
         "--keep-column",
         dest="keep_columns",
         action="append",
         metavar="COLUMN",
         help="carry this input column into every output row (repeatable)",
     )
-    run.add_argument(
+
+
+def _add_sampling_options(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group("sampling")
+    group.add_argument(
+        "--max-new-tokens",
+        "--max-tokens",
+        dest="max_new_tokens",
+        type=int,
+        help="most tokens to generate per sample (--max-tokens: vLLM's name)",
+    )
+    group.add_argument("--n", type=int, help="samples per row")
+    group.add_argument("--stop", action="append", help="stop string (repeatable; \\n is a newline)")
+    group.add_argument("--temperature", type=float, help="0 is greedy")
+    group.add_argument(
+        "--top-p",
+        type=float,
+        help="nucleus sampling: draw from the smallest set of tokens whose "
+        "probability sums to at least this (1 is off)",
+    )
+    group.add_argument("--top-k", type=int, help="draw from the k most likely tokens only (0 or -1 is off)")
+    group.add_argument("--seed", type=int, help="job seed; each row's seed derives from it and the row id")
+
+
+def _add_scale_options(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group("scale (threads, ranks, replicas, shards)")
+    group.add_argument(
+        "--num-threads",
+        type=int,
+        help="CPU threads (default: auto, 1 for a model under 10M parameters, else the physical cores)",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="split each replica's model over this many ranks, one process and device each (default 1)",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        help="run this many replicas on this node, each a shard of the job on its own devices (default 1)",
+    )
+    group.add_argument(
+        "--shard",
+        metavar="I/N",
+        help="run shard I of N (0-based) of the job, e.g. $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT: "
+        "a disjoint share of the rows; the N shards write into one output directory",
+    )
+    group.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        help="local: one engine in this process (default); ray: a Ray Data pool of engine replicas "
+        "(cluster.num_replicas, ...; needs the extra cbrun[ray])",
+    )
+    group.add_argument(
+        "--replicas",
+        type=int,
+        help="engine replicas of --executor ray (cluster.num_replicas; each of --tensor-parallel-size ranks)",
+    )
+    group.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="the Ray cluster to join with --executor ray (auto: the one `ray start` runs here); "
+        "absent: a local Ray instance",
+    )
+
+
+def _add_run_options(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group("the run")
+    group.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="discard the output directory's results when it holds a different job",
+    )
+    group.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="take the rows with error rows out of the output and run them again (e.g. after a fix); "
+        "each row is in the output once afterwards",
+    )
+    group.add_argument(
         "--set",
         dest="sets",
         action="append",
@@ -168,37 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECTION.KEY=VALUE",
         help="set any manifest key, e.g. --set engine.max_batch_tokens=1024 (repeatable)",
     )
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument(
-        "--shard",
-        metavar="I/N",
-        help="run shard I of N (0-based) of the job, e.g. $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT: "
-        "a disjoint share of the rows; the N shards write into one output directory",
-    )
-    run.add_argument(
-        "--executor",
-        choices=("local", "ray"),
-        help="local: one engine in this process (default); ray: a Ray Data pool of engine replicas "
-        "(cluster.num_replicas, ...; needs the extra cbrun[ray])",
-    )
-    run.add_argument(
-        "--replicas",
-        type=int,
-        help="engine replicas of --executor ray (cluster.num_replicas; each of --tensor-parallel-size ranks)",
-    )
-    run.add_argument(
-        "--ray-address",
-        metavar="ADDRESS",
-        help="the Ray cluster to join with --executor ray (auto: the one `ray start` runs here); "
-        "absent: a local Ray instance",
-    )
-    run.add_argument(
-        "--retry-errors",
-        action="store_true",
-        help="take the rows with error rows out of the output and run them again (e.g. after a fix); "
-        "each row is in the output once afterwards",
-    )
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _add_export_command(commands: argparse._SubParsersAction) -> None:
+    """``cbrun export``: an output as JSON Lines."""
     export = commands.add_parser(
         "export",
         allow_abbrev=False,
@@ -216,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the _ keeps the folder a Parquet data set)",
     )
 
+
+def _add_status_command(commands: argparse._SubParsersAction) -> None:
+    """``cbrun status``: an output's progress, read only."""
     status_codes = (
         "exit codes (those cbrun run gives for the same output): 0 complete, its error rows within "
         "output.max_error_fraction; 1 not complete yet; 2 not a cbrun output; 3 complete, but more than "
@@ -234,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("output_dir", help="the job's output directory")
 
+
+def _add_report_command(commands: argparse._SubParsersAction) -> None:
+    """``cbrun report``: an output's HTML page."""
     report = commands.add_parser(
         "report",
         allow_abbrev=False,
@@ -256,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="USD",
         help="USD per GPU-hour: adds USD per million generated tokens and GPU-hours per billion",
     )
+
+
+def _add_compact_command(commands: argparse._SubParsersAction) -> None:
+    """``cbrun compact``: merge an output's small parts."""
     compact = commands.add_parser(
         "compact",
         allow_abbrev=False,
@@ -268,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     compact.add_argument("output_dir", help="the job's output (directory or URI)")
     compact.add_argument("--target-file-mb", type=float, default=256.0, help="size of the merged files (256)")
 
+
+def _add_convert_command(commands: argparse._SubParsersAction) -> None:
+    """``cbrun convert-llama2c``."""
     convert = commands.add_parser(
         "convert-llama2c", allow_abbrev=False, help="convert a llama2.c checkpoint to a Hugging Face directory"
     )
@@ -275,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("tokenizer", help="llama2.c tokenizer .bin")
     convert.add_argument("out_dir", help="directory to write")
 
+
+def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    """``cbrun demo``: a small job on a tiny random model."""
     demo = commands.add_parser(
         "demo", allow_abbrev=False, help="run a small job on a tiny random-weight model (no download)"
     )
@@ -285,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-rows", type=int, default=64, help="prompts in the demo input (default: 64)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _add_passthrough_commands(commands: argparse._SubParsersAction) -> None:
+    """``cbrun bench`` and ``cbrun lm-eval``: listed here, parsed by their own parsers."""
     commands.add_parser(
         "bench", add_help=False, help="throughput benchmark against transformers (cbrun bench --help for its options)"
     )
@@ -294,8 +361,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="lm-evaluation-harness with --model cbrun registered "
         "(needs the eval extra; cbrun lm-eval --help for its options)",
     )
-    parser.command_parsers = dict(commands.choices)  # for parse_command_line's errors
-    return parser
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
@@ -311,11 +376,12 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
         command = parser.command_parsers[args.command]
         # NOTE: argparse keeps no public list of a parser's options; _actions is what argcomplete reads too.
         options = [o for action in command._actions for o in action.option_strings]
-        hints = [
-            f"{arg} (did you mean {close[0]}?)"
-            if (close := difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.6))
-            else arg
-            for arg in unknown
-        ]
-        command.error(f"unrecognized arguments: {' '.join(hints)}")
+        # The hint follows every argument as given, never between an option and its value.
+        nearest = {
+            flag: close[0]
+            for flag in (arg.split("=", 1)[0] for arg in unknown if arg.startswith("-"))
+            if (close := difflib.get_close_matches(flag, options, n=1, cutoff=0.6))
+        }
+        hint = ", ".join(close if len(nearest) == 1 else f"{close} for {flag}" for flag, close in nearest.items())
+        command.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {hint}?)" if hint else ""))
     return args

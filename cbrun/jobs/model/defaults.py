@@ -1,5 +1,5 @@
 """Sampling defaults from the model: the settings a job did not give, taken from the model's
-generation_config.json (``apply_model_defaults``, called by ``cbrun.jobs.run.job`` before the fingerprint).
+generation_config.json (``model_sampling_defaults``, taken by ``cbrun.jobs.run.resolve`` before the fingerprint).
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from cbrun.jobs.manifest import JobManifest
+from cbrun.engine.sampling_params import SamplingParams
+from cbrun.jobs.config.manifest import JobManifest
 
 logger = logging.getLogger("cbrun.job")
 
@@ -19,7 +20,7 @@ MODEL_DEFAULT_KEYS = ("max_new_tokens", "repetition_penalty", "temperature", "to
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
 
-def apply_model_defaults(manifest: JobManifest) -> dict[str, Any]:
+def model_sampling_defaults(manifest: JobManifest) -> tuple[SamplingParams, dict[str, Any]]:
     """Take the sampling settings the job did not set from the model's generation_config.json, as transformers'
     ``generate`` and vLLM (``generation_config = "auto"``) do.
 
@@ -27,15 +28,18 @@ def apply_model_defaults(manifest: JobManifest) -> dict[str, Any]:
     the file says ``do_sample = false``, the sampling keys (temperature, top_p, top_k, min_p) are not taken: the
     model is meant to be decoded greedily, as ``generate`` would. Nothing is taken with ``model_defaults = false``.
 
+    Args:
+        manifest: the job, its ``model.path`` the model's folder on this machine; not changed.
+
     Returns:
-        {setting: value} of what was taken (``manifest.sampling`` is replaced in place); logged once.
+        The job's sampling settings with the defaults taken, and {setting: value} of what was taken (logged once).
 
     Raises:
         ValueError: when a taken value is out of range, naming the file.
     """
     path = Path(manifest.model.path) / "generation_config.json"
     if not manifest.model_defaults or not path.is_file():
-        return {}
+        return manifest.sampling, {}
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -45,17 +49,16 @@ def apply_model_defaults(manifest: JobManifest) -> dict[str, Any]:
         skip.update(_SAMPLING_KEYS)
     taken = {key: config[key] for key in MODEL_DEFAULT_KEYS if key not in skip and config.get(key) is not None}
     if not taken:
-        return {}
+        return manifest.sampling, {}
     sampling = manifest.sampling.replace(**taken)
     try:
         sampling.validate()
     except ValueError as exc:
         raise ValueError(f"{str(path)!r}: {exc} (set it in [sampling], or sampling.model_defaults = false)") from None
-    manifest.sampling = sampling
     logger.info(
         "sampling defaults from %s: %s (set them in [sampling] to change; sampling.model_defaults = false "
         "ignores the file)",
         path,
         ", ".join(f"{k} = {v!r}" for k, v in taken.items()),
     )
-    return taken
+    return sampling, taken

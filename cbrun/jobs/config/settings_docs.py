@@ -6,7 +6,7 @@ A setting is documented once, in the ``Attributes:`` section of its dataclass's 
 keys of ``JobManifest``). ``tests/jobs/test_settings_docs.py`` checks that every field has one and that the tables
 committed in docs/manifest.md are these; after changing a setting, rewrite them with::
 
-    python -m cbrun.jobs.settings_docs --write
+    python -m cbrun.jobs.config.settings_docs --write
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
-from cbrun.jobs.manifest import JobManifest
-from cbrun.jobs.settings import ClusterSettings, InputSettings, ModelSettings, OutputSettings, StorageSettings
+from cbrun.jobs.config.manifest import JobManifest
+from cbrun.jobs.config.settings import ClusterSettings, InputSettings, ModelSettings, OutputSettings, StorageSettings
 
 #: Each manifest section, the dataclasses its keys come from, and the fields of theirs it does not take.
 SECTION_SOURCES: dict[str, list[tuple[type, set[str]]]] = {
@@ -36,11 +36,11 @@ SECTION_SOURCES: dict[str, list[tuple[type, set[str]]]] = {
     "cluster": [(ClusterSettings, set())],
     "storage": [(StorageSettings, set())],
 }
-#: What the manifest's own defaults replace (``cbrun.jobs.manifest.manifest_from_dict``).
+#: What the manifest's own defaults replace (``cbrun.jobs.config.manifest.manifest_from_dict``).
 MANIFEST_DEFAULTS = {("engine", "device"): "auto"}
-BEGIN = "<!-- settings tables: made by `python -m cbrun.jobs.settings_docs --write` from the settings' docstrings -->"
+BEGIN = "<!-- settings tables: made by `python -m cbrun.jobs.config.settings_docs --write` from the settings' docstrings -->"
 END = "<!-- end of the settings tables -->"
-DOC = Path(__file__).resolve().parents[2] / "docs" / "manifest.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "manifest.md"
 
 _ENTRY = re.compile(r"^(?P<names>[a-z_][a-z0-9_]*(?:, [a-z_][a-z0-9_]*)*): (?P<text>.*)$")
 

@@ -34,7 +34,6 @@ OBJECT_SCHEMES = ("s3", "gs", "gcs")
 NUM_RETRIES = 6
 RETRY_BASE_S = 0.25
 
-_endpoint_url: str | None = None
 T = TypeVar("T")
 
 
@@ -44,12 +43,6 @@ class StorageError(RuntimeError):
 
 class PreconditionFailed(Exception):
     """A conditional write found the object in another state (it exists, or its ETag changed)."""
-
-
-def configure(endpoint_url: str | None = None) -> None:
-    """Set the S3 endpoint for this process (the manifest's ``[storage] endpoint_url``); None: the environment's."""
-    global _endpoint_url
-    _endpoint_url = endpoint_url or None
 
 
 def is_uri(path: str | Path) -> bool:
@@ -80,7 +73,8 @@ def filesystem(uri: str, endpoint_url: str | None = None) -> tuple[Any, str]:
 
     Args:
         uri: an object-store URI.
-        endpoint_url: the S3 endpoint; None: the process's (``configure``), else the environment's.
+        endpoint_url: the S3 endpoint (the manifest's ``[storage] endpoint_url``, passed by whoever holds the
+            path: a ``FsspecStore``, the input's reader, the model's source); None: the environment's.
 
     Raises:
         ImportError: naming the extra to install when the store's fsspec package is missing.
@@ -94,9 +88,7 @@ def filesystem(uri: str, endpoint_url: str | None = None) -> tuple[Any, str]:
     options: dict[str, Any] = {}
     if scheme == "s3":
         # NOTE: passed explicitly: not every client reads AWS_ENDPOINT_URL (pyarrow's does not, arrow #49643)
-        endpoint = (
-            endpoint_url or _endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        )
+        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         client_kwargs = {}
         if endpoint:
             client_kwargs["endpoint_url"] = endpoint
@@ -191,10 +183,10 @@ def _to_bytes(write: Callable[[BinaryIO], None]) -> bytes:
     return buffer.getvalue()
 
 
-def read_file(path: str | Path) -> bytes | None:
+def read_file(path: str | Path, endpoint_url: str | None = None) -> bytes | None:
     """A whole file's bytes; None when it does not exist."""
     if is_uri(path):
-        fs, key = filesystem(str(path))
+        fs, key = filesystem(str(path), endpoint_url)
         try:
             return retried(f"reading {path}", lambda: fs.cat_file(key))
         except FileNotFoundError:
@@ -252,7 +244,7 @@ def put_object(
     """One PUT of a whole object; returns its new ETag when the store says it.
 
     Args:
-        fs: the filesystem to PUT through (a ``cbrun.jobs.output.store.FsspecStore``'s, with its endpoint); None:
+        fs: the filesystem to PUT through (a ``cbrun.jobs.store.store.FsspecStore``'s, with its endpoint); None:
             ``filesystem(uri)``'s.
         create_only: fail when the object exists (S3's ``If-None-Match: *``).
         if_match: fail unless the object's ETag is this one (S3's ``If-Match``).
@@ -283,9 +275,9 @@ def put_object(
     return None
 
 
-def object_info(uri: str) -> dict[str, Any] | None:
+def object_info(uri: str, endpoint_url: str | None = None) -> dict[str, Any] | None:
     """The store's metadata of one object (``size``, ``ETag`` where it has one, ...); None when it does not exist."""
-    fs, key = filesystem(uri)
+    fs, key = filesystem(uri, endpoint_url)
     fs.invalidate_cache(key)
     try:
         return retried(f"looking up {uri}", lambda: fs.info(key))
@@ -293,9 +285,9 @@ def object_info(uri: str) -> dict[str, Any] | None:
         return None
 
 
-def list_files(uri: str) -> list[str]:
+def list_files(uri: str, endpoint_url: str | None = None) -> list[str]:
     """The URIs of every object under ``uri`` (a folder: recursively), sorted; [] when there is none."""
-    fs, key = filesystem(uri)
+    fs, key = filesystem(uri, endpoint_url)
     scheme = uri.split("://", 1)[0]
     root = key.rstrip("/")
     fs.invalidate_cache(root)
@@ -303,18 +295,18 @@ def list_files(uri: str) -> list[str]:
     return sorted(f"{scheme}://{k}" for k in found)
 
 
-def open_input(path: str | Path):
+def open_input(path: str | Path, endpoint_url: str | None = None):
     """A seekable binary file for reading (an object is read by ranges, as the reader asks)."""
     if is_uri(path):
-        fs, key = filesystem(str(path))
+        fs, key = filesystem(str(path), endpoint_url)
         return retried(f"opening {path}", lambda: fs.open(key, "rb"))
     return open(local_path(path), "rb")
 
 
-def object_digest(uri: str, tail: int = 0) -> str:
+def object_digest(uri: str, tail: int = 0, endpoint_url: str | None = None) -> str:
     """sha256 of an object's size, ETag (else its modification time) and its last ``tail`` bytes (a Parquet
     footer: ``parquet_footer_size``); the fingerprint of an object without reading it."""
-    info = object_info(uri)
+    info = object_info(uri, endpoint_url)
     if info is None:
         raise FileNotFoundError(uri)
     size = int(info.get("size") or 0)
@@ -326,18 +318,18 @@ def object_digest(uri: str, tail: int = 0) -> str:
     )
     digest = hashlib.sha256(f"{size}\0{tag}\0".encode())
     if tail and size:
-        fs, key = filesystem(uri)
+        fs, key = filesystem(uri, endpoint_url)
         digest.update(retried(f"reading {uri}", lambda: fs.cat_file(key, start=max(size - tail, 0), end=size)))
     return digest.hexdigest()
 
 
-def parquet_footer_size(uri: str) -> int:
+def parquet_footer_size(uri: str, endpoint_url: str | None = None) -> int:
     """How many bytes at the end of a Parquet object hold its footer (with length and magic); 0 when not Parquet."""
-    info = object_info(uri)
+    info = object_info(uri, endpoint_url)
     size = int(info.get("size") or 0) if info else 0
     if size < 12:
         return 0
-    fs, key = filesystem(uri)
+    fs, key = filesystem(uri, endpoint_url)
     tail = retried(f"reading {uri}", lambda: fs.cat_file(key, start=size - 8, end=size))
     if tail[4:] != b"PAR1":
         return 0

@@ -104,8 +104,8 @@ def demo_manifest(work_dir: str | Path, *, output_dir: str | Path | None = None)
     """The manifest of the demo job over a model and prompts already written to ``work_dir``."""
     from cbrun.engine.config import EngineConfig
     from cbrun.engine.sampling_params import SamplingParams
-    from cbrun.jobs.manifest import JobManifest
-    from cbrun.jobs.settings import InputSettings, ModelSettings, OutputSettings
+    from cbrun.jobs.config.manifest import JobManifest
+    from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 
     work_dir = Path(work_dir)
     return JobManifest(

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from cbrun.jobs.storage import (
+from cbrun.jobs.store.files import (
     basename,
     filesystem,
     is_uri,
@@ -30,18 +30,18 @@ from cbrun.jobs.storage import (
 logger = logging.getLogger("cbrun")
 
 
-def local_copy(uri: str) -> Path:
+def local_copy(uri: str, endpoint_url: str | None = None) -> Path:
     """A local copy of one object, in ``$CBRUN_CACHE/objects`` keyed by its URI, size and ETag (downloaded once).
 
     Raises:
         StorageError: when the download failed after its retries.
     """
     root = os.environ.get("CBRUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "cbrun")
-    key = hashlib.sha256(json.dumps([uri, _object_tag(uri)]).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps([uri, _object_tag(uri, endpoint_url)]).encode()).hexdigest()[:24]
     target = Path(root) / "objects" / f"{key}-{basename(uri)}"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        data = read_file(uri)
+        data = read_file(uri, endpoint_url)
         if data is None:
             raise FileNotFoundError(uri)
         write_file(target, data)
@@ -54,7 +54,7 @@ def model_cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def local_model(path: str) -> str:
+def local_model(path: str, endpoint_url: str | None = None) -> str:
     """A model directory on local disk: ``path`` itself, or a URI's copy downloaded into ``model_cache_dir()``.
 
     The copy is refreshed when an object's size or ETag changed since it was downloaded (a ``.cbrun-source.json``
@@ -67,22 +67,22 @@ def local_model(path: str) -> str:
     """
     if not is_uri(path):
         return str(local_path(path))
-    objects = list_files(path)
+    objects = list_files(path, endpoint_url)
     if not objects:
         raise FileNotFoundError(f"model {path!r} holds no files")
     root = path.rstrip("/")
-    source = {uri[len(root) + 1 :]: _object_tag(uri) for uri in objects}
+    source = {uri[len(root) + 1 :]: _object_tag(uri, endpoint_url) for uri in objects}
     target = model_cache_dir() / hashlib.sha256(root.encode()).hexdigest()[:16]
     marker = target / ".cbrun-source.json"
     if marker.is_file() and json.loads(marker.read_text()) == {"uri": root, "objects": source}:
         return str(target)
     logger.info("cbrun: downloading the model %s to %s", root, target)
     staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    fs, _ = filesystem(path)
+    fs, _ = filesystem(path, endpoint_url)
     for name in source:
         destination = staging / name
         destination.parent.mkdir(parents=True, exist_ok=True)
-        key = filesystem(f"{root}/{name}")[1]
+        key = filesystem(f"{root}/{name}", endpoint_url)[1]
         retried(f"downloading {root}/{name}", lambda key=key, to=str(destination): fs.get_file(key, to))
     (staging / marker.name).write_text(json.dumps({"uri": root, "objects": source}))
     if target.exists():
@@ -92,6 +92,6 @@ def local_model(path: str) -> str:
     return str(target)
 
 
-def _object_tag(uri: str) -> list:
-    info = object_info(uri) or {}
+def _object_tag(uri: str, endpoint_url: str | None = None) -> list:
+    info = object_info(uri, endpoint_url) or {}
     return [int(info.get("size") or 0), str(info.get("ETag") or info.get("mtime") or "")]

@@ -1,8 +1,8 @@
 """The ``cbrun`` command: ``run``, ``status``, ``export``, ``convert-llama2c``, ``demo`` and ``bench``. Thin: the
-work is in jobs.run.job, jobs.output.status, jobs.output.export and jobs.demo; ``bench`` is the command the benchmarks package
+work is in jobs.run.job, jobs.output.status, jobs.output.export and jobs.cli.demo; ``bench`` is the command the benchmarks package
 registers in the ``cbrun.commands`` entry-point group (``COMMAND_ENTRY_POINTS``), so no runtime module imports it.
 
-``main`` parses the command line (``cbrun.jobs.cli_parser``: the commands, their flags and ``EXIT_CODES``, also in
+``main`` parses the command line (``cbrun.jobs.cli.parser``: the commands, their flags and ``EXIT_CODES``, also in
 ``cbrun --help``, ``cbrun run --help`` and docs/running.md) and runs the command's handler here.
 """
 
@@ -16,14 +16,14 @@ import sys
 import threading
 import traceback
 
-from cbrun.jobs.cli_parser import RUN_FLAGS, parse_command_line
+from cbrun.jobs.cli.parser import RUN_FLAGS, parse_command_line
 
 #: The entry-point group through which an installed package adds a ``cbrun`` command (``bench``).
 COMMAND_ENTRY_POINTS = "cbrun.commands"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one ``cbrun`` command; returns its exit code (``cbrun.jobs.cli_parser.EXIT_CODES``).
+    """Run one ``cbrun`` command; returns its exit code (``cbrun.jobs.cli.parser.EXIT_CODES``).
 
     Args:
         argv: the arguments after the program name; None: this process's own command line (``sys.argv``), and
@@ -144,8 +144,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _run_job(args: argparse.Namespace, argv: list[str]) -> int:
-    from cbrun.jobs.cli_values import cli_text
-    from cbrun.jobs.manifest import load_manifest
+    from cbrun.jobs.cli.values import cli_text
+    from cbrun.jobs.config.manifest import load_manifest
     from cbrun.jobs.run.job import JobAborted, JobError, run_job
     from cbrun.jobs.run.signals import interrupt_on_stop_signals
 
@@ -161,12 +161,10 @@ def _run_job(args: argparse.Namespace, argv: list[str]) -> int:
                 return run_data_parallel(argv, manifest)
             summary = run_job(manifest, progress=not args.no_progress, retry_errors=args.retry_errors)
     except (JobError, ValueError, FileNotFoundError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     except JobAborted as exc:
         traceback.print_exception(exc.__cause__, file=sys.stderr)
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 1
+        return _error(exc, 1)
     print(summary.line())
     return summary.exit_code
 
@@ -184,8 +182,7 @@ def _export(args: argparse.Namespace) -> int:
     try:
         path = export(args.output_dir, args.format, args.to)
     except (ExportError, OSError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     print(f"cbrun: wrote {path}")
     return 0
 
@@ -199,10 +196,15 @@ def _report(args: argparse.Namespace) -> int:
     try:
         path = write_report(args.output_dir, args.out, args.price_per_hour)
     except (ImportError, ValueError, OSError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     print(f"cbrun: wrote {path}")
     return 0
+
+
+def _error(exc: BaseException, code: int) -> int:
+    """Print ``cbrun: error: <exc>`` to stderr; returns the exit code (2: a setup problem, 1: a failure)."""
+    print(f"cbrun: error: {exc}", file=sys.stderr)
+    return code
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -211,8 +213,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         report, code = status_report(args.output_dir)
     except (ValueError, OSError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     print(report)
     return code
 
@@ -220,28 +221,25 @@ def _status(args: argparse.Namespace) -> int:
 def _compact(args: argparse.Namespace) -> int:
     from cbrun.jobs.output.compact import compact_output
     from cbrun.jobs.output.lock import OutputLocked
-    from cbrun.jobs.storage import StorageError
+    from cbrun.jobs.store.files import StorageError
 
     try:
         result = compact_output(args.output_dir, args.target_file_mb)
     except (ValueError, OSError, OutputLocked) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     except StorageError as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 1
+        return _error(exc, 1)
     print(f"cbrun: compacted {args.output_dir}: {result.num_parts_before} parts -> {result.num_parts_after}")
     return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from cbrun.jobs.convert_llama2c import convert_llama2c
+    from cbrun.jobs.model.convert_llama2c import convert_llama2c
 
     try:
         convert_llama2c(args.checkpoint, args.tokenizer, args.out_dir)
     except (ValueError, OSError) as exc:
-        print(f"cbrun: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, 2)
     print(f"cbrun: wrote a Hugging Face model directory to {args.out_dir}")
     return 0
 
@@ -249,7 +247,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cbrun.jobs.demo import run_demo
+    from cbrun.jobs.cli.demo import run_demo
 
     print(
         "cbrun demo: building a tiny model with RANDOM weights; its completions are noise text, the point is "
@@ -259,7 +257,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(summary.line())
     print(
         f"cbrun demo: output in {Path(summary.output_dir).resolve()} (part-*.parquet, _cbrun/stats.json); "
-        f"read it with cbrun.jobs.output.writer.read_output(DIR)"
+        f"read it with cbrun.jobs.output.output_dir.read_output(DIR)"
     )
     return 0
 

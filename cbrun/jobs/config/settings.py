@@ -1,17 +1,14 @@
 """The settings of a manifest's sections: ``[model]``, ``[input]``, ``[output]``, ``[cluster]`` and ``[storage]``.
 
 One dataclass each, validated in ``__post_init__`` (a bad value is a ``ValueError`` naming the setting).
-``[sampling]`` and ``[engine]`` are the engine's own ``SamplingParams`` and ``EngineConfig``; ``cbrun.jobs.manifest``
+``[sampling]`` and ``[engine]`` are the engine's own ``SamplingParams`` and ``EngineConfig``; ``cbrun.jobs.config.manifest``
 loads a manifest into all of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from cbrun.jobs.model_source import ModelSource
+from typing import Any
 
 #: Boundary rules of score mode (``cbrun.jobs.modes.scoring``).
 BOUNDARY_RULES = ("exact",)
@@ -29,15 +26,13 @@ class ModelSettings:
     Attributes:
         path: a Hugging Face model directory (config.json, weights, tokenizer files), an object-store URI of one,
             or a Hugging Face Hub repo id (``ORG/NAME``) read from the Hugging Face cache or downloaded into it
-            (``cbrun.jobs.model_source``).
+            (``cbrun.jobs.model.source``).
         revision: a Hub model's branch, tag or commit sha (vLLM's ``revision``); None is ``main``. The commit it
             resolves to when the job starts is recorded, and the job runs that commit to its end.
-        source: set by the job when it resolves ``path`` (not a manifest setting): the ``ModelSource``.
     """
 
     path: str = ""
     revision: str | None = None
-    source: ModelSource | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
@@ -310,7 +305,7 @@ class ClusterSettings:
 
 @dataclass
 class StorageSettings:
-    """How object-store paths (``s3://``, ``gs://``) are reached (``cbrun.jobs.storage``).
+    """How object-store paths (``s3://``, ``gs://``) are reached (``cbrun.jobs.store.files``).
 
     Attributes:
         endpoint_url: the S3 endpoint (MinIO, a local server, another region's URL); None: ``AWS_ENDPOINT_URL``
