@@ -73,45 +73,125 @@ def _round(v, DTYPE: tl.constexpr, RNE_BY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _expert_weight_tile(
-    w_ptr,  # the expert stack's values: dense (E, N, K) / int4 (E, N, K/8) int32 / fp8 (E, N, K) u8 / mxfp4 (E, N, K/2) u8
-    s_ptr,  # its scales: int4 (E, N, groups) fp32 / fp8 (E, N/bo, K/bi) fp32 / mxfp4 (E, N, K/32) u8
-    z_ptr,  # int4 zero points (E, N, groups) u8, the scales' strides
-    expert,
-    cols,  # (BLOCK_N,) output features
-    col_ok,  # (BLOCK_N,)
-    k0,
-    K,
-    words_per_row,
-    group_k,  # int4 group size / fp8 bi
-    scale_block_n,  # fp8 bo
-    stride_w_e,
-    stride_w_n,
-    stride_s_e,
-    stride_s_n,
-    stride_s_k,
+def _expert_rows(
+    w_ptr, s_ptr, z_ptr, expert, cols, scale_block_n, stride_w_e, stride_w_n, stride_s_e, stride_s_n,
     WEIGHT_FORMAT: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """The (BLOCK_K, BLOCK_N) tile of expert ``expert``'s ``W.T``: dense in its dtype, quantized as exact fp32."""
+):  # fmt: skip
+    """Pointers to expert ``expert``'s rows for the outputs ``cols`` (BLOCK_N,): of its values (1, BLOCK_N), its
+    scales ((BLOCK_N,); (1, BLOCK_N) for MXFP4) and its int4 zero points (BLOCK_N,), as ``_weight_tile`` takes them."""
     e = expert.to(tl.int64)
-    w_rows = w_ptr + e * stride_w_e + cols.to(tl.int64)[None, :] * stride_w_n  # (1, BLOCK_N)
+    n = cols.to(tl.int64)
+    w_rows = w_ptr + e * stride_w_e + n[None, :] * stride_w_n
+    z_rows = z_ptr + e * stride_s_e + n * stride_s_n
+    if WEIGHT_FORMAT == 2:  # FP8: one scale row per scale_block_n outputs
+        s_rows = s_ptr + e * stride_s_e + (cols // scale_block_n).to(tl.int64) * stride_s_n
+    elif WEIGHT_FORMAT == 3:
+        s_rows = s_ptr + e * stride_s_e + n[None, :] * stride_s_n
+    else:
+        s_rows = s_ptr + e * stride_s_e + n * stride_s_n
+    return w_rows, s_rows, z_rows
+
+
+@triton.jit
+def _weight_tile(
+    w_rows, s_rows, z_rows, col_ok, k0, K, words_per_row, group_k, stride_s_k,
+    WEIGHT_FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """The (BLOCK_K, BLOCK_N) tile of an expert's ``W.T`` for the inputs ``k0 ..``, in DTYPE (float32 when
+    INTERPRETED): dense as stored, quantized as the exact value rounded once (the reference's value)."""
     if WEIGHT_FORMAT == 0:
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[:, None], mask=(ks < K)[:, None] & col_ok[None, :], other=0.0)
     elif WEIGHT_FORMAT == 1:
-        group_rows = e * stride_s_e + cols.to(tl.int64) * stride_s_n  # (BLOCK_N,)
-        w = int4_weight_tile(
-            w_rows, z_ptr + group_rows, s_ptr + group_rows, col_ok, k0, words_per_row, group_k, BLOCK_K, BLOCK_N
-        )
+        w = _to(int4_weight_tile(w_rows, z_rows, s_rows, col_ok, k0, words_per_row, group_k, BLOCK_K, BLOCK_N),
+                DTYPE, INTERPRETED)  # fmt: skip
     elif WEIGHT_FORMAT == 2:
-        scale_rows = s_ptr + e * stride_s_e + (cols // scale_block_n).to(tl.int64) * stride_s_n  # (BLOCK_N,)
-        w = fp8_weight_tile(w_rows, scale_rows, col_ok, k0, K, group_k, stride_s_k, BLOCK_K)
+        w = _to(fp8_weight_tile(w_rows, s_rows, col_ok, k0, K, group_k, stride_s_k, BLOCK_K), DTYPE, INTERPRETED)
     else:
-        s_rows = s_ptr + e * stride_s_e + cols.to(tl.int64)[None, :] * stride_s_n  # (1, BLOCK_N)
-        w = mxfp4_weight_tile(w_rows, s_rows, col_ok, k0, K, BLOCK_K)
+        w = _to(mxfp4_weight_tile(w_rows, s_rows, col_ok, k0, K, BLOCK_K), DTYPE, INTERPRETED)
+    if INTERPRETED:
+        w = w.to(tl.float32)
     return w
+
+
+@triton.jit
+def _activation(gate, up, alpha, limit, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The gated activation of two (BLOCK_M, BLOCK_N) fp32 tiles holding DTYPE values, one rounding per op as the
+    PyTorch path: ``F.silu(gate) * up``, or transformers' ``GptOssExperts._apply_gate``."""
+    if ACTIVATION == 0:
+        return _round(_round(gate * tl.sigmoid(gate), DTYPE, INTERPRETED) * up, DTYPE, INTERPRETED)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    sig = _round(tl.sigmoid(_round(gate * alpha, DTYPE, INTERPRETED)), DTYPE, INTERPRETED)
+    glu = _round(gate * sig, DTYPE, INTERPRETED)
+    return _round(_round(up + 1.0, DTYPE, INTERPRETED) * glu, DTYPE, INTERPRETED)
+
+
+@triton.jit
+def _output(acc, bias_ptr, bias_row, col_ok, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A GEMM's (BLOCK_M, BLOCK_N) accumulator as the PyTorch path holds it: rounded to DTYPE, then the bias added
+    (``bias_row``: (BLOCK_N,) offsets of the expert's bias row) and rounded again; fp32 tile of DTYPE values."""
+    value = _round(acc, DTYPE, INTERPRETED)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + bias_row, mask=col_ok, other=0.0).to(tl.float32)
+        value = _round(value + bias[None, :], DTYPE, INTERPRETED)
+    return value
+
+
+@triton.jit
+def _expert_gemm(
+    a_ptrs, row_ok, K, w_rows, s_rows, z_rows, w2_rows, s2_rows, z2_rows, col_ok, words_per_row, group_k, stride_s_k,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
+    GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """The program's (BLOCK_M, BLOCK_N) fp32 accumulators over K: A rows (``a_ptrs``, (BLOCK_M, 1)) times the
+    expert's first weight, and (GATED) its second; the second is zeros otherwise."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+        a = tl.load(a_ptrs + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)  # (BM, BK)
+        if INTERPRETED:
+            a = a.to(tl.float32)
+        w = _weight_tile(w_rows, s_rows, z_rows, col_ok, k0, K, words_per_row, group_k, stride_s_k,
+                         WEIGHT_FORMAT, BLOCK_K, BLOCK_N, DTYPE, INTERPRETED)  # fmt: skip
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        if GATED:
+            w2 = _weight_tile(w2_rows, s2_rows, z2_rows, col_ok, k0, K, words_per_row, group_k, stride_s_k,
+                              WEIGHT_FORMAT, BLOCK_K, BLOCK_N, DTYPE, INTERPRETED)  # fmt: skip
+            acc2 += tl.dot(a, w2, input_precision=DOT_PRECISION)
+    return acc, acc2
+
+
+@triton.jit
+def _epilogue(
+    acc, acc2, bias_ptr, bias2_ptr, bias_row, col_ok, alpha, limit,
+    GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """The launch's (BLOCK_M, BLOCK_N) result before the routing weights: the GEMM's output (+ bias), or for a
+    gated launch the activation of gate's and up's (fp32 holding DTYPE values)."""
+    value = _output(acc, bias_ptr, bias_row, col_ok, HAS_BIAS, DTYPE, INTERPRETED)
+    if GATED:
+        up = _output(acc2, bias2_ptr, bias_row, col_ok, HAS_BIAS, DTYPE, INTERPRETED)
+        value = _activation(value, up, alpha, limit, ACTIVATION, DTYPE, INTERPRETED)
+    return value
+
+
+@triton.jit
+def _store(
+    out_ptr, routing_ptr, value, rows, row_ok, pairs, cols, col_ok, stride_out_m,
+    APPLY_ROUTING: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """Stores ``value`` at its sorted rows, or (APPLY_ROUTING) times each pair's routing weight at the pair's row,
+    rounded once to the output's dtype (the routing weights' dtype there, as torch's product)."""
+    out_rows = rows
+    if APPLY_ROUTING:
+        value = value * tl.load(routing_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        out_rows = pairs
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_out_m + cols[None, :]
+    tl.store(out_ptrs, _to(value, out_ptr.dtype.element_ty, INTERPRETED), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -121,149 +201,44 @@ def fused_moe_kernel(
     sorted_pairs_ptr,  # (S,) int32: each sorted row's pair, token * top_k + slot
     tile_map_ptr,  # (3, num_tiles) int32, contiguous: each row tile's expert, first row, end row (end <= first: empty)
     routing_ptr,  # (S,) routing weights by pair, fp32 or x's dtype; read only if APPLY_ROUTING
-    w_ptr,  # expert values (gate's when GATED), see _expert_weight_tile; strides (stride_w_e, stride_w_n, 1)
-    w2_ptr,  # up's values (GATED only), w_ptr's layout and strides
-    s_ptr,  # scales of w_ptr (quantized formats), strides (stride_s_e, stride_s_n, stride_s_k)
-    s2_ptr,  # scales of w2_ptr
-    z_ptr,  # int4 zero points of w_ptr, s_ptr's strides
-    z2_ptr,  # int4 zero points of w2_ptr
-    bias_ptr,  # (E, N) x's dtype, strides (stride_bias_e, stride_bias_n); read only if HAS_BIAS
-    bias2_ptr,  # (E, N) up's bias (GATED), bias_ptr's strides
-    N,
-    K,
-    num_tiles,
-    top_k,
-    words_per_row,  # int4: ceil(K / 8)
-    group_k,  # int4 group size / fp8 bi: a multiple of BLOCK_K, or >= K
-    scale_block_n,  # fp8 bo
-    stride_out_m,
-    stride_a_m,
-    stride_w_e,
-    stride_w_n,
-    stride_s_e,
-    stride_s_n,
-    stride_s_k,
-    stride_bias_e,
-    stride_bias_n,
-    alpha,  # swiglu_oai's sigmoid gain
-    limit,  # swiglu_oai's clamp
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    WEIGHT_FORMAT: tl.constexpr,  # 0 dense, 1 int4, 2 fp8, 3 mxfp4
-    GATED: tl.constexpr,  # two weights (gate, up) and the activation in the epilogue
-    ACTIVATION: tl.constexpr,  # 0 silu(gate) * up, 1 gpt-oss's clamped SwiGLU
-    GATHER_A: tl.constexpr,  # A rows are x's tokens (pair // top_k); else the sorted rows themselves
-    APPLY_ROUTING: tl.constexpr,  # scale by the pair's routing weight and store by pair
-    HAS_BIAS: tl.constexpr,
+    w_ptr, w2_ptr,  # gate's (or the one weight's) and up's (GATED) values: _expert_rows; (stride_w_e, stride_w_n, 1)
+    s_ptr, s2_ptr,  # their scales (quantized formats), strides (stride_s_e, stride_s_n, stride_s_k)
+    z_ptr, z2_ptr,  # their int4 zero points, the scales' strides
+    bias_ptr, bias2_ptr,  # (E, N) x's dtype each, strides (stride_bias_e, stride_bias_n); read only if HAS_BIAS
+    N, K, num_tiles, top_k,
+    words_per_row, group_k, scale_block_n,  # int4 ceil(K / 8); int4 group / fp8 bi (BLOCK_K's multiple or >= K); fp8 bo
+    stride_out_m, stride_a_m, stride_w_e, stride_w_n, stride_s_e, stride_s_n, stride_s_k, stride_bias_e, stride_bias_n,
+    alpha, limit,  # swiglu_oai's sigmoid gain and clamp
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WEIGHT_FORMAT: tl.constexpr, ACTIVATION: tl.constexpr,  # 0 dense, 1 int4, 2 fp8, 3 mxfp4; 0 silu(gate) * up, 1 oai
+    GATED: tl.constexpr, GATHER_A: tl.constexpr,  # two weights, the activation in the epilogue; A rows x's (pair // k)
+    APPLY_ROUTING: tl.constexpr, HAS_BIAS: tl.constexpr,  # scale by the pair's routing weight, store by pair; biases
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no TF32 rounding), else None
     INTERPRETED: tl.constexpr,  # the CPU interpreter: 16-bit dot operands upcast (exactly), bf16 rounded by bits
-):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+):  # fmt: skip
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_map_ptr + pid_m)
-    row_start = tl.load(tile_map_ptr + num_tiles + pid_m)
-    row_end = tl.load(tile_map_ptr + 2 * num_tiles + pid_m)
+    row_start, row_end = tl.load(tile_map_ptr + num_tiles + pid_m), tl.load(tile_map_ptr + 2 * num_tiles + pid_m)
     if row_start >= row_end:
         return
     DTYPE: tl.constexpr = a_ptr.dtype.element_ty
     rows = row_start + tl.arange(0, BLOCK_M)  # (BLOCK_M,) sorted rows
     row_ok = rows < row_end
     pairs = tl.load(sorted_pairs_ptr + rows, mask=row_ok, other=0)  # (BLOCK_M,)
-    a_rows = pairs // top_k if GATHER_A else rows
-    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_a_m  # (BLOCK_M, 1)
+    a_ptrs = a_ptr + (pairs // top_k if GATHER_A else rows).to(tl.int64)[:, None] * stride_a_m  # (BLOCK_M, 1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
     col_ok = cols < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
-        a = tl.load(a_ptrs + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)  # (BM, BK)
-        w = _expert_weight_tile(
-            w_ptr,
-            s_ptr,
-            z_ptr,
-            expert,
-            cols,
-            col_ok,
-            k0,
-            K,
-            words_per_row,
-            group_k,
-            scale_block_n,
-            stride_w_e,
-            stride_w_n,
-            stride_s_e,
-            stride_s_n,
-            stride_s_k,
-            WEIGHT_FORMAT,
-            BLOCK_K,
-            BLOCK_N,
-        )  # (BLOCK_K, BLOCK_N)
-        if WEIGHT_FORMAT != 0:  # quantized: the exact value rounded once to x's dtype, the reference's
-            w = _to(w, DTYPE, INTERPRETED)
-        if INTERPRETED:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
-        if GATED:
-            w2 = _expert_weight_tile(
-                w2_ptr,
-                s2_ptr,
-                z2_ptr,
-                expert,
-                cols,
-                col_ok,
-                k0,
-                K,
-                words_per_row,
-                group_k,
-                scale_block_n,
-                stride_w_e,
-                stride_w_n,
-                stride_s_e,
-                stride_s_n,
-                stride_s_k,
-                WEIGHT_FORMAT,
-                BLOCK_K,
-                BLOCK_N,
-            )
-            if WEIGHT_FORMAT != 0:
-                w2 = _to(w2, DTYPE, INTERPRETED)
-            if INTERPRETED:
-                w2 = w2.to(tl.float32)
-            acc2 += tl.dot(a, w2, input_precision=DOT_PRECISION)
+    w_rows, s_rows, z_rows = _expert_rows(w_ptr, s_ptr, z_ptr, expert, cols, scale_block_n, stride_w_e, stride_w_n,
+                                          stride_s_e, stride_s_n, WEIGHT_FORMAT)  # fmt: skip
+    w2_rows, s2_rows, z2_rows = _expert_rows(w2_ptr, s2_ptr, z2_ptr, expert, cols, scale_block_n, stride_w_e,
+                                             stride_w_n, stride_s_e, stride_s_n, WEIGHT_FORMAT)  # fmt: skip
+    acc, acc2 = _expert_gemm(a_ptrs, row_ok, K, w_rows, s_rows, z_rows, w2_rows, s2_rows, z2_rows, col_ok,
+                             words_per_row, group_k, stride_s_k, BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_FORMAT, GATED,
+                             DOT_PRECISION, DTYPE, INTERPRETED)  # fmt: skip
     bias_row = expert.to(tl.int64) * stride_bias_e + cols * stride_bias_n  # (BLOCK_N,)
-    value = _round(acc, DTYPE, INTERPRETED)  # the grouped GEMM's output, in x's dtype
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + bias_row, mask=col_ok, other=0.0).to(tl.float32)
-        value = _round(value + bias[None, :], DTYPE, INTERPRETED)
-    if GATED:
-        up = _round(acc2, DTYPE, INTERPRETED)
-        if HAS_BIAS:
-            bias2 = tl.load(bias2_ptr + bias_row, mask=col_ok, other=0.0).to(tl.float32)
-            up = _round(up + bias2[None, :], DTYPE, INTERPRETED)
-        if ACTIVATION == 0:  # F.silu(gate) * up
-            silu = _round(value * tl.sigmoid(value), DTYPE, INTERPRETED)
-            value = _round(silu * up, DTYPE, INTERPRETED)
-        else:  # transformers' GptOssExperts._apply_gate, one rounding per op
-            gate = tl.minimum(value, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            sig = _round(tl.sigmoid(_round(gate * alpha, DTYPE, INTERPRETED)), DTYPE, INTERPRETED)
-            glu = _round(gate * sig, DTYPE, INTERPRETED)
-            value = _round(_round(up + 1.0, DTYPE, INTERPRETED) * glu, DTYPE, INTERPRETED)
-    mask = row_ok[:, None] & col_ok[None, :]
-    if APPLY_ROUTING:
-        weight = tl.load(routing_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)  # (BLOCK_M,)
-        out_rows = pairs
-        value = value * weight[:, None]  # rounded once to the routing weights' dtype, as torch's product
-    else:
-        out_rows = rows
-    tl.store(
-        out_ptr + out_rows.to(tl.int64)[:, None] * stride_out_m + cols[None, :],
-        _to(value, out_ptr.dtype.element_ty, INTERPRETED),
-        mask=mask,
-    )
+    value = _epilogue(acc, acc2, bias_ptr, bias2_ptr, bias_row, col_ok, alpha, limit,
+                      GATED, ACTIVATION, HAS_BIAS, DTYPE, INTERPRETED)  # fmt: skip
+    _store(out_ptr, routing_ptr, value, rows, row_ok, pairs, cols, col_ok, stride_out_m, APPLY_ROUTING, INTERPRETED)
 
 
 @dataclass(frozen=True)
@@ -544,110 +519,114 @@ def fused_moe_triton(
         x: (T, hidden) fp16/bf16/fp32, last dim contiguous.
         routing_weights: (T, k) float32 or x's dtype: the product with each expert's output is in this dtype.
         expert_ids: (T, k) int64 in [0, E).
-        gate, up: (E, I, hidden) each, one format with equal strides (views of one stacked tensor are fine).
-        down: (E, hidden, I), any format.
+        gate, up: (E, I, hidden) each, one format with equal strides (views of one stacked tensor are fine); down:
+            (E, hidden, I), any format.
         activation: ``"silu"`` (silu(gate) * up) or ``"swiglu_oai"`` (gpt-oss's, with ``alpha`` and ``limit``).
-        gate_bias, up_bias: (E, I) in x's dtype with equal strides, or None (both or neither).
-        down_bias: (E, hidden) in x's dtype, or None.
+        gate_bias, up_bias: (E, I) in x's dtype with equal strides, or None (both or neither); down_bias: (E, hidden).
 
     Returns:
         (T, hidden) in x's dtype: ``fused_moe_reference`` up to summation order.
 
     Raises:
-        ValueError: naming the argument whose shape, dtype, stride or device is wrong.
-    """
+        ValueError: naming the argument whose shape, dtype, stride or device is wrong."""
+    _check_routing(x, routing_weights, expert_ids, activation)
+    _check_experts(x, gate, up, down, (gate_bias, up_bias, down_bias))
+    (num_tokens, hidden), top_k, num_experts, width = x.shape, expert_ids.shape[1], gate.num_experts, gate.out_features
+    if (pairs := num_tokens * top_k) == 0:
+        return torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    interpreted, capability = x.device.type == "cpu", device_capability(x.device)
+    gated, plain = (
+        fused_moe_launch_config(x.dtype, pairs, num_experts, w.block_k_cap, capability, w.format, is_gated, activation,
+                                bias is not None, not is_gated, interpreted)
+        for w, is_gated, bias in ((gate, True, gate_bias), (down, False, down_bias))
+    )  # fmt: skip
+    assert gated.constexprs["BLOCK_M"] == plain.constexprs["BLOCK_M"], "both launches share the row tiles"
+    sorted_pairs, tile_map = expert_tile_map(expert_ids, num_experts, gated.constexprs["BLOCK_M"])
+    hidden_states = _empty((pairs, width), x.dtype, x.device)  # the gated launch's (S, I), sorted rows
+    products = _empty((pairs, hidden), routing_weights.dtype, x.device)  # the down launch's, by pair
+    rows = (sorted_pairs, tile_map, routing_weights.reshape(-1).contiguous(), top_k)
+    _launch(hidden_states, x, (gate, up), (gate_bias, up_bias), gated, rows, alpha, limit)
+    _launch(products, hidden_states, (down, down), (down_bias, down_bias), plain, rows, alpha, limit)
+    return products.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)  # transformers 5's order, one rounding
+
+
+def _check_routing(x: torch.Tensor, routing_weights: torch.Tensor, expert_ids: torch.Tensor, activation: str) -> None:
+    """``fused_moe_triton``'s activations, routing and activation function, or a ValueError naming the bad one."""
     name = "fused_moe_triton"
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES or (x.shape[0] and x.stride(1) != 1):
         raise ValueError(
             f"{name}: x must be (T, hidden) fp16/bf16/fp32, last dim contiguous; got {x.dtype} {tuple(x.shape)}"
         )
-    num_tokens, hidden = x.shape
-    if expert_ids.dim() != 2 or expert_ids.shape[0] != num_tokens or expert_ids.dtype != torch.int64:
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0] or expert_ids.dtype != torch.int64:
         raise ValueError(f"{name}: expert_ids must be (T, k) int64, got {expert_ids.dtype} {tuple(expert_ids.shape)}")
     if routing_weights.shape != expert_ids.shape or routing_weights.dtype not in (torch.float32, x.dtype):
         raise ValueError(f"{name}: routing_weights must be (T, k) float32 or {x.dtype}, got {routing_weights.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _check_experts(
+    x: torch.Tensor,
+    gate: ExpertWeights,
+    up: ExpertWeights,
+    down: ExpertWeights,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """``fused_moe_triton``'s expert weights and biases against x, or a ValueError naming the bad one."""
+    name, hidden = "fused_moe_triton", x.shape[1]
     num_experts, width = gate.num_experts, gate.out_features
     if (up.format, up.data.shape, up.data.stride()) != (gate.format, gate.data.shape, gate.data.stride()):
         raise ValueError(f"{name}: gate and up must share one format, shape and strides")
-    if gate.in_features != hidden or (down.num_experts, down.out_features, down.in_features) != (
-        num_experts,
-        hidden,
-        width,
-    ):
+    down_shape = (down.num_experts, down.out_features, down.in_features)
+    if gate.in_features != hidden or down_shape != (num_experts, hidden, width):
         raise ValueError(
             f"{name}: gate/up must be (E, I, {hidden}) and down (E, {hidden}, I); got gate {tuple(gate.data.shape)}, "
-            f"down ({down.num_experts}, {down.out_features}, {down.in_features})"
+            f"down {down_shape}"
         )
     for w in (gate, up, down):
         if w.data.device != x.device or (w.format == "dense" and w.data.dtype != x.dtype):
             raise ValueError(
                 f"{name}: dense experts must be {x.dtype} on {x.device}, got {w.data.dtype} on {w.data.device}"
             )
+    gate_bias, up_bias, down_bias = biases
     if (gate_bias is None) != (up_bias is None):
         raise ValueError(f"{name}: give gate_bias and up_bias both or neither")
-    for bias, shape in (
-        (gate_bias, (num_experts, width)),
-        (up_bias, (num_experts, width)),
-        (down_bias, (num_experts, hidden)),
-    ):
+    for bias, shape in zip(biases, ((num_experts, width), (num_experts, width), (num_experts, hidden))):
         if bias is not None and (tuple(bias.shape) != shape or bias.dtype != x.dtype or bias.device != x.device):
             raise ValueError(f"{name}: a bias must be {x.dtype} of shape {shape}, got {bias.dtype} {tuple(bias.shape)}")
     if gate_bias is not None and up_bias is not None and gate_bias.stride() != up_bias.stride():
         raise ValueError(f"{name}: gate_bias and up_bias must have equal strides")
-    top_k = expert_ids.shape[1]
-    pairs = num_tokens * top_k
-    out = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    if pairs == 0:
-        return out
-    interpreted = x.device.type == "cpu"
-    capability = device_capability(x.device)
-    configs = [
-        fused_moe_launch_config(
-            x.dtype,
-            pairs,
-            num_experts,
-            w.block_k_cap,
-            capability,
-            w.format,
-            gated,
-            activation,
-            bias,
-            not gated,
-            interpreted,
-        )
-        for w, gated, bias in ((gate, True, gate_bias is not None), (down, False, down_bias is not None))
-    ]
-    block_m = configs[0].constexprs["BLOCK_M"]
-    assert configs[1].constexprs["BLOCK_M"] == block_m, "both launches share the row tiles"
-    sorted_pairs, tile_map = expert_tile_map(expert_ids, num_experts, block_m)
-    num_tiles = tile_map.shape[1]
-    hidden_states = _empty((pairs, width), x.dtype, x.device)
-    products = _empty((pairs, hidden), routing_weights.dtype, x.device)
-    routing = routing_weights.reshape(-1).contiguous()
-    launches = (
-        (hidden_states, x, gate, up, gate_bias, up_bias, configs[0]),
-        (products, hidden_states, down, down, down_bias, down_bias, configs[1]),
-    )
-    for result, a, w, w2, bias, bias2, config in launches:
-        data, scales, zeros = w.kernel_args(x)
-        data2, scales2, zeros2 = w2.kernel_args(x)
-        bias_strides = (0, 0) if bias is None else bias.stride()
-        scale_strides = (0, 0, 0) if w.scales is None else w.scales.stride()
-        grid = (triton.cdiv(w.out_features, config.constexprs["BLOCK_N"]), num_tiles)
-        fused_moe_kernel[grid](
-            result, a, sorted_pairs, tile_map, routing,
-            data, data2, scales, scales2, zeros, zeros2,
-            x if bias is None else bias, x if bias2 is None else bias2,
-            w.out_features, w.in_features, num_tiles, top_k,
-            -(-w.in_features // 8), w.block[1], w.block[0],
-            result.stride(0), a.stride(0), w.data.stride(0), w.data.stride(1),
-            *scale_strides, *bias_strides, float(alpha), float(limit),
-            num_warps=config.num_warps, num_stages=config.num_stages, **config.constexprs,
-        )  # fmt: skip
-    # transformers 5's order: each pair's weighted output, summed over the slots, rounded once to x's dtype
-    return products.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def _launch(
+    result: torch.Tensor,
+    a: torch.Tensor,
+    weights: tuple[ExpertWeights, ExpertWeights],
+    biases: tuple[torch.Tensor | None, torch.Tensor | None],
+    config: LaunchConfig,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+    alpha: float,
+    limit: float,
+) -> None:
+    """One ``fused_moe_kernel`` launch writing ``result`` from ``a`` over ``weights`` (the second one read only by a
+    gated launch) and ``biases``; ``rows``: (sorted pairs, tile map, routing weights by pair, top_k)."""
+    (w, w2), (bias, bias2) = weights, biases
+    sorted_pairs, tile_map, routing, top_k = rows
+    data, scales, zeros = w.kernel_args(a)
+    data2, scales2, zeros2 = w2.kernel_args(a)
+    bias_strides = (0, 0) if bias is None else bias.stride()
+    scale_strides = (0, 0, 0) if w.scales is None else w.scales.stride()
+    grid = (triton.cdiv(w.out_features, config.constexprs["BLOCK_N"]), tile_map.shape[1])
+    fused_moe_kernel[grid](
+        result, a, sorted_pairs, tile_map, routing,
+        data, data2, scales, scales2, zeros, zeros2,
+        a if bias is None else bias, a if bias2 is None else bias2,
+        w.out_features, w.in_features, tile_map.shape[1], top_k,
+        -(-w.in_features // 8), w.block[1], w.block[0],
+        result.stride(0), a.stride(0), w.data.stride(0), w.data.stride(1),
+        *scale_strides, *bias_strides, float(alpha), float(limit),
+        num_warps=config.num_warps, num_stages=config.num_stages, **config.constexprs,
+    )  # fmt: skip
 
 
 def _empty(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
