@@ -7,7 +7,9 @@ From a plain checkout on a CUDA machine (Python 3.12, torch with CUDA, triton, t
 
 It runs ``cbrun.kernels.gpu_check`` (attention in realistic batches, the decode tile in bf16 and float32 at head_dim 128
 and 256 against the HBM roofline, the KV-cache write), ``cbrun.kernels.gpu_check_quantized`` (the int4, FP8 and MXFP4
-GEMMs and FP8 W8A8 against dequantize-then-matmul, timed against the dense bf16 GEMM) and ``benchmarks.gpu_engine_check`` (CUDA graphs, async
+GEMMs and FP8 W8A8 against dequantize-then-matmul, timed against the dense bf16 GEMM), ``cbrun.kernels.gpu_check_fused_moe``
+(the fused MoE kernel on Qwen3-30B-A3B's and gpt-oss-20b's expert shapes, dense and quantized experts, against its
+reference and the roofline) and ``benchmarks.gpu_engine_check`` (CUDA graphs, async
 batching and swap preemption against the plain engine, token for token, then timed) and the grammar's masked
 argmax against the CPU kernel (``benchmarks.structured_mask.device_check``) and the batch-invariant kernels (a row's
 bits alone and in batches, decode against prefill, the invariant matmul's time against cuBLAS:
@@ -58,6 +60,21 @@ def quantized_rows(copy_bandwidth_and_matmul: tuple[float, float]) -> list[tuple
         c = row.cells()
         result = f"{c[6]} ms, {c[7]} GB/s" + (f", {c[8]} TFLOP/s" if c[8] != "-" else "") + f", err {c[4]}"
         out.append((["quantized", c[0], c[1], c[2], c[3], c[5], result, c[9]], row.ok))
+    return out
+
+
+def fused_moe_rows(copy_bandwidth_and_matmul: tuple[float, float]) -> list[tuple[list[str], bool]]:
+    """The fused MoE kernel (``cbrun.kernels.gpu_check_fused_moe``: Qwen3-30B-A3B's and gpt-oss-20b's expert shapes,
+    dense, FP8, int4 and MXFP4 experts, against the reference and bf16 experts through ``torch._grouped_mm``) as
+    suite rows: (cells, ok)."""
+    from cbrun.kernels import gpu_check, gpu_check_fused_moe
+
+    rows = gpu_check_fused_moe.run_checks("cuda", gpu_check.cuda_bench, ceilings=copy_bandwidth_and_matmul)
+    out = []
+    for row in rows:
+        c = row.cells()
+        result = f"{c[6]} ms, {c[7]} GB/s, err {c[4]}"
+        out.append((["fused_moe", c[0], c[1], c[2], c[3], c[5], result, c[9]], row.ok))
     return out
 
 
@@ -123,6 +140,7 @@ def run_suite() -> tuple[list[tuple[list[str], bool]], float]:
     parts = (
         ("kernels", lambda: kernel_rows(ceilings)),
         ("quantized", lambda: quantized_rows(ceilings)),
+        ("fused_moe", lambda: fused_moe_rows(ceilings)),
         ("engine", lambda: engine_rows(ceilings[0])),
         ("structured", structured_rows),
         ("batch invariance", batch_invariance_rows),

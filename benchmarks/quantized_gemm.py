@@ -3,7 +3,7 @@ the bf16 GEMM's; and what the CPU path costs.
 
 Usage (from the repository root)::
 
-    python -m benchmarks.quantized_gemm [--rows 1 16 64 256] [--capability 90] [--time-shape 4096 4096]
+    python -m benchmarks.quantized_gemm [--rows 1 16 64 256] [--capability 90] [--time-shape 4096 4096] [--moe]
 
 Shapes: the seven projections of one Llama-3-8B decoder layer (hidden 4096, intermediate 14336, 32 heads and 8 KV
 heads of 128) for bf16, FP8 128 x 128 blocks, FP8 per-channel and int4 group 128; one gpt-oss-20b expert (hidden
@@ -18,6 +18,16 @@ the weight moves ``row tiles x weight bytes``; x (``M * K``) is read from memory
 GEMM is counted with the same tile policy over a dense ``2 * N * K`` weight. Per token: divided by ``M``. On
 decode this is the memory-bound roofline such a launch reaches: the ratio to bf16 is the speed-up a GPU would see
 (the issue's target: >= 1.8x for FP8, >= 3x for int4). Nothing here runs on a GPU.
+
+The MoE table (``--moe``) does the same for one MoE layer's experts (Qwen3-30B-A3B: hidden 2048, 128 experts of
+width 768, 8 per token; gpt-oss-20b: hidden 2880, 32 experts of width 2880, 4 per token), with a seeded uniform
+routing of ``M`` tokens. The fused kernel (``cbrun.kernels.fused_moe``): its tile map (``expert_tile_map``, the
+kernel's own code) at the launch configuration's BLOCK_M gives the non-empty row tiles, each streaming its expert's
+stored gate, up and down weights once; plus the activations (x gathered per pair, the intermediate written and read,
+the float32 products written and summed). Against the path it replaces on CUDA, which dequantized the layer's
+experts every forward: every expert's stored bytes read and its bf16 weights written once (a lower bound: the
+stacking copies again), then the grouped GEMM reading the touched experts' bf16 weights; and against bf16 experts
+through the grouped GEMM.
 
 The last table times ``quantized_matmul``'s CPU path (C dequantization chunk by chunk, then ``F.linear``) against
 a dense ``F.linear``, float32, one thread, one (1, K) row.
@@ -136,6 +146,50 @@ def bytes_table(rows_list: list[int], capability: int) -> list[tuple[int, str, f
     return table
 
 
+#: (name, hidden, expert width I, experts E, top_k, formats): the MoE layers of ``moe_bytes_table``.
+MOE_LAYERS = (
+    ("Qwen3-30B-A3B", 2048, 768, 128, 8, ("fp8 block 128x128", "int4 group 128")),
+    ("gpt-oss-20b", 2880, 2880, 32, 4, ("mxfp4",)),
+)
+
+
+def moe_bytes_table(rows_list: list[int], capability: int, seed: int = 0) -> list[tuple]:
+    """(layer, layout, rows, experts touched, row tiles, fused MiB / token, dequantize-per-layer MiB / token,
+    bf16 grouped MiB / token) per MoE layer, quantized layout and row count (see the module docstring)."""
+    from cbrun.kernels.fused_moe import expert_tile_map, fused_moe_launch_config
+
+    builders = {
+        "fp8 block 128x128": ("fp8", fp8_layout),
+        "int4 group 128": ("int4", int4_layout),
+        "mxfp4": ("mxfp4", mxfp4_layout),
+    }
+    table = []
+    for name, hidden, width, experts, top_k, formats in MOE_LAYERS:
+        dense_expert = 2 * 3 * width * hidden  # bf16 gate, up and down
+        for layout_name in formats:
+            fmt, build = builders[layout_name]
+            gate, down = build(width, hidden), build(hidden, width)
+            stored_expert = 2 * weight_bytes(gate, width, hidden) + weight_bytes(down, hidden, width)
+            cap = min(block_k_cap(gate, hidden), block_k_cap(down, width))
+            for rows in rows_list:
+                g = torch.Generator().manual_seed(seed + rows)
+                ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)])
+                pairs = rows * top_k
+                config = fused_moe_launch_config(
+                    torch.bfloat16, pairs, experts, cap, capability, fmt, True, "silu", False, False
+                )
+                _, tile_map = expert_tile_map(ids, experts, config.constexprs["BLOCK_M"])
+                tiles = int((tile_map[2] > tile_map[1]).sum())
+                touched = int(ids.unique().numel())
+                activations = pairs * (2 * hidden + 2 * 2 * width + 2 * 4 * hidden) + 2 * rows * hidden
+                fused = tiles * stored_expert + activations
+                per_layer = experts * (stored_expert + dense_expert) + touched * dense_expert + activations
+                dense = touched * dense_expert + activations
+                mib = [b / rows / 2**20 for b in (fused, per_layer, dense)]
+                table.append((name, layout_name, rows, touched, tiles, *mib))
+    return table
+
+
 def cpu_times(n: int, k: int, repeats: int) -> dict[str, float]:
     """Median milliseconds of one (1, k) x (n, k) product per layout on the CPU, float32, one thread."""
     torch.set_num_threads(1)
@@ -166,6 +220,9 @@ def main() -> None:
     parser.add_argument("--capability", type=int, default=90, help="the GPU part whose tiles are used (80, 89, 90)")
     parser.add_argument("--time-shape", type=int, nargs=2, default=[4096, 4096])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--moe", action="store_true", help="also the MoE layers' table (fused_moe against dequantize-per-layer)"
+    )
     args = parser.parse_args()
     print(f"Bytes per decoded token, sm_{args.capability} launch configurations (bf16 activations)")
     print()
@@ -173,6 +230,20 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for rows, name, mib, gain, tiles in bytes_table(args.rows, args.capability):
         print(f"| {rows} | {name} | {tiles} | {mib:.2f} | {gain:.2f}x |")
+    if args.moe:
+        print()
+        print(f"MoE layer bytes per decoded token, sm_{args.capability} launch configurations (bf16 activations)")
+        print()
+        print(
+            "| layer | layout | rows | experts touched | row tiles | fused kernel MiB / token | dequantize per layer "
+            "MiB / token | fewer bytes | bf16 grouped GEMM MiB / token |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, layout, rows, touched, tiles, fused, per_layer, dense in moe_bytes_table(args.rows, args.capability):
+            print(
+                f"| {name} | {layout} | {rows} | {touched} | {tiles} | {fused:.2f} | {per_layer:.2f} | "
+                f"{per_layer / fused:.1f}x | {dense:.2f} |"
+            )
     n, k = args.time_shape
     print()
     print(f"| CPU, (1, {k}) x ({n}, {k}), float32, 1 thread | median ms | vs F.linear |")

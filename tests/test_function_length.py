@@ -36,11 +36,9 @@ BACKLOG = frozenset(
         "reference.py:paged_attention_ref",
         # landed with the quantized GEMM kernels while this rule came in (the kernels' room)
         "aot_fit.py:main",
-        "fp8_gemm.py:fp8_gemm_kernel",
         "fp8_gemm.py:fp8_matmul_triton",
         "int4_gemm.py:int4_gemm_kernel",
         "int4_gemm.py:int4_matmul_triton",
-        "mxfp4_gemm.py:mxfp4_gemm_kernel",
         "mxfp4_gemm.py:mxfp4_matmul_triton",
         # landed with the step's redesign and batch-invariant kernels (the engine's sample room, the kernels' room)
         "aot_fit.py:_call_wrappers",

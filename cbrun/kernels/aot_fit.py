@@ -336,6 +336,10 @@ def compile_launch(launch: Launch, capability: int) -> Fit:
     if launch.kernel in QUANTIZED_GEMM_POINTERS:
         kernel = _quantized_gemm_kernel(launch.kernel)
         signature, attrs = _gemm_signature(kernel, launch.kernel, launch.dtype, constexprs)
+    elif launch.kernel == "fused_moe":
+        from cbrun.kernels.fused_moe import fused_moe_kernel as kernel
+
+        signature, attrs = _fused_moe_signature(kernel, launch.dtype, constexprs)
     else:
         kernel = KERNELS[launch.kernel]
         signature = dict(launch.signature)
@@ -431,7 +435,9 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
 def format_fit(fit: Fit) -> str:
     """One table line for ``fit``."""
     c = fit.launch.config.constexprs
-    if "HEAD_DIM_PADDED" in c:
+    if "WEIGHT_FORMAT" in c:
+        tile = f"M={c['BLOCK_M']} N={c['BLOCK_N']} K={c['BLOCK_K']} {_fused_moe_variant(c)}"
+    elif "HEAD_DIM_PADDED" in c:
         tile = f"D={c['HEAD_DIM']} M={c['BLOCK_M']} N={c['BLOCK_N']}" + (" up" if c["DOT_IN_FP32"] else "")
     elif "BLOCK_K" in c:
         tile = f"M={c['BLOCK_M']} N={c['BLOCK_N']} K={c['BLOCK_K']}" + (" bias" if c["HAS_BIAS"] else "")
@@ -482,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the quantized GEMMs only (quantized_gemm_launches; with --subset, QUANTIZED_SUBSET)",
     )
     parser.add_argument("--with-quantized", action="store_true", help="the attention launches and the quantized GEMMs")
+    parser.add_argument(
+        "--fused-moe",
+        action="store_true",
+        help="the fused MoE kernel only (fused_moe_launches; with --subset, FUSED_MOE_SUBSET)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     matrix = SUBSET if args.subset else {}
     gemm_matrix = QUANTIZED_SUBSET if args.subset else {}
@@ -490,9 +501,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_CACHE_DIR"] = cache  # NOTE: nothing cached across runs: every binary is compiled here
         print("arch | kernel | dtype | tile | shared | regs | stack | fits | first made by")
         for capability in args.capability or CAPABILITIES:
-            launches = [] if args.quantized else fit_launches(capability, **matrix)
+            launches = [] if args.quantized or args.fused_moe else fit_launches(capability, **matrix)
             if args.quantized or args.with_quantized:
                 launches += quantized_gemm_launches(capability, **gemm_matrix)
+            if args.fused_moe:
+                launches += fused_moe_launches(capability, **(FUSED_MOE_SUBSET if args.subset else {}))
             for launch in launches:
                 fits.append(compile_launch(launch, capability))
                 print(format_fit(fits[-1]), flush=True)
@@ -580,6 +593,102 @@ def _gemm_signature(kernel, name: str, dtype: torch.dtype, constexprs: dict) -> 
         else:
             signature[arg] = "i32"
             if arg in ("N", "K", "stride_out_m", "stride_x_m"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+# --- the fused MoE kernel (cbrun.kernels.fused_moe) ------------------------------------------------------------------
+
+#: The weight tensors' Triton types per format (values, scales, zero points; an unused pointer gets x's type).
+FUSED_MOE_WEIGHT_POINTERS = {
+    "dense": (None, None, None),
+    "int4": ("*i32", "*fp32", "*u8"),
+    "fp8": ("*u8", "*fp32", None),
+    "mxfp4": ("*u8", "*u8", None),
+}
+#: The K-step caps a launch can get per format: int4 group 128 and 32, the rest 128.
+FUSED_MOE_BLOCK_K_CAPS = {"dense": (128,), "int4": (128, 32), "fp8": (128,), "mxfp4": (128,)}
+#: (pairs, experts) that reach each tile of ``pick_fused_moe_tile``: decode (8 pairs over 128 experts, one row a
+#: group), 32 and 64 rows a group, and prefill (256 rows a group).
+FUSED_MOE_SHAPES = ((8, 128), (256, 8), (512, 8), (32768, 128))
+#: The launch variants: (gated, activation, biases): Qwen3-MoE / Mixtral's gated and down launches, gpt-oss's.
+FUSED_MOE_VARIANTS = ((True, "silu", False), (False, "silu", False), (True, "swiglu_oai", True), (False, "silu", True))
+#: The default test run's share: bf16 and float32, the decode and the prefill tile, each format's gated launch.
+FUSED_MOE_SUBSET = dict(
+    dtypes=(torch.bfloat16, torch.float32),
+    shapes=(FUSED_MOE_SHAPES[0], FUSED_MOE_SHAPES[-1]),
+    variants=FUSED_MOE_VARIANTS[:1],
+    all_caps=False,
+)
+
+
+def fused_moe_launches(
+    capability: int,
+    dtypes=DTYPES,
+    shapes=FUSED_MOE_SHAPES,
+    variants=FUSED_MOE_VARIANTS,
+    all_caps: bool = True,
+) -> list[Launch]:
+    """Every distinct launch of ``fused_moe_kernel`` on ``capability`` (``fused_moe.fused_moe_launch_config``, as
+    ``fused_moe_triton`` makes them) for each weight format x ``dtypes`` x ``shapes`` x ``variants`` (the down
+    launch with float32 routing weights, Mixtral's, the widest store)."""
+    from cbrun.kernels.fused_moe import fused_moe_launch_config
+
+    launches: dict[tuple, Launch] = {}
+    for fmt, caps in FUSED_MOE_BLOCK_K_CAPS.items():
+        for cap in caps if all_caps else caps[:1]:
+            for dtype in dtypes:
+                for pairs, experts in shapes:
+                    for gated, activation, bias in variants:
+                        config = fused_moe_launch_config(
+                            dtype, pairs, experts, cap, capability, fmt, gated, activation, bias, not gated
+                        )
+                        launch = Launch("fused_moe", dtype, config, f"{fmt} pairs={pairs} E={experts} block_k<={cap}")
+                        launches.setdefault(launch.key(), launch)
+    return list(launches.values())
+
+
+def _fused_moe_variant(c: dict) -> str:
+    """A fused-MoE launch's format and variant, for the table."""
+    from cbrun.kernels.fused_moe import ACTIVATIONS, WEIGHT_FORMATS
+
+    kind = f"gated {ACTIVATIONS[c['ACTIVATION']]}" if c["GATED"] else "down"
+    return f"{WEIGHT_FORMATS[c['WEIGHT_FORMAT']]} {kind}{' bias' if c['HAS_BIAS'] else ''}"
+
+
+def _fused_moe_signature(kernel, dtype: torch.dtype, constexprs: dict) -> tuple[dict, dict]:
+    """Argument types of ``fused_moe_kernel`` as the runtime specialises them: x, the intermediate and biases in
+    ``dtype``, the down launch's output and routing weights float32, the pair and tile indices int32, the weights
+    in their format's types; pointers, N, K and the row strides 16-divisible (as the runtime finds them for the
+    models it serves), the token and tile counts unspecialised."""
+    from cbrun.kernels.fused_moe import WEIGHT_FORMATS
+
+    name = _DTYPE_NAMES[dtype]
+    values, scales, zeros = FUSED_MOE_WEIGHT_POINTERS[WEIGHT_FORMATS[constexprs["WEIGHT_FORMAT"]]]
+    types = {
+        "out_ptr": f"*{name}" if constexprs["GATED"] else "*fp32",
+        "sorted_pairs_ptr": "*i32",
+        "tile_map_ptr": "*i32",
+        "routing_ptr": "*fp32",
+        "w_ptr": values,
+        "w2_ptr": values,
+        "s_ptr": scales,
+        "s2_ptr": scales,
+        "z_ptr": zeros,
+        "z2_ptr": zeros,
+    }
+    signature, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = types.get(arg) or f"*{name}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif arg in ("alpha", "limit"):
+            signature[arg] = "fp32"
+        else:
+            signature[arg] = "i32"
+            if arg in ("N", "K", "stride_out_m", "stride_a_m", "stride_w_e", "stride_w_n"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return signature, attrs
 

@@ -1,10 +1,11 @@
-"""The paged-attention kernels as ``torch.library`` custom ops: ``torch.ops.cbrun.write_kv_cache`` and
-``torch.ops.cbrun.paged_attention``.
+"""The paged-attention kernels and the fused MoE kernel as ``torch.library`` custom ops:
+``torch.ops.cbrun.write_kv_cache``, ``torch.ops.cbrun.paged_attention`` and ``torch.ops.cbrun.fused_moe``.
 
 A Triton launch or a C call is not a torch op, so a ``TorchDispatchMode`` (the CUDA-graph emulation,
 ``cbrun.engine.worker.graph_emulation``) would not see it. Wrapped as custom ops, each call is dispatched as one op whose tensor
 arguments are all it reads or writes, so a recorder can replay it over the same tensors. The ops only forward to
-the existing entry points: Triton (``cbrun.kernels.paged_attention``, ``cbrun.kernels.kv_cache_write``), the C kernels
+the existing entry points: Triton (``cbrun.kernels.paged_attention``, ``cbrun.kernels.kv_cache_write``,
+``cbrun.kernels.fused_moe``), the C kernels
 (``cbrun.kernels.cpu_attention``) or the PyTorch reference (``cbrun.kernels.reference``), picked by ``backend``.
 """
 
@@ -131,3 +132,44 @@ def paged_attention(
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+@torch.library.custom_op("cbrun::fused_moe", mutates_args=())
+def fused_moe(
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate: list[torch.Tensor],
+    up: list[torch.Tensor],
+    down: list[torch.Tensor],
+    weight_format: str,
+    down_format: str,
+    blocks: list[int],
+    activation: str,
+    gate_bias: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """A MoE block's experts for routed tokens: ``cbrun.kernels.fused_moe.fused_moe_triton`` as one op.
+
+    Args:
+        x, routing_weights, expert_ids: as ``fused_moe_triton``.
+        gate, up, down: each projection's ``ExpertWeights`` tensors (``fused_moe.expert_op_args``): values, then
+            scales and zero points where the format has them.
+        weight_format: gate's and up's format; down_format: down's. blocks: gate/up's block then down's (4 ints).
+        activation, gate_bias, up_bias, down_bias, alpha, limit: as ``fused_moe_triton``.
+
+    Returns:
+        (T, hidden) in x's dtype, a new tensor.
+    """
+    from cbrun.kernels.fused_moe import expert_weights_from_op_args, fused_moe_triton
+
+    hidden = x.shape[1]
+    gate_w = expert_weights_from_op_args(weight_format, gate, hidden, (blocks[0], blocks[1]))
+    up_w = expert_weights_from_op_args(weight_format, up, hidden, (blocks[0], blocks[1]))
+    down_w = expert_weights_from_op_args(down_format, down, gate_w.out_features, (blocks[2], blocks[3]))
+    return fused_moe_triton(
+        x, routing_weights, expert_ids, gate_w, up_w, down_w, activation, gate_bias, up_bias, down_bias, alpha, limit
+    )

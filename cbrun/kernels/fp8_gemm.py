@@ -12,6 +12,7 @@ The values are read as bytes and decoded with integer arithmetic, no float8 type
 runs on sm_80 (no float8 conversions there) and in the interpreter: an e4m3 byte's sign, exponent and mantissa
 moved into an fp16's (``((b & 0x80) << 8) | ((b & 0x7F) << 7)``) make its value times 2^-8 exactly, subnormals
 included (the trick of vLLM's FP8 Marlin); the codes 0x7F / 0xFF are NaN.
+The dequantizing tile load is ``dequant_tiles.fp8_weight_tile``, shared with the fused MoE kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cbrun.kernels.dequant_tiles import fp8_weight_tile
 from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
 from cbrun.kernels.gemm_launch import grid, launch_config_for, max_block_k
 
@@ -62,12 +64,8 @@ def fp8_gemm_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         k_ok = ks < K
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
-        b = tl.load(w_rows + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0).to(tl.int32)  # (BK, BN)
-        half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
-        q = half.to(tl.float32) * 256.0  # exact: the e4m3 value
-        q = tl.where((b & 0x7F) == 0x7F, float("nan"), q)
-        scale = tl.load(scale_rows + (k0 // scale_block_k) * stride_scale_k, mask=col_ok, other=0.0)  # (BLOCK_N,)
-        w = (q * scale[None, :]).to(x_ptr.dtype.element_ty)  # one rounding, the reference's value
+        w = fp8_weight_tile(w_rows, scale_rows, col_ok, k0, K, scale_block_k, stride_scale_k, BLOCK_K)
+        w = w.to(x_ptr.dtype.element_ty)  # (BLOCK_K, BLOCK_N): one rounding, the reference's value
         if DOT_IN_FP32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)

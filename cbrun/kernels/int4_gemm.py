@@ -7,6 +7,7 @@ zero point and one float32 scale per output row and group of ``group_size`` inpu
 ``cbrun.kernels.gemm_launch``'s; per K step each program loads BLOCK_K / 8 words of each of its BLOCK_N rows once
 and unpacks them in registers (a per-code gather of the words staged each word eight times in shared memory: 97 KiB
 against 41 KiB for the large tile on sm_89), and one (zero, scale) pair per row (BLOCK_K never crosses a group).
+The dequantizing tile load is ``dequant_tiles.int4_weight_tile``, shared with the fused MoE kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cbrun.kernels.dequant_tiles import int4_weight_tile
 from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
 from cbrun.kernels.gemm_launch import grid, launch_config_for, max_block_k
 
@@ -57,17 +59,17 @@ def int4_gemm_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         k_ok = ks < K
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
-        # The tile's BLOCK_K / 8 words per row, loaded once and unpacked in registers: code 8w + i of a row is
-        # bits 4i.. of its word w, so (words, nibble, column) reshaped row-major is (k, column).
-        wk = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # (BLOCK_K / 8,)
-        words = tl.load(w_rows + wk[:, None], mask=(wk < words_per_row)[:, None] & col_ok[None, :], other=0)
-        codes = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # (BK / 8, 8, BN)
-        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # (BLOCK_K, BLOCK_N) int32 0..15
-        group = k0 // group_size
-        zero = tl.load(zeros_ptr + group_rows + group, mask=col_ok, other=0).to(tl.int32)  # (BLOCK_N,)
-        scale = tl.load(scales_ptr + group_rows + group, mask=col_ok, other=0.0)  # (BLOCK_N,) fp32
-        # Exact float32(code - zero) * scale, rounded once to x's dtype: the reference's value.
-        w = ((codes - zero[None, :]).to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)
+        w = int4_weight_tile(
+            w_rows,
+            zeros_ptr + group_rows,
+            scales_ptr + group_rows,
+            col_ok,
+            k0,
+            words_per_row,
+            group_size,
+            BLOCK_K,
+            BLOCK_N,
+        ).to(x_ptr.dtype.element_ty)  # (BLOCK_K, BLOCK_N): the exact value rounded once, the reference's
         if DOT_IN_FP32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)

@@ -10,6 +10,7 @@ Decoding is integer arithmetic: twice an E2M1 value is an integer, ``m`` for exp
 1)`` otherwise, and the E8M0 scale becomes the float 2^(s - 128) built from its bits (normal for s >= 2, the two
 subnormals below), so ``(2v) * 2^(s - 128)`` is ldexp's exact result, overflow included (the C kernel in
 ``cpu_dequant.c`` computes the same product).
+The dequantizing tile load is ``dequant_tiles.mxfp4_weight_tile``, shared with the fused MoE kernel.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cbrun.kernels.dequant_tiles import mxfp4_weight_tile
 from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
 from cbrun.kernels.gemm_launch import grid, launch_config_for
 from cbrun.kernels.quantized_reference import MXFP4_BLOCK_SIZE, mxfp4_blocks_2d
@@ -57,18 +59,8 @@ def mxfp4_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         k_ok = ks < K
-        wk_ok = k_ok[:, None] & col_ok[None, :]  # (BLOCK_K, BLOCK_N)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
-        # NOTE: bytes and scales are gathered per value; the repeats hit L1, DRAM sees each byte once.
-        byte = tl.load(b_rows + (ks // 2)[:, None], mask=wk_ok, other=0).to(tl.int32)  # (BLOCK_K, BLOCK_N)
-        code = (byte >> ((ks % 2) * 4)[:, None]) & 0xF
-        s = tl.load(s_rows + (ks // 32)[:, None], mask=wk_ok, other=127).to(tl.int32)  # (BLOCK_K, BLOCK_N)
-        e = (code >> 1) & 3
-        m = code & 1
-        twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0)).to(tl.float32)  # 2 * |value|, exact
-        twice = tl.where(code >= 8, -twice, twice)  # -0.0 for the code 8, as the table has
-        pow2_bits = tl.where(s >= 2, (s - 1) << 23, 1 << (21 + tl.minimum(s, 1)))  # 2^(s - 128) as float32 bits
-        w = (twice * pow2_bits.to(tl.float32, bitcast=True)).to(x_ptr.dtype.element_ty)  # one rounding
+        w = mxfp4_weight_tile(b_rows, s_rows, col_ok, k0, K, BLOCK_K).to(x_ptr.dtype.element_ty)  # one rounding
         if DOT_IN_FP32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)

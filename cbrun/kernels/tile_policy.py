@@ -243,3 +243,27 @@ def pick_quantized_gemm_tile(capability: int | None, elem_bytes: int, rows: int,
     else:
         tile = GemmTile(64, 128, 64, 8, 3)
     return GemmTile(tile.block_m, tile.block_n, min(tile.block_k, max_block_k), tile.num_warps, tile.num_stages)
+
+
+def pick_fused_moe_tile(
+    capability: int | None, elem_bytes: int, pairs: int, num_experts: int, max_block_k: int, gated: bool
+) -> GemmTile:
+    """The tile of one ``fused_moe`` launch: ``pick_quantized_gemm_tile`` for the rows an expert's group holds on
+    average (``pairs`` spread over ``min(pairs, num_experts)`` experts: decode gets the split-N decode tile, whose
+    16 rows waste least on groups of one or two rows), with ``block_n`` halved for the gated launch, which holds two
+    accumulators (gate and up), so its registers are the single launch's, and a K step of 32 on the 64-row 4-warp
+    tile (64 spilled on sm_89). ``block_m`` never depends on ``gated``: a step's two launches share their row
+    tiles.
+
+    Args:
+        capability: major * 10 + minor. elem_bytes: bytes per activation element. pairs: S = tokens * top_k.
+        num_experts: E. max_block_k: as ``pick_quantized_gemm_tile``. gated: the gate/up launch.
+    """
+    rows = -(-pairs // max(1, min(pairs, num_experts)))
+    tile = pick_quantized_gemm_tile(capability, elem_bytes, rows, max_block_k)
+    if not gated:
+        return tile
+    # NOTE: on the 64-row, 4-warp tile a gated program dequantizes two (BLOCK_K, BLOCK_N) weight tiles a step, and
+    # MXFP4's spilled 8 to 16 bytes on sm_89 at BLOCK_K 64 (with 2 or 3 stages; 8 warps spilled FP8's): 32 there
+    block_k = min(tile.block_k, 32) if tile.block_m >= 64 and tile.num_warps == 4 else tile.block_k
+    return GemmTile(tile.block_m, max(16, tile.block_n // 2), block_k, tile.num_warps, tile.num_stages)

@@ -89,3 +89,19 @@ def test_gpu_suite_quantized_rows(monkeypatch):
     monkeypatch.setattr(gpu_check_quantized, "run_checks", lambda *args, **kwargs: [good, bad])
     rows = gpu_suite.quantized_rows((4e12, 1e15))
     assert [ok for _, ok in rows] == [True, False] and rows[0][0][:2] == ["quantized", "int4_gemm g128"]
+
+
+def test_gpu_suite_fused_moe_rows(monkeypatch):
+    """The fused MoE kernel's check becomes suite rows under the part "fused_moe", a mismatch a failed row."""
+    from benchmarks import gpu_suite
+    from cbrun.kernels import gpu_check, gpu_check_fused_moe
+
+    good = gpu_check.Row(
+        "fused_moe fp8", "bfloat16", "1x8/128x2048x768", "16x16x128 w4", 1e-3, True, 0.02, 9e6, 0.0, 4e12
+    )
+    bad = gpu_check.Row(
+        "fused_moe mxfp4", "bfloat16", "1x4/32x2880x2880", "16x16x128 w4", 0.5, False, 0.02, 9e6, 0.0, 4e12
+    )
+    monkeypatch.setattr(gpu_check_fused_moe, "run_checks", lambda *args, **kwargs: [good, bad])
+    rows = gpu_suite.fused_moe_rows((4e12, 1e15))
+    assert [ok for _, ok in rows] == [True, False] and rows[0][0][:2] == ["fused_moe", "fused_moe fp8"]

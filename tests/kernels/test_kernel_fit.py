@@ -223,3 +223,51 @@ def test_max_block_k_keeps_one_group_per_step():
     assert max_block_k("g", 17, 17) == 128  # one group a row: any step
     with pytest.raises(ValueError, match="g 24 is not a multiple of 16"):
         max_block_k("g", 24, 4096)
+
+
+# --- the fused MoE kernel (cbrun.kernels.fused_moe) ----------------------------------------------------------------
+
+
+@needs_toolchain
+def test_representative_fused_moe_launches_fit(tmp_path):
+    """``aot_fit.FUSED_MOE_SUBSET`` (each weight format's gated launch in bf16 and float32, decode and prefill
+    tiles) for sm_80/89/90."""
+    fits = _compile_all(tmp_path, "--fused-moe", "--subset")
+    expected = sum(len(aot_fit.fused_moe_launches(c, **aot_fit.FUSED_MOE_SUBSET)) for c in aot_fit.CAPABILITIES)
+    assert len(fits) == expected >= 36 and {fit["kernel"] for fit in fits} == {"fused_moe"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
+    reason="the full fused-MoE matrix takes ~10 minutes per architecture on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 "
+    "(or run python -m cbrun.kernels.aot_fit --fused-moe)",
+)
+@needs_toolchain
+@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
+def test_every_fused_moe_launch_fits(capability, tmp_path):
+    fits = _compile_all(tmp_path, "--fused-moe", "--capability", str(capability))
+    assert len(fits) == len(aot_fit.fused_moe_launches(capability))
+
+
+def test_fused_moe_launches_cover_every_tile_and_share_row_tiles():
+    """Whatever a step brings (tokens x top_k over E experts), its gated and down launches were compiled, with one
+    BLOCK_M for both (they share the tile map)."""
+    from cbrun.kernels.fused_moe import WEIGHT_FORMATS, fused_moe_launch_config
+
+    launches = aot_fit.fused_moe_launches(90)
+    assert len({launch.key() for launch in launches}) == len(launches)
+    compiled = {(launch.dtype, tuple(sorted(launch.config.constexprs.items()))) for launch in launches}
+    for fmt in WEIGHT_FORMATS:
+        for dtype in aot_fit.DTYPES:
+            for pairs, experts in ((1, 8), (8, 128), (64, 128), (200, 8), (512, 8), (4096, 64), (65536, 128)):
+                gated, down = (
+                    fused_moe_launch_config(dtype, pairs, experts, 128, 90, fmt, g, "silu", False, not g)
+                    for g in (True, False)
+                )
+                assert gated.constexprs["BLOCK_M"] == down.constexprs["BLOCK_M"]
+                assert (
+                    gated.constexprs["BLOCK_N"] * 2 == down.constexprs["BLOCK_N"] or gated.constexprs["BLOCK_N"] == 16
+                )
+                for config in (gated, down):
+                    assert (dtype, tuple(sorted(config.constexprs.items()))) in compiled, (fmt, dtype, pairs, experts)

@@ -35,17 +35,27 @@ its weight, in (token, slot) order, summed over the slots, so the lean path equa
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from cbrun.engine.model.layers.activation import silu_and_mul
-from cbrun.engine.model.layers.quantization.base import ExpertStack
+from cbrun.engine.model.layers.quantization.base import ExpertStack, QuantizedExperts
+from cbrun.kernels import custom_ops
+from cbrun.kernels.quantized_matmul import triton_unsupported_reason
+
+if TYPE_CHECKING:
+    from cbrun.kernels.fused_moe import ExpertWeights
+
+logger = logging.getLogger("cbrun.engine")
 
 #: A quantized MoE layer dequantizes its experts about this many weight elements at a time (at least one expert;
-#: 16 MiB of float32): the transient of its forward pass (``SparseMoE``).
+#: 16 MiB of float32): the transient of its forward pass (``SparseMoE``) off the fused kernel.
 EXPERT_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -298,12 +308,151 @@ class MoEConfig:
     activation: Callable[[torch.Tensor], torch.Tensor] = field(default=silu_and_mul)
 
 
-class SparseMoE:
-    """A MoE block ready to run: its weights and whether the grouped GEMM runs them (chosen once, at load), or,
-    under batch invariance, the linear every expert runs through.
+#: The paths that run a block's experts (``select_moe_backend``).
+MOE_BACKENDS = ("triton", "grouped_mm", "reference")
+
+
+def select_moe_backend(moe: MoEWeights, grouped_reason: str | None) -> tuple[str, str]:
+    """Which path runs a MoE block's experts, and why (for the log). The one place this is decided::
+
+        CUDA   quantized experts      -> "triton": cbrun.kernels.fused_moe, the experts kept quantized in memory
+                                         and dequantized in the kernel's inner loop (no per-forward dequantization)
+               dense bf16, sm_90+     -> "grouped_mm": torch._grouped_mm
+               other dense            -> "triton" (fp16 / fp32 experts, pre-sm_90 parts)
+        other  grouped GEMM runs      -> "grouped_mm" (quantized experts dequantized per forward, this layer's)
+               else                   -> "reference" (sparse_moe_reference's arithmetic)
+
+    On CUDA a layout the kernel cannot step through (an int4 group that is not a multiple of 16) or an install
+    without Triton falls to the non-CUDA rule.
 
     Args:
-        weights: the block's tensors.
+        moe: the block.
+        grouped_reason: ``grouped_gemm_unavailable_reason`` of its (dequantized) experts.
+
+    Returns:
+        ``(backend, reason)``, backend one of ``MOE_BACKENDS``.
+    """
+    device = moe.router.device
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    blocker = _triton_blocker(moe) if device.type == "cuda" else None
+    return choose_moe_backend(device.type, capability, moe.quantized, moe.gate_up.dtype, grouped_reason, blocker)
+
+
+def choose_moe_backend(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    quantized: bool,
+    dtype: torch.dtype,
+    grouped_reason: str | None,
+    triton_blocker: str | None,
+) -> tuple[str, str]:
+    """``select_moe_backend``'s rule on the facts it gathers (the device, its compute capability, whether the
+    experts are quantized, their dtype, why the grouped GEMM or the Triton kernel cannot run them)."""
+    fallback = ("grouped_mm", "torch._grouped_mm") if grouped_reason is None else ("reference", grouped_reason)
+    if device_type != "cuda":
+        return fallback[0], f"{fallback[1]} on {device_type}"
+    if quantized:
+        if triton_blocker is None:
+            return "triton", "quantized experts: the fused Triton kernel dequantizes them in its inner loop"
+        return fallback[0], f"{triton_blocker}; the experts are dequantized per forward"
+    if dtype == torch.bfloat16 and capability is not None and capability >= (9, 0):
+        return fallback
+    if triton_blocker is None:
+        return "triton", f"{dtype} experts on sm_{''.join(map(str, capability or ()))}: no torch._grouped_mm"
+    return fallback[0], triton_blocker
+
+
+def _triton_blocker(moe: MoEWeights) -> str | None:
+    """Why the fused Triton kernel cannot run this block's experts, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    # NOTE: the kernel offers expert biases and gpt-oss's clamped SwiGLU (fused_moe_triton's arguments), but only
+    # the SiLU block without biases is wired to it: a block with more keeps the other paths rather than run wrong.
+    for name in ("router_bias", "gate_up_bias", "down_bias"):
+        if getattr(moe, name, None) is not None:
+            return f"the block's {name} is not wired to the fused kernel"
+    activation = getattr(moe, "activation", None)
+    if activation is not None and getattr(activation, "__name__", None) != "silu_and_mul":
+        return f"the experts' activation {activation!r} is not wired to the fused kernel"
+    for experts in (moe.gate_up, moe.down):
+        if not isinstance(experts, (torch.Tensor, QuantizedExperts)):
+            return f"{type(experts).__name__} experts are not wired to the fused kernel"
+    for experts in (moe.gate_up, moe.down):
+        if isinstance(experts, QuantizedExperts):
+            for part in experts.experts[0]:
+                reason = triton_unsupported_reason(part.kernel_layout)
+                if reason is not None:
+                    return reason
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
+def kernel_expert_weights(moe: MoEWeights) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
+    """(gate, up, down) as the fused kernel reads them: views of dense experts, or quantized experts stacked once
+    (``QuantizedExperts.stack_for_kernel``, which rebinds the per-expert weights to views: no second copy)."""
+    from cbrun.kernels.fused_moe import ExpertWeights
+
+    if isinstance(moe.gate_up, QuantizedExperts) and isinstance(moe.down, QuantizedExperts):
+        gate, up = moe.gate_up.stack_for_kernel()
+        (down,) = moe.down.stack_for_kernel()
+        return gate, up, down
+    assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor), "mixed quantized experts"
+    width = moe.down.shape[-1]
+    gate_up = moe.gate_up
+    return (
+        ExpertWeights("dense", gate_up[:, :width]),
+        ExpertWeights("dense", gate_up[:, width:]),
+        ExpertWeights("dense", moe.down),
+    )
+
+
+def fused_experts(
+    x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, experts: tuple[ExpertWeights, ...]
+) -> torch.Tensor:
+    """The routed experts through the fused Triton kernel, dispatched as one op (``torch.ops.cbrun.fused_moe``, so
+    a CUDA-graph recorder sees it): SiLU-and-multiply, no biases.
+
+    Args:
+        x: (T, hidden); weights: (T, k) routing weights; expert_ids: (T, k) int64; experts: ``kernel_expert_weights``.
+
+    Returns:
+        (T, hidden) in x's dtype.
+    """
+    from cbrun.kernels.fused_moe import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, expert_op_args
+
+    gate, up, down = experts
+    return custom_ops.fused_moe(
+        x,
+        weights,
+        expert_ids,
+        expert_op_args(gate),
+        expert_op_args(up),
+        expert_op_args(down),
+        gate.format,
+        down.format,
+        [*gate.block, *down.block],
+        "silu",
+        None,
+        None,
+        None,
+        SWIGLU_OAI_ALPHA,
+        SWIGLU_OAI_LIMIT,
+    )
+
+
+class SparseMoE:
+    """A MoE block ready to run: its weights and the path that runs its experts (``select_moe_backend``, chosen
+    once, at load, and logged once per distinct choice), or, under batch invariance, the linear every expert runs
+    through.
+
+    Args:
+        weights: the block's tensors. On the Triton path, quantized experts are stacked for the kernel here.
         invariant_linear: under ``engine.batch_invariant``, the batch-invariant linear as a function of the weight
             (``linear.batch_invariant_linear``, or the Triton one): the block then runs ``sparse_moe_invariant``.
 
@@ -320,6 +469,7 @@ class SparseMoE:
         #: quantized experts dequantized at once (``EXPERT_CHUNK_ELEMENTS``, at least one)
         self.experts_per_chunk = max(1, EXPERT_CHUNK_ELEMENTS // per_expert)
         self.invariant = None
+        self.kernel_weights: tuple[ExpertWeights, ...] | None = None
         if invariant_linear is not None:
             if weights.quantized:
                 raise ValueError(
@@ -336,18 +486,27 @@ class SparseMoE:
                 invariant_linear(weights.gate_up[0]),
                 invariant_linear(weights.down[0]),
             )
+            self.backend = "batch_invariant"
+            return
+        self.backend, reason = select_moe_backend(weights, self.fallback_reason)
+        _log_once(f"MoE experts: {self.backend} ({reason})")
+        if self.backend == "triton":
+            self.kernel_weights = kernel_expert_weights(weights)
 
     def __call__(self, x: torch.Tensor, silu_mul: Callable | None = None) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden), as ``sparse_moe``: quantized experts dequantized ``experts_per_chunk`` at
-        a time (``sparse_moe_in_expert_chunks``), or, where the reference runs them, the layer's all at once; or
-        ``sparse_moe_invariant`` with ``silu_mul`` (``silu(gate) * up`` of two (n, I) tensors) under batch
-        invariance."""
+        """(T, hidden) -> (T, hidden): the fused Triton kernel; ``sparse_moe`` (quantized experts dequantized
+        ``experts_per_chunk`` at a time by ``sparse_moe_in_expert_chunks`` where the grouped GEMM runs, else the
+        layer's all at once); or ``sparse_moe_invariant`` with ``silu_mul`` (``silu(gate) * up`` of two (n, I)
+        tensors) under batch invariance."""
         if self.invariant is not None:
             assert silu_mul is not None, "the batch-invariant block needs the step's silu_mul"
             return sparse_moe_invariant(x, self.weights, *self.invariant, silu_mul)
-        if self.weights.quantized and self.fallback_reason is None:
+        if self.kernel_weights is not None:
+            weights, expert_ids = route(x, self.weights)
+            return fused_experts(x, weights, expert_ids, self.kernel_weights)
+        if self.weights.quantized and self.backend == "grouped_mm":
             return sparse_moe_in_expert_chunks(x, self.weights, self.experts_per_chunk)
-        return sparse_moe(x, self.weights.dense(), grouped=self.fallback_reason is None)
+        return sparse_moe(x, self.weights.dense(), grouped=self.backend == "grouped_mm")
 
 
 def sparse_moe_invariant(

@@ -9,12 +9,17 @@ into them is ``cbrun.engine.model.layers.quantization.schemes``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from cbrun.kernels.quantized_matmul import QuantizedLayout, quantized_matmul, triton_unsupported_reason
+
+if TYPE_CHECKING:
+    from cbrun.kernels.fused_moe import ExpertWeights
 
 #: Dequantize at most about this many weight elements at once (4 MiB of float32): the transient a GEMM call adds.
 DEQUANT_CHUNK_ELEMENTS = 1 << 20
@@ -176,3 +181,30 @@ class QuantizedExperts(ExpertStack):
     def dequantize(self, experts: slice = slice(None)) -> torch.Tensor:
         """(E', out, in) the real weights of ``experts`` (default all), in ``dtype``."""
         return torch.stack([torch.cat([p.dequantize() for p in parts]) for parts in self.experts[experts]])
+
+    def stack_for_kernel(self) -> list[ExpertWeights]:
+        """Each part's experts (gate and up, or down) stacked as one ``cbrun.kernels.fused_moe.ExpertWeights``, the
+        (E, ...) tensors the fused MoE kernel reads, and each expert's weight rebound to views of the stacks, so
+        the layer's quantized bytes are held once. Called once, at load (``SparseMoE`` on the Triton path); the
+        transient is one part's tensors. Imports Triton.
+
+        Raises:
+            ValueError: the experts' weights differ in format, shape or block.
+        """
+        from cbrun.kernels.fused_moe import layout_views, stack_layouts
+
+        stacks = []
+        for p in range(len(self.experts[0])):
+            layouts = [parts[p].kernel_layout for parts in self.experts]
+            stack = stack_layouts(layouts)
+            for e, parts in enumerate(self.experts):
+                views = layout_views(stack, layouts[e], e)
+                weight: Any = parts[p]
+                changes = {
+                    f.name: views[id(getattr(weight, f.name))]
+                    for f in dataclasses.fields(weight)
+                    if id(getattr(weight, f.name)) in views
+                }
+                parts[p] = dataclasses.replace(weight, **changes)
+            stacks.append(stack)
+        return stacks
