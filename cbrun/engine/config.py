@@ -191,8 +191,9 @@ class EngineConfig:
             (``cbrun.engine.worker.tp_group``): the lean path's weights split as Megatron-LM does
             (``cbrun.engine.model.layers.parallel``), one scheduler on rank 0 whose plan every rank executes on its own
             slice of the KV cache. 1 (the default) runs one process. Above 1 it runs only the lean path loaded
-            from safetensors, unquantized, without speculation, CUDA graphs or ``batch_invariant``: anything else
-            is a ValueError naming it.
+            from safetensors (quantized weights too, each rank reading its slices of them, which must start on
+            their blocks or groups), without speculation, CUDA graphs or ``batch_invariant``: anything else is a
+            ValueError naming it.
         structured_outputs_backend: the grammar engine of JSON-schema constraints (vLLM's
             ``structured_outputs_config.backend``): "auto" (the default) gives a schema to xgrammar when it enforces
             every keyword of it, else to llguidance when that does (the ``guidance`` extra); "xgrammar" or

@@ -124,7 +124,7 @@ def test_transformers_loads_straight_onto_a_cuda_device(device, placed, monkeypa
 
     def from_pretrained(path, **kwargs):
         calls.append(kwargs)
-        return Loaded()
+        return Loaded(), {"missing_keys": set()}
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
     # The attention contract's load checks read a config and run a probe forward; this stand-in model has

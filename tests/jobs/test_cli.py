@@ -78,7 +78,18 @@ def test_an_unknown_option_is_reported_by_its_command_with_the_nearest_name(tmp_
         (
             ["run", "--modle", "m", "--output", str(tmp_path / "out")],
             "usage: cbrun run ",
-            "cbrun run: error: unrecognized arguments: --modle (did you mean --model?)",
+            "cbrun run: error: unrecognized arguments: --modle (did you mean --model?)\n",
+        ),
+        (  # the hint follows the option's value, never between them
+            ["run", "job.toml", "--temprature", "0.5"],
+            "usage: cbrun run ",
+            "cbrun run: error: unrecognized arguments: --temprature 0.5 (did you mean --temperature?)\n",
+        ),
+        (
+            ["run", "job.toml", "--modle", "m", "--temprature", "0.5"],
+            "usage: cbrun run ",
+            "unrecognized arguments: --modle m --temprature 0.5 (did you mean --model for --modle, --temperature "
+            "for --temprature?)\n",
         ),
         (
             ["run", "--temprature=0.5"],

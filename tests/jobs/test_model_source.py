@@ -198,9 +198,45 @@ def test_offline_with_a_cold_cache_exits_2_naming_HF_HUB_OFFLINE_and_the_cache(h
     assert run(REPO, prompts, tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert f"model {REPO!r} at revision 'main' is not in the Hugging Face cache at {hub_cache}" in err, err
-    assert "HF_HUB_OFFLINE=1" in err and "HF_HOME" in err, err
+    assert "HF_HUB_OFFLINE=1" in err and "unset HF_HUB_OFFLINE" in err and "HF_HOME" in err, err
     assert f"there is no local directory {REPO!r}" in err, err  # a mistyped relative folder is named as one
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cold_cache_with_no_hub_reachable_names_the_cache_and_how_to_fill_it(
+    hub_cache, prompts, tmp_path, monkeypatch, capsys
+):
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    # No network: a port nothing listens on stands for the Hub (huggingface_hub reads its endpoint at each call).
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    assert run(REPO, prompts, tmp_path / "out") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"is not in the Hugging Face cache at {hub_cache}" in err, err
+    assert "could not be reached (HF_HUB_OFFLINE is not set)" in err, err
+    assert f"hf download {REPO} --revision main --cache-dir {hub_cache}" in err, err
+    assert "unset HF_HUB_OFFLINE" not in err, err  # it is not set: nothing to unset
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cache_layout_is_the_one_huggingface_hub_reads(models, hub_cache):
+    """The tests' cache is huggingface_hub's own layout: its cache scanner sees one repo at two commits with their
+    refs, its file lookup finds each revision's files, and each revision resolves to its own commit."""
+    from huggingface_hub import scan_cache_dir, try_to_load_from_cache
+
+    first = add_to_hub_cache(hub_cache, REPO, models["first"], C1)
+    move_ref(hub_cache, REPO, "v1", C1)
+    second = add_to_hub_cache(hub_cache, REPO, models["second"], C2)
+    info = scan_cache_dir(hub_cache)
+    assert not info.warnings and [r.repo_id for r in info.repos] == [REPO]
+    revisions = {r.commit_hash: set(r.refs) for r in next(iter(info.repos)).revisions}
+    assert revisions == {C1: {"v1"}, C2: {"main"}}
+    for revision, snapshot in (("v1", first), ("main", second), (C1, first)):
+        found = try_to_load_from_cache(REPO, "model.safetensors", cache_dir=hub_cache, revision=revision)
+        assert found == str(snapshot / "model.safetensors"), revision
+    assert (resolve_model(REPO, "v1").commit, resolve_model(REPO).commit) == (C1, C2)
+    assert (first / "model.safetensors").read_bytes() != (second / "model.safetensors").read_bytes()
 
 
 def test_a_revision_the_cache_does_not_hold_exits_2_naming_it(models, hub_cache, prompts, tmp_path, capsys):

@@ -4,9 +4,7 @@ kept, and a rerun finishes every row once; killing the run itself takes its rank
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -70,18 +68,15 @@ def test_what_a_replica_cannot_run_is_exit_2_by_name(tiny_model_dir, tmp_path, c
     assert not out.exists() or not committed_parts(out)
 
 
-def test_quantized_weights_are_exit_2_by_name(tiny_model_dir, tmp_path, capsys):
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (model / "config.json").write_text(json.dumps(config))
+def test_a_quantized_split_off_the_blocks_is_exit_2_by_name(tiny_model_dir, tmp_path, capsys):
+    from tests.engine.model.test_quantization import _quantized_copy
+
+    model, _ = _quantized_copy(tiny_model_dir, "fp8-block")  # 128 x 128 blocks over a hidden size of 64
     out = tmp_path / "out"
     assert main(run_args(model, _input(tmp_path, 2), out) + TP2) == 2
-    assert (
-        "tensor_parallel_size = 2 does not split quantized weights (config.json's quantization_config, "
-        "quant_method 'fp8')" in capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size = 2 cannot split this model: the quantized weight model.layers.0." in err
+    assert "a rank's slice must start on a multiple of 128: one scale per 128 x 128 block" in err
     assert not out.exists() or not committed_parts(out)
 
 

@@ -14,7 +14,7 @@ import torch
 from cbrun.engine.config import EngineConfig, checkpoint_dtype
 from cbrun.engine.core.kv_layout import KVLayout
 from cbrun.engine.core.tokenizer import load_tokenizer
-from cbrun.engine.model import safetensors_loader
+from cbrun.engine.model import registry, safetensors_loader
 from cbrun.engine.model.layers import attention_contract, parallel
 from cbrun.engine.model.layers.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from cbrun.engine.model.layers.quantization.schemes import checkpoint_quantization
@@ -69,19 +69,14 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
     split).
 
     Raises:
-        ValueError: naming ``tensor_parallel_size`` and why, when the weights are quantized, the model would load
-            through transformers or its shapes do not split over the ranks
-            (``cbrun.engine.model.layers.parallel.unsupported_reason``).
+        ValueError: naming ``tensor_parallel_size`` and why, when the model would load through transformers, its
+            shapes do not split over the ranks (``cbrun.engine.model.layers.parallel.unsupported_reason``) or a
+            quantized weight's slices would not start on its layout's blocks, groups or packed words
+            (``parallel.unsupported_quantized_reason``: the tensor, its size and the unit); a quantized layout
+            cbrun does not implement, by ``checkpoint_quantization``'s refusal.
     """
     size = config.tensor_parallel_size
-    quantization = _quantization_method(model_path)
-    if quantization is not None:
-        # NOTE: checked before the loader's own reading of the config: a quantized layout's scales and packed
-        # weights are not split here, whichever forward pass could read them.
-        raise ValueError(
-            f"tensor_parallel_size = {size} does not split quantized weights (config.json's quantization_config, "
-            f"quant_method {quantization!r}); set tensor_parallel_size = 1 or use unquantized weights"
-        )
+    checkpoint_quantization(model_path)  # an unimplemented layout: its own refusal, as with one rank
     reason = _needs_transformers(config)
     plan = None
     if reason is None:
@@ -92,22 +87,14 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
             f"would load through transformers: {reason}; set tensor_parallel_size = 1"
         )
     reason = parallel.unsupported_reason(plan.config, size)
+    if reason is None and plan.config.quantization is not None:
+        family = registry.family_of(plan.config)
+        shapes = family.checkpoint_shapes(plan.config)
+        weights = {name: shapes[name] for name in plan.quantized}
+        reason = parallel.unsupported_quantized_reason(plan.config, weights, family.shard_style, size)
     if reason is not None:
         raise ValueError(f"tensor_parallel_size = {size} cannot split this model: {reason}")
     return plan
-
-
-def _quantization_method(model_path: str) -> str | None:
-    """config.json's ``quantization_config.quant_method`` ("unknown" when it names none), or None when the
-    checkpoint is not quantized or its config cannot be read (the loaders report that themselves)."""
-    try:
-        raw = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    quantization = raw.get("quantization_config") if isinstance(raw, dict) else None
-    if quantization is None:
-        return None
-    return str(quantization.get("quant_method", "unknown")) if isinstance(quantization, dict) else "unknown"
 
 
 def _load_target_model(model_path: str, config: EngineConfig):
@@ -167,22 +154,57 @@ def _load_model(model_path: str, config: EngineConfig) -> torch.nn.Module:
     # dispatch): no host copy of the whole model. The CPU keeps transformers' default placement.
     placement = {"device_map": torch.device(config.device)} if torch.device(config.device).type == "cuda" else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True, **placement
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            model_path,
+            dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            local_files_only=True,
+            output_loading_info=True,
+            **placement,
         )
     except KeyError as exc:
         if ATTN_IMPLEMENTATION not in str(exc):
-            raise
+            raise _not_a_causal_lm(model_path, exc) from exc
         # Older modules pick their attention class from a table by name (GIT): they never call the registered
         # attention function, so cbrun's attention cannot run them.
         raise attention_contract.refusal(
             "token mixing other than one attention per layer",
             f"{type(exc).__name__} {exc}: the model picks its own attention classes by name, with none for cbrun's",
         ) from exc
+    except (OSError, MemoryError, torch.OutOfMemoryError):  # a missing file, or no room: said as they are
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever transformers' own classes raise on this checkpoint
+        raise _not_a_causal_lm(model_path, exc) from exc
+    _check_all_weights_read(model, loading)
     _check_causal_decoder(model)
     model = model.to(config.device).eval()
     check_attention(model, config)
     return model
+
+
+def _check_all_weights_read(model: torch.nn.Module, loading: dict) -> None:
+    """Refuse a model some of whose weights the checkpoint does not hold: transformers leaves them at their random
+    initial values (an Emu3 checkpoint read by ``Emu3ForCausalLM``, whose names lack the ``text_model.`` prefix).
+
+    Raises:
+        ValueError: naming how many weights are missing and the first few.
+    """
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        raise ValueError(
+            f"the checkpoint lacks {len(missing)} of {type(model).__name__}'s weights ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): transformers would run them at random initial values"
+        )
+
+
+def _not_a_causal_lm(model_path: str, exc: Exception) -> ValueError:
+    """The refusal of a checkpoint transformers' ``AutoModelForCausalLM`` cannot build (MusicGen's whole model: its
+    causal-LM class takes the decoder's config only)."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return ValueError(
+        f"transformers cannot load {model_path} as a causal LM ({type(exc).__name__}: {first}); cbrun runs the "
+        "decoder-only causal LMs transformers' AutoModelForCausalLM loads"
+    )
 
 
 def check_attention(model: torch.nn.Module, config: EngineConfig) -> None:
@@ -192,7 +214,7 @@ def check_attention(model: torch.nn.Module, config: EngineConfig) -> None:
     Raises:
         UnsupportedAttention (a ValueError): naming the feature.
     """
-    text_config = model.config.get_text_config()
+    text_config = attention_contract.text_config(model.config)
     attention_contract.check_transformers_model(
         model,
         KVLayout.from_model_config(text_config),
@@ -205,6 +227,10 @@ def _check_causal_decoder(model: torch.nn.Module) -> None:
     """Refuse models whose attention is not causal: the paged cache serves decoder-only generation only."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; cbrun runs decoder-only causal LMs")
+    for name, module in model.named_modules():
+        # Named first: a decoder's cross-attention is also non-causal, and the clearer name of the two.
+        if attention_contract.is_cross_attention(name, module):
+            raise attention_contract.refusal("cross-attention", f"module {name!r} of {type(model).__name__}")
     for name, module in model.named_modules():
         if getattr(module, "is_causal", True) is False:
             raise ValueError(

@@ -25,7 +25,8 @@ from safetensors import safe_open
 
 from cbrun.engine.model import registry
 from cbrun.engine.model.config import LlamaConfig, read_config_json
-from cbrun.engine.model.layers.parallel import TensorParallelWeights, read_shard
+from cbrun.engine.model.family import ModelFamily
+from cbrun.engine.model.layers.parallel import TensorParallelWeights, read_quantized_shard, read_shard
 from cbrun.engine.model.layers.quantization.base import QuantizedLinearWeight
 from cbrun.engine.model.layers.quantization.fp8 import FP8_DTYPE, QuantizedWeight
 from cbrun.engine.model.layers.quantization.int4 import from_awq, from_compressed_tensors, from_gptq
@@ -132,7 +133,8 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
         plan: what to read (``load_plan``).
         device: where the tensors go.
         parallel: a tensor-parallel rank's share: only its slice of each split tensor is read
-            (``cbrun.engine.model.layers.parallel.ShardLayout.split``, by the family's ``shard_style``); None
+            (``cbrun.engine.model.layers.parallel.ShardLayout.split``, by the family's ``shard_style``; of a
+            quantized linear, the parts of its stored tensors that hold that slice: ``read_quantized_shard``); None
             reads the whole model.
 
     Raises:
@@ -142,6 +144,30 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
     config = plan.config
     family = registry.family_of(config)
     shapes = family.checkpoint_shapes(config)
+    tensors, parts = _read_files(plan, family, shapes, device, parallel)
+    for name, stored in parts.items():
+        # NOTE: a quantized weight stays quantized: it is dequantized in the GEMM, never here.
+        shape = (
+            shapes[name] if parallel is None else parallel.layout.local_shape(shapes[name], family.shard_style(name))
+        )
+        tensors[name] = _quantized(plan, name, shape, stored)
+    weights = family.checkpoint_weights(
+        config, tensors, device, parallel.layout.local_experts if parallel is not None else None
+    )
+    weights.parallel = parallel
+    return LeanModel(config, weights)
+
+
+def _read_files(
+    plan: LoadPlan,
+    family: ModelFamily,
+    shapes: dict[str, tuple[int, ...]],
+    device: str,
+    parallel: TensorParallelWeights | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Every tensor of the plan this rank holds (another rank's experts skipped), on ``device``: the plain ones in
+    the plan's dtype (name -> tensor), each quantized linear's stored tensors as stored (weight name -> suffix ->
+    tensor), both this rank's slices under ``parallel``."""
     part_of = {tensor: (weight, suffix) for weight, parts in plan.quantized.items() for suffix, tensor in parts.items()}
     tensors: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -150,31 +176,40 @@ def load(plan: LoadPlan, device: str, parallel: TensorParallelWeights | None = N
             for name in handle.keys():
                 if parallel is not None and not parallel.layout.holds(name):  # another rank's expert
                     continue
-                if name in part_of:  # kept as stored, checked as a whole below
-                    weight, suffix = part_of[name]
-                    parts.setdefault(weight, {})[suffix] = handle.get_tensor(name).to(device=device)
+                if name not in part_of:
+                    tensor = _read_plain(handle, name, path, shapes[name], family, parallel)
+                    tensors[name] = tensor.to(device=device, dtype=plan.dtype)
                     continue
-                shape = tuple(handle.get_slice(name).get_shape())
-                if shape != shapes[name]:
-                    raise RuntimeError(
-                        f"tensor {name} in {path.name} has shape {list(shape)}, but config.json "
-                        f"implies {list(shapes[name])}"
-                    )
+                weight, suffix = part_of[name]  # kept as stored, checked as a whole by ``_quantized``
                 if parallel is None:
-                    tensor = handle.get_tensor(name)
+                    part = handle.get_tensor(name)
                 else:
-                    tensor = read_shard(handle, name, parallel.layout, family.shard_style(name))
-                if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
-                    raise RuntimeError(f"tensor {name} is {tensor.dtype} without a scale tensor")
-                tensors[name] = tensor.to(device=device, dtype=plan.dtype)
-    for name, stored in parts.items():
-        # NOTE: a quantized weight stays quantized: it is dequantized in the GEMM, never here.
-        tensors[name] = _quantized(plan, name, shapes[name], stored)
-    weights = family.checkpoint_weights(
-        config, tensors, device, parallel.layout.local_experts if parallel is not None else None
-    )
-    weights.parallel = parallel
-    return LeanModel(config, weights)
+                    scheme, style = plan.config.quantization, family.shard_style(weight)
+                    part = read_quantized_shard(handle, name, suffix, shapes[weight], scheme, parallel.layout, style)
+                parts.setdefault(weight, {})[suffix] = part.to(device=device)
+    return tensors, parts
+
+
+def _read_plain(
+    handle, name: str, path: Path, shape: tuple[int, ...], family: ModelFamily, parallel: TensorParallelWeights | None
+) -> torch.Tensor:
+    """An unquantized tensor (this rank's slice of it under ``parallel``), in the file's dtype.
+
+    Raises:
+        RuntimeError: its shape is not ``shape`` (config.json's), or it is 8-bit float without a scale tensor.
+    """
+    stored = tuple(handle.get_slice(name).get_shape())
+    if stored != shape:
+        raise RuntimeError(
+            f"tensor {name} in {path.name} has shape {list(stored)}, but config.json implies {list(shape)}"
+        )
+    if parallel is None:
+        tensor = handle.get_tensor(name)
+    else:
+        tensor = read_shard(handle, name, parallel.layout, family.shard_style(name))
+    if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
+        raise RuntimeError(f"tensor {name} is {tensor.dtype} without a scale tensor")
+    return tensor
 
 
 def _quantized(

@@ -376,11 +376,12 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
         command = parser.command_parsers[args.command]
         # NOTE: argparse keeps no public list of a parser's options; _actions is what argcomplete reads too.
         options = [o for action in command._actions for o in action.option_strings]
-        hints = [
-            f"{arg} (did you mean {close[0]}?)"
-            if (close := difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.6))
-            else arg
-            for arg in unknown
-        ]
-        command.error(f"unrecognized arguments: {' '.join(hints)}")
+        # The hint follows every argument as given, never between an option and its value.
+        nearest = {
+            flag: close[0]
+            for flag in (arg.split("=", 1)[0] for arg in unknown if arg.startswith("-"))
+            if (close := difflib.get_close_matches(flag, options, n=1, cutoff=0.6))
+        }
+        hint = ", ".join(close if len(nearest) == 1 else f"{close} for {flag}" for flag, close in nearest.items())
+        command.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {hint}?)" if hint else ""))
     return args

@@ -282,13 +282,21 @@ def _hub_error_message(
     if pinned is None:
         what = f"model {repo_id!r} at revision {revision!r}"
     restart = "; or rerun with --overwrite to start the job over at the revision's newest commit" if pinned else ""
+    # NOTE: "unset HF_HUB_OFFLINE" only where it is set; without it, the way to fill the cache from a machine that
+    # reaches the Hub.
+    fill = (
+        "download it once with network access (unset HF_HUB_OFFLINE)"
+        if offline
+        else f"fill {cache} where the Hub can be reached (hf download {repo_id} --revision {pinned or revision} "
+        f"--cache-dir {cache}) and copy it here"
+    )
     if isinstance(exc, IncompleteSnapshotError):
         return (
-            f"{what}: the cached snapshot in {exc.snapshot_path} is incomplete (an interrupted download); rerun "
-            f"with network access (HF_HUB_OFFLINE unset) to complete it"
+            f"{what}: the cached snapshot in {exc.snapshot_path} is incomplete (an interrupted download); "
+            f"{fill} to complete it"
         )
     if isinstance(exc, LocalEntryNotFoundError):
-        return _not_in_cache_message(what, repo_id, pinned, cache, offline) + restart
+        return _not_in_cache_message(what, repo_id, pinned, cache, offline, fill) + restart
     if isinstance(exc, GatedRepoError):
         return (
             f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms on its page "
@@ -306,17 +314,20 @@ def _hub_error_message(
     return None
 
 
-def _not_in_cache_message(what: str, repo_id: str, pinned: str | None, cache: Path, offline: bool) -> str:
-    """The model is not in the cache and cannot be downloaded: offline, or the Hub out of reach."""
-    reason = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the Hugging Face Hub could not be reached"
+def _not_in_cache_message(what: str, repo_id: str, pinned: str | None, cache: Path, offline: bool, fill: str) -> str:
+    """The model is not in the cache and cannot be downloaded: offline, or the Hub out of reach (``fill``: how to
+    fill the cache)."""
+    if offline:
+        reason = "HF_HUB_OFFLINE=1 forbids downloading it"
+    else:
+        reason = "the Hugging Face Hub could not be reached (HF_HUB_OFFLINE is not set)"
     held = _cached_revisions(_repo_folder(repo_id, cache))
     found = f" (it holds {repo_id!r} at {held})" if held else ""
     # A mistyped relative folder ("models/nope") is also a valid repo id: say that neither was found.
     local = "" if pinned else f"there is no local directory {repo_id!r} (in {Path.cwd()}), and "
-    network = "network access (unset HF_HUB_OFFLINE)" if offline else "network access"
     return (
-        f"{local}{what} is not in the Hugging Face cache at {cache}{found}, and {reason}; download it once with "
-        f"{network}, point HF_HOME or HF_HUB_CACHE at the cache that holds it, or give a local model directory"
+        f"{local}{what} is not in the Hugging Face cache at {cache}{found}, and {reason}; {fill}, point HF_HOME or "
+        f"HF_HUB_CACHE at the cache that holds it, or give a local model directory"
     )
 
 

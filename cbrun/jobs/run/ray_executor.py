@@ -92,8 +92,10 @@ def replica_resources(cluster, engine_config) -> tuple[float, float, int]:
     A replica of ``tensor_parallel_size = N`` ranks is one actor whose ranks 1..N-1 are its own processes
     (``cbrun.engine.worker.tp_group``), so the actor reserves every rank's share: N x ``num_gpus_per_replica``
     (None: 1 per rank on CUDA, 0 on the CPU) and N x ``num_cpus_per_replica``. Ray places one actor's resources on
-    one node, so the N ranks are on one node, as a ``STRICT_PACK`` placement group of N bundles would place them;
-    the ranks see the actor's ``CUDA_VISIBLE_DEVICES`` and rank r takes its r-th device.
+    one node, so the N ranks are on one node; the ranks see the actor's ``CUDA_VISIBLE_DEVICES`` (its N GPUs) and
+    rank r takes its r-th device. NOTE: not a placement group of N one-GPU bundles, which would give the actor's
+    subprocesses one GPU or none (Ray Data LLM reserves as here for vLLM's multiprocessing executor, whose TP
+    workers are subprocesses too; docs/running.md, "Tensor-parallel replicas").
 
     Raises:
         ValueError: on CUDA, fewer than one GPU per rank of a tensor-parallel replica (each rank needs its own).

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.model.layers import attention_contract
 from cbrun.engine.model.layers.attention import paged_attention_forward
 from cbrun.engine.model.layers.attention_contract import UnsupportedAttention
 from tests.model_utils import greedy_generate, random_prompts, run_engine, save_spread_weights
@@ -112,3 +113,53 @@ def test_hook_refuses_what_it_does_not_implement(kwargs, feature):
     call = {"attention_mask": None, "cbrun_metadata": object(), **kwargs}
     with pytest.raises(UnsupportedAttention, match=feature):
         paged_attention_forward(_Module(), q, k, k, **call)
+
+
+def test_layers_of_different_attention_shapes_are_refused_by_name():
+    """Gemma 4's full-attention layers have twice the head size of its sliding ones (``per_layer_config``): the
+    global ``head_dim`` cannot even be read, and cbrun's cache has one shape, so the config is refused naming
+    the key and both values."""
+    config = transformers.Gemma4TextConfig(
+        **_SMALL, sliding_window=4, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, global_head_dim=32
+    )
+    assert "head_dim" in config.per_layer_attributes
+    with pytest.raises(UnsupportedAttention, match="attention shapes or windows that differ between layers .*head_dim"):
+        attention_contract.check_config(config)
+    uniform = transformers.Gemma4TextConfig(
+        **_SMALL, sliding_window=4, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, global_head_dim=16
+    )
+    attention_contract.check_config(uniform)  # the same per-layer keys at one value: nothing differs
+
+
+def test_a_model_of_several_text_models_is_refused_by_name():
+    """MusicGen holds a T5 text encoder beside its audio-codebook decoder: no one decoder-only causal LM."""
+    with pytest.raises(UnsupportedAttention, match="a model of several text models .*MusicgenConfig"):
+        attention_contract.check_config(transformers.MusicgenConfig())
+
+
+def test_a_checkpoint_without_some_of_the_models_weights_is_refused(tmp_path):
+    """transformers leaves weights a checkpoint lacks at random initial values (an Emu3 checkpoint read by its
+    ``ForCausalLM``): refused at load, naming them, never run."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SMALL)).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 of LlamaForCausalLM's weights \(model.norm.weight\)"):
+        LLMEngine.from_pretrained(str(tmp_path), EngineConfig(**ENGINE, loader="transformers"))
+
+
+def test_a_checkpoint_transformers_cannot_build_as_a_causal_lm_is_refused(tmp_path, monkeypatch):
+    """Whatever transformers' own classes raise while building the model (MusicGen's causal LM handed the whole
+    config: AttributeError) is a refusal at load naming the error, not a crash."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SMALL)).save_pretrained(tmp_path)
+
+    def fails(*args, **kwargs):
+        raise AttributeError("'MusicgenConfig' object has no attribute 'dropout'")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fails)
+    with pytest.raises(ValueError, match="transformers cannot load .* as a causal LM \\(AttributeError: 'Musicgen"):
+        LLMEngine.from_pretrained(str(tmp_path), EngineConfig(**ENGINE, loader="transformers"))

@@ -64,6 +64,21 @@ REFUSED_CONFIG_KEYS = {
     "position_embedding_type": "position embeddings other than rotary/absolute",
     "add_cross_attention": "cross-attention",
 }
+#: Config keys that shape a layer's attention or its KV cache: cbrun's cache has one shape, and one sliding window,
+#: for every layer.
+SHAPE_KEYS = frozenset(
+    {
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_size",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "sliding_window",
+    }
+)
+#: Module names transformers' families give cross-attention (BART's decoders, BERT's, Mllama's image layers).
+CROSS_ATTENTION_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attn", "cross_attention"})
 MLA_MESSAGE = (
     "multi-head latent attention is not implemented (config.kv_lora_rank: DeepSeek-V2/V3, Kimi-K2 family); "
     "cbrun's KV cache holds full per-head keys and values, not the latent"
@@ -93,9 +108,10 @@ def check_config(config) -> None:
     Raises:
         UnsupportedAttention: naming the feature and the config key.
     """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "kv_lora_rank", None):
+    text = text_config(config)
+    if any(_layer_values(text, "kv_lora_rank")):
         raise UnsupportedAttention(MLA_MESSAGE)
+    _check_per_layer_shapes(text)
     if not hasattr(text, "num_attention_heads"):
         raise refusal(
             "token mixing other than one attention per layer",
@@ -105,7 +121,7 @@ def check_config(config) -> None:
     if getattr(getattr(text, "attn_config", None), "alibi", False):
         raise refusal("ALiBi position bias", "config.attn_config.alibi = True")
     for key, feature in REFUSED_CONFIG_KEYS.items():
-        value = getattr(text, key, None)
+        value = next((v for v in _layer_values(text, key) if v), None)
         if key == "position_embedding_type" and value in (None, "absolute", "rope", "rotary"):
             continue
         if value:
@@ -115,6 +131,55 @@ def check_config(config) -> None:
             raise refusal(
                 f"{kind} layers", f"config.layer_types[{i}] = {kind!r}; cbrun runs full and sliding attention"
             )
+
+
+def text_config(config):
+    """The decoder's config of ``config`` (itself, or a composite model's text config).
+
+    Raises:
+        UnsupportedAttention: a composite config with more than one text config (MusicGen: a T5 text encoder beside
+            its audio-codebook decoder), which is no one decoder-only causal LM.
+    """
+    if not hasattr(config, "get_text_config"):
+        return config
+    try:
+        return config.get_text_config()
+    except ValueError as exc:  # transformers: "Multiple valid text configs were found ..."
+        raise refusal(
+            "a model of several text models",
+            f"{type(config).__name__}: {_first_line(exc)}; cbrun runs one decoder-only causal LM",
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def is_cross_attention(name: str, module: torch.nn.Module) -> bool:
+    """Whether the module ``name`` attends over another sequence (an encoder's, or an image's): transformers'
+    cross-attention flag, or the names its families give such modules."""
+    return bool(getattr(module, "is_cross_attention", False)) or name.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES
+
+
+def _layer_values(text, key: str) -> list:
+    """``text.<key>``, once per layer where the config sets it per layer (transformers' heterogeneous configs:
+    ``per_layer_config``, whose global value of such a key cannot be read), else once."""
+    if key in (getattr(text, "per_layer_attributes", None) or ()):
+        return [getattr(layer, key, None) for layer in text.per_layer_config]
+    return [getattr(text, key, None)]
+
+
+def _check_per_layer_shapes(text) -> None:
+    """Refuse a config whose layers differ in an attention shape or window (``per_layer_config``: Gemma 4's wider
+    full-attention heads): cbrun's KV cache holds one (KV heads, head size) and one window for every layer."""
+    varying = sorted(SHAPE_KEYS & set(getattr(text, "per_layer_attributes", None) or ()))
+    if varying:
+        values = {key: sorted({str(v) for v in _layer_values(text, key)}) for key in varying}
+        raise refusal(
+            "attention shapes or windows that differ between layers",
+            "config.per_layer_config sets " + "; ".join(f"{k} to {', '.join(v)}" for k, v in values.items()),
+        )
 
 
 def check_hook_kwargs(kwargs: dict, dropout: float) -> None:
@@ -195,15 +260,12 @@ def check_transformers_model(model: torch.nn.Module, layout, kv_shape: tuple[int
     """
     check_config(model.config)
     for name, module in model.named_modules():
-        if getattr(module, "is_cross_attention", False) or name.rsplit(".", 1)[-1] in (
-            "encoder_attn",
-            "crossattention",
-        ):
+        if is_cross_attention(name, module):
             raise refusal("cross-attention", f"module {name!r}")
         if isinstance(module, torch.nn.Conv1d):
             raise refusal("convolution over the sequence", f"module {name!r} ({type(module).__name__})")
     calls = _probe(model)
-    _check_calls(calls, layout, kv_shape, max_head_dim, model.config.get_text_config().num_hidden_layers)
+    _check_calls(calls, layout, kv_shape, max_head_dim, text_config(model.config).num_hidden_layers)
 
 
 def _probe(model: torch.nn.Module) -> list[ProbeCall]:

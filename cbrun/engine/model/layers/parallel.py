@@ -24,6 +24,12 @@ KV heads: with at least N of them each rank holds ``num_kv_heads / N``; with few
 each KV head is replicated over ``N / num_kv_heads`` ranks, rank r holding KV head ``r // (N / num_kv_heads)``,
 the one its query heads attend with (vLLM's ``QKVParallelLinear`` does the same).
 
+Quantized weights (``cbrun.engine.model.layers.quantization``) split the same way: each rank reads only the part of
+each stored tensor (packed codes, scales, zero points) that holds its rows or input features
+(``read_quantized_shard``, ``quantization.shards``) and keeps it in the same weight type, so the quantized GEMM runs
+each rank's slice unchanged. A slice must start on the layout's block, group or packed word
+(``unsupported_quantized_reason`` refuses the model by name otherwise); quantized experts are held whole, as any.
+
 Equality with one rank: the row-parallel sums add the ranks' partial sums in another order than one GEMM does, so
 logits may differ in their last bits from ``tensor_parallel_size = 1``; greedy tokens are tested equal
 (``tests/engine/model/test_tensor_parallel.py``).
@@ -35,13 +41,15 @@ The collectives go through a ``Communicator`` (``cbrun.engine.worker.tp_group.Gr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from cbrun.engine.model.layers.linear import Projection
 from cbrun.engine.model.layers.moe import MoEWeights, grouped_gemm_unavailable_reason, route
+from cbrun.engine.model.layers.quantization import shards
+from cbrun.engine.model.layers.quantization.schemes import QuantScheme
 
 
 class Communicator(Protocol):
@@ -149,6 +157,14 @@ class ShardLayout:
             return 1, self.rank * inter, (self.rank + 1) * inter
         raise ValueError(f"unknown tensor-parallel split {style!r}; one of {SPLIT_STYLES}")
 
+    def local_shape(self, shape: tuple[int, ...], style: str | None) -> tuple[int, ...]:
+        """The shape of this rank's slice of a ``shape`` tensor split in ``style`` (padding included)."""
+        split = self.split(style)
+        if split is None:
+            return shape
+        dim, start, stop = split
+        return (*shape[:dim], stop - start, *shape[dim + 1 :])
+
 
 #: How a tensor is split over the ranks (Megatron-LM's): "vocab" (rows, by vocabulary), "column_heads" /
 #: "column_kv_heads" (output rows, by query / KV head), "column" (output rows, by intermediate feature), "row_heads" / "row" (input
@@ -206,6 +222,84 @@ def read_shard(handle, name: str, layout: ShardLayout, style: str | None) -> tor
     return torch.empty(part.shape, dtype=part.dtype).copy_(part)
 
 
+def unsupported_quantized_reason(
+    config, weights: dict[str, tuple[int, ...]], style_of: Callable[[str], str | None], world_size: int
+) -> str | None:
+    """Why a quantized checkpoint's weights cannot be split over ``world_size`` ranks, or None when they can: a
+    rank's slice must start on its layout's block, group or packed word (``shards.split_unit``), and a quantized
+    weight split by vocabulary (an embedding or LM head) is not split at all.
+
+    Args:
+        config: the model's ``LlamaConfig``, whose ``quantization`` is the checkpoint's layout.
+        weights: each quantized linear's weight name and its whole (out_features, in_features).
+        style_of: the family's ``shard_style`` (a tensor name -> its split style, None for whole).
+        world_size: the number of ranks.
+    """
+    scheme: QuantScheme = config.quantization
+    layouts = [ShardLayout.of(config, rank, world_size) for rank in range(world_size)]
+    for name, shape in sorted(weights.items()):
+        style = style_of(name)
+        if style is None:  # held whole: a MoE expert, a row-parallel bias
+            continue
+        if style == "vocab":
+            return (
+                f"the quantized weight {name} would be split by vocabulary, which cbrun does for unquantized "
+                "weights only"
+            )
+        splits = [layout.split(style) for layout in layouts]
+        dim = splits[0][0]  # type: ignore[index]  # a style that splits
+        unit = shards.split_unit(scheme, dim, (shape[0], shape[1]))
+        if all(split[1] % unit.multiple == 0 for split in splits):  # type: ignore[index]
+            continue
+        return (
+            f"the quantized weight {name} does not split on its layout's boundaries: its {shape[dim]} "
+            f"{shards.DIM_NAMES[dim]} split into {layouts[0].local_shape(shape, style)[dim]} per rank, and a rank's "
+            f"slice must start on a multiple of {unit.multiple}: {unit.why}; choose a tensor_parallel_size that "
+            "splits it there, or an unquantized checkpoint"
+        )
+    return None
+
+
+def read_quantized_shard(
+    handle,
+    name: str,
+    suffix: str,
+    shape: tuple[int, int],
+    scheme: QuantScheme,
+    layout: ShardLayout,
+    style: str | None,
+) -> torch.Tensor:
+    """This rank's part of one stored tensor of a quantized linear, read from an open safetensors file (only that
+    part is read: ``shards.stored_slice``), restated for the rank's weight (``shards.rebase``).
+
+    Args:
+        handle: ``safetensors.safe_open(..., framework="pt")``.
+        name: the stored tensor's checkpoint name.
+        suffix: the tensor's name after the linear's (``weight_scale_inv``, ``qweight``, ...).
+        shape: the whole weight's (out_features, in_features).
+        scheme: the checkpoint's layout.
+        layout: this rank's layout.
+        style: how the weight is split (the family's ``shard_style``), None for whole.
+
+    Returns:
+        The part, on the CPU in the file's dtype, in memory of its own.
+    """
+    split = layout.split(style)
+    if split is None:
+        return handle.get_tensor(name)
+    assert style != "vocab", "a vocabulary split of a quantized weight is refused before loading"
+    dim, start, stop = split
+    tensor_slice = handle.get_slice(name)
+    where = shards.stored_slice(scheme, suffix, dim, start, stop, shape, tuple(tensor_slice.get_shape()))
+    if where is None:
+        tensor = handle.get_tensor(name)
+    else:
+        stored_dim, first, end = where
+        piece = tensor_slice[first:end] if stored_dim == 0 else tensor_slice[:, first:end]
+        tensor = torch.empty(piece.shape, dtype=piece.dtype).copy_(piece)  # aligned memory, as ``read_shard``
+    return shards.rebase(scheme, name, suffix, tensor, dim, start, stop, shape)
+
+
 @dataclass(frozen=True)
 class TensorParallelWeights:
     """What a sharded ``LlamaWeights`` adds: this rank's layout and the group's collectives."""
@@ -256,18 +350,22 @@ class ExpertParallelMoE:
 
     Args:
         weights: the router (E, hidden), whole; ``gate_up`` (E / N, 2I, hidden) and ``down`` (E / N, hidden, I) of
-            this rank's experts.
+            this rank's experts, tensors or ``QuantizedExperts`` (a quantized checkpoint's, dequantized per forward
+            as ``cbrun.engine.model.layers.moe.SparseMoE`` does: this rank's experts of one layer at a time).
         expert_start: the id of this rank's first expert.
         comm: the group's collectives.
     """
 
     def __init__(self, weights: MoEWeights, expert_start: int, comm: Communicator) -> None:
         self.weights, self.expert_start, self.comm = weights, expert_start, comm
-        self.fallback_reason = grouped_gemm_unavailable_reason(weights)
+        # NOTE: quantized experts are judged on one expert dequantized, as ``SparseMoE`` judges them
+        self.fallback_reason = grouped_gemm_unavailable_reason(weights.dense(slice(0, 1)))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden) in ``x``'s dtype: every rank's experts' share, summed over the ranks."""
-        y = local_experts(x, self.weights, self.expert_start, grouped=self.fallback_reason is None)
+    def __call__(self, x: torch.Tensor, silu_mul: Callable | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden) in ``x``'s dtype: every rank's experts' share, summed over the ranks.
+        ``silu_mul`` (``SparseMoE``'s batch-invariant activation) is not used: tensor parallelism refuses
+        ``batch_invariant = on``."""
+        y = local_experts(x, self.weights.dense(), self.expert_start, grouped=self.fallback_reason is None)
         self.comm.all_reduce(y)
         return y.to(x.dtype)
 
@@ -280,15 +378,14 @@ def local_experts(x: torch.Tensor, moe: MoEWeights, expert_start: int, grouped: 
 
     Args:
         x: (T, hidden) the normed hidden states.
-        moe: the router (E, hidden) and this rank's ``E / N`` experts.
+        moe: the router (E, hidden) and this rank's ``E / N`` experts (tensors: ``MoEWeights.dense``).
         expert_start: the id of the first local expert.
         grouped: the grouped GEMM (``torch._grouped_mm``); False computes every local expert on every token.
 
     Returns:
         (T, hidden) in the experts' output dtype (float32 where the routing weights are, as ``sparse_moe``).
     """
-    # tensor parallelism loads unquantized weights only (``loader.tensor_parallel_plan`` refuses quantized ones)
-    assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor), "quantized experts"
+    assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor), "dequantize experts first"
     weights, expert_ids = route(x, moe)
     num_local = moe.gate_up.shape[0]
     local_ids = expert_ids - expert_start

@@ -146,6 +146,16 @@ def pack_rows(codes: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def row_major(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in memory of its own with row-major strides. NOTE: ``contiguous()`` is not enough: it keeps a
+    size-1 dimension's stride as it was (a transposed (1, N) tensor stays stride (1, N) as (N, 1)), and a kernel
+    that compares the zeros' and scales' strides reads that as another layout (one group per row: a channel-wise
+    checkpoint, or a tensor-parallel rank's slice of one group)."""
+    if tensor.is_contiguous() and tensor.stride() == torch.empty(tensor.shape, device="meta").stride():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def _group_count(in_features: int, group_size: int) -> int:
     return -(-in_features // group_size)
 
@@ -196,7 +206,9 @@ def from_compressed_tensors(
         zero_point = tensors["weight_zero_point"]
         _check(base + "weight_zero_point", zero_point, (-(-out_features // 8), groups))
         zeros = unpack_rows(zero_point.T.contiguous()).T[:out_features].to(torch.uint8)  # packed along rows
-    return Int4Weight(packed.contiguous(), zeros.contiguous(), scales.to(torch.float32), in_features, group_size, dtype)
+    return Int4Weight(
+        row_major(packed), row_major(zeros), row_major(scales.to(torch.float32)), in_features, group_size, dtype
+    )
 
 
 def from_gptq(
@@ -239,12 +251,12 @@ def from_gptq(
             )
     # Word (k, j) of qweight holds inputs 8k..8k+7 of output j in the common bit order: its transpose is the
     # common layout as it is, no codes unpacked.
-    packed = qweight.T.contiguous()
+    packed = row_major(qweight.T)
     zeros = (unpack_rows(qzeros) + 1) & 0xF  # (groups, out): the v1 format stores zero - 1
     return Int4Weight(
         packed,
-        zeros.T.contiguous().to(torch.uint8),
-        scales.T.contiguous().to(torch.float32),
+        row_major(zeros.T.to(torch.uint8)),
+        row_major(scales.T.to(torch.float32)),
         in_features,
         group_size,
         dtype,
@@ -283,5 +295,5 @@ def from_awq(
     _check(base + "qzeros", qzeros, (groups, out_features // 8))
     _check(base + "scales", scales, (groups, out_features), None)
     packed = pack_rows(awq_unpack(qweight).T)  # (out, in) codes, packed along the inputs
-    zeros = awq_unpack(qzeros).T.contiguous().to(torch.uint8)
-    return Int4Weight(packed, zeros, scales.T.contiguous().to(torch.float32), in_features, group_size, dtype)
+    zeros = row_major(awq_unpack(qzeros).T.to(torch.uint8))
+    return Int4Weight(packed, zeros, row_major(scales.T.to(torch.float32)), in_features, group_size, dtype)
