@@ -98,6 +98,18 @@ def _replica_pids(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+def _replica_pid(pid: int, shard: str) -> int:
+    """The pid of the command's replica running ``--shard SHARD`` (by its command line: the other replica may
+    already have finished and left the list of children)."""
+    from pathlib import Path
+
+    for child in _replica_pids(pid):
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if shard.encode() in argv:
+            return int(child)
+    raise AssertionError(f"no replica of pid {pid} runs --shard {shard}")
+
+
 def test_a_killed_replica_fails_the_command_by_name_and_a_rerun_finishes_every_row_once(tiny_model_dir, tmp_path):
     import os
     import signal
@@ -115,7 +127,7 @@ def test_a_killed_replica_fails_the_command_by_name_and_a_rerun_finishes_every_r
         while not any("s0001of0002" in p.name for p in committed_parts(out)):
             assert process.poll() is None and time.monotonic() < deadline, "replica 1 committed nothing in time"
             time.sleep(0.01)
-        os.kill(_replica_pids(process.pid)[1], signal.SIGKILL)
+        os.kill(_replica_pid(process.pid, "1/2"), signal.SIGKILL)
         _, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
