@@ -31,6 +31,20 @@ DEFAULT_PAGE_SIZE = {"cpu": 64, "cuda": 16}
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 #: ``structured_outputs_backend`` values (``cbrun.engine.structured_output.schema_support.BACKENDS``).
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+#: The settings that name one of a fixed set of choices, and those choices (checked by ``EngineConfig``).
+_CHOICES = {
+    "scheduler_type": SCHEDULER_TYPES,
+    "dtype": DTYPES,
+    "async_batching": SWITCHES,
+    "cuda_graphs": CUDA_GRAPH_MODES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "model_impl": MODEL_IMPLS,
+    "loader": LOADERS,
+    "linear_backend": LINEAR_BACKENDS,
+    "batch_invariant": SWITCHES,
+    "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS,
+}
 
 
 @dataclass(frozen=True)
@@ -233,13 +247,46 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._resolve_device_defaults()
+        self._check_counts()
+        self._check_choices()
+        self._check_memory_shares()
+        if self.kv_cache_dtype != "auto" and self.attention_backend in ("cpu", "triton"):
+            raise ValueError(
+                f"kv_cache_dtype = {self.kv_cache_dtype} runs attention on the PyTorch reference (the "
+                f"{self.attention_backend} kernels read K/V in the model's dtype); set attention_backend = auto or torch"
+            )
+        if self.prefix_hash_bits % 8 or not 8 <= self.prefix_hash_bits <= 256:
+            raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {self.prefix_hash_bits!r}")
+        if not isinstance(self.structured_outputs_ignore_formats, bool):
+            raise ValueError(
+                f"structured_outputs_ignore_formats must be true or false, got {self.structured_outputs_ignore_formats!r}"
+            )
+        self._check_speculative()
+        self._check_tensor_parallel()
+
+    def _check_counts(self) -> None:
+        """The settings that count something (tokens, requests, blocks, threads) are positive integers where set."""
         for name in ("page_size", "max_batch_tokens", "max_requests_per_batch"):
             if getattr(self, name) is not None:  # None only while the device is "auto"
                 self._check_positive_int(name)
-        if self.num_blocks is not None:
-            self._check_positive_int("num_blocks")
-        if self.scheduler_type not in SCHEDULER_TYPES:
-            raise ValueError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
+        for name in ("num_blocks", "cuda_graph_max_batch_size"):
+            if getattr(self, name) is not None:
+                self._check_positive_int(name)
+        if self.num_threads not in (None, "auto"):
+            if isinstance(self.num_threads, str):
+                raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
+            self._check_positive_int("num_threads")
+
+    def _check_choices(self) -> None:
+        """The settings that name one of a fixed set of choices (``_CHOICES``) name one of them."""
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+    def _check_memory_shares(self) -> None:
+        """The shares of memory the engine may take or keep free lie in their ranges; ``safety_margin`` left None
+        takes its scheduler's default (FIFO 0.15, PrefillFirst 0.0)."""
         if self.safety_margin is None:
             self.safety_margin = 0.15 if self.scheduler_type == "fifo" else 0.0
         if not 0.0 <= self.safety_margin < 1.0:
@@ -250,48 +297,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.cpu_offload_space < 0:
             raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.async_batching not in SWITCHES:
-            raise ValueError(f"async_batching must be one of {SWITCHES}, got {self.async_batching!r}")
-        if self.cuda_graphs not in CUDA_GRAPH_MODES:
-            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
-        if self.cuda_graph_max_batch_size is not None:
-            self._check_positive_int("cuda_graph_max_batch_size")
-        if self.num_threads not in (None, "auto"):
-            if isinstance(self.num_threads, str):
-                raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
-            self._check_positive_int("num_threads")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.attention_backend in ("cpu", "triton"):
-            raise ValueError(
-                f"kv_cache_dtype = {self.kv_cache_dtype} runs attention on the PyTorch reference (the "
-                f"{self.attention_backend} kernels read K/V in the model's dtype); set attention_backend = auto or torch"
-            )
-        if self.prefix_hash_bits % 8 or not 8 <= self.prefix_hash_bits <= 256:
-            raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {self.prefix_hash_bits!r}")
-        if self.model_impl not in MODEL_IMPLS:
-            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
-        if self.loader not in LOADERS:
-            raise ValueError(f"loader must be one of {LOADERS}, got {self.loader!r}")
-        if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
-        if self.batch_invariant not in SWITCHES:
-            raise ValueError(f"batch_invariant must be one of {SWITCHES}, got {self.batch_invariant!r}")
-        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
-            raise ValueError(
-                f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
-                f"got {self.structured_outputs_backend!r}"
-            )
-        if not isinstance(self.structured_outputs_ignore_formats, bool):
-            raise ValueError(
-                f"structured_outputs_ignore_formats must be true or false, got {self.structured_outputs_ignore_formats!r}"
-            )
-        self._check_speculative()
-        self._check_tensor_parallel()
 
     @property
     def limits(self) -> BatchLimits:

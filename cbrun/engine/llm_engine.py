@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -39,6 +39,57 @@ from cbrun.engine.worker.threads import resolve_attention_threads
 from cbrun.engine.worker.tp_worker import local_cache_shape
 
 
+@dataclass(frozen=True)
+class _KVEntry:
+    """What one KV cache block holds on this rank (``LLMEngine._kv_entry``).
+
+    Attributes:
+        num_kv_heads: KV heads this rank's cache holds (its share under tensor parallelism).
+        head_dim: the size of one head.
+        cache_dtype: the cache's dtype (``kv_cache_dtype``).
+        model_dtype: the model's parameters' dtype.
+        bytes_per_block: bytes of one block on this rank, the draft model's cache included.
+        ranks_per_memory: ranks whose caches share one memory (on the CPU, the host's).
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    cache_dtype: torch.dtype
+    model_dtype: torch.dtype
+    bytes_per_block: int
+    ranks_per_memory: int
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    """The kernels and graphs an engine runs, chosen once from its config (``cbrun.engine.worker.backends``).
+
+    Attributes:
+        triton: attention runs the Triton kernels.
+        cuda_graphs: decode steps replay from CUDA graphs, real or emulated.
+        cpu_kernel: attention runs the C CPU kernel.
+        batch_invariant: the batch-invariant forward runs.
+    """
+
+    triton: bool
+    cuda_graphs: bool
+    cpu_kernel: bool
+    batch_invariant: bool
+
+    @classmethod
+    def choose(cls, config: EngineConfig, dtype: torch.dtype, model_config: ModelConfig) -> "_Kernels":
+        """The choice for ``config``, a model of ``dtype`` and its text config.
+
+        Raises:
+            ValueError: a setting of "on" that cannot run here (CUDA graphs, ``batch_invariant``), naming why.
+        """
+        triton = backends.use_triton(config)
+        cuda_graphs = backends.use_cuda_graphs(config, triton, model_config)
+        cpu_kernel = backends.use_cpu_kernel(config, dtype, triton)
+        invariant = backends.use_batch_invariant(config, cpu_kernel, cuda_graphs, triton, dtype)
+        return cls(triton, cuda_graphs, cpu_kernel, invariant)
+
+
 class LLMEngine:
     """Continuous batching over one causal LM: iteration-level scheduling, paged KV cache, chunked prefill.
 
@@ -70,42 +121,13 @@ class LLMEngine:
         self.model = model
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_model_len = max_model_len
-        limits = config.limits
         #: The model's text config (a multimodal config's language part), read by attribute.
         self.model_config: ModelConfig = text_config(model)
-        model_config = self.model_config
-        num_kv_heads, head_dim = loader.kv_shape(model_config)
-        dtype = next(model.parameters()).dtype
-        layout = KVLayout.from_model_config(model_config)
+        layout = KVLayout.from_model_config(self.model_config)
         backends.check_speculative(config, layout)
-        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
-        bytes_per_block = KVCache.bytes_per_block(
-            len(layout.layer_types), limits.page_size, num_kv_heads, head_dim, cache_dtype
-        )
-        ranks_per_memory = 1
-        if tensor_parallel is not None:  # this rank's KV heads; on the CPU the ranks share the host's memory
-            num_kv_heads, head_dim, bytes_per_block = local_cache_shape(model, tensor_parallel, limits.page_size)  # type: ignore[arg-type]  # a sharded model is a LeanModel (tp_group.start loads only those)
-            ranks_per_memory = tensor_parallel.ranks_per_memory
-        if config.speculative == "draft":
-            if draft_model is None:
-                raise ValueError('speculative = "draft" needs a draft model (engine.draft_model)')
-            bytes_per_block += draft_bytes_per_block(draft_model, limits.page_size)  # one budget for both caches
-        self.num_blocks = resolve_num_blocks(
-            config, max_model_len, bytes_per_block * ranks_per_memory, model_config, expected_requests, expected_tokens
-        )
-        if tensor_parallel is not None:  # the fewest blocks any rank's memory holds
-            self.num_blocks = tensor_parallel.agree_num_blocks(self.num_blocks)
+        entry = self._kv_entry(layout, draft_model)
         #: The cache's geometry, the one source for the block manager, the KV cache, padding and the runner.
-        self.cache_spec = CacheSpec.build(
-            self.num_blocks,
-            limits.page_size,
-            layout,
-            num_cpu_blocks=int(config.cpu_offload_space * 2**30) // (bytes_per_block * config.tensor_parallel_size),
-            max_chunk_tokens=limits.max_batch_tokens,
-            max_model_len=max_model_len,
-        )
-        if tensor_parallel is not None:
-            tensor_parallel.share_cache_spec(self.cache_spec)
+        self.cache_spec = self._plan_cache(entry, layout, expected_requests, expected_tokens)
         self.block_manager = BlockManager(
             self.cache_spec, config.allow_block_sharing, truncated_block_hash(config.prefix_hash_bits)
         )
@@ -115,73 +137,27 @@ class LLMEngine:
             max_model_len,
             self.eos_token_ids,
             self._stop_matcher,
-            max_prompt_logprob_rows(config, model_config.vocab_size),
+            max_prompt_logprob_rows(config, self.model_config.vocab_size),
         )
-        kv_cache = KVCache(
-            self.cache_spec,
-            num_kv_heads,
-            head_dim,
-            cache_dtype,
-            next(model.parameters()).device,
-            num_zeroed_pages=self._num_touched_pages(),
-        )
-        use_triton = backends.use_triton(config)
-        use_graphs = backends.use_cuda_graphs(config, use_triton, model_config)
+        kernels = _Kernels.choose(config, entry.model_dtype, self.model_config)
         #: Launch step N+1 before reading step N's tokens (async batching). On the CPU nothing overlaps, but the
         #: same bookkeeping runs when this is set by hand, which is how the tests check it.
-        self.overlap_steps = use_async_batching(config.async_batching, config.device, use_graphs, config.speculative)
-        cpu_kernel = backends.use_cpu_kernel(config, dtype, use_triton)
-        batch_invariant = backends.use_batch_invariant(config, cpu_kernel, use_graphs, use_triton, dtype)
-        lean_model = select_lean_model(
-            config.model_impl,
-            model,
-            use_graphs,
-            max_model_len,
-            config.linear_backend,
-            batch_invariant,
-            backends.invariant_kernels(config, cpu_kernel, dtype) if batch_invariant else None,
+        self.overlap_steps = use_async_batching(
+            config.async_batching, config.device, kernels.cuda_graphs, config.speculative
         )
-        #: Turns each step's logits into its ``StepOutput`` on their device (the model runner calls it); owns the
-        #: penalised requests' token counts.
-        device = next(model.parameters()).device
-        # NOTE: off the CPU a batch-invariant step samples each row alone (StepSampler's docstring says why).
-        rows_alone = batch_invariant and device.type != "cpu"
-        self.sampler = StepSampler(model_config.vocab_size, device, self.eos_token_ids, rows_alone)
-        self.model_runner = ModelRunner(
-            model,
-            kv_cache,
-            use_triton=use_triton,
-            use_cpu_kernel=cpu_kernel,
-            cpu_kernel_threads=resolve_attention_threads(config.num_threads, config.device),
-            graph_buckets=backends.graph_buckets(config, max_model_len) if use_graphs else None,
-            emulate_graphs=config.cuda_graphs == "emulate",
-            max_model_len=max_model_len,
-            async_batching=self.overlap_steps,
-            lean_model=lean_model,
-            max_requests=limits.max_requests_per_batch,
-            max_batch_tokens=limits.max_batch_tokens,
-            sampler=self.sampler,
-        )
+        self.model_runner = self._model_runner(entry, kernels)
         #: Runs the draft model and fills each step's proposals (``speculative = "draft"``); its cache shares
         #: the block manager's block ids.
-        self.drafter = (
-            DraftProposer(  # speculative = "draft" came with a draft model (refused above otherwise)
-                draft_model,
-                self.cache_spec,
-                model_config.vocab_size,
-                self.eos_token_ids,
-                use_triton,
-                max_model_len,
-                select_lean_model(config.model_impl, draft_model, False, max_model_len, config.linear_backend),
-            )
-            if config.speculative == "draft" and draft_model is not None
-            else None
-        )
+        self.drafter = self._drafter(draft_model, kernels.triton)
+        self._init_step_state()
+
+    def _init_step_state(self) -> None:
+        """The state the step loop keeps between steps, and the hooks a caller may set on it."""
         self._draft_probs: dict[int, torch.Tensor] = {}  # this step's draft distributions of sampled requests
         self._counters = EngineStats()  # the engine's own counters; ``stats`` adds those its parts own
         #: The step in flight (async batching): its plan, handle and grammar bitmask (or None).
         self._in_flight: tuple[SchedulerOutput, StepHandle, StepBitmask | None] | None = None
-        self._seed_generator = torch.Generator().manual_seed(config.seed)
+        self._seed_generator = torch.Generator().manual_seed(self.config.seed)
         #: Called by ``step`` with the request ids of the plan it launches (None: nothing is called). Lets a caller
         #: see which requests share a forward pass, e.g. a Ray replica serving several batches at once.
         self.step_observer: Callable[[list], None] | None = None
@@ -189,6 +165,118 @@ class LLMEngine:
         #: wall seconds (None: nothing is called). Lets a job record its timeline (``cbrun.jobs.observe.timeline``).
         self.step_listener: Callable[[int, float], None] | None = None
         self._grammar_compiler: GrammarCompiler | None = None  # built for the first constrained request
+
+    def _kv_entry(self, layout: KVLayout, draft_model: torch.nn.Module | None) -> _KVEntry:
+        """What one KV cache block holds on this rank and what it costs (the draft model's cache included).
+
+        Raises:
+            ValueError: an unknown ``kv_cache_dtype``; ``speculative = "draft"`` without a draft model.
+        """
+        config, page_size = self.config, self.config.limits.page_size
+        num_kv_heads, head_dim = loader.kv_shape(self.model_config)
+        model_dtype = next(self.model.parameters()).dtype
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)
+        bytes_per_block = KVCache.bytes_per_block(
+            len(layout.layer_types), page_size, num_kv_heads, head_dim, cache_dtype
+        )
+        ranks_per_memory = 1
+        if self.tp_group is not None:  # this rank's KV heads; on the CPU the ranks share the host's memory
+            num_kv_heads, head_dim, bytes_per_block = local_cache_shape(self.model, self.tp_group, page_size)  # type: ignore[arg-type]  # a sharded model is a LeanModel (tp_group.start loads only those)
+            ranks_per_memory = self.tp_group.ranks_per_memory
+        if config.speculative == "draft":
+            if draft_model is None:
+                raise ValueError('speculative = "draft" needs a draft model (engine.draft_model)')
+            bytes_per_block += draft_bytes_per_block(draft_model, page_size)  # one budget for both caches
+        return _KVEntry(num_kv_heads, head_dim, cache_dtype, model_dtype, bytes_per_block, ranks_per_memory)
+
+    def _plan_cache(
+        self, entry: _KVEntry, layout: KVLayout, expected_requests: int | None, expected_tokens: int | None
+    ) -> CacheSpec:
+        """How many blocks the cache holds (``num_blocks``: the fewest any rank's memory holds) and its geometry,
+        shared with the other ranks of a tensor-parallel replica."""
+        config = self.config
+        self.num_blocks = resolve_num_blocks(
+            config,
+            self.max_model_len,
+            entry.bytes_per_block * entry.ranks_per_memory,
+            self.model_config,
+            expected_requests,
+            expected_tokens,
+        )
+        if self.tp_group is not None:  # the fewest blocks any rank's memory holds
+            self.num_blocks = self.tp_group.agree_num_blocks(self.num_blocks)
+        cache_spec = CacheSpec.build(
+            self.num_blocks,
+            config.limits.page_size,
+            layout,
+            num_cpu_blocks=int(config.cpu_offload_space * 2**30)
+            // (entry.bytes_per_block * config.tensor_parallel_size),
+            max_chunk_tokens=config.limits.max_batch_tokens,
+            max_model_len=self.max_model_len,
+        )
+        if self.tp_group is not None:
+            self.tp_group.share_cache_spec(cache_spec)
+        return cache_spec
+
+    def _model_runner(self, entry: _KVEntry, kernels: _Kernels) -> ModelRunner:
+        """The model runner over a new KV cache, with the lean forward pass (if one runs) and the step's sampler
+        (``self.sampler``: it turns each step's logits into its ``StepOutput`` on their device and owns the
+        penalised requests' token counts)."""
+        config, model, limits = self.config, self.model, self.config.limits
+        device = next(model.parameters()).device
+        kv_cache = KVCache(
+            self.cache_spec,
+            entry.num_kv_heads,
+            entry.head_dim,
+            entry.cache_dtype,
+            device,
+            num_zeroed_pages=self._num_touched_pages(),
+        )
+        lean_model = select_lean_model(
+            config.model_impl,
+            model,
+            kernels.cuda_graphs,
+            self.max_model_len,
+            config.linear_backend,
+            kernels.batch_invariant,
+            backends.invariant_kernels(config, kernels.cpu_kernel, entry.model_dtype)
+            if kernels.batch_invariant
+            else None,
+        )
+        # NOTE: off the CPU a batch-invariant step samples each row alone (StepSampler's docstring says why).
+        rows_alone = kernels.batch_invariant and device.type != "cpu"
+        self.sampler = StepSampler(self.model_config.vocab_size, device, self.eos_token_ids, rows_alone)
+        return ModelRunner(
+            model,
+            kv_cache,
+            use_triton=kernels.triton,
+            use_cpu_kernel=kernels.cpu_kernel,
+            cpu_kernel_threads=resolve_attention_threads(config.num_threads, config.device),
+            graph_buckets=backends.graph_buckets(config, self.max_model_len) if kernels.cuda_graphs else None,
+            emulate_graphs=config.cuda_graphs == "emulate",
+            max_model_len=self.max_model_len,
+            async_batching=self.overlap_steps,
+            lean_model=lean_model,
+            max_requests=limits.max_requests_per_batch,
+            max_batch_tokens=limits.max_batch_tokens,
+            sampler=self.sampler,
+        )
+
+    def _drafter(self, draft_model: torch.nn.Module | None, use_triton: bool) -> DraftProposer | None:
+        """The draft model's proposer (``speculative = "draft"``, which came with a draft model: ``_kv_entry``
+        refuses it otherwise), or None."""
+        config = self.config
+        if config.speculative != "draft" or draft_model is None:
+            return None
+        return DraftProposer(
+            draft_model,
+            self.cache_spec,
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+            use_triton,
+            self.max_model_len,
+            select_lean_model(config.model_impl, draft_model, False, self.max_model_len, config.linear_backend),
+        )
 
     @property
     def stats(self) -> EngineStats:

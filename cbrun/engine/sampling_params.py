@@ -122,6 +122,13 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that is out of range."""
+        self._check_lengths()
+        self._check_draw()
+        self._check_penalties()
+        self._check_outputs()
+
+    def _check_lengths(self) -> None:
+        """How many tokens the output holds: ``max_new_tokens`` and ``min_new_tokens``."""
         _check(
             _is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
             "max_new_tokens",
@@ -134,6 +141,9 @@ class SamplingParams:
             "an integer >= 0",
             self.min_new_tokens,
         )
+
+    def _check_draw(self) -> None:
+        """How a token is drawn: temperature, the top-k / top-p / min-p filters and the seed."""
         _check(
             _is_number(self.temperature) and self.temperature >= 0,
             "temperature",
@@ -144,6 +154,9 @@ class SamplingParams:
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
         _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+
+    def _check_penalties(self) -> None:
+        """The repetition, presence and frequency penalties."""
         _check(
             _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
@@ -152,6 +165,10 @@ class SamplingParams:
         )
         _check(_is_number(self.presence_penalty), "presence_penalty", "a finite number", self.presence_penalty)
         _check(_is_number(self.frequency_penalty), "frequency_penalty", "a finite number", self.frequency_penalty)
+
+    def _check_outputs(self) -> None:
+        """What comes back besides the tokens, and what ends or shapes them: logprobs, stop strings, structured
+        outputs."""
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             "logprobs",

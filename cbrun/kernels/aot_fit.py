@@ -36,6 +36,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -289,8 +290,15 @@ def _call_wrappers(
                     batch_invariant=batch_invariant,
                     sinks=sinks,
                 )
-    if not invariant:
-        return
+    if invariant:
+        _call_invariant_wrappers(model, zeros)
+
+
+def _call_invariant_wrappers(model: ModelShape, zeros: Callable[..., torch.Tensor]) -> None:
+    """Call the batch-invariant wrappers once per launch shape of ``model``: the matmul for each projection and the
+    LM head (bias where the model has one), RMSNorm over the hidden size and per head, log-softmax over the vocab;
+    ``zeros(*shape)`` makes their tensors (the dtype and device of ``_call_wrappers``)."""
+    heads, kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
     hidden, qkv = model.hidden, (heads + 2 * kv_heads) * head_dim
     for in_features, out_features, bias in (
         (hidden, qkv, model.bias),
@@ -512,24 +520,30 @@ def main(argv: list[str] | None = None) -> int:
     bad = [f for f in fits if not f.ok]
     print(f"{len(fits) - len(bad)} of {len(fits)} launches fit")
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                [
-                    dict(
-                        capability=f.capability,
-                        kernel=f.launch.kernel,
-                        shared=f.shared,
-                        shared_limit=f.shared_limit,
-                        registers=f.registers,
-                        stack=f.stack,
-                        ok=f.ok,
-                        line=format_fit(f),
-                    )
-                    for f in fits
-                ]
-            )
-        )
+        _write_json(args.json, fits)
     return 1 if bad else 0
+
+
+def _write_json(path: Path, fits: list[Fit]) -> None:
+    """Write every launch's figures (architecture, kernel, shared memory and its limit, registers, stack, fits, the
+    table's line) to ``path`` as a JSON list."""
+    path.write_text(
+        json.dumps(
+            [
+                dict(
+                    capability=f.capability,
+                    kernel=f.launch.kernel,
+                    shared=f.shared,
+                    shared_limit=f.shared_limit,
+                    registers=f.registers,
+                    stack=f.stack,
+                    ok=f.ok,
+                    line=format_fit(f),
+                )
+                for f in fits
+            ]
+        )
+    )
 
 
 #: Each quantized GEMM's pointer arguments that are not in the activations' dtype, with their Triton types.

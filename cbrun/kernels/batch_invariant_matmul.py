@@ -32,6 +32,20 @@ from cbrun.kernels.tile_policy import LaunchConfig, pick_invariant_matmul_tile
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+@triton.jit
+def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid``: consecutive programs walk a band of ``GROUP_M`` row tiles, then
+    the band's next column tile, so that the programs in flight share weight tiles in the L2 cache."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    band = pid // (GROUP_M * num_pid_n)
+    first_m = band * GROUP_M
+    band_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % band_rows
+    pid_n = (pid % (GROUP_M * num_pid_n)) // band_rows
+    return pid_m, pid_n
+
+
 @triton.jit(do_not_specialize=["M"])
 def batch_invariant_matmul_kernel(
     out_ptr,  # (M, N), strides (stride_out_m, 1)
@@ -52,15 +66,7 @@ def batch_invariant_matmul_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), else None (the default)
     DOT_IN_FP32: tl.constexpr,  # upcast bf16 dot operands (exactly): the CPU interpreter multiplies raw bf16 bits
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    band = pid // (GROUP_M * num_pid_n)
-    first_m = band * GROUP_M
-    band_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % band_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // band_rows
-
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     ks = tl.arange(0, BLOCK_K)  # (BLOCK_K,)

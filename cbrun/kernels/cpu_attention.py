@@ -245,16 +245,10 @@ class StepKernels:
         out = torch.empty_like(query)
         if num_rows < num_tokens:
             out[num_rows:] = 0
-        sink_args = ()
-        if sinks is not None:
-            _check_float32_cpu(sinks=sinks)
-            if sinks.shape != (num_heads,):
-                raise ValueError(f"sinks must be ({num_heads},), one logit per query head, got {tuple(sinks.shape)}")
-            if not hasattr(self._library, "cbrun_paged_attention_has_sinks"):
-                raise ValueError("this CPU attention library predates attention sinks")
-            sinks = sinks.contiguous()
-        if hasattr(self._library, "cbrun_paged_attention_has_sinks"):
-            sink_args = (None if sinks is None else sinks.data_ptr(),)
+        sinks = self._checked_sinks(sinks, num_heads)
+        # NOTE: a library built before attention sinks takes no sinks argument
+        takes_sinks = hasattr(self._library, "cbrun_paged_attention_has_sinks")
+        sink_args = (None if sinks is None else sinks.data_ptr(),) if takes_sinks else ()
         status = self._library.cbrun_paged_attention_f32(
             query.data_ptr(),
             self._k_ptr,
@@ -281,6 +275,22 @@ class StepKernels:
         if status:
             raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
         return out
+
+    def _checked_sinks(self, sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+        """``sinks`` contiguous (the caller keeps it while the kernel reads its pointer), or None.
+
+        Raises:
+            ValueError: sinks that are not one float32 logit per query head, or given to a library built before
+                attention sinks.
+        """
+        if sinks is None:
+            return None
+        _check_float32_cpu(sinks=sinks)
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must be ({num_heads},), one logit per query head, got {tuple(sinks.shape)}")
+        if not hasattr(self._library, "cbrun_paged_attention_has_sinks"):
+            raise ValueError("this CPU attention library predates attention sinks")
+        return sinks.contiguous()
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, slot_offset: int = 0

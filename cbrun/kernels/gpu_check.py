@@ -145,7 +145,7 @@ def attention_work(case: AttentionCase, elem_bytes: int) -> tuple[float, float]:
 
 
 def check_attention(case: AttentionCase, dtype: torch.dtype, device: str, bench: Callable, ceilings) -> Row:
-    from cbrun.kernels.paged_attention import attention_launch_config, device_capability, paged_attention_triton
+    from cbrun.kernels.paged_attention import paged_attention_triton
 
     query, k_cache, v_cache, block_tables, cu, seqlens_k = make_attention_batch(case, dtype, device)
     scale = case.head_dim**-0.5
@@ -176,25 +176,7 @@ def check_attention(case: AttentionCase, dtype: torch.dtype, device: str, bench:
     del expected, plan, err
     ms = bench(run)
     bytes_moved, flops = attention_work(case, query.element_size())
-    extras = f" win={case.sliding_window}" if case.sliding_window else ""
-    extras += f" cap={case.softcap}" if case.softcap else ""
-    shape = (
-        f"B={len(case.q_lens)} T={query.shape[0]} ctx={max(case.k_lens)} H={case.num_heads}/{case.num_kv_heads} "
-        f"D={case.head_dim} p={case.page_size}{extras}"
-    )
-    launch = attention_launch_config(
-        dtype,
-        case.num_heads,
-        case.num_kv_heads,
-        case.head_dim,
-        case.page_size,
-        max_q,
-        case.sliding_window is not None,
-        case.softcap is not None,
-        device_capability(query.device),
-    )
-    c = launch.constexprs
-    tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{launch.num_warps}"
+    shape, tile = _attention_shape(case, query.shape[0]), _attention_tile(case, dtype, query.device)
     return Row(
         f"attention {case.name}",
         dtype_name(dtype),
@@ -207,6 +189,35 @@ def check_attention(case: AttentionCase, dtype: torch.dtype, device: str, bench:
         0.0 if case.memory_bound else flops,
         ceilings[0] if case.memory_bound else ceilings[1],
     )
+
+
+def _attention_shape(case: AttentionCase, num_tokens: int) -> str:
+    """The row's shape column: requests, tokens, longest context, heads, head size, page size, window, softcap."""
+    extras = f" win={case.sliding_window}" if case.sliding_window else ""
+    extras += f" cap={case.softcap}" if case.softcap else ""
+    return (
+        f"B={len(case.q_lens)} T={num_tokens} ctx={max(case.k_lens)} H={case.num_heads}/{case.num_kv_heads} "
+        f"D={case.head_dim} p={case.page_size}{extras}"
+    )
+
+
+def _attention_tile(case: AttentionCase, dtype: torch.dtype, device: torch.device) -> str:
+    """The row's tile column: the tile and warps ``paged_attention_triton`` launched with on ``device``."""
+    from cbrun.kernels.paged_attention import attention_launch_config, device_capability
+
+    launch = attention_launch_config(
+        dtype,
+        case.num_heads,
+        case.num_kv_heads,
+        case.head_dim,
+        case.page_size,
+        max(case.q_lens),
+        case.sliding_window is not None,
+        case.softcap is not None,
+        device_capability(device),
+    )
+    c = launch.constexprs
+    return f"{c['BLOCK_M']}x{c['BLOCK_N']} w{launch.num_warps}"
 
 
 def check_kv_write(

@@ -52,6 +52,24 @@ def _find_request(cu_seqlens_q_ptr, tile, num_requests, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _softcap_log2(s, softcap):
+    """``softcap * tanh(s / softcap)`` of the scores ``s``, in the log2 domain (times LOG2E)."""
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 when exp overflows.
+    s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * LOG2E / softcap)) + 1.0))
+    return s * LOG2E
+
+
+@triton.jit
+def _add_sinks(l_i, m_i, sinks_ptr, head, row_ok):
+    """The softmax sums ``l_i`` (BLOCK_M,) with each row's head sink added: the sink is one more logit in the row's
+    softmax, with no value, so exp(sink - m) joins the sum only (scores are in the log2 domain here, so the sink
+    is too)."""
+    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    return l_i + tl.where(row_ok, tl.exp2(sink - m_safe), 0.0)
+
+
+@triton.jit
 def paged_attention_kernel(
     out_ptr,  # (T, H, HEAD_DIM), strides (stride_out_t, stride_out_h, 1)
     query_ptr,  # (T, H, HEAD_DIM), strides (stride_q_t, stride_q_h, 1)
@@ -151,9 +169,7 @@ def paged_attention_kernel(
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
         if USE_SOFTCAP:
-            # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 when exp overflows.
-            s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * LOG2E / softcap)) + 1.0))
-            s = s * LOG2E
+            s = _softcap_log2(s, softcap)
         visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -171,11 +187,7 @@ def paged_attention_kernel(
         m_i = m_new
 
     if USE_SINKS:
-        # The sink is one more logit in the row's softmax, with no value: exp(sink - m) joins the sum only
-        # (scores are in the log2 domain here, so the sink is too).
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        l_i = l_i + tl.where(row_ok, tl.exp2(sink - m_safe), 0.0)
+        l_i = _add_sinks(l_i, m_i, sinks_ptr, head, row_ok)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :],
@@ -228,12 +240,7 @@ def paged_attention_triton(
             head_dim (> 256).
     """
     _check_attention_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out)
-    if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.dtype != torch.float32 or sinks.stride(0) != 1):
-        raise ValueError(
-            f"sinks must be a contiguous float32 ({query.shape[1]},) tensor, got {sinks.dtype} {tuple(sinks.shape)}"
-        )
-    if sinks is not None and sinks.device != query.device:
-        raise ValueError(f"sinks are on {sinks.device}, the query on {query.device}")
+    _check_sinks(sinks, query)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     num_requests = seqlens_k.shape[0]
@@ -241,18 +248,13 @@ def paged_attention_triton(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0 or num_requests == 0:
         return out
-    if batch_invariant:
-        max_seqlen_q = INVARIANT_MAX_SEQLEN_Q
-    elif max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-
     launch = attention_launch_config(
         query.dtype,
         num_heads,
         num_kv_heads,
         head_dim,
         page_size,
-        int(max_seqlen_q),
+        _tile_seqlen_q(cu_seqlens_q, max_seqlen_q, batch_invariant),
         sliding_window is not None,
         softcap is not None,
         device_capability(query.device),
@@ -288,6 +290,26 @@ def paged_attention_triton(
         **launch.constexprs,
     )
     return out
+
+
+def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Sinks, when given, are one contiguous float32 logit per query head, on the query's device."""
+    if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.dtype != torch.float32 or sinks.stride(0) != 1):
+        raise ValueError(
+            f"sinks must be a contiguous float32 ({query.shape[1]},) tensor, got {sinks.dtype} {tuple(sinks.shape)}"
+        )
+    if sinks is not None and sinks.device != query.device:
+        raise ValueError(f"sinks are on {sinks.device}, the query on {query.device}")
+
+
+def _tile_seqlen_q(cu_seqlens_q: torch.Tensor, max_seqlen_q: int | None, batch_invariant: bool) -> int:
+    """The query length whose tile the launch takes: ``INVARIANT_MAX_SEQLEN_Q`` for a batch-invariant launch, else
+    the batch's longest query (read from ``cu_seqlens_q`` when not given: one device sync)."""
+    if batch_invariant:
+        return INVARIANT_MAX_SEQLEN_Q
+    if max_seqlen_q is None:
+        return int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    return int(max_seqlen_q)
 
 
 #: The query length whose tile every ``batch_invariant`` launch uses: the largest tile the policy picks (a long

@@ -208,30 +208,45 @@ def paged_attention_ref(
     Returns:
         (T, num_heads, head_dim) in ``query.dtype``.
     """
-    num_tokens, num_heads, head_dim = query.shape
+    out = query.new_zeros(query.shape)
+    for g in plan.groups:
+        out[g.out_rows] = _attend_group(query, k_cache, v_cache, g, scale, softcap, page_offset, sinks)
+    return out
+
+
+def _attend_group(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: _Group,
+    scale: float,
+    softcap: float | None,
+    page_offset: int,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``paged_attention_ref`` for the requests of one gather group (padded to its longest query and context),
+    as (rows of ``g.out_rows``, num_heads, head_dim) in ``query.dtype``."""
+    num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
-    out = query.new_zeros(num_tokens, num_heads, head_dim)
-    for g in plan.groups:
-        batch, max_q = g.q_index.shape
-        # (B, Q, H, D) -> (B, Hkv, G * Q, D): each KV head serves its group of query heads as extra query rows,
-        # so K and V are never repeated per query head.
-        q = query[g.q_index].view(batch, max_q, num_kv_heads, group_size, head_dim)
-        q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group_size * max_q, head_dim)
-        pages = (g.blocks + page_offset if page_offset else g.blocks).flatten()
-        # (B * NB, page, Hkv, D) -> (B, Hkv, K, D)
-        k = _read_pages(k_cache, pages, query.dtype).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = _read_pages(v_cache, pages, query.dtype).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        if softcap is None and sinks is None:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=g.head_mask(group_size, q.dtype), scale=scale
-            )
-        else:
-            head_sinks = None if sinks is None else sinks.view(num_kv_heads, group_size, 1).repeat_interleave(max_q, 1)
-            o = _explicit_attention(q, k, v, g.head_mask(group_size), scale, softcap, head_sinks)
-        o = o.view(batch, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        out[g.out_rows] = o.reshape(batch * max_q, num_heads, head_dim)[g.out_select]
-    return out
+    batch, max_q = g.q_index.shape
+    # (B, Q, H, D) -> (B, Hkv, G * Q, D): each KV head serves its group of query heads as extra query rows,
+    # so K and V are never repeated per query head.
+    q = query[g.q_index].view(batch, max_q, num_kv_heads, group_size, head_dim)
+    q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group_size * max_q, head_dim)
+    pages = (g.blocks + page_offset if page_offset else g.blocks).flatten()
+    # (B * NB, page, Hkv, D) -> (B, Hkv, K, D)
+    k = _read_pages(k_cache, pages, query.dtype).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = _read_pages(v_cache, pages, query.dtype).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    if softcap is None and sinks is None:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=g.head_mask(group_size, q.dtype), scale=scale
+        )
+    else:
+        head_sinks = None if sinks is None else sinks.view(num_kv_heads, group_size, 1).repeat_interleave(max_q, 1)
+        o = _explicit_attention(q, k, v, g.head_mask(group_size), scale, softcap, head_sinks)
+    o = o.view(batch, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    return o.reshape(batch * max_q, num_heads, head_dim)[g.out_select]
 
 
 def _explicit_attention(q, k, v, mask, scale: float, softcap: float | None, sinks) -> torch.Tensor:

@@ -80,6 +80,18 @@ def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def _max_attention_rows(wide: bool, portable_fp32: bool, head_dim_padded: int) -> int:
+    """The most query rows (``BLOCK_M``) a paged-attention tile takes: 64 in 16-bit, 32 in float32, 16 for float32
+    at head_dim 256 (and the portable float32 tile from 128)."""
+    if not wide:
+        return 64
+    if head_dim_padded >= 256 or (portable_fp32 and head_dim_padded >= 128):
+        # NOTE: the portable float32 tile of 32 x 128 spilled 168-296 bytes on sm_90 (sm_80 needs BLOCK_N 32,
+        # sm_90 then spills at 32 rows): 16 rows fit all three parts.
+        return 16
+    return 32
+
+
 def pick_attention_tile(
     capability: int | None,
     elem_bytes: int,
@@ -105,15 +117,9 @@ def pick_attention_tile(
     """
     wide = elem_bytes >= 4
     portable_fp32 = capability is None and wide and not upcast
-    if not wide:
-        max_rows = 64
-    elif head_dim_padded >= 256 or (portable_fp32 and head_dim_padded >= 128):
-        # NOTE: the portable float32 tile of 32 x 128 spilled 168-296 bytes on sm_90 (sm_80 needs BLOCK_N 32,
-        # sm_90 then spills at 32 rows): 16 rows fit all three parts.
-        max_rows = 16
-    else:
-        max_rows = 32
-    rows = min(max(next_power_of_2(max_seqlen_q * group_padded), 16), max_rows)
+    rows = min(
+        max(next_power_of_2(max_seqlen_q * group_padded), 16), _max_attention_rows(wide, portable_fp32, head_dim_padded)
+    )
     block_m = max(rows, group_padded)
     if capability is None or capability < 89:  # sm_80 / 86 / 87 and the portable tile: fewer registers per K/V step
         block_n = 32

@@ -84,9 +84,9 @@ def test_a_sampled_job_runs_its_ranks_without_batch_invariance(tiny_model_dir):
     from cbrun.engine import EngineConfig
     from cbrun.engine.worker.backends import batch_invariant_blocker_before_load
 
-    reason = batch_invariant_blocker_before_load(EngineConfig(tensor_parallel_size=2), str(tiny_model_dir))
+    reason = batch_invariant_blocker_before_load(EngineConfig(tensor_parallel_size=2), str(tiny_model_dir), "float32")
     assert reason == "tensor_parallel_size = 2 (the ranks' partial sums are not batch-invariant)"
-    assert batch_invariant_blocker_before_load(EngineConfig(), str(tiny_model_dir)) is None
+    assert batch_invariant_blocker_before_load(EngineConfig(), str(tiny_model_dir), "float32") is None
 
 
 def _rank_pids(pid: int) -> list[int]:

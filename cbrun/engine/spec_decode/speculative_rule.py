@@ -77,31 +77,49 @@ def verify(
     accepted = (proposals >= 0) & (tokens == proposals)
     if batch.any_sampled:
         rows = sampler.sampled_rows(batch, scores.device)
-        p = sampled_probs(scores[rows], batch, rows)
-        proposal = proposals[rows]
-        bonus = proposal < 0
-        x = proposal.clamp(min=0)[:, None]
-        p_x = p.gather(1, x)[:, 0]
-        residual = p.scatter(1, x, 0.0)
-        q_x = torch.ones_like(p_x)
-        if draft_probs is not None:
-            drafted = has_draft[rows]
-            q = draft_probs[rows]
-            q_x = torch.where(drafted, q.gather(1, x)[:, 0], q_x)
-            residual = torch.where(drafted[:, None], (p - q).clamp(min=0.0), residual)
-        residual = torch.where(bonus[:, None], p, residual)
-        keys = batch.keys[rows]
-        accept = ~bonus & (uniform_of(keys, ACCEPT) * q_x < p_x)
-        # p <= q everywhere up to rounding: nothing else can be drawn, so the proposal stands.
-        accept |= ~bonus & ~(residual.sum(dim=1) > 0.0)
-        residual = torch.where(accept[:, None], p, residual)  # any positive row: its draw is unused
-        drawn = inverse_cdf(residual, uniform_of(keys, RESIDUAL))
-        tokens[rows] = torch.where(accept, proposal, drawn)
-        accepted[rows] = accept
+        q, drafted = (draft_probs[rows], has_draft[rows]) if draft_probs is not None else (None, None)
+        tokens[rows], accepted[rows] = _accept_or_resample(
+            sampled_probs(scores[rows], batch, rows), proposals[rows], q, drafted, batch.keys[rows]
+        )
     check_tokens(tokens, errors, scores.shape[1])
     accepted &= errors == OK
     out = with_logprobs(SamplerOutput(tokens, errors, [], []), scores, raw, batch)
     return VerifyOutput(accepted, out)
+
+
+def _accept_or_resample(
+    p: torch.Tensor, proposal: torch.Tensor, q: torch.Tensor | None, drafted: torch.Tensor | None, keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule of the module's docstring on the sampled rows: accept x with probability min(1, p(x) / q(x)), else
+    draw from the residual; a bonus row draws from p.
+
+    Args:
+        p: (S, V) float32 the rows' filtered target distributions.
+        proposal: (S,) int64 each row's proposal; -1 on bonus rows.
+        q: (S, V) float32 the draft distributions (rows not ``drafted``: unused), or None: every proposal is a
+            point mass (q(x) = 1).
+        drafted: (S,) bool which rows' proposals came from ``q``; None with ``q``.
+        keys: (S,) the rows' random keys (``uniform_of``).
+
+    Returns:
+        ((S,) int64 the token each row commits, (S,) bool whether it accepted its proposal).
+    """
+    bonus = proposal < 0
+    x = proposal.clamp(min=0)[:, None]
+    p_x = p.gather(1, x)[:, 0]
+    residual = p.scatter(1, x, 0.0)
+    q_x = torch.ones_like(p_x)
+    if q is not None:
+        assert drafted is not None  # given with q
+        q_x = torch.where(drafted, q.gather(1, x)[:, 0], q_x)
+        residual = torch.where(drafted[:, None], (p - q).clamp(min=0.0), residual)
+    residual = torch.where(bonus[:, None], p, residual)
+    accept = ~bonus & (uniform_of(keys, ACCEPT) * q_x < p_x)
+    # p <= q everywhere up to rounding: nothing else can be drawn, so the proposal stands.
+    accept |= ~bonus & ~(residual.sum(dim=1) > 0.0)
+    residual = torch.where(accept[:, None], p, residual)  # any positive row: its draw is unused
+    drawn = inverse_cdf(residual, uniform_of(keys, RESIDUAL))
+    return torch.where(accept, proposal, drawn), accept
 
 
 def sample_draft(

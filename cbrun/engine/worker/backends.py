@@ -241,11 +241,14 @@ def invariant_kernels(config: EngineConfig, cpu_kernel: bool, dtype: torch.dtype
     return triton_invariant_kernels(torch.device(config.device), dtype)
 
 
-def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -> str | None:
+def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str, dtype: str) -> str | None:
     """``batch_invariant_blocker`` for an engine not built yet (a job resolving "auto"), from its settings and the
     model's config.json: also why the lean path would not run (``model_impl = transformers``, or a config
-    ``cbrun.engine.model.config`` does not read). None when "on" would run."""
-    from cbrun.engine.config import checkpoint_dtype
+    ``cbrun.engine.model.config`` does not read). None when "on" would run.
+
+    Args:
+        dtype: the dtype the engine will run in, resolved once by the caller (``EngineConfig.resolve_dtype``).
+    """
     from cbrun.engine.model.config import read_config_json
     from cbrun.engine.model.registry import family_of, parse_config
 
@@ -264,7 +267,6 @@ def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -
     if parsed.quantization is not None:
         # NOTE: each quantized GEMM dequantizes its weight in chunks of its own shape (LeanLlama refuses them).
         return "quantized weights (their GEMMs are not batch-invariant)"
-    dtype = config.resolve_dtype(checkpoint_dtype(model_path))
     triton = use_triton(config)
     cpu_kernel = not triton and torch.device(config.device).type == "cpu" and dtype == "float32"
     cpu_kernel = cpu_kernel and config.attention_backend in ("auto", "cpu") and config.kv_cache_dtype == "auto"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from cbrun.engine.core.cache_spec import cdiv
@@ -160,27 +162,28 @@ class ModelRunner:
         if not plan.scheduled:
             return None
         inputs = self.step_inputs.prepare(plan, previous)
-        input_ids, positions, md, logits_indices, sample_rows, carry = self._upload(inputs)
-        if inputs.shape is not None:
-            if self._graph_runner is None:
-                self._graph_runner = self._make_graph_runner()
-            logits = self._graph_runner.run(input_ids, positions, md, logits_indices, inputs.shape, carry)
-            logits = logits[: inputs.num_rows]
-            if self.async_batching and inputs.needs_host_logits:  # the next replay overwrites the static output
-                logits = logits.clone()
-        else:
-            if carry is not None:
-                input_ids[carry[0]] = carry[1]
-            logits = self._forward(input_ids, positions, md, logits_indices)[: inputs.num_rows]
-        if inputs.needs_argmax:
-            sample_logits = logits if sample_rows is None else logits[sample_rows]
-            sampled = sample_logits.argmax(dim=-1)
-        else:  # every sampled row is chosen by the sampler, a grammar's masked argmax or verification
-            num_sample_rows = logits.shape[0] if sample_rows is None else sample_rows.shape[0]
-            sampled = torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)
+        uploaded = self._upload(inputs)
+        logits = self._logits(inputs, uploaded)
+        sampled = _device_argmax(inputs, logits, uploaded.sample_rows)
         if self.sampler is None:
             return StepHandle.launch_readback(logits, sampled, plan.layout.sample_index_of)
         return self.sampler.launch(plan, logits, sampled, previous, grammar, draft_probs)
+
+    def _logits(self, inputs: StepInputs, uploaded: _DeviceInputs) -> torch.Tensor:
+        """(real logit rows, vocab) logits of the step: a graph's replay for a padded step, else an eager forward
+        pass (which takes the carried tokens of the step in flight into its input ids first)."""
+        input_ids, positions, md, logits_indices, _, carry = uploaded
+        if inputs.shape is None:
+            if carry is not None:
+                input_ids[carry[0]] = carry[1]
+            return self._forward(input_ids, positions, md, logits_indices)[: inputs.num_rows]
+        if self._graph_runner is None:
+            self._graph_runner = self._make_graph_runner()
+        logits = self._graph_runner.run(input_ids, positions, md, logits_indices, inputs.shape, carry)
+        logits = logits[: inputs.num_rows]
+        if self.async_batching and inputs.needs_host_logits:  # the next replay overwrites the static output
+            logits = logits.clone()
+        return logits
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, logits_indices: torch.Tensor
@@ -223,30 +226,10 @@ class ModelRunner:
             emulate=self.emulate_graphs,
         )
 
-    def _upload(
-        self, inputs: StepInputs
-    ) -> tuple[
-        torch.Tensor,
-        torch.Tensor,
-        AttentionMetadata,
-        torch.Tensor,
-        torch.Tensor | None,
-        tuple[torch.Tensor, torch.Tensor] | None,
-    ]:
-        """Move the host inputs to the device: through the staging pairs when async, else plain copies.
-
-        Returns:
-            (input_ids, positions, AttentionMetadata, logits_indices, sample_rows, carry) on the device;
-            ``sample_rows`` is None when every logit row samples, ``carry`` is (input rows, token ids) or None.
-        """
+    def _upload(self, inputs: StepInputs) -> _DeviceInputs:
+        """Move the host inputs to the device: through the staging pairs when async, else plain copies."""
         names = list(inputs.groups)
-        tensors = [inputs.input_ids, inputs.positions, inputs.cu_seqlens_q, inputs.seqlens_k, inputs.logits_indices]
-        for name in names:
-            tensors += [inputs.groups[name].slot_mapping, inputs.groups[name].block_tables]
-        if inputs.sample_rows is not None:
-            tensors.append(inputs.sample_rows)
-        if inputs.carry is not None:
-            tensors += [inputs.carry[0], inputs.carry[1]]
+        tensors = _host_tensors(inputs)
         if self.stager is not None:
             tensors = self.stager.stage(tensors)
         elif self.device.type != "cpu":
@@ -261,12 +244,19 @@ class ModelRunner:
         rest = tensors[5 + 2 * len(names) :]
         sample_rows = rest.pop(0) if inputs.sample_rows is not None else None
         carry = (rest[0], inputs.carry[2][rest[1]]) if inputs.carry is not None else None
-        md = AttentionMetadata(
+        md = self._attention_metadata(groups, cu_seqlens_q, seqlens_k, inputs.max_seqlen_q)
+        return _DeviceInputs(input_ids, positions, md, logits_indices, sample_rows, carry)
+
+    def _attention_metadata(
+        self, groups: dict[str, GroupMetadata], cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, max_seqlen_q: int
+    ) -> AttentionMetadata:
+        """The step's attention metadata over the cache's pages, with the runner's kernel choice."""
+        return AttentionMetadata(
             groups=groups,
             layer_groups=self.layer_groups,
             cu_seqlens_q=cu_seqlens_q,
             seqlens_k=seqlens_k,
-            max_seqlen_q=inputs.max_seqlen_q,
+            max_seqlen_q=max_seqlen_q,
             page_size=self.page_size,
             k_pages=self.kv_cache.k_pages,
             v_pages=self.kv_cache.v_pages,
@@ -276,4 +266,38 @@ class ModelRunner:
             # the lean pass asked for it (engine.batch_invariant): every query row attended on its own
             batch_invariant=self.lean_model is not None and self.lean_model.batch_invariant,
         )
-        return input_ids, positions, md, logits_indices, sample_rows, carry
+
+
+class _DeviceInputs(NamedTuple):
+    """One step's inputs on the device (``ModelRunner._upload``)."""
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    md: AttentionMetadata
+    logits_indices: torch.Tensor  # (N,) int64
+    sample_rows: torch.Tensor | None  # (S,) int64; None when every logit row samples
+    carry: tuple[torch.Tensor, torch.Tensor] | None  # (input rows, token ids) taken from the step in flight
+
+
+def _host_tensors(inputs: StepInputs) -> list[torch.Tensor]:
+    """The step's host tensors in the order they are uploaded: the token and request tensors, each group's slot
+    mapping and block tables, then the sample rows and the carry's (input rows, sampled rows) where there are
+    some."""
+    tensors = [inputs.input_ids, inputs.positions, inputs.cu_seqlens_q, inputs.seqlens_k, inputs.logits_indices]
+    for group in inputs.groups.values():
+        tensors += [group.slot_mapping, group.block_tables]
+    if inputs.sample_rows is not None:
+        tensors.append(inputs.sample_rows)
+    if inputs.carry is not None:
+        tensors += [inputs.carry[0], inputs.carry[1]]
+    return tensors
+
+
+def _device_argmax(inputs: StepInputs, logits: torch.Tensor, sample_rows: torch.Tensor | None) -> torch.Tensor:
+    """(S,) int64 argmax of the step's sample rows, or zeros when no entry reads it (``StepInputs.needs_argmax``:
+    every sampled row is chosen by the sampler, a grammar's masked argmax or verification)."""
+    if inputs.needs_argmax:
+        sample_logits = logits if sample_rows is None else logits[sample_rows]
+        return sample_logits.argmax(dim=-1)
+    num_sample_rows = logits.shape[0] if sample_rows is None else sample_rows.shape[0]
+    return torch.zeros(num_sample_rows, dtype=torch.int64, device=logits.device)

@@ -40,6 +40,60 @@ class StepInputs:
     needs_argmax: bool = True  # some sampling entry takes the device argmax as its token
 
 
+@dataclass(frozen=True)
+class _TokenLayout:
+    """A step's tokens flattened over its requests (numpy int64; T tokens, R requests).
+
+    Attributes:
+        token_ids: (T,) the tokens.
+        positions: (T,) each token's position in its request.
+        cu_seqlens_q: (R + 1,) where each request's tokens start, and T.
+        request_of_token: (T,) the index of each token's request (not padded).
+        seqlens_k: (R,) each request's context after the step.
+        max_seqlen_q: the most tokens of one request.
+    """
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    cu_seqlens_q: np.ndarray
+    request_of_token: np.ndarray
+    seqlens_k: np.ndarray
+    max_seqlen_q: int
+
+    @classmethod
+    def flatten(cls, scheduled: list[ScheduledRequest]) -> "_TokenLayout":
+        """The layout of the plan's entries. A decode step (one token per entry, the common step) skips the
+        per-token arrays: its positions are the starts and its query offsets a range."""
+        num_requests = len(scheduled)
+        starts = np.array([s.start for s in scheduled], dtype=np.int64)
+        q_lens = [s.num_tokens for s in scheduled]
+        num_tokens = sum(q_lens)
+        if num_tokens == num_requests:  # a decode step (one token each): positions are the starts
+            token_ids = np.array([s.token_ids[0] for s in scheduled], dtype=np.int64)
+            cu_seqlens_q = np.arange(num_requests + 1, dtype=np.int64)
+            return cls(token_ids, starts, cu_seqlens_q, cu_seqlens_q[:-1], starts + 1, 1)
+        token_ids = np.fromiter(chain.from_iterable([s.token_ids for s in scheduled]), dtype=np.int64, count=num_tokens)
+        q_len_array = np.array(q_lens, dtype=np.int64)
+        cu_seqlens_q = np.zeros(num_requests + 1, dtype=np.int64)
+        np.cumsum(q_len_array, out=cu_seqlens_q[1:])
+        request_of_token = np.repeat(np.arange(num_requests), q_len_array)
+        positions = np.arange(num_tokens) + (starts - cu_seqlens_q[:-1])[request_of_token]
+        return cls(token_ids, positions, cu_seqlens_q, request_of_token, starts + q_len_array, int(q_len_array.max()))
+
+    def padded(self, shape: PaddedShape) -> "_TokenLayout":
+        """The layout padded to a graph's shape: padded tokens are token 0 at position 0, padded requests have no
+        query rows, no context and no cache write (``request_of_token`` stays the real tokens')."""
+        num_tokens, num_requests = len(self.token_ids), len(self.seqlens_k)
+        return _TokenLayout(
+            _pad(self.token_ids, shape.num_tokens),
+            _pad(self.positions, shape.num_tokens),
+            np.concatenate((self.cu_seqlens_q, np.full(shape.num_requests - num_requests, num_tokens))),
+            self.request_of_token,
+            _pad(self.seqlens_k, shape.num_requests),
+            self.max_seqlen_q,
+        )
+
+
 class StepInputBuilder:
     """Builds each step's ``StepInputs``; reads the runner's persistent batch (patching it from the plan's block
     table deltas) and owns nothing else.
@@ -90,59 +144,23 @@ class StepInputBuilder:
         persistent batch. A decode step (one token per entry, the common step) skips the per-token arrays: its
         positions are the starts and its query offsets a range.
         """
-        scheduled, plain_greedy = plan.scheduled, plan.plain_greedy
-        full = FULL if self.layers_per_block[FULL] else None
-        sliding = SLIDING if self.layers_per_block[SLIDING] else None
-        num_requests = len(scheduled)
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        q_lens = [s.num_tokens for s in scheduled]
-        num_tokens = sum(q_lens)
-        if num_tokens == num_requests:  # a decode step (one token each): positions are the starts
-            token_ids = np.array([s.token_ids[0] for s in scheduled], dtype=np.int64)
-            cu_seqlens_q = np.arange(num_requests + 1, dtype=np.int64)
-            request_of_token = cu_seqlens_q[:-1]
-            positions = starts
-            seqlens_k = starts + 1
-            max_seqlen_q = 1
-        else:
-            token_ids = np.fromiter(
-                chain.from_iterable([s.token_ids for s in scheduled]), dtype=np.int64, count=num_tokens
-            )
-            q_len_array = np.array(q_lens, dtype=np.int64)
-            cu_seqlens_q = np.zeros(num_requests + 1, dtype=np.int64)
-            np.cumsum(q_len_array, out=cu_seqlens_q[1:])
-            request_of_token = np.repeat(np.arange(num_requests), q_len_array)
-            positions = np.arange(num_tokens) + (starts - cu_seqlens_q[:-1])[request_of_token]
-            seqlens_k = starts + q_len_array
-            max_seqlen_q = int(q_len_array.max())
-        carry = self._carry(scheduled, cu_seqlens_q, previous, token_ids)
-        rows, num_blocks, num_sliding = self.input_batch.update(scheduled, full, sliding)
-        logits_indices, sample_rows, needs_host_logits = self._logit_rows(plan, cu_seqlens_q)
+        scheduled = plan.scheduled
+        tokens = _TokenLayout.flatten(scheduled)
+        num_tokens = len(tokens.token_ids)
+        carry = self._carry(scheduled, tokens.cu_seqlens_q, previous, tokens.token_ids)
+        logits_indices, sample_rows, needs_host_logits = self._logit_rows(plan, tokens.cu_seqlens_q)
         num_rows = len(logits_indices)
-        max_seqlen_k = int(seqlens_k.max())
         shape = self._graph_shape(scheduled, num_tokens, num_rows)
+        padded = tokens.padded(shape) if shape is not None else tokens
         if shape is not None:
-            # Padded tokens and requests: token 0 at position 0, no query rows, no context, no cache write.
-            token_ids = _pad(token_ids, shape.num_tokens)
-            positions = _pad(positions, shape.num_tokens)
-            cu_seqlens_q = np.concatenate((cu_seqlens_q, np.full(shape.num_requests - num_requests, num_tokens)))
-            seqlens_k = _pad(seqlens_k, shape.num_requests)
             logits_indices = _pad(logits_indices, shape.num_logit_rows)
-        max_blocks = cdiv(max_seqlen_k, self.page_size)  # a graph's static tables keep their other columns
-        num_slots, num_table_rows = len(token_ids), len(seqlens_k)
-        groups = {}
-        for kind, lengths in ((full, num_blocks), (sliding, num_sliding)):
-            if kind is not None:
-                assert lengths is not None  # ``PersistentBatch.update`` gives the lengths of each kept table
-                groups[kind] = self._group_metadata(
-                    kind, rows, lengths, positions[:num_tokens], request_of_token, max_blocks, num_table_rows, num_slots
-                )
+        groups = self._groups(scheduled, tokens, padded)
         return StepInputs(
-            input_ids=torch.from_numpy(token_ids),
-            positions=torch.from_numpy(positions),
-            cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)),
-            seqlens_k=torch.from_numpy(seqlens_k.astype(np.int32)),
-            max_seqlen_q=max_seqlen_q,
+            input_ids=torch.from_numpy(padded.token_ids),
+            positions=torch.from_numpy(padded.positions),
+            cu_seqlens_q=torch.from_numpy(padded.cu_seqlens_q.astype(np.int32)),
+            seqlens_k=torch.from_numpy(padded.seqlens_k.astype(np.int32)),
+            max_seqlen_q=tokens.max_seqlen_q,
             logits_indices=torch.from_numpy(logits_indices),
             groups=groups,
             shape=shape,
@@ -150,8 +168,37 @@ class StepInputBuilder:
             sample_rows=sample_rows,
             carry=carry,
             needs_host_logits=needs_host_logits,
-            needs_argmax=plain_greedy or not all(s.needs_host_sampling for s in scheduled if s.samples),
+            needs_argmax=plan.plain_greedy or not all(s.needs_host_sampling for s in scheduled if s.samples),
         )
+
+    def _groups(
+        self, scheduled: list[ScheduledRequest], tokens: _TokenLayout, padded: _TokenLayout
+    ) -> dict[str, GroupMetadata]:
+        """The attention metadata of each allocator the model has (``FULL``, ``SLIDING``), from the persistent
+        batch patched with the plan's block table deltas (``padded``: the step's layout padded to a graph's shape,
+        or ``tokens`` itself)."""
+        max_blocks = cdiv(
+            int(tokens.seqlens_k.max()), self.page_size
+        )  # a graph's static tables keep their other columns
+        full = FULL if self.layers_per_block[FULL] else None
+        sliding = SLIDING if self.layers_per_block[SLIDING] else None
+        rows, num_blocks, num_sliding = self.input_batch.update(scheduled, full, sliding)
+        num_slots, num_table_rows = len(padded.token_ids), len(padded.seqlens_k)
+        groups = {}
+        for kind, lengths in ((full, num_blocks), (sliding, num_sliding)):
+            if kind is not None:
+                assert lengths is not None  # ``PersistentBatch.update`` gives the lengths of each kept table
+                groups[kind] = self._group_metadata(
+                    kind,
+                    rows,
+                    lengths,
+                    tokens.positions,
+                    tokens.request_of_token,
+                    max_blocks,
+                    num_table_rows,
+                    num_slots,
+                )
+        return groups
 
     @staticmethod
     def _logit_rows(plan: SchedulerOutput, cu_seqlens_q: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None, bool]:

@@ -97,6 +97,14 @@ class InputSettings:
     format: str = "auto"
     shard: str | None = None
 
+    @property
+    def is_openai_batch(self) -> bool:
+        """Whether the prompts come from OpenAI batch requests: ``format = "openai-batch"``, or "auto" with no prompt
+        setting (the input must then have the request shape; ``cbrun.jobs.input.openai_batch.OpenAIBatchReader``
+        checks)."""
+        prompt_settings = (self.prompt_column, self.template, self.prompt_ids_column, self.messages_column)
+        return self.format == "openai-batch" or (self.format == "auto" and all(s is None for s in prompt_settings))
+
     def __post_init__(self) -> None:
         has_text = self.prompt_column is not None or self.template is not None
         sources = [has_text, self.prompt_ids_column is not None, self.messages_column is not None]

@@ -55,18 +55,6 @@ OPENAI_FIELDS = [
 ]
 
 
-def is_openai_batch_input(inp) -> bool:
-    """Whether the job's prompts come from OpenAI batch requests: ``input.format = "openai-batch"``, or "auto"
-    with no prompt setting (the input must then have the request shape; ``OpenAIBatchReader`` checks)."""
-    return inp.format == "openai-batch" or (
-        inp.format == "auto"
-        and inp.prompt_column is None
-        and inp.template is None
-        and inp.prompt_ids_column is None
-        and inp.messages_column is None
-    )
-
-
 def input_fields(path: str | Path, endpoint_url: str | None = None) -> list[str]:
     """The field names of the input's first file: a Parquet footer, or the first JSON object line (cheap)."""
     kind, files = list_input_files(path, endpoint_url)

@@ -50,7 +50,7 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from cbrun.engine.config import EngineConfig
-from cbrun.engine.model.loader import load_model
+from cbrun.engine.model.loader import load_model, resolve_engine_dtype
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.integrations.lm_eval_loading import build_engine, load_tokenizer, resolve_device
 from cbrun.jobs.integrations.lm_eval_requests import (
@@ -143,6 +143,7 @@ class CbrunLM(TemplateLM):
         self.custom_prefix_token_id = prefix_token_id
         self._max_gen_toks = int(max_gen_toks)
         # As cbrun run loads it: the safetensors loader where it applies; torch's threads set ("auto" resolved).
+        config = resolve_engine_dtype(pretrained, config)
         model = load_model(pretrained, config)
         self._max_length = int(max_length) if max_length else resolve_max_length(model.config, self.tokenizer)
         self.engine = build_engine(pretrained, model, config, self.tokenizer, self._max_length)

@@ -16,7 +16,6 @@ from cbrun.jobs.input.openai_batch import (
     REQUEST_FIELDS,
     OpenAIBatchReader,
     input_fields,
-    is_openai_batch_input,
 )
 from cbrun.jobs.input.reader import PromptReader
 from cbrun.jobs.model.source import ModelSource
@@ -44,7 +43,7 @@ def open_reader(manifest: JobManifest, model: ModelSource | None = None) -> Prom
     """
     inp, endpoint = manifest.input, manifest.storage.endpoint_url
     keep = manifest.output.keep_columns
-    if is_openai_batch_input(inp):
+    if inp.is_openai_batch:
         if inp.format == "auto" and not set(REQUEST_FIELDS) <= set(input_fields(inp.path, endpoint)):
             raise InputError(PROMPT_SETTINGS_MESSAGE)
         return OpenAIBatchReader(

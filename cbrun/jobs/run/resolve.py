@@ -117,7 +117,10 @@ def resolve_job(manifest: JobManifest, shard: Shard | None = None, progress: boo
     manifest, taken = _with_model_defaults(manifest)
     may_sample = _may_sample(manifest, reader)
     engine = replace(manifest.engine, device=resolve_device(manifest.engine.device))
-    manifest = replace(manifest, engine=resolve_batch_invariant(engine, manifest.model.path, may_sample))
+    # NOTE: dtype "auto" means bf16 on a GPU and float32 on the CPU: decided once, here, for the batch-invariance
+    # check and the fingerprint (which records the one this run uses)
+    dtype = engine.resolve_dtype(checkpoint_dtype(manifest.model.path))
+    manifest = replace(manifest, engine=resolve_batch_invariant(engine, manifest.model.path, may_sample, dtype))
     # NOTE: checked before any work, loading the model included
     tokenizer = load_tokenizer(manifest.model.path, loader=manifest.engine.loader)
     _check_prompt_formatting(manifest, reader, tokenizer)
@@ -125,8 +128,7 @@ def resolve_job(manifest: JobManifest, shard: Shard | None = None, progress: boo
     return ResolvedJob(
         manifest=manifest,
         model=model,
-        # NOTE: dtype "auto" means bf16 on a GPU and float32 on the CPU: the fingerprint records the one this run uses
-        dtype=manifest.engine.resolve_dtype(checkpoint_dtype(manifest.model.path)),
+        dtype=dtype,
         shard=run_shard,
         output=output,
         reader=reader,
@@ -238,17 +240,17 @@ def _may_sample(manifest: JobManifest, reader: PromptReader | OpenAIBatchReader)
     )
 
 
-def resolve_batch_invariant(engine_config: EngineConfig, model_path: str, may_sample: bool) -> EngineConfig:
+def resolve_batch_invariant(engine_config: EngineConfig, model_path: str, may_sample: bool, dtype: str) -> EngineConfig:
     """``engine.batch_invariant`` for this run: "auto" becomes "on" when a row may be sampled and the engine can
-    run it (``backends.batch_invariant_blocker_before_load``), else "off", saying why in the log; "on" and "off"
-    stay (the engine refuses an "on" it cannot run, by name)."""
+    run it in ``dtype`` (``backends.batch_invariant_blocker_before_load``), else "off", saying why in the log; "on"
+    and "off" stay (the engine refuses an "on" it cannot run, by name)."""
     if engine_config.batch_invariant != "auto":
         return engine_config
     reason = None if may_sample else "no row is sampled (a greedy job)"
     if reason is None:
         from cbrun.engine.worker.backends import batch_invariant_blocker_before_load
 
-        reason = batch_invariant_blocker_before_load(engine_config, model_path)
+        reason = batch_invariant_blocker_before_load(engine_config, model_path, dtype)
     if reason:
         logger.info("batch_invariant off: %s", reason)
         return replace(engine_config, batch_invariant="off")

@@ -168,14 +168,22 @@ def paged_attention_forward(
     if isinstance(cbrun_metadata, AttentionProbe):
         named = dict(kwargs, dropout=dropout, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
         return cbrun_metadata.attend(module, query, key, value, attention_mask, scale, s_aux, named), None
+    _refuse_unsupported(module, attention_mask, dropout, kwargs)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+    out = paged_attention(q, k, v, cbrun_metadata, module.layer_idx, scale, sliding_window, softcap, s_aux)
+    return out.unsqueeze(0), None
+
+
+def _refuse_unsupported(module: torch.nn.Module, attention_mask: torch.Tensor | None, dropout: float, kwargs) -> None:
+    """Refuse what the hook does not implement: a keyword that would change attention, a dropout
+    (``attention_contract.check_hook_kwargs``), a mask or bias the model built.
+
+    Raises:
+        UnsupportedAttention: naming it.
+    """
     check_hook_kwargs(kwargs, dropout)
     if attention_mask is not None:
         raise refusal("an attention mask or bias built by the model", f"layer {module.layer_idx}")
-    q = query[0].transpose(0, 1)  # (T, H, D)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    out = paged_attention(q, k, v, cbrun_metadata, module.layer_idx, scale, sliding_window, softcap, s_aux)
-    return out.unsqueeze(0), None
 
 
 def paged_attention(
@@ -212,29 +220,47 @@ def paged_attention(
         return _attention_as_ops(q, k, v, md, group, index, scale, sliding_window, softcap, sinks)
     if md.use_cpu_kernel:
         return _cpu_kernel_attention(q, k, v, md, group, index, scale, sliding_window, softcap, sinks)
-    slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
     if md.use_triton:
-        from cbrun.kernels.kv_cache_write import write_kv_cache_triton
-        from cbrun.kernels.paged_attention import paged_attention_triton
-
-        write_kv_cache_triton(k, v, md.k_pages, md.v_pages, slot_mapping)
-        return paged_attention_triton(
-            q,
-            md.k_pages,
-            md.v_pages,
-            block_tables,
-            md.cu_seqlens_q,
-            md.seqlens_k,
-            scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            sinks=sinks,
-            max_seqlen_q=md.max_seqlen_q,
-            batch_invariant=md.batch_invariant,
-        )
+        return _triton_attention(q, k, v, md, group, index, scale, sliding_window, softcap, sinks)
+    slot_mapping, _ = md.groups[group].for_layer(index, md.page_size)
     write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
     return paged_attention_ref(
         q, md.k_pages, md.v_pages, md.gather_plan(group, sliding_window), scale, softcap, page_offset=index, sinks=sinks
+    )
+
+
+def _triton_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    md: AttentionMetadata,
+    group: str,
+    index: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``paged_attention`` on the Triton kernels (``cbrun.kernels.paged_attention``), with the layer's own slots and
+    block tables (``GroupMetadata.for_layer``)."""
+    from cbrun.kernels.kv_cache_write import write_kv_cache_triton
+    from cbrun.kernels.paged_attention import paged_attention_triton
+
+    slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
+    write_kv_cache_triton(k, v, md.k_pages, md.v_pages, slot_mapping)
+    return paged_attention_triton(
+        q,
+        md.k_pages,
+        md.v_pages,
+        block_tables,
+        md.cu_seqlens_q,
+        md.seqlens_k,
+        scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+        max_seqlen_q=md.max_seqlen_q,
+        batch_invariant=md.batch_invariant,
     )
 
 
