@@ -185,6 +185,23 @@ def test_links_resolve(page):
             assert (ROOT / page).parent.joinpath(target.split("#")[0]).exists(), target
 
 
+def test_the_jobs_rooms_hold_the_modules_named():
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    block = text[text.index("`cbrun/jobs/`") :]
+    block = _FENCE.search(block).group(1)
+    named, room = {}, None
+    for line in block.splitlines():
+        if not line.startswith(" "):
+            room, _, line = line.partition("/")
+        for item in re.split(r"[,/;]", re.sub(r"\([^)]*\)", "", line)):
+            if item.strip():
+                named.setdefault(room, []).append(item.strip())
+    assert len(named) >= 10 and "output_dir" in named["output"]
+    for room, modules in named.items():
+        for module in modules:
+            assert (ROOT / "cbrun/jobs" / room / f"{module}.py").is_file(), f"cbrun/jobs/{room}/{module}.py"
+
+
 def test_the_drawn_layers_are_the_enforced_ones():
     drawing = _FENCE.findall((ROOT / "ARCHITECTURE.md").read_text())[0]
     drawn = [line.split()[0].rstrip("/").replace("/", ".") for line in drawing.splitlines() if line.strip()]
