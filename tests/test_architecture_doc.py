@@ -1,7 +1,7 @@
 """ARCHITECTURE.md held to the code, where that is cheap: every file it names exists, every ``cbrun.x.y`` name
 imports, every other code name it spells (``FIFOScheduler``, ``OutputDir.start``, ``sources.open_source``) is defined
-in ``cbrun/``, every link resolves, and its drawing of the layers is the order ``tests/kernels/test_layering.py``
-enforces. (``tests/test_docs_imports.py`` runs the docs' import lines; this checks names, not imports.)"""
+in ``cbrun/``, every module its jobs rooms list is in that room, every link resolves, and its drawing of the layers
+is the order ``tests/kernels/test_layering.py`` enforces. (``tests/test_docs_imports.py`` runs the docs' import lines; this checks names, not imports.)"""
 
 from __future__ import annotations
 
