@@ -13,6 +13,11 @@ its resident set and resets its peak (``/proc/self/clear_refs``, ``VmHWM``), loa
 greedy requests of 32 random ids and ``--new-tokens`` tokens, and reports the peak resident set again, the bytes
 its model holds (``parameters()``), and a hash of its tokens. "Run peak" is the second peak minus the first (the
 interpreter and torch); the table compares it with the dequantized checkpoint's.
+
+The ``mxfp4`` rows are a random gpt-oss instead (``GPT_OSS``: hidden 512, 4 layers, 16 experts of width 512, 4 per
+token, 8 heads and 2 KV heads of 64, vocabulary 8000: 59M parameters, 50M of them in the experts, float32), its
+experts stored as MXFP4 in the real checkpoint layout (``tests/engine/model/test_gpt_oss.py``'s writer) beside the
+same weights dequantized; the MXFP4 run dequantizes its experts a chunk at a time in each forward pass.
 """
 
 from __future__ import annotations
@@ -24,7 +29,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-LAYOUTS = ("dequantized", "ct-sym", "gptq", "fp8-block")
+LAYOUTS = ("dequantized", "ct-sym", "gptq", "fp8-block", "mxfp4")
+#: The random gpt-oss of the ``mxfp4`` rows.
+GPT_OSS = dict(
+    vocab_size=8000,
+    hidden_size=512,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    num_local_experts=16,
+    num_experts_per_tok=4,
+    sliding_window=16,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def one_run(model_dir: str, requests: int, new_tokens: int) -> dict:
@@ -61,18 +83,36 @@ def _reset_peak() -> int:
     return _status_kib("VmRSS")
 
 
-def checkpoints(model_dir: Path) -> dict[str, Path]:
-    """{layout: checkpoint dir}, the quantized ones beside their dequantized twin (the same weights)."""
+def checkpoints(model_dir: Path, layouts: tuple[str, ...] = LAYOUTS[1:]) -> dict[str, Path]:
+    """{layout: checkpoint dir} of ``layouts``, the quantized ones beside their dequantized twin (the same
+    weights)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.engine import test_int4_quantization as int4
+    from tests.engine.model import test_gpt_oss as mxfp4
+    from tests.engine.model import test_int4_quantization as int4
     from tests.engine.model import test_quantization as fp8
 
     found = {}
-    for layout in LAYOUTS[1:]:
-        writer = fp8 if layout == "fp8-block" else int4
-        quantized, dequantized = writer._quantized_copy(model_dir, layout)
+    for layout in layouts:
+        if layout == "mxfp4":
+            gpt_oss = _gpt_oss(model_dir.parent / "cbrun-bench-gpt-oss")
+            quantized, dequantized = mxfp4.mxfp4_pair(gpt_oss, gpt_oss.parent / "cbrun-bench-gpt-oss-mxfp4")
+        else:
+            writer = fp8 if layout == "fp8-block" else int4
+            quantized, dequantized = writer._quantized_copy(model_dir, layout)
         found[layout], found[f"{layout} dequantized"] = quantized, dequantized
     return found
+
+
+def _gpt_oss(model_dir: Path) -> Path:
+    """The random gpt-oss of ``GPT_OSS`` in ``model_dir`` (safetensors), built once."""
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    GptOssForCausalLM(GptOssConfig(**GPT_OSS)).save_pretrained(model_dir)
+    return model_dir
 
 
 def main() -> None:
@@ -80,6 +120,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/cbrun-bench-tp-llama"))
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS[1:], default=list(LAYOUTS[1:]))
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -88,14 +129,14 @@ def main() -> None:
     from benchmarks.tensor_parallel import build_model
 
     runs = {}
-    for name, path in checkpoints(build_model(args.model_dir)).items():
+    for name, path in checkpoints(build_model(args.model_dir), tuple(args.layouts)).items():
         command = [sys.executable, "-m", "benchmarks.quantized_memory", "--one", str(path)]
         command += ["--requests", str(args.requests), "--new-tokens", str(args.new_tokens)]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         runs[name] = json.loads(out.strip().splitlines()[-1])
     print("| checkpoint | weights held (MiB) | run peak RSS (MiB) | vs its dequantized twin | tokens |")
     print("|---|---|---|---|---|")
-    for layout in LAYOUTS[1:]:
+    for layout in args.layouts:
         twin = runs[f"{layout} dequantized"]
         for name in (f"{layout} dequantized", layout):
             run = runs[name]

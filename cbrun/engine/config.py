@@ -124,9 +124,10 @@ class EngineConfig:
             "auto", where it uses every physical core (``cbrun.engine.worker.threads.resolve_attention_threads``).
         prefix_hash_bits: width of the prefix cache's block hash (SHA-256 cut to a multiple of 8 bits, default the
             full 256). Narrow widths exist for tests that force collisions; a collision is never served.
-        model_impl: the forward pass. "lean" runs Llama-family models (Llama, Mistral and Qwen2 without sliding
-            windows, default RoPE) through ``cbrun.engine.model.models.llama``: the same math and attention without transformers'
-            per-module overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
+        model_impl: the forward pass. "lean" runs the lean-path families (``cbrun.engine.model.registry``: Llama,
+            Mistral and Mixtral without sliding windows, Qwen2, Qwen3, Qwen3-MoE, gpt-oss) through their own forward
+            pass (``cbrun.engine.model.models``): the same math and attention without transformers' per-module
+            overhead, bit-identical logits; an unsupported model, or CUDA graphs on, is a ValueError.
             "transformers" always runs the transformers modules; "auto" takes lean where it applies.
         loader: who loads the model and tokenizer. "auto" (the default) reads a Llama-family checkpoint that the
             lean path runs straight from its files without importing transformers (``cbrun.engine.model.safetensors_loader``,

@@ -88,7 +88,8 @@ class LlamaConfig:
             head_dim: the shapes (``head_dim`` defaults to hidden_size // num_attention_heads).
         max_position_embeddings: the model's maximum length in tokens.
         rms_norm_eps: every RMSNorm's epsilon.
-        rope_theta: the RoPE's base; rope_type: its type (``cbrun.engine.model.layers.rotary_embedding.ROPE_INIT``).
+        rope_theta: the RoPE's base; rope_type: its type (``cbrun.engine.model.layers.rotary_embedding.ROPE_INIT``);
+            rope_parameters: the type's other parameters (``RopeParameters.params``: YaRN's factor, ...).
         tie_word_embeddings: the LM head is the embedding matrix.
         attention_bias: the config's ``attention_bias`` (False when it states none).
         mlp_bias: gate/up/down projections have biases (Llama's ``mlp_bias``).
@@ -98,6 +99,10 @@ class LlamaConfig:
         qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3, Qwen3-MoE).
         moe: the experts' settings of a MoE family, None for a dense one.
         quantization: the checkpoint's quantized layout (``cbrun.engine.model.layers.quantization``), None when unquantized.
+        sliding_window: the window in tokens of the layers ``layer_types`` names "sliding_attention" (gpt-oss);
+            None where no layer slides one (the other families refuse configs with one).
+        layer_types: per layer, "full_attention" or "sliding_attention" (transformers' names, which
+            ``cbrun.engine.core.kv_layout.KVLayout`` reads); None: every layer attends fully.
     """
 
     model_type: str
@@ -124,9 +129,9 @@ class LlamaConfig:
     moe: MoEConfig | None = None
     quantization: QuantScheme | None = None
     rope_type: str = "default"
-    #: No layer slides a window (configs with one are refused), so the cache is all full attention.
-    sliding_window = None
-    layer_types = None
+    rope_parameters: tuple[tuple[str, object], ...] = ()
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     is_encoder_decoder = False
 
     def get_text_config(self) -> "LlamaConfig":

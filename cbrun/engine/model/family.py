@@ -16,6 +16,7 @@ import torch
 from cbrun.engine.model.config import LlamaConfig
 from cbrun.engine.model.layers.attention import AttentionMetadata
 from cbrun.engine.model.layers.linear import Backend
+from cbrun.engine.model.layers.quantization.schemes import QuantScheme
 from cbrun.engine.model.weights import LlamaWeights
 from cbrun.kernels.batch_invariant import InvariantKernels
 
@@ -39,15 +40,24 @@ class ModelFamily:
     Attributes:
         model_type: config.json's ``model_type``.
         architecture: the transformers class ``AutoModelForCausalLM`` builds for it (``type(model).__name__``).
+        keep_in_float32: see below.
     """
 
     model_type: ClassVar[str]
     architecture: ClassVar[str]
+    #: transformers' ``_keep_in_fp32_modules``: a checkpoint tensor whose name contains one of these stays float32
+    #: when the engine loads in float16 (as transformers keeps it), whatever it was stored as.
+    keep_in_float32: ClassVar[tuple[str, ...]] = ()
 
     def parse_config(self, raw: dict) -> tuple[LlamaConfig | None, str | None]:
         """``(config, None)`` for a config.json (as a dict) read exactly as transformers reads it, else
         ``(None, why not)``."""
         raise NotImplementedError
+
+    def unsupported_quantization(self, scheme: QuantScheme | None) -> str | None:
+        """Why this family cannot read a checkpoint quantized in ``scheme`` (a layout
+        ``cbrun.engine.model.layers.quantization.schemes`` implements), or None."""
+        return None
 
     def checkpoint_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         """Every tensor name a transformers checkpoint of this config holds, with its shape."""
@@ -64,6 +74,16 @@ class ModelFamily:
         """How a tensor-parallel group splits checkpoint tensor ``name`` (one of
         ``cbrun.engine.model.layers.parallel.SPLIT_STYLES``), None where every rank holds it whole."""
         raise NotImplementedError
+
+    def unsupported_parallel_reason(self, config: LlamaConfig) -> str | None:
+        """Why tensor parallelism cannot split this family's weights (beyond the shapes
+        ``cbrun.engine.model.layers.parallel.unsupported_reason`` checks), or None."""
+        return None
+
+    def batch_invariant_reason(self, config: LlamaConfig) -> str | None:
+        """Why this family's forward pass cannot run ``engine.batch_invariant = on``, or None (a job's "auto" then
+        turns it off, saying why: ``cbrun.engine.worker.backends.batch_invariant_blocker_before_load``)."""
+        return None
 
     def unsupported_module_reason(self, model: torch.nn.Module) -> str | None:
         """Why the forward pass cannot run this family's transformers model exactly as transformers does, or None."""

@@ -17,7 +17,6 @@ from cbrun.engine.core.tokenizer import load_tokenizer
 from cbrun.engine.model import registry, safetensors_loader
 from cbrun.engine.model.layers import attention_contract, parallel
 from cbrun.engine.model.layers.attention import ATTN_IMPLEMENTATION, register_with_transformers
-from cbrun.engine.model.layers.quantization.schemes import checkpoint_quantization
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
 from cbrun.engine.worker.backends import cuda_graphs_blocker, use_triton
 from cbrun.engine.worker.device import select_device
@@ -76,7 +75,7 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
             cbrun does not implement, by ``checkpoint_quantization``'s refusal.
     """
     size = config.tensor_parallel_size
-    checkpoint_quantization(model_path)  # an unimplemented layout: its own refusal, as with one rank
+    registry.checkpoint_quantization(model_path)  # an unimplemented layout: its own refusal, as with one rank
     reason = _needs_transformers(config)
     plan = None
     if reason is None:
@@ -86,9 +85,9 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
             f"tensor_parallel_size = {size} runs only the lean path loaded from safetensors, and this model "
             f"would load through transformers: {reason}; set tensor_parallel_size = 1"
         )
-    reason = parallel.unsupported_reason(plan.config, size)
+    family = registry.family_of(plan.config)
+    reason = parallel.unsupported_reason(plan.config, size) or family.unsupported_parallel_reason(plan.config)
     if reason is None and plan.config.quantization is not None:
-        family = registry.family_of(plan.config)
         shapes = family.checkpoint_shapes(plan.config)
         weights = {name: shapes[name] for name in plan.quantized}
         reason = parallel.unsupported_quantized_reason(plan.config, weights, family.shard_style, size)
@@ -103,11 +102,11 @@ def _load_target_model(model_path: str, config: EngineConfig):
 
     Raises:
         ValueError: a quantized checkpoint whose layout cbrun does not implement
-            (``cbrun.engine.model.layers.quantization.schemes.checkpoint_quantization``), or one it implements that would load
+            (``cbrun.engine.model.registry.checkpoint_quantization``), or one it implements that would load
             through transformers (which dequantizes FP8 to bfloat16 at load on the CPU: not the checkpoint's
             weights as the lean path computes them).
     """
-    quantization = checkpoint_quantization(model_path)
+    quantization = registry.checkpoint_quantization(model_path)
     reason = _needs_transformers(config)
     plan = None
     if reason is None:
@@ -247,7 +246,7 @@ def load_draft_model(config: EngineConfig, target: torch.nn.Module, tokenizer, m
         ValueError: for another vocabulary (``check_draft_vocab``) or a shorter maximum length than the target's,
             or a quantized draft (a draft loads through transformers, which would not run it as cbrun's lean path).
     """
-    quantization = checkpoint_quantization(config.draft_model)
+    quantization = registry.checkpoint_quantization(config.draft_model)
     if quantization is not None:
         raise ValueError(
             f"the draft model's config.json has a quantization_config ({quantization.method}): a draft model "

@@ -7,10 +7,14 @@ finds it, and refuses by name a model no family implements.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from cbrun.engine.model.config import LlamaConfig
+from cbrun.engine.model.config import LlamaConfig, read_config_json
 from cbrun.engine.model.family import ModelFamily
+from cbrun.engine.model.layers.quantization import schemes
+from cbrun.engine.model.models.gpt_oss import GptOssFamily
 from cbrun.engine.model.models.llama import LlamaFamily, MistralFamily
 from cbrun.engine.model.models.mixtral import MixtralFamily
 from cbrun.engine.model.models.qwen2 import Qwen2Family
@@ -26,6 +30,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     Qwen3Family(),
     Qwen3MoeFamily(),
     MixtralFamily(),
+    GptOssFamily(),
 )
 
 
@@ -79,3 +84,20 @@ def weights_from_module(model: torch.nn.Module) -> LlamaWeights:
     family = family_for_architecture(type(model).__name__)
     assert family is not None
     return family.weights_from_module(model)
+
+
+def checkpoint_quantization(model_dir: str | Path) -> schemes.QuantScheme | None:
+    """The model directory's quantization (``schemes.checkpoint_quantization``), None for an unquantized
+    checkpoint, refusing as well a layout the model's family does not read (mxfp4 outside gpt-oss's experts).
+
+    Raises:
+        ValueError: naming the ``quantization_config`` and why, with what cbrun implements.
+    """
+    scheme = schemes.checkpoint_quantization(model_dir)
+    if scheme is None:
+        return None
+    family = family_for_model_type(read_config_json(model_dir).get("model_type"))
+    reason = family.unsupported_quantization(scheme) if family is not None else None
+    if reason:
+        raise ValueError(schemes.refusal(reason))
+    return scheme

@@ -108,7 +108,7 @@ def _quantized_names(config: LlamaConfig, files: dict[str, Path]) -> tuple[dict[
     scheme's first suffix; MoE experts' included), or a reason: one lacks a tensor of its layout, or the
     checkpoint holds none at all."""
     scheme = config.quantization
-    if scheme is None:
+    if scheme is None or not scheme.suffixes:  # none, or stacked experts the family names itself (mxfp4)
         return {}, None
     marker, *rest = scheme.suffixes
     quantized: dict[str, dict[str, str]] = {}
@@ -178,7 +178,7 @@ def _read_files(
                     continue
                 if name not in part_of:
                     tensor = _read_plain(handle, name, path, shapes[name], family, parallel)
-                    tensors[name] = tensor.to(device=device, dtype=plan.dtype)
+                    tensors[name] = tensor.to(device=device, dtype=_load_dtype(name, tensor.dtype, plan.dtype, family))
                     continue
                 weight, suffix = part_of[name]  # kept as stored, checked as a whole by ``_quantized``
                 if parallel is None:
@@ -210,6 +210,17 @@ def _read_plain(
     if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
         raise RuntimeError(f"tensor {name} is {tensor.dtype} without a scale tensor")
     return tensor
+
+
+def _load_dtype(name: str, stored: torch.dtype, dtype: torch.dtype, family: ModelFamily) -> torch.dtype:
+    """The dtype a plain tensor is loaded in: the engine's ``dtype``; integers (packed codes or scales, mxfp4's
+    ``*_blocks`` / ``*_scales``) as stored, the family checks them; float32 under float16 for the names the family
+    keeps so (``ModelFamily.keep_in_float32``, as transformers' ``_keep_in_fp32_modules``)."""
+    if not stored.is_floating_point:
+        return stored
+    if dtype == torch.float16 and any(part in name for part in family.keep_in_float32):
+        return torch.float32
+    return dtype
 
 
 def _quantized(

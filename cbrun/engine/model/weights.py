@@ -27,6 +27,8 @@ class LayerWeights:
 
     A MoE layer (``moe`` set) has no dense gate/up/down (None). ``q_norm`` / ``k_norm``: (head_dim,) the
     per-head RMSNorm weights on queries and keys before RoPE (Qwen3-MoE), with epsilon ``qk_norm_eps``.
+    ``sinks``: (num_heads,) per-head attention sink logits (gpt-oss), or None. ``sliding_window``: the layer's
+    attention window in tokens, None for full attention.
     """
 
     input_norm: torch.Tensor
@@ -45,14 +47,16 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 0.0
     moe: MoEWeights | None = None
+    sinks: torch.Tensor | None = None
+    sliding_window: int | None = None
 
     def linears(self) -> list[Linear]:
         """The dense projections this layer has, in q, k, v, o, gate, up, down order."""
         return [p for p in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down) if p is not None]
 
     def extra_tensors(self) -> list[torch.Tensor]:
-        """The q/k norms and the experts' tensors, where the layer has them."""
-        norms = [n for n in (self.q_norm, self.k_norm) if n is not None]
+        """The q/k norms, the sinks and the experts' tensors, where the layer has them."""
+        norms = [n for n in (self.q_norm, self.k_norm, self.sinks) if n is not None]
         return norms + (self.moe.tensors() if self.moe is not None else [])
 
 
@@ -71,6 +75,8 @@ class LlamaWeights:
         max_position_embeddings: positions the model was configured for (the RoPE table's default length).
         parallel: this rank's share of a tensor-parallel group (``cbrun.engine.model.layers.parallel``), the tensors
             above being its slices; None for a whole model.
+        norm_scale_in_float32: the RMSNorms scale in float32, then cast (gpt-oss:
+            ``cbrun.engine.model.layers.layernorm.rms_norm_float32_scale``); False: cast, then scale (Llama).
     """
 
     embed: torch.Tensor
@@ -83,6 +89,7 @@ class LlamaWeights:
     attention_scaling: float
     max_position_embeddings: int
     parallel: TensorParallelWeights | None = None
+    norm_scale_in_float32: bool = False
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every distinct weight and bias tensor once (a tied LM head is the embedding), as ``parameters()``; a

@@ -247,7 +247,7 @@ def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -
     ``cbrun.engine.model.config`` does not read). None when "on" would run."""
     from cbrun.engine.config import checkpoint_dtype
     from cbrun.engine.model.config import read_config_json
-    from cbrun.engine.model.registry import parse_config
+    from cbrun.engine.model.registry import family_of, parse_config
 
     if config.model_impl == "transformers":
         return "model_impl = transformers (it needs the lean forward pass)"
@@ -258,6 +258,9 @@ def batch_invariant_blocker_before_load(config: EngineConfig, model_path: str) -
     if reason:
         return f"the lean forward pass would not run: {reason}"
     assert parsed is not None  # parse_config gives a config or a reason
+    reason = family_of(parsed).batch_invariant_reason(parsed)
+    if reason:
+        return reason
     if parsed.quantization is not None:
         # NOTE: each quantized GEMM dequantizes its weight in chunks of its own shape (LeanLlama refuses them).
         return "quantized weights (their GEMMs are not batch-invariant)"

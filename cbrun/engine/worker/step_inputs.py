@@ -276,9 +276,11 @@ class StepInputBuilder:
         else:
             slot_mapping = np.full(num_slots, -1, dtype=np.int64)
             slot_mapping[: len(slots)] = slots
+        # NOTE: the sliding ring's column gather gives a column-major array; the Triton kernel needs rows contiguous
+        tables = np.ascontiguousarray(pages, dtype=np.int32)
         return GroupMetadata(
             slot_mapping=torch.from_numpy(slot_mapping),
-            block_tables=torch.from_numpy(pages.astype(np.int32)),
+            block_tables=torch.from_numpy(tables),
             layers_per_block=self.layers_per_block[kind],
         )
 

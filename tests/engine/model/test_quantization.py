@@ -165,7 +165,11 @@ def test_chunked_gemm_equals_the_reference_and_one_chunk_is_exact():
 REFUSED = {
     "gptq-3-bit": ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq with bits 3 (only 4)"),
     "awq-gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
-    "mxfp4": ({"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
+    "mxfp4-on-llama": (
+        {"quant_method": "mxfp4"},
+        "mxfp4 is implemented for gpt-oss's MoE experts only, not LlamaForCausalLM",
+    ),
+    "mxfp4-unknown-key": ({"quant_method": "mxfp4", "group_size": 64}, "mxfp4 with group_size"),
     "bitsandbytes": ({"quant_method": "bitsandbytes_4bit"}, "quant_method 'bitsandbytes_4bit'"),
     "fp8-static": (
         {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},

@@ -1,6 +1,9 @@
-"""The gated MLP's activation: ``silu(gate) * up`` (SwiGLU: Shazeer 2020, "GLU Variants Improve Transformer")."""
+"""The gated MLP's activations: ``silu(gate) * up`` (SwiGLU: Shazeer 2020, "GLU Variants Improve Transformer"), for
+dense MLPs and MoE experts, and gpt-oss's clamped SwiGLU for its experts."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,3 +19,44 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ``gate`` itself, (T, I).
     """
     return F.silu(gate, inplace=True).mul_(up)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """A MoE expert's ``silu(gate) * up`` from its stacked projection output (gate columns, then up columns: the
+    layout Qwen3-MoE's and Mixtral's experts use).
+
+    Args:
+        gate_up: (S, 2I) in the model's dtype.
+
+    Returns:
+        (S, I), a new tensor.
+    """
+    width = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :width]) * gate_up[..., width:]
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (vLLM's ``swigluoai_and_mul``): on interleaved gate/up columns
+    (``gate = gate_up[..., 0::2]``, ``up = gate_up[..., 1::2]``)::
+
+        gate = min(gate, limit);  up = clamp(up, -limit, limit)
+        out = (up + 1) * (gate * sigmoid(alpha * gate))
+
+    in the order of operations of transformers' ``GptOssExperts._apply_gate``, so the floats are the same.
+
+    Attributes:
+        alpha: the sigmoid's gain (``swiglu_alpha``, 1.702).
+        limit: the clamp (``swiglu_limit``, 7.0).
+    """
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(S, 2I) interleaved gate/up in the model's dtype -> (S, I)."""
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return (up + 1) * glu

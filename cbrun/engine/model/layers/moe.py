@@ -1,5 +1,6 @@
-"""The sparse mixture-of-experts block of the lean forward pass (Qwen3-MoE, Mixtral, each family's file naming its tensors): a top-k router and the
-experts as one grouped operation, with no host read-back, so a step stays capturable.
+"""The sparse mixture-of-experts block of the lean forward pass (Qwen3-MoE, Mixtral, gpt-oss, each family's file
+naming its tensors): a top-k router and the experts as one grouped operation, with no host read-back, so a step
+stays capturable.
 
 Per token ``x`` (hidden,), with ``E`` experts of width ``I`` and ``k`` experts per token (Shazeer et al. 2017,
 "Outrageously large neural networks"; Mixtral, Jiang et al. 2024)::
@@ -9,6 +10,11 @@ Per token ``x`` (hidden,), with ``E`` experts of width ``I`` and ``k`` experts p
     w = w / sum(w)                                # Mixtral always; Qwen3-MoE when norm_topk_prob
     y = sum_j w_j * down[e_j] @ (silu(gate[e_j] @ x) * up[e_j] @ x)
 
+gpt-oss (``GptOssMLP``) routes the other way round and adds biases: ``l = router @ x + b``, ``w, e = topk(l, k)``,
+``w = softmax(w)`` in the model dtype, and each expert is
+``down[e] @ act(gate_up[e] @ x + b_gate_up[e]) + b_down[e]`` with ``act`` its clamped SwiGLU on interleaved
+gate/up columns (``cbrun.engine.model.layers.activation.ClampedSwiGLU``).
+
 ``sparse_moe`` computes the experts for all ``T * k`` (token, expert) pairs at once: the pairs are sorted by
 expert (a stable sort, a static shape), each expert's rows become one group of a grouped GEMM
 (``torch._grouped_mm``, whose group offsets are a device tensor, not host ints), then SiLU-and-multiply, the
@@ -16,6 +22,8 @@ grouped down GEMM, the routing weights, and the per-token sum over its ``k`` slo
 only, never on which experts were chosen, so the step has nothing to read back. This is the dataflow of vLLM's
 and SGLang's ``fused_moe`` (tokens sorted by expert, then one GEMM per expert group) without their block padding,
 which a grouped GEMM over exact offsets does not need.
+
+Quantized experts run ``sparse_moe_in_expert_chunks``: the same GEMMs, a chunk of experts dequantized at a time.
 
 ``sparse_moe_reference`` is the plain PyTorch reference: every expert on every token, then the chosen ones
 gathered. It is also the fallback where the grouped GEMM cannot run (a device or dtype ``torch._grouped_mm``
@@ -28,12 +36,17 @@ its weight, in (token, slot) order, summed over the slots, so the lean path equa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine.model.layers.quantization.base import QuantizedExperts
+from cbrun.engine.model.layers.activation import silu_and_mul
+from cbrun.engine.model.layers.quantization.base import ExpertStack
+
+#: A quantized MoE layer dequantizes its experts about this many weight elements at a time (at least one expert;
+#: 16 MiB of float32): the transient of its forward pass (``SparseMoE``).
+EXPERT_CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -43,32 +56,44 @@ class MoEWeights:
     Attributes:
         router: (E, hidden) the router's weight (no bias).
         gate_up: (E, 2 * I, hidden) each expert's gate rows then its up rows, as transformers 5 stacks them.
-        down: (E, hidden, I) each expert's down projection. Either may be a ``QuantizedExperts`` (a quantized
-            checkpoint's experts, kept quantized; ``SparseMoE`` dequantizes the layer's experts per forward).
+        down: (E, hidden, I) each expert's down projection. Either may be an ``ExpertStack`` (a quantized
+            checkpoint's experts, kept quantized; ``SparseMoE`` dequantizes them a chunk at a time in each forward).
         top_k: experts per token (``num_experts_per_tok``).
         norm_topk_prob: renormalise the k chosen probabilities to sum to 1.
         weights_in_model_dtype: cast the routing weights to the model dtype before they scale the experts'
             outputs (Qwen3-MoE); False keeps them float32 (Mixtral), so the product and the sum are float32.
+        router_bias: (E,) the router's bias (gpt-oss), or None.
+        softmax_after_topk: pick the top-k router logits, then softmax over those k in the logits' dtype
+            (gpt-oss's ``GptOssTopKRouter``); False: softmax over all E in float32, then top-k.
+        gate_up_bias: (E, 2 * I) and down_bias: (E, hidden) each expert's biases (gpt-oss), or None.
+        activation: (S, 2 * I) -> (S, I) the experts' gated activation (``silu_and_mul`` on gate-then-up columns;
+            gpt-oss's ``ClampedSwiGLU`` on interleaved ones).
     """
 
     router: torch.Tensor
-    gate_up: torch.Tensor | QuantizedExperts
-    down: torch.Tensor | QuantizedExperts
+    gate_up: torch.Tensor | ExpertStack
+    down: torch.Tensor | ExpertStack
     top_k: int
     norm_topk_prob: bool
     weights_in_model_dtype: bool
+    router_bias: torch.Tensor | None = None
+    softmax_after_topk: bool = False
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: Callable[[torch.Tensor], torch.Tensor] = field(default=silu_and_mul)
 
     @property
     def num_experts(self) -> int:
         return self.router.shape[0]
 
     def tensors(self) -> list[torch.Tensor]:
-        parts = [self.router, self.gate_up, self.down]
-        return [t for p in parts for t in (p.tensors() if isinstance(p, QuantizedExperts) else [p])]
+        biases = [b for b in (self.router_bias, self.gate_up_bias, self.down_bias) if b is not None]
+        parts = [self.router, self.gate_up, self.down, *biases]
+        return [t for p in parts for t in (p.tensors() if isinstance(p, ExpertStack) else [p])]
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.gate_up, QuantizedExperts) or isinstance(self.down, QuantizedExperts)
+        return isinstance(self.gate_up, ExpertStack) or isinstance(self.down, ExpertStack)
 
     def dense(self, experts: slice = slice(None)) -> MoEWeights:
         """These weights with quantized experts dequantized (``experts`` of them; all by default), else itself."""
@@ -76,7 +101,7 @@ class MoEWeights:
             return self
 
         def real(w):
-            return w.dequantize(experts) if isinstance(w, QuantizedExperts) else w[experts]
+            return w.dequantize(experts) if isinstance(w, ExpertStack) else w[experts]
 
         return replace(self, gate_up=real(self.gate_up), down=real(self.down))
 
@@ -92,7 +117,10 @@ def route(x: torch.Tensor, moe: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]
         ``(weights, expert_ids)``: (T, k) routing weights (float32, or the model dtype where
         ``moe.weights_in_model_dtype``) and (T, k) int64 expert ids, in descending probability.
     """
-    logits = F.linear(x, moe.router)
+    logits = F.linear(x, moe.router, moe.router_bias)
+    if moe.softmax_after_topk:
+        top, expert_ids = torch.topk(logits, moe.top_k, dim=-1)
+        return torch.softmax(top, dim=1, dtype=top.dtype), expert_ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, expert_ids = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
@@ -114,8 +142,10 @@ def grouped_gemm_unavailable_reason(moe: MoEWeights) -> str | None:
     if device.type != "cpu":
         return f"torch._grouped_mm does not run on {device.type}"
     width = moe.down.shape[-1]  # I
-    for name, tensor, row in (("gate_up", moe.gate_up, moe.gate_up.shape[-1]), ("down", moe.down, width)):
-        if (row * tensor.element_size()) % 16 or tensor.data_ptr() % 16:
+    for name, tensor in (("gate_up", moe.gate_up), ("down", moe.down)):
+        # the (E, in, out) operand the GEMM reads: every stride but the unit one must be a 16-byte multiple
+        strides = [s for s in tensor.transpose(1, 2).stride() if s != 1]
+        if any((s * tensor.element_size()) % 16 for s in strides) or tensor.data_ptr() % 16:
             return f"{name}'s rows are not 16-byte aligned (torch._grouped_mm on the CPU needs them)"
     if (2 * width * moe.gate_up.element_size()) % 16:
         return "2 * moe_intermediate_size is not a 16-byte multiple"
@@ -140,18 +170,78 @@ def sparse_moe(x: torch.Tensor, moe: MoEWeights, grouped: bool = True) -> torch.
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # (S,), S = T * k, in (token, slot) order
     order = torch.argsort(flat_ids, stable=True)  # pairs sorted by expert
-    rows = x[order // top_k]  # (S, hidden)
-    counts = torch.zeros(moe.num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)  # (E,) each group's end row
-    gate_up = torch._grouped_mm(rows, moe.gate_up.transpose(1, 2), offs=offsets)  # (S, 2I)
-    width = gate_up.shape[-1] // 2
-    hidden = F.silu(gate_up[:, :width]) * gate_up[:, width:]  # (S, I)
-    out = torch._grouped_mm(hidden, moe.down.transpose(1, 2), offs=offsets)  # (S, hidden)
+    out = _grouped_experts(x[order // top_k], moe, flat_ids, order, moe.num_experts, 0)
     out = out * weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(out)
     unsorted[order] = out  # back to (token, slot) order
     return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def _grouped_experts(
+    rows: torch.Tensor, moe: MoEWeights, flat_ids: torch.Tensor, order: torch.Tensor, num_groups: int, first: int
+) -> torch.Tensor:
+    """Experts ``first .. first + num_groups - 1`` (``moe.gate_up`` / ``moe.down`` hold just those) on the pairs
+    sorted by ``order`` (theirs first, by expert; any others after them, left uncomputed: garbage rows).
+
+    Args:
+        rows: (S, hidden) each sorted pair's token row.
+        flat_ids: (S,) int64 each pair's expert, in (token, slot) order.
+        order: (S,) the sort.
+
+    Returns:
+        (S, hidden) each sorted pair's expert output, biases added, before the routing weight.
+    """
+    sorted_ids = flat_ids[order]
+    local = sorted_ids - first
+    mine = (local >= 0) & (local < num_groups)
+    counts = torch.zeros(num_groups, dtype=torch.int32, device=rows.device)
+    counts.scatter_add_(0, local.clamp(0, num_groups - 1), mine.to(torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)  # (G,) each group's end row; rows past the last are skipped
+    gate_up = torch._grouped_mm(rows, moe.gate_up.transpose(1, 2), offs=offsets)  # (S, 2I)
+    if moe.gate_up_bias is not None:  # after the GEMM, as transformers' ``_grouped_linear``
+        gate_up.add_(moe.gate_up_bias[sorted_ids])
+    hidden = moe.activation(gate_up)  # (S, I)
+    out = torch._grouped_mm(hidden, moe.down.transpose(1, 2), offs=offsets)  # (S, hidden)
+    if moe.down_bias is not None:
+        out.add_(moe.down_bias[sorted_ids])
+    return out
+
+
+def sparse_moe_in_expert_chunks(x: torch.Tensor, moe: MoEWeights, experts_per_chunk: int) -> torch.Tensor:
+    """``sparse_moe`` over quantized experts, dequantizing ``experts_per_chunk`` of them at a time: the transient
+    is one chunk's real weights, not the layer's.
+
+    Per chunk the pairs are sorted with the chunk's experts first (a stable sort on the expert id, the others
+    keyed past the chunk), so its groups start at row 0 and the grouped GEMM computes only the chunk's rows (rows
+    past the last offset are skipped); those rows are kept, the rest masked out. Each expert's group holds the
+    same rows in the same order as in ``sparse_moe``, so the outputs are its bits. No shape depends on the routing
+    and nothing is read back: the loop runs over a fixed number of chunks.
+
+    Args:
+        x: (T, hidden) in the model dtype.
+        moe: the block (its experts ``ExpertStack``s).
+        experts_per_chunk: experts dequantized at once.
+
+    Returns:
+        (T, hidden) in ``x``'s dtype.
+    """
+    weights, expert_ids = route(x, moe)
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)
+    outputs: torch.Tensor | None = None  # (S, hidden) in (token, slot) order
+    for first in range(0, moe.num_experts, experts_per_chunk):
+        chunk = slice(first, min(first + experts_per_chunk, moe.num_experts))
+        count = chunk.stop - first
+        local = flat_ids - first
+        mine = (local >= 0) & (local < count)
+        order = torch.argsort(torch.where(mine, local, count), stable=True)  # the chunk's pairs first, by expert
+        out = _grouped_experts(x[order // top_k], moe.dense(chunk), flat_ids, order, count, first)
+        if outputs is None:
+            outputs = torch.empty_like(out)
+        outputs[order] = torch.where(mine[order, None], out, outputs[order])
+    assert outputs is not None
+    out = outputs * weights.reshape(-1)[:, None]
+    return out.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 def sparse_moe_reference(x: torch.Tensor, moe: MoEWeights) -> torch.Tensor:
@@ -172,10 +262,13 @@ def experts_reference(
     Returns:
         (T, hidden) in ``x``'s dtype.
     """
-    width = moe.down.shape[-1]
     gate_up = torch.einsum("th,eoh->eto", x, moe.gate_up)  # (E, T, 2I)
-    hidden = F.silu(gate_up[..., :width]) * gate_up[..., width:]
+    if moe.gate_up_bias is not None:
+        gate_up = gate_up + moe.gate_up_bias[:, None]
+    hidden = moe.activation(gate_up)
     every = torch.einsum("eti,ehi->eth", hidden, moe.down)  # (E, T, hidden)
+    if moe.down_bias is not None:
+        every = every + moe.down_bias[:, None]
     tokens = torch.arange(x.shape[0], device=x.device)[:, None]
     chosen = every[expert_ids, tokens]  # (T, k, hidden)
     return (chosen * weights[..., None]).sum(dim=1).to(x.dtype)
@@ -193,6 +286,7 @@ class MoEConfig:
         norm_topk_prob: renormalise the chosen probabilities (always for Mixtral).
         weights_in_model_dtype: as ``MoEWeights``.
         sparse_layers: indices of the decoder layers whose MLP is the MoE block (the rest are dense MLPs).
+        activation: the experts' activation (``MoEWeights.activation``).
     """
 
     num_experts: int
@@ -201,6 +295,7 @@ class MoEConfig:
     norm_topk_prob: bool
     weights_in_model_dtype: bool
     sparse_layers: tuple[int, ...]
+    activation: Callable[[torch.Tensor], torch.Tensor] = field(default=silu_and_mul)
 
 
 class SparseMoE:
@@ -221,11 +316,19 @@ class SparseMoE:
         # NOTE: quantized experts are judged on one expert dequantized: a fresh tensor of the dtype and row widths
         # the grouped GEMM will read each forward.
         self.fallback_reason = grouped_gemm_unavailable_reason(weights.dense(slice(0, 1)))
+        per_expert = weights.gate_up.shape[1] * weights.gate_up.shape[2] + weights.down.shape[1] * weights.down.shape[2]
+        #: quantized experts dequantized at once (``EXPERT_CHUNK_ELEMENTS``, at least one)
+        self.experts_per_chunk = max(1, EXPERT_CHUNK_ELEMENTS // per_expert)
         self.invariant = None
         if invariant_linear is not None:
             if weights.quantized:
                 raise ValueError(
                     "batch_invariant = on does not run quantized experts; set engine.batch_invariant = off"
+                )
+            if not _plain_silu_block(weights):
+                raise ValueError(
+                    "batch_invariant = on does not run this MoE block (a router bias, top-k before the softmax, "
+                    "expert biases or an activation other than SiLU: gpt-oss's) yet; set engine.batch_invariant = off"
                 )
             assert isinstance(weights.gate_up, torch.Tensor) and isinstance(weights.down, torch.Tensor)
             self.invariant = (
@@ -235,12 +338,15 @@ class SparseMoE:
             )
 
     def __call__(self, x: torch.Tensor, silu_mul: Callable | None = None) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden), as ``sparse_moe`` (quantized experts dequantized first, this layer's only),
-        or ``sparse_moe_invariant`` with ``silu_mul`` (``silu(gate) * up`` of two (n, I) tensors) under batch
+        """(T, hidden) -> (T, hidden), as ``sparse_moe``: quantized experts dequantized ``experts_per_chunk`` at
+        a time (``sparse_moe_in_expert_chunks``), or, where the reference runs them, the layer's all at once; or
+        ``sparse_moe_invariant`` with ``silu_mul`` (``silu(gate) * up`` of two (n, I) tensors) under batch
         invariance."""
         if self.invariant is not None:
             assert silu_mul is not None, "the batch-invariant block needs the step's silu_mul"
             return sparse_moe_invariant(x, self.weights, *self.invariant, silu_mul)
+        if self.weights.quantized and self.fallback_reason is None:
+            return sparse_moe_in_expert_chunks(x, self.weights, self.experts_per_chunk)
         return sparse_moe(x, self.weights.dense(), grouped=self.fallback_reason is None)
 
 
@@ -305,6 +411,13 @@ def _sum_slots(values: torch.Tensor) -> torch.Tensor:
     for slot in range(1, values.shape[1]):
         total = total + values[:, slot]
     return total
+
+
+def _plain_silu_block(moe: MoEWeights) -> bool:
+    """Whether the block is the softmax-then-top-k router without a bias over bias-free SiLU experts (what
+    ``sparse_moe_invariant`` computes)."""
+    biases = (moe.router_bias, moe.gate_up_bias, moe.down_bias)
+    return not moe.softmax_after_topk and all(b is None for b in biases) and moe.activation is silu_and_mul
 
 
 def unsupported_moe_reason(mlp: torch.nn.Module, block_class: str) -> str | None:

@@ -23,9 +23,11 @@ Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
     x = rms_norm(h);  h = h + down_proj(silu(gate_proj(x)) * up_proj(x))
 
 The decoder runs, per family file, a plain Llama (this file's ``LlamaForCausalLM`` and ``MistralForCausalLM``
-without a sliding window), per-head q/k RMSNorm (``qk_norm``) and sparse MoE blocks
-(``cbrun.engine.model.layers.moe.SparseMoE``); default RoPE only; linear biases as the checkpoint has them; tied or
-untied embeddings. ``LlamaDecoderFamily.unsupported_module_reason`` says why anything else is refused
+without a sliding window), per-head q/k RMSNorm (``qk_norm``), sparse MoE blocks
+(``cbrun.engine.model.layers.moe.SparseMoE``), per-layer attention sinks and sliding windows (``LayerWeights.sinks`` /
+``sliding_window``: gpt-oss) and RMSNorms scaled in float32 (``LlamaWeights.norm_scale_in_float32``); the RoPE
+types of ``rotary_embedding.ROPE_INIT`` (default, YaRN); linear biases as the checkpoint has them; tied or untied
+embeddings. ``LlamaDecoderFamily.unsupported_module_reason`` says why anything else is refused
 (``parse_config`` keeps the same limits for the transformers-free loader). Fusing q/k/v or gate/up into one matmul
 was measured and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden 896 with 128 KV
 features), and on the CPU it saved nothing measurable (hidden 512, intermediate 1408, 128 and 2048 rows, one thread:
@@ -53,7 +55,7 @@ from cbrun.engine.model.family import ModelFamily
 from cbrun.engine.model.layers.activation import silu_mul as activation_silu_mul
 from cbrun.engine.model.layers.attention import AttentionMetadata, paged_attention
 from cbrun.engine.model.layers.embed_head import embed_tokens, lm_head
-from cbrun.engine.model.layers.layernorm import rms_norm
+from cbrun.engine.model.layers.layernorm import rms_norm, rms_norm_float32_scale
 from cbrun.engine.model.layers.linear import (
     Backend,
     LinearFn,
@@ -70,9 +72,11 @@ from cbrun.engine.model.layers.moe import (
     SparseMoE,
     unsupported_moe_reason,
 )
+from cbrun.engine.model.layers.parallel import TensorParallelWeights
 from cbrun.engine.model.layers.quantization.base import QuantizedExperts, QuantizedLinearWeight
 from cbrun.engine.model.layers.quantization.schemes import QuantScheme, read_quantization
 from cbrun.engine.model.layers.rotary_embedding import (
+    DEFAULT_ROPE_THETA,
     RopeParameters,
     apply_rope,
     read_rope_parameters,
@@ -119,6 +123,8 @@ class LlamaDecoderFamily(ModelFamily):
             the router is ``{block}.gate``, expert ``e``'s projections ``{block}.experts.{e}.{name}``; None for a
             dense family.
         moe_module: a MoE family's transformers sparse-block class name.
+        default_rope_theta, default_rope_parameters: transformers' ``default_theta`` of the family's config and
+            the RoPE parameters it takes when config.json states none (``read_rope_parameters``).
     """
 
     config_keys: ClassVar[frozenset[str]] = frozenset()
@@ -126,6 +132,8 @@ class LlamaDecoderFamily(ModelFamily):
     qk_norm: ClassVar[bool] = False
     moe_block: ClassVar[tuple[str, tuple[str, str, str]] | None] = None
     moe_module: ClassVar[str | None] = None
+    default_rope_theta: ClassVar[float] = DEFAULT_ROPE_THETA
+    default_rope_parameters: ClassVar[dict | None] = None
 
     # -- the transformers-free config reader ------------------------------------------------------------------
 
@@ -145,9 +153,10 @@ class LlamaDecoderFamily(ModelFamily):
         quantization = None
         if raw.get("quantization_config") is not None:
             quantization, reason = read_quantization(raw["quantization_config"])
-            if quantization is None:
+            reason = reason or self.unsupported_quantization(quantization)
+            if reason:
                 return None, f"quantization_config: {reason}"
-        rope, reason = read_rope_parameters(raw)
+        rope, reason = read_rope_parameters(raw, self.default_rope_theta, self.default_rope_parameters)
         if rope is None:
             return None, reason
         config = self._config(raw, rope, quantization)
@@ -175,6 +184,7 @@ class LlamaDecoderFamily(ModelFamily):
             rms_norm_eps=raw["rms_norm_eps"],
             rope_theta=rope.theta,
             rope_type=rope.rope_type,
+            rope_parameters=rope.params,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -202,6 +212,13 @@ class LlamaDecoderFamily(ModelFamily):
     def unsupported_value(self, raw: dict) -> str | None:
         """Why a value config.json states is outside what this family's forward pass runs (the same limits as
         ``unsupported_module_reason``), or None."""
+        return None
+
+    def unsupported_quantization(self, scheme: QuantScheme | None) -> str | None:
+        """Why this family cannot read a checkpoint quantized in ``scheme`` (every per-linear layout it can; MXFP4
+        is stacked experts only gpt-oss stores), or None."""
+        if scheme is not None and scheme.layout == "mxfp4":
+            return f"mxfp4 is implemented for gpt-oss's MoE experts only, not {self.architecture}"
         return None
 
     def biases(self, raw: dict) -> tuple[bool, bool]:
@@ -302,7 +319,7 @@ class LlamaDecoderFamily(ModelFamily):
             )
         embed = tensors["model.embed_tokens.weight"]
         lm_head = (embed, None) if config.tie_word_embeddings else linear("lm_head")
-        rope = RopeParameters(config.rope_type, config.rope_theta)
+        rope = RopeParameters(config.rope_type, config.rope_theta, config.rope_parameters)
         inv_freq, attention_scaling = rope_inv_freq(rope, config.head_dim, device)
         return LlamaWeights(
             embed=embed,
@@ -526,6 +543,8 @@ class _Layer:
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 0.0
     moe: SparseMoE | None = None
+    sinks: torch.Tensor | None = None
+    sliding_window: int | None = None
 
 
 class LeanLlama:
@@ -575,6 +594,8 @@ class LeanLlama:
         self.head_dim = weights.head_dim
         self.embed = weights.embed
         self.final_norm, self.final_eps = weights.final_norm, weights.final_eps
+        #: the decoder's norms: scaled in float32 where the family's are (gpt-oss), else ``rms_norm``
+        self.norm = rms_norm_float32_scale if weights.norm_scale_in_float32 else self.rms_norm
         self.lm_head = projection(*weights.lm_head, linear_backend)
         self.layers = [_layer_tensors(layer, linear_backend, invariant_linear) for layer in weights.layers]
         projections = [self.lm_head] + [
@@ -587,12 +608,7 @@ class LeanLlama:
         self.parallel = weights.parallel  # tensor parallelism: the collectives wrap the split projections
         self.lm_head = lm_head(self.lm_head, self.parallel)
         if self.parallel is not None:
-            for layer in self.layers:
-                layer.o = self.parallel.row_parallel(layer.o)
-                if layer.down is not None:
-                    layer.down = self.parallel.row_parallel(layer.down)
-                if layer.moe is not None:  # split by expert
-                    layer.moe = self.parallel.expert_parallel(layer.moe)
+            _split_over_ranks(self.layers, self.parallel)
         _log_layers(self.layers, len(projections), self.num_onednn_linears, quantized, linear_backend, batch_invariant)
         if self.invariant_kernels is not None:
             logger.info("batch-invariant linear layers and norms: the %s kernels", self.invariant_kernels.name)
@@ -633,7 +649,7 @@ class LeanLlama:
         # follows the tensor's length. On CUDA torch's elementwise kernels compute each element alike.
         cpu_invariant = self.batch_invariant and h.device.type == "cpu"
         silu_mul = md.step_kernels().silu_mul if cpu_invariant else activation_silu_mul
-        norm = self.rms_norm
+        norm = self.norm
         for index, layer in enumerate(self.layers):
             # In place: the same sums as ``h = h + ...``, without a new (T, hidden) tensor per add.
             h += self._attention(index, layer, norm(h, layer.input_norm, layer.input_eps), rope, md)
@@ -657,8 +673,19 @@ class LeanLlama:
             q, k = self.rms_norm(q, layer.q_norm, layer.qk_norm_eps), self.rms_norm(k, layer.k_norm, layer.qk_norm_eps)
         q, k = rope(q), rope(k)
         v = apply_linear(x, layer.v).view(num_tokens, -1, self.head_dim)
-        out = paged_attention(q, k, v, md, index, layer.scale)
+        out = paged_attention(q, k, v, md, index, layer.scale, layer.sliding_window, sinks=layer.sinks)
         return apply_linear(out.reshape(num_tokens, -1), layer.o)
+
+
+def _split_over_ranks(layers: list[_Layer], parallel: TensorParallelWeights) -> None:
+    """Wrap each layer's row-parallel projections (o, down) in their all-reduce and its MoE block in the
+    expert-parallel one (each rank its own experts)."""
+    for layer in layers:
+        layer.o = parallel.row_parallel(layer.o)
+        if layer.down is not None:
+            layer.down = parallel.row_parallel(layer.down)
+        if layer.moe is not None:  # split by expert
+            layer.moe = parallel.expert_parallel(layer.moe)
 
 
 def _layer_tensors(
@@ -687,6 +714,8 @@ def _layer_tensors(
         k_norm=layer.k_norm,
         qk_norm_eps=layer.qk_norm_eps,
         moe=None if layer.moe is None else SparseMoE(layer.moe, invariant_linear),
+        sinks=layer.sinks,
+        sliding_window=layer.sliding_window,
     )
 
 

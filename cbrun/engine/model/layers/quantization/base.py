@@ -119,14 +119,39 @@ def chunked_quantized_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bia
     return out if bias is None else out + bias
 
 
+class ExpertStack:
+    """A MoE layer's stacked expert weights (E, out, in) kept quantized in memory, dequantized by the MoE block
+    (``cbrun.engine.model.layers.moe.SparseMoE``) a chunk of experts at a time. Subclasses: ``QuantizedExperts`` (per-expert
+    quantized linears), ``cbrun.engine.model.layers.quantization.mxfp4.Mxfp4Experts`` (gpt-oss's stacked MXFP4)."""
+
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """(E, out, in)."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds in memory."""
+        raise NotImplementedError
+
+    def dequantize(self, experts: slice = slice(None)) -> torch.Tensor:
+        """(E', out, in) the real weights of ``experts`` (default all), in ``dtype``."""
+        raise NotImplementedError
+
+
 @dataclass
-class QuantizedExperts:
+class QuantizedExperts(ExpertStack):
     """A MoE layer's stacked expert weights kept quantized: per expert, the quantized weights whose output rows
     are concatenated (gate then up for ``gate_up``; one for ``down``).
 
-    ``dequantize`` gives the (E, out, in) stack the grouped GEMM reads, in ``dtype``: the MoE block dequantizes
-    its layer's experts once per forward (``cbrun.engine.model.layers.moe.SparseMoE``), so the transient is one layer's
-    experts, never the model's.
+    ``dequantize`` gives the (E', out, in) stack the grouped GEMM reads, in ``dtype``: the MoE block dequantizes
+    a chunk of its layer's experts at a time in each forward (``cbrun.engine.model.layers.moe.SparseMoE``), so the
+    transient is one chunk of experts, never the model's.
 
     Attributes:
         experts: per expert, its parts (each (out_i, in), one input width).

@@ -15,12 +15,17 @@ Implemented (weight-only: the activations stay in the engine's dtype, each produ
   weights by group or channel, symmetric or with packed zero points: llm-compressor's W4A16), ``quant_method:
   "gptq"`` (bits 4, ``desc_act: false``, the v1 ``checkpoint_format: "gptq"``) and ``quant_method: "awq"`` (bits 4,
   the GEMM version with zero points), all kept as packed 4-bit codes with group scales.
+- ``quant_method: "mxfp4"`` (gpt-oss's checkpoints): the MoE experts' ``*_blocks`` (uint8, two e2m1 codes a byte)
+  and ``*_scales`` (uint8 e8m0, one per 32 values), kept as stored (``cbrun.engine.model.layers.quantization.mxfp4``);
+  only a family whose experts are stored so reads it (``ModelFamily.unsupported_quantization``), every other
+  refuses it by name (``cbrun.engine.model.registry.checkpoint_quantization``).
 
 The float8 layouts are one block scale here: per-channel is the block (1, in), per-tensor the block (out, in).
 Dynamic activation quantization (``activation_scheme: "dynamic"``, ``input_activations`` dynamic per token) is a
 choice of the GEMM that serves the checkpoint, not of its weights: cbrun does not quantize activations
 (weight-only, so its greedy tokens equal transformers' ``generate`` on the same weights dequantized). Anything
-else (other methods, static activation scales, act-order, other bit widths, MXFP4, a KV-cache scheme) is refused
+else (other methods, static activation scales, act-order, other bit widths, MXFP4 outside gpt-oss's experts, a
+KV-cache scheme) is refused
 by name at load (``checkpoint_quantization``), on every loader: transformers would dequantize some of them at load
 on the CPU, or need a package or a GPU, so no path would run them as the checkpoint means.
 """
@@ -31,6 +36,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+#: mxfp4 config keys: which modules transformers leaves unquantized (gpt-oss quantizes its experts only, whatever
+#: the list says: any other ``*_blocks`` tensor is refused by the loader's name check) and whether it dequantizes
+#: at load (a loading choice; the stored weights are the same).
+_MXFP4_KEYS = frozenset({"quant_method", "modules_to_not_convert", "dequantize"})
 _FP8_KEYS = frozenset({"quant_method", "activation_scheme", "weight_block_size", "fmt", "modules_to_not_convert"})
 _CT_KEYS = frozenset(
     {
@@ -55,7 +64,8 @@ IMPLEMENTED = (
     'fp8 (weight_block_size [bo, bi], fmt "e4m3", activation_scheme "dynamic"); compressed-tensors '
     "float-quantized (8-bit float weights, channel or tensor strategy); compressed-tensors pack-quantized "
     "(4-bit int weights, group or channel strategy, weight-only); gptq (bits 4, desc_act false, "
-    'checkpoint_format "gptq"); awq (bits 4, version "gemm", zero_point true)'
+    'checkpoint_format "gptq"); awq (bits 4, version "gemm", zero_point true); mxfp4 (gpt-oss\'s MoE experts: '
+    "*_blocks uint8 e2m1 codes, *_scales uint8 e8m0 per 32 values)"
 )
 
 
@@ -66,7 +76,8 @@ class QuantScheme:
     Attributes:
         method: ``quant_method`` as config.json states it ("fp8", "compressed-tensors", "gptq" or "awq").
         layout: how each quantized linear is stored: "float8" (a float8 ``weight`` and a block scale),
-            "pack-quantized" (compressed-tensors' int4), "gptq" or "awq" (``cbrun.engine.model.layers.quantization.int4``).
+            "pack-quantized" (compressed-tensors' int4), "gptq" or "awq" (``cbrun.engine.model.layers.quantization.int4``),
+            "mxfp4" (MoE experts' ``*_blocks`` / ``*_scales``, read by the family itself: no per-linear suffixes).
         block: float8: (bo, bi) the block each scale covers; None: the whole input row (per-channel, bo 1) or
             the whole matrix (per-tensor), read from each scale's shape.
         scale_suffix: float8: the name of each weight's scale tensor after the linear's name
@@ -93,6 +104,8 @@ class QuantScheme:
             return ("weight_packed", "weight_scale", "weight_shape", *zero)
         if self.layout == "gptq":
             return ("qweight", "qzeros", "scales", "g_idx")
+        if self.layout == "mxfp4":
+            return ()  # stacked experts' tensors, named by the family (``checkpoint_shapes``)
         return ("qweight", "qzeros", "scales")
 
     @property
@@ -131,6 +144,11 @@ def read_quantization(raw: object) -> tuple[QuantScheme | None, str | None]:
         return _gptq_scheme(raw)
     if method == "awq":
         return _awq_scheme(raw)
+    if method == "mxfp4":
+        unknown = sorted(set(raw) - _MXFP4_KEYS)
+        if unknown:
+            return None, f"mxfp4 with {', '.join(unknown)}"
+        return QuantScheme("mxfp4", "mxfp4"), None
     return None, f"quant_method {method!r}"
 
 
