@@ -18,7 +18,6 @@ LIMIT = 8
 #: are reworked (issue 41); by file name, so that a file moved to another room keeps its entry. Never add to it.
 BACKLOG = frozenset(
     {
-        "llama.py:checkpoint_weights",
         "paged_attention.py:paged_attention_kernel",
         "paged_attention.py:paged_attention_triton",
         "custom_ops.py:paged_attention",
@@ -28,11 +27,6 @@ BACKLOG = frozenset(
         "int4_gemm.py:int4_gemm_kernel",
         "int4_gemm.py:int4_matmul_triton",
         "mxfp4_gemm.py:mxfp4_matmul_triton",
-        # landed with the step's redesign and batch-invariant kernels (the engine's sample room, the kernels' room)
-        "moe.py:sparse_moe_invariant",
-        "sampler.py:batch",
-        "sampler.py:draw_filtered",
-        "step.py:launch",
     }
 )
 

@@ -41,6 +41,7 @@ the forward pass (vLLM's sampler sorts the same way).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -441,21 +442,7 @@ def draw_filtered(
         hints = FilterHints.read(top_k, top_p, min_p, vocab)
     if keys is None:
         keys = row_keys(mix64(seeds), positions)
-    # Per row the bound p(x) must reach (top-k and min-p in one), or None when no row has one; the top-p budget is
-    # top_p times the mass of the row's top-k set (1 without one: not the row's float sum, batch-independent).
-    floor_p = budget = nucleus = None
-    if hints.max_top_k:
-        kth = kth_largest(probs, top_k, hints.max_top_k)
-        floor_p = torch.maximum(kth, min_p * probs.amax(dim=1)) if hints.any_min_p else kth
-        if hints.any_top_p:
-            budget = top_p * torch.where(kth > 0, torch.where(probs >= kth[:, None], probs, 0.0).sum(dim=1), 1.0)
-    elif hints.any_min_p:
-        floor_p = torch.maximum(torch.zeros_like(min_p), min_p * probs.amax(dim=1))
-    if hints.any_top_p:
-        budget = top_p * 1.0 if budget is None else budget
-        nucleus = top_p < 1.0
-        if bool(nucleus.all()):  # (this path runs on the CPU, where the read is free) every row has a top-p
-            nucleus = None
+    floor_p, budget, nucleus = _filter_bounds(probs, top_k, top_p, min_p, hints)
     if floor_p is None and budget is None:  # the filters keep every token (e.g. top_k >= V)
         return inverse_cdf(probs, uniform_of(keys, PLAIN))
     # NOTE: the per-row bookkeeping (R,) runs in numpy on the tensors' memory (this is the CPU's draw, where a torch
@@ -469,16 +456,58 @@ def draw_filtered(
     # NOTE: a row without a finite distribution drew V: it stops here, and its token fails it.
     x = np.where(np.isfinite(total) & (total > 0), x, vocab)
     rejected, px, above = bounds.rejected(probs, x)
-    if not rejected.any():
-        return torch.from_numpy(x)
-    tokens = x
+    if rejected.any():
+        _redraw_rejected(x, rejected, px, above, probs, keys_np, bounds, (top_k, top_p, min_p))
+    return torch.from_numpy(x)
+
+
+def _filter_bounds(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, hints: FilterHints
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The rows' bounds for ``draw_filtered``'s test, each (R,) or None when no row has it: ``floor_p``, the p(x)
+    a draw must reach (top-k and min-p in one); ``budget``, the most mass above p(x) (top_p times the mass of the
+    row's top-k set, 1 without one: not the row's float sum, which would follow the batch); ``nucleus``, the rows
+    with a top-p (None: all of them)."""
+    floor_p = budget = nucleus = None
+    if hints.max_top_k:
+        kth = kth_largest(probs, top_k, hints.max_top_k)
+        floor_p = torch.maximum(kth, min_p * probs.amax(dim=1)) if hints.any_min_p else kth
+        if hints.any_top_p:
+            budget = top_p * torch.where(kth > 0, torch.where(probs >= kth[:, None], probs, 0.0).sum(dim=1), 1.0)
+    elif hints.any_min_p:
+        floor_p = torch.maximum(torch.zeros_like(min_p), min_p * probs.amax(dim=1))
+    if hints.any_top_p:
+        budget = top_p * 1.0 if budget is None else budget
+        nucleus = top_p < 1.0
+        if bool(nucleus.all()):  # (this path runs on the CPU, where the read is free) every row has a top-p
+            nucleus = None
+    return floor_p, budget, nucleus
+
+
+def _redraw_rejected(
+    tokens: np.ndarray,
+    rejected: np.ndarray,
+    px: np.ndarray,
+    above: torch.Tensor | None,
+    probs: torch.Tensor,
+    keys: np.ndarray,
+    bounds: _Bounds,
+    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """``draw_filtered``'s later rounds, writing each rejected row's token into ``tokens`` (R,) in place.
+
+    Round r draws a row again from p above its last rejected draw (the pivot) with ``uniform(seed, position,
+    PLAIN + r)``, until its draw is in its set; a row still rejected after ``MAX_ROUNDS - 1`` rounds draws from its
+    filtered distribution itself (``filtered_probs`` of ``filters``: top_k, top_p, min_p). ``rejected``, ``px`` and
+    ``above``: the first round's ``_Bounds.rejected``; ``keys``: (R,) the rows' ``row_keys``.
+    """
     at = np.flatnonzero(rejected)
     index = torch.from_numpy(at)
     pending, p, bounds = at, probs[index], bounds.take(at)
     # the next round's weights: p above the rejected draw's (the top-p test's own pass, when it made one)
     weights = above[index] if above is not None else _above(p, torch.from_numpy(px[at]))
     # Every later round's numbers at once (a few rows).
-    u = _uniform_np(keys_np[at, None], PLAIN + np.arange(1, MAX_ROUNDS + 1))
+    u = _uniform_np(keys[at, None], PLAIN + np.arange(1, MAX_ROUNDS + 1))
     for round_ in range(1, MAX_ROUNDS):
         # A rejected row's draw was below its top token, so some token stays above the pivot: the distribution
         # left is finite and positive, and ``inverse_cdf``'s guard for the contrary is not needed.
@@ -487,15 +516,15 @@ def draw_filtered(
         rejected, px, above = bounds.rejected(p, x)
         tokens[pending] = x  # a rejected row's is written again by the round that accepts it
         if not rejected.any():
-            return torch.from_numpy(tokens)
+            return
         at = np.flatnonzero(rejected)
         index = torch.from_numpy(at)
         pending, p, u, bounds = pending[at], p[index], u[at], bounds.take(at)
         weights = above[index] if above is not None else _above(p, torch.from_numpy(px[at]))
     rows = torch.from_numpy(pending)
+    top_k, top_p, min_p = filters
     rest = filtered_probs(probs[rows], top_k[rows], top_p[rows], min_p[rows])
     tokens[pending] = inverse_cdf(rest, torch.from_numpy(u[:, MAX_ROUNDS - 1])).numpy()
-    return torch.from_numpy(tokens)
 
 
 def _search_np(cumulative: torch.Tensor, total: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -876,8 +905,18 @@ class _Gathered:
     greedy_rows: np.ndarray
     num_logprobs: np.ndarray
     processed_logprobs: np.ndarray
-    flags: dict[str, bool]
+    flags: _BatchFlags
     filter_hints: FilterHints
+
+
+class _BatchFlags(TypedDict):
+    """A ``SamplingBatch``'s host flags (its attributes of these names)."""
+
+    any_sampled: bool
+    all_sampled: bool
+    any_filtered: bool
+    any_logprobs: bool
+    any_raw_logprobs: bool
 
 
 class SamplingSlots:
@@ -1064,28 +1103,8 @@ class SamplingSlots:
             positions = np.fromiter((v.num_output_tokens + v.num_pending for v in values), np.int64, len(values))
         if extra_tokens is not None:
             positions += np.fromiter(map(len, extra_tokens), np.int64, len(values))
-        penalty_rows = count_rows = seen = extra_counts = repetition = presence = frequency = None
-        if len(fixed.penalised):
-            rows = fixed.penalised.tolist()
-            count_rows, seen, extra_counts = token_counts.gather(
-                [values[i] for i in rows], [extra_tokens[i] for i in rows] if extra_tokens is not None else None
-            )
-            at = fixed.at[fixed.penalised]
-            penalty_rows = _upload(fixed.penalised.astype(np.int64), device)
-            a = self.arrays
-            repetition, presence, frequency = (
-                _upload(a[n][at], device) for n in ("repetition", "presence", "frequency")
-            )
-        stop_rows = stop_tokens = None
-        if fixed.min_new_tokens is not None:
-            pairs = [
-                (i, t)
-                for i in np.flatnonzero(positions < fixed.min_new_tokens).tolist()
-                for t in _stop_tokens(self.params[fixed.slots[i]], eos_token_ids)
-            ]
-            if pairs:
-                stop_rows = _upload(np.array([i for i, _ in pairs], dtype=np.int64), device)
-                stop_tokens = _upload(np.array([t for _, t in pairs], dtype=np.int64), device)
+        penalties = self._penalties(fixed, values, extra_tokens, token_counts, device)
+        stop_rows, stop_tokens = self._min_new_tokens_stops(fixed, positions, eos_token_ids, device)
         t = fixed.tensors
         return SamplingBatch(
             temperature=t["temperature"],
@@ -1096,22 +1115,67 @@ class SamplingSlots:
             positions=_upload(positions, device),
             seed_hashes=fixed.seed_hash,
             host_positions=positions,
-            penalty_rows=penalty_rows,
-            count_rows=count_rows,
-            seen=seen,
-            extra_counts=extra_counts,
             token_counts=token_counts,
-            repetition=repetition,
-            presence=presence,
-            frequency=frequency,
             stop_rows=stop_rows,
             stop_tokens=stop_tokens,
             greedy_rows=fixed.greedy_rows,
             num_logprobs=fixed.num_logprobs,
             processed_logprobs=fixed.processed_logprobs,
             filter_hints=fixed.filter_hints,
+            **penalties._asdict(),
             **fixed.flags,
         )
+
+    def _penalties(
+        self,
+        fixed: _Gathered,
+        values: list[RowSampling],
+        extra_tokens: list[list[int]] | None,
+        token_counts: TokenCounts,
+        device: torch.device,
+    ) -> _Penalties:
+        """The penalised rows' token counts (gathered from ``token_counts``) and penalty values on ``device``."""
+        if not len(fixed.penalised):
+            return _Penalties()
+        rows = fixed.penalised.tolist()
+        count_rows, seen, extra_counts = token_counts.gather(
+            [values[i] for i in rows], [extra_tokens[i] for i in rows] if extra_tokens is not None else None
+        )
+        at = fixed.at[fixed.penalised]
+        penalty_rows = _upload(fixed.penalised.astype(np.int64), device)
+        a = self.arrays
+        repetition, presence, frequency = (_upload(a[n][at], device) for n in ("repetition", "presence", "frequency"))
+        return _Penalties(penalty_rows, count_rows, seen, extra_counts, repetition, presence, frequency)
+
+    def _min_new_tokens_stops(
+        self, fixed: _Gathered, positions: np.ndarray, eos_token_ids: frozenset[int], device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(row, token) pairs ``min_new_tokens`` masks at the rows' ``positions`` (their stop tokens while short
+        of it), as two int64 tensors on ``device``, or (None, None) when no row is short of its minimum."""
+        if fixed.min_new_tokens is None:
+            return None, None
+        pairs = [
+            (i, t)
+            for i in np.flatnonzero(positions < fixed.min_new_tokens).tolist()
+            for t in _stop_tokens(self.params[fixed.slots[i]], eos_token_ids)
+        ]
+        if not pairs:
+            return None, None
+        stop_rows = _upload(np.array([i for i, _ in pairs], dtype=np.int64), device)
+        stop_tokens = _upload(np.array([t for _, t in pairs], dtype=np.int64), device)
+        return stop_rows, stop_tokens
+
+
+class _Penalties(NamedTuple):
+    """The penalised rows' part of a ``SamplingBatch`` (its attributes of these names); all None without one."""
+
+    penalty_rows: torch.Tensor | None = None
+    count_rows: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+    extra_counts: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
 
 
 def _stop_tokens(params: SamplingParams | None, eos_token_ids: frozenset[int]) -> list[int]:

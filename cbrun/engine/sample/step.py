@@ -373,20 +373,27 @@ class StepSampler:
             extras.append(self._score_prompts(step.prompt_rows, logits))
             step.num_prompt_bits = extras[-1].shape[0]
         if step.verify:
-            try:
-                step.verified, read = self._verify_on_device(logits, step.verify, bitmask)
-            except Exception as error:
-                if not is_request_fault(error):
-                    raise
-            else:
-                extras.append(read)
-                step.num_verify_ids = read.shape[0]
-                bits = step.verified.logprob_bits()
-                if bits is not None:
-                    extras.append(bits)
-                    step.num_verify_logprob_bits = bits.shape[0]
+            extras += self._launch_verify(logits, step, bitmask)
         sampled = readback.clamp(min=0) if step.rows else readback  # a failed row's token: a valid index
         return StepHandle.launch_readback(logits, sampled, layout.sample_index_of, readback, step, extras)
+
+    def _launch_verify(self, logits: torch.Tensor, step: StepRows, bitmask: torch.Tensor | None) -> list[torch.Tensor]:
+        """The step's verify entries checked on the device (``step.verified``): the read-back extras of their
+        results (accepted ids, then log-probability bits where asked), their sizes noted on ``step``. No extras when
+        a request's fault stops the check (``step.verified`` stays None: ``read`` verifies the entries then)."""
+        try:
+            step.verified, read = self._verify_on_device(logits, step.verify, bitmask)
+        except Exception as error:
+            if not is_request_fault(error):
+                raise
+            return []
+        extras = [read]
+        step.num_verify_ids = read.shape[0]
+        bits = step.verified.logprob_bits()
+        if bits is not None:
+            extras.append(bits)
+            step.num_verify_logprob_bits = bits.shape[0]
+        return extras
 
     def _masked_argmax(
         self, logits: torch.Tensor, bitmask: torch.Tensor | None, step: StepRows, readback: torch.Tensor

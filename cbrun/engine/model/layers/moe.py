@@ -536,6 +536,22 @@ def sparse_moe_invariant(
         (T, hidden) in ``x``'s dtype.
     """
     assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor)
+    weights, expert_ids = _route_invariant(x, moe, router_linear)
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)  # (S,), S = T * k, in (token, slot) order
+    order = torch.argsort(flat_ids, stable=True)  # pairs sorted by expert
+    rows = x[order // top_k]  # (S, hidden)
+    counts = torch.bincount(flat_ids, minlength=moe.num_experts).tolist()  # NOTE: a host read, once a layer
+    out = _experts_one_by_one(rows, counts, moe, gate_up_linear, down_linear, silu_mul)
+    out = out * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out  # back to (token, slot) order
+    return _sum_slots(unsorted.view(num_tokens, top_k, -1)).to(x.dtype)
+
+
+def _route_invariant(x: torch.Tensor, moe: MoEWeights, router_linear: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` with the router through the invariant ``router_linear`` and the top-k weights renormalised by
+    ``_sum_slots`` (a reduction's order may follow the number of tokens): ``(weights, expert_ids)``, each (T, k)."""
     logits = router_linear(x, moe.router, None)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, expert_ids = torch.topk(probs, moe.top_k, dim=-1)
@@ -543,11 +559,24 @@ def sparse_moe_invariant(
         weights = weights / _sum_slots(weights)[:, None]
     if moe.weights_in_model_dtype:
         weights = weights.to(logits.dtype)
-    num_tokens, top_k = expert_ids.shape
-    flat_ids = expert_ids.reshape(-1)  # (S,), S = T * k, in (token, slot) order
-    order = torch.argsort(flat_ids, stable=True)  # pairs sorted by expert
-    rows = x[order // top_k]  # (S, hidden)
-    counts = torch.bincount(flat_ids, minlength=moe.num_experts).tolist()  # NOTE: a host read, once a layer
+    return weights, expert_ids
+
+
+def _experts_one_by_one(
+    rows: torch.Tensor,
+    counts: list[int],
+    moe: MoEWeights,
+    gate_up_linear: Callable,
+    down_linear: Callable,
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Each expert's MLP over its own group of the sorted pairs (``counts[e]`` rows for expert e, in expert order),
+    each a separate call of the invariant linears, so a row's sums never depend on its group's size.
+
+    Returns:
+        (S, hidden) each sorted pair's expert output, before the routing weight.
+    """
+    assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor)
     width = moe.down.shape[-1]
     out = rows.new_empty(rows.shape[0], moe.down.shape[1])
     start = 0
@@ -557,10 +586,7 @@ def sparse_moe_invariant(
             hidden = silu_mul(gate_up[:, :width].contiguous(), gate_up[:, width:].contiguous())  # (n, I)
             out[start : start + count] = down_linear(hidden, moe.down[expert], None)
             start += count
-    out = out * weights.reshape(-1)[order, None]
-    unsorted = torch.empty_like(out)
-    unsorted[order] = out  # back to (token, slot) order
-    return _sum_slots(unsorted.view(num_tokens, top_k, -1)).to(x.dtype)
+    return out
 
 
 def _sum_slots(values: torch.Tensor) -> torch.Tensor:

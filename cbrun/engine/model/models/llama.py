@@ -285,52 +285,55 @@ class LlamaDecoderFamily(ModelFamily):
         self, config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str, experts: range | None
     ) -> LlamaWeights:
         """The loaded tensors as ``LlamaWeights``, with transformers' epsilons, softmax scale and RoPE frequencies."""
-        eps, scale = config.rms_norm_eps, config.head_dim**-0.5
-
-        def linear(name: str) -> Linear:
-            return tensors[name + ".weight"], tensors.get(name + ".bias")
-
-        layers = []
         sparse = set(config.moe.sparse_layers) if config.moe else set()
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            q, k, v, o = (linear(p + name) for name in ATTENTION_PROJECTIONS)
-            dense = i not in sparse
-            gate, up, down = (linear(p + name) for name in MLP_PROJECTIONS) if dense else (None, None, None)
-            layers.append(
-                LayerWeights(
-                    input_norm=tensors[p + "input_layernorm.weight"],
-                    input_eps=eps,
-                    post_norm=tensors[p + "post_attention_layernorm.weight"],
-                    post_eps=eps,
-                    q=q,
-                    k=k,
-                    v=v,
-                    o=o,
-                    gate=gate,
-                    up=up,
-                    down=down,
-                    scale=scale,
-                    q_norm=tensors.get(p + "self_attn.q_norm.weight"),
-                    k_norm=tensors.get(p + "self_attn.k_norm.weight"),
-                    qk_norm_eps=eps,
-                    moe=None if dense else self._moe_weights(config, tensors, p, experts),
-                )
-            )
+        layers = [
+            self._checkpoint_layer(config, tensors, f"model.layers.{i}.", i in sparse, experts)
+            for i in range(config.num_hidden_layers)
+        ]
         embed = tensors["model.embed_tokens.weight"]
-        lm_head = (embed, None) if config.tie_word_embeddings else linear("lm_head")
+        lm_head = (embed, None) if config.tie_word_embeddings else _checkpoint_linear(tensors, "lm_head")
         rope = RopeParameters(config.rope_type, config.rope_theta, config.rope_parameters)
         inv_freq, attention_scaling = rope_inv_freq(rope, config.head_dim, device)
         return LlamaWeights(
             embed=embed,
             layers=layers,
             final_norm=tensors["model.norm.weight"],
-            final_eps=eps,
+            final_eps=config.rms_norm_eps,
             lm_head=lm_head,
             head_dim=config.head_dim,
             inv_freq=inv_freq,
             attention_scaling=attention_scaling,
             max_position_embeddings=config.max_position_embeddings,
+        )
+
+    def _checkpoint_layer(
+        self, config: LlamaConfig, tensors: dict[str, torch.Tensor], prefix: str, sparse: bool, experts: range | None
+    ) -> LayerWeights:
+        """Decoder layer ``prefix`` ("model.layers.{i}.") of the checkpoint: a dense MLP's projections, or (``sparse``)
+        its MoE block's experts; every RMSNorm with the config's one epsilon."""
+        eps = config.rms_norm_eps
+        q, k, v, o = (_checkpoint_linear(tensors, prefix + name) for name in ATTENTION_PROJECTIONS)
+        if sparse:
+            gate = up = down = None
+        else:
+            gate, up, down = (_checkpoint_linear(tensors, prefix + name) for name in MLP_PROJECTIONS)
+        return LayerWeights(
+            input_norm=tensors[prefix + "input_layernorm.weight"],
+            input_eps=eps,
+            post_norm=tensors[prefix + "post_attention_layernorm.weight"],
+            post_eps=eps,
+            q=q,
+            k=k,
+            v=v,
+            o=o,
+            gate=gate,
+            up=up,
+            down=down,
+            scale=config.head_dim**-0.5,
+            q_norm=tensors.get(prefix + "self_attn.q_norm.weight"),
+            k_norm=tensors.get(prefix + "self_attn.k_norm.weight"),
+            qk_norm_eps=eps,
+            moe=self._moe_weights(config, tensors, prefix, experts) if sparse else None,
         )
 
     def _moe_weights(
@@ -520,6 +523,11 @@ class MistralFamily(LlamaDecoderFamily):
 
     def slides_window(self, model: torch.nn.Module) -> bool:
         return True  # every layer attends through the config's window
+
+
+def _checkpoint_linear(tensors: dict[str, torch.Tensor], name: str) -> Linear:
+    """Checkpoint linear ``name``'s (weight, bias or None)."""
+    return tensors[name + ".weight"], tensors.get(name + ".bias")
 
 
 @dataclass
