@@ -216,12 +216,13 @@ def paged_attention(
     group, index = md.layer_groups[layer_idx]
     if sinks is not None:
         sinks = sinks.detach().float()  # the kernels add the sink logits in float32
+    layer = _LayerAttention(group, index, scale, sliding_window, softcap, sinks)
     if md.kernels_as_ops:
-        return _attention_as_ops(q, k, v, md, group, index, scale, sliding_window, softcap, sinks)
+        return _attention_as_ops(q, k, v, md, layer)
     if md.use_cpu_kernel:
-        return _cpu_kernel_attention(q, k, v, md, group, index, scale, sliding_window, softcap, sinks)
+        return _cpu_kernel_attention(q, k, v, md, layer)
     if md.use_triton:
-        return _triton_attention(q, k, v, md, group, index, scale, sliding_window, softcap, sinks)
+        return _triton_attention(q, k, v, md, layer)
     slot_mapping, _ = md.groups[group].for_layer(index, md.page_size)
     write_kv_cache_ref(k, v, md.k_pages, md.v_pages, slot_mapping)
     return paged_attention_ref(
@@ -229,24 +230,29 @@ def paged_attention(
     )
 
 
+@dataclass(frozen=True)
+class _LayerAttention:
+    """One layer's part of a ``paged_attention`` call, as each backend takes it: its cache group and its index in
+    the group (which select its pages and page shift), and how it scores (``paged_attention``'s arguments; the
+    sinks in float32)."""
+
+    group: str
+    index: int
+    scale: float
+    sliding_window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+
+
 def _triton_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    md: AttentionMetadata,
-    group: str,
-    index: int,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: _LayerAttention
 ) -> torch.Tensor:
     """``paged_attention`` on the Triton kernels (``cbrun.kernels.paged_attention``), with the layer's own slots and
     block tables (``GroupMetadata.for_layer``)."""
     from cbrun.kernels.kv_cache_write import write_kv_cache_triton
     from cbrun.kernels.paged_attention import paged_attention_triton
 
-    slot_mapping, block_tables = md.groups[group].for_layer(index, md.page_size)
+    slot_mapping, block_tables = md.groups[layer.group].for_layer(layer.index, md.page_size)
     write_kv_cache_triton(k, v, md.k_pages, md.v_pages, slot_mapping)
     return paged_attention_triton(
         q,
@@ -255,58 +261,40 @@ def _triton_attention(
         block_tables,
         md.cu_seqlens_q,
         md.seqlens_k,
-        scale,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        sinks=sinks,
+        layer.scale,
+        sliding_window=layer.sliding_window,
+        softcap=layer.softcap,
+        sinks=layer.sinks,
         max_seqlen_q=md.max_seqlen_q,
         batch_invariant=md.batch_invariant,
     )
 
 
 def _cpu_kernel_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    md: AttentionMetadata,
-    group: str,
-    index: int,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: _LayerAttention
 ) -> torch.Tensor:
     """``paged_attention`` on the C kernels (``cbrun.kernels.cpu_attention``): the K/V write and the attention each take
     the group's layer-0 slot mapping and block tables with the layer's page shift, applied in C, so no layer makes
     shifted copies of them (``GroupMetadata.for_layer``, which the other backends use), and the step's
     ``StepKernels`` converts them once for all layers."""
     kernels = md.step_kernels()
-    layer0 = md.groups[group]
-    kernels.write_kv(k, v, layer0.slot_mapping, slot_address(index, 0, md.page_size))
+    layer0 = md.groups[layer.group]
+    kernels.write_kv(k, v, layer0.slot_mapping, slot_address(layer.index, 0, md.page_size))
     return kernels.attention(
         q,
         layer0.block_tables,
         md.cu_seqlens_q,
         md.seqlens_k,
-        scale,
-        softcap,
-        sliding_window,
-        page_offset=index,
-        sinks=sinks,
+        layer.scale,
+        layer.softcap,
+        layer.sliding_window,
+        page_offset=layer.index,
+        sinks=layer.sinks,
     )
 
 
 def _attention_as_ops(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    md: AttentionMetadata,
-    group: str,
-    index: int,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer: _LayerAttention
 ) -> torch.Tensor:
     """``paged_attention`` through ``cbrun.kernels.custom_ops``, each backend given what its direct call gets: the C
     kernel layer 0's slots and tables with the layer's shift, the reference the layer's slots and layer 0's
@@ -315,7 +303,8 @@ def _attention_as_ops(
 
     ops = torch.ops.cbrun
     threads = md.cpu_kernel_threads or 0
-    layer0 = md.groups[group]
+    index = layer.index
+    layer0 = md.groups[layer.group]
     if md.use_cpu_kernel:
         backend, slots, slot_offset, tables, page_offset = (
             "cpu",
@@ -336,14 +325,14 @@ def _attention_as_ops(
         tables,
         md.cu_seqlens_q,
         md.seqlens_k,
-        scale,
-        sliding_window,
-        softcap,
+        layer.scale,
+        layer.sliding_window,
+        layer.softcap,
         md.max_seqlen_q,
         page_offset,
         backend,
         threads,
-        sinks,
+        layer.sinks,
     )
 
 
