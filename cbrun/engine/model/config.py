@@ -40,18 +40,22 @@ INERT_KEYS = frozenset(
         "router_jitter_noise",  # Mixtral's training-only noise on the MoE input
     }
 )
+#: The model's sizes: each a positive integer (``unsupported_shape``).
+SIZE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 #: Keys every family's config is read for (a family file adds its own; the rest are refused).
 READ_KEYS = frozenset(
     {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
+        *SIZE_KEYS,
         "hidden_act",
-        "max_position_embeddings",
         "rms_norm_eps",
         "bos_token_id",
         "eos_token_id",
@@ -155,16 +159,7 @@ def read_config_json(model_dir: str | Path) -> dict:
 def unsupported_shape(config: LlamaConfig) -> str | None:
     """Why a parsed config's shapes are ones transformers would refuse or read another way (it raises; the fallback
     shows its error), or None."""
-    for name in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-    ):
+    for name in SIZE_KEYS:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{name} = {value!r} is not a positive integer"

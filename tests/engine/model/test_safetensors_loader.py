@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.model.config import read_config_json
+from cbrun.engine.model.config import SIZE_KEYS, read_config_json
 from cbrun.engine.model.models.llama import LeanLlama
 from cbrun.engine.model.registry import parse_config, weights_from_module
 from cbrun.engine.model.safetensors_loader import LeanModel, load, load_plan
@@ -58,20 +58,10 @@ def _assert_config_equals_auto_config(path):
     config, reason = parse_config(read_config_json(path))
     assert reason is None
     auto = AutoConfig.from_pretrained(path)
-    for name in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "tie_word_embeddings",
-        "bos_token_id",
-        "eos_token_id",
-    ):
-        assert getattr(config, name) == getattr(auto, name), name
+    # Qwen2's and Mixtral's configs leave head_dim to their modules: hidden_size // num_attention_heads
+    head_dim = getattr(auto, "head_dim", None) or auto.hidden_size // auto.num_attention_heads
+    for name in (*SIZE_KEYS, "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert getattr(config, name) == (head_dim if name == "head_dim" else getattr(auto, name)), name
     assert config.sliding_window is getattr(auto, "sliding_window", None) is None
     assert config.head_dim == (getattr(auto, "head_dim", None) or auto.hidden_size // auto.num_attention_heads)
     assert config.rope_theta == auto.rope_parameters["rope_theta"]
