@@ -17,7 +17,7 @@ from cbrun.engine.core.kv_layout import KVLayout, ModelConfig, text_config
 from cbrun.engine.core.plan import SchedulerOutput
 from cbrun.engine.core.request import Request, RequestStatus
 from cbrun.engine.core.request_checks import request_error
-from cbrun.engine.core.scheduler import make_scheduler
+from cbrun.engine.core.scheduler import SCHEDULERS
 from cbrun.engine.core.stats import EngineStats
 from cbrun.engine.core.stop_strings import StopStringMatcher
 from cbrun.engine.model import loader
@@ -131,7 +131,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.cache_spec, config.allow_block_sharing, truncated_block_hash(config.prefix_hash_bits)
         )
-        self.scheduler = make_scheduler(
+        self.scheduler = SCHEDULERS[config.scheduler_type](
             config,
             self.block_manager,
             max_model_len,

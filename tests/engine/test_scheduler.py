@@ -1,11 +1,11 @@
 """FIFO and PrefillFirst scheduling: order, budgets, chunked prefill, safety margin, preemption, failures."""
 
-from cbrun.engine.config import EngineConfig
+from cbrun.engine.config import SCHEDULER_TYPES, EngineConfig
 from cbrun.engine.core.block_manager import BlockManager
 from cbrun.engine.core.cache_spec import CacheSpec
 from cbrun.engine.core.plan import StepOutput
 from cbrun.engine.core.request import Request, RequestStatus
-from cbrun.engine.core.scheduler import FIFOScheduler, PrefillFirstScheduler
+from cbrun.engine.core.scheduler import SCHEDULERS, FIFOScheduler, PrefillFirstScheduler
 from cbrun.engine.sampling_params import SamplingParams
 
 
@@ -37,6 +37,11 @@ def test_fifo_decodes_first_then_prefills_then_new_with_chunking():
     plan, _ = run_step(s)
     assert plan == [("a", 1), ("b", 1), ("c", 1)]
     assert all(r.status is RequestStatus.DECODING for r in s.running)
+
+
+def test_every_scheduler_type_names_its_scheduler():
+    assert set(SCHEDULERS) == set(SCHEDULER_TYPES)
+    assert SCHEDULERS["prefill_first"] is PrefillFirstScheduler and SCHEDULERS["fifo"] is FIFOScheduler
 
 
 def test_prefill_first_finishes_prefills_before_decodes():

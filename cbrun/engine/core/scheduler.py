@@ -511,14 +511,5 @@ class PrefillFirstScheduler(FIFOScheduler):
         self._schedule_running(plan, out, decodes=True)
 
 
-def make_scheduler(
-    config: EngineConfig,
-    block_manager: BlockManager,
-    max_model_len: int | None = None,
-    eos_token_ids: frozenset[int] = frozenset(),
-    stop_matcher: StopStringMatcher | None = None,
-    max_prompt_logprob_rows: int | None = None,
-) -> FIFOScheduler:
-    """The scheduler named by ``config.scheduler_type``."""
-    cls = PrefillFirstScheduler if config.scheduler_type == "prefill_first" else FIFOScheduler
-    return cls(config, block_manager, max_model_len, eos_token_ids, stop_matcher, max_prompt_logprob_rows)
+#: The scheduler class of each ``engine.scheduler_type`` (``cbrun.engine.config.SCHEDULER_TYPES``).
+SCHEDULERS: dict[str, type[FIFOScheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}
