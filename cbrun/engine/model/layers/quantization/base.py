@@ -25,7 +25,27 @@ if TYPE_CHECKING:
 DEQUANT_CHUNK_ELEMENTS = 1 << 20
 
 
-class QuantizedLinearWeight:
+class QuantizedTensors:
+    """Weights kept quantized in memory, a linear's (``QuantizedLinearWeight``) or a MoE layer's stacked experts'
+    (``ExpertStack``): what both answer. ``dtype``: the dtype the GEMM computes in."""
+
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """The real weight's shape."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds in memory."""
+        raise NotImplementedError
+
+
+class QuantizedLinearWeight(QuantizedTensors):
     """A linear layer's weight kept quantized in memory, dequantized by ``quantized_linear`` chunk by chunk.
 
     Each layout is a dataclass over this base (``QuantizedWeight``: float8 with block scales;
@@ -35,22 +55,8 @@ class QuantizedLinearWeight:
     ``dequantize(start, stop)`` and ``kernel_layout`` (its tensors as the GPU kernels take them).
     """
 
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        raise NotImplementedError
-
-    @property
-    def device(self) -> torch.device:
-        raise NotImplementedError
-
     @property
     def storage_dtype(self) -> str:
-        raise NotImplementedError
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors it holds in memory."""
         raise NotImplementedError
 
     def rows_per_chunk(self) -> int:
@@ -124,25 +130,11 @@ def chunked_quantized_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bia
     return out if bias is None else out + bias
 
 
-class ExpertStack:
+class ExpertStack(QuantizedTensors):
     """A MoE layer's stacked expert weights (E, out, in) kept quantized in memory, dequantized by the MoE block
     (``cbrun.engine.model.layers.moe.SparseMoE``) a chunk of experts at a time. Subclasses: ``QuantizedExperts`` (per-expert
-    quantized linears), ``cbrun.engine.model.layers.quantization.mxfp4.Mxfp4Experts`` (gpt-oss's stacked MXFP4)."""
-
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        """(E, out, in)."""
-        raise NotImplementedError
-
-    @property
-    def device(self) -> torch.device:
-        raise NotImplementedError
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors it holds in memory."""
-        raise NotImplementedError
+    quantized linears), ``cbrun.engine.model.layers.quantization.mxfp4.Mxfp4Experts`` (gpt-oss's stacked MXFP4). Its
+    ``shape`` is (E, out, in)."""
 
     def dequantize(self, experts: slice = slice(None)) -> torch.Tensor:
         """(E', out, in) the real weights of ``experts`` (default all), in ``dtype``."""
