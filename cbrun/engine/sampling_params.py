@@ -129,18 +129,8 @@ class SamplingParams:
 
     def _check_lengths(self) -> None:
         """How many tokens the output holds: ``max_new_tokens`` and ``min_new_tokens``."""
-        _check(
-            _is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
-            "max_new_tokens",
-            "an integer >= 0",
-            self.max_new_tokens,
-        )
-        _check(
-            _is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
-            "min_new_tokens",
-            "an integer >= 0",
-            self.min_new_tokens,
-        )
+        self._check_int("max_new_tokens", 0)
+        self._check_int("min_new_tokens", 0)
 
     def _check_draw(self) -> None:
         """How a token is drawn: temperature, the top-k / top-p / min-p filters and the seed."""
@@ -169,19 +159,8 @@ class SamplingParams:
     def _check_outputs(self) -> None:
         """What comes back besides the tokens, and what ends or shapes them: logprobs, stop strings, structured
         outputs."""
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-            "logprobs",
-            "an integer >= 0 or None",
-            self.logprobs,
-        )
-        _check(
-            self.prompt_logprobs_from is None
-            or (_is_int(self.prompt_logprobs_from) and self.prompt_logprobs_from >= 1),
-            "prompt_logprobs_from",
-            "an integer >= 1 or None",
-            self.prompt_logprobs_from,
-        )
+        self._check_int("logprobs", 0, or_none=True)
+        self._check_int("prompt_logprobs_from", 1, or_none=True)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
         _check(
             isinstance(self.include_stop_str_in_output, bool),
@@ -197,6 +176,12 @@ class SamplingParams:
             " or ".join(map(repr, LOGPROBS_MODES)),
             self.logprobs_mode,
         )
+
+    def _check_int(self, name: str, low: int, or_none: bool = False) -> None:
+        """Setting ``name`` is an integer >= ``low`` (or None, where ``or_none``)."""
+        value = getattr(self, name)
+        ok = (or_none and value is None) or (_is_int(value) and value >= low)
+        _check(ok, name, f"an integer >= {low}" + (" or None" if or_none else ""), value)
 
     @property
     def greedy(self) -> bool:
