@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -21,9 +22,15 @@ from cbrun.engine.model.layers.quantization.base import QuantizedLinearWeight
 Linear = tuple["torch.Tensor | QuantizedLinearWeight", "torch.Tensor | None"]
 
 
+#: A projection: ``Linear`` as loaded, or the forward pass's ``cbrun.engine.model.layers.linear.Projection``.
+P = TypeVar("P")
+#: A MoE block: ``MoEWeights`` as loaded, or the forward pass's ``cbrun.engine.model.layers.moe.SparseMoE``.
+M = TypeVar("M")
+
+
 @dataclass
-class LayerWeights:
-    """One decoder layer: RMSNorm weights (hidden,) and epsilons, the projections, the softmax scale.
+class DecoderLayer(Generic[P, M]):
+    """One decoder layer's parts: RMSNorm weights (hidden,) and epsilons, the projections, the softmax scale.
 
     A MoE layer (``moe`` set) has no dense gate/up/down (None). ``q_norm`` / ``k_norm``: (head_dim,) the
     per-head RMSNorm weights on queries and keys before RoPE (Qwen3-MoE), with epsilon ``qk_norm_eps``.
@@ -35,20 +42,25 @@ class LayerWeights:
     input_eps: float
     post_norm: torch.Tensor
     post_eps: float
-    q: Linear
-    k: Linear
-    v: Linear
-    o: Linear
-    gate: Linear | None
-    up: Linear | None
-    down: Linear | None
+    q: P
+    k: P
+    v: P
+    o: P
+    gate: P | None
+    up: P | None
+    down: P | None
     scale: float
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 0.0
-    moe: MoEWeights | None = None
+    moe: M | None = None
     sinks: torch.Tensor | None = None
     sliding_window: int | None = None
+
+
+@dataclass
+class LayerWeights(DecoderLayer[Linear, MoEWeights]):
+    """One decoder layer as loaded: each projection a ``Linear``, a MoE block its ``MoEWeights``."""
 
     def linears(self) -> list[Linear]:
         """The dense projections this layer has, in q, k, v, o, gate, up, down order."""

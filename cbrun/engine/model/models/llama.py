@@ -84,7 +84,7 @@ from cbrun.engine.model.layers.rotary_embedding import (
     rope_tables,
     unsupported_rotary_reason,
 )
-from cbrun.engine.model.weights import LayerWeights, Linear, LlamaWeights
+from cbrun.engine.model.weights import DecoderLayer, LayerWeights, Linear, LlamaWeights
 from cbrun.kernels.batch_invariant import InvariantKernels
 
 logger = logging.getLogger("cbrun.engine")
@@ -531,28 +531,9 @@ def _checkpoint_linear(tensors: dict[str, torch.Tensor], name: str) -> Linear:
 
 
 @dataclass
-class _Layer:
-    """One decoder layer's tensors: (weight, bias or None, the function that runs it) per projection (gate, up
-    and down None in a MoE layer, whose MLP is ``moe``), RMSNorm weights and epsilons."""
-
-    input_norm: torch.Tensor
-    input_eps: float
-    post_norm: torch.Tensor
-    post_eps: float
-    q: tuple
-    k: tuple
-    v: tuple
-    o: tuple
-    gate: tuple | None
-    up: tuple | None
-    down: tuple | None
-    scale: float
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    qk_norm_eps: float = 0.0
-    moe: SparseMoE | None = None
-    sinks: torch.Tensor | None = None
-    sliding_window: int | None = None
+class _Layer(DecoderLayer[Projection, SparseMoE]):
+    """One decoder layer as the forward pass runs it: each projection (weight, bias or None, the function that
+    runs it), a MoE block its ``SparseMoE``."""
 
 
 class LeanLlama:
