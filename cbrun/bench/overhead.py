@@ -19,7 +19,8 @@ processes of a shared machine take from it; ``--clock wall`` uses ``time.perf_co
 - prepare inputs: ``StepInputBuilder.prepare`` plus ``ModelRunner._upload`` (flattened ids, positions, slot mapping,
   block tables from the persistent batch, attention metadata);
 - forward: ``ModelRunner._forward`` (the model; near zero by construction, reported so it can be subtracted);
-- read results: ``LLMEngine._update`` (the step's StepOutput applied by the scheduler: stop checks, finished requests);
+- read results: ``StepSampler.read`` plus ``Scheduler.update_from_output`` (the step's StepOutput read and applied by
+  the scheduler: stop checks, finished requests);
 - other: the rest of ``LLMEngine.step`` (zeroing new cache pages, the argmax, advancing requests, stats, output
   objects).
 
@@ -59,13 +60,13 @@ OVERHEAD_MODEL = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
-#: The timed phases: table name -> (dotted object path from the engine, method name).
+#: The timed phases: table name -> the (dotted object path from the engine, method name) pairs timed as that phase.
 PHASES = {
-    "schedule": ("scheduler", "schedule"),
-    "prepare": ("model_runner.step_inputs", "prepare"),
-    "upload": ("model_runner", "_upload"),
-    "forward": ("model_runner", "_forward"),
-    "read": ("", "_update"),
+    "schedule": (("scheduler", "schedule"),),
+    "prepare": (("model_runner.step_inputs", "prepare"),),
+    "upload": (("model_runner", "_upload"),),
+    "forward": (("model_runner", "_forward"),),
+    "read": (("sampler", "read"), ("scheduler", "update_from_output")),
 }
 
 
@@ -79,14 +80,15 @@ class PhaseTimer:
     def __init__(self, engine) -> None:
         self.current = dict.fromkeys(PHASES, 0.0)
         self.scheduled = 0  # requests in the last plan
-        for phase, (owner, name) in PHASES.items():
-            target = functools.reduce(getattr, owner.split("."), engine) if owner else engine
-            method = getattr(target, name, None)
-            if method is None:
-                raise RuntimeError(
-                    f"engine-overhead: {type(target).__name__}.{name} is gone; update cbrun.bench.overhead.PHASES"
-                )
-            setattr(target, name, self._timed(phase, method))
+        for phase, methods in PHASES.items():
+            for owner, name in methods:
+                target = functools.reduce(getattr, owner.split("."), engine)
+                method = getattr(target, name, None)
+                if method is None:
+                    raise RuntimeError(
+                        f"engine-overhead: {type(target).__name__}.{name} is gone; update cbrun.bench.overhead.PHASES"
+                    )
+                setattr(target, name, self._timed(phase, method))
 
     def _timed(self, phase: str, method):
         def wrapper(*args, **kwargs):
