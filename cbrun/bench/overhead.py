@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from cbrun.bench.report import markdown_table
+
 #: The near-free model: one layer, tiny hidden size and vocabulary.
 OVERHEAD_MODEL = dict(
     vocab_size=64,
@@ -234,7 +236,7 @@ def format_table(rows: list[dict]) -> str:
         "host us / sched. req",
         "per req.: schedule / prepare / read us",
     )
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table = []
     for r in rows:
         cells = [
             r["scenario"],
@@ -251,8 +253,8 @@ def format_table(rows: list[dict]) -> str:
             f"{r['host_us_per_request']:.1f}",
             f"{r['schedule_us_per_request']:.1f} / {r['prepare_us_per_request']:.1f} / {r['read_us_per_request']:.1f}",
         ]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return markdown_table(columns, table)
 
 
 def build_parser() -> argparse.ArgumentParser:
