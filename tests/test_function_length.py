@@ -19,16 +19,7 @@ LIMIT = 8
 BACKLOG = frozenset(
     {
         "llama.py:checkpoint_weights",
-        "paged_attention.py:paged_attention_kernel",
-        "paged_attention.py:paged_attention_triton",
-        "custom_ops.py:paged_attention",
-        "cpu_attention.py:attention",
-        # landed with the quantized GEMM kernels while this rule came in (the kernels' room)
-        "fp8_gemm.py:fp8_matmul_triton",
-        "int4_gemm.py:int4_gemm_kernel",
-        "int4_gemm.py:int4_matmul_triton",
-        "mxfp4_gemm.py:mxfp4_matmul_triton",
-        # landed with the step's redesign and batch-invariant kernels (the engine's sample room, the kernels' room)
+        # landed with the step's redesign and batch-invariant kernels (the engine's sample and model rooms)
         "moe.py:sparse_moe_invariant",
         "sampler.py:batch",
         "sampler.py:draw_filtered",
