@@ -32,7 +32,7 @@ def build_library(source: Path, what: str, expected: str) -> Path:
     Args:
         source: the C file.
         what: the kernel's name in the log line announcing a first compile ("the CPU attention kernel").
-        expected: how long that compile takes, in the same line ("about 20 s").
+        expected: how long that compile takes, in the same line ("about 20 to 35 s").
 
     Raises:
         RuntimeError: when no compiler is found or the compile fails (naming the compiler and its exit code).

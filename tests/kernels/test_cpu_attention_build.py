@@ -13,7 +13,7 @@ def test_failed_compile_names_the_compiler_and_its_exit_code(tmp_path, monkeypat
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
         with pytest.raises(RuntimeError) as failure:
             cpu_attention.load_library(cpu_attention.SOURCE)
-    assert "compiling the CPU attention kernel (first use, about 20 s)" in caplog.text
+    assert "compiling the CPU attention kernel (first use, about 20 to 35 s)" in caplog.text
     assert str(failure.value) == ("compiling cpu_paged_attention.c with /bin/false failed (exit code 1): no output")
 
 
