@@ -16,19 +16,7 @@ LIMIT = 8
 
 #: "file:function" of the long functions in the engine's and the kernels' rooms, split by concept when those rooms
 #: are reworked (issue 41); by file name, so that a file moved to another room keeps its entry. Never add to it.
-BACKLOG = frozenset(
-    {
-        "paged_attention.py:paged_attention_kernel",
-        "paged_attention.py:paged_attention_triton",
-        "custom_ops.py:paged_attention",
-        "cpu_attention.py:attention",
-        # landed with the quantized GEMM kernels while this rule came in (the kernels' room)
-        "fp8_gemm.py:fp8_matmul_triton",
-        "int4_gemm.py:int4_gemm_kernel",
-        "int4_gemm.py:int4_matmul_triton",
-        "mxfp4_gemm.py:mxfp4_matmul_triton",
-    }
-)
+BACKLOG: frozenset[str] = frozenset()
 
 
 def long_functions(root: Path = ROOT, max_lines: int = MAX_LINES) -> dict[str, int]:

@@ -126,21 +126,9 @@ def batch_invariant_linear_triton(
     launch = matmul_launch_config(x.dtype, bias is not None, x.is_cpu and x.dtype == torch.bfloat16)
     c = launch.constexprs
     grid = (triton.cdiv(num_rows, c["BLOCK_M"]) * triton.cdiv(out_features, c["BLOCK_N"]),)
-    batch_invariant_matmul_kernel[grid](
-        out,
-        x,
-        weight,
-        bias if bias is not None else weight,  # any pointer when there is no bias: never read
-        num_rows,
-        out_features,
-        in_features,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-        **c,
-    )
+    tensors = (out, x, weight, bias if bias is not None else weight)  # any bias pointer without a bias: never read
+    strides = (x.stride(0), weight.stride(0), out.stride(0))
+    launch.launch(batch_invariant_matmul_kernel, grid, *tensors, num_rows, out_features, in_features, *strides)
     return out
 
 

@@ -2,11 +2,12 @@
 
 The kernels (``cpu_paged_attention.c``, ``cpu_token_mask.c``, ``cpu_sampler.c``, ``cpu_dequant.c``) have no torch
 headers; they build with ``$CC`` (default ``gcc``) into ``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``)
-and are loaded with ``ctypes``.
+and are loaded with ``ctypes``, each through one ``KernelLibrary``: built at first use, or the reason it cannot be.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -30,7 +32,7 @@ def build_library(source: Path, what: str, expected: str) -> Path:
     Args:
         source: the C file.
         what: the kernel's name in the log line announcing a first compile ("the CPU attention kernel").
-        expected: how long that compile takes, in the same line ("about 20 s").
+        expected: how long that compile takes, in the same line ("about 20 to 35 s").
 
     Raises:
         RuntimeError: when no compiler is found or the compile fails (naming the compiler and its exit code).
@@ -59,6 +61,51 @@ def build_library(source: Path, what: str, expected: str) -> Path:
             )
         os.replace(built, target)
     return target
+
+
+class KernelLibrary:
+    """One of our C kernel libraries, built (``build_library``) and loaded at first use with its functions' ctypes
+    signatures bound; where it cannot be built or loaded, the reason, logged once and kept (never retried), and
+    the callers run their PyTorch path instead.
+
+    Args:
+        source: the C file.
+        what: its name in messages ("the CPU sampler kernel").
+        expected: how long its first compile takes ("about 1 s").
+        bind: sets the argument and return types of the library's functions.
+        fallback: what runs without it, for the log line ("the PyTorch draw").
+    """
+
+    def __init__(
+        self, source: Path, what: str, expected: str, bind: Callable[[ctypes.CDLL], None], fallback: str
+    ) -> None:
+        self.source, self.what, self.expected, self._bind, self.fallback = source, what, expected, bind, fallback
+        self.library: ctypes.CDLL | None = None
+        self.failure: str | None = None
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library (built and loaded on the first call), or None where it is unavailable."""
+        if self.library is None and self.failure is None:
+            try:
+                library = ctypes.CDLL(str(build_library(self.source, self.what, self.expected)))
+                self._bind(library)
+                self.library = library
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                self.failure = str(e)
+                logger.info("%s is unavailable, %s runs instead: %s", self.what, self.fallback, e)
+        return self.library
+
+    def unavailable_reason(self) -> str | None:
+        """Why the library cannot run here (building it on the first call), or None when it can."""
+        self.load()
+        return self.failure
+
+    def loaded(self) -> ctypes.CDLL:
+        """The library; RuntimeError (saying why) where it is unavailable."""
+        library = self.load()
+        if library is None:
+            raise RuntimeError(f"{self.what} is unavailable: {self.failure}")
+        return library
 
 
 def _cpu_flags() -> bytes:

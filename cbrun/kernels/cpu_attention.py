@@ -22,27 +22,19 @@ says why and the engine keeps the reference.
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from cbrun.kernels.c_build import build_library
-
-logger = logging.getLogger("cbrun.engine")
+from cbrun.kernels.c_build import KernelLibrary, build_library
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-
-_library: ctypes.CDLL | None = None
-_failure: str | None = None
 
 
 def unavailable_reason() -> str | None:
     """Why the C kernel cannot run here (building it on first call), or None when it can."""
-    _load()
-    return _failure
+    return _LIBRARY.unavailable_reason()
 
 
 def paged_attention_cpu(
@@ -199,7 +191,7 @@ class StepKernels:
         library: ctypes.CDLL | None = None,
         batch_invariant: bool = False,
     ) -> None:
-        self._library = library or _loaded()
+        self._library = library or _LIBRARY.loaded()
         self._batch_invariant = batch_invariant
         if k_cache is not None:
             _check_cache(k_cache, v_cache)
@@ -233,48 +225,42 @@ class StepKernels:
         ``lane_loops = False`` makes tiles with head_dim % 8 == 0 take the kernel's generic loops instead of its
         8-lane ones, which must give the same floats (``tests/kernels/test_cpu_attention.py`` compares them).
         """
-        _check_float32_cpu(query=query)
-        _, page_size, num_kv_heads, head_dim = self._cache_shape
-        if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
-            raise ValueError(f"query {tuple(query.shape)} does not fit the cache {self._cache_shape}")
+        query = self._checked_query(query)
         num_tokens, num_heads, _ = query.shape
-        query = query.contiguous()
         tables = self._converted(block_tables, _int32)
         cu, num_rows = self._converted(cu_seqlens_q, _cu_seqlens)
         seqlens = self._converted(seqlens_k, _int32)
         out = torch.empty_like(query)
         if num_rows < num_tokens:
             out[num_rows:] = 0
-        sinks = self._checked_sinks(sinks, num_heads)
-        # NOTE: a library built before attention sinks takes no sinks argument
-        takes_sinks = hasattr(self._library, "cbrun_paged_attention_has_sinks")
-        sink_args = (None if sinks is None else sinks.data_ptr(),) if takes_sinks else ()
-        status = self._library.cbrun_paged_attention_f32(
-            query.data_ptr(),
-            self._k_ptr,
-            self._v_ptr,
-            tables.data_ptr(),
-            tables.shape[1],
-            page_offset,
-            cu.data_ptr(),
-            seqlens.data_ptr(),
-            seqlens.shape[0],
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            page_size,
-            scale,
-            softcap or 0.0,
-            *sink_args,
-            sliding_window or 0,
-            out.data_ptr(),
-            self._num_threads,
-            int(lane_loops),
-            int(self._batch_invariant),
-        )
+        sinks = self._checked_sinks(sinks, num_heads)  # held while the kernel reads its pointer
+        _, page_size, num_kv_heads, head_dim = self._cache_shape
+        # the C function's arguments, in its order: inputs, the batch's pages and lengths, shapes, scores, output
+        inputs = (query.data_ptr(), self._k_ptr, self._v_ptr)
+        batch = (tables.data_ptr(), tables.shape[1], page_offset, cu.data_ptr(), seqlens.data_ptr(), seqlens.shape[0])
+        shapes = (num_heads, num_kv_heads, head_dim, page_size)
+        scores = (scale, softcap or 0.0, *self._sink_args(sinks), sliding_window or 0)
+        output = (out.data_ptr(), self._num_threads, int(lane_loops), int(self._batch_invariant))
+        status = self._library.cbrun_paged_attention_f32(*inputs, *batch, *shapes, *scores, *output)
         if status:
             raise RuntimeError("the CPU attention kernel could not allocate its scratch memory")
         return out
+
+    def _checked_query(self, query: torch.Tensor) -> torch.Tensor:
+        """``query`` contiguous, once checked: float32 on the CPU, (T, num_heads, head_dim) with the cache's
+        head_dim and a multiple of its KV heads (ValueError otherwise)."""
+        _check_float32_cpu(query=query)
+        _, _, num_kv_heads, head_dim = self._cache_shape
+        if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
+            raise ValueError(f"query {tuple(query.shape)} does not fit the cache {self._cache_shape}")
+        return query.contiguous()
+
+    def _sink_args(self, sinks: torch.Tensor | None) -> tuple[int | None, ...]:
+        """The kernel's sinks argument: the pointer (None without sinks), or nothing for a library built before
+        attention sinks, which takes none (``_checked_sinks`` refuses sinks for it)."""
+        if not hasattr(self._library, "cbrun_paged_attention_has_sinks"):
+            return ()
+        return (None if sinks is None else sinks.data_ptr(),)
 
     def _checked_sinks(self, sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
         """``sinks`` contiguous (the caller keeps it while the kernel reads its pointer), or None.
@@ -417,7 +403,9 @@ def load_library(source: Path) -> ctypes.CDLL:
     Raises:
         RuntimeError, OSError, subprocess.SubprocessError: when it cannot be built or loaded.
     """
-    return _bind(ctypes.CDLL(str(_build(Path(source)))))
+    library = ctypes.CDLL(str(build_library(Path(source), _LIBRARY.what, _LIBRARY.expected)))
+    _bind(library)
+    return library
 
 
 def load_source(source: Path) -> Callable[..., torch.Tensor]:
@@ -463,26 +451,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must be contiguous and of one shape")
 
 
-def _loaded() -> ctypes.CDLL:
-    """The library, built and loaded at first use; RuntimeError (why) when it is unavailable."""
-    library = _load()
-    if library is None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
-    return library
-
-
-def _load() -> ctypes.CDLL | None:
-    global _library, _failure
-    if _library is None and _failure is None:
-        try:
-            _library = _bind(ctypes.CDLL(str(_build())))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _failure = str(e)
-            logger.info("CPU attention kernel unavailable, the PyTorch reference runs instead: %s", e)
-    return _library
-
-
-def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+def _bind(library: ctypes.CDLL) -> None:
     fn = library.cbrun_paged_attention_f32
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
     # NOTE: a library built from an older checkout (``load_library``) has no sinks argument after softcap.
@@ -500,10 +469,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     rope = library.cbrun_rope_f32
     rope.argtypes = [ptr, ptr, ptr, ptr, i64, i32, i32, i64]
     rope.restype = ctypes.c_int
-    return library
 
 
-def _build(source: Path = SOURCE) -> Path:
-    """The compiled library's path (``cbrun.kernels.c_build.build_library``; RuntimeError when it cannot be built)."""
-    # NOTE: the compile takes 15 to 35 s on 2 cores (the tile loops are specialised per head size): say so first
-    return build_library(source, "the CPU attention kernel", "about 20 to 35 s")
+# NOTE: the compile takes 15 to 35 s on 2 cores (the tile loops are specialised per head size): say so first
+_LIBRARY = KernelLibrary(SOURCE, "the CPU attention kernel", "about 20 to 35 s", _bind, "the PyTorch reference")

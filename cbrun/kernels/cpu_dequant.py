@@ -11,26 +11,19 @@ their PyTorch reference.
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
-from cbrun.kernels.c_build import build_library
-
-logger = logging.getLogger("cbrun.engine")
+from cbrun.kernels.c_build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("cpu_dequant.c")
-_library: ctypes.CDLL | None = None
-_failure: str | None = None
 _FP8_LUT: torch.Tensor | None = None
 
 
 def unavailable_reason() -> str | None:
     """Why the C kernels cannot run here (building them on first call), or None when they can."""
-    _load()
-    return _failure
+    return _LIBRARY.unavailable_reason()
 
 
 def fp8_block_dequant(
@@ -113,23 +106,17 @@ def mxfp4_dequant(blocks: torch.Tensor, scales: torch.Tensor, start: int, stop: 
 def _applies(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return None
-    return _load()
+    return _LIBRARY.load()
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _failure
-    if _library is None and _failure is None:
-        try:
-            library = ctypes.CDLL(str(build_library(SOURCE, "the CPU dequantization kernels", "about 1 s")))
-            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            library.cbrun_fp8_block_dequant.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int]
-            library.cbrun_fp8_block_dequant.restype = None
-            library.cbrun_int4_dequant.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int]
-            library.cbrun_int4_dequant.restype = None
-            library.cbrun_mxfp4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-            library.cbrun_mxfp4_dequant.restype = None
-            _library = library
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _failure = str(e)
-            logger.info("CPU dequantization kernels unavailable, the PyTorch path runs instead: %s", e)
-    return _library
+def _bind(library: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.cbrun_fp8_block_dequant.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int]
+    library.cbrun_fp8_block_dequant.restype = None
+    library.cbrun_int4_dequant.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int]
+    library.cbrun_int4_dequant.restype = None
+    library.cbrun_mxfp4_dequant.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    library.cbrun_mxfp4_dequant.restype = None
+
+
+_LIBRARY = KernelLibrary(SOURCE, "the CPU dequantization kernels", "about 1 s", _bind, "the PyTorch path")

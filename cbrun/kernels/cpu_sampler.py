@@ -17,27 +17,19 @@ Where the kernel cannot be built (``unavailable_reason``) the sampler keeps the 
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from cbrun.kernels.c_build import build_library
-
-logger = logging.getLogger("cbrun.engine")
+from cbrun.kernels.c_build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("cpu_sampler.c")
-
-_library: ctypes.CDLL | None = None
-_failure: str | None = None
 
 
 def unavailable_reason() -> str | None:
     """Why the C kernel cannot run here (building it on first call), or None when it can."""
-    _load()
-    return _failure
+    return _LIBRARY.unavailable_reason()
 
 
 def supports(logits: torch.Tensor) -> bool:
@@ -48,7 +40,7 @@ def supports(logits: torch.Tensor) -> bool:
         and logits.dtype == torch.float32
         and logits.dim() == 2
         and logits.stride(1) == 1
-        and _load() is not None
+        and _LIBRARY.load() is not None
     )
 
 
@@ -86,9 +78,7 @@ def sample_rows(
             allocated.
         ValueError: logits ``supports`` refuses, arrays of the wrong dtype or length, or a row outside the logits.
     """
-    library = _load()
-    if library is None:
-        raise RuntimeError(f"the CPU sampler kernel is unavailable: {_failure}")
+    library = _LIBRARY.loaded()
     num_rows = logits.shape[0] if rows is None else len(rows)
     seed_hashes = seed_hashes.view(np.int64) if seed_hashes.dtype == np.uint64 else seed_hashes
     _check(logits, rows, num_rows, temperature, top_k, top_p, min_p, seed_hashes, positions)
@@ -128,17 +118,11 @@ def _check(logits, rows, num_rows, temperature, top_k, top_p, min_p, seed_hashes
         raise ValueError(f"rows must lie in [0, {logits.shape[0]}); got {rows.min()}..{rows.max()}")
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _failure
-    if _library is None and _failure is None:
-        try:
-            library = ctypes.CDLL(str(build_library(SOURCE, "the CPU sampler kernel", "about 1 s")))
-            fn = library.cbrun_sample_rows_f32
-            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _library = library
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _failure = str(e)
-            logger.info("CPU sampler kernel unavailable, the PyTorch draw runs instead: %s", e)
-    return _library
+def _bind(library: ctypes.CDLL) -> None:
+    fn = library.cbrun_sample_rows_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+
+_LIBRARY = KernelLibrary(SOURCE, "the CPU sampler kernel", "about 1 s", _bind, "the PyTorch draw")

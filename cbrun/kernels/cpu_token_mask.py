@@ -13,28 +13,20 @@ path, which is also the oracle of its tests (``tests/kernels/test_cpu_token_mask
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
-from cbrun.kernels.c_build import build_library
-
-logger = logging.getLogger("cbrun.engine")
+from cbrun.kernels.c_build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("cpu_token_mask.c")
 #: The kernel's per-row results that are not a token.
 NOTHING_ALLOWED, NAN_ALLOWED = -1, -2
 
-_library: ctypes.CDLL | None = None
-_failure: str | None = None
-
 
 def unavailable_reason() -> str | None:
     """Why the C kernel cannot run here (building it on first call), or None when it can."""
-    _load()
-    return _failure
+    return _LIBRARY.unavailable_reason()
 
 
 def supports(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
@@ -49,7 +41,7 @@ def supports(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
         and bitmask.dtype == torch.int32
         and bitmask.dim() == 2
         and bitmask.stride(1) == 1
-        and _load() is not None
+        and _LIBRARY.load() is not None
     )
 
 
@@ -106,9 +98,7 @@ def apply_token_bitmask_cpu(
 def _call_args(logits, rows, bitmask, mask_rows, num_threads) -> tuple[ctypes.CDLL, tuple, tuple]:
     """The checked kernel arguments shared by both entry points (RuntimeError / ValueError as they say), and the
     index tensors behind two of its pointers, which the caller holds until the call returns."""
-    library = _load()
-    if library is None:
-        raise RuntimeError(f"the CPU token-mask kernel is unavailable: {_failure}")
+    library = _LIBRARY.loaded()
     if not supports(logits, bitmask):
         raise ValueError(
             f"the CPU token-mask kernel takes float32 CPU logits and an int32 CPU bitmask, both 2-D with unit "
@@ -144,20 +134,14 @@ def _check_rows(name: str, rows: list[int], limit: int) -> None:
         raise ValueError(f"{name} must lie in [0, {limit}); got {min(rows)}..{max(rows)}")
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _failure
-    if _library is None and _failure is None:
-        try:
-            library = ctypes.CDLL(str(build_library(SOURCE, "the CPU token-mask kernel", "about 1 s")))
-            fn = library.cbrun_masked_argmax_f32
-            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            apply = library.cbrun_apply_token_bitmask_f32
-            apply.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
-            apply.restype = ctypes.c_int
-            _library = library
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _failure = str(e)
-            logger.info("CPU token-mask kernel unavailable, the PyTorch path runs instead: %s", e)
-    return _library
+def _bind(library: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    argmax = library.cbrun_masked_argmax_f32
+    argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    argmax.restype = ctypes.c_int
+    apply = library.cbrun_apply_token_bitmask_f32
+    apply.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    apply.restype = ctypes.c_int
+
+
+_LIBRARY = KernelLibrary(SOURCE, "the CPU token-mask kernel", "about 1 s", _bind, "the PyTorch path")

@@ -11,9 +11,14 @@ the existing entry points: Triton (``cbrun.kernels.paged_attention``, ``cbrun.ke
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from cbrun.kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref
+
+if TYPE_CHECKING:
+    from cbrun.kernels.cpu_attention import StepKernels
 
 #: The ``backend`` argument's values.
 BACKENDS = ("torch", "triton", "cpu")
@@ -45,9 +50,7 @@ def write_kv_cache(
         ValueError: for an unknown backend, or as the backend's entry point raises.
     """
     if backend == "cpu":
-        from cbrun.kernels.cpu_attention import StepKernels
-
-        StepKernels(k_cache, v_cache, num_threads or None).write_kv(key, value, slot_mapping, slot_offset)
+        _step_kernels(k_cache, v_cache, num_threads).write_kv(key, value, slot_mapping, slot_offset)
         return
     _check_backend(backend)
     assert slot_offset == 0, "the Triton and reference writes take the layer's own slots"
@@ -93,40 +96,28 @@ def paged_attention(
     Returns:
         (T, num_heads, head_dim) in ``query.dtype``, a new tensor.
     """
-    if backend == "cpu":
-        from cbrun.kernels.cpu_attention import StepKernels
-
-        return StepKernels(k_cache, v_cache, num_threads or None).attention(
-            query,
-            block_tables,
-            cu_seqlens_q,
-            seqlens_k,
-            scale,
-            softcap,
-            sliding_window,
-            page_offset=page_offset,
-            sinks=sinks,
-        )
     _check_backend(backend)
+    layout = (block_tables, cu_seqlens_q, seqlens_k)  # each request's query rows, context length and pages
+    if backend == "cpu":
+        kernels = _step_kernels(k_cache, v_cache, num_threads)
+        return kernels.attention(query, *layout, scale, softcap, sliding_window, page_offset, sinks=sinks)
     if backend == "triton":
         from cbrun.kernels.paged_attention import paged_attention_triton
 
         assert page_offset == 0, "the Triton kernel takes the layer's own block tables"
         return paged_attention_triton(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            cu_seqlens_q,
-            seqlens_k,
-            scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            sinks=sinks,
-            max_seqlen_q=max_seqlen_q,
+            query, k_cache, v_cache, *layout, scale, sliding_window, softcap, max_seqlen_q, sinks=sinks
         )
-    plan = build_gather_plan(block_tables, cu_seqlens_q, seqlens_k, k_cache.shape[1], sliding_window)
+    plan = build_gather_plan(*layout, k_cache.shape[1], sliding_window)
     return paged_attention_ref(query, k_cache, v_cache, plan, scale, softcap, page_offset=page_offset, sinks=sinks)
+
+
+def _step_kernels(k_cache: torch.Tensor, v_cache: torch.Tensor, num_threads: int) -> "StepKernels":
+    """The C kernels over this cache (``num_threads`` 0: torch's count), imported at first use: the C library is
+    built on first use, and only the ``cpu`` backend needs it."""
+    from cbrun.kernels.cpu_attention import StepKernels
+
+    return StepKernels(k_cache, v_cache, num_threads or None)
 
 
 def _check_backend(backend: str) -> None:

@@ -22,8 +22,15 @@ import triton
 import triton.language as tl
 
 from cbrun.kernels.dequant_tiles import fp8_weight_tile
-from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
-from cbrun.kernels.gemm_launch import grid, launch_config_for, max_block_k
+from cbrun.kernels.gemm_checks import check_activations, check_fp8_weight
+from cbrun.kernels.gemm_launch import (
+    accumulate,
+    launch_quantized_gemm,
+    max_block_k,
+    output_tile,
+    store_output_tile,
+    x_tile,
+)
 
 
 @triton.jit
@@ -50,33 +57,17 @@ def fp8_gemm_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no TF32 rounding), else None
     DOT_IN_FP32: tl.constexpr,  # upcast 16-bit dot operands (exactly): the CPU interpreter's matmul
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = output_tile(M, N, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m  # (BLOCK_M, 1)
     w_rows = w_ptr + cols.to(tl.int64)[None, :] * stride_w_n  # (1, BLOCK_N)
     scale_rows = scale_ptr + (cols // scale_block_n).to(tl.int64) * stride_scale_n  # (BLOCK_N,)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
-        k_ok = ks < K
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        x = x_tile(x_rows, row_ok, k0, K, BLOCK_K)  # (BLOCK_M, BLOCK_K)
         w = fp8_weight_tile(w_rows, scale_rows, col_ok, k0, K, scale_block_k, stride_scale_k, BLOCK_K)
         w = w.to(x_ptr.dtype.element_ty)  # (BLOCK_K, BLOCK_N): one rounding, the reference's value
-        if DOT_IN_FP32:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * stride_out_m + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+        acc = accumulate(acc, x, w, DOT_PRECISION, DOT_IN_FP32)
+    store_output_tile(out_ptr, acc, bias_ptr, rows, cols, row_ok, col_ok, stride_out_m, HAS_BIAS)
 
 
 def fp8_block_k_cap(block: tuple[int, int], in_features: int) -> int:
@@ -111,43 +102,10 @@ def fp8_matmul_triton(
             cannot step through.
     """
     name = "fp8_matmul_triton"
-    if qweight.dim() != 2:
-        raise ValueError(f"{name}: qweight must be (N, K) float8_e4m3fn, got shape {tuple(qweight.shape)}")
-    if len(block) != 2 or any(isinstance(b, bool) or int(b) < 1 for b in block):
-        raise ValueError(f"{name}: block must be two positive ints (bo, bi), got {block!r}")
-    out_features, in_features = qweight.shape
-    bo, bi = int(block[0]), int(block[1])
-    check_weight_tensor(name, "qweight", qweight, (out_features, in_features), torch.float8_e4m3fn)
-    scale_shape = (-(-out_features // bo), -(-in_features // bi))
-    if tuple(scale.shape) != scale_shape or scale.dtype != torch.float32:
-        raise ValueError(
-            f"{name}: scale must be float32 of shape {scale_shape} for block {(bo, bi)}, got {scale.dtype} "
-            f"{tuple(scale.shape)}"
-        )
-    if scale.device != qweight.device:
-        raise ValueError(f"{name}: scale is on {scale.device}, qweight on {qweight.device}")
+    check_fp8_weight(name, qweight, scale, block)
+    (out_features, in_features), bo, bi = qweight.shape, int(block[0]), int(block[1])
     out = check_activations(name, x, out_features, in_features, qweight.device, bias, out)
-    if x.shape[0] == 0 or out_features == 0:
-        return out
-    config = launch_config_for(x, fp8_block_k_cap((bo, bi), in_features), bias is not None)
-    fp8_gemm_kernel[grid(config, x.shape[0], out_features)](
-        out,
-        x,
-        qweight.view(torch.uint8),
-        scale,
-        bias if bias is not None else scale,  # any pointer without a bias: never read
-        x.shape[0],
-        out_features,
-        in_features,
-        bo,
-        bi,
-        out.stride(0),
-        x.stride(0),
-        qweight.stride(0),
-        scale.stride(0),
-        scale.stride(1),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **config.constexprs,
-    )
-    return out
+    weight = (qweight.view(torch.uint8), scale)
+    strides = (qweight.stride(0), scale.stride(0), scale.stride(1))
+    cap = fp8_block_k_cap((bo, bi), in_features)
+    return launch_quantized_gemm(fp8_gemm_kernel, x, out, weight, bias, (bo, bi), strides, cap)

@@ -1,5 +1,7 @@
-"""What the three weight-dequantizing Triton GEMMs (``int4_gemm``, ``fp8_gemm``, ``mxfp4_gemm``) share: their
-launch configuration (their wrappers' argument checks are ``gemm_checks``).
+"""What the three weight-dequantizing Triton GEMMs (``int4_gemm``, ``fp8_gemm``, ``mxfp4_gemm``) share: the
+program's steps around the weight tile (``output_tile``, ``x_tile``, ``accumulate``, ``store_output_tile``, inlined
+by Triton), their launch configuration and the launch (``launch_quantized_gemm``). Their wrappers' argument checks
+are ``gemm_checks``; each format's weight tile is ``dequant_tiles``'.
 
 Each kernel computes ``out = x @ dequantize(W).T (+ bias)`` for x (M, K) in fp16, bf16 or float32 and W (N, K)
 stored quantized, on a grid of ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`` programs, N fastest::
@@ -19,11 +21,54 @@ tile) reads the whole weight exactly once, in its stored bytes. The tile is ``ti
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from cbrun.kernels.paged_attention import LaunchConfig, device_capability
 from cbrun.kernels.tile_policy import pick_quantized_gemm_tile
+
+
+@triton.jit
+def output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile (the grid is N fastest): its rows (BLOCK_M,), output features (BLOCK_N,), and
+    which of each exist."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
+    return rows, cols, rows < M, cols < N
+
+
+@triton.jit
+def x_tile(x_rows, row_ok, k0, K, BLOCK_K: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) activations of the K step ``k0 ..`` (``x_rows``: (BLOCK_M, 1) row pointers), masked
+    entries 0, in x's dtype."""
+    ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+    return tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+
+
+@triton.jit
+def accumulate(acc, x, w, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """``acc + x @ w`` in float32 for the x tile (BLOCK_M, BLOCK_K) and the rounded weight tile (BLOCK_K,
+    BLOCK_N); under the CPU interpreter the 16-bit operands are upcast first (exactly: its matmul)."""
+    if DOT_IN_FP32:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+    return acc + tl.dot(x, w, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def store_output_tile(out_ptr, acc, bias_ptr, rows, cols, row_ok, col_ok, stride_out_m, HAS_BIAS: tl.constexpr):
+    """The epilogue: ``acc (+ bias)`` rounded once to out's dtype and stored at (rows, cols) of out (M, N)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * stride_out_m + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
 
 #: The longest K step; a layout whose scale groups are shorter caps it (``max_block_k``).
 MAX_BLOCK_K = 128
@@ -91,3 +136,38 @@ def grid(config: LaunchConfig, rows: int, out_features: int) -> tuple[int, int]:
     """(N tiles, M tiles) of a launch: N fastest, so neighbouring programs share the activations' row tile."""
     c = config.constexprs
     return (-(-out_features // c["BLOCK_N"]), -(-rows // c["BLOCK_M"]))
+
+
+def launch_quantized_gemm(
+    kernel: Any,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    weight: tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None,
+    layout: tuple[int, ...],
+    weight_strides: tuple[int, ...],
+    block_k_cap: int,
+) -> torch.Tensor:
+    """Launches one of the three kernels on arguments its wrapper checked (``gemm_checks``), in their common order:
+    ``out, x, *weight, bias, M, N, K, *layout, out's and x's row strides, *weight_strides``, then the launch
+    configuration's constexprs (``launch_config_for``).
+
+    Args:
+        kernel: the ``@triton.jit`` kernel. x: (M, K) activations. out: (M, N) output buffer.
+        weight: the weight's tensors, as the kernel's pointers. bias: (N,) or None.
+        layout: the format's integers after K (block sizes, group size). weight_strides: the weight tensors'
+            strides the kernel takes. block_k_cap: ``max_block_k`` of the layout.
+
+    Returns:
+        ``out``; an empty product launches nothing.
+    """
+    rows, out_features = out.shape
+    if rows == 0 or out_features == 0:
+        return out
+    config = launch_config_for(x, block_k_cap, bias is not None)
+    tensors = (out, x, *weight, bias if bias is not None else x)  # any bias pointer without a bias: never read
+    sizes = (rows, out_features, x.shape[1], *layout)
+    config.launch(
+        kernel, grid(config, rows, out_features), *tensors, *sizes, out.stride(0), x.stride(0), *weight_strides
+    )
+    return out

@@ -331,23 +331,34 @@ def cuda_bench(fn: Callable) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def main() -> int:
-    """Check and time the kernels on the current CUDA device: 0 all correct, 1 any mismatch, 2 without CUDA."""
+def check_main(name: str, cpu_tests: str, run_checks: Callable[[str, Callable], list[Row]]) -> int:
+    """A GPU check's command on the current CUDA device: prints the versions, runs ``run_checks("cuda",
+    cuda_bench)`` (which prints its table) and names the rows that failed.
+
+    Args:
+        name: the command's module name, for its lines. cpu_tests: where the CPU tests of the same kernels are.
+        run_checks: the check, ``(device, bench) -> rows``.
+
+    Returns:
+        0 when every row is correct, 1 on a mismatch, ``NO_CUDA_EXIT`` (nothing checked) without CUDA.
+    """
     if not torch.cuda.is_available():
-        print(
-            "gpu_check: no CUDA device here, nothing was checked (the kernels' CPU tests are "
-            "tests/kernels/test_kernels.py)"
-        )
+        print(f"{name}: no CUDA device here, nothing was checked (the CPU tests are {cpu_tests})")
         return NO_CUDA_EXIT
     import triton
 
-    print(f"gpu_check on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"{name} on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     rows = run_checks("cuda", cuda_bench)
     failed = [f"{r.kernel} {r.dtype} ({r.shape})" for r in rows if not r.ok]
     if failed:
-        print(f"gpu_check: FAILED correctness: {failed}")
+        print(f"{name}: FAILED correctness: {failed}")
         return 1
     return 0
+
+
+def main() -> int:
+    """Check and time the kernels on the current CUDA device: 0 all correct, 1 any mismatch, 2 without CUDA."""
+    return check_main("gpu_check", "tests/kernels/test_kernels.py", run_checks)
 
 
 if __name__ == "__main__":

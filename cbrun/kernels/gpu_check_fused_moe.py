@@ -32,7 +32,7 @@ from cbrun.kernels.fused_moe import (
     fused_moe_reference,
     fused_moe_triton,
 )
-from cbrun.kernels.gpu_check import NO_CUDA_EXIT, Row, cuda_bench, measure_ceilings, print_table
+from cbrun.kernels.gpu_check import Row, check_main, measure_ceilings, print_table
 from cbrun.kernels.paged_attention import device_capability
 
 #: Largest |error| relative to the largest |reference| value, bf16 (a few units in the last place).
@@ -179,23 +179,7 @@ def run_checks(
 
 def main() -> int:
     """Check and time the fused MoE kernel on the current CUDA device: 0 correct, 1 a mismatch, 2 without CUDA."""
-    if not torch.cuda.is_available():
-        print(
-            "gpu_check_fused_moe: no CUDA device here, nothing was checked (the CPU tests are "
-            "tests/kernels/test_fused_moe.py)"
-        )
-        return NO_CUDA_EXIT
-    import triton
-
-    print(
-        f"gpu_check_fused_moe on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
-    )
-    rows = run_checks("cuda", cuda_bench)
-    failed = [f"{r.kernel} ({r.shape})" for r in rows if not r.ok]
-    if failed:
-        print(f"gpu_check_fused_moe: FAILED correctness: {failed}")
-        return 1
-    return 0
+    return check_main("gpu_check_fused_moe", "tests/kernels/test_fused_moe.py", run_checks)
 
 
 if __name__ == "__main__":

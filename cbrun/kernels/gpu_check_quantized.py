@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from cbrun.kernels.gpu_check import NO_CUDA_EXIT, Row, cuda_bench, measure_ceilings, print_table
+from cbrun.kernels.gpu_check import Row, check_main, measure_ceilings, print_table
 from cbrun.kernels.quantized_matmul import Fp8Layout, Int4Layout, Mxfp4Layout, QuantizedLayout, quantized_matmul
 from cbrun.kernels.quantized_reference import fp8_dequant_ref, int4_dequant_ref, mxfp4_dequant_ref
 
@@ -148,23 +148,9 @@ def run_checks(
 
 def main() -> int:
     """Check and time the quantized GEMMs on the current CUDA device: 0 correct, 1 a mismatch, 2 without CUDA."""
-    if not torch.cuda.is_available():
-        print(
-            "gpu_check_quantized: no CUDA device here, nothing was checked (the CPU tests are "
-            "tests/kernels/test_quantized_gemm.py and test_quantized_matmul.py)"
-        )
-        return NO_CUDA_EXIT
-    import triton
-
-    print(
-        f"gpu_check_quantized on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+    return check_main(
+        "gpu_check_quantized", "tests/kernels/test_quantized_gemm.py and test_quantized_matmul.py", run_checks
     )
-    rows = run_checks("cuda", cuda_bench)
-    failed = [f"{r.kernel} {r.dtype} ({r.shape})" for r in rows if not r.ok]
-    if failed:
-        print(f"gpu_check_quantized: FAILED correctness: {failed}")
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,8 +17,15 @@ import triton
 import triton.language as tl
 
 from cbrun.kernels.dequant_tiles import int4_weight_tile
-from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
-from cbrun.kernels.gemm_launch import grid, launch_config_for, max_block_k
+from cbrun.kernels.gemm_checks import check_activations, check_int4_weight
+from cbrun.kernels.gemm_launch import (
+    accumulate,
+    launch_quantized_gemm,
+    max_block_k,
+    output_tile,
+    store_output_tile,
+    x_tile,
+)
 
 
 @triton.jit
@@ -45,20 +52,13 @@ def int4_gemm_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no TF32 rounding), else None
     DOT_IN_FP32: tl.constexpr,  # upcast 16-bit dot operands (exactly): the CPU interpreter's matmul
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = output_tile(M, N, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m  # (BLOCK_M, 1)
     w_rows = packed_ptr + cols.to(tl.int64)[None, :] * stride_packed_n  # (1, BLOCK_N)
     group_rows = cols.to(tl.int64) * stride_group_n  # (BLOCK_N,)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
-        k_ok = ks < K
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        x = x_tile(x_rows, row_ok, k0, K, BLOCK_K)  # (BLOCK_M, BLOCK_K)
         w = int4_weight_tile(
             w_rows,
             zeros_ptr + group_rows,
@@ -70,17 +70,8 @@ def int4_gemm_kernel(
             BLOCK_K,
             BLOCK_N,
         ).to(x_ptr.dtype.element_ty)  # (BLOCK_K, BLOCK_N): the exact value rounded once, the reference's
-        if DOT_IN_FP32:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * stride_out_m + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+        acc = accumulate(acc, x, w, DOT_PRECISION, DOT_IN_FP32)
+    store_output_tile(out_ptr, acc, bias_ptr, rows, cols, row_ok, col_ok, stride_out_m, HAS_BIAS)
 
 
 def int4_block_k_cap(group_size: int, in_features: int) -> int:
@@ -117,42 +108,13 @@ def int4_matmul_triton(
             kernel cannot step through (not a multiple of 16 and shorter than K).
     """
     name = "int4_matmul_triton"
-    if packed.dim() != 2:
-        raise ValueError(f"{name}: packed must be (N, ceil(K / 8)) int32, got shape {tuple(packed.shape)}")
-    if isinstance(group_size, bool) or int(group_size) < 1:
-        raise ValueError(f"{name}: group_size must be a positive int, got {group_size!r}")
-    out_features = packed.shape[0]
-    groups = -(-in_features // group_size)
-    check_weight_tensor(name, "packed", packed, (out_features, -(-in_features // 8)), torch.int32)
-    check_weight_tensor(name, "zeros", zeros, (out_features, groups), torch.uint8)
-    check_weight_tensor(name, "scales", scales, (out_features, groups), torch.float32)
-    if zeros.stride() != scales.stride():
+    check_int4_weight(name, packed, zeros, scales, in_features, group_size)
+    if zeros.stride() != scales.stride():  # the kernel takes one stride for both
         raise ValueError(f"{name}: zeros and scales must have equal strides, got {zeros.stride()}, {scales.stride()}")
-    for tensor in (zeros, scales):
-        if tensor.device != packed.device:
-            raise ValueError(f"{name}: zeros, scales and packed must share one device")
-    out = check_activations(name, x, out_features, in_features, packed.device, bias, out)
-    if x.shape[0] == 0 or out_features == 0:
-        return out
-    config = launch_config_for(x, int4_block_k_cap(group_size, in_features), bias is not None)
-    int4_gemm_kernel[grid(config, x.shape[0], out_features)](
-        out,
-        x,
-        packed,
-        zeros,
-        scales,
-        bias if bias is not None else scales,  # any pointer without a bias: never read
-        x.shape[0],
-        out_features,
-        in_features,
-        packed.shape[1],
-        int(group_size),
-        out.stride(0),
-        x.stride(0),
-        packed.stride(0),
-        scales.stride(0),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **config.constexprs,
+    out = check_activations(name, x, packed.shape[0], in_features, packed.device, bias, out)
+    layout = (packed.shape[1], int(group_size))
+    cap = int4_block_k_cap(group_size, in_features)
+    weight = (packed, zeros, scales)
+    return launch_quantized_gemm(
+        int4_gemm_kernel, x, out, weight, bias, layout, (packed.stride(0), scales.stride(0)), cap
     )
-    return out

@@ -89,24 +89,9 @@ def write_kv_cache_triton(
     if num_tokens == 0:
         return
     launch = kv_write_launch_config(num_kv_heads, head_dim, page_size)
-    kv_cache_write_kernel[(num_tokens,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        num_blocks * page_size,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-        **launch.constexprs,
-    )
+    strides = (*key.stride()[:2], *value.stride()[:2], *k_cache.stride()[:3])
+    tensors = (key, value, k_cache, v_cache, slot_mapping)
+    launch.launch(kv_cache_write_kernel, (num_tokens,), *tensors, num_blocks * page_size, *strides)
 
 
 @functools.lru_cache(maxsize=64)

@@ -82,16 +82,7 @@ def log_softmax_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if x.shape[0] == 0 or x.shape[1] == 0:
         return out
     launch = log_softmax_launch_config(x.shape[1])
-    log_softmax_kernel[(x.shape[0],)](
-        out,
-        x,
-        x.shape[1],
-        x.stride(0),
-        out.stride(0),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-        **launch.constexprs,
-    )
+    launch.launch(log_softmax_kernel, (x.shape[0],), out, x, x.shape[1], x.stride(0), out.stride(0))
     return out
 
 

@@ -20,9 +20,8 @@ import triton
 import triton.language as tl
 
 from cbrun.kernels.dequant_tiles import mxfp4_weight_tile
-from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
-from cbrun.kernels.gemm_launch import grid, launch_config_for
-from cbrun.kernels.quantized_reference import MXFP4_BLOCK_SIZE, mxfp4_blocks_2d
+from cbrun.kernels.gemm_checks import check_activations, check_mxfp4_weight
+from cbrun.kernels.gemm_launch import accumulate, launch_quantized_gemm, output_tile, store_output_tile, x_tile
 
 
 @triton.jit
@@ -46,32 +45,16 @@ def mxfp4_gemm_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no TF32 rounding), else None
     DOT_IN_FP32: tl.constexpr,  # upcast 16-bit dot operands (exactly): the CPU interpreter's matmul
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = output_tile(M, N, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m  # (BLOCK_M, 1)
     b_rows = blocks_ptr + cols.to(tl.int64)[None, :] * stride_blocks_n  # (1, BLOCK_N)
     s_rows = scales_ptr + cols.to(tl.int64)[None, :] * stride_scales_n  # (1, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
-        k_ok = ks < K
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        x = x_tile(x_rows, row_ok, k0, K, BLOCK_K)  # (BLOCK_M, BLOCK_K)
         w = mxfp4_weight_tile(b_rows, s_rows, col_ok, k0, K, BLOCK_K).to(x_ptr.dtype.element_ty)  # one rounding
-        if DOT_IN_FP32:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * stride_out_m + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+        acc = accumulate(acc, x, w, DOT_PRECISION, DOT_IN_FP32)
+    store_output_tile(out_ptr, acc, bias_ptr, rows, cols, row_ok, col_ok, stride_out_m, HAS_BIAS)
 
 
 #: The longest K step of an MXFP4 launch: any multiple of 32 keeps whole scale blocks per step.
@@ -102,33 +85,7 @@ def mxfp4_matmul_triton(
             included).
     """
     name = "mxfp4_matmul_triton"
-    data = mxfp4_blocks_2d(blocks)
-    out_features, in_features = data.shape[0], x.shape[-1]
-    if in_features % MXFP4_BLOCK_SIZE:
-        raise ValueError(f"{name}: K = {in_features} is not a multiple of the MXFP4 block of {MXFP4_BLOCK_SIZE}")
-    check_weight_tensor(name, "blocks", data, (out_features, in_features // 2), torch.uint8)
-    check_weight_tensor(name, "scales", scales, (out_features, in_features // MXFP4_BLOCK_SIZE), torch.uint8)
-    if scales.device != data.device:
-        raise ValueError(f"{name}: scales are on {scales.device}, blocks on {data.device}")
-    out = check_activations(name, x, out_features, in_features, data.device, bias, out)
-    if x.shape[0] == 0 or out_features == 0:
-        return out
-    config = launch_config_for(x, MXFP4_BLOCK_K_CAP, bias is not None)
-    mxfp4_gemm_kernel[grid(config, x.shape[0], out_features)](
-        out,
-        x,
-        data,
-        scales,
-        bias if bias is not None else x,  # any pointer without a bias: never read
-        x.shape[0],
-        out_features,
-        in_features,
-        out.stride(0),
-        x.stride(0),
-        data.stride(0),
-        scales.stride(0),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **config.constexprs,
-    )
-    return out
+    data = check_mxfp4_weight(name, blocks, scales, x.shape[-1])
+    out = check_activations(name, x, data.shape[0], x.shape[-1], data.device, bias, out)
+    strides = (data.stride(0), scales.stride(0))
+    return launch_quantized_gemm(mxfp4_gemm_kernel, x, out, (data, scales), bias, (), strides, MXFP4_BLOCK_K_CAP)

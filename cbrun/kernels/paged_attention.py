@@ -52,6 +52,16 @@ def _find_request(cu_seqlens_q_ptr, tile, num_requests, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _locate_tile(cu_seqlens_q_ptr, tile, num_requests, BLOCK_Q: tl.constexpr):
+    """Query tile ``tile``'s request ``req``, the request's first query row and query length, and the tile's
+    index within the request (past the request's rows: the program has nothing to do)."""
+    req = _find_request(cu_seqlens_q_ptr, tile, num_requests, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + req).to(tl.int32)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1).to(tl.int32) - q_start
+    return req, q_start, q_len, tile - (q_start // BLOCK_Q + req)
+
+
+@triton.jit
 def _softcap_log2(s, softcap):
     """``softcap * tanh(s / softcap)`` of the scores ``s``, in the log2 domain (times LOG2E)."""
     # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 when exp overflows.
@@ -70,77 +80,113 @@ def _add_sinks(l_i, m_i, sinks_ptr, head, row_ok):
 
 
 @triton.jit
-def paged_attention_kernel(
-    out_ptr,  # (T, H, HEAD_DIM), strides (stride_out_t, stride_out_h, 1)
-    query_ptr,  # (T, H, HEAD_DIM), strides (stride_q_t, stride_q_h, 1)
-    k_cache_ptr,  # (num_blocks, PAGE_SIZE, Hkv, HEAD_DIM), strides (stride_cache_block, _offset, _head, 1)
-    v_cache_ptr,  # (num_blocks, PAGE_SIZE, Hkv, HEAD_DIM), same strides as k_cache
-    block_tables_ptr,  # (B, max_blocks) int32/int64, strides (stride_block_table, 1)
-    cu_seqlens_q_ptr,  # (B + 1,) int32/int64 cumulative query lengths
-    seqlens_k_ptr,  # (B,) int32/int64 context length of each request, this step's tokens included
-    sinks_ptr,  # (H,) fp32 attention-sink logit per query head; read only if USE_SINKS
-    scale,  # fp32 multiplier of q.k
-    softcap,  # fp32 soft-cap of the scores; used only if USE_SOFTCAP
-    sliding_window,  # int window length (self included); used only if USE_WINDOW
-    num_tokens,  # T: rows past it are never read or written
-    num_requests,  # B
-    max_blocks,  # block_tables.shape[1]
-    stride_out_t,
-    stride_out_h,
-    stride_q_t,
-    stride_q_h,
-    stride_cache_block,
-    stride_cache_offset,
-    stride_cache_head,
-    stride_block_table,
-    GROUP: tl.constexpr,  # query heads per KV head, H // Hkv
-    GROUP_PADDED: tl.constexpr,  # next power of two >= GROUP
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PADDED: tl.constexpr,  # next power of two >= max(HEAD_DIM, 16)
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows per program, BLOCK_Q * GROUP_PADDED, >= 16
-    BLOCK_Q: tl.constexpr,  # query tokens per program
-    BLOCK_N: tl.constexpr,  # context positions per loop step, >= 16
-    USE_SOFTCAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    USE_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), else None (the default)
-    DOT_IN_FP32: tl.constexpr,  # upcast bf16 dot operands (exactly): the CPU interpreter multiplies raw bf16 bits
-):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    req = _find_request(cu_seqlens_q_ptr, tile, num_requests, BLOCK_Q)
-    q_start = tl.load(cu_seqlens_q_ptr + req).to(tl.int32)
-    q_len = tl.load(cu_seqlens_q_ptr + req + 1).to(tl.int32) - q_start
-    q_tile = tile - (q_start // BLOCK_Q + req)
-    if q_tile * BLOCK_Q >= q_len:
-        return
-    seq_len = tl.load(seqlens_k_ptr + req).to(tl.int32)
-    context_len = seq_len - q_len  # tokens cached before this step
-
+def _query_rows(
+    q_start, q_len, q_tile, kv_head, num_tokens,
+    GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+):  # fmt: skip
+    """The program's BLOCK_M rows (the module docstring's diagram): each row's query token within its request
+    ``q_idx``, query head, flat query row ``token`` (int64), and whether the row exists."""
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_tile * BLOCK_Q + rows // GROUP_PADDED  # (BLOCK_M,) query token within the request
     head = kv_head * GROUP + rows % GROUP_PADDED  # (BLOCK_M,) query head
     token = (q_start + q_idx).to(tl.int64)  # (BLOCK_M,) flat query row
     row_ok = (q_idx < q_len) & (rows % GROUP_PADDED < GROUP) & (token < num_tokens)
-    dims = tl.arange(0, HEAD_DIM_PADDED)
-    dim_ok = dims < HEAD_DIM
+    return q_idx, head, token, row_ok
+
+
+@triton.jit
+def _load_query(query_ptr, token, head, row_ok, dims, dim_ok, stride_q_t, stride_q_h, DOT_IN_FP32: tl.constexpr):
+    """The rows' queries, (BLOCK_M, HEAD_DIM_PADDED), masked entries 0 (float32 under DOT_IN_FP32)."""
     q = tl.load(
         query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
-    )  # (BLOCK_M, HEAD_DIM_PADDED)
+    )
     if DOT_IN_FP32:
         q = q.to(tl.float32)
-    q_pos = context_len + q_idx  # (BLOCK_M,) absolute position of each row
+    return q
 
-    # Context range any row of this tile may see: causal end of its last token, window start of its first.
+
+@triton.jit
+def _context_range(context_len, q_tile, seq_len, sliding_window, BLOCK_Q: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """``[kv_begin, kv_end)``: the context positions any row of the tile may see, from the window start of its first
+    token to the causal end of its last."""
     tile_first_pos = context_len + q_tile * BLOCK_Q
     kv_end = tl.minimum(tile_first_pos + BLOCK_Q, seq_len)
     kv_begin = 0
     if USE_WINDOW:
         kv_begin = tl.maximum(tile_first_pos - sliding_window + 1, 0)
+    return kv_begin, kv_end
 
+
+@triton.jit
+def _kv_tile(
+    k_cache_ptr, v_cache_ptr, block_table_row, n_start, kv_begin, kv_end, max_blocks, kv_head, dims, dim_ok,
+    stride_cache_block, stride_cache_offset, stride_cache_head,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):  # fmt: skip
+    """The BLOCK_N context positions from ``n_start``, read through the block table where they lie in the cache:
+    positions (BLOCK_N,), which are in range, K (HEAD_DIM_PADDED, BLOCK_N) and V (BLOCK_N, HEAD_DIM_PADDED)."""
+    kv_pos = n_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    kv_ok = (kv_pos >= kv_begin) & (kv_pos < kv_end) & (kv_pos // PAGE_SIZE < max_blocks)
+    page = tl.load(block_table_row + kv_pos // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    kv_offsets = (
+        page * stride_cache_block + (kv_pos % PAGE_SIZE) * stride_cache_offset + kv_head * stride_cache_head
+    )  # (BLOCK_N,)
+    k = tl.load(
+        k_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=kv_ok[None, :] & dim_ok[:, None], other=0.0
+    )  # (HEAD_DIM_PADDED, BLOCK_N)
+    v = tl.load(
+        v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_ok[:, None] & dim_ok[None, :], other=0.0
+    )  # (BLOCK_N, HEAD_DIM_PADDED)
+    if DOT_IN_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return kv_pos, kv_ok, k, v
+
+
+@triton.jit
+def _scores(
+    q, k, qk_scale, softcap, kv_pos, kv_ok, q_pos, sliding_window,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The (BLOCK_M, BLOCK_N) fp32 scores of the rows against the context tile, in the log2 domain, soft-capped,
+    -inf where a position is not visible to a row (causal, window, out of range)."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+    if USE_SOFTCAP:
+        s = _softcap_log2(s, softcap)
+    visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, v_cache_ptr, DOT_PRECISION: tl.constexpr):
+    """One step of the online softmax: the running max ``m_i``, sum ``l_i`` (BLOCK_M,) and output ``acc`` (BLOCK_M,
+    HEAD_DIM_PADDED) updated with the scores ``s`` and values ``v`` of one context tile."""
+    # A row with nothing visible yet keeps m = -inf, so subtract 0 instead (no NaN).
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # P is rounded to the cache dtype before P @ V (the second cast is a no-op unless DOT_IN_FP32).
+    p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_context(
+    q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row, kv_begin, kv_end, max_blocks, kv_head, dims, dim_ok,
+    scale, softcap, sliding_window, stride_cache_block, stride_cache_offset, stride_cache_head,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):  # fmt: skip
+    """The blocked online softmax of the rows (queries ``q``, positions ``q_pos``) over the context range
+    ``[kv_begin, kv_end)``, BLOCK_N positions a step: the final max ``m_i`` and sum ``l_i`` (BLOCK_M,) and the
+    unnormalised output ``acc`` (BLOCK_M, HEAD_DIM_PADDED), fp32."""
     # Scores live in the log2 domain (exp2 is cheaper than exp); softcap is applied before the conversion.
     qk_scale = scale
     if not USE_SOFTCAP:
@@ -148,52 +194,62 @@ def paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
-    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
-
     for n_start in range((kv_begin // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
-        kv_pos = n_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        kv_ok = (kv_pos >= kv_begin) & (kv_pos < kv_end) & (kv_pos // PAGE_SIZE < max_blocks)
-        page = tl.load(block_table_row + kv_pos // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        kv_offsets = (
-            page * stride_cache_block + (kv_pos % PAGE_SIZE) * stride_cache_offset + kv_head * stride_cache_head
-        )  # (BLOCK_N,)
-        k = tl.load(
-            k_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=kv_ok[None, :] & dim_ok[:, None], other=0.0
-        )  # (HEAD_DIM_PADDED, BLOCK_N)
-        v = tl.load(
-            v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_ok[:, None] & dim_ok[None, :], other=0.0
-        )  # (BLOCK_N, HEAD_DIM_PADDED)
-        if DOT_IN_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        kv_pos, kv_ok, k, v = _kv_tile(k_cache_ptr, v_cache_ptr, block_table_row, n_start, kv_begin, kv_end,
+                                       max_blocks, kv_head, dims, dim_ok, stride_cache_block, stride_cache_offset,
+                                       stride_cache_head, PAGE_SIZE, BLOCK_N, DOT_IN_FP32)  # fmt: skip
+        s = _scores(q, k, qk_scale, softcap, kv_pos, kv_ok, q_pos, sliding_window, USE_SOFTCAP, USE_WINDOW,
+                    DOT_PRECISION)  # fmt: skip
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, v_cache_ptr, DOT_PRECISION)
+    return m_i, l_i, acc
 
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
-        if USE_SOFTCAP:
-            s = _softcap_log2(s, softcap)
-        visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
 
-        # Online softmax; a row with nothing visible yet keeps m = -inf, so subtract 0 instead (no NaN).
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # P is rounded to the cache dtype before P @ V (the second cast is a no-op unless DOT_IN_FP32).
-        p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,  # (T, H, HEAD_DIM), strides (stride_out_t, stride_out_h, 1)
+    query_ptr,  # (T, H, HEAD_DIM), strides (stride_q_t, stride_q_h, 1)
+    k_cache_ptr, v_cache_ptr,  # (num_blocks, PAGE_SIZE, Hkv, HEAD_DIM) each, strides (stride_cache_block, _offset, _head, 1)
+    block_tables_ptr,  # (B, max_blocks) int32/int64, strides (stride_block_table, 1)
+    cu_seqlens_q_ptr,  # (B + 1,) int32/int64 cumulative query lengths
+    seqlens_k_ptr,  # (B,) int32/int64 context length of each request, this step's tokens included
+    sinks_ptr,  # (H,) fp32 attention-sink logit per query head; read only if USE_SINKS
+    scale, softcap,  # fp32 multiplier of q.k; fp32 soft-cap of the scores, used only if USE_SOFTCAP
+    sliding_window,  # int window length (self included); used only if USE_WINDOW
+    num_tokens, num_requests, max_blocks,  # T (rows past it are never read or written), B, block_tables.shape[1]
+    stride_out_t, stride_out_h, stride_q_t, stride_q_h,
+    stride_cache_block, stride_cache_offset, stride_cache_head, stride_block_table,
+    GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr,  # query heads per KV head (H // Hkv); next power of two >= GROUP
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,  # HEAD_DIM_PADDED: next power of two >= max(HEAD_DIM, 16)
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,  # rows per program (BLOCK_Q * GROUP_PADDED, >= 16); query tokens
+    BLOCK_N: tl.constexpr,  # context positions per loop step, >= 16
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), else None (the default)
+    DOT_IN_FP32: tl.constexpr,  # upcast bf16 dot operands (exactly): the CPU interpreter multiplies raw bf16 bits
+):  # fmt: skip
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    req, q_start, q_len, q_tile = _locate_tile(cu_seqlens_q_ptr, tile, num_requests, BLOCK_Q)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seqlens_k_ptr + req).to(tl.int32)
+    context_len = seq_len - q_len  # tokens cached before this step
+    q_idx, head, token, row_ok = _query_rows(q_start, q_len, q_tile, kv_head, num_tokens, GROUP, GROUP_PADDED,
+                                             BLOCK_M, BLOCK_Q)  # fmt: skip
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_ok = dims < HEAD_DIM
+    q = _load_query(query_ptr, token, head, row_ok, dims, dim_ok, stride_q_t, stride_q_h, DOT_IN_FP32)
+    kv_begin, kv_end = _context_range(context_len, q_tile, seq_len, sliding_window, BLOCK_Q, USE_WINDOW)
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_block_table
+    m_i, l_i, acc = _attend_context(q, context_len + q_idx, k_cache_ptr, v_cache_ptr, block_table_row, kv_begin,
+                                    kv_end, max_blocks, kv_head, dims, dim_ok, scale, softcap, sliding_window,
+                                    stride_cache_block, stride_cache_offset, stride_cache_head, PAGE_SIZE, BLOCK_M,
+                                    BLOCK_N, HEAD_DIM_PADDED, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION,
+                                    DOT_IN_FP32)  # fmt: skip
     if USE_SINKS:
         l_i = _add_sinks(l_i, m_i, sinks_ptr, head, row_ok)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    tl.store(out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
 
 
 def paged_attention_triton(
@@ -239,57 +295,46 @@ def paged_attention_triton(
         ValueError: naming the argument whose shape, dtype, stride, device or value is wrong, or an unsupported
             head_dim (> 256).
     """
-    _check_attention_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out)
-    _check_sinks(sinks, query)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
-    num_requests = seqlens_k.shape[0]
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if num_tokens == 0 or num_requests == 0:
-        return out
+    _check_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out, sinks)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format) if out is None else out
+    if query.shape[0] and seqlens_k.shape[0]:  # an empty batch launches nothing
+        tile_seqlen_q = _tile_seqlen_q(cu_seqlens_q, max_seqlen_q, batch_invariant)
+        tensors = (out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)
+        _launch(tensors, sinks, float(scale), sliding_window, softcap, tile_seqlen_q)
+    return out
+
+
+def _launch(
+    tensors: tuple[torch.Tensor, ...],
+    sinks: torch.Tensor | None,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    tile_seqlen_q: int,
+) -> None:
+    """Launches ``paged_attention_kernel`` over ``paged_attention_triton``'s checked, non-empty arguments
+    ``(out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k)`` and ``sinks``, with the tile that
+    ``attention_launch_config`` picks for ``tile_seqlen_q`` on their device."""
+    out, query, k_cache, _, block_tables, _, seqlens_k = tensors
+    (num_tokens, num_heads, head_dim), num_requests = query.shape, seqlens_k.shape[0]
     launch = attention_launch_config(
         query.dtype,
         num_heads,
-        num_kv_heads,
+        k_cache.shape[2],
         head_dim,
-        page_size,
-        _tile_seqlen_q(cu_seqlens_q, max_seqlen_q, batch_invariant),
+        k_cache.shape[1],
+        tile_seqlen_q,
         sliding_window is not None,
         softcap is not None,
         device_capability(query.device),
         dot_in_fp32=query.is_cpu and query.dtype == torch.bfloat16,
         use_sinks=sinks is not None,
     )
-    grid = (num_tokens // launch.constexprs["BLOCK_Q"] + num_requests, num_kv_heads)
-    paged_attention_kernel[grid](
-        out,
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        cu_seqlens_q,
-        seqlens_k,
-        sinks if sinks is not None else seqlens_k,  # any pointer when there are no sinks: never read
-        float(scale),
-        float(softcap or 0.0),
-        int(sliding_window or 0),
-        num_tokens,
-        num_requests,
-        block_tables.shape[1],
-        out.stride(0),
-        out.stride(1),
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-        **launch.constexprs,
-    )
-    return out
+    grid = (num_tokens // launch.constexprs["BLOCK_Q"] + num_requests, k_cache.shape[2])
+    pointers = (*tensors, seqlens_k if sinks is None else sinks)  # any sinks pointer without sinks: never read
+    scalars = (scale, float(softcap or 0.0), int(sliding_window or 0), num_tokens, num_requests, block_tables.shape[1])
+    strides = (*out.stride()[:2], *query.stride()[:2], *k_cache.stride()[:3], block_tables.stride(0))
+    launch.launch(paged_attention_kernel, grid, *pointers, *scalars, *strides)
 
 
 def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
@@ -378,9 +423,10 @@ def device_capability(device: torch.device) -> int | None:
     return major * 10 + minor
 
 
-def _check_attention_args(
-    query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out
+def _check_args(
+    query, k_cache, v_cache, block_tables, cu_seqlens_q, seqlens_k, sliding_window, softcap, out, sinks
 ) -> None:
+    """``paged_attention_triton``'s arguments (see its docstring); ValueError naming the first that is wrong."""
     if query.dim() != 3:
         raise ValueError(f"query must be (T, num_heads, head_dim), got shape {tuple(query.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -422,6 +468,7 @@ def _check_attention_args(
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+    _check_sinks(sinks, query)
 
 
 def _check_index_args(block_tables, cu_seqlens_q, seqlens_k) -> None:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from cbrun.kernels import cpu_dequant
 from cbrun.kernels.fp8_scaled_mm import fp8_scaled_mm, select_fp8_gemm
-from cbrun.kernels.gemm_checks import check_activations, check_weight_tensor
+from cbrun.kernels.gemm_checks import check_activations, check_fp8_weight, check_int4_weight, check_mxfp4_weight
 from cbrun.kernels.quantized_reference import (
     MXFP4_BLOCK_SIZE,
     fp8_dequant_ref,
@@ -68,16 +68,7 @@ class Int4Layout:
     group_size: int
 
     def __post_init__(self) -> None:
-        if self.packed.dim() != 2 or self.group_size < 1 or self.in_features < 1:
-            raise ValueError(
-                f"Int4Layout: packed must be (N, ceil(K / 8)), group_size and in_features positive, got "
-                f"{tuple(self.packed.shape)}, {self.group_size}, {self.in_features}"
-            )
-        n, groups = self.packed.shape[0], -(-self.in_features // self.group_size)
-        check_weight_tensor("Int4Layout", "packed", self.packed, (n, -(-self.in_features // 8)), torch.int32)
-        check_weight_tensor("Int4Layout", "zeros", self.zeros, (n, groups), torch.uint8)
-        check_weight_tensor("Int4Layout", "scales", self.scales, (n, groups), torch.float32)
-        _same_device("Int4Layout", self.packed, self.zeros, self.scales)
+        check_int4_weight("Int4Layout", self.packed, self.zeros, self.scales, self.in_features, self.group_size)
 
     @property
     def device(self) -> torch.device:
@@ -118,19 +109,7 @@ class Fp8Layout:
     block: tuple[int, int]
 
     def __post_init__(self) -> None:
-        if self.qweight.dim() != 2 or len(self.block) != 2 or min(self.block) < 1:
-            raise ValueError(
-                f"Fp8Layout: qweight must be (N, K) and block two positive ints, got {tuple(self.qweight.shape)} "
-                f"and {self.block!r}"
-            )
-        (n, k), (bo, bi) = self.qweight.shape, self.block
-        check_weight_tensor("Fp8Layout", "qweight", self.qweight, (n, k), torch.float8_e4m3fn)
-        if tuple(self.scale.shape) != (-(-n // bo), -(-k // bi)) or self.scale.dtype != torch.float32:
-            raise ValueError(
-                f"Fp8Layout: scale must be float32 of shape {(-(-n // bo), -(-k // bi))} for block {self.block}, "
-                f"got {self.scale.dtype} {tuple(self.scale.shape)}"
-            )
-        _same_device("Fp8Layout", self.qweight, self.scale)
+        check_fp8_weight("Fp8Layout", self.qweight, self.scale, self.block)
 
     @property
     def device(self) -> torch.device:
@@ -166,13 +145,7 @@ class Mxfp4Layout:
     scales: torch.Tensor
 
     def __post_init__(self) -> None:
-        data = mxfp4_blocks_2d(self.blocks)
-        n, k = data.shape[0], data.shape[1] * 2
-        check_weight_tensor("Mxfp4Layout", "blocks", data, (n, k // 2), torch.uint8)
-        check_weight_tensor("Mxfp4Layout", "scales", self.scales, (n, k // MXFP4_BLOCK_SIZE), torch.uint8)
-        if k % MXFP4_BLOCK_SIZE:
-            raise ValueError(f"Mxfp4Layout: K = {k} is not a multiple of the MXFP4 block of {MXFP4_BLOCK_SIZE}")
-        _same_device("Mxfp4Layout", data, self.scales)
+        check_mxfp4_weight("Mxfp4Layout", self.blocks, self.scales, mxfp4_blocks_2d(self.blocks).shape[1] * 2)
 
     @property
     def device(self) -> torch.device:
@@ -207,11 +180,6 @@ def triton_unsupported_reason(weight: QuantizedLayout) -> str | None:
     if group < k and group % 16:
         return f"{what} {group} is not a multiple of 16"
     return None
-
-
-def _same_device(kind: str, *tensors: torch.Tensor) -> None:
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError(f"{kind}: its tensors are on several devices: {sorted({str(t.device) for t in tensors})}")
 
 
 def quantized_matmul(

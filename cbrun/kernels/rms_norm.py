@@ -90,18 +90,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     if rows.shape[0] == 0 or rows.shape[1] == 0:
         return out
     launch = rms_norm_launch_config(rows.shape[1])
-    rms_norm_kernel[(rows.shape[0],)](
-        out_rows,
-        rows,
-        weight,
-        float(eps),
-        rows.shape[1],
-        rows.stride(0),
-        out_rows.stride(0),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-        **launch.constexprs,
-    )
+    args = (out_rows, rows, weight, float(eps), rows.shape[1], rows.stride(0), out_rows.stride(0))
+    launch.launch(rms_norm_kernel, (rows.shape[0],), *args)
     return out
 
 

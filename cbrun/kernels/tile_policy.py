@@ -33,6 +33,7 @@ every batch: their tile is part of what makes a row's bits independent of its ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 #: Shared memory one block may use, in bytes, by compute capability (major * 10 + minor): CUDA C Programming
 #: Guide, "Technical Specifications per Compute Capability" (opt-in maximum per block).
@@ -59,6 +60,11 @@ class LaunchConfig:
     def key(self) -> tuple:
         """Hashable identity: two launches with equal keys run the same binary."""
         return tuple(sorted(self.constexprs.items())) + (self.num_warps, self.num_stages)
+
+    def launch(self, kernel: Any, grid: tuple[int, ...], *args: object) -> None:
+        """``kernel[grid](*args)`` with this configuration: its warps, stages and constexprs (the one place a
+        wrapper's launch options are spelled, so a launch is always the configuration ``aot_fit`` compiles)."""
+        kernel[grid](*args, num_warps=self.num_warps, num_stages=self.num_stages, **self.constexprs)
 
 
 @dataclass(frozen=True)

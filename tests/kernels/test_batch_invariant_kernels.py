@@ -2,57 +2,28 @@
 PyTorch reference (``cbrun.kernels.reference``) within tolerance, and a row's output bits are the same computed
 alone or among other rows, in batches of several sizes and at several positions.
 
-Without a GPU the kernels run in Triton's CPU interpreter (set before Triton's first import, as in
-``test_kernels.py``; when Triton was imported compiled first, ``test_in_fresh_process`` reruns this file). Shapes
+Without a GPU the kernels run in Triton's CPU interpreter (``tests.kernels.triton_mode``: set before Triton's
+first import; when Triton was imported compiled first, ``test_in_fresh_process`` reruns this file). Shapes
 are tiny: the interpreter runs a program per tile in numpy. Outputs start poisoned with NaN.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+from tests.kernels.triton_mode import DEVICE, IN_PROCESS, in_process, rerun_in_fresh_process
 
-triton = pytest.importorskip("triton")
-
+pytest.importorskip("triton")  # after the line above, which sets TRITON_INTERPRET first
 from cbrun.kernels import batch_invariant_matmul, log_softmax, paged_attention, rms_norm  # noqa: E402
 from cbrun.kernels.reference import log_softmax_ref, matmul_ref, rms_norm_ref  # noqa: E402
 from cbrun.kernels.tile_policy import pick_invariant_matmul_tile, pick_row_tile  # noqa: E402
 
 
-def _runs_in_this_process() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return not INTERPRET or isinstance(triton.language.zeros, InterpretedFunction)
-
-
-IN_PROCESS = _runs_in_this_process()
-_SUBPROCESS_FLAG = "CBRUN_INVARIANT_KERNEL_TESTS_SUBPROCESS"
-in_process = pytest.mark.skipif(not IN_PROCESS, reason="Triton was imported compiled; test_in_fresh_process runs these")
-
-
 @pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
 def test_in_fresh_process():
     """Reruns this file where TRITON_INTERPRET is set before Triton's first import."""
-    assert not os.environ.get(_SUBPROCESS_FLAG), "TRITON_INTERPRET=1 did not take effect in a fresh process"
-    env = {**os.environ, "TRITON_INTERPRET": "1", _SUBPROCESS_FLAG: "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+    rerun_in_fresh_process(__file__, "CBRUN_INVARIANT_KERNEL_TESTS_SUBPROCESS")
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative to the output scale

@@ -120,8 +120,8 @@ def test_engine_masked_argmax_is_the_same_with_and_without_the_kernel(monkeypatc
 def test_a_failed_build_leaves_the_pytorch_path(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv(c_build.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(cpu_token_mask, "_library", None)
-    monkeypatch.setattr(cpu_token_mask, "_failure", None)
+    monkeypatch.setattr(cpu_token_mask._LIBRARY, "library", None)
+    monkeypatch.setattr(cpu_token_mask._LIBRARY, "failure", None)
     assert "cpu_token_mask.c with /bin/false failed" in cpu_token_mask.unavailable_reason()
     logits, bitmask = _case(4, 64, 2, seed=1)
     assert not cpu_token_mask.supports(logits, bitmask)

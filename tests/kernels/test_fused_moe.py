@@ -18,6 +18,7 @@ from cbrun.kernels.fused_moe import (  # noqa: E402
     num_row_tiles,
 )
 from tests.kernels.test_quantized_gemm import fp8_weight, int4_weight, mxfp4_weight  # noqa: E402
+from tests.kernels.triton_mode import check_close  # noqa: E402
 
 #: Largest |error| relative to the largest |reference| value: a few units in the last place of the dtype (the
 #: intermediates are rounded to it twice, as the reference rounds them).
@@ -67,15 +68,6 @@ def make_weights(fmt: str, e: int, n: int, k: int, dtype: torch.dtype, seed: int
     return ExpertWeights("mxfp4", blocks, scales - 2)
 
 
-def check_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert not torch.isnan(got).any(), "a poisoned row was read: the kernel left it unwritten"
-    peak = want.float().abs().max().item()
-    assert peak > 0
-    error = (got.float() - want.float()).abs().max().item()
-    assert error <= TOLERANCE[want.dtype] * peak, f"max error {error} at peak {peak}"
-
-
 def run_both(x, weights, ids, gate, up, down, **kwargs):
     got = fused_moe_triton(x, weights, ids, gate, up, down, **kwargs)
     dense = [w.dequantize(x.dtype) for w in (gate, up, down)]
@@ -103,7 +95,7 @@ def test_fused_moe_equals_the_reference(fmt, dtype, tokens, top_k, route):
     gate, up = (ExpertWeights(fmt, in_features=gate_up.in_features, block=gate_up.block, **part) for part in half)
     down = make_weights(fmt, E, HIDDEN, WIDTH, dtype, 2)
     got, want = run_both(x, weights, ids, gate, up, down)
-    check_close(got, want)
+    check_close(got, want, TOLERANCE)
 
 
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
@@ -127,7 +119,7 @@ def test_gpt_oss_activation_with_biases_on_interleaved_columns(fmt, dtype):
     down_bias = torch.randn(E, HIDDEN, generator=g).to(dtype)
     kwargs = dict(activation="swiglu_oai", gate_bias=bias[:, 0::2], up_bias=bias[:, 1::2], down_bias=down_bias)
     got, want = run_both(x, weights, ids, gate, up, down, **kwargs)
-    check_close(got, want)
+    check_close(got, want, TOLERANCE)
     plain, _ = run_both(x, weights, ids, gate, up, down)
     assert not torch.allclose(plain, got)  # the activation and biases changed the result
 
@@ -150,7 +142,7 @@ def test_equals_the_lean_moe_reference(dtype):
     weights, ids = route(x, moe)
     gate, up = ExpertWeights("dense", moe.gate_up[:, :WIDTH]), ExpertWeights("dense", moe.gate_up[:, WIDTH:])
     got = fused_moe_triton(x, weights, ids, gate, up, ExpertWeights("dense", moe.down))
-    check_close(got, sparse_moe_reference(x, moe))
+    check_close(got, sparse_moe_reference(x, moe), TOLERANCE)
 
 
 def test_tile_map_covers_every_pair_once_in_static_shape():

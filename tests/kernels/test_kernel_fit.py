@@ -36,6 +36,29 @@ needs_toolchain = pytest.mark.skipif(not _toolchain_present(), reason="triton wh
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def full_matrix(what: str, command_options: str):
+    """The marks of a test that compiles a whole launch matrix, one architecture (``capability``) a case: slow, and
+    run only with ``CBRUN_KERNEL_FIT_ALL=1`` (the reason says how long ``what`` takes and the command that runs it
+    by hand)."""
+    marks = (
+        pytest.mark.slow,
+        pytest.mark.skipif(
+            not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
+            reason=f"{what} takes ~10 minutes on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 (or run "
+            f"python -m cbrun.kernels.aot_fit{command_options})",
+        ),
+        needs_toolchain,
+        pytest.mark.parametrize("capability", aot_fit.CAPABILITIES),
+    )
+
+    def mark(test):
+        for one in reversed(marks):
+            test = one(test)
+        return test
+
+    return mark
+
+
 def _compile_all(tmp_path, *args: str) -> list[dict]:
     """``python -m cbrun.kernels.aot_fit`` in a fresh process: without TRITON_INTERPRET (the test session sets it, and
     interpreted kernels cannot be compiled for a GPU), with an empty Triton cache (nothing cached across runs)."""
@@ -69,14 +92,7 @@ def test_representative_launches_fit(capability, tmp_path):
     assert all(fit["shared"] > 0 for fit in fits if fit["kernel"] == "paged_attention")  # K/V tiles are staged
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
-    reason="the full matrix takes ~10 minutes on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 (or run "
-    "python -m cbrun.kernels.aot_fit)",
-)
-@needs_toolchain
-@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
+@full_matrix("the full matrix", "")
 def test_every_engine_launch_fits(capability, tmp_path):
     fits = _compile_all(tmp_path, "--capability", str(capability))
     assert len(fits) == len(aot_fit.fit_launches(capability))
@@ -171,14 +187,7 @@ def test_representative_quantized_gemm_launches_fit(tmp_path):
     assert len(fits) == expected >= 30 and {fit["kernel"] for fit in fits} == set(aot_fit.QUANTIZED_GEMM_POINTERS)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
-    reason="the full quantized-GEMM matrix takes ~10 minutes on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 (or run "
-    "python -m cbrun.kernels.aot_fit --quantized)",
-)
-@needs_toolchain
-@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
+@full_matrix("the full quantized-GEMM matrix", " --quantized")
 def test_every_quantized_gemm_launch_fits(capability, tmp_path):
     fits = _compile_all(tmp_path, "--quantized", "--capability", str(capability))
     assert len(fits) == len(aot_fit.quantized_gemm_launches(capability))
@@ -237,14 +246,7 @@ def test_representative_fused_moe_launches_fit(tmp_path):
     assert len(fits) == expected >= 36 and {fit["kernel"] for fit in fits} == {"fused_moe"}
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("CBRUN_KERNEL_FIT_ALL"),
-    reason="the full fused-MoE matrix takes ~10 minutes per architecture on 2 cores: set CBRUN_KERNEL_FIT_ALL=1 "
-    "(or run python -m cbrun.kernels.aot_fit --fused-moe)",
-)
-@needs_toolchain
-@pytest.mark.parametrize("capability", aot_fit.CAPABILITIES)
+@full_matrix("the full fused-MoE matrix (per architecture)", " --fused-moe")
 def test_every_fused_moe_launch_fits(capability, tmp_path):
     fits = _compile_all(tmp_path, "--fused-moe", "--capability", str(capability))
     assert len(fits) == len(aot_fit.fused_moe_launches(capability))

@@ -1,10 +1,8 @@
 """Triton kernels against the PyTorch reference (``cbrun.kernels.reference``) over a pruned parameter grid.
 
-Without a GPU the kernels run in Triton's CPU interpreter. ``TRITON_INTERPRET=1`` only takes effect if it is set
-before Triton is first imported (``triton.language``'s own helpers are decorated then), which this module does at
-its top. When an earlier test module already imported Triton (transformers does, for one), the in-process tests
-skip and ``test_kernels_in_fresh_process`` runs this file again in a fresh interpreter-mode process instead.
-With a GPU the kernels run compiled on it.
+Without a GPU the kernels run in Triton's CPU interpreter (``tests.kernels.triton_mode``: set before Triton's first
+import; when Triton was imported compiled first, ``test_kernels_in_fresh_process`` reruns this file). With a GPU
+the kernels run compiled on it.
 
 Outputs and caches start poisoned with NaN, so an element the kernel fails to write, or a masked element it
 reads, fails the comparison.
@@ -12,54 +10,22 @@ reads, fails the comparison.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+from tests.kernels.triton_mode import DEVICE, IN_PROCESS, in_process, rerun_in_fresh_process
 
-triton = pytest.importorskip("triton")
-
+pytest.importorskip("triton")  # after the line above, which sets TRITON_INTERPRET first
 from cbrun.kernels import kv_cache_write, paged_attention  # noqa: E402
 from cbrun.kernels.reference import build_gather_plan, paged_attention_ref, write_kv_cache_ref  # noqa: E402
-
-
-def _runs_in_this_process() -> bool:
-    """False when interpretation is wanted but Triton was imported (compiled mode) before the variable was set."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return not INTERPRET or isinstance(triton.language.zeros, InterpretedFunction)
-
-
-IN_PROCESS = _runs_in_this_process()
-_SUBPROCESS_FLAG = "CBRUN_KERNEL_TESTS_SUBPROCESS"
-in_process = pytest.mark.skipif(
-    not IN_PROCESS,
-    reason="Triton was imported before TRITON_INTERPRET was set; test_kernels_in_fresh_process runs these tests",
-)
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
 def test_kernels_in_fresh_process():
     """Re-runs this file where TRITON_INTERPRET is set before Triton's first import."""
-    assert not os.environ.get(_SUBPROCESS_FLAG), "TRITON_INTERPRET=1 did not take effect in a fresh process"
-    env = {**os.environ, "TRITON_INTERPRET": "1", _SUBPROCESS_FLAG: "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+    rerun_in_fresh_process(__file__, "CBRUN_KERNEL_TESTS_SUBPROCESS")
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # atol = rtol, by dtype

@@ -18,6 +18,7 @@ from cbrun.kernels.quantized_reference import (  # noqa: E402
     int4_dequant_ref,
     mxfp4_dequant_ref,
 )
+from tests.kernels.triton_mode import check_close  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Largest |error| allowed, relative to the largest |reference| value: a few units in the last place of the dtype.
@@ -49,15 +50,6 @@ def mxfp4_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return blocks, scales
 
 
-def check_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert not torch.isnan(got).any(), "a value was never written (the output was poisoned with NaN)"
-    peak = want.float().abs().max().item()
-    assert peak > 0
-    error = (got.float() - want.float()).abs().max().item()
-    assert error <= TOLERANCE[want.dtype] * peak, f"max error {error} at peak {peak}"
-
-
 def poisoned(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((rows, cols), float("nan"), dtype=dtype)
 
@@ -75,7 +67,9 @@ def test_int4_gemm_equals_the_reference(dtype, rows, n, k, group_size, bias):
     packed, zeros, scales = int4_weight(n, k, group_size, n + k)
     x, b = inputs(rows, k, n, dtype, rows, bias)
     got = int4_matmul_triton(x, packed, zeros, scales, k, group_size, b, out=poisoned(rows, n, dtype))
-    check_close(got, dequantized_matmul_ref(x, int4_dequant_ref(packed, zeros, scales, k, group_size, dtype), b))
+    check_close(
+        got, dequantized_matmul_ref(x, int4_dequant_ref(packed, zeros, scales, k, group_size, dtype), b), TOLERANCE
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,7 +83,7 @@ def test_fp8_gemm_equals_the_reference(dtype, rows, n, k, block, bias):
     qweight, scale = fp8_weight(n, k, block, n + k)
     x, b = inputs(rows, k, n, dtype, rows, bias)
     got = fp8_matmul_triton(x, qweight, scale, block, b, out=poisoned(rows, n, dtype))
-    check_close(got, dequantized_matmul_ref(x, fp8_dequant_ref(qweight, scale, block, dtype), b))
+    check_close(got, dequantized_matmul_ref(x, fp8_dequant_ref(qweight, scale, block, dtype), b), TOLERANCE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,7 +93,7 @@ def test_mxfp4_gemm_equals_the_reference(dtype, rows, n, k, bias):
     blocks, scales = mxfp4_weight(n, k, n + k)
     x, b = inputs(rows, k, n, dtype, rows, bias)
     got = mxfp4_matmul_triton(x, blocks, scales, b, out=poisoned(rows, n, dtype))
-    check_close(got, dequantized_matmul_ref(x, mxfp4_dequant_ref(blocks, scales, dtype), b))
+    check_close(got, dequantized_matmul_ref(x, mxfp4_dequant_ref(blocks, scales, dtype), b), TOLERANCE)
 
 
 def test_dequantized_values_are_the_references_bit_for_bit():
@@ -192,5 +186,5 @@ def test_strided_rows_of_x_and_out():
     for run, real in runs:
         buffer = torch.full((5, n + 16), float("nan"))
         run(buffer[:, 16:])
-        check_close(buffer[:, 16:], dequantized_matmul_ref(x, real))
+        check_close(buffer[:, 16:], dequantized_matmul_ref(x, real), TOLERANCE)
         assert torch.isnan(buffer[:, :16]).all()  # nothing written outside out

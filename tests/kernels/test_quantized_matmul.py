@@ -16,38 +16,20 @@ from cbrun.kernels.fp8_scaled_mm import (
     quantize_per_token,
     select_fp8_gemm,
 )
+from cbrun.kernels.gpu_check_quantized import make_layouts
 from cbrun.kernels.quantized_matmul import Fp8Layout, Int4Layout, Mxfp4Layout, quantized_matmul
 from cbrun.kernels.quantized_reference import (
     dequantized_matmul_ref,
     fp8_dequant_ref,
     int4_dequant_ref,
-    mxfp4_dequant_ref,
 )
 
 TOLERANCE = {torch.float32: 4e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def layouts(n: int = 48, k: int = 256) -> dict[str, tuple[qm.QuantizedLayout, torch.Tensor]]:
-    """{name: (layout, its real weight in float32)} for each layout at (n, k)."""
-    g = torch.Generator().manual_seed(n * k)
-    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int32)
-    zeros = torch.randint(0, 16, (n, k // 128), generator=g, dtype=torch.uint8)
-    scales = torch.rand(n, k // 128, generator=g) * 0.1
-    qweight = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
-    block_scale = torch.rand(-(-n // 128), k // 128, generator=g) * 0.01
-    channel_scale = torch.rand(n, 1, generator=g) * 0.01
-    blocks = torch.randint(0, 256, (n, k // 32, 16), generator=g, dtype=torch.uint8)
-    e8m0 = torch.randint(118, 126, (n, k // 32), generator=g, dtype=torch.uint8)
-    f32 = torch.float32
-    return {
-        "int4": (Int4Layout(packed, zeros, scales, k, 128), int4_dequant_ref(packed, zeros, scales, k, 128, f32)),
-        "fp8-block": (Fp8Layout(qweight, block_scale, (128, 128)), fp8_dequant_ref(qweight, block_scale, (128, 128), f32)),
-        "fp8-channel": (Fp8Layout(qweight, channel_scale, (1, k)), fp8_dequant_ref(qweight, channel_scale, (1, k), f32)),
-        "mxfp4": (Mxfp4Layout(blocks, e8m0), mxfp4_dequant_ref(blocks, e8m0, f32)),
-    }  # fmt: skip
-
-
-LAYOUTS = layouts()
+#: {kernel name: (layout, its real weight in float32)}: the GPU check's layouts (int4 group 128, FP8 128 x 128
+#: blocks and per channel, MXFP4) at a small shape.
+LAYOUTS = make_layouts(48, 256, "cpu", seed=48 * 256)
 
 
 def check_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -84,7 +66,7 @@ def test_cpu_path_dequantizes_chunk_by_chunk(monkeypatch):
     """Never more than about CPU_CHUNK_ELEMENTS weight elements at once: the whole weight is never built."""
     monkeypatch.setattr(qm, "CPU_CHUNK_ELEMENTS", 2048)
     seen = []
-    layout, real = LAYOUTS["int4"]
+    layout, real = LAYOUTS["int4_gemm g128"]
     original = Int4Layout.dequantize
     monkeypatch.setattr(Int4Layout, "dequantize", lambda self, a, b, d: seen.append(b - a) or original(self, a, b, d))
     x = torch.randn(3, 256)
@@ -93,15 +75,15 @@ def test_cpu_path_dequantizes_chunk_by_chunk(monkeypatch):
 
 
 def test_layouts_refuse_bad_tensors_by_name():
-    layout, _ = LAYOUTS["int4"]
+    layout, _ = LAYOUTS["int4_gemm g128"]
     with pytest.raises(ValueError, match="Int4Layout: zeros must be torch.uint8"):
         Int4Layout(layout.packed, layout.zeros.int(), layout.scales, 256, 128)
     with pytest.raises(ValueError, match="Int4Layout: packed must be torch.int32 of shape"):
         Int4Layout(layout.packed, layout.zeros, layout.scales, 300, 128)
-    fp8, _ = LAYOUTS["fp8-block"]
+    fp8, _ = LAYOUTS["fp8_gemm block128"]
     with pytest.raises(ValueError, match=r"Fp8Layout: scale must be float32 of shape \(1, 4\)"):
         Fp8Layout(fp8.qweight, fp8.scale, (128, 64))
-    mx, _ = LAYOUTS["mxfp4"]
+    mx, _ = LAYOUTS["mxfp4_gemm"]
     with pytest.raises(ValueError, match="Mxfp4Layout: scales must be torch.uint8"):
         Mxfp4Layout(mx.blocks, mx.scales[:, :3])
     with pytest.raises(ValueError, match="x has 255 features"):
@@ -144,11 +126,11 @@ def test_selection_is_weight_only_by_default_and_refuses_dynamic_by_name():
 
 
 def test_dynamic_scheme_is_refused_on_the_cpu_through_the_dispatch():
-    layout, _ = LAYOUTS["fp8-channel"]
+    layout, _ = LAYOUTS["fp8_gemm channel"]
     with pytest.raises(ValueError, match='fp8_activation_scheme "dynamic".*runs on the CPU'):
         quantized_matmul(torch.randn(2, 256).bfloat16(), layout, fp8_activation_scheme="dynamic")
     with pytest.raises(ValueError, match="fp8_activation_scheme must be one of"):
-        quantized_matmul(torch.randn(2, 256), LAYOUTS["int4"][0], fp8_activation_scheme="W8A8")
+        quantized_matmul(torch.randn(2, 256), LAYOUTS["int4_gemm g128"][0], fp8_activation_scheme="W8A8")
 
 
 def test_per_token_quantization():
