@@ -11,24 +11,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from cbrun.bench.workloads import llama_shape
+
 #: Random weights are scaled up so logits are well separated: a mismatch means a bug, not a rounding tie.
 WEIGHT_SCALE = 3.0
 
+#: Config fields of a model with no special tokens: nothing but the test's own limits stops a greedy run.
+NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 #: The small decoder the random test models start from (fields of a transformers config; override per test):
-#: hidden 64 over 2 layers, 4 query heads sharing 2 KV heads, 128 tokens, 256 positions, and no special tokens, so
-#: nothing but the test's own limits stops a greedy run.
-TINY_DECODER = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+#: hidden 64 over 2 layers, 4 query heads sharing 2 KV heads, MLP width 128, 128 tokens, 256 positions.
+TINY_DECODER = dict(**llama_shape(64, 2, 4, 2, 128), vocab_size=128, max_position_embeddings=256, **NO_SPECIAL_TOKENS)
 
 
 @functools.lru_cache(maxsize=None)

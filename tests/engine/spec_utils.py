@@ -146,6 +146,24 @@ def markov_model_dir(transitions, path) -> str:
     return str(path)
 
 
+def markov_draws(model_dir: str, prompt: list[int], num_draws: int, **speculation) -> tuple[np.ndarray, object]:
+    """``num_draws`` seeded 3-token samples (temperature 1) after ``prompt``, all in one engine with the
+    ``speculation`` fields and up to 2 proposals a step: ``(tokens (num_draws x 3), the engine's stats)``."""
+    config = EngineConfig(
+        **speculation,
+        num_speculative_tokens=2,
+        num_blocks=512,
+        page_size=4,
+        max_batch_tokens=512,
+        max_requests_per_batch=128,
+        speculative_max_batch=128,
+    )
+    engine = LLMEngine.from_pretrained(model_dir, config)
+    requests = [(i, prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=i)) for i in range(num_draws)]
+    outputs = generate(engine, requests)
+    return np.array([outputs[i].output_token_ids for i in range(num_draws)]), engine.stats
+
+
 def chi_square_p(observed, expected_probs) -> float:
     """Pearson's chi-square p-value, cells with an expected count under 5 pooled into one."""
     from scipy.stats import chisquare

@@ -12,35 +12,19 @@ import json
 import shutil
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
-from tests.engine.spec_utils import (
-    PRESSURE_CONFIGS,
-    PRESSURE_IDS,
-    VOCAB,
-    assert_goldens,
-    assert_markov_draws,
-    assert_pressure_happened,
-    assert_same_as_off,
-    assert_same_stops,
-    generate,
-    golden_requests,
-    markov_model_dir,
-    off_and_on,
-    random_draft_dir,
-    repetitive_prompts,
-    target_model_dir,
-)
+from tests.engine import spec_utils
+from tests.engine.spec_utils import VOCAB
 from tests.model_utils import TINY_DECODER, hf_greedy, random_llama_dir, random_prompts
 
 
 def _off_and_draft(model_dir, draft_dir, requests, **config):
-    return off_and_on(model_dir, requests, "draft", draft_model=draft_dir, **config)
+    return spec_utils.off_and_on(model_dir, requests, "draft", draft_model=draft_dir, **config)
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------
@@ -98,19 +82,19 @@ def test_draft_equal_to_target_accepts_every_proposal():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_random_draft_equals_transformersgenerate(arch):
-    model_dir = target_model_dir(arch)
-    prompts = repetitive_prompts(4) + random_prompts(4, VOCAB, 1, 20, seed=7)
+def test_random_draft_equals_transformers_generate(arch):
+    model_dir = spec_utils.target_model_dir(arch)
+    prompts = spec_utils.repetitive_prompts(4) + random_prompts(4, VOCAB, 1, 20, seed=7)
     config = EngineConfig(
         page_size=4,
         max_batch_tokens=16,
         num_blocks=256,
         speculative="draft",
-        draft_model=str(random_draft_dir()),
+        draft_model=str(spec_utils.random_draft_dir()),
         num_speculative_tokens=3,
     )
     engine = LLMEngine.from_pretrained(str(model_dir), config)
-    outputs = generate(engine, [(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(prompts)])
+    outputs = spec_utils.generate(engine, [(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         assert outputs[i].output_token_ids == hf_greedy(model_dir, prompt, 20), f"prompt {i}"
     stats = engine.stats
@@ -121,7 +105,7 @@ def test_random_draft_equals_transformersgenerate(arch):
 def stories_random_draft(stories260k_dir):
     """A random Llama with stories260K's vocabulary, length and tokenizer files."""
     max_len = json.loads((stories260k_dir / "config.json").read_text())["max_position_embeddings"]
-    path = random_draft_dir(512, max_len)
+    path = spec_utils.random_draft_dir(512, max_len)
     for name in stories260k_dir.iterdir():
         if name.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(name, path / name.name)
@@ -140,7 +124,9 @@ def test_draft_reproduces_llama2c_goldens(stories260k_dir, stories_random_draft,
         num_speculative_tokens=4 if draft == "itself" else 2,
     )
     engine = LLMEngine.from_pretrained(str(stories260k_dir), config)
-    assert_goldens(generate(engine, golden_requests(reference_greedy)), reference_greedy)
+    spec_utils.assert_goldens(
+        spec_utils.generate(engine, spec_utils.golden_requests(reference_greedy)), reference_greedy
+    )
     stats = engine.stats
     assert stats.num_verify_steps > 0
     if draft == "itself":
@@ -149,22 +135,22 @@ def test_draft_reproduces_llama2c_goldens(stories260k_dir, stories_random_draft,
         assert stats.acceptance_rate < 0.5
 
 
-@pytest.mark.parametrize("config", PRESSURE_CONFIGS, ids=PRESSURE_IDS)
+@pytest.mark.parametrize("config", spec_utils.PRESSURE_CONFIGS, ids=spec_utils.PRESSURE_IDS)
 @pytest.mark.parametrize("draft", ["itself", "random"])
 def test_draft_equals_off_under_pressure_and_sharing(config, draft):
     model_dir = random_llama_dir(VOCAB)
-    shared = repetitive_prompts(1, seed=11)[0][:16]
-    prompts = [shared + p[:6] for p in repetitive_prompts(6)] + random_prompts(4, VOCAB, 4, 20, seed=5)
+    shared = spec_utils.repetitive_prompts(1, seed=11)[0][:16]
+    prompts = [shared + p[:6] for p in spec_utils.repetitive_prompts(6)] + random_prompts(4, VOCAB, 4, 20, seed=5)
     requests = [(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)]
-    draft_dir = model_dir if draft == "itself" else random_draft_dir()
+    draft_dir = model_dir if draft == "itself" else spec_utils.random_draft_dir()
     (off, off_stats), (spec, spec_stats) = _off_and_draft(
         model_dir, draft_dir, requests, num_speculative_tokens=4, **config
     )
-    assert_same_as_off(spec, off)
+    spec_utils.assert_same_as_off(spec, off)
     assert spec_stats.num_verify_steps > 0
     if draft == "itself":  # the draft's KV survived soft resets and shared blocks: every proposal is right
         assert spec_stats.acceptance_rate == 1.0
-    assert_pressure_happened(config, off_stats, spec_stats)
+    spec_utils.assert_pressure_happened(config, off_stats, spec_stats)
 
 
 @pytest.mark.slow
@@ -173,7 +159,7 @@ def test_draft_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(stories260k_dir))
     story = tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside.")
     off_engine = LLMEngine.from_pretrained(str(stories260k_dir), EngineConfig())
-    plain = generate(off_engine, [("p", story, SamplingParams(max_new_tokens=40))])["p"].output_token_ids
+    plain = spec_utils.generate(off_engine, [("p", story, SamplingParams(max_new_tokens=40))])["p"].output_token_ids
     requests = [
         ("max", story, SamplingParams(max_new_tokens=9)),
         ("token", story, SamplingParams(max_new_tokens=40, stop_token_ids=(plain[7],))),
@@ -181,7 +167,7 @@ def test_draft_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
         ("length", story, SamplingParams(max_new_tokens=600, ignore_eos=True)),  # runs into the model length
     ]
     (off, _), (spec, stats) = _off_and_draft(stories260k_dir, stories260k_dir, requests, num_speculative_tokens=6)
-    assert_same_stops(spec, off)
+    spec_utils.assert_same_stops(spec, off)
     assert off["length"].finish_reason == "length" and len(off["length"].output_token_ids) > 40
     assert stats.acceptance_rate == 1.0
 
@@ -200,28 +186,14 @@ def test_sampling_with_a_draft_keeps_the_target_distribution(tmp_path):
     draft = torch.full((vocab, vocab), 0.2 / (vocab - 2), dtype=torch.float64)
     draft[rows, (rows + 1) % vocab] = 0.3
     draft[rows, (rows + 2) % vocab] = 0.5
-    model_dir = markov_model_dir(target.float(), tmp_path / "target")
-    draft_dir = markov_model_dir(draft.float(), tmp_path / "draft")
+    model_dir = spec_utils.markov_model_dir(target.float(), tmp_path / "target")
+    draft_dir = spec_utils.markov_model_dir(draft.float(), tmp_path / "draft")
     prompt = list(range(vocab)) * 2
-    config = EngineConfig(
-        speculative="draft",
-        draft_model=draft_dir,
-        num_speculative_tokens=2,
-        num_blocks=512,
-        page_size=4,
-        max_batch_tokens=512,
-        max_requests_per_batch=128,
-        speculative_max_batch=128,
-    )
-    engine = LLMEngine.from_pretrained(model_dir, config)
-    requests = [(i, prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=i)) for i in range(num_draws)]
-    outputs = generate(engine, requests)
-    tokens = np.array([outputs[i].output_token_ids for i in range(num_draws)])
-    stats = engine.stats
+    tokens, stats = spec_utils.markov_draws(model_dir, prompt, num_draws, speculative="draft", draft_model=draft_dir)
     assert stats.num_verify_steps == num_draws  # t1 sampled plainly; then one verify step of up to 2 proposals
     # Acceptance of a proposal is sum_x min(p(x), q(x)) = 0.3 + 0.4/7 + 6 * 0.2/6 ~ 0.56 (both branches run often).
     assert 0.46 < stats.acceptance_rate < 0.66
-    assert_markov_draws(tokens, target.numpy(), prompt[-1])
+    spec_utils.assert_markov_draws(tokens, target.numpy(), prompt[-1])
 
 
 @pytest.mark.parametrize("speculative", ["off", "ngram"])

@@ -14,24 +14,8 @@ import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.spec_decode.speculative import NgramIndex, NgramProposer, accept_greedy
-from tests.engine.spec_utils import (
-    HOST_PROCESSED_PARAMS,
-    PRESSURE_CONFIGS,
-    PRESSURE_IDS,
-    VOCAB,
-    assert_goldens,
-    assert_markov_draws,
-    assert_pressure_happened,
-    assert_same_as_off,
-    assert_same_stops,
-    generate,
-    golden_requests,
-    markov_model_dir,
-    off_and_on,
-    random_draft_dir,
-    repetitive_prompts,
-    target_model_dir,
-)
+from tests.engine import spec_utils
+from tests.engine.spec_utils import VOCAB
 from tests.model_utils import assert_same_outputs_and_logprobs, hf_greedy, random_llama_dir, random_prompts
 
 #: EngineConfig fields per speculation kind: n-gram lookup, the target as its own draft (every proposal right), and
@@ -39,7 +23,7 @@ from tests.model_utils import assert_same_outputs_and_logprobs, hf_greedy, rando
 SPECULATION = {
     "ngram": lambda model_dir: dict(speculative="ngram", ngram_min=1),
     "draft": lambda model_dir: dict(speculative="draft", draft_model=str(model_dir)),
-    "random-draft": lambda model_dir: dict(speculative="draft", draft_model=str(random_draft_dir())),
+    "random-draft": lambda model_dir: dict(speculative="draft", draft_model=str(spec_utils.random_draft_dir())),
 }
 
 
@@ -104,7 +88,8 @@ def test_config_refuses_unsupported_settings():
 def test_engine_refuses_async_batching():
     with pytest.raises(ValueError, match="async_batching"):
         LLMEngine.from_pretrained(
-            str(random_llama_dir(VOCAB)), EngineConfig(speculative="ngram", async_batching="on", num_blocks=64)
+            str(random_llama_dir(VOCAB)),
+            EngineConfig(speculative="ngram", async_batching="on", num_blocks=64),
         )
 
 
@@ -120,7 +105,9 @@ def test_ngram_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, pag
         ngram_max=3,
     )
     engine = LLMEngine.from_pretrained(str(stories260k_dir), config)
-    assert_goldens(generate(engine, golden_requests(reference_greedy)), reference_greedy)
+    spec_utils.assert_goldens(
+        spec_utils.generate(engine, spec_utils.golden_requests(reference_greedy)), reference_greedy
+    )
     stats = engine.stats
     assert stats.num_verify_steps > 0 and 0 < stats.num_accepted_tokens <= stats.num_proposed_tokens
     assert stats.as_dict()["acceptance_rate"] == stats.num_accepted_tokens / stats.num_proposed_tokens
@@ -129,8 +116,8 @@ def test_ngram_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, pag
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_ngram_equals_transformers_generate(arch):
-    model_dir = target_model_dir(arch)
-    prompts = repetitive_prompts(6) + random_prompts(4, VOCAB, 1, 20, seed=7)
+    model_dir = spec_utils.target_model_dir(arch)
+    prompts = spec_utils.repetitive_prompts(6) + random_prompts(4, VOCAB, 1, 20, seed=7)
     config = EngineConfig(
         page_size=4,
         max_batch_tokens=16,
@@ -142,28 +129,28 @@ def test_ngram_equals_transformers_generate(arch):
     )
     engine = LLMEngine.from_pretrained(str(model_dir), config)
     params = SamplingParams(max_new_tokens=20)
-    outputs = generate(engine, [(i, p, params) for i, p in enumerate(prompts)])
+    outputs = spec_utils.generate(engine, [(i, p, params) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         assert outputs[i].output_token_ids == hf_greedy(model_dir, prompt, 20), f"prompt {i}"
     assert engine.stats.num_accepted_tokens > 0
 
 
 def _off_and_ngram(model_dir, requests, **config):
-    return off_and_on(model_dir, requests, "ngram", **config)
+    return spec_utils.off_and_on(model_dir, requests, "ngram", **config)
 
 
-@pytest.mark.parametrize("config", PRESSURE_CONFIGS, ids=PRESSURE_IDS)
+@pytest.mark.parametrize("config", spec_utils.PRESSURE_CONFIGS, ids=spec_utils.PRESSURE_IDS)
 def test_ngram_equals_off_under_pressure_and_sharing(config):
     model_dir = random_llama_dir(VOCAB)
-    shared = repetitive_prompts(1, seed=11)[0][:16]
-    prompts = [shared + p[:6] for p in repetitive_prompts(6)] + repetitive_prompts(4, seed=5)
+    shared = spec_utils.repetitive_prompts(1, seed=11)[0][:16]
+    prompts = [shared + p[:6] for p in spec_utils.repetitive_prompts(6)] + spec_utils.repetitive_prompts(4, seed=5)
     requests = [(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)]
     (off, off_stats), (ngram, ngram_stats) = _off_and_ngram(
         model_dir, requests, num_speculative_tokens=4, ngram_min=1, ngram_max=3, **config
     )
-    assert_same_as_off(ngram, off)
+    spec_utils.assert_same_as_off(ngram, off)
     assert ngram_stats.num_accepted_tokens > 0
-    assert_pressure_happened(config, off_stats, ngram_stats)
+    spec_utils.assert_pressure_happened(config, off_stats, ngram_stats)
 
 
 def test_ngram_stops_inside_an_accepted_run_where_plain_decoding_stops(stories260k_dir):
@@ -172,7 +159,7 @@ def test_ngram_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
     story = tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside.")
     prompt = story + story[1:]  # the story twice: n-gram lookup proposes its continuation
     off_engine = LLMEngine.from_pretrained(str(stories260k_dir), EngineConfig())
-    plain = generate(off_engine, [("p", prompt, SamplingParams(max_new_tokens=40))])["p"].output_token_ids
+    plain = spec_utils.generate(off_engine, [("p", prompt, SamplingParams(max_new_tokens=40))])["p"].output_token_ids
     stop_token = plain[7]
     stop_text = tokenizer.decode(plain[10:12])
     requests = [
@@ -182,7 +169,7 @@ def test_ngram_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
         ("length", story, SamplingParams(max_new_tokens=600, ignore_eos=True)),  # runs into the model length
     ]
     (off, _), (ngram, stats) = _off_and_ngram(stories260k_dir, requests, num_speculative_tokens=6, ngram_min=1)
-    assert_same_stops(ngram, off)
+    spec_utils.assert_same_stops(ngram, off)
     assert off["token"].stop_reason == stop_token and off["string"].stop_reason == stop_text
     assert off["length"].finish_reason == "length" and len(off["length"].output_token_ids) > 40
     assert stats.num_accepted_tokens > 0
@@ -190,7 +177,7 @@ def test_ngram_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
 
 def test_switch_to_plain_decoding_above_speculative_max_batch(caplog):
     model_dir = random_llama_dir(VOCAB)
-    prompts = repetitive_prompts(8)
+    prompts = spec_utils.repetitive_prompts(8)
     requests = [(i, p, SamplingParams(max_new_tokens=8 + 4 * i)) for i, p in enumerate(prompts)]
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
         (off, _), (ngram, stats) = _off_and_ngram(
@@ -207,9 +194,9 @@ def test_switch_to_plain_decoding_above_speculative_max_batch(caplog):
 def test_host_processed_greedy_rows_equal_off(kind):
     """Penalties, min_new_tokens and log-probabilities see the accepted tokens before each verified position."""
     model_dir = random_llama_dir(VOCAB)
-    prompts = repetitive_prompts(6)
-    requests = [(i, p, HOST_PROCESSED_PARAMS[i % 3]) for i, p in enumerate(prompts)]
-    (off, _), (spec, stats) = off_and_on(
+    prompts = spec_utils.repetitive_prompts(6)
+    requests = [(i, p, spec_utils.HOST_PROCESSED_PARAMS[i % 3]) for i, p in enumerate(prompts)]
+    (off, _), (spec, stats) = spec_utils.off_and_on(
         model_dir, requests, **SPECULATION[kind](model_dir), num_blocks=256, page_size=4
     )
     assert_same_outputs_and_logprobs(spec, off)
@@ -219,14 +206,14 @@ def test_host_processed_greedy_rows_equal_off(kind):
 @pytest.mark.parametrize("kind", ["ngram", "random-draft"])
 def test_seeded_sampled_rows_are_reproducible_and_independent_of_batch(kind):
     model_dir = random_llama_dir(VOCAB)
-    prompts = repetitive_prompts(6)
+    prompts = spec_utils.repetitive_prompts(6)
     params = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.9, seed=1234)
     config = EngineConfig(**SPECULATION[kind](model_dir), num_blocks=256, page_size=4)
-    alone = generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
-    again = generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
+    alone = spec_utils.generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
+    again = spec_utils.generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
     others = [(i, p, SamplingParams(max_new_tokens=12, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
     engine = LLMEngine.from_pretrained(str(model_dir), config)
-    crowded = generate(engine, others[:3] + [("x", prompts[0], params)] + others[3:])["x"]
+    crowded = spec_utils.generate(engine, others[:3] + [("x", prompts[0], params)] + others[3:])["x"]
     assert crowded.output_token_ids == alone.output_token_ids == again.output_token_ids
     assert engine.stats.num_verify_steps > 0
 
@@ -235,34 +222,18 @@ def test_seeded_sampled_rows_are_reproducible_and_independent_of_batch(kind):
 def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
     """Rejection sampling with point-mass (n-gram) proposals: the verified tokens' frequencies over many seeded
     draws match a toy model's known distribution (chi-square, fixed seeds, so the test is deterministic)."""
-    import numpy as np
     import torch
 
     vocab, num_draws = 8, 1500
     # Next token: the successor (a + 1) with probability 0.6, any other with 0.4 / 7.
     transitions = torch.full((vocab, vocab), 0.4 / (vocab - 1), dtype=torch.float64)
     transitions[torch.arange(vocab), (torch.arange(vocab) + 1) % vocab] = 0.6
-    model_dir = markov_model_dir(transitions.float(), tmp_path / "markov")
+    model_dir = spec_utils.markov_model_dir(transitions.float(), tmp_path / "markov")
     prompt = list(range(vocab)) * 2  # n-gram lookup proposes each token's successor
-    config = EngineConfig(
-        speculative="ngram",
-        ngram_min=1,
-        ngram_max=2,
-        num_speculative_tokens=2,
-        num_blocks=512,
-        page_size=4,
-        max_batch_tokens=512,
-        max_requests_per_batch=128,
-        speculative_max_batch=128,
-    )
-    engine = LLMEngine.from_pretrained(model_dir, config)
-    requests = [(i, prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=i)) for i in range(num_draws)]
-    outputs = generate(engine, requests)
-    tokens = np.array([outputs[i].output_token_ids for i in range(num_draws)])
-    stats = engine.stats
+    tokens, stats = spec_utils.markov_draws(model_dir, prompt, num_draws, speculative="ngram", ngram_min=1, ngram_max=2)
     assert stats.num_verify_steps == stats.num_proposed_tokens == num_draws  # t2 verified, t3 the bonus
     assert 0.5 < stats.acceptance_rate < 0.7  # p(successor) = 0.6: both branches of the rule ran often
-    assert_markov_draws(tokens, transitions.numpy(), prompt[-1])
+    spec_utils.assert_markov_draws(tokens, transitions.numpy(), prompt[-1])
 
 
 # ---- scheduling and rollback, without a model -------------------------------------------------------------------
@@ -341,9 +312,9 @@ def test_generated_token_count_equals_off_when_a_stop_cuts_an_accepted_run(stori
     line = reference_greedy[7]  # after 120 tokens of its golden output, stories260K repeats itself: all accepted
     prompt = line["prompt_token_ids"] + line["output_token_ids"][:120]
     off_engine = LLMEngine.from_pretrained(str(stories260k_dir), EngineConfig())
-    plain = generate(off_engine, [("p", prompt, SamplingParams(max_new_tokens=512 - len(prompt), ignore_eos=True))])[
-        "p"
-    ].output_token_ids
+    plain = spec_utils.generate(
+        off_engine, [("p", prompt, SamplingParams(max_new_tokens=512 - len(prompt), ignore_eos=True))]
+    )["p"].output_token_ids
     near_the_end = prompt + plain[:-10]  # greedy continues with plain[-10:], then the model length stops it
     # The stop token and string: a token 6 or more tokens in, new to the output (and its text new to the output's
     # text) but in the prompt, so that n-gram lookup can propose it and more after it.
