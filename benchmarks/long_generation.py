@@ -59,24 +59,9 @@ def prepare(scratch: Path, rows: int) -> tuple[Path, Path]:
 def run_cbrun(tree: str, sets: list[str], model_dir: Path, questions: Path, scratch: Path) -> dict:
     """The whole flags-only command in a fresh process with ``PYTHONPATH=tree``."""
     out = scratch / f"out-{time.monotonic_ns()}"
-    command = [
-        sys.executable,
-        "-m",
-        "cbrun.jobs.cli",
-        "run",
-        "--model",
-        str(model_dir),
-        "--input",
-        str(questions),
-        "--prompt-column",
-        "question",
-        "--output",
-        str(out),
-        "--max-new-tokens",
-        str(MAX_NEW_TOKENS),
-        "--no-progress",
-        *[a for s in sets for a in ("--set", s)],
-    ]
+    from cbrun.bench.command_backend import run_command_line
+
+    command = run_command_line(model_dir, questions, out, MAX_NEW_TOKENS, ("--prompt-column", "question"), sets)
     tree = Path(tree).resolve()
     cpu_start = _children_cpu_s()
     start = time.perf_counter()

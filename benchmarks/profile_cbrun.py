@@ -31,7 +31,7 @@ PHASES = {
     "upload inputs": ("model_runner.py", "_upload"),
     "model forward": ("model_runner.py", "_forward"),
     "  of which paged attention": ("attention.py", "paged_attention"),
-    "read results": ("model_runner.py", "read"),
+    "read results": ("step.py", "read"),
     "scheduler update": ("scheduler.py", "update_from_output"),
 }
 

@@ -155,7 +155,7 @@ CASES = [(page, token) for page in PAGES for token in dict.fromkeys(names_of((RO
 
 def test_the_scan_finds_the_names():
     tokens = {token for _, token in CASES}
-    assert {"FIFOScheduler", "OutputDir.start", "cbrun.jobs.run.job_setup.MODES"} <= tokens
+    assert {"FIFOScheduler", "OutputDir.start", "cbrun.jobs.run.resources.MODES"} <= tokens
 
 
 @pytest.mark.parametrize(("page", "token"), CASES)
@@ -169,7 +169,7 @@ def test_a_renamed_thing_is_caught():
         "FIFOSchedulr",
         "OutputDir.begin",
         "sources.open_sources",
-        "cbrun.jobs.run.job_setup.MODE",
+        "cbrun.jobs.run.resources.MODE",
         "cbrun/engine/cores/",
         "schedulr.py",
         "Nowhere.step",

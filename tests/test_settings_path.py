@@ -8,8 +8,9 @@ from tests.settings_path import settings_path
 
 #: Where the measure stands (modules, returns); issue 41 asks for at most 12 and 8. Four of the modules are the
 #: engine's (its load, and the batch-invariance check before it, which takes the dtype the job resolved once), the
-#: rest the job's.
-MAX_MODULES = 14
+#: rest the job's: its entry, its resolution, the manifest, the resources it opens (reader, tokenizer, engine), the
+#: model's sampling defaults, the fingerprint, the run under the lock and the Ray executor.
+MAX_MODULES = 12
 MAX_RETURNS = 6
 
 

@@ -48,30 +48,33 @@ def command_skip_reason(workload: Workload) -> str | None:
     return None
 
 
+def run_command_line(
+    model_dir: Path,
+    input_path: Path,
+    output_dir: Path,
+    max_new_tokens: int,
+    prompt: tuple[str, str] = ("--prompt-ids-column", PROMPT_IDS_COLUMN),
+    sets: list[str] | tuple[str, ...] = (),
+) -> list[str]:
+    """A flags-only ``cbrun run`` command (``python -m cbrun.jobs.cli run``, without a progress bar).
+
+    Args:
+        prompt: the flag naming the input's prompt column and its value (default: the prompt ids column).
+        sets: ``SECTION.KEY=VALUE`` assignments, each passed as ``--set``.
+    """
+    command = [sys.executable, "-m", "cbrun.jobs.cli", "run", "--model", str(model_dir), "--input", str(input_path)]
+    command += [*prompt, "--output", str(output_dir), "--max-new-tokens", str(max_new_tokens), "--no-progress"]
+    return command + [a for s in sets for a in ("--set", s)]
+
+
 def command_line(workload: Workload, input_path: Path, output_dir: Path) -> list[str]:
     """The flags-only ``cbrun run`` command for ``workload``: no engine setting, sampling as the workload says."""
-    command = [
-        sys.executable,
-        "-m",
-        "cbrun.jobs.cli",
-        "run",
-        "--model",
-        str(workload.model_dir),
-        "--input",
-        str(input_path),
-        "--prompt-ids-column",
-        PROMPT_IDS_COLUMN,
-        "--output",
-        str(output_dir),
-        "--max-new-tokens",
-        str(max(workload.max_new_tokens)),
-        "--no-progress",
-    ]
+    sets = []
     if workload.stop_token_ids:
-        command += ["--set", f"sampling.stop_token_ids={list(workload.stop_token_ids)}"]
+        sets.append(f"sampling.stop_token_ids={list(workload.stop_token_ids)}")
     if workload.ignore_eos:
-        command += ["--set", "sampling.ignore_eos=true"]
-    return command
+        sets.append("sampling.ignore_eos=true")
+    return run_command_line(workload.model_dir, input_path, output_dir, max(workload.max_new_tokens), sets=sets)
 
 
 def run_command(workload: Workload) -> RunResult:

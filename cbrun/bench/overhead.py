@@ -19,7 +19,8 @@ processes of a shared machine take from it; ``--clock wall`` uses ``time.perf_co
 - prepare inputs: ``StepInputBuilder.prepare`` plus ``ModelRunner._upload`` (flattened ids, positions, slot mapping,
   block tables from the persistent batch, attention metadata);
 - forward: ``ModelRunner._forward`` (the model; near zero by construction, reported so it can be subtracted);
-- read results: ``LLMEngine._update`` (the step's StepOutput applied by the scheduler: stop checks, finished requests);
+- read results: ``StepSampler.read`` plus ``Scheduler.update_from_output`` (the step's StepOutput read and applied by
+  the scheduler: stop checks, finished requests);
 - other: the rest of ``LLMEngine.step`` (zeroing new cache pages, the argmax, advancing requests, stats, output
   objects).
 
@@ -46,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from cbrun.bench.report import markdown_table
+
 #: The near-free model: one layer, tiny hidden size and vocabulary.
 OVERHEAD_MODEL = dict(
     vocab_size=64,
@@ -59,13 +62,13 @@ OVERHEAD_MODEL = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
-#: The timed phases: table name -> (dotted object path from the engine, method name).
+#: The timed phases: table name -> the (dotted object path from the engine, method name) pairs timed as that phase.
 PHASES = {
-    "schedule": ("scheduler", "schedule"),
-    "prepare": ("model_runner.step_inputs", "prepare"),
-    "upload": ("model_runner", "_upload"),
-    "forward": ("model_runner", "_forward"),
-    "read": ("", "_update"),
+    "schedule": (("scheduler", "schedule"),),
+    "prepare": (("model_runner.step_inputs", "prepare"),),
+    "upload": (("model_runner", "_upload"),),
+    "forward": (("model_runner", "_forward"),),
+    "read": (("sampler", "read"), ("scheduler", "update_from_output")),
 }
 
 
@@ -79,14 +82,15 @@ class PhaseTimer:
     def __init__(self, engine) -> None:
         self.current = dict.fromkeys(PHASES, 0.0)
         self.scheduled = 0  # requests in the last plan
-        for phase, (owner, name) in PHASES.items():
-            target = functools.reduce(getattr, owner.split("."), engine) if owner else engine
-            method = getattr(target, name, None)
-            if method is None:
-                raise RuntimeError(
-                    f"engine-overhead: {type(target).__name__}.{name} is gone; update cbrun.bench.overhead.PHASES"
-                )
-            setattr(target, name, self._timed(phase, method))
+        for phase, methods in PHASES.items():
+            for owner, name in methods:
+                target = functools.reduce(getattr, owner.split("."), engine)
+                method = getattr(target, name, None)
+                if method is None:
+                    raise RuntimeError(
+                        f"engine-overhead: {type(target).__name__}.{name} is gone; update cbrun.bench.overhead.PHASES"
+                    )
+                setattr(target, name, self._timed(phase, method))
 
     def _timed(self, phase: str, method):
         def wrapper(*args, **kwargs):
@@ -232,7 +236,7 @@ def format_table(rows: list[dict]) -> str:
         "host us / sched. req",
         "per req.: schedule / prepare / read us",
     )
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table = []
     for r in rows:
         cells = [
             r["scenario"],
@@ -249,8 +253,8 @@ def format_table(rows: list[dict]) -> str:
             f"{r['host_us_per_request']:.1f}",
             f"{r['schedule_us_per_request']:.1f} / {r['prepare_us_per_request']:.1f} / {r['read_us_per_request']:.1f}",
         ]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return markdown_table(columns, table)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -142,6 +142,15 @@ TABLE_COLUMNS = (
     "useful GFLOP/s (% ceiling)",
     "outputs == cbrun",
 )
+
+
+def markdown_table(columns: list[str] | tuple[str, ...], rows: list[list]) -> str:
+    """A Markdown table: a header of ``columns``, then one line per row of cells (each shown with ``str``)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(c) for c in cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
 #: The extra column when backends ran more than once, after "gen tok/s".
 SPREAD_COLUMN = "gen tok/s min-max"
 
@@ -152,7 +161,7 @@ def format_table(rows: list[dict]) -> str:
     columns = list(TABLE_COLUMNS)
     if repeated:
         columns.insert(columns.index("gen tok/s") + 1, SPREAD_COLUMN)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table = []
     for r in rows:
         name = f"{r['backend']} ({r['setting']})" if r["setting"] else r["backend"]
         ttft = f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f}" if r["ttft_s"] else "n/a"
@@ -177,8 +186,8 @@ def format_table(rows: list[dict]) -> str:
         if repeated:
             low, high = r["generated_tok_s_range"]
             cells.insert(columns.index(SPREAD_COLUMN), f"{low:.0f}-{high:.0f}")
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return markdown_table(columns, table)
 
 
 def _cached_cell(row: dict) -> str:

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from cbrun.bench.measure import git_commit, machine_info
+from cbrun.bench.report import markdown_table
 from cbrun.bench.workloads import STORIES_CONTEXT, _stories_model, build_workload, stories260k_path
 
 MODES = ("off", "ngram", "draft")
@@ -242,7 +243,7 @@ def format_table(rows: list[dict]) -> str:
         "tokens per verify step",
         "outputs (and token counts) == off",
     )
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table = []
     for r in rows:
         if "unavailable" in r:
             cells = [r["workload"], r["batch"], "", r["mode"], f"not available: {r['unavailable']}"]
@@ -264,8 +265,8 @@ def format_table(rows: list[dict]) -> str:
                 f"{r['tokens_per_verify']:.2f}" if spec else "",
                 equal,
             ]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return markdown_table(columns, table)
 
 
 def format_report(rows: list[dict], args, argv: list[str], load_start, load_end) -> str:

@@ -38,23 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cbrun.bench.measure import RunResult
+from cbrun.bench.vllm_runner import RESULT_KEYS  # NOTE: the runner imports only the standard library
 from cbrun.bench.workloads import Workload, cut_output
 
 #: The script ``--vllm-python`` executes.
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
-#: Keys the runner's result must have (kept equal to ``vllm_runner.RESULT_KEYS``; a test checks it).
-RESULT_KEYS = (
-    "outputs",
-    "wall_s",
-    "cpu_s",
-    "init_s",
-    "first_token_s",
-    "finish_s",
-    "rss_base_mib",
-    "rss_peak_mib",
-    "versions",
-    "config",
-)
 #: Why the backend did not run when ``--vllm-python`` is absent.
 SKIPPED_REASON = "no --vllm-python PATH given (vLLM runs in its own virtual environment; see benchmarks/README.md)"
 

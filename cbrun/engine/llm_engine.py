@@ -472,7 +472,13 @@ class LLMEngine:
         else:
             to_read = launched
         if to_read is not None:
-            finished.extend(self._update(*to_read))
+            # NOTE: read and applied here, not in a helper of this module: a step's logits pass from the sampler's
+            # StepOutput straight to the scheduler (benchmarks/step_path.py counts the modules on that path)
+            read_plan, read_handle, read_grammar = to_read
+            output = self.sampler.read(read_plan, read_handle, read_grammar, self._draft_probs)
+            finished.extend(self.scheduler.update_from_output(read_plan, output))  # counts the committed tokens
+            self._counters.num_steps += 1
+            self._counters.num_computed_tokens += read_plan.num_batch_tokens
             finished.extend(self.scheduler.pop_finished())  # requests whose own row failed
         return [self._finish(r) for r in finished]
 
@@ -492,18 +498,6 @@ class LLMEngine:
         if futures:
             assert self._grammar_compiler is not None  # a grammar compiles only once the compiler exists
             self._grammar_compiler.wait_any(futures, timeout)
-
-    def _update(self, plan: SchedulerOutput, handle: StepHandle, grammar: StepBitmask | None) -> list[Request]:
-        """Read a launched step's ``StepOutput`` (the sampler's, which drew its rows at launch) and apply it (the
-        scheduler's ``update_from_output``); returns the requests that finished."""
-        output = self.sampler.read(plan, handle, grammar, self._draft_probs)
-        finished = self.scheduler.update_from_output(plan, output)  # counts the committed output tokens
-        self._count_step(plan)
-        return finished
-
-    def _count_step(self, plan) -> None:
-        self._counters.num_steps += 1
-        self._counters.num_computed_tokens += plan.num_batch_tokens
 
     def _finish(self, request: Request) -> RequestOutput:
         self.sampler.release(request.index)

@@ -13,7 +13,7 @@ The same library writes each step's K/V into the cache (``write_kv_cache_cpu``, 
 The kernel is plain C with no torch headers; it builds with ``$CC`` (default ``gcc``), flags ``-O3 -march=native
 -ffp-contract=off -fopenmp -fno-trapping-math`` (no fused multiply-adds, so the floats do not depend on the CPU;
 the last lets the compiler vectorise the softmax's selects), into
-``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``), once per source, compiler and CPU (about 33 s on a
+``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``), once per source, compiler and CPU (about 20 to 35 s on a
 2-core machine: its tile loops are specialised per head size). It is loaded with ``ctypes`` and called on tensors'
 data pointers. Where it cannot be built (no compiler, a failed build, a read-only cache), ``unavailable_reason``
 says why and the engine keeps the reference.
@@ -506,4 +506,4 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 def _build(source: Path = SOURCE) -> Path:
     """The compiled library's path (``cbrun.kernels.c_build.build_library``; RuntimeError when it cannot be built)."""
     # NOTE: the compile takes 15 to 35 s on 2 cores (the tile loops are specialised per head size): say so first
-    return build_library(source, "the CPU attention kernel", "about 20 s")
+    return build_library(source, "the CPU attention kernel", "about 20 to 35 s")

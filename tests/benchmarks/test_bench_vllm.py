@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from cbrun.bench import cli, vllm_backend, vllm_runner, workloads
+from cbrun.bench import cli, vllm_backend, workloads
 
 #: A stand-in for vLLM with the names the runner uses: ``LLM(model, dtype, seed, skip_tokenizer_init, **kwargs)``,
 #: ``LLM.generate(prompts, params, use_tqdm)``, ``SamplingParams``, ``llm.llm_engine.vllm_config.scheduler_config``.
@@ -72,10 +72,6 @@ def bench(args, model_dir, tmp_path, capsys):
     table = capsys.readouterr().out
     assert markdown.read_text() == table  # --markdown writes what was printed
     return table, json.loads(out.read_text())
-
-
-def test_runner_and_backend_agree_on_the_result_keys():
-    assert vllm_runner.RESULT_KEYS == vllm_backend.RESULT_KEYS
 
 
 def test_vllm_backend_runs_the_runner_and_checks_outputs(stories260k_dir, tmp_path, capsys, fake_vllm):

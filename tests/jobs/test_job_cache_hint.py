@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.config.manifest import JobManifest
 from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
-from cbrun.jobs.run.job_setup import open_reader
 from cbrun.jobs.run.locked_run import expected_requests
+from cbrun.jobs.run.resources import open_reader
 
 
 def manifest(tmp_path, columns: dict, n: int = 1, mode: str = "generate") -> JobManifest:

@@ -13,9 +13,8 @@ from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
-from cbrun.jobs.run.job_setup import open_reader
-from cbrun.jobs.run.ray_input import input_rows
 from cbrun.jobs.run.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN, Replica
+from cbrun.jobs.run.resources import open_reader
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64, device="cpu")
 MANIFEST_DEFAULTS = {"sampling": SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), "id_column": "id"}
@@ -42,7 +41,7 @@ def test_read_span_keeps_exact_row_indices_across_row_groups(stories260k_dir, ma
     write_input(tmp_path / "in.parquet")
     reader = open_reader(make_manifest(stories260k_dir, tmp_path / "in.parquet", tmp_path / "out"))
     span = pa.Table.from_batches(list(reader.read_span(5, 23)))  # starts and ends inside a row group
-    rows = list(input_rows(reader, span.slice(3).to_batches()[0]))
+    rows = list(reader.rows_of(span.slice(3).to_batches()[0]))
     assert [(r.row_index, r.id) for r in rows] == [(i, f"s{i}") for i in range(8, 23)]
     assert rows[1].sampling_overrides == {"temperature": 0.8} and rows[0].sampling_overrides == {}
 

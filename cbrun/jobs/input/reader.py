@@ -270,7 +270,7 @@ class PromptReader:
 
         A batch holds ``columns`` in the unified ``schema``, ``ROW_ERROR_COLUMN`` (null where the row was read)
         and ``ROW_INDEX_COLUMN`` (int64: the row's index in the whole input), so ``rows_of`` can make the rows
-        anywhere, e.g. in a Ray replica (``cbrun.jobs.run.ray_input``).
+        anywhere, e.g. in a Ray replica (``cbrun.jobs.run.ray_executor.PendingRowsDatasource``).
         """
         first_row = 0
         for source in self.sources:

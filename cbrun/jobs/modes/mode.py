@@ -7,7 +7,7 @@ object and never asks which one it is::
         \\--------------- or an error OutputRow (a row the mode can tell is bad) ---------------> writer
 
 A new mode (OpenAI batch requests, lm-eval requests, ...) is one class with these three members, registered in
-``cbrun.jobs.run.job_setup.MODES`` under its ``input.mode`` name. Request ids are ``(row_index, k)``: k is the sample index in
+``cbrun.jobs.run.resources.MODES`` under its ``input.mode`` name. Request ids are ``(row_index, k)``: k is the sample index in
 generate mode, the candidate index in score mode.
 """
 

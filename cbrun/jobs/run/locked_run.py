@@ -23,9 +23,8 @@ from cbrun.jobs.output.output_dir import OutputDir
 from cbrun.jobs.output.row_ids import warn_repeated_ids
 from cbrun.jobs.output.writer import OUTPUT_SCHEMA, PartWriter
 from cbrun.jobs.run.heap import frozen_heap
-from cbrun.jobs.run.job_setup import MODES, model_vocab_size, output_carried_fields
 from cbrun.jobs.run.resolve import ResolvedJob
-from cbrun.jobs.run.resources import JobAborted, JobError, load_engine
+from cbrun.jobs.run.resources import MODES, JobAborted, JobError, load_engine, model_vocab_size
 from cbrun.jobs.run.row_loop import _JobRun
 from cbrun.jobs.run.sharding import shard_mask, shard_ranges, unit_starts, write_shards_file
 from cbrun.jobs.run.summary import JobSummary
@@ -61,7 +60,7 @@ class _Job:
             out.commit_every_rows,
             out.commit_every_seconds,
             overwrite=self.clears_at_start(),
-            carried_fields=output_carried_fields(self.manifest, self.reader),
+            carried_fields=self.job.carried_fields,
         )
         self.write_shards_file()  # again: --overwrite cleared the directory's cbrun files
         remove_stale_results(self.manifest, self.checkpoint)
@@ -103,9 +102,7 @@ class _Job:
         the output."""
         self.checkpoint.prepare(self.fingerprint)
         # NOTE: an output with no rows still holds one part, so that readers see its columns (pandas, duckdb)
-        self.checkpoint.write_empty_part_if_none(
-            pa.schema([*OUTPUT_SCHEMA, *output_carried_fields(self.manifest, self.reader)])
-        )
+        self.checkpoint.write_empty_part_if_none(pa.schema([*OUTPUT_SCHEMA, *self.job.carried_fields]))
         write_results_file(self.manifest, tokenizer)
         if self.manifest.output.compact:
             compact_output(self.checkpoint.output_dir, self.manifest.output.target_file_mb, locked=True)

@@ -3,7 +3,7 @@
 The driver (the ``cbrun run`` process) holds the output's lock, its ``PartWriter`` and the done bitmap, exactly as
 a single-process run does; only the reading and the engine work move out::
 
-    read_datasource(PendingRowsDatasource)       one read task per span of pending rows (jobs.run.ray_input): only
+    read_datasource(PendingRowsDatasource)       one read task per span of pending rows (pending_spans): only
         |                                        their row groups are read; each row keeps its exact row_index
     map_batches(Replica, ActorPoolStrategy(num_replicas), up to max_concurrent_batches batches per replica)
         |                                        each replica: one engine, loaded once, whose continuous batching
@@ -20,12 +20,25 @@ single-process run's. Ray restarts a dead replica and retries its batches (Ray D
 is returned only when it completes, and the driver drops any row it has already written. A killed driver loses only
 its uncommitted rows: the rerun reads the spans of the rows not in a committed part.
 
+The input side: ``PendingRowsDatasource`` gives one read task per span of pending rows (runs of rows not
+committed, cut every ``cluster.batch_size`` rows). A read task reads only the row groups its span is in, with
+cbrun's sources (Parquet, JSON Lines, a ``datasets`` directory), and yields Arrow batches of the reader's columns
+plus ``ROW_INDEX_COLUMN``, the row's index in the whole input: the resume key and, with the row id, the source of its
+seeds. Ray Data runs the reads as tasks of their own, streamed ahead of the replicas with backpressure.
+NOTE: why a ``Datasource`` and not ``ray.data.read_parquet`` / ``read_json``: those readers give no row position.
+``monotonically_increasing_id()`` is unique but not consecutive (a task id in its upper bits), ``Dataset.zip`` with
+``ray.data.range`` materialises the whole input before the first row runs, and ``row_hash`` is a hash. cbrun's
+resume needs each row's exact index, and skipping committed rows should skip their row groups, so the read tasks
+here are cut from the done bitmap, which is the reader interface Ray Data documents for sources of its own:
+https://docs.ray.io/en/latest/data/custom-datasource-example.html
+
 Ray Data's pattern for stateful batch inference (an actor pool of callable classes, the model loaded in
 ``__init__``): https://docs.ray.io/en/latest/data/batch_inference.html
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -36,8 +49,13 @@ import pyarrow as pa
 __all__ = ["RAY_EXTRA_MESSAGE", "check_ray_installed", "pending_spans", "replica_resources", "run_on_ray"]
 
 from cbrun.jobs.output.writer import OUTPUT_SCHEMA, OutputRow
-from cbrun.jobs.run.ray_input import pending_spans
 from cbrun.jobs.run.replica import GROUP_SIZE_COLUMN, SHARED_STEPS_COLUMN
+
+try:  # NOTE: Ray is an optional extra; without it this module still imports (``pending_spans``, the checks)
+    from ray.data import Datasource, ReadTask
+    from ray.data.block import BlockMetadata
+except ImportError:
+    Datasource = object  # type: ignore[misc,assignment]  # NOTE: PendingRowsDatasource is never built then
 
 logger = logging.getLogger("cbrun")
 
@@ -70,7 +88,7 @@ def quiet_ray_logs() -> None:
     for name, level in QUIET_RAY_ENV.items():
         os.environ.setdefault(name, level)
     logging.getLogger("ray").setLevel(os.environ["RAY_LOGGER_LEVEL"].upper())
-    # NOTE: Ray Data reads its variable when first imported (jobs.run.ray_input may have imported it): set it here too
+    # NOTE: Ray Data reads its variable when first imported (this module's import may have): set it here too
     logging.getLogger("ray.data").setLevel(os.environ["RAY_DATA_LOG_LEVEL"].upper())
 
 
@@ -119,7 +137,6 @@ def output_batches(
     """Run the spans through ``cluster.num_replicas`` replicas; yield their output tables as they stream back."""
     import ray.data
 
-    from cbrun.jobs.run.ray_input import PendingRowsDatasource
     from cbrun.jobs.run.replica import Replica
 
     cluster = manifest.cluster
@@ -207,3 +224,70 @@ def _output_row(record: dict) -> OutputRow:
     if fields["logprobs"] is not None:
         fields["logprobs"] = [{e["token_id"]: e["logprob"] for e in step} for step in fields["logprobs"]]
     return OutputRow(**fields, carried=record)
+
+
+def pending_spans(done: np.ndarray, batch_size: int) -> list[tuple[int, int]]:
+    """The rows not done as spans ``[start, end)`` of at most ``batch_size`` rows each, in row order: runs of
+    consecutive rows not done, cut every ``batch_size`` rows (a span holds no done row)."""
+    pending = np.flatnonzero(~done)
+    if not len(pending):
+        return []
+    breaks = np.flatnonzero(np.diff(pending) != 1) + 1
+    spans = []
+    for run in np.split(pending, breaks):
+        start, end = int(run[0]), int(run[-1]) + 1
+        spans += [(s, min(s + batch_size, end)) for s in range(start, end, batch_size)]
+    return spans
+
+
+class PendingRowsDatasource(Datasource):
+    """The rows of ``spans`` of the job's input, one read task per span.
+
+    Args:
+        manifest: the job (its ``[input]`` opens the reader in each read task).
+        spans: ``pending_spans`` of the rows to read.
+    """
+
+    def __init__(self, manifest, spans: list[tuple[int, int]]):
+        self.manifest = manifest
+        self.spans = spans
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context=None
+    ) -> list[ReadTask]:
+        """One task per span whatever ``parallelism`` asks: a span is already one batch of a replica."""
+        manifest = self.manifest
+        return [
+            ReadTask(
+                functools.partial(_read_span, manifest, start, end),
+                BlockMetadata(num_rows=end - start, size_bytes=None, input_files=None, exec_stats=None),
+                per_task_row_limit=per_task_row_limit,
+            )
+            for start, end in self.spans
+        ]
+
+    def get_name(self) -> str:
+        return "CbrunInput"
+
+
+def _read_span(manifest, start: int, end: int) -> Iterator[pa.Table]:
+    batches = list(_reader(manifest).read_span(start, end))
+    assert sum(b.num_rows for b in batches) == end - start, (start, end)
+    yield pa.Table.from_batches(batches)
+
+
+_READERS: dict[str, object] = {}  # the [input] settings -> their reader, per worker process
+
+
+def _reader(manifest):
+    """The job's reader, opened once per worker process (its footers and schema are read once, not per span)."""
+    from cbrun.jobs.run.resources import open_reader
+
+    key = repr(manifest.input) + repr(manifest.output.keep_columns)
+    if key not in _READERS:
+        _READERS.clear()
+        _READERS[key] = open_reader(manifest)
+    return _READERS[key]

@@ -238,8 +238,14 @@ class Replica:
         from cbrun.jobs.model.source import worker_model_path
         from cbrun.jobs.output.commits import new_attempt
         from cbrun.jobs.output.output_dir import open_output
-        from cbrun.jobs.run.job_setup import MODES, model_vocab_size, open_reader, output_carried_fields
-        from cbrun.jobs.run.resources import load_engine, load_tokenizer
+        from cbrun.jobs.run.resources import (
+            MODES,
+            load_engine,
+            load_tokenizer,
+            model_vocab_size,
+            open_reader,
+            output_carried_fields,
+        )
         from cbrun.jobs.store.store import FsspecStore
 
         torch.set_num_threads(num_threads)
@@ -257,7 +263,7 @@ class Replica:
         def make_mode():
             return MODES[manifest.input.mode](manifest, tokenizer, engine.max_model_len, vocab_size)
 
-        schema = pa.schema([*OUTPUT_SCHEMA, *output_carried_fields(manifest, self.reader)])
+        schema = pa.schema([*OUTPUT_SCHEMA, *output_carried_fields(manifest.output.keep_columns, self.reader)])
         self.loop = BatchLoop(
             engine, make_mode, schema, manifest.input.order_window, 4 * engine_config.max_requests_per_batch
         )
@@ -295,14 +301,12 @@ class Replica:
         return recorder
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
-        """``batch``: input rows (``cbrun.jobs.run.ray_input``). Returns their output rows (``OUTPUT_SCHEMA``,
+        """``batch``: input rows (``cbrun.jobs.run.ray_executor.PendingRowsDatasource``). Returns their output rows (``OUTPUT_SCHEMA``,
         ``GROUP_SIZE_COLUMN`` and ``SHARED_STEPS_COLUMN``), a row's samples together."""
         if self._slots is None:  # NOTE: made here, on the event loop Ray Data runs async UDFs on
             self._slots = asyncio.Semaphore(self.max_concurrent_batches)
-        from cbrun.jobs.run.ray_input import input_rows
-
         async with self._slots:
-            table = await asyncio.wrap_future(self.loop.submit(list(input_rows(self.reader, batch))))
+            table = await asyncio.wrap_future(self.loop.submit(list(self.reader.rows_of(batch))))
         if self.commit_store is None or not table.num_rows:
             return table
         from cbrun.jobs.output.object_parts import commit_span

@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from cbrun.engine.config import EngineConfig, checkpoint_dtype
 from cbrun.jobs.config.manifest import JobManifest
 from cbrun.jobs.input.chat import check_chat_template
@@ -28,8 +30,14 @@ from cbrun.jobs.model.source import ModelSource, is_hub_id, recorded_commit, res
 from cbrun.jobs.output.fingerprint import job_fingerprint
 from cbrun.jobs.output.lock import Shard
 from cbrun.jobs.output.output_dir import OutputDir, open_output
-from cbrun.jobs.run.job_setup import open_reader
-from cbrun.jobs.run.resources import JobError, check_model_dir, load_tokenizer, resolve_device
+from cbrun.jobs.run.resources import (
+    JobError,
+    check_model_dir,
+    load_tokenizer,
+    open_reader,
+    output_carried_fields,
+    resolve_device,
+)
 from cbrun.jobs.store.files import StorageError, is_uri
 
 logger = logging.getLogger("cbrun")
@@ -55,6 +63,8 @@ class ResolvedJob:
         may_sample: whether any row may be sampled (the job's settings, a per-row setting column, or an OpenAI
             batch file, whose bodies carry their settings).
         sampling_defaults: the settings taken from the model's generation_config.json ({} when none).
+        carried_fields: the Arrow fields the output rows carry beyond ``OUTPUT_SCHEMA`` (the kept columns,
+            ``cbrun.jobs.run.resources.output_carried_fields``).
     """
 
     manifest: JobManifest
@@ -66,6 +76,7 @@ class ResolvedJob:
     tokenizer: Any
     may_sample: bool
     sampling_defaults: dict[str, Any]
+    carried_fields: list[pa.Field]
 
     @property
     def engine(self) -> EngineConfig:
@@ -135,6 +146,7 @@ def resolve_job(manifest: JobManifest, shard: Shard | None = None, progress: boo
         tokenizer=tokenizer,
         may_sample=may_sample,
         sampling_defaults=taken,
+        carried_fields=output_carried_fields(manifest.output.keep_columns, reader),
     )
 
 

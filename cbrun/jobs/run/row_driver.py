@@ -24,7 +24,7 @@ class RowDriver:
     """Rows into requests and requests' outputs back into rows, through one ``JobMode``.
 
     Args:
-        mode: the job's mode (``cbrun.jobs.run.job_setup.MODES``).
+        mode: the job's mode (``cbrun.jobs.run.resources.MODES``).
         order_window: ``input.order_window``: rows ordered by prompt prefix within windows of this many.
     """
 

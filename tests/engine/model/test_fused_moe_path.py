@@ -138,15 +138,13 @@ def test_the_block_is_captured_without_host_reads_and_replays(force_triton):
 def test_a_block_with_unwired_features_keeps_the_other_paths():
     """A block with what the wiring does not pass to the kernel (expert biases, another activation) is not sent to
     it: it would run without them."""
-    from dataclasses import dataclass
+    from dataclasses import replace
 
     from cbrun.engine.model.layers.moe import _triton_blocker
 
-    @dataclass
-    class Biased(MoEWeights):
-        gate_up_bias: torch.Tensor | None = None
-
     plain = _fp8_block()
     assert _triton_blocker(plain) is None
-    biased = Biased(**{f: getattr(plain, f) for f in plain.__dataclass_fields__}, gate_up_bias=torch.zeros(4, 64))
+    biased = replace(plain, gate_up_bias=torch.zeros(4, 64))
     assert "gate_up_bias is not wired" in _triton_blocker(biased)
+    other_activation = replace(plain, activation=lambda x: x)
+    assert "activation" in _triton_blocker(other_activation)

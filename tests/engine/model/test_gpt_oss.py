@@ -428,7 +428,7 @@ def test_a_lean_decode_step_reads_nothing_back(gpt_oss, mxfp4, quantized, monkey
 def test_batch_invariance_is_refused_by_name_and_auto_turns_it_off(gpt_oss):
     from cbrun.engine.worker.backends import batch_invariant_blocker_before_load
 
-    reason = batch_invariant_blocker_before_load(EngineConfig(**ENGINE), str(gpt_oss[0]))
+    reason = batch_invariant_blocker_before_load(EngineConfig(**ENGINE), str(gpt_oss[0]), "float32")
     assert reason is not None and "gpt-oss's MoE block" in reason
     with pytest.raises(ValueError, match="batch_invariant = on does not run this MoE block"):
         LLMEngine.from_pretrained(str(gpt_oss[0]), EngineConfig(**ENGINE, batch_invariant="on"))
