@@ -35,15 +35,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tests.model_utils import TINY_DECODER
+
 #: Fields set where a family's config (or one of its sub-configs) has them: hidden 64, 2 layers, 4 heads of 16 over
 #: 2 KV heads, a 4-token sliding window, 4 experts with 2 per token.
 TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
+    TINY_DECODER,
     intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
     max_position_embeddings=128,
     sliding_window=4,
@@ -52,9 +50,6 @@ TINY = dict(
     n_routed_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
     tie_word_embeddings=False,
 )
 #: An ``OVERRIDES`` value: leave this ``TINY`` field out of the family's config.

@@ -25,19 +25,10 @@ VOCAB = 128
 def _model_dir(path: str, max_len: int) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tests.model_utils import TINY_DECODER
+
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_len,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    config = LlamaConfig(**dict(TINY_DECODER, vocab_size=VOCAB, max_position_embeddings=max_len))
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 

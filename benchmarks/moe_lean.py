@@ -32,17 +32,16 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.random_model import saved_random_model
+from cbrun.bench.workloads import llama_shape
+
 MODEL = dict(
+    **llama_shape(512, 4, 8, 4, 1024),
     vocab_size=4096,
-    hidden_size=512,
-    intermediate_size=1024,
     moe_intermediate_size=256,
     num_experts=32,
     num_experts_per_tok=4,
     norm_topk_prob=True,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
     head_dim=64,
     max_position_embeddings=512,
 )
@@ -68,14 +67,7 @@ class HostReads(TorchDispatchMode):
 
 def build_model(model_dir: Path) -> Path:
     """The random Qwen3-MoE of ``MODEL`` in ``model_dir`` (safetensors), built once."""
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(**MODEL, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
-    return model_dir
+    return saved_random_model(model_dir, "Qwen3MoeForCausalLM", **MODEL)
 
 
 def one_run(model_dir: Path, model_impl: str, args) -> dict:

@@ -29,23 +29,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.random_model import saved_random_model
+from cbrun.bench.workloads import llama_shape
+
 LAYOUTS = ("dequantized", "ct-sym", "gptq", "fp8-block", "mxfp4")
 #: The random gpt-oss of the ``mxfp4`` rows.
 GPT_OSS = dict(
+    **llama_shape(512, 4, 8, 2, 512),
     vocab_size=8000,
-    hidden_size=512,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
     head_dim=64,
     max_position_embeddings=256,
     num_local_experts=16,
     num_experts_per_tok=4,
     sliding_window=16,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
 )
 
 
@@ -104,15 +100,8 @@ def checkpoints(model_dir: Path, layouts: tuple[str, ...] = LAYOUTS[1:]) -> dict
 
 
 def _gpt_oss(model_dir: Path) -> Path:
-    """The random gpt-oss of ``GPT_OSS`` in ``model_dir`` (safetensors), built once."""
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    import torch
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    torch.manual_seed(0)
-    GptOssForCausalLM(GptOssConfig(**GPT_OSS)).save_pretrained(model_dir)
-    return model_dir
+    """The random gpt-oss of ``GPT_OSS`` (no special tokens) in ``model_dir`` (safetensors), built once."""
+    return saved_random_model(model_dir, "GptOssForCausalLM", **GPT_OSS)
 
 
 def main() -> None:

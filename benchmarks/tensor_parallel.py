@@ -40,29 +40,16 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.random_model import saved_random_model
+from cbrun.bench.workloads import llama_shape
+
 SETTINGS = ((1, 1), (1, 2), (2, 1))  # (tensor_parallel_size, threads per rank)
-MODEL = dict(
-    vocab_size=8000,
-    hidden_size=1024,
-    intermediate_size=4096,
-    num_hidden_layers=4,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    max_position_embeddings=512,
-)
+MODEL = dict(**llama_shape(1024, 4, 16, 8, 4096), vocab_size=8000, max_position_embeddings=512)
 
 
 def build_model(model_dir: Path) -> Path:
     """The random Llama of ``MODEL`` in ``model_dir`` (safetensors), built once."""
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    return model_dir
+    return saved_random_model(model_dir, "LlamaForCausalLM", **MODEL)
 
 
 #: The projections ``quantize_fp8`` quantizes, by module name.

@@ -11,31 +11,36 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from cbrun.bench.workloads import llama_shape
+
 #: Random weights are scaled up so logits are well separated: a mismatch means a bug, not a rounding tie.
 WEIGHT_SCALE = 3.0
+
+#: Config fields of a model with no special tokens: nothing but the test's own limits stops a greedy run.
+NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+#: The small decoder the random test models start from (fields of a transformers config; override per test):
+#: hidden 64 over 2 layers, 4 query heads sharing 2 KV heads, MLP width 128, 128 tokens, 256 positions.
+TINY_DECODER = dict(**llama_shape(64, 2, 4, 2, 128), vocab_size=128, max_position_embeddings=256, **NO_SPECIAL_TOKENS)
 
 
 @functools.lru_cache(maxsize=None)
 def random_llama_dir(vocab_size: int = 128, num_kv_heads: int = 2, max_len: int = 256, seed: int = 0) -> Path:
     """A random Llama with grouped-query attention (4 query heads), saved once per session to a temp dir."""
-    torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_len,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **dict(TINY_DECODER, vocab_size=vocab_size, num_key_value_heads=num_kv_heads, max_position_embeddings=max_len)
     )
-    model = LlamaForCausalLM(config)
+    return scaled_random_dir(LlamaForCausalLM, config, "cbrun-llama-", seed)
+
+
+def scaled_random_dir(model_class, config, prefix: str, seed: int = 0) -> Path:
+    """``model_class(config)`` initialised from ``seed``, every weight times WEIGHT_SCALE, saved to a new session
+    temp dir named ``prefix...``."""
+    torch.manual_seed(seed)
+    model = model_class(config)
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(WEIGHT_SCALE)
-    path = session_tmp_dir("cbrun-llama-")
+    path = session_tmp_dir(prefix)
     model.save_pretrained(path)
     return path
 
@@ -56,18 +61,7 @@ def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> P
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_class, model_class = classes[model_type]
-    fields = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    fields = dict(TINY_DECODER, intermediate_size=96, max_position_embeddings=128)
     if model_type in ("mistral", "mixtral"):
         fields["sliding_window"] = None
     if model_type in ("qwen3_moe", "mixtral"):

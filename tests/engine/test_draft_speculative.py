@@ -12,38 +12,19 @@ import json
 import shutil
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
-from tests.engine.test_speculative import (
-    _chi_square_p,
-    _generate,
-    _markov_model_dir,
-    _random_model_dir,
-    _repetitive_prompts,
-)
-from tests.model_utils import assert_same_outputs_and_logprobs, hf_greedy, random_llama_dir, random_prompts
-
-VOCAB = 128
-
-
-def _random_draft_dir(vocab: int = VOCAB, max_len: int = 256):
-    """A random Llama of another seed: its proposals are mostly wrong."""
-    return random_llama_dir(vocab, max_len=max_len, seed=7)
+from tests.engine import spec_utils
+from tests.engine.spec_utils import VOCAB
+from tests.model_utils import TINY_DECODER, hf_greedy, random_llama_dir, random_prompts
 
 
 def _off_and_draft(model_dir, draft_dir, requests, **config):
-    results = []
-    for speculative, draft in (("off", None), ("draft", str(draft_dir))):
-        engine = LLMEngine.from_pretrained(
-            str(model_dir), EngineConfig(speculative=speculative, draft_model=draft, **config)
-        )
-        results.append((_generate(engine, requests), engine.stats))
-    return results
+    return spec_utils.off_and_on(model_dir, requests, "draft", draft_model=draft_dir, **config)
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------
@@ -77,19 +58,7 @@ def test_draft_refuses_swap_shorter_draft_and_sliding_targets(tmp_path):
             target,
             EngineConfig(speculative="draft", draft_model=str(random_llama_dir(VOCAB, max_len=64)), num_blocks=64),
         )
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=6,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    config = transformers.MistralConfig(**dict(TINY_DECODER, sliding_window=6))
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="sliding-window"):
         LLMEngine.from_pretrained(str(tmp_path), EngineConfig(speculative="draft", draft_model=target, num_blocks=64))
@@ -114,18 +83,18 @@ def test_draft_equal_to_target_accepts_every_proposal():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_random_draft_equals_transformers_generate(arch):
-    model_dir = _random_model_dir(arch)
-    prompts = _repetitive_prompts(4) + random_prompts(4, VOCAB, 1, 20, seed=7)
+    model_dir = spec_utils.target_model_dir(arch)
+    prompts = spec_utils.repetitive_prompts(4) + random_prompts(4, VOCAB, 1, 20, seed=7)
     config = EngineConfig(
         page_size=4,
         max_batch_tokens=16,
         num_blocks=256,
         speculative="draft",
-        draft_model=str(_random_draft_dir()),
+        draft_model=str(spec_utils.random_draft_dir()),
         num_speculative_tokens=3,
     )
     engine = LLMEngine.from_pretrained(str(model_dir), config)
-    outputs = _generate(engine, [(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(prompts)])
+    outputs = spec_utils.generate(engine, [(i, p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         assert outputs[i].output_token_ids == hf_greedy(model_dir, prompt, 20), f"prompt {i}"
     stats = engine.stats
@@ -136,7 +105,7 @@ def test_random_draft_equals_transformers_generate(arch):
 def stories_random_draft(stories260k_dir):
     """A random Llama with stories260K's vocabulary, length and tokenizer files."""
     max_len = json.loads((stories260k_dir / "config.json").read_text())["max_position_embeddings"]
-    path = _random_draft_dir(512, max_len)
+    path = spec_utils.random_draft_dir(512, max_len)
     for name in stories260k_dir.iterdir():
         if name.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(name, path / name.name)
@@ -155,17 +124,9 @@ def test_draft_reproduces_llama2c_goldens(stories260k_dir, stories_random_draft,
         num_speculative_tokens=4 if draft == "itself" else 2,
     )
     engine = LLMEngine.from_pretrained(str(stories260k_dir), config)
-    requests = [
-        (
-            i,
-            line["prompt_token_ids"],
-            SamplingParams(max_new_tokens=line["max_positions"] - len(line["prompt_token_ids"]) + 1),
-        )
-        for i, line in enumerate(reference_greedy)
-    ]
-    outputs = _generate(engine, requests)
-    for i, line in enumerate(reference_greedy):
-        assert outputs[i].output_token_ids == line["output_token_ids"], f"line {i}: {line['prompt']!r}"
+    spec_utils.assert_goldens(
+        spec_utils.generate(engine, spec_utils.golden_requests(reference_greedy)), reference_greedy
+    )
     stats = engine.stats
     assert stats.num_verify_steps > 0
     if draft == "itself":
@@ -174,34 +135,22 @@ def test_draft_reproduces_llama2c_goldens(stories260k_dir, stories_random_draft,
         assert stats.acceptance_rate < 0.5
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        dict(page_size=4, max_batch_tokens=24, num_blocks=12, safety_margin=0.0),  # tight: soft resets happen
-        dict(page_size=4, max_batch_tokens=32, num_blocks=256, allow_block_sharing=True),  # shared prefixes
-    ],
-    ids=["tight-cache", "prefix-sharing"],
-)
+@pytest.mark.parametrize("config", spec_utils.PRESSURE_CONFIGS, ids=spec_utils.PRESSURE_IDS)
 @pytest.mark.parametrize("draft", ["itself", "random"])
 def test_draft_equals_off_under_pressure_and_sharing(config, draft):
     model_dir = random_llama_dir(VOCAB)
-    shared = _repetitive_prompts(1, seed=11)[0][:16]
-    prompts = [shared + p[:6] for p in _repetitive_prompts(6)] + random_prompts(4, VOCAB, 4, 20, seed=5)
+    shared = spec_utils.repetitive_prompts(1, seed=11)[0][:16]
+    prompts = [shared + p[:6] for p in spec_utils.repetitive_prompts(6)] + random_prompts(4, VOCAB, 4, 20, seed=5)
     requests = [(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)]
-    draft_dir = model_dir if draft == "itself" else _random_draft_dir()
+    draft_dir = model_dir if draft == "itself" else spec_utils.random_draft_dir()
     (off, off_stats), (spec, spec_stats) = _off_and_draft(
         model_dir, draft_dir, requests, num_speculative_tokens=4, **config
     )
-    for i in range(len(prompts)):
-        assert spec[i].output_token_ids == off[i].output_token_ids, f"prompt {i}"
-        assert spec[i].finish_reason == off[i].finish_reason
+    spec_utils.assert_same_as_off(spec, off)
     assert spec_stats.num_verify_steps > 0
     if draft == "itself":  # the draft's KV survived soft resets and shared blocks: every proposal is right
         assert spec_stats.acceptance_rate == 1.0
-    if config["num_blocks"] == 12:
-        assert off_stats.num_soft_resets > 0 and spec_stats.num_soft_resets > 0
-    else:
-        assert spec_stats.num_cached_prompt_tokens > 0
+    spec_utils.assert_pressure_happened(config, off_stats, spec_stats)
 
 
 @pytest.mark.slow
@@ -210,7 +159,7 @@ def test_draft_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(stories260k_dir))
     story = tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside.")
     off_engine = LLMEngine.from_pretrained(str(stories260k_dir), EngineConfig())
-    plain = _generate(off_engine, [("p", story, SamplingParams(max_new_tokens=40))])["p"].output_token_ids
+    plain = spec_utils.generate(off_engine, [("p", story, SamplingParams(max_new_tokens=40))])["p"].output_token_ids
     requests = [
         ("max", story, SamplingParams(max_new_tokens=9)),
         ("token", story, SamplingParams(max_new_tokens=40, stop_token_ids=(plain[7],))),
@@ -218,50 +167,9 @@ def test_draft_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
         ("length", story, SamplingParams(max_new_tokens=600, ignore_eos=True)),  # runs into the model length
     ]
     (off, _), (spec, stats) = _off_and_draft(stories260k_dir, stories260k_dir, requests, num_speculative_tokens=6)
-    for name, *_ in requests:
-        assert spec[name].output_token_ids == off[name].output_token_ids, name
-        assert (spec[name].finish_reason, spec[name].stop_reason, spec[name].text) == (
-            off[name].finish_reason,
-            off[name].stop_reason,
-            off[name].text,
-        ), name
+    spec_utils.assert_same_stops(spec, off)
     assert off["length"].finish_reason == "length" and len(off["length"].output_token_ids) > 40
     assert stats.acceptance_rate == 1.0
-
-
-def test_host_processed_greedy_rows_equal_off():
-    """Penalties, min_new_tokens and log-probabilities see the accepted tokens before each verified position."""
-    model_dir = random_llama_dir(VOCAB)
-    prompts = _repetitive_prompts(6)
-    params = [
-        SamplingParams(max_new_tokens=16, repetition_penalty=1.3),
-        SamplingParams(max_new_tokens=16, presence_penalty=0.5, frequency_penalty=0.3, logprobs=2),
-        SamplingParams(
-            max_new_tokens=16,
-            min_new_tokens=5,
-            stop_token_ids=(3, 7, 11),
-            logprobs=0,
-            logprobs_mode="processed_logprobs",
-        ),
-    ]
-    requests = [(i, p, params[i % 3]) for i, p in enumerate(prompts)]
-    (off, _), (spec, stats) = _off_and_draft(model_dir, model_dir, requests, num_blocks=256, page_size=4)
-    assert_same_outputs_and_logprobs(spec, off)
-    assert stats.num_accepted_tokens > 0
-
-
-def test_seeded_sampled_rows_are_reproducible_and_independent_of_batch():
-    model_dir = random_llama_dir(VOCAB)
-    prompts = _repetitive_prompts(6)
-    params = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.9, seed=1234)
-    config = EngineConfig(speculative="draft", draft_model=str(_random_draft_dir()), num_blocks=256, page_size=4)
-    alone = _generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
-    again = _generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
-    others = [(i, p, SamplingParams(max_new_tokens=12, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
-    engine = LLMEngine.from_pretrained(str(model_dir), config)
-    crowded = _generate(engine, others[:3] + [("x", prompts[0], params)] + others[3:])["x"]
-    assert crowded.output_token_ids == alone.output_token_ids == again.output_token_ids
-    assert engine.stats.num_verify_steps > 0
 
 
 @pytest.mark.slow
@@ -278,34 +186,14 @@ def test_sampling_with_a_draft_keeps_the_target_distribution(tmp_path):
     draft = torch.full((vocab, vocab), 0.2 / (vocab - 2), dtype=torch.float64)
     draft[rows, (rows + 1) % vocab] = 0.3
     draft[rows, (rows + 2) % vocab] = 0.5
-    model_dir = _markov_model_dir(target.float(), tmp_path / "target")
-    draft_dir = _markov_model_dir(draft.float(), tmp_path / "draft")
+    model_dir = spec_utils.markov_model_dir(target.float(), tmp_path / "target")
+    draft_dir = spec_utils.markov_model_dir(draft.float(), tmp_path / "draft")
     prompt = list(range(vocab)) * 2
-    config = EngineConfig(
-        speculative="draft",
-        draft_model=draft_dir,
-        num_speculative_tokens=2,
-        num_blocks=512,
-        page_size=4,
-        max_batch_tokens=512,
-        max_requests_per_batch=128,
-        speculative_max_batch=128,
-    )
-    engine = LLMEngine.from_pretrained(model_dir, config)
-    requests = [(i, prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=i)) for i in range(num_draws)]
-    outputs = _generate(engine, requests)
-    tokens = np.array([outputs[i].output_token_ids for i in range(num_draws)])
-    stats = engine.stats
+    tokens, stats = spec_utils.markov_draws(model_dir, prompt, num_draws, speculative="draft", draft_model=draft_dir)
     assert stats.num_verify_steps == num_draws  # t1 sampled plainly; then one verify step of up to 2 proposals
     # Acceptance of a proposal is sum_x min(p(x), q(x)) = 0.3 + 0.4/7 + 6 * 0.2/6 ~ 0.56 (both branches run often).
     assert 0.46 < stats.acceptance_rate < 0.66
-    t = target.numpy()
-    exact12 = (t[prompt[-1]][:, None] * t).reshape(-1)  # p(t1, t2), t1 major
-    exact3 = exact12 @ np.tile(t, (vocab, 1))
-    observed12 = np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
-    assert _chi_square_p(observed12, exact12) > 1e-3, (observed12, exact12 * num_draws)
-    observed3 = np.bincount(tokens[:, 2], minlength=vocab)
-    assert _chi_square_p(observed3, exact3) > 1e-3, (observed3, exact3 * num_draws)
+    spec_utils.assert_markov_draws(tokens, target.numpy(), prompt[-1])
 
 
 @pytest.mark.parametrize("speculative", ["off", "ngram"])

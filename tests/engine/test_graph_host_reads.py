@@ -11,25 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.worker import backends
-from tests.model_utils import random_llama_dir, session_tmp_dir
+from tests.model_utils import TINY_DECODER, random_llama_dir, session_tmp_dir
 
 DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
 
 
 def dynamic_rope_llama_dir():
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_parameters=DYNAMIC,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    config = LlamaConfig(**dict(TINY_DECODER, max_position_embeddings=64, rope_parameters=DYNAMIC))
     path = session_tmp_dir("cbrun-dynamic-rope-")
     LlamaForCausalLM(config).save_pretrained(path)
     return path

@@ -2,6 +2,7 @@
 
 Oracles: llama2.c's goldens for stories260K, transformers' ``generate`` for random Llama / Qwen2, and the engine
 with speculation off (stop tokens, stop strings, max_new_tokens, the model length, tight caches, prefix sharing).
+Host-processed greedy rows and seeded sampled rows are checked here for a draft model, too (``SPECULATION``).
 """
 
 from __future__ import annotations
@@ -13,29 +14,17 @@ import transformers
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.spec_decode.speculative import NgramIndex, NgramProposer, accept_greedy
-from tests.model_utils import (
-    WEIGHT_SCALE,
-    assert_pool_balanced,
-    assert_same_outputs_and_logprobs,
-    hf_greedy,
-    random_llama_dir,
-    random_prompts,
-    session_tmp_dir,
-)
+from tests.engine import spec_utils
+from tests.engine.spec_utils import VOCAB
+from tests.model_utils import assert_same_outputs_and_logprobs, hf_greedy, random_llama_dir, random_prompts
 
-VOCAB = 128
-
-
-def _generate(engine: LLMEngine, requests) -> dict:
-    outputs = {o.request_id: o for o in engine.generate(requests)}
-    assert_pool_balanced(engine)
-    return outputs
-
-
-def _repetitive_prompts(n: int, seed: int = 3) -> list[list[int]]:
-    """Prompts that repeat a random phrase, so n-gram lookup finds proposals (random models loop, too)."""
-    phrases = random_prompts(n, VOCAB, 3, 9, seed=seed)
-    return [(phrase * 5)[:30] for phrase in phrases]
+#: EngineConfig fields per speculation kind: n-gram lookup, the target as its own draft (every proposal right), and
+#: a random draft (most proposals wrong).
+SPECULATION = {
+    "ngram": lambda model_dir: dict(speculative="ngram", ngram_min=1),
+    "draft": lambda model_dir: dict(speculative="draft", draft_model=str(model_dir)),
+    "random-draft": lambda model_dir: dict(speculative="draft", draft_model=str(spec_utils.random_draft_dir())),
+}
 
 
 # ---- the proposer and the acceptance rule ---------------------------------------------------------------------
@@ -99,7 +88,8 @@ def test_config_refuses_unsupported_settings():
 def test_engine_refuses_async_batching():
     with pytest.raises(ValueError, match="async_batching"):
         LLMEngine.from_pretrained(
-            str(random_llama_dir(VOCAB)), EngineConfig(speculative="ngram", async_batching="on", num_blocks=64)
+            str(random_llama_dir(VOCAB)),
+            EngineConfig(speculative="ngram", async_batching="on", num_blocks=64),
         )
 
 
@@ -115,54 +105,19 @@ def test_ngram_reproduces_llama2c_goldens(stories260k_dir, reference_greedy, pag
         ngram_max=3,
     )
     engine = LLMEngine.from_pretrained(str(stories260k_dir), config)
-    requests = [
-        (
-            i,
-            line["prompt_token_ids"],
-            SamplingParams(max_new_tokens=line["max_positions"] - len(line["prompt_token_ids"]) + 1),
-        )
-        for i, line in enumerate(reference_greedy)
-    ]
-    outputs = _generate(engine, requests)
-    for i, line in enumerate(reference_greedy):
-        assert outputs[i].output_token_ids == line["output_token_ids"], f"line {i}: {line['prompt']!r}"
+    spec_utils.assert_goldens(
+        spec_utils.generate(engine, spec_utils.golden_requests(reference_greedy)), reference_greedy
+    )
     stats = engine.stats
     assert stats.num_verify_steps > 0 and 0 < stats.num_accepted_tokens <= stats.num_proposed_tokens
     assert stats.as_dict()["acceptance_rate"] == stats.num_accepted_tokens / stats.num_proposed_tokens
     assert 1 < stats.mean_tokens_per_verify_step <= 6
 
 
-def _random_model_dir(arch: str):
-    if arch == "llama":
-        return random_llama_dir(VOCAB)
-    import torch
-
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    model = transformers.Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(WEIGHT_SCALE)
-    path = session_tmp_dir("cbrun-qwen2-")
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_ngram_equals_transformers_generate(arch):
-    model_dir = _random_model_dir(arch)
-    prompts = _repetitive_prompts(6) + random_prompts(4, VOCAB, 1, 20, seed=7)
+    model_dir = spec_utils.target_model_dir(arch)
+    prompts = spec_utils.repetitive_prompts(6) + random_prompts(4, VOCAB, 1, 20, seed=7)
     config = EngineConfig(
         page_size=4,
         max_batch_tokens=16,
@@ -174,44 +129,28 @@ def test_ngram_equals_transformers_generate(arch):
     )
     engine = LLMEngine.from_pretrained(str(model_dir), config)
     params = SamplingParams(max_new_tokens=20)
-    outputs = _generate(engine, [(i, p, params) for i, p in enumerate(prompts)])
+    outputs = spec_utils.generate(engine, [(i, p, params) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         assert outputs[i].output_token_ids == hf_greedy(model_dir, prompt, 20), f"prompt {i}"
     assert engine.stats.num_accepted_tokens > 0
 
 
 def _off_and_ngram(model_dir, requests, **config):
-    results = []
-    for speculative in ("off", "ngram"):
-        engine = LLMEngine.from_pretrained(str(model_dir), EngineConfig(speculative=speculative, **config))
-        results.append((_generate(engine, requests), engine.stats))
-    return results
+    return spec_utils.off_and_on(model_dir, requests, "ngram", **config)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        dict(page_size=4, max_batch_tokens=24, num_blocks=12, safety_margin=0.0),  # tight: soft resets happen
-        dict(page_size=4, max_batch_tokens=32, num_blocks=256, allow_block_sharing=True),  # shared prefixes
-    ],
-    ids=["tight-cache", "prefix-sharing"],
-)
+@pytest.mark.parametrize("config", spec_utils.PRESSURE_CONFIGS, ids=spec_utils.PRESSURE_IDS)
 def test_ngram_equals_off_under_pressure_and_sharing(config):
     model_dir = random_llama_dir(VOCAB)
-    shared = _repetitive_prompts(1, seed=11)[0][:16]
-    prompts = [shared + p[:6] for p in _repetitive_prompts(6)] + _repetitive_prompts(4, seed=5)
+    shared = spec_utils.repetitive_prompts(1, seed=11)[0][:16]
+    prompts = [shared + p[:6] for p in spec_utils.repetitive_prompts(6)] + spec_utils.repetitive_prompts(4, seed=5)
     requests = [(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)]
     (off, off_stats), (ngram, ngram_stats) = _off_and_ngram(
         model_dir, requests, num_speculative_tokens=4, ngram_min=1, ngram_max=3, **config
     )
-    for i in range(len(prompts)):
-        assert ngram[i].output_token_ids == off[i].output_token_ids, f"prompt {i}"
-        assert ngram[i].finish_reason == off[i].finish_reason
+    spec_utils.assert_same_as_off(ngram, off)
     assert ngram_stats.num_accepted_tokens > 0
-    if config["num_blocks"] == 12:
-        assert off_stats.num_soft_resets > 0 and ngram_stats.num_soft_resets > 0
-    else:
-        assert ngram_stats.num_cached_prompt_tokens > 0
+    spec_utils.assert_pressure_happened(config, off_stats, ngram_stats)
 
 
 def test_ngram_stops_inside_an_accepted_run_where_plain_decoding_stops(stories260k_dir):
@@ -220,7 +159,7 @@ def test_ngram_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
     story = tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside.")
     prompt = story + story[1:]  # the story twice: n-gram lookup proposes its continuation
     off_engine = LLMEngine.from_pretrained(str(stories260k_dir), EngineConfig())
-    plain = _generate(off_engine, [("p", prompt, SamplingParams(max_new_tokens=40))])["p"].output_token_ids
+    plain = spec_utils.generate(off_engine, [("p", prompt, SamplingParams(max_new_tokens=40))])["p"].output_token_ids
     stop_token = plain[7]
     stop_text = tokenizer.decode(plain[10:12])
     requests = [
@@ -230,13 +169,7 @@ def test_ngram_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
         ("length", story, SamplingParams(max_new_tokens=600, ignore_eos=True)),  # runs into the model length
     ]
     (off, _), (ngram, stats) = _off_and_ngram(stories260k_dir, requests, num_speculative_tokens=6, ngram_min=1)
-    for name, *_ in requests:
-        assert ngram[name].output_token_ids == off[name].output_token_ids, name
-        assert (ngram[name].finish_reason, ngram[name].stop_reason, ngram[name].text) == (
-            off[name].finish_reason,
-            off[name].stop_reason,
-            off[name].text,
-        ), name
+    spec_utils.assert_same_stops(ngram, off)
     assert off["token"].stop_reason == stop_token and off["string"].stop_reason == stop_text
     assert off["length"].finish_reason == "length" and len(off["length"].output_token_ids) > 40
     assert stats.num_accepted_tokens > 0
@@ -244,7 +177,7 @@ def test_ngram_stops_inside_an_accepted_run_where_plain_decoding_stops(stories26
 
 def test_switch_to_plain_decoding_above_speculative_max_batch(caplog):
     model_dir = random_llama_dir(VOCAB)
-    prompts = _repetitive_prompts(8)
+    prompts = spec_utils.repetitive_prompts(8)
     requests = [(i, p, SamplingParams(max_new_tokens=8 + 4 * i)) for i, p in enumerate(prompts)]
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
         (off, _), (ngram, stats) = _off_and_ngram(
@@ -257,126 +190,50 @@ def test_switch_to_plain_decoding_above_speculative_max_batch(caplog):
     assert len(messages) == 2 and "paused" in messages[0] and "resumed" in messages[1]
 
 
-def test_host_processed_greedy_rows_equal_off():
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_host_processed_greedy_rows_equal_off(kind):
     """Penalties, min_new_tokens and log-probabilities see the accepted tokens before each verified position."""
     model_dir = random_llama_dir(VOCAB)
-    prompts = _repetitive_prompts(6)
-    params = [
-        SamplingParams(max_new_tokens=16, repetition_penalty=1.3),
-        SamplingParams(max_new_tokens=16, presence_penalty=0.5, frequency_penalty=0.3, logprobs=2),
-        SamplingParams(
-            max_new_tokens=16,
-            min_new_tokens=5,
-            stop_token_ids=(3, 7, 11),
-            logprobs=0,
-            logprobs_mode="processed_logprobs",
-        ),
-    ]
-    requests = [(i, p, params[i % 3]) for i, p in enumerate(prompts)]
-    (off, _), (ngram, stats) = _off_and_ngram(model_dir, requests, num_blocks=256, page_size=4, ngram_min=1)
-    assert_same_outputs_and_logprobs(ngram, off)
+    prompts = spec_utils.repetitive_prompts(6)
+    requests = [(i, p, spec_utils.HOST_PROCESSED_PARAMS[i % 3]) for i, p in enumerate(prompts)]
+    (off, _), (spec, stats) = spec_utils.off_and_on(
+        model_dir, requests, **SPECULATION[kind](model_dir), num_blocks=256, page_size=4
+    )
+    assert_same_outputs_and_logprobs(spec, off)
     assert stats.num_accepted_tokens > 0
 
 
-def test_seeded_sampled_rows_are_reproducible_and_independent_of_batch():
+@pytest.mark.parametrize("kind", ["ngram", "random-draft"])
+def test_seeded_sampled_rows_are_reproducible_and_independent_of_batch(kind):
     model_dir = random_llama_dir(VOCAB)
-    prompts = _repetitive_prompts(6)
+    prompts = spec_utils.repetitive_prompts(6)
     params = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.9, seed=1234)
-    config = EngineConfig(speculative="ngram", ngram_min=1, num_blocks=256, page_size=4)
-    alone = _generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
+    config = EngineConfig(**SPECULATION[kind](model_dir), num_blocks=256, page_size=4)
+    alone = spec_utils.generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
+    again = spec_utils.generate(LLMEngine.from_pretrained(str(model_dir), config), [("x", prompts[0], params)])["x"]
     others = [(i, p, SamplingParams(max_new_tokens=12, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
     engine = LLMEngine.from_pretrained(str(model_dir), config)
-    crowded = _generate(engine, others[:3] + [("x", prompts[0], params)] + others[3:])["x"]
-    assert crowded.output_token_ids == alone.output_token_ids
+    crowded = spec_utils.generate(engine, others[:3] + [("x", prompts[0], params)] + others[3:])["x"]
+    assert crowded.output_token_ids == alone.output_token_ids == again.output_token_ids
     assert engine.stats.num_verify_steps > 0
-
-
-def _markov_model_dir(transitions, path) -> str:
-    """A Llama whose next-token distribution is ``transitions[last token]`` exactly: every block's output
-    projections are zero (the residual stream is the last token's embedding), embeddings are scaled one-hot rows,
-    so the final RMSNorm gives ``sqrt(hidden) * onehot``, and the LM head holds ``log(transitions)``."""
-    import torch
-
-    vocab, hidden = transitions.shape[0], 64
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight.zero_()
-        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[:, :vocab] = torch.log(transitions).T / hidden**0.5
-    model.save_pretrained(path)
-    return str(path)
-
-
-def _chi_square_p(observed, expected_probs) -> float:
-    """Pearson's chi-square p-value, cells with an expected count under 5 pooled into one."""
-    import numpy as np
-    from scipy.stats import chisquare
-
-    expected = np.asarray(expected_probs) * sum(observed)
-    small = expected < 5
-    obs = np.append(np.asarray(observed)[~small], np.asarray(observed)[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
 @pytest.mark.slow
 def test_sampling_with_speculation_keeps_the_target_distribution(tmp_path):
     """Rejection sampling with point-mass (n-gram) proposals: the verified tokens' frequencies over many seeded
     draws match a toy model's known distribution (chi-square, fixed seeds, so the test is deterministic)."""
-    import numpy as np
     import torch
 
     vocab, num_draws = 8, 1500
     # Next token: the successor (a + 1) with probability 0.6, any other with 0.4 / 7.
     transitions = torch.full((vocab, vocab), 0.4 / (vocab - 1), dtype=torch.float64)
     transitions[torch.arange(vocab), (torch.arange(vocab) + 1) % vocab] = 0.6
-    model_dir = _markov_model_dir(transitions.float(), tmp_path / "markov")
+    model_dir = spec_utils.markov_model_dir(transitions.float(), tmp_path / "markov")
     prompt = list(range(vocab)) * 2  # n-gram lookup proposes each token's successor
-    config = EngineConfig(
-        speculative="ngram",
-        ngram_min=1,
-        ngram_max=2,
-        num_speculative_tokens=2,
-        num_blocks=512,
-        page_size=4,
-        max_batch_tokens=512,
-        max_requests_per_batch=128,
-        speculative_max_batch=128,
-    )
-    engine = LLMEngine.from_pretrained(model_dir, config)
-    requests = [(i, prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=i)) for i in range(num_draws)]
-    outputs = _generate(engine, requests)
-    tokens = np.array([outputs[i].output_token_ids for i in range(num_draws)])
-    stats = engine.stats
+    tokens, stats = spec_utils.markov_draws(model_dir, prompt, num_draws, speculative="ngram", ngram_min=1, ngram_max=2)
     assert stats.num_verify_steps == stats.num_proposed_tokens == num_draws  # t2 verified, t3 the bonus
     assert 0.5 < stats.acceptance_rate < 0.7  # p(successor) = 0.6: both branches of the rule ran often
-    t = transitions.numpy()
-    exact12 = (t[prompt[-1]][:, None] * t).reshape(-1)  # p(t1, t2), t1 major
-    exact3 = exact12 @ np.tile(t, (vocab, 1))  # sum over (t1, t2) of p(t1, t2) * p(t3 | t2)
-    # t2 is the verified token: its joint with t1 (which fixes the proposal) shows a wrong accept/resample rule.
-    observed12 = np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
-    assert _chi_square_p(observed12, exact12) > 1e-3, (observed12, exact12 * num_draws)
-    observed3 = np.bincount(tokens[:, 2], minlength=vocab)
-    assert _chi_square_p(observed3, exact3) > 1e-3, (observed3, exact3 * num_draws)
+    spec_utils.assert_markov_draws(tokens, transitions.numpy(), prompt[-1])
 
 
 # ---- scheduling and rollback, without a model -------------------------------------------------------------------
@@ -455,9 +312,9 @@ def test_generated_token_count_equals_off_when_a_stop_cuts_an_accepted_run(stori
     line = reference_greedy[7]  # after 120 tokens of its golden output, stories260K repeats itself: all accepted
     prompt = line["prompt_token_ids"] + line["output_token_ids"][:120]
     off_engine = LLMEngine.from_pretrained(str(stories260k_dir), EngineConfig())
-    plain = _generate(off_engine, [("p", prompt, SamplingParams(max_new_tokens=512 - len(prompt), ignore_eos=True))])[
-        "p"
-    ].output_token_ids
+    plain = spec_utils.generate(
+        off_engine, [("p", prompt, SamplingParams(max_new_tokens=512 - len(prompt), ignore_eos=True))]
+    )["p"].output_token_ids
     near_the_end = prompt + plain[:-10]  # greedy continues with plain[-10:], then the model length stops it
     # The stop token and string: a token 6 or more tokens in, new to the output (and its text new to the output's
     # text) but in the prompt, so that n-gram lookup can propose it and more after it.

@@ -294,20 +294,19 @@ def sliding_window_dir(tmp_path_factory):
     from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
 
     from cbrun.jobs.cli.demo import build_byte_tokenizer
+    from tests.model_utils import TINY_DECODER
 
     tokenizer = build_byte_tokenizer()
     config = MistralConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=96,
-        sliding_window=24,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        **dict(
+            TINY_DECODER,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=96,
+            sliding_window=24,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            tie_word_embeddings=False,
+        )
     )
     out = tmp_path_factory.mktemp("mistral_sliding")
     with torch.random.fork_rng(devices=[]):

@@ -21,6 +21,7 @@ from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import run_job
 from cbrun.jobs.store import files as storage
 from cbrun.jobs.store.store import FsspecStore
+from tests.jobs.job_files import write_prompts
 from tests.jobs.test_storage_s3 import rows_once, upload_input
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
@@ -42,13 +43,7 @@ def local_target(out) -> float:
 
 
 def write_input(path, num_rows: int = NUM_ROWS):
-    pq.write_table(
-        pa.table(
-            {"id": [f"r{i}" for i in range(num_rows)], "prompt": [f"a prompt for row {i}" for i in range(num_rows)]}
-        ),
-        path,
-    )
-    return path
+    return write_prompts(path, num_rows)
 
 
 def test_groups_by_size_merges_consecutive_runs_and_leaves_single_parts():

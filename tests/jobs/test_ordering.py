@@ -20,7 +20,7 @@ from cbrun.jobs.input.reader import template_fields
 from cbrun.jobs.modes.ordering import order_by_prefix, prompt_sort_key
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import run_job
-from tests.jobs.cli_args import run_argv
+from tests.jobs.cli_args import keyed_run_argv
 from tests.jobs.test_resume import kill_after_first_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -189,17 +189,7 @@ def test_killed_ordered_run_with_samples_resumes_exactly(tiny_model_dir, tmp_pat
             for k, v in (("page_size", 4), ("max_batch_tokens", 64), ("max_requests_per_batch", 2), ("num_blocks", 128))
         ],
     ]
-    args = [
-        *run_argv(str(tiny_model_dir), str(tmp_path / "in.parquet"), str(out)),
-        "--prompt-column",
-        "prompt",
-        "--id-column",
-        "id",
-        "--max-new-tokens",
-        "6",
-        "--no-progress",
-        *[arg for s in sets for arg in ("--set", s)],
-    ]
+    args = keyed_run_argv(tiny_model_dir, tmp_path / "in.parquet", out, 6, sets)
 
     kill_after_first_commit(args, out)
     killed = output_rows(out)

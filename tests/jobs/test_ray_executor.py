@@ -23,6 +23,7 @@ from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.run.job import run_job
 from cbrun.jobs.run.ray_executor import QUIET_RAY_ENV, RAY_EXTRA_MESSAGE, pending_spans, quiet_ray_logs
 from tests.jobs.cli_args import run_argv
+from tests.jobs.job_files import sorted_rows
 from tests.jobs.test_resume import kill_after_first_commit, run_args
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64, device="cpu")
@@ -41,13 +42,6 @@ def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
-
-
-def rows(output_dir) -> list[dict]:
-    table = read_output(output_dir).to_pylist()
-    keyed = {(r["row_index"], r["sample_index"]): r for r in table}
-    assert len(keyed) == len(table), "a row was written twice"
-    return [keyed[k] for k in sorted(keyed)]
 
 
 def test_pending_spans_cover_the_rows_not_done_in_batches():
@@ -141,7 +135,7 @@ def test_two_replicas_equal_the_single_process_run(local_ray, stories260k_dir, m
     summary = run_job(on_ray, progress=False)
     assert summary.num_rows == NUM_ROWS and summary.num_errors == 0
     assert (tmp_path / "ray" / "_SUCCESS").is_file()
-    got, expected = rows(tmp_path / "ray"), rows(tmp_path / "single")
+    got, expected = sorted_rows(tmp_path / "ray"), sorted_rows(tmp_path / "single")
     assert len(got) == NUM_ROWS and any(r["completion_token_ids"] for r in got)
     assert got == expected
 
@@ -160,7 +154,7 @@ def test_a_replica_runs_the_rows_of_two_batches_in_one_step(local_ray, stories26
     on_ray.cluster = ClusterSettings(executor="ray", num_replicas=1, batch_size=5)
     summary = run_job(on_ray, progress=False)
     assert summary.replica_stats["num_row_steps_shared_across_batches"] > 0
-    assert rows(tmp_path / "ray") == rows(tmp_path / "single")
+    assert sorted_rows(tmp_path / "ray") == sorted_rows(tmp_path / "single")
 
 
 @pytest.mark.ray
@@ -190,10 +184,10 @@ def test_killed_driver_resumes_every_row_once(local_ray, tiny_model_dir, tmp_pat
     assert (out / "_SUCCESS").is_file()
     single = tmp_path / "single"
     assert main(run_args(tiny_model_dir, path, single)) == 0
-    got = rows(out)
+    got = sorted_rows(out)
     assert [r["row_index"] for r in got] == list(range(60))
     assert [(r["id"], r["completion_token_ids"]) for r in got] == [
-        (r["id"], r["completion_token_ids"]) for r in rows(single)
+        (r["id"], r["completion_token_ids"]) for r in sorted_rows(single)
     ]
 
 
@@ -246,8 +240,8 @@ def test_a_killed_replica_is_restarted_and_its_rows_are_written_once(
         killer.join()
     assert killed, "the job finished before a replica could be killed"
     assert summary.num_rows == num_rows and summary.num_errors == 0
-    got = rows(tmp_path / "ray")  # asserts no row was written twice
-    assert len(got) == num_rows and got == rows(tmp_path / "single")
+    got = sorted_rows(tmp_path / "ray")  # asserts no row was written twice
+    assert len(got) == num_rows and got == sorted_rows(tmp_path / "single")
 
 
 def test_ray_logs_are_quieted_to_warnings_unless_the_environment_says(monkeypatch):
@@ -333,7 +327,7 @@ def _tp_rows(tiny_model_dir, tmp_path, num_rows: int):
     assert main(run_args(tiny_model_dir, path, tmp_path / "single")) == 0
     # one replica of 2 ranks: the actor reserves both CPUs of this Ray instance, its rank 1 is its own process
     ray_args = ["--executor", "ray", "--replicas", "1", "--tensor-parallel-size", "2", "--set", "cluster.batch_size=8"]
-    return run_args(tiny_model_dir, path, tmp_path / "ray") + ray_args, rows(tmp_path / "single")
+    return run_args(tiny_model_dir, path, tmp_path / "ray") + ray_args, sorted_rows(tmp_path / "single")
 
 
 @pytest.mark.ray
@@ -342,7 +336,7 @@ def test_a_tensor_parallel_replica_on_ray_equals_the_single_process_run(local_ra
     code, ranks = _run_watching_ranks(args, tmp_path / "ray")
     assert code == 0
     assert len(ranks) == 1, "the replica ran no rank process of its own"
-    got = rows(tmp_path / "ray")
+    got = sorted_rows(tmp_path / "ray")
     assert [r["row_index"] for r in got] == list(range(24))
     assert [(r["id"], r["completion_token_ids"]) for r in got] == [(r["id"], r["completion_token_ids"]) for r in single]
     assert _gone(ranks), "a rank outlived its job"
@@ -355,6 +349,6 @@ def test_a_killed_rank_on_ray_restarts_its_replica_and_every_row_is_written_once
     code, ranks = _run_watching_ranks(args + ["--set", "output.commit_every_rows=8"], tmp_path / "ray", True)
     assert code == 0
     assert len(ranks) >= 2, "no rank was killed and replaced"  # the killed rank 1, then the restarted replica's
-    got = rows(tmp_path / "ray")  # asserts no row was written twice
+    got = sorted_rows(tmp_path / "ray")  # asserts no row was written twice
     assert [(r["id"], r["completion_token_ids"]) for r in got] == [(r["id"], r["completion_token_ids"]) for r in single]
     assert _gone(ranks)

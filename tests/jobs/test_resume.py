@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbrun.engine.config import EngineConfig
@@ -19,7 +18,8 @@ from cbrun.jobs.config.manifest import JobManifest
 from cbrun.jobs.config.settings import InputSettings, ModelSettings, OutputSettings
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import run_job
-from tests.jobs.cli_args import run_argv
+from tests.jobs.cli_args import keyed_run_argv, kill_session
+from tests.jobs.job_files import write_prompts
 
 NUM_ROWS = 12
 MAX_NEW_TOKENS = 8
@@ -33,19 +33,7 @@ def cbrun_command() -> list[str]:
 
 def run_args(model_dir, input_path, output_dir) -> list[str]:
     sets = [f"engine.{k}={v}" for k, v in ENGINE.items()] + ["sampling.ignore_eos=true", "output.commit_every_rows=2"]
-    return [
-        *run_argv(str(model_dir), str(input_path), str(output_dir)),
-        "--prompt-column",
-        "prompt",
-        "--id-column",
-        "id",
-        "--max-new-tokens",
-        str(MAX_NEW_TOKENS),
-        "--temperature",
-        "0",
-        "--no-progress",
-        *[arg for s in sets for arg in ("--set", s)],
-    ]
+    return keyed_run_argv(model_dir, input_path, output_dir, MAX_NEW_TOKENS, sets, "--temperature", "0")
 
 
 def rows_by_index(output_dir) -> dict[int, list[int]]:
@@ -72,22 +60,14 @@ def kill_after_first_commit(args: list[str], out: Path, timeout_s: float = 120) 
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_session(process)
     assert process.returncode == -signal.SIGKILL
     assert not (out / "_SUCCESS").exists(), "the job finished before it could be killed"
 
 
 def test_killed_run_resumes_without_duplicates_or_losses(tiny_model_dir, tmp_path, capsys):
     input_path = tmp_path / "in.parquet"
-    pq.write_table(
-        pa.table(
-            {"id": [f"r{i}" for i in range(NUM_ROWS)], "prompt": [f"a prompt for row {i}" for i in range(NUM_ROWS)]}
-        ),
-        input_path,
-    )
+    write_prompts(input_path, NUM_ROWS)
     out = tmp_path / "out"
     args = run_args(tiny_model_dir, input_path, out)
 

@@ -14,6 +14,7 @@ from cbrun.jobs.modes.generate import derive_seed, sample_seeds
 from cbrun.jobs.output.fingerprint import job_fingerprint
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import JobError, run_job
+from tests.jobs.job_files import write_prompts
 
 ENGINE_CONFIG = EngineConfig(page_size=4, max_batch_tokens=64, max_requests_per_batch=4, num_blocks=128)
 MANIFEST_DEFAULTS = {
@@ -25,17 +26,7 @@ MANIFEST_DEFAULTS = {
 
 
 def write_input(path, num_rows: int, **extra):
-    pq.write_table(
-        pa.table(
-            {
-                "id": [f"r{i}" for i in range(num_rows)],
-                "prompt": [f"a shared opening line, then row {i}" for i in range(num_rows)],
-                **extra,
-            }
-        ),
-        path,
-    )
-    return path
+    return write_prompts(path, num_rows, "a shared opening line, then row {i}", **extra)
 
 
 def samples(output_dir) -> dict[int, list[dict]]:

@@ -21,6 +21,7 @@ from cbrun.jobs.output.status import output_progress
 from cbrun.jobs.output.writer import committed_parts, part_name
 from cbrun.jobs.run.job import JobError, run_job
 from cbrun.jobs.run.sharding import shard_ranges, unit_starts
+from tests.jobs.job_files import sorted_rows
 from tests.jobs.test_resume import kill_after_first_commit, run_args
 
 ENGINE_CONFIG = EngineConfig(page_size=16, max_batch_tokens=256, max_requests_per_batch=8, num_blocks=64)
@@ -40,14 +41,6 @@ def input_path(tmp_path):
     )
     pq.write_table(table, path, row_group_size=5)
     return path
-
-
-def rows(output_dir) -> list[dict]:
-    """Output rows by (row_index, sample_index), every one once."""
-    table = read_output(output_dir).to_pylist()
-    keyed = {(r["row_index"], r["sample_index"]): r for r in table}
-    assert len(keyed) == len(table), "a row was written twice"
-    return [keyed[k] for k in sorted(keyed)]
 
 
 def test_ranges_are_disjoint_cover_every_row_and_fall_on_row_groups():
@@ -99,7 +92,7 @@ def test_shards_one_after_another_equal_the_single_process_run(
             progress=False,
         )
         assert summary.num_rows == 10 and summary.num_skipped == 0
-    assert rows(out) == rows(tmp_path / "single")
+    assert sorted_rows(out) == sorted_rows(tmp_path / "single")
     assert (out / "_SUCCESS").is_file()
     stats = (out / "_cbrun" / "stats.json").read_text()
     assert '"num_rows_in_output": 30' in stats and '"num_shards": 3' in stats
@@ -219,7 +212,7 @@ def test_killed_shard_resumes_and_the_shards_equal_the_single_process_run(tiny_m
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
     single = tmp_path / "single"
     assert main(run_args(tiny_model_dir, input_path, single)) == 0
-    got, expected = rows(out), rows(single)
+    got, expected = sorted_rows(out), sorted_rows(single)
     assert [r["row_index"] for r in got] == list(range(NUM_ROWS))
     assert [(r["id"], r["completion_token_ids"]) for r in got] == [
         (r["id"], r["completion_token_ids"]) for r in expected

@@ -32,7 +32,7 @@ from cbrun.jobs.run.job import JobAborted, JobError, run_job
 from cbrun.jobs.store import cache as storage_cache
 from cbrun.jobs.store import files as storage
 from cbrun.jobs.store.store import FsspecStore
-from tests.jobs.cli_args import run_argv
+from tests.jobs.cli_args import keyed_run_argv, kill_session, run_argv
 from tests.jobs.s3_faults import FaultyProxy
 from tests.jobs.test_resume import cbrun_command
 
@@ -151,30 +151,15 @@ def test_sigkill_at_random_moments_then_resume(s3, tiny_model_dir, local_rows):
     """Kill ``cbrun run`` (S3 in, S3 out) with SIGKILL at random moments, three times, then let it finish."""
     source = upload_input(s3, input_table())
     out = s3.uri("out")
-    args = [
-        *run_argv(str(tiny_model_dir), source, out),
-        "--prompt-column",
-        "prompt",
-        "--id-column",
-        "id",
-        "--max-new-tokens",
-        "5",
-        "--temperature",
-        "0",
-        "--no-progress",
-        *[
-            a
-            for s in (
-                "engine.max_requests_per_batch=2",
-                "engine.max_batch_tokens=64",
-                "engine.num_blocks=64",
-                "engine.page_size=8",
-                "sampling.ignore_eos=true",
-                "output.commit_every_rows=2",
-            )
-            for a in ("--set", s)
-        ],
-    ]
+    sets = (
+        "engine.max_requests_per_batch=2",
+        "engine.max_batch_tokens=64",
+        "engine.num_blocks=64",
+        "engine.page_size=8",
+        "sampling.ignore_eos=true",
+        "output.commit_every_rows=2",
+    )
+    args = keyed_run_argv(tiny_model_dir, source, out, 5, sets, "--temperature", "0")
     rng = random.Random(31)
     kills = 0
     for _ in range(3):
@@ -194,10 +179,7 @@ def test_sigkill_at_random_moments_then_resume(s3, tiny_model_dir, local_rows):
                 kills += 1
             process.wait()
         finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_session(process)
         if open_output(out).is_finished():
             break
         # NOTE: the killed run's lease stays, unexpired; the next run sees that its holder died on this host

@@ -22,11 +22,11 @@ from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.cli import main
 from cbrun.jobs.config.manifest import load_manifest
 from cbrun.jobs.output.lock import OutputLock
-from cbrun.jobs.output.output_dir import read_output
 from cbrun.jobs.output.writer import committed_parts
 from cbrun.jobs.run.job import JobAborted, JobError, run_job
-from tests.jobs.cli_args import run_argv
+from tests.jobs.cli_args import keyed_run_argv
 from tests.jobs.held_cbrun import HELD_LINE
+from tests.jobs.job_files import rows_once, write_prompts
 
 ENGINE_CONFIG = EngineConfig(page_size=8, max_batch_tokens=64, max_requests_per_batch=2, num_blocks=64)
 MANIFEST_DEFAULTS = {
@@ -34,28 +34,6 @@ MANIFEST_DEFAULTS = {
     "commit_every_rows": 2,
     "id_column": "id",
 }
-
-
-def write_input(path, num_rows: int, **extra):
-    pq.write_table(
-        pa.table(
-            {
-                "id": [f"r{i}" for i in range(num_rows)],
-                "prompt": [f"a prompt for row {i}" for i in range(num_rows)],
-                **extra,
-            }
-        ),
-        path,
-    )
-    return path
-
-
-def rows_once(output_dir) -> dict[tuple[int, int], dict]:
-    """{(row_index, sample_index): row}, asserting that no output row appears twice."""
-    rows = read_output(output_dir).to_pylist()
-    by_key = {(r["row_index"], r["sample_index"]): r for r in rows}
-    assert len(by_key) == len(rows), "an output row was committed twice"
-    return by_key
 
 
 def tokens(rows: dict) -> dict:
@@ -69,26 +47,13 @@ def cli_args(model_dir, input_path, out, *extra) -> list[str]:
         "engine.num_blocks=64",
         "sampling.ignore_eos=true",
     ]
-    return [
-        *run_argv(str(model_dir), str(input_path), str(out)),
-        "--prompt-column",
-        "prompt",
-        "--id-column",
-        "id",
-        "--max-new-tokens",
-        "6",
-        "--temperature",
-        "0",
-        "--no-progress",
-        *[a for s in sets for a in ("--set", s)],
-        *extra,
-    ]
+    return keyed_run_argv(model_dir, input_path, out, 6, sets, "--temperature", "0", *extra)
 
 
 @pytest.fixture
 def reference(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
     """A clean run over 9 rows, 2 samples each: {(row_index, sample_index): (token ids, finish reason)}."""
-    write_input(tmp_path / "in.parquet", 9)
+    write_prompts(tmp_path / "in.parquet", 9)
     run_job(
         make_manifest(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "reference", n=2),
         progress=False,
@@ -101,7 +66,7 @@ def reference(tiny_model_dir, tiny_engine, tmp_path, make_manifest):
 
 
 def test_a_second_run_exits_2_naming_the_holder_and_a_dead_holder_never_blocks(tiny_model_dir, tmp_path, capsys):
-    write_input(tmp_path / "in.parquet", 3)
+    write_prompts(tmp_path / "in.parquet", 3)
     out = tmp_path / "out"
     args = cli_args(tiny_model_dir, tmp_path / "in.parquet", out)
     with OutputLock(out):  # another run holds the output
@@ -132,7 +97,7 @@ def test_a_second_run_exits_2_naming_the_holder_and_a_dead_holder_never_blocks(t
 @pytest.mark.slow
 def test_overlapping_run_is_refused_then_sigterm_and_resume_write_each_row_once(tiny_model_dir, tmp_path, capsys):
     """The issue's examples: the same job started again (other commit size) while the first runs, then SIGTERM."""
-    write_input(tmp_path / "in.parquet", 60)
+    write_prompts(tmp_path / "in.parquet", 60)
     out = tmp_path / "out"
     args = cli_args(tiny_model_dir, tmp_path / "in.parquet", out, "--set", "output.commit_every_rows=20")
     # the job holds after 30 of its 60 rows (one part of 20 committed) until a signal ends it
@@ -312,7 +277,7 @@ def test_the_output_folder_loads_with_pyarrow_pandas_datasets_and_duckdb(
 
     duckdb = pytest.importorskip("duckdb")
 
-    write_input(tmp_path / "in.parquet", 5)
+    write_prompts(tmp_path / "in.parquet", 5)
     for name, logprobs in (("plain", None), ("logprobs", 2)):
         manifest = make_manifest(
             tiny_model_dir,
@@ -339,7 +304,7 @@ def test_the_output_folder_loads_with_pyarrow_pandas_datasets_and_duckdb(
 
 
 def test_device_defaults_to_auto_and_an_absent_device_is_a_setup_error(tiny_model_dir, tmp_path, capsys):
-    write_input(tmp_path / "in.parquet", 2)
+    write_prompts(tmp_path / "in.parquet", 2)
     args = cli_args(tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out")
     manifest = load_manifest(
         None, [], {"model": {"path": "m"}, "input": {"path": "i", "prompt_column": "p"}, "output": {"path": "o"}}
@@ -361,7 +326,7 @@ def test_device_defaults_to_auto_and_an_absent_device_is_a_setup_error(tiny_mode
 
 
 def test_setup_error_for_an_output_that_is_a_file(tiny_model_dir, tmp_path):
-    write_input(tmp_path / "in.parquet", 2)
+    write_prompts(tmp_path / "in.parquet", 2)
     (tmp_path / "out").write_text("x")
     with pytest.raises(JobError, match="exists and is not a directory"):
         run_job(

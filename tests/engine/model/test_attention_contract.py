@@ -11,25 +11,13 @@ from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.model.layers import attention_contract
 from cbrun.engine.model.layers.attention import paged_attention_forward
 from cbrun.engine.model.layers.attention_contract import UnsupportedAttention
-from tests.model_utils import greedy_generate, random_prompts, run_engine, save_spread_weights
+from tests.model_utils import TINY_DECODER, greedy_generate, random_prompts, run_engine, save_spread_weights
 
 VOCAB = 128
 NEW_TOKENS = 8
 PROMPTS = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in (1, 3, 6, 9, 14)]
 ENGINE = dict(page_size=4, max_batch_tokens=16, num_blocks=128)
-_SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+_SMALL = dict(TINY_DECODER, vocab_size=VOCAB, intermediate_size=64, head_dim=16)
 
 
 def _generate(model_dir: str) -> list[list[int]]:

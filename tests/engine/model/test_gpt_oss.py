@@ -31,7 +31,7 @@ from cbrun.engine.model.layers.quantization.mxfp4 import Mxfp4Experts, dequantiz
 from cbrun.engine.model.layers.rotary_embedding import RopeParameters, read_rope_parameters, rope_inv_freq
 from cbrun.engine.model.models.gpt_oss import DEFAULT_ROPE
 from cbrun.engine.model.registry import parse_config
-from tests.model_utils import greedy_generate, random_prompts, run_engine, save_spread_weights
+from tests.model_utils import TINY_DECODER, greedy_generate, random_prompts, run_engine, save_spread_weights
 
 VOCAB = 128
 NEW_TOKENS = 8
@@ -40,20 +40,13 @@ WINDOW = 4
 PROMPTS = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in (1, 5, 9, 14, 21)]
 ENGINE = dict(page_size=4, max_batch_tokens=16, num_blocks=128)
 CONFIG = dict(
+    TINY_DECODER,
     vocab_size=VOCAB,
-    hidden_size=64,
     intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
-    max_position_embeddings=256,
     num_local_experts=4,
     num_experts_per_tok=2,
     sliding_window=WINDOW,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
 )
 MXFP4 = {
     "quant_method": "mxfp4",

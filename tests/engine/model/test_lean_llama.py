@@ -19,23 +19,12 @@ from cbrun.engine.model.layers.attention import register_with_transformers
 from cbrun.engine.model.layers.linear import onednn_unavailable_reason
 from cbrun.engine.model.models.llama import LeanLlama
 from cbrun.engine.model.registry import unsupported_reason, weights_from_module
-from tests.model_utils import WEIGHT_SCALE, hf_greedy, random_llama_dir, random_prompts, run_engine
+from tests.model_utils import TINY_DECODER, WEIGHT_SCALE, hf_greedy, random_llama_dir, random_prompts, run_engine
 
 VOCAB = 128
 NEW_TOKENS = 8
 ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)
-_BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+_BASE = dict(TINY_DECODER, vocab_size=VOCAB, intermediate_size=96, max_position_embeddings=128)
 
 
 def _random_model(

@@ -15,7 +15,15 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.model_utils import WEIGHT_SCALE, assert_pool_balanced, greedy_generate, random_prompts, run_engine
+from tests.model_utils import (
+    NO_SPECIAL_TOKENS,
+    TINY_DECODER,
+    WEIGHT_SCALE,
+    assert_pool_balanced,
+    greedy_generate,
+    random_prompts,
+    run_engine,
+)
 
 VOCAB = 128
 NEW_TOKENS = 12
@@ -25,17 +33,7 @@ PROMPT_LENGTHS = (1, 2, 4, 5, 6, 7, 9, 12, 15, 16, 17, 23, 28, 33, 37, 40)
 PROMPTS = [random_prompts(1, VOCAB, n, n, seed=n)[0] for n in PROMPT_LENGTHS]
 ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)
 
-_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-_DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    **_NO_SPECIAL_TOKENS,
-)
+_DECODER = dict(TINY_DECODER, vocab_size=VOCAB)
 _HYBRID = ["sliding_attention", "full_attention", "sliding_attention"]
 
 
@@ -102,7 +100,7 @@ SPECS = {
     "gpt2": ModelSpec(
         transformers.GPT2Config,
         transformers.GPT2LMHeadModel,
-        dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, **_NO_SPECIAL_TOKENS),
+        dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, **NO_SPECIAL_TOKENS),
     ),
 }
 
@@ -178,7 +176,7 @@ _SMALL_ENCODER = dict(
         pytest.param(
             transformers.Gemma3TextConfig,
             transformers.Gemma3ForCausalLM,
-            dict(_SMALL_ENCODER, head_dim=16, use_bidirectional_attention=True, **_NO_SPECIAL_TOKENS),
+            dict(_SMALL_ENCODER, head_dim=16, use_bidirectional_attention=True, **NO_SPECIAL_TOKENS),
             id="gemma3-bidirectional",
         ),
     ],
