@@ -233,11 +233,28 @@ class Replica:
         commit_output: str | None = None,
         model_source=None,
     ):
+        from cbrun.jobs.output.commits import new_attempt
+        from cbrun.jobs.output.output_dir import open_output
+        from cbrun.jobs.store.store import FsspecStore
+
+        manifest, engine = self._open_rows_and_engine(manifest, engine_config, num_threads, model_source)
+        self.max_concurrent_batches = max_concurrent_batches
+        self._slots: asyncio.Semaphore | None = None
+        # NOTE: the job's output, over a store with the job's endpoint: the replica's timeline, and its parts when
+        # it commits them itself
+        self.output = open_output(manifest.output.path, endpoint_url=manifest.storage.endpoint_url)
+        store = self.output.store
+        self.commit_store = store if commit_output is not None and isinstance(store, FsspecStore) else None
+        self.attempt = new_attempt()  # NOTE: this replica's own part names; a restarted replica gets another
+        self._num_parts = 0
+        self.timeline = self._open_timeline(manifest, engine, engine_config)
+
+    def _open_rows_and_engine(self, manifest, engine_config, num_threads: int, model_source):
+        """This replica's reader (``self.reader``), engine and batch loop (``self.loop``) from the job's settings;
+        returns the manifest with the model path as this machine sees it, and the engine."""
         import torch
 
         from cbrun.jobs.model.source import worker_model_path
-        from cbrun.jobs.output.commits import new_attempt
-        from cbrun.jobs.output.output_dir import open_output
         from cbrun.jobs.run.resources import (
             MODES,
             load_engine,
@@ -246,7 +263,6 @@ class Replica:
             open_reader,
             output_carried_fields,
         )
-        from cbrun.jobs.store.store import FsspecStore
 
         torch.set_num_threads(num_threads)
         # NOTE: a Hub model at the commit the driver resolved, from this machine's cache when the driver's is not here
@@ -267,16 +283,7 @@ class Replica:
         self.loop = BatchLoop(
             engine, make_mode, schema, manifest.input.order_window, 4 * engine_config.max_requests_per_batch
         )
-        self.max_concurrent_batches = max_concurrent_batches
-        self._slots: asyncio.Semaphore | None = None
-        # NOTE: the job's output, over a store with the job's endpoint: the replica's timeline, and its parts when
-        # it commits them itself
-        self.output = open_output(manifest.output.path, endpoint_url=manifest.storage.endpoint_url)
-        store = self.output.store
-        self.commit_store = store if commit_output is not None and isinstance(store, FsspecStore) else None
-        self.attempt = new_attempt()  # NOTE: this replica's own part names; a restarted replica gets another
-        self._num_parts = 0
-        self.timeline = self._open_timeline(manifest, engine, engine_config)
+        return manifest, engine
 
     def _open_timeline(self, manifest, engine, engine_config):
         """This replica's own timeline in the output's ``_cbrun/`` (``cbrun.jobs.observe.timeline``), sampled on the engine thread;
