@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator
 
@@ -165,6 +166,7 @@ class LLMEngine:
         #: wall seconds (None: nothing is called). Lets a job record its timeline (``cbrun.jobs.observe.timeline``).
         self.step_listener: Callable[[int, float], None] | None = None
         self._grammar_compiler: GrammarCompiler | None = None  # built for the first constrained request
+        self._grammar_thread: ThreadPoolExecutor | None = None  # fills a step's masks beside its forward pass
 
     def _kv_entry(self, layout: KVLayout, draft_model: torch.nn.Module | None) -> _KVEntry:
         """What one KV cache block holds on this rank and what it costs (the draft model's cache included).
@@ -457,11 +459,16 @@ class LLMEngine:
             self.step_observer([s.request_id for s in plan.scheduled])
         if self.tp_group is not None:  # every rank executes the plan on its slice of the cache (and samples nothing)
             self.tp_group.send_step(replace(plan, new_sampling={}), self._num_touched_pages())
-        grammar = None
+        pending_grammar = None
         if self._grammar_compiler is not None and plan.scheduled:  # applied at launch, with every other row
-            grammar = self._fill_grammar_bitmask(plan)
+            pending_grammar = self._start_grammar_bitmask(plan)
         previous = self._in_flight[1] if self._in_flight else None
-        handle = self.model_runner.launch(plan, previous, self._draft_probs, grammar)
+        try:
+            handle = self.model_runner.launch(plan, previous, self._draft_probs, pending_grammar)
+        finally:  # NOTE: a fill never outlives its step, even a failed one (its matchers are the scheduler's after)
+            if isinstance(pending_grammar, Future):
+                wait([pending_grammar])
+        grammar = pending_grammar.result() if isinstance(pending_grammar, Future) else pending_grammar
         if handle is not None:
             self.scheduler.advance(plan)
         launched = (plan, handle, grammar) if handle is not None else None
@@ -481,6 +488,19 @@ class LLMEngine:
             self._counters.num_computed_tokens += read_plan.num_batch_tokens
             finished.extend(self.scheduler.pop_finished())  # requests whose own row failed
         return [self._finish(r) for r in finished]
+
+    def _start_grammar_bitmask(self, plan: SchedulerOutput) -> StepBitmask | Future[StepBitmask | None] | None:
+        """The planned step's grammar bitmask, or, when steps are not overlapped (the CPU), a future of it, filled
+        on the grammar thread while this thread runs the forward pass; the sampler waits for it after the logits
+        (``ModelRunner.launch``). A step's masks depend only on tokens already accepted, never on its logits, so
+        the two can run side by side, as SGLang's overlap of the vocabulary mask with the forward pass does.
+        With async batching the masks are already filled while the device computes the step before."""
+        if self.overlap_steps:
+            return self._fill_grammar_bitmask(plan)
+        if self._grammar_thread is None:
+            # NOTE: one thread, so a step's fill never runs beside another's (a matcher has one writer at a time)
+            self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="cbrun-grammar-fill")
+        return self._grammar_thread.submit(self._fill_grammar_bitmask, plan)
 
     def _fill_grammar_bitmask(self, plan: SchedulerOutput) -> StepBitmask | None:
         """The planned step's grammar bitmask (``StepSampler.fill_grammar_bitmask``), its time counted. With a

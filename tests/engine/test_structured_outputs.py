@@ -340,7 +340,7 @@ def test_batched_fill_blocks_only_the_request_whose_tokenizer_cannot_go_on():
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_bitmask_is_filled_before_the_launch_that_applies_it(model_dir, monkeypatch, overlap):
-    """Each step's bitmask is built just before the step is launched, which applies it (so constrained rows ride in
+    """Each step's bitmask is built before the step's launch returns, which applies it (so constrained rows ride in
     the step's one read-back), and with async batching before the previous step is read: on a GPU the host fills
     the masks while the device computes that step."""
     from cbrun.engine.sample.step import StepHandle
@@ -379,3 +379,32 @@ def test_the_bitmask_is_filled_before_the_launch_that_applies_it(model_dir, monk
     if overlap:  # the fill of step N comes before the read of step N - 1
         reads = [i for i, (kind, *_) in enumerate(events) if kind == "read"]
         assert any(reads[0] > i for i, _ in filled)
+
+
+def test_without_async_batching_the_masks_are_filled_beside_the_forward_pass(model_dir):
+    """On the CPU (steps not overlapped) a step's masks are filled on the grammar thread while this thread runs the
+    forward pass, and the launch waits for them before drawing; a fill that fails fails the step, not silently."""
+    import threading
+
+    engine = LLMEngine.from_pretrained(str(model_dir), CONFIG)
+    assert not engine.overlap_steps
+    threads, fill = [], engine._fill_grammar_bitmask
+
+    def recording_fill(plan):
+        threads.append(threading.current_thread().name)
+        return fill(plan)
+
+    engine._fill_grammar_bitmask = recording_fill
+    params = [SamplingParams(max_new_tokens=30, structured_outputs=StructuredOutputsParams(regex=REGEX))] * 3
+    outputs = _run(engine, params)
+    assert all(re.fullmatch(REGEX, _text(engine, o)) for o in outputs.values())
+    assert len(threads) >= 5 and all(name.startswith("cbrun-grammar-fill") for name in threads)
+
+    def failing_fill(plan):
+        raise RuntimeError("the fill failed")
+
+    engine._fill_grammar_bitmask = failing_fill
+    engine.add_request("x", _prompts(1)[0], params[0])
+    with pytest.raises(RuntimeError, match="the fill failed"):
+        while engine.has_unfinished_requests():
+            engine.step()

@@ -116,7 +116,7 @@ class StructuredOutputRequest:
 
 def fill_bitmasks(states: list[StructuredOutputRequest], bitmask: torch.Tensor, rows: list[int]) -> list[bool]:
     """``fill_bitmask`` of many ready requests in one call per engine (xgrammar's ``BatchGrammarMatcher``;
-    llguidance's ``LLExecutor`` on torch's thread count, or at one thread a loop in this thread) into the one
+    llguidance's ``LLExecutor`` on torch's thread count) into the one
     bitmask: ``states[i]`` fills ``bitmask[rows[i]]``. One call instead of one per request is most of a decode
     step's grammar time at 256 rows.
 
@@ -139,11 +139,9 @@ def fill_bitmasks(states: list[StructuredOutputRequest], bitmask: torch.Tensor, 
     if guided:
         import llguidance.torch
 
-        if torch.get_num_threads() > 1:
-            llguidance.torch.fill_next_token_bitmask_par(_guidance_executor(), guided, bitmask)
-        else:  # one thread: fill here (each call drops the GIL), not through a pool thread that has to be woken
-            for matcher, row in guided:
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+        # NOTE: one call that drops the GIL once for every row: the fill runs beside the forward pass on another
+        # thread (``LLMEngine._start_grammar_bitmask``), and a call per row would wait for the GIL at each row
+        llguidance.torch.fill_next_token_bitmask_par(_guidance_executor(), guided, bitmask)
     index = torch.tensor(rows, dtype=torch.int64)
     return (bitmask[index] != 0).any(dim=1).tolist()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
@@ -132,7 +133,7 @@ class ModelRunner:
         plan: SchedulerOutput,
         previous: StepHandle | None = None,
         draft_probs: dict[int, torch.Tensor] | None = None,
-        grammar: StepBitmask | None = None,
+        grammar: StepBitmask | Future[StepBitmask | None] | None = None,
     ) -> StepHandle | None:
         """Make the plan's offload copies, then enqueue one forward pass, the argmax of its sample rows (zeros
         when no entry reads it: ``StepInputs.needs_argmax``) and the sampler's work on every other row
@@ -147,7 +148,8 @@ class ModelRunner:
                 (``PENDING_TOKEN``) is taken from ``previous.sampled`` on the device.
             draft_probs: the draft distributions of the plan's sampled verify entries, by ``Request.index``
                 (they are verified at launch).
-            grammar: the step's token bitmask (``StepSampler.fill_grammar_bitmask``), or None.
+            grammar: the step's token bitmask (``StepSampler.fill_grammar_bitmask``), or None; or a future of it,
+                waited for once the logits are computed.
 
         Returns:
             The step's handle (nothing waited for on CUDA), or None when nothing is scheduled. Its results are
@@ -167,6 +169,8 @@ class ModelRunner:
         sampled = _device_argmax(inputs, logits, uploaded.sample_rows)
         if self.sampler is None:
             return StepHandle.launch_readback(logits, sampled, plan.layout.sample_index_of)
+        if isinstance(grammar, Future):  # filled beside the forward pass (``LLMEngine._start_grammar_bitmask``)
+            grammar = grammar.result()
         return self.sampler.launch(plan, logits, sampled, previous, grammar, draft_probs)
 
     def _logits(self, inputs: StepInputs, uploaded: _DeviceInputs) -> torch.Tensor:

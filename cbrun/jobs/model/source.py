@@ -175,7 +175,7 @@ def resolve_hub_model(
             f"reads safetensors from the Hub: give a repo (or revision) with them, or a local model directory"
         )
     pinned = f", pinned when the job started (revision {revision!r})" if pinned_commit else ""
-    logger.info("cbrun: model %s at commit %s%s, from %s", repo_id, source.commit, pinned, local)
+    logger.info("model %s at commit %s%s, from %s", repo_id, source.commit, pinned, local)
     return source
 
 
