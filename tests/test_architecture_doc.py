@@ -199,7 +199,8 @@ def test_the_jobs_rooms_hold_the_modules_named():
     assert len(named) >= 10 and "output_dir" in named["output"]
     for room, modules in named.items():
         for module in modules:
-            assert (ROOT / "cbrun/jobs" / room / f"{module}.py").is_file(), f"cbrun/jobs/{room}/{module}.py"
+            path = ROOT / "cbrun/jobs" / room / module
+            assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), f"cbrun/jobs/{room}/{module}"
 
 
 def test_the_drawn_layers_are_the_enforced_ones():

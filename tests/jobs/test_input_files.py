@@ -47,7 +47,7 @@ def mixed_dir(tmp_path):
 
 def test_directory_reads_every_data_file_in_any_case_and_ignores_hidden_ones(mixed_dir):
     kind, files = list_input_files(mixed_dir)
-    assert kind == "parquet"
+    assert kind == "files"
     assert [f.relative_to(mixed_dir).as_posix() for f in files] == ["A.PARQUET", "b.json", "c.JSONL", "sub/000000_0"]
     assert prompts_of(PromptReader(mixed_dir, prompt_column="prompt")) == ["a0", "a1", "b0", "c0", "d0"]
 

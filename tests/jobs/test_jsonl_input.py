@@ -199,7 +199,7 @@ def test_repeated_ids_are_counted_and_named(tiny_model_dir, engine, tmp_path, ca
 
 
 def test_clean_file_reads_with_pyarrow_and_the_same_rows_as_line_by_line(tmp_path, monkeypatch):
-    from cbrun.jobs.input.jsonl_source import JsonlSource
+    from cbrun.jobs.input.formats.jsonl import JsonlSource
 
     lines = [
         {"id": f"r{i}", "prompt": f"p {i}", "day": "2024-01-0" + str(i % 9 + 1), "temperature": 0.5, "meta": {"k": [i]}}

@@ -1,4 +1,5 @@
-"""Find the files of an input and say how each is read: Parquet, JSON Lines, or a ``datasets`` save_to_disk data set.
+"""Find the files of an input and say how each is read: by one of ``cbrun.jobs.input.formats`` (Parquet, JSON Lines),
+or as a ``datasets`` save_to_disk data set.
 
 An input is one file, a directory of them (searched recursively, in sorted order) or an object-store prefix. A
 directory never skips a file silently: names starting with "." or "_" (Spark and Hive's ``_SUCCESS``, ``.crc``) and
@@ -11,53 +12,31 @@ import json
 from pathlib import Path
 
 from cbrun.jobs.input.errors import InputError
-from cbrun.jobs.input.jsonl_source import JSON_SUFFIXES, JSONL_SUFFIXES, holds_json_lines
+from cbrun.jobs.input.formats import InputFormat, format_by_suffix, input_formats, one_of, supported_inputs, titles
 from cbrun.jobs.store.files import StorageError, basename, is_uri, list_files, local_path
 
-#: Parquet files start (and end) with these 4 bytes.
-PARQUET_MAGIC = b"PAR1"
-#: What ``input_file_format`` reads, for error messages.
-SUPPORTED_INPUTS = (
-    ".parquet, .jsonl, .jsonl.gz, .json or .json.gz holding JSON Lines (any letter case), a Parquet "
-    "file of any name (e.g. Hive's 000000_0), or a datasets save_to_disk directory"
-)
 #: Files of a directory that are documentation, not data: ignored (a Hugging Face data set's README.md).
 DOC_SUFFIXES = (".md", ".rst")
 
 
-def input_file_format(path: Path) -> str | None:
-    """How one input file is read: "parquet", "jsonl", or None (not a format cbrun reads).
+def input_file_format(path: Path) -> InputFormat | None:
+    """The format one input file is read as (``cbrun.jobs.input.formats``), or None (not a format cbrun reads).
 
-    By name, letter case ignored: ``.parquet``; ``.jsonl`` / ``.jsonl.gz``; ``.json`` / ``.json.gz`` whose first
-    line is one whole JSON object (JSON Lines, ``cbrun.jobs.input.jsonl_source.holds_json_lines``). Any other name is Parquet
-    when the file starts with Parquet's magic bytes (Hive and some Spark writers leave Parquet files without a
-    suffix).
+    By name, letter case ignored: the format claiming the name's longest suffix (``.parquet``; ``.jsonl``, ``.json``
+    and their ``.gz``), which may look at the bytes and refuse the file (a ``.json`` file that is not JSON Lines).
+    A name no format claims is read by the first format whose ``sniff`` knows its bytes (Hive and some Spark
+    writers leave Parquet files without a suffix).
 
     Raises:
-        InputError: for a ``.json`` file that holds a JSON document (one array, or an object printed over many
-            lines) rather than JSON Lines, or one that cannot be read.
+        InputError: for a file its suffix's format refuses (a ``.json`` file that holds a JSON document rather
+            than JSON Lines, or one that cannot be read).
     """
-    name = path.name.lower()
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(JSON_SUFFIXES):
-        try:
-            if holds_json_lines(path):
-                return "jsonl"
-        except OSError as exc:
-            raise InputError(f"input file {str(path)!r} cannot be read: {exc}") from None
-        raise InputError(
-            f"input file {str(path)!r} is JSON but not JSON Lines (its first line is not one whole JSON "
-            f"object: a JSON array, or a document printed over many lines); cbrun reads "
-            f"{SUPPORTED_INPUTS}. Convert an array, e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl"
-        )
-    try:
-        with open(path, "rb") as f:
-            return "parquet" if f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC else None
-    except OSError:
-        return None
+    fmt = format_by_suffix(path.name)
+    if fmt is not None:
+        if fmt.check_file is not None:
+            fmt.check_file(path)
+        return fmt
+    return next((f for f in input_formats() if f.sniff is not None and f.sniff(path)), None)
 
 
 def _is_hidden(relative: Path) -> bool:
@@ -70,7 +49,7 @@ def _is_doc(path: Path) -> bool:
 
 
 def list_input_files(path: str | Path, endpoint_url: str | None = None) -> tuple[str, list[Path]]:
-    """Find the files of an input: one Parquet or JSON Lines file, a directory of them (mixed or not, searched
+    """Find the files of an input: one file of a format cbrun reads, a directory of them (mixed or not, searched
     recursively), or a ``save_to_disk`` data set. What a file is read as: ``input_file_format``.
 
     In a directory, files and folders whose name starts with "." or "_" are ignored, as Spark and Hive do
@@ -81,8 +60,8 @@ def list_input_files(path: str | Path, endpoint_url: str | None = None) -> tuple
         endpoint_url: an object-store input's S3 endpoint (the job's ``[storage] endpoint_url``).
 
     Returns:
-        (kind, files in reading order): "parquet" (local Parquet and JSON Lines files, see ``open_source``),
-        "objects" (object-store URIs of such files) or "arrow" (a saved data set's Arrow stream files). The kind
+        (kind, files in reading order): "files" (local files of the formats, see ``open_source``), "objects"
+        (object-store URIs of such files) or "arrow" (a saved data set's Arrow stream files). The kind
         is how the rest of the input room knows where a file lives: the path is classified here, once.
 
     Raises:
@@ -93,15 +72,15 @@ def list_input_files(path: str | Path, endpoint_url: str | None = None) -> tuple
         return "objects", list_object_files(str(path), endpoint_url)
     path = Path(local_path(path))
     if not path.exists():
-        raise InputError(f"input {str(path)!r} not found: give a Parquet or JSON Lines file, or a directory of them")
+        raise InputError(f"input {str(path)!r} not found: give a {titles()} file, or a directory of them")
     if path.is_file():
         if input_file_format(path) is None:
-            raise InputError(f"input file {str(path)!r} is not a format cbrun reads; cbrun reads {SUPPORTED_INPUTS}")
-        return "parquet", [path]
+            raise InputError(f"input file {str(path)!r} is not a format cbrun reads; cbrun reads {supported_inputs()}")
+        return "files", [path]
     saved = _saved_dataset_files(path)
     if saved:
         return "arrow", saved
-    return "parquet", _directory_files(path)
+    return "files", _directory_files(path)
 
 
 def _saved_dataset_files(path: Path) -> list[Path]:
@@ -137,24 +116,19 @@ def _directory_files(path: Path) -> list[Path]:
         more = f" and {len(unreadable) - 10} more" if len(unreadable) > 10 else ""
         raise InputError(
             f"input directory {str(path)!r} holds files cbrun cannot read: {names}{more}; cbrun reads "
-            f"{SUPPORTED_INPUTS} (names starting with '.' or '_' are ignored). Move them out, or point "
+            f"{supported_inputs()} (names starting with '.' or '_' are ignored). Move them out, or point "
             f"--input at the files to read"
         )
     if not candidates:
-        raise InputError(
-            f"input directory {str(path)!r} holds no .parquet files, no .jsonl files and no saved data set"
-        )
+        kinds = [f"no {fmt.suffixes[0]} files" for fmt in input_formats()]
+        raise InputError(f"input directory {str(path)!r} holds {one_of([*kinds, 'no saved data set'], 'and')}")
     return candidates
 
 
-def object_file_format(uri: str) -> str | None:
-    """How one input object is read, by its name alone (``input_file_format``'s rules without opening it)."""
-    name = basename(uri).lower()
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith(JSONL_SUFFIXES + JSON_SUFFIXES):
-        return "jsonl"
-    return None
+def object_file_format(uri: str) -> InputFormat | None:
+    """The format one input object is read as, by its suffix alone (``input_file_format``'s rules without
+    opening it), or None."""
+    return format_by_suffix(basename(uri))
 
 
 def list_object_files(uri: str, endpoint_url: str | None = None) -> list[str]:
@@ -162,7 +136,7 @@ def list_object_files(uri: str, endpoint_url: str | None = None) -> list[str]:
     with ``list_input_files``'s rules: names starting with "." or "_" and documents skipped, others refused.
 
     Raises:
-        InputError: when nothing is there, or an object is not ``.parquet`` / ``.jsonl`` / ``.json``(``.gz``).
+        InputError: when nothing is there, or an object's suffix is none of a format's (``.parquet``, ``.jsonl``, ...).
     """
     try:
         objects = list_files(uri, endpoint_url)
@@ -172,13 +146,11 @@ def list_object_files(uri: str, endpoint_url: str | None = None) -> list[str]:
     relative = {o: o[len(root) + 1 :] if o != root else basename(o) for o in objects}
     candidates = [o for o in objects if not _is_hidden(Path(relative[o])) and not _is_doc(Path(relative[o]))]
     if not candidates:
-        raise InputError(
-            f"input {uri!r} not found: no objects there (give a Parquet or JSON Lines object, or a prefix of them)"
-        )
+        raise InputError(f"input {uri!r} not found: no objects there (give a {titles()} object, or a prefix of them)")
     unreadable = [relative[o] for o in candidates if object_file_format(o) is None]
     if unreadable:
         raise InputError(
             f"input {uri!r} holds objects cbrun cannot read: {', '.join(map(repr, unreadable[:10]))}; "
-            f"in an object store cbrun reads .parquet, .jsonl and .json(.gz) objects"
+            f"in an object store cbrun reads {one_of([s for f in input_formats() for s in f.suffixes], 'and')} objects"
         )
     return candidates

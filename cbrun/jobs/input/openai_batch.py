@@ -26,20 +26,17 @@ This module owns the reader (request lines -> rows); each body is parsed by ``cb
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from cbrun.jobs.input.carry import carried_values, check_kept_columns, keep_role, keep_roles
 from cbrun.jobs.input.chat import encode_chat
-from cbrun.jobs.input.discovery import list_input_files
+from cbrun.jobs.input.discovery import input_file_format, list_input_files
 from cbrun.jobs.input.errors import InputError
-from cbrun.jobs.input.jsonl_source import is_jsonl, numbered_rows
 from cbrun.jobs.input.openai_request import CHAT_URL, COMPLETIONS_URL, BatchRequest, parse_request
 from cbrun.jobs.input.prompts import encode_prompt
 from cbrun.jobs.input.reader import InputRow, PromptReader
@@ -56,22 +53,17 @@ OPENAI_FIELDS = [
 
 
 def input_fields(path: str | Path, endpoint_url: str | None = None) -> list[str]:
-    """The field names of the input's first file: a Parquet footer, or the first JSON object line (cheap)."""
+    """The field names of the input's first file, cheaply where its format can (a Parquet footer, the first JSON
+    object line: ``InputFormat.field_names``)."""
     kind, files = list_input_files(path, endpoint_url)
     first = files[0]
-    if kind == "objects":  # NOTE: an object's footer or schema, read through its source
-        return list(open_source(kind, first, endpoint_url=endpoint_url).schema.names)
-    if kind == "parquet" and not is_jsonl(first):
-        return pq.read_schema(first).names
-    if kind == "parquet":
-        for _, line in numbered_rows(first):
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                return list(value)
-    return []
+    if kind == "arrow":
+        return []
+    fmt = input_file_format(first) if kind == "files" else None
+    if fmt is not None and fmt.field_names is not None:
+        return fmt.field_names(first)
+    # NOTE: an object's footer or schema, read through its source
+    return list(open_source(kind, first, endpoint_url=endpoint_url).schema.names)
 
 
 class OpenAIBatchReader:

@@ -29,7 +29,7 @@ from cbrun.engine.sampling_params import SAMPLING_FIELD_TYPES, coerce_num_sample
 from cbrun.jobs.input.arrow_types import is_binary_type, is_list_type, is_text_type
 from cbrun.jobs.input.discovery import list_input_files
 from cbrun.jobs.input.errors import InputError
-from cbrun.jobs.input.jsonl_source import ROW_ERROR_COLUMN
+from cbrun.jobs.input.formats import ROW_ERROR_COLUMN
 from cbrun.jobs.input.row_settings import NUM_SAMPLES_COLUMN, setting_columns, type_fits
 from cbrun.jobs.input.row_values import Undecodable, column_values, readable
 from cbrun.jobs.input.schema_union import conform_batch, unify_schemas
@@ -132,7 +132,7 @@ class PromptReader:
         # {role: column}, e.g. {"candidates_column": "answers"}: read into InputRow.extra, checked by the job.
         self.extra_columns = dict(extra_columns or {})
         kind, files = list_input_files(path, endpoint_url)
-        # json_text_fields: JSON Lines fields read as JSON text (an OpenAI batch request's body; see jobs.input.jsonl_source)
+        # json_text_fields: JSON Lines fields read as JSON text (an OpenAI batch request's body; see jobs.input.formats.jsonl)
         self.sources = [open_source(kind, f, json_text_fields, endpoint_url) for f in files]
         self.column_names = list(dict.fromkeys(name for source in self.sources for name in source.schema.names))
         self.num_input_rows = sum(s.num_rows for s in self.sources)
@@ -313,7 +313,7 @@ class PromptReader:
     def _make_row(self, row_index: int, values: dict[str, Any]) -> InputRow:
         row = InputRow(row_index=row_index, id=str(row_index))
         try:
-            if values.get(ROW_ERROR_COLUMN) is not None:  # a JSON Lines row that could not be read (jsonl_source)
+            if values.get(ROW_ERROR_COLUMN) is not None:  # a JSON Lines row that could not be read (formats.jsonl)
                 if self.id_column is not None and isinstance(values[self.id_column], str):
                     row.id = values[self.id_column]
                 raise ValueError(values[ROW_ERROR_COLUMN])

@@ -1,8 +1,8 @@
-"""The sources of one input's files: each gives its ``path``, ``schema``, ``num_rows`` and record batches.
+"""The sources of one input's files: each gives its ``path``, ``schema``, ``num_rows`` and record batches
+(``cbrun.jobs.input.formats.InputSource``).
 
-A Parquet file is read with ``ParquetFile.iter_batches(batch_size, columns=...)`` over only the columns the job needs,
-and row groups whose rows are all done already (resume) are not read at all. A ``datasets`` data set's Arrow stream
-files are memory-mapped; JSON Lines files are ``cbrun.jobs.input.jsonl_source.JsonlSource``. ``open_source`` picks one.
+``open_source`` opens a file by its format (``cbrun.jobs.input.formats``: Parquet, JSON Lines); a ``datasets`` data
+set's Arrow stream files, a layout rather than a file format, are memory-mapped here.
 """
 
 from __future__ import annotations
@@ -12,50 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from cbrun.jobs.input.discovery import input_file_format, object_file_format
 from cbrun.jobs.input.errors import InputError
-from cbrun.jobs.input.jsonl_source import JsonlSource
+from cbrun.jobs.input.formats import InputSource, OpenOptions, supported_inputs
 from cbrun.jobs.store.cache import local_copy
-from cbrun.jobs.store.files import StorageError, open_input
-
-
-class _ParquetSource:
-    """One Parquet file: its schema, row count and row-group offsets come from the footer alone."""
-
-    def __init__(self, path: Path | str, remote: bool = False, endpoint_url: str | None = None):
-        self.path = path
-        try:
-            # NOTE: an object is read by ranges through fsspec; a local file by pyarrow's own (memory-mapped) reads
-            self.file = pq.ParquetFile(open_input(path, endpoint_url) if remote else path)
-        except (pa.ArrowInvalid, OSError, StorageError) as exc:
-            raise InputError(f"input file {str(path)!r} is not a readable Parquet file: {exc}") from None
-        self.schema = self.file.schema_arrow
-        metadata = self.file.metadata
-        self.row_group_sizes = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
-        self.num_rows = metadata.num_rows
-
-    def iter_batches(
-        self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
-    ) -> Iterator[tuple[int, pa.RecordBatch]]:
-        """Yield (row index of the batch's first row, batch), not reading row groups whose rows are all in ``skip``.
-
-        Args:
-            first_row: the global row index of this file's first row.
-            skip: bool array over this file's rows, True where the row needs no reading; None reads all.
-        """
-        offsets = np.cumsum([0] + self.row_group_sizes)
-        wanted = [
-            g for g in range(len(self.row_group_sizes)) if skip is None or not skip[offsets[g] : offsets[g + 1]].all()
-        ]
-        # NOTE: consecutive wanted row groups are read as one run so batches keep their full size; the run's first
-        # row fixes the row index of every batch in it.
-        for run in _consecutive_runs(wanted):
-            row = first_row + int(offsets[run[0]])
-            for batch in self.file.iter_batches(batch_size=batch_size, row_groups=run, columns=columns):
-                yield row, batch
-                row += batch.num_rows
 
 
 class _ArrowStreamSource:
@@ -84,19 +45,28 @@ class _ArrowStreamSource:
                     row += batch.num_rows
 
 
-def open_source(kind: str, path: Path, json_text_fields: tuple[str, ...] = (), endpoint_url: str | None = None):
-    """The source object of one input file of ``kind`` (``list_input_files``): Arrow stream, JSON Lines (by suffix)
-    or Parquet, local or an object (``endpoint_url``: its S3 endpoint)."""
+def open_source(
+    kind: str, path: Path | str, json_text_fields: tuple[str, ...] = (), endpoint_url: str | None = None
+) -> InputSource:
+    """The source of one input file of ``kind`` (``list_input_files``): an Arrow stream file of a saved data set, or
+    a local file or object opened by its format (``cbrun.jobs.input.formats``; ``endpoint_url``: the object's S3
+    endpoint).
+
+    Raises:
+        InputError: when the file does not read as its format.
+    """
     if kind == "arrow":
-        return _ArrowStreamSource(path)
-    if kind == "objects":
-        if object_file_format(str(path)) == "jsonl":
-            # NOTE: JSON Lines is read by line offsets from a local file: the object is copied to a temporary file
-            return JsonlSource(local_copy(str(path), endpoint_url), json_text_fields)
-        return _ParquetSource(path, remote=True, endpoint_url=endpoint_url)
-    if input_file_format(path) == "jsonl":
-        return JsonlSource(path, json_text_fields)
-    return _ParquetSource(path)
+        return _ArrowStreamSource(Path(path))
+    options = OpenOptions(json_text_fields, endpoint_url)
+    fmt = object_file_format(str(path)) if kind == "objects" else input_file_format(Path(path))
+    if fmt is None:  # NOTE: listed as readable; only a file changed since can get here
+        raise InputError(f"input file {str(path)!r} is not a format cbrun reads; cbrun reads {supported_inputs()}")
+    if kind != "objects":
+        return fmt.open_file(Path(path), options)
+    if fmt.open_object is None:
+        # NOTE: a format that reads local files only: the object is copied to a temporary file first
+        return fmt.open_file(local_copy(str(path), endpoint_url), options)
+    return fmt.open_object(str(path), options)
 
 
 def iter_column_batches(sources, num_rows: int, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
@@ -112,14 +82,3 @@ def iter_column_batches(sources, num_rows: int, columns: list[str], batch_size: 
         for row, batch in source.iter_batches(columns, batch_size, first_row, skip):
             yield batch.slice(0, min(batch.num_rows, first_row + end - row))
         first_row += source.num_rows
-
-
-def _consecutive_runs(indices: list[int]) -> Iterator[list[int]]:
-    run: list[int] = []
-    for i in indices:
-        if run and i != run[-1] + 1:
-            yield run
-            run = []
-        run.append(i)
-    if run:
-        yield run

@@ -138,7 +138,7 @@ def model_fingerprint(model_path: str | Path) -> dict[str, Any]:
 def input_fingerprint(input_path: str | Path, endpoint_url: str | None = None) -> dict[str, str]:
     """{file name relative to the input path: sampled digest (Parquet: footer-led)} of the input's files; {} when
     the input cannot be listed."""
-    from cbrun.jobs.input.discovery import input_file_format, list_input_files
+    from cbrun.jobs.input.discovery import list_input_files
     from cbrun.jobs.input.errors import InputError
 
     try:
@@ -152,11 +152,23 @@ def input_fingerprint(input_path: str | Path, endpoint_url: str | None = None) -
     for path in paths:
         name = path.name if root.is_file() else path.relative_to(root).as_posix()
         try:
-            head = parquet_footer(path) if input_file_format(path) == "parquet" else None
+            head = parquet_footer(path) if _is_parquet(path) else None
         except InputError:
             head = None
         digests[name] = sampled_digest(path, head)
     return digests
+
+
+def _is_parquet(path: str | Path) -> bool:
+    """Whether an input file (an object: by name alone) is Parquet, whose footer leads its digest.
+
+    Raises:
+        InputError: from ``input_file_format``, for a local file its format refuses.
+    """
+    from cbrun.jobs.input.discovery import input_file_format, object_file_format
+
+    fmt = object_file_format(path) if isinstance(path, str) else input_file_format(path)
+    return fmt is not None and fmt.name == "parquet"
 
 
 def object_fingerprints(root: str, uris: list[str], endpoint_url: str | None = None) -> dict[str, str]:
@@ -166,7 +178,7 @@ def object_fingerprints(root: str, uris: list[str], endpoint_url: str | None = N
     digests = {}
     for uri in uris:
         name = uri[len(root) + 1 :] if uri != root else basename(uri)
-        tail = parquet_footer_size(uri, endpoint_url) if uri.lower().endswith(".parquet") else 0
+        tail = parquet_footer_size(uri, endpoint_url) if _is_parquet(uri) else 0
         digests[name] = object_digest(uri, tail, endpoint_url)
     return digests
 

@@ -3,9 +3,9 @@ one JSON object per line, read as Arrow record batches.
 
 A ``.json`` file is JSON Lines when its first non-blank line is one whole JSON object (data sets exported by
 ``datasets`` and the Hugging Face Hub use ``.json`` for JSON Lines); a ``.json`` file holding one JSON array or one
-object printed over many lines is refused by ``cbrun.jobs.input.discovery.input_file_format``.
+object printed over many lines is refused (``check_json_lines``). An object is copied to a local file first.
 
-A ``JsonlSource`` looks like the reader's Parquet source (``path``, ``schema``, ``num_rows``, ``iter_batches``), so
+A ``JsonlSource`` is an ``InputSource`` (``path``, ``schema``, ``num_rows``, ``iter_batches``), so
 ``cbrun.jobs.input.reader.PromptReader`` streams it with the same ``row_index``, resume and per-row error rules. Every non-blank
 line is one row; blank lines are not rows (as in vLLM's ``run_batch``).
 
@@ -37,23 +37,13 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 
 from cbrun.jobs.input.errors import InputError
+from cbrun.jobs.input.formats import ROW_ERROR_COLUMN, InputFormat, OpenOptions, supported_inputs
 
-#: Name of the hidden string column a JSONL batch carries beside the asked columns: the row's error, or null.
-ROW_ERROR_COLUMN = "__cbrun_row_error__"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 #: Suffixes of files read as JSON Lines when their first line is a JSON object (``holds_json_lines``).
 JSON_SUFFIXES = (".json", ".json.gz")
 #: Bytes per block of pyarrow's JSON reader (its schema is inferred from the first block).
 ARROW_BLOCK_SIZE = 16 << 20
-
-
-def is_jsonl(path: str | Path) -> bool:
-    """Whether the file is read as JSON Lines: named ``.jsonl`` or ``.jsonl.gz`` (any letter case), or ``.json`` /
-    ``.json.gz`` holding JSON Lines (``holds_json_lines``)."""
-    name = Path(path).name.lower()
-    if name.endswith(JSONL_SUFFIXES):
-        return True
-    return name.endswith(JSON_SUFFIXES) and holds_json_lines(path)
 
 
 def holds_json_lines(path: str | Path) -> bool:
@@ -171,7 +161,7 @@ class _FieldTypes:
         """The field's Arrow type: the kind most lines hold (integers and numbers count together)."""
         if as_json_text:
             return pa.string()
-        counts = Counter()
+        counts: Counter[str] = Counter()
         for kind, count in self.kinds[name].items():
             if kind != "null":
                 counts["number" if kind == "integer" else kind] += count
@@ -321,9 +311,11 @@ class JsonlSource:
                 fitted.append(value)
             except (pa.ArrowException, ValueError, TypeError, OverflowError):
                 fitted.append(None)
+                line = lines[i]
+                assert line is not None, "a skipped row's value is null, which fits every type"
                 if errors[i] is None:
                     errors[i] = (
-                        f"field {name!r} on line {lines[i][0]} of {self.path.name} holds "
+                        f"field {name!r} on line {line[0]} of {self.path.name} holds "
                         f"{_article(_kind(value))} ({_short(value)}), but the column's type (from "
                         f"the other lines) is {kind}"
                     )
@@ -337,3 +329,52 @@ def _article(kind: str) -> str:
 def _short(value: Any, limit: int = 40) -> str:
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_json_lines(path: Path) -> None:
+    """Refuse a ``.json`` / ``.json.gz`` file that holds a JSON document rather than JSON Lines.
+
+    Raises:
+        InputError: for a JSON array, or an object printed over many lines, or a file that cannot be read.
+    """
+    if not path.name.lower().endswith(JSON_SUFFIXES):
+        return
+    try:
+        if holds_json_lines(path):
+            return
+    except OSError as exc:
+        raise InputError(f"input file {str(path)!r} cannot be read: {exc}") from None
+    raise InputError(
+        f"input file {str(path)!r} is JSON but not JSON Lines (its first line is not one whole JSON "
+        f"object: a JSON array, or a document printed over many lines); cbrun reads "
+        f"{supported_inputs()}. Convert an array, e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl"
+    )
+
+
+def first_object_fields(path: Path) -> list[str]:
+    """The keys of the file's first line holding a JSON object, in order ([] when none does): read cheaply."""
+    for _, line in numbered_rows(path):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return list(value)
+    return []
+
+
+def _open(path: Path, options: OpenOptions) -> JsonlSource:
+    return JsonlSource(path, options.json_text_fields)
+
+
+FORMAT = InputFormat(
+    name="jsonl",
+    title="JSON Lines",
+    suffixes=JSONL_SUFFIXES + JSON_SUFFIXES,
+    # NOTE: no open_object: JSON Lines is read by line offsets from a local file, so an object is copied first
+    open_file=_open,
+    check_file=check_json_lines,
+    field_names=first_object_fields,
+    listing=".jsonl, .jsonl.gz, .json or .json.gz holding JSON Lines",
+    order=10,
+)
