@@ -47,8 +47,8 @@ def scaled_random_dir(model_class, config, prefix: str, seed: int = 0) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A small random model of ``model_type`` ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral": 4 experts,
-    2 per token), every weight, bias and norm scale perturbed, saved once per session (safetensors);
+    """A small random model of ``model_type`` ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "qwen2_moe",
+    "mixtral": 4 experts, 2 per token; Qwen2-MoE's shared expert 48 wide), every weight, bias and norm scale perturbed, saved once per session (safetensors);
     ``overrides`` are config fields."""
     import transformers
 
@@ -58,14 +58,17 @@ def random_model_dir(model_type: str = "llama", seed: int = 0, **overrides) -> P
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_class, model_class = classes[model_type]
     fields = dict(TINY_DECODER, intermediate_size=96, max_position_embeddings=128)
     if model_type in ("mistral", "mixtral"):
         fields["sliding_window"] = None
-    if model_type in ("qwen3_moe", "mixtral"):
+    if model_type in ("qwen3_moe", "qwen2_moe", "mixtral"):
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        if model_type == "qwen2_moe":
+            fields["shared_expert_intermediate_size"] = 48
         if model_type == "mixtral":
             del fields["moe_intermediate_size"]
     torch.manual_seed(seed)

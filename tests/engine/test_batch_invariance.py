@@ -291,7 +291,7 @@ def test_cuda_blockers_name_what_stops_the_invariant_kernels(monkeypatch):
     assert backends.cuda_graphs_blocker(EngineConfig(device="cuda"), True) is None
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_seeded_rows_equal_alone_and_in_a_batch(model_type):
     # A MoE block under "on" runs each expert over its own rows through the invariant linear: how many tokens an
     # expert gets depends on the batch, a token's output must not.

@@ -18,6 +18,7 @@ from cbrun.engine.model.models.gpt_oss import GptOssFamily
 from cbrun.engine.model.models.llama import LlamaFamily, MistralFamily
 from cbrun.engine.model.models.mixtral import MixtralFamily
 from cbrun.engine.model.models.qwen2 import Qwen2Family
+from cbrun.engine.model.models.qwen2_moe import Qwen2MoeFamily
 from cbrun.engine.model.models.qwen3 import Qwen3Family
 from cbrun.engine.model.models.qwen3_moe import Qwen3MoeFamily
 from cbrun.engine.model.weights import LlamaWeights
@@ -29,6 +30,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     Qwen2Family(),
     Qwen3Family(),
     Qwen3MoeFamily(),
+    Qwen2MoeFamily(),
     MixtralFamily(),
     GptOssFamily(),
 )

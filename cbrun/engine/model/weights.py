@@ -32,7 +32,9 @@ M = TypeVar("M")
 class DecoderLayer(Generic[P, M]):
     """One decoder layer's parts: RMSNorm weights (hidden,) and epsilons, the projections, the softmax scale.
 
-    A MoE layer (``moe`` set) has no dense gate/up/down (None). ``q_norm`` / ``k_norm``: (head_dim,) the
+    A MoE layer (``moe`` set) has no dense gate/up/down (None), unless it has a shared expert (Qwen2-MoE): then
+    gate/up/down are that dense MLP's, its output scaled by ``sigmoid(shared_expert_gate @ x)``, a (1, hidden)
+    projection, and added to the experts'. ``q_norm`` / ``k_norm``: (head_dim,) the
     per-head RMSNorm weights on queries and keys before RoPE (Qwen3-MoE), with epsilon ``qk_norm_eps``.
     ``sinks``: (num_heads,) per-head attention sink logits (gpt-oss), or None. ``sliding_window``: the layer's
     attention window in tokens, None for full attention.
@@ -56,6 +58,7 @@ class DecoderLayer(Generic[P, M]):
     moe: M | None = None
     sinks: torch.Tensor | None = None
     sliding_window: int | None = None
+    shared_expert_gate: P | None = None
 
 
 @dataclass
@@ -63,8 +66,9 @@ class LayerWeights(DecoderLayer[Linear, MoEWeights]):
     """One decoder layer as loaded: each projection a ``Linear``, a MoE block its ``MoEWeights``."""
 
     def linears(self) -> list[Linear]:
-        """The dense projections this layer has, in q, k, v, o, gate, up, down order."""
-        return [p for p in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down) if p is not None]
+        """The dense projections this layer has, in q, k, v, o, gate, up, down, shared_expert_gate order."""
+        projections = (self.q, self.k, self.v, self.o, self.gate, self.up, self.down, self.shared_expert_gate)
+        return [p for p in projections if p is not None]
 
     def extra_tensors(self) -> list[torch.Tensor]:
         """The q/k norms, the sinks and the experts' tensors, where the layer has them."""

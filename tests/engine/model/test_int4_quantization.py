@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
-from cbrun.engine.model.layers.quantization.base import DEQUANT_CHUNK_ELEMENTS, quantized_linear
+from cbrun.engine.model.layers.quantization.base import DEQUANT_CHUNK_ELEMENTS, QuantizedLinearWeight, quantized_linear
 from cbrun.engine.model.layers.quantization.int4 import Int4Weight, pack_rows
 from tests.model_utils import hf_greedy, random_model_dir, random_prompts, session_tmp_dir
 
@@ -314,11 +314,13 @@ def test_an_act_order_g_idx_under_desc_act_false_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["ct-sym", "gptq", "fp8-block"])
-def test_quantized_moe_experts_stay_quantized_and_equal_generate_on_the_dequantized_weights(layout):
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_quantized_moe_experts_stay_quantized_and_equal_generate_on_the_dequantized_weights(layout, model_type):
     from cbrun.engine.model.layers.quantization.base import QuantizedExperts
     from tests.engine.model import test_quantization as fp8
 
-    model_dir = random_model_dir("qwen3_moe", hidden_size=128, moe_intermediate_size=64, norm_topk_prob=True)
+    shared = dict(shared_expert_intermediate_size=128) if model_type == "qwen2_moe" else {}
+    model_dir = random_model_dir(model_type, hidden_size=128, moe_intermediate_size=64, norm_topk_prob=True, **shared)
     writer = fp8._quantized_copy if layout == "fp8-block" else _quantized_copy
     quantized, dequantized = writer(model_dir, layout)
     prompts = random_prompts(5, 128, 1, 30)
@@ -326,6 +328,8 @@ def test_quantized_moe_experts_stay_quantized_and_equal_generate_on_the_dequanti
     blocks = [layer.moe for layer in engine.model.weights.layers]
     assert all(isinstance(m.gate_up, QuantizedExperts) and isinstance(m.down, QuantizedExperts) for m in blocks)
     assert engine.model_runner.lean_model.layers[0].moe.fallback_reason is None  # the grouped GEMM runs them
+    if model_type == "qwen2_moe":  # the shared expert is a dense MLP: its projections quantized as any other
+        assert all(isinstance(layer.gate[0], QuantizedLinearWeight) for layer in engine.model.weights.layers)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}
     for i, prompt in enumerate(prompts):

@@ -5,6 +5,7 @@ bit, are in ``test_safetensors_loader.py``'s MoE cases.)"""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cbrun.engine import EngineConfig, SamplingParams
+from cbrun.engine.model import registry
+from cbrun.engine.model.layers.activation import invariant_sigmoid
 from cbrun.engine.model.layers.moe import MoEWeights, SparseMoE, sparse_moe, sparse_moe_reference
 from tests.model_utils import hf_greedy, random_model_dir, random_prompts, run_engine
 
@@ -87,8 +90,10 @@ def test_unaligned_experts_run_the_reference():
     [
         ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=(1,))),
         ("mixtral", {}),
+        ("qwen2_moe", dict(mlp_only_layers=(0,))),
+        ("qwen2_moe", dict(norm_topk_prob=True, decoder_sparse_step=2)),
     ],
-    ids=["qwen3-moe-norm-dense-layer", "mixtral"],
+    ids=["qwen3-moe-norm-dense-layer", "mixtral", "qwen2-moe-dense-layer", "qwen2-moe-norm-sparse-step"],
 )
 @pytest.mark.parametrize("loader", ["auto", "transformers"])
 def test_engine_greedy_equals_generate(model_type, overrides, loader, caplog):
@@ -100,3 +105,31 @@ def test_engine_greedy_equals_generate(model_type, overrides, loader, caplog):
     assert "model implementation: lean" in caplog.text
     for i, prompt in enumerate(prompts):
         assert outputs[i].output_token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS), f"prompt {i}"
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (dict(use_sliding_window=True), "use_sliding_window"),
+        (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+        (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+        (dict(moe_shared_gate_bias=True), "moe_shared_gate_bias"),
+    ],
+    ids=["sliding-window", "sliding-layer", "sparse-step-0", "unknown-key"],
+)
+def test_qwen2_moe_refuses_by_name(overrides, named):
+    """What the Qwen2-MoE family does not run is refused at load, naming the setting."""
+    raw = json.loads((random_model_dir("qwen2_moe") / "config.json").read_text())
+    assert registry.parse_config(raw)[1] is None
+    config, reason = registry.parse_config({**raw, **overrides})
+    assert config is None and named in reason
+
+
+def test_invariant_sigmoid_gives_each_element_the_same_bits_at_any_length():
+    # torch.sigmoid's scalar tail on the CPU gives the last elements of a length other bits (a shared expert's
+    # gate under batch_invariant = on)
+    x = torch.randn(300, 1, generator=torch.Generator().manual_seed(0))
+    whole = invariant_sigmoid(x)
+    torch.testing.assert_close(whole, torch.sigmoid(x))
+    for start, length in [(0, 1), (3, 7), (5, 33), (100, 65), (17, 200)]:
+        assert torch.equal(invariant_sigmoid(x[start : start + length].clone()), whole[start : start + length])

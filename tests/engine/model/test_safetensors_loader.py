@@ -33,6 +33,7 @@ CASES = {
     "qwen3-bias": ("qwen3", dict(attention_bias=True)),
     "qwen3-moe-dense-layer": ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=(1,))),
     "mixtral": ("mixtral", {}),
+    "qwen2-moe-shared-expert": ("qwen2_moe", dict(norm_topk_prob=True, mlp_only_layers=(0,))),
 }
 
 
@@ -62,7 +63,8 @@ def _assert_config_equals_auto_config(path):
     head_dim = getattr(auto, "head_dim", None) or auto.hidden_size // auto.num_attention_heads
     for name in (*SIZE_KEYS, "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
         assert getattr(config, name) == (head_dim if name == "head_dim" else getattr(auto, name)), name
-    assert config.sliding_window is getattr(auto, "sliding_window", None) is None
+    # no window: None (Qwen2-MoE's config states 0 where use_sliding_window is false)
+    assert config.sliding_window is None and not getattr(auto, "sliding_window", None)
     assert config.head_dim == (getattr(auto, "head_dim", None) or auto.hidden_size // auto.num_attention_heads)
     assert config.rope_theta == auto.rope_parameters["rope_theta"]
     assert auto.rope_parameters["rope_type"] == "default"

@@ -132,7 +132,12 @@ def test_a_rank_that_stops_answering_fails_the_step_within_the_timeout(monkeypat
 
 @pytest.mark.parametrize(
     "model_type, overrides",
-    [("qwen3_moe", {}), ("mixtral", {}), ("qwen3_moe", dict(mlp_only_layers=(0,)))],  # a dense layer among them
+    [
+        ("qwen3_moe", {}),
+        ("mixtral", {}),
+        ("qwen3_moe", dict(mlp_only_layers=(0,))),  # a dense layer among them
+        ("qwen2_moe", dict(mlp_only_layers=(0,))),  # a shared expert split as a dense MLP is
+    ],
 )
 def test_moe_experts_split_over_two_ranks_give_the_greedy_tokens_of_one(model_type, overrides):
     path = random_model_dir(model_type, **overrides)

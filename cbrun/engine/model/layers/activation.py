@@ -35,6 +35,31 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[..., :width]) * gate_up[..., width:]
 
 
+#: ``invariant_sigmoid`` pads to a multiple of this many elements: two of ATen's widest CPU vectors (AVX-512 on
+#: 16-bit floats), so its vectorised loop has no scalar tail.
+_SIGMOID_PAD = 64
+#: and calls ``torch.sigmoid`` on pieces of at most ATen's elementwise grain size (one thread each).
+_SIGMOID_PIECE = 32768
+
+
+def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sigmoid`` whose every element is the same bits whatever the tensor's length (``batch_invariant`` on
+    the CPU): ATen computes a length's last few elements (its loop's tail) by the scalar function, whose bits
+    differ from the vectorised one's. Here every element goes through the vectorised loop: the values are padded to
+    a multiple of ``_SIGMOID_PAD`` and taken in pieces of ``_SIGMOID_PIECE``, each run by one thread.
+
+    Args:
+        x: any shape (Qwen2-MoE's (T, 1) shared-expert gate logits), on the CPU.
+
+    Returns:
+        ``sigmoid(x)``, the shape and dtype of ``x``.
+    """
+    flat = x.reshape(-1)
+    padded = F.pad(flat, (0, -flat.numel() % _SIGMOID_PAD))
+    out = torch.cat([torch.sigmoid(piece) for piece in padded.split(_SIGMOID_PIECE)])
+    return out[: flat.numel()].view_as(x)
+
+
 @dataclass(frozen=True)
 class ClampedSwiGLU:
     """gpt-oss's expert activation (vLLM's ``swigluoai_and_mul``): on interleaved gate/up columns

@@ -297,6 +297,8 @@ class MoEConfig:
         weights_in_model_dtype: as ``MoEWeights``.
         sparse_layers: indices of the decoder layers whose MLP is the MoE block (the rest are dense MLPs).
         activation: the experts' activation (``MoEWeights.activation``).
+        shared_expert_intermediate_size: the width of a dense SiLU MLP every MoE layer also runs, its output
+            scaled by ``sigmoid(shared_expert_gate @ x)`` and added to the experts' (Qwen2-MoE); 0 for none.
     """
 
     num_experts: int
@@ -306,6 +308,7 @@ class MoEConfig:
     weights_in_model_dtype: bool
     sparse_layers: tuple[int, ...]
     activation: Callable[[torch.Tensor], torch.Tensor] = field(default=silu_and_mul)
+    shared_expert_intermediate_size: int = 0
 
 
 #: The paths that run a block's experts (``select_moe_backend``).

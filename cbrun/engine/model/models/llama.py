@@ -52,6 +52,7 @@ from cbrun.engine.model.config import (
     unsupported_shape,
 )
 from cbrun.engine.model.family import ModelFamily
+from cbrun.engine.model.layers.activation import invariant_sigmoid
 from cbrun.engine.model.layers.activation import silu_mul as activation_silu_mul
 from cbrun.engine.model.layers.attention import AttentionMetadata, paged_attention
 from cbrun.engine.model.layers.embed_head import embed_tokens, lm_head
@@ -92,6 +93,8 @@ logger = logging.getLogger("cbrun.engine")
 #: Each decoder layer's attention projections, then its dense MLP's, by their names under ``model.layers.{i}.``.
 ATTENTION_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 MLP_PROJECTIONS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+#: A MoE layer's shared expert (a dense gated MLP under this name) and its sigmoid gate (Qwen2-MoE's names).
+SHARED_EXPERT, SHARED_EXPERT_GATE = "mlp.shared_expert", "mlp.shared_expert_gate"
 #: Each tensor's tensor-parallel split by its module's name (``cbrun.engine.model.layers.parallel.SPLIT_STYLES``);
 #: a row-parallel module's bias is held whole.
 SHARD_STYLES = {
@@ -268,12 +271,26 @@ class LlamaDecoderFamily(ModelFamily):
                 shapes.update(self._expert_shapes(config, prefix))
         return shapes
 
+    def _shared_expert_shapes(self, config: LlamaConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+        """A MoE layer's shared expert (``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``), where it has one."""
+        width = config.moe.shared_expert_intermediate_size if config.moe else 0
+        if not width:
+            return {}
+        hidden, mlp = config.hidden_size, f"{prefix}{SHARED_EXPERT}."
+        return {
+            f"{mlp}gate_proj.weight": (width, hidden),
+            f"{mlp}up_proj.weight": (width, hidden),
+            f"{mlp}down_proj.weight": (hidden, width),
+            f"{prefix}{SHARED_EXPERT_GATE}.weight": (1, hidden),
+        }
+
     def _expert_shapes(self, config: LlamaConfig, prefix: str) -> dict[str, tuple[int, ...]]:
         """A MoE layer's router and per-expert tensors, as the family's checkpoints name them."""
         assert self.moe_block is not None and config.moe is not None
         block, (gate, up, down) = self.moe_block
         hidden, width = config.hidden_size, config.moe.intermediate_size
         shapes = {f"{prefix}{block}.gate.weight": (config.moe.num_experts, hidden)}
+        shapes.update(self._shared_expert_shapes(config, prefix))
         for e in range(config.moe.num_experts):
             expert = f"{prefix}{block}.experts.{e}."
             shapes[f"{expert}{gate}.weight"] = (width, hidden)
@@ -313,10 +330,12 @@ class LlamaDecoderFamily(ModelFamily):
         its MoE block's experts; every RMSNorm with the config's one epsilon."""
         eps = config.rms_norm_eps
         q, k, v, o = (_checkpoint_linear(tensors, prefix + name) for name in ATTENTION_PROJECTIONS)
-        if sparse:
+        shared = sparse and config.moe is not None and config.moe.shared_expert_intermediate_size > 0
+        if sparse and not shared:
             gate = up = down = None
-        else:
-            gate, up, down = (_checkpoint_linear(tensors, prefix + name) for name in MLP_PROJECTIONS)
+        else:  # the dense MLP, or a MoE layer's shared expert (the same projections under ``mlp.shared_expert``)
+            mlp = f"{prefix}{SHARED_EXPERT}." if shared else f"{prefix}mlp."
+            gate, up, down = (_checkpoint_linear(tensors, mlp + name.partition(".")[2]) for name in MLP_PROJECTIONS)
         return LayerWeights(
             input_norm=tensors[prefix + "input_layernorm.weight"],
             input_eps=eps,
@@ -334,6 +353,7 @@ class LlamaDecoderFamily(ModelFamily):
             k_norm=tensors.get(prefix + "self_attn.k_norm.weight"),
             qk_norm_eps=eps,
             moe=self._moe_weights(config, tensors, prefix, experts) if sparse else None,
+            shared_expert_gate=_checkpoint_linear(tensors, prefix + SHARED_EXPERT_GATE) if shared else None,
         )
 
     def _moe_weights(
@@ -405,19 +425,21 @@ class LlamaDecoderFamily(ModelFamily):
         from transformers.activations import SiLUActivation
 
         attn, mlp = layer.self_attn, layer.mlp
-        dense = hasattr(mlp, "gate_proj")
+        dense_mlp = _dense_mlp(mlp)
         linears = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj}
-        if dense:
-            linears.update(gate_proj=mlp.gate_proj, up_proj=mlp.up_proj, down_proj=mlp.down_proj)
-        else:
+        if dense_mlp is not None:
+            linears.update(gate_proj=dense_mlp.gate_proj, up_proj=dense_mlp.up_proj, down_proj=dense_mlp.down_proj)
+        if hasattr(mlp, "shared_expert_gate"):
+            linears.update(shared_expert_gate=mlp.shared_expert_gate)
+        if not hasattr(mlp, "gate_proj"):
             reason = self.unsupported_moe_module(mlp)
             if reason:
                 return reason
         for name, linear in linears.items():
             if type(linear) is not torch.nn.Linear:  # quantised or otherwise replaced projections
                 return f"{name} is a {type(linear).__name__}, not a plain Linear"
-        if dense and type(mlp.act_fn) not in (SiLUActivation, torch.nn.SiLU):
-            return f"activation {type(mlp.act_fn).__name__} (only SiLU is implemented)"
+        if dense_mlp is not None and type(dense_mlp.act_fn) not in (SiLUActivation, torch.nn.SiLU):
+            return f"activation {type(dense_mlp.act_fn).__name__} (only SiLU is implemented)"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [getattr(attn, name) for name in ("q_norm", "k_norm") if hasattr(attn, name)]
         for norm in norms:
@@ -445,7 +467,8 @@ class LlamaDecoderFamily(ModelFamily):
         layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            dense = hasattr(mlp, "gate_proj")
+            dense, dense_mlp = hasattr(mlp, "gate_proj"), _dense_mlp(mlp)
+            shared_gate = getattr(mlp, "shared_expert_gate", None)
             has_qk_norm = hasattr(attn, "q_norm")
             layers.append(
                 LayerWeights(
@@ -457,14 +480,15 @@ class LlamaDecoderFamily(ModelFamily):
                     k=linear(attn.k_proj),
                     v=linear(attn.v_proj),
                     o=linear(attn.o_proj),
-                    gate=linear(mlp.gate_proj) if dense else None,
-                    up=linear(mlp.up_proj) if dense else None,
-                    down=linear(mlp.down_proj) if dense else None,
+                    gate=None if dense_mlp is None else linear(dense_mlp.gate_proj),
+                    up=None if dense_mlp is None else linear(dense_mlp.up_proj),
+                    down=None if dense_mlp is None else linear(dense_mlp.down_proj),
                     scale=attn.scaling,
                     q_norm=attn.q_norm.weight if has_qk_norm else None,
                     k_norm=attn.k_norm.weight if has_qk_norm else None,
                     qk_norm_eps=attn.q_norm.variance_epsilon if has_qk_norm else 0.0,
                     moe=None if dense else self.moe_from_module(mlp),
+                    shared_expert_gate=None if shared_gate is None else linear(shared_gate),
                 )
             )
         return LlamaWeights(
@@ -523,6 +547,13 @@ class MistralFamily(LlamaDecoderFamily):
 
     def slides_window(self, model: torch.nn.Module) -> bool:
         return True  # every layer attends through the config's window
+
+
+def _dense_mlp(mlp: torch.nn.Module) -> torch.nn.Module | None:
+    """A layer's dense gated MLP: the MLP itself, a MoE block's shared expert (Qwen2-MoE), or None."""
+    if hasattr(mlp, "gate_proj"):
+        return mlp
+    return getattr(mlp, "shared_expert", None)
 
 
 def _checkpoint_linear(tensors: dict[str, torch.Tensor], name: str) -> Linear:
@@ -590,7 +621,7 @@ class LeanLlama:
         projections = [self.lm_head] + [
             p
             for layer in self.layers
-            for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+            for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down, layer.shared_expert_gate)
             if p is not None
         ]
         self.num_onednn_linears = sum(p[2] in (onednn_linear, onednn_two_rows_or_more) for p in projections)
@@ -638,11 +669,12 @@ class LeanLlama:
         # follows the tensor's length. On CUDA torch's elementwise kernels compute each element alike.
         cpu_invariant = self.batch_invariant and h.device.type == "cpu"
         silu_mul = md.step_kernels().silu_mul if cpu_invariant else activation_silu_mul
+        sigmoid = invariant_sigmoid if cpu_invariant else torch.sigmoid  # a shared expert's gate (Qwen2-MoE)
         norm = self.norm
         for index, layer in enumerate(self.layers):
             # In place: the same sums as ``h = h + ...``, without a new (T, hidden) tensor per add.
             h += self._attention(index, layer, norm(h, layer.input_norm, layer.input_eps), rope, md)
-            h += _mlp(layer, norm(h, layer.post_norm, layer.post_eps), silu_mul)
+            h += _mlp(layer, norm(h, layer.post_norm, layer.post_eps), silu_mul, sigmoid)
         # NOTE: norm all rows, then keep some, as transformers does: norming only the kept rows is the same math,
         # but a GPU reduction may order its sums by the number of rows.
         return apply_linear(norm(h, self.final_norm, self.final_eps)[logits_indices], self.lm_head)
@@ -705,15 +737,30 @@ def _layer_tensors(
         moe=None if layer.moe is None else SparseMoE(layer.moe, invariant_linear),
         sinks=layer.sinks,
         sliding_window=layer.sliding_window,
+        shared_expert_gate=linear(layer.shared_expert_gate),
     )
 
 
 def _mlp(
-    layer: _Layer, x: torch.Tensor, silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    layer: _Layer,
+    x: torch.Tensor,
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    sigmoid: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid,
 ) -> torch.Tensor:
-    if layer.moe is not None:
-        return layer.moe(x, silu_mul)
-    return apply_linear(silu_mul(apply_linear(x, layer.gate), apply_linear(x, layer.up)), layer.down)
+    """The layer's MLP on the normed ``x`` (T, hidden): its dense gated MLP, its MoE block, or both (a shared
+    expert, scaled by ``sigmoid(shared_expert_gate @ x)`` and added after the experts, as transformers'
+    ``Qwen2MoeSparseMoeBlock``)."""
+    dense = None
+    if layer.gate is not None:
+        dense = apply_linear(silu_mul(apply_linear(x, layer.gate), apply_linear(x, layer.up)), layer.down)
+    if layer.moe is None:
+        assert dense is not None
+        return dense
+    out = layer.moe(x, silu_mul)
+    if dense is not None:
+        assert layer.shared_expert_gate is not None
+        out = out + sigmoid(apply_linear(x, layer.shared_expert_gate)) * dense
+    return out
 
 
 def _invariant_linear(kernels: InvariantKernels | None) -> Callable[[torch.Tensor], LinearFn]:
