@@ -197,7 +197,7 @@ def test_fast_loaded_logits_equal_transformers_stories260k_and_bfloat16(stories2
     assert _check_every_step(_case_dir("qwen2"), dtype="bfloat16") > 10  # saved float32, both cast on load
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "mixtral", "qwen2-moe-shared-expert"])
 def test_fast_loaded_moe_logits_equal_transformers_in_bfloat16(name):
     assert _check_every_step(_case_dir(name), dtype="bfloat16") > 10  # the routing weights' dtype differs
 
