@@ -1,7 +1,7 @@
 """The Llama family (and Mistral, which shares its decoder), and the Llama-style decoder that the other lean-path
-families (``qwen2``, ``qwen3``, ``qwen3_moe``, ``mixtral`` beside this file) build on: its config keys, its
-checkpoint's tensor names, how it reads a transformers module's tensors, and its forward pass, composed from
-``cbrun.engine.model.layers``.
+families (``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral`` beside this file) build on: its config
+keys, its checkpoint's tensor names, how it reads a transformers module's tensors, and its forward pass, composed
+from ``cbrun.engine.model.layers``.
 
 The forward pass (``LeanLlama``): the same math as transformers, as plain tensor calls.
 
@@ -24,10 +24,11 @@ Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
 
 The decoder runs, per family file, a plain Llama (this file's ``LlamaForCausalLM`` and ``MistralForCausalLM``
 without a sliding window), per-head q/k RMSNorm (``qk_norm``), sparse MoE blocks
-(``cbrun.engine.model.layers.moe.SparseMoE``), per-layer attention sinks and sliding windows (``LayerWeights.sinks`` /
-``sliding_window``: gpt-oss) and RMSNorms scaled in float32 (``LlamaWeights.norm_scale_in_float32``); the RoPE
-types of ``rotary_embedding.ROPE_INIT`` (default, YaRN); linear biases as the checkpoint has them; tied or untied
-embeddings. ``LlamaDecoderFamily.unsupported_module_reason`` says why anything else is refused
+(``cbrun.engine.model.layers.moe.SparseMoE``), each with a sigmoid-gated shared expert where the family has one
+(Qwen2-MoE: ``LayerWeights.shared_expert_gate``), per-layer attention sinks and sliding windows
+(``LayerWeights.sinks`` / ``sliding_window``: gpt-oss) and RMSNorms scaled in float32
+(``LlamaWeights.norm_scale_in_float32``); the RoPE types of ``rotary_embedding.ROPE_INIT`` (default, YaRN); linear
+biases as the checkpoint has them; tied or untied embeddings. ``LlamaDecoderFamily.unsupported_module_reason`` says why anything else is refused
 (``parse_config`` keeps the same limits for the transformers-free loader). Fusing q/k/v or gate/up into one matmul
 was measured and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden 896 with 128 KV
 features), and on the CPU it saved nothing measurable (hidden 512, intermediate 1408, 128 and 2048 rows, one thread:
