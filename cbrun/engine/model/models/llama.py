@@ -22,17 +22,17 @@ Per decoder layer, on the residual stream ``h`` of shape (T, hidden)::
     x = rms_norm(h);  h = h + o_proj(paged_attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))
     x = rms_norm(h);  h = h + down_proj(silu(gate_proj(x)) * up_proj(x))
 
-The decoder runs, per family file, a plain Llama (this file's ``LlamaForCausalLM`` and ``MistralForCausalLM``
-without a sliding window), per-head q/k RMSNorm (``qk_norm``), sparse MoE blocks
+The decoder runs, per family file, a plain Llama (this file's ``LlamaForCausalLM`` and ``MistralForCausalLM`` without
+a sliding window), per-head q/k RMSNorm (``qk_norm``), sparse MoE blocks
 (``cbrun.engine.model.layers.moe.SparseMoE``), each with a sigmoid-gated shared expert where the family has one
 (Qwen2-MoE: ``LayerWeights.shared_expert_gate``), per-layer attention sinks and sliding windows
 (``LayerWeights.sinks`` / ``sliding_window``: gpt-oss) and RMSNorms scaled in float32
 (``LlamaWeights.norm_scale_in_float32``); the RoPE types of ``rotary_embedding.ROPE_INIT`` (default, YaRN); linear
-biases as the checkpoint has them; tied or untied embeddings. ``LlamaDecoderFamily.unsupported_module_reason`` says why anything else is refused
-(``parse_config`` keeps the same limits for the transformers-free loader). Fusing q/k/v or gate/up into one matmul
-was measured and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden 896 with 128 KV
-features), and on the CPU it saved nothing measurable (hidden 512, intermediate 1408, 128 and 2048 rows, one thread:
-within 4%, either way). The matmuls are most of a CPU step once attention reads pages in place
+biases as the checkpoint has them; tied or untied embeddings. ``LlamaDecoderFamily.unsupported_module_reason`` says
+why anything else is refused (``parse_config`` keeps the same limits for the transformers-free loader). Fusing q/k/v
+or gate/up into one matmul was measured and left out: the fused GEMM is not bit-identical for every shape (e.g. hidden
+896 with 128 KV features), and on the CPU it saved nothing measurable (hidden 512, intermediate 1408, 128 and 2048
+rows, one thread: within 4%, either way). The matmuls are most of a CPU step once attention reads pages in place
 (``cbrun.kernels.cpu_attention``).
 """
 
