@@ -97,6 +97,10 @@ def test_what_a_replica_cannot_run_is_refused_by_name():
     path = random_model_dir("llama")
     with pytest.raises(ValueError, match="tensor_parallel_size = 3 cannot split this model: num_attention_heads = 4"):
         loader.tensor_parallel_plan(str(path), EngineConfig(tensor_parallel_size=3, dtype="float32"))
+    # Qwen2-MoE's shared expert splits by intermediate_size features: only where its width is that
+    shared = random_model_dir("qwen2_moe", shared_expert_intermediate_size=128)
+    with pytest.raises(ValueError, match="cannot split this model: shared_expert_intermediate_size = 128 is not"):
+        loader.tensor_parallel_plan(str(shared), EngineConfig(tensor_parallel_size=2, dtype="float32"))
     # a checkpoint the safetensors loader does not read loads through transformers, which is not split
     windowed = random_model_dir("mistral", sliding_window=16)
     with pytest.raises(ValueError, match="tensor_parallel_size = 2 runs only the lean path loaded from safetensors"):
@@ -136,7 +140,7 @@ def test_a_rank_that_stops_answering_fails_the_step_within_the_timeout(monkeypat
         ("qwen3_moe", {}),
         ("mixtral", {}),
         ("qwen3_moe", dict(mlp_only_layers=(0,))),  # a dense layer among them
-        ("qwen2_moe", dict(mlp_only_layers=(0,))),  # a shared expert split as a dense MLP is
+        ("qwen2_moe", dict(mlp_only_layers=(0,), shared_expert_intermediate_size=96)),  # split as a dense MLP
     ],
 )
 def test_moe_experts_split_over_two_ranks_give_the_greedy_tokens_of_one(model_type, overrides):

@@ -34,13 +34,15 @@ QWEN3_MOE = dict(
     num_key_value_heads=2,
     head_dim=128,
 )
+#: and Qwen2-MoE's shared expert, a dense MLP split on 128 boundaries as Llama's is (the experts as Qwen3-MoE's).
+QWEN2_MOE = QWEN3_MOE | dict(intermediate_size=256, shared_expert_intermediate_size=256)
 FLOAT8 = ("fp8-block", "ct-channel")
 INT4 = ("ct-sym", "ct-asym", "gptq", "awq")
 
 
 def _quantized(model_type: str, layout: str, **model):
     """(quantized dir, dequantized dir) of a random ``model_type`` checkpoint in ``layout``."""
-    shape = {"llama": LLAMA, "qwen3_moe": QWEN3_MOE}[model_type] | model
+    shape = {"llama": LLAMA, "qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE}[model_type] | model
     writer = fp8._quantized_copy if layout in FLOAT8 else int4._quantized_copy
     return writer(random_model_dir(model_type, **shape), layout)
 
@@ -48,7 +50,13 @@ def _quantized(model_type: str, layout: str, **model):
 @pytest.mark.parametrize(
     "model_type, layout",
     # the forward pass differs by float8 / int4 and dense / MoE; every layout's slices are checked below
-    [("llama", "fp8-block"), ("llama", "gptq"), ("qwen3_moe", "fp8-block"), ("qwen3_moe", "ct-sym")],
+    [
+        ("llama", "fp8-block"),
+        ("llama", "gptq"),
+        ("qwen3_moe", "fp8-block"),
+        ("qwen3_moe", "ct-sym"),
+        ("qwen2_moe", "fp8-block"),
+    ],
 )
 def test_two_ranks_give_the_greedy_tokens_of_one_on_quantized_weights(model_type, layout):
     quantized, _ = _quantized(model_type, layout)
