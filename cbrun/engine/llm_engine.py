@@ -376,10 +376,12 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """End the other ranks of a tensor-parallel replica (nothing to do for one process). The engine cannot
+        """End the other ranks of a tensor-parallel replica and the grammar thread, if any. The engine cannot
         step afterwards."""
         if self.tp_group is not None:
             self.tp_group.close()
+        if self._grammar_thread is not None:
+            self._grammar_thread.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cbrun.kernels.gemm_launch import store_output_tile
 from cbrun.kernels.tile_policy import LaunchConfig, pick_invariant_matmul_tile
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -87,13 +88,7 @@ def batch_invariant_matmul_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * stride_out_m + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+    store_output_tile(out_ptr, acc, bias_ptr, rows, cols, row_ok, col_ok, stride_out_m, HAS_BIAS)
 
 
 def batch_invariant_linear_triton(
