@@ -3,13 +3,16 @@
 Usage (from the repository root)::
 
     python -m benchmarks.moe_lean [--rounds 2] [--requests 16] [--prompt-len 32] [--new-tokens 32]
-        [--threads 1] [--model-dir DIR] [--impls lean,transformers,transformers-eager,lean-invariant]
+        [--threads 1] [--model-dir DIR]
+        [--impls lean,lean-grouped,transformers,transformers-eager,lean-invariant]
 
 The model is a random Qwen3-MoE (hidden 512, 8 heads and 4 KV heads of 64, 4 layers, 32 experts of width 256,
 4 per token, vocabulary 4096: 54M parameters, float32), built once in ``--model-dir``. Each setting loads it in
-one ``LLMEngine`` (``lean``: ``cbrun.engine.model.layers.moe``'s grouped GEMM; ``transformers``: ``model_impl =
-"transformers"``, transformers' own Qwen3-MoE blocks under cbrun's attention, with transformers 5's default
-``grouped_mm`` experts; ``transformers-eager``: the same with ``set_experts_implementation("eager")``, the
+one ``LLMEngine`` (``lean``: ``cbrun.engine.model.layers.moe``'s default on the CPU, the C kernel
+``cbrun.kernels.cpu_moe`` at decode and the grouped GEMM for prefill; ``lean-grouped``: the lean path with the C
+kernel held off, ``torch._grouped_mm`` for every step (the lean path before the kernel); ``transformers``:
+``model_impl = "transformers"``, transformers' own Qwen3-MoE blocks under cbrun's attention, with transformers 5's
+default ``grouped_mm`` experts; ``transformers-eager``: the same with ``set_experts_implementation("eager")``, the
 per-expert loop over the experts a step hits; ``lean-invariant``: the lean path under ``engine.batch_invariant =
 "on"``, each expert over its own rows through the batch-invariant linear), adds ``--requests`` greedy requests
 of ``--prompt-len`` random ids and ``--new-tokens`` tokens each and steps until they finish, timing every step.
@@ -20,11 +23,19 @@ Host read-backs per decode step in the forward: one decode step's forward pass (
 a ``TorchDispatchMode`` that counts the ops that read a value back to the host or make a data-dependent shape
 (``_local_scalar_dense``: ``item`` / ``bool``; ``nonzero``, ``unique``, ``masked_select``, ``bincount``,
 ``repeat_interleave`` with tensor repeats; indexing by a boolean mask), named in the table.
+
+The roofline line under the table: a decode step cannot run faster than the time to read the weights it needs once
+from memory. The streaming read bandwidth is measured here (``torch.sum`` over a 256 MiB float32 tensor at
+``--threads``, best of 5); the bytes are every weight but the embedding table (of which a step reads only its
+rows) and the experts, plus the experts a decode step's tokens hit in each MoE layer (counted in the ``lean`` runs'
+decode steps, averaged), each read once. KV-cache reads and activations are left out (under 1 MB a step here), so
+the ceiling is an upper bound: ``--requests`` rows / (bytes / bandwidth).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections import Counter
 from pathlib import Path
@@ -70,9 +81,42 @@ def build_model(model_dir: Path) -> Path:
     return saved_random_model(model_dir, "Qwen3MoeForCausalLM", **MODEL)
 
 
+@contextlib.contextmanager
+def _grouped_experts_only():
+    """The lean MoE blocks built inside take ``torch._grouped_mm`` for every step (the C kernel held off)."""
+    from cbrun.engine.model.layers import moe
+
+    blocker = moe._cpu_kernel_blocker
+    moe._cpu_kernel_blocker = lambda weights: "held off by the benchmark's lean-grouped setting"
+    try:
+        yield
+    finally:
+        moe._cpu_kernel_blocker = blocker
+
+
+@contextlib.contextmanager
+def _recorded_routes(routes: list[torch.Tensor]):
+    """Each lean MoE block's expert ids (T, k), appended to ``routes`` as the blocks route."""
+    from cbrun.engine.model.layers import moe
+
+    route = moe.route
+
+    def recording(x, weights):
+        out = route(x, weights)
+        routes.append(out[1].clone())
+        return out
+
+    moe.route = recording
+    try:
+        yield
+    finally:
+        moe.route = route
+
+
 def one_run(model_dir: Path, model_impl: str, args) -> dict:
-    """One timed generation; returns decode tok/s, the forward's host reads in one decode step, the tokens."""
-    from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+    """One timed generation; returns decode tok/s, the forward's host reads in one decode step, the tokens, and
+    (``lean``) the number of experts each decode step's tokens hit in each MoE layer."""
+    from cbrun.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(
         dtype="float32",
@@ -84,17 +128,55 @@ def one_run(model_dir: Path, model_impl: str, args) -> dict:
         max_requests_per_batch=args.requests,
         num_blocks=256,
     )
-    engine = LLMEngine.from_pretrained(str(model_dir), config)
+    with _grouped_experts_only() if model_impl == "lean-grouped" else contextlib.nullcontext():
+        engine = LLMEngine.from_pretrained(str(model_dir), config)
     if model_impl == "transformers-eager":  # transformers' per-expert loop, its default before grouped_mm
         engine.model.set_experts_implementation("eager")
+    routes: list[torch.Tensor] = []
+    with _recorded_routes(routes) if model_impl == "lean" else contextlib.nullcontext():
+        return _timed_generation(engine, args, routes)
+
+
+def _timed_generation(engine, args, routes: list[torch.Tensor]) -> dict:
+    """``one_run``'s requests and step loop over a loaded engine."""
+    from cbrun.engine import SamplingParams
+
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     for i in range(args.requests):
         engine.add_request(
             i, torch.randint(0, MODEL["vocab_size"], (args.prompt_len,), generator=generator).tolist(), params
         )
-    runner, counted = engine.model_runner, {}
-    forward = runner._forward
+    counted: dict[str, int] = {}
+    last: dict[str, object] = {}
+    _watch_forward_and_plan(engine.model_runner, counted, last)
+    decode_rows, decode_seconds, outputs, hits = 0, 0.0, {}, []
+    while engine.has_unfinished_requests():
+        last.clear()
+        del routes[:]
+        start = time.perf_counter()
+        finished = engine.step()
+        elapsed = time.perf_counter() - start
+        for out in finished:
+            outputs[out.request_id] = out.output_token_ids
+        if last.get("decode"):
+            decode_rows += int(last["rows"])  # type: ignore[call-overload]
+            decode_seconds += elapsed
+            hits += [len(set(ids.flatten().tolist())) for ids in routes]
+    counted.pop("(none)", None)
+    return {
+        "decode_tok_s": decode_rows / decode_seconds,
+        "reads": sum(counted.values()),
+        "read_ops": dict(counted),
+        "tokens": [outputs[i] for i in range(args.requests)],
+        "experts_hit": sum(hits) / len(hits) if hits else None,
+    }
+
+
+def _watch_forward_and_plan(runner, counted: dict[str, int], last: dict[str, object]) -> None:
+    """Counts one decode step's host reads into ``counted``; sets ``last["decode"]`` (every scheduled request has
+    one query token) and ``last["rows"]`` at each launch."""
+    forward, launch = runner._forward, runner.launch
 
     def counting_forward(input_ids, positions, md, logits_indices):
         if counted or md.max_seqlen_q != 1:  # count one decode step's forward
@@ -105,33 +187,38 @@ def one_run(model_dir: Path, model_impl: str, args) -> dict:
         counted.setdefault("(none)", 0)
         return out
 
-    runner._forward = counting_forward
-    launch, last = runner.launch, {}
-
-    def watched_launch(plan, *rest, **kwargs):  # a decode step: one query token per scheduled request
+    def watched_launch(plan, *rest, **kwargs):
         last["decode"] = bool(plan.scheduled) and all(s.num_tokens == 1 for s in plan.scheduled)
         last["rows"] = len(plan.scheduled)
         return launch(plan, *rest, **kwargs)
 
-    runner.launch = watched_launch
-    decode_rows, decode_seconds, outputs = 0, 0.0, {}
-    while engine.has_unfinished_requests():
-        last.clear()
+    runner._forward, runner.launch = counting_forward, watched_launch
+
+
+def stream_bandwidth(threads: int) -> float:
+    """Bytes a second ``torch.sum`` reads from a 256 MiB float32 tensor at ``threads`` threads, best of 5."""
+    torch.set_num_threads(threads)
+    values = torch.ones(64 << 20)
+    best = float("inf")
+    for _ in range(5):
         start = time.perf_counter()
-        finished = engine.step()
-        elapsed = time.perf_counter() - start
-        for out in finished:
-            outputs[out.request_id] = out.output_token_ids
-        if last.get("decode"):
-            decode_rows += last["rows"]
-            decode_seconds += elapsed
-    counted.pop("(none)", None)
-    return {
-        "decode_tok_s": decode_rows / decode_seconds,
-        "reads": sum(counted.values()),
-        "read_ops": dict(counted),
-        "tokens": [outputs[i] for i in range(args.requests)],
-    }
+        values.sum()
+        best = min(best, time.perf_counter() - start)
+    return values.numel() * values.element_size() / best
+
+
+def weight_bytes(model_dir: Path) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads whole: all but the experts and the embedding table, bytes of one
+    layer's one expert) of the saved model."""
+    from safetensors import safe_open
+
+    dense = 0
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if "experts" not in name and "embed_tokens" not in name:
+                part = f.get_slice(name)
+                dense += torch.Size(part.get_shape()).numel() * 4  # float32
+    return dense, 3 * MODEL["hidden_size"] * MODEL["moe_intermediate_size"] * 4
 
 
 def main() -> None:
@@ -144,8 +231,8 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/cbrun-bench-qwen3-moe"))
     parser.add_argument(
         "--impls",
-        default="lean,transformers,transformers-eager",
-        help="comma-separated settings, of lean, transformers, transformers-eager, lean-invariant",
+        default="lean,lean-grouped,transformers,transformers-eager",
+        help="comma-separated settings, of lean, lean-grouped, transformers, transformers-eager, lean-invariant",
     )
     args = parser.parse_args()
     impls = args.impls.split(",")
@@ -156,9 +243,19 @@ def main() -> None:
             run = one_run(model_dir, impl, args)
             if impl not in best or run["decode_tok_s"] > best[impl]["decode_tok_s"]:
                 best[impl] = run
+    print_table(best)
+    print_roofline(best, model_dir, args)
+
+
+def print_table(best: dict[str, dict]) -> None:
+    """The settings' best rounds, with ratios to each baseline that ran."""
     same = len({str(run["tokens"]) for run in best.values()}) == 1
-    names = {"transformers": "transformers (grouped_mm)", "transformers-eager": "transformers eager", "lean": "lean"}
-    bases = [impl for impl in ("transformers", "transformers-eager", "lean") if impl in best]
+    names = {
+        "transformers": "transformers (grouped_mm)",
+        "transformers-eager": "transformers eager",
+        "lean-grouped": "lean-grouped",
+    }
+    bases = [impl for impl in names if impl in best]
     print(
         "| model_impl | decode tok/s | "
         + "".join(f"vs {names[b]} | " for b in bases)
@@ -169,6 +266,29 @@ def main() -> None:
         ops = ", ".join(f"{k} x{v}" for k, v in sorted(run["read_ops"].items())) or "none"
         ratios = "".join(f"{run['decode_tok_s'] / best[b]['decode_tok_s']:.2f}x | " for b in bases)
         print(f"| {impl} | {run['decode_tok_s']:.1f} | {ratios}{run['reads']} | {ops} | {same} |")
+
+
+def print_roofline(best: dict[str, dict], model_dir: Path, args) -> None:
+    """The decode tok/s the machine's streaming read bandwidth allows (see the module docstring)."""
+    hit = next((run["experts_hit"] for run in best.values() if run.get("experts_hit")), None)
+    if hit is None:
+        print("\nroofline: needs the lean setting (it counts the experts a decode step hits)")
+        return
+    bandwidth = stream_bandwidth(args.threads)
+    dense, expert = weight_bytes(model_dir)
+    step = dense + hit * expert * MODEL["num_hidden_layers"]
+    ceiling = args.requests * bandwidth / step
+    print(
+        f"\nroofline ({args.threads} thread{'s' * (args.threads > 1)}): streaming read {bandwidth / 1e9:.1f} GB/s; "
+        f"a decode step of {args.requests} rows reads {step / 1e6:.1f} MB of weights ({dense / 1e6:.1f} MB dense + "
+        f"{hit:.1f} experts hit a layer on average x {MODEL['num_hidden_layers']} layers x {expert / 1e6:.2f} MB) "
+        f"-> at most {ceiling:.0f} tok/s"
+    )
+    for impl, run in best.items():
+        print(f"- {impl}: {run['decode_tok_s'] / ceiling:.0%} of the ceiling")
+    if "transformers" in best:
+        target = 3 * best["transformers"]["decode_tok_s"]
+        print(f"- 3x transformers (grouped_mm) = {target:.0f} tok/s = {target / ceiling:.0%} of the ceiling")
 
 
 if __name__ == "__main__":

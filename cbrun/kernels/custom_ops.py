@@ -1,12 +1,12 @@
-"""The paged-attention kernels and the fused MoE kernel as ``torch.library`` custom ops:
-``torch.ops.cbrun.write_kv_cache``, ``torch.ops.cbrun.paged_attention`` and ``torch.ops.cbrun.fused_moe``.
+"""The paged-attention kernels and the MoE kernels as ``torch.library`` custom ops: ``torch.ops.cbrun.write_kv_cache``,
+``torch.ops.cbrun.paged_attention``, ``torch.ops.cbrun.fused_moe`` and ``torch.ops.cbrun.cpu_moe``.
 
 A Triton launch or a C call is not a torch op, so a ``TorchDispatchMode`` (the CUDA-graph emulation,
 ``cbrun.engine.worker.graph_emulation``) would not see it. Wrapped as custom ops, each call is dispatched as one op whose tensor
 arguments are all it reads or writes, so a recorder can replay it over the same tensors. The ops only forward to
 the existing entry points: Triton (``cbrun.kernels.paged_attention``, ``cbrun.kernels.kv_cache_write``,
 ``cbrun.kernels.fused_moe``), the C kernels
-(``cbrun.kernels.cpu_attention``) or the PyTorch reference (``cbrun.kernels.reference``), picked by ``backend``.
+(``cbrun.kernels.cpu_attention``, ``cbrun.kernels.cpu_moe``) or the PyTorch reference (``cbrun.kernels.reference``), picked by ``backend``.
 """
 
 from __future__ import annotations
@@ -164,3 +164,25 @@ def fused_moe(
     return fused_moe_triton(
         x, routing_weights, expert_ids, gate_w, up_w, down_w, activation, gate_bias, up_bias, down_bias, alpha, limit
     )
+
+
+@torch.library.custom_op("cbrun::cpu_moe", mutates_args=())
+def cpu_moe(
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    num_threads: int,
+) -> torch.Tensor:
+    """A MoE block's experts for routed tokens on the CPU: ``cbrun.kernels.cpu_moe.moe_experts`` as one op.
+
+    Args:
+        x, routing_weights, expert_ids, gate_up, down, num_threads: as ``moe_experts``.
+
+    Returns:
+        (T, hidden) in x's dtype, a new tensor.
+    """
+    from cbrun.kernels.cpu_moe import moe_experts
+
+    return moe_experts(x, routing_weights, expert_ids, gate_up, down, num_threads)

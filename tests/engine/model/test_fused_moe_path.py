@@ -31,9 +31,9 @@ def test_backend_rule():
     backend, reason = choose_moe_backend("cuda", (9, 0), True, bf16, None, "int4 group_size 8 is not a multiple")
     assert backend == "grouped_mm" and "dequantized per forward" in reason
     assert choose_moe_backend("cpu", None, True, bf16, None, None)[0] == "grouped_mm"  # the CPU keeps its path
-    assert choose_moe_backend("cpu", None, False, fp16, "no grouped GEMM", None) == (
+    assert choose_moe_backend("cpu", None, False, fp16, "no grouped GEMM", "float16 experts") == (
         "reference",
-        "no grouped GEMM on cpu",
+        "no grouped GEMM on cpu (the C kernel: float16 experts)",
     )
 
 

@@ -1,22 +1,35 @@
 """The lean MoE block (``cbrun.engine.model.layers.moe``): the grouped path equals its reference over a grid of shapes,
-reads nothing back to the host, and the engine's greedy tokens on random Qwen3-MoE and Mixtral equal transformers'
-``generate``, on the transformers-free loader and on transformers' own modules. (The step-by-step logits, bit for
-bit, are in ``test_safetensors_loader.py``'s MoE cases.)"""
+reads nothing back to the host, the CPU picks the C kernel where it computes the block (and replays it in an
+emulated graph), and the engine's greedy tokens on random Qwen3-MoE, Mixtral and Qwen2-MoE equal transformers'
+``generate`` through the C kernel, on the transformers-free loader and on transformers' own modules. (The
+step-by-step logits, bit for bit, on the grouped GEMM transformers also runs, are in ``test_safetensors_loader.py``'s
+MoE cases; the kernel itself in ``tests/kernels/test_cpu_moe.py``.)"""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cbrun.engine import EngineConfig, SamplingParams
+from benchmarks.moe_lean import HostReads
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.model import registry
-from cbrun.engine.model.layers.activation import invariant_sigmoid
-from cbrun.engine.model.layers.moe import MoEWeights, SparseMoE, sparse_moe, sparse_moe_reference
-from tests.model_utils import hf_greedy, random_model_dir, random_prompts, run_engine
+from cbrun.engine.model.layers.activation import ClampedSwiGLU, invariant_sigmoid
+from cbrun.engine.model.layers.moe import (
+    MoEWeights,
+    SparseMoE,
+    _cpu_kernel_blocker,
+    choose_moe_backend,
+    sparse_moe,
+    sparse_moe_reference,
+)
+from cbrun.engine.worker.graph_emulation import EmulatedGraph
+from cbrun.kernels import cpu_moe
+from tests.model_utils import hf_greedy, random_model_dir, random_prompts
 
 ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)
 NEW_TOKENS = 8
@@ -77,12 +90,56 @@ def test_grouped_path_reads_nothing_back():
     assert reads.ops
 
 
-def test_unaligned_experts_run_the_reference():
+def test_unaligned_experts_run_the_reference_above_the_kernels_steps():
     moe = _random_moe(4, 2, hidden=64, width=6, dtype=torch.float32, norm=True, cast=False)  # 24-byte down rows
     block = SparseMoE(moe)
     assert "16-byte" in block.fallback_reason
-    x = torch.randn(7, 64)
+    assert block.backend == "cpu_kernel"  # the C kernel takes any width
+    x = torch.randn(40, 64)  # 20 rows an expert: above cpu_moe.MAX_ROWS_PER_EXPERT
     torch.testing.assert_close(block(x), sparse_moe_reference(x, moe), rtol=0, atol=0)
+    torch.testing.assert_close(block(x[:7]), sparse_moe_reference(x[:7], moe), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_backend_rule():
+    """Dense float32 / bfloat16 SiLU experts on the CPU run the C kernel; what it does not compute (expert biases,
+    another activation, float16, quantized experts) or a machine where it does not build keeps the PyTorch path,
+    saying why."""
+    assert choose_moe_backend("cpu", None, False, torch.float32, None, None)[0] == "cpu_kernel"
+    assert choose_moe_backend("cpu", None, False, torch.float32, "unaligned", "no C compiler") == (
+        "reference",
+        "unaligned on cpu (the C kernel: no C compiler)",
+    )
+    assert choose_moe_backend("cpu", None, True, torch.bfloat16, None, None)[0] == "grouped_mm"  # quantized
+    assert choose_moe_backend("mps", None, False, torch.float32, None, None)[0] == "grouped_mm"
+    plain = _random_moe(4, 2, hidden=64, width=32, dtype=torch.bfloat16, norm=True, cast=True)
+    assert _cpu_kernel_blocker(plain) is None and SparseMoE(plain).backend == "cpu_kernel"
+    biased = replace(plain, gate_up_bias=torch.zeros(4, 64), down_bias=torch.zeros(4, 64))
+    assert _cpu_kernel_blocker(biased) == "the experts have biases" and SparseMoE(biased).backend == "grouped_mm"
+    clamped = replace(plain, activation=ClampedSwiGLU(1.702, 7.0))
+    assert "is not SiLU" in _cpu_kernel_blocker(clamped) and SparseMoE(clamped).backend == "grouped_mm"
+    half = _random_moe(4, 2, hidden=64, width=32, dtype=torch.float16, norm=True, cast=True)
+    assert "float16" in _cpu_kernel_blocker(half)
+
+
+def test_the_kernel_block_reads_nothing_back_and_replays_in_an_emulated_graph():
+    """The C kernel is dispatched as one op (``torch.ops.cbrun.cpu_moe``): a recorder sees it and replays it over
+    new inputs, and the block reads nothing back to the host."""
+    moe = _random_moe(8, 2, hidden=64, width=32, dtype=torch.float32, norm=True, cast=False)
+    block = SparseMoE(moe)
+    assert block.backend == "cpu_kernel"
+    g = torch.Generator().manual_seed(4)
+    first, second = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
+    with HostReads() as reads:
+        block(first)
+    assert not reads.ops
+    static_x = first.clone()
+    graph = EmulatedGraph()
+    with graph.capture(static=[static_x, *moe.tensors()]):
+        out = block(static_x)
+    static_x.copy_(second)
+    graph.replay()
+    torch.testing.assert_close(out, sparse_moe_reference(second, moe), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, sparse_moe_reference(first, moe))  # the replay recomputed it
 
 
 @pytest.mark.parametrize(
@@ -101,8 +158,14 @@ def test_engine_greedy_equals_generate(model_type, overrides, loader, caplog):
     prompts = random_prompts(6, 128, 1, 30)
     config = EngineConfig(**ENGINE_CONFIG, loader=loader, model_impl="lean")
     with caplog.at_level(logging.INFO, logger="cbrun.engine"):
-        outputs = run_engine(model_dir, prompts, config, SamplingParams(max_new_tokens=NEW_TOKENS))
+        engine = LLMEngine.from_pretrained(str(model_dir), config)
+        params = SamplingParams(max_new_tokens=NEW_TOKENS)
+        outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}
     assert "model implementation: lean" in caplog.text
+    blocks = [layer.moe for layer in engine.model_runner.lean_model.layers if layer.moe is not None]
+    # every step has at most 16 tokens: 8 rows an expert (4 experts, 2 a token), all through the C kernel
+    assert blocks and all(block.backend == "cpu_kernel" for block in blocks)
+    assert cpu_moe.runs_step(ENGINE_CONFIG["max_batch_tokens"], 2, 4)
     for i, prompt in enumerate(prompts):
         assert outputs[i].output_token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS), f"prompt {i}"
 

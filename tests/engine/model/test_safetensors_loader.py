@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.model.config import SIZE_KEYS, read_config_json
+from cbrun.engine.model.layers import moe as moe_module
 from cbrun.engine.model.models.llama import LeanLlama
 from cbrun.engine.model.registry import parse_config, weights_from_module
 from cbrun.engine.model.safetensors_loader import LeanModel, load, load_plan
@@ -136,6 +137,14 @@ def test_config_defaults_and_legacy_keys_equal_auto_config(stories260k_dir, tiny
     _assert_config_equals_auto_config(legacy)
     config, _ = parse_config(read_config_json(legacy))
     assert config.dtype == "float32"
+
+
+@pytest.fixture(autouse=True)
+def grouped_experts(monkeypatch):
+    """The lean MoE block on ``torch._grouped_mm``, the GEMM transformers' experts run, so the logits can be equal
+    bit for bit. (On the CPU the lean block's default at decode is the C kernel, whose dot products add up in their
+    own order: its greedy tokens equal transformers' in ``test_moe.py``.)"""
+    monkeypatch.setattr(moe_module, "_cpu_kernel_blocker", lambda moe: "pinned to torch._grouped_mm by the test")
 
 
 class _Compare:

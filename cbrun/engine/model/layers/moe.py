@@ -25,6 +25,13 @@ which a grouped GEMM over exact offsets does not need.
 
 Quantized experts run ``sparse_moe_in_expert_chunks``: the same GEMMs, a chunk of experts dequantized at a time.
 
+On the CPU, dense float32 / bfloat16 SiLU experts run a C kernel at decode (``cbrun.kernels.cpu_moe``, dispatched
+as ``torch.ops.cbrun.cpu_moe``): with a few rows an expert the grouped GEMM streams the weights at a third of the
+memory bandwidth, while the kernel reads each hit expert's weight rows once, in order, dotting each with all the
+expert's rows. It groups the pairs itself (no read-back either) and sums the slots in the same order. A step above
+``cpu_moe.MAX_ROWS_PER_EXPERT`` rows an expert on average (``T * k / E``, a static rule: prefill) runs the grouped
+GEMM. On CUDA the fused Triton kernel (``cbrun.kernels.fused_moe``) runs what ``select_moe_backend`` gives it.
+
 ``sparse_moe_reference`` is the plain PyTorch reference: every expert on every token, then the chosen ones
 gathered. It is also the fallback where the grouped GEMM cannot run (a device or dtype ``torch._grouped_mm``
 lacks, rows whose strides are not 16-byte multiples on the CPU).
@@ -46,7 +53,7 @@ import torch.nn.functional as F
 
 from cbrun.engine.model.layers.activation import silu_and_mul
 from cbrun.engine.model.layers.quantization.base import ExpertStack, QuantizedExperts
-from cbrun.kernels import custom_ops
+from cbrun.kernels import cpu_moe, custom_ops
 from cbrun.kernels.quantized_matmul import triton_unsupported_reason
 
 if TYPE_CHECKING:
@@ -312,7 +319,7 @@ class MoEConfig:
 
 
 #: The paths that run a block's experts (``select_moe_backend``).
-MOE_BACKENDS = ("triton", "grouped_mm", "reference")
+MOE_BACKENDS = ("triton", "cpu_kernel", "grouped_mm", "reference")
 
 
 def select_moe_backend(moe: MoEWeights, grouped_reason: str | None) -> tuple[str, str]:
@@ -322,11 +329,15 @@ def select_moe_backend(moe: MoEWeights, grouped_reason: str | None) -> tuple[str
                                          and dequantized in the kernel's inner loop (no per-forward dequantization)
                dense bf16, sm_90+     -> "grouped_mm": torch._grouped_mm
                other dense            -> "triton" (fp16 / fp32 experts, pre-sm_90 parts)
+        CPU    dense fp32 / bf16 SiLU -> "cpu_kernel": cbrun.kernels.cpu_moe (C) for steps of at most
+               experts, no biases        cpu_moe.MAX_ROWS_PER_EXPERT rows an expert on average (decode); a larger
+                                         step runs the grouped GEMM ("grouped_mm" below, else "reference")
         other  grouped GEMM runs      -> "grouped_mm" (quantized experts dequantized per forward, this layer's)
                else                   -> "reference" (sparse_moe_reference's arithmetic)
 
     On CUDA a layout the kernel cannot step through (an int4 group that is not a multiple of 16) or an install
-    without Triton falls to the non-CUDA rule.
+    without Triton falls to the last rule; on the CPU so do quantized experts, float16 ones, gpt-oss's (expert
+    biases, its clamped SwiGLU) and a machine where the C kernel does not build (the reason is logged).
 
     Args:
         moe: the block.
@@ -337,7 +348,10 @@ def select_moe_backend(moe: MoEWeights, grouped_reason: str | None) -> tuple[str
     """
     device = moe.router.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    blocker = _triton_blocker(moe) if device.type == "cuda" else None
+    if device.type == "cuda":
+        blocker = _triton_blocker(moe)
+    else:
+        blocker = _cpu_kernel_blocker(moe) if device.type == "cpu" else None
     return choose_moe_backend(device.type, capability, moe.quantized, moe.gate_up.dtype, grouped_reason, blocker)
 
 
@@ -347,22 +361,41 @@ def choose_moe_backend(
     quantized: bool,
     dtype: torch.dtype,
     grouped_reason: str | None,
-    triton_blocker: str | None,
+    kernel_blocker: str | None,
 ) -> tuple[str, str]:
     """``select_moe_backend``'s rule on the facts it gathers (the device, its compute capability, whether the
-    experts are quantized, their dtype, why the grouped GEMM or the Triton kernel cannot run them)."""
+    experts are quantized, their dtype, why the grouped GEMM or the device's own kernel, the fused Triton one on
+    CUDA and the C one on the CPU, cannot run them)."""
     fallback = ("grouped_mm", "torch._grouped_mm") if grouped_reason is None else ("reference", grouped_reason)
     if device_type != "cuda":
-        return fallback[0], f"{fallback[1]} on {device_type}"
+        if device_type == "cpu" and not quantized and kernel_blocker is None:
+            return "cpu_kernel", (
+                f"the C kernel up to {cpu_moe.MAX_ROWS_PER_EXPERT} rows an expert on average, {fallback[0]} above"
+            )
+        why = f" (the C kernel: {kernel_blocker})" if device_type == "cpu" and kernel_blocker else ""
+        return fallback[0], f"{fallback[1]} on {device_type}{why}"
     if quantized:
-        if triton_blocker is None:
+        if kernel_blocker is None:
             return "triton", "quantized experts: the fused Triton kernel dequantizes them in its inner loop"
-        return fallback[0], f"{triton_blocker}; the experts are dequantized per forward"
+        return fallback[0], f"{kernel_blocker}; the experts are dequantized per forward"
     if dtype == torch.bfloat16 and capability is not None and capability >= (9, 0):
         return fallback
-    if triton_blocker is None:
+    if kernel_blocker is None:
         return "triton", f"{dtype} experts on sm_{''.join(map(str, capability or ()))}: no torch._grouped_mm"
-    return fallback[0], triton_blocker
+    return fallback[0], kernel_blocker
+
+
+def _cpu_kernel_blocker(moe: MoEWeights) -> str | None:
+    """Why the C kernel (``cbrun.kernels.cpu_moe``) cannot run this block's experts, or None. The router runs in
+    PyTorch (``route``) whatever its rule; the kernel computes SiLU-gated experts without biases."""
+    if moe.gate_up_bias is not None or moe.down_bias is not None:
+        return "the experts have biases"
+    if moe.activation is not silu_and_mul:
+        return f"the experts' activation {getattr(moe.activation, '__name__', moe.activation)!r} is not SiLU"
+    if moe.quantized:
+        return "quantized experts"
+    assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor)
+    return cpu_moe.unsupported_reason(moe.gate_up, moe.down)
 
 
 def _triton_blocker(moe: MoEWeights) -> str | None:
@@ -497,19 +530,26 @@ class SparseMoE:
             self.kernel_weights = kernel_expert_weights(weights)
 
     def __call__(self, x: torch.Tensor, silu_mul: Callable | None = None) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden): the fused Triton kernel; ``sparse_moe`` (quantized experts dequantized
-        ``experts_per_chunk`` at a time by ``sparse_moe_in_expert_chunks`` where the grouped GEMM runs, else the
-        layer's all at once); or ``sparse_moe_invariant`` with ``silu_mul`` (``silu(gate) * up`` of two (n, I)
-        tensors) under batch invariance."""
+        """(T, hidden) -> (T, hidden): the fused Triton kernel; the C kernel (a step of at most
+        ``cpu_moe.MAX_ROWS_PER_EXPERT`` rows an expert on average, else ``sparse_moe``); ``sparse_moe`` (quantized
+        experts dequantized ``experts_per_chunk`` at a time by ``sparse_moe_in_expert_chunks`` where the grouped
+        GEMM runs, else the layer's all at once); or ``sparse_moe_invariant`` with ``silu_mul`` (``silu(gate) * up``
+        of two (n, I) tensors) under batch invariance."""
         if self.invariant is not None:
             assert silu_mul is not None, "the batch-invariant block needs the step's silu_mul"
             return sparse_moe_invariant(x, self.weights, *self.invariant, silu_mul)
         if self.kernel_weights is not None:
             weights, expert_ids = route(x, self.weights)
             return fused_experts(x, weights, expert_ids, self.kernel_weights)
-        if self.weights.quantized and self.backend == "grouped_mm":
+        grouped = self.fallback_reason is None
+        if self.backend == "cpu_kernel" and cpu_moe.runs_step(x.shape[0], self.weights.top_k, self.weights.num_experts):
+            weights, expert_ids = route(x, self.weights)
+            gate_up, down = self.weights.gate_up, self.weights.down
+            assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+            return custom_ops.cpu_moe(x, weights, expert_ids, gate_up, down, torch.get_num_threads())
+        if self.weights.quantized and grouped:
             return sparse_moe_in_expert_chunks(x, self.weights, self.experts_per_chunk)
-        return sparse_moe(x, self.weights.dense(), grouped=self.backend == "grouped_mm")
+        return sparse_moe(x, self.weights.dense(), grouped=grouped)
 
 
 def sparse_moe_invariant(
