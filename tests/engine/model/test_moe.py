@@ -170,6 +170,26 @@ def test_engine_greedy_equals_generate(model_type, overrides, loader, caplog):
         assert outputs[i].output_token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS), f"prompt {i}"
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_bfloat16_engine_greedy_equals_generate_through_the_kernel(model_type):
+    """bfloat16 experts through the C kernel (bfloat16 routing weights for Qwen3-MoE, float32 for Mixtral) against
+    transformers' ``generate`` on the same model cast to bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.model_utils import greedy_generate
+
+    model_dir = random_model_dir(model_type, **(dict(norm_topk_prob=True) if model_type == "qwen3_moe" else {}))
+    prompts = random_prompts(4, 128, 1, 30)
+    engine = LLMEngine.from_pretrained(str(model_dir), EngineConfig(**ENGINE_CONFIG, dtype="bfloat16"))
+    blocks = [layer.moe for layer in engine.model_runner.lean_model.layers if layer.moe is not None]
+    assert blocks and all(b.backend == "cpu_kernel" and b.weights.gate_up.dtype == torch.bfloat16 for b in blocks)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    outputs = {o.request_id: o for o in engine.generate((i, p, params) for i, p in enumerate(prompts))}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    for i, prompt in enumerate(prompts):
+        assert outputs[i].output_token_ids == greedy_generate(model, prompt, NEW_TOKENS), f"prompt {i}"
+
+
 @pytest.mark.parametrize(
     "overrides,named",
     [
