@@ -172,24 +172,10 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
     if not is_int(seed):
         raise ValueError(f"sampling.seed (the job seed) must be an integer, got {seed!r}")
     n = sampling.pop("n", 1)
-    _expand_prompt_logprobs(sampling)
-    if sampling.get("structured_outputs") is not None:
-        sampling["structured_outputs"] = coerce_structured_outputs(
-            "sampling.structured_outputs", sampling["structured_outputs"]
-        )
-    sampling_params = _build(
-        SamplingParams,
-        "sampling",
-        sampling,
-        exclude={"seed"},
-        extra={"seed", "n", "prompt_logprobs", "model_defaults", *VLLM_ALIASES},
-    )
-    with named_in("sampling"):
-        sampling_params.validate()
     return JobManifest(
         model=_build(ModelSettings, "model", raw.get("model", {})),
         input=_build(InputSettings, "input", raw.get("input", {})),
-        sampling=sampling_params,
+        sampling=_sampling_params(sampling),
         seed=seed,
         n=n,
         # NOTE: the device defaults to "auto" (CUDA when present); jobs.run.resources.resolve_device checks it first.
@@ -200,6 +186,29 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         cluster=_build(ClusterSettings, "cluster", raw.get("cluster", {})),
         storage=_build(StorageSettings, "storage", raw.get("storage", {})),
     )
+
+
+def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
+    """The ``SamplingParams`` of ``[sampling]``'s keys (canonical names, the job's own keys taken out), validated.
+
+    Raises:
+        ValueError: naming the setting as ``sampling.KEY``.
+    """
+    _expand_prompt_logprobs(sampling)
+    if sampling.get("structured_outputs") is not None:
+        sampling["structured_outputs"] = coerce_structured_outputs(
+            "sampling.structured_outputs", sampling["structured_outputs"]
+        )
+    params = _build(
+        SamplingParams,
+        "sampling",
+        sampling,
+        exclude={"seed"},
+        extra={"seed", "n", "prompt_logprobs", "model_defaults", *VLLM_ALIASES},
+    )
+    with named_in("sampling"):
+        params.validate()
+    return params
 
 
 def _canonical_sampling(values: dict[str, Any]) -> dict[str, Any]:
