@@ -30,6 +30,10 @@ ROW_ERROR_COLUMN = "__cbrun_row_error__"
 class InputSource(Protocol):
     """One opened input file: what the reader (``cbrun.jobs.input.reader.PromptReader``) reads through.
 
+    A source may also have ``row_place(row: int) -> str``, saying where the file's row ``row`` (0-based) is in the
+    terms its users know the file by (JSON Lines: ``line 5 of prompts.jsonl``); a row's error messages then name
+    it. Without it they name ``row 3 of FILE`` when the input has several files (``cbrun.jobs.input.reader.RowPlace``).
+
     Attributes:
         path: the file (an object-store URI for a Parquet object read in place).
         schema: the file's Arrow schema (the reader unifies the files' schemas).
