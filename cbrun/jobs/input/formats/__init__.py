@@ -166,6 +166,18 @@ def titles(conjunction: str = "or") -> str:
     return one_of([fmt.title for fmt in input_formats()], conjunction)
 
 
+def help_listing() -> str:
+    """Each format's title and the file names it claims, for help texts: "Parquet: .parquet, or a Parquet file of
+    any name (e.g. Hive's 000000_0); JSON Lines: .jsonl, ..." (``cbrun run --help``'s ``--input``)."""
+    parts = []
+    for fmt in input_formats():
+        names = fmt.listing or ", ".join(fmt.suffixes)
+        if fmt.sniff is not None and fmt.sniff_listing:
+            names += f", or {fmt.sniff_listing}"
+        parts.append(f"{fmt.title}: {names}")
+    return "; ".join(parts)
+
+
 def supported_inputs() -> str:
     """What cbrun reads, for error messages: every format's names, the files they claim by their bytes, and a
     ``datasets`` save_to_disk directory."""
