@@ -100,6 +100,7 @@ class ModelFamily:
         linear_backend: Backend,
         batch_invariant: bool,
         invariant_kernels: InvariantKernels | None = None,
+        fp8_activation_scheme: str = "none",
     ) -> LeanForward:
         """The family's forward pass over ``weights`` (arguments as ``cbrun.engine.model.models.llama.LeanLlama``).
 
