@@ -76,7 +76,7 @@ class ModelFamily:
         raise NotImplementedError
 
     def unsupported_parallel_reason(self, config: LlamaConfig) -> str | None:
-        """Why tensor parallelism cannot split this family's weights (beyond the shapes
+        """Why tensor parallelism cannot split this family's weights at all (checked before the shapes
         ``cbrun.engine.model.layers.parallel.unsupported_reason`` checks), or None."""
         return None
 

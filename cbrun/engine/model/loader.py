@@ -91,7 +91,9 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
 
     Raises:
         ValueError: naming ``tensor_parallel_size`` and why, when the model would load through transformers, its
-            shapes do not split over the ranks (``cbrun.engine.model.layers.parallel.unsupported_reason``) or a
+            shapes do not split over the ranks (``cbrun.engine.model.layers.parallel.unsupported_reason``: its
+            heads or experts, or the first tensor whose MLP width does not split), its family is not split
+            (``ModelFamily.unsupported_parallel_reason``) or a
             quantized weight's slices would not start on its layout's blocks, groups or packed words
             (``parallel.unsupported_quantized_reason``: the tensor, its size and the unit); a quantized layout
             cbrun does not implement, by ``checkpoint_quantization``'s refusal.
@@ -108,9 +110,11 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
             f"would load through transformers: {reason}; set tensor_parallel_size = 1"
         )
     family = registry.family_of(plan.config)
-    reason = parallel.unsupported_reason(plan.config, size) or family.unsupported_parallel_reason(plan.config)
+    shapes = family.checkpoint_shapes(plan.config)
+    reason = family.unsupported_parallel_reason(plan.config) or parallel.unsupported_reason(
+        plan.config, shapes, family.shard_style, size
+    )
     if reason is None and plan.config.quantization is not None:
-        shapes = family.checkpoint_shapes(plan.config)
         weights = {name: shapes[name] for name in plan.quantized}
         reason = parallel.unsupported_quantized_reason(plan.config, weights, family.shard_style, size)
     if reason is not None:
