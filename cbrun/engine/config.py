@@ -14,6 +14,9 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 #: ``kv_cache_dtype`` values (vLLM's names): the model's dtype, or float8 e4m3 with a per-tensor scale.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+#: ``fp8_activation_scheme`` values (vLLM's ``Fp8Config.activation_scheme`` words; the same tuple as
+#: ``cbrun.kernels.fp8_scaled_mm.FP8_ACTIVATION_SCHEMES``, kept here so the settings import no torch).
+FP8_ACTIVATION_SCHEMES = ("none", "dynamic")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 SWITCHES = ("auto", "on", "off")
 #: ``cuda_graphs``' values: a switch, or "emulate" (the graph path on any device, ``cbrun.engine.worker.graph_emulation``).
@@ -42,6 +45,7 @@ _CHOICES = {
     "cuda_graphs": CUDA_GRAPH_MODES,
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "fp8_activation_scheme": FP8_ACTIVATION_SCHEMES,
     "model_impl": MODEL_IMPLS,
     "loader": LOADERS,
     "linear_backend": LINEAR_BACKENDS,
@@ -123,6 +127,19 @@ class EngineConfig:
             (docs/engine.md, "FP8 KV cache"). Attention then runs the PyTorch reference on any device
             (``attention_backend`` "auto" or "torch"; "cpu" and "triton" read the model's dtype and are refused);
             not with ``tensor_parallel_size`` above 1.
+        fp8_activation_scheme: what an FP8 checkpoint's linear layers do with their inputs (vLLM's
+            ``activation_scheme`` words; vLLM follows the checkpoint's, cbrun asks for it). "none" (the default):
+            weight-only, the activations stay in ``dtype``, so greedy tokens equal transformers' ``generate`` on the
+            same weights dequantized. "dynamic": W8A8, each row of a linear's input rounded to float8_e4m3fn with
+            its own scale (its largest magnitude / 448) and multiplied with the float8 weight by
+            ``torch._scaled_mm`` (FP8 tensor cores on CUDA sm_89+; PyTorch's own code on the CPU). Lossy: greedy
+            tokens are a reference's whose linears round their inputs so (but for near-ties), not the dequantized
+            model's (docs/engine.md, "FP8 W8A8"). Every FP8 linear runs so except MoE experts, which stay
+            weight-only.
+            It needs an FP8 checkpoint with per-channel or per-tensor weight scales (compressed-tensors
+            ``float-quantized``; not the 128 x 128 block ``fp8`` layout), ``dtype = "bfloat16"``, weights whose
+            two dimensions are multiples of 16, compute capability 8.9+ on CUDA, ``tensor_parallel_size = 1`` and
+            ``batch_invariant`` not "on": anything else is refused at load, by name.
         seed: seed of the engine's generator for requests without a seed of their own.
         cuda_graphs: replay decode and uniform verify steps from CUDA graphs, padded to batch-size buckets
             (``cbrun.engine.worker.padding``); other steps run eagerly. "auto" (on for CUDA with the Triton backend), "on",
@@ -228,6 +245,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    fp8_activation_scheme: str = "none"
     seed: int = 0
     cuda_graphs: str = "auto"
     cuda_graph_max_batch_size: int | None = None
@@ -262,6 +280,13 @@ class EngineConfig:
                 "K/V in the model's dtype); set {attention_backend} = auto or torch",
                 value=self.kv_cache_dtype,
                 backend=self.attention_backend,
+            )
+        if self.fp8_activation_scheme != "none" and self.batch_invariant == "on":
+            raise SettingError(
+                '{fp8_activation_scheme} = "{value}" does not run with {batch_invariant} = on (torch._scaled_mm\'s '
+                'sums are not batch-invariant); set one of them off ({fp8_activation_scheme} = "none", or '
+                '{batch_invariant} = "auto" or "off")',
+                value=self.fp8_activation_scheme,
             )
         if not _is_int(self.prefix_hash_bits) or self.prefix_hash_bits % 8 or not 8 <= self.prefix_hash_bits <= 256:
             raise must_be("prefix_hash_bits", "a multiple of 8 in [8, 256]", self.prefix_hash_bits)
@@ -388,6 +413,14 @@ class EngineConfig:
             "batch_invariant": self.batch_invariant == "on",
             "kv_cache_dtype": self.kv_cache_dtype != "auto",
         }
+        if self.fp8_activation_scheme != "none":
+            raise SettingError(
+                '{tensor_parallel_size} = {size} does not run with {fp8_activation_scheme} = "{value}": a '
+                "row-parallel linear (o_proj, down_proj) would scale each row of its input over one rank's slice only, "
+                'not as one rank does; set {fp8_activation_scheme} = "none" or {tensor_parallel_size} = 1',
+                size=self.tensor_parallel_size,
+                value=self.fp8_activation_scheme,
+            )
         for name, refused in unsupported.items():
             if refused:
                 setting = "{" + name + "}"
