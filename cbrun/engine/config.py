@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from cbrun.engine.setting_error import SettingError, must_be
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 #: ``kv_cache_dtype`` values (vLLM's names): the model's dtype, or float8 e4m3 with a per-tensor scale.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+#: ``fp8_activation_scheme`` values (vLLM's ``Fp8Config.activation_scheme`` words; the same tuple as
+#: ``cbrun.kernels.fp8_scaled_mm.FP8_ACTIVATION_SCHEMES``, kept here so the settings import no torch).
+FP8_ACTIVATION_SCHEMES = ("none", "dynamic")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 SWITCHES = ("auto", "on", "off")
 #: ``cuda_graphs``' values: a switch, or "emulate" (the graph path on any device, ``cbrun.engine.worker.graph_emulation``).
@@ -39,6 +45,7 @@ _CHOICES = {
     "cuda_graphs": CUDA_GRAPH_MODES,
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "fp8_activation_scheme": FP8_ACTIVATION_SCHEMES,
     "model_impl": MODEL_IMPLS,
     "loader": LOADERS,
     "linear_backend": LINEAR_BACKENDS,
@@ -120,6 +127,19 @@ class EngineConfig:
             (docs/engine.md, "FP8 KV cache"). Attention then runs the PyTorch reference on any device
             (``attention_backend`` "auto" or "torch"; "cpu" and "triton" read the model's dtype and are refused);
             not with ``tensor_parallel_size`` above 1.
+        fp8_activation_scheme: what an FP8 checkpoint's linear layers do with their inputs (vLLM's
+            ``activation_scheme`` words; vLLM follows the checkpoint's, cbrun asks for it). "none" (the default):
+            weight-only, the activations stay in ``dtype``, so greedy tokens equal transformers' ``generate`` on the
+            same weights dequantized. "dynamic": W8A8, each row of a linear's input rounded to float8_e4m3fn with
+            its own scale (its largest magnitude / 448) and multiplied with the float8 weight by
+            ``torch._scaled_mm`` (FP8 tensor cores on CUDA sm_89+; PyTorch's own code on the CPU). Lossy: greedy
+            tokens are a reference's whose linears round their inputs so (but for near-ties), not the dequantized
+            model's (docs/engine.md, "FP8 W8A8"). Every FP8 linear runs so except MoE experts, which stay
+            weight-only.
+            It needs an FP8 checkpoint with per-channel or per-tensor weight scales (compressed-tensors
+            ``float-quantized``; not the 128 x 128 block ``fp8`` layout), ``dtype = "bfloat16"``, weights whose
+            two dimensions are multiples of 16, compute capability 8.9+ on CUDA, ``tensor_parallel_size = 1`` and
+            ``batch_invariant`` not "on": anything else is refused at load, by name.
         seed: seed of the engine's generator for requests without a seed of their own.
         cuda_graphs: replay decode and uniform verify steps from CUDA graphs, padded to batch-size buckets
             (``cbrun.engine.worker.padding``); other steps run eagerly. "auto" (on for CUDA with the Triton backend), "on",
@@ -207,7 +227,8 @@ class EngineConfig:
             ...) no engine here enforces, with those formats unchecked; false (the default) refuses them by name.
 
     Raises:
-        ValueError: naming the setting and the reason, for any out-of-range value.
+        SettingError: (a ``ValueError``) naming the setting and the reason, for a value of the wrong type or out of
+            range; a job names it with its section (``engine.page_size``).
     """
 
     page_size: int | None = None
@@ -224,6 +245,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    fp8_activation_scheme: str = "none"
     seed: int = 0
     cuda_graphs: str = "auto"
     cuda_graph_max_batch_size: int | None = None
@@ -246,21 +268,33 @@ class EngineConfig:
     structured_outputs_ignore_formats: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device, str):
+            raise must_be("device", 'a device name ("cpu", "cuda", "cuda:1", "auto")', self.device)
         self._resolve_device_defaults()
         self._check_counts()
         self._check_choices()
         self._check_memory_shares()
         if self.kv_cache_dtype != "auto" and self.attention_backend in ("cpu", "triton"):
-            raise ValueError(
-                f"kv_cache_dtype = {self.kv_cache_dtype} runs attention on the PyTorch reference (the "
-                f"{self.attention_backend} kernels read K/V in the model's dtype); set attention_backend = auto or torch"
+            raise SettingError(
+                "{kv_cache_dtype} = {value} runs attention on the PyTorch reference (the {backend} kernels read "
+                "K/V in the model's dtype); set {attention_backend} = auto or torch",
+                value=self.kv_cache_dtype,
+                backend=self.attention_backend,
             )
-        if self.prefix_hash_bits % 8 or not 8 <= self.prefix_hash_bits <= 256:
-            raise ValueError(f"prefix_hash_bits must be a multiple of 8 in [8, 256], got {self.prefix_hash_bits!r}")
-        if not isinstance(self.structured_outputs_ignore_formats, bool):
-            raise ValueError(
-                f"structured_outputs_ignore_formats must be true or false, got {self.structured_outputs_ignore_formats!r}"
+        if self.fp8_activation_scheme != "none" and self.batch_invariant == "on":
+            raise SettingError(
+                '{fp8_activation_scheme} = "{value}" does not run with {batch_invariant} = on (torch._scaled_mm\'s '
+                'sums are not batch-invariant); set one of them off ({fp8_activation_scheme} = "none", or '
+                '{batch_invariant} = "auto" or "off")',
+                value=self.fp8_activation_scheme,
             )
+        if not _is_int(self.prefix_hash_bits) or self.prefix_hash_bits % 8 or not 8 <= self.prefix_hash_bits <= 256:
+            raise must_be("prefix_hash_bits", "a multiple of 8 in [8, 256]", self.prefix_hash_bits)
+        for name in ("allow_block_sharing", "structured_outputs_ignore_formats"):
+            if not isinstance(getattr(self, name), bool):
+                raise must_be(name, "true or false", getattr(self, name))
+        if not _is_int(self.seed):
+            raise must_be("seed", "an integer", self.seed)
         self._check_speculative()
         self._check_tensor_parallel()
 
@@ -274,7 +308,7 @@ class EngineConfig:
                 self._check_positive_int(name)
         if self.num_threads not in (None, "auto"):
             if isinstance(self.num_threads, str):
-                raise ValueError(f"num_threads must be a positive integer or 'auto', got {self.num_threads!r}")
+                raise must_be("num_threads", "a positive integer or 'auto'", self.num_threads)
             self._check_positive_int("num_threads")
 
     def _check_choices(self) -> None:
@@ -282,21 +316,20 @@ class EngineConfig:
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+                raise must_be(name, f"one of {choices}", value)
 
     def _check_memory_shares(self) -> None:
         """The shares of memory the engine may take or keep free lie in their ranges; ``safety_margin`` left None
         takes its scheduler's default (FIFO 0.15, PrefillFirst 0.0)."""
         if self.safety_margin is None:
             self.safety_margin = 0.15 if self.scheduler_type == "fifo" else 0.0
-        if not 0.0 <= self.safety_margin < 1.0:
-            raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
-        if not 0.0 < self.max_memory_percent <= 1.0:
-            raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.cpu_offload_space < 0:
-            raise ValueError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space!r}")
+        if not _is_number(self.safety_margin) or not 0.0 <= self.safety_margin < 1.0:
+            raise must_be("safety_margin", "in [0, 1)", self.safety_margin)
+        for name in ("max_memory_percent", "gpu_memory_utilization"):
+            if not _is_number(getattr(self, name)) or not 0.0 < getattr(self, name) <= 1.0:
+                raise must_be(name, "in (0, 1]", getattr(self, name))
+        if not _is_number(self.cpu_offload_space) or self.cpu_offload_space < 0:
+            raise must_be("cpu_offload_space", "a number >= 0 (GiB)", self.cpu_offload_space)
 
     @property
     def limits(self) -> BatchLimits:
@@ -344,23 +377,26 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         if self.speculative not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+            raise must_be("speculative", f"one of {SPECULATIVE_METHODS}", self.speculative)
         if self.speculative == "draft" and not self.draft_model:
-            raise ValueError('speculative = "draft" needs a draft model: set engine.draft_model to its directory')
+            raise SettingError('{speculative} = "draft" needs a draft model: set {draft_model} to its directory')
         if self.draft_model is not None and not isinstance(self.draft_model, str):
-            raise ValueError(f"draft_model must be a directory path, got {self.draft_model!r}")
+            raise must_be("draft_model", "a directory path", self.draft_model)
         if self.draft_model is not None and self.speculative != "draft":  # silently unused otherwise
-            raise ValueError(
-                f'draft_model is set but speculative = "{self.speculative}": set speculative = "draft" '
-                "to use it, or leave draft_model unset"
+            raise SettingError(
+                '{draft_model} is set but {speculative} = "{value}": set {speculative} = "draft" to use it, or leave '
+                "{draft_model} unset",
+                value=self.speculative,
             )
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch"):
             self._check_positive_int(name)
         row_cost = self.speculative_row_cost
-        if isinstance(row_cost, bool) or not isinstance(row_cost, (int, float)) or not 0 <= row_cost < float("inf"):
-            raise ValueError(f"speculative_row_cost must be a number >= 0, got {row_cost!r}")
+        if not _is_number(row_cost) or not 0 <= row_cost < float("inf"):
+            raise must_be("speculative_row_cost", "a number >= 0", row_cost)
         if self.ngram_min > self.ngram_max:
-            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+            raise SettingError(
+                "{ngram_min} ({low}) must be <= {ngram_max} ({high})", low=self.ngram_min, high=self.ngram_max
+            )
 
     def _check_tensor_parallel(self) -> None:
         """Refuse, by name, what a tensor-parallel replica does not run (the lean path is its only forward pass)."""
@@ -377,19 +413,39 @@ class EngineConfig:
             "batch_invariant": self.batch_invariant == "on",
             "kv_cache_dtype": self.kv_cache_dtype != "auto",
         }
+        if self.fp8_activation_scheme != "none":
+            raise SettingError(
+                '{tensor_parallel_size} = {size} does not run with {fp8_activation_scheme} = "{value}": a '
+                "row-parallel linear (o_proj, down_proj) would scale each row of its input over one rank's slice only, "
+                'not as one rank does; set {fp8_activation_scheme} = "none" or {tensor_parallel_size} = 1',
+                size=self.tensor_parallel_size,
+                value=self.fp8_activation_scheme,
+            )
         for name, refused in unsupported.items():
             if refused:
-                raise ValueError(
-                    f"tensor_parallel_size = {self.tensor_parallel_size} does not run with {name} = "
-                    f"{getattr(self, name)!r} (a tensor-parallel replica runs only the lean path, loaded from "
-                    f"safetensors, without speculation, CUDA graphs or batch_invariant); leave {name} at its default or set "
-                    "tensor_parallel_size = 1"
+                setting = "{" + name + "}"
+                raise SettingError(
+                    "{tensor_parallel_size} = {size} does not run with " + setting + " = {value!r} (a tensor-parallel "
+                    "replica runs only the lean path, loaded from safetensors, without speculation, CUDA graphs or "
+                    "batch_invariant); leave " + setting + " at its default or set {tensor_parallel_size} = 1",
+                    size=self.tensor_parallel_size,
+                    value=getattr(self, name),
                 )
 
     def _check_positive_int(self, name: str) -> None:
         value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not _is_int(value) or value < 1:
+            raise must_be(name, "a positive integer", value)
+
+
+def _is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (``True`` and ``False`` are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """Whether ``value`` is an integer or a float (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def checkpoint_dtype(model_path: str | Path) -> str | None:

@@ -244,6 +244,7 @@ class LLMEngine:
             backends.invariant_kernels(config, kernels.cpu_kernel, entry.model_dtype)
             if kernels.batch_invariant
             else None,
+            config.fp8_activation_scheme,
         )
         # NOTE: off the CPU a batch-invariant step samples each row alone (StepSampler's docstring says why).
         rows_alone = kernels.batch_invariant and device.type != "cpu"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from cbrun.engine.setting_error import must_be
 from cbrun.engine.structured_output.params import StructuredOutputsParams, coerce_structured_outputs
 
 #: Names a job may override per row through an input column of the same name.
@@ -88,7 +90,8 @@ class SamplingParams:
             tokens are masked before everything else.
 
     Raises:
-        ValueError: from ``validate`` when a value is out of range; the message names the setting.
+        SettingError: (a ``ValueError``) from ``validate`` when a value is of the wrong type or out of range; the
+            message names the setting (a job names it with its section: ``sampling.top_p``).
     """
 
     max_new_tokens: int = 128
@@ -113,10 +116,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict | str):
             self.structured_outputs = coerce_structured_outputs("structured_outputs", self.structured_outputs)
-        self.stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))
+        try:  # NOTE: operator.index takes ints (numpy's too), never a float it would round or a string
+            self.stop_token_ids = tuple(
+                operator.index(t) for t in (self.stop_token_ids if self.stop_token_ids is not None else ())
+            )
+        except TypeError:
+            raise must_be("stop_token_ids", "a list of token ids (integers >= 0)", self.stop_token_ids) from None
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
-        self.stop = tuple(self.stop or ())
+        elif self.stop is None or isinstance(self.stop, list | tuple):  # anything else: validate names it
+            self.stop = tuple(self.stop or ())
         if self.top_k == -1:  # vLLM's spelling of "off"; stored as ours so both spellings are one job
             self.top_k = 0
 
@@ -161,7 +170,19 @@ class SamplingParams:
         outputs."""
         self._check_int("logprobs", 0, or_none=True)
         self._check_int("prompt_logprobs_from", 1, or_none=True)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
+        _check(
+            isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "a list of non-empty strings",
+            self.stop,
+        )
+        _check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of token ids (integers >= 0)",
+            list(self.stop_token_ids),
+        )
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
         _check(
             isinstance(self.include_stop_str_in_output, bool),
             "include_stop_str_in_output",
@@ -247,7 +268,7 @@ def _is_number(value) -> bool:
 
 def _check(ok: bool, name: str, expected: str, value) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+        raise must_be(name, expected, value)
 
 
 def _as_int(name: str, value: Any) -> int:

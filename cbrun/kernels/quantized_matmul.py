@@ -10,10 +10,11 @@ The weight is one of three layouts, each a frozen dataclass that checks its tens
 
 Which GEMM runs (``backend="auto"``):
 
-    CUDA tensors  -> the Triton kernel that dequantizes in its inner loop (int4_gemm / fp8_gemm / mxfp4_gemm);
-                     FP8 with fp8_activation_scheme "dynamic" -> fp8_scaled_mm (W8A8, sm_89+, opt-in)
+    CUDA tensors  -> the Triton kernel that dequantizes in its inner loop (int4_gemm / fp8_gemm / mxfp4_gemm)
     CPU tensors   -> dequantize CPU_CHUNK_ELEMENTS weight elements at a time (the C kernels of cpu_dequant, or
                      the PyTorch reference where they do not build), one F.linear per chunk
+    FP8 with fp8_activation_scheme "dynamic", either device -> fp8_scaled_mm (W8A8, opt-in: sm_89+ on CUDA;
+                     PyTorch's own torch._scaled_mm on the CPU)
 
 ``backend="triton"`` forces the Triton kernel (in the interpreter on the CPU: how the tests run it) and ``"cpu"``
 the chunked path on any device. Every path equals ``quantized_reference.dequantized_matmul_ref`` up to summation
@@ -23,7 +24,6 @@ order, except ``fp8_activation_scheme="dynamic"``, which rounds the activations 
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from cbrun.kernels import cpu_dequant
-from cbrun.kernels.fp8_scaled_mm import fp8_scaled_mm, select_fp8_gemm
+from cbrun.kernels.fp8_scaled_mm import FP8_ACTIVATION_SCHEMES, cuda_capability, fp8_scaled_mm, select_fp8_gemm
 from cbrun.kernels.gemm_checks import check_activations, check_fp8_weight, check_int4_weight, check_mxfp4_weight
 from cbrun.kernels.quantized_reference import (
     MXFP4_BLOCK_SIZE,
@@ -198,7 +198,8 @@ def quantized_matmul(
         bias: (N,) in x's dtype, or None.
         backend: ``"auto"`` (Triton on CUDA, the chunked path on the CPU), ``"triton"`` or ``"cpu"``.
         fp8_activation_scheme: ``"none"`` (weight-only, the default) or ``"dynamic"`` (an ``Fp8Layout`` runs
-            W8A8 with ``torch._scaled_mm``; see ``fp8_scaled_mm.select_fp8_gemm`` for where it is refused).
+            W8A8 with ``torch._scaled_mm``, whatever ``backend`` says; see ``fp8_scaled_mm.select_fp8_gemm`` for
+            where it is refused; another layout refuses it).
 
     Returns:
         (..., N) in x's dtype.
@@ -213,28 +214,26 @@ def quantized_matmul(
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     device = weight.device
     if isinstance(weight, Fp8Layout):
-        capability = _capability(x.device)
-        chosen = select_fp8_gemm(fp8_activation_scheme, capability, x.dtype, weight.block, out_features)
+        capability = cuda_capability(x.device)
+        chosen = select_fp8_gemm(fp8_activation_scheme, capability, x.dtype, weight.block, weight.shape)
         if chosen == "scaled_mm":
             check_activations("quantized_matmul", x2, out_features, in_features, device, bias, None)
             return fp8_scaled_mm(x2, weight.qweight, weight.scale, bias).reshape(*lead, out_features)
+    elif fp8_activation_scheme not in FP8_ACTIVATION_SCHEMES:
+        raise ValueError(
+            f"fp8_activation_scheme must be one of {FP8_ACTIVATION_SCHEMES}, got {fp8_activation_scheme!r}"
+        )
     elif fp8_activation_scheme != "none":
-        select_fp8_gemm(fp8_activation_scheme, None, x.dtype, (1, 1), out_features)  # an unknown value is refused
+        raise ValueError(
+            f'fp8_activation_scheme "{fp8_activation_scheme}" quantizes the activations of FP8 weights, and this '
+            f"weight is an {type(weight).__name__}"
+        )
     use_triton = backend == "triton" or (backend == "auto" and x.device.type == "cuda")
     if use_triton:
         out = _triton(weight)(x2, weight, bias)
     else:
         out = _chunked(x2, weight, bias, device)
     return out.reshape(*lead, out_features)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> int | None:
-    """Compute capability (major * 10 + minor) of a CUDA device, None off CUDA; cached: asked every layer."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
 
 
 def _triton(weight: QuantizedLayout) -> Callable[..., torch.Tensor]:

@@ -120,6 +120,16 @@ def test_an_fp8_kv_cache_is_recorded_for_greedy_jobs_too(manifest):
     assert fingerprint_differences(before, after) == ["model.kv_cache_dtype"]
 
 
+def test_w8a8_linears_are_recorded_for_greedy_jobs_too(manifest):
+    """W8A8 (fp8_activation_scheme "dynamic") changes greedy tokens: a resume with the other scheme must not mix
+    them; "none" keeps the fingerprints of earlier jobs."""
+    before = job_fingerprint(manifest, 100, may_sample=False)
+    assert "fp8_activation_scheme" not in before["model"]
+    manifest.engine = EngineConfig(fp8_activation_scheme="dynamic")
+    after = job_fingerprint(manifest, 100, may_sample=False)
+    assert fingerprint_differences(before, after) == ["model.fp8_activation_scheme"]
+
+
 def test_fingerprint_records_speculation_only_when_on(manifest):
     """n-gram settings change sampled rows' draws, so a resume must not mix them; "off" keeps older fingerprints."""
     off = job_fingerprint(manifest, 100)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -109,6 +110,38 @@ def test_a_new_format_is_one_file(csv_format, tiny_model_dir, tmp_path):
     assert [(i, rid, error) for i, rid, error, _ in from_csv] == [(0, "r0", None), (1, "r1", None), (2, "r2", None)]
     assert all(len(ids) == 3 for *_, ids in from_csv)
     assert from_csv == from_parquet  # the same prompts, the same greedy tokens
+
+
+def _help(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # the help's lines joined: a listing may wrap anywhere
+
+
+def test_the_help_names_the_formats_of_the_registry(capsys):
+    run_help = _help(["run", "--help"], capsys)
+    assert (
+        "Files read: Parquet: .parquet, or a Parquet file of any name (e.g. Hive's 000000_0); JSON Lines: " in run_help
+    )
+    assert ".csv" not in run_help and "<input formats>" not in run_help
+    assert "prompts in (Parquet, JSON Lines, OpenAI batch files)" in _help(["--help"], capsys)
+
+
+def test_a_new_format_is_in_the_help_with_no_other_change(csv_format, capsys):
+    assert "holding JSON Lines; CSV: .csv (names in any letter case)" in _help(["run", "-h"], capsys)
+    assert "prompts in (Parquet, JSON Lines, CSV, OpenAI batch files)" in _help(["-h"], capsys)
+
+
+def test_parsing_a_command_line_imports_no_input_format():
+    """The formats' modules (and the pyarrow they import) load when a help is shown, never to parse a command."""
+    code = (
+        "import sys; from cbrun.jobs.cli.parser import parse_command_line; "
+        "parse_command_line(['run', '--model', 'm', '--input', 'i.jsonl', '--output', 'o']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('pyarrow', 'cbrun.jobs.input'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_without_the_new_file_csv_is_refused(tmp_path):

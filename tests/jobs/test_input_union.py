@@ -112,7 +112,10 @@ def test_a_file_whose_prompt_column_is_all_null_gives_error_rows(tiny_model_dir,
     summary = run_job(job(tiny_model_dir, directory, tmp_path / "out"), progress=False, engine=tiny_engine)
     assert (summary.num_rows, summary.num_errors) == (4, 2)
     rows = rows_of(tmp_path / "out")
-    assert [r["error"] for r in rows[:2]] == [f"row {i} (id '{i}'): prompt column 'p' is null" for i in range(2)]
+    # several files: an error names the file and the row in it
+    assert [r["error"] for r in rows[:2]] == [
+        f"row {i} (id '{i}', row {i} of part-0.parquet): prompt column 'p' is null" for i in range(2)
+    ]
     assert [r["finish_reason"] for r in rows[2:]] == ["length", "length"]
     with pytest.raises(JobError, match="input.prompt_column 'q' is not a column of any file of"):
         run_job(job(tiny_model_dir, directory, tmp_path / "o2", prompt_column="q"), progress=False)

@@ -86,15 +86,61 @@ def test_broken_line_and_mixed_types_are_row_errors(tmp_path, compress):
     ]
     assert rows[0].sampling_overrides == {"temperature": 0.0} and rows[0].error is None
     assert rows[1].error == (
-        f"row 1 (id 'b'): field 'prompt' on line 3 of {name} holds an integer (5), but the "
-        f"column's type (from the other lines) is string"
+        f"row 1 (id 'b', line 3 of {name}): field 'prompt' holds an integer (5), but the column's type (from the "
+        f"other lines) is string"
     )
-    assert rows[2].error.startswith(f"row 2 (id '2'): line 4 of {name} is not valid JSON: Unterminated string")
-    assert rows[3].error == f"row 3 (id '3'): line 5 of {name} is not a JSON object (it is an array)"
+    assert rows[2].error.startswith(f"row 2 (id '2', line 4 of {name}): the line is not valid JSON: Unterminated")
+    assert rows[3].error == f"row 3 (id '3', line 5 of {name}): the line is not a JSON object (it is an array)"
     # A field the job does not read never makes a row an error; done rows are not read.
     assert [r.error for r in PromptReader(path, prompt_column="id").iter_rows()][:2] == [None, None]
     done = np.array([True, True, False, True, False])
     assert [r.row_index for r in reader.iter_rows(done)] == [2, 4]
+
+
+#: Rows that read but cannot run, between blank lines (which are not rows but count as lines).
+BAD_ROWS = [
+    {"id": "ok", "prompt": "hello"},
+    "",
+    {"id": "null", "prompt": None},
+    {"id": "missing"},
+    "   ",
+    {"id": "empty", "prompt": ""},
+    {"prompt": "no id"},
+    {"id": "hot", "prompt": "x", "temperature": -1},
+    {"id": "long", "prompt": "word " * 400},
+]
+
+
+@pytest.mark.parametrize("arrow", [True, False], ids=["pyarrow-reader", "line-by-line"])
+def test_every_row_error_names_its_line_and_id(tiny_model_dir, engine, tmp_path, monkeypatch, arrow):
+    """Whether the reader (a null, missing or empty prompt, a null id) or the job (a bad per-row setting, an
+    over-long prompt) finds the fault, the error row names the line as an editor numbers it, blank lines
+    counted, and the row's id."""
+    from cbrun.jobs.input.formats.jsonl import JsonlSource
+
+    if not arrow:
+        monkeypatch.setattr(JsonlSource, "_arrow_scan", lambda self: False)
+    path = write_jsonl(tmp_path / "in.jsonl", BAD_ROWS)
+    assert PromptReader(path, prompt_column="prompt").sources[0].arrow_readable is arrow
+    summary = run_job(manifest(tiny_model_dir, path, tmp_path / "out", id_column="id"), progress=False, engine=engine)
+    assert (summary.num_rows, summary.num_errors) == (7, 6)
+    errors = [row["error"] for _, row in sorted(output_rows(tmp_path / "out").items())]
+    assert errors[0] is None
+    assert errors[1] == "row 1 (id 'null', line 3 of in.jsonl): prompt column 'prompt' is null"
+    assert errors[2] == "row 2 (id 'missing', line 4 of in.jsonl): prompt column 'prompt' is null"
+    assert errors[3] == "row 3 (id 'empty', line 6 of in.jsonl): prompt column 'prompt' is empty"
+    assert errors[4] == "row 4 (id '4', line 7 of in.jsonl): id column 'id' is null"
+    assert errors[5] == "row 5 (id 'hot', line 8 of in.jsonl): temperature must be a finite number >= 0, got -1.0"
+    assert errors[6].startswith("row 6 (id 'long', line 9 of in.jsonl): the prompt has 2001 tokens, but the model")
+
+
+def test_a_file_without_errors_is_not_read_for_line_numbers(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, "", {"prompt": "b"}])
+    reader = PromptReader(path, prompt_column="prompt")
+    assert [(r.prompt, r.error) for r in reader.iter_rows()] == [("a", None), ("b", None)]
+    source = reader.sources[0]
+    assert source._blank_lines is None  # the scan for blank lines waits for a row's error
+    assert [source.row_place(0), source.row_place(1)] == ["line 1 of in.jsonl", "line 3 of in.jsonl"]
 
 
 def test_a_line_that_is_not_utf8_is_its_rows_error_named_by_line_number(tmp_path):
@@ -104,7 +150,7 @@ def test_a_line_that_is_not_utf8_is_its_rows_error_named_by_line_number(tmp_path
     rows = list(PromptReader(path, prompt_column="prompt").iter_rows())
     assert [(r.prompt, r.error) for r in rows] == [
         ("ok", None),
-        (None, "row 1 (id '1'): line 3 of in.jsonl is not UTF-8 text (byte 0xff at offset 16)"),
+        (None, "row 1 (id '1', line 3 of in.jsonl): the line is not UTF-8 text (byte 0xff at offset 16)"),
         ("fine", None),
     ]
 
@@ -120,7 +166,8 @@ def test_jsonl_job_and_a_directory_mixing_parquet_and_jsonl(tiny_model_dir, engi
     rows = output_rows(tmp_path / "out")
     assert [rows[i]["id"] for i in range(7)] == ["p0", "p1", "a", "b", "4", "5", "d"]
     assert [rows[i]["finish_reason"] == "error" for i in range(7)] == [False, False, False, True, True, True, False]
-    assert "line 4 of b.jsonl is not valid JSON" in rows[4]["error"]
+    assert rows[4]["error"].startswith("row 4 (id '4', line 4 of b.jsonl): the line is not valid JSON")
+    assert rows[3]["error"].startswith("row 3 (id 'b', line 3 of b.jsonl): field 'prompt' holds an integer")
 
 
 @pytest.mark.parametrize("text", ["", "\n\n"])

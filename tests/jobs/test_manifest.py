@@ -95,6 +95,111 @@ def test_invalid_values_raise(manifest_file):
         load_manifest(manifest_file.with_name("nope.toml"))
 
 
+@pytest.mark.parametrize(
+    "assignments, message",
+    [
+        # written in the file: the manifest's own [sampling] temperature = -1
+        (["sampling.temperature=-1"], "sampling.temperature must be a finite number >= 0, got -1"),
+        (["sampling.max_tokens=-1"], "sampling.max_new_tokens must be an integer >= 0, got -1"),  # the vLLM name
+        (["sampling.ignore_eos='no'"], "sampling.ignore_eos must be true or false, got 'no'"),
+        (["sampling.stop_token_ids=[1.5]"], "sampling.stop_token_ids must be a list of token ids"),
+        (["sampling.structured_outputs={regex=''}"], "sampling.structured_outputs.regex must be non-empty text"),
+        (["engine.page_size=0"], "engine.page_size must be a positive integer, got 0"),
+        (["engine.max_memory_percent='half'"], "engine.max_memory_percent must be a number, got 'half'"),
+        (["engine.device=1"], "engine.device must be a string, got 1"),
+        (["engine.ngram_min=5"], "engine.ngram_min (5) must be <= engine.ngram_max (4)"),
+        (
+            ["engine.kv_cache_dtype='fp8_e4m3'", "engine.attention_backend='cpu'"],
+            "engine.kv_cache_dtype = fp8_e4m3 runs attention on the PyTorch reference (the cpu kernels read K/V in "
+            "the model's dtype); set engine.attention_backend = auto or torch",
+        ),
+        (["output.commit_every_rows=0"], "output.commit_every_rows must be a positive integer, got 0"),
+        (["input.template=3"], "input.template must be a string, got 3"),
+        (["input.shard='2/2'"], "input.shard (--shard) must be INDEX/COUNT"),
+        (["cluster.num_replicas=0"], "cluster.num_replicas must be a positive integer, got 0"),
+    ],
+)
+def test_a_bad_value_is_named_with_its_section(manifest_file, assignments, message):
+    """The engine's settings name themselves bare (its Python API has no sections); a job names them as its
+    manifest, ``--set`` and flags spell them."""
+    with pytest.raises(ValueError) as refused:
+        load_manifest(manifest_file, assignments)
+    assert message in str(refused.value)
+
+
+def test_the_python_api_names_settings_without_a_section():
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=r"^page_size must be a positive integer, got 0$"):
+        EngineConfig(page_size=0)
+    with pytest.raises(ValueError, match=r"^ngram_min \(5\) must be <= ngram_max \(4\)$"):
+        EngineConfig(ngram_min=5)
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got 2$"):
+        SamplingParams(top_p=2).validate()
+
+
+def test_a_setting_error_pickles_with_its_sections():
+    import pickle
+
+    from cbrun.engine.setting_error import SettingError
+
+    error = SettingError("{top_p} must be in (0, 1], got {value!r}; see {min_p}", value={"a": 1})
+    copy = pickle.loads(pickle.dumps(error))
+    assert str(copy) == str(error) == "top_p must be in (0, 1], got {'a': 1}; see min_p"
+    assert copy.in_section("sampling") == "sampling.top_p must be in (0, 1], got {'a': 1}; see sampling.min_p"
+
+
+def _every_setting() -> list[tuple[str, str]]:
+    from dataclasses import fields
+
+    from cbrun.engine.config import EngineConfig
+    from cbrun.engine.sampling_params import SamplingParams
+    from cbrun.jobs.config import settings
+    from cbrun.jobs.config.manifest import SECTIONS
+
+    classes = {
+        "model": settings.ModelSettings,
+        "input": settings.InputSettings,
+        "sampling": SamplingParams,
+        "engine": EngineConfig,
+        "output": settings.OutputSettings,
+        "cluster": settings.ClusterSettings,
+        "storage": settings.StorageSettings,
+    }
+    assert set(classes) == set(SECTIONS)
+    job_sampling = ["seed", "n", "model_defaults", "prompt_logprobs"]  # the job's own [sampling] keys
+    return [(section, f.name) for section, cls in classes.items() for f in fields(cls)] + [
+        ("sampling", name) for name in job_sampling
+    ]
+
+
+@pytest.mark.parametrize("bad", ["{x = 1}", "[{x = 1}]"], ids=["table", "list-of-tables"])
+def test_every_setting_names_itself_for_a_value_of_the_wrong_type(manifest_file, bad):
+    """No setting takes a table (or a list of them); each refuses one by its dotted name, never by a crash or a
+    message that leaves the setting out."""
+    unnamed = {}
+    for section, key in _every_setting():
+        try:
+            load_manifest(manifest_file, [f"{section}.{key}={bad}"])
+        except ValueError as exc:
+            if f"{section}.{key}" not in str(exc):
+                unnamed[f"{section}.{key}"] = str(exc)
+        else:
+            unnamed[f"{section}.{key}"] = "accepted"
+    assert not unnamed, unnamed
+
+
+def test_a_bad_flag_value_is_exit_2_naming_the_setting(tmp_path, capsys):
+    from cbrun.jobs.cli import main
+
+    argv = ["run", "--model", str(tmp_path / "m"), "--input", str(tmp_path / "in.jsonl")]
+    assert main([*argv, "--output", str(tmp_path / "out"), "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "cbrun: error: sampling.temperature must be a finite number >= 0, got -1.0" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_parse_set_reads_toml_values_with_string_fallback():
     assert parse_set("sampling.temperature=0.7") == ("sampling", "temperature", 0.7)
     assert parse_set("engine.max_batch_tokens = 1024") == ("engine", "max_batch_tokens", 1024)

@@ -250,8 +250,8 @@ def test_mixed_batch_results_parse_with_openai_types_in_input_order(chat_model_d
             assert line["response"] == {"status_code": 400, "request_id": line["response"]["request_id"], "body": None}
             assert set(line["error"]) == {"code", "message"}
     errors = {line["custom_id"]: line["error"]["message"] for line in lines if line["error"]}
-    assert "line 3 of batch.jsonl is not valid JSON" in errors[None]
-    assert "url '/v1/embeddings' is not supported" in errors["embed"]
+    assert errors[None].startswith("row 2 (id '2', line 3 of batch.jsonl): the line is not valid JSON")
+    assert errors["embed"].startswith("row 4 (custom_id 'embed', line 5 of batch.jsonl): url '/v1/embeddings' is not")
     assert "body.logit_bias" in errors["chat-2"]
 
     tok = engine.tokenizer

@@ -111,9 +111,10 @@ def test_error_causes_fall_together():
     ) == error_cause("row 9 (id 'x'): the prompt has 999 tokens, but the model's maximum length is 256")
     assert error_cause(None) == "(no message)"
     # numbers inside a word are part of the cause's name, not a count
-    assert error_cause("row 3 (id '3'): line 4 of in.jsonl is not UTF-8 text (byte 0xff at offset 16)") == (
-        "line N of in.jsonl is not UTF-8 text (byte 0xff at offset N)"
+    assert error_cause("row 3 (id '3', line 4 of in.jsonl): the line is not UTF-8 text (byte 0xff at offset 16)") == (
+        "the line is not UTF-8 text (byte 0xff at offset N)"
     )
+    assert error_cause("row 2 (custom_id 'q', line 3 of b.jsonl): body is not valid JSON") == "body is not valid JSON"
     assert error_cause("row 1 (id '1'): a float32 value") == "a float32 value"
     assert len(error_cause("row 1 (id 'a'): " + "x" * 200)) == 90
 

@@ -43,15 +43,30 @@ TP2 = ["--tensor-parallel-size", "2"]
 @pytest.mark.parametrize(
     "extra, named",
     [
-        (TP2 + ["--set", 'engine.speculative="ngram"'], "tensor_parallel_size = 2 does not run with speculative"),
+        (
+            TP2 + ["--set", 'engine.speculative="ngram"'],
+            "engine.tensor_parallel_size = 2 does not run with engine.speculative",
+        ),
         (
             TP2 + ["--set", 'engine.speculative="draft"', "--set", 'engine.draft_model="{model}"'],
-            "tensor_parallel_size = 2 does not run with speculative",
+            "engine.tensor_parallel_size = 2 does not run with engine.speculative",
         ),
-        (TP2 + ["--set", 'engine.loader="transformers"'], "tensor_parallel_size = 2 does not run with loader"),
-        (TP2 + ["--set", 'engine.model_impl="transformers"'], "tensor_parallel_size = 2 does not run with model_impl"),
-        (TP2 + ["--set", 'engine.batch_invariant="on"'], "tensor_parallel_size = 2 does not run with batch_invariant"),
-        (TP2 + ["--set", 'engine.cuda_graphs="emulate"'], "tensor_parallel_size = 2 does not run with cuda_graphs"),
+        (
+            TP2 + ["--set", 'engine.loader="transformers"'],
+            "engine.tensor_parallel_size = 2 does not run with engine.loader",
+        ),
+        (
+            TP2 + ["--set", 'engine.model_impl="transformers"'],
+            "engine.tensor_parallel_size = 2 does not run with engine.model_impl",
+        ),
+        (
+            TP2 + ["--set", 'engine.batch_invariant="on"'],
+            "engine.tensor_parallel_size = 2 does not run with engine.batch_invariant",
+        ),
+        (
+            TP2 + ["--set", 'engine.cuda_graphs="emulate"'],
+            "engine.tensor_parallel_size = 2 does not run with engine.cuda_graphs",
+        ),
         # the tiny model's 4 attention heads do not split over 3 ranks
         (
             ["--tensor-parallel-size", "3"],

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from cbrun.kernels import cpu_dequant
+from cbrun.kernels import fp8_scaled_mm as fp8_scaled_mm_module
 from cbrun.kernels import quantized_matmul as qm
 from cbrun.kernels.fp8_scaled_mm import (
+    cpu_scaled_mm_unavailable_reason,
     fp8_scaled_mm,
     fp8_scaled_mm_ref,
     quantize_per_token,
@@ -108,29 +110,47 @@ def test_triton_path_refuses_a_group_it_cannot_step_that_the_cpu_path_runs():
 
 
 def test_selection_is_weight_only_by_default_and_refuses_dynamic_by_name():
-    bf16 = torch.bfloat16
-    assert select_fp8_gemm("none", None, bf16, (128, 128), 256) == "weight_only"
-    assert select_fp8_gemm("none", 80, torch.float32, (128, 128), 256) == "weight_only"
-    assert select_fp8_gemm("dynamic", 90, bf16, (1, 256), 256) == "scaled_mm"
-    assert select_fp8_gemm("dynamic", 89, bf16, (256, 256), 256) == "scaled_mm"  # per-tensor
-    with pytest.raises(ValueError, match=r"needs FP8 tensor cores .* runs on sm_80"):
-        select_fp8_gemm("dynamic", 80, bf16, (1, 256), 256)
-    with pytest.raises(ValueError, match="runs on the CPU"):
-        select_fp8_gemm("dynamic", None, bf16, (1, 256), 256)
+    bf16, shape = torch.bfloat16, (256, 256)
+    assert select_fp8_gemm("none", None, bf16, (128, 128), shape) == "weight_only"
+    assert select_fp8_gemm("none", 80, torch.float32, (128, 128), shape) == "weight_only"
+    assert select_fp8_gemm("dynamic", 90, bf16, (1, 256), shape) == "scaled_mm"
+    assert select_fp8_gemm("dynamic", 89, bf16, (256, 256), shape) == "scaled_mm"  # per-tensor
+    assert select_fp8_gemm("dynamic", None, bf16, (1, 256), shape) == "scaled_mm"  # the CPU: PyTorch's own
+    with pytest.raises(ValueError, match=r'fp8_activation_scheme = "dynamic".*needs FP8 tensor cores .* on sm_80'):
+        select_fp8_gemm("dynamic", 80, bf16, (1, 256), shape)
     with pytest.raises(ValueError, match="not the 128 x 128 block layout"):
-        select_fp8_gemm("dynamic", 90, bf16, (128, 128), 256)
-    with pytest.raises(ValueError, match="bf16 activations only"):
-        select_fp8_gemm("dynamic", 90, torch.float16, (1, 256), 256)
+        select_fp8_gemm("dynamic", 90, bf16, (128, 128), shape)
+    with pytest.raises(ValueError, match="not the 1 x 128 block layout"):  # per-row groups narrower than K
+        select_fp8_gemm("dynamic", 90, bf16, (1, 128), shape)
+    with pytest.raises(ValueError, match="bf16 activations only.*runs float16"):
+        select_fp8_gemm("dynamic", 90, torch.float16, (1, 256), shape)
+    with pytest.raises(ValueError, match="bf16 activations only.*runs float32"):
+        select_fp8_gemm("dynamic", None, torch.float32, (1, 256), shape)
+    with pytest.raises(ValueError, match="multiple of 16, and a weight is 256 x 40"):
+        select_fp8_gemm("dynamic", 90, bf16, (1, 40), (256, 40))
     with pytest.raises(ValueError, match="fp8_activation_scheme must be one of"):
-        select_fp8_gemm("static", 90, bf16, (1, 256), 256)
+        select_fp8_gemm("static", 90, bf16, (1, 256), shape)
 
 
-def test_dynamic_scheme_is_refused_on_the_cpu_through_the_dispatch():
+def test_the_cpu_is_refused_only_where_torch_cannot_run_scaled_mm(monkeypatch):
+    assert cpu_scaled_mm_unavailable_reason() is None  # torch 2.13's CPU build runs it
+    monkeypatch.setattr(fp8_scaled_mm_module, "cpu_scaled_mm_unavailable_reason", lambda: "no float8 GEMM")
+    with pytest.raises(ValueError, match=r"does not run on the CPU with this torch \(no float8 GEMM\)"):
+        select_fp8_gemm("dynamic", None, torch.bfloat16, (1, 256), (256, 256))
+
+
+def test_dynamic_scheme_runs_scaled_mm_on_the_cpu_through_the_dispatch():
     layout, _ = LAYOUTS["fp8_gemm channel"]
-    with pytest.raises(ValueError, match='fp8_activation_scheme "dynamic".*runs on the CPU'):
-        quantized_matmul(torch.randn(2, 256).bfloat16(), layout, fp8_activation_scheme="dynamic")
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = quantized_matmul(x, layout, fp8_activation_scheme="dynamic")
+    assert torch.equal(got, fp8_scaled_mm(x, layout.qweight, layout.scale))
+    assert not torch.equal(got, quantized_matmul(x, layout))  # weight-only differs: the activations were rounded
+    with pytest.raises(ValueError, match="not the 128 x 128 block layout"):
+        quantized_matmul(x, LAYOUTS["fp8_gemm block128"][0], fp8_activation_scheme="dynamic")
     with pytest.raises(ValueError, match="fp8_activation_scheme must be one of"):
         quantized_matmul(torch.randn(2, 256), LAYOUTS["int4_gemm g128"][0], fp8_activation_scheme="W8A8")
+    with pytest.raises(ValueError, match="quantizes the activations of FP8 weights, and this weight is an Int4Layout"):
+        quantized_matmul(torch.randn(2, 256).bfloat16(), LAYOUTS["int4_gemm g128"][0], fp8_activation_scheme="dynamic")
 
 
 def test_per_token_quantization():

@@ -76,7 +76,7 @@ class ModelFamily:
         raise NotImplementedError
 
     def unsupported_parallel_reason(self, config: LlamaConfig) -> str | None:
-        """Why tensor parallelism cannot split this family's weights (beyond the shapes
+        """Why tensor parallelism cannot split this family's weights at all (checked before the shapes
         ``cbrun.engine.model.layers.parallel.unsupported_reason`` checks), or None."""
         return None
 
@@ -100,6 +100,7 @@ class ModelFamily:
         linear_backend: Backend,
         batch_invariant: bool,
         invariant_kernels: InvariantKernels | None = None,
+        fp8_activation_scheme: str = "none",
     ) -> LeanForward:
         """The family's forward pass over ``weights`` (arguments as ``cbrun.engine.model.models.llama.LeanLlama``).
 

@@ -17,10 +17,12 @@ from cbrun.engine.core.tokenizer import load_tokenizer
 from cbrun.engine.model import registry, safetensors_loader
 from cbrun.engine.model.layers import attention_contract, parallel
 from cbrun.engine.model.layers.attention import ATTN_IMPLEMENTATION, register_with_transformers
+from cbrun.engine.model.layers.quantization.fp8 import w8a8_checkpoint_refusal
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
 from cbrun.engine.worker.backends import cuda_graphs_blocker, use_triton
 from cbrun.engine.worker.device import select_device
 from cbrun.engine.worker.threads import resolve_num_threads
+from cbrun.kernels.fp8_scaled_mm import W8A8
 from cbrun.kernels.tile_policy import MAX_HEAD_DIM
 
 logger = logging.getLogger("cbrun.engine")
@@ -38,9 +40,11 @@ def load_model(model_path: str, config: EngineConfig, shard: parallel.TensorPara
     model). ``config.dtype`` is resolved already (``resolve_engine_dtype``, where the settings enter the engine).
 
     Raises:
-        as ``LLMEngine.from_pretrained``; ``tensor_parallel_plan``'s ValueError with a shard.
+        as ``LLMEngine.from_pretrained``; ``tensor_parallel_plan``'s ValueError with a shard;
+        ``check_fp8_activation_scheme``'s, before any weight is read.
     """
     assert config.dtype != "auto", "resolve_engine_dtype first: the dtype is decided once, where the settings enter"
+    check_fp8_activation_scheme(model_path, config)
     select_device(config.device)
     if isinstance(config.num_threads, int):
         torch.set_num_threads(config.num_threads)
@@ -53,6 +57,24 @@ def load_model(model_path: str, config: EngineConfig, shard: parallel.TensorPara
         if threads is not None:
             torch.set_num_threads(threads)
     return model
+
+
+def check_fp8_activation_scheme(model_path: str, config: EngineConfig) -> None:
+    """Refuse ``engine.fp8_activation_scheme = "dynamic"`` where it cannot run, from config.json and the settings
+    (``fp8.w8a8_checkpoint_refusal``: a checkpoint with no FP8 weight, the 128 x 128 block layout, a CUDA part
+    below sm_89, a dtype other than bfloat16), before any weight is read; each weight is checked again as the
+    forward pass takes it (``fp8.check_w8a8``).
+
+    Raises:
+        ValueError: naming the setting and why; a quantized layout cbrun does not implement, by
+            ``checkpoint_quantization``'s refusal.
+    """
+    if config.fp8_activation_scheme == "none":
+        return
+    quantization = registry.checkpoint_quantization(model_path)
+    reason = w8a8_checkpoint_refusal(quantization, torch.device(config.device), _DTYPES[config.dtype])
+    if reason:
+        raise ValueError(f"{W8A8} {reason}")
 
 
 def resolve_engine_dtype(model_path: str, config: EngineConfig) -> EngineConfig:
@@ -69,7 +91,9 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
 
     Raises:
         ValueError: naming ``tensor_parallel_size`` and why, when the model would load through transformers, its
-            shapes do not split over the ranks (``cbrun.engine.model.layers.parallel.unsupported_reason``) or a
+            shapes do not split over the ranks (``cbrun.engine.model.layers.parallel.unsupported_reason``: its
+            heads or experts, or the first tensor whose MLP width does not split), its family is not split
+            (``ModelFamily.unsupported_parallel_reason``) or a
             quantized weight's slices would not start on its layout's blocks, groups or packed words
             (``parallel.unsupported_quantized_reason``: the tensor, its size and the unit); a quantized layout
             cbrun does not implement, by ``checkpoint_quantization``'s refusal.
@@ -86,9 +110,11 @@ def tensor_parallel_plan(model_path: str, config: EngineConfig) -> safetensors_l
             f"would load through transformers: {reason}; set tensor_parallel_size = 1"
         )
     family = registry.family_of(plan.config)
-    reason = parallel.unsupported_reason(plan.config, size) or family.unsupported_parallel_reason(plan.config)
+    shapes = family.checkpoint_shapes(plan.config)
+    reason = family.unsupported_parallel_reason(plan.config) or parallel.unsupported_reason(
+        plan.config, shapes, family.shard_style, size
+    )
     if reason is None and plan.config.quantization is not None:
-        shapes = family.checkpoint_shapes(plan.config)
         weights = {name: shapes[name] for name in plan.quantized}
         reason = parallel.unsupported_quantized_reason(plan.config, weights, family.shard_style, size)
     if reason is not None:

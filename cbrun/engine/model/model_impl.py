@@ -24,6 +24,7 @@ def select_lean_model(
     linear_backend: str = "auto",
     batch_invariant: bool = False,
     invariant_kernels: InvariantKernels | None = None,
+    fp8_activation_scheme: str = "none",
 ) -> LeanForward | None:
     """The lean forward pass when ``model_impl`` asks for it and it applies; None runs transformers' modules.
     A ``LeanModel`` (loaded without transformers) always gets it.
@@ -33,14 +34,22 @@ def select_lean_model(
     Raises:
         ValueError: ``model_impl == "lean"`` with an unsupported model or with CUDA graphs on (graphs capture
             transformers' forward pass); ``linear_backend == "onednn"`` where the lean path does not run (the
-            transformers modules always use torch's GEMM) or cannot use oneDNN; ``batch_invariant`` where the lean
-            path does not run.
+            transformers modules always use torch's GEMM) or cannot use oneDNN; ``batch_invariant`` or
+            ``fp8_activation_scheme = "dynamic"`` where the lean path does not run; from the family's forward pass
+            (``fp8_activation_scheme`` over weights W8A8 cannot run).
 
     ``invariant_kernels``: under ``batch_invariant``, the Triton kernels that run it (Triton attention: CUDA, or
     the CPU under the interpreter; ``cbrun.engine.worker.backends.invariant_kernels``); None for the CPU's own.
     """
     lean = _select_lean_model(
-        model_impl, model, use_cuda_graphs, max_model_len, linear_backend, batch_invariant, invariant_kernels
+        model_impl,
+        model,
+        use_cuda_graphs,
+        max_model_len,
+        linear_backend,
+        batch_invariant,
+        invariant_kernels,
+        fp8_activation_scheme,
     )
     if lean is None and linear_backend == "onednn":
         raise ValueError(
@@ -51,6 +60,11 @@ def select_lean_model(
         raise ValueError(
             "batch_invariant = on runs only on the lean forward pass, which this model does not use (see the "
             "log); set engine.batch_invariant = off"
+        )
+    if lean is None and fp8_activation_scheme != "none":
+        raise ValueError(
+            f'fp8_activation_scheme = "{fp8_activation_scheme}" runs only on the lean forward pass, which this model '
+            'does not use (see the log); set engine.fp8_activation_scheme = "none"'
         )
     return lean
 
@@ -63,6 +77,7 @@ def _select_lean_model(
     linear_backend: str,
     batch_invariant: bool,
     invariant_kernels: InvariantKernels | None = None,
+    fp8_activation_scheme: str = "none",
 ) -> LeanForward | None:
     if isinstance(model, LeanModel):  # loaded without transformers: the lean pass is its only forward pass
         if model_impl == "transformers" or use_cuda_graphs:
@@ -73,7 +88,9 @@ def _select_lean_model(
             )
         family = registry.family_of(model.config)
         logger.info("model implementation: lean (%s)", family.architecture)
-        return family.forward(model.weights, max_model_len, linear_backend, batch_invariant, invariant_kernels)
+        return family.forward(
+            model.weights, max_model_len, linear_backend, batch_invariant, invariant_kernels, fp8_activation_scheme
+        )
     if model_impl == "transformers":
         logger.info("model implementation: transformers (model_impl = transformers)")
         return None
@@ -94,4 +111,6 @@ def _select_lean_model(
     assert found is not None  # unsupported_reason found it
     logger.info("model implementation: lean (%s)", found.architecture)
     weights = found.weights_from_module(model)
-    return found.forward(weights, max_model_len, linear_backend, batch_invariant, invariant_kernels)
+    return found.forward(
+        weights, max_model_len, linear_backend, batch_invariant, invariant_kernels, fp8_activation_scheme
+    )

@@ -38,33 +38,41 @@ class StructuredOutputsParams:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` for none or several constraints, or a value of the wrong type."""
+    def validate(self, name: str = "structured_outputs") -> None:
+        """Raise ``ValueError`` for none or several constraints, or a value of the wrong type, naming the
+        constraint's field as ``NAME.FIELD`` (``name``: the setting or column that holds it)."""
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
-            raise ValueError(
-                f"structured_outputs needs exactly one of {', '.join(KINDS)}; got {', '.join(set_kinds) or 'none'}"
-            )
+            raise ValueError(f"{name} needs exactly one of {', '.join(KINDS)}; got {', '.join(set_kinds) or 'none'}")
         kind = set_kinds[0]
         value = getattr(self, kind)
-        if kind == "json" and isinstance(value, str):
+        if kind == "json":
+            self._check_schema(f"{name}.json", value)
+        elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name}.{kind} must be non-empty text, got {value!r}")
+        elif kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"{name}.choice must be a list of non-empty strings, got {value!r}")
+        elif kind == "json_object" and value is not True:
+            raise ValueError(f"{name}.json_object must be true, got {value!r}")
+
+    @staticmethod
+    def _check_schema(name: str, value: Any) -> None:
+        """A ``json`` constraint is a schema (a dict, or its JSON text) of what some engine enforces (formats
+        are checked when the request is routed)."""
+        schema = value
+        if isinstance(value, str):
             try:
                 schema = json.loads(value)
             except ValueError as exc:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+                raise ValueError(f"{name} is not valid JSON: {exc}") from None
             if not isinstance(schema, dict | bool):
-                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {value!r}")
-            check_schema(schema, ignore_formats=True)  # what no engine enforces; formats: at routing
-        elif kind == "json" and not isinstance(value, dict):
-            raise ValueError(f"structured_outputs.json must be a schema (a dict or its JSON text), got {value!r}")
-        elif kind == "json":
-            check_schema(value, ignore_formats=True)
-        elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
-            raise ValueError(f"structured_outputs.{kind} must be non-empty text, got {value!r}")
-        elif kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):
-            raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {value!r}")
-        elif kind == "json_object" and value is not True:
-            raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+                raise ValueError(f"{name} must be a JSON schema (an object), got {value!r}")
+        elif not isinstance(value, dict):
+            raise ValueError(f"{name} must be a schema (a dict or its JSON text), got {value!r}")
+        try:
+            check_schema(schema, ignore_formats=True)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
 
     @property
     def kind(self) -> str:
@@ -125,8 +133,5 @@ def coerce_structured_outputs(name: str, value: Any) -> StructuredOutputsParams 
     else:
         raise ValueError(f"{name} must be an object holding one of {', '.join(KINDS)}, got {value!r}")
     if params is not None:
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
+        params.validate(name)
     return params

@@ -177,6 +177,10 @@ def batch_invariant_blocker(
         use_triton: whether attention runs the Triton kernels (``use_triton``).
         dtype: the model's dtype.
     """
+    if config.fp8_activation_scheme != "none":
+        return (
+            f"fp8_activation_scheme = {config.fp8_activation_scheme} (torch._scaled_mm's sums are not batch-invariant)"
+        )
     device = torch.device(config.device)
     if device.type == "cuda" or (use_triton and not cpu_kernel):
         if not use_triton:

@@ -2,6 +2,8 @@
 ``run`` flag sets) and ``EXIT_CODES`` (the help's epilog). ``cbrun.jobs.cli`` dispatches the parsed command.
 
 Options are matched whole (``allow_abbrev=False``): ``--n 2`` is the ``--n`` flag, never a prefix of another.
+The input formats the help names come from their registry (``cbrun.jobs.input.formats``) when a help is shown
+(``_HelpNamingFormats``), so that parsing a command line imports none of them.
 Text flags (``--template``, ``--stop``) take TOML's escapes, as a manifest string does (``cbrun.jobs.cli.values.cli_text``).
 """
 
@@ -20,6 +22,11 @@ EXIT_CODES = (
     "3 the job finished, but more than output.max_error_fraction of its output rows are error rows (or all are); "
     "130 interrupted by SIGINT, 143 by SIGTERM (the finished rows are committed; rerun to resume)."
 )
+
+#: Stand in the help texts for the input formats' titles and for each format with its file names, until
+#: ``_HelpNamingFormats`` fills them in.
+_FORMAT_TITLES = "<input format titles>"
+_FORMAT_LISTING = "<input formats>"
 
 #: CLI flag -> (manifest section, key).
 RUN_FLAGS = {
@@ -57,11 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``cbrun`` parser: one subparser per command, ``run``'s options in groups by what they set."""
     parser = argparse.ArgumentParser(
         prog="cbrun",
-        description="Offline batch LLM inference: prompts in (Parquet, JSON Lines, OpenAI batch files), Parquet "
+        description=f"Offline batch LLM inference: prompts in ({_FORMAT_TITLES}, OpenAI batch files), Parquet "
         "completions out, resumable.",
         allow_abbrev=False,
         epilog=EXIT_CODES,
+        add_help=False,
     )
+    parser.add_argument("-h", "--help", action=_HelpNamingFormats)
     parser.add_argument("--version", action="version", version=f"cbrun {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add_command in (
@@ -90,7 +99,9 @@ def _add_run_command(commands: argparse._SubParsersAction) -> None:
             "Run a job described by a TOML manifest and/or flags; flags override the manifest. Relative paths resolve "
             "against the current directory. Rerunning the same job resumes it."
         ),
+        add_help=False,
     )
+    run.add_argument("-h", "--help", action=_HelpNamingFormats)
     run.add_argument("manifest", nargs="?", help="TOML manifest ([model] [input] [sampling] [engine] [output])")
     for add_options in (
         _add_files_options,
@@ -100,6 +111,31 @@ def _add_run_command(commands: argparse._SubParsersAction) -> None:
         _add_run_options,
     ):
         add_options(run)
+
+
+class _HelpNamingFormats(argparse.Action):
+    """``-h`` / ``--help`` that fills the input formats into the parser's texts (``_FORMAT_TITLES``,
+    ``_FORMAT_LISTING``), then prints the help and exits. The formats come from their registry
+    (``cbrun.jobs.input.formats``: every module of the package, so a new format module is named with no other
+    change), whose modules import pyarrow: only a help that is shown reads it, never a command being parsed."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(
+            option_strings, dest, default=argparse.SUPPRESS, nargs=0, help="show this help message and exit"
+        )
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from cbrun.jobs.input.formats import help_listing, input_formats
+
+        titles = ", ".join(fmt.title for fmt in input_formats())
+        for item in [parser, *parser._actions]:  # NOTE: argparse keeps no public list of a parser's options
+            for attribute in ("description", "help"):
+                text = getattr(item, attribute, None)
+                if isinstance(text, str):
+                    text = text.replace(_FORMAT_TITLES, titles).replace(_FORMAT_LISTING, help_listing())
+                    setattr(item, attribute, text)
+        parser.print_help()
+        parser.exit()
 
 
 def _add_files_options(run: argparse.ArgumentParser) -> None:
@@ -114,10 +150,8 @@ def _add_files_options(run: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--input",
-        help="Parquet or JSON Lines (.jsonl, .jsonl.gz, or .json holding JSON Lines; any "
-        "letter case) file, a directory of them (names starting with '.' or '_' "
-        "ignored; any other file it cannot read is refused), or a saved datasets "
-        "directory",
+        help="an input file, a directory of them (names starting with '.' or '_' ignored; any other file it cannot "
+        f"read is refused), or a saved datasets directory. Files read: {_FORMAT_LISTING} (names in any letter case)",
     )
     group.add_argument(
         "--output",

@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import difflib
 import tomllib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.sampling_params import VLLM_ALIASES, SamplingParams, canonical_name
+from cbrun.engine.setting_error import SettingError, must_be
+from cbrun.engine.structured_output.params import coerce_structured_outputs
 from cbrun.jobs.cli.values import parse_set
 from cbrun.jobs.config.settings import (
     ClusterSettings,
@@ -89,7 +93,10 @@ class JobManifest:
         if self.sampling.structured_outputs is not None:  # the job's own constraint: refused at load (exit 2)
             from cbrun.engine.structured_output.schema_support import constraint_backend
 
-            constraint_backend(self.sampling.structured_outputs, self.engine)
+            try:
+                constraint_backend(self.sampling.structured_outputs, self.engine)
+            except ValueError as exc:
+                raise ValueError(f"sampling.structured_outputs: {exc}") from None
         if self.n > 1 and self.input.mode == "score":
             raise ValueError(
                 'sampling.n > 1 needs input.mode = "generate": score mode computes one score per '
@@ -165,19 +172,10 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
     if not is_int(seed):
         raise ValueError(f"sampling.seed (the job seed) must be an integer, got {seed!r}")
     n = sampling.pop("n", 1)
-    _expand_prompt_logprobs(sampling)
-    sampling_params = _build(
-        SamplingParams,
-        "sampling",
-        sampling,
-        exclude={"seed"},
-        extra={"seed", "n", "prompt_logprobs", "model_defaults", *VLLM_ALIASES},
-    )
-    sampling_params.validate()
     return JobManifest(
         model=_build(ModelSettings, "model", raw.get("model", {})),
         input=_build(InputSettings, "input", raw.get("input", {})),
-        sampling=sampling_params,
+        sampling=_sampling_params(sampling),
         seed=seed,
         n=n,
         # NOTE: the device defaults to "auto" (CUDA when present); jobs.run.resources.resolve_device checks it first.
@@ -188,6 +186,29 @@ def manifest_from_dict(raw: dict[str, Any]) -> JobManifest:
         cluster=_build(ClusterSettings, "cluster", raw.get("cluster", {})),
         storage=_build(StorageSettings, "storage", raw.get("storage", {})),
     )
+
+
+def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
+    """The ``SamplingParams`` of ``[sampling]``'s keys (canonical names, the job's own keys taken out), validated.
+
+    Raises:
+        ValueError: naming the setting as ``sampling.KEY``.
+    """
+    _expand_prompt_logprobs(sampling)
+    if sampling.get("structured_outputs") is not None:
+        sampling["structured_outputs"] = coerce_structured_outputs(
+            "sampling.structured_outputs", sampling["structured_outputs"]
+        )
+    params = _build(
+        SamplingParams,
+        "sampling",
+        sampling,
+        exclude={"seed"},
+        extra={"seed", "n", "prompt_logprobs", "model_defaults", *VLLM_ALIASES},
+    )
+    with named_in("sampling"):
+        params.validate()
+    return params
 
 
 def _canonical_sampling(values: dict[str, Any]) -> dict[str, Any]:
@@ -224,14 +245,55 @@ def _expand_prompt_logprobs(sampling: dict[str, Any]) -> None:
 
 
 def _build(cls, section: str, values: dict[str, Any], exclude: set[str] = frozenset(), extra: set[str] = frozenset()):
+    """``cls(**values)``, the settings of ``[section]``: an unknown key, a value of the wrong type or out of range is
+    a ``ValueError`` naming the setting as ``section.key``."""
     known = {f.name for f in fields(cls)} - exclude
     for key in values:
         if key not in known:
             raise ValueError(unknown_setting_message(section, key, known | extra))
+    with named_in(section):
+        _check_types(cls, values)
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ValueError(f"[{section}]: {exc}") from None
+
+
+@contextmanager
+def named_in(section: str) -> Iterator[None]:
+    """Turn a ``SettingError`` (the engine's settings name themselves bare: ``top_p``) into a ``ValueError`` naming
+    each setting with its section (``sampling.top_p``), as the manifest, ``--set`` and the flags spell it."""
     try:
-        return cls(**values)
-    except TypeError as exc:
-        raise ValueError(f"[{section}]: {exc}") from None
+        yield
+    except SettingError as exc:
+        raise ValueError(exc.in_section(section)) from None
+
+
+#: A field annotation's plain kinds: how to tell a value of each, and how a message says it.
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (is_int, "an integer"),
+    "float": (lambda v: is_int(v) or isinstance(v, float), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _check_types(cls, values: dict[str, Any]) -> None:
+    """Refuse a value whose type its field cannot hold, for the fields annotated with one plain kind (``int``,
+    ``float``, ``bool``, ``str``, optionally ``| None``); the dataclass checks the rest (lists, unions of kinds) and
+    every range.
+
+    Raises:
+        SettingError: naming the field.
+    """
+    for f in fields(cls):
+        if f.name not in values:
+            continue
+        kinds = [k for k in str(f.type).split(" | ") if k != "None"]
+        if len(kinds) == 1 and kinds[0] in _KINDS:
+            fits, said = _KINDS[kinds[0]]
+            if not fits(values[f.name]) and not (values[f.name] is None and "None" in str(f.type)):
+                raise must_be(f.name, said, values[f.name])
 
 
 def unknown_setting_message(section: str, key: str, known: set[str]) -> str:

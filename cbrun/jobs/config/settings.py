@@ -157,7 +157,9 @@ def _check_modes(inp: InputSettings) -> None:
         raise ValueError(f"input.boundary must be one of {', '.join(map(repr, BOUNDARY_RULES))}, got {inp.boundary!r}")
     if not isinstance(inp.chat, bool):
         raise ValueError(f"input.chat must be true or false, got {inp.chat!r}")
-    if not isinstance(inp.corruptions, list) or not all(c in CORRUPTIONS for c in inp.corruptions):
+    if not isinstance(inp.corruptions, list) or not all(
+        isinstance(c, str) and c in CORRUPTIONS for c in inp.corruptions
+    ):
         raise ValueError(
             f"input.corruptions must be a list of names from: {', '.join(CORRUPTIONS)}; got {inp.corruptions!r}"
         )

@@ -180,7 +180,6 @@ class OpenAIBatchReader:
         row.extra[keep_role("model")] = self.default_model
         if row.error is not None:
             return row
-        where = f"row {row.row_index} (custom_id {row.id!r})"
         try:
             request = parse_request(extra["method"], extra["url"], extra["body"])
             row.extra[keep_role("model")] = request.model or self.default_model
@@ -189,7 +188,7 @@ class OpenAIBatchReader:
             row.num_samples = request.num_samples
             row.prompt_token_ids = self._prompt_ids(request)
         except ValueError as exc:
-            row.error = f"{where}: {exc}"
+            row.error = f"{row.where('custom_id')}: {exc}"
         return row
 
     def _prompt_ids(self, request: BatchRequest) -> list[int]:

@@ -15,6 +15,8 @@ row; ``per_row_settings=False`` reads none.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import string
 from collections.abc import Iterator
@@ -29,7 +31,7 @@ from cbrun.engine.sampling_params import SAMPLING_FIELD_TYPES, coerce_num_sample
 from cbrun.jobs.input.arrow_types import is_binary_type, is_list_type, is_text_type
 from cbrun.jobs.input.discovery import list_input_files
 from cbrun.jobs.input.errors import InputError
-from cbrun.jobs.input.formats import ROW_ERROR_COLUMN
+from cbrun.jobs.input.formats import ROW_ERROR_COLUMN, InputSource
 from cbrun.jobs.input.row_settings import NUM_SAMPLES_COLUMN, setting_columns, type_fits
 from cbrun.jobs.input.row_values import Undecodable, column_values, readable
 from cbrun.jobs.input.schema_union import conform_batch, unify_schemas
@@ -41,6 +43,36 @@ logger = logging.getLogger("cbrun.reader")
 ROW_INDEX_COLUMN = "__cbrun_row_index__"
 
 
+@dataclass(frozen=True, slots=True)
+class RowPlace:
+    """Where a row is in its input file, for messages: the source's ``row_place`` (JSON Lines: ``line 5 of
+    prompts.jsonl``), else ``row 3 of part-1.parquet``. Said only when a message needs it (``str``): a JSON Lines
+    file finds its line numbers by reading itself once more.
+
+    Attributes:
+        source: the row's file.
+        row: the row's index in that file, counting from 0.
+    """
+
+    source: InputSource
+    row: int
+
+    def __str__(self) -> str:
+        describe = getattr(self.source, "row_place", None)
+        if describe is not None:
+            return describe(self.row)
+        return f"row {self.row} of {str(self.source.path).rstrip('/').rsplit('/', 1)[-1]}"
+
+
+def row_where(row_index: int, row_id: str, place: RowPlace | None = None, id_name: str = "id") -> str:
+    """How a message names a row: ``row 3 (id 'a', line 5 of prompts.jsonl)``; without a place ``row 3 (id 'a')``.
+
+    Args:
+        id_name: what the id is called (``custom_id`` for OpenAI batch requests).
+    """
+    return f"row {row_index} ({id_name} {row_id!r}{'' if place is None else f', {place}'})"
+
+
 @dataclass
 class InputRow:
     """One input row, ready to become a request (or an error row).
@@ -48,23 +80,31 @@ class InputRow:
     Attributes:
         row_index: position of the row in the whole input, counting from 0.
         id: the row's id as a string (the id column's value, else the row index).
+        place: where the row is in its file, when the file has its own way of saying it (a JSON Lines line) or the
+            input has several files; None: ``row_index`` says it.
         prompt: the prompt text (from the prompt column or the filled-in template); None with a token-id prompt.
         prompt_token_ids: the prompt as token ids, when read from ``prompt_ids_column``.
         sampling_overrides: per-row sampling settings from columns named like SamplingParams fields (nulls left out).
         extra: {role: value} of the reader's ``extra_columns`` (e.g. candidates, messages), as read; the job
             checks them.
         num_samples: the row's ``n`` column (samples to generate, >= 1); None: the job's ``sampling.n``.
-        error: why the row cannot run, naming the row and the cause; None for a good row.
+        error: why the row cannot run, naming the row (``where``) and the cause; None for a good row.
     """
 
     row_index: int
     id: str
+    # NOTE: not compared: two readers of one file make equal rows
+    place: RowPlace | None = field(default=None, compare=False, repr=False)
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     num_samples: int | None = None
     error: str | None = None
+
+    def where(self, id_name: str = "id") -> str:
+        """How a message names the row (``row_where``): ``row 3 (id 'a', line 5 of prompts.jsonl)``."""
+        return row_where(self.row_index, self.id, self.place, id_name)
 
 
 def template_fields(template: str) -> list[str]:
@@ -136,6 +176,8 @@ class PromptReader:
         self.sources = [open_source(kind, f, json_text_fields, endpoint_url) for f in files]
         self.column_names = list(dict.fromkeys(name for source in self.sources for name in source.schema.names))
         self.num_input_rows = sum(s.num_rows for s in self.sources)
+        #: each source's first row in the whole input (a row's place: ``_place``)
+        self._first_rows = list(itertools.accumulate((s.num_rows for s in self.sources[:-1]), initial=0))
         self.num_rows = self.num_input_rows if limit is None else min(limit, self.num_input_rows)
         self.template_columns = template_fields(template) if template is not None else []
         self.setting_of_column = setting_columns(self.column_names) if per_row_settings else {}
@@ -310,8 +352,17 @@ class PromptReader:
         for i in np.flatnonzero(~skip):
             yield self._make_row(first_row + int(i), {name: column[i] for name, column in values.items()})
 
+    def _place(self, row_index: int) -> RowPlace | None:
+        """The row's ``RowPlace``, or None where its row index alone says where it is (one file that has no
+        ``row_place`` of its own, such as a single Parquet file)."""
+        i = bisect.bisect_right(self._first_rows, row_index) - 1
+        source = self.sources[i]
+        if len(self.sources) == 1 and not hasattr(source, "row_place"):
+            return None
+        return RowPlace(source, row_index - self._first_rows[i])
+
     def _make_row(self, row_index: int, values: dict[str, Any]) -> InputRow:
-        row = InputRow(row_index=row_index, id=str(row_index))
+        row = InputRow(row_index=row_index, id=str(row_index), place=self._place(row_index))
         try:
             if values.get(ROW_ERROR_COLUMN) is not None:  # a JSON Lines row that could not be read (formats.jsonl)
                 if self.id_column is not None and isinstance(values[self.id_column], str):
@@ -338,7 +389,7 @@ class PromptReader:
                     NUM_SAMPLES_COLUMN,
                 )
         except ValueError as exc:
-            row.error = f"row {row_index} (id {row.id!r}): {exc}"
+            row.error = f"{row.where()}: {exc}"
             # NOTE: an error row still carries its readable extra columns (e.g. output.keep_columns)
             row.extra = {
                 role: values[column]

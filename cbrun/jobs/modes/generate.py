@@ -71,19 +71,18 @@ class GenerateMode:
         """The row's requests, one per sample, or its error row."""
         if row.error is not None:
             return error_row(row.id, row.row_index, row.error)
-        where = f"row {row.row_index} (id {row.id!r})"
         prompt_token_ids = row.prompt_token_ids
         if prompt_token_ids is None:
             try:
                 prompt_token_ids = self._encode(row)
             except ValueError as exc:
-                return error_row(row.id, row.row_index, f"{where}: {exc}")
+                return error_row(row.id, row.row_index, f"{row.where()}: {exc}")
         try:
             self._check_prompt(prompt_token_ids)
             params = self.manifest.sampling.replace(**row.sampling_overrides)
             params.validate()
         except ValueError as exc:
-            return error_row(row.id, row.row_index, f"{where}: {exc}", len(prompt_token_ids))
+            return error_row(row.id, row.row_index, f"{row.where()}: {exc}", len(prompt_token_ids))
         num_samples = row.num_samples or self.manifest.n
         if num_samples > 1 and params.greedy and not self.warned_identical_samples:
             self.warned_identical_samples = True
@@ -96,7 +95,7 @@ class GenerateMode:
                 num_samples,
             )
         seeds = sample_seeds(self.manifest.seed, row.id, num_samples, row.sampling_overrides.get("seed"))
-        self.in_flight.start(row.row_index, row.id, num_samples)
+        self.in_flight.start(row.row_index, row.id, num_samples, row.place)
         if params.structured_outputs is not None:
             self._constraints[row.row_index] = params.structured_outputs
         requests = [((row.row_index, i), prompt_token_ids, params.replace(seed=seed)) for i, seed in enumerate(seeds)]
@@ -134,7 +133,7 @@ class GenerateMode:
     def _output_row(self, row_id: str, output) -> OutputRow:
         row_index, sample_index = output.request_id
         if output.finish_reason == "error":
-            message = f"row {row_index} (id {row_id!r}): {output.error}"
+            message = f"{self.in_flight.where(row_index)}: {output.error}"
             return error_row(row_id, row_index, message, output.num_prompt_tokens, sample_index)
         ids = list(output.output_token_ids)
         # NOTE: when a stop string ended the request the engine hands back the text cut before it.

@@ -24,6 +24,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from cbrun.jobs.input.reader import RowPlace, row_where
+
 T = TypeVar("T")
 
 
@@ -77,6 +79,7 @@ class RowWork:
 class _Group:
     id: str
     num_samples: int
+    place: RowPlace | None = None
     finished: list = field(default_factory=list)
 
 
@@ -93,12 +96,18 @@ class SampleGroups:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def start(self, row_index: int, row_id: str, num_samples: int) -> None:
+    def start(self, row_index: int, row_id: str, num_samples: int, place: RowPlace | None = None) -> None:
+        """Put a row in flight: its id, its samples, and its place in its file (``InputRow.place``)."""
         assert row_index not in self._groups, f"row {row_index} submitted twice"
-        self._groups[row_index] = _Group(row_id, num_samples)
+        self._groups[row_index] = _Group(row_id, num_samples, place)
 
     def row_id(self, row_index: int) -> str:
         return self._groups[row_index].id
+
+    def where(self, row_index: int) -> str:
+        """How a message names the row in flight (``row_where``)."""
+        group = self._groups[row_index]
+        return row_where(row_index, group.id, group.place)
 
     def add(self, row_index: int, row) -> list | None:
         """Record one finished sample (an ``OutputRow``); return the row's samples, by sample index, once all are

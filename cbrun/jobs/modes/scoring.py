@@ -46,7 +46,7 @@ from cbrun.engine.sampling_params import SamplingParams
 from cbrun.jobs.input.arrow_types import is_list_type, is_text_type
 from cbrun.jobs.input.errors import InputError
 from cbrun.jobs.input.prompts import encode_prompt
-from cbrun.jobs.input.reader import InputRow
+from cbrun.jobs.input.reader import InputRow, RowPlace, row_where
 from cbrun.jobs.modes.ordering import RowWork
 from cbrun.jobs.output.writer import OutputRow, error_row
 
@@ -161,6 +161,7 @@ class _PendingRow:
     is_greedy: list[bool | None] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     num_done: int = 0
+    place: RowPlace | None = None
 
 
 class Scorer:
@@ -197,7 +198,6 @@ class Scorer:
 
     def requests(self, row: InputRow, candidates_value: Any) -> list[tuple] | OutputRow:
         """The row's requests, one per candidate, or an error ``OutputRow`` when the row cannot be scored."""
-        where = f"row {row.row_index} (id {row.id!r})"
         if row.error is not None:
             return error_row(row.id, row.row_index, row.error, generated=False)
         try:
@@ -210,7 +210,7 @@ class Scorer:
                     raise ValueError(f"candidate {k}: {exc}") from None
             self._check(pairs)
         except ValueError as exc:
-            return error_row(row.id, row.row_index, f"{where}: {exc}", generated=False)
+            return error_row(row.id, row.row_index, f"{row.where()}: {exc}", generated=False)
         context_ids = pairs[0][0]
         self.pending[row.row_index] = _PendingRow(
             row.id,
@@ -219,6 +219,7 @@ class Scorer:
             [len(ids) for _, ids in pairs],
             [None] * len(pairs),
             [None] * len(pairs),
+            place=row.place,
         )
         params = score_params(len(context_ids))
         return [((row.row_index, k), context_ids + ids, params) for k, (_, ids) in enumerate(pairs)]
@@ -257,7 +258,7 @@ class Scorer:
             return None
         del self.pending[row_index]
         if pending.errors:
-            message = f"row {row_index} (id {pending.row_id!r}): {'; '.join(sorted(pending.errors))}"
+            message = f"{row_where(row_index, pending.row_id, pending.place)}: {'; '.join(sorted(pending.errors))}"
             return [error_row(pending.row_id, row_index, message, pending.num_context_tokens, generated=False)]
         return [
             OutputRow(

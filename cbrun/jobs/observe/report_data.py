@@ -20,7 +20,7 @@ from cbrun.jobs.output.writer import committed_parts
 
 #: Output columns the report reads.
 ROW_COLUMNS = ["num_prompt_tokens", "num_completion_tokens", "finish_reason", "error", "ttft_s", "decode_s", "queue_s"]
-_ROW_PREFIX = re.compile(r"^row \d+ \(id .*?\): ")
+_ROW_PREFIX = re.compile(r"^row \d+ \((?:custom_)?id .*?\): ")
 #: A number standing alone (not the 8 of "utf-8" or the 32 of "float32"), which varies between rows of one cause.
 _NUMBER = re.compile(r"(?<![\w-])\d+(?!\w)")
 

@@ -230,8 +230,8 @@ def job_fingerprint(
 
 
 def _model_part(manifest, engine_dtype: str | None, model_source) -> dict[str, Any]:
-    """The model's files and weights, the dtype it runs in, a Hub model's repo id, revision and commit, and an fp8
-    KV cache (a lossy cache changes greedy tokens too)."""
+    """The model's files and weights, the dtype it runs in, a Hub model's repo id, revision and commit, an fp8 KV
+    cache and W8A8 linears (``fp8_activation_scheme``): lossy, they change greedy tokens too."""
     model = model_fingerprint(manifest.model.path)
     part = {
         "path": _resolved(manifest.model.path),
@@ -243,6 +243,8 @@ def _model_part(manifest, engine_dtype: str | None, model_source) -> dict[str, A
         part.update(model_source.fingerprint_fields())
     if manifest.engine.kv_cache_dtype != "auto":
         part["kv_cache_dtype"] = manifest.engine.kv_cache_dtype
+    if manifest.engine.fp8_activation_scheme != "none":
+        part["fp8_activation_scheme"] = manifest.engine.fp8_activation_scheme
     return part
 
 

@@ -61,7 +61,7 @@ class Shard:
             shard = cls(int(index), int(count))
         except ValueError:
             raise ValueError(
-                f"shard must be INDEX/COUNT with 0 <= INDEX < COUNT (e.g. 3/8, as in "
+                f"input.shard (--shard) must be INDEX/COUNT with 0 <= INDEX < COUNT (e.g. 3/8, as in "
                 f"$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT), got {text!r}"
             ) from None
         return shard

@@ -1,9 +1,10 @@
 """Quantized checkpoints under tensor parallelism (``cbrun.engine.model.layers.parallel.read_quantized_shard``,
 ``cbrun.engine.model.layers.quantization.shards``): random Llama and Qwen3-MoE checkpoints quantized into the real
 layouts (FP8 128x128 blocks, compressed-tensors float8 per channel, int4 group 128 as compressed-tensors, GPTQ and
-AWQ write it; ``test_quantization`` / ``test_int4_quantization`` write them) give on two real gloo ranks exactly one
-rank's greedy tokens; each rank reads about half the quantized bytes, and its slices, dequantized, are the whole
-weight's; a split that does not start on a block, group or packed word is refused by name before any rank starts."""
+AWQ write it; ``test_quantization`` / ``test_int4_quantization`` write them), and Qwen2-MoE ones whose dense MLP and
+shared expert differ in width, give on two real gloo ranks exactly one rank's greedy tokens; each rank reads about
+half the quantized bytes, and its slices, dequantized, are the whole weight's; a split that does not start on a
+block, group or packed word is refused by name before any rank starts."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from cbrun.engine.model.layers.quantization.int4 import Int4Weight
 from tests.engine.model import test_int4_quantization as int4
 from tests.engine.model import test_quantization as fp8
 from tests.engine.model.test_tensor_parallel import _greedy
-from tests.model_utils import random_model_dir, random_prompts
+from tests.model_utils import hf_greedy, random_model_dir, random_prompts
 
 #: Every split on 128 boundaries: head_dim 128 (2 heads, 2 KV heads: 128 q/k/v rows per rank, o_proj's 256 inputs
 #: 128 per rank), intermediate 512 (256 gate/up rows and down_proj inputs per rank).
@@ -34,8 +35,9 @@ QWEN3_MOE = dict(
     num_key_value_heads=2,
     head_dim=128,
 )
-#: and Qwen2-MoE's shared expert, a dense MLP split on 128 boundaries as Llama's is (the experts as Qwen3-MoE's).
-QWEN2_MOE = QWEN3_MOE | dict(intermediate_size=256, shared_expert_intermediate_size=256)
+#: and Qwen2-MoE's MLPs of three widths, each split by its own on 128 boundaries: a dense layer 0 (intermediate_size
+#: 256: 128 per rank) and layer 1's shared expert (512: 256 per rank), beside experts 64 wide held whole.
+QWEN2_MOE = QWEN3_MOE | dict(mlp_only_layers=(0,), intermediate_size=256, shared_expert_intermediate_size=512)
 FLOAT8 = ("fp8-block", "ct-channel")
 INT4 = ("ct-sym", "ct-asym", "gptq", "awq")
 
@@ -56,15 +58,18 @@ def _quantized(model_type: str, layout: str, **model):
         ("qwen3_moe", "fp8-block"),
         ("qwen3_moe", "ct-sym"),
         ("qwen2_moe", "fp8-block"),
+        ("qwen2_moe", "gptq"),
     ],
 )
 def test_two_ranks_give_the_greedy_tokens_of_one_on_quantized_weights(model_type, layout):
-    quantized, _ = _quantized(model_type, layout)
+    quantized, dequantized = _quantized(model_type, layout)
     prompts = random_prompts(8, 128, max_len=30, seed=7)
     one = _greedy(quantized, 1, prompts)
     two = _greedy(quantized, 2, prompts)
     assert sorted(two) == list(range(len(prompts)))
     assert two == one
+    if model_type == "qwen2_moe":  # and transformers' on the same weights dequantized
+        assert two == {i: hf_greedy(dequantized, prompt, 12) for i, prompt in enumerate(prompts)}
 
 
 class _CountingHandle:
@@ -132,17 +137,19 @@ LINEARS = {
 
 
 def _quantized_linears(weights) -> dict[str, object]:
-    """{checkpoint weight name: its loaded weight} of every dense projection."""
+    """{checkpoint weight name: its loaded weight} of every dense projection (a MoE layer's gate/up/down: its
+    shared expert's, ``mlp.shared_expert.*``)."""
     return {
-        f"model.layers.{i}.{name}.weight": getattr(layer, field)[0]
+        f"model.layers.{i}.{name.replace('mlp.', 'mlp.shared_expert.') if layer.moe else name}.weight": projection[0]
         for i, layer in enumerate(weights.layers)
         for field, name in LINEARS.items()
-        if getattr(layer, field) is not None
+        if (projection := getattr(layer, field)) is not None
     }
 
 
 @pytest.mark.parametrize(
-    "model_type, layout", [("llama", layout) for layout in FLOAT8 + INT4] + [("qwen3_moe", "fp8-block")]
+    "model_type, layout",
+    [("llama", layout) for layout in FLOAT8 + INT4] + [("qwen3_moe", "fp8-block"), ("qwen2_moe", "gptq")],
 )
 def test_each_rank_reads_only_its_slices_and_they_dequantize_to_the_whole(monkeypatch, model_type, layout):
     quantized, _ = _quantized(model_type, layout)
@@ -158,16 +165,17 @@ def test_each_rank_reads_only_its_slices_and_they_dequantize_to_the_whole(monkey
         assert 0.5 * total <= read <= 0.51 * total, (read, total)
     style_of = registry.family_of(plan.config).shard_style
     rank_weights = [_quantized_linears(weights) for weights, _ in ranks]
+    shapes = registry.family_of(plan.config).checkpoint_shapes(plan.config)
     for name, weight in _quantized_linears(whole).items():
-        dim = ShardLayout.of(plan.config, 0, 2).split(style_of(name))[0]  # type: ignore[index]
+        dim = ShardLayout.of(plan.config, 0, 2).split(style_of(name), shapes[name])[0]  # type: ignore[index]
         slices = [linears[name] for linears in rank_weights]
         # the same weight type on each rank, in row-major memory of its own, so a GEMM written for the type runs it
         assert isinstance(weight, (QuantizedWeight, Int4Weight))
         assert all(type(s) is type(weight) and all(_row_major(t) for t in s.tensors()) for s in slices), name
         assert torch.equal(torch.cat([s.dequantize() for s in slices], dim=dim), weight.dequantize()), name
-    if model_type == "qwen3_moe":  # experts whole, half of them on each rank, still quantized
+    if model_type != "llama":  # experts whole, half of them on each rank, still quantized
         for (weights, _), experts in zip(ranks, ([0, 1], [2, 3])):
-            moe, full = weights.layers[0].moe, whole.layers[0].moe
+            moe, full = weights.layers[-1].moe, whole.layers[-1].moe  # the last layer is sparse
             assert isinstance(moe.gate_up, QuantizedExperts) and len(moe.gate_up.experts) == 2
             assert torch.equal(moe.gate_up.dequantize(), full.gate_up.dequantize(slice(experts[0], experts[-1] + 1)))
 
@@ -215,6 +223,17 @@ def test_a_split_off_the_blocks_or_groups_is_refused_by_name_before_any_rank_sta
     # compressed-tensors float8 per channel splits anywhere: the same shapes load
     channel, _ = _quantized("llama", "ct-channel", **changed)
     assert loader.tensor_parallel_plan(str(channel), EngineConfig(dtype="float32", tensor_parallel_size=2))
+
+
+def test_a_shared_expert_whose_own_width_splits_off_the_blocks_is_refused_by_its_name():
+    # the dense layer's 256 features split on 128-wide blocks; the shared expert's 384 would split into 192
+    quantized, _ = _quantized("qwen2_moe", "fp8-block", shared_expert_intermediate_size=384)
+    with pytest.raises(ValueError, match="cannot split this model: the quantized weight") as info:
+        loader.tensor_parallel_plan(str(quantized), EngineConfig(dtype="float32", tensor_parallel_size=2))
+    assert (
+        "model.layers.1.mlp.shared_expert.down_proj.weight does not split on its layout's boundaries: its 384 input "
+        "features split into 192 per rank"
+    ) in str(info.value)
 
 
 def test_int4_zero_points_packed_along_the_rows_need_eight_rows_per_rank():
@@ -327,6 +346,24 @@ REAL = {
         (2, 4, 8),
         None,
     ),
+    # Qwen2-57B-A14B in GPTQ int4 group 128: the shared expert's 20480 features are 80 / 40 groups per rank, split
+    # by their own width beside intermediate_size 18944 (no dense layer: unused); 64 experts of 2560 whole
+    "qwen2-57b-a14b-gptq": (
+        _real(
+            "qwen2_moe",
+            int4._quantization_config("gptq"),
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            moe_intermediate_size=2560,
+            shared_expert_intermediate_size=20480,
+            num_experts=64,
+            num_experts_per_tok=8,
+        ),  # fmt: skip
+        (2, 4),
+        None,
+    ),
     # Qwen2.5-72B's 29568 intermediate features are 115.5 groups of 128 per rank at tp 2 (Qwen's own int4
     # releases pad them to 29696 for this)
     "qwen2.5-72b-awq-unpadded": (
@@ -351,8 +388,9 @@ def test_real_checkpoints_shapes_split_or_are_refused_by_name(name):
     config, reason = registry.parse_config(raw)
     assert config is not None, reason
     family = registry.family_of(config)
-    weights = {n: s for n, s in family.checkpoint_shapes(config).items() if n.endswith("_proj.weight")}
+    shapes = family.checkpoint_shapes(config)
+    weights = {n: s for n, s in shapes.items() if n.endswith("_proj.weight")}
     for size in sizes:
-        assert parallel.unsupported_reason(config, size) is None
+        assert parallel.unsupported_reason(config, shapes, family.shard_style, size) is None
         reason = parallel.unsupported_quantized_reason(config, weights, family.shard_style, size)
         assert reason is None if refused is None else refused in str(reason), (size, reason)

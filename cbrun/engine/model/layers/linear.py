@@ -1,7 +1,8 @@
 """The lean forward pass's linear layers: a projection is (weight, bias, the function that runs it), the function
 chosen once per weight at load (``projection``): a quantized weight's chunked dequantizing GEMM
-(``cbrun.engine.model.layers.quantization.base.quantized_linear``), else, on the CPU, torch's GEMM (``F.linear``,
-MKL on x86) or oneDNN's.
+(``cbrun.engine.model.layers.quantization.base.quantized_linear``; a float8 weight's W8A8 GEMM under
+``engine.fp8_activation_scheme = "dynamic"``), else, on the CPU, torch's GEMM (``F.linear``, MKL on x86) or
+oneDNN's.
 
 Measured on a 2-core AMD EPYC (AVX-512), float32 (``python -m benchmarks.cpu_linear``,
 ``benchmarks/results-cpu-linear.md``): for weights of at least 2^18 elements (1 MiB), oneDNN's matmul primitive
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 
 from cbrun.engine.config import LINEAR_BACKENDS
 from cbrun.engine.model.layers.quantization.base import QuantizedLinearWeight, quantized_linear
+from cbrun.engine.model.layers.quantization.fp8 import QuantizedWeight, check_w8a8, w8a8_linear
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -53,13 +55,27 @@ Projection = tuple["torch.Tensor | QuantizedLinearWeight", "torch.Tensor | None"
 Backend = str | Callable[[torch.Tensor], LinearFn]
 
 
-def projection(weight: torch.Tensor | QuantizedLinearWeight, bias: torch.Tensor | None, backend: Backend) -> Projection:
-    """(weight, bias, its function): a quantized weight always runs ``quantized_linear`` (dequantized in the GEMM,
-    chunk by chunk); another runs ``backend(weight)`` when ``backend`` is a function, else ``select_linear``'s.
+def projection(
+    weight: torch.Tensor | QuantizedLinearWeight,
+    bias: torch.Tensor | None,
+    backend: Backend,
+    fp8_activation_scheme: str = "none",
+    name: str = "",
+) -> Projection:
+    """(weight, bias, its function): a quantized weight runs ``quantized_linear`` (weight-only: dequantized in the
+    GEMM, chunk by chunk), or, a float8 one under ``fp8_activation_scheme = "dynamic"``, ``fp8.w8a8_linear``
+    (its activations rounded to float8 per row); another runs ``backend(weight)`` when ``backend`` is a function,
+    else ``select_linear``'s.
+
+    Args:
+        name: the linear's name, for a refusal (``fp8.check_w8a8``).
 
     Raises:
-        ValueError: from ``select_linear``.
+        ValueError: from ``select_linear``; a float8 weight W8A8 cannot run (``fp8.check_w8a8``).
     """
+    if isinstance(weight, QuantizedWeight) and fp8_activation_scheme == "dynamic":
+        check_w8a8(weight, name)
+        return weight, bias, w8a8_linear
     if isinstance(weight, QuantizedLinearWeight):
         return weight, bias, quantized_linear
     return weight, bias, backend(weight) if callable(backend) else select_linear(weight, backend)

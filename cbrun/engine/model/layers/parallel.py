@@ -10,15 +10,21 @@ Per decoder layer, on rank r of N::
     gate/up_proj column-parallel: I / N intermediate features each
     down_proj    row-parallel: a partial sum, one all-reduce, then the bias
 
+where I is the MLP's own width, read from the tensor's shape: a dense layer's ``intermediate_size``, Qwen2-MoE's
+shared expert's ``shared_expert_intermediate_size`` (its ``shared_expert_gate``, one output, is held whole). Each
+split width must be a multiple of N (``unsupported_reason`` names the first tensor that is not).
+
 The embedding and the LM head are split by vocabulary: rank r holds rows ``[r * V', (r + 1) * V')`` of the
 (vocab, hidden) matrix, ``V' = ceil(V / N)``, zero-padded past the vocabulary. A token's embedding is looked up
 on the rank that holds it, the others give zeros, and one all-reduce sums them (exact: one non-zero term). The LM
 head computes each rank's V' logits and one all-gather joins them; the padded columns are cut off.
 
-MoE layers (Qwen3-MoE, Mixtral) split by expert instead: rank r holds experts ``[r * E / N, (r + 1) * E / N)``
-whole, and the router on every rank. Every rank routes every token (the same router on the same replicated
-hidden states gives the same choice), computes the (token, expert) pairs of its own experts with the grouped
-GEMM, zeros the others, and one all-reduce sums each token's experts over the ranks (``ExpertParallelMoE``).
+MoE layers (Qwen3-MoE, Qwen2-MoE, Mixtral) split by expert instead: rank r holds experts
+``[r * E / N, (r + 1) * E / N)`` whole, and the router on every rank. Every rank routes every token (the same router
+on the same replicated hidden states gives the same choice), computes the (token, expert) pairs of its own experts
+with the grouped GEMM, zeros the others, and one all-reduce sums each token's experts over the ranks
+(``ExpertParallelMoE``). An expert is never cut, so its width (``moe_intermediate_size``, Mixtral's
+``intermediate_size``) need not split.
 
 KV heads: with at least N of them each rank holds ``num_kv_heads / N``; with fewer (N a multiple of their number)
 each KV head is replicated over ``N / num_kv_heads`` ranks, rank r holding KV head ``r // (N / num_kv_heads)``,
@@ -69,9 +75,13 @@ class Communicator(Protocol):
 class ShardLayout:
     """Which slice of each tensor rank ``rank`` of ``world_size`` holds, from the model's shapes.
 
+    An MLP's width is not among them: a "column" or "row" split cuts the dimension the tensor itself has
+    (``split``), so MLPs of different widths in one model (a dense layer's and a shared expert's) each split by
+    their own.
+
     Attributes:
         rank, world_size: this rank and the group's size.
-        num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size: the whole model's shapes.
+        num_heads, num_kv_heads, head_dim, vocab_size: the whole model's shapes.
         num_experts: experts per MoE layer (0 for a dense model).
     """
 
@@ -80,7 +90,6 @@ class ShardLayout:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
     vocab_size: int
     num_experts: int = 0
 
@@ -93,7 +102,6 @@ class ShardLayout:
             config.num_attention_heads,
             config.num_key_value_heads,
             config.head_dim,
-            config.intermediate_size,
             config.vocab_size,
             config.moe.num_experts if getattr(config, "moe", None) is not None else 0,
         )
@@ -133,13 +141,19 @@ class ShardLayout:
     def vocab_start(self) -> int:
         return self.rank * self.vocab_per_rank
 
-    def split(self, style: str | None) -> tuple[int, int, int] | None:
+    def split(self, style: str | None, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         """``(dim, start, stop)`` of this rank's slice of a tensor split in ``style`` (one of ``SPLIT_STYLES``,
         which the model's family gives per tensor), or None (``style`` None) when every rank holds it whole.
 
+        Args:
+            style: how the tensor is split.
+            shape: the whole tensor's shape (a weight's (out_features, in_features), a bias's (out_features,)):
+                a "column" / "row" split cuts its dimension 0 / 1, whatever its size, into ``world_size`` equal
+                parts (``unsupported_reason`` refuses a size that is not a multiple of it before any load).
+
         ``stop`` may pass the tensor's end for the vocabulary split (the rest is padding, ``read_shard``).
         """
-        head, inter = self.head_dim, self.intermediate_size // self.world_size
+        head = self.head_dim
         if style is None:
             return None
         if style == "vocab":
@@ -150,16 +164,22 @@ class ShardLayout:
             start = self.kv_head_start * head
             return 0, start, start + self.local_kv_heads * head
         if style == "column":
-            return 0, self.rank * inter, (self.rank + 1) * inter
+            return self._even(0, shape)
         if style == "row_heads":
             return 1, self.rank * self.local_heads * head, (self.rank + 1) * self.local_heads * head
         if style == "row":
-            return 1, self.rank * inter, (self.rank + 1) * inter
+            return self._even(1, shape)
         raise ValueError(f"unknown tensor-parallel split {style!r}; one of {SPLIT_STYLES}")
+
+    def _even(self, dim: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """This rank's 1/N of dimension ``dim`` of a ``shape`` tensor."""
+        per_rank, rest = divmod(shape[dim], self.world_size)
+        assert not rest, f"a {shape} tensor does not split over {self.world_size} ranks (unsupported_reason)"
+        return dim, self.rank * per_rank, (self.rank + 1) * per_rank
 
     def local_shape(self, shape: tuple[int, ...], style: str | None) -> tuple[int, ...]:
         """The shape of this rank's slice of a ``shape`` tensor split in ``style`` (padding included)."""
-        split = self.split(style)
+        split = self.split(style, shape)
         if split is None:
             return shape
         dim, start, stop = split
@@ -167,14 +187,25 @@ class ShardLayout:
 
 
 #: How a tensor is split over the ranks (Megatron-LM's): "vocab" (rows, by vocabulary), "column_heads" /
-#: "column_kv_heads" (output rows, by query / KV head), "column" (output rows, by intermediate feature), "row_heads" / "row" (input
-#: columns, by query head / intermediate feature: the product is a partial sum; a row-parallel bias is held whole,
-#: added once after the sum).
+#: "column_kv_heads" (output rows, by query / KV head), "column" (output rows, by its MLP's intermediate feature),
+#: "row_heads" / "row" (input columns, by query head / its MLP's intermediate feature: the product is a partial sum;
+#: a row-parallel bias is held whole, added once after the sum).
 SPLIT_STYLES = ("vocab", "column_heads", "column_kv_heads", "column", "row_heads", "row")
 
 
-def unsupported_reason(config, world_size: int) -> str | None:
-    """Why a Llama-family config cannot be split over ``world_size`` ranks, or None when it can."""
+def unsupported_reason(
+    config, shapes: dict[str, tuple[int, ...]], style_of: Callable[[str], str | None], world_size: int
+) -> str | None:
+    """Why a Llama-family model cannot be split over ``world_size`` ranks, or None when it can: its experts,
+    query heads or KV heads do not divide among the ranks, or a tensor split by intermediate feature (an MLP's
+    gate/up rows or down_proj inputs) has a width that is not a multiple of ``world_size``, named with its width.
+
+    Args:
+        config: the model's ``LlamaConfig``.
+        shapes: every checkpoint tensor's name and whole shape (the family's ``checkpoint_shapes``), in order.
+        style_of: the family's ``shard_style`` (a tensor name -> its split style, None for whole).
+        world_size: the number of ranks.
+    """
     moe = getattr(config, "moe", None)
     if moe is not None and moe.num_experts % world_size:
         return f"{moe.num_experts} experts per MoE layer are not a multiple of tensor_parallel_size = {world_size}"
@@ -185,10 +216,13 @@ def unsupported_reason(config, world_size: int) -> str | None:
         return (
             f"num_key_value_heads = {kv_heads} neither divides nor is a multiple of tensor_parallel_size = {world_size}"
         )
-    if config.intermediate_size % world_size:
-        return (
-            f"intermediate_size = {config.intermediate_size} is not a multiple of tensor_parallel_size = {world_size}"
-        )
+    for name, shape in shapes.items():
+        dim = {"column": 0, "row": 1}.get(style_of(name) or "")
+        if dim is not None and shape[dim] % world_size:
+            return (
+                f"{name}'s {shape[dim]} {shards.DIM_NAMES[dim]} (its MLP's width) do not split over "
+                f"tensor_parallel_size = {world_size} ranks: {shape[dim]} is not a multiple of {world_size}"
+            )
     return None
 
 
@@ -205,12 +239,13 @@ def read_shard(handle, name: str, layout: ShardLayout, style: str | None) -> tor
         The slice, on the CPU in the file's dtype, in memory of its own (contiguous, allocator-aligned); vocabulary
         rows past the end are zeros.
     """
-    split = layout.split(style)
+    tensor_slice = handle.get_slice(name)
+    shape = tuple(tensor_slice.get_shape())
+    split = layout.split(style, shape)
     if split is None:
         return handle.get_tensor(name)
     dim, start, stop = split
-    tensor_slice = handle.get_slice(name)
-    size = tensor_slice.get_shape()[dim]
+    size = shape[dim]
     end = min(stop, size)
     part = tensor_slice[start:end] if dim == 0 else tensor_slice[:, start:end]
     if end < stop:  # the last ranks' vocabulary rows past the end
@@ -246,7 +281,7 @@ def unsupported_quantized_reason(
                 f"the quantized weight {name} would be split by vocabulary, which cbrun does for unquantized "
                 "weights only"
             )
-        splits = [layout.split(style) for layout in layouts]
+        splits = [layout.split(style, shape) for layout in layouts]
         dim = splits[0][0]  # type: ignore[index]  # a style that splits
         unit = shards.split_unit(scheme, dim, (shape[0], shape[1]))
         if all(split[1] % unit.multiple == 0 for split in splits):  # type: ignore[index]
@@ -284,7 +319,7 @@ def read_quantized_shard(
     Returns:
         The part, on the CPU in the file's dtype, in memory of its own.
     """
-    split = layout.split(style)
+    split = layout.split(style, shape)
     if split is None:
         return handle.get_tensor(name)
     assert style != "vocab", "a vocabulary split of a quantized weight is refused before loading"

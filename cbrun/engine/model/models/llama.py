@@ -76,6 +76,7 @@ from cbrun.engine.model.layers.moe import (
 )
 from cbrun.engine.model.layers.parallel import TensorParallelWeights
 from cbrun.engine.model.layers.quantization.base import QuantizedExperts, QuantizedLinearWeight
+from cbrun.engine.model.layers.quantization.fp8 import w8a8_linear
 from cbrun.engine.model.layers.quantization.schemes import QuantScheme, read_quantization
 from cbrun.engine.model.layers.rotary_embedding import (
     DEFAULT_ROPE_THETA,
@@ -88,6 +89,7 @@ from cbrun.engine.model.layers.rotary_embedding import (
 )
 from cbrun.engine.model.weights import DecoderLayer, LayerWeights, Linear, LlamaWeights
 from cbrun.kernels.batch_invariant import InvariantKernels
+from cbrun.kernels.fp8_scaled_mm import W8A8
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -513,8 +515,11 @@ class LlamaDecoderFamily(ModelFamily):
         linear_backend: Backend,
         batch_invariant: bool,
         invariant_kernels: InvariantKernels | None = None,
+        fp8_activation_scheme: str = "none",
     ) -> LeanLlama:
-        return LeanLlama(weights, max_positions, linear_backend, batch_invariant, invariant_kernels)
+        return LeanLlama(
+            weights, max_positions, linear_backend, batch_invariant, invariant_kernels, fp8_activation_scheme
+        )
 
 
 class LlamaFamily(LlamaDecoderFamily):
@@ -587,9 +592,14 @@ class LeanLlama:
         invariant_kernels: under ``batch_invariant`` with Triton attention (CUDA, or the CPU's interpreter): the
             Triton invariant matmul runs every projection and the LM head, its RMSNorm every norm; the MLP's SiLU
             is torch's on CUDA (elementwise) and the C one on the CPU. See ``cbrun.kernels.batch_invariant``.
+        fp8_activation_scheme: ``engine.fp8_activation_scheme``: "dynamic" runs every float8 projection (the LM
+            head too, where the checkpoint quantized it) as W8A8 (``cbrun.engine.model.layers.quantization.fp8.
+            w8a8_linear``); a MoE block's experts stay weight-only. "none": weight-only.
 
     Raises:
-        ValueError: ``batch_invariant`` with quantized weights, or from ``select_linear``.
+        ValueError: ``batch_invariant`` with quantized weights; ``fp8_activation_scheme = "dynamic"`` with no
+            float8 projection outside the MoE experts, or one W8A8 cannot run (``fp8.check_w8a8``); or from
+            ``select_linear``.
     """
 
     def __init__(
@@ -599,6 +609,7 @@ class LeanLlama:
         linear_backend: Backend = "auto",
         batch_invariant: bool = False,
         invariant_kernels: InvariantKernels | None = None,
+        fp8_activation_scheme: str = "none",
     ) -> None:
         self.batch_invariant = batch_invariant
         self.invariant_kernels = invariant_kernels if batch_invariant else None
@@ -617,8 +628,12 @@ class LeanLlama:
         self.final_norm, self.final_eps = weights.final_norm, weights.final_eps
         #: the decoder's norms: scaled in float32 where the family's are (gpt-oss), else ``rms_norm``
         self.norm = rms_norm_float32_scale if weights.norm_scale_in_float32 else self.rms_norm
-        self.lm_head = projection(*weights.lm_head, linear_backend)
-        self.layers = [_layer_tensors(layer, linear_backend, invariant_linear) for layer in weights.layers]
+        fp8 = fp8_activation_scheme
+        self.lm_head = projection(*weights.lm_head, linear_backend, fp8, "lm_head")
+        self.layers = [
+            _layer_tensors(layer, linear_backend, invariant_linear, fp8, f"layers[{i}]")
+            for i, layer in enumerate(weights.layers)
+        ]
         projections = [self.lm_head] + [
             p
             for layer in self.layers
@@ -626,11 +641,26 @@ class LeanLlama:
             if p is not None
         ]
         self.num_onednn_linears = sum(p[2] in (onednn_linear, onednn_two_rows_or_more) for p in projections)
+        #: projections run W8A8 (``fp8_activation_scheme = "dynamic"``)
+        self.num_w8a8_linears = sum(p[2] is w8a8_linear for p in projections)
+        if fp8 == "dynamic" and not self.num_w8a8_linears:
+            raise ValueError(
+                f"{W8A8} quantizes the activations of float8 linear layers, and this model has none outside its "
+                'MoE experts (which stay weight-only); set fp8_activation_scheme = "none"'
+            )
         self.parallel = weights.parallel  # tensor parallelism: the collectives wrap the split projections
         self.lm_head = lm_head(self.lm_head, self.parallel)
         if self.parallel is not None:
             _split_over_ranks(self.layers, self.parallel)
-        _log_layers(self.layers, len(projections), self.num_onednn_linears, quantized, linear_backend, batch_invariant)
+        _log_layers(
+            self.layers,
+            len(projections),
+            self.num_onednn_linears,
+            quantized,
+            linear_backend,
+            batch_invariant,
+            self.num_w8a8_linears,
+        )
         if self.invariant_kernels is not None:
             logger.info("batch-invariant linear layers and norms: the %s kernels", self.invariant_kernels.name)
         self.cos, self.sin_signed = rope_tables(
@@ -711,26 +741,30 @@ def _split_over_ranks(layers: list[_Layer], parallel: TensorParallelWeights) -> 
 
 
 def _layer_tensors(
-    layer: LayerWeights, backend: Backend, invariant_linear: Callable[[torch.Tensor], LinearFn] | None = None
+    layer: LayerWeights,
+    backend: Backend,
+    invariant_linear: Callable[[torch.Tensor], LinearFn] | None = None,
+    fp8_activation_scheme: str = "none",
+    name: str = "",
 ) -> _Layer:
-    """One layer's projections with their functions; ``invariant_linear`` (batch invariance) also runs a MoE
-    block's router and experts."""
+    """One layer (``name``, for a refusal) with its projections' functions (``projection``); ``invariant_linear``
+    (batch invariance) also runs a MoE block's router and experts."""
 
-    def linear(weights: Linear | None) -> Projection | None:
-        return None if weights is None else projection(*weights, backend)
+    def linear(weights: Linear | None, part: str) -> Projection | None:
+        return None if weights is None else projection(*weights, backend, fp8_activation_scheme, f"{name}.{part}")
 
     return _Layer(
         input_norm=layer.input_norm,
         input_eps=layer.input_eps,
         post_norm=layer.post_norm,
         post_eps=layer.post_eps,
-        q=linear(layer.q),
-        k=linear(layer.k),
-        v=linear(layer.v),
-        o=linear(layer.o),
-        gate=linear(layer.gate),
-        up=linear(layer.up),
-        down=linear(layer.down),
+        q=linear(layer.q, "q"),
+        k=linear(layer.k, "k"),
+        v=linear(layer.v, "v"),
+        o=linear(layer.o, "o"),
+        gate=linear(layer.gate, "gate"),
+        up=linear(layer.up, "up"),
+        down=linear(layer.down, "down"),
         scale=layer.scale,
         q_norm=layer.q_norm,
         k_norm=layer.k_norm,
@@ -738,7 +772,7 @@ def _layer_tensors(
         moe=None if layer.moe is None else SparseMoE(layer.moe, invariant_linear),
         sinks=layer.sinks,
         sliding_window=layer.sliding_window,
-        shared_expert_gate=linear(layer.shared_expert_gate),
+        shared_expert_gate=linear(layer.shared_expert_gate, "shared_expert_gate"),
     )
 
 
@@ -793,15 +827,17 @@ def _log_layers(
     quantized: list[QuantizedLinearWeight],
     linear_backend: Backend,
     batch_invariant: bool,
+    num_w8a8: int = 0,
 ) -> None:
-    """Log once which GEMM runs the projections, the quantized layers and where the MoE experts run."""
+    """Log once which GEMM runs the projections, the quantized layers (``num_w8a8`` of them W8A8) and where the
+    MoE experts run."""
     logger.info(
         "linear layers: %d of %d on oneDNN, the rest on torch's GEMM (%s)",
         num_onednn,
         num_projections,
         "batch-invariant" if batch_invariant else f"linear_backend = {linear_backend}",
     )
-    if quantized:
+    if quantized and not num_w8a8:
         logger.info(
             "quantized linear layers: %d, kept %s with their scales, dequantized in the GEMM (weight-only: "
             "activations in %s)",
@@ -810,6 +846,13 @@ def _log_layers(
             quantized[0].dtype,
         )
     moe = [layer.moe for layer in layers if layer.moe is not None]
+    if num_w8a8:
+        logger.info(
+            "quantized linear layers: %d W8A8 (fp8_activation_scheme = dynamic: inputs rounded to float8 per row, "
+            "torch._scaled_mm)%s",
+            num_w8a8,
+            "; MoE experts weight-only" if moe else "",
+        )
     if moe:
         reason = moe[0].fallback_reason
         where = f"the reference ({reason})" if reason else "grouped GEMM"

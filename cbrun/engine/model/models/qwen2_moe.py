@@ -2,11 +2,11 @@
 norm) over sparse MoE blocks (``cbrun.engine.model.layers.moe``) in the layers ``decoder_sparse_step`` and
 ``mlp_only_layers`` choose, each with a shared expert: a dense SiLU MLP ``shared_expert_intermediate_size`` wide
 (the dense MLP's projections, ``mlp.shared_expert.*``) whose output, scaled by ``sigmoid(shared_expert_gate @ x)``,
-is added to the routed experts'; dense gated MLPs in the other layers; ``Qwen2MoeConfig``'s defaults."""
+is added to the routed experts'; dense gated MLPs in the other layers; ``Qwen2MoeConfig``'s defaults. Under tensor
+parallelism the shared expert splits as a dense MLP does, by its own width (``cbrun.engine.model.layers.parallel``)."""
 
 from __future__ import annotations
 
-from cbrun.engine.model.config import LlamaConfig
 from cbrun.engine.model.layers.moe import MoEConfig
 from cbrun.engine.model.models.qwen3_moe import Qwen3MoeFamily
 
@@ -51,14 +51,3 @@ class Qwen2MoeFamily(Qwen3MoeFamily):
         """Qwen3-MoE's experts and sparse layers, with the shared expert's width."""
         width = raw.get("shared_expert_intermediate_size", self.moe_defaults["shared_expert_intermediate_size"])
         return MoEConfig(**{**vars(super().moe_config(raw)), "shared_expert_intermediate_size": width})
-
-    def unsupported_parallel_reason(self, config: LlamaConfig) -> str | None:
-        """The shared expert splits as the dense MLP does, by ``intermediate_size`` features per rank
-        (``cbrun.engine.model.layers.parallel.ShardLayout``): only where its own width is that."""
-        moe = config.moe
-        if moe is None or not moe.sparse_layers or moe.shared_expert_intermediate_size == config.intermediate_size:
-            return None
-        return (
-            f"shared_expert_intermediate_size = {moe.shared_expert_intermediate_size} is not intermediate_size = "
-            f"{config.intermediate_size} (a split of the shared expert by its own width is not implemented)"
-        )

@@ -30,6 +30,10 @@ ROW_ERROR_COLUMN = "__cbrun_row_error__"
 class InputSource(Protocol):
     """One opened input file: what the reader (``cbrun.jobs.input.reader.PromptReader``) reads through.
 
+    A source may also have ``row_place(row: int) -> str``, saying where the file's row ``row`` (0-based) is in the
+    terms its users know the file by (JSON Lines: ``line 5 of prompts.jsonl``); a row's error messages then name
+    it. Without it they name ``row 3 of FILE`` when the input has several files (``cbrun.jobs.input.reader.RowPlace``).
+
     Attributes:
         path: the file (an object-store URI for a Parquet object read in place).
         schema: the file's Arrow schema (the reader unifies the files' schemas).
@@ -160,6 +164,18 @@ def one_of(words: list[str], conjunction: str = "or") -> str:
 def titles(conjunction: str = "or") -> str:
     """The formats' titles as a list: "Parquet or JSON Lines"."""
     return one_of([fmt.title for fmt in input_formats()], conjunction)
+
+
+def help_listing() -> str:
+    """Each format's title and the file names it claims, for help texts: "Parquet: .parquet, or a Parquet file of
+    any name (e.g. Hive's 000000_0); JSON Lines: .jsonl, ..." (``cbrun run --help``'s ``--input``)."""
+    parts = []
+    for fmt in input_formats():
+        names = fmt.listing or ", ".join(fmt.suffixes)
+        if fmt.sniff is not None and fmt.sniff_listing:
+            names += f", or {fmt.sniff_listing}"
+        parts.append(f"{fmt.title}: {names}")
+    return "; ".join(parts)
 
 
 def supported_inputs() -> str:

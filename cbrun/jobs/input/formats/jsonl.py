@@ -7,14 +7,15 @@ object printed over many lines is refused (``check_json_lines``). An object is c
 
 A ``JsonlSource`` is an ``InputSource`` (``path``, ``schema``, ``num_rows``, ``iter_batches``), so
 ``cbrun.jobs.input.reader.PromptReader`` streams it with the same ``row_index``, resume and per-row error rules. Every non-blank
-line is one row; blank lines are not rows (as in vLLM's ``run_batch``).
+line is one row; blank lines are not rows (as in vLLM's ``run_batch``). Each error of a row names its line as an
+editor numbers it, blank lines counted (``JsonlSource.row_place``: ``row 3 (id 'a', line 5 of prompts.jsonl)``).
 
 A file is read with pyarrow's streaming JSON reader (``pyarrow.json.open_json``) when every line of it reads that
 way: that is fast, and the types are pyarrow's (inferred from the first block; a column of dates is read as text).
 But pyarrow's reader fails a whole block on one bad line or on a value of another type than the block's first, and
 here those must be the row's error, not the job's, so such a file is read a line at a time with ``json.loads``:
 
-- a line that is not valid JSON, or not a JSON object, is that row's error (named by its line number);
+- a line that is not valid JSON, or not a JSON object, is that row's error;
 - a field's Arrow type is inferred over the whole file when the source is opened: nulls are ignored, integers and
   floats make ``float64``, lists and objects are unified with ``pa.unify_schemas(promote_options="permissive")``;
   when lines disagree (text in one, a number in another), the kind most lines hold wins and a line holding
@@ -25,8 +26,10 @@ The scan at open time keeps only counts and types, never rows, so memory does no
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
+from array import array
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +64,26 @@ def holds_json_lines(path: str | Path) -> bool:
     return True
 
 
+def _blank_lines(path: Path) -> array:
+    """For each blank line of the file, in order, how many rows (non-blank lines) come before it.
+
+    Raises:
+        InputError: when the file cannot be read.
+    """
+    counts = array("q")
+    rows = 0
+    try:
+        with _open_binary(path) as f:
+            for line in f:
+                if line.strip():
+                    rows += 1
+                else:
+                    counts.append(rows)
+    except (OSError, EOFError) as exc:
+        raise InputError(f"input file {str(path)!r} is not a readable JSON Lines file: {exc}") from None
+    return counts
+
+
 def _is_gzip(path: Path) -> bool:
     return path.name.lower().endswith(".gz")
 
@@ -77,18 +100,19 @@ def numbered_rows(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, line
 
 
-def _parse(line: bytes, number: int, path: Path) -> tuple[dict | None, str | None]:
-    """(the line's object, None), or (None, why it is not a JSON object)."""
+def _parse(line: bytes) -> tuple[dict | None, str | None]:
+    """(the line's object, None), or (None, why it is not a JSON object); the reader names the line
+    (``JsonlSource.row_place``)."""
     try:
         value = json.loads(line.rstrip(b"\r\n"))
     except UnicodeDecodeError as exc:
         byte = exc.object[exc.start]
-        return None, f"line {number} of {path.name} is not UTF-8 text (byte 0x{byte:02x} at offset {exc.start})"
+        return None, f"the line is not UTF-8 text (byte 0x{byte:02x} at offset {exc.start})"
     except ValueError as exc:
         reason = f"{exc.msg} (column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else str(exc)
-        return None, f"line {number} of {path.name} is not valid JSON: {reason}"
+        return None, f"the line is not valid JSON: {reason}"
     if not isinstance(value, dict):
-        return None, f"line {number} of {path.name} is not a JSON object (it is {_article(_kind(value))})"
+        return None, f"the line is not a JSON object (it is {_article(_kind(value))})"
     return value, None
 
 
@@ -194,6 +218,7 @@ class JsonlSource:
     def __init__(self, path: Path, json_text_fields: tuple[str, ...] = ()):
         self.path = Path(path)
         self.json_text_fields = tuple(json_text_fields)
+        self._blank_lines: array | None = None  # ``row_place``'s, read at its first call
         # NOTE: JSON text fields need the lines' own text, which pyarrow's reader does not keep
         self.arrow_readable = not self.json_text_fields and self._arrow_scan()
         if not self.arrow_readable:
@@ -226,14 +251,23 @@ class JsonlSource:
         types = _FieldTypes(self.json_text_fields)
         self.num_rows = 0
         try:
-            for number, line in numbered_rows(self.path):
+            for _, line in numbered_rows(self.path):
                 self.num_rows += 1
-                record, _ = _parse(line, number, self.path)
+                record, _ = _parse(line)
                 if record is not None:
                     types.add(record)
         except (OSError, EOFError) as exc:
             raise InputError(f"input file {str(self.path)!r} is not a readable JSON Lines file: {exc}") from None
         self.schema = pa.schema([(name, types.arrow_type(name, name in self.json_text_fields)) for name in types.kinds])
+
+    def row_place(self, row: int) -> str:
+        """``line N of NAME``: the line (1-based, as an editor numbers them) that holds the file's row ``row``
+        (0-based; blank lines are not rows). The first call reads the file once more for its blank lines, which
+        only a row's error needs."""
+        if self._blank_lines is None:
+            self._blank_lines = _blank_lines(self.path)
+        # NOTE: the blank lines before row r are those met when at most r rows had been read
+        return f"line {row + 1 + bisect.bisect_right(self._blank_lines, row)} of {self.path.name}"
 
     def iter_batches(
         self, columns: list[str], batch_size: int, first_row: int, skip: np.ndarray | None
@@ -284,16 +318,14 @@ class JsonlSource:
         records: list[dict | None] = []
         errors: list[str | None] = []
         for item in lines:
-            record, error = (None, None) if item is None else _parse(item[1], item[0], self.path)
+            record, error = (None, None) if item is None else _parse(item[1])
             records.append(record)
             errors.append(error)
-        arrays = [self._column(name, records, errors, lines) for name in columns]
+        arrays = [self._column(name, records, errors) for name in columns]
         arrays.append(pa.array(errors, type=pa.string()))
         return pa.RecordBatch.from_arrays(arrays, names=[*columns, ROW_ERROR_COLUMN])
 
-    def _column(
-        self, name: str, records: list[dict | None], errors: list[str | None], lines: list[tuple[int, bytes] | None]
-    ) -> pa.Array:
+    def _column(self, name: str, records: list[dict | None], errors: list[str | None]) -> pa.Array:
         """The field's values as an array of its schema type; a value that does not fit is null + a row error."""
         kind = self.schema.field(name).type
         as_text = name in self.json_text_fields
@@ -311,13 +343,10 @@ class JsonlSource:
                 fitted.append(value)
             except (pa.ArrowException, ValueError, TypeError, OverflowError):
                 fitted.append(None)
-                line = lines[i]
-                assert line is not None, "a skipped row's value is null, which fits every type"
                 if errors[i] is None:
                     errors[i] = (
-                        f"field {name!r} on line {line[0]} of {self.path.name} holds "
-                        f"{_article(_kind(value))} ({_short(value)}), but the column's type (from "
-                        f"the other lines) is {kind}"
+                        f"field {name!r} holds {_article(_kind(value))} ({_short(value)}), but the column's type "
+                        f"(from the other lines) is {kind}"
                     )
         return pa.array(fitted, type=kind)
 

@@ -22,8 +22,10 @@ Implemented (weight-only: the activations stay in the engine's dtype, each produ
 
 The float8 layouts are one block scale here: per-channel is the block (1, in), per-tensor the block (out, in).
 Dynamic activation quantization (``activation_scheme: "dynamic"``, ``input_activations`` dynamic per token) is a
-choice of the GEMM that serves the checkpoint, not of its weights: cbrun does not quantize activations
-(weight-only, so its greedy tokens equal transformers' ``generate`` on the same weights dequantized). Anything
+choice of the GEMM that serves the checkpoint, not of its weights: by default cbrun does not quantize activations
+(weight-only, so its greedy tokens equal transformers' ``generate`` on the same weights dequantized); the engine
+setting ``fp8_activation_scheme = "dynamic"`` asks for it on float8 per-channel / per-tensor weights
+(``cbrun.engine.model.layers.quantization.fp8.w8a8_linear``). Anything
 else (other methods, static activation scales, act-order, other bit widths, MXFP4 outside gpt-oss's experts, a
 KV-cache scheme) is refused
 by name at load (``checkpoint_quantization``), on every loader: transformers would dequantize some of them at load
