@@ -29,7 +29,10 @@ from memory. The streaming read bandwidth is measured here (``torch.sum`` over a
 ``--threads``, best of 5 each round; the best round's); the bytes are every weight but the embedding table (of
 which a step reads only its rows) and the experts, plus the experts a decode step's tokens hit in each MoE layer
 (counted in the ``lean`` runs' decode steps, averaged), each read once. KV-cache reads and activations are left out
-(under 1 MB a step here), so the ceiling is an upper bound: ``--requests`` rows / (bytes / bandwidth).
+(under 1 MB a step here), so the ceiling is an upper bound: ``--requests`` rows / (bytes / bandwidth). The same line
+gives the step's arithmetic (2 flops a weight a row: every dense weight on every row, ``k`` experts a row a layer)
+at the rate ``torch.mm`` reaches on 1024 x 1024 float32 matrices: where that time nears the memory time, the
+projections that see all the step's rows (attention, LM head) are bound by arithmetic, not bandwidth.
 """
 
 from __future__ import annotations
@@ -256,8 +259,10 @@ def print_table(best: dict[str, dict]) -> None:
         "transformers": "transformers (grouped_mm)",
         "transformers-eager": "transformers eager",
         "lean-grouped": "lean-grouped",
+        "lean": "lean",
     }
-    bases = [impl for impl in names if impl in best]
+    # the lean path is the baseline only where none of the others ran (``--impls lean,lean-invariant``)
+    bases = [impl for impl in names if impl in best and impl != "lean"] or [b for b in ("lean",) if b in best]
     print(
         "| model_impl | decode tok/s | "
         + "".join(f"vs {names[b]} | " for b in bases)
@@ -270,9 +275,22 @@ def print_table(best: dict[str, dict]) -> None:
         print(f"| {impl} | {run['decode_tok_s']:.1f} | {ratios}{run['reads']} | {ops} | {same} |")
 
 
+def gemm_flops(threads: int) -> float:
+    """Float32 multiply-adds x 2 a second of ``torch.mm`` on two 1024 x 1024 matrices at ``threads`` threads, best
+    of 3: the arithmetic rate the machine reaches (a compute roof)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1024**3 / best
+
+
 def print_roofline(best: dict[str, dict], model_dir: Path, bandwidth: float, args) -> None:
-    """The decode tok/s the machine's streaming read bandwidth (bytes a second) allows (see the module
-    docstring)."""
+    """The decode tok/s the machine's streaming read bandwidth (bytes a second) allows, and the step's arithmetic
+    at ``torch.mm``'s rate (see the module docstring)."""
     hit = next((run["experts_hit"] for run in best.values() if run.get("experts_hit")), None)
     if hit is None:
         print("\nroofline: needs the lean setting (it counts the experts a decode step hits)")
@@ -280,11 +298,15 @@ def print_roofline(best: dict[str, dict], model_dir: Path, bandwidth: float, arg
     dense, expert = weight_bytes(model_dir)
     step = dense + hit * expert * MODEL["num_hidden_layers"]
     ceiling = args.requests * bandwidth / step
+    # 2 flops a weight a row: the dense weights on every row, each row's k experts in every layer
+    flops = 2 * args.requests * (dense + MODEL["num_experts_per_tok"] * expert * MODEL["num_hidden_layers"]) / 4
+    rate = gemm_flops(args.threads)
     print(
         f"\nroofline ({args.threads} thread{'s' * (args.threads > 1)}): streaming read {bandwidth / 1e9:.1f} GB/s; "
         f"a decode step of {args.requests} rows reads {step / 1e6:.1f} MB of weights ({dense / 1e6:.1f} MB dense + "
-        f"{hit:.1f} experts hit a layer on average x {MODEL['num_hidden_layers']} layers x {expert / 1e6:.2f} MB) "
-        f"-> at most {ceiling:.0f} tok/s"
+        f"{hit:.1f} experts hit a layer on average x {MODEL['num_hidden_layers']} layers x {expert / 1e6:.2f} MB): "
+        f"{step / bandwidth * 1e3:.2f} ms -> at most {ceiling:.0f} tok/s. Its arithmetic, {flops / 1e6:.0f} MFLOP, "
+        f"takes {flops / rate * 1e3:.2f} ms at torch.mm's {rate / 1e9:.0f} GFLOP/s (1024^3)"
     )
     for impl, run in best.items():
         print(f"- {impl}: {run['decode_tok_s'] / ceiling:.0%} of the ceiling")

@@ -1,8 +1,9 @@
 """Building our plain-C CPU kernels: one compile per source, compiler, flags and CPU, cached on disk.
 
-The kernels (``cpu_paged_attention.c``, ``cpu_token_mask.c``, ``cpu_sampler.c``, ``cpu_dequant.c``) have no torch
-headers; they build with ``$CC`` (default ``gcc``) into ``$CBRUN_KERNEL_CACHE`` (default ``~/.cache/cbrun/kernels``)
-and are loaded with ``ctypes``, each through one ``KernelLibrary``: built at first use, or the reason it cannot be.
+The kernels (``cpu_paged_attention.c``, ``cpu_token_mask.c``, ``cpu_sampler.c``, ``cpu_dequant.c``,
+``cpu_moe.c``) have no torch headers; they build with ``$CC`` (default ``gcc``) into ``$CBRUN_KERNEL_CACHE``
+(default ``~/.cache/cbrun/kernels``) and are loaded with ``ctypes``, each through one ``KernelLibrary``: built at
+first use, or the reason it cannot be.
 """
 
 from __future__ import annotations

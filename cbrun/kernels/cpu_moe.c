@@ -25,6 +25,8 @@
  * (round to nearest even), so the kernel follows the grouped GEMM path's roundings.
  *
  * Threads (OpenMP, num_threads): the (expert, block of weight rows) items of each phase, statically split.
+ * The lanes' tree uses __builtin_shufflevector (GCC 12 or clang); where the compiler lacks it the build fails and
+ * the MoE block keeps its PyTorch path, saying why.
  *
  * Built by cbrun/kernels/c_build.py and called through ctypes by cbrun/kernels/cpu_moe.py.
  */
