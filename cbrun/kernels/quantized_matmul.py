@@ -219,21 +219,28 @@ def quantized_matmul(
         if chosen == "scaled_mm":
             check_activations("quantized_matmul", x2, out_features, in_features, device, bias, None)
             return fp8_scaled_mm(x2, weight.qweight, weight.scale, bias).reshape(*lead, out_features)
-    elif fp8_activation_scheme not in FP8_ACTIVATION_SCHEMES:
-        raise ValueError(
-            f"fp8_activation_scheme must be one of {FP8_ACTIVATION_SCHEMES}, got {fp8_activation_scheme!r}"
-        )
-    elif fp8_activation_scheme != "none":
-        raise ValueError(
-            f'fp8_activation_scheme "{fp8_activation_scheme}" quantizes the activations of FP8 weights, and this '
-            f"weight is an {type(weight).__name__}"
-        )
+    else:
+        _check_weight_only_scheme(fp8_activation_scheme, weight)
     use_triton = backend == "triton" or (backend == "auto" and x.device.type == "cuda")
     if use_triton:
         out = _triton(weight)(x2, weight, bias)
     else:
         out = _chunked(x2, weight, bias, device)
     return out.reshape(*lead, out_features)
+
+
+def _check_weight_only_scheme(fp8_activation_scheme: str, weight: QuantizedLayout) -> None:
+    """ValueError unless ``fp8_activation_scheme`` is "none" for a layout that is not FP8 (an unknown value, or
+    "dynamic", which has no FP8 weight to multiply with)."""
+    if fp8_activation_scheme not in FP8_ACTIVATION_SCHEMES:
+        raise ValueError(
+            f"fp8_activation_scheme must be one of {FP8_ACTIVATION_SCHEMES}, got {fp8_activation_scheme!r}"
+        )
+    if fp8_activation_scheme != "none":
+        raise ValueError(
+            f'fp8_activation_scheme "{fp8_activation_scheme}" quantizes the activations of FP8 weights, and this '
+            f"weight is an {type(weight).__name__}"
+        )
 
 
 def _triton(weight: QuantizedLayout) -> Callable[..., torch.Tensor]:

@@ -51,22 +51,29 @@ def select_lean_model(
         invariant_kernels,
         fp8_activation_scheme,
     )
-    if lean is None and linear_backend == "onednn":
+    if lean is None:
+        _refuse_lean_only_settings(linear_backend, batch_invariant, fp8_activation_scheme)
+    return lean
+
+
+def _refuse_lean_only_settings(linear_backend: str, batch_invariant: bool, fp8_activation_scheme: str) -> None:
+    """ValueError naming the first setting that runs only on the lean forward pass, for a model that does not
+    use it (transformers' modules would ignore it)."""
+    if linear_backend == "onednn":
         raise ValueError(
             "linear_backend = onednn runs only on the lean forward pass, which this model does not "
             "use (see the log); use linear_backend = auto or torch"
         )
-    if lean is None and batch_invariant:
+    if batch_invariant:
         raise ValueError(
             "batch_invariant = on runs only on the lean forward pass, which this model does not use (see the "
             "log); set engine.batch_invariant = off"
         )
-    if lean is None and fp8_activation_scheme != "none":
+    if fp8_activation_scheme != "none":
         raise ValueError(
             f'fp8_activation_scheme = "{fp8_activation_scheme}" runs only on the lean forward pass, which this model '
             'does not use (see the log); set engine.fp8_activation_scheme = "none"'
         )
-    return lean
 
 
 def _select_lean_model(

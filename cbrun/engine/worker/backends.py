@@ -177,10 +177,15 @@ def batch_invariant_blocker(
         use_triton: whether attention runs the Triton kernels (``use_triton``).
         dtype: the model's dtype.
     """
-    if config.fp8_activation_scheme != "none":
-        return (
-            f"fp8_activation_scheme = {config.fp8_activation_scheme} (torch._scaled_mm's sums are not batch-invariant)"
-        )
+    return _invariant_kernel_blocker(config, cpu_kernel, use_triton, dtype) or _invariant_setting_blocker(
+        config, cuda_graphs
+    )
+
+
+def _invariant_kernel_blocker(
+    config: EngineConfig, cpu_kernel: bool, use_triton: bool, dtype: torch.dtype
+) -> str | None:
+    """Why no batch-invariant kernel set runs on this device and attention backend (``batch_invariant_blocker``)."""
     device = torch.device(config.device)
     if device.type == "cuda" or (use_triton and not cpu_kernel):
         if not use_triton:
@@ -191,13 +196,20 @@ def batch_invariant_blocker(
             )
         from cbrun.kernels.batch_invariant import triton_invariant_unavailable_reason
 
-        reason = triton_invariant_unavailable_reason(device, dtype)
-        if reason:
-            return reason
-    elif device.type != "cpu":
+        return triton_invariant_unavailable_reason(device, dtype)
+    if device.type != "cpu":
         return f"the device is {config.device}; batch-invariant kernels run on CUDA and the CPU"
-    elif not cpu_kernel:
+    if not cpu_kernel:
         return "attention does not run the C CPU kernel (it needs float32 and attention_backend = auto or cpu)"
+    return None
+
+
+def _invariant_setting_blocker(config: EngineConfig, cuda_graphs: bool) -> str | None:
+    """Which other setting makes a row's sums depend on its batch (``batch_invariant_blocker``), or None."""
+    if config.fp8_activation_scheme != "none":
+        return (
+            f"fp8_activation_scheme = {config.fp8_activation_scheme} (torch._scaled_mm's sums are not batch-invariant)"
+        )
     if cuda_graphs:
         return "CUDA graphs capture transformers' forward pass, not the lean one"
     if config.linear_backend != "auto":

@@ -628,33 +628,10 @@ class LeanLlama:
         self.final_norm, self.final_eps = weights.final_norm, weights.final_eps
         #: the decoder's norms: scaled in float32 where the family's are (gpt-oss), else ``rms_norm``
         self.norm = rms_norm_float32_scale if weights.norm_scale_in_float32 else self.rms_norm
-        fp8 = fp8_activation_scheme
-        self.lm_head = projection(*weights.lm_head, linear_backend, fp8, "lm_head")
-        self.layers = [
-            _layer_tensors(layer, linear_backend, invariant_linear, fp8, f"layers[{i}]")
-            for i, layer in enumerate(weights.layers)
-        ]
-        projections = [self.lm_head] + [
-            p
-            for layer in self.layers
-            for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down, layer.shared_expert_gate)
-            if p is not None
-        ]
-        self.num_onednn_linears = sum(p[2] in (onednn_linear, onednn_two_rows_or_more) for p in projections)
-        #: projections run W8A8 (``fp8_activation_scheme = "dynamic"``)
-        self.num_w8a8_linears = sum(p[2] is w8a8_linear for p in projections)
-        if fp8 == "dynamic" and not self.num_w8a8_linears:
-            raise ValueError(
-                f"{W8A8} quantizes the activations of float8 linear layers, and this model has none outside its "
-                'MoE experts (which stay weight-only); set fp8_activation_scheme = "none"'
-            )
-        self.parallel = weights.parallel  # tensor parallelism: the collectives wrap the split projections
-        self.lm_head = lm_head(self.lm_head, self.parallel)
-        if self.parallel is not None:
-            _split_over_ranks(self.layers, self.parallel)
+        self._bind_projections(weights, linear_backend, invariant_linear, fp8_activation_scheme)
         _log_layers(
             self.layers,
-            len(projections),
+            self.num_projections,
             self.num_onednn_linears,
             quantized,
             linear_backend,
@@ -669,6 +646,40 @@ class LeanLlama:
             max_positions or weights.max_position_embeddings,
             self.embed.dtype,
         )
+
+    def _bind_projections(
+        self, weights: LlamaWeights, linear_backend: Backend, invariant_linear: Callable | None, fp8: str
+    ) -> None:
+        """Binds each projection (the LM head's and every layer's) to the function that runs it, counts them by
+        kind, and wraps the split ones in their collectives under tensor parallelism.
+
+        Raises:
+            ValueError: ``fp8 = "dynamic"`` with no float8 projection outside the MoE experts.
+        """
+        self.lm_head = projection(*weights.lm_head, linear_backend, fp8, "lm_head")
+        self.layers = [
+            _layer_tensors(layer, linear_backend, invariant_linear, fp8, f"layers[{i}]")
+            for i, layer in enumerate(weights.layers)
+        ]
+        projections = [self.lm_head] + [
+            p
+            for layer in self.layers
+            for p in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down, layer.shared_expert_gate)
+            if p is not None
+        ]
+        self.num_projections = len(projections)
+        self.num_onednn_linears = sum(p[2] in (onednn_linear, onednn_two_rows_or_more) for p in projections)
+        #: projections run W8A8 (``fp8_activation_scheme = "dynamic"``)
+        self.num_w8a8_linears = sum(p[2] is w8a8_linear for p in projections)
+        if fp8 == "dynamic" and not self.num_w8a8_linears:
+            raise ValueError(
+                f"{W8A8} quantizes the activations of float8 linear layers, and this model has none outside its "
+                'MoE experts (which stay weight-only); set fp8_activation_scheme = "none"'
+            )
+        self.parallel = weights.parallel  # tensor parallelism: the collectives wrap the split projections
+        self.lm_head = lm_head(self.lm_head, self.parallel)
+        if self.parallel is not None:
+            _split_over_ranks(self.layers, self.parallel)
 
     @torch.inference_mode()
     def __call__(
