@@ -4,7 +4,7 @@ Usage (from the repository root)::
 
     python -m benchmarks.moe_lean [--rounds 2] [--requests 16] [--prompt-len 32] [--new-tokens 32]
         [--threads 1] [--model-dir DIR]
-        [--impls lean,lean-grouped,transformers,transformers-eager,lean-invariant]
+        [--impls lean,lean-grouped,transformers,transformers-eager,lean-invariant,lean-4k,transformers-4k]
 
 The model is a random Qwen3-MoE (hidden 512, 8 heads and 4 KV heads of 64, 4 layers, 32 experts of width 256,
 4 per token, vocabulary 4096: 54M parameters, float32), built once in ``--model-dir``. Each setting loads it in
@@ -14,7 +14,9 @@ kernel held off, ``torch._grouped_mm`` for every step (the lean path before the 
 ``model_impl = "transformers"``, transformers' own Qwen3-MoE blocks under cbrun's attention, with transformers 5's
 default ``grouped_mm`` experts; ``transformers-eager``: the same with ``set_experts_implementation("eager")``, the
 per-expert loop over the experts a step hits; ``lean-invariant``: the lean path under ``engine.batch_invariant =
-"on"``, each expert over its own rows through the batch-invariant linear), adds ``--requests`` greedy requests
+"on"``, each expert over its own rows through the batch-invariant linear; a ``-4k`` suffix (``lean-4k``,
+``transformers-4k``): that setting with its weights left on 4 KiB pages, ``CBRUN_HUGE_PAGES=0`` while it loads,
+the others' weights being moved to transparent huge pages at load, ``cbrun.engine.model.hugepages``), adds ``--requests`` greedy requests
 of ``--prompt-len`` random ids and ``--new-tokens`` tokens each and steps until they finish, timing every step.
 Decode tok/s is the rows of the steps with no prompt token over their time. The settings alternate ``--rounds``
 times; the table gives each one's best round (the machine is shared) and whether both gave the same tokens.
@@ -26,7 +28,8 @@ a ``TorchDispatchMode`` that counts the ops that read a value back to the host o
 
 The roofline line under the table: a decode step cannot run faster than the time to read the weights it needs once
 from memory. The streaming read bandwidth is measured here (``torch.sum`` over a 256 MiB float32 tensor at
-``--threads``, best of 5 each round; the best round's); the bytes are every weight but the embedding table (of
+``--threads``, best of 5 each round; the best round's; the tensor on transparent huge pages where the kernel gives
+them, as the weights); the bytes are every weight but the embedding table (of
 which a step reads only its rows) and the experts, plus the experts a decode step's tokens hit in each MoE layer
 (counted in the ``lean`` runs' decode steps, averaged), each read once. KV-cache reads and activations are left out
 (under 1 MB a step here), so the ceiling is an upper bound: ``--requests`` rows / (bytes / bandwidth). The same line
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -98,6 +102,22 @@ def _grouped_experts_only():
 
 
 @contextlib.contextmanager
+def _small_pages():
+    """The engine loaded inside leaves its weights on 4 KiB pages (``cbrun.engine.model.hugepages.OFF_SWITCH``)."""
+    from cbrun.engine.model import hugepages
+
+    previous = os.environ.get(hugepages.OFF_SWITCH)
+    os.environ[hugepages.OFF_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[hugepages.OFF_SWITCH]
+        else:
+            os.environ[hugepages.OFF_SWITCH] = previous
+
+
+@contextlib.contextmanager
 def _recorded_routes(routes: list[torch.Tensor]):
     """Each lean MoE block's expert ids (T, k), appended to ``routes`` as the blocks route."""
     from cbrun.engine.model.layers import moe
@@ -121,6 +141,8 @@ def one_run(model_dir: Path, model_impl: str, args) -> dict:
     (``lean``) the number of experts each decode step's tokens hit in each MoE layer."""
     from cbrun.engine import EngineConfig, LLMEngine
 
+    small_pages = model_impl.endswith("-4k")
+    model_impl = model_impl.removesuffix("-4k")
     config = EngineConfig(
         dtype="float32",
         model_impl="lean" if model_impl.startswith("lean") else "transformers",
@@ -131,7 +153,10 @@ def one_run(model_dir: Path, model_impl: str, args) -> dict:
         max_requests_per_batch=args.requests,
         num_blocks=256,
     )
-    with _grouped_experts_only() if model_impl == "lean-grouped" else contextlib.nullcontext():
+    with (
+        _grouped_experts_only() if model_impl == "lean-grouped" else contextlib.nullcontext(),
+        _small_pages() if small_pages else contextlib.nullcontext(),
+    ):
         engine = LLMEngine.from_pretrained(str(model_dir), config)
     if model_impl == "transformers-eager":  # transformers' per-expert loop, its default before grouped_mm
         engine.model.set_experts_implementation("eager")
@@ -200,8 +225,11 @@ def _watch_forward_and_plan(runner, counted: dict[str, int], last: dict[str, obj
 
 def stream_bandwidth(threads: int) -> float:
     """Bytes a second ``torch.sum`` reads from a 256 MiB float32 tensor at ``threads`` threads, best of 5."""
+    from cbrun.engine.model import hugepages
+
     torch.set_num_threads(threads)
     values = torch.ones(64 << 20)
+    hugepages.place_on_huge_pages([values])
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
@@ -235,7 +263,8 @@ def main() -> None:
     parser.add_argument(
         "--impls",
         default="lean,lean-grouped,transformers,transformers-eager",
-        help="comma-separated settings, of lean, lean-grouped, transformers, transformers-eager, lean-invariant",
+        help="comma-separated settings, of lean, lean-grouped, transformers, transformers-eager, lean-invariant; "
+        "any with -4k: its weights on 4 KiB pages",
     )
     args = parser.parse_args()
     impls = args.impls.split(",")
@@ -257,6 +286,7 @@ def print_table(best: dict[str, dict]) -> None:
     same = len({str(run["tokens"]) for run in best.values()}) == 1
     names = {
         "transformers": "transformers (grouped_mm)",
+        "transformers-4k": "transformers (grouped_mm) 4 KiB pages",
         "transformers-eager": "transformers eager",
         "lean-grouped": "lean-grouped",
         "lean": "lean",

@@ -14,7 +14,7 @@ import torch
 from cbrun.engine.config import EngineConfig, checkpoint_dtype
 from cbrun.engine.core.kv_layout import KVLayout
 from cbrun.engine.core.tokenizer import load_tokenizer
-from cbrun.engine.model import registry, safetensors_loader
+from cbrun.engine.model import hugepages, registry, safetensors_loader
 from cbrun.engine.model.layers import attention_contract, parallel
 from cbrun.engine.model.layers.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from cbrun.engine.model.layers.quantization.fp8 import w8a8_checkpoint_refusal
@@ -37,7 +37,7 @@ def load_model(model_path: str, config: EngineConfig, shard: parallel.TensorPara
     transformers with cbrun's attention. ``config.num_threads``: an int is set before loading, "auto" is resolved
     after it from the model's parameter count (``cbrun.engine.worker.threads.resolve_num_threads``), None leaves torch's.
     ``shard``: a tensor-parallel rank's share; only its slices are read (``tensor_parallel_plan`` must accept the
-    model). ``config.dtype`` is resolved already (``resolve_engine_dtype``, where the settings enter the engine).
+    model). Large weights on the CPU are then moved to transparent huge pages (``cbrun.engine.model.hugepages``). ``config.dtype`` is resolved already (``resolve_engine_dtype``, where the settings enter the engine).
 
     Raises:
         as ``LLMEngine.from_pretrained``; ``tensor_parallel_plan``'s ValueError with a shard;
@@ -52,6 +52,7 @@ def load_model(model_path: str, config: EngineConfig, shard: parallel.TensorPara
         model = safetensors_loader.load(tensor_parallel_plan(model_path, config), config.device, shard)
     else:
         model = _load_target_model(model_path, config)
+    hugepages.place_on_huge_pages(model.parameters())  # the CPU's large weights; nothing on a GPU
     if config.num_threads == "auto":
         threads = resolve_num_threads("auto", sum(p.numel() for p in model.parameters()), config.device)
         if threads is not None:
