@@ -35,7 +35,7 @@ def weights() -> list[torch.Tensor]:
         torch.randn(1000, 1000, dtype=torch.bfloat16),  # 2 MB
         torch.randint(-(2**31), 2**31 - 1, (640, 512), dtype=torch.int32),  # packed int4 codes, 1.25 MiB
         torch.nn.Parameter(torch.randn(512, 1024)),  # a transformers module's parameter, 2 MiB
-        torch.randn(512),  # a norm: too small, stays
+        torch.randn(4096),  # a norm: too small, stays
     ]
 
 
