@@ -47,6 +47,10 @@ ALIGNMENT = 64
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 #: "0" turns the move off (read by ``unavailable_reason`` only).
 OFF_SWITCH = "CBRUN_HUGE_PAGES"
+#: Linux's ``madvise`` advice that reclaims pages now, their contents kept (file pages dropped, refaulted from the
+#: file if read again; private changes swapped): residency changes, never the memory's meaning.
+MADV_PAGEOUT = 21
+PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -117,9 +121,13 @@ def place_on_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None
     if reason is not None:
         _log_once(f"weights on huge pages: no, {reason}")
         return Placement(0, 0, 0, reason)
+    files = _file_mappings()
     with torch.no_grad():
         for tensor, offset in zip(movable, offsets):
+            old = (tensor.data_ptr(), tensor.nbytes)
             _move(tensor, arena, offset)
+            if any(start <= old[0] < end for start, end in files):
+                _page_out(*old)
     _trim_heap()
     logger.info("weights on huge pages: %d tensors, %.1f MiB", len(movable), total / 2**20)
     return Placement(len(movable), total, arena.data_ptr(), None)
@@ -169,11 +177,44 @@ def _move(tensor: torch.Tensor, arena: torch.Tensor, offset: int) -> None:
     tensor.set_(arena.untyped_storage(), element, tensor.shape, tensor.stride())
 
 
+def _file_mappings() -> list[tuple[int, int]]:
+    """[start, end) of each file-backed mapping of this process (/proc/self/maps; none where it is unreadable).
+
+    safetensors hands out tensors that are views of the file's private mapping, which stays mapped while any tensor
+    of the file lives: the pages a move read would count as this process's memory until the last one moved."""
+    ranges = []
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                    start, end = fields[0].split("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    except OSError:
+        pass
+    return ranges
+
+
+def _page_out(address: int, nbytes: int) -> None:
+    """Reclaim the whole pages of [address, address + nbytes) (``MADV_PAGEOUT``): a moved weight's old copy in a
+    file mapping, so the load holds one weight twice at most, not a whole file. Best effort (kernels before 5.4
+    refuse the advice): a failure costs memory, never a value."""
+    libc = _libc()
+    start, end = -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+    if libc is not None and end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(MADV_PAGEOUT))
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
 def _trim_heap() -> None:
     """Hand the heap's freed pages back to the kernel (glibc's ``malloc_trim``): the old copies of weights smaller
     than malloc's mmap threshold were freed into the heap, where they would still count as the process's memory."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
+    libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
 

@@ -98,12 +98,17 @@ def test_thp_mode_reads_the_bracketed_word(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_the_move_holds_at_most_one_weight_twice():
-    # A fresh process: its peak resident memory (VmHWM) is reset after the weights are made, then read after the
-    # move. Sixteen 8 MiB weights: two copies would add 128 MiB, one weight at a time adds 8.
+@pytest.mark.parametrize("source", ["memory", "safetensors"])
+def test_the_move_holds_at_most_one_weight_twice(source, tmp_path):
+    # A fresh process: its peak resident memory (VmHWM) is reset after the weights are made (and read: a
+    # safetensors tensor is a view of the file's mapping, resident once touched), then read after the move.
+    # Sixteen 8 MiB weights: two copies would add 128 MiB, one weight at a time adds 8.
     script = textwrap.dedent(
         """
+        import sys
         import torch
+        from safetensors import safe_open
+        from safetensors.torch import save_file
         from cbrun.engine.model import hugepages
 
         def status(key):
@@ -112,6 +117,11 @@ def test_the_move_holds_at_most_one_weight_twice():
                     return int(line.split()[1])
 
         tensors = [torch.full((2 << 20,), float(i)) for i in range(16)]
+        if sys.argv[1] != "memory":
+            save_file({f"w{i}": t for i, t in enumerate(tensors)}, sys.argv[2])
+            with safe_open(sys.argv[2], framework="pt") as handle:
+                tensors = [handle.get_tensor(f"w{i}") for i in range(16)]
+            assert float(sum(t.sum() for t in tensors)) > 0  # every page read, resident
         before = status("VmRSS:")
         open("/proc/self/clear_refs", "w").write("5")
         placement = hugepages.place_on_huge_pages(tensors, mode="madvise")
@@ -120,7 +130,8 @@ def test_the_move_holds_at_most_one_weight_twice():
         assert all(bool((t == i).all()) for i, t in enumerate(tensors))
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    command = [sys.executable, "-c", script, source, str(tmp_path / "w.safetensors")]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     peak_growth_mib, rss_growth_mib = (int(x) for x in out.split())
     assert peak_growth_mib <= 8 + 2 + 4, out  # one weight, a partly filled huge page, slack
     assert rss_growth_mib <= 2 + 4, out
