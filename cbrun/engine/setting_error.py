@@ -35,8 +35,10 @@ class SettingError(ValueError):
 
 
 def must_be(name: str, expected: str, value: Any) -> SettingError:
-    """``NAME must be EXPECTED, got VALUE``, for setting ``name``."""
-    return SettingError("{" + name + "} must be {expected}, got {value!r}", expected=expected, value=value)
+    """``NAME must be EXPECTED, got VALUE``, for setting ``name``; a boolean value shown as TOML and JSON write it
+    (``true``), the others as Python's ``repr``."""
+    shown = str(value).lower() if isinstance(value, bool) else repr(value)
+    return SettingError("{" + name + "} must be {expected}, got {value}", expected=expected, value=shown)
 
 
 class _Fields(dict):

@@ -49,6 +49,19 @@ def test_auto_is_on_for_a_sampled_job_and_off_for_a_greedy_one(tmp_path, prompts
     )
 
 
+@pytest.mark.parametrize(
+    ("column", "values", "mode"), [("max_new_tokens", [2, 3, 4, 5], "off"), ("temperature", [0.0, 0.8, 0.0, 0.5], "on")]
+)
+def test_auto_follows_the_per_row_columns_that_decide_greedy(tmp_path, tiny_model_dir, caplog, column, values, mode):
+    """A per-row column of a setting that cannot make a greedy job's row sampled (max_new_tokens) leaves "auto" off;
+    a temperature column may sample, so "auto" is on."""
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": [f"story {i}" for i in range(4)], column: values}), path)
+    caplog.set_level(logging.INFO, logger="cbrun")
+    assert run(tiny_model_dir, path, tmp_path / "out") == 0
+    assert f"batch_invariant {mode}" in caplog.text
+
+
 def test_on_that_cannot_run_is_exit_2_naming_it(tmp_path, prompts, tiny_model_dir, capsys):
     code = run(tiny_model_dir, prompts, tmp_path / "o", "engine.batch_invariant=on", "engine.attention_backend=torch")
     assert code == 2

@@ -200,6 +200,25 @@ def test_a_bad_flag_value_is_exit_2_naming_the_setting(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--temperature", "abc", "sampling.temperature must be a number, got 'abc'"),
+        ("--max-new-tokens", "1.5", "sampling.max_new_tokens must be an integer, got '1.5'"),
+        ("--num-threads", "two", "engine.num_threads must be an integer, got 'two'"),
+    ],
+)
+def test_a_flag_value_of_the_wrong_type_is_exit_2_naming_the_setting(tmp_path, capsys, flag, value, said):
+    from cbrun.jobs.cli import main
+
+    argv = ["run", "--model", str(tmp_path / "m"), "--input", str(tmp_path / "in.jsonl")]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--output", str(tmp_path / "out"), flag, value])
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_parse_set_reads_toml_values_with_string_fallback():
     assert parse_set("sampling.temperature=0.7") == ("sampling", "temperature", 0.7)
     assert parse_set("engine.max_batch_tokens = 1024") == ("engine", "max_batch_tokens", 1024)

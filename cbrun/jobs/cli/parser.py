@@ -111,6 +111,32 @@ def _add_run_command(commands: argparse._SubParsersAction) -> None:
         _add_run_options,
     ):
         add_options(run)
+    _name_settings_in_type_errors(run)
+
+
+#: A flag's value type -> how a message says it (as the manifest's type check does).
+_TYPE_WORDS = {int: "an integer", float: "a number"}
+
+
+def _name_settings_in_type_errors(run: argparse.ArgumentParser) -> None:
+    """Each typed flag of ``RUN_FLAGS`` says the setting it sets when its value does not convert (argparse would
+    say only ``invalid int value``): ``argument --temperature: sampling.temperature must be a number, got 'abc'``."""
+    for action in run._actions:
+        if action.dest in RUN_FLAGS and action.type in _TYPE_WORDS:
+            action.type = _setting_type(action.type, ".".join(RUN_FLAGS[action.dest]))
+
+
+def _setting_type(convert: type, setting: str):
+    """``convert`` (int or float), raising ``argparse.ArgumentTypeError`` naming ``setting`` on a bad value."""
+
+    def converted(text: str):
+        try:
+            return convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{setting} must be {_TYPE_WORDS[convert]}, got {text!r}") from None
+
+    converted.__name__ = convert.__name__  # argparse's own messages name the type by it
+    return converted
 
 
 class _HelpNamingFormats(argparse.Action):

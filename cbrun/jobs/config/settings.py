@@ -44,7 +44,8 @@ class InputSettings:
     """Which rows to read and how to make each row's prompt.
 
     Attributes:
-        path: a Parquet file, a directory of Parquet files, or a ``datasets`` data set saved with ``save_to_disk``.
+        path: a Parquet or JSON Lines file (docs/inputs.md names every format), a directory of them, or a
+            ``datasets`` data set saved with ``save_to_disk``.
         prompt_column: a text column holding the prompt.
         prompt_ids_column: a list<int> column of prompt token ids, used as given (no BOS added).
         id_column: the column of row ids; None uses the row index.

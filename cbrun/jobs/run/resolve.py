@@ -243,11 +243,13 @@ def _with_model_defaults(manifest: JobManifest) -> tuple[JobManifest, dict[str, 
 
 
 def _may_sample(manifest: JobManifest, reader: PromptReader | OpenAIBatchReader) -> bool:
-    """Whether any row of the job may be sampled: the job's own settings, a per-row setting column, or an OpenAI
-    batch file (each body carries its settings)."""
+    """Whether any row of the job may be sampled: the job's own settings, a per-row column of one of the two
+    settings that decide greedy (``SamplingParams.greedy``: temperature and top_k), or an OpenAI batch file (each
+    body carries its settings)."""
+    per_row = set(getattr(reader, "setting_of_column", {}).values())
     return (
         not manifest.sampling.greedy
-        or bool(getattr(reader, "setting_of_column", None))
+        or bool(per_row & {"temperature", "top_k"})
         or isinstance(reader, OpenAIBatchReader)
     )
 
@@ -266,7 +268,7 @@ def resolve_batch_invariant(engine_config: EngineConfig, model_path: str, may_sa
     if reason:
         logger.info("batch_invariant off: %s", reason)
         return replace(engine_config, batch_invariant="off")
-    logger.info("batch_invariant on: the job's rows are sampled")
+    logger.info("batch_invariant on: the job's rows may be sampled")
     return replace(engine_config, batch_invariant="on")
 
 

@@ -95,11 +95,15 @@ class JobSummary:
         if self.num_repeated_ids:
             samples += f" | {self.num_repeated_ids} repeated ids"
         return (
-            f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped){samples} | "
+            f"cbrun: {self.num_rows} rows ({self._row_counts()}){samples} | "
             f"{self.num_prompt_tokens} prompt tokens | {self.num_generated_tokens} generated tokens | "
             f"{self.elapsed_s:.1f} s | {self.generated_tokens_per_s:.0f} tokens/s generated | "
             f"peak memory {self.peak_memory_mib:.0f} MiB{gpu}{self._engine_counters()}{self._errors()}"
         )
+
+    def _row_counts(self) -> str:
+        """ "N errors, M skipped", singular where N is 1."""
+        return f"{self.num_errors} error{'' if self.num_errors == 1 else 's'}, {self.num_skipped} skipped"
 
     def _errors(self) -> str:
         """Where the error rows are, when there are any; what exit code 3 means, when it applies."""
@@ -120,7 +124,7 @@ class JobSummary:
         """Score mode's throughput: candidates/s, and tokens/s over context + candidate tokens."""
         seconds = max(self.generation_s or self.elapsed_s, 1e-9)
         return (
-            f"cbrun: {self.num_rows} rows ({self.num_errors} errors, {self.num_skipped} skipped) | "
+            f"cbrun: {self.num_rows} rows ({self._row_counts()}) | "
             f"{self.num_candidates} candidates | {self.num_prompt_tokens} context tokens | "
             f"{self.num_scored_tokens} candidate tokens | {self.elapsed_s:.1f} s | "
             f"{self.num_candidates / seconds:.1f} candidates/s, "
