@@ -136,6 +136,7 @@ def place_on_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None
 def _movable(tensor: torch.Tensor) -> bool:
     return (
         tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
         and tensor.nbytes >= MIN_BYTES
         and tensor.is_contiguous()
         and tensor.storage_offset() == 0

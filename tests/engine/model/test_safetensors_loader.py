@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig
 
 from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.model import hugepages
 from cbrun.engine.model.config import SIZE_KEYS, read_config_json
 from cbrun.engine.model.layers import moe as moe_module
 from cbrun.engine.model.models.llama import LeanLlama
@@ -178,6 +179,8 @@ def _check_every_step(path, dtype: str = "float32") -> int:
     plan, reason = load_plan(path, dtype)
     assert reason is None
     fast = load(plan, "cpu")
+    # placed as ``load_model`` placed the engine's model: a GEMM's rounding may depend on its operands' alignment
+    hugepages.place_on_huge_pages(fast.parameters())
     want = weights_from_module(model)
     for got_tensor, want_tensor in zip(fast.weights.tensors(), want.tensors(), strict=True):
         assert torch.equal(got_tensor, want_tensor) and got_tensor.dtype == want_tensor.dtype
