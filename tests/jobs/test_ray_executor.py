@@ -273,8 +273,8 @@ def test_a_tensor_parallel_replica_reserves_every_ranks_share():
 
 
 def watch_ranks(output_dir, seen: set[int], stop, kill_after_first_part: bool) -> None:
-    """Collect the pids of tensor-parallel ranks (``RANK_MODULE`` processes) while the job runs; with
-    ``kill_after_first_part``, SIGKILL the first one seen once the driver has committed a part."""
+    """Collect the pids of tensor-parallel ranks (``RANK_MODULE`` processes descending from this one) while the job
+    runs; with ``kill_after_first_part``, SIGKILL the first one seen once the driver has committed a part."""
     import signal
 
     import psutil
@@ -282,9 +282,16 @@ def watch_ranks(output_dir, seen: set[int], stop, kill_after_first_part: bool) -
     from cbrun.engine.worker.tp_group import RANK_MODULE
 
     killed = False
+    this_test = psutil.Process()
     while not stop.is_set():
-        for process in psutil.process_iter(["cmdline"]):
-            if RANK_MODULE in " ".join(process.info["cmdline"] or []):
+        # NOTE: this process's descendants only (the local Ray instance's raylet, workers and their ranks are):
+        # another test run on the machine has rank processes of its own.
+        for process in this_test.children(recursive=True):
+            try:
+                cmdline = " ".join(process.cmdline())
+            except psutil.Error:  # gone, or a zombie, since the listing
+                continue
+            if RANK_MODULE in cmdline:
                 seen.add(process.pid)
                 if kill_after_first_part and not killed and any(output_dir.glob("part-*.parquet")):
                     process.send_signal(signal.SIGKILL)
