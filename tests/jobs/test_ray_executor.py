@@ -197,10 +197,15 @@ def kill_one_replica_once(output_dir, killed: list[int], stop) -> None:
 
     import psutil
 
+    this_test = psutil.Process()
     while not stop.is_set():
         if any(output_dir.glob("part-*.parquet")):
-            for process in psutil.process_iter(["cmdline"]):
-                if "MapWorker" in " ".join(process.info["cmdline"] or []):
+            for process in this_test.children(recursive=True):  # never another test run's replica
+                try:
+                    cmdline = " ".join(process.cmdline())
+                except psutil.Error:  # gone since the listing
+                    continue
+                if "MapWorker" in cmdline:
                     process.send_signal(signal.SIGKILL)
                     killed.append(process.pid)
                     return
