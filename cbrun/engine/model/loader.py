@@ -37,7 +37,8 @@ def load_model(model_path: str, config: EngineConfig, shard: parallel.TensorPara
     transformers with cbrun's attention. ``config.num_threads``: an int is set before loading, "auto" is resolved
     after it from the model's parameter count (``cbrun.engine.worker.threads.resolve_num_threads``), None leaves torch's.
     ``shard``: a tensor-parallel rank's share; only its slices are read (``tensor_parallel_plan`` must accept the
-    model). Large weights on the CPU are then moved to transparent huge pages (``cbrun.engine.model.hugepages``). ``config.dtype`` is resolved already (``resolve_engine_dtype``, where the settings enter the engine).
+    model). Large weights on the CPU are then moved to transparent huge pages (``cbrun.engine.model.hugepages``).
+    ``config.dtype`` is resolved already (``resolve_engine_dtype``, where the settings enter the engine).
 
     Raises:
         as ``LLMEngine.from_pretrained``; ``tensor_parallel_plan``'s ValueError with a shard;
