@@ -17,6 +17,7 @@ from cbrun.engine.core.tokenizer import load_tokenizer
 from cbrun.engine.model import hugepages, registry, safetensors_loader
 from cbrun.engine.model.layers import attention_contract, parallel
 from cbrun.engine.model.layers.attention import ATTN_IMPLEMENTATION, register_with_transformers
+from cbrun.engine.model.layers.linear import pack_for_onednn, packs_for_onednn
 from cbrun.engine.model.layers.quantization.fp8 import w8a8_checkpoint_refusal
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
 from cbrun.engine.worker.backends import cuda_graphs_blocker, use_triton
@@ -37,7 +38,8 @@ def load_model(model_path: str, config: EngineConfig, shard: parallel.TensorPara
     transformers with cbrun's attention. ``config.num_threads``: an int is set before loading, "auto" is resolved
     after it from the model's parameter count (``cbrun.engine.worker.threads.resolve_num_threads``), None leaves torch's.
     ``shard``: a tensor-parallel rank's share; only its slices are read (``tensor_parallel_plan`` must accept the
-    model). Large weights on the CPU are then moved to transparent huge pages (``cbrun.engine.model.hugepages``).
+    model). The weights the lean path will run on oneDNN are packed (``_pack_onednn_weights``), and large weights on
+    the CPU are then moved to transparent huge pages (``cbrun.engine.model.hugepages``).
     ``config.dtype`` is resolved already (``resolve_engine_dtype``, where the settings enter the engine).
 
     Raises:
@@ -53,12 +55,34 @@ def load_model(model_path: str, config: EngineConfig, shard: parallel.TensorPara
         model = safetensors_loader.load(tensor_parallel_plan(model_path, config), config.device, shard)
     else:
         model = _load_target_model(model_path, config)
+    _pack_onednn_weights(model, config)  # first: a packed weight's original is freed, not moved to the arena
     hugepages.place_on_huge_pages(model.parameters())  # the CPU's large weights; nothing on a GPU
     if config.num_threads == "auto":
         threads = resolve_num_threads("auto", sum(p.numel() for p in model.parameters()), config.device)
         if threads is not None:
             torch.set_num_threads(threads)
     return model
+
+
+def _pack_onednn_weights(model, config: EngineConfig) -> None:
+    """In a model the safetensors loader read (whose weights nothing else holds), each projection weight that the
+    lean path will run on oneDNN (``packs_for_onednn`` under ``engine.linear_backend``) is replaced by its packed copy
+    (``pack_for_onednn``); nothing is packed under ``batch_invariant = on``, whose linear reads the weights as they
+    are, nor in a transformers model, whose modules keep their own tensors (a packed copy would be a second one).
+
+    Raises:
+        ValueError: ``linear_backend = onednn`` where oneDNN cannot run a weight (``packs_for_onednn``).
+    """
+    if not isinstance(model, safetensors_loader.LeanModel) or config.batch_invariant == "on":
+        return
+    backend = config.linear_backend
+
+    def packed(weight: torch.Tensor) -> torch.Tensor:
+        return pack_for_onednn(weight) if packs_for_onednn(weight, backend) else weight
+
+    count = model.weights.replace_dense_weights(packed)
+    if count:
+        logger.info("oneDNN linear layers: %d weights packed at load (oneDNN's blocked layout)", count)
 
 
 def check_fp8_activation_scheme(model_path: str, config: EngineConfig) -> None:

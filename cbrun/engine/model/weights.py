@@ -7,7 +7,7 @@ transformers (``cbrun.engine.model.models.llama.LlamaDecoderFamily``). Its forwa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -70,6 +70,20 @@ class LayerWeights(DecoderLayer[Linear, MoEWeights]):
         projections = (self.q, self.k, self.v, self.o, self.gate, self.up, self.down, self.shared_expert_gate)
         return [p for p in projections if p is not None]
 
+    def replace_dense_weights(self, replace: Callable[[torch.Tensor], torch.Tensor], keep: torch.Tensor) -> int:
+        """Each unquantized projection weight ``w`` other than ``keep`` becomes ``replace(w)``; returns how many
+        changed (``LlamaWeights.replace_dense_weights``)."""
+        changed = 0
+        for name in ("q", "k", "v", "o", "gate", "up", "down", "shared_expert_gate"):
+            linear = getattr(self, name)
+            if linear is None or isinstance(linear[0], QuantizedLinearWeight) or linear[0] is keep:
+                continue
+            weight = replace(linear[0])
+            if weight is not linear[0]:
+                setattr(self, name, (weight, linear[1]))
+                changed += 1
+        return changed
+
     def extra_tensors(self) -> list[torch.Tensor]:
         """The q/k norms, the sinks and the experts' tensors, where the layer has them."""
         norms = [n for n in (self.q_norm, self.k_norm, self.sinks) if n is not None]
@@ -106,6 +120,23 @@ class LlamaWeights:
     max_position_embeddings: int
     parallel: TensorParallelWeights | None = None
     norm_scale_in_float32: bool = False
+
+    def replace_dense_weights(self, replace: Callable[[torch.Tensor], torch.Tensor]) -> int:
+        """Each unquantized projection weight ``w`` (the LM head's unless it is the tied embedding) becomes
+        ``replace(w)``, in place: the loader packs oneDNN's weights so (``cbrun.engine.model.layers.linear.
+        pack_for_onednn``), the packed copy then the only one. A MoE block's router and experts are left as they are.
+
+        Returns:
+            how many weights ``replace`` changed (returned another tensor for).
+        """
+        changed = sum(layer.replace_dense_weights(replace, keep=self.embed) for layer in self.layers)
+        weight, bias = self.lm_head
+        if weight is not self.embed and not isinstance(weight, QuantizedLinearWeight):
+            packed = replace(weight)
+            if packed is not weight:
+                self.lm_head = (packed, bias)
+                changed += 1
+        return changed
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every distinct weight and bias tensor once (a tied LM head is the embedding), as ``parameters()``; a

@@ -3,24 +3,35 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cbrun.engine import EngineConfig, LLMEngine
+from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
+from cbrun.engine.model import loader, safetensors_loader
 from cbrun.engine.model.layers.linear import (
     ONEDNN_MIN_WEIGHT_ELEMENTS,
+    ONEDNN_PACKED_MIN_WEIGHT_ELEMENTS,
     batch_invariant_linear,
     fixed_tile_linear,
     onednn_linear,
     onednn_unavailable_reason,
+    pack_for_onednn,
+    packs_for_onednn,
     select_linear,
 )
 from cbrun.engine.model.models.llama import LeanLlama
 from cbrun.engine.model.registry import weights_from_module
 from tests.engine.model.test_lean_llama import ENGINE_CONFIG, _random_model
+from tests.model_utils import hf_greedy, random_model_dir, random_prompts, run_engine
+
+#: A one-layer Llama whose q and o (512 x 512) and k and v (256 x 512) reach ``ONEDNN_PACKED_MIN_WEIGHT_ELEMENTS``,
+#: and whose LM head (128 x 512) and MLP (96 wide) do not.
+_WIDE = dict(hidden_size=512, num_attention_heads=4, head_dim=128, num_key_value_heads=2, num_hidden_layers=1)
 
 pytestmark = pytest.mark.skipif(
     onednn_unavailable_reason(torch.zeros(1, 1)) is not None, reason="this torch build has no oneDNN linear op"
@@ -54,6 +65,72 @@ def test_auto_takes_onednn_for_large_float32_cpu_weights_only():
         select_linear(small, "blas")
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         EngineConfig(linear_backend="blas")
+
+
+def test_a_packed_weight_holds_its_values_and_runs_only_on_onednn():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(640, 512), torch.randn(640)
+    packed = pack_for_onednn(weight)
+    assert packed.is_mkldnn and packed.shape == weight.shape and torch.equal(packed.to_dense(), weight)
+    assert select_linear(packed, "auto") is onednn_linear and select_linear(packed, "onednn") is onednn_linear
+    for rows in (1, 2, 16, 100):
+        x = torch.randn(rows, 512)
+        torch.testing.assert_close(onednn_linear(x, packed, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    for backend, invariant in (("torch", False), ("auto", True)):
+        with pytest.raises(ValueError, match="a weight packed for oneDNN cannot run"):
+            select_linear(packed, backend, batch_invariant=invariant)
+
+
+def test_the_loader_packs_the_weights_oneDNN_will_run():
+    rows = ONEDNN_PACKED_MIN_WEIGHT_ELEMENTS // 512
+    small, large = torch.zeros(rows - 1, 512), torch.zeros(rows, 512)
+    assert packs_for_onednn(large, "auto") and not packs_for_onednn(small, "auto")
+    assert not packs_for_onednn(large.bfloat16(), "auto") and not packs_for_onednn(large, "torch")
+    assert packs_for_onednn(small, "onednn")
+    with pytest.raises(ValueError, match="linear_backend = onednn cannot run: the weight is torch.bfloat16"):
+        packs_for_onednn(small.bfloat16(), "onednn")
+
+
+def _loaded(model_dir) -> safetensors_loader.LeanModel:
+    plan, reason = safetensors_loader.load_plan(model_dir, "float32")
+    assert plan is not None, reason
+    return safetensors_loader.load(plan, "cpu")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packing_replaces_each_weight_and_keeps_no_second_copy(tied):
+    model = _loaded(random_model_dir("llama", tie_word_embeddings=tied, **_WIDE))
+    layer = model.weights.layers[0]
+    originals = [weakref.ref(p[0]) for p in layer.linears()]
+    loader._pack_onednn_weights(model, EngineConfig(**ENGINE_CONFIG, linear_backend="onednn"))
+    gc.collect()
+    assert all(p[0].is_mkldnn for p in layer.linears()) and all(ref() is None for ref in originals)
+    head = model.weights.lm_head[0]
+    assert (head is model.weights.embed and not head.is_mkldnn) if tied else head.is_mkldnn
+    assert sum(1 for t in model.parameters() if t.is_mkldnn) == 7 + (not tied)
+
+
+@pytest.mark.parametrize(
+    "settings,packed",
+    [(dict(), ["q", "k", "v", "o"]), (dict(linear_backend="torch"), []), (dict(batch_invariant="on"), [])],
+    ids=["auto", "torch", "batch-invariant"],
+)
+def test_packing_follows_the_backend_each_weight_gets(settings, packed):
+    model = _loaded(random_model_dir("llama", **_WIDE))
+    loader._pack_onednn_weights(model, EngineConfig(**ENGINE_CONFIG, **settings))
+    layer = model.weights.layers[0]
+    assert [name for name in ("q", "k", "v", "o", "gate", "up", "down") if getattr(layer, name)[0].is_mkldnn] == packed
+    assert not model.weights.lm_head[0].is_mkldnn
+
+
+def test_packed_weights_give_generate_s_greedy_tokens(caplog):
+    model_dir = random_model_dir("llama", **_WIDE)
+    prompts = random_prompts(6, 128, 1, 30)
+    with caplog.at_level(logging.INFO, logger="cbrun.engine"):
+        got = run_engine(model_dir, prompts, EngineConfig(**ENGINE_CONFIG), SamplingParams(max_new_tokens=8))
+    assert "oneDNN linear layers: 4 weights packed at load" in caplog.text
+    for i, prompt in enumerate(prompts):
+        assert got[i].output_token_ids == hf_greedy(model_dir, prompt, 8), f"prompt {i}"
 
 
 def test_the_lean_model_puts_each_projection_on_the_backend_its_size_picks(caplog):

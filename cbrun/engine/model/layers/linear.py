@@ -13,6 +13,16 @@ makes it up to 5x slower. So under ``linear_backend = "auto"`` each weight gets 
 when the model is loaded. On workload 2 (``cbrun bench --workload random-llama-30m``) this gave 1.11x tokens/s at
 one thread and 1.28x at two (``python -m benchmarks.linear_backend_ab``), with the same output tokens.
 
+The safetensors loader packs each weight that will run on oneDNN (``pack_for_onednn``: oneDNN's own blocked
+layout, as inductor's freezing pass packs it), so no call reorders it. Measured on the same machine (float32,
+``torch.ops.mkldnn._linear_pointwise`` warm, one thread): 16 rows of a 512 x 512 weight 113 us on torch's GEMM, 119
+unpacked, 93-102 packed; of a 4096 x 512 LM head 910 unpacked, 630-660 packed; 1.0-1.1x from 64 rows on. Packed, the
+fixed cost per call is about 13 us, and from 2^17 elements (256 x 512) oneDNN matches or beats torch's GEMM at 4 to 64
+rows (1.03-1.07x at one thread, 1.15-1.49x at two), losing only at one row (11 against 21 us): so packed weights
+run on oneDNN from ``ONEDNN_PACKED_MIN_WEIGHT_ELEMENTS``. Within a MoE model's decode step (``benchmarks/moe_lean.py``'s
+model, 16 rows, one thread), whose experts evict the caches between layers, the dense projections went from 4.7 ms
+(oneDNN 3.7, torch's GEMM 1.0) to 3.0 ms packed.
+
 The two GEMMs sum in different orders: their outputs differ by float32 rounding (relative ~1e-6), like any two
 BLAS libraries, so the lean path's logits equal transformers' bit for bit only where every weight runs on torch's
 (``linear_backend = "torch"``, or a model whose weights are all under the threshold, e.g. stories260K).
@@ -46,6 +56,12 @@ logger = logging.getLogger("cbrun.engine")
 
 #: Weights with at least this many elements run on oneDNN under "auto" (see the module docstring).
 ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 18
+#: The same for a weight the loader packs (``packs_for_onednn``): packed, oneDNN's fixed cost per call is smaller.
+ONEDNN_PACKED_MIN_WEIGHT_ELEMENTS = 1 << 17
+#: The row count oneDNN packs a weight's layout for (``pack_for_onednn``). Measured (float32, one thread): packed
+#: for 2 to 1024 rows, a call of 4 to 256 rows runs within 10% of the same; packed for 1 row (oneDNN's GEMV
+#: layout), 16 rows lose the gain.
+ONEDNN_PACKED_ROWS = 16
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 #: (weight (out_features, in_features) or a ``QuantizedLinearWeight``, bias (out_features,) or None, the function
@@ -92,13 +108,41 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     Args:
         x: (T, in_features) float32 on the CPU.
-        weight: (out_features, in_features) float32 on the CPU.
+        weight: (out_features, in_features) float32 on the CPU, strided or packed (``pack_for_onednn``).
         bias: (out_features,) float32, or None.
 
     Returns:
         (T, out_features) float32.
     """
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout for its matmul (``torch.ops.mkldnn._reorder_linear_weight``, as
+    inductor's CPU freezing pass packs a linear's weight), which ``onednn_linear`` takes as is.
+
+    Args:
+        weight: (out_features, in_features) float32 on the CPU (``onednn_unavailable_reason`` None).
+
+    Returns:
+        an opaque ``torch._mkldnn`` tensor of the same shape and values (a copy: the caller drops the original).
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACKED_ROWS)
+
+
+def packs_for_onednn(weight: torch.Tensor, backend: str) -> bool:
+    """Whether the loader packs ``weight`` for oneDNN (``pack_for_onednn``) under ``backend``: "onednn", or "auto"
+    for a weight of at least ``ONEDNN_PACKED_MIN_WEIGHT_ELEMENTS`` elements; either where ``onednn_unavailable_reason``
+    gives none (a packed weight then runs ``onednn_linear``: ``select_linear``).
+
+    Raises:
+        ValueError: as ``select_linear``: an unknown backend, or "onednn" where oneDNN cannot run the weight.
+    """
+    if backend != "auto":
+        runs_onednn = select_linear(weight, backend) is onednn_linear
+    else:
+        runs_onednn = onednn_unavailable_reason(weight) is None and weight.numel() >= ONEDNN_PACKED_MIN_WEIGHT_ELEMENTS
+    return runs_onednn and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")  # a build without it: unpacked
 
 
 def onednn_unavailable_reason(weight: torch.Tensor) -> str | None:
@@ -116,7 +160,7 @@ def select_linear(weight: torch.Tensor, backend: str, batch_invariant: bool = Fa
     """The function that runs ``weight``'s linear layer.
 
     Args:
-        weight: (out_features, in_features).
+        weight: (out_features, in_features); a weight ``pack_for_onednn`` packed runs ``onednn_linear``.
         backend: one of ``LINEAR_BACKENDS``: "torch" is ``F.linear``; "onednn" is ``onednn_linear``; "auto" is
             ``onednn_linear`` for a float32 CPU weight of at least ``ONEDNN_MIN_WEIGHT_ELEMENTS`` elements where
             oneDNN is available, else ``F.linear``.
@@ -124,10 +168,15 @@ def select_linear(weight: torch.Tensor, backend: str, batch_invariant: bool = Fa
             refuses "torch" and "onednn" with it).
 
     Raises:
-        ValueError: for an unknown backend, or "onednn" where ``onednn_unavailable_reason`` gives a reason.
+        ValueError: for an unknown backend, or "onednn" where ``onednn_unavailable_reason`` gives a reason; a packed
+            weight under "torch" or ``batch_invariant``.
     """
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    if weight.is_mkldnn:  # packed at load (pack_for_onednn): only oneDNN runs it
+        if batch_invariant or backend == "torch":
+            raise ValueError(f"a weight packed for oneDNN cannot run linear_backend = {backend} or batch_invariant")
+        return onednn_linear
     if batch_invariant:
         return batch_invariant_linear(weight)
     if backend == "torch":
