@@ -18,6 +18,7 @@ without transparent huge pages, or a failing ``madvise`` leave the weights where
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -25,7 +26,7 @@ import logging
 import mmap
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,16 +122,32 @@ def place_on_huge_pages(tensors: Iterable[torch.Tensor], mode: str | None = None
     if reason is not None:
         _log_once(f"weights on huge pages: no, {reason}")
         return Placement(0, 0, 0, reason)
-    files = _file_mappings()
-    with torch.no_grad():
+    with torch.no_grad(), releasing_old_copies() as release:
         for tensor, offset in zip(movable, offsets):
             old = (tensor.data_ptr(), tensor.nbytes)
             _move(tensor, arena, offset)
-            if any(start <= old[0] < end for start, end in files):
-                _page_out(*old)
-    _trim_heap()
+            release(*old)
     logger.info("weights on huge pages: %d tensors, %.1f MiB", len(movable), total / 2**20)
     return Placement(len(movable), total, arena.data_ptr(), None)
+
+
+@contextlib.contextmanager
+def releasing_old_copies() -> Iterator[Callable[[int, int], None]]:
+    """Yields ``release(address, nbytes)``, to call on a weight's old copy as soon as it was copied elsewhere, so
+    that a load holds one weight twice at most: the old copy's whole pages in a file mapping are reclaimed at once
+    (``MADV_PAGEOUT``: safetensors' mapping stays while any tensor of its file lives, so its pages would count as
+    this process's memory), and at exit the heap is trimmed of the old copies freed into it. Best effort: a failure
+    costs memory, never a value."""
+    files = _file_mappings()
+
+    def release(address: int, nbytes: int) -> None:
+        if any(start <= address < end for start, end in files):
+            _page_out(address, nbytes)
+
+    try:
+        yield release
+    finally:
+        _trim_heap()
 
 
 def _movable(tensor: torch.Tensor) -> bool:

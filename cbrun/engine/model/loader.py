@@ -67,8 +67,9 @@ def load_model(model_path: str, config: EngineConfig, shard: parallel.TensorPara
 def _pack_onednn_weights(model, config: EngineConfig) -> None:
     """In a model the safetensors loader read (whose weights nothing else holds), each projection weight that the
     lean path will run on oneDNN (``packs_for_onednn`` under ``engine.linear_backend``) is replaced by its packed copy
-    (``pack_for_onednn``); nothing is packed under ``batch_invariant = on``, whose linear reads the weights as they
-    are, nor in a transformers model, whose modules keep their own tensors (a packed copy would be a second one).
+    (``pack_for_onednn``) and its old pages given back (``hugepages.releasing_old_copies``). Nothing is packed under
+    ``batch_invariant = on``, whose linear reads the weights as they are, nor in a transformers model, whose modules
+    keep their own tensors (a packed copy would be a second one).
 
     Raises:
         ValueError: ``linear_backend = onednn`` where oneDNN cannot run a weight (``packs_for_onednn``).
@@ -76,11 +77,16 @@ def _pack_onednn_weights(model, config: EngineConfig) -> None:
     if not isinstance(model, safetensors_loader.LeanModel) or config.batch_invariant == "on":
         return
     backend = config.linear_backend
+    with hugepages.releasing_old_copies() as release:
 
-    def packed(weight: torch.Tensor) -> torch.Tensor:
-        return pack_for_onednn(weight) if packs_for_onednn(weight, backend) else weight
+        def packed(weight: torch.Tensor) -> torch.Tensor:
+            if not packs_for_onednn(weight, backend):
+                return weight
+            copy = pack_for_onednn(weight)
+            release(weight.data_ptr(), weight.nbytes)  # its pages in safetensors' file mapping
+            return copy
 
-    count = model.weights.replace_dense_weights(packed)
+        count = model.weights.replace_dense_weights(packed)
     if count:
         logger.info("oneDNN linear layers: %d weights packed at load (oneDNN's blocked layout)", count)
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import pytest
@@ -108,6 +111,39 @@ def test_packing_replaces_each_weight_and_keeps_no_second_copy(tied):
     head = model.weights.lm_head[0]
     assert (head is model.weights.embed and not head.is_mkldnn) if tied else head.is_mkldnn
     assert sum(1 for t in model.parameters() if t.is_mkldnn) == 7 + (not tied)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_packing_holds_at_most_one_weight_twice():
+    # A fresh process reads a 4-layer model from safetensors (its tensors views of the file's mapping, resident
+    # once read), then packs: 24 weights of 0.5 to 2 MiB, 36 MiB in all. Two copies would add 36 MiB to the peak and
+    # to what stays resident; one weight at a time adds 2.
+    model_dir = random_model_dir("llama", **dict(_WIDE, num_hidden_layers=4, intermediate_size=1024))
+    script = textwrap.dedent(
+        """
+        import sys
+        from cbrun.engine import EngineConfig
+        from cbrun.engine.model import loader, safetensors_loader
+
+        def status(key):
+            for line in open("/proc/self/status"):
+                if line.startswith(key):
+                    return int(line.split()[1])
+
+        plan, reason = safetensors_loader.load_plan(sys.argv[1], "float32")
+        model = safetensors_loader.load(plan, "cpu")
+        assert all(t.float().sum() == t.float().sum() for t in model.parameters())  # every page read
+        before = status("VmRSS:")
+        open("/proc/self/clear_refs", "w").write("5")
+        loader._pack_onednn_weights(model, EngineConfig())
+        print((status("VmHWM:") - before) // 1024, (status("VmRSS:") - before) // 1024)
+        assert sum(t.is_mkldnn for t in model.parameters()) == 28, "q, k, v, o, gate, up, down in 4 layers"
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True, check=True)
+    peak_growth_mib, rss_growth_mib = (int(x) for x in out.stdout.split())
+    assert peak_growth_mib <= 2 + 4, out.stdout  # one weight, slack
+    assert rss_growth_mib <= 4, out.stdout
 
 
 @pytest.mark.parametrize(
