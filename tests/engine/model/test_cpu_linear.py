@@ -115,10 +115,11 @@ def test_packing_replaces_each_weight_and_keeps_no_second_copy(tied):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_packing_holds_at_most_one_weight_twice():
-    # A fresh process reads a 4-layer model from safetensors (its tensors views of the file's mapping, resident
-    # once read), then packs: 24 weights of 0.5 to 2 MiB, 36 MiB in all. Two copies would add 36 MiB to the peak and
-    # to what stays resident; one weight at a time adds 2.
-    model_dir = random_model_dir("llama", **dict(_WIDE, num_hidden_layers=4, intermediate_size=1024))
+    # A fresh process reads an 8-layer model from safetensors (its tensors views of the file's mapping, resident
+    # once read), then packs: 56 weights of 0.5 to 2 MiB, 72 MiB in all. Two copies would add 72 MiB to the peak and
+    # to what stays resident; one weight at a time adds 2 (and oneDNN's and malloc's working memory, up to 8
+    # measured across runs).
+    model_dir = random_model_dir("llama", **dict(_WIDE, num_hidden_layers=8, intermediate_size=1024))
     script = textwrap.dedent(
         """
         import sys
@@ -137,13 +138,13 @@ def test_packing_holds_at_most_one_weight_twice():
         open("/proc/self/clear_refs", "w").write("5")
         loader._pack_onednn_weights(model, EngineConfig())
         print((status("VmHWM:") - before) // 1024, (status("VmRSS:") - before) // 1024)
-        assert sum(t.is_mkldnn for t in model.parameters()) == 28, "q, k, v, o, gate, up, down in 4 layers"
+        assert sum(t.is_mkldnn for t in model.parameters()) == 56, "q, k, v, o, gate, up, down in 8 layers"
         """
     )
     out = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True, check=True)
     peak_growth_mib, rss_growth_mib = (int(x) for x in out.stdout.split())
-    assert peak_growth_mib <= 2 + 4, out.stdout  # one weight, slack
-    assert rss_growth_mib <= 4, out.stdout
+    assert peak_growth_mib <= 2 + 10, out.stdout  # one weight, slack
+    assert rss_growth_mib <= 8, out.stdout
 
 
 @pytest.mark.parametrize(
