@@ -3,7 +3,7 @@
 Usage (from the repository root)::
 
     python -m benchmarks.moe_lean [--rounds 2] [--requests 16] [--prompt-len 32] [--new-tokens 32]
-        [--threads 1] [--model-dir DIR]
+        [--threads auto|N] [--model-dir DIR]
         [--impls lean,lean-grouped,transformers,transformers-eager,lean-invariant,lean-4k,transformers-4k]
 
 The model is a random Qwen3-MoE (hidden 512, 8 heads and 4 KV heads of 64, 4 layers, 32 experts of width 256,
@@ -238,6 +238,23 @@ def stream_bandwidth(threads: int) -> float:
     return values.numel() * values.element_size() / best
 
 
+def resolve_threads(setting: str, model_dir: Path) -> int:
+    """``--threads`` as a count: "auto" resolved as the engine resolves ``engine.num_threads = "auto"`` for the
+    saved model (``cbrun.engine.worker.threads.resolve_num_threads``), said on stdout."""
+    if setting != "auto":
+        return int(setting)
+    from safetensors import safe_open
+
+    from cbrun.engine.worker.threads import resolve_num_threads
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        params = sum(torch.Size(f.get_slice(name).get_shape()).numel() for name in f.keys())
+    threads = resolve_num_threads("auto", params, "cpu")
+    assert threads is not None  # the CPU always gets a count
+    print(f"threads: {threads} (auto: the engine's default num_threads for this {params / 1e6:.0f}M model here)")
+    return threads
+
+
 def weight_bytes(model_dir: Path) -> tuple[int, int]:
     """(bytes of the weights a decode step reads whole: all but the experts and the embedding table, bytes of one
     layer's one expert) of the saved model."""
@@ -258,7 +275,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--threads",
+        default="auto",
+        help="torch threads of every setting: a count, or auto (the default): what the engine's own default, "
+        'engine.num_threads = "auto", gives this model on this machine (every physical core)',
+    )
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/cbrun-bench-qwen3-moe"))
     parser.add_argument(
         "--impls",
@@ -269,6 +291,7 @@ def main() -> None:
     args = parser.parse_args()
     impls = args.impls.split(",")
     model_dir = build_model(args.model_dir)
+    args.threads = resolve_threads(args.threads, model_dir)
     best: dict[str, dict] = {}
     bandwidth = 0.0
     for _ in range(args.rounds):
