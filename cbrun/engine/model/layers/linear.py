@@ -20,8 +20,8 @@ unpacked, 93-102 packed; of a 4096 x 512 LM head 910 unpacked, 630-660 packed; 1
 fixed cost per call is about 13 us, and from 2^17 elements (256 x 512) oneDNN matches or beats torch's GEMM at 4 to 64
 rows (1.03-1.07x at one thread, 1.15-1.49x at two), losing only at one row (11 against 21 us): so packed weights
 run on oneDNN from ``ONEDNN_PACKED_MIN_WEIGHT_ELEMENTS``. Within a MoE model's decode step (``benchmarks/moe_lean.py``'s
-model, 16 rows, one thread), whose experts evict the caches between layers, the dense projections went from 4.7 ms
-(oneDNN 3.7, torch's GEMM 1.0) to 3.0 ms packed.
+model, 16 rows, one thread, ``torch.profiler`` over 10 steps), whose experts evict the caches between layers, the
+dense projections took 4.3-4.8 ms a step unpacked and 3.1-3.4 ms packed.
 
 The two GEMMs sum in different orders: their outputs differ by float32 rounding (relative ~1e-6), like any two
 BLAS libraries, so the lean path's logits equal transformers' bit for bit only where every weight runs on torch's
