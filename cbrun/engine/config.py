@@ -171,7 +171,8 @@ class EngineConfig:
         linear_backend: the GEMM of the lean path's linear layers (``cbrun.engine.model.layers.linear``): "torch" (``F.linear``;
             logits bit-identical to transformers'), "onednn" (oneDNN's matmul, float32 on the CPU only, else a
             ValueError), or "auto": oneDNN for float32 CPU weights of at least 2^18 elements (2^17 where the
-            safetensors loader packs them in oneDNN's layout at load), where it is faster, torch's for the rest. The transformers modules always use torch's.
+            safetensors loader packs them in oneDNN's layout at load), where it is faster, torch's for the rest.
+            The transformers modules always use torch's.
         batch_invariant: "on" makes a row's logits the same bits whatever else is in its step, so that a seeded
             row draws the same tokens and logprobs alone or in any batch, under preemption and prefix sharing
             (docs/sampling.md, "Batch invariance"). On the CPU: linear layers through
