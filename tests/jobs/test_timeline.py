@@ -223,7 +223,7 @@ def test_the_bar_shows_rows_eta_rate_and_errors(tiny_model_dir, tiny_engine, tmp
     manifest = make_manifest(tiny_model_dir, write_prompts(tmp_path / "in.parquet"), tmp_path / "out")
     run_job(manifest, progress=True, engine=tiny_engine)
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
-    assert "24/24 rows [" in last and ", ETA " in last and " gen tok/s, 1 errors]" in last
+    assert "24/24 rows [" in last and ", ETA " in last and " gen tok/s, 1 error]" in last
 
 
 def test_the_final_bar_counts_every_error_row():

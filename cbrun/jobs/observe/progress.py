@@ -182,10 +182,15 @@ class JobProgress:
         """``ETA 00:21, 1234 gen tok/s, 0 errors`` (score mode: candidates/s, no ETA)."""
         seconds = max(now - self.started, 1e-9)
         if self.candidates:
-            return f"{self.candidates / seconds:.1f} candidates/s, {self.errors} errors"
+            return f"{self.candidates / seconds:.1f} candidates/s, {count_errors(self.errors)}"
         if self.processed_tokens is None:
             processed, generated = self.row_tokens, self.generated
         else:
             processed, generated = self.processed_tokens()
         self.eta.observe(processed, now)
-        return f"{format_eta(self.eta.eta_s())}, {generated / seconds:.0f} gen tok/s, {self.errors} errors"
+        return f"{format_eta(self.eta.eta_s())}, {generated / seconds:.0f} gen tok/s, {count_errors(self.errors)}"
+
+
+def count_errors(count: int) -> str:
+    """``"0 errors"``, ``"1 error"``, ``"2 errors"``: the progress bar's and the summary's words."""
+    return f"{count} error{'' if count == 1 else 's'}"

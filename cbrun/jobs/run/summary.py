@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cbrun.jobs.observe.progress import count_errors
 from cbrun.jobs.output.status import too_many_errors
 
 
@@ -103,7 +104,7 @@ class JobSummary:
 
     def _row_counts(self) -> str:
         """ "N errors, M skipped", singular where N is 1."""
-        return f"{self.num_errors} error{'' if self.num_errors == 1 else 's'}, {self.num_skipped} skipped"
+        return f"{count_errors(self.num_errors)}, {self.num_skipped} skipped"
 
     def _errors(self) -> str:
         """Where the error rows are, when there are any; what exit code 3 means, when it applies."""
