@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from cbrun.engine.setting_error import SettingError
+
 logger = logging.getLogger("cbrun.engine")
 
 
@@ -32,13 +34,14 @@ def resolve_switch(
         True when the feature runs.
 
     Raises:
-        ValueError: when ``setting`` is ``on`` and ``blocker`` is set.
+        SettingError: when ``setting`` is ``on`` and ``blocker`` is set (a ValueError; a job names the setting
+            ``engine.<name>``).
     """
     if setting == off:
         return False
     if blocker is None:
         return True
     if setting == on:
-        raise ValueError(f"{name} = {on}, but {blocker}{hint}")
+        raise SettingError("{" + name + "} = {on}, but {blocker}{hint}", on=on, blocker=blocker, hint=hint)
     logger.info(off_log or f"{name} off: %s", blocker)
     return False

@@ -62,7 +62,16 @@ def test_auto_follows_the_per_row_columns_that_decide_greedy(tmp_path, tiny_mode
     assert f"batch_invariant {mode}" in caplog.text
 
 
-def test_on_that_cannot_run_is_exit_2_naming_it(tmp_path, prompts, tiny_model_dir, capsys):
-    code = run(tiny_model_dir, prompts, tmp_path / "o", "engine.batch_invariant=on", "engine.attention_backend=torch")
-    assert code == 2
-    assert "batch_invariant = on" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (("engine.batch_invariant=on", "engine.attention_backend=torch"), "engine.batch_invariant = on, but "),
+        (("engine.cuda_graphs=on",), "engine.cuda_graphs = on, but "),
+    ],
+    ids=["batch-invariant", "cuda-graphs"],
+)
+def test_on_that_cannot_run_is_exit_2_naming_it(tmp_path, prompts, tiny_model_dir, capsys, settings, named):
+    """A switch set "on" where it cannot run is refused as the manifest names it (engine.NAME), before any row."""
+    assert run(tiny_model_dir, prompts, tmp_path / "o", *settings) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.parquet"))

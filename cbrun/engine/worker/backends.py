@@ -10,6 +10,7 @@ import torch
 
 from cbrun.engine.config import EngineConfig
 from cbrun.engine.core.kv_layout import SLIDING, KVLayout, ModelConfig
+from cbrun.engine.setting_error import SettingError
 from cbrun.engine.switches import resolve_switch
 from cbrun.engine.worker.padding import GraphBuckets
 from cbrun.kernels.batch_invariant import InvariantKernels
@@ -28,7 +29,7 @@ def use_cuda_graphs(config: EngineConfig, use_triton: bool, model_config: ModelC
     host_read = forward_host_read(model_config) if model_config is not None else None
     if config.cuda_graphs == "emulate":  # on any device and backend
         if host_read is not None:
-            raise ValueError(f"cuda_graphs = emulate, but {host_read}")
+            raise SettingError("{cuda_graphs} = emulate, but {reason}", reason=host_read)
         return True
     blocker = cuda_graphs_blocker(config, use_triton) or host_read
     return resolve_switch("cuda_graphs", config.cuda_graphs, blocker, off_log="CUDA graphs off: %s")

@@ -114,9 +114,12 @@ def load_engine(model_path: str, config, expected_requests: int | None = None):
     from safetensors import SafetensorError
 
     from cbrun.engine import LLMEngine
+    from cbrun.engine.setting_error import SettingError
 
     try:
         return LLMEngine.from_pretrained(model_path, config=config, expected_requests=expected_requests)
+    except SettingError as exc:  # a setting this model or machine cannot run: named as the manifest names it
+        raise JobError(f"cannot load the model from {model_path!r}: {exc.in_section('engine')}") from None
     except (ValueError, OSError) as exc:
         raise JobError(f"cannot load the model from {model_path!r}: {exc}") from None
     except (SafetensorError, pickle.UnpicklingError, RuntimeError) as exc:
