@@ -33,8 +33,10 @@ FP8_E4M3_MAX = 448.0
 MIN_ACTIVATION_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)
 #: The first compute capability with FP8 tensor cores (Ada Lovelace).
 FP8_MIN_CAPABILITY = 89
-#: How a refusal of the W8A8 path starts: the setting and what it runs.
-W8A8 = 'fp8_activation_scheme = "dynamic" (W8A8 with torch._scaled_mm)'
+#: How a refusal of the W8A8 path starts: the setting and what it runs; as a ``cbrun.engine.setting_error``
+#: template (the field: the setting, which a job names ``engine.fp8_activation_scheme``), and as plain text.
+W8A8_TEMPLATE = '{fp8_activation_scheme} = "dynamic" (W8A8 with torch._scaled_mm)'
+W8A8 = W8A8_TEMPLATE.format(fp8_activation_scheme="fp8_activation_scheme")
 
 
 def select_fp8_gemm(

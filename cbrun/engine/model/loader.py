@@ -19,11 +19,12 @@ from cbrun.engine.model.layers import attention_contract, parallel
 from cbrun.engine.model.layers.attention import ATTN_IMPLEMENTATION, register_with_transformers
 from cbrun.engine.model.layers.linear import pack_for_onednn, packs_for_onednn
 from cbrun.engine.model.layers.quantization.fp8 import w8a8_checkpoint_refusal
+from cbrun.engine.setting_error import SettingError
 from cbrun.engine.spec_decode.draft_proposer import check_draft_vocab
 from cbrun.engine.worker.backends import cuda_graphs_blocker, use_triton
 from cbrun.engine.worker.device import select_device
 from cbrun.engine.worker.threads import resolve_num_threads
-from cbrun.kernels.fp8_scaled_mm import W8A8
+from cbrun.kernels.fp8_scaled_mm import W8A8_TEMPLATE
 from cbrun.kernels.tile_policy import MAX_HEAD_DIM
 
 logger = logging.getLogger("cbrun.engine")
@@ -106,7 +107,7 @@ def check_fp8_activation_scheme(model_path: str, config: EngineConfig) -> None:
     quantization = registry.checkpoint_quantization(model_path)
     reason = w8a8_checkpoint_refusal(quantization, torch.device(config.device), _DTYPES[config.dtype])
     if reason:
-        raise ValueError(f"{W8A8} {reason}")
+        raise SettingError(W8A8_TEMPLATE + " {reason}", reason=reason)
 
 
 def resolve_engine_dtype(model_path: str, config: EngineConfig) -> EngineConfig:

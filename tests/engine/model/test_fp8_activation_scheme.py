@@ -223,6 +223,6 @@ def test_a_job_asking_dynamic_of_an_unquantized_model_exits_2_before_any_row(tin
     args += ["--set", "engine.fp8_activation_scheme=dynamic", "--set", "engine.dtype=bfloat16"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert 'fp8_activation_scheme = "dynamic" (W8A8 with torch._scaled_mm) quantizes the activations' in err
+    assert 'engine.fp8_activation_scheme = "dynamic" (W8A8 with torch._scaled_mm) quantizes the activations' in err
     assert "this checkpoint is not quantized" in err
     assert not out.exists() or not committed_parts(out)

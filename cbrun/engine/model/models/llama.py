@@ -88,8 +88,9 @@ from cbrun.engine.model.layers.rotary_embedding import (
     unsupported_rotary_reason,
 )
 from cbrun.engine.model.weights import DecoderLayer, LayerWeights, Linear, LlamaWeights
+from cbrun.engine.setting_error import SettingError
 from cbrun.kernels.batch_invariant import InvariantKernels
-from cbrun.kernels.fp8_scaled_mm import W8A8
+from cbrun.kernels.fp8_scaled_mm import W8A8_TEMPLATE
 
 logger = logging.getLogger("cbrun.engine")
 
@@ -672,9 +673,9 @@ class LeanLlama:
         #: projections run W8A8 (``fp8_activation_scheme = "dynamic"``)
         self.num_w8a8_linears = sum(p[2] is w8a8_linear for p in projections)
         if fp8 == "dynamic" and not self.num_w8a8_linears:
-            raise ValueError(
-                f"{W8A8} quantizes the activations of float8 linear layers, and this model has none outside its "
-                'MoE experts (which stay weight-only); set fp8_activation_scheme = "none"'
+            raise SettingError(
+                W8A8_TEMPLATE + " quantizes the activations of float8 linear layers, and this model has none outside "
+                'its MoE experts (which stay weight-only); set {fp8_activation_scheme} = "none"'
             )
         self.parallel = weights.parallel  # tensor parallelism: the collectives wrap the split projections
         self.lm_head = lm_head(self.lm_head, self.parallel)
