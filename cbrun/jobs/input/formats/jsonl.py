@@ -65,20 +65,16 @@ def holds_json_lines(path: str | Path) -> bool:
 
 
 def _blank_lines(path: Path) -> array:
-    """For each blank line of the file, in order, how many rows (non-blank lines) come before it.
+    """For each blank line of the file before its last row, in order, how many rows (non-blank lines) come before
+    it (``numbered_rows``' gaps; blank lines after the last row precede no row and are left out).
 
     Raises:
         InputError: when the file cannot be read.
     """
     counts = array("q")
-    rows = 0
     try:
-        with _open_binary(path) as f:
-            for line in f:
-                if line.strip():
-                    rows += 1
-                else:
-                    counts.append(rows)
+        for rows, (number, _) in enumerate(numbered_rows(path)):
+            counts.extend([rows] * (number - 1 - rows - len(counts)))  # the blank lines just before this row
     except (OSError, EOFError) as exc:
         raise InputError(f"input file {str(path)!r} is not a readable JSON Lines file: {exc}") from None
     return counts
