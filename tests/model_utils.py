@@ -157,3 +157,21 @@ def assert_same_outputs_and_logprobs(got, want, abs_tol: float = 1e-4) -> None:
             for g, w in zip(got[key].logprobs, want[key].logprobs):
                 assert g.keys() == w.keys()
                 assert g == pytest.approx(w, abs=abs_tol)
+
+
+def random_moe_weights(
+    experts: int, top_k: int, hidden: int, width: int, dtype, norm: bool = True, cast: bool = False, seed: int = 0
+):
+    """A random MoE block (router, experts scaled by 1/sqrt(fan-in), no biases) in ``dtype``, seeded by its shape
+    and ``seed``; ``norm``: renormalise the top-k weights; ``cast``: routing weights in the model dtype."""
+    from cbrun.engine.model.layers.moe import MoEWeights
+
+    g = torch.Generator().manual_seed(seed * 1000 + experts * 100 + top_k)
+    return MoEWeights(
+        router=torch.randn(experts, hidden, generator=g).to(dtype),
+        gate_up=(torch.randn(experts, 2 * width, hidden, generator=g) / hidden**0.5).to(dtype),
+        down=(torch.randn(experts, hidden, width, generator=g) / width**0.5).to(dtype),
+        top_k=top_k,
+        norm_topk_prob=norm,
+        weights_in_model_dtype=cast,
+    )

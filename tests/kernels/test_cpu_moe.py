@@ -10,20 +10,9 @@ import torch
 from benchmarks.moe_lean import HostReads
 from cbrun.engine.model.layers.moe import MoEWeights, experts_reference, route
 from cbrun.kernels import cpu_moe
+from tests.model_utils import random_moe_weights
 
 pytestmark = pytest.mark.skipif(cpu_moe.unavailable_reason() is not None, reason="no C compiler")
-
-
-def _moe(experts: int, top_k: int, hidden: int, width: int, dtype, cast: bool = False, seed: int = 0) -> MoEWeights:
-    g = torch.Generator().manual_seed(seed * 1000 + experts * 10 + top_k)
-    return MoEWeights(
-        router=torch.randn(experts, hidden, generator=g).to(dtype),
-        gate_up=(torch.randn(experts, 2 * width, hidden, generator=g) / hidden**0.5).to(dtype),
-        down=(torch.randn(experts, hidden, width, generator=g) / width**0.5).to(dtype),
-        top_k=top_k,
-        norm_topk_prob=True,
-        weights_in_model_dtype=cast,
-    )
 
 
 def _kernel(x: torch.Tensor, moe: MoEWeights, num_threads: int = 1) -> torch.Tensor:
@@ -39,7 +28,7 @@ def _kernel(x: torch.Tensor, moe: MoEWeights, num_threads: int = 1) -> torch.Ten
     ids=["aligned", "hidden-72", "tiny-tails", "every-expert", "top-1"],
 )
 def test_float32_equals_the_reference(num_tokens, experts, top_k, hidden, width):
-    moe = _moe(experts, top_k, hidden, width, torch.float32, seed=num_tokens)
+    moe = random_moe_weights(experts, top_k, hidden, width, torch.float32, seed=num_tokens)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(num_tokens))
     got = _kernel(x, moe)
     want = experts_reference(x, *route(x, moe), moe)
@@ -55,7 +44,7 @@ def test_float32_equals_the_reference(num_tokens, experts, top_k, hidden, width)
 def test_bfloat16_follows_the_grouped_path(cast, num_tokens, experts, top_k, hidden, width):
     """bfloat16 experts, the routing weights float32 (Mixtral) or bfloat16 (Qwen3-MoE): the roundings of torch's
     grouped path, so the results are within a bfloat16 ulp or two of the reference's."""
-    moe = _moe(experts, top_k, hidden, width, torch.bfloat16, cast=cast)
+    moe = random_moe_weights(experts, top_k, hidden, width, torch.bfloat16, cast=cast)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     weights, expert_ids = route(x, moe)
     assert weights.dtype == (torch.bfloat16 if cast else torch.float32)
@@ -85,7 +74,7 @@ def test_the_slots_are_added_in_slot_order():
 
 
 def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
-    moe = _moe(8, 2, 72, 40, torch.float32)
+    moe = random_moe_weights(8, 2, 72, 40, torch.float32)
     x = torch.randn(23, 72, generator=torch.Generator().manual_seed(5))
     weights, expert_ids = route(x, moe)
     whole = cpu_moe.moe_experts(x, weights, expert_ids, moe.gate_up, moe.down, 1)
@@ -99,7 +88,7 @@ def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
 
 def test_strided_experts_are_read_through_their_strides():
     """Experts that are a slice of a larger stack (an expert stride that is not 2I * hidden)."""
-    moe = _moe(6, 2, 40, 24, torch.float32)
+    moe = random_moe_weights(6, 2, 40, 24, torch.float32)
     assert isinstance(moe.gate_up, torch.Tensor) and isinstance(moe.down, torch.Tensor)
     every_other = MoEWeights(
         router=moe.router[::2].clone(), gate_up=moe.gate_up[::2], down=moe.down[::2], top_k=2, norm_topk_prob=True,
@@ -112,7 +101,7 @@ def test_strided_experts_are_read_through_their_strides():
 
 
 def test_bad_input_is_refused_by_name():
-    moe = _moe(4, 2, 32, 16, torch.float32)
+    moe = random_moe_weights(4, 2, 32, 16, torch.float32)
     x = torch.randn(3, 32)
     weights, expert_ids = route(x, moe)
     with pytest.raises(RuntimeError, match="expert id outside"):
@@ -127,7 +116,7 @@ def test_bad_input_is_refused_by_name():
 
 
 def test_the_wrapper_reads_nothing_back():
-    moe = _moe(8, 2, 64, 32, torch.float32)
+    moe = random_moe_weights(8, 2, 64, 32, torch.float32)
     x = torch.randn(6, 64)
     weights, expert_ids = route(x, moe)
     with HostReads() as reads:

@@ -20,7 +20,6 @@ from cbrun.engine import EngineConfig, LLMEngine, SamplingParams
 from cbrun.engine.model import registry
 from cbrun.engine.model.layers.activation import ClampedSwiGLU, invariant_sigmoid
 from cbrun.engine.model.layers.moe import (
-    MoEWeights,
     SparseMoE,
     _cpu_kernel_blocker,
     choose_moe_backend,
@@ -29,22 +28,10 @@ from cbrun.engine.model.layers.moe import (
 )
 from cbrun.engine.worker.graph_emulation import EmulatedGraph
 from cbrun.kernels import cpu_moe
-from tests.model_utils import hf_greedy, random_model_dir, random_prompts
+from tests.model_utils import hf_greedy, random_model_dir, random_moe_weights, random_prompts
 
 ENGINE_CONFIG = dict(page_size=4, max_batch_tokens=16, num_blocks=256)
 NEW_TOKENS = 8
-
-
-def _random_moe(experts: int, top_k: int, hidden: int, width: int, dtype, norm: bool, cast: bool) -> MoEWeights:
-    g = torch.Generator().manual_seed(experts * 100 + top_k)
-    return MoEWeights(
-        router=torch.randn(experts, hidden, generator=g).to(dtype),
-        gate_up=(torch.randn(experts, 2 * width, hidden, generator=g) / hidden**0.5).to(dtype),
-        down=(torch.randn(experts, hidden, width, generator=g) / width**0.5).to(dtype),
-        top_k=top_k,
-        norm_topk_prob=norm,
-        weights_in_model_dtype=cast,
-    )
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 37])
@@ -53,7 +40,7 @@ def _random_moe(experts: int, top_k: int, hidden: int, width: int, dtype, norm: 
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_path_equals_reference(num_tokens, experts, top_k, norm, cast, dtype):
-    moe = _random_moe(experts, top_k, hidden=64, width=32, dtype=dtype, norm=norm, cast=cast)
+    moe = random_moe_weights(experts, top_k, hidden=64, width=32, dtype=dtype, norm=norm, cast=cast)
     assert SparseMoE(moe).fallback_reason is None
     x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
     got, want = sparse_moe(x, moe), sparse_moe_reference(x, moe)
@@ -80,7 +67,7 @@ class _HostReads(TorchDispatchMode):
 
 
 def test_grouped_path_reads_nothing_back():
-    moe = _random_moe(8, 2, hidden=64, width=32, dtype=torch.float32, norm=True, cast=False)
+    moe = random_moe_weights(8, 2, hidden=64, width=32, dtype=torch.float32, norm=True, cast=False)
     x = torch.randn(5, 64)
     with _HostReads() as reads:
         sparse_moe(x, moe)
@@ -91,7 +78,7 @@ def test_grouped_path_reads_nothing_back():
 
 
 def test_unaligned_experts_run_the_reference_above_the_kernels_steps():
-    moe = _random_moe(4, 2, hidden=64, width=6, dtype=torch.float32, norm=True, cast=False)  # 24-byte down rows
+    moe = random_moe_weights(4, 2, hidden=64, width=6, dtype=torch.float32, norm=True, cast=False)  # 24-byte down rows
     block = SparseMoE(moe)
     assert "16-byte" in block.fallback_reason
     assert block.backend == "cpu_kernel"  # the C kernel takes any width
@@ -111,20 +98,20 @@ def test_cpu_backend_rule():
     )
     assert choose_moe_backend("cpu", None, True, torch.bfloat16, None, None)[0] == "grouped_mm"  # quantized
     assert choose_moe_backend("mps", None, False, torch.float32, None, None)[0] == "grouped_mm"
-    plain = _random_moe(4, 2, hidden=64, width=32, dtype=torch.bfloat16, norm=True, cast=True)
+    plain = random_moe_weights(4, 2, hidden=64, width=32, dtype=torch.bfloat16, norm=True, cast=True)
     assert _cpu_kernel_blocker(plain) is None and SparseMoE(plain).backend == "cpu_kernel"
     biased = replace(plain, gate_up_bias=torch.zeros(4, 64), down_bias=torch.zeros(4, 64))
     assert _cpu_kernel_blocker(biased) == "the experts have biases" and SparseMoE(biased).backend == "grouped_mm"
     clamped = replace(plain, activation=ClampedSwiGLU(1.702, 7.0))
     assert "is not SiLU" in _cpu_kernel_blocker(clamped) and SparseMoE(clamped).backend == "grouped_mm"
-    half = _random_moe(4, 2, hidden=64, width=32, dtype=torch.float16, norm=True, cast=True)
+    half = random_moe_weights(4, 2, hidden=64, width=32, dtype=torch.float16, norm=True, cast=True)
     assert "float16" in _cpu_kernel_blocker(half)
 
 
 def test_the_kernel_block_reads_nothing_back_and_replays_in_an_emulated_graph():
     """The C kernel is dispatched as one op (``torch.ops.cbrun.cpu_moe``): a recorder sees it and replays it over
     new inputs, and the block reads nothing back to the host."""
-    moe = _random_moe(8, 2, hidden=64, width=32, dtype=torch.float32, norm=True, cast=False)
+    moe = random_moe_weights(8, 2, hidden=64, width=32, dtype=torch.float32, norm=True, cast=False)
     block = SparseMoE(moe)
     assert block.backend == "cpu_kernel"
     g = torch.Generator().manual_seed(4)
