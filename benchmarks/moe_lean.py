@@ -46,6 +46,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -101,20 +102,11 @@ def _grouped_experts_only():
         moe._cpu_kernel_blocker = blocker
 
 
-@contextlib.contextmanager
 def _small_pages():
     """The engine loaded inside leaves its weights on 4 KiB pages (``cbrun.engine.model.hugepages.OFF_SWITCH``)."""
     from cbrun.engine.model import hugepages
 
-    previous = os.environ.get(hugepages.OFF_SWITCH)
-    os.environ[hugepages.OFF_SWITCH] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[hugepages.OFF_SWITCH]
-        else:
-            os.environ[hugepages.OFF_SWITCH] = previous
+    return mock.patch.dict(os.environ, {hugepages.OFF_SWITCH: "0"})
 
 
 @contextlib.contextmanager
